@@ -1,0 +1,26 @@
+"""`megatron-stepwise` command line: one subcommand per job."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="megatron-stepwise", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for register in _subcommands():
+        register(sub)
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+def _subcommands():
+    """Each subcommand lives next to what it runs and registers its own parser."""
+    from megatron_stepwise import demo
+
+    return [demo.register]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

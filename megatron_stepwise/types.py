@@ -1,0 +1,268 @@
+"""The step-wise data model: one `Step` per turn of a multi-turn trajectory.
+
+Steps are the public currency between the rollout side (which emits them) and the
+training side (which consumes them). Token fields are stored as 1-D torch tensors so the
+heavy paths never loop over tokens in Python; `StepBatch` is the columnar form (flat token
+tensors + row offsets) those paths work on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional, Sequence, Union
+
+import torch
+
+TokenSeq = Union[Sequence[int], torch.Tensor]
+FloatSeq = Union[Sequence[float], torch.Tensor]
+
+PAD_PROMPT_PREFIX = "__pad__"
+
+
+class StepwiseBatchError(ValueError):
+    """A malformed step-wise batch. The message names the step index and the field."""
+
+
+@dataclass(frozen=True, order=True)
+class TrajectoryID:
+    """Identifies one sampled trajectory: the prompt it answers and which sample it is."""
+
+    prompt_id: str
+    sample_index: int
+
+    @property
+    def is_padding(self) -> bool:
+        return self.prompt_id.startswith(PAD_PROMPT_PREFIX)
+
+    def __str__(self) -> str:
+        return f"{self.prompt_id}#{self.sample_index}"
+
+
+def _as_tensor(value: Any, dtype: torch.dtype, name: str) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        t = value.detach()
+        if t.dtype != dtype:
+            t = t.to(dtype)
+    else:
+        try:
+            t = torch.tensor(list(value), dtype=dtype)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise StepwiseBatchError(f"field {name!r}: cannot convert to a {dtype} tensor: {e}") from None
+    if t.dim() != 1:
+        raise StepwiseBatchError(f"field {name!r}: expected a 1-D sequence, got shape {tuple(t.shape)}")
+    return t
+
+
+@dataclass
+class Step:
+    """One turn of a trajectory, as one training sample.
+
+    - `prompt_ids`: the chat history re-tokenised up to this turn (with the generation prompt).
+    - `response_ids`: only the tokens generated in this turn (observations go to the next prompt).
+    - `loss_mask`: 1 on tokens the engine sampled, 0 elsewhere (e.g. an EOS appended after the fact).
+    - `rollout_logprobs`: the engine's log-prob of each response token (optional).
+    - `reward`: the trajectory's outcome reward is the reward of its last step.
+    - `weight_versions`: per response token, the policy weight version that produced it (optional).
+    """
+
+    trajectory_id: TrajectoryID
+    prompt_ids: TokenSeq
+    response_ids: TokenSeq
+    loss_mask: TokenSeq
+    rollout_logprobs: Optional[FloatSeq] = None
+    reward: float = 0.0
+    is_last_step: bool = False
+    stop_reason: str = "stop"
+    weight_versions: Optional[TokenSeq] = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.trajectory_id, TrajectoryID):
+            raise StepwiseBatchError(
+                f"field 'trajectory_id': expected TrajectoryID, got {type(self.trajectory_id).__name__}"
+            )
+        self.prompt_ids = _as_tensor(self.prompt_ids, torch.long, "prompt_ids")
+        self.response_ids = _as_tensor(self.response_ids, torch.long, "response_ids")
+        self.loss_mask = _as_tensor(self.loss_mask, torch.long, "loss_mask")
+        if self.rollout_logprobs is not None:
+            self.rollout_logprobs = _as_tensor(self.rollout_logprobs, torch.float32, "rollout_logprobs")
+        if self.weight_versions is not None:
+            self.weight_versions = _as_tensor(self.weight_versions, torch.long, "weight_versions")
+        self.reward = float(self.reward)
+        self.is_last_step = bool(self.is_last_step)
+
+    @property
+    def is_padding(self) -> bool:
+        return self.trajectory_id.is_padding
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.prompt_ids.numel() + self.response_ids.numel())
+
+    @property
+    def num_trainable(self) -> int:
+        return int(self.loss_mask.sum())
+
+
+def make_padding_step(index: int, prompt_ids: Optional[TokenSeq] = None) -> Step:
+    """A loss-neutral row used to fill a batch to a DP multiple.
+
+    loss_mask all 0, is_last_step True, a unique trajectory id whose prompt_id marks it as
+    padding; it never enters advantages, metrics or loss denominators.
+    """
+    prompt = torch.as_tensor(prompt_ids if prompt_ids is not None else [0], dtype=torch.long)
+    return Step(
+        trajectory_id=TrajectoryID(f"{PAD_PROMPT_PREFIX}{index}", 0),
+        prompt_ids=prompt,
+        response_ids=torch.zeros(0, dtype=torch.long),
+        loss_mask=torch.zeros(0, dtype=torch.long),
+        rollout_logprobs=torch.zeros(0, dtype=torch.float32),
+        reward=0.0,
+        is_last_step=True,
+        stop_reason="padding",
+    )
+
+
+@dataclass
+class StepBatch:
+    """Columnar form of a list of steps.
+
+    Row r is `prompt + response` of step r, stored at `tokens[offsets[r]:offsets[r+1]]`;
+    the first `prompt_lens[r]` of those are prompt. Per-token fields (`token_fields`) are
+    aligned with `tokens` and hold 0 at prompt positions. Per-row fields (`row_fields`)
+    have one entry per row.
+
+    token_fields always has: loss_mask (long), rollout_logprobs (float32; 0 where unknown).
+    row_fields always has: traj_index, group_index (long; dense ids in order of first
+    appearance), is_last (bool), reward (float64), is_padding (bool).
+    """
+
+    tokens: torch.Tensor
+    offsets: torch.Tensor
+    prompt_lens: torch.Tensor
+    token_fields: dict[str, torch.Tensor]
+    row_fields: dict[str, torch.Tensor]
+    trajectory_ids: list[TrajectoryID]
+    stop_reasons: list[str]
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.offsets.numel() - 1)
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.offsets[1:] - self.offsets[:-1]
+
+    @property
+    def response_lens(self) -> torch.Tensor:
+        return self.lengths - self.prompt_lens
+
+    def row_slice(self, r: int) -> slice:
+        return slice(int(self.offsets[r]), int(self.offsets[r + 1]))
+
+    def response_slice(self, r: int) -> slice:
+        return slice(int(self.offsets[r] + self.prompt_lens[r]), int(self.offsets[r + 1]))
+
+    def row_of_token(self) -> torch.Tensor:
+        """Row index of every token (long [T])."""
+        return torch.repeat_interleave(torch.arange(self.num_rows), self.lengths)
+
+    @classmethod
+    def from_steps(cls, steps: Sequence[Step]) -> "StepBatch":
+        n = len(steps)
+        prompt_lens = torch.tensor([s.prompt_ids.numel() for s in steps], dtype=torch.long)
+        resp_lens = torch.tensor([s.response_ids.numel() for s in steps], dtype=torch.long)
+        lengths = prompt_lens + resp_lens
+        offsets = torch.zeros(n + 1, dtype=torch.long)
+        torch.cumsum(lengths, 0, out=offsets[1:])
+        pieces: list[torch.Tensor] = []
+        for s in steps:
+            pieces.append(s.prompt_ids)
+            pieces.append(s.response_ids)
+        tokens = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+
+        def spread(get, dtype) -> torch.Tensor:
+            parts = []
+            for s, pl in zip(steps, prompt_lens.tolist()):
+                parts.append(torch.zeros(pl, dtype=dtype))
+                parts.append(get(s))
+            return torch.cat(parts) if parts else torch.zeros(0, dtype=dtype)
+
+        token_fields = {
+            "loss_mask": spread(lambda s: s.loss_mask, torch.long),
+            "rollout_logprobs": spread(
+                lambda s: s.rollout_logprobs
+                if s.rollout_logprobs is not None
+                else torch.zeros(s.response_ids.numel(), dtype=torch.float32),
+                torch.float32,
+            ),
+        }
+        if n and all(s.weight_versions is not None for s in steps):
+            token_fields["weight_versions"] = spread(lambda s: s.weight_versions, torch.long)
+
+        traj_index, group_index = _dense_ids(steps)
+        row_fields = {
+            "traj_index": traj_index,
+            "group_index": group_index,
+            "is_last": torch.tensor([s.is_last_step for s in steps], dtype=torch.bool),
+            "reward": torch.tensor([s.reward for s in steps], dtype=torch.float64),
+            "is_padding": torch.tensor([s.is_padding for s in steps], dtype=torch.bool),
+        }
+        return cls(
+            tokens=tokens,
+            offsets=offsets,
+            prompt_lens=prompt_lens,
+            token_fields=token_fields,
+            row_fields=row_fields,
+            trajectory_ids=[s.trajectory_id for s in steps],
+            stop_reasons=[s.stop_reason for s in steps],
+        )
+
+    def to_steps(self) -> list[Step]:
+        steps = []
+        versions = self.token_fields.get("weight_versions")
+        for r in range(self.num_rows):
+            row, resp = self.row_slice(r), self.response_slice(r)
+            steps.append(
+                Step(
+                    trajectory_id=self.trajectory_ids[r],
+                    prompt_ids=self.tokens[row.start : resp.start].clone(),
+                    response_ids=self.tokens[resp].clone(),
+                    loss_mask=self.token_fields["loss_mask"][resp].clone(),
+                    rollout_logprobs=self.token_fields["rollout_logprobs"][resp].clone(),
+                    reward=float(self.row_fields["reward"][r]),
+                    is_last_step=bool(self.row_fields["is_last"][r]),
+                    stop_reason=self.stop_reasons[r],
+                    weight_versions=None if versions is None else versions[resp].clone(),
+                )
+            )
+        return steps
+
+    def select(self, rows: Iterable[int]) -> "StepBatch":
+        """A new batch holding the given rows, in the given order."""
+        rows = torch.as_tensor(list(rows), dtype=torch.long)
+        lengths = self.lengths[rows]
+        offsets = torch.zeros(rows.numel() + 1, dtype=torch.long)
+        torch.cumsum(lengths, 0, out=offsets[1:])
+        # Gather token positions of the selected rows without a per-token Python loop.
+        starts = self.offsets[:-1][rows]
+        base = torch.repeat_interleave(starts - offsets[:-1], lengths)
+        idx = base + torch.arange(int(offsets[-1]))
+        return StepBatch(
+            tokens=self.tokens[idx],
+            offsets=offsets,
+            prompt_lens=self.prompt_lens[rows],
+            token_fields={k: v[idx] for k, v in self.token_fields.items()},
+            row_fields={k: v[rows] for k, v in self.row_fields.items()},
+            trajectory_ids=[self.trajectory_ids[i] for i in rows.tolist()],
+            stop_reasons=[self.stop_reasons[i] for i in rows.tolist()],
+        )
+
+
+def _dense_ids(steps: Sequence[Step]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense trajectory and prompt-group ids, numbered in order of first appearance."""
+    traj_ids: dict[TrajectoryID, int] = {}
+    group_ids: dict[str, int] = {}
+    t = [traj_ids.setdefault(s.trajectory_id, len(traj_ids)) for s in steps]
+    g = [group_ids.setdefault(s.trajectory_id.prompt_id, len(group_ids)) for s in steps]
+    return torch.tensor(t, dtype=torch.long), torch.tensor(g, dtype=torch.long)

@@ -1,0 +1,56 @@
+import pytest
+import torch
+
+from megatron_stepwise import Step, StepBatch, StepwiseBatchError, TrajectoryID, make_padding_step
+
+
+def _step(pid, k, prompt, resp, mask, last, reward=0.0, lp=None):
+    return Step(TrajectoryID(pid, k), prompt, resp, mask, rollout_logprobs=lp, reward=reward, is_last_step=last)
+
+
+def test_trajectory_id_is_frozen_and_hashable():
+    a, b = TrajectoryID("p", 1), TrajectoryID("p", 1)
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+    with pytest.raises(Exception):
+        a.sample_index = 2  # type: ignore[misc]
+
+
+def test_step_normalises_to_tensors_and_rejects_bad_types():
+    s = _step("p", 0, [1, 2], [3, 4], [1, 0], True, lp=[-0.5, -1.0])
+    assert s.prompt_ids.dtype == torch.long and s.rollout_logprobs.dtype == torch.float32
+    assert s.num_tokens == 4 and s.num_trainable == 1
+    with pytest.raises(StepwiseBatchError, match="response_ids"):
+        _step("p", 0, [1], ["a"], [1], True)
+    with pytest.raises(StepwiseBatchError, match="trajectory_id"):
+        Step("p#0", [1], [2], [1])  # type: ignore[arg-type]
+
+
+def test_padding_step_is_loss_neutral():
+    p = make_padding_step(3)
+    assert p.is_padding and p.is_last_step and p.num_trainable == 0
+    assert p.trajectory_id != make_padding_step(4).trajectory_id
+
+
+def test_step_batch_round_trip_and_select():
+    steps = [
+        _step("a", 0, [1, 2], [3], [1], False, lp=[-0.1]),
+        _step("a", 0, [1, 2, 3, 9], [4, 5], [1, 0], True, reward=1.0, lp=[-0.2, -0.3]),
+        _step("b", 0, [7], [8, 8, 8], [1, 1, 1], True, reward=0.5),
+    ]
+    batch = StepBatch.from_steps(steps)
+    assert batch.num_rows == 3
+    assert batch.offsets.tolist() == [0, 3, 9, 13]
+    assert batch.tokens.tolist() == [1, 2, 3, 1, 2, 3, 9, 4, 5, 7, 8, 8, 8]
+    assert batch.token_fields["loss_mask"].tolist() == [0, 0, 1, 0, 0, 0, 0, 1, 0, 0, 1, 1, 1]
+    assert batch.row_fields["traj_index"].tolist() == [0, 0, 1]
+    assert batch.row_fields["group_index"].tolist() == [0, 0, 1]
+    back = batch.to_steps()
+    for x, y in zip(steps, back):
+        assert x.prompt_ids.tolist() == y.prompt_ids.tolist()
+        assert x.response_ids.tolist() == y.response_ids.tolist()
+        assert x.loss_mask.tolist() == y.loss_mask.tolist()
+        assert x.reward == y.reward and x.is_last_step == y.is_last_step
+    sub = batch.select([2, 0])
+    assert sub.tokens.tolist() == [7, 8, 8, 8, 1, 2, 3]
+    assert sub.trajectory_ids == [TrajectoryID("b", 0), TrajectoryID("a", 0)]
+    assert sub.token_fields["rollout_logprobs"][-1].item() == pytest.approx(-0.1)
