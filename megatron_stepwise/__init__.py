@@ -6,6 +6,17 @@ from megatron_stepwise.algo.advantages import (
     list_estimators,
     register_estimator,
 )
+from megatron_stepwise.algo.losses import (
+    LossConfig,
+    LossInputs,
+    check_loss_compatibility,
+    combine_metric_partials,
+    get_policy_loss,
+    list_policy_losses,
+    loss_token_weights,
+    policy_loss,
+    register_policy_loss,
+)
 from megatron_stepwise.types import (
     PAD_PROMPT_PREFIX,
     Step,
@@ -18,6 +29,15 @@ from megatron_stepwise.types import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "LossConfig",
+    "LossInputs",
+    "check_loss_compatibility",
+    "combine_metric_partials",
+    "get_policy_loss",
+    "list_policy_losses",
+    "loss_token_weights",
+    "policy_loss",
+    "register_policy_loss",
     "compute_advantages",
     "get_estimator",
     "list_estimators",
