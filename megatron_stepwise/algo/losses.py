@@ -22,6 +22,14 @@ response (one turn), or a merged row when prefix merging is on. So:
 
 A merged row spans several turns, so these per-sequence quantities change value under
 merging; `check_loss_compatibility` refuses those combinations with `data.merge_steps`.
+Rows are never split across micro-batches, so per-row quantities computed inside one
+micro-batch are complete.
+
+Off-policy correction (trainer old log-probs vs the engine's rollout log-probs) scales only
+the policy-gradient term, never KL or entropy. TIS truncates the ratio from above at
+`tis_cap`; IcePop zeroes tokens (or whole steps) whose ratio leaves [icepop_low, icepop_high].
+Masked tokens keep their share of the reduction's denominator: the reduction is fixed before
+the loss runs, which is what keeps it independent of the split.
 """
 
 from __future__ import annotations
@@ -292,7 +300,8 @@ def policy_loss(inputs: LossInputs, cfg: LossConfig) -> tuple[torch.Tensor, dict
     entry = _lookup_loss(cfg.policy_loss)
     if cfg.needs_rollout_logprobs and inputs.rollout_logprobs is None:
         raise ValueError(
-            f"algo.loss.tis={cfg.tis!r} / algo.loss.icepop_* need rollout log-probs, but LossInputs.rollout_logprobs is None"
+            f"algo.loss.tis={cfg.tis!r} / algo.loss.icepop_* need rollout log-probs, "
+            "but LossInputs.rollout_logprobs is None"
         )
     if cfg.kl_coef != 0.0 and inputs.ref_logprobs is None:
         raise ValueError(f"algo.loss.kl_coef={cfg.kl_coef!r} needs LossInputs.ref_logprobs (a reference policy)")
@@ -372,7 +381,8 @@ def check_loss_compatibility(cfg: LossConfig, *, merge_steps: bool, estimator: s
     """Errors (empty if fine) for combinations that cannot be right; each names its config keys."""
     errors: list[str] = []
     if estimator not in list_estimators():
-        errors.append(f"algo.estimator={estimator!r} is not a registered estimator; known: {', '.join(list_estimators())}")
+        known = ", ".join(list_estimators())
+        errors.append(f"algo.estimator={estimator!r} is not a registered estimator; known: {known}")
     elif multi_step and is_temporal_estimator(estimator):
         errors.append(
             f"algo.estimator={estimator!r} is a temporal estimator and cannot train multi-step trajectories: "

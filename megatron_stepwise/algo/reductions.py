@@ -42,9 +42,14 @@ def loss_token_weights(
     batch: StepBatch, reduction: str, *, max_response_len: Optional[int] = None
 ) -> torch.Tensor:
     """float32 [T] aligned with `batch.tokens`: the reduction's weight of each token (see module doc)."""
-    row = batch.row_of_token()
+    # Work on trained positions only: in agent batches most tokens are prompt / observation.
+    loss_mask = batch.token_fields["loss_mask"]
+    pos = torch.nonzero(loss_mask, as_tuple=True)[0]
+    row = torch.searchsorted(batch.offsets[1:], pos, right=True)
     real_row = ~batch.row_fields["is_padding"]
-    mask = batch.token_fields["loss_mask"].to(torch.float64) * real_row[row].to(torch.float64)
+    keep = real_row[row]
+    pos, row = pos[keep], row[keep]
+    mask = loss_mask[pos].to(torch.float64)
 
     if reduction == "token_mean":
         w = mask / mask.sum().clamp(min=1.0)
@@ -65,7 +70,9 @@ def loss_token_weights(
         w = mask / (float(max_response_len) * max(int(real_row.sum()), 1))
     else:
         raise ValueError(f"algo.loss.reduction={reduction!r} is not one of {', '.join(REDUCTIONS)}")
-    return w.to(torch.float32)
+    out = torch.zeros(loss_mask.numel(), dtype=torch.float32)
+    out[pos] = w.to(torch.float32)
+    return out
 
 
 def _size(ids: torch.Tensor) -> int:
