@@ -1,5 +1,12 @@
 """megatron-stepwise: step-wise RL training of multi-turn LLM agents on Megatron."""
 
+from megatron_stepwise.algo.batching import (
+    pad_for_data_parallel,
+    plan_microbatches,
+    prompt_minibatches,
+    validate_steps,
+)
+from megatron_stepwise.algo.merge import MergeStats, merge_steps
 from megatron_stepwise.types import (
     PAD_PROMPT_PREFIX,
     Step,
@@ -12,10 +19,16 @@ from megatron_stepwise.types import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "MergeStats",
     "PAD_PROMPT_PREFIX",
     "Step",
     "StepBatch",
     "StepwiseBatchError",
     "TrajectoryID",
     "make_padding_step",
+    "merge_steps",
+    "pad_for_data_parallel",
+    "plan_microbatches",
+    "prompt_minibatches",
+    "validate_steps",
 ]
