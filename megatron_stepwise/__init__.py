@@ -17,6 +17,13 @@ from megatron_stepwise.algo.losses import (
     policy_loss,
     register_policy_loss,
 )
+from megatron_stepwise.algo.batching import (
+    pad_for_data_parallel,
+    plan_microbatches,
+    prompt_minibatches,
+    validate_steps,
+)
+from megatron_stepwise.algo.merge import MergeStats, merge_steps
 from megatron_stepwise.types import (
     PAD_PROMPT_PREFIX,
     Step,
@@ -42,10 +49,16 @@ __all__ = [
     "get_estimator",
     "list_estimators",
     "register_estimator",
+    "MergeStats",
     "PAD_PROMPT_PREFIX",
     "Step",
     "StepBatch",
     "StepwiseBatchError",
     "TrajectoryID",
     "make_padding_step",
+    "merge_steps",
+    "pad_for_data_parallel",
+    "plan_microbatches",
+    "prompt_minibatches",
+    "validate_steps",
 ]
