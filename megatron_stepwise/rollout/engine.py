@@ -123,8 +123,14 @@ class Engine(Protocol):
     """One inference engine. All methods are coroutines so they can sit behind HTTP or Ray."""
 
     async def generate(
-        self, input_ids: list[int], sampling: SamplingParams, rid: Optional[str] = None
-    ) -> GenerateResult: ...
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        rid: Optional[str] = None,
+        session: Optional[str] = None,
+    ) -> GenerateResult:
+        """`rid` names the request (for abort); `session` names the conversation it belongs to
+        (a fleet routes a session's turns to the same engine for prefix-cache reuse)."""
 
     async def update_weights_from_disk(self, path: str, weight_version: Optional[int] = None) -> int:
         """Load HF-named safetensors from `path`; returns the new weight version."""

@@ -250,7 +250,7 @@ class LocalEngine:
     # ---- Engine protocol ----------------------------------------------------------------------
 
     async def generate(
-        self, input_ids: list[int], sampling: SamplingParams, rid: Optional[str] = None
+        self, input_ids: list[int], sampling: SamplingParams, rid: Optional[str] = None, session: Optional[str] = None
     ) -> GenerateResult:
         if self._failure is not None:
             raise EngineError(f"engine {self.name} is unhealthy: {self._failure!r}")

@@ -136,7 +136,9 @@ class SGLangClient:
         except asyncio.TimeoutError as e:
             raise EngineError(f"{method} {url} timed out after {self.timeout_s}s") from e
 
-    async def generate(self, input_ids: list[int], sampling: SamplingParams, rid: Optional[str] = None) -> GenerateResult:
+    async def generate(
+        self, input_ids: list[int], sampling: SamplingParams, rid: Optional[str] = None, session: Optional[str] = None
+    ) -> GenerateResult:
         payload: dict[str, Any] = {
             "input_ids": [int(t) for t in input_ids],
             "sampling_params": sampling.to_dict(),
