@@ -61,17 +61,27 @@ def config_from_dict(data: dict, overrides: Iterable[str] = (), *, world_size: i
     return _finish(data, {}, overrides, world_size, probes, source=None)
 
 
+def _env_world_size() -> int | None:
+    value = os.environ.get("WORLD_SIZE", "")
+    return int(value) if value.isdigit() else None
+
+
+def effective_world_size(cfg: ExperimentConfig, world_size: int | None = None) -> int:
+    """The world size a config is checked against: given, else $WORLD_SIZE (torchrun), else its launch layout."""
+    return world_size or _env_world_size() or cfg.launch.world_size()
+
+
 def _finish(data: dict, origins: dict[str, str], overrides: Iterable[str], world_size: int | None,
             probes: Probes | None, source: str | None) -> ExperimentConfig:
     problems: list[ConfigProblem] = []
-    apply_overrides(data, overrides, origins, problems)
+    apply_overrides(data, overrides, origins, problems, schema=ExperimentConfig)
     bad_keys: set[str] = {p.key for p in problems}
     cfg = build(ExperimentConfig, data, problems, origins=origins, bad_keys=bad_keys)
     ws_source = None
-    if world_size is None and os.environ.get("WORLD_SIZE", "").isdigit():
-        world_size, ws_source = int(os.environ["WORLD_SIZE"]), "$WORLD_SIZE"
-    elif world_size is not None:
+    if world_size is not None:
         ws_source = "given world size"
+    elif _env_world_size() is not None:
+        world_size, ws_source = _env_world_size(), "$WORLD_SIZE"
     problems += validate(cfg, world_size=world_size, world_size_source=ws_source, bad_keys=bad_keys,
                          origins=origins, probes=probes)
     if problems:
@@ -103,6 +113,7 @@ __all__ = [
     "TrainerConfig",
     "WeightSyncConfig",
     "config_from_dict",
+    "effective_world_size",
     "load_config",
     "validate",
 ]

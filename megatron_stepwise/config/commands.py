@@ -8,12 +8,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megatron_stepwise.config import ConfigError, ExperimentConfig, load_config
+from megatron_stepwise.config import ConfigError, ExperimentConfig, effective_world_size, load_config
 
 EXIT_BAD_CONFIG = 2
 
 
-def _add_config_args(parser: argparse.ArgumentParser) -> None:
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """CONFIG, KEY=VALUE overrides and --world-size: shared by every subcommand that reads a config."""
     parser.add_argument("config", help="experiment YAML file")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                         help="overrides such as optim.lr=1e-6 or rollout.sampling.stop='[\"</answer>\"]'")
@@ -22,7 +23,8 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
                              "else launch.nnodes x launch.nproc_per_node)")
 
 
-def _load_or_report(args: argparse.Namespace) -> ExperimentConfig | None:
+def load_or_report(args: argparse.Namespace) -> ExperimentConfig | None:
+    """The validated config of parsed `add_config_arguments`, or None after printing its problems."""
     try:
         return load_config(args.config, args.overrides, world_size=args.world_size)
     except ConfigError as e:
@@ -42,10 +44,10 @@ def summary(cfg: ExperimentConfig, world_size: int) -> str:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    cfg = _load_or_report(args)
+    cfg = load_or_report(args)
     if cfg is None:
         return EXIT_BAD_CONFIG
-    world = args.world_size or cfg.launch.world_size()
+    world = effective_world_size(cfg, args.world_size)
     print(f"OK {args.config}: {summary(cfg, world)}")
     return 0
 
@@ -58,7 +60,7 @@ def _docs(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
-    cfg = _load_or_report(args)
+    cfg = load_or_report(args)
     if cfg is None:
         return EXIT_BAD_CONFIG
     sys.stdout.write(cfg.to_yaml())
@@ -69,7 +71,7 @@ def register_validate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("validate", help="check an experiment config without running anything",
                        description="Exit 0 with a one-line summary if the config can run, else exit 2 "
                                    "listing every problem with the key it is about.")
-    _add_config_args(p)
+    add_config_arguments(p)
     p.set_defaults(func=_validate)
 
 
@@ -83,5 +85,5 @@ def register_config(sub: argparse._SubParsersAction) -> None:
     docs.add_argument("--markdown", action="store_true", help="Markdown, as in docs/config.md")
     docs.set_defaults(func=_docs)
     show = csub.add_parser("show", help="print the resolved YAML (defaults merged, overrides applied)")
-    _add_config_args(show)
+    add_config_arguments(show)
     show.set_defaults(func=_show)

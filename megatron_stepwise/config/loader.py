@@ -8,12 +8,14 @@ other value (lists included) replaces the earlier one.
 from __future__ import annotations
 
 import re
+import typing
 from pathlib import Path
 from typing import Any, Iterable
 
 import yaml
 
 from megatron_stepwise.config.errors import ConfigProblem
+from megatron_stepwise.config.fields import config_fields, is_config_class
 
 COMMAND_LINE = "command line"
 _KEY_RE = re.compile(r"^[A-Za-z_][\w+\-]*(\.[A-Za-z_][\w+\-]*)*$")
@@ -113,14 +115,32 @@ def parse_override(text: str) -> tuple[str, Any]:
     try:
         value = yaml.safe_load(raw)
     except yaml.YAMLError as e:
-        if raw.lstrip()[:1] in "[{":
-            raise ValueError(f"override {text!r}: cannot parse the value as YAML ({getattr(e, 'problem', e)})")
+        if raw.lstrip()[:1] in ("[", "{"):
+            reason = getattr(e, "problem", e)
+            raise ValueError(f"override {text!r}: cannot parse the value as YAML ({reason})") from None
         value = raw  # e.g. `a=b: c`, which YAML reads as a mapping error: keep it as text
     return key, value
 
 
+def _walks_into_value(schema: type | None, parts: list[str]) -> str | None:
+    """The prefix of `parts` that names a plain value in the schema (so nothing can be set below it)."""
+    if schema is None:
+        return None
+    tp: Any = schema
+    for i, part in enumerate(parts[:-1]):
+        if not is_config_class(tp):
+            return None  # inside a free mapping (e.g. env.options): anything goes
+        match = [t for name, _, t in config_fields(tp) if name == part]
+        if not match:
+            return None  # unknown key: reported with a suggestion when the config is built
+        tp = match[0]
+        if not is_config_class(tp) and typing.get_origin(tp) is not dict and tp is not Any:
+            return ".".join(parts[: i + 1])
+    return None
+
+
 def apply_overrides(data: dict, overrides: Iterable[str], origins: dict[str, str],
-                    problems: list[ConfigProblem]) -> dict:
+                    problems: list[ConfigProblem], schema: type | None = None) -> dict:
     """Set each `a.b.c=value` in the nested dict (creating sections as needed)."""
     for text in overrides:
         try:
@@ -129,6 +149,10 @@ def apply_overrides(data: dict, overrides: Iterable[str], origins: dict[str, str
             problems.append(ConfigProblem(text.partition("=")[0].strip() or text, str(e), COMMAND_LINE))
             continue
         parts = key.split(".")
+        leaf = _walks_into_value(schema, parts)
+        if leaf:
+            problems.append(ConfigProblem(key, f"{leaf} is a value, not a section", COMMAND_LINE))
+            continue
         node = data
         for i, part in enumerate(parts[:-1]):
             child = node.get(part)

@@ -244,9 +244,6 @@ def check_loss_combinations(cfg: ExperimentConfig, check: _Checker) -> None:
     if loss.reduction == "seq_mean_token_sum_norm" and loss.max_response_len is None:
         check.fail("algo.loss.max_response_len", "is required by algo.loss.reduction=seq_mean_token_sum_norm "
                                                  "(its constant normaliser)", "algo.loss.reduction")
-    if loss.icepop_low is not None and loss.icepop_high is not None and loss.icepop_low >= loss.icepop_high:
-        check.fail("algo.loss.icepop_low", f"{loss.icepop_low} must be below algo.loss.icepop_high "
-                                           f"{loss.icepop_high}", "algo.loss.icepop_high")
 
 
 def _check_async(cfg: ExperimentConfig, check: _Checker) -> None:
