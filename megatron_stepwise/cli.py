@@ -17,9 +17,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _subcommands():
     """Each subcommand lives next to what it runs and registers its own parser."""
-    from megatron_stepwise import demo
+    from megatron_stepwise import demo, plot
 
-    return [demo.register]
+    return [demo.register, plot.register]
 
 
 if __name__ == "__main__":
