@@ -164,11 +164,23 @@ def test_heads_and_layers_checked_against_a_local_hf_config(tmp_path):
     assert "2 KV heads" in str(e.value) and "6 layers" in str(e.value)
 
 
-def test_registries_and_presets_are_consulted_when_available():
-    probes = FakeProbes(registries={"estimator": ["my_adv"], "env": ["tiny_recall", "math_tool"]},
+def test_custom_estimators_register_through_trainer_imports(tmp_path, monkeypatch):
+    write(tmp_path / "my_rl_plugin.py", "from megatron_stepwise import register_estimator\n"
+                                        "@register_estimator('test_plugin_adv')\n"
+                                        "def adv(rewards, groups, **options):\n    return rewards\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError) as e:  # not imported: unknown
+        config_from_dict({"algo": {"estimator": "test_plugin_adv"}})
+    assert e.value.keys == ["algo.estimator"] and "trainer.imports" in str(e.value)
+    cfg = config_from_dict({"algo": {"estimator": "test_plugin_adv"}, "trainer": {"imports": ["my_rl_plugin"]}})
+    assert cfg.algo.estimator == "test_plugin_adv"
+
+
+def test_env_registry_and_presets_are_consulted_when_available():
+    probes = FakeProbes(registries={"env": ["tiny_recall", "math_tool"]},
                         presets={"tiny": {"num_attention_heads": 4, "num_hidden_layers": 2}})
-    cfg = config_from_dict({"algo": {"estimator": "my_adv"}, "env": {"name": "math_tool"}}, probes=probes)
-    assert cfg.algo.estimator == "my_adv"
+    cfg = config_from_dict({"env": {"name": "math_tool"}}, probes=probes)
+    assert cfg.env.name == "math_tool"
     with pytest.raises(ConfigError) as e:
         config_from_dict({"env": {"name": "math_tol"}, "model": {"hf_config": "tinny"},
                           "parallel": {"tensor": 8}, "launch": {"nproc_per_node": 8}}, probes=probes)
@@ -178,6 +190,18 @@ def test_registries_and_presets_are_consulted_when_available():
     with pytest.raises(ConfigError) as e:
         config_from_dict({"parallel": {"tensor": 8}, "launch": {"nproc_per_node": 8}}, probes=probes)
     assert e.value.keys == ["parallel.tensor"] and "preset tiny" in str(e.value)
+
+
+def test_loss_section_builds_the_algo_loss_config():
+    from megatron_stepwise.algo.losses import LossConfig as AlgoLossConfig
+
+    cfg = config_from_dict({"algo": {"loss": {"policy_loss": "cispo", "clip_high": 0.28, "tis": "token",
+                                              "options": {"x": [1]}}}})
+    loss = cfg.algo.loss.to_algo()
+    assert isinstance(loss, AlgoLossConfig)
+    assert (loss.policy_loss, loss.clip_high, loss.tis, loss.options) == ("cispo", 0.28, "token", {"x": [1]})
+    loss.options["x"].append(2)  # a copy: the experiment config is not changed through it
+    assert cfg.algo.loss.options == {"x": [1]}
 
 
 def test_trainer_imports_are_imported_and_failures_reported():

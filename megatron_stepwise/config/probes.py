@@ -32,12 +32,12 @@ class ModelShape:
             return None
 
 
-# Where the registries of pluggable names live (module, attribute: a mapping or a function
-# returning names). A registry that cannot be found means "cannot check", never "unknown".
+# Where registries of pluggable names live that config validation checks itself (module,
+# attributes: a mapping, or a function returning names). Estimators and policy losses are
+# checked by megatron_stepwise.algo.losses.check_loss_compatibility. A registry that cannot
+# be found means "cannot check", never "unknown".
 REGISTRIES = {
-    "estimator": ("megatron_stepwise.algo.advantages", ("ESTIMATORS", "available_estimators")),
-    "policy_loss": ("megatron_stepwise.algo.losses", ("POLICY_LOSSES", "available_policy_losses")),
-    "env": ("megatron_stepwise.envs", ("ENVIRONMENTS", "available_envs")),
+    "env": ("megatron_stepwise.envs", ("list_envs", "list_environments", "ENVIRONMENTS")),
 }
 # Model presets (e.g. `tiny`): a module importable without megatron-core holding PRESETS,
 # a mapping of preset name -> HF config dict.

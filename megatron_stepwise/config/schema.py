@@ -5,16 +5,13 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
 from megatron_stepwise.config.fields import option, section, to_dict
 
-# Outcome estimators shipped by megatron_stepwise.algo; others come from its registry.
-BUILTIN_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "maxrl", "gae", "reinforce++")
-# Estimators that assign credit along time (per token/turn); they need single-step trajectories.
-TEMPORAL_ESTIMATORS = ("gae", "reinforce++")
-BUILTIN_POLICY_LOSSES = ("ppo", "gspo", "cispo")
 Reduction = Literal["token_mean", "step_mean", "trajectory_mean", "prompt_mean", "seq_mean_token_sum_norm"]
 
 
@@ -144,6 +141,15 @@ class LossConfig:
                                          gt=0.0, lt=1.0)
     icepop_high: Optional[float] = option(None, "mask tokens whose train/rollout ratio is above this; null = off",
                                           gt=1.0)
+    icepop_level: Literal["token", "sequence"] = option("token", "IcePop masks tokens, or whole steps by their "
+                                                                 "geometric-mean ratio")
+    options: dict[str, Any] = option({}, "keyword settings for a registered custom loss (free mapping)")
+
+    def to_algo(self):
+        """The `megatron_stepwise.algo.losses.LossConfig` the loss functions take."""
+        from megatron_stepwise.algo.losses import LossConfig as AlgoLossConfig
+
+        return AlgoLossConfig(**{f.name: copy.deepcopy(getattr(self, f.name)) for f in dataclasses.fields(self)})
 
 
 @dataclass
@@ -160,7 +166,8 @@ class FilterConfig:
 class AlgoConfig:
     """Advantage estimator, loss and group filters."""
 
-    estimator: str = option("grpo", "grpo, dr_grpo, rloo, maxrl, gae, reinforce++, or a registered name")
+    estimator: str = option("grpo", "grpo, dr_grpo, rloo, maxrl, gae or reinforce++ (temporal: "
+                                    "single-turn only), or a registered name")
     estimator_options: dict[str, Any] = option({}, "keyword options passed to the estimator")
     loss: LossConfig = section(LossConfig, "policy loss")
     filters: FilterConfig = section(FilterConfig, "group filters")

@@ -14,15 +14,11 @@ from pathlib import Path
 from megatron_stepwise.config.errors import ConfigProblem
 from megatron_stepwise.config.fields import origin_of
 from megatron_stepwise.config.probes import Probes, looks_like_path
-from megatron_stepwise.config.schema import (
-    BUILTIN_ESTIMATORS,
-    BUILTIN_POLICY_LOSSES,
-    TEMPORAL_ESTIMATORS,
-    ExperimentConfig,
-)
+from megatron_stepwise.config.schema import ExperimentConfig
 
 # Estimators that compare the trajectories of one prompt: a group of one has no signal.
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "maxrl")
+_KEY_RE = re.compile(r"^[a-z_]+(\.[a-z_]+)+$")
 _SERVER_RE = re.compile(r"^(https?://)?[A-Za-z0-9_.\-]+:\d{1,5}/?$")
 
 
@@ -56,7 +52,7 @@ def validate(cfg: ExperimentConfig, *, world_size: int | None = None, world_size
     _check_model(cfg, check, probes)
     _check_rollout(cfg, check, probes)
     _check_data(cfg, check)
-    _check_algo(cfg, check, probes)
+    _check_algo(cfg, check)
     check_loss_combinations(cfg, check)
     _check_async(cfg, check)
     _check_optim(cfg, check)
@@ -187,21 +183,14 @@ def _check_data(cfg: ExperimentConfig, check: _Checker) -> None:
                    "rollout.max_new_tokens")
 
 
-def _check_algo(cfg: ExperimentConfig, check: _Checker, probes: Probes) -> None:
+def _check_algo(cfg: ExperimentConfig, check: _Checker) -> None:
     algo, data = cfg.algo, cfg.data
-    _check_registered(check, probes, "estimator", "algo.estimator", algo.estimator, BUILTIN_ESTIMATORS)
-    _check_registered(check, probes, "policy_loss", "algo.loss.policy_loss", algo.loss.policy_loss,
-                      BUILTIN_POLICY_LOSSES)
-    if algo.estimator in TEMPORAL_ESTIMATORS and cfg.rollout.max_turns > 1:
-        check.fail("algo.estimator", f"{algo.estimator} assigns credit along time, which step-wise training "
-                                     f"does not define across turns: use an outcome estimator "
-                                     f"({', '.join(GROUP_ESTIMATORS)}) or rollout.max_turns=1",
-                   "rollout.max_turns")
     if data.samples_per_prompt == 1:
         if algo.estimator in GROUP_ESTIMATORS:
             check.fail("data.samples_per_prompt", f"is 1 but algo.estimator {algo.estimator} compares the "
                                                   "trajectories of a prompt: every advantage would be 0",
                        "algo.estimator")
+            return  # the filters below fail for the same reason; one fix solves both
         for key in ("zero_variance", "dynamic_sampling"):
             if getattr(algo.filters, key):
                 check.fail(f"algo.filters.{key}", "a group of one trajectory (data.samples_per_prompt=1) has "
@@ -209,41 +198,54 @@ def _check_algo(cfg: ExperimentConfig, check: _Checker, probes: Probes) -> None:
                            "data.samples_per_prompt")
 
 
-def _check_registered(check: _Checker, probes: Probes, kind: str, key: str, name: str,
-                      builtins: tuple[str, ...]) -> None:
-    if name in builtins:
-        return
-    names = probes.registered(kind)
-    if names is None or name in names:  # no registry to ask: the trainer reports it when it looks up
-        return
-    known = sorted(set(builtins) | names)
-    hint = difflib.get_close_matches(name, known, n=1)
-    check.fail(key, f"unknown {kind} {name!r} (known: {', '.join(known)}; custom ones are registered by a "
-                    "module listed in trainer.imports)" + (f"; did you mean {hint[0]!r}?" if hint else ""))
+# Keys the loss checks of megatron_stepwise.algo read: a parse error in any of them silences them.
+_LOSS_KEYS = ("algo.estimator", "algo.loss", "data.merge_steps", "rollout.max_turns")
 
 
 def check_loss_combinations(cfg: ExperimentConfig, check: _Checker) -> None:
-    """Loss options that cannot work together (or with merged steps).
+    """Estimator and loss options that cannot work (together, or with merged steps).
 
-    Merging puts several steps of a trajectory into one row, so anything defined per row
-    (a step's token mean, a step's sequence ratio or weight) would silently change meaning.
+    Delegated to `megatron_stepwise.algo.losses.check_loss_compatibility`, which knows the
+    registries (custom estimators and losses included) and which losses are sequence-level;
+    its messages start with the offending key (`algo.loss.reduction='step_mean' cannot ...`).
     """
-    loss, merge = cfg.algo.loss, cfg.data.merge_steps
-    if merge and loss.reduction in ("step_mean", "seq_mean_token_sum_norm"):
-        check.fail("data.merge_steps", f"cannot be used with algo.loss.reduction={loss.reduction}: it "
-                                       "normalises per step, and a merged row holds several steps (use "
-                                       "token_mean, trajectory_mean or prompt_mean)", "algo.loss.reduction")
-    if merge and loss.policy_loss == "gspo":
-        check.fail("data.merge_steps", "cannot be used with algo.loss.policy_loss=gspo: its sequence-level "
-                                       "ratio is per step, and a merged row holds several steps",
-                   "algo.loss.policy_loss")
-    if merge and loss.tis == "sequence":
-        check.fail("data.merge_steps", "cannot be used with algo.loss.tis=sequence: the sequence-level "
-                                       "importance weight is per step, and a merged row holds several steps",
-                   "algo.loss.tis")
-    if loss.reduction == "seq_mean_token_sum_norm" and loss.max_response_len is None:
-        check.fail("algo.loss.max_response_len", "is required by algo.loss.reduction=seq_mean_token_sum_norm "
-                                                 "(its constant normaliser)", "algo.loss.reduction")
+    from megatron_stepwise.algo import advantages, losses
+
+    try:
+        loss = cfg.algo.loss.to_algo()
+    except ValueError as e:  # its own range checks: the message starts with the key
+        key, message = _leading_key(str(e), "algo.loss"), _after_key(str(e))
+        check.fail(key, f"is {message}" if message != str(e) else message, *_LOSS_KEYS)
+        return
+    errors = losses.check_loss_compatibility(loss, merge_steps=cfg.data.merge_steps, estimator=cfg.algo.estimator,
+                                             multi_step=cfg.rollout.max_turns > 1)
+    names = {"algo.estimator": advantages.list_estimators(), "algo.loss.policy_loss": losses.list_policy_losses()}
+    for error in errors:
+        key = _leading_key(error, "algo")
+        message = _after_key(error)
+        if key in names and "not a registered" in error:
+            hint = difflib.get_close_matches(getattr_path(cfg, key), names[key], n=1)
+            message += (f"; did you mean {hint[0]!r}?" if hint else "") + \
+                " (custom ones are registered by a module listed in trainer.imports)"
+        check.fail(key, message, *_LOSS_KEYS)
+
+
+def _leading_key(message: str, fallback: str) -> str:
+    head = message.split("=", 1)[0]
+    return head if "=" in message and _KEY_RE.match(head) else fallback
+
+
+def _after_key(message: str) -> str:
+    """`algo.loss.tis='sequence' cannot ...` -> `'sequence' cannot ...` (the key is shown separately)."""
+    head, sep, rest = message.partition("=")
+    return rest if sep and _KEY_RE.match(head) else message
+
+
+def getattr_path(cfg: ExperimentConfig, key: str):
+    obj = cfg
+    for part in key.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 def _check_async(cfg: ExperimentConfig, check: _Checker) -> None:
