@@ -224,7 +224,7 @@ def check_loss_combinations(cfg: ExperimentConfig, check: _Checker) -> None:
         key = _leading_key(error, "algo")
         message = _after_key(error)
         if key in names and "not a registered" in error:
-            hint = difflib.get_close_matches(getattr_path(cfg, key), names[key], n=1)
+            hint = difflib.get_close_matches(_value_at(cfg, key), names[key], n=1)
             message += (f"; did you mean {hint[0]!r}?" if hint else "") + \
                 " (custom ones are registered by a module listed in trainer.imports)"
         check.fail(key, message, *_LOSS_KEYS)
@@ -241,7 +241,7 @@ def _after_key(message: str) -> str:
     return rest if sep and _KEY_RE.match(head) else message
 
 
-def getattr_path(cfg: ExperimentConfig, key: str):
+def _value_at(cfg: ExperimentConfig, key: str):
     obj = cfg
     for part in key.split("."):
         obj = getattr(obj, part)
