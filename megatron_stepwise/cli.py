@@ -19,8 +19,15 @@ def _subcommands():
     """Each subcommand lives next to what it runs and registers its own parser."""
     from megatron_stepwise import demo, plot
     from megatron_stepwise.config import commands as config_commands
+    from megatron_stepwise.rollout import server
 
-    return [demo.register, plot.register, config_commands.register_validate, config_commands.register_config]
+    return [
+        demo.register,
+        plot.register,
+        config_commands.register_validate,
+        config_commands.register_config,
+        server.register,
+    ]
 
 
 if __name__ == "__main__":
