@@ -19,10 +19,12 @@ goal in itself; fewer micro-batches is (less per-micro-batch overhead, smaller P
 
 Algorithm (deterministic: every tie is broken by row index).
 1. Ranks: longest-processing-time greedy on cost (largest row to the least-loaded rank),
-   then pairwise exchanges between the heaviest rank and lighter ones while they lower
-   the heavier load (vectorised search for the exchange closest to half the gap).
-2. Micro-batches: M = the fewest micro-batches any rank needs (starting from the token
-   lower bound). Each rank spreads its rows over exactly M micro-batches with worst-fit
+   then exchanges (a move, or a swap of one row each way) between the heaviest rank and
+   one of the lightest ranks while that lowers the heavier load, picking the exchange
+   closest to half the gap with a vectorised search; it stops once the heaviest rank is
+   within 1e-4 of the mean (finer than the cost model itself).
+2. Micro-batches: M = what the neediest rank needs, starting from the token lower bound
+   ceil(rank tokens / budget). Each rank spreads its rows over exactly M micro-batches with worst-fit
    decreasing (balanced micro-batches, good for pipeline parallelism); if that overflows
    the budget, best-fit decreasing (tighter) into at most M, the rest left empty; if a
    rank needs more than M, M grows and planning restarts.
