@@ -61,13 +61,17 @@ def parse_args() -> argparse.Namespace:
 # ------------------------------------------------------------------------------- timing
 
 
-def run_pipeline(steps, args) -> tuple[dict[str, float], Any]:
+def run_pipeline(steps, args) -> tuple[dict[str, float], dict[str, float], Any]:
+    """Wall-clock and CPU seconds of each phase (CPU time is what one core spent on it, which
+    stays meaningful when other processes share the machine)."""
     times: dict[str, float] = {}
+    cpu: dict[str, float] = {}
 
     def phase(name: str, fn: Callable[[], Any]) -> Any:
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         out = fn()
         times[name] = time.perf_counter() - t
+        cpu[name] = time.process_time() - c
         return out
 
     phase("validate", lambda: validate_steps(steps, vocab_size=32000))
@@ -79,7 +83,8 @@ def run_pipeline(steps, args) -> tuple[dict[str, float], Any]:
         [s.num_tokens for s in mb], dp_size=args.dp, max_tokens=args.max_tokens,
         seq_align=args.seq_align, micro_align=args.micro_align) for mb in mbs])
     times["total"] = sum(times.values())
-    return times, (merged, stats, mbs, plans)
+    cpu["total"] = sum(cpu.values())
+    return times, cpu, (merged, stats, mbs, plans)
 
 
 # ------------------------------------------------------------------------------ layouts
@@ -187,20 +192,28 @@ def main() -> None:
     print(f"config: dp={args.dp}, max_tokens={args.max_tokens:,}, {args.prompts_per_minibatch} prompts per "
           f"mini-batch, seq_align={args.seq_align}, micro_align={args.micro_align}, 1 thread\n")
 
-    runs = []
+    runs, cpu_runs = [], []
     for r in range(1 + args.repeats):
         result = None
         gc.collect()
-        times, result = run_pipeline(steps, args)
+        times, cpu, result = run_pipeline(steps, args)
         runs.append(times)
+        cpu_runs.append(cpu)
         if r < args.repeats:
             del result  # free the batch as a training loop would before the next iteration
     merged, mstats, mbs, plans = result
-    cold = runs[0]
-    warm = {k: statistics.median(r[k] for r in runs[1:]) for k in cold} if len(runs) > 1 else cold
-    print(f"{'phase':<12}{'cold (1st run)':>16}{'warm (median of ' + str(len(runs) - 1) + ')':>22}")
+    cold, cold_cpu = runs[0], cpu_runs[0]
+    warm_runs, warm_cpu_runs = (runs[1:], cpu_runs[1:]) if len(runs) > 1 else (runs, cpu_runs)
+    warm = {k: statistics.median(r[k] for r in warm_runs) for k in cold}
+    warm_cpu = {k: statistics.median(r[k] for r in warm_cpu_runs) for k in cold}
+    print(f"{'':12}{'cold (1st run)':>22}{'warm (median of ' + str(len(warm_runs)) + ')':>24}")
+    print(f"{'phase':<12}{'wall':>11}{'cpu':>11}{'wall':>12}{'cpu':>12}")
     for k in cold:
-        print(f"{k:<12}{cold[k] * 1e3:>13.1f} ms{warm[k] * 1e3:>19.1f} ms")
+        print(f"{k:<12}{cold[k] * 1e3:>8.1f} ms{cold_cpu[k] * 1e3:>8.1f} ms"
+              f"{warm[k] * 1e3:>9.1f} ms{warm_cpu[k] * 1e3:>9.1f} ms")
+    print("  cold = first run in the process (fresh memory is page-faulted in); warm = later runs, each after\n"
+          "  the previous run's batch was freed, as in a training loop. cpu = CPU time of this process\n"
+          "  (one thread), robust to other processes sharing the cores; wall includes waiting for a core.")
 
     print(f"\nmerge: rows {mstats.rows_before:,} -> {mstats.rows_after:,}, tokens {mstats.tokens_before:,} -> "
           f"{mstats.tokens_after:,} ({mstats.token_ratio:.2f}x fewer), trainable {mstats.trainable_tokens:,}, "
@@ -245,6 +258,7 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump({"config": vars(args), "workload": {"steps": len(steps), "tokens": n_tokens},
                        "time_s": {"cold": cold, "warm_median": warm, "all_runs": runs},
+                       "cpu_s": {"cold": cold_cpu, "warm_median": warm_cpu, "all_runs": cpu_runs},
                        "merge": vars(mstats), "layouts": reports, "dp_balance": balance}, f, indent=2)
         print(f"\nwrote {args.out}")
 
