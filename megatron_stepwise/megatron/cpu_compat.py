@@ -1,0 +1,174 @@
+"""Run megatron-core 0.16 on CPU (gloo) by redirecting its hard-coded CUDA uses.
+
+megatron-core assumes a GPU in a handful of places that have nothing to do with the maths:
+scalar buffers allocated with ``device="cuda"``, ``torch.cuda.current_device()`` used as a
+device argument, ``torch.cuda.synchronize()`` guards, the CUDA RNG tracker, and
+``tensor.type() == 'torch.cuda.FloatTensor'`` dtype checks in the optimizers. With the
+patches below the real code paths run unchanged on CPU: the pipeline schedules (1F1B),
+the tensor-parallel layers and mappings, DDP and the (distributed) optimizer.
+
+Every patch only changes *where* a tensor lives or what a device query answers; no
+arithmetic is touched, so numerics are those of the CPU kernels.
+
+| patch                                           | why (which megatron-core code needs it)                  |
+|-------------------------------------------------|----------------------------------------------------------|
+| ``device='cuda'`` / ``.cuda()`` / ``.to('cuda')`` | schedules' token counter, default causal mask,          |
+|   -> CPU (a TorchFunctionMode)                  | clip_grads / optimizer scalars, local l2-norm fallback   |
+| ``Tensor.type()`` reports ``torch.cuda.*``      | dtype asserts in Float16/Distributed optimizer, clip_grads|
+| ``torch.cuda.current_device()`` -> ``cpu``      | p2p shape exchange + receive buffers, TP gather buffers,  |
+|                                                 | DDP grad buffers, rotary embedding device                 |
+| ``torch.cuda.synchronize/empty_cache`` no-ops   | p2p race guard after batch_isend_irecv, DDP buffer frees  |
+| CUDA RNG get/set/seed -> CPU generator          | ``model_parallel_cuda_manual_seed`` and the RNG tracker's |
+|                                                 | ``fork()`` (dropout, initialisation regions)              |
+
+Use :func:`cpu_compat` as a context manager, or :class:`CpuCompat` ``enable()`` /
+``disable()`` to bracket a process's distributed lifetime (``runtime.init_distributed``
+does this). It is inert when CUDA is available, and everything is restored on exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_CPU = torch.device("cpu")
+
+
+def _is_cuda(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.split(":")[0] == "cuda"
+    return False
+
+
+class _RedirectCudaToCpu(TorchFunctionMode):
+    """Rewrites CUDA device arguments to CPU for every torch call made while active."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            # `.cuda()` of a CPU tensor: stay on CPU (same aliasing semantics as `.to(cpu)`).
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            # megatron's optimizers assert on 'torch.cuda.FloatTensor' etc.; report the CUDA name
+            # of the same dtype so those checks see the dtype they are really about.
+            name = func(*args)
+            return name if ".cuda." in name else name.replace("torch.", "torch.cuda.", 1)
+        if "device" in kwargs and _is_cuda(kwargs["device"]):
+            kwargs["device"] = _CPU
+        if func is torch.Tensor.to and args:
+            args = tuple(_CPU if _is_cuda(a) else a for a in args)
+        return func(*args, **kwargs)
+
+
+def _cuda_current_device() -> torch.device:
+    return _CPU
+
+
+def _noop(*_args: Any, **_kwargs: Any) -> None:
+    return None
+
+
+def _cpu_get_rng_state(*_args: Any, **_kwargs: Any) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _cpu_set_rng_state(new_state: torch.Tensor, *_args: Any, **_kwargs: Any) -> None:
+    torch.set_rng_state(new_state)
+
+
+def _cpu_manual_seed(seed: int) -> None:
+    torch.manual_seed(seed)
+
+
+class CpuCompat:
+    """Holds the patches; `enable()` applies them once, `disable()` restores the originals.
+
+    Reference counted so nested users (a test inside a runtime) compose.
+    """
+
+    def __init__(self) -> None:
+        self._depth = 0
+        self._saved: list[tuple[Any, str, Any]] = []
+        self._mode: _RedirectCudaToCpu | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def active(self) -> bool:
+        return self._depth > 0
+
+    def _patch(self, owner: Any, name: str, value: Any) -> None:
+        self._saved.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, value)
+
+    def enable(self) -> bool:
+        """Apply the patches (no-op when CUDA is available). Returns whether they are active."""
+        if torch.cuda.is_available():
+            return False
+        with self._lock:
+            self._depth += 1
+            if self._depth > 1:
+                return True
+            from megatron.core.tensor_parallel import random as mrandom
+
+            self._patch(torch.cuda, "current_device", _cuda_current_device)
+            self._patch(torch.cuda, "synchronize", _noop)
+            self._patch(torch.cuda, "empty_cache", _noop)
+            self._patch(torch.cuda, "get_rng_state", _cpu_get_rng_state)
+            self._patch(torch.cuda, "set_rng_state", _cpu_set_rng_state)
+            self._patch(torch.cuda, "manual_seed", _cpu_manual_seed)
+            self._patch(torch.cuda.random, "get_rng_state", _cpu_get_rng_state)
+            self._patch(mrandom, "_get_cuda_rng_state", _cpu_get_rng_state)
+            self._patch(mrandom, "_set_cuda_rng_state", _cpu_set_rng_state)
+            self._mode = _RedirectCudaToCpu()
+            self._mode.__enter__()
+            return True
+
+    def disable(self) -> None:
+        """Undo `enable()`; the last matching call restores everything."""
+        if torch.cuda.is_available():
+            return
+        with self._lock:
+            if self._depth == 0:
+                return
+            self._depth -= 1
+            if self._depth > 0:
+                return
+            if self._mode is not None:
+                self._mode.__exit__(None, None, None)
+                self._mode = None
+            for owner, name, value in reversed(self._saved):
+                setattr(owner, name, value)
+            self._saved.clear()
+
+
+_COMPAT = CpuCompat()
+
+
+def enable_cpu_compat() -> bool:
+    """Enable the process-wide CPU compatibility layer (see module docstring)."""
+    return _COMPAT.enable()
+
+
+def disable_cpu_compat() -> None:
+    _COMPAT.disable()
+
+
+def cpu_compat_active() -> bool:
+    return _COMPAT.active
+
+
+@contextlib.contextmanager
+def cpu_compat() -> Iterator[bool]:
+    """Context manager form: yields whether the patches are active (False on a GPU machine)."""
+    active = _COMPAT.enable()
+    try:
+        yield active
+    finally:
+        if active:
+            _COMPAT.disable()

@@ -1,0 +1,373 @@
+"""Build a megatron-core `GPTModel` from a Hugging Face config of the Llama / Qwen2 family.
+
+RMSNorm, SwiGLU, RoPE (theta, Llama-3 scaling), GQA, Qwen2's qkv bias, tied or untied
+embeddings. The Transformer Engine spec is used when TE imports; otherwise the local spec with
+the torch-native packed attention and norm of `local_layers`. bf16 on GPU, fp32 on CPU.
+
+Both paths take THD packed micro-batches (`PackedSeqParams`), see `packing.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+
+
+class ModelConfigError(ValueError):
+    """A model config that this builder (or the requested parallel layout) cannot use."""
+
+
+@dataclass(frozen=True)
+class GPTArch:
+    """The architecture facts the builder needs, normalised from an HF config."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling_factor: Optional[float]  # Llama-3 style scaling, None when absent
+    qkv_bias: bool
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    init_std: float
+    attention_dropout: float
+
+
+def _get(cfg: Any, name: str, default: Any = None) -> Any:
+    return getattr(cfg, name, default) if not isinstance(cfg, Mapping) else cfg.get(name, default)
+
+
+def _rope(cfg: Any) -> tuple[float, Optional[float]]:
+    # transformers 5 keeps theta/scaling in `rope_parameters`; 4.x in rope_theta/rope_scaling.
+    params = _get(cfg, "rope_parameters") or _get(cfg, "rope_scaling") or {}
+    theta = params.get("rope_theta") or _get(cfg, "rope_theta") or 10000.0
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type in (None, "default"):
+        return float(theta), None
+    if rope_type == "llama3":
+        # megatron-core implements Llama-3 scaling with these constants fixed; only the factor varies.
+        fixed = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+        for key, want in fixed.items():
+            if key in params and float(params[key]) != want:
+                raise ModelConfigError(
+                    f"rope_scaling.{key}={params[key]} is not supported (megatron-core fixes it to {want})"
+                )
+        return float(theta), float(params.get("factor", 8.0))
+    raise ModelConfigError(f"rope_scaling type {rope_type!r} is not supported (only default and llama3)")
+
+
+def arch_from_hf(cfg: Any) -> GPTArch:
+    """Normalise a transformers `LlamaConfig` / `Qwen2Config` (or an equivalent dict)."""
+    model_type = _get(cfg, "model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelConfigError(f"model_type {model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}")
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+        if _get(cfg, key) is None:
+            raise ModelConfigError(f"model config is missing {key!r}")
+    act = _get(cfg, "hidden_act", "silu")
+    if act != "silu":
+        raise ModelConfigError(f"hidden_act={act!r} is not supported (SwiGLU needs 'silu')")
+    if _get(cfg, "mlp_bias", False):
+        raise ModelConfigError("mlp_bias=True is not supported")
+    if _get(cfg, "use_sliding_window", False):
+        raise ModelConfigError("use_sliding_window=True is not supported")
+    heads = int(_get(cfg, "num_attention_heads"))
+    hidden = int(_get(cfg, "hidden_size"))
+    head_dim = _get(cfg, "head_dim") or hidden // heads
+    theta, scaling = _rope(cfg)
+    qkv_bias = model_type == "qwen2" or bool(_get(cfg, "attention_bias", False))
+    return GPTArch(
+        model_type=model_type,
+        vocab_size=int(_get(cfg, "vocab_size")),
+        hidden_size=hidden,
+        ffn_hidden_size=int(_get(cfg, "intermediate_size")),
+        num_layers=int(_get(cfg, "num_hidden_layers")),
+        num_heads=heads,
+        num_kv_heads=int(_get(cfg, "num_key_value_heads") or heads),
+        head_dim=int(head_dim),
+        rms_norm_eps=float(_get(cfg, "rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling_factor=scaling,
+        qkv_bias=qkv_bias,
+        tie_word_embeddings=bool(_get(cfg, "tie_word_embeddings", False)),
+        max_position_embeddings=int(_get(cfg, "max_position_embeddings", 4096)),
+        init_std=float(_get(cfg, "initializer_range", 0.02)),
+        attention_dropout=float(_get(cfg, "attention_dropout", 0.0) or 0.0),
+    )
+
+
+def tiny_config(
+    *,
+    model_type: str = "qwen2",
+    vocab_size: int = 256,
+    hidden_size: int = 64,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    ffn_hidden_size: int = 128,
+    tie_word_embeddings: bool = False,
+    max_position_embeddings: int = 1024,
+) -> dict:
+    """A tiny Llama/Qwen2 config (dict in HF keys) for tests and the CPU experiment."""
+    return {
+        "model_type": model_type,
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "intermediate_size": ffn_hidden_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": tie_word_embeddings,
+        "max_position_embeddings": max_position_embeddings,
+        "initializer_range": 0.02,
+        "attention_dropout": 0.0,
+    }
+
+
+def validate_parallel(
+    arch: GPTArch, *, tp: int, pp: int, tokenizer_vocab_size: Optional[int] = None
+) -> None:
+    """Clear errors for layouts the model cannot be split into, and vocab mismatches."""
+    checks = [
+        ("num_attention_heads", arch.num_heads, tp, "tensor_parallel"),
+        ("num_key_value_heads", arch.num_kv_heads, tp, "tensor_parallel"),
+        ("intermediate_size", arch.ffn_hidden_size, tp, "tensor_parallel"),
+        ("vocab_size", arch.vocab_size, tp, "tensor_parallel"),
+        ("num_hidden_layers", arch.num_layers, pp, "pipeline_parallel"),
+    ]
+    for key, value, size, what in checks:
+        if value % size:
+            raise ModelConfigError(f"{what}={size} does not divide {key}={value}")
+    if arch.num_heads % arch.num_kv_heads:
+        raise ModelConfigError(
+            f"num_key_value_heads={arch.num_kv_heads} does not divide num_attention_heads={arch.num_heads}"
+        )
+    if tokenizer_vocab_size is not None and tokenizer_vocab_size > arch.vocab_size:
+        raise ModelConfigError(
+            f"tokenizer has {tokenizer_vocab_size} tokens but the model's vocab_size is {arch.vocab_size}"
+        )
+
+
+def te_available() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+        from megatron.core.extensions import transformer_engine as _te  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def transformer_config(
+    arch: GPTArch,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    sequence_parallel: Optional[bool] = None,
+    dtype: Optional[torch.dtype] = None,
+    use_te: Optional[bool] = None,
+    **overrides: Any,
+):
+    """The megatron `TransformerConfig` for `arch` at this layout (overrides win)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    on_gpu = torch.cuda.is_available()
+    use_te = te_available() if use_te is None else use_te
+    dtype = dtype or (torch.bfloat16 if on_gpu else torch.float32)
+    if sequence_parallel is None:
+        sequence_parallel = tp > 1
+    fields = dict(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        num_attention_heads=arch.num_heads,
+        num_query_groups=arch.num_kv_heads,
+        kv_channels=arch.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=arch.attention_dropout,
+        init_method_std=arch.init_std,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
+        sequence_parallel=sequence_parallel and tp > 1,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        # Micro-batches are packed to different lengths: PP must exchange shapes.
+        variable_seq_lengths=True,
+        moe_token_dispatcher_type="alltoall",  # dense model; megatron rejects the default with variable lengths
+        # Fusions that need CUDA kernels stay off unless TE provides them.
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=bool(use_te and on_gpu),
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        use_cpu_initialization=not on_gpu,
+    )
+    fields.update(overrides)
+    return TransformerConfig(**fields)
+
+
+def layer_spec(config, *, use_te: bool, vp_stage: Optional[int] = None):
+    """Decoder block spec: TE spec, or megatron's local spec with our packed attention + norm."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    if use_te:
+        return specs.get_gpt_decoder_block_spec(
+            config, use_transformer_engine=True, normalization="RMSNorm", vp_stage=vp_stage
+        )
+    from megatron_stepwise.megatron.local_layers import LocalRMSNorm, PackedCausalAttention
+
+    base = specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=False)
+    attn = base.submodules.self_attention
+    attn_sub = dataclasses.replace(attn.submodules, core_attention=PackedCausalAttention)
+    sub = dataclasses.replace(
+        base.submodules,
+        input_layernorm=LocalRMSNorm,
+        pre_mlp_layernorm=LocalRMSNorm,
+        self_attention=dataclasses.replace(attn, submodules=attn_sub),
+    )
+    layer = dataclasses.replace(base, submodules=sub)
+    return TransformerBlockSubmodules(
+        layer_specs=[layer] * get_num_layers_to_build(config, vp_stage=vp_stage), layer_norm=LocalRMSNorm
+    )
+
+
+def build_gpt_model(
+    hf_config: Any,
+    *,
+    pre_process: Optional[bool] = None,
+    post_process: Optional[bool] = None,
+    use_te: Optional[bool] = None,
+    config_overrides: Optional[dict] = None,
+    tokenizer_vocab_size: Optional[int] = None,
+    vp_stage: Optional[int] = None,
+):
+    """One GPTModel chunk for this rank's pipeline stage (parallel state must be initialised)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    arch = hf_config if isinstance(hf_config, GPTArch) else arch_from_hf(hf_config)
+    tp = ps.get_tensor_model_parallel_world_size()
+    pp = ps.get_pipeline_model_parallel_world_size()
+    cp = ps.get_context_parallel_world_size()
+    validate_parallel(arch, tp=tp, pp=pp, tokenizer_vocab_size=tokenizer_vocab_size)
+    use_te = te_available() if use_te is None else use_te
+    config = transformer_config(arch, tp=tp, pp=pp, cp=cp, use_te=use_te, **(config_overrides or {}))
+    if cp > 1 and not use_te:
+        raise ModelConfigError("context_parallel > 1 needs Transformer Engine (the local spec has no CP attention)")
+    if pre_process is None:
+        pre_process = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+    if post_process is None:
+        post_process = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(config, use_te=use_te, vp_stage=vp_stage),
+        vocab_size=arch.vocab_size,
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
+        rope_scaling=arch.rope_scaling_factor is not None,
+        rope_scaling_factor=arch.rope_scaling_factor or 8.0,
+        vp_stage=vp_stage,
+    )
+
+
+def model_provider(hf_config: Any, **kwargs: Any) -> Callable[..., Any]:
+    """A Megatron-LM style `model_provider(pre_process, post_process, vp_stage=None)`."""
+
+    def provide(pre_process: bool = True, post_process: bool = True, vp_stage: Optional[int] = None, **_):
+        return build_gpt_model(hf_config, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage, **kwargs)
+
+    return provide
+
+
+def wrap_ddp(
+    model,
+    *,
+    use_distributed_optimizer: bool = False,
+    grad_reduce_in_fp32: bool = True,
+    overlap_grad_reduce: bool = False,
+    **ddp_kwargs: Any,
+):
+    """Wrap a built chunk in megatron's DDP (and Float16Module for bf16/fp16 on GPU)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer.module import Float16Module
+
+    config = model.config
+    if config.bf16 or config.fp16:
+        model = Float16Module(config, model)
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=grad_reduce_in_fp32,
+        overlap_grad_reduce=overlap_grad_reduce,
+        use_distributed_optimizer=use_distributed_optimizer,
+        **ddp_kwargs,
+    )
+    return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+
+
+def build_model_chunks(
+    hf_config: Any,
+    *,
+    wrap: bool = True,
+    use_distributed_optimizer: bool = False,
+    init: Optional[Callable[[list], None]] = None,
+    **build_kwargs: Any,
+) -> list:
+    """This rank's model chunks (one per virtual stage; one here), built and DDP-wrapped.
+
+    `init(chunks)` runs on the bare chunks before wrapping (e.g. loading weights).
+    """
+    from megatron.core.distributed import finalize_model_grads
+
+    chunk = build_gpt_model(hf_config, **build_kwargs)
+    if not torch.cuda.is_available():
+        chunk = chunk.to(torch.device("cpu"))
+    if init is not None:
+        init([chunk])
+    if not wrap:
+        return [chunk]
+    chunks = [wrap_ddp(chunk, use_distributed_optimizer=use_distributed_optimizer)]
+    # What Megatron-LM's setup does: the schedules call these to reduce gradients over DP
+    # (and SP norms, tied embeddings across PP) and to skip grad sync between micro-batches.
+    chunk.config.finalize_model_grads_func = finalize_model_grads
+    chunk.config.no_sync_func = chunks[0].no_sync
+    return chunks
+
+
+def unwrap(model):
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    from megatron.core.utils import get_attr_wrapped_model
+
+    return get_attr_wrapped_model(model, "decoder", return_model_obj=True)
+

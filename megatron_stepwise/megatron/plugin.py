@@ -1,0 +1,402 @@
+"""`StepwisePlugin`: step-wise RL training inside a megatron-core training loop.
+
+It gives an existing loop the two things megatron-core's schedules need,
+`forward_step(data_iterator, model) -> (output_tensor, loss_func)` for
+`get_forward_backward_func()` (the same signature Megatron-LM's `pretrain` takes), and a data
+iterator of packed micro-batches, plus two drivers built from them:
+
+- `train_minibatch(model_chunks, optimizer, batch)`: one optimizer step on one mini-batch;
+- `compute_logprobs(model_chunks, batch)`: forward-only log-probs (old / reference policy).
+
+Loss normalisation. Token weights are computed once per mini-batch (`loss_token_weights`
+divides by the global denominator of the chosen reduction), so the mini-batch loss is the sum
+over micro-batches and DP ranks of each micro-batch's `sum_t w_t * l_t`. megatron-core then
+rescales exactly once, and the loss function undoes it:
+- `calculate_per_token_loss=False` (default): the schedule divides each micro-batch loss by
+  the number of micro-batches M and DDP averages gradients over DP, so the loss function
+  returns `partial * M * dp`;
+- `calculate_per_token_loss=True`: the loss function returns `(partial * N, n_mb, ...)` where
+  n_mb is the micro-batch's trained-token count and N their total over the mini-batch;
+  `finalize_model_grads` divides the DP-summed gradients by sum(n_mb) = N.
+Either way the gradient is d(mini-batch loss)/d(theta), whatever TP/PP/DP/micro-batch split.
+
+Every rank receives the same mini-batch; all input errors are raised before any collective,
+identically on every rank, so a bad batch never leaves other ranks waiting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+
+from megatron_stepwise.megatron.logprobs import trained_position_logprobs
+from megatron_stepwise.megatron.model import unwrap
+from megatron_stepwise.megatron.packing import PackedMicroBatch, alignment_for, pack_rows, response_values
+from megatron_stepwise.types import Step, StepBatch, StepwiseBatchError
+
+TRAIN, LOGPROBS = "train", "logprobs"
+
+
+@dataclass
+class MinibatchInputs:
+    """What a megatron loop passes to `get_forward_backward_func()` for one mini-batch."""
+
+    microbatches: list[PackedMicroBatch]
+    num_microbatches: int
+    seq_length: int  # longest packed micro-batch (PP shapes are exchanged per micro-batch anyway)
+
+    def data_iterator(self) -> Iterator[PackedMicroBatch]:
+        return iter(self.microbatches)
+
+
+def _comm_device() -> torch.device:
+    # NCCL reduces CUDA tensors only; gloo CPU ones.
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+@contextlib.contextmanager
+def _output_layer_bypassed(gpt):
+    """Make the GPTModel return its final hidden states instead of full-vocabulary logits.
+
+    Shadowing the output layer's `forward` on the instance for one call keeps the user's
+    module (names, hooks, checkpoints) untouched; the log-prob head then applies the output
+    weight only at trained positions.
+    """
+    layer = gpt.output_layer
+
+    def passthrough(input_, weight=None, runtime_gather_output=None, **_):
+        return input_, None
+
+    layer.forward = passthrough
+    try:
+        yield
+    finally:
+        del layer.forward
+
+
+class StepwisePlugin:
+    """Step-wise policy-gradient training for megatron-core models (see module docstring).
+
+    loss_config: the `algo.losses.LossConfig` (policy loss, clipping, reduction, KL, entropy...).
+    max_tokens_per_microbatch: token budget of one packed micro-batch (real tokens).
+    The algorithm hooks default to `megatron_stepwise.algo` and can be replaced:
+    `policy_loss(inputs, cfg) -> (partial_sum, metrics)`, `token_weights(batch, reduction,
+    max_response_len=...) -> [T]`, `plan_microbatches(lengths, dp_size=, max_tokens=)`,
+    `loss_inputs(**fields)` (the `LossInputs` constructor).
+    """
+
+    def __init__(
+        self,
+        loss_config: Any,
+        *,
+        max_tokens_per_microbatch: int,
+        logprob_chunk_tokens: Optional[int] = None,
+        pad_token_id: int = 0,
+        policy_loss: Optional[Callable] = None,
+        token_weights: Optional[Callable] = None,
+        plan_microbatches: Optional[Callable] = None,
+        loss_inputs: Optional[Callable] = None,
+    ):
+        if max_tokens_per_microbatch < 1:
+            raise ValueError(f"max_tokens_per_microbatch must be >= 1, got {max_tokens_per_microbatch}")
+        self.loss_config = loss_config
+        self.max_tokens = int(max_tokens_per_microbatch)
+        self.chunk_tokens = logprob_chunk_tokens
+        self.pad_token_id = pad_token_id
+        self._policy_loss = policy_loss
+        self._token_weights = token_weights
+        self._plan = plan_microbatches
+        self._loss_inputs = loss_inputs
+
+    # ----------------------------------------------------------------- algorithm hooks
+    def _algo(self):
+        if None in (self._policy_loss, self._token_weights, self._loss_inputs):
+            from megatron_stepwise.algo import losses
+
+            self._policy_loss = self._policy_loss or losses.policy_loss
+            self._token_weights = self._token_weights or losses.loss_token_weights
+            self._loss_inputs = self._loss_inputs or losses.LossInputs
+        if self._plan is None:
+            from megatron_stepwise.algo.batching import plan_microbatches
+
+            self._plan = plan_microbatches
+
+    # ----------------------------------------------------------------- input preparation
+    @staticmethod
+    def as_batch(steps_or_batch: Union[StepBatch, Sequence[Step]]) -> StepBatch:
+        if isinstance(steps_or_batch, StepBatch):
+            return steps_or_batch
+        return StepBatch.from_steps(list(steps_or_batch))
+
+    def _check_batch(self, batch: StepBatch, gpt, *, need: Sequence[str]) -> None:
+        if batch.num_rows == 0:
+            raise StepwiseBatchError("mini-batch has no steps")
+        vocab = int(gpt.vocab_size)
+        bad = (batch.tokens < 0) | (batch.tokens >= vocab)
+        if bool(bad.any()):
+            i = int(torch.nonzero(bad)[0])
+            r = int(torch.searchsorted(batch.offsets, torch.tensor(i), right=True)) - 1
+            raise StepwiseBatchError(
+                f"step {r}: token id {int(batch.tokens[i])} is outside the model vocabulary [0, {vocab})"
+            )
+        for name in need:
+            if name not in batch.token_fields:
+                raise StepwiseBatchError(f"mini-batch is missing the per-token field {name!r}")
+        lengths = batch.lengths
+        over = torch.nonzero(lengths > self.max_tokens).flatten()
+        if over.numel():
+            r = int(over[0])
+            raise StepwiseBatchError(
+                f"step {r}: {int(lengths[r])} tokens do not fit the micro-batch budget "
+                f"max_tokens_per_microbatch={self.max_tokens}"
+            )
+
+    def _layout(self, model_chunks) -> tuple[int, int, int]:
+        from megatron.core import parallel_state as ps
+
+        if len(model_chunks) != 1:
+            raise NotImplementedError("virtual pipeline parallelism (several model chunks per rank) is not supported")
+        return (
+            ps.get_data_parallel_world_size(),
+            ps.get_data_parallel_rank(),
+            ps.get_context_parallel_world_size(),
+        )
+
+    def prepare_minibatch(
+        self,
+        model_chunks: list,
+        steps_or_batch: Union[StepBatch, Sequence[Step]],
+        *,
+        mode: str = TRAIN,
+    ) -> MinibatchInputs:
+        """Validate, weight (once per mini-batch), plan and pack this DP rank's micro-batches."""
+        self._algo()
+        batch = self.as_batch(steps_or_batch)
+        gpt = unwrap(model_chunks[0])
+        dp, dp_rank, cp = self._layout(model_chunks)
+        if cp > 1:
+            raise NotImplementedError("context parallelism is not supported by the step-wise packing yet")
+        cfg = gpt.config
+        need = ("loss_mask", "advantages") if mode == TRAIN else ("loss_mask",)
+        self._check_batch(batch, gpt, need=need)
+        n_trained = int((batch.token_fields["loss_mask"] != 0).sum())
+        if n_trained == 0:
+            raise StepwiseBatchError(
+                "mini-batch has no trainable token (loss_mask is 0 on every step): nothing to "
+                + ("train" if mode == TRAIN else "score")
+            )
+        plan = self._plan(batch.lengths.tolist(), dp_size=dp, max_tokens=self.max_tokens)
+        if len(plan) != dp or len({len(p) for p in plan}) != 1:
+            raise RuntimeError(f"micro-batch planner returned an invalid plan for dp_size={dp}")
+        fields = {}
+        if mode == TRAIN:
+            weights = self._token_weights(
+                batch,
+                self.loss_config.reduction,
+                max_response_len=getattr(self.loss_config, "max_response_len", None),
+            )
+            fields["weights"] = weights.float()
+            for name in ("advantages", "old_logprobs", "rollout_logprobs", "ref_logprobs"):
+                if name in batch.token_fields:
+                    fields[name] = batch.token_fields[name].float()
+        align = alignment_for(cfg.tensor_model_parallel_size, cfg.sequence_parallel, cp)
+        mbs = []
+        for rows in plan[dp_rank]:
+            mb = pack_rows(batch, rows, align=align, pad_token_id=self.pad_token_id, max_tokens=self.max_tokens)
+            mb.fields = {k: v[mb.token_index] for k, v in fields.items()}
+            mb.mode = mode
+            mbs.append(mb)
+        num_mb = len(mbs)
+        scale = float(num_mb * dp) if not cfg.calculate_per_token_loss else float(n_trained)
+        for mb in mbs:
+            mb.loss_scale = scale
+        return MinibatchInputs(mbs, num_mb, max(mb.seq_len for mb in mbs))
+
+    # ----------------------------------------------------------------- megatron hooks
+    def forward_step(self, data_iterator, model, *_args, **_kwargs):
+        """megatron-core forward step: packed micro-batch -> (output tensor, loss function)."""
+        mb: PackedMicroBatch = next(data_iterator)
+        gpt = unwrap(model)
+        device = next(gpt.parameters()).device
+        tokens = mb.tokens.to(device)
+        positions = mb.position_ids.to(device)
+        bypass = _output_layer_bypassed(gpt) if gpt.post_process else contextlib.nullcontext()
+        with bypass:
+            output = model(tokens, positions, None, packed_seq_params=mb.packed_seq_params(device))
+        return output, functools.partial(self._loss_func, mb, gpt)
+
+    def _loss_func(self, mb: PackedMicroBatch, gpt, output_tensor, non_loss_data: bool = False):
+        mode = mb.mode
+        with_entropy = mode == TRAIN
+        logprobs, entropy = trained_position_logprobs(
+            output_tensor,
+            mb.pred_index,
+            mb.targets,
+            gpt,
+            chunk_tokens=self.chunk_tokens,
+            with_entropy=with_entropy,
+        )
+        if mode == LOGPROBS:
+            data = {"token_index": mb.token_index, "logprobs": logprobs.detach().cpu()}
+            if non_loss_data:
+                return data
+            zero = output_tensor.reshape(-1)[:0].sum()
+            return zero, data
+        return self._train_loss(mb, gpt, output_tensor, logprobs, entropy)
+
+    def _train_loss(self, mb, gpt, output_tensor, logprobs, entropy):
+        device = logprobs.device
+        f = {k: v.to(device) for k, v in mb.fields.items()}
+        old = f.get("old_logprobs")
+        inputs = self._loss_inputs(
+            logprobs=logprobs,
+            old_logprobs=old if old is not None else logprobs.detach(),
+            advantages=f["advantages"],
+            weights=f["weights"],
+            segment_ids=mb.row_ids.to(device),
+            rollout_logprobs=f.get("rollout_logprobs"),
+            ref_logprobs=f.get("ref_logprobs"),
+            entropy=entropy,
+        )
+        partial, metrics = self._policy_loss(inputs, self.loss_config)
+        # Exactly 0 with a zero gradient, but it keeps the graph connected to the model output
+        # for micro-batches without trained tokens (PP needs a backward through every stage).
+        partial = partial + output_tensor.reshape(-1)[:0].sum()
+        reported = {"loss": partial.detach()}
+        reported.update({f"loss/{k}": v.detach() for k, v in metrics.items()})
+        lp = logprobs.detach()
+        reported["tokens/trained"] = torch.tensor(float(mb.num_trained))
+        reported["tokens/total"] = torch.tensor(float(mb.num_real_tokens))
+        reported["entropy_sum"] = entropy.detach().double().sum()
+        if "rollout_logprobs" in f:
+            known = f["rollout_logprobs"] != 0
+            reported["rollout_gap_sum"] = (lp - f["rollout_logprobs"]).abs()[known].double().sum()
+            reported["rollout_known"] = known.double().sum()
+        scaled = partial * mb.loss_scale
+        if gpt.config.calculate_per_token_loss:
+            return scaled, torch.tensor(mb.num_trained, dtype=torch.int, device=device), reported
+        return scaled, reported
+
+    # ----------------------------------------------------------------- reductions
+    @staticmethod
+    def reduce_metrics(losses: list) -> dict[str, float]:
+        """Sum the loss function's partials over micro-batches (last stage), then over DP, and
+        share them with every pipeline stage; derive means. Identical on every rank."""
+        from megatron.core import parallel_state as ps
+
+        keys = sorted(losses[0].keys()) if losses else []
+        if ps.is_pipeline_last_stage(ignore_virtual=True):
+            vec = torch.zeros(len(keys), dtype=torch.float64)
+            for item in losses:
+                vec += torch.stack([item[k].detach().double().cpu().reshape(()) for k in keys])
+            if ps.get_data_parallel_world_size() > 1:
+                buf = vec.to(_comm_device())
+                dist.all_reduce(buf, group=ps.get_data_parallel_group(with_context_parallel=True))
+                vec = buf.cpu()
+            payload = [dict(zip(keys, vec.tolist()))]
+        else:
+            payload = [None]
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            dist.broadcast_object_list(
+                payload,
+                src=ps.get_pipeline_model_parallel_last_rank(),
+                group=ps.get_pipeline_model_parallel_group(),
+            )
+        sums = payload[0]
+        out = {k: v for k, v in sums.items() if k not in ("entropy_sum", "rollout_gap_sum", "rollout_known")}
+        n = sums.get("tokens/trained", 0.0)
+        if n:
+            out["entropy"] = sums["entropy_sum"] / n
+        if sums.get("rollout_known"):
+            out["logprob_gap/train_vs_rollout"] = sums["rollout_gap_sum"] / sums["rollout_known"]
+        return out
+
+    # ----------------------------------------------------------------- drivers
+    def train_minibatch(
+        self,
+        model_chunks: list,
+        optimizer,
+        steps_or_batch: Union[StepBatch, Sequence[Step]],
+        *,
+        lr_scheduler=None,
+    ) -> dict[str, float]:
+        """One optimizer step on one mini-batch; returns metrics identical on every rank."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        if unwrap(model_chunks[0]).config.finalize_model_grads_func is None:
+            raise RuntimeError(
+                "model config has no finalize_model_grads_func: gradients would not be reduced over DP, "
+                "sequence-parallel norms or tied embeddings. Set config.finalize_model_grads_func = "
+                "megatron.core.distributed.finalize_model_grads (as Megatron-LM's setup does, and "
+                "model.build_model_chunks does)."
+            )
+        inputs = self.prepare_minibatch(model_chunks, steps_or_batch, mode=TRAIN)
+        for chunk in model_chunks:
+            chunk.train()
+            if hasattr(chunk, "zero_grad_buffer"):
+                chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        losses = get_forward_backward_func()(
+            forward_step_func=self.forward_step,
+            data_iterator=inputs.data_iterator(),
+            model=model_chunks,
+            num_microbatches=inputs.num_microbatches,
+            seq_length=inputs.seq_length,
+            micro_batch_size=1,
+            forward_only=False,
+        )
+        metrics = self.reduce_metrics(losses)
+        update_successful, grad_norm, _ = optimizer.step()
+        if lr_scheduler is not None and update_successful:
+            lr_scheduler.step(increment=1)
+        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        metrics["update_successful"] = float(bool(update_successful))
+        metrics["num_microbatches"] = float(inputs.num_microbatches)
+        return metrics
+
+    @torch.no_grad()
+    def compute_logprobs_flat(self, model_chunks: list, steps_or_batch: Union[StepBatch, Sequence[Step]]) -> torch.Tensor:
+        """Forward-only log-probs of every trained token, as a flat [T] float32 tensor aligned
+        with the batch's tokens (0 where loss_mask is 0). Identical on every rank."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        batch = self.as_batch(steps_or_batch)
+        inputs = self.prepare_minibatch(model_chunks, batch, mode=LOGPROBS)
+        for chunk in model_chunks:
+            chunk.eval()
+        outputs = get_forward_backward_func()(
+            forward_step_func=self.forward_step,
+            data_iterator=inputs.data_iterator(),
+            model=model_chunks,
+            num_microbatches=inputs.num_microbatches,
+            seq_length=inputs.seq_length,
+            micro_batch_size=1,
+            forward_only=True,
+            collect_non_loss_data=True,
+        )
+        for chunk in model_chunks:
+            chunk.train()
+        flat = torch.zeros(batch.tokens.numel(), dtype=torch.float32)
+        # Each trained token is filled by exactly one rank (its DP rank's last stage, TP rank 0),
+        # so a SUM all-reduce over the world assembles the batch on every rank.
+        if ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0:
+            for item in outputs:
+                flat[item["token_index"]] = item["logprobs"].float()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            buf = flat.to(_comm_device())
+            dist.all_reduce(buf)
+            flat = buf.cpu()
+        return flat
+
+    def compute_logprobs(self, model_chunks: list, steps_or_batch: Union[StepBatch, Sequence[Step]]) -> list[torch.Tensor]:
+        """Per-step response-aligned log-probs (0 where loss_mask is 0), e.g. old or reference
+        policy log-probs; store them with `set_response_field(batch, 'old_logprobs', ...)` or
+        directly as `batch.token_fields['old_logprobs'] = compute_logprobs_flat(...)`."""
+        batch = self.as_batch(steps_or_batch)
+        return response_values(batch, self.compute_logprobs_flat(model_chunks, batch))

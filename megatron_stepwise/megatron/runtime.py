@@ -1,0 +1,197 @@
+"""Process groups for megatron-core: torch.distributed + model-parallel state, GPU or CPU.
+
+`init_distributed` reads the launcher's environment (torchrun or SLURM), starts
+torch.distributed (NCCL on GPU, gloo on CPU), creates megatron-core's TP/PP/CP/DP groups and
+seeds the RNGs the Megatron way. On a machine without a GPU it enables the CPU compatibility
+layer (`cpu_compat`) for the lifetime of the runtime; `destroy_distributed` undoes everything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_stepwise.megatron import cpu_compat
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Where this process sits. Sizes multiply to the world size."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    tp: int
+    pp: int
+    cp: int
+    dp: int
+    tp_rank: int
+    pp_rank: int
+    cp_rank: int
+    dp_rank: int
+    device: torch.device
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+
+
+def launch_env(environ: Optional[dict] = None) -> LaunchEnv:
+    """Rank/world/master from torchrun (RANK, WORLD_SIZE, LOCAL_RANK) or SLURM (SLURM_PROCID...).
+
+    A single process with neither set is a world of one.
+    """
+    env = os.environ if environ is None else environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        rank, world, local = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0))
+    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        rank, world = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
+        local = int(env.get("SLURM_LOCALID", 0))
+    else:
+        rank, world, local = 0, 1, 0
+    # SLURM: the launch node's address is the usual rendezvous when the batch script set none.
+    addr = env.get("MASTER_ADDR") or env.get("SLURM_LAUNCH_NODE_IPADDR") or "127.0.0.1"
+    if "MASTER_PORT" in env:
+        port = int(env["MASTER_PORT"])
+    elif "SLURM_JOB_ID" in env:
+        port = 20000 + int(env["SLURM_JOB_ID"]) % 20000
+    else:
+        port = 29500
+    if not 0 <= rank < world:
+        raise ValueError(f"launcher environment: rank {rank} is outside world size {world}")
+    return LaunchEnv(rank, world, local, addr, port)
+
+
+def init_distributed(
+    tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
+    context_parallel: int = 1,
+    *,
+    seed: int = 1234,
+    backend: Optional[str] = None,
+    timeout_minutes: int = 10,
+) -> ParallelLayout:
+    """Start torch.distributed and megatron-core's parallel state; returns this rank's layout.
+
+    The data-parallel size is what remains: world / (tp * pp * cp).
+    """
+    from megatron.core import parallel_state as ps
+
+    env = launch_env()
+    model_parallel = tensor_parallel * pipeline_parallel * context_parallel
+    if min(tensor_parallel, pipeline_parallel, context_parallel) < 1:
+        raise ValueError(
+            f"parallel sizes must be >= 1, got tensor_parallel={tensor_parallel}, "
+            f"pipeline_parallel={pipeline_parallel}, context_parallel={context_parallel}"
+        )
+    if env.world_size % model_parallel:
+        raise ValueError(
+            f"world size {env.world_size} is not divisible by tensor_parallel x pipeline_parallel x "
+            f"context_parallel = {tensor_parallel} x {pipeline_parallel} x {context_parallel}"
+        )
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+        cpu_compat.enable_cpu_compat()
+    backend = backend or ("nccl" if use_cuda else "gloo")
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", env.master_addr)
+        os.environ.setdefault("MASTER_PORT", str(env.master_port))
+        dist.init_process_group(
+            backend=backend,
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=timedelta(minutes=timeout_minutes),
+        )
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_parallel,
+        pipeline_model_parallel_size=pipeline_parallel,
+        context_parallel_size=context_parallel,
+        distributed_timeout_minutes=timeout_minutes,
+    )
+    layout = current_layout(device=device, local_rank=env.local_rank)
+    set_seed(seed, layout)
+    return layout
+
+
+def current_layout(*, device: Optional[torch.device] = None, local_rank: int = 0) -> ParallelLayout:
+    """The layout of this process from megatron-core's parallel state (must be initialised)."""
+    from megatron.core import parallel_state as ps
+
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return ParallelLayout(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=local_rank,
+        tp=ps.get_tensor_model_parallel_world_size(),
+        pp=ps.get_pipeline_model_parallel_world_size(),
+        cp=ps.get_context_parallel_world_size(),
+        dp=ps.get_data_parallel_world_size(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        cp_rank=ps.get_context_parallel_rank(),
+        dp_rank=ps.get_data_parallel_rank(),
+        device=device,
+    )
+
+
+def set_seed(seed: int, layout: ParallelLayout) -> None:
+    """Seed python/torch the way Megatron-LM does: offset per pipeline stage, then the
+    model-parallel RNG tracker (TP ranks get distinct streams for their shards)."""
+    from megatron.core import tensor_parallel
+
+    stage_seed = seed + 100 * layout.pp_rank
+    random.seed(stage_seed)
+    torch.manual_seed(stage_seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(stage_seed)
+
+
+def destroy_distributed() -> None:
+    """Tear down megatron-core's groups, torch.distributed, and the CPU compatibility layer."""
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if cpu_compat.cpu_compat_active():
+        cpu_compat.disable_cpu_compat()
+
+
+@contextlib.contextmanager
+def distributed(
+    tensor_parallel: int = 1, pipeline_parallel: int = 1, context_parallel: int = 1, **kwargs
+) -> Iterator[ParallelLayout]:
+    """`with distributed(tp, pp) as layout:` — init on entry, teardown on exit."""
+    layout = init_distributed(tensor_parallel, pipeline_parallel, context_parallel, **kwargs)
+    try:
+        yield layout
+    finally:
+        destroy_distributed()

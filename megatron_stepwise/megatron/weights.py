@@ -1,0 +1,153 @@
+"""Full (unsharded) views of a megatron model's parameters and gradients, by canonical name.
+
+A canonical name is the parameter's name in the unwrapped `GPTModel` with the layer index
+made global (`decoder.layers.{pp_offset + i}`), so the same name means the same tensor at
+every TP/PP layout. A full tensor is the concatenation of the TP shards along the
+parameter's `partition_dim`, except for SwiGLU's `linear_fc1`, whose shard r holds
+`[gate_r; up_r]` and whose full form is `[gate; up]` (independent of TP).
+
+Used to give every layout identical weights (`init_deterministic`, `load_full_state`) and to
+compare gradients across layouts (`full_state(grads=True)`). It is also the basis for an
+HF export (gather) and import (shard).
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def _model(chunk):
+    from megatron_stepwise.megatron.model import unwrap
+
+    return unwrap(chunk)
+
+
+def _layer_offset(model) -> int:
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    return get_transformer_layer_offset(model.config, vp_stage=getattr(model, "vp_stage", None))
+
+
+def canonical_params(chunk) -> Iterator[tuple[str, torch.nn.Parameter]]:
+    """(canonical name, parameter) for one model chunk, in a rank-independent order."""
+    model = _model(chunk)
+    offset = _layer_offset(model)
+    tied_copy = model.share_embeddings_and_output_weights and not model.pre_process
+    for name, param in model.named_parameters():
+        m = _LAYER.match(name)
+        if m:
+            name = f"decoder.layers.{int(m.group(1)) + offset}." + name[m.end():]
+        if tied_copy and name == "output_layer.weight":
+            # The last stage's copy of the tied word embeddings (kept equal by megatron).
+            name = "embedding.word_embeddings.weight"
+        yield name, param
+
+
+def _is_glu_fc1(name: str, model) -> bool:
+    return model.config.gated_linear_unit and ".mlp.linear_fc1." in name
+
+
+def _tp():
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_group()
+
+
+def _gather(local: torch.Tensor, param, name: str, model) -> torch.Tensor:
+    tp, _, group = _tp()
+    if tp == 1 or not getattr(param, "tensor_model_parallel", False):
+        return local.detach().clone()
+    parts = [torch.empty_like(local) for _ in range(tp)]
+    dist.all_gather(parts, local.detach().contiguous(), group=group)
+    dim = param.partition_dim
+    if _is_glu_fc1(name, model):
+        halves = [p.chunk(2, dim=dim) for p in parts]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=dim)
+    return torch.cat(parts, dim=dim)
+
+
+def _shard(full: torch.Tensor, param, name: str, model) -> torch.Tensor:
+    tp, rank, _ = _tp()
+    if tp == 1 or not getattr(param, "tensor_model_parallel", False):
+        return full
+    dim = param.partition_dim
+    if _is_glu_fc1(name, model):
+        gate, up = full.chunk(2, dim=dim)
+        return torch.cat([gate.chunk(tp, dim=dim)[rank], up.chunk(tp, dim=dim)[rank]], dim=dim)
+    return full.chunk(tp, dim=dim)[rank]
+
+
+def full_shape(param, name: str) -> tuple[int, ...]:
+    tp, _, _ = _tp()
+    shape = list(param.shape)
+    if tp > 1 and getattr(param, "tensor_model_parallel", False):
+        shape[param.partition_dim] *= tp
+    return tuple(shape)
+
+
+def full_state(chunks: list, *, grads: bool = False) -> dict[str, torch.Tensor]:
+    """Full tensors (fp32, CPU) of this pipeline stage's parameters, or of their gradients
+    (`main_grad` under megatron DDP). Collective over the TP group."""
+    out: dict[str, torch.Tensor] = {}
+    for chunk in chunks:
+        model = _model(chunk)
+        for name, param in canonical_params(chunk):
+            if grads:
+                local = getattr(param, "main_grad", None)
+                if local is None:
+                    local = param.grad if param.grad is not None else torch.zeros_like(param)
+            else:
+                local = param.data
+            out[name] = _gather(local.float(), param, name, model).cpu()
+    return out
+
+
+@torch.no_grad()
+def load_full_state(chunks: list, state: dict[str, torch.Tensor], *, strict: bool = True) -> None:
+    """Copy each parameter's shard out of full tensors keyed by canonical name."""
+    for chunk in chunks:
+        model = _model(chunk)
+        for name, param in canonical_params(chunk):
+            if name not in state:
+                if strict:
+                    raise KeyError(f"load_full_state: no tensor for parameter {name!r}")
+                continue
+            full = state[name]
+            if tuple(full.shape) != full_shape(param, name):
+                raise ValueError(
+                    f"load_full_state: {name!r} has shape {tuple(full.shape)}, expected {full_shape(param, name)}"
+                )
+            param.data.copy_(_shard(full, param, name, model).to(param.dtype))
+
+
+def deterministic_full_tensor(name: str, shape: tuple[int, ...], seed: int, std: float = 0.02) -> torch.Tensor:
+    """A layout-independent value for parameter `name`: seeded by (seed, name).
+
+    1-D norm weights get 1 + 0.1 * noise (so they matter), biases 0.02 * noise, matrices
+    std * noise.
+    """
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+    noise = torch.randn(shape, generator=gen, dtype=torch.float32)
+    if len(shape) == 1 and "norm" in name:
+        return 1.0 + 0.1 * noise
+    if len(shape) == 1:
+        return 0.02 * noise
+    return std * noise
+
+
+@torch.no_grad()
+def init_deterministic(chunks: list, seed: int = 0, std: float = 0.02) -> None:
+    """Give every parameter its layout-independent deterministic value (see above)."""
+    for chunk in chunks:
+        model = _model(chunk)
+        for name, param in canonical_params(chunk):
+            full = deterministic_full_tensor(name, full_shape(param, name), seed, std)
+            param.data.copy_(_shard(full, param, name, model).to(param.dtype))
+

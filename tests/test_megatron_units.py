@@ -1,0 +1,220 @@
+"""Single-process tests of the Megatron pieces: packing, log-probs at trained positions, the
+packed attention, and the HF-config front end. (Layout invariance runs under torchrun in
+test_megatron_parallel.py.)"""
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from megatron_stepwise.megatron import model as M  # noqa: E402
+from megatron_stepwise.megatron.logprobs import reference_logprobs, vocab_parallel_logprobs  # noqa: E402
+from megatron_stepwise.megatron.packing import pack_rows, response_values, set_response_field  # noqa: E402
+from megatron_stepwise.types import Step, StepBatch, StepwiseBatchError, TrajectoryID  # noqa: E402
+
+
+def small_batch():
+    tid = TrajectoryID("p", 0)
+    return StepBatch.from_steps(
+        [
+            Step(tid, [5, 6], [7, 8, 9], [1, 1, 0]),
+            Step(tid, [1], [2, 3], [0, 1]),
+            Step(tid, [4, 4, 4], [], [], is_last_step=True),
+        ]
+    )
+
+
+# ---------------------------------------------------------------- packing
+
+
+def test_pack_rows_layout_by_hand():
+    mb = pack_rows(small_batch(), [1, 0], align=4)
+    assert mb.tokens.tolist() == [[1, 2, 3, 5, 6, 7, 8, 9]]  # 8 tokens: already aligned, no pad
+    assert mb.position_ids.tolist() == [[0, 1, 2, 0, 1, 2, 3, 4]]
+    assert mb.cu_seqlens.tolist() == [0, 3, 8] and mb.max_seqlen == 5
+    # trained tokens: step1's '3' (packed 2), step0's '7','8' (packed 5, 6); predicted one earlier
+    assert mb.pred_index.tolist() == [1, 4, 5]
+    assert mb.targets.tolist() == [3, 7, 8]
+    assert mb.token_index.tolist() == [7, 2, 3]
+    assert mb.row_ids.tolist() == [1, 0, 0]
+    assert mb.num_real_tokens == 8 and mb.num_trained == 3
+
+
+def test_pack_rows_pads_to_alignment_as_its_own_segment():
+    mb = pack_rows(small_batch(), [2], align=4, pad_token_id=0)
+    assert mb.tokens.tolist() == [[4, 4, 4, 0]]
+    assert mb.position_ids.tolist() == [[0, 1, 2, 0]]
+    assert mb.cu_seqlens.tolist() == [0, 3, 4]
+    assert mb.num_trained == 0 and mb.num_real_tokens == 3
+
+
+def test_empty_microbatch_is_loss_neutral_padding():
+    mb = pack_rows(small_batch(), [], align=2)
+    assert mb.tokens.tolist() == [[0, 0]] and mb.cu_seqlens.tolist() == [0, 2]
+    assert mb.num_trained == 0 and mb.num_real_tokens == 0 and mb.rows == []
+
+
+def test_pack_rows_gathers_fields_at_trained_tokens():
+    b = small_batch()
+    set_response_field(b, "advantages", [torch.tensor([0.5, 0.5, 0.0]), torch.tensor([0.0, -1.0]), torch.zeros(0)])
+    mb = pack_rows(b, [0, 1], gather_fields=["advantages"])
+    assert mb.fields["advantages"].tolist() == [0.5, 0.5, -1.0]
+    assert [v.tolist() for v in response_values(b, b.token_fields["advantages"])] == [[0.5, 0.5, 0.0], [0.0, -1.0], []]
+
+
+def test_pack_rows_errors_name_the_step_and_budget():
+    with pytest.raises(StepwiseBatchError, match=r"max_tokens=4"):
+        pack_rows(small_batch(), [0], max_tokens=4)
+    tid = TrajectoryID("q", 0)
+    b = StepBatch.from_steps([Step(tid, [1], [2], [1]), Step(tid, [], [3, 4], [1, 1], is_last_step=True)])
+    with pytest.raises(StepwiseBatchError, match=r"step 1: field 'loss_mask'"):
+        pack_rows(b, [0, 1])
+    with pytest.raises(StepwiseBatchError, match=r"step 1: field 'x' has 1 values for 2"):
+        set_response_field(b, "x", [torch.zeros(1), torch.zeros(1)])
+
+
+# ---------------------------------------------------------------- log-probs
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 1000])
+def test_logprobs_and_entropy_match_full_logits_with_gradients(chunk):
+    g = torch.Generator().manual_seed(0)
+    n, h, v = 23, 16, 50
+    hidden = torch.randn(n, h, generator=g, requires_grad=True)
+    weight = (0.3 * torch.randn(v, h, generator=g)).requires_grad_()
+    targets = torch.randint(0, v, (n,), generator=g)
+    a, b = torch.randn(n, generator=g), torch.randn(n, generator=g)
+
+    lp, ent = vocab_parallel_logprobs(hidden, weight, targets, chunk_tokens=chunk)
+    (a * lp + b * ent).sum().backward()
+    grads = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    lp_ref, ent_ref = reference_logprobs(hidden @ weight.t(), targets)
+    (a * lp_ref + b * ent_ref).sum().backward()
+
+    torch.testing.assert_close(lp, lp_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent, ent_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grads[0], hidden.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grads[1], weight.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_logprobs_without_entropy_and_with_no_rows():
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(4, 8, generator=g, requires_grad=True)
+    weight = torch.randn(10, 8, generator=g, requires_grad=True)
+    targets = torch.tensor([0, 9, 3, 3])
+    lp, ent = vocab_parallel_logprobs(hidden, weight, targets, with_entropy=False)
+    assert torch.equal(ent, torch.zeros(4))
+    lp.sum().backward()
+    hg = hidden.grad.clone()
+    hidden.grad = None
+    reference_logprobs(hidden @ weight.t(), targets)[0].sum().backward()
+    torch.testing.assert_close(hg, hidden.grad, rtol=1e-5, atol=1e-6)
+
+    empty = hidden[:0]
+    lp0, ent0 = vocab_parallel_logprobs(empty, weight, targets[:0])
+    assert lp0.shape == (0,) and ent0.shape == (0,)
+    weight.grad = None
+    (lp0.sum() + ent0.sum()).backward()
+    assert torch.equal(weight.grad, torch.zeros_like(weight))
+
+
+def test_logprobs_shard_offset_selects_the_right_vocabulary_slice():
+    # One rank holding ids [20, 40): targets outside its shard contribute only to the normaliser.
+    g = torch.Generator().manual_seed(2)
+    hidden, full = torch.randn(6, 8, generator=g), torch.randn(40, 8, generator=g)
+    targets = torch.tensor([25, 39, 20, 30, 21, 38])
+    lp, ent = vocab_parallel_logprobs(hidden, full[20:], targets, vocab_start=20)
+    lp_ref, ent_ref = reference_logprobs(hidden @ full[20:].t(), targets - 20)
+    torch.testing.assert_close(lp, lp_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent, ent_ref, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- packed attention
+
+
+def test_packed_attention_is_block_diagonal_causal_with_gqa():
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_stepwise.megatron.local_layers import PackedCausalAttention
+
+    cfg = TransformerConfig(
+        num_layers=1, hidden_size=16, num_attention_heads=4, num_query_groups=2, kv_channels=4, attention_dropout=0.0
+    )
+    attn = PackedCausalAttention(cfg, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+    g = torch.Generator().manual_seed(0)
+    t, nh, ng, d = 8, 4, 2, 4
+    q, k, v = torch.randn(t, nh, d, generator=g), torch.randn(t, ng, d, generator=g), torch.randn(t, ng, d, generator=g)
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = torch.tensor([0, 3, 7, 8], dtype=torch.int32)
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=4, max_seqlen_kv=4)
+    out = attn(q, k, v, None, packed_seq_params=psp)
+
+    seg = torch.tensor([0, 0, 0, 1, 1, 1, 1, 2])
+    allowed = (seg[:, None] == seg[None, :]) & (torch.arange(t)[None, :] <= torch.arange(t)[:, None])
+    expected = torch.empty(t, nh, d)
+    for head in range(nh):
+        kv = head // (nh // ng)
+        scores = (q[:, head] @ k[:, kv].t()) / math.sqrt(d)
+        probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+        expected[:, head] = probs @ v[:, kv]
+    torch.testing.assert_close(out, expected.reshape(t, nh * d), rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- HF config front end
+
+
+def test_arch_from_transformers_configs():
+    from transformers import LlamaConfig, Qwen2Config
+
+    llama = M.arch_from_hf(
+        LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                    num_attention_heads=8, num_key_value_heads=2, rope_theta=500000.0, tie_word_embeddings=True)
+    )
+    assert (llama.num_heads, llama.num_kv_heads, llama.head_dim) == (8, 2, 8)
+    assert llama.rope_theta == 500000.0 and llama.rope_scaling_factor is None
+    assert not llama.qkv_bias and llama.tie_word_embeddings
+    qwen = M.arch_from_hf(Qwen2Config(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=4))
+    assert qwen.qkv_bias and qwen.model_type == "qwen2"
+
+
+def test_llama3_rope_scaling_and_unsupported_configs():
+    cfg = M.tiny_config(model_type="llama")
+    cfg["rope_scaling"] = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    assert M.arch_from_hf(cfg).rope_scaling_factor == 32.0
+    cfg["rope_scaling"]["low_freq_factor"] = 2.0
+    with pytest.raises(M.ModelConfigError, match="low_freq_factor"):
+        M.arch_from_hf(cfg)
+    with pytest.raises(M.ModelConfigError, match="model_type 'gpt2'"):
+        M.arch_from_hf({**M.tiny_config(), "model_type": "gpt2"})
+    with pytest.raises(M.ModelConfigError, match="hidden_act"):
+        M.arch_from_hf({**M.tiny_config(), "hidden_act": "gelu"})
+
+
+@pytest.mark.parametrize(
+    "overrides, tp, pp, key",
+    [
+        ({"num_heads": 6, "num_kv_heads": 6, "hidden_size": 48}, 4, 1, "num_attention_heads=6"),
+        ({"num_kv_heads": 1}, 2, 1, "num_key_value_heads=1"),
+        ({"ffn_hidden_size": 129}, 2, 1, "intermediate_size=129"),
+        ({"vocab_size": 257}, 2, 1, "vocab_size=257"),
+        ({"num_layers": 3}, 1, 2, "num_hidden_layers=3"),
+    ],
+)
+def test_validate_parallel_names_the_key(overrides, tp, pp, key):
+    arch = M.arch_from_hf(M.tiny_config(**overrides))
+    with pytest.raises(M.ModelConfigError, match=key):
+        M.validate_parallel(arch, tp=tp, pp=pp)
+
+
+def test_tokenizer_larger_than_model_vocab_is_rejected():
+    arch = M.arch_from_hf(M.tiny_config(vocab_size=256))
+    M.validate_parallel(arch, tp=1, pp=1, tokenizer_vocab_size=250)  # smaller: fine (padded vocab)
+    with pytest.raises(M.ModelConfigError, match="tokenizer has 300 tokens"):
+        M.validate_parallel(arch, tp=1, pp=1, tokenizer_vocab_size=300)
