@@ -143,6 +143,7 @@ class LocalEngine:
         self._inflight: dict[str, _Request] = {}
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{name}-model")
         self._loop_task: Optional[asyncio.Task] = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._wakeup: Optional[asyncio.Event] = None
         self._running: Optional[asyncio.Event] = None
         self._model_lock: Optional[asyncio.Lock] = None
@@ -153,12 +154,18 @@ class LocalEngine:
     # ---- scheduling -------------------------------------------------------------------------
 
     def _ensure_started(self) -> None:
-        if self._loop_task is None:
+        # (Re)start the scheduler on the running event loop; a new loop (e.g. a second
+        # asyncio.run) gets fresh events, since asyncio primitives are bound to one loop.
+        loop = asyncio.get_running_loop()
+        if self._loop_task is None or self._loop is not loop:
+            self._loop = loop
+            self._pending.clear()
+            self._inflight.clear()
             self._wakeup = asyncio.Event()
             self._running = asyncio.Event()
             self._running.set()
             self._model_lock = asyncio.Lock()
-            self._loop_task = asyncio.get_running_loop().create_task(self._schedule_loop())
+            self._loop_task = loop.create_task(self._schedule_loop())
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)

@@ -9,11 +9,22 @@ of the announced names, dtypes and shapes.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
+
+
+@dataclass
+class WeightGroup:
+    """A gloo process group plus the TCPStore it was built from (kept alive with it)."""
+
+    group: Any
+    store: Any
+    rank: int
+    world_size: int
 
 
 def _group(master_address: str, master_port: int, rank: int, world_size: int, timeout_s: float):
@@ -21,9 +32,7 @@ def _group(master_address: str, master_port: int, rank: int, world_size: int, ti
         raise ValueError(f"weight-update group: rank {rank} outside world_size {world_size}")
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore(master_address, int(master_port), world_size, is_master=(rank == 0), timeout=timeout)
-    group = dist.ProcessGroupGloo(store, rank, world_size, timeout)
-    group._store = store  # keep the store alive as long as the group
-    return group
+    return WeightGroup(dist.ProcessGroupGloo(store, rank, world_size, timeout), store, rank, world_size)
 
 
 def open_group(master_address: str, master_port: int, world_size: int, timeout_s: float = 300.0):
@@ -39,10 +48,10 @@ def join_group(master_address: str, master_port: int, rank: int, world_size: int
 def broadcast(group, tensors: Iterable[torch.Tensor]) -> None:
     """Trainer side: send tensors (in the order announced to the engines) from rank 0."""
     for t in tensors:
-        group.broadcast(t.detach().contiguous().cpu(), 0).wait()
+        group.group.broadcast(t.detach().contiguous().cpu(), 0).wait()
 
 
 def receive(group, buffers: Iterable[torch.Tensor]) -> None:
     """Engine side: fill `buffers` in place from rank 0's broadcasts."""
     for b in buffers:
-        group.broadcast(b, 0).wait()
+        group.group.broadcast(b, 0).wait()
