@@ -7,6 +7,7 @@ readable summary of what each stage did.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from typing import Callable, TypeVar
 
@@ -14,21 +15,38 @@ from megatron_stepwise.algo.batching import pad_for_data_parallel, prompt_miniba
 from megatron_stepwise.algo.merge import merge_steps
 from megatron_stepwise.algo.planner import DEFAULT_ATTENTION_WEIGHT, plan_microbatches, plan_stats
 from megatron_stepwise.synthetic import AgentWorkload, make_agent_steps
+from megatron_stepwise.types import StepwiseBatchError
 
 T = TypeVar("T")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _probability(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {value}")
+    return value
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("demo", help="run the step-wise batch pipeline on a synthetic agent batch",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prompts", type=int, default=16, help="prompts in the batch (default 16)")
-    p.add_argument("--samples", type=int, default=4, help="trajectories per prompt (default 4)")
-    p.add_argument("--max-turns", type=int, default=6, help="turns per trajectory: 1..N (default 6)")
-    p.add_argument("--drift", type=float, default=0.15,
+    p.add_argument("--prompts", type=_positive_int, default=16, help="prompts in the batch (default 16)")
+    p.add_argument("--samples", type=_positive_int, default=4, help="trajectories per prompt (default 4)")
+    p.add_argument("--max-turns", type=_positive_int, default=6, help="turns per trajectory: 1..N (default 6)")
+    p.add_argument("--drift", type=_probability, default=0.15,
                    help="probability that a turn's re-tokenised prompt breaks the prefix (default 0.15)")
-    p.add_argument("--prompts-per-minibatch", type=int, default=4, help="prompts per optimizer step (default 4)")
-    p.add_argument("--dp", type=int, default=4, help="data-parallel ranks (default 4)")
-    p.add_argument("--max-tokens", type=int, default=16384, help="token budget per micro-batch (default 16384)")
+    p.add_argument("--prompts-per-minibatch", type=_positive_int, default=4,
+                   help="prompts per optimizer step (default 4)")
+    p.add_argument("--dp", type=_positive_int, default=4, help="data-parallel ranks (default 4)")
+    p.add_argument("--max-tokens", type=_positive_int, default=16384,
+                   help="token budget per micro-batch (default 16384)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=run)
 
@@ -47,6 +65,14 @@ def _stage(n: int, name: str, text: str, ms: float) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except (StepwiseBatchError, ValueError) as e:  # e.g. a budget smaller than one step
+        print(f"megatron-stepwise demo: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     w = AgentWorkload(num_prompts=args.prompts, samples_per_prompt=args.samples, turns=(1, args.max_turns),
                       drift_prob=args.drift, seed=args.seed)
     print("megatron-stepwise demo: the step-wise batch pipeline on a synthetic multi-turn agent batch")
@@ -83,7 +109,16 @@ def run(args: argparse.Namespace) -> int:
            f"loss-neutral rows (row counts now multiples of {args.dp})", ms)
 
     lengths = [[s.num_tokens for s in mb] for mb in padded]
-    plans, ms = _timed(lambda: [plan_microbatches(ls, dp_size=args.dp, max_tokens=args.max_tokens) for ls in lengths])
+    def plan_all():
+        plans = []
+        for k, ls in enumerate(lengths):
+            try:
+                plans.append(plan_microbatches(ls, dp_size=args.dp, max_tokens=args.max_tokens))
+            except StepwiseBatchError as e:
+                raise StepwiseBatchError(f"mini-batch {k}: {e} (raise --max-tokens)") from None
+        return plans
+
+    plans, ms = _timed(plan_all)
     stats = [plan_stats(ls, plan) for ls, plan in zip(lengths, plans)]
     _stage(5, "plan",
            f"balance {args.dp} DP ranks by cost = tokens + tokens^2 / {1 / DEFAULT_ATTENTION_WEIGHT:.0f} (attention);\n"

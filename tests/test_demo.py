@@ -20,3 +20,12 @@ def test_demo_reports_each_stage(capsys):
     assert re.search(rf"{stats.rows_before} -> {stats.rows_after} rows, {stats.tokens_before:,} -> "
                      rf"{stats.tokens_after:,} tokens", out)
     assert "2 x 2 prompts = 2 optimizer steps" in out
+
+
+def test_demo_reports_user_mistakes_without_a_traceback(capsys):
+    assert main(["demo", "--prompts", "5", "--prompts-per-minibatch", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "5 prompts, which is not a multiple of prompts_per_minibatch=4" in err and "Traceback" not in err
+    assert main(["demo", "--prompts", "2", "--samples", "1", "--prompts-per-minibatch", "2",
+                 "--max-tokens", "300"]) == 2
+    assert re.search(r"mini-batch 0: row \d+ has \d+ tokens, more than max_tokens=300", capsys.readouterr().err)
