@@ -45,7 +45,8 @@ def test_killing_an_engine_mid_rollout_loses_and_duplicates_nothing():
         loop = AgentLoop(fleet, TOK, "echo", AgentLoopConfig(
             max_turns=3, max_input_length=100, n_samples_per_prompt=n, sampling=SamplingParams(max_new_tokens=16)))
         task = asyncio.create_task(loop.rollout(samples))
-        while fleet.metrics()["requests"] < 10:  # kill while many turns are in flight
+        # Kill engine 1 while it has turns in flight (so they must be retried elsewhere).
+        while fleet.metrics()["requests"] < 10 or fleet._slots[1].outstanding == 0:
             await asyncio.sleep(0.005)
         fleet.kill_engine(1)
         steps = await task
