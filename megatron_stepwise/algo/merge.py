@@ -55,7 +55,11 @@ def merge_steps(steps: Sequence[Step], *, max_tokens: Optional[int] = None) -> t
     Steps also do not merge when only one of them has rollout_logprobs or weight_versions
     (nothing is invented), or when the row would exceed `max_tokens`.
     Padding steps pass through untouched. Input steps are not modified; output rows may
-    share tensors with them.
+    share tensors with them. Expects a validated batch (`validate_steps`).
+
+    Outcome advantages may be computed before or after merging: a merged row keeps its
+    trajectory id and last-step reward, and scalar x merged loss_mask equals the merged
+    per-step advantages (obs_delta positions are 0 either way).
     """
     out: list[Step] = []
     stats = MergeStats(0, 0, 0, 0, 0)

@@ -93,9 +93,14 @@ def _last_step_not_final(steps: Sequence[Step], i: int) -> StepwiseBatchError:
     j = i + 1
     while j < len(steps) and steps[j].trajectory_id == tid:
         if steps[j].is_last_step:
-            return _fail(i, steps[i], "is_last_step", f"is True here and again at step {j}: the trajectory has two last steps")
+            return _fail(
+                i, steps[i], "is_last_step", f"is True here and again at step {j}: the trajectory has two last steps"
+            )
         j += 1
-    return _fail(i, steps[i], "is_last_step", f"is True but step {i + 1} continues the trajectory (last step must be its final row)")
+    return _fail(
+        i, steps[i], "is_last_step",
+        f"is True but step {i + 1} continues the trajectory (the last step must be its final row)",
+    )
 
 
 def _check_lengths(i: int, s: Step) -> None:
@@ -107,10 +112,10 @@ def _check_lengths(i: int, s: Step) -> None:
                 i, s, "loss_mask", f"has {int((s.loss_mask == 1).sum())} entries equal to 1 but response_ids is empty"
             )
         raise _fail(i, s, "loss_mask", f"has length {m} but response_ids has length {n}")
-    if s.rollout_logprobs is not None and s.rollout_logprobs.numel() != n:
-        raise _fail(i, s, "rollout_logprobs", f"has length {s.rollout_logprobs.numel()} but response_ids has length {n}")
-    if s.weight_versions is not None and s.weight_versions.numel() != n:
-        raise _fail(i, s, "weight_versions", f"has length {s.weight_versions.numel()} but response_ids has length {n}")
+    for field in ("rollout_logprobs", "weight_versions"):
+        value = getattr(s, field)
+        if value is not None and value.numel() != n:
+            raise _fail(i, s, field, f"has length {value.numel()} but response_ids has length {n}")
 
 
 # Response-side fields are checked over the concatenation of this many steps at a time:
@@ -173,4 +178,6 @@ def _check_id_range(
         raise _fail(i, s, field, f"has negative token id {int(ids[k])} at position {k}")
     if vocab_size is not None and hi >= vocab_size:
         k = int((ids >= vocab_size).nonzero()[0])
-        raise _fail(i, s, field, f"has token id {int(ids[k])} at position {k}, outside the vocabulary (size {vocab_size})")
+        raise _fail(
+            i, s, field, f"has token id {int(ids[k])} at position {k}, outside the vocabulary (size {vocab_size})"
+        )
