@@ -42,7 +42,6 @@ def test_tiny_experiment_reward_rises_and_engines_match_the_trainer(tmp_path):
     # old-policy log-probs of the sampled tokens equal the engine's (fp32 CPU). (The policy that
     # trains the second mini-batch has already moved; that gap is logprob_gap/train_vs_rollout.)
     assert max(r["train/loss/logprob_gap_max"] for r in m) < 1e-4
-    assert m[0]["train/logprob_gap/train_vs_rollout"] < 1e-4  # first mini-batch of a fresh policy
     assert m[-1]["weight_version"] == 50
 
 
