@@ -1,5 +1,29 @@
 """megatron-stepwise: step-wise RL training of multi-turn LLM agents on Megatron."""
 
+from megatron_stepwise.algo.advantages import (
+    compute_advantages,
+    get_estimator,
+    list_estimators,
+    register_estimator,
+)
+from megatron_stepwise.algo.losses import (
+    LossConfig,
+    LossInputs,
+    check_loss_compatibility,
+    combine_metric_partials,
+    get_policy_loss,
+    list_policy_losses,
+    loss_token_weights,
+    policy_loss,
+    register_policy_loss,
+)
+from megatron_stepwise.algo.batching import (
+    pad_for_data_parallel,
+    plan_microbatches,
+    prompt_minibatches,
+    validate_steps,
+)
+from megatron_stepwise.algo.merge import MergeStats, merge_steps
 from megatron_stepwise.types import (
     PAD_PROMPT_PREFIX,
     Step,
@@ -12,10 +36,29 @@ from megatron_stepwise.types import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "LossConfig",
+    "LossInputs",
+    "check_loss_compatibility",
+    "combine_metric_partials",
+    "get_policy_loss",
+    "list_policy_losses",
+    "loss_token_weights",
+    "policy_loss",
+    "register_policy_loss",
+    "compute_advantages",
+    "get_estimator",
+    "list_estimators",
+    "register_estimator",
+    "MergeStats",
     "PAD_PROMPT_PREFIX",
     "Step",
     "StepBatch",
     "StepwiseBatchError",
     "TrajectoryID",
     "make_padding_step",
+    "merge_steps",
+    "pad_for_data_parallel",
+    "plan_microbatches",
+    "prompt_minibatches",
+    "validate_steps",
 ]

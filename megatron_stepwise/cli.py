@@ -17,9 +17,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _subcommands():
     """Each subcommand lives next to what it runs and registers its own parser."""
-    from megatron_stepwise import demo
+    from megatron_stepwise import demo, plot, train_cmd
+    from megatron_stepwise.config import commands as config_commands
 
-    return [demo.register]
+    return [train_cmd.register, demo.register, plot.register, config_commands.register_validate, config_commands.register_config]
 
 
 if __name__ == "__main__":

@@ -1,0 +1,278 @@
+"""Step-wise outcome advantages.
+
+A *group* is all trajectories of one prompt_id; a trajectory's outcome reward is the reward of
+its last step. An outcome estimator turns the rewards of a batch of trajectories into one
+scalar per trajectory, and that scalar is given to **every step of the trajectory, times the
+step's own loss mask**. (Copying the last step's already-masked tensor to earlier steps puts
+the value at the last step's positions, which gives earlier steps no signal at their own
+tokens: see SkyRL PR 1507.)
+
+Padding steps (`Step.is_padding`) get zeros and never enter a group's statistics. A group
+with a single trajectory has no baseline, so its trajectory gets advantage 0 whatever the
+estimator, and is counted in `metrics['singleton_groups']`.
+
+Temporal estimators (`gae`, `reinforce++`) assign per-token credit along one sequence. In
+step-wise training a trajectory is several sequences (one per turn), and nothing relates a
+token of turn 1 to the outcome of turn 3, so they are refused on multi-step trajectories.
+`reinforce++` stays available for single-step trajectories; `gae` needs a critic's values,
+which this plugin does not train, so it is always refused.
+
+Users add estimators by name:
+
+    @register_estimator("my_estimator")
+    def my_estimator(rewards, group, *, eps, **options):  # float64 [n_traj], long [n_traj]
+        return ...                                        # float [n_traj]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from megatron_stepwise.types import Step, StepwiseBatchError
+
+OutcomeEstimator = Callable[..., torch.Tensor]
+TemporalEstimator = Callable[..., list]
+
+
+@dataclass(frozen=True)
+class _Entry:
+    fn: Callable
+    temporal: bool
+
+
+_ESTIMATORS: dict[str, _Entry] = {}
+
+
+def register_estimator(name: str, *, temporal: bool = False) -> Callable[[Callable], Callable]:
+    """Register an advantage estimator under `name` (decorator).
+
+    Outcome estimators (the default) have the signature
+    `fn(rewards: float64 [n_traj], group: long [n_traj], *, eps, **options) -> [n_traj]`,
+    where `group` holds dense group ids 0..G-1; they only ever see groups of 2 or more.
+    Temporal estimators (`temporal=True`) have the signature
+    `fn(steps, *, eps, **options) -> list[Tensor]` and are only called on batches where every
+    trajectory is a single step.
+    """
+
+    def deco(fn: Callable) -> Callable:
+        _ESTIMATORS[name] = _Entry(fn, temporal)
+        return fn
+
+    return deco
+
+
+def get_estimator(name: str) -> Callable:
+    return _lookup(name).fn
+
+
+def list_estimators() -> list[str]:
+    return sorted(_ESTIMATORS)
+
+
+def is_temporal_estimator(name: str) -> bool:
+    return _lookup(name).temporal
+
+
+def _lookup(name: str) -> _Entry:
+    try:
+        return _ESTIMATORS[name]
+    except KeyError:
+        raise StepwiseBatchError(
+            f"algo.estimator={name!r} is not a registered advantage estimator; "
+            f"known: {', '.join(list_estimators())}"
+        ) from None
+
+
+# ----------------------------------------------------------------------------- group statistics
+
+
+def group_mean(values: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+    """Mean of `values` over each element's group, returned per element."""
+    n_groups = int(group.max()) + 1 if group.numel() else 0
+    counts = torch.zeros(n_groups, dtype=values.dtype).index_add_(0, group, torch.ones_like(values))
+    sums = torch.zeros(n_groups, dtype=values.dtype).index_add_(0, group, values)
+    return (sums / counts)[group]
+
+
+def group_count(group: torch.Tensor) -> torch.Tensor:
+    """Size of each element's group, returned per element (long)."""
+    return torch.bincount(group)[group]
+
+
+def group_std(values: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+    """Unbiased sample std (as `torch.std`) over each element's group, per element."""
+    n = group_count(group).to(values.dtype)
+    centred = values - group_mean(values, group)
+    n_groups = int(group.max()) + 1 if group.numel() else 0
+    sq = torch.zeros(n_groups, dtype=values.dtype).index_add_(0, group, centred * centred)[group]
+    return torch.sqrt(sq / (n - 1))
+
+
+# ----------------------------------------------------------------------------- built-in estimators
+
+
+@register_estimator("grpo")
+def grpo(rewards: torch.Tensor, group: torch.Tensor, *, eps: float, **_) -> torch.Tensor:
+    """(r - mean) / (std + eps), std the unbiased sample std."""
+    return (rewards - group_mean(rewards, group)) / (group_std(rewards, group) + eps)
+
+
+@register_estimator("dr_grpo")
+def dr_grpo(rewards: torch.Tensor, group: torch.Tensor, *, eps: float, **_) -> torch.Tensor:
+    """r - mean (Dr.GRPO drops the std normalisation)."""
+    return rewards - group_mean(rewards, group)
+
+
+@register_estimator("rloo")
+def rloo(rewards: torch.Tensor, group: torch.Tensor, *, eps: float, **_) -> torch.Tensor:
+    """Leave-one-out baseline: r - mean(others) = (r - mean) * n / (n - 1)."""
+    n = group_count(group).to(rewards.dtype)
+    return (rewards - group_mean(rewards, group)) * n / (n - 1)
+
+
+@register_estimator("maxrl")
+def maxrl(rewards: torch.Tensor, group: torch.Tensor, *, eps: float, **_) -> torch.Tensor:
+    """(r - mean) / (mean + eps), meant for binary rewards."""
+    mean = group_mean(rewards, group)
+    return (rewards - mean) / (mean + eps)
+
+
+@register_estimator("reinforce++", temporal=True)
+def reinforce_pp(steps: Sequence[Step], *, eps: float, gamma: float = 1.0, **_) -> list[torch.Tensor]:
+    """REINFORCE++ on single-step trajectories with an outcome reward.
+
+    The reward sits on the last trained token; token t's return is gamma^(k) * r where k counts
+    the trained tokens after t. Returns are whitened over all trained tokens of the batch.
+    """
+    returns: list[torch.Tensor] = []
+    for s in steps:
+        mask = s.loss_mask.to(torch.float64)
+        after = mask.flip(0).cumsum(0).flip(0) - mask  # trained tokens strictly after t
+        returns.append(float(s.reward) * torch.pow(torch.tensor(gamma, dtype=torch.float64), after) * mask)
+    flat = torch.cat(returns) if returns else torch.zeros(0, dtype=torch.float64)
+    all_mask = torch.cat([s.loss_mask for s in steps]).bool() if steps else torch.zeros(0, dtype=torch.bool)
+    if int(all_mask.sum()) < 2:
+        return [torch.zeros(s.response_ids.numel(), dtype=torch.float32) for s in steps]
+    trained = flat[all_mask]
+    mean, std = trained.mean(), trained.std()
+    return [((r - mean) / (std + eps) * s.loss_mask).to(torch.float32) for r, s in zip(returns, steps)]
+
+
+@register_estimator("gae", temporal=True)
+def gae(steps: Sequence[Step], *, eps: float, **_) -> list[torch.Tensor]:
+    raise StepwiseBatchError(
+        "algo.estimator='gae' needs per-token values from a critic, which megatron-stepwise does not "
+        "train; use an outcome estimator (grpo, dr_grpo, rloo, maxrl)"
+    )
+
+
+# ----------------------------------------------------------------------------- step-wise driver
+
+
+def compute_advantages(
+    steps: Sequence[Step],
+    estimator: str = "grpo",
+    *,
+    eps: float = 1e-6,
+    metrics: Optional[dict] = None,
+    **options,
+) -> list[torch.Tensor]:
+    """One float32 tensor per step (its response length): the trajectory's scalar times the step's mask.
+
+    `metrics`, if given, is filled with counts: num_trajectories, num_groups, singleton_groups,
+    zero_variance_groups (groups of 2+ whose rewards are all equal: no signal).
+    """
+    entry = _lookup(estimator)
+    traj_of_step, last_step_of_traj = _trajectories(steps)
+    real_trajs = [t for t, i in enumerate(last_step_of_traj) if not steps[i].is_padding]
+    rewards = torch.tensor([steps[last_step_of_traj[t]].reward for t in real_trajs], dtype=torch.float64)
+    group = _dense([steps[last_step_of_traj[t]].trajectory_id.prompt_id for t in real_trajs])
+    _fill_metrics(metrics, real_trajs, rewards, group)
+
+    if entry.temporal:
+        lengths = torch.bincount(traj_of_step, minlength=len(last_step_of_traj))
+        for t in real_trajs:
+            if int(lengths[t]) > 1:
+                i = last_step_of_traj[t]
+                raise StepwiseBatchError(
+                    f"algo.estimator={estimator!r} is a temporal estimator and cannot be used with "
+                    f"multi-step trajectories (trajectory {steps[i].trajectory_id} has {int(lengths[t])} steps): "
+                    "it assigns credit along one token sequence, but step-wise training splits a trajectory "
+                    "into one sequence per turn with only an outcome reward; use grpo, dr_grpo, rloo or maxrl"
+                )
+        out = entry.fn(steps, eps=eps, **options)
+        return [torch.zeros_like(o) if s.is_padding else o for o, s in zip(out, steps)]
+
+    scalars = torch.zeros(len(real_trajs), dtype=torch.float64)
+    if real_trajs:
+        multi = group_count(group) > 1
+        if bool(multi.any()):
+            sub_group = _dense(group[multi].tolist())
+            value = entry.fn(rewards[multi], sub_group, eps=eps, **options)
+            scalars[multi] = torch.as_tensor(value, dtype=torch.float64)
+
+    per_traj = torch.zeros(len(last_step_of_traj), dtype=torch.float64)
+    per_traj[torch.tensor(real_trajs, dtype=torch.long)] = scalars
+    per_step = per_traj[traj_of_step].tolist()
+    # Each step gets the scalar at ITS OWN trained positions.
+    return [
+        torch.zeros(s.response_ids.numel(), dtype=torch.float32)
+        if s.is_padding
+        else (v * s.loss_mask.to(torch.float32))
+        for v, s in zip(per_step, steps)
+    ]
+
+
+def _trajectories(steps: Sequence[Step]) -> tuple[torch.Tensor, list[int]]:
+    """Dense trajectory id of every step, and the index of each trajectory's last step.
+
+    Checks only what advantages rely on: every trajectory has exactly one step marked last,
+    and it is its final step in the batch.
+    """
+    ids: dict = {}
+    traj_of_step: list[int] = []
+    last: list[Optional[int]] = []
+    for i, s in enumerate(steps):
+        t = ids.setdefault(s.trajectory_id, len(ids))
+        if t == len(last):
+            last.append(None)
+        if last[t] is not None:
+            raise StepwiseBatchError(
+                f"step {i}: field 'is_last_step': trajectory {s.trajectory_id} continues after its last "
+                f"step (step {last[t]})"
+            )
+        if s.is_last_step:
+            last[t] = i
+        traj_of_step.append(t)
+    for t, i in enumerate(last):
+        if i is None:
+            j = max(k for k, tt in enumerate(traj_of_step) if tt == t)
+            raise StepwiseBatchError(
+                f"step {j}: field 'is_last_step': trajectory {steps[j].trajectory_id} has no step marked "
+                "last, so it has no outcome reward"
+            )
+    return torch.tensor(traj_of_step, dtype=torch.long), [int(i) for i in last]  # type: ignore[arg-type]
+
+
+def _dense(keys: Sequence) -> torch.Tensor:
+    ids: dict = {}
+    return torch.tensor([ids.setdefault(k, len(ids)) for k in keys], dtype=torch.long)
+
+
+def _fill_metrics(metrics: Optional[dict], real_trajs: list, rewards: torch.Tensor, group: torch.Tensor) -> None:
+    if metrics is None:
+        return
+    metrics["num_trajectories"] = len(real_trajs)
+    if not len(real_trajs):
+        metrics.update(num_groups=0, singleton_groups=0, zero_variance_groups=0)
+        return
+    counts = torch.bincount(group)
+    n_groups = int(counts.numel())
+    lo = torch.full((n_groups,), float("inf"), dtype=torch.float64).scatter_reduce(0, group, rewards, "amin")
+    hi = torch.full((n_groups,), float("-inf"), dtype=torch.float64).scatter_reduce(0, group, rewards, "amax")
+    metrics["num_groups"] = n_groups
+    metrics["singleton_groups"] = int((counts == 1).sum())
+    metrics["zero_variance_groups"] = int(((counts > 1) & (lo == hi)).sum())

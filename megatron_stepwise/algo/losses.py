@@ -1,0 +1,421 @@
+"""Step-wise policy losses: PPO clip / dual-clip, GSPO, CISPO, off-policy correction, KL, entropy.
+
+`policy_loss(inputs, cfg)` works on the trained positions of one micro-batch and returns a
+*partial sum* `sum_t w_t * (pg_t + kl_coef * kl_t - entropy_coef * ent_t)`, where `w_t` comes
+from `loss_token_weights` (the reduction, already divided by the mini-batch's global
+denominator). The mini-batch loss is the plain sum of the partials over micro-batches and DP
+ranks. Every metric is a partial too: a 0-dim tensor summed over micro-batches and ranks,
+weighted by `w_t` (so `clipfrac_high` sums to the reduction-weighted fraction of clipped
+tokens), except metrics whose name ends in `_max`, which combine with max
+(`combine_metric_partials` does both).
+
+Step-wise meaning of sequence-level quantities. A "sequence" here is one row: one step's
+response (one turn), or a merged row when prefix merging is on. So:
+
+- GSPO's ratio is per step: `s = exp(mean over the step's trained tokens of (logp - old_logp))`,
+  clipped per step. A trajectory of k turns contributes k sequences, so long trajectories
+  weigh more than under GSPO on whole trajectories (use `trajectory_mean` to even that out
+  at the token level; the per-step clipping remains).
+- Sequence-level TIS uses the step's importance ratio `prod_t old/rollout` (truncated at
+  `tis_cap`); sequence-level IcePop uses the step's geometric-mean ratio, because a band
+  around 1 on a product of hundreds of token ratios would mask almost every step.
+
+A merged row spans several turns, so these per-sequence quantities change value under
+merging; `check_loss_compatibility` refuses those combinations with `data.merge_steps`.
+Rows are never split across micro-batches, so per-row quantities computed inside one
+micro-batch are complete.
+
+Off-policy correction (trainer old log-probs vs the engine's rollout log-probs) scales only
+the policy-gradient term, never KL or entropy. TIS truncates the ratio from above at
+`tis_cap`; IcePop zeroes tokens (or whole steps) whose ratio leaves [icepop_low, icepop_high].
+Masked tokens keep their share of the reduction's denominator: the reduction is fixed before
+the loss runs, which is what keeps it independent of the split.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Callable, Optional
+
+import torch
+
+from megatron_stepwise.algo.advantages import is_temporal_estimator, list_estimators
+from megatron_stepwise.algo.reductions import MERGE_INVARIANT_REDUCTIONS, REDUCTIONS, loss_token_weights
+
+__all__ = [
+    "LossConfig",
+    "LossInputs",
+    "Segments",
+    "check_loss_compatibility",
+    "combine_metric_partials",
+    "get_policy_loss",
+    "kl_estimate",
+    "list_policy_losses",
+    "loss_token_weights",
+    "policy_loss",
+    "register_policy_loss",
+]
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+TIS_MODES = ("none", "token", "sequence")
+ICEPOP_LEVELS = ("token", "sequence")
+
+
+@dataclass
+class LossConfig:
+    policy_loss: str = "ppo"  # 'ppo' | 'gspo' | 'cispo' | a registered name
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    clip_c: Optional[float] = None  # dual clip for negative advantages (> 1)
+    reduction: str = "token_mean"
+    max_response_len: Optional[int] = None  # Dr.GRPO constant for seq_mean_token_sum_norm
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
+    tis: str = "none"  # importance correction old vs rollout policy: none | token | sequence
+    tis_cap: float = 2.0
+    icepop_low: Optional[float] = None  # mask where old/rollout ratio < low (None: no lower bound)
+    icepop_high: Optional[float] = None  # mask where old/rollout ratio > high (None: no upper bound)
+    icepop_level: str = "token"  # token | sequence (the step's geometric-mean ratio)
+    options: dict = field(default_factory=dict)  # free-form settings for registered custom losses
+
+    def __post_init__(self) -> None:
+        def bad(key: str, why: str) -> ValueError:
+            return ValueError(f"algo.loss.{key}={getattr(self, key)!r}: {why}")
+
+        if not 0.0 <= self.clip_low < 1.0:
+            raise bad("clip_low", "must be in [0, 1)")
+        if self.clip_high < 0.0:
+            raise bad("clip_high", "must be >= 0")
+        if self.clip_c is not None and self.clip_c <= 1.0:
+            raise bad("clip_c", "the dual-clip constant must be > 1")
+        if self.reduction not in REDUCTIONS:
+            raise bad("reduction", f"must be one of {', '.join(REDUCTIONS)}")
+        if self.reduction == "seq_mean_token_sum_norm" and (self.max_response_len or 0) <= 0:
+            raise bad("max_response_len", "reduction 'seq_mean_token_sum_norm' needs a positive constant")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise bad("kl_estimator", f"must be one of {', '.join(KL_ESTIMATORS)}")
+        if self.tis not in TIS_MODES:
+            raise bad("tis", f"must be one of {', '.join(TIS_MODES)}")
+        if self.tis_cap <= 0.0:
+            raise bad("tis_cap", "must be > 0")
+        if self.icepop_low is not None and self.icepop_low < 0.0:
+            raise bad("icepop_low", "must be >= 0")
+        if self.icepop_low is not None and self.icepop_high is not None and self.icepop_low >= self.icepop_high:
+            raise bad("icepop_low", f"must be below algo.loss.icepop_high={self.icepop_high!r}")
+        if self.icepop_level not in ICEPOP_LEVELS:
+            raise bad("icepop_level", f"must be one of {', '.join(ICEPOP_LEVELS)}")
+
+    @property
+    def uses_icepop(self) -> bool:
+        return self.icepop_low is not None or self.icepop_high is not None
+
+    @property
+    def needs_rollout_logprobs(self) -> bool:
+        return self.tis != "none" or self.uses_icepop
+
+
+@dataclass
+class LossInputs:
+    """1-D tensors over the trained positions (loss_mask == 1) of one micro-batch, all aligned."""
+
+    logprobs: torch.Tensor  # current policy, requires grad
+    old_logprobs: torch.Tensor  # the trainer's old policy
+    advantages: torch.Tensor
+    weights: torch.Tensor  # loss_token_weights at these positions
+    segment_ids: torch.Tensor  # long: the row each token belongs to; rows are never split
+    rollout_logprobs: Optional[torch.Tensor] = None
+    ref_logprobs: Optional[torch.Tensor] = None
+    entropy: Optional[torch.Tensor] = None  # requires grad if entropy_coef != 0
+
+    def check(self) -> None:
+        n = self.logprobs.numel()
+        for f in fields(self):
+            t = getattr(self, f.name)
+            if t is None:
+                continue
+            if not isinstance(t, torch.Tensor) or t.dim() != 1:
+                raise ValueError(f"LossInputs.{f.name}: expected a 1-D tensor, got {_describe(t)}")
+            if t.numel() != n:
+                raise ValueError(f"LossInputs.{f.name}: has {t.numel()} entries, logprobs has {n}")
+        if self.segment_ids.dtype != torch.long:
+            raise ValueError(f"LossInputs.segment_ids: expected torch.long, got {self.segment_ids.dtype}")
+
+
+def _describe(t) -> str:
+    return f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+class Segments:
+    """Per-row (per-step) sums and means of token values, broadcast back to the tokens."""
+
+    def __init__(self, segment_ids: torch.Tensor):
+        _, self.ids = torch.unique(segment_ids, return_inverse=True)
+        self.num = int(self.ids.max()) + 1 if self.ids.numel() else 0
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(self.num, dtype=x.dtype).index_add(0, self.ids, x)[self.ids]
+
+    def mean(self, x: torch.Tensor) -> torch.Tensor:
+        count = torch.bincount(self.ids, minlength=self.num).to(x.dtype)
+        return self.sum(x) / count[self.ids]
+
+
+# ----------------------------------------------------------------------------- registry
+
+# A policy loss maps (inputs, cfg, segments) to a per-token loss pg_t and a dict of per-token
+# indicators (0/1 or floats) that become w-weighted metric partials.
+PolicyLossFn = Callable[["LossInputs", LossConfig, Segments], tuple]
+
+
+@dataclass(frozen=True)
+class _LossEntry:
+    fn: PolicyLossFn
+    sequence_level: bool  # uses per-row quantities, so its value changes when rows are merged
+
+
+_POLICY_LOSSES: dict[str, _LossEntry] = {}
+
+
+def register_policy_loss(name: str, *, sequence_level: bool = False) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Register `fn(inputs, cfg, segments) -> (pg_per_token, {name: per_token_indicator})`.
+
+    Set `sequence_level=True` if the loss uses per-row quantities (like GSPO), so that config
+    validation refuses it together with step merging.
+    """
+
+    def deco(fn: PolicyLossFn) -> PolicyLossFn:
+        _POLICY_LOSSES[name] = _LossEntry(fn, sequence_level)
+        return fn
+
+    return deco
+
+
+def get_policy_loss(name: str) -> PolicyLossFn:
+    return _lookup_loss(name).fn
+
+
+def list_policy_losses() -> list[str]:
+    return sorted(_POLICY_LOSSES)
+
+
+def _lookup_loss(name: str) -> _LossEntry:
+    try:
+        return _POLICY_LOSSES[name]
+    except KeyError:
+        raise ValueError(
+            f"algo.loss.policy_loss={name!r} is not a registered policy loss; known: {', '.join(list_policy_losses())}"
+        ) from None
+
+
+# ----------------------------------------------------------------------------- built-in losses
+
+
+def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, cfg: LossConfig) -> tuple:
+    """PPO's pessimistic clipped objective (as a loss), with optional dual clip for adv < 0."""
+    low, high = 1.0 - cfg.clip_low, 1.0 + cfg.clip_high
+    pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(low, high))
+    indicators = {
+        "clipfrac_low": (adv < 0) & (ratio < low),
+        "clipfrac_high": (adv > 0) & (ratio > high),
+    }
+    if cfg.clip_c is not None:
+        # For adv < 0 the loss -adv*ratio grows without bound in ratio; cap it at -adv*clip_c.
+        dual = (adv < 0) & (ratio > cfg.clip_c)
+        pg = torch.where(dual, -adv * cfg.clip_c, pg)
+        indicators["clipfrac_dual"] = dual
+    return pg, indicators
+
+
+@register_policy_loss("ppo")
+def ppo_loss(inputs: LossInputs, cfg: LossConfig, segments: Segments) -> tuple:
+    ratio = torch.exp(inputs.logprobs - inputs.old_logprobs)
+    return clipped_surrogate(ratio, inputs.advantages, cfg)
+
+
+@register_policy_loss("gspo", sequence_level=True)
+def gspo_loss(inputs: LossInputs, cfg: LossConfig, segments: Segments) -> tuple:
+    """GSPO-token: every token carries its step's ratio in value, its own log-prob's gradient."""
+    log_seq = segments.mean(inputs.logprobs - inputs.old_logprobs)
+    ratio = torch.exp(log_seq.detach() + inputs.logprobs - inputs.logprobs.detach())
+    return clipped_surrogate(ratio, inputs.advantages, cfg)
+
+
+@register_policy_loss("cispo")
+def cispo_loss(inputs: LossInputs, cfg: LossConfig, segments: Segments) -> tuple:
+    """CISPO: clip the (stop-gradient) importance weight, never the token's gradient."""
+    low, high = 1.0 - cfg.clip_low, 1.0 + cfg.clip_high
+    ratio = torch.exp(inputs.logprobs - inputs.old_logprobs).detach()
+    pg = -ratio.clamp(low, high) * inputs.advantages * inputs.logprobs
+    return pg, {"clipfrac_low": ratio < low, "clipfrac_high": ratio > high}
+
+
+# ----------------------------------------------------------------------------- KL and off-policy
+
+
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman's k1, k2, k3)."""
+    d = logprobs - ref_logprobs  # log(pi / pi_ref)
+    if estimator == "k1":
+        return d
+    if estimator == "k2":
+        return 0.5 * d * d
+    if estimator == "k3":
+        return torch.exp(-d) - 1.0 + d
+    raise ValueError(f"algo.loss.kl_estimator={estimator!r} is not one of {', '.join(KL_ESTIMATORS)}")
+
+
+def _off_policy_correction(inputs: LossInputs, cfg: LossConfig, seg: Segments) -> tuple:
+    """Detached per-token factor on pg (TIS weight x IcePop keep-mask), indicators, max metrics."""
+    log_rho = (inputs.old_logprobs - inputs.rollout_logprobs).detach().to(torch.float64)
+    factor = torch.ones_like(log_rho)
+    indicators: dict[str, torch.Tensor] = {"logprob_gap": log_rho.abs()}
+    maxima: dict[str, torch.Tensor] = {"logprob_gap_max": log_rho.abs()}
+    if cfg.tis != "none":
+        log_w = log_rho if cfg.tis == "token" else seg.sum(log_rho)
+        capped = log_w > math.log(cfg.tis_cap)
+        tis_w = torch.exp(log_w.clamp(max=math.log(cfg.tis_cap)))
+        factor = factor * tis_w
+        indicators.update(tis_weight_mean=tis_w, tis_capped_frac=capped)
+        maxima["tis_weight_max"] = tis_w
+    if cfg.uses_icepop:
+        band = torch.exp(log_rho if cfg.icepop_level == "token" else seg.mean(log_rho))
+        keep = torch.ones_like(band, dtype=torch.bool)
+        if cfg.icepop_low is not None:
+            keep &= band >= cfg.icepop_low
+        if cfg.icepop_high is not None:
+            keep &= band <= cfg.icepop_high
+        factor = factor * keep
+        indicators["icepop_masked_frac"] = ~keep
+    return factor, indicators, maxima
+
+
+# ----------------------------------------------------------------------------- the loss
+
+
+def policy_loss(inputs: LossInputs, cfg: LossConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(partial loss, metric partials) for one micro-batch; see the module docstring."""
+    inputs.check()
+    entry = _lookup_loss(cfg.policy_loss)
+    if cfg.needs_rollout_logprobs and inputs.rollout_logprobs is None:
+        raise ValueError(
+            f"algo.loss.tis={cfg.tis!r} / algo.loss.icepop_* need rollout log-probs, "
+            "but LossInputs.rollout_logprobs is None"
+        )
+    if cfg.kl_coef != 0.0 and inputs.ref_logprobs is None:
+        raise ValueError(f"algo.loss.kl_coef={cfg.kl_coef!r} needs LossInputs.ref_logprobs (a reference policy)")
+    if cfg.entropy_coef != 0.0 and inputs.entropy is None:
+        raise ValueError(f"algo.loss.entropy_coef={cfg.entropy_coef!r} needs LossInputs.entropy")
+
+    dtype = inputs.logprobs.dtype
+    w = inputs.weights.detach().to(dtype)
+    inputs = _detached(inputs)
+    seg = Segments(inputs.segment_ids)
+    pg, indicators = entry.fn(inputs, cfg, seg)
+    maxima: dict[str, torch.Tensor] = {}
+    if inputs.rollout_logprobs is not None:
+        factor, more, maxima = _off_policy_correction(inputs, cfg, seg)
+        pg = pg * factor.to(dtype)
+        indicators = {**indicators, **more}
+
+    loss = (w * pg).sum()
+    metrics = {"pg_loss": loss.detach()}
+    if inputs.ref_logprobs is not None:
+        kl = kl_estimate(inputs.logprobs, inputs.ref_logprobs, cfg.kl_estimator)
+        kl_sum = (w * kl).sum()
+        metrics["kl"] = kl_sum.detach()
+        if cfg.kl_coef != 0.0:
+            loss = loss + cfg.kl_coef * kl_sum
+    if inputs.entropy is not None:
+        ent_sum = (w * inputs.entropy.to(dtype)).sum()
+        metrics["entropy"] = ent_sum.detach()
+        if cfg.entropy_coef != 0.0:
+            loss = loss - cfg.entropy_coef * ent_sum  # a bonus: higher entropy, lower loss
+
+    for name, ind in indicators.items():
+        metrics[name] = (w * ind.detach().to(dtype)).sum()
+    for name, values in maxima.items():
+        metrics[name] = values.max().to(dtype) if values.numel() else torch.zeros((), dtype=dtype)
+    metrics["loss_weight_sum"] = w.sum()
+    metrics["num_tokens"] = torch.tensor(float(w.numel()), dtype=dtype)
+    return loss, metrics
+
+
+def _detached(inputs: LossInputs) -> LossInputs:
+    """Everything but logprobs and entropy is a constant of the loss."""
+
+    def d(t):
+        return None if t is None else t.detach()
+
+    return LossInputs(
+        logprobs=inputs.logprobs,
+        old_logprobs=inputs.old_logprobs.detach(),
+        advantages=inputs.advantages.detach(),
+        weights=inputs.weights.detach(),
+        segment_ids=inputs.segment_ids,
+        rollout_logprobs=d(inputs.rollout_logprobs),
+        ref_logprobs=d(inputs.ref_logprobs),
+        entropy=inputs.entropy,
+    )
+
+
+def combine_metric_partials(partials: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Mini-batch metrics from per-micro-batch partials: sum, or max for names ending in `_max`."""
+    out: dict[str, torch.Tensor] = {}
+    for part in partials:
+        for name, value in part.items():
+            if name not in out:
+                out[name] = value.detach().clone()
+            elif name.endswith("_max"):
+                out[name] = torch.maximum(out[name], value.detach())
+            else:
+                out[name] = out[name] + value.detach()
+    return out
+
+
+# ----------------------------------------------------------------------------- config validation
+
+
+def check_loss_compatibility(cfg: LossConfig, *, merge_steps: bool, estimator: str, multi_step: bool) -> list[str]:
+    """Errors (empty if fine) for combinations that cannot be right; each names its config keys."""
+    errors: list[str] = []
+    if estimator not in list_estimators():
+        known = ", ".join(list_estimators())
+        errors.append(f"algo.estimator={estimator!r} is not a registered estimator; known: {known}")
+    elif multi_step and is_temporal_estimator(estimator):
+        errors.append(
+            f"algo.estimator={estimator!r} is a temporal estimator and cannot train multi-step trajectories: "
+            "step-wise training splits a trajectory into one sequence per turn with only an outcome reward; "
+            "use grpo, dr_grpo, rloo or maxrl"
+        )
+    if cfg.policy_loss not in _POLICY_LOSSES:
+        errors.append(
+            f"algo.loss.policy_loss={cfg.policy_loss!r} is not a registered policy loss; "
+            f"known: {', '.join(list_policy_losses())}"
+        )
+    if not merge_steps:
+        return errors
+    why = "a merged row (several turns of one trajectory) counts as one sequence, so the loss would change with merging"
+    if cfg.reduction not in MERGE_INVARIANT_REDUCTIONS:
+        errors.append(
+            f"algo.loss.reduction={cfg.reduction!r} cannot be combined with data.merge_steps=true: it counts rows "
+            f"and {why}; use one of {', '.join(sorted(MERGE_INVARIANT_REDUCTIONS))} or set data.merge_steps=false"
+        )
+    entry = _POLICY_LOSSES.get(cfg.policy_loss)
+    if entry is not None and entry.sequence_level:
+        errors.append(
+            f"algo.loss.policy_loss={cfg.policy_loss!r} cannot be combined with data.merge_steps=true: its ratio is "
+            f"per sequence and {why}; use ppo or cispo, or set data.merge_steps=false"
+        )
+    if cfg.tis == "sequence":
+        errors.append(
+            f"algo.loss.tis='sequence' cannot be combined with data.merge_steps=true: the importance ratio is per "
+            f"sequence and {why}; use algo.loss.tis='token' or set data.merge_steps=false"
+        )
+    if cfg.uses_icepop and cfg.icepop_level == "sequence":
+        errors.append(
+            f"algo.loss.icepop_level='sequence' cannot be combined with data.merge_steps=true: {why}; "
+            "use algo.loss.icepop_level='token' or set data.merge_steps=false"
+        )
+    return errors

@@ -1,0 +1,157 @@
+"""Prefix merge: fold consecutive steps of a trajectory into one training row.
+
+Step i's prompt is the re-tokenised history, so when the tokeniser is stable it starts
+with `prompt[i-1] + response[i-1]`; the rest of it (`obs_delta`: the observation and the
+chat-template glue) is what the environment added. Training on one row
+`prompt[0] + response[0] + obs_delta[1] + response[1] + ...` gives every sampled token
+exactly the context it had in its own step, so the loss and gradients are unchanged while
+the shared history is computed once instead of once per turn (O(T^2) -> O(T) tokens).
+
+Where re-tokenisation drifted (BPE merges across the turn boundary, templates that
+rewrite earlier turns) the prefix check fails and a new row starts: merging never
+changes what a token was conditioned on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from megatron_stepwise.types import Step
+
+#: weight_versions value for obs_delta tokens: no policy produced them (loss_mask is 0 there).
+NOT_SAMPLED_VERSION = -1
+
+
+@dataclass
+class MergeStats:
+    """Before/after counts over real rows (padding rows are passed through and not counted)."""
+
+    rows_before: int
+    rows_after: int
+    tokens_before: int
+    tokens_after: int
+    trainable_tokens: int  # loss_mask = 1 tokens; the same before and after by construction
+    padding_rows: int = 0
+    broken_prefixes: int = 0  # consecutive steps that could not merge because the prefix differed
+
+    @property
+    def token_ratio(self) -> float:
+        """tokens_before / tokens_after (how many times fewer tokens to compute)."""
+        return self.tokens_before / self.tokens_after if self.tokens_after else 1.0
+
+
+def merge_steps(steps: Sequence[Step], *, max_tokens: Optional[int] = None) -> tuple[list[Step], MergeStats]:
+    """Greedily merge consecutive steps of each trajectory whose prefixes line up.
+
+    While `prompt[i-1] + response[i-1]` is a prefix of `prompt[i]`, the row grows by
+    obs_delta (loss_mask 0, log-prob 0, weight version -1) then step i's response, mask,
+    log-probs and weight versions; otherwise a new row starts. A merged row keeps the
+    first step's prompt and the last merged step's reward, is_last_step, stop_reason and
+    metadata, with `metadata["merged_steps"]` = how many steps it holds (1 if unmerged).
+    Steps also do not merge when only one of them has rollout_logprobs or weight_versions
+    (nothing is invented), or when the row would exceed `max_tokens`.
+    Padding steps pass through untouched. Input steps are not modified; output rows may
+    share tensors with them. Expects a validated batch (`validate_steps`).
+
+    Outcome advantages may be computed before or after merging: a merged row keeps its
+    trajectory id and last-step reward, and scalar x merged loss_mask equals the merged
+    per-step advantages (obs_delta positions are 0 either way).
+    """
+    out: list[Step] = []
+    stats = MergeStats(0, 0, 0, 0, 0)
+    group: list[Step] = []  # steps of the row being built
+    for step in steps:
+        if step.is_padding:
+            stats.padding_rows += 1
+            _flush(group, out)
+            out.append(step)
+            continue
+        stats.rows_before += 1
+        stats.tokens_before += step.num_tokens
+        if group and _can_extend(group, step, max_tokens, stats):
+            group.append(step)
+        else:
+            _flush(group, out)
+            group.append(step)
+    _flush(group, out)
+    for row in out:
+        if not row.is_padding:
+            stats.rows_after += 1
+            stats.tokens_after += row.num_tokens
+            stats.trainable_tokens += row.num_trainable  # equals the input's: masks are copied, never changed
+    return out, stats
+
+
+def _can_extend(group: list[Step], step: Step, max_tokens: Optional[int], stats: MergeStats) -> bool:
+    prev = group[-1]
+    if prev.trajectory_id != step.trajectory_id or prev.is_last_step:
+        return False
+    if (prev.rollout_logprobs is None) != (step.rollout_logprobs is None):
+        return False
+    if (prev.weight_versions is None) != (step.weight_versions is None):
+        return False
+    # The merged row would be exactly prompt[i] + response[i], starting at group[0]'s prompt.
+    if max_tokens is not None and step.num_tokens > max_tokens:
+        return False
+    if not _is_continuation(prev, step):
+        stats.broken_prefixes += 1
+        return False
+    return True
+
+
+def _is_continuation(prev: Step, step: Step) -> bool:
+    """`prev.prompt + prev.response` is a prefix of `step.prompt` (tensor comparisons only)."""
+    p, r = prev.prompt_ids.numel(), prev.response_ids.numel()
+    nxt = step.prompt_ids
+    if nxt.numel() < p + r:
+        return False
+    return torch.equal(nxt[:p], prev.prompt_ids) and torch.equal(nxt[p : p + r], prev.response_ids)
+
+
+def _flush(group: list[Step], out: list[Step]) -> None:
+    if not group:
+        return
+    if len(group) == 1:
+        s = group[0]
+        out.append(dataclasses.replace(s, metadata={**s.metadata, "merged_steps": 1}))
+    else:
+        out.append(_merge_group(group))
+    group.clear()
+
+
+def _merge_group(group: list[Step]) -> Step:
+    first, last = group[0], group[-1]
+    start = first.prompt_ids.numel()
+    # By the prefix checks, the merged row's tokens are exactly last.prompt + last.response.
+    response_ids = torch.cat([last.prompt_ids[start:], last.response_ids])
+    n = response_ids.numel()
+
+    # Where each step's response lands inside the merged response; the rest is obs_delta.
+    resp_starts = [s.prompt_ids.numel() - start for s in group]
+    loss_mask = torch.zeros(n, dtype=torch.long)
+    logprobs = None if first.rollout_logprobs is None else torch.zeros(n, dtype=torch.float32)
+    versions = None if first.weight_versions is None else torch.full((n,), NOT_SAMPLED_VERSION, dtype=torch.long)
+    for s, a in zip(group, resp_starts):
+        b = a + s.response_ids.numel()
+        loss_mask[a:b] = s.loss_mask
+        if logprobs is not None:
+            logprobs[a:b] = s.rollout_logprobs
+        if versions is not None:
+            versions[a:b] = s.weight_versions
+
+    return Step(
+        trajectory_id=first.trajectory_id,
+        prompt_ids=first.prompt_ids,
+        response_ids=response_ids,
+        loss_mask=loss_mask,
+        rollout_logprobs=logprobs,
+        reward=last.reward,
+        is_last_step=last.is_last_step,
+        stop_reason=last.stop_reason,
+        weight_versions=versions,
+        metadata={**last.metadata, "merged_steps": len(group)},
+    )

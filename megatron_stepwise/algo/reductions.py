@@ -1,0 +1,87 @@
+"""Loss reductions as per-token weights with a global denominator.
+
+The loss of a mini-batch is written `L = sum_t w_t * l_t`, where `w_t` already holds the
+reduction's normaliser computed **once on the whole mini-batch** (before any micro-batch runs).
+Each micro-batch / DP rank then adds up `w_t * l_t` over its own tokens, and the sum of those
+partial sums is `L` exactly, however the rows were cut: no per-micro-batch means, no
+"divide by number of micro-batches" fix-ups.
+
+Reductions (m_t = loss_mask, 0 on prompts, padding rows and untrained response tokens):
+
+- `token_mean`: `w_t = m_t / N`, N the trained tokens of the mini-batch.
+- `step_mean`: mean over steps (rows) of each step's token mean: `w_t = m_t / (n_row * S)`,
+  S the rows with at least one trained token (a row with none has no mean and is left out).
+- `trajectory_mean`: every trajectory weighs the same however many turns it took; within a
+  trajectory it is a token mean over all its steps: `w_t = m_t / (n_traj * K)`, K the
+  trajectories with a trained token.
+- `prompt_mean`: every prompt group weighs the same; a token mean within the group:
+  `w_t = m_t / (n_group * G)`.
+- `seq_mean_token_sum_norm` (Dr.GRPO): each step's token *sum* over a constant
+  `max_response_len`, averaged over the real (non-padding) rows: `w_t = m_t / (L_max * R)`.
+
+Merging consecutive steps of a trajectory into one row (obs tokens in between masked 0) moves
+trained tokens between rows of the same trajectory and group but keeps their number. So
+token_mean, trajectory_mean and prompt_mean give identical weights merged or not. step_mean
+and seq_mean_token_sum_norm count *rows*, and a merged row is one sample where it used to be
+several, so they cannot be merge-invariant; `check_loss_compatibility` refuses that pairing.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from megatron_stepwise.types import StepBatch
+
+REDUCTIONS = ("token_mean", "step_mean", "trajectory_mean", "prompt_mean", "seq_mean_token_sum_norm")
+MERGE_INVARIANT_REDUCTIONS = frozenset({"token_mean", "trajectory_mean", "prompt_mean"})
+
+
+def loss_token_weights(
+    batch: StepBatch, reduction: str, *, max_response_len: Optional[int] = None
+) -> torch.Tensor:
+    """float32 [T] aligned with `batch.tokens`: the reduction's weight of each token (see module doc)."""
+    # Work on trained positions only: in agent batches most tokens are prompt / observation.
+    loss_mask = batch.token_fields["loss_mask"]
+    pos = torch.nonzero(loss_mask, as_tuple=True)[0]
+    row = torch.searchsorted(batch.offsets[1:], pos, right=True)
+    real_row = ~batch.row_fields["is_padding"]
+    keep = real_row[row]
+    pos, row = pos[keep], row[keep]
+    mask = loss_mask[pos].to(torch.float64)
+
+    if reduction == "token_mean":
+        w = mask / mask.sum().clamp(min=1.0)
+    elif reduction == "step_mean":
+        w = _mean_of_means(mask, row, batch.num_rows)
+    elif reduction == "trajectory_mean":
+        traj = batch.row_fields["traj_index"]
+        w = _mean_of_means(mask, traj[row], _size(traj))
+    elif reduction == "prompt_mean":
+        group = batch.row_fields["group_index"]
+        w = _mean_of_means(mask, group[row], _size(group))
+    elif reduction == "seq_mean_token_sum_norm":
+        if max_response_len is None or max_response_len <= 0:
+            raise ValueError(
+                "algo.loss.reduction='seq_mean_token_sum_norm' needs a positive algo.loss.max_response_len "
+                f"(Dr.GRPO's constant normaliser), got {max_response_len!r}"
+            )
+        w = mask / (float(max_response_len) * max(int(real_row.sum()), 1))
+    else:
+        raise ValueError(f"algo.loss.reduction={reduction!r} is not one of {', '.join(REDUCTIONS)}")
+    out = torch.zeros(loss_mask.numel(), dtype=torch.float32)
+    out[pos] = w.to(torch.float32)
+    return out
+
+
+def _size(ids: torch.Tensor) -> int:
+    return int(ids.max()) + 1 if ids.numel() else 0
+
+
+def _mean_of_means(mask: torch.Tensor, key: torch.Tensor, n_keys: int) -> torch.Tensor:
+    """Token mean within each key, then the mean over keys that have a trained token."""
+    counts = torch.zeros(n_keys, dtype=mask.dtype).index_add_(0, key, mask)
+    n_nonempty = int((counts > 0).sum())
+    denom = counts[key] * max(n_nonempty, 1)
+    return torch.where(mask > 0, mask / denom.clamp(min=1.0), torch.zeros_like(mask))

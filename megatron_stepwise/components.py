@@ -1,0 +1,262 @@
+"""Builders that turn an `ExperimentConfig` into the trainer's parts.
+
+Each function builds one thing from its config section, so a user with their own Megatron loop
+can take the pieces they need (model, optimizer, plugin, fleet) without the `Trainer`.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+import torch
+
+from megatron_stepwise.config import ExperimentConfig
+
+log = logging.getLogger(__name__)
+
+
+# ------------------------------------------------------------------------------ runtime
+def init_runtime(cfg: ExperimentConfig):
+    from megatron_stepwise.megatron.runtime import init_distributed
+
+    p = cfg.parallel
+    return init_distributed(p.tensor, p.pipeline, p.context, seed=cfg.trainer.seed)
+
+
+# ------------------------------------------------------------------------ tokenizer/model
+def tokenizer_name(cfg: ExperimentConfig) -> str:
+    """model.tokenizer, else the HF checkpoint's, else the environment's shipped vocabulary."""
+    from megatron_stepwise.envs.base import get_env_spec
+
+    if cfg.model.tokenizer:
+        return cfg.model.tokenizer
+    if cfg.model.hf_checkpoint:
+        return cfg.model.hf_checkpoint
+    spec = get_env_spec(cfg.env.name)
+    if spec.tokenizer is None:
+        raise ValueError(f"env.name={cfg.env.name!r} ships no tokenizer: set model.tokenizer")
+    return spec.tokenizer
+
+
+def load_tokenizer(cfg: ExperimentConfig):
+    from megatron_stepwise.envs.tiny_tokenizers import load_tokenizer as load
+
+    return load(tokenizer_name(cfg))
+
+
+def model_config(cfg: ExperimentConfig, tokenizer) -> dict[str, Any]:
+    """The HF config dict of the policy; presets take the tokenizer's vocabulary size."""
+    from megatron_stepwise.megatron.model import arch_from_hf, validate_parallel
+    from megatron_stepwise.megatron.presets import resolve_hf_config
+
+    source = cfg.model.hf_checkpoint or cfg.model.hf_config
+    hf = resolve_hf_config(source, vocab_size=len(tokenizer))
+    validate_parallel(arch_from_hf(hf), tp=cfg.parallel.tensor, pp=cfg.parallel.pipeline, tokenizer_vocab_size=len(tokenizer))
+    return hf
+
+
+def build_policy(cfg: ExperimentConfig, hf_config: dict) -> list:
+    from megatron_stepwise.megatron.model import build_model_chunks
+
+    init = None
+    if cfg.model.hf_checkpoint:
+        from megatron_stepwise.megatron.convert import import_hf
+
+        def init(chunks):
+            import_hf(chunks, cfg.model.hf_checkpoint)
+
+    return build_model_chunks(
+        hf_config,
+        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+        init=init,
+        config_overrides=_model_overrides(cfg),
+    )
+
+
+def build_reference(cfg: ExperimentConfig, hf_config: dict, policy_chunks: list) -> list:
+    """A frozen copy of the initial policy for the KL term (same sharding as the policy)."""
+    from megatron_stepwise.megatron.model import build_model_chunks, unwrap
+
+    state = [copy.deepcopy(unwrap(c).state_dict()) for c in policy_chunks]
+
+    def init(chunks):
+        for chunk, sd in zip(chunks, state):
+            chunk.load_state_dict(sd)
+
+    ref = build_model_chunks(hf_config, wrap=False, init=init, config_overrides=_model_overrides(cfg))
+    for chunk in ref:
+        chunk.requires_grad_(False)
+        chunk.eval()
+    return ref
+
+
+def use_bf16(cfg: ExperimentConfig) -> bool:
+    dtype = cfg.model.dtype
+    if dtype == "auto":
+        dtype = "bf16" if torch.cuda.is_available() else "fp32"
+    return dtype == "bf16"
+
+
+def _model_overrides(cfg: ExperimentConfig) -> dict[str, Any]:
+    overrides: dict[str, Any] = {"sequence_parallel": cfg.parallel.sequence_parallel and cfg.parallel.tensor > 1}
+    if use_bf16(cfg):
+        overrides["dtype"] = torch.bfloat16
+    return overrides
+
+
+# ------------------------------------------------------------------------ optimizer
+def build_optimizer(cfg: ExperimentConfig, chunks: list):
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    o = cfg.optim
+    bf16 = use_bf16(cfg)
+    config = OptimizerConfig(
+        optimizer="adam",
+        lr=o.lr,
+        min_lr=o.min_lr,
+        weight_decay=o.weight_decay,
+        adam_beta1=o.adam_beta1,
+        adam_beta2=o.adam_beta2,
+        adam_eps=o.eps,
+        clip_grad=o.clip_grad,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+    )
+    return get_megatron_optimizer(config, chunks)
+
+
+def total_optimizer_steps(cfg: ExperimentConfig) -> int:
+    d = cfg.data
+    return cfg.trainer.iterations * d.epochs * (d.prompts_per_iteration // d.prompts_per_minibatch)
+
+
+def build_scheduler(cfg: ExperimentConfig, optimizer):
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    o = cfg.optim
+    steps = max(total_optimizer_steps(cfg), 1)
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if o.warmup_steps else o.lr,
+        max_lr=o.lr,
+        min_lr=o.min_lr,
+        lr_warmup_steps=o.warmup_steps,
+        lr_decay_steps=max(steps, o.warmup_steps + 1),
+        lr_decay_style=o.scheduler,
+        start_wd=o.weight_decay,
+        end_wd=o.weight_decay,
+        wd_incr_steps=steps,
+        wd_incr_style="constant",
+    )
+
+
+def build_plugin(cfg: ExperimentConfig, tokenizer):
+    from megatron_stepwise.megatron.plugin import StepwisePlugin
+
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return StepwisePlugin(cfg.algo.loss.to_algo(), max_tokens_per_microbatch=cfg.data.max_tokens_per_microbatch, pad_token_id=pad)
+
+
+# ------------------------------------------------------------------------ data
+def build_dataset(cfg: ExperimentConfig):
+    from megatron_stepwise.data import PromptDataset, load_samples
+    from megatron_stepwise.envs.base import get_env_spec
+
+    if cfg.env.dataset:
+        samples = load_samples(cfg.env.dataset)
+    else:
+        samples = get_env_spec(cfg.env.name).dataset()
+    return PromptDataset(samples, seed=cfg.data_seed, shuffle=cfg.data.shuffle)
+
+
+# ------------------------------------------------------------------------ rollout
+def build_fleet(cfg: ExperimentConfig, hf_config: dict, tokenizer):
+    from megatron_stepwise.rollout.fleet import EngineSpec, RolloutFleet
+    from megatron_stepwise.rollout.sglang import SGLangServerConfig
+
+    r = cfg.rollout
+    specs = []
+    for i in range(r.num_engines):
+        if r.engine == "embedded":
+            specs.append(EngineSpec(kind="local", model_config=hf_config, tokenizer=tokenizer_name(cfg),
+                                    seed=cfg.trainer.seed + 1000 + i, torch_threads=1, num_cpus=0.5))
+        elif r.sglang.servers:
+            url = r.sglang.servers[i % len(r.sglang.servers)]
+            specs.append(EngineSpec(kind="http", url=url if "://" in url else f"http://{url}", tp_size=r.engine_tp))
+        else:
+            server = SGLangServerConfig(
+                model_path=cfg.model.hf_checkpoint or cfg.model.hf_config, host=r.sglang.host,
+                port=r.sglang.base_port + i, tp_size=r.engine_tp, extra_args=list(r.sglang.extra_args),
+            )
+            specs.append(EngineSpec(kind="sglang", sglang=server, tp_size=r.engine_tp, num_cpus=1, num_gpus=r.engine_tp))
+    return RolloutFleet(specs, max_concurrency=r.max_concurrency, max_retries=r.max_retries,
+                        request_timeout_s=r.timeout_s, ray_address=r.ray_address)
+
+
+def build_agent_loop(cfg: ExperimentConfig, fleet, tokenizer):
+    from megatron_stepwise.rollout.agent_loop import AgentLoop, AgentLoopConfig
+    from megatron_stepwise.rollout.engine import SamplingParams
+
+    r = cfg.rollout
+    sampling = SamplingParams(temperature=r.sampling.temperature, top_p=r.sampling.top_p, top_k=r.sampling.top_k,
+                              max_new_tokens=r.max_new_tokens, stop=list(r.sampling.stop))
+    loop_cfg = AgentLoopConfig(
+        max_turns=r.max_turns, max_input_length=r.max_input_length, n_samples_per_prompt=cfg.data.samples_per_prompt,
+        sampling=sampling, env_error_reward=r.env_error_reward, max_concurrency=r.max_concurrency,
+    )
+    from megatron_stepwise.envs.base import get_env_spec
+
+    spec = get_env_spec(cfg.env.name)
+    options = dict(cfg.env.options)
+    return AgentLoop(fleet, tokenizer, lambda: spec.factory(**options), loop_cfg)
+
+
+# ------------------------------------------------------------------------ weights
+def sync_weights(trainer, version: int) -> None:
+    """Push the policy's weights (HF names) to the fleet; every rank joins the gathers."""
+    from megatron_stepwise.megatron.weights import full_state
+
+    state = full_state(trainer.chunks)  # TP-gathered, canonical names (collective)
+    if not trainer.is_driver:
+        return
+    named = _TMP_canonical_to_hf(state, trainer.hf_config)
+    trainer.loop.run_until_complete(trainer.fleet.update_weights_from_tensors(named, weight_version=version))
+
+
+def _TMP_canonical_to_hf(state, hf):
+    nh, nkv = hf["num_attention_heads"], hf["num_key_value_heads"]
+    d = hf["hidden_size"] // nh
+    qpg = nh // nkv
+    out = []
+    for name, t in state.items():
+        n = name.replace("embedding.word_embeddings", "model.embed_tokens").replace("decoder.layers", "model.layers")
+        n = n.replace("decoder.final_layernorm", "model.norm").replace("output_layer", "lm_head")
+        n = n.replace("pre_mlp_layernorm", "post_attention_layernorm").replace("self_attention.linear_proj", "self_attn.o_proj")
+        n = n.replace("mlp.linear_fc2", "mlp.down_proj")
+        if "linear_qkv" in n:
+            g = t.reshape(nkv, (qpg + 2) * d, *t.shape[1:])
+            q, k, v = g[:, : qpg * d], g[:, qpg * d : (qpg + 1) * d], g[:, (qpg + 1) * d :]
+            base = n.replace("self_attention.linear_qkv", "self_attn.{}_proj")
+            for p, x in (("q", q), ("k", k), ("v", v)):
+                out.append((base.format(p), x.reshape(-1, *t.shape[1:]).contiguous()))
+        elif "linear_fc1" in n:
+            f = t.shape[0] // 2
+            out.append((n.replace("linear_fc1", "gate_proj"), t[:f].contiguous()))
+            out.append((n.replace("linear_fc1", "up_proj"), t[f:].contiguous()))
+        else:
+            out.append((n, t))
+    return out
+
+
+class Checkpoints:
+    def __init__(self, cfg, trainer):
+        self.cfg, self.trainer = cfg, trainer
+
+    def resume(self):
+        return None
+
+    def save(self):
+        pass

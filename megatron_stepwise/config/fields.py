@@ -1,0 +1,268 @@
+"""Declaring config keys (`option`, `section`) and turning nested dicts into typed dataclasses.
+
+Every key is a dataclass field with a default and a one-line help in its metadata, so the
+reference docs and the type checks are generated from the same declaration. Supported types:
+int, float, bool, str, Optional[T], Literal[...] (enums), list[T], dict[str, T], Any and
+nested config dataclasses.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import functools
+import types
+import typing
+from typing import Any, Literal, Union
+
+from megatron_stepwise.config.errors import ConfigProblem
+
+_NoneType = type(None)
+
+
+def option(default: Any, help: str, *, key: str | None = None, min: float | None = None,
+           max: float | None = None, gt: float | None = None, lt: float | None = None) -> Any:
+    """A config key: its default, one-line help, optional YAML name and numeric bounds."""
+    meta = {"help": help, "key": key, "min": min, "max": max, "gt": gt, "lt": lt}
+    if isinstance(default, (list, dict)):
+        return dataclasses.field(default_factory=functools.partial(copy.deepcopy, default), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def section(cls: type, help: str, *, key: str | None = None) -> Any:
+    """A nested group of keys (another config dataclass)."""
+    return dataclasses.field(default_factory=cls, metadata={"help": help, "key": key})
+
+
+def yaml_key(f: dataclasses.Field) -> str:
+    """The name a field has in YAML (`async` cannot be a Python attribute, so it is `async_`)."""
+    return f.metadata.get("key") or f.name
+
+
+@functools.lru_cache(maxsize=None)
+def config_fields(cls: type) -> tuple[tuple[str, dataclasses.Field, Any], ...]:
+    """(yaml name, field, resolved type) for each field of a config dataclass, in order."""
+    hints = typing.get_type_hints(cls)
+    return tuple((yaml_key(f), f, hints[f.name]) for f in dataclasses.fields(cls))
+
+
+def is_config_class(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def all_keys(cls: type, prefix: str = "") -> list[str]:
+    """Every dotted key path of a config class, sections included."""
+    out = []
+    for name, _, tp in config_fields(cls):
+        path = prefix + name
+        out.append(path)
+        if is_config_class(tp):
+            out += all_keys(tp, path + ".")
+    return out
+
+
+def _optional_inner(tp: Any) -> Any | None:
+    """T for Optional[T] (or T | None), else None."""
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not _NoneType]
+        if len(args) == 1 and len(typing.get_args(tp)) == 2:
+            return args[0]
+    return None
+
+
+def describe_type(tp: Any) -> str:
+    """Human-readable type for the docs and error messages."""
+    inner = _optional_inner(tp)
+    if inner is not None:
+        return f"{describe_type(inner)} | null"
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(str(a) for a in typing.get_args(tp))
+    if origin is list:
+        (item,) = typing.get_args(tp) or (Any,)
+        return f"list[{describe_type(item)}]"
+    if origin is dict:
+        return "dict"
+    if tp is Any:
+        return "any"
+    if is_config_class(tp):
+        return "section"
+    return getattr(tp, "__name__", str(tp))
+
+
+class _Mismatch(Exception):
+    """A value that does not fit its declared type (message says what was expected)."""
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def coerce(value: Any, tp: Any) -> Any:
+    """Check `value` against `tp`; return it (ints widened to float where a float is expected).
+
+    YAML 1.1 reads `1e-6` (no dot) as a string, so float keys also accept numeric strings.
+    """
+    inner = _optional_inner(tp)
+    if inner is not None:
+        return None if value is None else coerce(value, inner)
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value in choices and type(value) is type(choices[0]):
+            return value
+        hint = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+        extra = f"; did you mean {hint[0]!r}?" if hint else ""
+        raise _Mismatch(f"must be one of {', '.join(map(str, choices))} (got {_show(value)}){extra}")
+    if origin is list:
+        if not isinstance(value, list):
+            raise _Mismatch(f"expected a list, got {_show(value)}")
+        (item,) = typing.get_args(tp) or (Any,)
+        out = []
+        for i, v in enumerate(value):
+            try:
+                out.append(coerce(v, item))
+            except _Mismatch as e:
+                raise _Mismatch(f"item {i}: {e}") from None
+        return out
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise _Mismatch(f"expected a mapping, got {_show(value)}")
+        bad = [k for k in value if not isinstance(k, str)]
+        if bad:
+            raise _Mismatch(f"mapping keys must be strings, got {_show(bad[0])}")
+        return dict(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise _Mismatch(f"expected true or false, got {_show(value)}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise _Mismatch(f"expected an integer, got {_show(value)}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise _Mismatch(f"expected a number, got {_show(value)}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise _Mismatch(f"expected a string, got {_show(value)}")
+    raise TypeError(f"unsupported config type {tp!r}")  # a bug in a schema, not a user error
+
+
+def _bounds_problem(value: Any, meta: dict) -> str | None:
+    if value is None or not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    if meta.get("min") is not None and value < meta["min"]:
+        return f"must be >= {meta['min']} (got {value})"
+    if meta.get("max") is not None and value > meta["max"]:
+        return f"must be <= {meta['max']} (got {value})"
+    if meta.get("gt") is not None and value <= meta["gt"]:
+        return f"must be > {meta['gt']} (got {value})"
+    if meta.get("lt") is not None and value >= meta["lt"]:
+        return f"must be < {meta['lt']} (got {value})"
+    return None
+
+
+def bounds_help(meta: dict) -> str:
+    """The numeric bounds of a field as text for the docs ("" when unbounded)."""
+    parts = []
+    for name, sym in (("min", ">="), ("gt", ">"), ("max", "<="), ("lt", "<")):
+        if meta.get(name) is not None:
+            parts.append(f"{sym} {meta[name]}")
+    return ", ".join(parts)
+
+
+def suggest_key(root: type, path: str) -> str | None:
+    """The valid dotted key closest to an unknown one: a sibling first, then anywhere."""
+    keys = all_keys(root)
+    parent, _, leaf = path.rpartition(".")
+    siblings = [k.rpartition(".")[2] for k in keys if k.rpartition(".")[0] == parent]
+    close = difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.6)
+    if close:
+        return f"{parent}.{close[0]}" if parent else close[0]
+    same_leaf = [k for k in keys if k.rpartition(".")[2] == leaf]
+    if same_leaf:
+        return same_leaf[0]
+    close = difflib.get_close_matches(path, keys, n=1, cutoff=0.75)
+    return close[0] if close else None
+
+
+def build(cls: type, data: Any, problems: list[ConfigProblem], *, root: type | None = None,
+          prefix: str = "", origins: dict[str, str] | None = None, bad_keys: set[str] | None = None) -> Any:
+    """Build `cls` from a nested dict, appending a problem per unknown key or wrong type.
+
+    A key with a wrong value keeps its default (and is added to `bad_keys`) so the rest of the
+    config is still built and checked: every problem is reported in one pass.
+    """
+    root = root or cls
+    origins = origins or {}
+    bad_keys = bad_keys if bad_keys is not None else set()
+
+    def report(key: str, message: str) -> None:
+        bad_keys.add(key)
+        problems.append(ConfigProblem(key, message, origin_of(origins, key)))
+
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        report(prefix.rstrip(".") or "<root>", f"expected a mapping of keys, got {_show(data)}")
+        return cls()
+    fields = config_fields(cls)
+    known = {name for name, _, _ in fields}
+    for key in data:
+        if key not in known:
+            path = f"{prefix}{key}"
+            hint = suggest_key(root, path)
+            report(path, "unknown key" + (f"; did you mean {hint!r}?" if hint else ""))
+    kwargs = {}
+    for name, f, tp in fields:
+        if name not in data:
+            continue
+        path, value = prefix + name, data[name]
+        if is_config_class(tp):
+            kwargs[f.name] = build(tp, value, problems, root=root, prefix=path + ".", origins=origins,
+                                   bad_keys=bad_keys)
+            continue
+        try:
+            value = coerce(value, tp)
+        except _Mismatch as e:
+            literal = typing.get_origin(_optional_inner(tp) or tp) is Literal  # choices already listed
+            report(path, str(e) if literal else f"{e} (type: {describe_type(tp)})")
+            continue
+        bound = _bounds_problem(value, f.metadata)
+        if bound:
+            report(path, bound)
+            continue
+        kwargs[f.name] = value
+    return cls(**kwargs)
+
+
+def origin_of(origins: dict[str, str], key: str) -> str | None:
+    """Where a key's value came from: the key itself, or its closest ancestor that has an origin."""
+    while key:
+        if key in origins:
+            return origins[key]
+        key = key.rpartition(".")[0]
+    return None
+
+
+def to_dict(obj: Any) -> Any:
+    """A config dataclass as plain nested dicts/lists, keyed by YAML names."""
+    if is_config_class(type(obj)):
+        return {name: to_dict(getattr(obj, f.name)) for name, f, _ in config_fields(type(obj))}
+    if isinstance(obj, list):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    return obj

@@ -1,0 +1,322 @@
+"""The experiment config: one typed dataclass per YAML section, every key with a default and help.
+
+`megatron-stepwise config docs` renders this file as the key reference (docs/config.md).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal, Optional
+
+from megatron_stepwise.config.fields import option, section, to_dict
+
+Reduction = Literal["token_mean", "step_mean", "trajectory_mean", "prompt_mean", "seq_mean_token_sum_norm"]
+
+
+@dataclass
+class ModelConfig:
+    """The policy model (Llama/Qwen2 family) and how it is built."""
+
+    hf_config: str = option("tiny", "HF model config: a preset (tiny), a local directory or config.json, "
+                                    "or a hub id (read from the local HF cache)")
+    hf_checkpoint: Optional[str] = option(None, "HF checkpoint (directory or hub id) whose weights initialise "
+                                                "the policy; null = random init")
+    tokenizer: Optional[str] = option(None, "tokenizer directory or hub id; null = hf_checkpoint, else "
+                                            "hf_config, else the environment's shipped vocabulary")
+    dtype: Literal["auto", "bf16", "fp32"] = option("auto", "training dtype; auto = bf16 on GPU, fp32 on CPU")
+    transformer_impl: Literal["auto", "te", "local"] = option(
+        "auto", "megatron-core layer spec: te (transformer-engine), local, or auto (te when importable)")
+
+
+@dataclass
+class ParallelConfig:
+    """Megatron model parallelism; data parallel = world size / (tensor x pipeline x context)."""
+
+    tensor: int = option(1, "tensor-parallel size (must divide attention and KV heads)", min=1)
+    pipeline: int = option(1, "pipeline-parallel size (must divide the number of layers)", min=1)
+    context: int = option(1, "context-parallel size (needs transformer-engine)", min=1)
+    sequence_parallel: bool = option(False, "shard activations along the sequence inside TP regions (TP > 1)")
+    use_distributed_optimizer: bool = option(False, "shard optimizer state across data-parallel ranks")
+
+    def model_parallel_size(self) -> int:
+        return self.tensor * self.pipeline * self.context
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """Data-parallel size for a world size (validated configs divide evenly)."""
+        return world_size // self.model_parallel_size()
+
+
+@dataclass
+class SGLangConfig:
+    """SGLang servers: launched on the fleet's Ray actors, or already running."""
+
+    host: str = option("127.0.0.1", "interface launched servers bind to")
+    base_port: int = option(30000, "first port of launched servers (engine i uses base_port + i)",
+                            min=1, max=65535)
+    router_url: Optional[str] = option(None, "an sglang_router already running (http://host:port) for "
+                                             "generation; servers must then be listed for weight updates")
+    servers: list[str] = option([], "servers already running (host:port or http://host:port); empty = "
+                                    "launch num_engines servers on Ray")
+    extra_args: list[str] = option([], "extra command-line arguments for `python -m sglang.launch_server`")
+
+
+@dataclass
+class SamplingConfig:
+    """Sampling parameters of every rollout turn."""
+
+    temperature: float = option(1.0, "sampling temperature (> 0: RL needs sampled tokens and their log-probs)",
+                                gt=0.0)
+    top_p: float = option(1.0, "nucleus sampling mass", gt=0.0, max=1.0)
+    top_k: int = option(-1, "top-k sampling; -1 = off")
+    stop: list[str] = option([], "strings that end a turn (besides the tokenizer's EOS)")
+
+
+@dataclass
+class RolloutConfig:
+    """The rollout fleet and the multi-turn agent loop."""
+
+    engine: Literal["embedded", "sglang"] = option("embedded", "engine kind: embedded (CPU, transformers) "
+                                                               "or sglang (GPU servers)")
+    num_engines: int = option(1, "number of engines in the fleet", min=1)
+    engine_tp: int = option(1, "tensor-parallel size (GPUs) of each SGLang engine", min=1)
+    sglang: SGLangConfig = section(SGLangConfig, "SGLang servers")
+    sampling: SamplingConfig = section(SamplingConfig, "sampling parameters")
+    max_concurrency: int = option(64, "trajectories in flight at once across the fleet", min=1)
+    max_turns: int = option(4, "assistant turns per trajectory at most", min=1)
+    max_input_length: int = option(2048, "longest prompt (re-tokenised chat history) a turn may send", min=1)
+    max_new_tokens: int = option(256, "tokens generated per turn at most", min=1)
+    timeout_s: float = option(120.0, "seconds one turn may take on an engine before it is retried", gt=0.0)
+    max_retries: int = option(2, "retries of a failed or timed-out turn on another engine", min=0)
+    env_error_reward: float = option(0.0, "reward given to a trajectory ended by an environment error")
+    ray_address: Optional[str] = option(None, "Ray cluster to join (auto or host:port); null = start a "
+                                              "private local Ray instance")
+
+
+@dataclass
+class EnvConfig:
+    """The environment the agent acts in."""
+
+    name: str = option("tiny_recall", "registered environment name (math_tool, retrieval, ...)")
+    options: dict[str, Any] = option({}, "keyword options passed to the environment (free mapping)")
+    dataset: Optional[str] = option(None, "training samples: a JSONL path or a builtin dataset name; "
+                                          "null = the environment's shipped set")
+    eval_dataset: Optional[str] = option(None, "evaluation samples (as dataset); null = the environment's "
+                                               "shipped eval split")
+
+
+@dataclass
+class DataConfig:
+    """How rollouts become optimizer steps (prompt-based mini-batches)."""
+
+    prompts_per_iteration: int = option(8, "prompts rolled out per iteration", min=1)
+    samples_per_prompt: int = option(4, "trajectories per prompt (the group size of the estimator)", min=1)
+    prompts_per_minibatch: int = option(4, "prompts per mini-batch; each mini-batch is one optimizer step",
+                                        min=1)
+    epochs: int = option(1, "passes over an iteration's mini-batches", min=1)
+    merge_steps: bool = option(False, "merge consecutive steps of a trajectory that share a prefix")
+    max_tokens_per_microbatch: int = option(4096, "token budget of one packed micro-batch (per DP rank)", min=1)
+    shuffle: bool = option(True, "shuffle the prompt dataset each epoch")
+    seed: Optional[int] = option(None, "dataset shuffling seed; null = trainer.seed")
+
+
+@dataclass
+class LossConfig:
+    """The policy loss, its off-policy corrections and its reduction."""
+
+    policy_loss: str = option("ppo", "ppo (clip, dual-clip), gspo, cispo, or a registered loss")
+    clip_low: float = option(0.2, "lower clip: ratios below 1 - clip_low are clipped", gt=0.0, lt=1.0)
+    clip_high: float = option(0.2, "upper clip: ratios above 1 + clip_high are clipped", gt=0.0)
+    clip_c: Optional[float] = option(None, "dual-clip constant (> 1) for negative advantages; null = off", gt=1.0)
+    reduction: Reduction = option("token_mean", "how token losses are averaged over a mini-batch")
+    max_response_len: Optional[int] = option(None, "the constant normaliser of seq_mean_token_sum_norm", min=1)
+    kl_coef: float = option(0.0, "weight of the KL-to-reference term; 0 = no reference model", min=0.0)
+    kl_estimator: Literal["k1", "k2", "k3"] = option("k3", "KL estimator")
+    entropy_coef: float = option(0.0, "weight of the entropy bonus", min=0.0)
+    tis: Literal["none", "token", "sequence"] = option("none", "truncated importance sampling between "
+                                                               "trainer and rollout log-probs")
+    tis_cap: float = option(2.0, "upper cap of the truncated importance weight", gt=0.0)
+    icepop_low: Optional[float] = option(None, "mask tokens whose train/rollout ratio is below this; null = off",
+                                         gt=0.0, lt=1.0)
+    icepop_high: Optional[float] = option(None, "mask tokens whose train/rollout ratio is above this; null = off",
+                                          gt=1.0)
+    icepop_level: Literal["token", "sequence"] = option("token", "IcePop masks tokens, or whole steps by their "
+                                                                 "geometric-mean ratio")
+    options: dict[str, Any] = option({}, "keyword settings for a registered custom loss (free mapping)")
+
+    def to_algo(self):
+        """The `megatron_stepwise.algo.losses.LossConfig` the loss functions take."""
+        from megatron_stepwise.algo.losses import LossConfig as AlgoLossConfig
+
+        return AlgoLossConfig(**{f.name: copy.deepcopy(getattr(self, f.name)) for f in dataclasses.fields(self)})
+
+
+@dataclass
+class FilterConfig:
+    """Group filters; they act on trajectory groups (all samples of one prompt)."""
+
+    zero_variance: bool = option(False, "drop prompt groups whose trajectories all got the same reward")
+    dynamic_sampling: bool = option(False, "roll out more prompts until prompts_per_iteration groups "
+                                           "with reward variance are collected")
+    max_sampling_rounds: int = option(3, "rollout rounds dynamic sampling may take per iteration", min=1)
+
+
+@dataclass
+class AlgoConfig:
+    """Advantage estimator, loss and group filters."""
+
+    estimator: str = option("grpo", "grpo, dr_grpo, rloo, maxrl, gae or reinforce++ (temporal: "
+                                    "single-turn only), or a registered name")
+    estimator_options: dict[str, Any] = option({}, "keyword options passed to the estimator")
+    loss: LossConfig = section(LossConfig, "policy loss")
+    filters: FilterConfig = section(FilterConfig, "group filters")
+
+
+@dataclass
+class OptimConfig:
+    """Adam optimizer and learning-rate schedule."""
+
+    lr: float = option(1e-6, "peak learning rate", gt=0.0)
+    min_lr: float = option(0.0, "final learning rate of the linear/cosine decay", min=0.0)
+    weight_decay: float = option(0.0, "decoupled weight decay", min=0.0)
+    adam_beta1: float = option(0.9, "Adam beta1", min=0.0, lt=1.0)
+    adam_beta2: float = option(0.999, "Adam beta2", min=0.0, lt=1.0)
+    eps: float = option(1e-8, "Adam epsilon", gt=0.0)
+    clip_grad: float = option(1.0, "gradient norm clip; 0 = off", min=0.0)
+    warmup_steps: int = option(0, "optimizer steps of linear warm-up", min=0)
+    scheduler: Literal["constant", "linear", "cosine"] = option("constant", "decay after warm-up, over "
+                                                                            "all optimizer steps")
+
+
+@dataclass
+class WeightSyncConfig:
+    """How new weights reach the fleet after each optimizer step."""
+
+    mode: Literal["disk", "tensor", "distributed"] = option(
+        "tensor", "disk (safetensors on shared storage), tensor (through Ray), distributed "
+                  "(a process group between trainer and engines)")
+    dir: Optional[str] = option(None, "directory for mode=disk (shared by trainer and engines); "
+                                      "null = <run_dir>/weights")
+    bucket_mb: int = option(512, "size of one streamed bucket of converted weights, in MiB", min=1)
+
+
+@dataclass
+class AsyncConfig:
+    """Fully asynchronous training: the fleet keeps generating while the trainer trains."""
+
+    enabled: bool = option(False, "overlap rollout and training")
+    max_staleness: int = option(1, "train only on trajectories started at most this many weight "
+                                   "versions ago", min=0)
+    stale_policy: Literal["drop", "requeue"] = option("drop", "what happens to a too-stale trajectory")
+
+
+@dataclass
+class CheckpointConfig:
+    """megatron-core distributed checkpoints and resume."""
+
+    dir: Optional[str] = option(None, "checkpoint directory; null = <run_dir>/checkpoints")
+    every: int = option(0, "save every N iterations (and at the end); 0 = only at the end", min=0)
+    keep_last: int = option(2, "checkpoints kept; older ones are deleted", min=1)
+    resume: str = option("auto", "auto (latest in dir, if any), never, or a checkpoint path")
+    export_hf: bool = option(False, "also write an HF directory (safetensors + config + tokenizer) at the end")
+
+
+@dataclass
+class WandbConfig:
+    """Weights & Biases logging (needs the wandb package)."""
+
+    project: Optional[str] = option(None, "W&B project; null = W&B off")
+    name: Optional[str] = option(None, "W&B run name; null = the experiment name")
+
+
+@dataclass
+class LoggingConfig:
+    """Metrics and progress output."""
+
+    run_dir: Optional[str] = option(None, "directory of metrics.jsonl, plots and defaults of dirs; "
+                                          "null = runs/<name>")
+    tensorboard: bool = option(False, "also write TensorBoard events (needs the tensorboard package)")
+    wandb: WandbConfig = section(WandbConfig, "Weights & Biases")
+    progress: bool = option(True, "progress bars for rollout and training")
+
+
+@dataclass
+class TrainerConfig:
+    """The RL loop."""
+
+    iterations: int = option(10, "training iterations (rollout + optimizer steps + weight sync)", min=1)
+    seed: int = option(1234, "seed of model init, sampling and shuffling")
+    eval_every: int = option(0, "evaluate every N iterations; 0 = off", min=0)
+    imports: list[str] = option([], "Python modules imported first (they register custom environments, "
+                                    "estimators or losses)")
+
+
+@dataclass
+class LaunchConfig:
+    """Where processes go; read by launch/ scripts and the parallel-layout checks."""
+
+    nnodes: int = option(1, "nodes running training ranks", min=1)
+    nproc_per_node: int = option(1, "training ranks per node (world size = nnodes x nproc_per_node)", min=1)
+    gpus_per_node: int = option(0, "GPUs per node; 0 = CPU only. Training uses GPUs [0, nproc_per_node), "
+                                   "the rest of each training node serves rollout", min=0)
+    rollout_nodes: int = option(0, "extra nodes given wholly to the rollout fleet (after the training nodes)",
+                                min=0)
+    master_port: Optional[int] = option(None, "torch.distributed rendezvous port; null = 29500 locally, "
+                                              "derived from the job id on SLURM", min=1, max=65535)
+    ray_port: int = option(6379, "port of the Ray head the launch scripts start", min=1, max=65535)
+
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+    def rollout_gpus(self) -> int:
+        """GPUs left to the rollout fleet by this layout."""
+        if self.gpus_per_node == 0:
+            return 0
+        shared = self.nnodes * max(self.gpus_per_node - self.nproc_per_node, 0)
+        return shared + self.rollout_nodes * self.gpus_per_node
+
+
+@dataclass
+class ExperimentConfig:
+    """One experiment. A YAML file may list `defaults:` (other YAML files merged first)."""
+
+    name: str = option("experiment", "experiment name (run directory, logging)")
+    model: ModelConfig = section(ModelConfig, "policy model")
+    parallel: ParallelConfig = section(ParallelConfig, "model parallelism")
+    rollout: RolloutConfig = section(RolloutConfig, "rollout fleet and agent loop")
+    env: EnvConfig = section(EnvConfig, "environment")
+    data: DataConfig = section(DataConfig, "batching")
+    algo: AlgoConfig = section(AlgoConfig, "advantages and loss")
+    optim: OptimConfig = section(OptimConfig, "optimizer")
+    weight_sync: WeightSyncConfig = section(WeightSyncConfig, "weight sync to the fleet")
+    async_: AsyncConfig = section(AsyncConfig, "asynchronous training", key="async")
+    checkpoint: CheckpointConfig = section(CheckpointConfig, "checkpoints")
+    logging: LoggingConfig = section(LoggingConfig, "metrics")
+    trainer: TrainerConfig = section(TrainerConfig, "RL loop")
+    launch: LaunchConfig = section(LaunchConfig, "process placement")
+
+    @property
+    def run_dir(self) -> str:
+        return self.logging.run_dir or f"runs/{self.name}"
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.checkpoint.dir or f"{self.run_dir}/checkpoints"
+
+    @property
+    def weight_sync_dir(self) -> str:
+        return self.weight_sync.dir or f"{self.run_dir}/weights"
+
+    @property
+    def data_seed(self) -> int:
+        return self.trainer.seed if self.data.seed is None else self.data.seed
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested dicts keyed by YAML names (loadable back with `load_config`)."""
+        return to_dict(self)
+
+    def to_yaml(self) -> str:
+        import yaml
+
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)

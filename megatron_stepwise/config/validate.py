@@ -1,0 +1,297 @@
+"""Semantic checks of a typed config: layouts, combinations, the machine. One problem per finding.
+
+Type and unknown-key problems are found while building the dataclasses (fields.build); a key
+that failed there is "bad" and the checks here that involve it stay quiet, so the user sees
+the root cause once instead of a cascade.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from pathlib import Path
+
+from megatron_stepwise.config.errors import ConfigProblem
+from megatron_stepwise.config.fields import origin_of
+from megatron_stepwise.config.probes import Probes, looks_like_path
+from megatron_stepwise.config.schema import ExperimentConfig
+
+# Estimators that compare the trajectories of one prompt: a group of one has no signal.
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "maxrl")
+_KEY_RE = re.compile(r"^[a-z_]+(\.[a-z_]+)+$")
+_SERVER_RE = re.compile(r"^(https?://)?[A-Za-z0-9_.\-]+:\d{1,5}/?$")
+
+
+class _Checker:
+    def __init__(self, bad_keys: set[str], origins: dict[str, str]):
+        self.bad_keys, self.origins = bad_keys, origins
+        self.problems: list[ConfigProblem] = []
+
+    def _is_bad(self, key: str) -> bool:
+        while key:
+            if key in self.bad_keys:
+                return True
+            key = key.rpartition(".")[0]
+        return False
+
+    def fail(self, key: str, message: str, *involved: str) -> None:
+        """Record a problem at `key`, unless it or a key it involves already failed to parse."""
+        if any(self._is_bad(k) for k in (key, *involved)):
+            return
+        self.problems.append(ConfigProblem(key, message, origin_of(self.origins, key)))
+
+
+def validate(cfg: ExperimentConfig, *, world_size: int | None = None, world_size_source: str | None = None,
+             bad_keys: set[str] | None = None, origins: dict[str, str] | None = None,
+             probes: Probes | None = None) -> list[ConfigProblem]:
+    """Every semantic problem of `cfg` (empty when it can run)."""
+    check = _Checker(bad_keys or set(), origins or {})
+    probes = probes or Probes()
+    _check_imports(cfg, check, probes)  # first: imported modules fill the registries checked below
+    _check_parallel(cfg, check, probes, world_size, world_size_source)
+    _check_model(cfg, check, probes)
+    _check_rollout(cfg, check, probes)
+    _check_data(cfg, check)
+    _check_algo(cfg, check)
+    check_loss_combinations(cfg, check)
+    _check_async(cfg, check)
+    _check_optim(cfg, check)
+    _check_env(cfg, check, probes)
+    _check_outputs(cfg, check, probes)
+    return check.problems
+
+
+def _check_imports(cfg: ExperimentConfig, check: _Checker, probes: Probes) -> None:
+    for name in cfg.trainer.imports:
+        error = probes.import_module(name)
+        if error:
+            check.fail("trainer.imports", f"cannot import {name!r}: {error}")
+
+
+def _check_parallel(cfg: ExperimentConfig, check: _Checker, probes: Probes, world_size: int | None,
+                    source: str | None) -> None:
+    par, launch = cfg.parallel, cfg.launch
+    if world_size is None:
+        world_size = launch.world_size()
+        source = f"launch.nnodes {launch.nnodes} x launch.nproc_per_node {launch.nproc_per_node}"
+    mp = par.model_parallel_size()
+    if world_size % mp:
+        check.fail("parallel", f"world size {world_size} ({source}) is not a multiple of parallel.tensor "
+                               f"{par.tensor} x parallel.pipeline {par.pipeline} x parallel.context "
+                               f"{par.context} = {mp}", "parallel.tensor", "parallel.pipeline",
+                   "parallel.context", "launch.nnodes", "launch.nproc_per_node")
+    if par.sequence_parallel and par.tensor == 1:
+        check.fail("parallel.sequence_parallel", "needs parallel.tensor > 1 (it shards activations across "
+                                                 "the tensor-parallel group)", "parallel.tensor")
+    if par.context > 1 and cfg.model.transformer_impl == "local":
+        check.fail("parallel.context", "context parallelism needs model.transformer_impl te or auto "
+                                       "(megatron-core implements it with transformer-engine)",
+                   "model.transformer_impl")
+    if launch.gpus_per_node and launch.nproc_per_node > launch.gpus_per_node:
+        check.fail("launch.nproc_per_node", f"{launch.nproc_per_node} training ranks per node but "
+                                            f"launch.gpus_per_node is {launch.gpus_per_node}",
+                   "launch.gpus_per_node")
+    shape = probes.model_shape(cfg.model.hf_config)
+    if shape is None:
+        return
+    tp = par.tensor
+    if shape.num_attention_heads % tp or shape.num_key_value_heads % tp:
+        check.fail("parallel.tensor", f"{tp} does not divide the model's {shape.num_attention_heads} attention "
+                                      f"heads and {shape.num_key_value_heads} KV heads ({shape.source})",
+                   "model.hf_config")
+    if shape.num_layers % par.pipeline:
+        check.fail("parallel.pipeline", f"{par.pipeline} does not divide the model's {shape.num_layers} layers "
+                                        f"({shape.source})", "model.hf_config")
+
+
+def _check_model(cfg: ExperimentConfig, check: _Checker, probes: Probes) -> None:
+    model = cfg.model
+    for key in ("hf_config", "hf_checkpoint", "tokenizer"):
+        value = getattr(model, key)
+        if value and looks_like_path(value) and not Path(value).expanduser().exists():
+            check.fail(f"model.{key}", f"no such file or directory: {value}")
+    hf = model.hf_config
+    if not looks_like_path(hf) and "/" not in hf:  # neither a path nor a hub id: a preset
+        presets = probes.presets()
+        if presets is not None and hf not in presets and not Path(hf).exists():
+            hint = difflib.get_close_matches(hf, list(presets), n=1)
+            check.fail("model.hf_config", f"unknown preset {hf!r} (presets: {', '.join(sorted(presets))})"
+                                          + (f"; did you mean {hint[0]!r}?" if hint else ""))
+    if model.transformer_impl == "te" and not probes.has_module("transformer_engine"):
+        check.fail("model.transformer_impl", "te needs transformer-engine (pip install "
+                                             "megatron-stepwise[te]); use auto or local")
+
+
+def _check_rollout(cfg: ExperimentConfig, check: _Checker, probes: Probes) -> None:
+    ro, sg, launch = cfg.rollout, cfg.rollout.sglang, cfg.launch
+    if ro.sampling.top_k == 0 or ro.sampling.top_k < -1:
+        check.fail("rollout.sampling.top_k", f"must be -1 (off) or >= 1 (got {ro.sampling.top_k})")
+    for i, server in enumerate(sg.servers):
+        if not _SERVER_RE.match(server):
+            check.fail("rollout.sglang.servers", f"item {i} {server!r} is not host:port or http://host:port")
+    if sg.router_url and not _SERVER_RE.match(sg.router_url):
+        check.fail("rollout.sglang.router_url", f"{sg.router_url!r} is not http://host:port")
+    if ro.engine == "embedded":
+        for key in ("servers", "router_url"):
+            if getattr(sg, key):
+                check.fail(f"rollout.sglang.{key}", "is set but rollout.engine is embedded; set "
+                                                    "rollout.engine=sglang to use SGLang servers", "rollout.engine")
+        if ro.engine_tp != 1:
+            check.fail("rollout.engine_tp", "the embedded engine is one CPU process; engine_tp must be 1",
+                       "rollout.engine")
+        return
+    # SGLang: either servers already running, or servers the fleet launches on GPUs.
+    if sg.servers:
+        if len(sg.servers) != ro.num_engines:
+            check.fail("rollout.num_engines", f"is {ro.num_engines} but rollout.sglang.servers lists "
+                                              f"{len(sg.servers)} servers", "rollout.sglang.servers")
+        return
+    if sg.router_url:
+        check.fail("rollout.sglang.servers", "rollout.sglang.router_url is set but no servers are listed: "
+                                             "weight updates go to every server directly", "rollout.sglang.router_url")
+        return
+    if not probes.has_module("sglang"):
+        check.fail("rollout.engine", "sglang launches servers but the sglang package is not installed "
+                                     "(pip install megatron-stepwise[sglang]), and no running servers are "
+                                     "listed in rollout.sglang.servers")
+    if launch.gpus_per_node and ro.engine_tp > launch.gpus_per_node:
+        check.fail("rollout.engine_tp", f"an engine cannot span nodes: engine_tp {ro.engine_tp} > "
+                                        f"launch.gpus_per_node {launch.gpus_per_node}", "launch.gpus_per_node")
+        return
+    need, have = ro.num_engines * ro.engine_tp, launch.rollout_gpus()
+    if need > have:
+        check.fail("rollout.num_engines", f"{ro.num_engines} engines x engine_tp {ro.engine_tp} need {need} "
+                                          f"GPUs but the launch layout leaves {have} to rollout (launch: "
+                                          f"{launch.nnodes} training nodes with {launch.gpus_per_node} GPUs, "
+                                          f"{launch.nproc_per_node} used for training, rollout_nodes "
+                                          f"{launch.rollout_nodes})", "rollout.engine_tp", "launch.nnodes",
+                   "launch.gpus_per_node", "launch.nproc_per_node", "launch.rollout_nodes")
+
+
+def _check_data(cfg: ExperimentConfig, check: _Checker) -> None:
+    data, ro = cfg.data, cfg.rollout
+    if data.prompts_per_iteration % data.prompts_per_minibatch:
+        check.fail("data.prompts_per_minibatch", f"{data.prompts_per_minibatch} does not divide "
+                                                 f"data.prompts_per_iteration {data.prompts_per_iteration} "
+                                                 "(each mini-batch is a fixed number of prompts)",
+                   "data.prompts_per_iteration")
+    longest = ro.max_input_length + ro.max_new_tokens
+    if data.max_tokens_per_microbatch < longest:
+        check.fail("data.max_tokens_per_microbatch", f"{data.max_tokens_per_microbatch} cannot hold one step "
+                                                     f"of rollout.max_input_length + rollout.max_new_tokens = "
+                                                     f"{longest} tokens", "rollout.max_input_length",
+                   "rollout.max_new_tokens")
+
+
+def _check_algo(cfg: ExperimentConfig, check: _Checker) -> None:
+    algo, data = cfg.algo, cfg.data
+    if data.samples_per_prompt == 1:
+        if algo.estimator in GROUP_ESTIMATORS:
+            check.fail("data.samples_per_prompt", f"is 1 but algo.estimator {algo.estimator} compares the "
+                                                  "trajectories of a prompt: every advantage would be 0",
+                       "algo.estimator")
+            return  # the filters below fail for the same reason; one fix solves both
+        for key in ("zero_variance", "dynamic_sampling"):
+            if getattr(algo.filters, key):
+                check.fail(f"algo.filters.{key}", "a group of one trajectory (data.samples_per_prompt=1) has "
+                                                  "no reward variance: every group would be dropped",
+                           "data.samples_per_prompt")
+
+
+# Keys the loss checks of megatron_stepwise.algo read: a parse error in any of them silences them.
+_LOSS_KEYS = ("algo.estimator", "algo.loss", "data.merge_steps", "rollout.max_turns")
+
+
+def check_loss_combinations(cfg: ExperimentConfig, check: _Checker) -> None:
+    """Estimator and loss options that cannot work (together, or with merged steps).
+
+    Delegated to `megatron_stepwise.algo.losses.check_loss_compatibility`, which knows the
+    registries (custom estimators and losses included) and which losses are sequence-level;
+    its messages start with the offending key (`algo.loss.reduction='step_mean' cannot ...`).
+    """
+    from megatron_stepwise.algo import advantages, losses
+
+    try:
+        loss = cfg.algo.loss.to_algo()
+    except ValueError as e:  # its own range checks: the message starts with the key
+        key, message = _leading_key(str(e), "algo.loss"), _after_key(str(e))
+        check.fail(key, f"is {message}" if message != str(e) else message, *_LOSS_KEYS)
+        return
+    errors = losses.check_loss_compatibility(loss, merge_steps=cfg.data.merge_steps, estimator=cfg.algo.estimator,
+                                             multi_step=cfg.rollout.max_turns > 1)
+    names = {"algo.estimator": advantages.list_estimators(), "algo.loss.policy_loss": losses.list_policy_losses()}
+    for error in errors:
+        key = _leading_key(error, "algo")
+        message = _after_key(error)
+        if key in names and "not a registered" in error:
+            hint = difflib.get_close_matches(_value_at(cfg, key), names[key], n=1)
+            message += (f"; did you mean {hint[0]!r}?" if hint else "") + \
+                " (custom ones are registered by a module listed in trainer.imports)"
+        check.fail(key, message, *_LOSS_KEYS)
+
+
+def _leading_key(message: str, fallback: str) -> str:
+    head = message.split("=", 1)[0]
+    return head if "=" in message and _KEY_RE.match(head) else fallback
+
+
+def _after_key(message: str) -> str:
+    """`algo.loss.tis='sequence' cannot ...` -> `'sequence' cannot ...` (the key is shown separately)."""
+    head, sep, rest = message.partition("=")
+    return rest if sep and _KEY_RE.match(head) else message
+
+
+def _value_at(cfg: ExperimentConfig, key: str):
+    obj = cfg
+    for part in key.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _check_async(cfg: ExperimentConfig, check: _Checker) -> None:
+    a = cfg.async_
+    if not a.enabled:
+        return
+    if a.max_staleness == 0:
+        check.fail("async.max_staleness", "0 allows no overlap of rollout and training; set "
+                                          "async.enabled=false for synchronous training", "async.enabled")
+    if cfg.algo.loss.tis == "none":
+        check.fail("algo.loss.tis", "async.enabled=true trains on rollouts of older weights: set "
+                                    "algo.loss.tis to token or sequence to correct for the policy lag",
+                   "async.enabled")
+
+
+def _check_optim(cfg: ExperimentConfig, check: _Checker) -> None:
+    opt, data = cfg.optim, cfg.data
+    if opt.min_lr > opt.lr:
+        check.fail("optim.min_lr", f"{opt.min_lr} is above optim.lr {opt.lr}", "optim.lr")
+    if data.prompts_per_iteration % data.prompts_per_minibatch == 0:
+        steps = cfg.trainer.iterations * data.epochs * (data.prompts_per_iteration // data.prompts_per_minibatch)
+        if opt.warmup_steps > steps:
+            check.fail("optim.warmup_steps", f"{opt.warmup_steps} exceeds the {steps} optimizer steps of the run "
+                                             "(trainer.iterations x data.epochs x mini-batches per iteration)",
+                       "trainer.iterations", "data.epochs", "data.prompts_per_iteration",
+                       "data.prompts_per_minibatch")
+
+
+def _check_outputs(cfg: ExperimentConfig, check: _Checker, probes: Probes) -> None:
+    resume = cfg.checkpoint.resume
+    if resume not in ("auto", "never") and not Path(resume).expanduser().exists():
+        check.fail("checkpoint.resume", f"is neither auto, never nor an existing checkpoint path: {resume!r}")
+    if cfg.logging.tensorboard and not probes.has_module("tensorboard"):
+        check.fail("logging.tensorboard", "needs the tensorboard package (pip install tensorboard)")
+    if cfg.logging.wandb.project and not probes.has_module("wandb"):
+        check.fail("logging.wandb.project", "W&B logging needs the wandb package (pip install wandb)")
+
+
+def _check_env(cfg: ExperimentConfig, check: _Checker, probes: Probes) -> None:
+    env = cfg.env
+    names = probes.registered("env")
+    if names is not None and env.name not in names:
+        hint = difflib.get_close_matches(env.name, sorted(names), n=1)
+        check.fail("env.name", f"unknown environment {env.name!r} (registered: {', '.join(sorted(names))})"
+                               + (f"; did you mean {hint[0]!r}?" if hint else ""))
+    for key in ("dataset", "eval_dataset"):
+        value = getattr(env, key)
+        if value and looks_like_path(value) and not Path(value).expanduser().exists():
+            check.fail(f"env.{key}", f"no such file: {value}")

@@ -1,0 +1,69 @@
+"""The environment protocol and the registry of environments.
+
+An environment is created fresh for every trajectory. `reset(sample)` returns the opening chat
+messages; `step(assistant_text)` receives the text the model generated this turn and returns
+`(observation_messages, reward, done, info)`. The observation messages are appended to the chat
+and so become part of the NEXT turn's prompt. Rewards of all steps of a trajectory are summed
+into its outcome reward. Methods may be plain functions or coroutines.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Protocol, runtime_checkable
+
+Message = dict[str, str]
+StepOutput = tuple[list[Message], float, bool, dict[str, Any]]
+
+
+@runtime_checkable
+class Environment(Protocol):
+    def reset(self, sample: dict[str, Any]) -> list[Message]: ...
+
+    def step(self, assistant_text: str) -> StepOutput: ...
+
+
+@dataclass
+class EnvSpec:
+    """How to build an environment and where its prompts come from.
+
+    `factory(**kwargs)` returns a new environment; `dataset(**kwargs)` returns the samples (each
+    a dict with a unique "prompt_id"); `tokenizer` names the shipped tokenizer that suits it.
+    """
+
+    name: str
+    factory: Callable[..., Environment]
+    dataset: Callable[..., list[dict[str, Any]]]
+    tokenizer: Optional[str] = None
+    description: str = ""
+
+
+_REGISTRY: dict[str, EnvSpec] = {}
+
+
+def register_env(spec: EnvSpec) -> EnvSpec:
+    if spec.name in _REGISTRY and _REGISTRY[spec.name] is not spec:
+        raise ValueError(f"environment {spec.name!r} is already registered")
+    _REGISTRY[spec.name] = spec
+    return spec
+
+
+def get_env_spec(name: str) -> EnvSpec:
+    _load_builtins()
+    if name not in _REGISTRY:
+        raise KeyError(f"unknown environment {name!r}; registered: {sorted(_REGISTRY)}")
+    return _REGISTRY[name]
+
+
+def make_env(name: str, **kwargs: Any) -> Environment:
+    return get_env_spec(name).factory(**kwargs)
+
+
+def list_envs() -> list[str]:
+    _load_builtins()
+    return sorted(_REGISTRY)
+
+
+def _load_builtins() -> None:
+    # Imported lazily so `envs.base` stays import-cheap; each module registers itself.
+    from megatron_stepwise.envs import echo, math_tool, search  # noqa: F401

@@ -1,0 +1,96 @@
+"""Tiny tokenizers shipped with the package (no hub download): word-level and char-level.
+
+Both use ChatML-like turns with a chat template, `<|im_end|>` as EOS and `<pad>` as padding:
+- `tiny_word`: the words of the `echo` task (roles, digits, a few words); ~20 tokens.
+- `tiny_char`: printable ASCII + newline, one token per character; for text tasks (math, search)
+  driven by a tiny model.
+
+`build_tokenizer_files(name, out_dir)` writes `tokenizer.json` + `tokenizer_config.json`; the
+files in `envs/data/` were produced by it (a test checks they still match).
+"""
+
+from __future__ import annotations
+
+import json
+import string
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+DATA_DIR = Path(__file__).parent / "data"
+SPECIAL_TOKENS = ["<pad>", "<|im_start|>", "<|im_end|>", "<unk>"]
+ROLES = ["system", "user", "assistant", "tool"]
+ECHO_WORDS = ["say", "good", "no"] + [str(d) for d in range(10)]
+
+# Word-level: tokens are separated by single spaces, so the template puts spaces around content.
+WORD_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}"
+)
+CHAR_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TOKENIZER_NAMES = ("tiny_word", "tiny_char")
+
+
+def _backend(name: str):
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    if name == "tiny_word":
+        words = ROLES + ECHO_WORDS
+        pre = pre_tokenizers.WhitespaceSplit()
+        decoder = None  # tokens are joined with spaces
+    elif name == "tiny_char":
+        words = list(dict.fromkeys(string.printable))  # digits, letters, punctuation, whitespace
+        pre = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+        decoder = decoders.Fuse()
+    else:
+        raise KeyError(f"unknown shipped tokenizer {name!r}; available: {TOKENIZER_NAMES}")
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + words)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre
+    if decoder is not None:
+        tok.decoder = decoder
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIAL_TOKENS])
+    return tok
+
+
+def build_tokenizer_files(name: str, out_dir: Path) -> Path:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _backend(name).save(str(out_dir / "tokenizer.json"))
+    config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<pad>",
+        "unk_token": "<unk>",
+        "model_max_length": 4096,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": WORD_CHAT_TEMPLATE if name == "tiny_word" else CHAR_CHAT_TEMPLATE,
+    }
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out_dir
+
+
+def tokenizer_dir(name: str) -> Path:
+    if name not in TOKENIZER_NAMES:
+        raise KeyError(f"unknown shipped tokenizer {name!r}; available: {TOKENIZER_NAMES}")
+    return DATA_DIR / f"{name}_tokenizer"
+
+
+@lru_cache(maxsize=None)
+def load_tokenizer(name_or_path: str):
+    """A transformers tokenizer: a shipped one by name, or any local HF tokenizer directory."""
+    from transformers import AutoTokenizer
+
+    path = tokenizer_dir(name_or_path) if name_or_path in TOKENIZER_NAMES else Path(name_or_path)
+    if not path.exists():
+        raise FileNotFoundError(f"tokenizer not found: {name_or_path}")
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+if __name__ == "__main__":  # regenerate the shipped files
+    for n in TOKENIZER_NAMES:
+        print(build_tokenizer_files(n, tokenizer_dir(n)))

@@ -1,0 +1,147 @@
+"""Per-iteration metrics: rollout statistics at trajectory level, and the run's metrics log.
+
+Reward statistics, pass@k and group filters look at trajectories (their last steps), never at
+step rows (ARCHITECTURE invariant 9): a trajectory that took 8 turns counts once, like one
+that took 1. Padding rows never count.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import Counter, defaultdict
+from typing import Any, Optional, Sequence
+
+from megatron_stepwise.types import Step
+
+
+def trajectory_rewards(steps: Sequence[Step]) -> dict:
+    """{TrajectoryID: outcome reward} from the last step of every real trajectory."""
+    return {s.trajectory_id: s.reward for s in steps if s.is_last_step and not s.is_padding}
+
+
+def rollout_metrics(steps: Sequence[Step], *, success_threshold: float = 1.0) -> dict[str, float]:
+    """Trajectory-level reward, pass@k, turns, lengths and stop reasons of one rollout."""
+    real = [s for s in steps if not s.is_padding]
+    if not real:
+        return {}
+    rewards = trajectory_rewards(real)
+    turns = Counter(s.trajectory_id for s in real)
+    groups: dict[str, list[float]] = defaultdict(list)
+    for tid, r in rewards.items():
+        groups[tid.prompt_id].append(r)
+    values = list(rewards.values())
+    mean = sum(values) / len(values)
+    k = max(len(v) for v in groups.values())
+    out: dict[str, float] = {
+        "reward/mean": mean,
+        "reward/std": math.sqrt(sum((r - mean) ** 2 for r in values) / len(values)),
+        "reward/max": max(values),
+        "reward/min": min(values),
+        f"reward/pass@{k}": sum(any(r >= success_threshold for r in g) for g in groups.values()) / len(groups),
+        "reward/pass@1": sum(r >= success_threshold for r in values) / len(values),
+        "reward/zero_variance_groups": sum(len(set(g)) == 1 for g in groups.values()) / len(groups),
+        "rollout/trajectories": float(len(rewards)),
+        "rollout/steps": float(len(real)),
+        "rollout/turns_mean": sum(turns.values()) / len(turns),
+        "rollout/turns_max": float(max(turns.values())),
+    }
+    resp = [s.response_ids.numel() for s in real]
+    prompt = [s.prompt_ids.numel() for s in real]
+    out["rollout/response_len_mean"] = sum(resp) / len(resp)
+    out["rollout/response_len_max"] = float(max(resp))
+    out["rollout/prompt_len_mean"] = sum(prompt) / len(prompt)
+    out["rollout/prompt_len_max"] = float(max(prompt))
+    obs = _observation_lengths(real)
+    if obs:
+        out["rollout/observation_len_mean"] = sum(obs) / len(obs)
+    out["rollout/trainable_tokens"] = float(sum(s.num_trainable for s in real))
+    for reason, n in Counter(s.stop_reason for s in real if s.is_last_step).items():
+        out[f"stop_reason/{reason}"] = n / len(rewards)
+    by_env: dict[str, list[float]] = defaultdict(list)
+    for s in real:
+        if s.is_last_step and "env" in s.metadata:
+            by_env[str(s.metadata["env"])].append(s.reward)
+    for env, rs in by_env.items():
+        out[f"reward/env/{env}"] = sum(rs) / len(rs)
+    return out
+
+
+def _observation_lengths(steps: Sequence[Step]) -> list[int]:
+    """Tokens added between consecutive turns: next prompt minus (prompt + response)."""
+    lengths = []
+    for prev, cur in zip(steps, steps[1:]):
+        if prev.trajectory_id == cur.trajectory_id:
+            lengths.append(max(cur.prompt_ids.numel() - prev.num_tokens, 0))
+    return lengths
+
+
+class MetricsLogger:
+    """One JSON line per iteration in `<run_dir>/metrics.jsonl`; optional TensorBoard and W&B."""
+
+    def __init__(self, run_dir: str, *, tensorboard: bool = False, wandb_project: Optional[str] = None,
+                 wandb_name: Optional[str] = None, config: Optional[dict] = None, resume_iteration: int = 0):
+        os.makedirs(run_dir, exist_ok=True)
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        _truncate_after(self.path, resume_iteration)
+        self._file = open(self.path, "a", buffering=1)
+        self._tb = None
+        self._wandb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:
+                raise RuntimeError("logging.tensorboard=true needs the tensorboard package (pip install tensorboard)") from e
+            self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+        if wandb_project:
+            try:
+                import wandb
+            except ImportError as e:
+                raise RuntimeError("logging.wandb.project is set but the wandb package is missing (pip install wandb)") from e
+            self._wandb = wandb.init(project=wandb_project, name=wandb_name, config=config, resume="allow")
+
+    def log(self, iteration: int, metrics: dict[str, Any]) -> None:
+        record = {"iteration": iteration, **{k: _plain(v) for k, v in metrics.items()}}
+        self._file.write(json.dumps(record, sort_keys=True) + "\n")
+        if self._tb is not None:
+            for k, v in record.items():
+                if isinstance(v, (int, float)) and k != "iteration":
+                    self._tb.add_scalar(k, v, iteration)
+        if self._wandb is not None:
+            self._wandb.log(record, step=iteration)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def read_metrics(run_dir: str) -> list[dict[str, Any]]:
+    path = os.path.join(run_dir, "metrics.jsonl") if os.path.isdir(run_dir) else run_dir
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no metrics.jsonl in {run_dir!r}: is it a run directory?")
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _truncate_after(path: str, iteration: int) -> None:
+    """On resume, drop lines of iterations that will be re-run (written after the checkpoint)."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        keep = [line for line in f if line.strip() and json.loads(line).get("iteration", 0) < iteration]
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(keep)
+    os.replace(tmp, path)
+
+
+def _plain(v: Any) -> Any:
+    if hasattr(v, "item"):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return v

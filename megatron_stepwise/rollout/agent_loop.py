@@ -1,0 +1,270 @@
+"""The step-wise multi-turn agent loop: one `Step` per assistant turn.
+
+Per trajectory: render the chat with the tokenizer's chat template and re-tokenise it (this is
+the step's prompt), check its length AFTER re-tokenising, generate, append the assistant text,
+step the environment, append its observation messages (they reach the model in the NEXT
+prompt), repeat until the environment is done, the turn budget is spent or the prompt no longer
+fits. Invariants (ARCHITECTURE.md 1-3):
+
+- `response_ids` are only the tokens sampled this turn; `rollout_logprobs` align with them 1:1.
+- loss_mask is 1 on sampled tokens and 0 on an EOS appended after the fact (when the turn ended
+  on a stop string or the length limit, so the trained sequence closes like the chat template).
+- No prompt sent or emitted exceeds `max_input_length`. A trajectory that outgrows it ends with
+  its last emitted step marked last (stop_reason "context_limit"). A trajectory whose FIRST prompt
+  is already too long still emits one step (prompt cut to `max_input_length`, no response, so no
+  trainable tokens, reward `context_limit_reward`, stop_reason "context_limit"): its prompt group
+  keeps its size and the group statistics stay unbiased in count.
+- The trajectory reward (sum of the environment's step rewards) sits on the last step; earlier
+  steps carry 0 and their own environment reward in `metadata["env_reward"]`.
+- Environment exceptions and timeouts end only that trajectory (stop_reason "env_error", reward
+  `env_error_reward`, the error in `metadata["error"]`).
+
+Stop reasons per step: "stop" (the turn ended on EOS / a stop token or string), "length"
+(max_new_tokens), "max_turns", "context_limit", "env_error", and "abort" (the engine aborted the
+request, e.g. a pause with abort mode; the trajectory ends).
+
+Output: trajectories contiguous, prompt groups contiguous, in the order of the given samples
+then sample index.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Protocol, Sequence, Union
+
+from megatron_stepwise.envs.base import Environment, make_env
+from megatron_stepwise.rollout.engine import GenerateResult, SamplingParams
+from megatron_stepwise.types import Step, TrajectoryID
+
+STOP_REASONS = ("stop", "length", "max_turns", "context_limit", "env_error", "abort")
+
+
+class Generator(Protocol):
+    async def generate(
+        self, input_ids: list[int], sampling: SamplingParams, rid: Optional[str] = None, session: Optional[str] = None
+    ) -> GenerateResult: ...
+
+
+@dataclass
+class AgentLoopConfig:
+    max_turns: int = 4
+    max_input_length: int = 2048
+    n_samples_per_prompt: int = 4
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    # If set, max_new_tokens is clamped so prompt + response fits the model's context.
+    max_model_length: Optional[int] = None
+    append_eos: bool = True
+    env_timeout_s: float = 30.0
+    env_error_reward: float = 0.0
+    context_limit_reward: float = 0.0
+    max_concurrency: int = 64
+    env_threads: int = 8
+
+    def __post_init__(self) -> None:
+        for name in ("max_turns", "max_input_length", "n_samples_per_prompt", "max_concurrency", "env_threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"agent loop config: {name} must be >= 1, got {getattr(self, name)}")
+        if self.env_timeout_s <= 0:
+            raise ValueError(f"agent loop config: env_timeout_s must be > 0, got {self.env_timeout_s}")
+
+
+def render_prompt(tokenizer: Any, messages: list[dict]) -> list[int]:
+    """Chat template with the generation prompt, re-tokenised from text (the step's prompt)."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+class EnvError(RuntimeError):
+    pass
+
+
+class AgentLoop:
+    """Runs trajectories against a generator (an `Engine` or a fleet) and environments."""
+
+    def __init__(
+        self,
+        generator: Generator,
+        tokenizer: Any,
+        env_factory: Union[str, Callable[[], Environment]],
+        config: AgentLoopConfig,
+        eos_token_ids: Optional[Sequence[int]] = None,
+    ):
+        self.generator = generator
+        self.tokenizer = tokenizer
+        self.env_factory = (lambda: make_env(env_factory)) if isinstance(env_factory, str) else env_factory
+        self.config = config
+        if eos_token_ids is None:
+            eos = tokenizer.eos_token_id
+            if eos is None:
+                raise ValueError("the tokenizer has no eos_token_id: pass eos_token_ids= to AgentLoop")
+            eos_token_ids = [eos]
+        self.eos_token_ids = [int(t) for t in eos_token_ids]
+        self._env_pool = concurrent.futures.ThreadPoolExecutor(config.env_threads, thread_name_prefix="env")
+
+    # ---- public ---------------------------------------------------------------------------
+
+    async def rollout(self, samples: Sequence[dict[str, Any]]) -> list[Step]:
+        """All `n_samples_per_prompt` trajectories of every sample; steps in output order."""
+        prompt_ids = [str(s.get("prompt_id", "")) for s in samples]
+        for i, pid in enumerate(prompt_ids):
+            if not pid:
+                raise ValueError(f"sample {i} has no 'prompt_id'")
+        if len(set(prompt_ids)) != len(prompt_ids):
+            dup = sorted({p for p in prompt_ids if prompt_ids.count(p) > 1})
+            raise ValueError(f"duplicate prompt_id(s) in samples: {dup[:5]}")
+        limit = asyncio.Semaphore(self.config.max_concurrency)
+
+        async def one(sample: dict, traj_id: TrajectoryID) -> list[Step]:
+            async with limit:
+                return await self.run_trajectory(sample, traj_id)
+
+        async with asyncio.TaskGroup() as tg:  # an engine failure cancels the rest and propagates
+            tasks = [
+                tg.create_task(one(sample, TrajectoryID(pid, k)))
+                for sample, pid in zip(samples, prompt_ids)
+                for k in range(self.config.n_samples_per_prompt)
+            ]
+        return [step for t in tasks for step in t.result()]
+
+    async def run_trajectory(self, sample: dict[str, Any], traj_id: TrajectoryID) -> list[Step]:
+        cfg = self.config
+        env = self.env_factory()
+        try:
+            messages = _check_messages(await self._call_env(env.reset, sample), "reset")
+        except Exception as e:  # noqa: BLE001 - any env failure ends only this trajectory
+            return [self._placeholder(traj_id, [self.eos_token_ids[0]], "env_error", cfg.env_error_reward, e)]
+
+        steps: list[Step] = []
+        total_reward = 0.0
+        for turn in range(cfg.max_turns):
+            prompt = render_prompt(self.tokenizer, messages)
+            if len(prompt) > cfg.max_input_length:
+                if not steps:
+                    return [self._placeholder(traj_id, prompt[: cfg.max_input_length], "context_limit",
+                                              cfg.context_limit_reward, None, prompt_len=len(prompt))]
+                steps[-1].stop_reason = "context_limit"
+                break
+            result = await self.generator.generate(
+                prompt, self._sampling_for(len(prompt)), rid=f"{traj_id}/turn{turn}", session=str(traj_id)
+            )
+            step = self._make_step(traj_id, turn, prompt, result)
+            steps.append(step)
+            if result.finish_reason == "abort":
+                break
+            text = self.tokenizer.decode(result.output_ids, skip_special_tokens=True)
+            try:
+                observation, reward, done, info = _check_step_output(await self._call_env(env.step, text))
+            except Exception as e:  # noqa: BLE001
+                step.stop_reason = "env_error"
+                step.metadata["error"] = f"{type(e).__name__}: {e}"
+                total_reward = cfg.env_error_reward
+                break
+            total_reward += reward
+            step.metadata["env_reward"] = reward
+            step.metadata["env_info"] = info
+            if done:
+                break
+            messages = messages + [{"role": "assistant", "content": text}] + observation
+        else:
+            steps[-1].stop_reason = "max_turns"
+        steps[-1].is_last_step = True
+        steps[-1].reward = total_reward
+        return steps
+
+    def close(self) -> None:
+        self._env_pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---- helpers ----------------------------------------------------------------------------
+
+    def _sampling_for(self, prompt_len: int) -> SamplingParams:
+        cfg = self.config
+        if cfg.max_model_length is None:
+            return cfg.sampling
+        room = max(0, cfg.max_model_length - prompt_len)
+        if room >= cfg.sampling.max_new_tokens:
+            return cfg.sampling
+        return SamplingParams(**{**cfg.sampling.to_dict(), "max_new_tokens": room})
+
+    def _make_step(self, traj_id: TrajectoryID, turn: int, prompt: list[int], result: GenerateResult) -> Step:
+        response = list(result.output_ids)
+        logprobs = list(result.logprobs)
+        versions = list(result.token_weight_versions or [result.weight_version] * len(response))
+        loss_mask = [1] * len(response)
+        if (
+            self.config.append_eos
+            and result.finish_reason != "abort"
+            and (not response or response[-1] not in self.eos_token_ids)
+        ):
+            # Appended after the fact: no real log-prob, never trained on.
+            response.append(self.eos_token_ids[0])
+            loss_mask.append(0)
+            logprobs.append(0.0)
+            versions.append(versions[-1] if versions else result.weight_version)
+        stop_reason = {"stop": "stop", "length": "length"}.get(result.finish_reason, "abort")
+        return Step(
+            trajectory_id=traj_id,
+            prompt_ids=prompt,
+            response_ids=response,
+            loss_mask=loss_mask,
+            rollout_logprobs=logprobs,
+            reward=0.0,
+            is_last_step=False,
+            stop_reason=stop_reason,
+            weight_versions=versions,
+            metadata={"turn": turn, "finish_reason": result.finish_reason, "engine": result.engine},
+        )
+
+    def _placeholder(self, traj_id, prompt, stop_reason, reward, error, prompt_len=None) -> Step:
+        """A zero-trainable-token last step that keeps the trajectory (and its group) counted."""
+        metadata: dict[str, Any] = {"turn": 0}
+        if error is not None:
+            metadata["error"] = f"{type(error).__name__}: {error}"
+        if prompt_len is not None:
+            metadata["untruncated_prompt_len"] = prompt_len
+        return Step(
+            trajectory_id=traj_id, prompt_ids=prompt, response_ids=[], loss_mask=[], rollout_logprobs=[],
+            reward=reward, is_last_step=True, stop_reason=stop_reason, weight_versions=[], metadata=metadata,
+        )
+
+    async def _call_env(self, fn, *args):
+        timeout = self.config.env_timeout_s
+        try:
+            if inspect.iscoroutinefunction(fn):
+                return await asyncio.wait_for(fn(*args), timeout)
+            loop = asyncio.get_running_loop()
+            return await asyncio.wait_for(loop.run_in_executor(self._env_pool, fn, *args), timeout)
+        except asyncio.TimeoutError:
+            raise EnvError(f"environment {getattr(fn, '__name__', fn)} timed out after {timeout}s") from None
+
+
+def _check_messages(messages: Any, where: str) -> list[dict]:
+    if not isinstance(messages, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
+    ):
+        raise EnvError(f"env.{where} must return a list of {{'role': str, 'content': str}} messages, got {messages!r:.200}")
+    return messages
+
+
+def _check_step_output(out: Any) -> tuple[list[dict], float, bool, dict]:
+    if not isinstance(out, tuple) or len(out) != 4:
+        raise EnvError(f"env.step must return (observation_messages, reward, done, info), got {out!r:.200}")
+    observation, reward, done, info = out
+    return _check_messages(list(observation or []), "step"), float(reward), bool(done), dict(info or {})
+
+
+async def rollout(
+    generator: Generator,
+    tokenizer: Any,
+    env: Union[str, Callable[[], Environment]],
+    samples: Sequence[dict[str, Any]],
+    config: AgentLoopConfig,
+) -> list[Step]:
+    """One-shot convenience: run every sample's trajectories and return their steps."""
+    loop = AgentLoop(generator, tokenizer, env, config)
+    try:
+        return await loop.rollout(samples)
+    finally:
+        loop.close()

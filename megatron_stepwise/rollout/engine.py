@@ -1,0 +1,192 @@
+"""The rollout engine protocol: token ids in, token ids + per-token log-probs out.
+
+Every engine (an SGLang server behind `SGLangClient`, the embedded CPU `LocalEngine`, a Ray
+fleet of either) speaks this protocol, so the agent loop never knows which one it drives.
+
+Log-prob convention (the same as SGLang 0.5.x's default, see `sglang/srt/layers/sampler.py`):
+the reported log-prob of a sampled token is `log_softmax(logits / temperature)[token]` over the
+FULL vocabulary, i.e. under the temperature-scaled distribution but *before* top-p / top-k
+truncation and renormalisation. With temperature 0 (greedy) it is the raw `log_softmax(logits)`.
+A trainer that scores the same tokens with `log_softmax(logits / temperature)` reproduces it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Iterable, Mapping, Optional, Protocol, Union, runtime_checkable
+
+import torch
+
+NamedTensors = Union[Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+class EngineError(RuntimeError):
+    """An engine failed to serve a request (dead, unreachable, or it answered with an error)."""
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling settings; field names and meaning follow SGLang's `sampling_params`.
+
+    top_k <= 0 means "no top-k". temperature 0 means greedy.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 128
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    no_stop_trim: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
+        self.validate()
+
+    def validate(self) -> None:
+        if not self.temperature >= 0:
+            raise ValueError(f"sampling_params.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"sampling_params.top_p must be in (0, 1], got {self.top_p}")
+        if int(self.top_k) != self.top_k:
+            raise ValueError(f"sampling_params.top_k must be an integer, got {self.top_k}")
+        if self.max_new_tokens < 0:
+            raise ValueError(f"sampling_params.max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"sampling_params.stop entries must be non-empty strings, got {s!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON `sampling_params` object of SGLang's /generate."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Optional[Mapping[str, Any]]) -> "SamplingParams":
+        d = dict(d or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"sampling_params: unsupported field(s) {unknown}; supported: {sorted(known)}")
+        if d.get("top_k") is None:
+            d.pop("top_k", None)
+        if d.get("stop") is None:
+            d.pop("stop", None)
+        if d.get("stop_token_ids") is None:
+            d.pop("stop_token_ids", None)
+        return cls(**d)
+
+
+@dataclass
+class GenerateResult:
+    """What one generation returns.
+
+    `output_ids` are exactly the sampled tokens (a matched stop token is included, as SGLang does);
+    `logprobs[i]` is the log-prob of `output_ids[i]` under the convention in the module docstring.
+    `finish_reason` is one of "stop", "length", "abort"; `matched` is the stop token id or stop
+    string that ended it (None otherwise). `weight_version` is the policy version at the end of the
+    generation; `token_weight_versions` (when the engine reports them) gives it per token, which
+    differs only if weights were swapped in place mid-generation.
+    """
+
+    output_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    weight_version: int = 0
+    token_weight_versions: Optional[list[int]] = None
+    matched: Optional[Union[int, str]] = None
+    text: Optional[str] = None
+    engine: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if len(self.output_ids) != len(self.logprobs):
+            raise EngineError(
+                f"engine returned {len(self.output_ids)} tokens but {len(self.logprobs)} log-probs"
+            )
+        if self.token_weight_versions is None:
+            self.token_weight_versions = [self.weight_version] * len(self.output_ids)
+        elif len(self.token_weight_versions) != len(self.output_ids):
+            raise EngineError(
+                f"engine returned {len(self.output_ids)} tokens but {len(self.token_weight_versions)} weight versions"
+            )
+        if self.finish_reason not in FINISH_REASONS:
+            raise EngineError(f"unknown finish_reason {self.finish_reason!r}; expected one of {FINISH_REASONS}")
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """One inference engine. All methods are coroutines so they can sit behind HTTP or Ray."""
+
+    async def generate(
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        rid: Optional[str] = None,
+        session: Optional[str] = None,
+    ) -> GenerateResult:
+        """`rid` names the request (for abort); `session` names the conversation it belongs to
+        (a fleet routes a session's turns to the same engine for prefix-cache reuse)."""
+
+    async def update_weights_from_disk(self, path: str, weight_version: Optional[int] = None) -> int:
+        """Load HF-named safetensors from `path`; returns the new weight version."""
+
+    async def update_weights_from_tensors(
+        self, named_tensors: NamedTensors, weight_version: Optional[int] = None
+    ) -> int:
+        """Load tensors keyed by HF parameter names; returns the new weight version."""
+
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "gloo",
+    ) -> None:
+        """Join a process group whose rank 0 (the trainer) broadcasts weights."""
+
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str = "weight_update_group",
+        weight_version: Optional[int] = None,
+    ) -> int:
+        """Receive the named tensors by broadcast from rank 0 of the group; returns the new version."""
+
+    async def pause(self) -> None:
+        """Stop making progress on generations (in place: they continue after `resume`)."""
+
+    async def resume(self) -> None: ...
+
+    async def flush_cache(self) -> None:
+        """Drop cached prefixes (after a weight update they are stale)."""
+
+    async def abort(self, rid: Optional[str] = None) -> None:
+        """Abort one request by id, or all when rid is None; they finish with reason "abort"."""
+
+    async def health(self) -> bool: ...
+
+    async def weight_version(self) -> int: ...
+
+    async def close(self) -> None: ...
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """'bfloat16' / 'torch.bfloat16' -> torch.bfloat16 (SGLang sends dtype names as strings)."""
+    short = name.split(".")[-1]
+    dtype = getattr(torch, short, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype name {name!r}")
+    return dtype
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).split(".")[-1]

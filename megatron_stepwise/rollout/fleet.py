@@ -1,0 +1,424 @@
+"""A rollout fleet: N engine actors on Ray behind one `generate` with routing and fault handling.
+
+- Engines: `EngineSpec(kind="local")` builds the embedded CPU engine inside the actor;
+  `kind="sglang"` launches `sglang.launch_server` on the actor's node (loopback) and talks to it
+  over HTTP; `kind="http"` connects to a server that is already running (SGLang, an
+  `sglang_router` for generation, or `megatron-stepwise serve`).
+- Routing: a session's turns go back to the engine that served its previous turn (prefix-cache
+  reuse); new sessions go to the engine with the fewest outstanding requests. At most
+  `max_concurrency` requests are in flight over the whole fleet.
+- Weight updates: new requests wait at a gate, in-flight ones drain, then every engine is
+  paused -> updated -> flushed -> resumed, and the gate reopens. Every generation reports the
+  version that produced it (`GenerateResult.weight_version`, per token in `token_weight_versions`).
+- Faults: a request whose engine dies, errors or times out is retried from scratch on another
+  engine (at most `max_retries` times); the late result of a timed-out request is dropped and the
+  request aborted on its engine. A dead engine is restarted from its spec and brought to the
+  current weights by replaying the last disk/tensor update (or removed if that fails, or if
+  weights came over a distributed group it cannot rejoin). Each turn resolves exactly once, so no
+  trajectory is lost or duplicated. Counters are in `metrics()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any, Awaitable, Callable, Optional
+
+from megatron_stepwise.rollout.engine import EngineError, GenerateResult, NamedTensors, SamplingParams
+from megatron_stepwise.rollout.sglang import EngineRequestError, SGLangServerConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineSpec:
+    """How to build one engine actor."""
+
+    kind: str = "local"  # "local" | "sglang" | "http"
+    # local
+    model_config: Any = None
+    weights: Optional[str] = None
+    tokenizer: Optional[str] = None
+    seed: int = 0
+    max_batch_size: int = 16
+    torch_threads: int = 1
+    # sglang (launched by the actor) / http (already running)
+    sglang: Optional[SGLangServerConfig] = None
+    url: Optional[str] = None
+    tp_size: int = 1
+    # Ray resources of the actor
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("local", "sglang", "http"):
+            raise ValueError(f"EngineSpec.kind must be 'local', 'sglang' or 'http', got {self.kind!r}")
+        if self.kind == "local" and self.model_config is None:
+            raise ValueError("EngineSpec(kind='local') needs model_config")
+        if self.kind == "sglang" and self.sglang is None:
+            raise ValueError("EngineSpec(kind='sglang') needs sglang=SGLangServerConfig(...)")
+        if self.kind == "http" and not self.url:
+            raise ValueError("EngineSpec(kind='http') needs url")
+
+
+class EngineActor:
+    """Runs inside a Ray actor: owns one engine (and its server process for kind='sglang')."""
+
+    def __init__(self, spec: EngineSpec, name: str):
+        self.proc = None
+        if spec.torch_threads:
+            os.environ.setdefault("OMP_NUM_THREADS", str(spec.torch_threads))
+        if spec.kind == "local":
+            from megatron_stepwise.envs.tiny_tokenizers import load_tokenizer
+            from megatron_stepwise.rollout.local import LocalEngine
+
+            tokenizer = load_tokenizer(spec.tokenizer) if spec.tokenizer else None
+            self.engine = LocalEngine(
+                spec.model_config, weights=spec.weights, tokenizer=tokenizer, max_batch_size=spec.max_batch_size,
+                seed=spec.seed, torch_threads=spec.torch_threads, name=name,
+            )
+        else:
+            from megatron_stepwise.rollout.sglang import SGLangClient, launch_sglang_server
+
+            url = spec.url
+            if spec.kind == "sglang":
+                self.proc = launch_sglang_server(spec.sglang)
+                url = spec.sglang.url
+            self.engine = SGLangClient(url, tp_size=spec.tp_size)
+
+    async def generate(self, input_ids, sampling, rid=None, session=None) -> GenerateResult:
+        return await self.engine.generate(input_ids, sampling, rid=rid, session=session)
+
+    async def call(self, method: str, *args, **kwargs):
+        """Any other `Engine` method by name (weight updates, pause, resume, flush, abort...)."""
+        return await getattr(self.engine, method)(*args, **kwargs)
+
+    async def shutdown(self) -> None:
+        await self.engine.close()
+        if self.proc is not None:
+            self.proc.kill()
+
+
+@dataclass
+class FleetMetrics:
+    requests: int = 0
+    generated_tokens: int = 0
+    retries: int = 0
+    timeouts: int = 0
+    engine_failures: int = 0
+    restarts: int = 0
+    removed_engines: int = 0
+    weight_updates: int = 0
+
+
+@dataclass
+class _Slot:
+    index: int
+    spec: EngineSpec
+    handle: Any
+    alive: bool = True
+    outstanding: int = 0
+    incarnation: int = 0
+
+
+def ensure_ray(address: Optional[str] = None, num_cpus: Optional[int] = None) -> None:
+    """Start (or connect to) Ray once: local by default, `address='auto'` joins a cluster."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True}
+    if address:
+        kwargs["address"] = address
+    else:
+        kwargs["num_cpus"] = num_cpus or 4
+    # Workers import this package: make sure they see the same sources as the driver.
+    kwargs["runtime_env"] = {"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}}
+    ray.init(**kwargs)
+
+
+class RolloutFleet:
+    """N engine actors behind one `generate` (see module docstring)."""
+
+    def __init__(
+        self,
+        specs: list[EngineSpec],
+        max_concurrency: int = 64,
+        max_retries: int = 2,
+        request_timeout_s: float = 600.0,
+        restart_dead: bool = True,
+        ray_address: Optional[str] = None,
+        ray_num_cpus: Optional[int] = None,
+    ):
+        if not specs:
+            raise ValueError("a fleet needs at least one EngineSpec")
+        ensure_ray(ray_address, ray_num_cpus or max(4, len(specs) + 1))
+        self.max_retries = max_retries
+        self.request_timeout_s = request_timeout_s
+        self.restart_dead = restart_dead
+        self.weight_version = 0
+        self._metrics = FleetMetrics()
+        self._limit = asyncio.Semaphore(max_concurrency)
+        self._slots = [_Slot(i, spec, self._spawn(spec, i, 0)) for i, spec in enumerate(specs)]
+        self._sticky: dict[str, int] = {}
+        self._gate = asyncio.Event()
+        self._gate.set()
+        self._inflight = 0
+        self._drained = asyncio.Event()
+        self._drained.set()
+        self._update_lock = asyncio.Lock()
+        self._replay: Optional[Callable[[Any, int], Awaitable]] = None
+        self._restarts: set[asyncio.Task] = set()
+
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    @staticmethod
+    def _spawn(spec: EngineSpec, index: int, incarnation: int):
+        import ray
+
+        actor = ray.remote(EngineActor).options(
+            num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, max_concurrency=1000, max_restarts=0
+        )
+        return actor.remote(spec, f"engine{index}.{incarnation}")
+
+    async def wait_ready(self, timeout_s: float = 300.0) -> None:
+        """Block until every engine answers a health check."""
+        await asyncio.wait_for(asyncio.gather(*(s.handle.call.remote("health") for s in self._slots)), timeout_s)
+
+    @property
+    def num_alive(self) -> int:
+        return sum(s.alive for s in self._slots)
+
+    def kill_engine(self, index: int) -> None:
+        """Kill one engine's actor (fault-injection for tests and drills)."""
+        import ray
+
+        ray.kill(self._slots[index].handle, no_restart=True)
+
+    async def shutdown(self) -> None:
+        import ray
+
+        for t in list(self._restarts):
+            t.cancel()
+        for s in self._slots:
+            if s.alive:
+                try:
+                    await asyncio.wait_for(s.handle.shutdown.remote(), 10)
+                except Exception:  # noqa: BLE001 - best effort on the way out
+                    pass
+            ray.kill(s.handle, no_restart=True)
+            s.alive = False
+
+    def metrics(self) -> dict[str, Any]:
+        m = asdict(self._metrics)
+        m.update(alive_engines=self.num_alive, weight_version=self.weight_version)
+        return m
+
+    # ---- generation -------------------------------------------------------------------------
+
+    def _pick(self, session: Optional[str], exclude: set[int]) -> _Slot:
+        candidates = [s for s in self._slots if s.alive and s.index not in exclude]
+        if not candidates:
+            candidates = [s for s in self._slots if s.alive]
+        if not candidates:
+            raise EngineError("no live engine in the fleet")
+        if session is not None and session in self._sticky:
+            sticky = self._slots[self._sticky[session]]
+            if sticky in candidates:
+                return sticky
+        return min(candidates, key=lambda s: (s.outstanding, s.index))
+
+    async def generate(
+        self, input_ids: list[int], sampling: SamplingParams, rid: Optional[str] = None, session: Optional[str] = None
+    ) -> GenerateResult:
+        async with self._limit:
+            while not self._gate.is_set():  # a weight update is in progress
+                await self._gate.wait()
+            self._inflight += 1
+            self._drained.clear()
+            try:
+                return await self._generate_with_retries(input_ids, sampling, rid, session)
+            finally:
+                self._inflight -= 1
+                if self._inflight == 0:
+                    self._drained.set()
+
+    async def _generate_with_retries(self, input_ids, sampling, rid, session) -> GenerateResult:
+        import ray
+
+        tried: set[int] = set()
+        for attempt in range(self.max_retries + 1):
+            slot = self._pick(session, tried)
+            tried.add(slot.index)
+            slot.outstanding += 1
+            incarnation = slot.incarnation
+            try:
+                ref = slot.handle.generate.remote(input_ids, sampling, rid, session)
+                result = await asyncio.wait_for(ref, self.request_timeout_s)
+            except asyncio.TimeoutError:
+                self._metrics.timeouts += 1
+                error: BaseException = EngineError(f"engine {slot.index} timed out after {self.request_timeout_s}s")
+                self._abort_quietly(slot, rid)
+                await self._check_engine(slot, incarnation)
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+                error = e
+                self._mark_dead(slot, incarnation)
+            except ray.exceptions.RayTaskError as e:
+                cause = e.cause if getattr(e, "cause", None) is not None else e
+                if isinstance(cause, (EngineRequestError, ValueError, KeyError, TypeError)):
+                    raise cause from None  # the request itself is bad: retrying elsewhere won't help
+                error = cause
+                await self._check_engine(slot, incarnation)
+            else:
+                if session is not None:
+                    self._sticky[session] = slot.index
+                self._metrics.requests += 1
+                self._metrics.generated_tokens += len(result.output_ids)
+                return result
+            finally:
+                slot.outstanding -= 1
+            if attempt < self.max_retries:
+                self._metrics.retries += 1
+                log.warning("request %s failed on engine %d (%r); retrying", rid, slot.index, error)
+        raise EngineError(f"request {rid} failed after {self.max_retries + 1} attempts: {error!r}")
+
+    def _abort_quietly(self, slot: _Slot, rid: Optional[str]) -> None:
+        if rid is not None and slot.alive:
+            slot.handle.call.remote("abort", rid)  # fire and forget; its late result is dropped
+
+    async def _check_engine(self, slot: _Slot, incarnation: int) -> None:
+        """After an error or timeout: an engine that fails its health check is treated as dead."""
+        import ray
+
+        try:
+            healthy = await asyncio.wait_for(slot.handle.call.remote("health"), 10)
+        except (asyncio.TimeoutError, ray.exceptions.RayError):
+            healthy = False
+        if not healthy:
+            self._mark_dead(slot, incarnation)
+
+    def _mark_dead(self, slot: _Slot, incarnation: int) -> None:
+        if not slot.alive or slot.incarnation != incarnation:
+            return  # already handled (another request saw the same death)
+        slot.alive = False
+        self._metrics.engine_failures += 1
+        self._sticky = {k: v for k, v in self._sticky.items() if v != slot.index}
+        log.warning("engine %d is dead", slot.index)
+        if self.restart_dead and self._replay is not False:
+            task = asyncio.get_running_loop().create_task(self._restart(slot))
+            self._restarts.add(task)
+            task.add_done_callback(self._restarts.discard)
+        else:
+            self._metrics.removed_engines += 1
+
+    async def _restart(self, slot: _Slot) -> None:
+        import ray
+
+        try:
+            ray.kill(slot.handle, no_restart=True)
+        except Exception:  # noqa: BLE001 - it is dead already
+            pass
+        async with self._update_lock:  # never come back in the middle of a weight update
+            try:
+                handle = self._spawn(slot.spec, slot.index, slot.incarnation + 1)
+                await asyncio.wait_for(handle.call.remote("health"), 300)
+                if self._replay is not None:
+                    await self._replay(handle, self.weight_version)
+                slot.handle, slot.incarnation, slot.alive = handle, slot.incarnation + 1, True
+                self._metrics.restarts += 1
+                log.warning("engine %d restarted at weight version %d", slot.index, self.weight_version)
+            except Exception:  # noqa: BLE001
+                log.exception("engine %d could not be restarted; removed from the fleet", slot.index)
+                self._metrics.removed_engines += 1
+
+    async def wait_restarts(self) -> None:
+        """Wait for engine restarts in progress (tests, orderly shutdown)."""
+        while self._restarts:
+            await asyncio.gather(*list(self._restarts), return_exceptions=True)
+
+    # ---- weights ----------------------------------------------------------------------------
+
+    async def _update(self, call: Callable[[Any, int], Awaitable], weight_version: Optional[int], replay) -> int:
+        async with self._update_lock:
+            self._gate.clear()
+            try:
+                await self._drained.wait()
+                version = self.weight_version + 1 if weight_version is None else int(weight_version)
+                live = [s for s in self._slots if s.alive]
+                for phase in (
+                    lambda s: s.handle.call.remote("pause"),
+                    lambda s: call(s, version),
+                    lambda s: s.handle.call.remote("flush_cache"),
+                    lambda s: s.handle.call.remote("resume"),
+                ):
+                    await asyncio.gather(*(self._guarded(phase, s) for s in live))
+                    live = [s for s in live if s.alive]
+                self.weight_version = version
+                self._replay = replay
+                self._metrics.weight_updates += 1
+                return version
+            finally:
+                self._gate.set()
+
+    async def _guarded(self, fn, slot: _Slot) -> None:
+        """One engine's part of an update; an engine that dies meanwhile is handled like any death
+        (its restart waits for this update and then replays it)."""
+        import ray
+
+        incarnation = slot.incarnation
+        try:
+            await fn(slot)
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+            self._mark_dead(slot, incarnation)
+
+    async def update_weights_from_tensors(self, named_tensors: NamedTensors, weight_version: Optional[int] = None) -> int:
+        """Broadcast HF-named tensors to every engine (stored once in Ray's object store)."""
+        import ray
+
+        items = dict(named_tensors.items()) if hasattr(named_tensors, "items") else dict(named_tensors)
+        ref = ray.put({k: v.detach().cpu() for k, v in items.items()})
+
+        async def replay(handle, version):
+            await handle.call.remote("update_weights_from_tensors", ref, version)
+
+        return await self._update(lambda s, v: replay(s.handle, v), weight_version, replay)
+
+    async def update_weights_from_disk(self, path: str, weight_version: Optional[int] = None) -> int:
+        async def replay(handle, version):
+            await handle.call.remote("update_weights_from_disk", str(path), version)
+
+        return await self._update(lambda s, v: replay(s.handle, v), weight_version, replay)
+
+    async def init_weights_update_group(
+        self, master_address: str, master_port: int, group_name: str = "weight_update_group", backend: str = "gloo"
+    ) -> int:
+        """Every live engine joins one group with the trainer as rank 0; returns the world size.
+
+        The trainer must open its side (`weight_sync.open_group`) concurrently. Engines that die
+        later cannot rejoin such a group, so they are removed rather than restarted.
+        """
+        live = [s for s in self._slots if s.alive]
+        ranks, offset = [], 1
+        for s in live:
+            ranks.append(offset)
+            offset += s.spec.tp_size
+        world_size = offset
+        await asyncio.gather(*(
+            s.handle.call.remote("init_weights_update_group", master_address, master_port, r, world_size,
+                                 group_name, backend)
+            for s, r in zip(live, ranks)
+        ))
+        return world_size
+
+    async def update_weights_from_distributed(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+        group_name: str = "weight_update_group", weight_version: Optional[int] = None,
+    ) -> int:
+        """Engines receive by broadcast; run concurrently with the trainer's `weight_sync.broadcast`."""
+
+        async def call(s, v):
+            await s.handle.call.remote("update_weights_from_distributed", names, dtypes, shapes, group_name, v)
+
+        return await self._update(call, weight_version, False)

@@ -1,0 +1,131 @@
+"""Hugging Face causal LMs for the embedded engine: build from a config, load HF-named weights.
+
+The trainer pushes weights under Hugging Face parameter names (`model.embed_tokens.weight`,
+`model.layers.N.self_attn.q_proj.weight`, ..., `lm_head.weight`); these helpers check every
+name and shape before touching the model so a bad push fails with a message naming the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping, Optional, Union
+
+import torch
+
+from megatron_stepwise.rollout.engine import NamedTensors
+
+ModelConfigLike = Union[str, os.PathLike, Mapping[str, Any], "PretrainedConfig"]  # noqa: F821
+
+
+def tiny_qwen2_config(vocab_size: int, hidden_size: int = 64, num_layers: int = 2, **overrides: Any) -> dict:
+    """A really tiny Qwen2 config (CPU-fast): the default for CI and the embedded experiment."""
+    cfg = dict(
+        model_type="qwen2",
+        architectures=["Qwen2ForCausalLM"],
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    cfg.update(overrides)
+    return cfg
+
+
+def load_config(model_config: ModelConfigLike):
+    """A transformers `PretrainedConfig` from a config object, a dict, a config.json, or a model dir."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    if isinstance(model_config, PretrainedConfig):
+        return model_config
+    if isinstance(model_config, Mapping):
+        d = dict(model_config)
+        if "model_type" not in d:
+            raise ValueError("model config dict needs a 'model_type' (e.g. 'qwen2' or 'llama')")
+        return AutoConfig.for_model(d.pop("model_type"), **d)
+    path = Path(model_config)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"model config not found: {model_config} (expected a config.json or a directory with one)")
+    with open(path) as f:
+        return load_config(json.load(f))
+
+
+def build_causal_lm(
+    model_config: ModelConfigLike,
+    weights: Optional[Union[str, os.PathLike]] = None,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> torch.nn.Module:
+    """An eval-mode causal LM: random init from `seed`, then `weights` (safetensors dir) if given."""
+    from transformers import AutoModelForCausalLM
+
+    config = load_config(model_config)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.eval()
+    model.requires_grad_(False)
+    if weights is not None:
+        load_safetensors_dir(model, weights)
+    return model
+
+
+def load_named_tensors(model: torch.nn.Module, named_tensors: NamedTensors) -> int:
+    """Copy HF-named tensors into the model in place (a subset is fine: bucketed pushes).
+
+    Every name and shape is validated before anything is written, so a bad push leaves the model
+    untouched. Returns how many tensors were loaded.
+    """
+    items = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else list(named_tensors)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    params.update(dict(model.named_buffers()))
+    for name, tensor in items:
+        if name not in params:
+            hint = sorted(params)[:4]
+            raise KeyError(f"weight {name!r} is not a parameter of the model (HF names expected, e.g. {hint})")
+        if tuple(tensor.shape) != tuple(params[name].shape):
+            raise ValueError(
+                f"weight {name!r}: shape {tuple(tensor.shape)} does not match the model's {tuple(params[name].shape)}"
+            )
+    with torch.no_grad():
+        for name, tensor in items:
+            params[name].copy_(tensor.to(params[name].dtype))
+    return len(items)
+
+
+def load_safetensors_dir(model: torch.nn.Module, path: Union[str, os.PathLike]) -> int:
+    """Load every `*.safetensors` file in `path` (HF names) into the model."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    count = 0
+    for f in files:
+        count += load_named_tensors(model, load_file(str(f)))
+    return count
+
+
+def save_safetensors_dir(model: torch.nn.Module, path: Union[str, os.PathLike]) -> Path:
+    """Write the model's parameters in HF names to `path/model.safetensors` (tests and tools)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    save_file(state, str(path / "model.safetensors"))
+    model.config.save_pretrained(str(path))
+    return path

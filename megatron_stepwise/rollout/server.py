@@ -1,0 +1,337 @@
+"""HTTP server for the embedded engine with SGLang's native endpoints and payloads.
+
+The same `SGLangClient` drives this server and a real SGLang server, so the HTTP path of the
+rollout stack is exercised for real on machines without a GPU. Endpoints (SGLang 0.5.x names):
+/generate, /health, /health_generate, /get_model_info, /model_info, /flush_cache,
+/update_weights_from_disk, /update_weights_from_tensor, /init_weights_update_group,
+/update_weights_from_distributed, /destroy_weights_update_group, /update_weight_version,
+/pause_generation, /continue_generation, /abort_request.
+
+Deviation: `/update_weights_from_tensor` takes each entry of `serialized_named_tensors` as
+base64 of a safetensors blob (`load_format="safetensors"`), not SGLang's pickled CUDA-IPC
+handles, which only work between processes sharing a GPU and should never be unpickled from a
+socket.
+
+    megatron-stepwise serve --model-config tiny_word --host 127.0.0.1 --port 30000
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import logging
+from typing import Any, Optional
+
+from aiohttp import web
+
+from megatron_stepwise.rollout.engine import GenerateResult, SamplingParams
+from megatron_stepwise.rollout.local import LocalEngine
+
+log = logging.getLogger(__name__)
+
+# /generate fields this server understands; others that SGLang knows are refused with a 400
+# naming them, rather than silently ignored.
+GENERATE_FIELDS = {"rid", "input_ids", "text", "sampling_params", "return_logprob", "stream", "logprob_start_len"}
+ENGINE_TAG = "megatron_stepwise.local"
+
+
+class BadRequest(ValueError):
+    pass
+
+
+def finish_reason_json(result: GenerateResult) -> dict[str, Any]:
+    if result.finish_reason == "stop":
+        return {"type": "stop", "matched": result.matched}
+    if result.finish_reason == "length":
+        return {"type": "length", "length": len(result.output_ids)}
+    return {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+
+
+def version_spans(versions: list[int]) -> list[dict[str, Any]]:
+    """Per-token versions -> SGLang's `meta_info.weight_versions` spans ([start, end))."""
+    spans: list[dict[str, Any]] = []
+    for i, v in enumerate(versions):
+        if spans and spans[-1]["version"] == str(v):
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": str(v), "start": i, "end": i + 1})
+    return spans
+
+
+def generate_response(rid: str, prompt_len: int, result: GenerateResult, return_logprob: bool) -> dict:
+    meta: dict[str, Any] = {
+        "id": rid,
+        "prompt_tokens": prompt_len,
+        "completion_tokens": len(result.output_ids),
+        "finish_reason": finish_reason_json(result),
+        "weight_version": str(result.weight_version),
+        "weight_versions": version_spans(result.token_weight_versions or []),
+        "cached_tokens": 0,
+    }
+    if return_logprob:
+        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(result.logprobs, result.output_ids)]
+    return {"text": result.text or "", "output_ids": list(result.output_ids), "meta_info": meta}
+
+
+class EngineServer:
+    """aiohttp handlers around one `LocalEngine`."""
+
+    def __init__(self, engine: LocalEngine):
+        self.engine = engine
+        self._rid = 0
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._errors], client_max_size=1 << 30)
+        r = app.router
+        r.add_route("POST", "/generate", self.generate)
+        r.add_route("PUT", "/generate", self.generate)
+        for path in ("/health", "/health_generate"):
+            r.add_get(path, self.health)
+        for path in ("/get_model_info", "/model_info"):
+            r.add_get(path, self.model_info)
+        r.add_route("GET", "/flush_cache", self.flush_cache)
+        r.add_route("POST", "/flush_cache", self.flush_cache)
+        r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
+        r.add_post("/update_weights_from_tensor", self.update_weights_from_tensor)
+        r.add_post("/init_weights_update_group", self.init_weights_update_group)
+        r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
+        r.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
+        r.add_post("/update_weight_version", self.update_weight_version)
+        r.add_post("/pause_generation", self.pause_generation)
+        r.add_post("/continue_generation", self.continue_generation)
+        r.add_post("/abort_request", self.abort_request)
+        return app
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler):
+        try:
+            return await handler(request)
+        except web.HTTPException:
+            raise
+        except (BadRequest, ValueError, KeyError, TypeError, FileNotFoundError) as e:
+            msg = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+            if request.path.startswith(("/update_weights", "/init_weights", "/destroy_weights")):
+                return web.json_response({"success": False, "message": msg}, status=400)
+            return web.json_response({"error": {"message": msg}}, status=400)
+
+    async def _body(self, request: web.Request) -> dict:
+        if not request.can_read_body:
+            return {}
+        try:
+            body = await request.json()
+        except ValueError as e:
+            raise BadRequest(f"request body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise BadRequest("request body must be a JSON object")
+        return body
+
+    async def generate(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        unsupported = sorted(set(body) - GENERATE_FIELDS)
+        if unsupported:
+            raise BadRequest(f"/generate: field(s) {unsupported} are not supported by the embedded engine")
+        if body.get("stream"):
+            raise BadRequest("/generate: stream=true is not supported by the embedded engine")
+        if body.get("logprob_start_len", -1) not in (-1, None):
+            raise BadRequest("/generate: only logprob_start_len=-1 (output log-probs) is supported")
+        input_ids = body.get("input_ids")
+        if input_ids is None and body.get("text") is not None:
+            if self.engine.tokenizer is None:
+                raise BadRequest("/generate: 'text' needs a server started with --tokenizer; send input_ids")
+            texts = body["text"]
+            encode = lambda t: self.engine.tokenizer(t, add_special_tokens=False)["input_ids"]  # noqa: E731
+            input_ids = [encode(t) for t in texts] if isinstance(texts, list) else encode(texts)
+        if not isinstance(input_ids, list) or not input_ids:
+            raise BadRequest("/generate: 'input_ids' must be a non-empty list of token ids (or a list of them)")
+        batched = isinstance(input_ids[0], list)
+        prompts = input_ids if batched else [input_ids]
+        n = len(prompts)
+        sp, rids, lp = body.get("sampling_params"), body.get("rid"), body.get("return_logprob", False)
+        sps = sp if isinstance(sp, list) else [sp] * n
+        lps = lp if isinstance(lp, list) else [lp] * n
+        if rids is None:
+            rids = [self._new_rid() for _ in range(n)]
+        elif not isinstance(rids, list):
+            rids = [rids] if n == 1 else [f"{rids}-{i}" for i in range(n)]
+        if not len(sps) == len(lps) == len(rids) == n:
+            raise BadRequest(f"/generate: batch of {n} prompts needs as many sampling_params, rid and return_logprob")
+        try:
+            params = [SamplingParams.from_dict(s) for s in sps]
+        except TypeError as e:
+            raise BadRequest(f"sampling_params: {e}") from None
+        results = await asyncio.gather(
+            *(self.engine.generate(p, s, rid=r) for p, s, r in zip(prompts, params, rids))
+        )
+        out = [generate_response(r, len(p), res, bool(flag)) for r, p, res, flag in zip(rids, prompts, results, lps)]
+        return web.json_response(out if batched else out[0])
+
+    def _new_rid(self) -> str:
+        self._rid += 1
+        return f"req-{self._rid}"
+
+    async def health(self, request: web.Request) -> web.Response:
+        ok = await self.engine.health()
+        return web.Response(status=200 if ok else 503)
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        info = self.engine.model_info()
+        info["engine"] = ENGINE_TAG
+        return web.json_response(info)
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        await self.engine.flush_cache()
+        return web.Response(text="Cache flushed.\n")
+
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        if "model_path" not in body:
+            raise BadRequest("/update_weights_from_disk: 'model_path' is required")
+        if body.get("abort_all_requests"):
+            await self.engine.abort()
+        version = await self.engine.update_weights_from_disk(body["model_path"], _version(body.get("weight_version")))
+        return web.json_response({"success": True, "message": f"weight version {version}", "num_paused_requests": 0})
+
+    async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
+        from safetensors.torch import load as load_safetensors
+
+        body = await self._body(request)
+        if body.get("load_format") != "safetensors":
+            raise BadRequest(
+                "/update_weights_from_tensor: the embedded engine takes load_format='safetensors' "
+                "(base64 safetensors blobs in serialized_named_tensors)"
+            )
+        blobs = body.get("serialized_named_tensors")
+        if not isinstance(blobs, list) or not blobs:
+            raise BadRequest("/update_weights_from_tensor: 'serialized_named_tensors' must be a non-empty list")
+        # One entry per tensor-parallel rank in SGLang; this engine has one rank: all are equal.
+        tensors = load_safetensors(base64.b64decode(blobs[0]))
+        if body.get("abort_all_requests"):
+            await self.engine.abort()
+        version = await self.engine.update_weights_from_tensors(tensors, _version(body.get("weight_version")))
+        return web.json_response({"success": True, "message": f"weight version {version}"})
+
+    async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        missing = [k for k in ("master_address", "master_port", "rank_offset", "world_size") if k not in body]
+        if missing:
+            raise BadRequest(f"/init_weights_update_group: missing field(s) {missing}")
+        await self.engine.init_weights_update_group(
+            body["master_address"], int(body["master_port"]), int(body["rank_offset"]), int(body["world_size"]),
+            body.get("group_name", "weight_update_group"), body.get("backend", "gloo"),
+        )
+        return web.json_response({"success": True, "message": "joined"})
+
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        missing = [k for k in ("names", "dtypes", "shapes") if k not in body]
+        if missing:
+            raise BadRequest(f"/update_weights_from_distributed: missing field(s) {missing}")
+        if body.get("abort_all_requests"):
+            await self.engine.abort()
+        version = await self.engine.update_weights_from_distributed(
+            body["names"], body["dtypes"], body["shapes"], body.get("group_name", "weight_update_group"),
+            _version(body.get("weight_version")),
+        )
+        return web.json_response({"success": True, "message": f"weight version {version}"})
+
+    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        await self.engine.destroy_weights_update_group(body.get("group_name", "weight_update_group"))
+        return web.json_response({"success": True, "message": "destroyed"})
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        if "new_version" not in body:
+            raise BadRequest("/update_weight_version: 'new_version' is required")
+        if body.get("abort_all_requests", True):
+            await self.engine.abort()
+        await self.engine.set_weight_version(_version(body["new_version"]))
+        return web.json_response({"success": True})
+
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        mode = body.get("mode", "abort")
+        if mode not in ("abort", "retract", "in_place"):
+            raise BadRequest(f"/pause_generation: unknown mode {mode!r}")
+        await self.engine.pause()
+        if mode == "abort":
+            await self.engine.abort()
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        await self.engine.resume()
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        await self.engine.abort(None if body.get("abort_all") else body.get("rid"))
+        return web.Response(status=200)
+
+
+def _version(value: Any) -> Optional[int]:
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise BadRequest(f"weight_version must be an integer (as a string), got {value!r}") from None
+
+
+async def start_server(engine: LocalEngine, host: str = "127.0.0.1", port: int = 0) -> tuple[web.AppRunner, int]:
+    """Start serving in the running event loop; returns (runner, bound port). `port=0` picks one."""
+    runner = web.AppRunner(EngineServer(engine).app(), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = site._server.sockets[0].getsockname()[1]
+    return runner, bound
+
+
+def build_engine_from_args(args: argparse.Namespace) -> LocalEngine:
+    from megatron_stepwise.envs.tiny_tokenizers import TOKENIZER_NAMES, load_tokenizer
+    from megatron_stepwise.rollout.hf_model import tiny_qwen2_config
+
+    tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
+    model_config: Any = args.model_config
+    if model_config in TOKENIZER_NAMES:  # a tiny model sized for a shipped tokenizer
+        tokenizer = tokenizer or load_tokenizer(model_config)
+        model_config = tiny_qwen2_config(len(tokenizer))
+    return LocalEngine(
+        model_config, weights=args.weights, tokenizer=tokenizer, max_batch_size=args.max_batch_size,
+        seed=args.seed, torch_threads=args.torch_threads,
+    )
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="serve the embedded CPU engine over SGLang's HTTP API")
+    p.add_argument("--model-config", required=True,
+                   help="HF config.json / model dir, or 'tiny_word' / 'tiny_char' for a tiny model and tokenizer")
+    p.add_argument("--weights", default=None, help="directory of HF-named safetensors to load")
+    p.add_argument("--tokenizer", default=None, help="tokenizer dir or shipped name (for stop strings and text)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--max-batch-size", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--torch-threads", type=int, default=None)
+    p.set_defaults(func=_serve_main)
+
+
+def _serve_main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+
+    async def run() -> None:
+        engine = build_engine_from_args(args)
+        runner, port = await start_server(engine, args.host, args.port)
+        print(f"serving the embedded engine on http://{args.host}:{port}", flush=True)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await runner.cleanup()
+            await engine.close()
+
+    try:
+        asyncio.run(run())
+    except KeyboardInterrupt:
+        pass
+    return 0

@@ -1,0 +1,323 @@
+"""SGLang: an async HTTP client for its native API, and a server launcher.
+
+`SGLangClient` implements the `Engine` protocol over SGLang's native endpoints (checked against
+the pinned sglang wheel by tests/test_sglang_contract.py). It drives a real SGLang server, an
+`sglang_router` (generation only: send weight updates to the workers), or the embedded
+engine's server (`megatron-stepwise serve`), which speaks the same API.
+
+`launch_sglang_server` starts `python -m sglang.launch_server` on loopback (for a Ray actor on
+the GPU node) and waits for /health.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import aiohttp
+
+from megatron_stepwise.rollout.engine import (
+    EngineError,
+    GenerateResult,
+    NamedTensors,
+    SamplingParams,
+    dtype_name,
+)
+
+SGLANG_VERSION = "0.5.23"  # the version the contract test checks (and the `sglang` extra pins)
+
+
+class EngineRequestError(EngineError):
+    """The engine refused the request itself (HTTP 4xx): retrying elsewhere will not help."""
+
+
+def _version_int(value: Any) -> int:
+    """SGLang reports weight versions as strings ("default" before any update)."""
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return 0
+
+
+def parse_generate_response(data: dict) -> GenerateResult:
+    """Tokens and log-probs from `meta_info.output_token_logprobs` ([logprob, token_id, text])."""
+    meta = data.get("meta_info") or {}
+    entries = meta.get("output_token_logprobs")
+    if entries is None:
+        raise EngineError("response has no meta_info.output_token_logprobs (was return_logprob sent?)")
+    output_ids = [int(e[1]) for e in entries]
+    logprobs = [float(e[0]) for e in entries]
+    if data.get("output_ids") is not None and list(data["output_ids"]) != output_ids:
+        raise EngineError("output_ids and meta_info.output_token_logprobs disagree")
+    reason = meta.get("finish_reason") or {}
+    kind = reason.get("type") if isinstance(reason, dict) else str(reason)
+    version = _version_int(meta.get("weight_version"))
+    per_token = None
+    spans = meta.get("weight_versions")
+    if spans:
+        per_token = [version] * len(output_ids)
+        for span in spans:
+            for i in range(int(span["start"]), min(int(span["end"]), len(output_ids))):
+                per_token[i] = _version_int(span["version"])
+    return GenerateResult(
+        output_ids=output_ids,
+        logprobs=logprobs,
+        finish_reason=kind if kind in ("stop", "length") else "abort",
+        weight_version=version,
+        token_weight_versions=per_token,
+        matched=reason.get("matched") if isinstance(reason, dict) else None,
+        text=data.get("text"),
+    )
+
+
+def serialize_tensors_safetensors(named_tensors: NamedTensors) -> str:
+    """base64 safetensors blob: the embedded server's `update_weights_from_tensor` payload."""
+    from safetensors.torch import save
+
+    items = dict(named_tensors.items()) if hasattr(named_tensors, "items") else dict(named_tensors)
+    blob = save({k: v.detach().contiguous().cpu() for k, v in items.items()})
+    return base64.b64encode(blob).decode("ascii")
+
+
+def serialize_tensors_sglang(named_tensors: NamedTensors) -> str:
+    """SGLang's own format (MultiprocessingSerializer): base64 of a ForkingPickler dump of
+    [(name, tensor)]. For CUDA tensors this carries IPC handles, so the server must share the
+    GPU (colocated training and rollout), exactly as with SGLang's own callers."""
+    import torch.multiprocessing  # noqa: F401  registers the tensor reductions
+    from multiprocessing.reduction import ForkingPickler
+
+    items = list(named_tensors.items()) if hasattr(named_tensors, "items") else list(named_tensors)
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(items)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+class SGLangClient:
+    """`Engine` over SGLang's native HTTP API at `base_url`.
+
+    Args:
+        base_url: e.g. "http://127.0.0.1:30000".
+        timeout_s: per-request timeout (generation included).
+        tp_size: tensor-parallel size of the server (update_weights_from_tensor sends one entry per rank).
+    """
+
+    def __init__(self, base_url: str, timeout_s: float = 600.0, tp_size: int = 1):
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.tp_size = tp_size
+        self._session: Optional[aiohttp.ClientSession] = None
+        self._embedded: Optional[bool] = None
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+        return self._session
+
+    async def _request(self, method: str, path: str, json: Any = None, params: Any = None) -> Any:
+        url = self.base_url + path
+        try:
+            async with self._http().request(method, url, json=json, params=params) as resp:
+                text = await resp.text()
+                if resp.status >= 400:
+                    cls = EngineRequestError if 400 <= resp.status < 500 else EngineError
+                    raise cls(f"{method} {url} -> HTTP {resp.status}: {text[:500]}")
+                if resp.content_type == "application/json":
+                    return await resp.json()
+                return text
+        except aiohttp.ClientError as e:
+            raise EngineError(f"{method} {url} failed: {e!r}") from e
+        except asyncio.TimeoutError as e:
+            raise EngineError(f"{method} {url} timed out after {self.timeout_s}s") from e
+
+    async def generate(
+        self, input_ids: list[int], sampling: SamplingParams, rid: Optional[str] = None, session: Optional[str] = None
+    ) -> GenerateResult:
+        payload: dict[str, Any] = {
+            "input_ids": [int(t) for t in input_ids],
+            "sampling_params": sampling.to_dict(),
+            "return_logprob": True,
+        }
+        if rid is not None:
+            payload["rid"] = rid
+        data = await self._request("POST", "/generate", json=payload)
+        result = parse_generate_response(data)
+        result.engine = self.base_url
+        return result
+
+    async def _is_embedded(self) -> bool:
+        if self._embedded is None:
+            info = await self._request("GET", "/get_model_info")
+            self._embedded = isinstance(info, dict) and info.get("engine") == "megatron_stepwise.local"
+        return self._embedded
+
+    async def update_weights_from_disk(self, path: str, weight_version: Optional[int] = None) -> int:
+        payload: dict[str, Any] = {"model_path": str(path), "flush_cache": True}
+        if weight_version is not None:
+            payload["weight_version"] = str(weight_version)
+        await self._request("POST", "/update_weights_from_disk", json=payload)
+        return await self.weight_version()
+
+    async def update_weights_from_tensors(self, named_tensors: NamedTensors, weight_version: Optional[int] = None) -> int:
+        if await self._is_embedded():
+            blob, load_format = serialize_tensors_safetensors(named_tensors), "safetensors"
+        else:
+            blob, load_format = serialize_tensors_sglang(named_tensors), None
+        payload: dict[str, Any] = {"serialized_named_tensors": [blob] * self.tp_size, "flush_cache": True}
+        if load_format is not None:
+            payload["load_format"] = load_format
+        if weight_version is not None:
+            payload["weight_version"] = str(weight_version)
+        await self._request("POST", "/update_weights_from_tensor", json=payload)
+        return await self.weight_version()
+
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "gloo",
+    ) -> None:
+        await self._request(
+            "POST",
+            "/init_weights_update_group",
+            json={
+                "master_address": master_address,
+                "master_port": int(master_port),
+                "rank_offset": int(rank_offset),
+                "world_size": int(world_size),
+                "group_name": group_name,
+                "backend": backend,
+            },
+        )
+
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str = "weight_update_group",
+        weight_version: Optional[int] = None,
+    ) -> int:
+        payload: dict[str, Any] = {
+            "names": list(names),
+            "dtypes": [d if isinstance(d, str) else dtype_name(d) for d in dtypes],
+            "shapes": [list(map(int, s)) for s in shapes],
+            "group_name": group_name,
+            "flush_cache": True,
+        }
+        if weight_version is not None:
+            payload["weight_version"] = str(weight_version)
+        await self._request("POST", "/update_weights_from_distributed", json=payload)
+        return await self.weight_version()
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        await self._request("POST", "/destroy_weights_update_group", json={"group_name": group_name})
+
+    async def pause(self) -> None:
+        # in_place: running requests keep their KV cache and continue after /continue_generation.
+        await self._request("POST", "/pause_generation", json={"mode": "in_place"})
+
+    async def resume(self) -> None:
+        await self._request("POST", "/continue_generation", json={})
+
+    async def flush_cache(self) -> None:
+        await self._request("POST", "/flush_cache")
+
+    async def abort(self, rid: Optional[str] = None) -> None:
+        body = {"abort_all": True} if rid is None else {"rid": rid}
+        await self._request("POST", "/abort_request", json=body)
+
+    async def health(self) -> bool:
+        try:
+            await self._request("GET", "/health")
+            return True
+        except EngineError:
+            return False
+
+    async def weight_version(self) -> int:
+        info = await self._request("GET", "/get_model_info")
+        return _version_int(info.get("weight_version") if isinstance(info, dict) else None)
+
+    async def model_info(self) -> dict:
+        return await self._request("GET", "/get_model_info")
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+# ---- launching ------------------------------------------------------------------------------
+
+
+@dataclass
+class SGLangServerConfig:
+    """How to start one SGLang server. `extra_args` go to `sglang.launch_server` verbatim."""
+
+    model_path: str
+    host: str = "127.0.0.1"
+    port: int = 30000
+    tp_size: int = 1
+    mem_fraction_static: Optional[float] = None
+    extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    startup_timeout_s: float = 900.0
+
+    def command(self) -> list[str]:
+        cmd = [
+            sys.executable, "-m", "sglang.launch_server",
+            "--model-path", self.model_path,
+            "--host", self.host,
+            "--port", str(self.port),
+            "--tp-size", str(self.tp_size),
+        ]
+        if self.mem_fraction_static is not None:
+            cmd += ["--mem-fraction-static", str(self.mem_fraction_static)]
+        return cmd + list(self.extra_args)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def launch_sglang_server(config: SGLangServerConfig, log_path: Optional[str] = None) -> subprocess.Popen:
+    """Start the server process and block until /health answers 200 (or fail with its log tail)."""
+    log = open(log_path, "ab") if log_path else subprocess.DEVNULL
+    proc = subprocess.Popen(
+        config.command(), env={**os.environ, **config.env}, stdout=log, stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        wait_for_health(config.url, config.startup_timeout_s, proc)
+    except BaseException:
+        proc.kill()
+        raise
+    return proc
+
+
+def wait_for_health(url: str, timeout_s: float, proc: Optional[subprocess.Popen] = None) -> None:
+    """Poll `url`/health until 200; raises if `proc` exits first or the timeout passes."""
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise EngineError(f"server process for {url} exited with code {proc.returncode} before becoming healthy")
+        try:
+            with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=5) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            pass
+        time.sleep(1.0)
+    raise EngineError(f"server at {url} not healthy after {timeout_s}s")

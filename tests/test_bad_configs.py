@@ -1,0 +1,209 @@
+"""The bad-config corpus: every case is rejected with exactly one problem, naming the right key.
+
+Most cases go through the API (fast); a few go through `megatron-stepwise validate` in a
+subprocess to check the exit code 2 and that users see the problems, not a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from config_fakes import FakeProbes
+
+from megatron_stepwise.config import ConfigError, config_from_dict
+
+REPO = Path(__file__).resolve().parent.parent
+GPU_NODE = {"launch": {"gpus_per_node": 8, "nproc_per_node": 4}}  # 4 GPUs left to rollout
+SGLANG = {**GPU_NODE, "rollout": {"engine": "sglang", "num_engines": 4}}
+QWEN_1_5B = "Qwen/Qwen2.5-1.5B-Instruct"
+
+
+def merged(*parts: dict) -> dict:
+    out: dict = {}
+    for part in parts:
+        for section, values in part.items():
+            if isinstance(values, dict) and isinstance(out.get(section), dict):
+                out[section] = {**out[section], **values}
+            else:
+                out[section] = values
+    return out
+
+
+# (id, config, overrides, probe settings, the key named, a fragment of the message)
+CASES = [
+    # unknown keys, with the closest valid name suggested
+    ("unknown-section", {"modle": {"dtype": "bf16"}}, [], {}, "modle", "did you mean 'model'"),
+    ("unknown-key-typo", {"optim": {"lrr": 1e-5}}, [], {}, "optim.lrr", "did you mean 'optim.lr'"),
+    ("unknown-key-wrong-section", {"rollout": {"temperature": 0.7}}, [], {}, "rollout.temperature",
+     "did you mean 'rollout.sampling.temperature'"),
+    ("unknown-override", {}, ["trainer.iteration=3"], {}, "trainer.iteration", "did you mean 'trainer.iterations'"),
+    # wrong types
+    ("int-expected", {"data": {"epochs": "two"}}, [], {}, "data.epochs", "expected an integer"),
+    ("float-expected", {"optim": {"lr": "fast"}}, [], {}, "optim.lr", "expected a number"),
+    ("bool-expected", {"data": {"shuffle": "yes please"}}, [], {}, "data.shuffle", "expected true or false"),
+    ("str-expected", {"env": {"name": 3}}, [], {}, "env.name", "expected a string"),
+    ("list-expected", {"rollout": {"sampling": {"stop": "</answer>"}}}, [], {}, "rollout.sampling.stop",
+     "expected a list"),
+    ("list-item-type", {"trainer": {"imports": [1]}}, [], {}, "trainer.imports", "item 0"),
+    ("enum-typo", {"model": {"dtype": "bf61"}}, [], {}, "model.dtype", "did you mean 'bf16'"),
+    ("enum-async-policy", {"async": {"stale_policy": "retry"}}, [], {}, "async.stale_policy", "drop, requeue"),
+    ("optional-int", {"algo": {"loss": {"max_response_len": "long"}}}, [], {}, "algo.loss.max_response_len",
+     "expected an integer"),
+    ("section-not-mapping", {"rollout": 5}, [], {}, "rollout", "mapping"),
+    ("override-into-value", {}, ["model.dtype.kind=bf16"], {}, "model.dtype.kind", "model.dtype is a value"),
+    # impossible parallel layouts
+    ("world-not-divisible", {"parallel": {"tensor": 2}, "launch": {"nproc_per_node": 3}}, [], {}, "parallel",
+     "world size 3"),
+    ("tp-vs-kv-heads", {"model": {"hf_config": QWEN_1_5B}, "parallel": {"tensor": 4}, "launch": {"nproc_per_node": 4}},
+     [], {"shapes": {QWEN_1_5B: (12, 2, 28)}}, "parallel.tensor", "2 KV heads"),
+    ("pp-vs-layers", {"model": {"hf_config": QWEN_1_5B}, "parallel": {"pipeline": 3}, "launch": {"nproc_per_node": 3}},
+     [], {"shapes": {QWEN_1_5B: (12, 2, 28)}}, "parallel.pipeline", "28 layers"),
+    ("sequence-parallel-without-tp", {"parallel": {"sequence_parallel": True}}, [], {}, "parallel.sequence_parallel",
+     "parallel.tensor > 1"),
+    ("context-parallel-local-spec", {"parallel": {"context": 2}, "model": {"transformer_impl": "local"},
+                                     "launch": {"nproc_per_node": 2}}, [], {}, "parallel.context", "transformer_impl"),
+    ("ranks-exceed-gpus", {"launch": {"gpus_per_node": 4, "nproc_per_node": 8}}, [], {}, "launch.nproc_per_node",
+     "gpus_per_node is 4"),
+    ("te-not-installed", {"model": {"transformer_impl": "te"}}, [], {"modules": ()}, "model.transformer_impl",
+     "transformer-engine"),
+    # estimators and losses
+    ("temporal-estimator-multi-turn", {"algo": {"estimator": "gae"}, "rollout": {"max_turns": 4}}, [], {},
+     "algo.estimator", "temporal estimator"),
+    ("reinforce-pp-multi-turn", {"algo": {"estimator": "reinforce++"}}, [], {}, "algo.estimator", "multi-step"),
+    ("unknown-estimator", {"algo": {"estimator": "grop"}}, [], {}, "algo.estimator", "did you mean 'grpo'"),
+    ("unknown-policy-loss", {"algo": {"loss": {"policy_loss": "cipso"}}}, [], {}, "algo.loss.policy_loss",
+     "did you mean 'cispo'"),
+    ("group-of-one", {"data": {"samples_per_prompt": 1}}, [], {}, "data.samples_per_prompt", "every advantage"),
+    ("filter-group-of-one", {"data": {"samples_per_prompt": 1}, "rollout": {"max_turns": 1},
+                             "algo": {"estimator": "reinforce++", "filters": {"zero_variance": True}}},
+     [], {}, "algo.filters.zero_variance", "no reward variance"),
+    ("merge-step-mean", {"data": {"merge_steps": True}, "algo": {"loss": {"reduction": "step_mean"}}}, [], {},
+     "algo.loss.reduction", "data.merge_steps=true"),
+    ("merge-dr-grpo-norm", {"data": {"merge_steps": True},
+                            "algo": {"loss": {"reduction": "seq_mean_token_sum_norm", "max_response_len": 256}}},
+     [], {}, "algo.loss.reduction", "data.merge_steps=true"),
+    ("merge-gspo", {"data": {"merge_steps": True}, "algo": {"loss": {"policy_loss": "gspo"}}}, [], {},
+     "algo.loss.policy_loss", "per sequence"),
+    ("merge-sequence-tis", {"data": {"merge_steps": True}, "algo": {"loss": {"tis": "sequence"}}}, [], {},
+     "algo.loss.tis", "data.merge_steps=true"),
+    ("merge-sequence-icepop", {"data": {"merge_steps": True},
+                               "algo": {"loss": {"icepop_low": 0.5, "icepop_level": "sequence"}}}, [], {},
+     "algo.loss.icepop_level", "data.merge_steps=true"),
+    ("dr-grpo-norm-without-length", {"algo": {"loss": {"reduction": "seq_mean_token_sum_norm"}}}, [], {},
+     "algo.loss.max_response_len", "is None: reduction 'seq_mean_token_sum_norm' needs a positive constant"),
+    ("clip-low-zero", {"algo": {"loss": {"clip_low": 0.0}}}, [], {}, "algo.loss.clip_low", "> 0"),
+    ("clip-high-negative", {}, ["algo.loss.clip_high=-0.1"], {}, "algo.loss.clip_high", "> 0"),
+    ("dual-clip-below-one", {"algo": {"loss": {"clip_c": 0.5}}}, [], {}, "algo.loss.clip_c", "> 1"),
+    ("icepop-high-below-one", {"algo": {"loss": {"icepop_high": 0.9}}}, [], {}, "algo.loss.icepop_high", "> 1"),
+    # batching
+    ("minibatch-not-dividing", {"data": {"prompts_per_iteration": 10, "prompts_per_minibatch": 4}}, [], {},
+     "data.prompts_per_minibatch", "does not divide"),
+    ("microbatch-smaller-than-a-step", {"data": {"max_tokens_per_microbatch": 1000}}, [], {},
+     "data.max_tokens_per_microbatch", "2304 tokens"),
+    # rollout
+    ("temperature-zero", {"rollout": {"sampling": {"temperature": 0}}}, [], {}, "rollout.sampling.temperature", "> 0"),
+    ("top-k-zero", {"rollout": {"sampling": {"top_k": 0}}}, [], {}, "rollout.sampling.top_k", "-1 (off)"),
+    ("sglang-without-extra", SGLANG, [], {"modules": ()}, "rollout.engine", "pip install megatron-stepwise[sglang]"),
+    ("sglang-not-enough-gpus", merged(SGLANG, {"rollout": {"engine": "sglang", "num_engines": 8}}), [], {},
+     "rollout.num_engines", "need 8 GPUs"),
+    ("sglang-on-cpu", {"rollout": {"engine": "sglang"}}, [], {}, "rollout.num_engines", "leaves 0 to rollout"),
+    ("sglang-servers-count", {"rollout": {"engine": "sglang", "num_engines": 2,
+                                          "sglang": {"servers": ["h1:30000"]}}}, [], {"modules": ()},
+     "rollout.num_engines", "lists 1 servers"),
+    ("sglang-router-without-servers", {"rollout": {"engine": "sglang", "sglang": {"router_url": "http://r:8000"}}},
+     [], {"modules": ()}, "rollout.sglang.servers", "router_url is set"),
+    ("sglang-bad-server", {"rollout": {"engine": "sglang", "sglang": {"servers": ["h1"]}}}, [], {"modules": ()},
+     "rollout.sglang.servers", "host:port"),
+    ("servers-with-embedded", {"rollout": {"sglang": {"servers": ["h1:30000"]}}}, [], {}, "rollout.sglang.servers",
+     "rollout.engine is embedded"),
+    ("embedded-engine-tp", {"rollout": {"engine_tp": 2}}, [], {}, "rollout.engine_tp", "one CPU process"),
+    # async
+    ("async-zero-staleness", {"async": {"enabled": True, "max_staleness": 0}, "algo": {"loss": {"tis": "token"}}},
+     [], {}, "async.max_staleness", "async.enabled=false"),
+    ("async-without-correction", {"async": {"enabled": True}}, [], {}, "algo.loss.tis", "policy lag"),
+    # optimizer, outputs, paths
+    ("min-lr-above-lr", {"optim": {"lr": 1e-6, "min_lr": 1e-5}}, [], {}, "optim.min_lr", "above optim.lr"),
+    ("warmup-longer-than-run", {"optim": {"warmup_steps": 100}}, [], {}, "optim.warmup_steps", "20 optimizer steps"),
+    ("resume-missing-path", {"checkpoint": {"resume": "/no/such/ckpt"}}, [], {}, "checkpoint.resume", "/no/such/ckpt"),
+    ("tensorboard-missing", {"logging": {"tensorboard": True}}, [], {"modules": ()}, "logging.tensorboard",
+     "pip install tensorboard"),
+    ("wandb-missing", {"logging": {"wandb": {"project": "p"}}}, [], {"modules": ()}, "logging.wandb.project", "wandb"),
+    ("checkpoint-dir-missing", {"model": {"hf_checkpoint": "./no/such/model"}}, [], {}, "model.hf_checkpoint",
+     "no such file"),
+    ("dataset-missing", {"env": {"dataset": "/no/such/data.jsonl"}}, [], {}, "env.dataset", "no such file"),
+    ("unknown-env", {"env": {"name": "retreival"}}, [], {"registries": {"env": ["retrieval", "math_tool"]}},
+     "env.name", "did you mean 'retrieval'"),
+    ("port-out-of-range", {"launch": {"master_port": 70000}}, [], {}, "launch.master_port", "<= 65535"),
+]
+
+
+def test_corpus_is_large_and_covers_every_section():
+    assert len(CASES) >= 25
+    assert len({c[0] for c in CASES}) == len(CASES)
+    sections = {c[4].split(".")[0] for c in CASES}
+    assert {"model", "parallel", "rollout", "env", "data", "algo", "optim", "async", "checkpoint", "logging",
+            "launch", "trainer"} <= sections
+
+
+@pytest.mark.parametrize("case_id,data,overrides,probe_args,key,fragment", CASES, ids=[c[0] for c in CASES])
+def test_bad_config_is_rejected_naming_the_key(case_id, data, overrides, probe_args, key, fragment, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ConfigError) as e:
+        config_from_dict(data, overrides, probes=FakeProbes(**probe_args))
+    assert e.value.keys == [key], str(e.value)  # exactly one problem: the root cause, no cascade
+    assert fragment in str(e.value)
+
+
+def test_the_same_configs_pass_once_fixed(monkeypatch):
+    """Guards the corpus: the fixed version of a few cases validates (the error is the one named)."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    fixed = [
+        ({"parallel": {"tensor": 2}, "launch": {"nproc_per_node": 4}}, {}),
+        ({"data": {"merge_steps": True}, "algo": {"loss": {"reduction": "trajectory_mean", "tis": "token"}}}, {}),
+        (merged(SGLANG, {"rollout": {"engine": "sglang", "num_engines": 4}}), {}),
+        ({"async": {"enabled": True}, "algo": {"loss": {"tis": "token"}}}, {}),
+        ({"algo": {"estimator": "reinforce++"}, "rollout": {"max_turns": 1}}, {}),
+        ({"rollout": {"engine": "sglang", "num_engines": 1, "sglang": {"servers": ["http://h1:30000"]}}},
+         {"modules": ()}),
+    ]
+    for data, probe_args in fixed:
+        config_from_dict(data, probes=FakeProbes(**probe_args))
+
+
+# ---- through the command line ----------------------------------------------------------------
+
+def validate_cli(tmp_path: Path, text: str | None, *overrides: str) -> subprocess.CompletedProcess:
+    path = tmp_path / "exp.yaml"
+    if text is not None:
+        path.write_text(text)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    return subprocess.run([sys.executable, "-m", "megatron_stepwise.cli", "validate", str(path), *overrides],
+                          capture_output=True, text=True, env=env, timeout=120)
+
+
+@pytest.mark.parametrize("case_id", ["unknown-key-wrong-section", "merge-gspo", "world-not-divisible",
+                                     "minibatch-not-dividing"])
+def test_cli_exits_2_with_the_key_and_no_traceback(tmp_path, case_id):
+    _, data, overrides, _, key, fragment = next(c for c in CASES if c[0] == case_id)
+    result = validate_cli(tmp_path, yaml.safe_dump(data), *overrides)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr and result.stdout == ""
+    assert f"- {key}: " in result.stderr and fragment in result.stderr
+
+
+def test_cli_lists_all_problems_and_handles_unreadable_files(tmp_path):
+    result = validate_cli(tmp_path, "optim: {lr: x}\ndata: {epochs: 0}\n", "trainer.iterations=-1")
+    assert result.returncode == 2 and "3 config problems" in result.stderr
+    for key in ("optim.lr", "data.epochs", "trainer.iterations"):
+        assert f"- {key}: " in result.stderr
+    syntax = validate_cli(tmp_path, "optim: {lr: [\n")
+    assert syntax.returncode == 2 and "YAML syntax error" in syntax.stderr and "Traceback" not in syntax.stderr
+    (tmp_path / "exp.yaml").unlink()
+    missing = validate_cli(tmp_path, None)
+    assert missing.returncode == 2 and "no such config file" in missing.stderr

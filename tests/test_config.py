@@ -1,0 +1,296 @@
+"""Experiment configs: inheritance, overrides, types, round trips, docs, CLI and the shipped configs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from config_fakes import FakeProbes
+
+from megatron_stepwise.config import ConfigError, ExperimentConfig, config_from_dict, load_config
+from megatron_stepwise.config.docs import render_markdown, render_text, sections
+from megatron_stepwise.config.fields import all_keys
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIGS = REPO / "configs"
+
+
+def write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+@pytest.fixture(autouse=True)
+def _no_torchrun_world(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+
+
+# ---- defaults inheritance -------------------------------------------------------------------
+
+def test_defaults_merge_depth_first_later_wins(tmp_path):
+    write(tmp_path / "parts/root.yaml", "name: root\ndata: {epochs: 2, seed: 7}\noptim: {lr: 0.5}\n")
+    # mid inherits root with a path relative to mid's own directory
+    write(tmp_path / "parts/mid.yaml", "defaults: root.yaml\nname: mid\ndata: {epochs: 3}\n"
+                                       "rollout: {sampling: {stop: [a, b]}}\n")
+    write(tmp_path / "other.yaml", "optim: {lr: 0.25}\nrollout: {sampling: {stop: [c]}}\n")
+    top = write(tmp_path / "top.yaml", "defaults: [parts/mid.yaml, other.yaml]\ndata: {samples_per_prompt: 2}\n")
+    cfg = load_config(top)
+    assert cfg.name == "mid"                       # from mid, not overridden later
+    assert cfg.data.epochs == 3                    # mid beats root
+    assert cfg.data.seed == 7                      # root's sibling key survives the mapping merge
+    assert cfg.data.samples_per_prompt == 2        # the file itself is merged last
+    assert cfg.optim.lr == 0.25                    # a later default beats an earlier one
+    assert cfg.rollout.sampling.stop == ["c"]      # lists are replaced, not concatenated
+    assert cfg.data.prompts_per_minibatch == ExperimentConfig().data.prompts_per_minibatch
+
+
+def test_defaults_cycle_and_missing_file_are_errors(tmp_path):
+    write(tmp_path / "a.yaml", "defaults: b.yaml\n")
+    write(tmp_path / "b.yaml", "defaults: [a.yaml]\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(tmp_path / "a.yaml")
+    assert e.value.keys == ["defaults"] and "cycle" in str(e.value)
+    write(tmp_path / "c.yaml", "defaults: [nope.yaml]\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(tmp_path / "c.yaml")
+    assert e.value.keys == ["defaults"] and "nope.yaml" in str(e.value)
+
+
+def test_error_names_the_file_a_bad_value_came_from(tmp_path):
+    write(tmp_path / "base.yaml", "optim: {lr: fast}\n")
+    top = write(tmp_path / "top.yaml", "defaults: base.yaml\nname: x\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(top)
+    (problem,) = e.value.problems
+    assert problem.key == "optim.lr" and problem.origin.endswith("base.yaml")
+
+
+def test_yaml_syntax_error_names_the_line(tmp_path):
+    bad = write(tmp_path / "bad.yaml", "name: x\noptim:\n  lr: [1, 2\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(bad)
+    assert "line" in str(e.value) and "bad.yaml" in str(e.value)
+
+
+# ---- overrides and types --------------------------------------------------------------------
+
+def test_overrides_nested_lists_null_and_free_dicts(tmp_path):
+    path = write(tmp_path / "x.yaml", "model: {hf_checkpoint: /tmp}\nenv: {options: {level: 1, keep: true}}\n")
+    cfg = load_config(path, [
+        "rollout.sampling.temperature=0.7",
+        "rollout.sampling.stop=['</answer>', \"\\n\"]",
+        "model.hf_checkpoint=null",
+        "env.options.level=3",
+        "env.options.extra.depth=2",
+        "data.merge_steps=true",
+        "name=demo",
+    ])
+    assert cfg.rollout.sampling.temperature == 0.7
+    assert cfg.rollout.sampling.stop == ["</answer>", "\n"]
+    assert cfg.model.hf_checkpoint is None
+    assert cfg.env.options == {"level": 3, "keep": True, "extra": {"depth": 2}}
+    assert cfg.data.merge_steps is True and cfg.name == "demo"
+
+
+def test_numbers_are_typed_and_yaml11_exponents_read_as_floats():
+    cfg = config_from_dict({"optim": {"lr": "3e-6", "clip_grad": 2}}, ["optim.min_lr=1e-7"])
+    assert cfg.optim.lr == 3e-6 and cfg.optim.min_lr == 1e-7
+    assert isinstance(cfg.optim.clip_grad, float) and cfg.optim.clip_grad == 2.0
+    with pytest.raises(ConfigError) as e:  # a float where an int is expected is not truncated
+        config_from_dict({}, ["data.epochs=1.5"])
+    assert e.value.keys == ["data.epochs"] and "integer" in str(e.value)
+    with pytest.raises(ConfigError) as e:  # bools are not ints
+        config_from_dict({}, ["rollout.max_turns=true"])
+    assert e.value.keys == ["rollout.max_turns"]
+
+
+def test_malformed_overrides_are_reported_with_their_key():
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({}, ["trainer.iterations", "model.dtype.x=1", "rollout.sampling.stop=[a,"])
+    assert e.value.keys == ["trainer.iterations", "model.dtype.x", "rollout.sampling.stop"]
+    assert all(p.origin == "command line" for p in e.value.problems)
+
+
+def test_world_size_comes_from_torchrun_environment(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"parallel": {"tensor": 2}, "launch": {"nproc_per_node": 2}})
+    assert e.value.keys == ["parallel"] and "$WORLD_SIZE" in str(e.value)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    cfg = config_from_dict({"parallel": {"tensor": 2}})
+    assert cfg.parallel.data_parallel_size(4) == 2
+
+
+def test_every_problem_is_reported_at_once():
+    data = {
+        "modle": {},
+        "parallel": {"tensor": "two"},
+        "optim": {"lr": -1.0},
+        "data": {"prompts_per_iteration": 10, "prompts_per_minibatch": 4},
+        "algo": {"loss": {"reduction": "seq_mean_token_sum_norm"}},
+    }
+    with pytest.raises(ConfigError) as e:
+        config_from_dict(data)
+    assert sorted(e.value.keys) == sorted(["modle", "parallel.tensor", "optim.lr", "data.prompts_per_minibatch",
+                                           "algo.loss.max_response_len"])
+    assert "did you mean 'model'" in str(e.value)
+
+
+def test_to_yaml_round_trips(tmp_path):
+    cfg = load_config(CONFIGS / "tiny_cpu.yaml", ["env.options.k=[1, 2]", "async.max_staleness=3"])
+    text = cfg.to_yaml()
+    assert "async:" in text and "async_" not in text  # the YAML name of the section
+    again = load_config(write(tmp_path / "resolved.yaml", text))
+    assert again == cfg and again.to_dict() == cfg.to_dict()
+    assert cfg.run_dir == "runs/tiny_cpu" and cfg.checkpoint_dir == "runs/tiny_cpu/checkpoints"
+
+
+def test_heads_and_layers_checked_against_a_local_hf_config(tmp_path):
+    model = tmp_path / "model"
+    write(model / "config.json", json.dumps({"num_attention_heads": 12, "num_key_value_heads": 2,
+                                             "num_hidden_layers": 6}))
+    base = {"model": {"hf_config": str(model)}, "launch": {"nproc_per_node": 8}}
+    cfg = config_from_dict(base, ["parallel.tensor=2", "parallel.pipeline=2"])
+    assert cfg.parallel.data_parallel_size(8) == 2
+    with pytest.raises(ConfigError) as e:  # 4 divides 12 heads but not 2 KV heads; 4 does not divide 6 layers
+        config_from_dict(base, ["parallel.tensor=4", "parallel.pipeline=4", "launch.nproc_per_node=16"])
+    assert e.value.keys == ["parallel.tensor", "parallel.pipeline"]
+    assert "2 KV heads" in str(e.value) and "6 layers" in str(e.value)
+
+
+def test_custom_estimators_register_through_trainer_imports(tmp_path, monkeypatch):
+    write(tmp_path / "my_rl_plugin.py", "from megatron_stepwise import register_estimator\n"
+                                        "@register_estimator('test_plugin_adv')\n"
+                                        "def adv(rewards, groups, **options):\n    return rewards\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError) as e:  # not imported: unknown
+        config_from_dict({"algo": {"estimator": "test_plugin_adv"}})
+    assert e.value.keys == ["algo.estimator"] and "trainer.imports" in str(e.value)
+    cfg = config_from_dict({"algo": {"estimator": "test_plugin_adv"}, "trainer": {"imports": ["my_rl_plugin"]}})
+    assert cfg.algo.estimator == "test_plugin_adv"
+
+
+def test_env_registry_and_presets_are_consulted_when_available():
+    probes = FakeProbes(registries={"env": ["tiny_recall", "math_tool"]},
+                        presets={"tiny": {"num_attention_heads": 4, "num_hidden_layers": 2}})
+    cfg = config_from_dict({"env": {"name": "math_tool"}}, probes=probes)
+    assert cfg.env.name == "math_tool"
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"env": {"name": "math_tol"}, "model": {"hf_config": "tinny"},
+                          "parallel": {"tensor": 8}, "launch": {"nproc_per_node": 8}}, probes=probes)
+    text = str(e.value)
+    assert e.value.keys == ["model.hf_config", "env.name"]  # tensor 8 vs tiny's 4 heads not checked: unknown preset
+    assert "did you mean 'math_tool'" in text and "did you mean 'tiny'" in text
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"parallel": {"tensor": 8}, "launch": {"nproc_per_node": 8}}, probes=probes)
+    assert e.value.keys == ["parallel.tensor"] and "preset tiny" in str(e.value)
+
+
+def test_loss_section_builds_the_algo_loss_config():
+    from megatron_stepwise.algo.losses import LossConfig as AlgoLossConfig
+
+    cfg = config_from_dict({"algo": {"loss": {"policy_loss": "cispo", "clip_high": 0.28, "tis": "token",
+                                              "options": {"x": [1]}}}})
+    loss = cfg.algo.loss.to_algo()
+    assert isinstance(loss, AlgoLossConfig)
+    assert (loss.policy_loss, loss.clip_high, loss.tis, loss.options) == ("cispo", 0.28, "token", {"x": [1]})
+    loss.options["x"].append(2)  # a copy: the experiment config is not changed through it
+    assert cfg.algo.loss.options == {"x": [1]}
+
+
+def test_trainer_imports_are_imported_and_failures_reported():
+    cfg = config_from_dict({"trainer": {"imports": ["json"]}})
+    assert cfg.trainer.imports == ["json"]
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"trainer": {"imports": ["no_such_module_xyz"]}})
+    assert e.value.keys == ["trainer.imports"] and "no_such_module_xyz" in str(e.value)
+
+
+# ---- docs -----------------------------------------------------------------------------------
+
+def test_every_key_is_documented_with_type_default_and_help():
+    leaves = [leaf for _, _, ls in sections() for leaf in ls]
+    section_paths = {path for path, _, _ in sections()}
+    assert {k for k, *_ in leaves} | (section_paths - {""}) == set(all_keys(ExperimentConfig))
+    for key, tp, default, help_text in leaves:
+        assert help_text and tp and default != "", key
+    text, md = render_text(), render_markdown()
+    for key, tp, default, _ in leaves:
+        assert f"  {key}  {tp} = {default}" in text
+        assert f"| `{key}` |" in md
+    assert "| `algo.loss.clip_low` | float | `0.2` |" in md and "(> 0.0, < 1.0)" in md
+
+
+def test_docs_config_md_is_up_to_date():
+    committed = (REPO / "docs" / "config.md").read_text()
+    assert committed == render_markdown(), "regenerate: megatron-stepwise config docs --markdown > docs/config.md"
+
+
+# ---- shipped configs --------------------------------------------------------------------------
+
+def shipped_configs() -> list[Path]:
+    """Every experiment in configs/ (files starting with `_` are partials merged by recipes)."""
+    return sorted(p for p in CONFIGS.rglob("*.yaml") if not p.name.startswith("_"))
+
+
+@pytest.mark.parametrize("path", shipped_configs(), ids=lambda p: str(p.relative_to(CONFIGS)))
+def test_shipped_config_validates(path):
+    # sglang is a GPU extra missing here: validate as on the GPU cluster the recipes are for.
+    cfg = load_config(path, probes=FakeProbes(modules={"sglang"}))
+    world = cfg.launch.world_size()
+    assert world % cfg.parallel.model_parallel_size() == 0
+    if cfg.rollout.engine == "sglang":
+        assert cfg.rollout.num_engines * cfg.rollout.engine_tp <= cfg.launch.rollout_gpus()
+
+
+def test_recipes_use_real_layouts():
+    by_name = {p.stem: load_config(p, probes=FakeProbes()) for p in shipped_configs()}
+    assert {"tiny_cpu", "qwen2.5-1.5b_math_tool_1x8", "qwen2.5-1.5b_retrieval_1x8",
+            "qwen2.5-3b_math_tool_4x8", "qwen2.5-3b_retrieval_4x8"} <= set(by_name)
+    tiny = by_name["tiny_cpu"]
+    assert tiny.launch.gpus_per_node == 0 and tiny.launch.world_size() == 2 and tiny.rollout.engine == "embedded"
+    # Qwen2.5 1.5B/3B have 2 KV heads: TP must divide them. Nodes: 1 x 8 and 4 x 8 GPUs in all.
+    for name, cfg in by_name.items():
+        if name.startswith("qwen"):
+            assert 2 % cfg.parallel.tensor == 0
+            nodes = cfg.launch.nnodes + cfg.launch.rollout_nodes
+            assert (nodes, cfg.launch.gpus_per_node) == ((1, 8) if name.endswith("1x8") else (4, 8))
+            assert cfg.launch.world_size() + cfg.launch.rollout_gpus() == nodes * 8
+
+
+def test_recipes_report_missing_sglang_on_this_machine():
+    with pytest.raises(ConfigError) as e:
+        load_config(CONFIGS / "recipes/qwen2.5-1.5b_math_tool_1x8.yaml", probes=FakeProbes(modules=()))
+    assert e.value.keys == ["rollout.engine"] and "sglang" in str(e.value)
+
+
+# ---- CLI --------------------------------------------------------------------------------------
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    return subprocess.run([sys.executable, "-m", "megatron_stepwise.cli", *args], capture_output=True, text=True,
+                          env=env, cwd=REPO, timeout=120)
+
+
+def test_cli_validate_show_and_docs():
+    ok = run_cli("validate", "configs/tiny_cpu.yaml", "trainer.iterations=3")
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.count("\n") == 1 and "TP1 x PP1 x CP1 x DP2" in ok.stdout and "3 iterations" in ok.stdout
+    four = run_cli("validate", "configs/tiny_cpu.yaml", "parallel.tensor=2", "--world-size", "8")
+    assert four.returncode == 0 and "8 ranks = TP2 x PP1 x CP1 x DP4" in four.stdout
+    show = run_cli("config", "show", "configs/tiny_cpu.yaml", "optim.lr=0.01")
+    assert show.returncode == 0
+    resolved = yaml.safe_load(show.stdout)
+    assert resolved["optim"]["lr"] == 0.01 and resolved["rollout"]["num_engines"] == 2
+    docs = run_cli("config", "docs", "--markdown")
+    assert docs.stdout == (REPO / "docs" / "config.md").read_text()
+    helptext = run_cli("config", "--help")
+    assert helptext.returncode == 0
+    assert "algo.loss.clip_high" in helptext.stdout and "weight_sync.mode" in helptext.stdout

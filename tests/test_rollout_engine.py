@@ -1,0 +1,217 @@
+"""The embedded CPU engine: exact log-probs, sampling rules, stops, weight updates, pause/abort."""
+
+import asyncio
+import socket
+import threading
+
+import pytest
+import torch
+
+from megatron_stepwise.envs.tiny_tokenizers import load_tokenizer
+from megatron_stepwise.rollout import weight_sync
+from megatron_stepwise.rollout.engine import GenerateResult, SamplingParams
+from megatron_stepwise.rollout.hf_model import build_causal_lm, save_safetensors_dir, tiny_qwen2_config
+from megatron_stepwise.rollout.local import LocalEngine
+from megatron_stepwise.rollout.sampling import _truncate
+
+TOK = load_tokenizer("tiny_char")
+CONFIG = tiny_qwen2_config(len(TOK))
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def teacher_forced_logprobs(model, prompt, output, temperature):
+    """log_softmax(logits / T) of each output token given everything before it, one unpadded pass."""
+    ids = torch.tensor([prompt + output])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0].float()
+    scaled = logits / temperature if temperature > 0 else logits
+    logp = torch.log_softmax(scaled, -1)[len(prompt) - 1 : -1]
+    return logp.gather(-1, torch.tensor(output)[:, None])[:, 0]
+
+
+async def generate_many(engine, prompts, params):
+    return await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+
+
+PROMPTS = [[1, 30, 31, 32], [1, 40, 41], [1, 50, 51, 52, 53, 54, 55], [1, 60]]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0, max_new_tokens=24),
+        SamplingParams(temperature=0.6, top_p=0.9, top_k=20, max_new_tokens=24),
+        SamplingParams(temperature=0.0, max_new_tokens=12),
+    ],
+    ids=["T1", "T0.6-topp-topk", "greedy"],
+)
+def test_logprobs_equal_teacher_forced_forward(params):
+    """Batched (left-padded, KV-cached) generation reports the log-prob a single unpadded forward
+    of the same model assigns, under log_softmax(logits / T) over the full vocabulary."""
+    engine = LocalEngine(CONFIG, eos_token_ids=[], seed=3)
+    results = run(generate_many(engine, PROMPTS, params))
+    for prompt, r in zip(PROMPTS, results):
+        assert len(r.output_ids) == params.max_new_tokens and r.finish_reason == "length"
+        expected = teacher_forced_logprobs(engine.model, prompt, r.output_ids, params.temperature)
+        torch.testing.assert_close(torch.tensor(r.logprobs), expected, atol=1e-4, rtol=0)
+
+
+def test_greedy_picks_argmax_and_top_k_1_matches_greedy():
+    engine = LocalEngine(CONFIG, eos_token_ids=[], seed=0)
+    greedy = run(engine.generate(PROMPTS[0], SamplingParams(temperature=0, max_new_tokens=10)))
+    top1 = run(engine.generate(PROMPTS[0], SamplingParams(temperature=1.3, top_k=1, max_new_tokens=10)))
+    assert greedy.output_ids == top1.output_ids
+    ids = torch.tensor([PROMPTS[0] + greedy.output_ids])
+    with torch.no_grad():
+        logits = engine.model(input_ids=ids).logits[0, len(PROMPTS[0]) - 1 : -1]
+    assert greedy.output_ids == logits.argmax(-1).tolist()
+
+
+def test_truncate_keeps_top_k_and_nucleus():
+    probs = torch.tensor([0.05, 0.4, 0.1, 0.3, 0.15])
+    assert _truncate(probs, 2, 1.0).nonzero().flatten().tolist() == [1, 3]
+    # nucleus 0.75: 0.4 + 0.3 = 0.7 < 0.75, so the 0.15 token that crosses it is kept too
+    assert sorted(_truncate(probs, -1, 0.75).nonzero().flatten().tolist()) == [1, 3, 4]
+    # top-k first (0.4, 0.3, 0.15 -> mass 0.85), then top-p 0.5 of that = 0.425: 0.4 < 0.425 keeps 0.3
+    assert sorted(_truncate(probs, 3, 0.5).nonzero().flatten().tolist()) == [1, 3]
+
+
+def test_sampling_frequencies_follow_the_temperature_scaled_distribution():
+    """Many one-token samples: the empirical distribution matches softmax(logits / T)."""
+    engine = LocalEngine(CONFIG, eos_token_ids=[], seed=1, max_batch_size=64)
+    params = SamplingParams(temperature=0.5, max_new_tokens=1)
+    results = run(generate_many(engine, [PROMPTS[1]] * 2000, params))
+    with torch.no_grad():
+        logits = engine.model(input_ids=torch.tensor([PROMPTS[1]])).logits[0, -1]
+    probs = torch.softmax(logits / 0.5, -1)
+    counts = torch.bincount(torch.tensor([r.output_ids[0] for r in results]), minlength=probs.numel()).float()
+    top = probs.argsort(descending=True)[:3]
+    assert torch.allclose(counts[top] / 2000, probs[top], atol=0.04)
+
+
+def test_stop_token_and_stop_string_and_length():
+    engine = LocalEngine(CONFIG, tokenizer=TOK, eos_token_ids=[], seed=0)
+    free = run(engine.generate(PROMPTS[2], SamplingParams(temperature=0, max_new_tokens=16)))
+    assert free.finish_reason == "length" and len(free.output_ids) == 16
+    # A stop token id: generation ends at its first occurrence and keeps it (as SGLang does).
+    stop_id = free.output_ids[5]
+    first = free.output_ids.index(stop_id)
+    r = run(engine.generate(PROMPTS[2], SamplingParams(temperature=0, max_new_tokens=16, stop_token_ids=[stop_id])))
+    assert r.finish_reason == "stop" and r.matched == stop_id and r.output_ids == free.output_ids[: first + 1]
+    # A stop string made of two generated characters: ends right after it, text trimmed unless no_stop_trim.
+    text = TOK.decode(free.output_ids, skip_special_tokens=True)
+    stop = text[6:8]
+    end = text.index(stop) + 2
+    r = run(engine.generate(PROMPTS[2], SamplingParams(temperature=0, max_new_tokens=16, stop=[stop])))
+    assert r.finish_reason == "stop" and r.matched == stop
+    assert TOK.decode(r.output_ids, skip_special_tokens=True) == text[:end] and r.text == text[: end - 2]
+    r = run(engine.generate(PROMPTS[2], SamplingParams(temperature=0, max_new_tokens=16, stop=[stop], no_stop_trim=True)))
+    assert r.text == text[:end]
+    r = run(engine.generate(PROMPTS[2], SamplingParams(max_new_tokens=0)))
+    assert r.output_ids == [] and r.finish_reason == "length"
+
+
+def test_bad_requests_fail_clearly():
+    engine = LocalEngine(CONFIG, seed=0)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        run(engine.generate([1, len(TOK) + 5], SamplingParams()))
+    with pytest.raises(ValueError, match="needs an engine with a tokenizer"):
+        run(engine.generate([1, 2], SamplingParams(stop=["x"])))
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValueError, match="unsupported field"):
+        SamplingParams.from_dict({"temperature": 1.0, "beam_width": 2})
+
+
+def greedy(engine, prompt=PROMPTS[0], n=8) -> GenerateResult:
+    return run(engine.generate(prompt, SamplingParams(temperature=0, max_new_tokens=n)))
+
+
+def test_weight_updates_from_hf_tensors_and_safetensors_dir(tmp_path):
+    engine = LocalEngine(CONFIG, eos_token_ids=[], seed=0)
+    other = build_causal_lm(CONFIG, seed=11)
+    reference = LocalEngine(CONFIG, eos_token_ids=[], seed=11)
+    assert greedy(engine).weight_version == 0
+    # The trainer pushes HF names; a subset (one bucket) then the rest.
+    named = dict(other.state_dict())
+    names = sorted(named)
+    assert "model.layers.1.self_attn.q_proj.weight" in names and "lm_head.weight" in names
+    run(engine.update_weights_from_tensors({k: named[k] for k in names[:5]}))
+    v = run(engine.update_weights_from_tensors({k: named[k] for k in names[5:]}))
+    assert v == 2 and run(engine.weight_version()) == 2
+    after = greedy(engine)
+    assert after.weight_version == 2 and after.token_weight_versions == [2] * 8
+    assert after.output_ids == greedy(reference).output_ids
+    torch.testing.assert_close(torch.tensor(after.logprobs), torch.tensor(greedy(reference).logprobs))
+    # From a safetensors directory, with an explicit version.
+    save_safetensors_dir(build_causal_lm(CONFIG, seed=0), tmp_path / "w")
+    assert run(engine.update_weights_from_disk(str(tmp_path / "w"), weight_version=7)) == 7
+    assert greedy(engine).output_ids == greedy(LocalEngine(CONFIG, eos_token_ids=[], seed=0)).output_ids
+    # A bad push names the tensor and leaves the model untouched.
+    before = greedy(engine).output_ids
+    with pytest.raises(KeyError, match="model.layers.9"):
+        run(engine.update_weights_from_tensors({"model.layers.9.mlp.up_proj.weight": torch.zeros(1)}))
+    with pytest.raises(ValueError, match="shape"):
+        good = {"model.embed_tokens.weight": named["model.embed_tokens.weight"]}
+        run(engine.update_weights_from_tensors({**good, "model.norm.weight": torch.zeros(3)}))
+    assert greedy(engine).output_ids == before and run(engine.weight_version()) == 7
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_weight_update_from_distributed_group():
+    """Trainer (rank 0, a thread here) broadcasts over gloo; the engine (rank 1) receives by name."""
+    engine = LocalEngine(CONFIG, eos_token_ids=[], seed=0)
+    source = build_causal_lm(CONFIG, seed=5)
+    tensors = dict(source.state_dict())
+    names = sorted(tensors)
+    port = _free_port()
+    trainer_error = []
+
+    def trainer():
+        try:
+            group = weight_sync.open_group("127.0.0.1", port, world_size=2, timeout_s=60)
+            weight_sync.broadcast(group, [tensors[n] for n in names])
+        except Exception as e:  # surfaced by the assertion below
+            trainer_error.append(e)
+
+    async def engine_side():
+        await engine.init_weights_update_group("127.0.0.1", port, rank_offset=1, world_size=2)
+        return await engine.update_weights_from_distributed(
+            names, ["float32"] * len(names), [list(tensors[n].shape) for n in names]
+        )
+
+    thread = threading.Thread(target=trainer)
+    thread.start()
+    version = run(engine_side())
+    thread.join(60)
+    assert not trainer_error and version == 1
+    for n in names:
+        torch.testing.assert_close(engine.model.state_dict()[n], tensors[n], atol=0, rtol=0)
+
+
+def test_pause_holds_generation_and_abort_returns_partial():
+    async def scenario():
+        engine = LocalEngine(CONFIG, eos_token_ids=[], seed=0)
+        await engine.pause()
+        task = asyncio.create_task(engine.generate(PROMPTS[0], SamplingParams(max_new_tokens=5), rid="a"))
+        await asyncio.sleep(0.2)
+        assert not task.done()
+        await engine.resume()
+        assert len((await task).output_ids) == 5
+        long = asyncio.create_task(engine.generate(PROMPTS[1], SamplingParams(max_new_tokens=100000), rid="b"))
+        await asyncio.sleep(0.3)
+        await engine.abort("b")
+        r = await long
+        assert r.finish_reason == "abort" and 0 < len(r.output_ids) < 1000 and len(r.logprobs) == len(r.output_ids)
+        assert await engine.health()
+        await engine.close()
+
+    run(scenario())

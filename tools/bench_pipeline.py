@@ -1,0 +1,267 @@
+"""Benchmark of the host-side step-wise batch pipeline (prints measured figures; never asserts).
+
+Workload: the issue's synthetic agent batch (512 prompts x 8 samples, 1-8 turns, observations
+50-2000 tokens, responses 20-500), built by `megatron_stepwise.synthetic`.
+
+It reports
+1. time of validate, merge, prompt mini-batches, DP padding and planning on ONE core
+   (`torch.set_num_threads(1)`): the first run in the process (cold: fresh memory is
+   page-faulted in) and the median of the following runs (warm: the steady state of a
+   training loop, which frees the previous iteration's batch);
+2. rows and tokens before/after the prefix merge;
+3. for three layouts of the same rollouts -- ours (merged, packed), step-wise unmerged, and the
+   peers' earlier layout where each step's response also carried the next observation --
+   real and computed tokens when packed, when padded to the longest row of each of the same
+   micro-batches, and when padded to the longest row of length-sorted micro-batches (the best
+   case for padding), plus the longest padded row;
+4. DP balance (max / mean rank cost) of our planner against round-robin, sorted greedy on
+   tokens, and longest-first greedy on cost without the exchange pass.
+
+    python tools/bench_pipeline.py [--quick] [--out results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from megatron_stepwise.algo import planner
+from megatron_stepwise.algo.batching import pad_for_data_parallel, prompt_minibatches, validate_steps
+from megatron_stepwise.algo.merge import merge_steps
+from megatron_stepwise.synthetic import AgentWorkload, make_agent_steps
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="64 prompts, 2 warm repeats")
+    p.add_argument("--prompts", type=int, default=512)
+    p.add_argument("--samples", type=int, default=8)
+    p.add_argument("--dp", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=32768, help="token budget per micro-batch")
+    p.add_argument("--prompts-per-minibatch", type=int, default=64)
+    p.add_argument("--seq-align", type=int, default=1, help="per-row alignment (2*CP with context parallelism)")
+    p.add_argument("--micro-align", type=int, default=128, help="alignment of a packed micro-batch (TP x 128)")
+    p.add_argument("--drift", type=float, default=0.0, help="re-tokenisation drift probability per turn")
+    p.add_argument("--repeats", type=int, default=5, help="warm runs after the cold one")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="write the results as JSON here")
+    args = p.parse_args()
+    if args.quick:
+        args.prompts, args.repeats = 64, 2
+    return args
+
+
+# ------------------------------------------------------------------------------- timing
+
+
+def run_pipeline(steps, args) -> tuple[dict[str, float], dict[str, float], Any]:
+    """Wall-clock and CPU seconds of each phase (CPU time is what one core spent on it, which
+    stays meaningful when other processes share the machine)."""
+    times: dict[str, float] = {}
+    cpu: dict[str, float] = {}
+
+    def phase(name: str, fn: Callable[[], Any]) -> Any:
+        t, c = time.perf_counter(), time.process_time()
+        out = fn()
+        times[name] = time.perf_counter() - t
+        cpu[name] = time.process_time() - c
+        return out
+
+    phase("validate", lambda: validate_steps(steps, vocab_size=32000))
+    merged, stats = phase("merge", lambda: merge_steps(steps, max_tokens=args.max_tokens))
+    mbs = phase("minibatch", lambda: prompt_minibatches(merged, args.prompts_per_minibatch))
+    mbs = phase("dp_pad", lambda: [pad_for_data_parallel(mb, args.dp, first_index=k * args.dp)
+                                   for k, mb in enumerate(mbs)])
+    plans = phase("plan", lambda: [planner.plan_microbatches(
+        [s.num_tokens for s in mb], dp_size=args.dp, max_tokens=args.max_tokens,
+        seq_align=args.seq_align, micro_align=args.micro_align) for mb in mbs])
+    times["total"] = sum(times.values())
+    cpu["total"] = sum(cpu.values())
+    return times, cpu, (merged, stats, mbs, plans)
+
+
+# ------------------------------------------------------------------------------ layouts
+
+
+def peer_layout_lengths(steps) -> list[int]:
+    """Row lengths when a step's response also carries the observation that followed it:
+    prompt[i] + response[i] + obs = prompt[i+1] for every step but a trajectory's last."""
+    out = []
+    for s, nxt in zip(steps, steps[1:] + [None]):
+        same = nxt is not None and nxt.trajectory_id == s.trajectory_id
+        out.append(nxt.prompt_ids.numel() if same else s.num_tokens)
+    return out
+
+
+def sorted_padded_tokens(lengths: list[int], max_tokens: int) -> int:
+    """Computed tokens of the best case for padding: rows sorted by length, each micro-batch
+    filled while rows x longest <= max_tokens."""
+    total, longest, rows = 0, 0, 0
+    for n in sorted(lengths, reverse=True):
+        if rows and (rows + 1) * longest > max_tokens:
+            total += rows * longest
+            rows = 0
+        if rows == 0:
+            longest = n
+        rows += 1
+    return total + rows * longest
+
+
+def layout_report(minibatch_lengths: list[list[int]], args) -> dict[str, Any]:
+    real = packed = padded = best_padded = micro = 0
+    balance, longest = [], 0
+    for lengths in minibatch_lengths:
+        plan = planner.plan_microbatches(lengths, dp_size=args.dp, max_tokens=args.max_tokens,
+                                         seq_align=args.seq_align, micro_align=args.micro_align)
+        st = planner.plan_stats(lengths, plan, seq_align=args.seq_align, micro_align=args.micro_align)
+        real += st.real_tokens
+        packed += st.packed_tokens
+        padded += st.padded_tokens
+        best_padded += sorted_padded_tokens(lengths, args.max_tokens)
+        micro += st.micro_per_rank
+        balance.append(st.dp_balance)
+        longest = max(longest, st.longest_row)
+    return {
+        "rows": sum(len(x) for x in minibatch_lengths),
+        "real_tokens": real,
+        "packed_tokens": packed,
+        "packed_efficiency": real / packed,
+        "padded_same_micro_tokens": padded,
+        "padded_same_micro_efficiency": real / padded,
+        "padded_sorted_tokens": best_padded,
+        "padded_sorted_efficiency": real / best_padded,
+        "longest_padded_row": longest,
+        "micro_batches_per_rank": micro,
+        "dp_balance_worst": max(balance),
+        "dp_balance_mean": statistics.mean(balance),
+    }
+
+
+# ------------------------------------------------------------------------- DP balancing
+
+
+def assignment_balance(lengths: list[int], rank_of: np.ndarray, args) -> tuple[float, int]:
+    """(max/mean rank cost, micro-batches per rank) when ranks get `rank_of` and are packed alike."""
+    tokens = planner.pad_to_multiple(np.asarray(lengths, dtype=np.int64), args.seq_align)
+    capacity = args.max_tokens // args.micro_align * args.micro_align
+    plan = planner._pack_ranks(planner._rows_by_rank(rank_of, tokens, args.dp), tokens.tolist(), capacity)
+    st = planner.plan_stats(lengths, plan, seq_align=args.seq_align, micro_align=args.micro_align)
+    return st.dp_balance, st.micro_per_rank
+
+
+def balance_report(minibatch_lengths: list[list[int]], args) -> dict[str, dict[str, float]]:
+    strategies = {
+        "round_robin": lambda L, c: np.arange(len(L)) % args.dp,
+        "sorted_greedy_tokens": lambda L, c: planner._lpt(np.asarray(L, dtype=np.float64), args.dp),
+        "greedy_cost_no_exchange": lambda L, c: planner._lpt(c, args.dp),
+        "ours": lambda L, c: planner._balance_ranks(c, args.dp),
+    }
+    out = {}
+    for name, assign in strategies.items():
+        bal, micro = [], 0
+        for lengths in minibatch_lengths:
+            cost = planner.row_cost(planner.pad_to_multiple(np.asarray(lengths, dtype=np.int64), args.seq_align))
+            b, m = assignment_balance(lengths, assign(lengths, cost), args)
+            bal.append(b)
+            micro += m
+        out[name] = {"worst": max(bal), "mean": statistics.mean(bal), "micro_batches_per_rank": micro}
+    return out
+
+
+# --------------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(1)
+    w = AgentWorkload(num_prompts=args.prompts, samples_per_prompt=args.samples, drift_prob=args.drift, seed=args.seed)
+    t = time.perf_counter()
+    steps = make_agent_steps(w)
+    gen_s = time.perf_counter() - t
+    n_tokens = sum(s.num_tokens for s in steps)
+    print(f"workload: {w.num_prompts} prompts x {w.samples_per_prompt} samples, turns {w.turns}, obs {w.obs_len}, "
+          f"response {w.response_len}, prompt {w.prompt_len}, drift {w.drift_prob}: {len(steps):,} steps, "
+          f"{n_tokens:,} tokens (built in {gen_s:.1f} s)")
+    print(f"config: dp={args.dp}, max_tokens={args.max_tokens:,}, {args.prompts_per_minibatch} prompts per "
+          f"mini-batch, seq_align={args.seq_align}, micro_align={args.micro_align}, 1 thread\n")
+
+    runs, cpu_runs = [], []
+    for r in range(1 + args.repeats):
+        result = None
+        gc.collect()
+        times, cpu, result = run_pipeline(steps, args)
+        runs.append(times)
+        cpu_runs.append(cpu)
+        if r < args.repeats:
+            del result  # free the batch as a training loop would before the next iteration
+    merged, mstats, mbs, plans = result
+    cold, cold_cpu = runs[0], cpu_runs[0]
+    warm_runs, warm_cpu_runs = (runs[1:], cpu_runs[1:]) if len(runs) > 1 else (runs, cpu_runs)
+    warm = {k: statistics.median(r[k] for r in warm_runs) for k in cold}
+    warm_cpu = {k: statistics.median(r[k] for r in warm_cpu_runs) for k in cold}
+    print(f"{'':12}{'cold (1st run)':>22}{'warm (median of ' + str(len(warm_runs)) + ')':>24}")
+    print(f"{'phase':<12}{'wall':>11}{'cpu':>11}{'wall':>12}{'cpu':>12}")
+    for k in cold:
+        print(f"{k:<12}{cold[k] * 1e3:>8.1f} ms{cold_cpu[k] * 1e3:>8.1f} ms"
+              f"{warm[k] * 1e3:>9.1f} ms{warm_cpu[k] * 1e3:>9.1f} ms")
+    print("  cold = first run in the process (fresh memory is page-faulted in); warm = later runs, each after\n"
+          "  the previous run's batch was freed, as in a training loop. cpu = CPU time of this process\n"
+          "  (one thread), robust to other processes sharing the cores; wall includes waiting for a core.")
+
+    print(f"\nmerge: rows {mstats.rows_before:,} -> {mstats.rows_after:,}, tokens {mstats.tokens_before:,} -> "
+          f"{mstats.tokens_after:,} ({mstats.token_ratio:.2f}x fewer), trainable {mstats.trainable_tokens:,}, "
+          f"broken prefixes {mstats.broken_prefixes}")
+
+    # Layouts of the same rollouts, each split into the same prompt mini-batches.
+    unmerged_mbs = prompt_minibatches(steps, args.prompts_per_minibatch)
+    peer = iter(peer_layout_lengths(steps))
+    layouts = {
+        "ours_merged": [[s.num_tokens for s in mb if not s.is_padding] for mb in mbs],
+        "stepwise_unmerged": [[s.num_tokens for s in mb] for mb in unmerged_mbs],
+        "obs_in_response": [[next(peer) for _ in mb] for mb in unmerged_mbs],
+    }
+    reports = {name: layout_report(lengths, args) for name, lengths in layouts.items()}
+    base = reports["ours_merged"]["packed_tokens"]
+    print(f"\n{'layout':<20}{'rows':>7}{'real tok':>13}{'packed':>13}{'eff':>7}{'pad same mb':>14}{'eff':>7}"
+          f"{'pad sorted':>13}{'eff':>7}{'longest':>9}{'micro/rank':>11}{'packed vs ours':>15}{'pad sorted vs ours':>19}")
+    for name, r in reports.items():
+        print(f"{name:<20}{r['rows']:>7,}{r['real_tokens']:>13,}{r['packed_tokens']:>13,}"
+              f"{r['packed_efficiency']:>7.3f}{r['padded_same_micro_tokens']:>14,}"
+              f"{r['padded_same_micro_efficiency']:>7.3f}{r['padded_sorted_tokens']:>13,}"
+              f"{r['padded_sorted_efficiency']:>7.3f}{r['longest_padded_row']:>9,}"
+              f"{r['micro_batches_per_rank']:>11}{r['packed_tokens'] / base:>14.2f}x"
+              f"{r['padded_sorted_tokens'] / base:>18.2f}x")
+    print("  eff = real / computed tokens; 'vs ours' = computed tokens relative to ours_merged packed;"
+          "\n  micro/rank summed over mini-batches; longest = longest row (the padded sequence length)")
+
+    # Balance gets harder with fewer rows per rank: also show 4x the DP size on the same mini-batches.
+    balance = {}
+    for dp in (args.dp, 4 * args.dp):
+        dp_args = argparse.Namespace(**{**vars(args), "dp": dp})
+        for name in ("ours_merged", "stepwise_unmerged"):
+            balance[f"{name} dp={dp}"] = balance_report(layouts[name], dp_args)
+    print(f"\nDP balance, max/mean rank cost (cost = tokens + tokens^2/24576), worst | mean over "
+          f"{len(mbs)} mini-batches, and micro-batches per rank (summed)")
+    for layout, rows in balance.items():
+        print(f"  {layout}")
+        for name, b in rows.items():
+            print(f"    {name:<26}{b['worst']:>9.4f} | {b['mean']:.4f}   micro/rank {b['micro_batches_per_rank']}")
+
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"config": vars(args), "workload": {"steps": len(steps), "tokens": n_tokens},
+                       "time_s": {"cold": cold, "warm_median": warm, "all_runs": runs},
+                       "cpu_s": {"cold": cold_cpu, "warm_median": warm_cpu, "all_runs": cpu_runs},
+                       "merge": vars(mstats), "layouts": reports, "dp_balance": balance}, f, indent=2)
+        print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
