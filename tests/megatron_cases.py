@@ -13,9 +13,6 @@ import torch
 
 from megatron_stepwise.types import Step, StepBatch, TrajectoryID, make_padding_step
 
-EXTRA_FIELDS = ("advantages", "rollout_logprobs", "old_noise", "ref_noise")
-
-
 def make_steps(vocab: int = 256, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
 
@@ -62,46 +59,27 @@ def make_steps(vocab: int = 256, seed: int = 0):
 
 
 def merge_for_test(steps, extras):
-    """Prefix-merge consecutive steps of a trajectory (test-local; the package's merge_steps
-    is another issue's). The obs gap joins the response with loss_mask 0 and zero extras."""
-    out_steps, out_extras = [], []
+    """The package's `merge_steps`, plus the same merge applied to the response-aligned extras
+    (the obs gap gets zeros), checked against the package's rows token for token."""
+    from megatron_stepwise.algo.merge import merge_steps
+
+    merged, _ = merge_steps(steps)
+    out_extras = []
     i = 0
-    while i < len(steps):
-        s, e = steps[i], {k: v.clone() for k, v in extras[i].items()}
-        tokens = torch.cat([s.prompt_ids, s.response_ids])
-        resp, mask, rlp = s.response_ids.clone(), s.loss_mask.clone(), s.rollout_logprobs.clone()
-        j = i + 1
-        while (
-            j < len(steps)
-            and steps[j].trajectory_id == s.trajectory_id
-            and steps[j].prompt_ids.numel() >= tokens.numel()
-            and torch.equal(steps[j].prompt_ids[: tokens.numel()], tokens)
-        ):
-            nxt = steps[j]
-            gap = nxt.prompt_ids[tokens.numel():]
-            z = torch.zeros(gap.numel())
-            resp = torch.cat([resp, gap, nxt.response_ids])
-            mask = torch.cat([mask, torch.zeros(gap.numel(), dtype=torch.long), nxt.loss_mask])
-            rlp = torch.cat([rlp, z, nxt.rollout_logprobs])
-            e = {k: torch.cat([e[k], z, extras[j][k]]) for k in e}
-            tokens = torch.cat([nxt.prompt_ids, nxt.response_ids])
-            j += 1
-        last = steps[j - 1]
-        out_steps.append(
-            Step(
-                trajectory_id=s.trajectory_id,
-                prompt_ids=s.prompt_ids,
-                response_ids=resp,
-                loss_mask=mask,
-                rollout_logprobs=rlp,
-                reward=last.reward,
-                is_last_step=last.is_last_step,
-                stop_reason=last.stop_reason,
-            )
-        )
+    for row in merged:
+        e = {k: v.clone() for k, v in extras[i].items()}
+        tokens = torch.cat([steps[i].prompt_ids, steps[i].response_ids])
+        i += 1
+        while tokens.numel() < row.num_tokens:
+            gap = steps[i].prompt_ids.numel() - tokens.numel()
+            e = {k: torch.cat([e[k], torch.zeros(gap), extras[i][k]]) for k in e}
+            tokens = torch.cat([steps[i].prompt_ids, steps[i].response_ids])
+            i += 1
+        assert torch.equal(tokens, torch.cat([row.prompt_ids, row.response_ids])), "merge_steps changed tokens"
+        assert all(v.numel() == row.response_ids.numel() for v in e.values())
         out_extras.append(e)
-        i = j
-    return out_steps, out_extras
+    assert i == len(steps)
+    return merged, out_extras
 
 
 def to_batch(steps, extras) -> StepBatch:

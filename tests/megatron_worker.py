@@ -21,8 +21,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(__file__))
 
 import megatron_cases as cases  # noqa: E402
-import megatron_standins as algo  # noqa: E402
 
+from megatron_stepwise.algo.losses import LossConfig  # noqa: E402
 from megatron_stepwise.megatron import model as M  # noqa: E402
 from megatron_stepwise.megatron import runtime  # noqa: E402
 from megatron_stepwise.megatron import weights as W  # noqa: E402
@@ -55,16 +55,22 @@ def parse():
     return args.out, runs
 
 
+LOSS = LossConfig(
+    policy_loss="ppo",
+    clip_low=0.2,
+    clip_high=0.28,
+    reduction="trajectory_mean",  # weights that depend on the whole mini-batch, merge-invariant
+    kl_coef=0.05,
+    kl_estimator="k3",
+    entropy_coef=0.01,
+    tis="token",
+    tis_cap=2.0,
+)
+
+
 def make_plugin(budget):
-    return StepwisePlugin(
-        algo.LossConfig(),
-        max_tokens_per_microbatch=budget,
-        logprob_chunk_tokens=7,  # several chunks per micro-batch: exercises the chunked path
-        policy_loss=algo.policy_loss,
-        token_weights=algo.loss_token_weights,
-        plan_microbatches=algo.plan_microbatches,
-        loss_inputs=algo.LossInputs,
-    )
+    # logprob_chunk_tokens=7: several chunks per micro-batch, exercising the chunked path.
+    return StepwisePlugin(LOSS, max_tokens_per_microbatch=budget, logprob_chunk_tokens=7)
 
 
 def attach_old_and_ref(plugin, chunks, batch):
