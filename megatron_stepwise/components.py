@@ -168,7 +168,7 @@ def build_dataset(cfg: ExperimentConfig):
     if cfg.env.dataset:
         samples = load_samples(cfg.env.dataset)
     else:
-        samples = get_env_spec(cfg.env.name).dataset()
+        samples = get_env_spec(cfg.env.name).dataset(**cfg.env.dataset_options)
     return PromptDataset(samples, seed=cfg.data_seed, shuffle=cfg.data.shuffle)
 
 

@@ -98,8 +98,10 @@ class RolloutConfig:
 class EnvConfig:
     """The environment the agent acts in."""
 
-    name: str = option("tiny_recall", "registered environment name (math_tool, retrieval, ...)")
+    name: str = option("echo", "registered environment name (echo, math_tool, search, ...)")
     options: dict[str, Any] = option({}, "keyword options passed to the environment (free mapping)")
+    dataset_options: dict[str, Any] = option({}, "keyword options of the environment's shipped dataset "
+                                                 "(e.g. echo: num_prompts, num_turns, num_digits)")
     dataset: Optional[str] = option(None, "training samples: a JSONL path or a builtin dataset name; "
                                           "null = the environment's shipped set")
     eval_dataset: Optional[str] = option(None, "evaluation samples (as dataset); null = the environment's "
