@@ -57,6 +57,11 @@ def model_config(cfg: ExperimentConfig, tokenizer) -> dict[str, Any]:
     return hf
 
 
+def _use_te(cfg: ExperimentConfig):
+    """model.transformer_impl: te / local, or None = TE when importable."""
+    return {"auto": None, "te": True, "local": False}[cfg.model.transformer_impl]
+
+
 def build_policy(cfg: ExperimentConfig, hf_config: dict) -> list:
     from megatron_stepwise.megatron.model import build_model_chunks
 
@@ -71,6 +76,7 @@ def build_policy(cfg: ExperimentConfig, hf_config: dict) -> list:
         hf_config,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
         init=init,
+        use_te=_use_te(cfg),
         config_overrides=_model_overrides(cfg),
     )
 
@@ -85,7 +91,7 @@ def build_reference(cfg: ExperimentConfig, hf_config: dict, policy_chunks: list)
         for chunk, sd in zip(chunks, state):
             chunk.load_state_dict(sd)
 
-    ref = build_model_chunks(hf_config, wrap=False, init=init, config_overrides=_model_overrides(cfg))
+    ref = build_model_chunks(hf_config, wrap=False, init=init, use_te=_use_te(cfg), config_overrides=_model_overrides(cfg))
     for chunk in ref:
         chunk.requires_grad_(False)
         chunk.eval()
@@ -170,6 +176,15 @@ def build_dataset(cfg: ExperimentConfig):
     else:
         samples = get_env_spec(cfg.env.name).dataset(**cfg.env.dataset_options)
     return PromptDataset(samples, seed=cfg.data_seed, shuffle=cfg.data.shuffle)
+
+
+def eval_samples(cfg: ExperimentConfig, dataset) -> list[dict]:
+    """env.eval_dataset, or a fixed set of training prompts (the same at every evaluation)."""
+    from megatron_stepwise.data import load_samples
+
+    if cfg.env.eval_dataset:
+        return load_samples(cfg.env.eval_dataset)
+    return dataset.samples[: cfg.data.prompts_per_iteration]
 
 
 # ------------------------------------------------------------------------ rollout
