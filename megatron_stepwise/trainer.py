@@ -88,6 +88,7 @@ class Trainer:
                 wandb_name=cfg.logging.wandb.name or cfg.name, config=cfg.to_dict(),
                 resume_iteration=self.state.iteration,
             )
+        self.weight_sync = components.build_weight_sync(cfg, self.fleet, self.hf_config, self.loop)
         # The engines start from their own random init: give them the trainer's weights.
         self._sync_weights()
 
@@ -165,7 +166,7 @@ class Trainer:
         self.state.iteration += 1
         self.state.weight_version += 1
         t = time.perf_counter()
-        self._sync_weights()
+        metrics.update(self._sync_weights())
         times["time/weight_sync"] = time.perf_counter() - t
         times["time/iteration"] = time.perf_counter() - t0
         metrics.update(times)
@@ -277,10 +278,9 @@ class Trainer:
             if self.ref_chunks is not None:
                 batch.token_fields["ref_logprobs"] = self.plugin.compute_logprobs_flat(self.ref_chunks, batch)
 
-    def _sync_weights(self) -> None:
-        from megatron_stepwise.components import sync_weights
-
-        sync_weights(self, version=self.state.weight_version)
+    def _sync_weights(self) -> dict[str, float]:
+        """Collective: every rank converts its shard; rank 0 pushes to the fleet."""
+        return self.weight_sync.push(self.chunks, self.state.weight_version)
 
     def _progress(self):
         if not (self.is_driver and self.cfg.logging.progress):
@@ -290,6 +290,7 @@ class Trainer:
         return tqdm(total=self.cfg.trainer.iterations, initial=self.state.iteration, desc="iterations", unit="it")
 
     def close(self) -> None:
+        self.weight_sync.close()
         if self.is_driver:
             if self.fleet is not None:
                 self.loop.run_until_complete(self.fleet.shutdown())
