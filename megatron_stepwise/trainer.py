@@ -18,6 +18,7 @@ once after the iteration's last optimizer step is what pushing after every step 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import logging
 import math
@@ -196,7 +197,8 @@ class Trainer:
         cfg = self.cfg
         t = time.perf_counter()
         samples = self.dataset.next(cfg.data.prompts_per_iteration)
-        steps = self.loop.run_until_complete(self.agent.rollout(samples, seed=self._rollout_seed(0)))
+        with self._rollout_progress(len(samples)) as done:
+            steps = self.loop.run_until_complete(self.agent.rollout(samples, seed=self._rollout_seed(0), on_trajectory_done=done))
         rounds = 1
         if cfg.algo.filters.dynamic_sampling:
             # Keep rolling out fresh prompts until enough groups carry a learning signal.
@@ -281,6 +283,18 @@ class Trainer:
     def _sync_weights(self) -> dict[str, float]:
         """Collective: every rank converts its shard; rank 0 pushes to the fleet."""
         return self.weight_sync.push(self.chunks, self.state.weight_version)
+
+    @contextlib.contextmanager
+    def _rollout_progress(self, num_prompts: int):
+        """A per-trajectory progress bar under the iterations bar (when logging.progress)."""
+        if not self.cfg.logging.progress:
+            yield None
+            return
+        from tqdm import tqdm
+
+        total = num_prompts * self.cfg.data.samples_per_prompt
+        with tqdm(total=total, desc="rollout", unit="traj", leave=False, position=1) as bar:
+            yield lambda _steps: bar.update(1)
 
     def _progress(self):
         if not (self.is_driver and self.cfg.logging.progress):
