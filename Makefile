@@ -8,7 +8,7 @@ setup:
 	@bash tools/setup_env.sh
 
 run: setup
-	$(VENV)/bin/megatron-stepwise demo
+	$(VENV)/bin/megatron-stepwise train configs/tiny_cpu.yaml
 
 test: setup
 	$(PY) -m pytest -q tests

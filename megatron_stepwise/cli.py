@@ -19,8 +19,16 @@ def _subcommands():
     """Each subcommand lives next to what it runs and registers its own parser."""
     from megatron_stepwise import demo, plot, train_cmd
     from megatron_stepwise.config import commands as config_commands
+    from megatron_stepwise.rollout import server
 
-    return [train_cmd.register, demo.register, plot.register, config_commands.register_validate, config_commands.register_config]
+    return [
+        train_cmd.register,
+        demo.register,
+        plot.register,
+        config_commands.register_validate,
+        config_commands.register_config,
+        server.register,
+    ]
 
 
 if __name__ == "__main__":

@@ -177,7 +177,7 @@ def test_custom_estimators_register_through_trainer_imports(tmp_path, monkeypatc
 
 
 def test_env_registry_and_presets_are_consulted_when_available():
-    probes = FakeProbes(registries={"env": ["tiny_recall", "math_tool"]},
+    probes = FakeProbes(registries={"env": ["echo", "math_tool"]},
                         presets={"tiny": {"num_attention_heads": 4, "num_hidden_layers": 2}})
     cfg = config_from_dict({"env": {"name": "math_tool"}}, probes=probes)
     assert cfg.env.name == "math_tool"

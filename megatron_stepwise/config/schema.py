@@ -98,12 +98,14 @@ class RolloutConfig:
 class EnvConfig:
     """The environment the agent acts in."""
 
-    name: str = option("tiny_recall", "registered environment name (math_tool, retrieval, ...)")
+    name: str = option("echo", "registered environment name (echo, math_tool, search, ...)")
     options: dict[str, Any] = option({}, "keyword options passed to the environment (free mapping)")
+    dataset_options: dict[str, Any] = option({}, "keyword options of the environment's shipped dataset "
+                                                 "(e.g. echo: num_prompts, num_turns, num_digits)")
     dataset: Optional[str] = option(None, "training samples: a JSONL path or a builtin dataset name; "
                                           "null = the environment's shipped set")
-    eval_dataset: Optional[str] = option(None, "evaluation samples (as dataset); null = the environment's "
-                                               "shipped eval split")
+    eval_dataset: Optional[str] = option(None, "evaluation samples (a JSONL path); null = a fixed set of "
+                                               "data.prompts_per_iteration training prompts")
 
 
 @dataclass
@@ -247,7 +249,8 @@ class TrainerConfig:
 
     iterations: int = option(10, "training iterations (rollout + optimizer steps + weight sync)", min=1)
     seed: int = option(1234, "seed of model init, sampling and shuffling")
-    eval_every: int = option(0, "evaluate every N iterations; 0 = off", min=0)
+    eval_every: int = option(0, "evaluate every N iterations (and before the first): reward of "
+                                "data.samples_per_prompt samples per eval prompt, logged as eval/*; 0 = off", min=0)
     imports: list[str] = option([], "Python modules imported first (they register custom environments, "
                                     "estimators or losses)")
 

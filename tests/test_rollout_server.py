@@ -1,0 +1,159 @@
+"""The embedded engine over real HTTP on 127.0.0.1 (ephemeral ports), driven by SGLangClient."""
+
+import asyncio
+import os
+import re
+import subprocess
+import sys
+import threading
+
+import aiohttp
+import pytest
+import torch
+
+from megatron_stepwise.envs.echo import EchoEnv, echo_dataset
+from megatron_stepwise.envs.tiny_tokenizers import load_tokenizer
+from megatron_stepwise.rollout import weight_sync
+from megatron_stepwise.rollout.agent_loop import AgentLoop, AgentLoopConfig
+from megatron_stepwise.rollout.engine import SamplingParams
+from megatron_stepwise.rollout.hf_model import build_causal_lm, save_safetensors_dir, tiny_qwen2_config
+from megatron_stepwise.rollout.local import LocalEngine
+from megatron_stepwise.rollout.server import start_server
+from megatron_stepwise.rollout.sglang import EngineRequestError, SGLangClient
+
+TOK = load_tokenizer("tiny_word")
+CONFIG = tiny_qwen2_config(len(TOK))
+
+
+async def serving(fn, seed=0):
+    engine = LocalEngine(CONFIG, tokenizer=TOK, seed=seed)
+    runner, port = await start_server(engine, "127.0.0.1", 0)
+    client = SGLangClient(f"http://127.0.0.1:{port}", timeout_s=60)
+    try:
+        return await fn(engine, client, port)
+    finally:
+        await client.close()
+        await runner.cleanup()
+        await engine.close()
+
+
+def test_generate_over_http_matches_the_model():
+    async def scenario(engine, client, port):
+        assert await client.health()
+        prompt = [1, 5, 8, 17, 2, 1, 6]
+        r = await client.generate(prompt, SamplingParams(temperature=0.8, max_new_tokens=6), rid="t0")
+        assert 1 <= len(r.output_ids) <= 6 and r.finish_reason in ("stop", "length")
+        ids = torch.tensor([prompt + r.output_ids])
+        with torch.no_grad():
+            logp = torch.log_softmax(engine.model(input_ids=ids).logits[0] / 0.8, -1)
+        expected = logp[torch.arange(len(prompt) - 1, ids.shape[1] - 1), torch.tensor(r.output_ids)]
+        torch.testing.assert_close(torch.tensor(r.logprobs), expected, atol=1e-4, rtol=0)
+        # A raw SGLang-style request: batch input, response shape as SGLang's.
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"http://127.0.0.1:{port}/generate", json={
+                "input_ids": [prompt, prompt[:3]], "return_logprob": True,
+                "sampling_params": {"temperature": 0, "max_new_tokens": 3}}) as resp:
+                data = await resp.json()
+            assert isinstance(data, list) and len(data) == 2
+            meta = data[0]["meta_info"]
+            assert meta["finish_reason"]["type"] in ("stop", "length") and meta["weight_version"] == "0"
+            assert [e[1] for e in meta["output_token_logprobs"]] == data[0]["output_ids"]
+            async with http.post(f"http://127.0.0.1:{port}/generate", json={
+                    "input_ids": prompt, "sampling_params": {"temperature": 1, "min_p": 0.1}}) as resp:
+                assert resp.status == 400 and "min_p" in (await resp.json())["error"]["message"]
+            async with http.post(f"http://127.0.0.1:{port}/generate", json={
+                    "input_ids": prompt, "return_hidden_states": True}) as resp:
+                assert resp.status == 400 and "return_hidden_states" in await resp.text()
+
+    asyncio.run(serving(scenario))
+
+
+def test_weight_updates_over_http(tmp_path):
+    target = build_causal_lm(CONFIG, seed=9)
+    reference = LocalEngine(CONFIG, tokenizer=TOK, seed=9)
+    prompt = [1, 5, 9, 2, 1, 6]
+    greedy = SamplingParams(temperature=0, max_new_tokens=5, stop_token_ids=[])
+
+    async def scenario(engine, client, port):
+        want = (await reference.generate(prompt, greedy)).output_ids
+        assert await client.update_weights_from_tensors(dict(target.state_dict())) == 1
+        r = await client.generate(prompt, greedy)
+        assert r.output_ids == want and r.weight_version == 1 and r.token_weight_versions == [1] * len(want)
+        save_safetensors_dir(build_causal_lm(CONFIG, seed=0), tmp_path / "ckpt")
+        assert await client.update_weights_from_disk(str(tmp_path / "ckpt"), weight_version=5) == 5
+        with pytest.raises(EngineRequestError, match="not a parameter"):
+            await client.update_weights_from_tensors({"model.bogus": torch.zeros(1)})
+        with pytest.raises(EngineRequestError, match="no \\*.safetensors"):
+            await client.update_weights_from_disk(str(tmp_path))
+        # Distributed: the trainer (rank 0) broadcasts while the HTTP request is in flight.
+        state = dict(target.state_dict())
+        names = sorted(state)
+        with __import__("socket").socket() as s:
+            s.bind(("127.0.0.1", 0))
+            mport = s.getsockname()[1]
+
+        def trainer():
+            group = weight_sync.open_group("127.0.0.1", mport, 2, timeout_s=60)
+            weight_sync.broadcast(group, [state[n] for n in names])
+
+        thread = threading.Thread(target=trainer)
+        thread.start()
+        await client.init_weights_update_group("127.0.0.1", mport, 1, 2, backend="gloo")
+        v = await client.update_weights_from_distributed(
+            names, ["float32"] * len(names), [list(state[n].shape) for n in names], weight_version=6)
+        thread.join(60)
+        assert v == 6 and (await client.generate(prompt, greedy)).output_ids == want
+        await client.pause()
+        task = asyncio.create_task(client.generate(prompt, greedy))
+        await asyncio.sleep(0.3)
+        assert not task.done()
+        await client.flush_cache()
+        await client.resume()
+        assert (await task).output_ids == want
+
+    asyncio.run(serving(scenario))
+
+
+def test_agent_loop_drives_the_http_server():
+    async def scenario(engine, client, port):
+        loop = AgentLoop(client, TOK, EchoEnv, AgentLoopConfig(max_turns=3, max_input_length=100,
+                                                              n_samples_per_prompt=2,
+                                                              sampling=SamplingParams(max_new_tokens=4)))
+        steps = await loop.rollout(echo_dataset(3, seed=1))
+        loop.close()
+        return steps
+
+    steps = asyncio.run(serving(scenario))
+    assert sum(s.is_last_step for s in steps) == 6 and all(s.prompt_ids.numel() <= 100 for s in steps)
+
+
+def test_serve_cli_binds_loopback_and_answers():
+    """`megatron-stepwise serve` as a real process on an ephemeral port."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "megatron_stepwise.cli", "serve", "--model-config", "tiny_word", "--port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )
+    try:
+        line = ""
+        for line in proc.stdout:
+            if "serving the embedded engine" in line:
+                break
+        match = re.search(r"http://127\.0\.0\.1:(\d+)", line)
+        assert match, f"server did not report a loopback address: {line!r}"
+
+        async def talk():
+            client = SGLangClient(f"http://127.0.0.1:{match.group(1)}")
+            try:
+                assert await client.health()
+                r = await client.generate([1, 5, 8, 2, 1, 6], SamplingParams(max_new_tokens=3))
+                info = await client.model_info()
+                return r, info
+            finally:
+                await client.close()
+
+        r, info = asyncio.run(talk())
+        assert 1 <= len(r.output_ids) <= 3 and info["vocab_size"] == len(TOK)
+    finally:
+        proc.terminate()
+        proc.wait(10)
