@@ -65,14 +65,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _group_world_size(fleet: Any) -> int:
-    """Trainer rank 0 + every engine rank of the fleet's weight-update group."""
-    sizer = getattr(fleet, "weight_update_world_size", None)
-    if callable(sizer):
-        return int(sizer())
-    return 1 + int(fleet.num_alive)  # one rank per engine (embedded engines, SGLang at tp=1)
-
-
 class WeightSync:
     """Weight pushes to one fleet (see module docstring). Create it on every training rank.
 
@@ -213,7 +205,7 @@ class WeightSync:
         from megatron_stepwise.rollout import weight_sync as engine_group
 
         port = self.master_port or _free_port()
-        world_size = _group_world_size(self.fleet)
+        world_size = self.fleet.weight_update_world_size()  # trainer + every TP rank of every engine
 
         async def both():
             trainer_side = asyncio.get_running_loop().run_in_executor(

@@ -61,6 +61,28 @@ class EngineSpec:
             raise ValueError("EngineSpec(kind='sglang') needs sglang=SGLangServerConfig(...)")
         if self.kind == "http" and not self.url:
             raise ValueError("EngineSpec(kind='http') needs url")
+        if self.kind == "sglang" and self.sglang.tp_size != self.tp_size:
+            # The client sends one tensor payload per TP rank and the weight-update group counts
+            # every rank: both need the size the server was launched with.
+            raise ValueError(
+                f"EngineSpec.tp_size ({self.tp_size}) must equal sglang.tp_size ({self.sglang.tp_size})"
+            )
+
+    @property
+    def group_ranks(self) -> int:
+        """Ranks this engine takes in a weight-update group: one per SGLang TP rank (SGLang joins
+        rank `rank_offset + tp_rank`); the embedded engine is a single rank."""
+        return 1 if self.kind == "local" else int(self.tp_size)
+
+
+def weight_update_ranks(specs: list[EngineSpec]) -> tuple[list[int], int]:
+    """`rank_offset` of each engine in a weight-update group whose rank 0 is the trainer, and the
+    group's world size (1 + every engine's ranks)."""
+    offsets, next_rank = [], 1
+    for spec in specs:
+        offsets.append(next_rank)
+        next_rank += spec.group_ranks
+    return offsets, next_rank
 
 
 class EngineActor:
@@ -391,20 +413,21 @@ class RolloutFleet:
 
         return await self._update(lambda s, v: replay(s.handle, v), weight_version, replay)
 
+    def weight_update_world_size(self) -> int:
+        """World size of the group `init_weights_update_group` would open now (trainer + engine ranks)."""
+        return weight_update_ranks([s.spec for s in self._slots if s.alive])[1]
+
     async def init_weights_update_group(
         self, master_address: str, master_port: int, group_name: str = "weight_update_group", backend: str = "gloo"
     ) -> int:
-        """Every live engine joins one group with the trainer as rank 0; returns the world size.
+        """Every live engine joins one group with the trainer as rank 0, an SGLang engine with one
+        rank per TP rank from its `rank_offset` (`weight_update_ranks`); returns the world size.
 
         The trainer must open its side (`weight_sync.open_group`) concurrently. Engines that die
         later cannot rejoin such a group, so they are removed rather than restarted.
         """
         live = [s for s in self._slots if s.alive]
-        ranks, offset = [], 1
-        for s in live:
-            ranks.append(offset)
-            offset += s.spec.tp_size
-        world_size = offset
+        ranks, world_size = weight_update_ranks([s.spec for s in live])
         await asyncio.gather(*(
             s.handle.call.remote("init_weights_update_group", master_address, master_port, r, world_size,
                                  group_name, backend)
