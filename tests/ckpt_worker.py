@@ -60,7 +60,7 @@ def fake_step(chunks, optimizer, scheduler, it: int) -> None:
         model = unwrap(chunk)
         for name, param in W.canonical_params(chunk):
             full = W.deterministic_full_tensor(name + ".grad", W.full_shape(param, name), seed=it)
-            param.main_grad.copy_(W._shard(full, param, name, model))
+            param.main_grad.copy_(W.shard_full(full, param, name, model))
     ok, _, _ = optimizer.step()
     assert ok
     scheduler.step(1)

@@ -57,9 +57,6 @@ _TOKENIZER_FILES = (
 )
 
 
-# ----------------------------------------------------------------------------- layout helpers
-
-
 def _layout():
     from megatron_stepwise.megatron.runtime import current_layout
 
@@ -132,7 +129,7 @@ def _stage_canonical(chunks: list, dtype: Optional[torch.dtype]) -> Iterator[tup
         for name, param in W.canonical_params(chunk):
             if name == EMBED and not model.pre_process:
                 continue  # the last stage's copy of tied embeddings: stage 0 exports the original
-            full = W._gather(param.data, param, name, model)  # collective over TP
+            full = W.gather_full(param.data, param, name, model)  # collective over TP
             if keep:
                 yield name, (full if dtype is None else full.to(dtype)).cpu()
             else:
@@ -430,7 +427,7 @@ def import_hf(chunks: list, hf_dir: Union[str, os.PathLike], *, optimizer: Any =
                     raise WeightConversionError(
                         f"{'/'.join(hf)} give megatron {name!r} the shape {tuple(full.shape)}, expected {shape}"
                     )
-                param.data.copy_(W._shard(full, param, name, model).to(param.dtype))
+                param.data.copy_(W.shard_full(full, param, name, model).to(param.dtype))
     if optimizer is not None:
         optimizer.reload_model_params()
     return arch

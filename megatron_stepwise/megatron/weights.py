@@ -7,8 +7,8 @@ parameter's `partition_dim`, except for SwiGLU's `linear_fc1`, whose shard r hol
 `[gate_r; up_r]` and whose full form is `[gate; up]` (independent of TP).
 
 Used to give every layout identical weights (`init_deterministic`, `load_full_state`) and to
-compare gradients across layouts (`full_state(grads=True)`). It is also the basis for an
-HF export (gather) and import (shard).
+compare gradients across layouts (`full_state(grads=True)`). `gather_full` / `shard_full` are
+also the basis for the HF export and import (`convert.py`).
 """
 
 from __future__ import annotations
@@ -60,7 +60,9 @@ def _tp():
     return ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_group()
 
 
-def _gather(local: torch.Tensor, param, name: str, model) -> torch.Tensor:
+def gather_full(local: torch.Tensor, param, name: str, model) -> torch.Tensor:
+    """The full tensor of `param` (canonical `name`, in unwrapped `model`) from this rank's
+    shard `local` (its data or a gradient). Collective over the TP group; a copy at TP 1."""
     tp, _, group = _tp()
     if tp == 1 or not getattr(param, "tensor_model_parallel", False):
         return local.detach().clone()
@@ -73,7 +75,8 @@ def _gather(local: torch.Tensor, param, name: str, model) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
-def _shard(full: torch.Tensor, param, name: str, model) -> torch.Tensor:
+def shard_full(full: torch.Tensor, param, name: str, model) -> torch.Tensor:
+    """This TP rank's shard of `full` for `param` (the inverse of `gather_full`); not a collective."""
     tp, rank, _ = _tp()
     if tp == 1 or not getattr(param, "tensor_model_parallel", False):
         return full
@@ -105,7 +108,7 @@ def full_state(chunks: list, *, grads: bool = False) -> dict[str, torch.Tensor]:
                     local = param.grad if param.grad is not None else torch.zeros_like(param)
             else:
                 local = param.data
-            out[name] = _gather(local.float(), param, name, model).cpu()
+            out[name] = gather_full(local.float(), param, name, model).cpu()
     return out
 
 
@@ -124,7 +127,7 @@ def load_full_state(chunks: list, state: dict[str, torch.Tensor], *, strict: boo
                 raise ValueError(
                     f"load_full_state: {name!r} has shape {tuple(full.shape)}, expected {full_shape(param, name)}"
                 )
-            param.data.copy_(_shard(full, param, name, model).to(param.dtype))
+            param.data.copy_(shard_full(full, param, name, model).to(param.dtype))
 
 
 def deterministic_full_tensor(name: str, shape: tuple[int, ...], seed: int, std: float = 0.02) -> torch.Tensor:
@@ -149,5 +152,5 @@ def init_deterministic(chunks: list, seed: int = 0, std: float = 0.02) -> None:
         model = _model(chunk)
         for name, param in canonical_params(chunk):
             full = deterministic_full_tensor(name, full_shape(param, name), seed, std)
-            param.data.copy_(_shard(full, param, name, model).to(param.dtype))
+            param.data.copy_(shard_full(full, param, name, model).to(param.dtype))
 
