@@ -140,7 +140,7 @@ def run_bad_inputs(args, chunks, optimizer, layout):
     )
     expect(
         "heads_not_divisible",
-        lambda: M.build_gpt_model(M.tiny_config(hidden_size=48, num_heads=3, num_kv_heads=3)),
+        lambda: M.build_gpt_model(M.tiny_config(hidden_size=48, num_heads=3, num_kv_heads=3, ffn_hidden_size=128)),
         M.ModelConfigError,
     )
     # All ranks reach this point (no rank hangs in a collective the others skipped).

@@ -47,10 +47,10 @@ from megatron_stepwise.megatron.hf_mapping import (  # noqa: F401  (re-exported 
     hf_to_canonical,
     to_hf,
 )
+from megatron_stepwise.megatron.presets import ARCHITECTURES
 
 Bucket = list[tuple[str, torch.Tensor]]
 INDEX_FILE = "model.safetensors.index.json"
-_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
 _TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
     "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json", "generation_config.json",
@@ -260,7 +260,7 @@ def hf_config_object(hf_config: Any, dtype: Optional[torch.dtype] = None):
             f"hf_config must be a transformers config or a dict of HF keys, got {type(hf_config).__name__}"
         )
     if not getattr(config, "architectures", None):
-        config.architectures = [_ARCHITECTURES[config.model_type]]
+        config.architectures = [ARCHITECTURES[config.model_type]]
     if dtype is not None:
         config.dtype = str(dtype).split(".")[-1]
     return config

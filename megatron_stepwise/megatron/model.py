@@ -108,35 +108,11 @@ def arch_from_hf(cfg: Any) -> GPTArch:
     )
 
 
-def tiny_config(
-    *,
-    model_type: str = "qwen2",
-    vocab_size: int = 256,
-    hidden_size: int = 64,
-    num_layers: int = 4,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    ffn_hidden_size: int = 128,
-    tie_word_embeddings: bool = False,
-    max_position_embeddings: int = 1024,
-) -> dict:
-    """A tiny Llama/Qwen2 config (dict in HF keys) for tests and the CPU experiment."""
-    return {
-        "model_type": model_type,
-        "vocab_size": vocab_size,
-        "hidden_size": hidden_size,
-        "intermediate_size": ffn_hidden_size,
-        "num_hidden_layers": num_layers,
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": num_kv_heads,
-        "hidden_act": "silu",
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": tie_word_embeddings,
-        "max_position_embeddings": max_position_embeddings,
-        "initializer_range": 0.02,
-        "attention_dropout": 0.0,
-    }
+def tiny_config(*, num_layers: int = 4, **kwargs: Any) -> dict:
+    """`presets.tiny_config` with 4 layers by default (PP x VPP splits in tests and tools)."""
+    from megatron_stepwise.megatron.presets import tiny_config as preset_tiny_config
+
+    return preset_tiny_config(num_layers=num_layers, **kwargs)
 
 
 def validate_parallel(

@@ -9,26 +9,53 @@ import json
 import os
 from typing import Any, Optional
 
-PRESETS: dict[str, dict[str, Any]] = {
-    # The CPU experiment and CI model: ~60k parameters, learns the `echo` task in minutes.
-    "tiny": {
-        "model_type": "qwen2",
-        "architectures": ["Qwen2ForCausalLM"],
-        "vocab_size": 256,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
+# HF model class of each supported model_type (a config.json's `architectures`).
+ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+
+
+def tiny_config(
+    *,
+    model_type: str = "qwen2",
+    vocab_size: int = 256,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    ffn_hidden_size: Optional[int] = None,
+    tie_word_embeddings: bool = False,
+    max_position_embeddings: int = 1024,
+    **overrides: Any,
+) -> dict[str, Any]:
+    """A tiny Llama/Qwen2 config in HF keys (CPU-fast): the `tiny` preset, tests and tools.
+
+    `ffn_hidden_size` defaults to 2 x hidden_size; `overrides` are further HF keys, set last.
+    """
+    cfg: dict[str, Any] = {
+        "model_type": model_type,
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "intermediate_size": 2 * hidden_size if ffn_hidden_size is None else ffn_hidden_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
         "hidden_act": "silu",
         "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0,
-        "tie_word_embeddings": False,
-        "max_position_embeddings": 1024,
+        "tie_word_embeddings": tie_word_embeddings,
+        "max_position_embeddings": max_position_embeddings,
         "initializer_range": 0.02,
         "attention_dropout": 0.0,
         "torch_dtype": "float32",
-    },
+    }
+    if model_type in ARCHITECTURES:
+        cfg["architectures"] = [ARCHITECTURES[model_type]]
+    cfg.update(overrides)
+    return cfg
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # The CPU experiment and CI model: ~60k parameters, learns the `echo` task in minutes.
+    "tiny": tiny_config(),
 }
 
 

@@ -14,30 +14,16 @@ from typing import Any, Mapping, Optional, Union
 
 import torch
 
+from megatron_stepwise.megatron.presets import tiny_config
 from megatron_stepwise.rollout.engine import NamedTensors
 
 ModelConfigLike = Union[str, os.PathLike, Mapping[str, Any], "PretrainedConfig"]  # noqa: F821
 
 
 def tiny_qwen2_config(vocab_size: int, hidden_size: int = 64, num_layers: int = 2, **overrides: Any) -> dict:
-    """A really tiny Qwen2 config (CPU-fast): the default for CI and the embedded experiment."""
-    cfg = dict(
-        model_type="qwen2",
-        architectures=["Qwen2ForCausalLM"],
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=hidden_size * 2,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        torch_dtype="float32",
-    )
-    cfg.update(overrides)
-    return cfg
+    """The `tiny` preset's Qwen2 config (`presets.tiny_config`) for a tokenizer of `vocab_size`;
+    `overrides` are HF keys."""
+    return tiny_config(vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers, **overrides)
 
 
 def load_config(model_config: ModelConfigLike):
