@@ -22,11 +22,12 @@ from __future__ import annotations
 import argparse
 import ast
 import datetime
-import importlib
 import importlib.metadata
+import importlib.util
 import json
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
@@ -72,9 +73,14 @@ TIMEOUT_S = {False: 300, True: 120}  # per benchmark: full, quick
 # ------------------------------------------------------------------------------ child side
 
 
-def worker(module: str, quick: bool, result_file: str) -> int:
-    """Run `module.run(quick)` in this (child) process and store its dict as JSON."""
-    mod = importlib.import_module(module)
+def worker(path: str, quick: bool, result_file: str) -> int:
+    """Run `run(quick)` of the module at `path` in this (child) process; store its dict as JSON."""
+    module_path = Path(path)
+    sys.path.insert(0, str(module_path.parent))  # benchmarks import their siblings (flops, ...)
+    spec = importlib.util.spec_from_file_location(module_path.stem, module_path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[module_path.stem] = mod
+    spec.loader.exec_module(mod)
     result = mod.run(quick=quick)
     with open(result_file, "w") as f:
         json.dump(result, f, indent=2, default=str)
@@ -88,6 +94,11 @@ def has_run_function(path: Path) -> bool:
     """Whether the module defines a top-level `run` (read without importing it)."""
     tree = ast.parse(path.read_text(), filename=str(path))
     return any(isinstance(node, ast.FunctionDef) and node.name == "run" for node in tree.body)
+
+
+def gpu_visible() -> bool:
+    """A cheap look for a GPU driver without importing torch (the benchmark checks CUDA itself)."""
+    return bool(shutil.which("nvidia-smi")) or os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/kfd")
 
 
 def child_env(bench: Benchmark) -> dict[str, str]:
@@ -138,12 +149,16 @@ def run_benchmark(bench: Benchmark, *, quick: bool, timeout_s: float) -> dict[st
         print(f"MISSING: {message}")
         return {"status": "missing", "module": bench.module, "message": message}
 
+    if bench.device == "gpu" and not gpu_visible():
+        message = "no GPU on this machine (no nvidia-smi, /dev/nvidiactl or /dev/kfd); nothing measured"
+        print(f"SKIPPED: {message}")
+        return {"status": "skipped", "module": bench.module, "message": message}
     t0 = time.perf_counter()
     env = child_env(bench)
     with tempfile.TemporaryDirectory(prefix="bench_") as tmp:
         result_file = os.path.join(tmp, "result.json")
         if has_run_function(path):
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", bench.module, "--result-file", result_file]
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(path), "--result-file", result_file]
         else:
             cmd = [sys.executable, str(path)]
         if quick:
