@@ -190,7 +190,7 @@ class Trainer:
         cfg = self.cfg
         t = time.perf_counter()
         samples = self.dataset.next(cfg.data.prompts_per_iteration)
-        steps = self.loop.run_until_complete(self.agent.rollout(samples))
+        steps = self.loop.run_until_complete(self.agent.rollout(samples, seed=self._rollout_seed(0)))
         rounds = 1
         if cfg.algo.filters.dynamic_sampling:
             # Keep rolling out fresh prompts until enough groups carry a learning signal.
@@ -199,13 +199,17 @@ class Trainer:
                 seen = {s.trajectory_id.prompt_id for s in steps}
                 more = [m for m in more if m["prompt_id"] not in seen]
                 if more:
-                    steps = steps + self.loop.run_until_complete(self.agent.rollout(more))
+                    steps = steps + self.loop.run_until_complete(self.agent.rollout(more, seed=self._rollout_seed(rounds)))
                 rounds += 1
         elapsed = time.perf_counter() - t
         generated = sum(int(s.response_ids.numel()) for s in steps)
         info = {"rollout/sampling_rounds": rounds, "perf/rollout_tokens_per_s": generated / max(elapsed, 1e-9)}
         info.update({f"fleet/{k}": v for k, v in self.fleet.metrics().items() if isinstance(v, (int, float))})
         return steps, info
+
+    def _rollout_seed(self, round_: int) -> int:
+        """Sampling seeds depend only on (seed, iteration, round): a resumed run samples the same."""
+        return (self.cfg.trainer.seed * 1_000_003 + self.state.iteration) * 31 + round_
 
     def _filter_groups(self, steps: list[Step]) -> tuple[list[Step], dict[str, Any]]:
         """Trajectory-group filters; keeps whole prompt groups and a multiple of the mini-batch size."""

@@ -215,3 +215,23 @@ def test_pause_holds_generation_and_abort_returns_partial():
         await engine.close()
 
     run(scenario())
+
+
+def test_sampling_seed_makes_a_request_reproducible_on_any_engine():
+    """Two engines with different sampler seeds but the same weights draw the same tokens for a
+    seeded request, alone or batched with others; unseeded requests still differ."""
+    model = build_causal_lm(CONFIG, seed=3)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    a = LocalEngine(CONFIG, seed=11)
+    b = LocalEngine(CONFIG, seed=22)
+    for eng in (a, b):
+        run(eng.update_weights_from_tensors(list(weights.items())))
+    seeded = SamplingParams(temperature=1.0, max_new_tokens=24, sampling_seed=1234)
+    alone = run(a.generate(PROMPTS[0], seeded))
+    batched = run(generate_many(b, [PROMPTS[1], PROMPTS[0], PROMPTS[2]], seeded))[1]
+    assert alone.output_ids == batched.output_ids
+    assert alone.logprobs == pytest.approx(batched.logprobs, abs=1e-5)
+    other = run(a.generate(PROMPTS[0], SamplingParams(temperature=1.0, max_new_tokens=24, sampling_seed=99)))
+    assert other.output_ids != alone.output_ids
+    with pytest.raises(ValueError, match="sampling_seed"):
+        SamplingParams(sampling_seed="x")  # type: ignore[arg-type]

@@ -250,7 +250,7 @@ def test_generate_payload_passes_the_json_contract(sglang, captured):
     assert gen["input_ids"] == [1, 2, 3] and gen["return_logprob"] is True
     sp = gen["sampling_params"]
     assert set(sp) == {"temperature", "top_p", "top_k", "max_new_tokens", "stop", "stop_token_ids",
-                       "no_stop_trim", "skip_special_tokens"}
+                       "no_stop_trim", "skip_special_tokens", "sampling_seed"}
     assert set(sp) <= set(class_fields(sglang["api_types"], "SamplingParams"))
     assert set(sp) <= set(class_fields(sglang["sampling_params"], "SamplingParams"))
 

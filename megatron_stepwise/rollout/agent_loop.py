@@ -30,6 +30,7 @@ then sample index.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import concurrent.futures
 import inspect
 from dataclasses import dataclass, field
@@ -106,8 +107,12 @@ class AgentLoop:
 
     # ---- public ---------------------------------------------------------------------------
 
-    async def rollout(self, samples: Sequence[dict[str, Any]]) -> list[Step]:
-        """All `n_samples_per_prompt` trajectories of every sample; steps in output order."""
+    async def rollout(self, samples: Sequence[dict[str, Any]], seed: Optional[int] = None) -> list[Step]:
+        """All `n_samples_per_prompt` trajectories of every sample; steps in output order.
+
+        With `seed`, every turn's request carries a `sampling_seed` derived from (seed,
+        trajectory, turn): the rollout is reproducible whichever engine serves each turn.
+        """
         prompt_ids = [str(s.get("prompt_id", "")) for s in samples]
         for i, pid in enumerate(prompt_ids):
             if not pid:
@@ -119,7 +124,7 @@ class AgentLoop:
 
         async def one(sample: dict, traj_id: TrajectoryID) -> list[Step]:
             async with limit:
-                return await self.run_trajectory(sample, traj_id)
+                return await self.run_trajectory(sample, traj_id, seed=seed)
 
         async with asyncio.TaskGroup() as tg:  # an engine failure cancels the rest and propagates
             tasks = [
@@ -129,7 +134,7 @@ class AgentLoop:
             ]
         return [step for t in tasks for step in t.result()]
 
-    async def run_trajectory(self, sample: dict[str, Any], traj_id: TrajectoryID) -> list[Step]:
+    async def run_trajectory(self, sample: dict[str, Any], traj_id: TrajectoryID, seed: Optional[int] = None) -> list[Step]:
         cfg = self.config
         env = self.env_factory()
         try:
@@ -148,7 +153,8 @@ class AgentLoop:
                 steps[-1].stop_reason = "context_limit"
                 break
             result = await self.generator.generate(
-                prompt, self._sampling_for(len(prompt)), rid=f"{traj_id}/turn{turn}", session=str(traj_id)
+                prompt, self._sampling_for(len(prompt), _turn_seed(seed, traj_id, turn)),
+                rid=f"{traj_id}/turn{turn}", session=str(traj_id)
             )
             step = self._make_step(traj_id, turn, prompt, result)
             steps.append(step)
@@ -179,14 +185,16 @@ class AgentLoop:
 
     # ---- helpers ----------------------------------------------------------------------------
 
-    def _sampling_for(self, prompt_len: int) -> SamplingParams:
+    def _sampling_for(self, prompt_len: int, seed: Optional[int] = None) -> SamplingParams:
         cfg = self.config
-        if cfg.max_model_length is None:
-            return cfg.sampling
-        room = max(0, cfg.max_model_length - prompt_len)
-        if room >= cfg.sampling.max_new_tokens:
-            return cfg.sampling
-        return SamplingParams(**{**cfg.sampling.to_dict(), "max_new_tokens": room})
+        changes: dict[str, Any] = {}
+        if seed is not None:
+            changes["sampling_seed"] = seed
+        if cfg.max_model_length is not None:
+            room = max(0, cfg.max_model_length - prompt_len)
+            if room < cfg.sampling.max_new_tokens:
+                changes["max_new_tokens"] = room
+        return SamplingParams(**{**cfg.sampling.to_dict(), **changes}) if changes else cfg.sampling
 
     def _make_step(self, traj_id: TrajectoryID, turn: int, prompt: list[int], result: GenerateResult) -> Step:
         response = list(result.output_ids)
@@ -246,6 +254,14 @@ def _check_messages(messages: Any, where: str) -> list[dict]:
     ):
         raise EnvError(f"env.{where} must return a list of {{'role': str, 'content': str}} messages, got {messages!r:.200}")
     return messages
+
+
+def _turn_seed(seed: Optional[int], traj_id: TrajectoryID, turn: int) -> Optional[int]:
+    """A stable 63-bit seed per (rollout seed, trajectory, turn)."""
+    if seed is None:
+        return None
+    digest = hashlib.blake2b(f"{seed}/{traj_id.prompt_id}/{traj_id.sample_index}/{turn}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 def _check_step_output(out: Any) -> tuple[list[dict], float, bool, dict]:

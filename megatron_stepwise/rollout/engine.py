@@ -41,6 +41,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     no_stop_trim: bool = False
     skip_special_tokens: bool = True
+    # Seeds this request's sampler (SGLang's `sampling_seed`): the same request with the same
+    # weights draws the same tokens whichever engine serves it, so a resumed run repeats.
+    sampling_seed: Optional[int] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -58,6 +61,10 @@ class SamplingParams:
             raise ValueError(f"sampling_params.top_k must be an integer, got {self.top_k}")
         if self.max_new_tokens < 0:
             raise ValueError(f"sampling_params.max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if self.sampling_seed is not None and not (
+            isinstance(self.sampling_seed, int) and -(2**63) <= self.sampling_seed < 2**63
+        ):
+            raise ValueError(f"sampling_params.sampling_seed must be a 64-bit integer, got {self.sampling_seed!r}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"sampling_params.stop entries must be non-empty strings, got {s!r}")

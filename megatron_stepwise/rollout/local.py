@@ -45,6 +45,7 @@ class _Request:
     finish_reason: Optional[str] = None
     matched: Any = None
     text_len: int = 0
+    generator: Optional[torch.Generator] = None  # per-request sampler when sampling_seed is set
 
 
 class _Batch:
@@ -77,7 +78,7 @@ class _Batch:
         feed = []
         for i, r in enumerate(self.requests):
             if r.finish_reason is None:
-                token, lp = sample_next(self.last_logits[i], r.sampling, eng.generator)
+                token, lp = sample_next(self.last_logits[i], r.sampling, r.generator or eng.generator)
                 r.output_ids.append(token)
                 r.logprobs.append(lp)
                 r.versions.append(version)
@@ -277,6 +278,8 @@ class LocalEngine:
         if rid in self._inflight:
             raise ValueError(f"request id {rid!r} is already in flight")
         req = _Request(ids, sampling, rid, asyncio.get_running_loop().create_future())
+        if sampling.sampling_seed is not None:
+            req.generator = torch.Generator().manual_seed(sampling.sampling_seed % (1 << 63))
         self._inflight[rid] = req
         self._pending.append(req)
         self._wakeup.set()
