@@ -12,7 +12,8 @@ trajectory,
 - unique: the trajectory's token stream (its last step's prompt + response), the least any
   layout can compute; merged / unique is the overhead of merging (1.0 unless rows were split
   at the budget, where the next row re-reads its prefix);
-and the growth exponent k of tokens ~ T^k fitted by least squares in log-log space, over
+and, for contrast, merged / unique when 10% of turn boundaries re-tokenise differently (drift:
+the row breaks there and the next row re-reads the history); and the growth exponent k of tokens ~ T^k fitted by least squares in log-log space, over
 T = 1..16 and over the upper half T = 8..16 (closer to the asymptote).
 
     python tools/bench_merge.py [--quick] [--out results.json]
@@ -37,6 +38,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--samples", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=32768, help="micro-batch budget a merged row must fit")
+    p.add_argument("--drift", type=float, default=0.1, help="re-tokenisation drift probability of the contrast run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
@@ -51,13 +53,23 @@ def growth_exponent(turns: Sequence[int], tokens: Sequence[float]) -> float:
     return float(k)
 
 
+def _workload(turns: int, args: argparse.Namespace, drift: float) -> AgentWorkload:
+    return AgentWorkload(num_prompts=args.prompts, samples_per_prompt=args.samples, turns=(turns, turns),
+                         with_logprobs=False, drift_prob=drift, seed=args.seed + turns)
+
+
+def _unique_tokens(steps) -> int:
+    return sum(s.num_tokens for s in steps if s.is_last_step)  # the stream: history + last response
+
+
 def measure_turns(turns: int, args: argparse.Namespace) -> dict[str, float]:
-    w = AgentWorkload(num_prompts=args.prompts, samples_per_prompt=args.samples, turns=(turns, turns),
-                      with_logprobs=False, seed=args.seed + turns)
+    w = _workload(turns, args, drift=0.0)
     steps = make_agent_steps(w)
     n_traj = w.num_prompts * w.samples_per_prompt
     merged, stats = merge_steps(steps, max_tokens=args.max_tokens)
-    unique = sum(s.num_tokens for s in steps if s.is_last_step)  # the stream: history + last response
+    unique = _unique_tokens(steps)
+    drifted = make_agent_steps(_workload(turns, args, drift=args.drift))
+    _, drift_stats = merge_steps(drifted, max_tokens=args.max_tokens)
     trained_unmerged = sum(s.num_trainable for s in steps)
     trained_merged = sum(s.num_trainable for s in merged)
     return {
@@ -73,6 +85,7 @@ def measure_turns(turns: int, args: argparse.Namespace) -> dict[str, float]:
         "rows_per_traj_unmerged": stats.rows_before / n_traj,
         "rows_per_traj_merged": stats.rows_after / n_traj,
         "broken_prefixes": stats.broken_prefixes,
+        "merged_over_unique_with_drift": drift_stats.tokens_after / _unique_tokens(drifted),
     }
 
 
@@ -86,11 +99,13 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
     print(f"merge savings: {args.prompts * args.samples} prefix-consistent trajectories per turn count, "
           f"merged rows capped at max_tokens={args.max_tokens:,}")
     print(f"{'turns':>5}{'unmerged tok/traj':>19}{'merged tok/traj':>17}{'unique tok/traj':>17}"
-          f"{'unmerged/merged':>17}{'merged/unique':>15}{'rows/traj':>11}{'trained/traj':>14}")
+          f"{'unmerged/merged':>17}{'merged/unique':>15}{'rows/traj':>11}{'trained/traj':>14}"
+          f"{'merged/unique, drift ' + format(args.drift, '.0%'):>26}")
     for r in rows:
         print(f"{r['turns']:>5}{r['unmerged_tokens_per_traj']:>19,.0f}{r['merged_tokens_per_traj']:>17,.0f}"
               f"{r['unique_tokens_per_traj']:>17,.0f}{r['unmerged_over_merged']:>16.2f}x"
-              f"{r['merged_over_unique']:>15.3f}{r['rows_per_traj_merged']:>11.2f}{r['trained_tokens_per_traj']:>14,.0f}")
+              f"{r['merged_over_unique']:>15.3f}{r['rows_per_traj_merged']:>11.2f}{r['trained_tokens_per_traj']:>14,.0f}"
+              f"{r['merged_over_unique_with_drift']:>26.3f}")
 
     turns = [r["turns"] for r in rows]
     upper = [i for i, t in enumerate(turns) if t >= (args.max_turns + 1) // 2] or list(range(len(turns)))

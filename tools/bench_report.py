@@ -101,6 +101,8 @@ FIGURES: list[Figure] = [
     # 2. merge savings (tools/bench_merge.py)
     Figure("merge", "merged tokens / unique tokens, prefix-consistent (worst over T=1..16)",
            lambda r: r["merged_over_unique_max"], "", 3, ("<=", 1.05)),
+    Figure("merge", "contrast: merged / unique with 10% re-tokenisation drift, T=16",
+           lambda r: r["by_turns"][-1]["merged_over_unique_with_drift"], "", 3),
     Figure("merge", "unmerged / merged tokens per trajectory at T=16",
            lambda r: r["ratio_at_max_turns"], "x", 2),
     Figure("merge", "growth exponent k (tokens ~ T^k), unmerged, T=1..16",

@@ -45,7 +45,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="the tiny preset's size, a smaller mini-batch, 1 repeat")
     p.add_argument("--prompts", type=int, default=2)
-    p.add_argument("--samples", type=int, default=4)
+    p.add_argument("--samples", type=int, default=2)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=4096, help="micro-batch token budget")
