@@ -24,6 +24,7 @@ import ast
 import datetime
 import importlib.metadata
 import importlib.util
+import inspect
 import json
 import os
 import platform
@@ -81,7 +82,10 @@ def worker(path: str, quick: bool, result_file: str) -> int:
     mod = importlib.util.module_from_spec(spec)
     sys.modules[module_path.stem] = mod
     spec.loader.exec_module(mod)
-    result = mod.run(quick=quick)
+    params = inspect.signature(mod.run).parameters
+    result = mod.run(quick=quick) if "quick" in params else mod.run(quick) if params else mod.run()
+    if not isinstance(result, dict):
+        result = {"returned": result}
     with open(result_file, "w") as f:
         json.dump(result, f, indent=2, default=str)
     return 0
