@@ -98,7 +98,9 @@ class Trainer:
         progress = self._progress()
         try:
             while self.state.iteration < cfg.trainer.iterations:
+                evaluation = self._maybe_evaluate()
                 metrics = self.iteration()
+                metrics.update(evaluation)
                 every = cfg.checkpoint.every
                 if (every and self.state.iteration % every == 0) or self.state.iteration == cfg.trainer.iterations:
                     t = time.perf_counter()
@@ -184,9 +186,12 @@ class Trainer:
             raise RuntimeError(f"rollout failed on rank 0 at iteration {self.state.iteration}: {payload[0]}") from (
                 payload[0] if self.is_driver else None
             )
-        return payload[0]
+        steps, info, dataset_state = payload[0]
+        # Only rank 0 draws prompts; every rank keeps the same data position for checkpoints.
+        self.dataset.load_state_dict(dataset_state)
+        return steps, info
 
-    def _driver_rollout(self) -> tuple[list[Step], dict[str, Any]]:
+    def _driver_rollout(self) -> tuple[list[Step], dict[str, Any], dict]:
         cfg = self.cfg
         t = time.perf_counter()
         samples = self.dataset.next(cfg.data.prompts_per_iteration)
@@ -205,7 +210,22 @@ class Trainer:
         generated = sum(int(s.response_ids.numel()) for s in steps)
         info = {"rollout/sampling_rounds": rounds, "perf/rollout_tokens_per_s": generated / max(elapsed, 1e-9)}
         info.update({f"fleet/{k}": v for k, v in self.fleet.metrics().items() if isinstance(v, (int, float))})
-        return steps, info
+        return steps, info, self.dataset.state_dict()
+
+    def _maybe_evaluate(self) -> dict[str, Any]:
+        """Reward of the current policy on the eval prompts (rank 0 only; no training)."""
+        every = self.cfg.trainer.eval_every
+        if not (every and self.is_driver and self.state.iteration % every == 0):
+            return {}
+        from megatron_stepwise.components import eval_samples
+
+        t = time.perf_counter()
+        steps = self.loop.run_until_complete(
+            self.agent.rollout(eval_samples(self.cfg, self.dataset), seed=self._rollout_seed(-1))
+        )
+        out = {f"eval/{k}": v for k, v in rollout_metrics(steps).items() if k.startswith(("reward/", "rollout/turns"))}
+        out["time/eval"] = time.perf_counter() - t
+        return out
 
     def _rollout_seed(self, round_: int) -> int:
         """Sampling seeds depend only on (seed, iteration, round): a resumed run samples the same."""

@@ -50,3 +50,48 @@ def test_train_rejects_a_bad_config_with_exit_2_and_no_traceback(tmp_path):
     assert out.returncode == 2
     assert "data.prompts_per_minibatch" in out.stderr and "optim.lr" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def _latest_iteration(run_dir):
+    try:
+        with open(os.path.join(run_dir, "checkpoints", "latest")) as f:
+            return int(f.read().strip().rsplit("_", 1)[-1])
+    except (OSError, ValueError):
+        return None
+
+
+@pytest.mark.slow
+def test_sigkill_then_same_command_resumes_and_repeats_the_uninterrupted_run(tmp_path):
+    import signal
+    import time
+
+    overrides = ("trainer.iterations=7", "checkpoint.every=2")
+    ref_dir = str(tmp_path / "uninterrupted")
+    out = _train(ref_dir, *overrides)
+    assert out.returncode == 0, out.stderr[-3000:]
+    reference = {r["iteration"]: r for r in _metrics(ref_dir)}
+
+    run_dir = str(tmp_path / "killed")
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "megatron_stepwise.cli", "train", os.path.join(ROOT, "configs/tiny_cpu.yaml"),
+           f"logging.run_dir={run_dir}", "logging.progress=false", *overrides]
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.time() + 600
+    while (_latest_iteration(run_dir) or 0) < 2 and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)  # the launcher, both ranks, and the Ray fleet
+    proc.wait()
+    killed_at = _latest_iteration(run_dir)
+    assert killed_at is not None and killed_at < 7
+
+    out = _train(run_dir, *overrides)
+    assert out.returncode == 0, out.stderr[-3000:]
+    resumed = _metrics(run_dir)
+    assert [r["iteration"] for r in resumed] == list(range(7))  # no gap, no duplicate line
+    for r in resumed[killed_at:]:
+        ref = reference[r["iteration"]]
+        for key in ("reward/mean", "rollout/response_len_mean", "weight_version", "rollout/trainable_tokens"):
+            assert r[key] == ref[key], (r["iteration"], key)
+        for key in ("train/loss", "train/grad_norm", "train/entropy"):
+            assert r[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-7), (r["iteration"], key)

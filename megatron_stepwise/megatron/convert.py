@@ -214,6 +214,36 @@ def stream_hf_buckets(
             pass
 
 
+def stage_hf_metadata(chunks: list, hf_config: Any, *, dtype: Optional[torch.dtype] = None) -> list[tuple]:
+    """(HF name, shape, dtype) of this stage's tensors in stream order, computed on meta tensors
+    (no data, no communication)."""
+    from megatron_stepwise.megatron.model import unwrap
+
+    arch = as_arch(hf_config)
+    out = []
+    for chunk in chunks:
+        model = unwrap(chunk)
+        for name, param in W.canonical_params(chunk):
+            if name == EMBED and not model.pre_process:
+                continue
+            meta = torch.empty(W.full_shape(param, name), dtype=dtype or param.dtype, device="meta")
+            out += [(hf, tuple(t.shape), t.dtype) for hf, t in to_hf(name, meta, arch)]
+    return out
+
+
+def hf_metadata(chunks: list, hf_config: Any, *, dtype: Optional[torch.dtype] = None) -> Optional[list[tuple]]:
+    """Every HF tensor's (name, shape, dtype), in the order `stream_hf_buckets` delivers them,
+    on global rank 0 (None elsewhere). Collective (one small gather)."""
+    layout = _layout()
+    mine = stage_hf_metadata(chunks, hf_config, dtype=dtype) if _is_stage_owner(layout) else None
+    gathered = [None] * layout.world_size if layout.rank == 0 else None
+    dist.gather_object((layout.pp_rank, mine), gathered, dst=0)
+    if layout.rank != 0:
+        return None
+    stages = sorted(((pp_rank, part) for pp_rank, part in gathered if part is not None), key=lambda x: x[0])
+    return [item for _, part in stages for item in part]
+
+
 # ----------------------------------------------------------------------------- export
 
 
@@ -348,6 +378,11 @@ def hf_tensor_files(hf_dir: Union[str, os.PathLike]) -> dict[str, Path]:
         with safe_open(str(f), framework="pt") as handle:
             out.update({name: f for name in handle.keys()})
     return out
+
+
+def load_hf_index(hf_dir: Union[str, os.PathLike]) -> dict:
+    """The `model.safetensors.index.json` of an exported directory."""
+    return json.loads((Path(hf_dir) / INDEX_FILE).read_text())
 
 
 def load_hf_config(hf_dir: Union[str, os.PathLike]) -> dict:
