@@ -22,11 +22,16 @@ def _load(name: str):
     return module
 
 
-@pytest.fixture(scope="module")
-def suite():
+@pytest.fixture()
+def suite(tools_on_path):
+    return _load("bench")
+
+
+@pytest.fixture()
+def tools_on_path():
     sys.path.insert(0, str(TOOLS))
     try:
-        yield _load("bench")
+        yield
     finally:
         sys.path.remove(str(TOOLS))
 
@@ -34,13 +39,13 @@ def suite():
 def test_quick_suite_subset_writes_json_and_markdown(tmp_path):
     out = tmp_path / "bench.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, str(TOOLS / "bench.py"), "--quick", "--only", "merge,host_pipeline", "--out", str(out)]
+    cmd = [sys.executable, str(TOOLS / "bench.py"), "--quick", "--only", "merge", "--out", str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     report = json.loads(out.read_text())
     assert report["suite"] == "cpu" and report["quick"] is True
     assert {"label", "cpu_count", "torch", "megatron_core"} <= set(report["machine"])
-    assert set(report["benchmarks"]) == {"merge", "host_pipeline"}
+    assert set(report["benchmarks"]) == {"merge"}
     assert all(b["status"] == "ok" for b in report["benchmarks"].values())
 
     merge = report["benchmarks"]["merge"]["result"]
@@ -54,20 +59,41 @@ def test_quick_suite_subset_writes_json_and_markdown(tmp_path):
         assert r["trained_tokens_equal"] and r["broken_prefixes"] == 0
     assert set(merge["growth_exponent"]) == {"unmerged", "merged", "unique"}
 
-    host = report["benchmarks"]["host_pipeline"]["result"]
-    phases = {"validate", "merge", "advantages", "minibatch", "plan", "total", "columnar_batch", "total_with_columnar"}
-    assert set(host["time_s"]["warm_wall"]) == phases
-    assert host["workload"]["merged_rows"] == 64 * 8  # prefix-consistent: one row per trajectory
-    assert host["reference_gpu"]["seconds"] > 0 and host["fraction_of_gpu_time"] > 0
-
-    # Every figure of the benchmarks that ran is in the summary, with a value and its target.
+    # Every figure of the benchmark that ran is in the summary, with a value and its target.
     figures = report["figures"]
-    assert {f["benchmark"] for f in figures} == {"merge", "host_pipeline"}
+    assert {f["benchmark"] for f in figures} == {"merge"}
     targeted = [f for f in figures if f["target"] != "-"]
     assert targeted and all(f["value"] is not None and f["met"] in (True, False) for f in targeted)
     md = out.with_suffix(".md").read_text()
     assert "| Benchmark | Figure | Measured | Target (issue 7) | Met |" in md
     assert md.count("\n| merge |") == sum(f["benchmark"] == "merge" for f in figures)
+
+
+def test_host_pipeline_reports_every_phase_and_the_reference(tools_on_path, capsys):
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        host = _load("bench_host").run(quick=True, prompts=8, prompts_per_minibatch=4, repeats=1)
+    finally:
+        torch.set_num_threads(threads)  # the benchmark pins one thread
+    phases = {"validate", "merge", "advantages", "minibatch", "plan", "total", "columnar_batch", "total_with_columnar"}
+    assert set(host["time_s"]["warm_wall"]) == phases
+    assert host["workload"]["merged_rows"] == 8 * 8  # prefix-consistent: one row per trajectory
+    ref = host["reference_gpu"]
+    assert ref["tokens"] == host["workload"]["tokens_after_merge"] < host["workload"]["tokens"]
+    assert ref["seconds"] > 0 and host["fraction_of_gpu_time"] == pytest.approx(host["seconds"] / ref["seconds"])
+    assert "assumption:" in capsys.readouterr().out
+
+
+def test_quick_mode_leaves_out_ray_benchmarks_unless_named(suite):
+    import argparse
+
+    rollout = suite.BENCHMARKS["rollout"]
+    assert suite.quick_skip(rollout, argparse.Namespace(quick=True, only=None))
+    assert suite.quick_skip(rollout, argparse.Namespace(quick=True, only="merge,rollout")) is None
+    assert suite.quick_skip(rollout, argparse.Namespace(quick=False, only=None)) is None
+    assert suite.quick_skip(suite.BENCHMARKS["merge"], argparse.Namespace(quick=True, only=None)) is None
 
 
 def test_missing_script_and_skipped_benchmarks_are_reported(suite, tmp_path, monkeypatch, capsys):
@@ -95,12 +121,8 @@ def test_unknown_benchmark_name_is_rejected(suite):
         suite.select("cpu", "merge,nope")
 
 
-def test_unmeasured_figures_have_no_verdict():
-    sys.path.insert(0, str(TOOLS))
-    try:
-        report = _load("bench_report")
-    finally:
-        sys.path.remove(str(TOOLS))
+def test_unmeasured_figures_have_no_verdict(tools_on_path):
+    report = _load("bench_report")
     rows = report.evaluate({"logprobs": {"status": "missing"},
                             "merge": {"status": "ok", "result": {"merged_over_unique_max": 1.2}}})
     by_label = {r["figure"]: r for r in rows}
@@ -110,12 +132,8 @@ def test_unmeasured_figures_have_no_verdict():
     assert worst["value"] == 1.2 and worst["met"] is False  # target <= 1.05
 
 
-def test_flops_model_by_hand():
-    sys.path.insert(0, str(TOOLS))
-    try:
-        flops = _load("flops")
-    finally:
-        sys.path.remove(str(TOOLS))
+def test_flops_model_by_hand(tools_on_path):
+    flops = _load("flops")
     shape = flops.ModelShape(hidden=8, ffn=16, layers=2, heads=2, kv_heads=1, head_dim=4, vocab=10, tied=False)
     # per layer: QKV 8*(8+2*4)=128, out 8*8=64, MLP 3*8*16=384 -> 576; 2 layers
     assert shape.layer_matmul_params == 1152

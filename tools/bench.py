@@ -4,7 +4,7 @@ figures; they never assert. Every figure is a ratio or rate measured side by sid
 run, because these machines are shared and noisy.
 
     python tools/bench.py                      # the CPU suite (under 10 minutes on 2 cores)
-    python tools/bench.py --quick              # smaller workloads (under 2 minutes)
+    python tools/bench.py --quick              # smaller workloads, no Ray start-up (under 2 minutes)
     python tools/bench.py --only merge,host_pipeline --out results/bench.json
     megatron-stepwise bench ...                # the same
 
@@ -14,7 +14,9 @@ process groups, Ray, memory; a hang is cut by a timeout). A module with a top-le
 script (`--quick` passed in quick mode) and its printed output is stored instead. A module that
 is not in this checkout is reported as missing, and the suite goes on. Benchmarks marked CPU
 run with CUDA hidden, so the CPU suite measures the CPU on any machine; the GPU benchmark runs
-where a GPU is present and prints why it is skipped otherwise.
+where a GPU is present and prints why it is skipped otherwise. `--quick` leaves out the
+benchmarks that start a Ray cluster (rollout, weight sync) unless `--only` names them: their
+start-up alone is over a minute each on a busy 2-core machine.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class Benchmark:
     items: str  # issue 7 items it covers
     title: str
     device: str = "cpu"  # "cpu": run with CUDA hidden; "gpu": as the machine is
+    starts_ray: bool = False  # a Ray cluster per run: ~1-1.5 min of start-up on a busy 2-core machine
 
 
 BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in [
@@ -58,8 +61,8 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in [
     Benchmark("logprobs", "bench_logprobs", "3", "trained-positions-only log-probs vs full logits"),
     Benchmark("trainer_step", "bench_trainer_step", "4", "trainer step on CPU, packed vs padded"),
     Benchmark("host_pipeline", "bench_host", "5", "host pipeline overhead"),
-    Benchmark("rollout", "bench_rollout", "7", "rollout fleet throughput, 1 vs 2 engines"),
-    Benchmark("weight_sync", "bench_weight_sync", "8", "weight sync Megatron -> HF"),
+    Benchmark("rollout", "bench_rollout", "7", "rollout fleet throughput, 1 vs 2 engines", starts_ray=True),
+    Benchmark("weight_sync", "bench_weight_sync", "8", "weight sync Megatron -> HF", starts_ray=True),
     Benchmark("gpu", "bench_gpu", "9", "GPU training step tokens/s and MFU", device="gpu"),
 ]}
 
@@ -68,7 +71,7 @@ SUITES: dict[str, list[str]] = {
     "gpu": ["gpu"],
 }
 
-TIMEOUT_S = {False: 300, True: 120}  # per benchmark: full, quick
+TIMEOUT_S = {False: 300, True: 180}  # per benchmark: full, quick
 
 
 # ------------------------------------------------------------------------------ child side
@@ -144,10 +147,13 @@ def stream(cmd: list[str], env: dict[str, str], timeout_s: float) -> tuple[int, 
     return code, "".join(lines), timed_out.is_set()
 
 
-def run_benchmark(bench: Benchmark, *, quick: bool, timeout_s: float) -> dict[str, Any]:
+def run_benchmark(bench: Benchmark, *, quick: bool, timeout_s: float, skip: Optional[str] = None) -> dict[str, Any]:
     path = TOOLS / f"{bench.module}.py"
     header = f"[{bench.name}] issue 7 item {bench.items}: {bench.title} (tools/{path.name})"
     print(f"\n{'=' * len(header)}\n{header}\n{'=' * len(header)}", flush=True)
+    if skip:
+        print(f"SKIPPED: {skip}")
+        return {"status": "skipped", "module": bench.module, "message": skip}
     if not path.exists():
         message = f"tools/{path.name} is not in this checkout yet; nothing measured"
         print(f"MISSING: {message}")
@@ -213,6 +219,15 @@ def select(suite: str, only: Optional[str]) -> list[Benchmark]:
     return [BENCHMARKS[n] for n in names]
 
 
+def quick_skip(bench: Benchmark, args: argparse.Namespace) -> Optional[str]:
+    """Why --quick leaves `bench` out (None: it runs). Naming it in --only always runs it."""
+    named = args.only and bench.name in [n.strip() for n in args.only.split(",")]
+    if args.quick and bench.starts_ray and not named:
+        return (f"--quick leaves out benchmarks that start a Ray cluster (1-1.5 min of start-up each on a busy "
+                f"2-core machine); run it with --quick --only {bench.name}")
+    return None
+
+
 def run_suite(args: argparse.Namespace) -> dict[str, Any]:
     if str(TOOLS) not in sys.path:  # also when loaded by `megatron-stepwise bench`
         sys.path.insert(0, str(TOOLS))
@@ -222,7 +237,8 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
     timeout_s = args.timeout or TIMEOUT_S[args.quick]
     started = datetime.datetime.now(datetime.timezone.utc)
     t0 = time.perf_counter()
-    results = {b.name: run_benchmark(b, quick=args.quick, timeout_s=timeout_s) for b in benches}
+    results = {b.name: run_benchmark(b, quick=args.quick, timeout_s=timeout_s, skip=quick_skip(b, args))
+               for b in benches}
     total = time.perf_counter() - t0
     rows = [r for r in bench_report.evaluate(results) if r["benchmark"] in results]
     machine = machine_info(args.machine)
@@ -250,11 +266,13 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--suite", choices=sorted(SUITES), default="cpu", help="which benchmarks to run (default: cpu)")
-    p.add_argument("--quick", action="store_true", help="smaller workloads (the CPU suite in under 2 minutes)")
+    p.add_argument("--quick", action="store_true",
+                   help="smaller workloads; benchmarks that start Ray run only if named in --only (under 2 minutes)")
     p.add_argument("--only", help=f"comma-separated subset of: {', '.join(BENCHMARKS)}")
     p.add_argument("--out", default="results/bench.json", help="JSON results (and a .md table next to it)")
     p.add_argument("--machine", help="machine description for the tables (default: CPU count and torch version)")
-    p.add_argument("--timeout", type=float, help=f"seconds per benchmark (default {TIMEOUT_S[False]}, quick {TIMEOUT_S[True]})")
+    p.add_argument("--timeout", type=float,
+                   help=f"seconds per benchmark (default {TIMEOUT_S[False]}, quick {TIMEOUT_S[True]})")
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -152,7 +152,8 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
           f"{summary['warm_wall']['total_with_columnar'] / ref['seconds']:.2%})")
     return {
         "config": {k: v for k, v in vars(args).items() if k != "out"},
-        "workload": {"steps": len(steps), "tokens": n_tokens, "merged_rows": len(merged)},
+        "workload": {"steps": len(steps), "tokens": n_tokens, "merged_rows": len(merged),
+                     "tokens_after_merge": sum(s.num_tokens for s in merged)},
         "time_s": summary,
         "reference_gpu": ref,
         "seconds": total,

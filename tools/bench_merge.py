@@ -13,7 +13,8 @@ trajectory,
   layout can compute; merged / unique is the overhead of merging (1.0 unless rows were split
   at the budget, where the next row re-reads its prefix);
 and, for contrast, merged / unique when 10% of turn boundaries re-tokenise differently (drift:
-the row breaks there and the next row re-reads the history); and the growth exponent k of tokens ~ T^k fitted by least squares in log-log space, over
+the row breaks there and the next row re-reads the history); and the growth exponent k of
+tokens ~ T^k fitted by least squares in log-log space, over
 T = 1..16 and over the upper half T = 8..16 (closer to the asymptote).
 
     python tools/bench_merge.py [--quick] [--out results.json]

@@ -132,8 +132,14 @@ FIGURES: list[Figure] = [
     Figure("rollout", "fleet x1 trajectories/s", lambda r: r["results"]["fleet x1"]["trajectories/s"], "/s", 1),
     Figure("rollout", "fleet x1 generated tokens/s", lambda r: r["results"]["fleet x1"]["gen tokens/s"], "/s", 0),
     # 8. weight sync (tools/bench_weight_sync.py)
-    Figure("weight_sync", "Megatron -> HF conversion + transfer, tiny model", named("bytes_per_s_tiny"), " B/s", 0),
-    Figure("weight_sync", "Megatron -> HF conversion + transfer, ~100M model", named("bytes_per_s_100m"), " B/s", 0),
+    Figure("weight_sync", "Megatron -> HF conversion only, tiny model", named("convert_MB_per_s_tiny"), " MB/s", 1),
+    Figure("weight_sync", "conversion + transfer + engine load (tensor push), tiny model",
+           named("tensor_MB_per_s_tiny"), " MB/s", 1),
+    Figure("weight_sync", "Megatron -> HF conversion only, ~100M model", named("convert_MB_per_s_qwen2-100m"), " MB/s", 1),
+    Figure("weight_sync", "conversion + transfer + engine load (tensor push), ~100M model",
+           named("tensor_MB_per_s_qwen2-100m"), " MB/s", 1),
+    Figure("weight_sync", "same through the distributed push (gloo on CPU), ~100M model",
+           named("distributed_MB_per_s_qwen2-100m"), " MB/s", 1),
     # 9. GPU (tools/bench_gpu.py)
     Figure("gpu", "training step tokens/s (packed 4k micro-batches, bf16)", lambda r: r["tokens_per_s"], " tok/s", 0),
     Figure("gpu", "MFU vs measured bf16 matmul peak", lambda r: r["mfu"], "%", 1),
@@ -171,7 +177,8 @@ def markdown(rows: list[dict[str, Any]], benchmarks: dict[str, Result], *, title
     out = [f"### {title}", "", preamble, "",
            "| Benchmark | Figure | Measured | Target (issue 7) | Met |", "|---|---|---:|---:|:---:|"]
     for r in rows:
-        out.append(f"| {r['benchmark']} | {r['figure']} | {r['display']} | {r['target'].replace('<', '&lt;')} | {_met_text(r)} |")
+        target = r["target"].replace("<", "&lt;")
+        out.append(f"| {r['benchmark']} | {r['figure']} | {r['display']} | {target} | {_met_text(r)} |")
     notes = [f"- `{name}`: {b['status']}: {b.get('message', '')}".rstrip(": ")
              for name, b in benchmarks.items() if b.get("status") != "ok"]
     if notes:
