@@ -230,40 +230,12 @@ def build_agent_loop(cfg: ExperimentConfig, fleet, tokenizer):
 
 
 # ------------------------------------------------------------------------ weights
-def sync_weights(trainer, version: int) -> None:
-    """Push the policy's weights (HF names) to the fleet; every rank joins the gathers."""
-    from megatron_stepwise.megatron.weights import full_state
+def build_weight_sync(cfg: ExperimentConfig, fleet, hf_config: dict, loop):
+    """Pushes the policy to the fleet after each update (weight_sync.mode: disk | tensor | distributed)."""
+    from megatron_stepwise.megatron.sync import WeightSync
 
-    state = full_state(trainer.chunks)  # TP-gathered, canonical names (collective)
-    if not trainer.is_driver:
-        return
-    named = _TMP_canonical_to_hf(state, trainer.hf_config)
-    trainer.loop.run_until_complete(trainer.fleet.update_weights_from_tensors(named, weight_version=version))
-
-
-def _TMP_canonical_to_hf(state, hf):
-    nh, nkv = hf["num_attention_heads"], hf["num_key_value_heads"]
-    d = hf["hidden_size"] // nh
-    qpg = nh // nkv
-    out = []
-    for name, t in state.items():
-        n = name.replace("embedding.word_embeddings", "model.embed_tokens").replace("decoder.layers", "model.layers")
-        n = n.replace("decoder.final_layernorm", "model.norm").replace("output_layer", "lm_head")
-        n = n.replace("pre_mlp_layernorm", "post_attention_layernorm").replace("self_attention.linear_proj", "self_attn.o_proj")
-        n = n.replace("mlp.linear_fc2", "mlp.down_proj")
-        if "linear_qkv" in n:
-            g = t.reshape(nkv, (qpg + 2) * d, *t.shape[1:])
-            q, k, v = g[:, : qpg * d], g[:, qpg * d : (qpg + 1) * d], g[:, (qpg + 1) * d :]
-            base = n.replace("self_attention.linear_qkv", "self_attn.{}_proj")
-            for p, x in (("q", q), ("k", k), ("v", v)):
-                out.append((base.format(p), x.reshape(-1, *t.shape[1:]).contiguous()))
-        elif "linear_fc1" in n:
-            f = t.shape[0] // 2
-            out.append((n.replace("linear_fc1", "gate_proj"), t[:f].contiguous()))
-            out.append((n.replace("linear_fc1", "up_proj"), t[f:].contiguous()))
-        else:
-            out.append((n, t))
-    return out
+    w = cfg.weight_sync
+    return WeightSync(fleet, w.mode, hf_config, loop=loop, bucket_mb=w.bucket_mb, sync_dir=cfg.weight_sync_dir)
 
 
 class Checkpoints:

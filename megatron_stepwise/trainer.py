@@ -18,6 +18,7 @@ once after the iteration's last optimizer step is what pushing after every step 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import logging
 import math
@@ -88,6 +89,7 @@ class Trainer:
                 wandb_name=cfg.logging.wandb.name or cfg.name, config=cfg.to_dict(),
                 resume_iteration=self.state.iteration,
             )
+        self.weight_sync = components.build_weight_sync(cfg, self.fleet, self.hf_config, self.loop)
         # The engines start from their own random init: give them the trainer's weights.
         self._sync_weights()
 
@@ -165,7 +167,7 @@ class Trainer:
         self.state.iteration += 1
         self.state.weight_version += 1
         t = time.perf_counter()
-        self._sync_weights()
+        metrics.update(self._sync_weights())
         times["time/weight_sync"] = time.perf_counter() - t
         times["time/iteration"] = time.perf_counter() - t0
         metrics.update(times)
@@ -195,7 +197,8 @@ class Trainer:
         cfg = self.cfg
         t = time.perf_counter()
         samples = self.dataset.next(cfg.data.prompts_per_iteration)
-        steps = self.loop.run_until_complete(self.agent.rollout(samples, seed=self._rollout_seed(0)))
+        with self._rollout_progress(len(samples)) as done:
+            steps = self.loop.run_until_complete(self.agent.rollout(samples, seed=self._rollout_seed(0), on_trajectory_done=done))
         rounds = 1
         if cfg.algo.filters.dynamic_sampling:
             # Keep rolling out fresh prompts until enough groups carry a learning signal.
@@ -277,10 +280,21 @@ class Trainer:
             if self.ref_chunks is not None:
                 batch.token_fields["ref_logprobs"] = self.plugin.compute_logprobs_flat(self.ref_chunks, batch)
 
-    def _sync_weights(self) -> None:
-        from megatron_stepwise.components import sync_weights
+    def _sync_weights(self) -> dict[str, float]:
+        """Collective: every rank converts its shard; rank 0 pushes to the fleet."""
+        return self.weight_sync.push(self.chunks, self.state.weight_version)
 
-        sync_weights(self, version=self.state.weight_version)
+    @contextlib.contextmanager
+    def _rollout_progress(self, num_prompts: int):
+        """A per-trajectory progress bar under the iterations bar (when logging.progress)."""
+        if not self.cfg.logging.progress:
+            yield None
+            return
+        from tqdm import tqdm
+
+        total = num_prompts * self.cfg.data.samples_per_prompt
+        with tqdm(total=total, desc="rollout", unit="traj", leave=False, position=1) as bar:
+            yield lambda _steps: bar.update(1)
 
     def _progress(self):
         if not (self.is_driver and self.cfg.logging.progress):
@@ -290,6 +304,7 @@ class Trainer:
         return tqdm(total=self.cfg.trainer.iterations, initial=self.state.iteration, desc="iterations", unit="it")
 
     def close(self) -> None:
+        self.weight_sync.close()
         if self.is_driver:
             if self.fleet is not None:
                 self.loop.run_until_complete(self.fleet.shutdown())
