@@ -184,6 +184,9 @@ class StepwisePlugin:
         if cp > 1:
             raise NotImplementedError("context parallelism is not supported by the step-wise packing yet")
         cfg = gpt.config
+        if getattr(cfg, "mtp_num_layers", None):
+            # MTP heads reuse the output layer inside GPTModel, which the plugin bypasses.
+            raise NotImplementedError("multi-token prediction (mtp_num_layers) is not supported by the plugin")
         need = ("loss_mask", "advantages") if mode == TRAIN else ("loss_mask",)
         self._check_batch(batch, gpt, need=need)
         n_trained = int((batch.token_fields["loss_mask"] != 0).sum())
