@@ -110,8 +110,12 @@ FIGURES: list[Figure] = [
     Figure("merge", "growth exponent k, merged, T=8..16",
            lambda r: r["growth_exponent"]["merged"]["upper_half"], "", 2),
     # 3. trained-positions-only log-probs (tools/bench_logprobs.py)
-    Figure("logprobs", "trained-positions-only / full logits fwd+bwd speedup, 75% masked",
+    Figure("logprobs", "trained-positions-only / full logits fwd+bwd speedup, 75% masked (T=1024, V=16k)",
            named("speedup_at_75pct_masked"), "x", 2, (">=", 1.5)),
+    Figure("logprobs", "same, 90% masked", named("speedup_at_90pct_masked"), "x", 2),
+    Figure("logprobs", "same, 0% masked (nothing to skip)", named("speedup_at_0pct_masked"), "x", 2),
+    Figure("logprobs", "peak memory full / trained-positions-only, 75% masked",
+           named("memory_ratio_at_75pct_masked"), "x", 2),
     # 4. trainer step (tools/bench_trainer_step.py)
     Figure("trainer_step", "packed / padded real tokens per second (CPU, plugin train_minibatch)",
            lambda r: r["packed_over_padded_tokens_per_s"], "x", 2),
