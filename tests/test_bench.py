@@ -145,3 +145,13 @@ def test_flops_model_by_hand(tools_on_path):
     for name, published in [("qwen2.5-0.5b", 0.49e9), ("qwen2.5-1.5b", 1.54e9), ("qwen2.5-7b", 7.61e9)]:
         total = flops.ModelShape.from_hf(flops.QWEN2_CONFIGS[name]).total_params
         assert abs(total / published - 1) < 0.01, (name, total)
+
+
+def test_cli_bench_subcommand_takes_the_suite_options(capsys):
+    from megatron_stepwise import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert all(opt in out for opt in ("--suite", "--quick", "--only", "--out", "--machine"))
