@@ -83,7 +83,9 @@ class StepwisePlugin:
     """Step-wise policy-gradient training for megatron-core models (see module docstring).
 
     loss_config: the `algo.losses.LossConfig` (policy loss, clipping, reduction, KL, entropy...).
-    max_tokens_per_microbatch: token budget of one packed micro-batch (real tokens).
+    max_tokens_per_microbatch: token budget of one packed micro-batch, alignment padding included
+        with the package planner (it packs to the layout's alignment); a step longer than this
+        is an error.
     The algorithm hooks default to `megatron_stepwise.algo` and can be replaced:
     `policy_loss(inputs, cfg) -> (partial_sum, metrics)`, `token_weights(batch, reduction,
     max_response_len=...) -> [T]`, `plan_microbatches(lengths, dp_size=, max_tokens=)`,
