@@ -90,6 +90,11 @@ class Trainer:
             )
         # The engines start from their own random init: give them the trainer's weights.
         self._sync_weights()
+        self.async_driver = None
+        if cfg.async_.enabled:  # rollouts overlap training; it replaces `iteration`
+            from megatron_stepwise.async_driver import AsyncDriver
+
+            self.async_driver = AsyncDriver(self)
 
     # ------------------------------------------------------------------------------- loop
     def run(self) -> list[dict[str, Any]]:
@@ -118,6 +123,8 @@ class Trainer:
         return history
 
     def iteration(self) -> dict[str, Any]:
+        if self.async_driver is not None:
+            return self.async_driver.iteration()
         cfg = self.cfg
         times: dict[str, float] = {}
         t0 = time.perf_counter()
@@ -270,6 +277,8 @@ class Trainer:
         return tqdm(total=self.cfg.trainer.iterations, initial=self.state.iteration, desc="iterations", unit="it")
 
     def close(self) -> None:
+        if getattr(self, "async_driver", None) is not None:
+            self.async_driver.close()
         if self.is_driver:
             if self.fleet is not None:
                 self.loop.run_until_complete(self.fleet.shutdown())

@@ -293,3 +293,23 @@ def test_randomised_schedules_keep_the_bound_and_lose_or_duplicate_nothing(name)
         assert totals["evicted"] > 0
     if name == "const-eta1":
         assert totals["evicted"] == 0
+
+
+def test_trained_token_staleness_counts_only_trained_tokens():
+    from megatron_stepwise.rollout.buffer import trained_token_staleness
+
+    a = Step(TrajectoryID("p", 0), [1], [5, 6, 7], [1, 1, 0], weight_versions=[3, 4, 4])
+    b = Step(TrajectoryID("p", 1), [1], [5, 6], [1, 1], weight_versions=[5, 5])
+    c = Step(TrajectoryID("p", 2), [1], [5], [1])  # no versions recorded
+    assert trained_token_staleness([a, b, c], version=5).tolist() == [2, 1, 0, 0]
+
+
+def test_trajectory_version_spread_sees_updates_inside_a_trajectory():
+    from megatron_stepwise.rollout.buffer import trajectory_version_spread
+
+    steps = [
+        Step(TrajectoryID("p", 0), [1], [5, 6], [1, 1], weight_versions=[3, 3]),
+        Step(TrajectoryID("p", 0), [1], [5, 6, 2], [1, 1, 0], weight_versions=[4, 5, 9]),  # 9: untrained EOS
+        Step(TrajectoryID("p", 1), [1], [5], [1], weight_versions=[4]),
+    ]
+    assert trajectory_version_spread(steps) == [2, 0]

@@ -290,14 +290,21 @@ class StepwisePlugin:
         from megatron.core import parallel_state as ps
 
         keys = sorted(losses[0].keys()) if losses else []
+        # Partials add up; metrics named *_max combine with max (see algo.losses).
+        is_max = torch.tensor([k.endswith("_max") for k in keys], dtype=torch.bool)
         if ps.is_pipeline_last_stage(ignore_virtual=True):
             vec = torch.zeros(len(keys), dtype=torch.float64)
+            vec[is_max] = float("-inf")
             for item in losses:
-                vec += torch.stack([item[k].detach().double().cpu().reshape(()) for k in keys])
+                values = torch.stack([item[k].detach().double().cpu().reshape(()) for k in keys])
+                vec = torch.where(is_max, torch.maximum(vec, values), vec + values)
             if ps.get_data_parallel_world_size() > 1:
-                buf = vec.to(_comm_device())
-                dist.all_reduce(buf, group=ps.get_data_parallel_group(with_context_parallel=True))
-                vec = buf.cpu()
+                group = ps.get_data_parallel_group(with_context_parallel=True)
+                sums = torch.where(is_max, torch.zeros_like(vec), vec).to(_comm_device())
+                maxima = torch.where(is_max, vec, torch.full_like(vec, float("-inf"))).to(_comm_device())
+                dist.all_reduce(sums, group=group)
+                dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
+                vec = torch.where(is_max, maxima.cpu(), sums.cpu())
             payload = [dict(zip(keys, vec.tolist()))]
         else:
             payload = [None]

@@ -220,3 +220,28 @@ def group_has_variance(steps: list) -> bool:
     """The zero-variance filter: keep a group whose trajectory rewards (last steps) differ."""
     rewards = {s.reward for s in steps if s.is_last_step and not s.is_padding}
     return len(rewards) > 1
+
+
+def trained_token_staleness(steps: list, version: int):
+    """`version - weight version that produced it` for every trained token (loss_mask 1), as one
+    long tensor; steps without recorded versions are skipped."""
+    import torch
+
+    parts = [version - s.weight_versions[s.loss_mask.bool()] for s in steps if s.weight_versions is not None]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+
+def trajectory_version_spread(steps: list) -> list[int]:
+    """Per trajectory, newest minus oldest weight version among its trained tokens: > 0 when a
+    weight update landed while it was being generated (a partial rollout)."""
+    lo: dict[Any, int] = {}
+    hi: dict[Any, int] = {}
+    for s in steps:
+        if s.weight_versions is None:
+            continue
+        v = s.weight_versions[s.loss_mask.bool()]
+        if v.numel():
+            tid = s.trajectory_id
+            lo[tid] = min(lo.get(tid, int(v.min())), int(v.min()))
+            hi[tid] = max(hi.get(tid, int(v.max())), int(v.max()))
+    return [hi[t] - lo[t] for t in lo]
