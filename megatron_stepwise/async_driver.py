@@ -129,20 +129,22 @@ class AsyncDriver:
             # A per-group seed: reproducible sampling per turn whichever engine serves it.
             seed = t.cfg.trainer.seed * 1_000_003 + group.serial
             steps = await t.agent.rollout([group.rollout_sample()], seed=seed)
+            self.buffer.finish(group.serial, steps, self.version)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - surfaces in the trainer's next take
             self._error = RuntimeError(f"rollout of prompt group {group.group_id!r} failed: {e!r}")
             self._error.__cause__ = e
-        else:
-            self.buffer.finish(group.serial, steps, self.version)
-        self._notify()
+        finally:
+            self._notify()
 
     async def _take(self) -> Optional[list]:
         self._notify()  # the version may have moved: the producer may start more groups
         while True:
             if self._error is not None:
                 raise self._error
+            if self._producer.done():  # it only ends by raising (e.g. a sample without prompt_id)
+                self._producer.result()
             groups = self.buffer.take(self.groups_per_step, self.version)
             self._notify()  # evictions and takes free admission slots
             if groups is not None:

@@ -7,7 +7,7 @@ without start-up), the reward curve (mean trajectory reward over the first and l
 run, and its best 5-iteration window), and for async the staleness of the trained tokens, the
 importance weights and the buffer's counters. No asserts: numbers are printed.
 
-    python tools/bench_async.py            # 80 iterations per mode (~5 min on 2 cores)
+    python tools/bench_async.py            # 60 iterations per mode (~4 min on 2 idle cores)
     python tools/bench_async.py --quick    # 20 iterations per mode (~1.5 min)
 
 On a shared machine the two runs see different background load: run it twice before trusting
@@ -89,7 +89,7 @@ def curve(rows: list[dict], points: int = 8) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--iterations", type=int, default=80)
+    p.add_argument("--iterations", type=int, default=60)
     p.add_argument("--quick", action="store_true", help="20 iterations per mode")
     p.add_argument("--out", default=str(REPO / "runs" / "bench_async"), help="run directories go here")
     p.add_argument("--modes", default="sync,async", help="comma-separated subset of sync,async")
