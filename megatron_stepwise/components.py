@@ -57,6 +57,11 @@ def model_config(cfg: ExperimentConfig, tokenizer) -> dict[str, Any]:
     return hf
 
 
+def _use_te(cfg: ExperimentConfig):
+    """model.transformer_impl: te / local, or None = TE when importable."""
+    return {"auto": None, "te": True, "local": False}[cfg.model.transformer_impl]
+
+
 def build_policy(cfg: ExperimentConfig, hf_config: dict) -> list:
     from megatron_stepwise.megatron.model import build_model_chunks
 
@@ -71,6 +76,7 @@ def build_policy(cfg: ExperimentConfig, hf_config: dict) -> list:
         hf_config,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
         init=init,
+        use_te=_use_te(cfg),
         config_overrides=_model_overrides(cfg),
     )
 
@@ -85,7 +91,7 @@ def build_reference(cfg: ExperimentConfig, hf_config: dict, policy_chunks: list)
         for chunk, sd in zip(chunks, state):
             chunk.load_state_dict(sd)
 
-    ref = build_model_chunks(hf_config, wrap=False, init=init, config_overrides=_model_overrides(cfg))
+    ref = build_model_chunks(hf_config, wrap=False, init=init, use_te=_use_te(cfg), config_overrides=_model_overrides(cfg))
     for chunk in ref:
         chunk.requires_grad_(False)
         chunk.eval()
@@ -172,6 +178,15 @@ def build_dataset(cfg: ExperimentConfig):
     return PromptDataset(samples, seed=cfg.data_seed, shuffle=cfg.data.shuffle)
 
 
+def eval_samples(cfg: ExperimentConfig, dataset) -> list[dict]:
+    """env.eval_dataset, or a fixed set of training prompts (the same at every evaluation)."""
+    from megatron_stepwise.data import load_samples
+
+    if cfg.env.eval_dataset:
+        return load_samples(cfg.env.eval_dataset)
+    return dataset.samples[: cfg.data.prompts_per_iteration]
+
+
 # ------------------------------------------------------------------------ rollout
 def build_fleet(cfg: ExperimentConfig, hf_config: dict, tokenizer):
     from megatron_stepwise.rollout.fleet import EngineSpec, RolloutFleet
@@ -215,48 +230,73 @@ def build_agent_loop(cfg: ExperimentConfig, fleet, tokenizer):
 
 
 # ------------------------------------------------------------------------ weights
-def sync_weights(trainer, version: int) -> None:
-    """Push the policy's weights (HF names) to the fleet; every rank joins the gathers."""
-    from megatron_stepwise.megatron.weights import full_state
+def build_weight_sync(cfg: ExperimentConfig, fleet, hf_config: dict, loop):
+    """Pushes the policy to the fleet after each update (weight_sync.mode: disk | tensor | distributed)."""
+    from megatron_stepwise.megatron.sync import WeightSync
 
-    state = full_state(trainer.chunks)  # TP-gathered, canonical names (collective)
-    if not trainer.is_driver:
-        return
-    named = _TMP_canonical_to_hf(state, trainer.hf_config)
-    trainer.loop.run_until_complete(trainer.fleet.update_weights_from_tensors(named, weight_version=version))
-
-
-def _TMP_canonical_to_hf(state, hf):
-    nh, nkv = hf["num_attention_heads"], hf["num_key_value_heads"]
-    d = hf["hidden_size"] // nh
-    qpg = nh // nkv
-    out = []
-    for name, t in state.items():
-        n = name.replace("embedding.word_embeddings", "model.embed_tokens").replace("decoder.layers", "model.layers")
-        n = n.replace("decoder.final_layernorm", "model.norm").replace("output_layer", "lm_head")
-        n = n.replace("pre_mlp_layernorm", "post_attention_layernorm").replace("self_attention.linear_proj", "self_attn.o_proj")
-        n = n.replace("mlp.linear_fc2", "mlp.down_proj")
-        if "linear_qkv" in n:
-            g = t.reshape(nkv, (qpg + 2) * d, *t.shape[1:])
-            q, k, v = g[:, : qpg * d], g[:, qpg * d : (qpg + 1) * d], g[:, (qpg + 1) * d :]
-            base = n.replace("self_attention.linear_qkv", "self_attn.{}_proj")
-            for p, x in (("q", q), ("k", k), ("v", v)):
-                out.append((base.format(p), x.reshape(-1, *t.shape[1:]).contiguous()))
-        elif "linear_fc1" in n:
-            f = t.shape[0] // 2
-            out.append((n.replace("linear_fc1", "gate_proj"), t[:f].contiguous()))
-            out.append((n.replace("linear_fc1", "up_proj"), t[f:].contiguous()))
-        else:
-            out.append((n, t))
-    return out
+    w = cfg.weight_sync
+    return WeightSync(fleet, w.mode, hf_config, loop=loop, bucket_mb=w.bucket_mb, sync_dir=cfg.weight_sync_dir)
 
 
 class Checkpoints:
-    def __init__(self, cfg, trainer):
-        self.cfg, self.trainer = cfg, trainer
+    """The trainer's checkpoints: megatron-core dist_checkpointing (atomic, keep-last-K, resumable
+    across layouts; see megatron/checkpoint.py) plus the trainer state (iteration, dataset
+    position, fleet weight version). Resuming restores RNG states and the data position, and the
+    engines then get the restored weights, so a resumed run repeats an uninterrupted one."""
+
+    def __init__(self, cfg: ExperimentConfig, trainer):
+        self.cfg = cfg
+        self.trainer = trainer
+
+    def config_hash(self) -> str:
+        """What a resumed run must share with the saved one (not iterations, logging, layout)."""
+        import hashlib
+        import json
+
+        d = self.cfg.to_dict()
+        keep = {k: d[k] for k in ("model", "env", "data", "algo")}
+        return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
     def resume(self):
-        return None
+        from megatron_stepwise.megatron.checkpoint import load_checkpoint
+        from megatron_stepwise.trainer import TrainerState
+
+        mode = self.cfg.checkpoint.resume
+        if mode == "never":
+            return None
+        t = self.trainer
+        state = load_checkpoint(
+            t.chunks, t.optimizer, t.scheduler,
+            ckpt_dir=self.cfg.checkpoint_dir if mode == "auto" else None,
+            path=None if mode == "auto" else mode,
+            config_hash=self.config_hash(),
+        )
+        if state is None:
+            return None
+        if self.trainer.rank == 0:
+            log.info("resumed from iteration %d (weight version %d)", state["iteration"], state["weight_version"])
+        return TrainerState(iteration=state["iteration"], weight_version=state["weight_version"], dataset=state["dataset"])
 
     def save(self):
-        pass
+        from megatron_stepwise.megatron.checkpoint import save_checkpoint
+
+        t = self.trainer
+        state = {
+            "iteration": t.state.iteration,
+            "weight_version": t.state.weight_version,
+            "dataset": t.dataset.state_dict(),
+            "config_hash": self.config_hash(),
+        }
+        return save_checkpoint(t.chunks, t.optimizer, t.scheduler, state, self.cfg.checkpoint_dir, self.cfg.checkpoint.keep_last)
+
+    def export_hf(self):
+        """An HF directory (safetensors + config + tokenizer) of the final policy."""
+        import os
+
+        from megatron_stepwise.megatron.convert import export_hf
+
+        out = os.path.join(self.cfg.run_dir, "hf")
+        export_hf(self.trainer.chunks, out, self.trainer.hf_config, tokenizer=self.trainer.tokenizer, overwrite=True)
+        if self.trainer.is_driver:
+            log.info("exported the policy as an HF checkpoint to %s", out)
+        return out

@@ -18,6 +18,7 @@ once after the iteration's last optimizer step is what pushing after every step 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import logging
 import math
@@ -88,6 +89,7 @@ class Trainer:
                 wandb_name=cfg.logging.wandb.name or cfg.name, config=cfg.to_dict(),
                 resume_iteration=self.state.iteration,
             )
+        self.weight_sync = components.build_weight_sync(cfg, self.fleet, self.hf_config, self.loop)
         # The engines start from their own random init: give them the trainer's weights.
         self._sync_weights()
         self.async_driver = None
@@ -103,7 +105,9 @@ class Trainer:
         progress = self._progress()
         try:
             while self.state.iteration < cfg.trainer.iterations:
+                evaluation = self._maybe_evaluate()
                 metrics = self.iteration()
+                metrics.update(evaluation)
                 every = cfg.checkpoint.every
                 if (every and self.state.iteration % every == 0) or self.state.iteration == cfg.trainer.iterations:
                     t = time.perf_counter()
@@ -170,7 +174,7 @@ class Trainer:
         self.state.iteration += 1
         self.state.weight_version += 1
         t = time.perf_counter()
-        self._sync_weights()
+        metrics.update(self._sync_weights())
         times["time/weight_sync"] = time.perf_counter() - t
         times["time/iteration"] = time.perf_counter() - t0
         metrics.update(times)
@@ -191,13 +195,17 @@ class Trainer:
             raise RuntimeError(f"rollout failed on rank 0 at iteration {self.state.iteration}: {payload[0]}") from (
                 payload[0] if self.is_driver else None
             )
-        return payload[0]
+        steps, info, dataset_state = payload[0]
+        # Only rank 0 draws prompts; every rank keeps the same data position for checkpoints.
+        self.dataset.load_state_dict(dataset_state)
+        return steps, info
 
-    def _driver_rollout(self) -> tuple[list[Step], dict[str, Any]]:
+    def _driver_rollout(self) -> tuple[list[Step], dict[str, Any], dict]:
         cfg = self.cfg
         t = time.perf_counter()
         samples = self.dataset.next(cfg.data.prompts_per_iteration)
-        steps = self.loop.run_until_complete(self.agent.rollout(samples, seed=self._rollout_seed(0)))
+        with self._rollout_progress(len(samples)) as done:
+            steps = self.loop.run_until_complete(self.agent.rollout(samples, seed=self._rollout_seed(0), on_trajectory_done=done))
         rounds = 1
         if cfg.algo.filters.dynamic_sampling:
             # Keep rolling out fresh prompts until enough groups carry a learning signal.
@@ -212,7 +220,22 @@ class Trainer:
         generated = sum(int(s.response_ids.numel()) for s in steps)
         info = {"rollout/sampling_rounds": rounds, "perf/rollout_tokens_per_s": generated / max(elapsed, 1e-9)}
         info.update({f"fleet/{k}": v for k, v in self.fleet.metrics().items() if isinstance(v, (int, float))})
-        return steps, info
+        return steps, info, self.dataset.state_dict()
+
+    def _maybe_evaluate(self) -> dict[str, Any]:
+        """Reward of the current policy on the eval prompts (rank 0 only; no training)."""
+        every = self.cfg.trainer.eval_every
+        if not (every and self.is_driver and self.state.iteration % every == 0):
+            return {}
+        from megatron_stepwise.components import eval_samples
+
+        t = time.perf_counter()
+        steps = self.loop.run_until_complete(
+            self.agent.rollout(eval_samples(self.cfg, self.dataset), seed=self._rollout_seed(-1))
+        )
+        out = {f"eval/{k}": v for k, v in rollout_metrics(steps).items() if k.startswith(("reward/", "rollout/turns"))}
+        out["time/eval"] = time.perf_counter() - t
+        return out
 
     def _rollout_seed(self, round_: int) -> int:
         """Sampling seeds depend only on (seed, iteration, round): a resumed run samples the same."""
@@ -264,10 +287,21 @@ class Trainer:
             if self.ref_chunks is not None:
                 batch.token_fields["ref_logprobs"] = self.plugin.compute_logprobs_flat(self.ref_chunks, batch)
 
-    def _sync_weights(self) -> None:
-        from megatron_stepwise.components import sync_weights
+    def _sync_weights(self) -> dict[str, float]:
+        """Collective: every rank converts its shard; rank 0 pushes to the fleet."""
+        return self.weight_sync.push(self.chunks, self.state.weight_version)
 
-        sync_weights(self, version=self.state.weight_version)
+    @contextlib.contextmanager
+    def _rollout_progress(self, num_prompts: int):
+        """A per-trajectory progress bar under the iterations bar (when logging.progress)."""
+        if not self.cfg.logging.progress:
+            yield None
+            return
+        from tqdm import tqdm
+
+        total = num_prompts * self.cfg.data.samples_per_prompt
+        with tqdm(total=total, desc="rollout", unit="traj", leave=False, position=1) as bar:
+            yield lambda _steps: bar.update(1)
 
     def _progress(self):
         if not (self.is_driver and self.cfg.logging.progress):
@@ -279,6 +313,7 @@ class Trainer:
     def close(self) -> None:
         if getattr(self, "async_driver", None) is not None:
             self.async_driver.close()
+        self.weight_sync.close()
         if self.is_driver:
             if self.fleet is not None:
                 self.loop.run_until_complete(self.fleet.shutdown())

@@ -104,8 +104,8 @@ class EnvConfig:
                                                  "(e.g. echo: num_prompts, num_turns, num_digits)")
     dataset: Optional[str] = option(None, "training samples: a JSONL path or a builtin dataset name; "
                                           "null = the environment's shipped set")
-    eval_dataset: Optional[str] = option(None, "evaluation samples (as dataset); null = the environment's "
-                                               "shipped eval split")
+    eval_dataset: Optional[str] = option(None, "evaluation samples (a JSONL path); null = a fixed set of "
+                                               "data.prompts_per_iteration training prompts")
 
 
 @dataclass
@@ -249,7 +249,8 @@ class TrainerConfig:
 
     iterations: int = option(10, "training iterations (rollout + optimizer steps + weight sync)", min=1)
     seed: int = option(1234, "seed of model init, sampling and shuffling")
-    eval_every: int = option(0, "evaluate every N iterations; 0 = off", min=0)
+    eval_every: int = option(0, "evaluate every N iterations (and before the first): reward of "
+                                "data.samples_per_prompt samples per eval prompt, logged as eval/*; 0 = off", min=0)
     imports: list[str] = option([], "Python modules imported first (they register custom environments, "
                                     "estimators or losses)")
 

@@ -111,6 +111,7 @@ class StepwisePlugin:
         self._policy_loss = policy_loss
         self._token_weights = token_weights
         self._plan = plan_microbatches
+        self._plan_takes_alignment = False  # the package planner also packs to the layout's alignment
         self._loss_inputs = loss_inputs
 
     # ----------------------------------------------------------------- algorithm hooks
@@ -122,9 +123,10 @@ class StepwisePlugin:
             self._token_weights = self._token_weights or losses.loss_token_weights
             self._loss_inputs = self._loss_inputs or losses.LossInputs
         if self._plan is None:
-            from megatron_stepwise.algo.batching import plan_microbatches
+            from megatron_stepwise.algo.planner import plan_microbatches
 
             self._plan = plan_microbatches
+            self._plan_takes_alignment = True
 
     # ----------------------------------------------------------------- input preparation
     @staticmethod
@@ -190,7 +192,9 @@ class StepwisePlugin:
                 "mini-batch has no trainable token (loss_mask is 0 on every step): nothing to "
                 + ("train" if mode == TRAIN else "score")
             )
-        plan = self._plan(batch.lengths.tolist(), dp_size=dp, max_tokens=self.max_tokens)
+        align = alignment_for(cfg.tensor_model_parallel_size, cfg.sequence_parallel, cp)
+        extra = {"micro_align": align} if self._plan_takes_alignment else {}
+        plan = self._plan(batch.lengths.tolist(), dp_size=dp, max_tokens=self.max_tokens, **extra)
         if len(plan) != dp or len({len(p) for p in plan}) != 1:
             raise RuntimeError(f"micro-batch planner returned an invalid plan for dp_size={dp}")
         fields = {}
@@ -204,7 +208,6 @@ class StepwisePlugin:
             for name in ("advantages", "old_logprobs", "rollout_logprobs", "ref_logprobs"):
                 if name in batch.token_fields:
                     fields[name] = batch.token_fields[name].float()
-        align = alignment_for(cfg.tensor_model_parallel_size, cfg.sequence_parallel, cp)
         mbs = []
         for rows in plan[dp_rank]:
             mb = pack_rows(batch, rows, align=align, pad_token_id=self.pad_token_id, max_tokens=self.max_tokens)
@@ -267,16 +270,16 @@ class StepwisePlugin:
         # Exactly 0 with a zero gradient, but it keeps the graph connected to the model output
         # for micro-batches without trained tokens (PP needs a backward through every stage).
         partial = partial + output_tensor.reshape(-1)[:0].sum()
-        reported = {"loss": partial.detach()}
-        reported.update({f"loss/{k}": v.detach() for k, v in metrics.items()})
-        lp = logprobs.detach()
+        reported = {k: v.detach() for k, v in metrics.items()}
+        reported["loss"] = partial.detach()
         reported["tokens/trained"] = torch.tensor(float(mb.num_trained))
         reported["tokens/total"] = torch.tensor(float(mb.num_real_tokens))
-        reported["entropy_sum"] = entropy.detach().double().sum()
         if "rollout_logprobs" in f:
+            # |current - rollout| over trained tokens whose rollout log-prob is known (non-zero).
             known = f["rollout_logprobs"] != 0
-            reported["rollout_gap_sum"] = (lp - f["rollout_logprobs"]).abs()[known].double().sum()
-            reported["rollout_known"] = known.double().sum()
+            gap = (logprobs.detach() - f["rollout_logprobs"]).abs()
+            reported["_gap_sum"] = gap[known].double().sum()
+            reported["_gap_count"] = known.double().sum()
         scaled = partial * mb.loss_scale
         if gpt.config.calculate_per_token_loss:
             return scaled, torch.tensor(mb.num_trained, dtype=torch.int, device=device), reported
@@ -285,27 +288,27 @@ class StepwisePlugin:
     # ----------------------------------------------------------------- reductions
     @staticmethod
     def reduce_metrics(losses: list) -> dict[str, float]:
-        """Sum the loss function's partials over micro-batches (last stage), then over DP, and
-        share them with every pipeline stage; derive means. Identical on every rank."""
+        """Combine the loss function's partials over micro-batches (last stage) and DP ranks,
+        then share them with every pipeline stage. Partials add up, except names ending in
+        `_max`, which take the maximum. Identical on every rank."""
         from megatron.core import parallel_state as ps
 
-        keys = sorted(losses[0].keys()) if losses else []
-        # Partials add up; metrics named *_max combine with max (see algo.losses).
-        is_max = torch.tensor([k.endswith("_max") for k in keys], dtype=torch.bool)
         if ps.is_pipeline_last_stage(ignore_virtual=True):
-            vec = torch.zeros(len(keys), dtype=torch.float64)
-            vec[is_max] = float("-inf")
-            for item in losses:
-                values = torch.stack([item[k].detach().double().cpu().reshape(()) for k in keys])
-                vec = torch.where(is_max, torch.maximum(vec, values), vec + values)
-            if ps.get_data_parallel_world_size() > 1:
-                group = ps.get_data_parallel_group(with_context_parallel=True)
-                sums = torch.where(is_max, torch.zeros_like(vec), vec).to(_comm_device())
-                maxima = torch.where(is_max, vec, torch.full_like(vec, float("-inf"))).to(_comm_device())
-                dist.all_reduce(sums, group=group)
-                dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
-                vec = torch.where(is_max, maxima.cpu(), sums.cpu())
-            payload = [dict(zip(keys, vec.tolist()))]
+            keys = sorted(losses[0].keys()) if losses else []
+            groups = {False: [k for k in keys if not k.endswith("_max")], True: [k for k in keys if k.endswith("_max")]}
+            combined = {}
+            for is_max, names in groups.items():
+                vals = torch.stack(
+                    [torch.stack([item[k].detach().double().cpu().reshape(()) for k in names]) for item in losses]
+                ) if names else torch.zeros(len(losses), 0, dtype=torch.float64)
+                vec = vals.max(dim=0).values if is_max else vals.sum(dim=0)
+                if ps.get_data_parallel_world_size() > 1 and names:
+                    buf = vec.to(_comm_device())
+                    op = dist.ReduceOp.MAX if is_max else dist.ReduceOp.SUM
+                    dist.all_reduce(buf, op=op, group=ps.get_data_parallel_group(with_context_parallel=True))
+                    vec = buf.cpu()
+                combined.update(zip(names, vec.tolist()))
+            payload = [combined]
         else:
             payload = [None]
         if ps.get_pipeline_model_parallel_world_size() > 1:
@@ -315,12 +318,9 @@ class StepwisePlugin:
                 group=ps.get_pipeline_model_parallel_group(),
             )
         sums = payload[0]
-        out = {k: v for k, v in sums.items() if k not in ("entropy_sum", "rollout_gap_sum", "rollout_known")}
-        n = sums.get("tokens/trained", 0.0)
-        if n:
-            out["entropy"] = sums["entropy_sum"] / n
-        if sums.get("rollout_known"):
-            out["logprob_gap/train_vs_rollout"] = sums["rollout_gap_sum"] / sums["rollout_known"]
+        out = {k: v for k, v in sums.items() if not k.startswith("_")}
+        if sums.get("_gap_count"):
+            out["logprob_gap/train_vs_rollout"] = sums["_gap_sum"] / sums["_gap_count"]
         return out
 
     # ----------------------------------------------------------------- drivers

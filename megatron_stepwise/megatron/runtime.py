@@ -21,6 +21,9 @@ import torch.distributed as dist
 from megatron_stepwise.megatron import cpu_compat
 
 
+_COMPAT_HELD = False  # whether this runtime enabled the CPU compatibility layer
+
+
 @dataclass(frozen=True)
 class ParallelLayout:
     """Where this process sits. Sizes multiply to the world size."""
@@ -93,8 +96,10 @@ def init_distributed(
 ) -> ParallelLayout:
     """Start torch.distributed and megatron-core's parallel state; returns this rank's layout.
 
-    The data-parallel size is what remains: world / (tp * pp * cp).
+    The data-parallel size is what remains: world / (tp * pp * cp). Calling it again re-creates
+    megatron's groups for a new layout on the same torch.distributed world.
     """
+    global _COMPAT_HELD
     from megatron.core import parallel_state as ps
 
     env = launch_env()
@@ -115,7 +120,8 @@ def init_distributed(
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device("cpu")
-        cpu_compat.enable_cpu_compat()
+        if not _COMPAT_HELD:  # once per runtime, however often the layout is re-initialised
+            _COMPAT_HELD = cpu_compat.enable_cpu_compat()
     backend = backend or ("nccl" if use_cuda else "gloo")
 
     if not dist.is_initialized():
@@ -175,14 +181,16 @@ def set_seed(seed: int, layout: ParallelLayout) -> None:
 
 def destroy_distributed() -> None:
     """Tear down megatron-core's groups, torch.distributed, and the CPU compatibility layer."""
+    global _COMPAT_HELD
     from megatron.core import parallel_state as ps
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
-    if cpu_compat.cpu_compat_active():
+    if _COMPAT_HELD:
         cpu_compat.disable_cpu_compat()
+        _COMPAT_HELD = False
 
 
 @contextlib.contextmanager

@@ -107,11 +107,15 @@ class AgentLoop:
 
     # ---- public ---------------------------------------------------------------------------
 
-    async def rollout(self, samples: Sequence[dict[str, Any]], seed: Optional[int] = None) -> list[Step]:
+    async def rollout(
+        self, samples: Sequence[dict[str, Any]], seed: Optional[int] = None,
+        on_trajectory_done: Optional[Callable[[list[Step]], None]] = None,
+    ) -> list[Step]:
         """All `n_samples_per_prompt` trajectories of every sample; steps in output order.
 
         With `seed`, every turn's request carries a `sampling_seed` derived from (seed,
         trajectory, turn): the rollout is reproducible whichever engine serves each turn.
+        `on_trajectory_done(steps)` is called as each trajectory finishes (progress bars).
         """
         prompt_ids = [str(s.get("prompt_id", "")) for s in samples]
         for i, pid in enumerate(prompt_ids):
@@ -124,7 +128,10 @@ class AgentLoop:
 
         async def one(sample: dict, traj_id: TrajectoryID) -> list[Step]:
             async with limit:
-                return await self.run_trajectory(sample, traj_id, seed=seed)
+                steps = await self.run_trajectory(sample, traj_id, seed=seed)
+            if on_trajectory_done is not None:
+                on_trajectory_done(steps)
+            return steps
 
         async with asyncio.TaskGroup() as tg:  # an engine failure cancels the rest and propagates
             tasks = [

@@ -1,0 +1,423 @@
+"""Checkpoint and resume with megatron-core `dist_checkpointing` (torch_dist format).
+
+A checkpoint `CKPT_DIR/iter_0000042/` holds, reshardable across TP/PP/DP where megatron-core
+allows it:
+- the model chunks (`sharded_state_dict()`), the optimizer (`optimizer.sharded_state_dict`);
+- the LR scheduler state and the caller's *trainer state* (a JSON-able dict: iteration, data
+  position, fleet weight version, config hash...), also in `trainer_state.json` for humans;
+- every rank's RNG states (python, numpy, torch, CUDA, megatron's model-parallel tracker),
+  restored only when the layout is unchanged.
+
+Atomic: everything is written to `iter_0000042.tmp/`, all ranks meet at a barrier, then rank 0
+renames the directory and replaces the `latest` pointer file (write + fsync + rename). A crash
+at any point leaves `latest` naming the previous complete checkpoint; stale `.tmp` directories
+are removed by the next save. The newest `keep_last` checkpoints are kept.
+
+CPU / gloo: megatron-core's torch_dist writer reports results through a queue that it creates
+with a *spawned* `multiprocessing.Manager` (a new Python process per rank, which re-imports the
+main module and outlives a SIGKILLed trainer). Saves here are synchronous, so the queue is only
+ever used inside this process: `_in_process_results_queue` pre-sets megatron's queue cache to a
+plain `queue.Queue`. The writer itself needs `psutil`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import random
+import re
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, Optional, Union
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+PathLike = Union[str, os.PathLike]
+LATEST = "latest"
+TRAINER_STATE = "trainer_state.json"
+_CKPT = re.compile(r"^iter_(\d{7,})$")
+_COMPLETE_MARKERS = ("metadata.json", TRAINER_STATE)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be saved or loaded as asked (named in the message)."""
+
+
+def checkpoint_name(iteration: int) -> str:
+    return f"iter_{int(iteration):07d}"
+
+
+def _iteration(path: Path) -> Optional[int]:
+    m = _CKPT.match(path.name)
+    return int(m.group(1)) if m else None
+
+
+def is_complete(path: Path) -> bool:
+    return path.is_dir() and _iteration(path) is not None and all((path / f).is_file() for f in _COMPLETE_MARKERS)
+
+
+def list_checkpoints(ckpt_dir: PathLike) -> list[Path]:
+    """Complete checkpoints in `ckpt_dir`, oldest first."""
+    root = Path(ckpt_dir)
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if is_complete(p)), key=_iteration)
+
+
+def find_latest(ckpt_dir: PathLike) -> Optional[Path]:
+    """The checkpoint to resume from: the one `latest` names if it is complete, else the newest
+    complete one (a lost or stale pointer never blocks a resume); None when there is none."""
+    root = Path(ckpt_dir)
+    pointer = root / LATEST
+    if pointer.is_file():
+        target = root / pointer.read_text().strip()
+        if is_complete(target):
+            return target
+    found = list_checkpoints(root)
+    return found[-1] if found else None
+
+
+def read_trainer_state(path: PathLike) -> dict:
+    return json.loads((Path(path) / TRAINER_STATE).read_text())
+
+
+# ----------------------------------------------------------------------------- file operations (rank 0)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Move a finished `.tmp` checkpoint into place and point `latest` at it."""
+    if final.exists():  # saving the same iteration again (e.g. right after a resume)
+        old = final.with_name(final.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    _fsync_dir(final.parent)
+    _write_atomic(final.parent / LATEST, final.name + "\n")
+
+
+def prune(ckpt_dir: PathLike, keep_last: int, *, protect: Optional[Path] = None) -> list[Path]:
+    """Delete all but the newest `keep_last` complete checkpoints, and leftover `.tmp`/`.old`
+    directories of interrupted saves; never `protect` or what `latest` names. Returns what went."""
+    if keep_last < 1:
+        raise CheckpointError(f"keep_last must be >= 1, got {keep_last}")
+    root = Path(ckpt_dir)
+    keep = set(list_checkpoints(root)[-keep_last:])
+    latest = find_latest(root)
+    keep |= {p for p in (protect, latest) if p is not None}
+    removed = []
+    for p in root.iterdir():
+        stale = p.is_dir() and p.suffix in (".tmp", ".old") and _CKPT.match(p.stem)
+        if (is_complete(p) and p not in keep) or (stale and p != protect):
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return sorted(removed)
+
+
+# ----------------------------------------------------------------------------- RNG
+
+
+def rng_state() -> dict:
+    """This process's RNG states (python, numpy, torch CPU/CUDA, megatron's tracker)."""
+    from megatron.core import tensor_parallel
+
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+# ----------------------------------------------------------------------------- state dicts
+
+
+def _layout() -> dict:
+    from megatron.core import parallel_state as ps
+
+    return {
+        "world_size": dist.get_world_size(),
+        "tp": ps.get_tensor_model_parallel_world_size(),
+        "pp": ps.get_pipeline_model_parallel_world_size(),
+        "cp": ps.get_context_parallel_world_size(),
+        "dp": ps.get_data_parallel_world_size(),
+    }
+
+
+def _model_key(i: int, n: int) -> str:
+    return "model" if n == 1 else f"model{i}"  # Megatron-LM's naming (virtual pipeline chunks)
+
+
+def _rng_object(state: Any):
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    # One object per global rank: rank r writes slot r of a (world_size,) array.
+    return ShardedObject("rng_state", state, (dist.get_world_size(),), (dist.get_rank(),), replica_id=0)
+
+
+def _uses_distributed_optimizer(optimizer: Any) -> bool:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    inner = getattr(optimizer, "chained_optimizers", [optimizer])
+    return any(isinstance(o, DistributedOptimizer) for o in inner)
+
+
+def _materialize_optimizer_state(optimizer: Any) -> None:
+    """Give a fresh distributed optimizer its (dummy) Adam states before loading into it.
+
+    Without Apex/TE (the CPU case) `DistributedOptimizer.state_dict()` reads every parameter's
+    `step`, which torch's Adam creates only at its first step; megatron-core's own dummy-state
+    initialiser (used for its FSDP loads) makes them, and the load then overwrites them.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(inner, DistributedOptimizer) and not inner.optimizer.state:
+            inner._init_optimizer_states_with_dummy_values()
+
+
+def _restore_adam_steps(optimizer: Any, loaded: Any) -> None:
+    """Put the checkpoint's step count back into torch Adam's per-parameter state.
+
+    Without Apex/TE, megatron-core's distributed optimizer keeps the step in each parameter's
+    torch state; its `load_state_dict` sets one tensor shared by all parameters (which torch's
+    foreach Adam would then advance once per parameter) and the dp_reshardable loader
+    overwrites it with the placeholder's value. The true count is in the loaded param groups.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    inner_opts = getattr(optimizer, "chained_optimizers", [optimizer])
+    parts = [loaded] if len(inner_opts) == 1 else [loaded[i] for i in range(len(inner_opts))]
+    for inner, part in zip(inner_opts, parts):
+        if not isinstance(inner, DistributedOptimizer):
+            continue
+        steps = {g["step"] for g in part["optimizer"]["param_groups"] if "step" in g}
+        if len(steps) != 1:
+            continue  # Apex / TE optimizers keep the step in the param groups themselves
+        step = float(steps.pop())
+        for state in inner.optimizer.state.values():
+            if "step" in state:
+                state["step"] = torch.tensor(step, dtype=state["step"].dtype, device=state["step"].device)
+
+
+def sharded_metadata(optimizer: Any, *, optimizer_fully_reshardable: bool = False) -> dict:
+    """The `metadata` megatron-core's sharded_state_dict methods take (Megatron-LM's choices).
+
+    The distributed optimizer's default format in 0.16 (`fully_sharded_model_space`) is
+    deprecated and no longer saves; `dp_reshardable` writes each rank's buffer shards as they
+    are (fast, reloadable when only DP changes), `fully_reshardable` gathers to canonical
+    per-parameter tensors (any layout change, more memory on DP rank 0).
+    """
+    metadata: dict[str, Any] = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+    if optimizer is not None and _uses_distributed_optimizer(optimizer):
+        kind = "fully_reshardable" if optimizer_fully_reshardable else "dp_reshardable"
+        metadata["distrib_optim_sharding_type"] = kind
+    return metadata
+
+
+def _sharded_state_dict(chunks, optimizer, metadata: dict, *, is_loading: bool, with_rng: bool) -> dict:
+    from megatron_stepwise.megatron.model import unwrap
+
+    # megatron-core adds process groups to the metadata it is given: hand it copies, so that
+    # `metadata` stays the plain dict recorded in the checkpoint.
+    # The bare GPTModel's names (no DDP / Float16Module prefixes), as Megatron-LM saves them.
+    sd: dict[str, Any] = {
+        _model_key(i, len(chunks)): unwrap(c).sharded_state_dict(metadata=dict(metadata)) for i, c in enumerate(chunks)
+    }
+    if optimizer is not None:
+        # As Megatron-LM: the optimizer finds its params' sharded tensors anywhere in `sd`.
+        sd["optimizer"] = optimizer.sharded_state_dict(dict(sd), is_loading=is_loading, metadata=dict(metadata))
+    if with_rng:
+        sd["rng_state"] = _rng_object(rng_state())  # the data is only a placeholder when loading
+    return sd
+
+
+@contextmanager
+def _in_process_results_queue() -> Iterator[None]:
+    """See the module docstring: keep megatron's write-result queue inside this process."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+    yield
+
+
+def _save_strategy():
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    # One writer process per rank: each rank's shard is small next to the fork cost on a CPU box.
+    return TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
+
+
+def _raise_together(error: Optional[str]) -> None:
+    box = [error]
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        raise CheckpointError(box[0])
+
+
+# ----------------------------------------------------------------------------- save / load
+
+
+def save_checkpoint(
+    chunks: list,
+    optimizer: Any,
+    scheduler: Any,
+    trainer_state: dict,
+    ckpt_dir: PathLike,
+    keep_last: int = 2,
+    *,
+    optimizer_fully_reshardable: bool = False,
+) -> Path:
+    """Save everything needed to resume; collective over all ranks; returns the checkpoint path.
+
+    trainer_state: JSON-serialisable dict with at least an int `iteration` (it names the
+    checkpoint). optimizer / scheduler may be None. optimizer_fully_reshardable: see
+    `sharded_metadata` (distributed optimizer only).
+    """
+    from megatron.core import dist_checkpointing
+
+    if "iteration" not in trainer_state or not isinstance(trainer_state["iteration"], int):
+        raise CheckpointError(f"trainer_state needs an int 'iteration', got {trainer_state.get('iteration')!r}")
+    if keep_last < 1:
+        raise CheckpointError(f"keep_last must be >= 1, got {keep_last}")
+    try:
+        state_json = json.dumps(trainer_state, indent=2, sort_keys=True)
+    except TypeError as e:
+        raise CheckpointError(f"trainer_state is not JSON-serialisable: {e}") from None
+    root = Path(ckpt_dir)
+    final = root / checkpoint_name(trainer_state["iteration"])
+    tmp = final.with_name(final.name + ".tmp")
+    rank = dist.get_rank()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+
+    metadata = sharded_metadata(optimizer, optimizer_fully_reshardable=optimizer_fully_reshardable)
+    sd = _sharded_state_dict(chunks, optimizer, metadata, is_loading=False, with_rng=True)
+    sd["sharded_metadata"] = metadata  # loading must build the same structure
+    sd["trainer_state"] = json.loads(state_json)
+    sd["scheduler"] = scheduler.state_dict() if scheduler is not None else None
+    sd["layout"] = _layout()
+    with _in_process_results_queue():
+        dist_checkpointing.save(sd, str(tmp), sharded_strategy=_save_strategy())
+    if rank == 0:
+        (tmp / TRAINER_STATE).write_text(state_json)
+    dist.barrier()  # every rank's files are on disk
+
+    error = None
+    if rank == 0:
+        try:
+            _publish(tmp, final)
+            prune(root, keep_last, protect=final)
+        except OSError as e:
+            error = f"could not publish checkpoint {final}: {e}"
+    _raise_together(error)
+    return final
+
+
+def load_checkpoint(
+    chunks: list,
+    optimizer: Any = None,
+    scheduler: Any = None,
+    ckpt_dir: Optional[PathLike] = None,
+    *,
+    path: Optional[PathLike] = None,
+    load_optimizer: bool = True,
+    load_rng: bool = True,
+    config_hash: Optional[str] = None,
+    strict: bool = True,
+) -> Optional[dict]:
+    """Restore the newest checkpoint of `ckpt_dir` (or `path`); returns its trainer state, or
+    None when there is nothing to resume from. Collective over all ranks.
+
+    config_hash: when given, a checkpoint saved with a different `trainer_state['config_hash']`
+    is refused. RNG states are restored only if the parallel layout is unchanged (a resharded
+    resume gets a fresh RNG stream, as with Megatron-LM).
+    """
+    from megatron.core import dist_checkpointing
+
+    from megatron_stepwise.megatron.model import unwrap
+
+    if path is None and ckpt_dir is None:
+        raise CheckpointError("load_checkpoint needs ckpt_dir or path")
+    decision: list = [None]
+    if dist.get_rank() == 0:  # one decision for everyone, even if files change meanwhile
+        target = Path(path) if path is not None else find_latest(ckpt_dir)
+        if target is not None and not is_complete(target):
+            decision = [("error", f"checkpoint {target} is incomplete or missing ({', '.join(_COMPLETE_MARKERS)})")]
+        else:
+            decision = [("path", None if target is None else str(target))]
+    dist.broadcast_object_list(decision, src=0)
+    kind, value = decision[0]
+    if kind == "error":
+        raise CheckpointError(value)
+    if value is None:
+        return None
+    target = Path(value)
+
+    common = dist_checkpointing.load_common_state_dict(str(target))
+    trainer_state = common["trainer_state"]
+    if config_hash is not None and trainer_state.get("config_hash") != config_hash:
+        raise CheckpointError(
+            f"checkpoint {target} was saved with config_hash={trainer_state.get('config_hash')!r}, "
+            f"the current config has {config_hash!r}"
+        )
+    same_layout = common.get("layout") == _layout()
+    metadata = common.get("sharded_metadata") or sharded_metadata(optimizer)
+    if optimizer is not None and load_optimizer:
+        _materialize_optimizer_state(optimizer)
+    sd = _sharded_state_dict(
+        chunks, optimizer if load_optimizer else None, metadata, is_loading=True, with_rng=load_rng and same_layout
+    )
+    loaded = dist_checkpointing.load(sd, str(target))
+    for i, chunk in enumerate(chunks):
+        unwrap(chunk).load_state_dict(loaded[_model_key(i, len(chunks))], strict=strict)
+    if optimizer is not None and load_optimizer:
+        with torch.no_grad():  # the fp32 distributed optimizer copies into views of the params
+            optimizer.load_state_dict(loaded["optimizer"])
+        _restore_adam_steps(optimizer, loaded["optimizer"])
+    if scheduler is not None and common.get("scheduler") is not None:
+        scheduler.load_state_dict(common["scheduler"])
+    if load_rng and same_layout:
+        set_rng_state(loaded["rng_state"])
+    return trainer_state

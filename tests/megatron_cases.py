@@ -1,0 +1,143 @@
+"""The fixed step-wise mini-batch of the Megatron invariance tests (same on every rank/layout).
+
+Three prompts x two samples; trajectories of 1 to 4 steps whose prompts re-tokenise the whole
+history (so consecutive steps merge), uneven lengths, responses ending in an appended token
+with loss_mask 0, and two padding rows. Per-token extras (advantages, rollout log-probs and
+the noise added to recomputed log-probs) are response-aligned so that a merged row carries
+exactly the same values at the same tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_stepwise.types import Step, StepBatch, TrajectoryID, make_padding_step
+
+def make_steps(vocab: int = 256, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+
+    def ints(n, lo=1):
+        return torch.randint(lo, vocab, (n,), generator=g)
+
+    steps, extras = [], []
+    turns_by_traj = [1, 3, 4, 2, 1, 3]
+    for t, turns in enumerate(turns_by_traj):
+        tid = TrajectoryID(f"prompt{t // 2}", t % 2)
+        adv = float(torch.randn((), generator=g))
+        prompt = ints(int(torch.randint(4, 14, (), generator=g)))
+        for k in range(turns):
+            n_resp = int(torch.randint(3, 12, (), generator=g))
+            response = ints(n_resp)
+            mask = torch.ones(n_resp, dtype=torch.long)
+            mask[-1] = 0  # an EOS appended after the fact: never trained
+            if k == 1:
+                mask[0] = 0  # a masked token inside a response
+            steps.append(
+                Step(
+                    trajectory_id=tid,
+                    prompt_ids=prompt.clone(),
+                    response_ids=response,
+                    loss_mask=mask,
+                    rollout_logprobs=-(0.1 + 3 * torch.rand(n_resp, generator=g)) * mask,
+                    reward=adv,
+                    is_last_step=k == turns - 1,
+                )
+            )
+            extras.append(
+                {
+                    "advantages": adv * mask.float(),
+                    "old_noise": 0.3 * torch.randn(n_resp, generator=g) * mask,
+                    "ref_noise": 0.2 * torch.randn(n_resp, generator=g) * mask,
+                }
+            )
+            obs = ints(int(torch.randint(2, 9, (), generator=g)))
+            prompt = torch.cat([prompt, response, obs])
+    for i in range(2):
+        steps.append(make_padding_step(i))
+        extras.append({k: torch.zeros(0) for k in ("advantages", "old_noise", "ref_noise")})
+    return steps, extras
+
+
+def merge_for_test(steps, extras):
+    """The package's `merge_steps`, plus the same merge applied to the response-aligned extras
+    (the obs gap gets zeros), checked against the package's rows token for token."""
+    from megatron_stepwise.algo.merge import merge_steps
+
+    merged, _ = merge_steps(steps)
+    out_extras = []
+    i = 0
+    for row in merged:
+        e = {k: v.clone() for k, v in extras[i].items()}
+        tokens = torch.cat([steps[i].prompt_ids, steps[i].response_ids])
+        i += 1
+        while tokens.numel() < row.num_tokens:
+            gap = steps[i].prompt_ids.numel() - tokens.numel()
+            e = {k: torch.cat([e[k], torch.zeros(gap), extras[i][k]]) for k in e}
+            tokens = torch.cat([steps[i].prompt_ids, steps[i].response_ids])
+            i += 1
+        assert torch.equal(tokens, torch.cat([row.prompt_ids, row.response_ids])), "merge_steps changed tokens"
+        assert all(v.numel() == row.response_ids.numel() for v in e.values())
+        out_extras.append(e)
+    assert i == len(steps)
+    return merged, out_extras
+
+
+def to_batch(steps, extras) -> StepBatch:
+    from megatron_stepwise.megatron.packing import set_response_field
+
+    batch = StepBatch.from_steps(steps)
+    for name in ("advantages", "old_noise", "ref_noise"):
+        set_response_field(batch, name, [e[name] for e in extras])
+    return batch
+
+
+def hf_state_dict(cfg: dict, full: dict) -> dict:
+    """Canonical megatron full tensors -> Hugging Face Qwen2/Llama names (test-local mapping;
+    the package's HF conversion belongs to the end-to-end issue)."""
+    nh, ng = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = cfg["hidden_size"] // nh
+    sd = {"model.embed_tokens.weight": full["embedding.word_embeddings.weight"]}
+    for i in range(cfg["num_hidden_layers"]):
+        p, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+        sd[h + "input_layernorm.weight"] = full[p + "input_layernorm.weight"]
+        sd[h + "post_attention_layernorm.weight"] = full[p + "pre_mlp_layernorm.weight"]
+        for suffix in ("weight", "bias"):
+            key = p + "self_attention.linear_qkv." + suffix
+            if key not in full:
+                continue
+            # megatron's fused QKV is grouped: per KV group, its query heads then k then v.
+            w = full[key].reshape(ng, nh // ng + 2, hd, *full[key].shape[1:])
+            sd[h + "self_attn.q_proj." + suffix] = w[:, : nh // ng].reshape(nh * hd, *w.shape[3:])
+            sd[h + "self_attn.k_proj." + suffix] = w[:, nh // ng].reshape(ng * hd, *w.shape[3:])
+            sd[h + "self_attn.v_proj." + suffix] = w[:, nh // ng + 1].reshape(ng * hd, *w.shape[3:])
+        sd[h + "self_attn.o_proj.weight"] = full[p + "self_attention.linear_proj.weight"]
+        gate, up = full[p + "mlp.linear_fc1.weight"].chunk(2, 0)
+        sd[h + "mlp.gate_proj.weight"], sd[h + "mlp.up_proj.weight"] = gate, up
+        sd[h + "mlp.down_proj.weight"] = full[p + "mlp.linear_fc2.weight"]
+    sd["model.norm.weight"] = full["decoder.final_layernorm.weight"]
+    sd["lm_head.weight"] = full.get("output_layer.weight", full["embedding.word_embeddings.weight"])
+    return sd
+
+
+def hf_reference_logprobs(cfg: dict, full: dict, batch: StepBatch) -> torch.Tensor:
+    """Plain reference: the HF model on each row, full logits, log_softmax, gather the next
+    token. Flat [T] aligned with the batch, 0 where loss_mask is 0."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen2ForCausalLM, LlamaForCausalLM
+
+    kind = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}
+    config_cls, model_cls = kind[cfg["model_type"]]
+    hf_cfg = config_cls(**{k: v for k, v in cfg.items() if k != "model_type"})
+    hf_cfg._attn_implementation = "eager"
+    model = model_cls(hf_cfg).eval()
+    model.load_state_dict(hf_state_dict(cfg, full), strict=True)
+    out = torch.zeros(batch.tokens.numel())
+    mask = batch.token_fields["loss_mask"] != 0
+    with torch.no_grad():
+        for r in range(batch.num_rows):
+            s = batch.row_slice(r)
+            ids = batch.tokens[s]
+            logp = torch.log_softmax(model(ids[None]).logits[0].float(), dim=-1)
+            lp = torch.zeros(ids.numel())
+            lp[1:] = logp[:-1].gather(1, ids[1:, None])[:, 0]
+            out[s] = lp * mask[s]
+    return out

@@ -1,0 +1,238 @@
+"""torchrun worker for tests/test_megatron_parallel.py: one parallel layout, every check.
+
+Builds the tiny model with layout-independent weights, then on the fixed mini-batch (and its
+merged form): plugin log-probs (and, at PP1, megatron's own full-logits reference), one
+`train_minibatch` step (metrics, gradients, parameters after the step), the merged batch's
+metrics and gradients through the low-level `forward_step` + `get_forward_backward_func` path,
+and the bad-input errors. Stage results are saved by DP rank 0 / TP rank 0 of every stage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import megatron_cases as cases  # noqa: E402
+
+from megatron_stepwise.algo.losses import LossConfig  # noqa: E402
+from megatron_stepwise.megatron import model as M  # noqa: E402
+from megatron_stepwise.megatron import runtime  # noqa: E402
+from megatron_stepwise.megatron import weights as W  # noqa: E402
+from megatron_stepwise.megatron.plugin import StepwisePlugin  # noqa: E402
+from megatron_stepwise.types import Step, StepwiseBatchError, TrajectoryID  # noqa: E402
+
+SEED = 7
+
+
+RUN_DEFAULTS = {"tp": 1, "pp": 1, "budget": 64, "sp": 1, "distopt": 0, "per_token_loss": 0, "tied": 0}
+
+
+def parse():
+    """`--layout NAME:key=value,...` (repeatable): layouts run one after another in this launch,
+    re-creating megatron's parallel state on the same process group. Keys: RUN_DEFAULTS."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--layout", action="append", required=True)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    runs = []
+    for spec in args.layout:
+        name, _, opts = spec.partition(":")
+        run = dict(RUN_DEFAULTS, name=name)
+        for item in filter(None, opts.split(",")):
+            key, _, value = item.partition("=")
+            if key not in RUN_DEFAULTS:
+                raise SystemExit(f"unknown run option {key!r} in {spec!r}")
+            run[key] = int(value)
+        runs.append(argparse.Namespace(**run))
+    return args.out, runs
+
+
+LOSS = LossConfig(
+    policy_loss="ppo",
+    clip_low=0.2,
+    clip_high=0.28,
+    reduction="trajectory_mean",  # weights that depend on the whole mini-batch, merge-invariant
+    kl_coef=0.05,
+    kl_estimator="k3",
+    entropy_coef=0.01,
+    tis="token",
+    tis_cap=2.0,
+)
+
+
+def make_plugin(budget):
+    # logprob_chunk_tokens=7: several chunks per micro-batch, exercising the chunked path.
+    return StepwisePlugin(LOSS, max_tokens_per_microbatch=budget, logprob_chunk_tokens=7)
+
+
+def attach_old_and_ref(plugin, chunks, batch):
+    flat = plugin.compute_logprobs_flat(chunks, batch)
+    mask = batch.token_fields["loss_mask"].float()
+    batch.token_fields["old_logprobs"] = (flat + batch.token_fields["old_noise"]) * mask
+    batch.token_fields["ref_logprobs"] = (flat + batch.token_fields["ref_noise"]) * mask
+    return flat
+
+
+def megatron_full_logits_logprobs(chunks, batch):
+    """Reference at PP1: megatron's own forward with the output layer, full logits gathered over
+    TP, log_softmax, gather the next token."""
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+    from megatron_stepwise.megatron.packing import pack_rows
+
+    model = chunks[0]
+    model.eval()
+    cfg = M.unwrap(model).config
+    align = model.config.tensor_model_parallel_size if cfg.sequence_parallel else 1
+    out = torch.zeros(batch.tokens.numel())
+    with torch.no_grad():
+        for r in range(batch.num_rows):
+            mb = pack_rows(batch, [r], align=align)
+            logits = model(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params(torch.device("cpu")))
+            logits = gather_from_tensor_model_parallel_region(logits)[0]  # [S, V]
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            out[mb.token_index] = logp[mb.pred_index, mb.targets]
+    model.train()
+    return out
+
+
+def run_bad_inputs(args, chunks, optimizer, layout):
+    """Each bad input must raise a clear error on every rank, before any collective."""
+    plugin = make_plugin(args.budget)
+    msgs = {}
+
+    def expect(name, fn, exc):
+        try:
+            fn()
+        except exc as e:
+            msgs[name] = str(e)
+        else:
+            msgs[name] = "NO ERROR"
+
+    tid = TrajectoryID("bad", 0)
+
+    def batch_of(steps):
+        b = plugin.as_batch(steps)
+        b.token_fields["advantages"] = b.token_fields["loss_mask"].float()
+        return b
+
+    long_step = Step(tid, list(range(1, args.budget)), [5, 6, 7], [1, 1, 1], is_last_step=True)
+    expect("over_budget", lambda: plugin.train_minibatch(chunks, optimizer, batch_of([long_step])), StepwiseBatchError)
+    untrained = [
+        Step(tid, [1, 2, 3], [4, 5], [0, 0], is_last_step=False),
+        Step(tid, [1, 2, 3, 4, 5, 9], [6], [0], is_last_step=True),
+    ]
+    expect("no_trainable", lambda: plugin.train_minibatch(chunks, optimizer, batch_of(untrained)), StepwiseBatchError)
+    oov = [Step(tid, [1, 2, 3], [4, 5], [1, 1], is_last_step=False), Step(tid, [1, 2], [300, 5], [1, 1], is_last_step=True)]
+    expect("token_out_of_vocab", lambda: plugin.train_minibatch(chunks, optimizer, batch_of(oov)), StepwiseBatchError)
+    expect(
+        "tokenizer_vocab",
+        lambda: M.build_gpt_model(M.tiny_config(), tokenizer_vocab_size=300),
+        M.ModelConfigError,
+    )
+    expect(
+        "heads_not_divisible",
+        lambda: M.build_gpt_model(M.tiny_config(hidden_size=48, num_heads=3, num_kv_heads=3)),
+        M.ModelConfigError,
+    )
+    # All ranks reach this point (no rank hangs in a collective the others skipped).
+    alive = torch.ones(1)
+    dist.all_reduce(alive)
+    msgs["alive_ranks"] = int(alive.item())
+    return msgs
+
+
+def run_layout(args, out_dir):
+    layout = runtime.init_distributed(args.tp, args.pp, seed=SEED)
+    cfg = M.tiny_config(tie_word_embeddings=bool(args.tied))
+    overrides = {"sequence_parallel": bool(args.sp) and args.tp > 1, "calculate_per_token_loss": bool(args.per_token_loss)}
+    chunks = M.build_model_chunks(
+        cfg,
+        config_overrides=overrides,
+        use_distributed_optimizer=bool(args.distopt),
+        init=lambda c: W.init_deterministic(c, seed=SEED),
+    )
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=1e-2,
+            weight_decay=0.01,
+            clip_grad=1.0,
+            adam_eps=1e-4,  # Adam's first step is ~lr*sign(g): a larger eps keeps it smooth in g
+            use_distributed_optimizer=bool(args.distopt),
+            params_dtype=torch.float32,
+        ),
+        chunks,
+    )
+    plugin = make_plugin(args.budget)
+    steps, extras = cases.make_steps(vocab=cfg["vocab_size"])
+    batch = cases.to_batch(steps, extras)
+    merged = cases.to_batch(*cases.merge_for_test(steps, extras))
+    result = {"init_params": W.full_state(chunks)}
+
+    result["logprobs"] = attach_old_and_ref(plugin, chunks, batch)
+    result["merged_logprobs"] = attach_old_and_ref(plugin, chunks, merged)
+    if args.pp == 1:
+        result["megatron_reference_logprobs"] = megatron_full_logits_logprobs(chunks, batch)
+
+    result["metrics"] = plugin.train_minibatch(chunks, optimizer, batch)
+    if not args.distopt:
+        result["grads"] = W.full_state(chunks, grads=True)
+    result["params_after_step"] = W.full_state(chunks)
+
+    # The merged batch at the initial weights, through the low-level megatron-loop API.
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    W.init_deterministic(chunks, seed=SEED)
+    inputs = plugin.prepare_minibatch(chunks, merged)
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()  # a megatron loop does this every iteration (drops param.grad aliases)
+    losses = get_forward_backward_func()(
+        forward_step_func=plugin.forward_step,
+        data_iterator=inputs.data_iterator(),
+        model=chunks,
+        num_microbatches=inputs.num_microbatches,
+        seq_length=inputs.seq_length,
+        micro_batch_size=1,
+        forward_only=False,
+    )
+    result["merged_metrics"] = plugin.reduce_metrics(losses)
+    if not args.distopt:
+        result["merged_grads"] = W.full_state(chunks, grads=True)
+
+    result["bad_inputs"] = run_bad_inputs(args, chunks, optimizer, layout)
+    os.makedirs(out_dir, exist_ok=True)
+    if layout.dp_rank == 0 and layout.tp_rank == 0:
+        torch.save(result, os.path.join(out_dir, f"stage{layout.pp_rank}.pt"))
+    if layout.rank == 0:
+        with open(os.path.join(out_dir, "bad_inputs.json"), "w") as f:
+            json.dump(result["bad_inputs"], f)
+    dist.barrier()
+
+
+def main():
+    out, runs = parse()
+    torch.set_num_threads(1)
+    for args in runs:
+        run_layout(args, os.path.join(out, args.name))
+    runtime.destroy_distributed()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except Exception:
+        traceback.print_exc()
+        sys.stdout.flush()
+        os._exit(1)

@@ -1,0 +1,119 @@
+"""torchrun worker for tests/test_sync.py (2 processes): train/inference consistency.
+
+Rank 0 starts a Ray fleet with one embedded engine (random init of its own). For each layout
+(TP2, PP2, TP1 x DP2, re-initialised in the same processes) and each sync mode (tensor, disk,
+distributed), the policy gets new layout-independent weights, `WeightSync.push` sends them as a
+new version, the engine generates greedily from a prompt, and the plugin's `compute_logprobs`
+scores the same tokens. Rank 0 saves both log-prob vectors (and the sync metrics) under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_stepwise.algo.losses import LossConfig
+from megatron_stepwise.megatron import model as M
+from megatron_stepwise.megatron import runtime
+from megatron_stepwise.megatron import weights as W
+from megatron_stepwise.megatron.plugin import StepwisePlugin
+from megatron_stepwise.megatron.sync import WeightSync
+from megatron_stepwise.types import Step, TrajectoryID
+
+PROMPT = [5, 17, 42, 99, 3, 250, 64]
+LAYOUTS = [("tp2", 2, 1), ("pp2", 1, 2), ("tp1", 1, 1)]
+MODES = ["tensor", "disk", "distributed"]
+
+
+def generate(loop, fleet, prompt):
+    from megatron_stepwise.rollout.engine import SamplingParams
+
+    return loop.run_until_complete(fleet.generate(prompt, SamplingParams(temperature=0.0, max_new_tokens=8)))
+
+
+def megatron_logprobs(plugin, chunks, prompt, response) -> torch.Tensor:
+    step = Step(TrajectoryID("consistency", 0), prompt, response, [1] * len(response), is_last_step=True)
+    return plugin.compute_logprobs(chunks, [step])[0]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--tied", type=int, default=0)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    out = Path(args.out)
+    cfg = M.tiny_config(tie_word_embeddings=bool(args.tied))
+    rank = int(os.environ["RANK"])
+
+    loop = fleet = None
+    if rank == 0:
+        from megatron_stepwise.rollout.fleet import EngineSpec, RolloutFleet
+
+        loop = asyncio.new_event_loop()
+        fleet = RolloutFleet([EngineSpec(kind="local", model_config=cfg, seed=123, num_cpus=0.5)], ray_num_cpus=2)
+        loop.run_until_complete(fleet.wait_ready())
+
+    plugin = StepwisePlugin(LossConfig(), max_tokens_per_microbatch=256)
+    results: dict = {}
+    syncers: dict = {}
+    version = 0
+    for tag, tp, pp in LAYOUTS:
+        runtime.init_distributed(tp, pp, seed=1)
+        chunks = M.build_model_chunks(cfg)
+        if not syncers:  # one per mode, kept across layouts (the distributed group is opened once)
+            syncers = {
+                mode: WeightSync(fleet, mode, cfg, loop=loop, bucket_mb=0.05, sync_dir=out / "weights")
+                for mode in MODES
+            }
+        for mode in MODES:
+            version += 1
+            W.init_deterministic(chunks, seed=version)  # new weights: each push must carry them
+            box = [None]
+            if rank == 0:
+                stale = generate(loop, fleet, PROMPT)  # before the push: still the old weights
+                box = [stale.output_ids]
+            dist.broadcast_object_list(box, src=0)
+            before = megatron_logprobs(plugin, chunks, PROMPT, box[0])
+            metrics = syncers[mode].push(chunks, version)
+            if rank == 0:
+                result = generate(loop, fleet, PROMPT)
+                box = [(result.output_ids, result.logprobs, result.weight_version)]
+            dist.broadcast_object_list(box, src=0)
+            output_ids, engine_logprobs, engine_version = box[0]
+            ours = megatron_logprobs(plugin, chunks, PROMPT, output_ids)
+            if rank == 0:
+                results[f"{tag}/{mode}"] = {
+                    "version": version,
+                    "engine_version": engine_version,
+                    "engine": engine_logprobs,
+                    "megatron": ours.tolist(),
+                    "stale_engine": stale.logprobs,
+                    "stale_megatron": before.tolist(),
+                    "metrics": metrics,
+                }
+            dist.barrier()
+    if rank == 0:
+        (out / "results.json").write_text(json.dumps(results))
+        (out / "weights_listing.json").write_text(json.dumps(sorted(p.name for p in (out / "weights").iterdir())))
+        loop.run_until_complete(fleet.shutdown())
+    for s in syncers.values():
+        s.close()
+    runtime.destroy_distributed()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except Exception:
+        traceback.print_exc()
+        sys.stdout.flush()
+        os._exit(1)

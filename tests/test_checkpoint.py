@@ -1,0 +1,150 @@
+"""Checkpoint / resume: pointer and pruning rules (fast), and real dist_checkpointing at TP2.
+
+The distributed part runs tests/ckpt_worker.py twice under torchrun (2 processes) per layout
+(TP2; DP2 with the distributed optimizer): a run that saves three checkpoints and is SIGKILLed
+while writing a fourth, then fresh processes that resume from it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_stepwise.megatron import checkpoint as C
+from weights_helpers import check_ok, run_torchrun
+
+
+def fake_checkpoint(root: Path, iteration: int, *, complete: bool = True, suffix: str = "") -> Path:
+    path = root / (C.checkpoint_name(iteration) + suffix)
+    path.mkdir(parents=True)
+    (path / "common.pt").write_bytes(b"x")
+    if complete:
+        (path / "metadata.json").write_text("{}")
+        (path / C.TRAINER_STATE).write_text(json.dumps({"iteration": iteration}))
+    return path
+
+
+def test_find_latest_follows_the_pointer(tmp_path):
+    assert C.find_latest(tmp_path) is None
+    assert C.find_latest(tmp_path / "missing") is None
+    fake_checkpoint(tmp_path, 5)
+    ten = fake_checkpoint(tmp_path, 10)
+    (tmp_path / C.LATEST).write_text("iter_0000005\n")
+    assert C.find_latest(tmp_path).name == "iter_0000005"  # the pointer wins over the newest dir
+    (tmp_path / C.LATEST).write_text("iter_0000010\n")
+    assert C.find_latest(tmp_path) == ten
+
+
+def test_find_latest_ignores_unfinished_saves_and_a_stale_pointer(tmp_path):
+    fake_checkpoint(tmp_path, 3)
+    fake_checkpoint(tmp_path, 4, suffix=".tmp")  # a save that died after writing everything
+    fake_checkpoint(tmp_path, 5, complete=False)  # a directory without the completion markers
+    (tmp_path / C.LATEST).write_text("iter_0000009\n")  # points at nothing
+    assert C.find_latest(tmp_path).name == "iter_0000003"
+    (tmp_path / C.LATEST).unlink()
+    assert C.find_latest(tmp_path).name == "iter_0000003"
+
+
+def test_prune_keeps_the_last_k_and_what_latest_names(tmp_path):
+    for it in (1, 2, 3, 4):
+        fake_checkpoint(tmp_path, it)
+    fake_checkpoint(tmp_path, 5, suffix=".tmp")
+    (tmp_path / C.LATEST).write_text("iter_0000001\n")
+    removed = C.prune(tmp_path, keep_last=2)
+    assert [p.name for p in removed] == ["iter_0000002", "iter_0000005.tmp"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000001", "iter_0000003", "iter_0000004", "latest"]
+    with pytest.raises(C.CheckpointError, match="keep_last must be >= 1"):
+        C.prune(tmp_path, keep_last=0)
+
+
+# ----------------------------------------------------------------------------- torchrun
+
+
+LAYOUTS = {
+    "tp2": ["--tp", "2", "--distopt", "0"],
+    # DP2 with megatron's distributed optimizer: each rank owns half of the Adam state.
+    "dp2-distopt": ["--tp", "1", "--distopt", "1"],
+}
+
+
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param("tp2"), pytest.param("dp2-distopt", marks=pytest.mark.slow)],
+)
+def runs(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(request.param)
+    ckpt, out = root / "ckpt", root / "out"
+    out.mkdir()
+    common = ["--ckpt", str(ckpt), "--out", str(out), *LAYOUTS[request.param]]
+    saving = run_torchrun("ckpt_worker.py", 2, ["--mode", "save", *common])
+    assert saving.returncode != 0 and (out / "saved-rank0.pt").is_file(), saving.stderr[-4000:]
+    check_ok(run_torchrun("ckpt_worker.py", 2, ["--mode", "load", *common]))
+    load = lambda name: torch.load(out / name, weights_only=False)  # noqa: E731
+    pairs = []
+    for r in (0, 1):
+        saved = load(f"saved-rank{r}.pt")
+        saved["params_step4"] = load(f"saved-rank{r}-step4.pt")
+        pairs.append((saved, load(f"loaded-rank{r}.pt")))
+    return pairs
+
+
+def assert_same(a, b, where="") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert sorted(a, key=str) == sorted(b, key=str), where
+        for k in a:
+            assert_same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+@pytest.mark.distributed
+def test_keep_last_and_the_killed_save(runs):
+    saved, loaded = runs[0]
+    assert saved["saved"] == ["iter_0000001", "iter_0000002", "iter_0000003"]
+    assert saved["listing"] == ["iter_0000002", "iter_0000003", "latest"]  # keep_last=2
+    # The SIGKILL during the 4th save left only its .tmp behind; `latest` still names iteration 3.
+    assert loaded["listing_before"] == ["iter_0000002", "iter_0000003", "iter_0000004.tmp", "latest"]
+    # The next save cleans up and moves the pointer.
+    assert loaded["listing_after"] == ["iter_0000003", "iter_0000004", "latest"]
+    assert loaded["latest_after"] == "iter_0000004"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("rank", [0, 1])
+def test_resume_restores_params_optimizer_scheduler_and_rng(runs, rank):
+    saved, loaded = runs[rank]
+    assert loaded["trainer_state"] == {"iteration": 3, "data_position": 24, "weight_version": 3, "config_hash": "cfg-1"}
+    assert_same(saved["params"], loaded["params"], "params")  # fresh processes started from other weights
+    assert saved["optimizer"] and all("exp_avg_sq" in s for s in saved["optimizer"]), "Adam moments to compare"
+    assert_same(saved["optimizer"], loaded["optimizer"], "optimizer")
+    assert_same(saved["scheduler"], loaded["scheduler"], "scheduler")
+    for rng in ("python", "numpy", "torch", "tracker"):
+        assert_same(saved[rng], loaded[rng], rng)
+    assert "config_hash='cfg-1'" in loaded["hash_error"] and "'cfg-2'" in loaded["hash_error"]
+
+
+@pytest.mark.distributed
+def test_the_step_after_a_resume_equals_the_uninterrupted_step(runs):
+    saved, loaded = runs[0]
+    # Adam's update depends on its moments and step count (bias correction): all must be right.
+    assert_same(saved["params_step4"], loaded["params_step4"], "params after step 4")
+    assert not torch.equal(saved["params"]["output_layer.weight"], loaded["params_step4"]["output_layer.weight"])
+
+
+@pytest.mark.distributed
+def test_a_checkpoint_loads_resharded_into_the_other_layout(runs):
+    saved, loaded = runs[0]
+    resharded = loaded["resharded"]
+    assert resharded["trainer_state"]["iteration"] == 3
+    assert_same(saved["params"], resharded["params"], "params")
+    # A different layout gets a fresh RNG stream rather than another rank's state.
+    assert not torch.equal(saved["torch"], resharded["torch"])

@@ -1,0 +1,172 @@
+"""Parallel invariance of the step-wise Megatron path, on CPU under torchrun (gloo).
+
+torchrun launches of tests/megatron_worker.py (one per process count) run (the real megatron-core
+schedules, TP layers, DDP and optimizer) on a fixed tiny model with layout-independent weights
+and a fixed step-wise mini-batch. Every layout must reproduce the TP1xPP1xDP1 baseline: the
+loss and every metric, the gradients (gathered to full shapes), the parameters after one
+optimizer step, and the merged batch's metrics and gradients, within 1e-5 relative; and the
+plugin's log-probs must equal a plain full-logits reference (the Hugging Face model with the
+same weights) within 1e-5. Bad inputs raise clear errors on every rank without a hang.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+sys.path.insert(0, os.path.dirname(__file__))
+import megatron_cases as cases  # noqa: E402
+
+from megatron_stepwise.megatron.model import tiny_config  # noqa: E402
+
+pytestmark = pytest.mark.distributed
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(REPO, "tests", "megatron_worker.py")
+RTOL = 1e-5
+
+# name: (processes, worker run options, baseline layout)
+LAYOUTS = {
+    "tp1": (1, "", None),
+    "tp1_tied": (1, "tied=1", None),
+    "tp2_sequence_parallel": (2, "tp=2", "tp1"),
+    "pp2": (2, "pp=2", "tp1"),
+    "dp2": (2, "", "tp1"),
+    # a different micro-batch budget, the distributed optimizer, megatron's per-token loss mode
+    "dp2_budget40_distopt_per_token_loss_tied": (2, "budget=40,distopt=1,per_token_loss=1,tied=1", "tp1_tied"),
+    "tp2_pp2_tied": (4, "tp=2,pp=2,sp=0,tied=1", "tp1_tied"),
+}
+
+
+def _merge_stages(out_dir: str) -> dict:
+    parts = [torch.load(f, weights_only=False) for f in sorted(glob.glob(os.path.join(out_dir, "stage*.pt")))]
+    merged = dict(parts[-1])  # the last stage holds the loss-side results
+    for key in ("init_params", "grads", "params_after_step", "merged_grads"):
+        if key in parts[-1]:
+            merged[key] = {k: v for p in parts for k, v in p[key].items()}
+    with open(os.path.join(out_dir, "bad_inputs.json")) as f:
+        merged["bad_inputs"] = json.load(f)
+    return merged
+
+
+@functools.lru_cache(maxsize=None)
+def launch(nproc: int, tmp_root: str) -> None:
+    """One torchrun launch runs every layout of this process count, one after another (megatron's
+    parallel state is re-created per layout): startup dominates on a 2-core machine."""
+    names = [n for n, (p, _, _) in LAYOUTS.items() if p == nproc]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", WORKER,
+           "--out", tmp_root]
+    for name in names:
+        cmd += ["--layout", f"{name}:{LAYOUTS[name][1]}"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
+        pytest.fail(f"torchrun with {nproc} processes ({', '.join(names)}) failed (exit {proc.returncode}):\n{tail}")
+
+
+@functools.lru_cache(maxsize=None)
+def run_layout(name: str, tmp_root: str) -> dict:
+    launch(LAYOUTS[name][0], tmp_root)
+    return _merge_stages(os.path.join(tmp_root, name))
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("megatron_layouts"))
+    return lambda name: run_layout(name, root)
+
+
+_HF_CACHE: dict = {}  # (tied, merged) -> reference log-probs (weights are the same in every layout)
+
+
+def reference_logprobs(result: dict, tied: bool, merged: bool) -> torch.Tensor:
+    key = (tied, merged)
+    if key not in _HF_CACHE:
+        cfg = tiny_config(tie_word_embeddings=tied)
+        steps, extras = cases.make_steps(vocab=cfg["vocab_size"])
+        if merged:
+            steps, extras = cases.merge_for_test(steps, extras)
+        _HF_CACHE[key] = cases.hf_reference_logprobs(cfg, result["init_params"], cases.to_batch(steps, extras))
+    return _HF_CACHE[key]
+
+
+def assert_tensors_close(got: dict, want: dict, what: str) -> None:
+    assert set(got) == set(want), f"{what}: parameter names differ: {set(got) ^ set(want)}"
+    for name, ref in want.items():
+        err = float((got[name] - ref).abs().max())
+        scale = float(ref.abs().max())
+        assert err <= RTOL * scale + 1e-12, f"{what} {name}: max |diff| {err:.3e} > {RTOL} x max |ref| {scale:.3e}"
+
+
+def assert_metrics_close(got: dict, want: dict, what: str) -> None:
+    skip = {"num_microbatches"}  # legitimately depends on the layout
+    assert set(got) - skip == set(want) - skip, f"{what}: metric names differ"
+    for key in sorted(set(want) - skip):
+        a, b = got[key], want[key]
+        assert abs(a - b) <= RTOL * max(abs(b), 1e-3), f"{what} {key}: {a!r} vs baseline {b!r}"
+
+
+def assert_logprobs_match_reference(result: dict, tied: bool) -> None:
+    for merged, key in ((False, "logprobs"), (True, "merged_logprobs")):
+        ref = reference_logprobs(result, tied, merged)
+        err = float((result[key] - ref).abs().max())
+        assert err <= 1e-5, f"{key}: plugin vs full-logits reference max |diff| {err:.3e}"
+    if "megatron_reference_logprobs" in result:
+        err = float((result["logprobs"] - result["megatron_reference_logprobs"]).abs().max())
+        assert err <= 1e-5, f"plugin vs megatron's own full-logits forward: {err:.3e}"
+
+
+def clip_coefficient(metrics: dict) -> float:
+    # megatron's clip_grad_by_total_norm_fp32 with clip_grad=1.0 (the worker's setting)
+    return min(1.0, 1.0 / (metrics["grad_norm"] + 1e-6))
+
+
+@pytest.mark.parametrize("baseline", ["tp1", "tp1_tied"])
+def test_baseline_logprobs_and_merged_batch(results, baseline):
+    res = results(baseline)
+    assert_logprobs_match_reference(res, tied=baseline.endswith("tied"))
+    # Merged rows hold exactly the unmerged batch's trainable tokens: same loss and gradient.
+    m, u = res["merged_metrics"], res["metrics"]
+    assert {"loss", "pg_loss", "kl", "entropy", "clipfrac_high", "logprob_gap_max"} <= set(m)
+    for key in set(m) - {"tokens/total"}:
+        assert abs(m[key] - u[key]) <= RTOL * max(abs(u[key]), 1e-3), f"merged vs unmerged {key}: {m[key]} vs {u[key]}"
+    assert m["tokens/total"] < u["tokens/total"]  # merging removed the repeated prefixes
+    c = clip_coefficient(u)  # train_minibatch's gradients were clipped by the optimizer step
+    assert_tensors_close({k: v * c for k, v in res["merged_grads"].items()}, res["grads"], "merged vs unmerged grads")
+    assert u["update_successful"] == 1.0 and u["tokens/trained"] == 60.0
+
+
+@pytest.mark.parametrize("layout", [k for k, v in LAYOUTS.items() if v[2] is not None])
+def test_layout_matches_baseline(results, layout):
+    nproc, options, base_name = LAYOUTS[layout]
+    res, base = results(layout), results(base_name)
+    tied = "tied=1" in options
+    assert_tensors_close(res["init_params"], base["init_params"], "initial weights")
+    assert_logprobs_match_reference(res, tied=tied)
+    assert_metrics_close(res["metrics"], base["metrics"], "metrics")
+    assert_metrics_close(res["merged_metrics"], base["merged_metrics"], "merged-batch metrics")
+    if "grads" in res:  # the distributed optimizer leaves only shards of the reduced gradients
+        assert_tensors_close(res["grads"], base["grads"], "gradients")
+        assert_tensors_close(res["merged_grads"], base["merged_grads"], "merged-batch gradients")
+    assert_tensors_close(res["params_after_step"], base["params_after_step"], "parameters after one step")
+    assert res["bad_inputs"]["alive_ranks"] == nproc
+
+
+def test_bad_inputs_raise_clear_errors_on_every_rank(results):
+    bad = results("tp2_sequence_parallel")["bad_inputs"]
+    assert bad["over_budget"] == "step 0: 66 tokens do not fit the micro-batch budget max_tokens_per_microbatch=64"
+    assert "no trainable token" in bad["no_trainable"]
+    assert bad["token_out_of_vocab"] == "step 1: token id 300 is outside the model vocabulary [0, 256)"
+    assert bad["tokenizer_vocab"] == "tokenizer has 300 tokens but the model's vocab_size is 256"
+    assert bad["heads_not_divisible"] == "tensor_parallel=2 does not divide num_attention_heads=3"
+    assert bad["alive_ranks"] == 2  # both ranks got past every error and met in a collective

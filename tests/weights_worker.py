@@ -1,0 +1,82 @@
+"""torchrun worker for tests/test_convert_distributed.py (2 processes).
+
+For each layout (TP2, then PP2 in the same processes) and each HF checkpoint under --hf-root:
+import_hf into real DDP-wrapped megatron chunks, export_hf to a directory, stream the buckets to
+rank 0 (small buckets, so several per stage) and, at PP1, megatron's own forward logits for a
+fixed sequence. Rank 0 writes what it got under --out; the test compares.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_stepwise.megatron import convert
+from megatron_stepwise.megatron import model as M
+from megatron_stepwise.megatron import runtime
+
+SEQUENCE = [3, 17, 42, 7, 99, 128, 5, 250, 11, 64, 1, 200]
+
+
+def megatron_logits(chunks, tokens: list[int]) -> torch.Tensor:
+    """Full-vocabulary logits [S, V] of megatron's forward (TP-gathered), PP1 only."""
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+    model = chunks[0]
+    model.eval()
+    with torch.no_grad():
+        ids = torch.tensor([tokens])
+        logits = model(ids, torch.arange(len(tokens))[None], None)
+    return gather_from_tensor_model_parallel_region(logits)[0].float()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--hf-root", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--tokenizer", default=None)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    out = Path(args.out)
+    report = {}
+    for tp, pp in [(2, 1), (1, 2)]:
+        layout = runtime.init_distributed(tp, pp, seed=1)
+        for src in sorted(Path(args.hf_root).iterdir()):
+            cfg = json.loads((src / "config.json").read_text())
+            tag = f"{src.name}-tp{tp}pp{pp}"
+            chunks = M.build_model_chunks(cfg)
+            convert.import_hf(chunks, src)
+            convert.export_hf(chunks, out / tag, cfg, tokenizer=args.tokenizer)
+            streamed, n_buckets = {}, 0
+            for bucket in convert.stream_hf_buckets(chunks, cfg, bucket_mb=0.05):
+                streamed.update(bucket)
+                n_buckets += 1
+            if layout.rank == 0:
+                from safetensors.torch import save_file
+
+                save_file(streamed, str(out / f"{tag}-streamed.safetensors"))
+                report[tag] = {"buckets": n_buckets}
+            if pp == 1:
+                logits = megatron_logits(chunks, SEQUENCE)
+                if layout.rank == 0:
+                    torch.save(logits, out / f"{tag}-logits.pt")
+            dist.barrier()
+    if dist.get_rank() == 0:
+        (out / "report.json").write_text(json.dumps(report))
+    runtime.destroy_distributed()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except Exception:
+        traceback.print_exc()
+        sys.stdout.flush()
+        os._exit(1)
