@@ -47,6 +47,7 @@ from megatron_stepwise.rollout.buffer import (
     trained_token_staleness,
     trajectory_version_spread,
 )
+from megatron_stepwise.trainer import _mean_metrics  # one averaging rule for both modes
 from megatron_stepwise.types import Step, StepBatch
 
 log = logging.getLogger(__name__)
@@ -162,12 +163,14 @@ class AsyncDriver:
         if t.is_driver:
             try:
                 groups = t.loop.run_until_complete(self._take())
+                batch = None
                 if groups is not None:
                     steps = [s for g in groups for s in g.steps]
                     staleness = [self.version - g.start_version for g in groups]
                     info = {"group_staleness_max": max(staleness), "group_staleness_mean": sum(staleness) / len(staleness),
                             "requeued_groups": sum(g.attempt > 0 for g in groups)}
-                    payload[0] = (steps, info)
+                    batch = (steps, info)
+                payload[0] = (batch, t.dataset.state_dict())
             except Exception as e:  # every rank must leave the broadcast, then all raise
                 payload[0] = e
         dist.broadcast_object_list(payload, src=0, group=t.host_group)
@@ -175,7 +178,10 @@ class AsyncDriver:
             raise RuntimeError(f"async rollout failed on rank 0 at iteration {t.state.iteration}: {payload[0]}") from (
                 payload[0] if t.is_driver else None
             )
-        return payload[0]
+        batch, dataset_state = payload[0]
+        # Only rank 0 draws prompts; every rank keeps the same data position for checkpoints.
+        t.dataset.load_state_dict(dataset_state)
+        return batch
 
     def _prepare(self, steps: list[Step]) -> tuple[Optional[StepBatch], dict[str, Any]]:
         from megatron_stepwise.megatron.packing import set_response_field
@@ -206,6 +212,7 @@ class AsyncDriver:
         staleness: list[torch.Tensor] = []
         step_metrics: list[dict[str, Any]] = []
         train_metrics: list[dict[str, float]] = []
+        sync_metrics: list[dict[str, float]] = []
         skipped = 0
         trained_tokens = 0
         for _ in range(self.steps_per_iteration):
@@ -237,14 +244,14 @@ class AsyncDriver:
             self.version += 1
             t.state.weight_version = self.version
             clock = time.perf_counter()
-            t._sync_weights()  # partial rollouts: in-flight turns pause, update, continue
+            sync_metrics.append(t._sync_weights() or {})  # partial rollouts: in-flight turns pause, update, go on
             times["time/weight_sync"] += time.perf_counter() - clock
         t.state.iteration += 1
-        return self._metrics(t0, times, trained_steps, staleness, step_metrics, train_metrics, skipped, trained_tokens)
+        metrics = self._metrics(t0, times, trained_steps, staleness, step_metrics, train_metrics, skipped, trained_tokens)
+        metrics.update(_mean_metrics(sync_metrics, prefix=""))
+        return metrics
 
     def _metrics(self, t0, times, trained_steps, staleness, step_metrics, train_metrics, skipped, trained_tokens):
-        from megatron_stepwise.trainer import _mean_metrics
-
         t = self.trainer
         metrics: dict[str, Any] = {}
         if trained_steps:
