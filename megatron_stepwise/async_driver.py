@@ -16,8 +16,10 @@ Off-policy correction. A mini-batch is trained once, as it arrives, so the train
 policy is the current one (PPO ratio 1) and the behaviour policy is the rollout's: the loss's
 truncated importance weight `min(pi_theta / pi_rollout, algo.loss.tis_cap)` per token
 (tis=token) or per step (tis=sequence) corrects for the lag; the config validator requires it.
-Metrics report the staleness of the trained tokens (trainer version minus producing version:
-min/max/mean), the importance weights (train/loss/tis_*), and the buffer's counters.
+Metrics report the staleness of the trained tokens (async/token_staleness_*: trainer version
+minus producing version), the share of trajectories a weight update reached mid-way, the
+importance weights (train/tis_weight_mean, _max, train/tis_capped_frac) and the buffer's
+counters (async/groups_*).
 
 One iteration is `prompts_per_iteration / prompts_per_minibatch` optimizer steps, as in
 synchronous mode, so learning-rate schedules and checkpoint intervals mean the same; the weight

@@ -37,7 +37,7 @@ def test_tiny_async_experiment_keeps_the_bound_and_learns(tmp_path):
         # the bound (max_staleness 1), for whole groups and for every trained token
         assert 0 <= r["async/group_staleness_max"] <= 1
         assert 0 <= r["async/token_staleness_min"] <= r["async/token_staleness_max"] <= 1
-        assert r["train/loss/tis_weight_max"] <= 2.0 + 1e-6  # algo.loss.tis_cap
+        assert r["train/tis_weight_max"] <= 2.0 + 1e-6  # algo.loss.tis_cap
         # every started group is trained, dropped, re-queued, filtered or still outstanding
         accounted = sum(r[f"async/groups_{k}"] for k in
                         ("trained", "stale_dropped", "stale_requeued", "filtered", "in_flight", "ready"))

@@ -72,10 +72,12 @@ def summarise(result: dict) -> dict:
         s["rollout s/iteration"] = statistics.mean(r["time/rollout"] for r in rows[1:] or rows)
     if "time/wait_rollout" in rows[-1]:
         s["wait-for-groups s/iteration"] = statistics.mean(r["time/wait_rollout"] for r in rows[1:] or rows)
-        s["token staleness mean"] = statistics.mean(r.get("async/token_staleness_mean", 0.0) for r in rows)
-        s["token staleness max"] = max(r.get("async/token_staleness_max", 0) for r in rows)
-        s["TIS weight mean"] = statistics.mean(r.get("train/loss/tis_weight_mean", 1.0) for r in rows)
-        s["TIS capped fraction"] = statistics.mean(r.get("train/loss/tis_capped_frac", 0.0) for r in rows)
+        s["token staleness mean"] = statistics.mean(r["async/token_staleness_mean"] for r in rows)
+        s["token staleness max"] = max(r["async/token_staleness_max"] for r in rows)
+        s["trajectories spanning 2 versions"] = statistics.mean(r["async/trajectories_spanning_versions"] for r in rows)
+        s["TIS weight mean"] = statistics.mean(r["train/tis_weight_mean"] for r in rows)
+        s["TIS weight max"] = max(r["train/tis_weight_max"] for r in rows)
+        s["TIS capped fraction"] = statistics.mean(r["train/tis_capped_frac"] for r in rows)
         s["groups dropped stale"] = rows[-1].get("async/groups_stale_dropped", 0)
         s["groups requeued stale"] = rows[-1].get("async/groups_stale_requeued", 0)
     return s
