@@ -95,6 +95,8 @@ class AsyncDriver:
             keep_group=group_has_variance if (filters.zero_variance or filters.dynamic_sampling) else None,
             base_version=self.version,
         )
+        # A resumed run first rolls out the prompts its checkpoint had drawn but not trained.
+        self.buffer.requeue_samples(trainer.state.async_pending or [])
         # Filters may discard this many groups while one optimizer step waits before it is skipped
         # (the synchronous trainer's dynamic sampling gives up after as many rollout rounds).
         self.starve_limit = filters.max_sampling_rounds * cfg.data.prompts_per_iteration

@@ -46,6 +46,7 @@ class TrainerState:
     iteration: int = 0
     weight_version: int = 0
     dataset: Optional[dict] = None
+    async_pending: Optional[list] = None  # async mode: prompts drawn but not trained yet
 
 
 class Trainer:

@@ -56,7 +56,7 @@ class FakeDataset:
         return out
 
 
-def make_driver(groups_per_step=2, zero_variance=False, **agent_kw):
+def make_driver(groups_per_step=2, zero_variance=False, pending=None, **agent_kw):
     cfg = ExperimentConfig()
     cfg.async_.enabled = True
     cfg.async_.max_staleness = 1
@@ -64,7 +64,7 @@ def make_driver(groups_per_step=2, zero_variance=False, **agent_kw):
     cfg.data.prompts_per_iteration = 2 * groups_per_step
     cfg.algo.filters.zero_variance = zero_variance
     fleet = SimpleNamespace(weight_version=0, partial_rollouts=False)
-    trainer = SimpleNamespace(cfg=cfg, is_driver=True, state=SimpleNamespace(weight_version=0, iteration=0),
+    trainer = SimpleNamespace(cfg=cfg, is_driver=True, state=SimpleNamespace(weight_version=0, iteration=0, async_pending=pending),
                               loop=asyncio.new_event_loop(), fleet=fleet, dataset=FakeDataset(),
                               agent=FakeAgent(fleet, **agent_kw))
     return AsyncDriver(trainer), trainer
@@ -128,3 +128,11 @@ def test_close_cancels_the_groups_in_flight():
     assert len(tasks) == 4
     close(driver, trainer)
     assert all(t.cancelled() for t in tasks) and driver._producer.cancelled()
+
+
+def test_a_resumed_driver_rolls_out_the_checkpointed_pending_prompts_first():
+    driver, trainer = make_driver(groups_per_step=2, pending=[{"prompt_id": "q1"}, {"prompt_id": "q2"}])
+    groups = trainer.loop.run_until_complete(driver._take())
+    assert sorted(g.group_id for g in groups) == ["q1", "q2"]
+    assert [s["prompt_id"] for s in driver.pending_samples()] == ["p0", "p1"]  # drawn after them
+    close(driver, trainer)

@@ -46,6 +46,11 @@ def test_tiny_async_experiment_keeps_the_bound_and_learns(tmp_path):
     assert rows[-1]["weight_version"] == 2 * ITERATIONS == rows[-1]["fleet/weight_version"]
     # the fleet ran ahead of the trainer: some trained tokens came from the previous version
     assert max(r["async/token_staleness_mean"] for r in rows) > 0
+    # the final checkpoint keeps the prompts drawn but not trained, for a resumed run to roll out first
+    state = json.loads((run_dir / "checkpoints" / f"iter_{ITERATIONS:07d}" / "trainer_state.json").read_text())
+    last = rows[-1]
+    assert len(state["async_pending"]) == sum(last[f"async/groups_{k}"] for k in ("in_flight", "ready", "requeue_waiting"))
+    assert len(state["async_pending"]) > 0 and all("prompt_id" in s for s in state["async_pending"])
     # learning: mean trajectory reward of the last 6 iterations well above the first 6
     first = sum(r["reward/mean"] for r in rows[:6]) / 6
     last = sum(r["reward/mean"] for r in rows[-6:]) / 6
