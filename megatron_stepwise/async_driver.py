@@ -209,7 +209,6 @@ class AsyncDriver:
 
     def iteration(self) -> dict[str, Any]:
         t = self.trainer
-        cfg = t.cfg
         t0 = time.perf_counter()
         times: dict[str, float] = defaultdict(float)
         trained_steps: list[Step] = []
@@ -289,13 +288,9 @@ class AsyncDriver:
 
     # ------------------------------------------------------------------ checkpoints and shutdown
     def pending_samples(self) -> list[dict[str, Any]]:
-        """Samples drawn but not trained yet (rank 0): save them with a checkpoint and give them
-        to `requeue_samples` after a resume, so no drawn prompt is skipped."""
+        """Samples drawn but not trained yet (rank 0; [] elsewhere). A checkpoint stores them as
+        `async_pending`; a resumed driver rolls them out first, so no drawn prompt is skipped."""
         return self.buffer.pending_samples() if self.buffer is not None else []
-
-    def requeue_samples(self, samples: list[dict[str, Any]]) -> None:
-        if self.buffer is not None:
-            self.buffer.requeue_samples(samples)
 
     def close(self) -> None:
         """Stop the producer and the groups in flight (rank 0); the trainer then shuts the fleet."""
