@@ -91,34 +91,6 @@ def to_batch(steps, extras) -> StepBatch:
     return batch
 
 
-def hf_state_dict(cfg: dict, full: dict) -> dict:
-    """Canonical megatron full tensors -> Hugging Face Qwen2/Llama names (test-local mapping;
-    the package's HF conversion belongs to the end-to-end issue)."""
-    nh, ng = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    hd = cfg["hidden_size"] // nh
-    sd = {"model.embed_tokens.weight": full["embedding.word_embeddings.weight"]}
-    for i in range(cfg["num_hidden_layers"]):
-        p, h = f"decoder.layers.{i}.", f"model.layers.{i}."
-        sd[h + "input_layernorm.weight"] = full[p + "input_layernorm.weight"]
-        sd[h + "post_attention_layernorm.weight"] = full[p + "pre_mlp_layernorm.weight"]
-        for suffix in ("weight", "bias"):
-            key = p + "self_attention.linear_qkv." + suffix
-            if key not in full:
-                continue
-            # megatron's fused QKV is grouped: per KV group, its query heads then k then v.
-            w = full[key].reshape(ng, nh // ng + 2, hd, *full[key].shape[1:])
-            sd[h + "self_attn.q_proj." + suffix] = w[:, : nh // ng].reshape(nh * hd, *w.shape[3:])
-            sd[h + "self_attn.k_proj." + suffix] = w[:, nh // ng].reshape(ng * hd, *w.shape[3:])
-            sd[h + "self_attn.v_proj." + suffix] = w[:, nh // ng + 1].reshape(ng * hd, *w.shape[3:])
-        sd[h + "self_attn.o_proj.weight"] = full[p + "self_attention.linear_proj.weight"]
-        gate, up = full[p + "mlp.linear_fc1.weight"].chunk(2, 0)
-        sd[h + "mlp.gate_proj.weight"], sd[h + "mlp.up_proj.weight"] = gate, up
-        sd[h + "mlp.down_proj.weight"] = full[p + "mlp.linear_fc2.weight"]
-    sd["model.norm.weight"] = full["decoder.final_layernorm.weight"]
-    sd["lm_head.weight"] = full.get("output_layer.weight", full["embedding.word_embeddings.weight"])
-    return sd
-
-
 def hf_reference_logprobs(cfg: dict, full: dict, batch: StepBatch) -> torch.Tensor:
     """Plain reference: the HF model on each row, full logits, log_softmax, gather the next
     token. Flat [T] aligned with the batch, 0 where loss_mask is 0."""
@@ -129,7 +101,11 @@ def hf_reference_logprobs(cfg: dict, full: dict, batch: StepBatch) -> torch.Tens
     hf_cfg = config_cls(**{k: v for k, v in cfg.items() if k != "model_type"})
     hf_cfg._attn_implementation = "eager"
     model = model_cls(hf_cfg).eval()
-    model.load_state_dict(hf_state_dict(cfg, full), strict=True)
+    from megatron_stepwise.megatron.hf_mapping import canonical_to_hf
+
+    missing, unexpected = model.load_state_dict(canonical_to_hf(full, cfg), strict=False)
+    tied_head = ["lm_head.weight"] if cfg.get("tie_word_embeddings") else []
+    assert list(missing) == tied_head and not unexpected, (missing, unexpected)
     out = torch.zeros(batch.tokens.numel())
     mask = batch.token_fields["loss_mask"] != 0
     with torch.no_grad():

@@ -211,6 +211,33 @@ def run_layout(args, out_dir):
     if not args.distopt:
         result["merged_grads"] = W.full_state(chunks, grads=True)
 
+    # Every rank gets one extra, empty micro-batch: it must change nothing (loss, metrics, grads).
+    from megatron_stepwise.algo.planner import plan_microbatches
+
+    def plan_with_empty(lengths, **kw):
+        return [micro + [[]] for micro in plan_microbatches(lengths, **kw)]
+
+    padded_plugin = StepwisePlugin(LOSS, max_tokens_per_microbatch=args.budget, plan_microbatches=plan_with_empty)
+    W.init_deterministic(chunks, seed=SEED)
+    inputs = padded_plugin.prepare_minibatch(chunks, batch)
+    assert inputs.microbatches[-1].num_trained == 0
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    losses = get_forward_backward_func()(
+        forward_step_func=padded_plugin.forward_step,
+        data_iterator=inputs.data_iterator(),
+        model=chunks,
+        num_microbatches=inputs.num_microbatches,
+        seq_length=inputs.seq_length,
+        micro_batch_size=1,
+        forward_only=False,
+    )
+    result["empty_mb_metrics"] = padded_plugin.reduce_metrics(losses)
+    result["empty_mb_count"] = inputs.num_microbatches
+    if not args.distopt:
+        result["empty_mb_grads"] = W.full_state(chunks, grads=True)
+
     result["bad_inputs"] = run_bad_inputs(args, chunks, optimizer, layout)
     os.makedirs(out_dir, exist_ok=True)
     if layout.dp_rank == 0 and layout.tp_rank == 0:

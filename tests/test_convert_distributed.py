@@ -83,3 +83,12 @@ def test_export_loads_in_transformers_with_megatron_logits(run, name):
         source = hf_model(CHECKPOINTS[name], seed=list(CHECKPOINTS).index(name))(torch.tensor([SEQUENCE])).logits[0]
     assert torch.equal(source, hf_logits)
     assert AutoTokenizer.from_pretrained(str(exported)).convert_tokens_to_ids("t5") == 5
+
+
+def test_bad_inputs_raise_clear_errors_on_every_rank(run):
+    errors = load_json(run / "out" / "report.json")["errors"]
+    assert errors["import_mismatch"] == (
+        "HF config qkv bias (qwen2 / attention_bias)=False but the megatron model has add_qkv_bias=True"
+    )
+    assert "exists and is not empty (pass overwrite=True)" in errors["export_non_empty"]
+    assert errors["alive_ranks"] == 2

@@ -50,7 +50,7 @@ LAYOUTS = {
 def _merge_stages(out_dir: str) -> dict:
     parts = [torch.load(f, weights_only=False) for f in sorted(glob.glob(os.path.join(out_dir, "stage*.pt")))]
     merged = dict(parts[-1])  # the last stage holds the loss-side results
-    for key in ("init_params", "grads", "params_after_step", "merged_grads"):
+    for key in ("init_params", "grads", "params_after_step", "merged_grads", "empty_mb_grads"):
         if key in parts[-1]:
             merged[key] = {k: v for p in parts for k, v in p[key].items()}
     with open(os.path.join(out_dir, "bad_inputs.json")) as f:
@@ -146,7 +146,12 @@ def test_baseline_logprobs_and_merged_batch(results, baseline):
     assert u["update_successful"] == 1.0 and u["tokens/trained"] == 60.0
 
 
-@pytest.mark.parametrize("layout", [k for k, v in LAYOUTS.items() if v[2] is not None])
+def layout_params(names):
+    # The 4-process launch is the slowest part on a 2-core machine: also marked slow.
+    return [pytest.param(n, marks=pytest.mark.slow) if LAYOUTS[n][0] > 2 else n for n in names]
+
+
+@pytest.mark.parametrize("layout", layout_params(k for k, v in LAYOUTS.items() if v[2] is not None))
 def test_layout_matches_baseline(results, layout):
     nproc, options, base_name = LAYOUTS[layout]
     res, base = results(layout), results(base_name)
@@ -160,6 +165,20 @@ def test_layout_matches_baseline(results, layout):
         assert_tensors_close(res["merged_grads"], base["merged_grads"], "merged-batch gradients")
     assert_tensors_close(res["params_after_step"], base["params_after_step"], "parameters after one step")
     assert res["bad_inputs"]["alive_ranks"] == nproc
+
+
+@pytest.mark.parametrize("layout", layout_params(LAYOUTS))
+def test_empty_microbatches_are_loss_neutral(results, layout):
+    """The same mini-batch with one extra, empty micro-batch on every rank (a planner may emit
+    them to equalise micro-batch counts across ranks): same loss, metrics and gradients."""
+    res = results(layout)
+    got, want = res["empty_mb_metrics"], res["metrics"]
+    for key in set(got):
+        assert abs(got[key] - want[key]) <= RTOL * max(abs(want[key]), 1e-3), f"{key}: {got[key]} vs {want[key]}"
+    assert res["empty_mb_count"] == want["num_microbatches"] + 1
+    if "grads" in res:
+        c = clip_coefficient(want)
+        assert_tensors_close({k: v * c for k, v in res["empty_mb_grads"].items()}, res["grads"], "gradients")
 
 
 def test_bad_inputs_raise_clear_errors_on_every_rank(results):

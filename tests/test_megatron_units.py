@@ -218,3 +218,21 @@ def test_tokenizer_larger_than_model_vocab_is_rejected():
     M.validate_parallel(arch, tp=1, pp=1, tokenizer_vocab_size=250)  # smaller: fine (padded vocab)
     with pytest.raises(M.ModelConfigError, match="tokenizer has 300 tokens"):
         M.validate_parallel(arch, tp=1, pp=1, tokenizer_vocab_size=300)
+
+
+# ---------------------------------------------------------------- launcher environment
+
+
+def test_launch_env_from_torchrun_slurm_and_alone():
+    from megatron_stepwise.megatron.runtime import launch_env
+
+    tr = launch_env({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "n1", "MASTER_PORT": "1234"})
+    assert (tr.rank, tr.world_size, tr.local_rank, tr.master_addr, tr.master_port) == (3, 4, 1, "n1", 1234)
+    sl = launch_env({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
+                     "SLURM_LAUNCH_NODE_IPADDR": "10.0.0.7", "SLURM_JOB_ID": "123456"})
+    assert (sl.rank, sl.world_size, sl.local_rank, sl.master_addr) == (5, 8, 1, "10.0.0.7")
+    assert sl.master_port == 20000 + 123456 % 20000
+    alone = launch_env({})
+    assert (alone.rank, alone.world_size, alone.master_addr) == (0, 1, "127.0.0.1")
+    with pytest.raises(ValueError, match="rank 4 is outside world size 4"):
+        launch_env({"RANK": "4", "WORLD_SIZE": "4"})

@@ -62,19 +62,13 @@ def make_tokenizer_dir(path: Path, vocab_size: int) -> Path:
 def run_torchrun(script: str, nproc: int, args: list[str], timeout: float = 300, env: Optional[dict] = None):
     """Run tests/<script> under torchrun on CPU; returns the CompletedProcess (output captured)."""
     full_env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **(env or {}))
+    # --standalone: torchrun binds its own free port (a port picked here could be taken by
+    # another job on a shared machine before torchrun listens on it).
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-        "--master-port", str(free_port()), str(REPO / "tests" / script), *args,
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+        str(REPO / "tests" / script), *args,
     ]
     return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def check_ok(proc) -> None:

@@ -37,6 +37,24 @@ def megatron_logits(chunks, tokens: list[int]) -> torch.Tensor:
     return gather_from_tensor_model_parallel_region(logits)[0].float()
 
 
+def bad_inputs(hf_root: Path, out: Path) -> dict:
+    """User mistakes raise the same clear error on every rank (no rank left waiting)."""
+    errors = {}
+    qwen = M.build_model_chunks(json.loads((hf_root / "qwen2-untied" / "config.json").read_text()))
+    try:
+        convert.import_hf(qwen, hf_root / "llama-tied")
+    except convert.WeightConversionError as e:
+        errors["import_mismatch"] = str(e)
+    try:
+        convert.export_hf(qwen, hf_root / "qwen2-untied", json.loads((hf_root / "qwen2-untied" / "config.json").read_text()))
+    except convert.WeightConversionError as e:
+        errors["export_non_empty"] = str(e)
+    alive = torch.ones(1)
+    dist.all_reduce(alive)
+    errors["alive_ranks"] = int(alive.item())
+    return errors
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--hf-root", required=True)
@@ -68,6 +86,8 @@ def main() -> None:
                 if layout.rank == 0:
                     torch.save(logits, out / f"{tag}-logits.pt")
             dist.barrier()
+        if tp == 2:
+            report["errors"] = bad_inputs(Path(args.hf_root), out)
     if dist.get_rank() == 0:
         (out / "report.json").write_text(json.dumps(report))
     runtime.destroy_distributed()

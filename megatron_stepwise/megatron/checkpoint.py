@@ -1,8 +1,10 @@
 """Checkpoint and resume with megatron-core `dist_checkpointing` (torch_dist format).
 
-A checkpoint `CKPT_DIR/iter_0000042/` holds, reshardable across TP/PP/DP where megatron-core
-allows it:
-- the model chunks (`sharded_state_dict()`), the optimizer (`optimizer.sharded_state_dict`);
+A checkpoint `CKPT_DIR/iter_0000042/` holds:
+- the model chunks (`sharded_state_dict()` of the bare GPTModels, Megatron-LM's key names) and
+  the optimizer (`optimizer.sharded_state_dict`). The model, and a non-distributed optimizer,
+  reload into another TP/PP/DP layout (tested TP2 -> TP1 x DP2); the distributed optimizer's
+  state into the same layout (see `sharded_metadata`);
 - the LR scheduler state and the caller's *trainer state* (a JSON-able dict: iteration, data
   position, fleet weight version, config hash...), also in `trainer_state.json` for humans;
 - every rank's RNG states (python, numpy, torch, CUDA, megatron's model-parallel tracker),
@@ -13,11 +15,13 @@ renames the directory and replaces the `latest` pointer file (write + fsync + re
 at any point leaves `latest` naming the previous complete checkpoint; stale `.tmp` directories
 are removed by the next save. The newest `keep_last` checkpoints are kept.
 
-CPU / gloo: megatron-core's torch_dist writer reports results through a queue that it creates
-with a *spawned* `multiprocessing.Manager` (a new Python process per rank, which re-imports the
-main module and outlives a SIGKILLed trainer). Saves here are synchronous, so the queue is only
-ever used inside this process: `_in_process_results_queue` pre-sets megatron's queue cache to a
-plain `queue.Queue`. The writer itself needs `psutil`.
+What megatron-core 0.16 needs on CPU / gloo (all handled here, nothing patched globally):
+- its torch_dist writer reports results through a queue made by a *spawned*
+  `multiprocessing.Manager` (a new Python process per rank that re-imports the main module and
+  outlives a SIGKILLed trainer). Saves here are synchronous, so `_in_process_results_queue`
+  pre-sets megatron's queue cache to a plain `queue.Queue`. The writer needs `psutil`;
+- without Apex/TE the distributed optimizer keeps Adam's `step` per parameter, which its
+  loader mishandles: `_materialize_optimizer_state` and `_restore_adam_steps` fix it up.
 """
 
 from __future__ import annotations
@@ -238,18 +242,18 @@ def _restore_adam_steps(optimizer: Any, loaded: Any) -> None:
                 state["step"] = torch.tensor(step, dtype=state["step"].dtype, device=state["step"].device)
 
 
-def sharded_metadata(optimizer: Any, *, optimizer_fully_reshardable: bool = False) -> dict:
-    """The `metadata` megatron-core's sharded_state_dict methods take (Megatron-LM's choices).
+def sharded_metadata(optimizer: Any) -> dict:
+    """The `metadata` megatron-core's sharded_state_dict methods take (Megatron-LM's defaults).
 
     The distributed optimizer's default format in 0.16 (`fully_sharded_model_space`) is
-    deprecated and no longer saves; `dp_reshardable` writes each rank's buffer shards as they
-    are (fast, reloadable when only DP changes), `fully_reshardable` gathers to canonical
-    per-parameter tensors (any layout change, more memory on DP rank 0).
+    deprecated and no longer saves; `dp_reshardable` writes each rank's buffer shards as they are.
+    Its optimizer state reloads into the same TP/PP layout (tested: DP2); across a TP/PP change
+    load the model only (`load_optimizer=False`). `fully_reshardable` is not offered: without
+    Apex/TE (CPU) megatron-core 0.16 cannot load it (it looks for a per-parameter `step`).
     """
     metadata: dict[str, Any] = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
     if optimizer is not None and _uses_distributed_optimizer(optimizer):
-        kind = "fully_reshardable" if optimizer_fully_reshardable else "dp_reshardable"
-        metadata["distrib_optim_sharding_type"] = kind
+        metadata["distrib_optim_sharding_type"] = "dp_reshardable"
     return metadata
 
 
@@ -304,14 +308,11 @@ def save_checkpoint(
     trainer_state: dict,
     ckpt_dir: PathLike,
     keep_last: int = 2,
-    *,
-    optimizer_fully_reshardable: bool = False,
 ) -> Path:
     """Save everything needed to resume; collective over all ranks; returns the checkpoint path.
 
     trainer_state: JSON-serialisable dict with at least an int `iteration` (it names the
-    checkpoint). optimizer / scheduler may be None. optimizer_fully_reshardable: see
-    `sharded_metadata` (distributed optimizer only).
+    checkpoint). optimizer / scheduler may be None.
     """
     from megatron.core import dist_checkpointing
 
@@ -327,12 +328,16 @@ def save_checkpoint(
     final = root / checkpoint_name(trainer_state["iteration"])
     tmp = final.with_name(final.name + ".tmp")
     rank = dist.get_rank()
+    error = None
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    dist.barrier()
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        except OSError as e:
+            error = f"cannot create checkpoint directory {tmp}: {e}"
+    _raise_together(error)  # also the barrier before anyone writes into it
 
-    metadata = sharded_metadata(optimizer, optimizer_fully_reshardable=optimizer_fully_reshardable)
+    metadata = sharded_metadata(optimizer)
     sd = _sharded_state_dict(chunks, optimizer, metadata, is_loading=False, with_rng=True)
     sd["sharded_metadata"] = metadata  # loading must build the same structure
     sd["trainer_state"] = json.loads(state_json)

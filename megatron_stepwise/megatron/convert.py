@@ -318,10 +318,14 @@ def export_hf(
     # Decided from the shared filesystem by every rank alike, before any collective.
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise WeightConversionError(f"export directory {out} exists and is not empty (pass overwrite=True)")
+    error = None
     if layout.rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-    dist.barrier()
+        try:
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir(parents=True)
+        except OSError as e:
+            error = f"cannot create export directory {partial}: {e}"
+    _raise_together(error)  # also the barrier before anyone writes into it
 
     weight_map: dict[str, str] = {}
     total_bytes = 0

@@ -54,12 +54,13 @@ class _VocabParallelLogProbs(torch.autograd.Function):
             z = (hidden[s:e].to(weight.dtype) @ weight.t()).float()  # [c, V/tp]
             zmax = z.max(dim=-1).values
             _all_reduce(zmax, dist.ReduceOp.MAX, group)
-            ez = torch.exp(z - zmax[:, None])
+            ez = (z - zmax[:, None]).exp_()
             sums = torch.stack(
                 [
                     ez.sum(-1),
                     torch.where(in_shard[s:e], z.gather(1, local_t[s:e, None])[:, 0], 0.0),
-                    (ez * z).sum(-1) if with_entropy else torch.zeros_like(zmax),
+                    # sum_v exp(z_v) * z_v as a batched dot: no [c, V] temporary
+                    torch.bmm(ez.unsqueeze(1), z.unsqueeze(2)).flatten() if with_entropy else torch.zeros_like(zmax),
                 ]
             )
             _all_reduce(sums, dist.ReduceOp.SUM, group)
@@ -78,8 +79,9 @@ class _VocabParallelLogProbs(torch.autograd.Function):
     def backward(ctx, grad_logprobs, grad_entropy):
         hidden, weight, local_t, in_shard, lse, mean_z = ctx.saved_tensors
         n = hidden.size(0)
+        need_w = ctx.needs_input_grad[1]
         grad_hidden = torch.zeros_like(hidden)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         use_ent = ctx.with_entropy and grad_entropy is not None
         if grad_logprobs is None:
             grad_logprobs = torch.zeros(n, dtype=torch.float32, device=hidden.device)
@@ -87,17 +89,23 @@ class _VocabParallelLogProbs(torch.autograd.Function):
             e = min(n, s + ctx.chunk)
             h = hidden[s:e].to(weight.dtype)
             z = (h @ weight.t()).float()
-            p = torch.exp(z - lse[s:e, None])
-            # d logp_y / dz = onehot(y) - p ;  d H / dz = -p * (z - E_p[z])
-            g = -grad_logprobs[s:e, None] * p
+            g_lp = grad_logprobs[s:e, None]
+            # dL/dz = g_lp * (onehot(y) - p) - g_ent * p * (z - E_p[z])
+            #       = p * (-g_lp + g_ent * E_p[z] - g_ent * z) + g_lp * onehot(y)
+            if use_ent:
+                g_ent = grad_entropy[s:e, None]
+                g = torch.addcmul(-g_lp + g_ent * mean_z[s:e, None], z, g_ent, value=-1.0)
+            else:
+                g = (-g_lp).expand_as(z).clone()
+            g.mul_(z.sub_(lse[s:e, None]).exp_())  # z becomes p in place
             rows = torch.nonzero(in_shard[s:e]).flatten()
             g[rows, local_t[s:e][rows]] += grad_logprobs[s:e][rows]
-            if use_ent:
-                g -= grad_entropy[s:e, None] * p * (z - mean_z[s:e, None])
             g = g.to(weight.dtype)
             grad_hidden[s:e] = (g @ weight).to(hidden.dtype)
-            grad_weight += (g.t() @ h).float()
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None
+            if need_w:
+                grad_weight += (g.t() @ h).float()
+        grad_weight = grad_weight.to(weight.dtype) if need_w else None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def vocab_parallel_logprobs(

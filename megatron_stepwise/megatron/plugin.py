@@ -83,7 +83,9 @@ class StepwisePlugin:
     """Step-wise policy-gradient training for megatron-core models (see module docstring).
 
     loss_config: the `algo.losses.LossConfig` (policy loss, clipping, reduction, KL, entropy...).
-    max_tokens_per_microbatch: token budget of one packed micro-batch (real tokens).
+    max_tokens_per_microbatch: token budget of one packed micro-batch, alignment padding included
+        with the package planner (it packs to the layout's alignment); a step longer than this
+        is an error.
     The algorithm hooks default to `megatron_stepwise.algo` and can be replaced:
     `policy_loss(inputs, cfg) -> (partial_sum, metrics)`, `token_weights(batch, reduction,
     max_response_len=...) -> [T]`, `plan_microbatches(lengths, dp_size=, max_tokens=)`,
@@ -184,6 +186,9 @@ class StepwisePlugin:
         if cp > 1:
             raise NotImplementedError("context parallelism is not supported by the step-wise packing yet")
         cfg = gpt.config
+        if getattr(cfg, "mtp_num_layers", None):
+            # MTP heads reuse the output layer inside GPTModel, which the plugin bypasses.
+            raise NotImplementedError("multi-token prediction (mtp_num_layers) is not supported by the plugin")
         need = ("loss_mask", "advantages") if mode == TRAIN else ("loss_mask",)
         self._check_batch(batch, gpt, need=need)
         n_trained = int((batch.token_fields["loss_mask"] != 0).sum())

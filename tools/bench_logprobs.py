@@ -1,0 +1,132 @@
+"""Log-probs + entropy at trained positions only vs full logits, forward+backward on CPU.
+
+Workload: one packed micro-batch of T tokens of which a fraction is masked (observations,
+prompt glue), i.e. only (1 - masked) x T positions have a trained next token. Both paths
+compute the same loss `sum(a * logp + b * entropy)` at the trained positions and its
+gradient w.r.t. the hidden states and the output weight:
+
+- full:    logits = hidden @ W^T for all T positions (fp32), log_softmax, gather, entropy;
+- trained: select the trained positions' hidden states, then `vocab_parallel_logprobs`
+           (chunked, recomputing logits in the backward).
+
+Each (path, masked fraction) runs in its own subprocess so peak memory is that run's own
+(growth of the peak RSS over the inputs). Prints measured figures side by side; no asserts.
+
+    python tools/bench_logprobs.py [--tokens 2048 --hidden 512 --vocab 32000 --threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+
+def _status_mib(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024.0  # kB
+    raise KeyError(field)
+
+
+def _reset_peak_rss() -> None:
+    # ru_maxrss survives fork/exec (a child would inherit the parent's peak); VmHWM can be reset.
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def make_case(masked: float, tokens: int, hidden: int, vocab: int):
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(tokens, hidden, generator=g).requires_grad_(True)
+    w = (0.02 * torch.randn(vocab, hidden, generator=g)).requires_grad_(True)
+    targets = torch.randint(0, vocab, (tokens,), generator=g)
+    idx = torch.nonzero(torch.rand(tokens, generator=g) >= masked).flatten()
+    a, b = torch.randn(idx.numel(), generator=g), torch.randn(idx.numel(), generator=g)
+    return h, w, targets, idx, a, b
+
+
+def step(path: str, case, chunk: int):
+    """One forward+backward; returns the trained positions' log-probs."""
+    from megatron_stepwise.megatron.logprobs import reference_logprobs, vocab_parallel_logprobs
+
+    h, w, targets, idx, a, b = case
+    h.grad = w.grad = None
+    if path == "full":
+        lp_all, ent_all = reference_logprobs(h @ w.t(), targets)
+        lp, ent = lp_all[idx], ent_all[idx]
+    else:
+        lp, ent = vocab_parallel_logprobs(h.index_select(0, idx), w, targets[idx], chunk_tokens=chunk)
+    (a * lp + b * ent).sum().backward()
+    return lp.detach()
+
+
+def peak_memory_child(path: str, masked: float, args) -> None:
+    """Runs in its own process: growth of the peak RSS over the inputs during one step."""
+    case = make_case(masked, args.tokens, args.hidden, args.vocab)
+    _reset_peak_rss()
+    base = _status_mib("VmRSS")
+    step(path, case, args.chunk)
+    print(json.dumps({"peak_mib": _status_mib("VmHWM") - base}))
+
+
+def timings(masked: float, args) -> tuple[float, float, float, int]:
+    """Best-of-reps time of both paths, alternated so background load hits both alike."""
+    case = make_case(masked, args.tokens, args.hidden, args.vocab)
+    lp_full, lp_trained = step("full", case, args.chunk), step("trained", case, args.chunk)  # warm-up
+    best = {"full": float("inf"), "trained": float("inf")}
+    for _ in range(args.reps):
+        for path in best:
+            t = time.perf_counter()
+            step(path, case, args.chunk)
+            best[path] = min(best[path], time.perf_counter() - t)
+    diff = float((lp_full - lp_trained).abs().max()) if lp_full.numel() else 0.0
+    return best["full"], best["trained"], diff, int(case[3].numel())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--chunk", type=int, default=512, help="tokens per logits chunk on the trained path")
+    p.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "2")))
+    p.add_argument("--masked", type=float, nargs="*", default=[0.0, 0.5, 0.75, 0.9])
+    p.add_argument("--_child", nargs=2, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+
+    if args._child:
+        peak_memory_child(args._child[0], float(args._child[1]), args)
+        return
+
+    print(f"CPU, {args.threads} threads: T={args.tokens} tokens per micro-batch, hidden {args.hidden}, "
+          f"vocab {args.vocab}, fp32; forward+backward of log-probs and entropy at the trained positions "
+          f"(best of {args.reps}, paths alternated; peak memory from a separate process per path)")
+    header = f"{'masked':>7} {'trained':>8} | {'full s':>8} {'trained s':>10} {'speed-up':>9} | " \
+             f"{'full MiB':>9} {'trained MiB':>12} {'mem ratio':>10} | {'max |dlogp|':>11}"
+    print(header)
+    print("-" * len(header))
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    for masked in args.masked:
+        peak = {}
+        for path in ("full", "trained"):
+            cmd = [sys.executable, __file__, "--_child", path, str(masked), "--tokens", str(args.tokens),
+                   "--hidden", str(args.hidden), "--vocab", str(args.vocab), "--chunk", str(args.chunk),
+                   "--threads", str(args.threads)]
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
+            peak[path] = json.loads(proc.stdout.strip().splitlines()[-1])["peak_mib"]
+        t_full, t_trained, diff, n = timings(masked, args)
+        print(f"{masked:>7.0%} {n:>8d} | {t_full:>8.3f} {t_trained:>10.3f} {t_full / t_trained:>8.2f}x | "
+              f"{peak['full']:>9.0f} {peak['trained']:>12.0f} {peak['full'] / max(peak['trained'], 1e-9):>9.2f}x | "
+              f"{diff:>11.2e}")
+
+
+if __name__ == "__main__":
+    main()
