@@ -275,7 +275,8 @@ class Checkpoints:
             return None
         if self.trainer.rank == 0:
             log.info("resumed from iteration %d (weight version %d)", state["iteration"], state["weight_version"])
-        return TrainerState(iteration=state["iteration"], weight_version=state["weight_version"], dataset=state["dataset"])
+        return TrainerState(iteration=state["iteration"], weight_version=state["weight_version"], dataset=state["dataset"],
+                            async_pending=state.get("async_pending"))
 
     def save(self):
         from megatron_stepwise.megatron.checkpoint import save_checkpoint
@@ -287,6 +288,8 @@ class Checkpoints:
             "dataset": t.dataset.state_dict(),
             "config_hash": self.config_hash(),
         }
+        if getattr(t, "async_driver", None) is not None:  # rank 0's list is the one saved
+            state["async_pending"] = t.async_driver.pending_samples()
         return save_checkpoint(t.chunks, t.optimizer, t.scheduler, state, self.cfg.checkpoint_dir, self.cfg.checkpoint.keep_last)
 
     def export_hf(self):

@@ -46,6 +46,7 @@ class TrainerState:
     iteration: int = 0
     weight_version: int = 0
     dataset: Optional[dict] = None
+    async_pending: Optional[list] = None  # async mode: prompts drawn but not trained yet
 
 
 class Trainer:
@@ -92,6 +93,11 @@ class Trainer:
         self.weight_sync = components.build_weight_sync(cfg, self.fleet, self.hf_config, self.loop)
         # The engines start from their own random init: give them the trainer's weights.
         self._sync_weights()
+        self.async_driver = None
+        if cfg.async_.enabled:  # rollouts overlap training; it replaces `iteration`
+            from megatron_stepwise.async_driver import AsyncDriver
+
+            self.async_driver = AsyncDriver(self)
 
     # ------------------------------------------------------------------------------- loop
     def run(self) -> list[dict[str, Any]]:
@@ -122,6 +128,8 @@ class Trainer:
         return history
 
     def iteration(self) -> dict[str, Any]:
+        if self.async_driver is not None:
+            return self.async_driver.iteration()
         cfg = self.cfg
         times: dict[str, float] = {}
         t0 = time.perf_counter()
@@ -304,6 +312,8 @@ class Trainer:
         return tqdm(total=self.cfg.trainer.iterations, initial=self.state.iteration, desc="iterations", unit="it")
 
     def close(self) -> None:
+        if getattr(self, "async_driver", None) is not None:
+            self.async_driver.close()
         self.weight_sync.close()
         if self.is_driver:
             if self.fleet is not None:

@@ -126,6 +126,8 @@ CASES = [
     ("async-zero-staleness", {"async": {"enabled": True, "max_staleness": 0}, "algo": {"loss": {"tis": "token"}}},
      [], {}, "async.max_staleness", "async.enabled=false"),
     ("async-without-correction", {"async": {"enabled": True}}, [], {}, "algo.loss.tis", "policy lag"),
+    ("async-several-epochs", {"async": {"enabled": True}, "algo": {"loss": {"tis": "token"}}, "data": {"epochs": 2}},
+     [], {}, "data.epochs", "set data.epochs=1"),
     # optimizer, outputs, paths
     ("min-lr-above-lr", {"optim": {"lr": 1e-6, "min_lr": 1e-5}}, [], {}, "optim.min_lr", "above optim.lr"),
     ("warmup-longer-than-run", {"optim": {"warmup_steps": 100}}, [], {}, "optim.warmup_steps", "20 optimizer steps"),

@@ -89,8 +89,9 @@ def timings(masked: float, args) -> tuple[float, float, float, int]:
     return best["full"], best["trained"], diff, int(case[3].numel())
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="75%% masked only, best of 2")
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--vocab", type=int, default=32000)
@@ -99,13 +100,24 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "2")))
     p.add_argument("--masked", type=float, nargs="*", default=[0.0, 0.5, 0.75, 0.9])
     p.add_argument("--_child", nargs=2, help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    if args.quick:
+        args.masked, args.reps = [0.75], 2
+    return args
+
+
+# The suite's shape: a quarter of the CLI's work (both paths scale with tokens x vocab, so the
+# ratios hold) and best of 3, to fit its time budget on a busy 2-core machine.
+SUITE_ARGS = ["--tokens", "1024", "--vocab", "16000", "--reps", "3"]
+
+
+def run(quick: bool = False) -> dict:
+    """What `tools/bench.py` collects: prints the table, returns the figures."""
+    return report(parse_args(SUITE_ARGS + (["--quick"] if quick else [])))
+
+
+def report(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
-
-    if args._child:
-        peak_memory_child(args._child[0], float(args._child[1]), args)
-        return
-
     print(f"CPU, {args.threads} threads: T={args.tokens} tokens per micro-batch, hidden {args.hidden}, "
           f"vocab {args.vocab}, fp32; forward+backward of log-probs and entropy at the trained positions "
           f"(best of {args.reps}, paths alternated; peak memory from a separate process per path)")
@@ -114,6 +126,7 @@ def main() -> None:
     print(header)
     print("-" * len(header))
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    rows = []
     for masked in args.masked:
         peak = {}
         for path in ("full", "trained"):
@@ -126,6 +139,25 @@ def main() -> None:
         print(f"{masked:>7.0%} {n:>8d} | {t_full:>8.3f} {t_trained:>10.3f} {t_full / t_trained:>8.2f}x | "
               f"{peak['full']:>9.0f} {peak['trained']:>12.0f} {peak['full'] / max(peak['trained'], 1e-9):>9.2f}x | "
               f"{diff:>11.2e}")
+        rows.append({"masked": masked, "trained_tokens": n, "full_s": t_full, "trained_s": t_trained,
+                     "speedup": t_full / t_trained, "full_peak_mib": peak["full"], "trained_peak_mib": peak["trained"],
+                     "max_abs_logprob_diff": diff})
+    figures = {}
+    for r in rows:
+        pct = round(100 * r["masked"])
+        figures[f"speedup_at_{pct}pct_masked"] = r["speedup"]
+        figures[f"memory_ratio_at_{pct}pct_masked"] = r["full_peak_mib"] / max(r["trained_peak_mib"], 1e-9)
+    config = {k: v for k, v in vars(args).items() if k != "_child"}
+    return {"config": config, "rows": rows, "figures": figures}
+
+
+def main() -> None:
+    args = parse_args()
+    if args._child:
+        torch.set_num_threads(args.threads)
+        peak_memory_child(args._child[0], float(args._child[1]), args)
+        return
+    report(args)
 
 
 if __name__ == "__main__":

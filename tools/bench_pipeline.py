@@ -18,6 +18,8 @@ It reports
    tokens, and longest-first greedy on cost without the exchange pass.
 
     python tools/bench_pipeline.py [--quick] [--out results.json]
+
+`run(quick)` returns the same figures as a dict (what `tools/bench.py` collects).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import gc
 import json
 import statistics
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -38,7 +40,7 @@ from megatron_stepwise.algo.merge import merge_steps
 from megatron_stepwise.synthetic import AgentWorkload, make_agent_steps
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="64 prompts, 2 warm repeats")
     p.add_argument("--prompts", type=int, default=512)
@@ -52,7 +54,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5, help="warm runs after the cold one")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the results as JSON here")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.quick:
         args.prompts, args.repeats = 64, 2
     return args
@@ -178,8 +180,26 @@ def balance_report(minibatch_lengths: list[list[int]], args) -> dict[str, dict[s
 # --------------------------------------------------------------------------------- main
 
 
+def run(quick: bool = False, **options: Any) -> dict[str, Any]:
+    """The CLI's defaults (or `--quick`), with keyword overrides; prints the tables, returns the figures."""
+    args = parse_args(["--quick"] if quick else [])
+    for key, value in options.items():
+        if not hasattr(args, key):
+            raise ValueError(f"bench_pipeline.run: unknown option {key!r}")
+        setattr(args, key, value)
+    return bench(args)
+
+
 def main() -> None:
     args = parse_args()
+    result = bench(args)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"\nwrote {args.out}")
+
+
+def bench(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(1)
     w = AgentWorkload(num_prompts=args.prompts, samples_per_prompt=args.samples, drift_prob=args.drift, seed=args.seed)
     t = time.perf_counter()
@@ -254,13 +274,10 @@ def main() -> None:
         for name, b in rows.items():
             print(f"    {name:<26}{b['worst']:>9.4f} | {b['mean']:.4f}   micro/rank {b['micro_batches_per_rank']}")
 
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"config": vars(args), "workload": {"steps": len(steps), "tokens": n_tokens},
-                       "time_s": {"cold": cold, "warm_median": warm, "all_runs": runs},
-                       "cpu_s": {"cold": cold_cpu, "warm_median": warm_cpu, "all_runs": cpu_runs},
-                       "merge": vars(mstats), "layouts": reports, "dp_balance": balance}, f, indent=2)
-        print(f"\nwrote {args.out}")
+    return {"config": vars(args), "workload": {"steps": len(steps), "tokens": n_tokens},
+            "time_s": {"cold": cold, "warm_median": warm, "all_runs": runs},
+            "cpu_s": {"cold": cold_cpu, "warm_median": warm_cpu, "all_runs": cpu_runs},
+            "merge": vars(mstats), "layouts": reports, "dp_balance": balance}
 
 
 if __name__ == "__main__":

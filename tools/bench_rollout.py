@@ -65,7 +65,7 @@ async def bench(args) -> dict[str, dict]:
     return results
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--prompts", type=int, default=64)
@@ -73,9 +73,18 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--concurrency", type=int, default=64)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.quick:
         args.prompts = 16
+    return args
+
+
+def run(quick: bool = False) -> dict:
+    """What `tools/bench.py` collects: prints the table, returns the figures."""
+    return report(parse_args(["--quick"] if quick else []))
+
+
+def report(args: argparse.Namespace) -> dict:
     results = asyncio.run(bench(args))
     import ray
 
@@ -87,7 +96,13 @@ def main() -> None:
     for metric in ("trajectories/s", "gen tokens/s", "steps", "seconds"):
         print(f"{metric:>16}" + "".join(f"{results[n][metric]:>16.2f}" for n in names))
     base = results["fleet x1"]["trajectories/s"]
-    print(f"{'x2 / x1':>16}{results['fleet x2']['trajectories/s'] / base:>16.2f}  (fleet trajectories/s ratio)")
+    ratio = results["fleet x2"]["trajectories/s"] / base
+    print(f"{'x2 / x1':>16}{ratio:>16.2f}  (fleet trajectories/s ratio)")
+    return {"config": vars(args), "results": results, "fleet_x2_over_x1": ratio}
+
+
+def main() -> None:
+    report(parse_args())
 
 
 if __name__ == "__main__":

@@ -79,12 +79,20 @@ def bench_model(name: str, cfg: dict, repeat: int, bucket_mb: float, workdir: Pa
     return row
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny model only, one repeat")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--bucket-mb", type=float, default=64)
-    args = p.parse_args()
+    return p.parse_args(argv)
+
+
+def run(quick: bool = False) -> dict:
+    """What `tools/bench.py` collects: prints the table, returns the figures."""
+    return report(parse_args(["--quick"] if quick else []))
+
+
+def report(args: argparse.Namespace) -> dict:
     repeat = 1 if args.quick else args.repeat
     torch.set_num_threads(1)
     with socket.socket() as s:
@@ -107,6 +115,12 @@ def main() -> None:
         print(f"{r['model']:<12}{r['params_M']:>8.1f}M{r['MB']:>8.1f}{cells}")
     print("ratios to convert (time):", "; ".join(
         f"{r['model']}: " + ", ".join(f"{ph} {r[ph] / r['convert']:.1f}x" for ph in phases[1:]) for r in rows))
+    figures = {f"{ph}_MB_per_s_{r['model']}": r["MB"] / r[ph] for r in rows for ph in phases}
+    return {"config": {**vars(args), "repeat": repeat}, "rows": rows, "figures": figures}
+
+
+def main() -> None:
+    report(parse_args())
 
 
 if __name__ == "__main__":

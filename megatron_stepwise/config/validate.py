@@ -259,6 +259,9 @@ def _check_async(cfg: ExperimentConfig, check: _Checker) -> None:
         check.fail("algo.loss.tis", "async.enabled=true trains on rollouts of older weights: set "
                                     "algo.loss.tis to token or sequence to correct for the policy lag",
                    "async.enabled")
+    if cfg.data.epochs != 1:
+        check.fail("data.epochs", f"{cfg.data.epochs}: async.enabled=true trains each mini-batch once, as "
+                                  "its groups arrive; set data.epochs=1", "async.enabled")
 
 
 def _check_optim(cfg: ExperimentConfig, check: _Checker) -> None:

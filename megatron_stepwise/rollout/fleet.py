@@ -8,8 +8,10 @@
   reuse); new sessions go to the engine with the fewest outstanding requests. At most
   `max_concurrency` requests are in flight over the whole fleet.
 - Weight updates: new requests wait at a gate, in-flight ones drain, then every engine is
-  paused -> updated -> flushed -> resumed, and the gate reopens. Every generation reports the
-  version that produced it (`GenerateResult.weight_version`, per token in `token_weight_versions`).
+  paused -> updated -> flushed -> resumed, and the gate reopens. With `partial_rollouts` (async
+  training) in-flight requests do not drain: they are paused mid-turn and continue with the new
+  weights. Every generation reports the version that produced it (`GenerateResult.weight_version`,
+  per token in `token_weight_versions`).
 - Faults: a request whose engine dies, errors or times out is retried from scratch on another
   engine (at most `max_retries` times); the late result of a timed-out request is dropped and the
   request aborted on its engine. A dead engine is restarted from its spec and brought to the
@@ -181,6 +183,9 @@ class RolloutFleet:
         self.request_timeout_s = request_timeout_s
         self.restart_dead = restart_dead
         self.weight_version = 0
+        # False: a weight update waits for in-flight requests to finish (synchronous training).
+        # True: it pauses them mid-turn; they continue with the new weights (partial rollouts).
+        self.partial_rollouts = False
         self._metrics = FleetMetrics()
         self._limit = asyncio.Semaphore(max_concurrency)
         self._slots = [_Slot(i, spec, self._spawn(spec, i, 0)) for i, spec in enumerate(specs)]
@@ -366,7 +371,8 @@ class RolloutFleet:
         async with self._update_lock:
             self._gate.clear()
             try:
-                await self._drained.wait()
+                if not self.partial_rollouts:
+                    await self._drained.wait()
                 version = self.weight_version + 1 if weight_version is None else int(weight_version)
                 live = [s for s in self._slots if s.alive]
                 for phase in (

@@ -6,6 +6,12 @@ Concurrent `generate` calls are batched: pending requests are taken together (up
 worker thread so the event loop (HTTP server, Ray actor) stays responsive, and between two decode
 steps the engine can be paused, aborted or have its weights replaced.
 
+Partial rollouts: requests in flight during a weight update continue, not restart. Their KV cache
+was computed by the old weights, so it is rebuilt (prompt + tokens generated so far) with the new
+ones before the next token: each token is sampled from, and reports the log-prob and weight
+version of, the weights that were loaded when it was drawn (SGLang's "retract" pause behaves
+the same way; "in_place" would keep the stale cache).
+
 There is no cross-request prefix cache, so `flush_cache` has nothing to drop.
 """
 
@@ -49,21 +55,30 @@ class _Request:
 
 
 class _Batch:
-    """One static batch: left-padded prefill, then one token per active row per `step()`."""
+    """One static batch: left-padded prefill, then one token per active row per `step()`.
+
+    After a weight swap in the middle of the batch, `prefill()` runs again over each row's prompt
+    plus the tokens it has generated so far: generation continues (nothing is discarded) and
+    every later token is sampled from the new weights' distribution, with their exact log-prob.
+    """
 
     def __init__(self, engine: "LocalEngine", requests: list[_Request]):
         self.engine = engine
         self.requests = requests
-        model = engine.model
-        lengths = [len(r.input_ids) for r in requests]
+        self.prefill()
+
+    def prefill(self) -> None:
+        eng = self.engine
+        self.weights_epoch = eng._weights_epoch
+        seqs = [r.input_ids + r.output_ids for r in self.requests]
+        lengths = [len(s) for s in seqs]
         width = max(lengths)
-        pad = engine.pad_token_id
-        ids = torch.tensor([[pad] * (width - n) + r.input_ids for r, n in zip(requests, lengths)])
+        ids = torch.tensor([[eng.pad_token_id] * (width - n) + s for s, n in zip(seqs, lengths)])
         self.mask = torch.tensor([[0] * (width - n) + [1] * n for n in lengths])
         self.next_pos = torch.tensor(lengths)
         positions = (self.mask.cumsum(-1) - 1).clamp(min=0)
         with torch.no_grad():
-            out = model(input_ids=ids, attention_mask=self.mask, position_ids=positions, use_cache=True)
+            out = eng.model(input_ids=ids, attention_mask=self.mask, position_ids=positions, use_cache=True)
         self.cache = out.past_key_values
         self.last_logits = out.logits[:, -1, :].float()
 
@@ -140,6 +155,7 @@ class LocalEngine:
         self.name = name
         self.generator = torch.Generator().manual_seed(seed)
         self._weight_version = 0
+        self._weights_epoch = 0  # bumped by every weight load; in-flight batches compare it
         self._pending: list[_Request] = []
         self._inflight: dict[str, _Request] = {}
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{name}-model")
@@ -199,6 +215,8 @@ class LocalEngine:
         while batch.active:
             await self._running.wait()
             async with self._model_lock:
+                if batch.weights_epoch != self._weights_epoch:  # weights changed since the cache was built
+                    await self._run(batch.prefill)
                 await self._run(batch.step)
             for r in live:
                 if r.finish_reason is not None and not r.future.done():
@@ -342,6 +360,7 @@ class LocalEngine:
         self._weight_groups.pop(group_name, None)
 
     def _bump_version(self, weight_version: Optional[int]) -> int:
+        self._weights_epoch += 1
         self._weight_version = self._weight_version + 1 if weight_version is None else int(weight_version)
         return self._weight_version
 

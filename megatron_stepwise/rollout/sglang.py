@@ -223,8 +223,12 @@ class SGLangClient:
         await self._request("POST", "/destroy_weights_update_group", json={"group_name": group_name})
 
     async def pause(self) -> None:
-        # in_place: running requests keep their KV cache and continue after /continue_generation.
-        await self._request("POST", "/pause_generation", json={"mode": "in_place"})
+        # retract: running requests go back to the queue, keeping their output so far, and their
+        # KV cache is rebuilt on /continue_generation, so after a weight update (partial rollouts,
+        # async training) every later token comes from the new weights, like the embedded engine.
+        # ("in_place" would continue on the old weights' cache, and /flush_cache would refuse to
+        # run while they are paused.) With nothing running, both modes are the same.
+        await self._request("POST", "/pause_generation", json={"mode": "retract"})
 
     async def resume(self) -> None:
         await self._request("POST", "/continue_generation", json={})

@@ -1,0 +1,247 @@
+"""The buffer of finished trajectory groups in asynchronous training, and its staleness bound.
+
+In async mode the fleet keeps rolling out prompt groups (all `samples_per_prompt` trajectories of
+one prompt) while the trainer trains. `GroupBuffer` is the bookkeeping between the two. It is
+plain Python (no asyncio, Ray or torch.distributed), so its guarantees are tested against a
+simulated clock with random generation and training speeds (tests/test_group_buffer.py).
+
+Versions: a group's `start_version` is the fleet's weight version when it was started (its
+trajectories' first tokens come from that version or a later one). The trainer at version V
+trains the weights that become V + 1.
+
+- **The bound.** `take(n, V)` returns only groups with `V - start_version <= max_staleness`.
+  Ready groups that grew older than that (slow generation, or newer groups overtook them) are
+  evicted first, and so are groups already too stale when they finish: dropped, or re-queued
+  (their sample starts again as a new group) by `stale_policy`, and counted.
+- **Admission.** A group may start at fleet version v only while
+  `trained + outstanding < (v - base_version + max_staleness + 1) * groups_per_step`
+  (outstanding = in flight + ready). Were groups trained in start order, a group started at v
+  would be trained by step v + max_staleness at the latest; the rule keeps the fleet at most
+  `max_staleness` optimizer steps ahead of the trainer, so evictions stay rare.
+- **Atomic groups.** A group enters once all its trajectories finished and leaves whole: its rows
+  (a variable number: trajectories x turns) always arrive together, in the agent loop's order.
+- **Exactly n.** `take` returns exactly n groups, oldest start version first (those closest to
+  the bound), or None when fewer than n are ready.
+- **Group filters** (`keep_group`, e.g. "the rewards vary") act at completion: a filtered group
+  never takes a training slot and frees its admission slot, so the trainer always gets n
+  informative groups (dynamic sampling for free). `starved(limit)` says that filters discarded
+  `limit` groups since the last take: the trainer gives up on that step instead of waiting
+  forever (e.g. once every prompt is solved).
+- **Conservation.** Every started group ends exactly once: trained, dropped, re-queued, filtered,
+  or still outstanding; `ledger` records which.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Optional
+
+STALE_POLICIES = ("drop", "requeue")
+
+
+@dataclass
+class Group:
+    """One prompt group on its way from the fleet to an optimizer step."""
+
+    serial: int  # unique per started group, in start order
+    sample: dict[str, Any]  # the dataset sample (its own prompt_id)
+    group_id: str  # the prompt_id its trajectories carry; unique among outstanding groups
+    start_version: int
+    attempt: int = 0  # 0 for a fresh sample, k after k stale re-queues
+    steps: list = field(default_factory=list)  # the group's Steps, once finished
+    finish_order: int = -1
+
+    def rollout_sample(self) -> dict[str, Any]:
+        """The sample to roll out: the dataset's, under this group's id."""
+        return {**self.sample, "prompt_id": self.group_id}
+
+
+@dataclass
+class BufferCounters:
+    started: int = 0
+    finished: int = 0
+    trained: int = 0
+    filtered: int = 0
+    stale_dropped: int = 0
+    stale_requeued: int = 0
+
+
+class GroupBuffer:
+    """See the module docstring. All methods are called from one thread (rank 0's event loop)."""
+
+    def __init__(
+        self,
+        groups_per_step: int,
+        max_staleness: int,
+        stale_policy: str = "drop",
+        keep_group: Optional[Callable[[list], bool]] = None,
+        base_version: int = 0,
+    ):
+        if groups_per_step < 1:
+            raise ValueError(f"data.prompts_per_minibatch must be >= 1, got {groups_per_step}")
+        if max_staleness < 0:
+            raise ValueError(f"async.max_staleness must be >= 0, got {max_staleness}")
+        if stale_policy not in STALE_POLICIES:
+            raise ValueError(f"async.stale_policy must be one of {', '.join(STALE_POLICIES)}, got {stale_policy!r}")
+        self.groups_per_step = groups_per_step
+        self.max_staleness = max_staleness
+        self.stale_policy = stale_policy
+        self.keep_group = keep_group
+        self.base_version = base_version
+        self.counters = BufferCounters()
+        self.ledger: dict[int, str] = {}  # serial -> trained | filtered | dropped | requeued
+        self._in_flight: dict[int, Group] = {}
+        self._ready: list[Group] = []
+        self._requeued: deque[tuple[dict[str, Any], int]] = deque()
+        self._filtered_since_take = 0
+
+    # ---- views ------------------------------------------------------------------------------
+    @property
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    @property
+    def ready(self) -> int:
+        return len(self._ready)
+
+    @property
+    def outstanding(self) -> int:
+        return len(self._in_flight) + len(self._ready)
+
+    def is_stale(self, group: Group, version: int) -> bool:
+        return version - group.start_version > self.max_staleness
+
+    def capacity(self, version: int) -> int:
+        """Groups that may have been started (trained + outstanding) by fleet version `version`."""
+        return (version - self.base_version + self.max_staleness + 1) * self.groups_per_step
+
+    # ---- producer side ------------------------------------------------------------------------
+    def can_start(self, version: int) -> bool:
+        return self.counters.trained + self.outstanding < self.capacity(version)
+
+    def start(self, version: int, draw: Callable[[], dict[str, Any]]) -> Group:
+        """Start a group at fleet version `version`: a re-queued sample first, else `draw()`."""
+        if self._requeued:
+            sample, attempt = self._requeued.popleft()
+        else:
+            sample, attempt = draw(), 0
+        serial = self.counters.started
+        pid = str(sample.get("prompt_id", ""))
+        if not pid:
+            raise ValueError(f"dataset sample {sample!r:.200} has no 'prompt_id'")
+        outstanding_ids = {g.group_id for g in self._in_flight.values()} | {g.group_id for g in self._ready}
+        # The same prompt can be in flight twice (a small dataset wraps around): group ids must
+        # stay distinct, or two groups would mix in one advantage group.
+        group_id = pid if pid not in outstanding_ids else f"{pid}~{serial}"
+        group = Group(serial, sample, group_id, start_version=version, attempt=attempt)
+        self._in_flight[serial] = group
+        self.counters.started += 1
+        return group
+
+    def finish(self, serial: int, steps: list, version: int) -> str:
+        """A group's trajectories all finished (trainer at `version`); returns what became of it:
+        "ready", "filtered", "dropped" or "requeued"."""
+        group = self._in_flight.pop(serial, None)
+        if group is None:
+            raise ValueError(f"group {serial} is not in flight (finished twice, or never started)")
+        group.steps = list(steps)
+        group.finish_order = self.counters.finished
+        self.counters.finished += 1
+        if self.is_stale(group, version):
+            return self._evict(group)
+        if self.keep_group is not None and not self.keep_group(group.steps):
+            self.counters.filtered += 1
+            self._filtered_since_take += 1
+            self.ledger[serial] = "filtered"
+            return "filtered"
+        self._ready.append(group)
+        return "ready"
+
+    # ---- trainer side -------------------------------------------------------------------------
+    def take(self, n: int, version: int) -> Optional[list[Group]]:
+        """Exactly `n` ready groups fresh enough for the trainer at `version`, oldest first; or
+        None (nothing removed but the stale) when fewer are ready."""
+        fresh = []
+        for group in self._ready:
+            if self.is_stale(group, version):
+                self._evict(group)
+            else:
+                fresh.append(group)
+        fresh.sort(key=lambda g: (g.start_version, g.finish_order))
+        self._ready = fresh
+        if len(fresh) < n:
+            return None
+        out, self._ready = fresh[:n], fresh[n:]
+        for group in out:
+            self.ledger[group.serial] = "trained"
+        self.counters.trained += n
+        self._filtered_since_take = 0
+        return out
+
+    def starved(self, limit: int) -> bool:
+        """Filters discarded at least `limit` groups since the last take."""
+        return self._filtered_since_take >= limit
+
+    def skip_step(self) -> None:
+        """The trainer gave up on a step (see `starved`); start counting filtered groups anew."""
+        self._filtered_since_take = 0
+
+    def _evict(self, group: Group) -> str:
+        if self.stale_policy == "requeue":
+            self._requeued.append((group.sample, group.attempt + 1))
+            self.counters.stale_requeued += 1
+            outcome = "requeued"
+        else:
+            self.counters.stale_dropped += 1
+            outcome = "dropped"
+        self.ledger[group.serial] = outcome
+        return outcome
+
+    # ---- metrics and checkpoints --------------------------------------------------------------
+    def metrics(self) -> dict[str, float]:
+        out = {f"async/groups_{k}": float(v) for k, v in asdict(self.counters).items()}
+        out["async/groups_in_flight"] = float(self.in_flight)
+        out["async/groups_ready"] = float(self.ready)
+        out["async/groups_requeue_waiting"] = float(len(self._requeued))
+        return out
+
+    def pending_samples(self) -> list[dict[str, Any]]:
+        """Samples drawn from the dataset but not trained yet (in flight, ready, re-queued): a
+        checkpoint stores them so a resumed run rolls them out first (`requeue_samples`)."""
+        groups = sorted([*self._in_flight.values(), *self._ready], key=lambda g: g.serial)
+        return [s for s, _ in self._requeued] + [g.sample for g in groups]
+
+    def requeue_samples(self, samples: list[dict[str, Any]]) -> None:
+        self._requeued.extend((dict(s), 0) for s in samples)
+
+
+def group_has_variance(steps: list) -> bool:
+    """The zero-variance filter: keep a group whose trajectory rewards (last steps) differ."""
+    rewards = {s.reward for s in steps if s.is_last_step and not s.is_padding}
+    return len(rewards) > 1
+
+
+def trained_token_staleness(steps: list, version: int):
+    """`version - weight version that produced it` for every trained token (loss_mask 1), as one
+    long tensor; steps without recorded versions are skipped."""
+    import torch
+
+    parts = [version - s.weight_versions[s.loss_mask.bool()] for s in steps if s.weight_versions is not None]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+
+def trajectory_version_spread(steps: list) -> list[int]:
+    """Per trajectory, newest minus oldest weight version among its trained tokens: > 0 when a
+    weight update landed while it was being generated (a partial rollout)."""
+    lo: dict[Any, int] = {}
+    hi: dict[Any, int] = {}
+    for s in steps:
+        if s.weight_versions is None:
+            continue
+        v = s.weight_versions[s.loss_mask.bool()]
+        if v.numel():
+            tid = s.trajectory_id
+            lo[tid] = min(lo.get(tid, int(v.min())), int(v.min()))
+            hi[tid] = max(hi.get(tid, int(v.max())), int(v.max()))
+    return [hi[t] - lo[t] for t in lo]

@@ -1,0 +1,157 @@
+"""The benchmark suite keeps running and reports what it promises (keys, invariants of the
+accounting, missing benchmarks); it never checks speed."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TOOLS = ROOT / "tools"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture()
+def suite(tools_on_path):
+    return _load("bench")
+
+
+@pytest.fixture()
+def tools_on_path():
+    sys.path.insert(0, str(TOOLS))
+    try:
+        yield
+    finally:
+        sys.path.remove(str(TOOLS))
+
+
+def test_quick_suite_subset_writes_json_and_markdown(tmp_path):
+    out = tmp_path / "bench.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(TOOLS / "bench.py"), "--quick", "--only", "merge", "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["suite"] == "cpu" and report["quick"] is True
+    assert {"label", "cpu_count", "torch", "megatron_core"} <= set(report["machine"])
+    assert set(report["benchmarks"]) == {"merge"}
+    assert all(b["status"] == "ok" for b in report["benchmarks"].values())
+
+    merge = report["benchmarks"]["merge"]["result"]
+    rows = merge["by_turns"]
+    assert [r["turns"] for r in rows] == list(range(1, 17))
+    # One turn has nothing to merge; with more, merging never adds tokens and never goes below
+    # the trajectory's own stream; the trained tokens are the same in both layouts.
+    assert rows[0]["unmerged_tokens_per_traj"] == rows[0]["merged_tokens_per_traj"]
+    for r in rows:
+        assert r["unique_tokens_per_traj"] <= r["merged_tokens_per_traj"] <= r["unmerged_tokens_per_traj"]
+        assert r["trained_tokens_equal"] and r["broken_prefixes"] == 0
+    assert set(merge["growth_exponent"]) == {"unmerged", "merged", "unique"}
+
+    # Every figure of the benchmark that ran is in the summary, with a value and its target.
+    figures = report["figures"]
+    assert {f["benchmark"] for f in figures} == {"merge"}
+    targeted = [f for f in figures if f["target"] != "-"]
+    assert targeted and all(f["value"] is not None and f["met"] in (True, False) for f in targeted)
+    md = out.with_suffix(".md").read_text()
+    assert "| Benchmark | Figure | Measured | Target (issue 7) | Met |" in md
+    assert md.count("\n| merge |") == sum(f["benchmark"] == "merge" for f in figures)
+
+
+def test_host_pipeline_reports_every_phase_and_the_reference(tools_on_path, capsys):
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        host = _load("bench_host").run(quick=True, prompts=8, prompts_per_minibatch=4, repeats=1)
+    finally:
+        torch.set_num_threads(threads)  # the benchmark pins one thread
+    phases = {"validate", "merge", "advantages", "minibatch", "plan", "total", "columnar_batch", "total_with_columnar"}
+    assert set(host["time_s"]["warm_wall"]) == phases
+    assert host["workload"]["merged_rows"] == 8 * 8  # prefix-consistent: one row per trajectory
+    ref = host["reference_gpu"]
+    assert ref["tokens"] == host["workload"]["tokens_after_merge"] < host["workload"]["tokens"]
+    assert ref["seconds"] > 0 and host["fraction_of_gpu_time"] == pytest.approx(host["seconds"] / ref["seconds"])
+    assert "assumption:" in capsys.readouterr().out
+
+
+def test_quick_mode_leaves_out_ray_benchmarks_unless_named(suite):
+    import argparse
+
+    rollout = suite.BENCHMARKS["rollout"]
+    assert suite.quick_skip(rollout, argparse.Namespace(quick=True, only=None))
+    assert suite.quick_skip(rollout, argparse.Namespace(quick=True, only="merge,rollout")) is None
+    assert suite.quick_skip(rollout, argparse.Namespace(quick=False, only=None)) is None
+    assert suite.quick_skip(suite.BENCHMARKS["merge"], argparse.Namespace(quick=True, only=None)) is None
+
+
+def test_missing_script_and_skipped_benchmarks_are_reported(suite, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(suite, "TOOLS", tmp_path)
+    missing = suite.run_benchmark(suite.Benchmark("x", "bench_not_here", "3", "t"), quick=True, timeout_s=30)
+    assert missing["status"] == "missing" and "bench_not_here.py" in missing["message"]
+    assert "MISSING" in capsys.readouterr().out
+
+    # A script without run(): its printed output is the result.
+    (tmp_path / "bench_script.py").write_text("import sys\nprint('table', sys.argv[1:])\n")
+    entry = suite.run_benchmark(suite.Benchmark("s", "bench_script", "7", "t"), quick=True, timeout_s=30)
+    assert entry["status"] == "ok" and entry["result"]["stdout"].strip() == "table ['--quick']"
+
+    # A module whose run() reports a skip, and one that fails.
+    (tmp_path / "bench_skip.py").write_text("def run(quick=False):\n    return {'skipped': 'no widget'}\n")
+    entry = suite.run_benchmark(suite.Benchmark("k", "bench_skip", "9", "t"), quick=False, timeout_s=30)
+    assert entry["status"] == "skipped" and entry["message"] == "no widget"
+    (tmp_path / "bench_fail.py").write_text("def run(quick=False):\n    raise RuntimeError('boom')\n")
+    entry = suite.run_benchmark(suite.Benchmark("f", "bench_fail", "9", "t"), quick=False, timeout_s=30)
+    assert entry["status"] == "failed" and "boom" in entry["message"]
+
+
+def test_unknown_benchmark_name_is_rejected(suite):
+    with pytest.raises(SystemExit, match="unknown benchmark.*nope.*choose from"):
+        suite.select("cpu", "merge,nope")
+
+
+def test_unmeasured_figures_have_no_verdict(tools_on_path):
+    report = _load("bench_report")
+    rows = report.evaluate({"logprobs": {"status": "missing"},
+                            "merge": {"status": "ok", "result": {"merged_over_unique_max": 1.2}}})
+    by_label = {r["figure"]: r for r in rows}
+    lp = next(r for r in rows if r["benchmark"] == "logprobs")
+    assert lp["value"] is None and lp["met"] is None and lp["display"] == "not measured"
+    worst = by_label["merged tokens / unique tokens, prefix-consistent (worst over T=1..16)"]
+    assert worst["value"] == 1.2 and worst["met"] is False  # target <= 1.05
+
+
+def test_flops_model_by_hand(tools_on_path):
+    flops = _load("flops")
+    shape = flops.ModelShape(hidden=8, ffn=16, layers=2, heads=2, kv_heads=1, head_dim=4, vocab=10, tied=False)
+    # per layer: QKV 8*(8+2*4)=128, out 8*8=64, MLP 3*8*16=384 -> 576; 2 layers
+    assert shape.layer_matmul_params == 1152
+    f = flops.training_flops(shape, [3, 5], trained_tokens=4)
+    assert f["dense"] == 6 * 1152 * 8
+    assert f["output"] == 6 * 10 * 8 * 4
+    assert f["attention"] == 6 * 2 * 8 * (9 + 25)  # causal, per row: 6 * layers * heads*head_dim * L^2
+    # Published parameter counts of the Qwen2.5 shapes (0.49B, 1.54B, 7.61B) within 1%.
+    for name, published in [("qwen2.5-0.5b", 0.49e9), ("qwen2.5-1.5b", 1.54e9), ("qwen2.5-7b", 7.61e9)]:
+        total = flops.ModelShape.from_hf(flops.QWEN2_CONFIGS[name]).total_params
+        assert abs(total / published - 1) < 0.01, (name, total)
+
+
+def test_cli_bench_subcommand_takes_the_suite_options(capsys):
+    from megatron_stepwise import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert all(opt in out for opt in ("--suite", "--quick", "--only", "--out", "--machine"))

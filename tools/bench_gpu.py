@@ -1,0 +1,192 @@
+"""GPU training-step throughput and MFU of the step-wise plugin (prints measured figures; never
+asserts). On a machine without a CUDA GPU it prints why it is skipped and exits 0.
+
+Setup: megatron-core at world size 1 (NCCL), a randomly initialised Qwen2.5-0.5B (or 1.5B) from
+its published config shape (`tools/flops.py`; nothing is downloaded), bf16 weights with fp32
+main parameters in megatron's Adam, Transformer Engine's spec if it imports (else the local spec
+with per-row SDPA attention). One mini-batch of agent-shaped step rows (1-3 turns, rows up to
+~3.8k tokens), packed into 4096-token micro-batches by the plugin; one timed unit is one
+`StepwisePlugin.train_minibatch` (forward, backward, optimizer step), synchronised.
+
+Figures, measured side by side on the same device in the same run:
+- peak: the best bf16 matmul throughput of the device (square matmuls of 4096..16384, timed with
+  CUDA events): the denominator of MFU, so MFU is relative to what this GPU really sustains,
+  not a datasheet;
+- tokens/s: real (packed) tokens per second of the training step;
+- MFU: model FLOPs of the step (`tools/flops.py`: 6 x layer params x tokens + causal attention
+  per row + output layer at trained positions) / step time / peak.
+
+    python tools/bench_gpu.py [--quick] [--model qwen2.5-1.5b] [--out results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from flops import QWEN2_CONFIGS, ModelShape, training_flops  # noqa: E402
+
+from megatron_stepwise.algo.advantages import compute_advantages  # noqa: E402
+from megatron_stepwise.algo.losses import LossConfig  # noqa: E402
+from megatron_stepwise.synthetic import AgentWorkload, make_agent_steps  # noqa: E402
+
+MICRO_TOKENS = 4096
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="a smaller mini-batch, fewer timed steps, one matmul size")
+    p.add_argument("--model", default="qwen2.5-0.5b", choices=[k for k in QWEN2_CONFIGS if not k.endswith("7b")])
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--samples", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="write the results as JSON here")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.prompts, args.warmup, args.repeats = 4, 1, 2
+    return args
+
+
+def matmul_peak_tflops(sizes: tuple[int, ...], iters: int = 20) -> dict[str, float]:
+    """Best measured bf16 dense matmul throughput (TFLOP/s) over square sizes."""
+    out = {}
+    for n in sizes:
+        a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+        for _ in range(3):
+            a @ b
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(iters):
+            a @ b
+        end.record()
+        torch.cuda.synchronize()
+        seconds = start.elapsed_time(end) / 1e3
+        out[str(n)] = 2.0 * n**3 * iters / seconds / 1e12
+        del a, b
+    torch.cuda.empty_cache()
+    return out
+
+
+def gpu_minibatch(args: argparse.Namespace, vocab_size: int):
+    """Agent-shaped step rows that fit a 4096-token micro-batch, with GRPO advantages."""
+    from megatron_stepwise.megatron.packing import set_response_field
+    from megatron_stepwise.types import StepBatch
+
+    w = AgentWorkload(num_prompts=args.prompts, samples_per_prompt=args.samples, turns=(1, 3),
+                      prompt_len=(100, 600), obs_len=(50, 1000), response_len=(20, 400),
+                      vocab_size=vocab_size, success_prob=0.5, seed=args.seed)
+    steps = make_agent_steps(w)
+    batch = StepBatch.from_steps(steps)
+    set_response_field(batch, "advantages", compute_advantages(steps, "grpo"))
+    return steps, batch
+
+
+def skip_reason() -> Optional[str]:
+    if not torch.cuda.is_available():
+        return "no CUDA GPU on this machine (torch.cuda.is_available() is False)"
+    return None
+
+
+def run(quick: bool = False, **options: Any) -> dict[str, Any]:
+    """Prints the table, returns the figures; {'skipped': reason} without a GPU."""
+    args = parse_args(["--quick"] if quick else [])
+    for key, value in options.items():
+        setattr(args, key, value)
+    reason = skip_reason()
+    if reason:
+        print(f"bench_gpu: skipped: {reason}")
+        return {"skipped": reason}
+    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|cuda_graph_scope).*")
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from bench_trainer_step import start_world_of_one
+    from megatron_stepwise.megatron.model import build_model_chunks, te_available
+    from megatron_stepwise.megatron.plugin import StepwisePlugin
+    from megatron_stepwise.megatron.runtime import destroy_distributed
+
+    peak = matmul_peak_tflops((8192,) if args.quick else (4096, 8192, 16384))
+    peak_tflops = max(peak.values())
+    hf = QWEN2_CONFIGS[args.model]
+    shape = ModelShape.from_hf(hf)
+    steps, batch = gpu_minibatch(args, hf["vocab_size"])
+    lengths = [s.num_tokens for s in steps]
+    trained = sum(s.num_trainable for s in steps)
+    flops = training_flops(shape, lengths, trained_tokens=trained)
+
+    start_world_of_one()
+    try:
+        chunks = build_model_chunks(hf, config_overrides={"dtype": torch.bfloat16})
+        opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-6, weight_decay=0.0, clip_grad=1.0,
+                                                     bf16=True, params_dtype=torch.bfloat16), chunks)
+        plugin = StepwisePlugin(LossConfig(policy_loss="ppo", reduction="token_mean"),
+                                max_tokens_per_microbatch=MICRO_TOKENS)
+        times = []
+        for i in range(args.warmup + args.repeats):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            metrics = plugin.train_minibatch(chunks, opt, batch)
+            torch.cuda.synchronize()
+            if i >= args.warmup:
+                times.append(time.perf_counter() - t)
+        memory_gib = torch.cuda.max_memory_allocated() / 2**30
+    finally:
+        destroy_distributed()
+
+    sec = statistics.median(times)
+    tokens = sum(lengths)
+    achieved = flops["total"] / sec / 1e12
+    mfu = achieved / peak_tflops
+    print(f"GPU training step: {torch.cuda.get_device_name()}, {args.model} ({shape.total_params / 1e9:.2f}B params, "
+          f"random init, bf16), {'Transformer Engine' if te_available() else 'local'} spec; mini-batch of "
+          f"{len(steps)} step rows, {tokens:,} tokens ({trained:,} trained), "
+          f"{int(metrics['num_microbatches'])} packed micro-batches of <= {MICRO_TOKENS} tokens; median of {len(times)}")
+    print("  bf16 matmul peak (measured): " + ", ".join(f"n={n}: {v:.0f}" for n, v in peak.items())
+          + f" TFLOP/s -> {peak_tflops:.0f}")
+    print(f"  {'step s':>8}{'tokens/s':>12}{'model TFLOP/step':>18}{'achieved TFLOP/s':>18}{'MFU':>8}{'peak mem GiB':>14}")
+    print(f"  {sec:>8.3f}{tokens / sec:>12,.0f}{flops['total'] / 1e12:>18.1f}{achieved:>18.1f}{mfu:>8.1%}{memory_gib:>14.1f}")
+    print(f"  FLOPs split: dense {flops['dense'] / flops['total']:.0%}, attention {flops['attention'] / flops['total']:.0%}, "
+          f"output layer (trained positions) {flops['output'] / flops['total']:.0%}")
+    return {
+        "config": {k: v for k, v in vars(args).items() if k != "out"},
+        "device": torch.cuda.get_device_name(),
+        "transformer_engine": te_available(),
+        "params": shape.total_params,
+        "matmul_peak_tflops": peak,
+        "peak_tflops": peak_tflops,
+        "tokens": tokens,
+        "trained_tokens": trained,
+        "flops": flops,
+        "step_s": sec,
+        "all_step_s": times,
+        "tokens_per_s": tokens / sec,
+        "achieved_tflops": achieved,
+        "mfu": mfu,
+        "max_memory_gib": memory_gib,
+    }
+
+
+def main() -> None:
+    args = parse_args()
+    result = run(**{k: v for k, v in vars(args).items() if k not in ("quick", "out")}, quick=args.quick)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""Host-side pipeline overhead of one RL iteration, against a stated reference GPU time
+(prints measured figures; never asserts).
+
+Workload: 512 prompts x 8 samples, 1-8 turns, the Search-R1 shape of `megatron_stepwise.synthetic`
+(~67M step tokens). Phases, in the trainer's order, on ONE core (`torch.set_num_threads(1)`):
+validate -> prefix merge -> GRPO advantages -> prompt mini-batches -> micro-batch plan (DP 8,
+32k-token micro-batches) for every mini-batch. Reported: the first run (cold: memory is
+page-faulted in) and the median of later runs (warm, as in a training loop), wall and CPU time
+(CPU time is robust to other processes sharing the machine). Building the columnar StepBatch of
+each mini-batch with its advantages field (what the trainer hands the plugin) is timed too, as
+a separate line.
+
+Reference GPU time (an assumption, printed): the model FLOPs (`tools/flops.py`) of training a
+Qwen2.5-7B on the rows this run produced (merged, packed), at 40% MFU on 8 x H100 (989 dense bf16
+TFLOP/s each). The pipeline runs once per iteration, so its time is compared with the GPU time of
+the whole iteration's training (all its mini-batches); per optimizer step both shrink alike.
+
+    python tools/bench_host.py [--quick] [--out results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from flops import QWEN2_CONFIGS, ModelShape, training_flops  # noqa: E402
+
+from megatron_stepwise.algo.advantages import compute_advantages  # noqa: E402
+from megatron_stepwise.algo.batching import plan_microbatches, prompt_minibatches, validate_steps  # noqa: E402
+from megatron_stepwise.algo.merge import merge_steps  # noqa: E402
+from megatron_stepwise.megatron.packing import set_response_field  # noqa: E402  (torch only, no megatron import)
+from megatron_stepwise.synthetic import AgentWorkload, make_agent_steps  # noqa: E402
+from megatron_stepwise.types import StepBatch  # noqa: E402
+
+PHASES = ("validate", "merge", "advantages", "minibatch", "plan")
+
+REFERENCE = {"model": "qwen2.5-7b", "gpus": 8, "gpu": "H100 SXM", "peak_tflops_per_gpu": 989.0, "mfu": 0.40}
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="64 prompts, 1 warm repeat")
+    p.add_argument("--prompts", type=int, default=512)
+    p.add_argument("--samples", type=int, default=8)
+    p.add_argument("--max-turns", type=int, default=8)
+    p.add_argument("--dp", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=32768)
+    p.add_argument("--prompts-per-minibatch", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3, help="warm runs after the cold one")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="write the results as JSON here")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.prompts, args.repeats = 64, 1
+    return args
+
+
+def run_once(steps, args) -> tuple[dict[str, float], dict[str, float], Any]:
+    wall: dict[str, float] = {}
+    cpu: dict[str, float] = {}
+
+    def phase(name: str, fn: Callable[[], Any]) -> Any:
+        t, c = time.perf_counter(), time.process_time()
+        out = fn()
+        wall[name] = time.perf_counter() - t
+        cpu[name] = time.process_time() - c
+        return out
+
+    phase("validate", lambda: validate_steps(steps, vocab_size=32000))
+    merged, _ = phase("merge", lambda: merge_steps(steps, max_tokens=args.max_tokens))
+    advantages = phase("advantages", lambda: compute_advantages(merged, "grpo"))
+    mbs = phase("minibatch", lambda: prompt_minibatches(merged, args.prompts_per_minibatch))
+    phase("plan", lambda: [plan_microbatches([s.num_tokens for s in mb], dp_size=args.dp, max_tokens=args.max_tokens,
+                                             micro_align=128) for mb in mbs])
+
+    def columnar():
+        adv = iter(advantages)  # mini-batches are contiguous slices of `merged`, in order
+        batches = []
+        for mb in mbs:
+            batch = StepBatch.from_steps(mb)
+            set_response_field(batch, "advantages", [next(adv) for _ in mb])
+            batches.append(batch)
+        return batches
+
+    phase("columnar_batch", columnar)
+    return wall, cpu, merged
+
+
+def reference_gpu_seconds(merged) -> dict[str, Any]:
+    shape = ModelShape.from_hf(QWEN2_CONFIGS[REFERENCE["model"]])
+    lengths = [s.num_tokens for s in merged]
+    flops = training_flops(shape, lengths, trained_tokens=sum(s.num_trainable for s in merged))
+    rate = REFERENCE["gpus"] * REFERENCE["peak_tflops_per_gpu"] * 1e12 * REFERENCE["mfu"]
+    return {**REFERENCE, "params": shape.total_params, "tokens": sum(lengths), "flops": flops,
+            "seconds": flops["total"] / rate}
+
+
+def run(quick: bool = False, **options: Any) -> dict[str, Any]:
+    """Prints the table, returns the figures (what `tools/bench.py` collects)."""
+    args = parse_args(["--quick"] if quick else [])
+    for key, value in options.items():
+        setattr(args, key, value)
+    torch.set_num_threads(1)
+    w = AgentWorkload(num_prompts=args.prompts, samples_per_prompt=args.samples, turns=(1, args.max_turns),
+                      seed=args.seed)
+    steps = make_agent_steps(w)
+    n_tokens = sum(s.num_tokens for s in steps)
+    walls, cpus = [], []
+    merged = None
+    for _ in range(1 + args.repeats):
+        merged = None  # free the previous iteration's rows first, as a training loop does
+        gc.collect()
+        wall, cpu, merged = run_once(steps, args)
+        walls.append(wall)
+        cpus.append(cpu)
+    warm_w = walls[1:] or walls
+    warm_c = cpus[1:] or cpus
+    names = list(walls[0])
+    summary = {
+        "cold_wall": walls[0], "cold_cpu": cpus[0],
+        "warm_wall": {k: statistics.median(r[k] for r in warm_w) for k in names},
+        "warm_cpu": {k: statistics.median(r[k] for r in warm_c) for k in names},
+    }
+    for v in summary.values():
+        v["total"] = sum(v[k] for k in PHASES)
+        v["total_with_columnar"] = v["total"] + v["columnar_batch"]
+    ref = reference_gpu_seconds(merged)
+
+    print(f"host pipeline: {w.num_prompts} prompts x {w.samples_per_prompt} samples, 1-{args.max_turns} turns: "
+          f"{len(steps):,} steps, {n_tokens:,} tokens -> {len(merged):,} merged rows; dp={args.dp}, "
+          f"max_tokens={args.max_tokens:,}, {args.prompts_per_minibatch} prompts per mini-batch, 1 thread")
+    print(f"{'phase':<22}{'cold wall':>11}{'cold cpu':>11}{'warm wall':>11}{'warm cpu':>11}   (median of {len(warm_w)})")
+    for k in list(PHASES) + ["total", "columnar_batch", "total_with_columnar"]:
+        print(f"{k:<22}" + "".join(f"{summary[c][k]:>10.3f}s" for c in ("cold_wall", "cold_cpu", "warm_wall", "warm_cpu")))
+    total = summary["warm_wall"]["total"]
+    print(f"\nassumption: the GPU time of training this iteration's rows ({ref['tokens']:,} tokens, merged and packed) "
+          f"with {ref['model']} ({ref['params'] / 1e9:.2f}B params) on {ref['gpus']} x {ref['gpu']} at {ref['mfu']:.0%} MFU "
+          f"of {ref['peak_tflops_per_gpu']:.0f} dense bf16 TFLOP/s per GPU: {ref['flops']['total']:.3g} model FLOPs "
+          f"(tools/flops.py) -> {ref['seconds']:.1f} s")
+    print(f"host pipeline (warm wall) / reference GPU time = {total:.3f} s / {ref['seconds']:.1f} s = "
+          f"{total / ref['seconds']:.2%}   (with columnar batches: "
+          f"{summary['warm_wall']['total_with_columnar'] / ref['seconds']:.2%})")
+    return {
+        "config": {k: v for k, v in vars(args).items() if k != "out"},
+        "workload": {"steps": len(steps), "tokens": n_tokens, "merged_rows": len(merged),
+                     "tokens_after_merge": sum(s.num_tokens for s in merged)},
+        "time_s": summary,
+        "reference_gpu": ref,
+        "seconds": total,
+        "fraction_of_gpu_time": total / ref["seconds"],
+    }
+
+
+def main() -> None:
+    args = parse_args()
+    result = run(**{k: v for k, v in vars(args).items() if k not in ("quick", "out")}, quick=args.quick)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
