@@ -16,9 +16,7 @@ import json
 import os
 import random
 import signal
-import sys
 import time
-import traceback
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +27,7 @@ from megatron_stepwise.megatron import checkpoint as C
 from megatron_stepwise.megatron import model as M
 from megatron_stepwise.megatron import runtime
 from megatron_stepwise.megatron import weights as W
+from worker_entry import run_worker
 
 
 def build(tp: int, init_seed: int, distopt: bool = False):
@@ -133,7 +132,6 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--distopt", type=int, default=0)
     args = p.parse_args()
-    torch.set_num_threads(1)
     ckpt, out = Path(args.ckpt), Path(args.out)
     rank = int(os.environ["RANK"])
 
@@ -182,9 +180,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except Exception:
-        traceback.print_exc()
-        sys.stdout.flush()
-        os._exit(1)
+    run_worker(main)

@@ -13,7 +13,6 @@ import argparse
 import json
 import os
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -28,6 +27,7 @@ from megatron_stepwise.megatron import runtime  # noqa: E402
 from megatron_stepwise.megatron import weights as W  # noqa: E402
 from megatron_stepwise.megatron.plugin import StepwisePlugin  # noqa: E402
 from megatron_stepwise.types import Step, StepwiseBatchError, TrajectoryID  # noqa: E402
+from worker_entry import run_worker  # noqa: E402
 
 SEED = 7
 
@@ -150,6 +150,29 @@ def run_bad_inputs(args, chunks, optimizer, layout):
     return msgs
 
 
+def megatron_loop_backward(plugin, chunks, optimizer, batch):
+    """Forward and backward of `batch` at the initial weights the way a user's own megatron loop
+    drives the plugin (`prepare_minibatch`, `forward_step`, megatron's schedule), no optimizer
+    step; returns the prepared inputs and the reduced metrics (gradients stay in the buffers)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    W.init_deterministic(chunks, seed=SEED)
+    inputs = plugin.prepare_minibatch(chunks, batch)
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()  # a megatron loop does this every iteration (drops param.grad aliases)
+    losses = get_forward_backward_func()(
+        forward_step_func=plugin.forward_step,
+        data_iterator=inputs.data_iterator(),
+        model=chunks,
+        num_microbatches=inputs.num_microbatches,
+        seq_length=inputs.seq_length,
+        micro_batch_size=1,
+        forward_only=False,
+    )
+    return inputs, plugin.reduce_metrics(losses)
+
+
 def run_layout(args, out_dir):
     layout = runtime.init_distributed(args.tp, args.pp, seed=SEED)
     cfg = M.tiny_config(tie_word_embeddings=bool(args.tied))
@@ -191,23 +214,7 @@ def run_layout(args, out_dir):
     result["params_after_step"] = W.full_state(chunks)
 
     # The merged batch at the initial weights, through the low-level megatron-loop API.
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    W.init_deterministic(chunks, seed=SEED)
-    inputs = plugin.prepare_minibatch(chunks, merged)
-    for chunk in chunks:
-        chunk.zero_grad_buffer()
-    optimizer.zero_grad()  # a megatron loop does this every iteration (drops param.grad aliases)
-    losses = get_forward_backward_func()(
-        forward_step_func=plugin.forward_step,
-        data_iterator=inputs.data_iterator(),
-        model=chunks,
-        num_microbatches=inputs.num_microbatches,
-        seq_length=inputs.seq_length,
-        micro_batch_size=1,
-        forward_only=False,
-    )
-    result["merged_metrics"] = plugin.reduce_metrics(losses)
+    _, result["merged_metrics"] = megatron_loop_backward(plugin, chunks, optimizer, merged)
     if not args.distopt:
         result["merged_grads"] = W.full_state(chunks, grads=True)
 
@@ -218,22 +225,8 @@ def run_layout(args, out_dir):
         return [micro + [[]] for micro in plan_microbatches(lengths, **kw)]
 
     padded_plugin = StepwisePlugin(LOSS, max_tokens_per_microbatch=args.budget, plan_microbatches=plan_with_empty)
-    W.init_deterministic(chunks, seed=SEED)
-    inputs = padded_plugin.prepare_minibatch(chunks, batch)
+    inputs, result["empty_mb_metrics"] = megatron_loop_backward(padded_plugin, chunks, optimizer, batch)
     assert inputs.microbatches[-1].num_trained == 0
-    for chunk in chunks:
-        chunk.zero_grad_buffer()
-    optimizer.zero_grad()
-    losses = get_forward_backward_func()(
-        forward_step_func=padded_plugin.forward_step,
-        data_iterator=inputs.data_iterator(),
-        model=chunks,
-        num_microbatches=inputs.num_microbatches,
-        seq_length=inputs.seq_length,
-        micro_batch_size=1,
-        forward_only=False,
-    )
-    result["empty_mb_metrics"] = padded_plugin.reduce_metrics(losses)
     result["empty_mb_count"] = inputs.num_microbatches
     if not args.distopt:
         result["empty_mb_grads"] = W.full_state(chunks, grads=True)
@@ -250,16 +243,10 @@ def run_layout(args, out_dir):
 
 def main():
     out, runs = parse()
-    torch.set_num_threads(1)
     for args in runs:
         run_layout(args, os.path.join(out, args.name))
     runtime.destroy_distributed()
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except Exception:
-        traceback.print_exc()
-        sys.stdout.flush()
-        os._exit(1)
+    run_worker(main)

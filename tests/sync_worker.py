@@ -13,8 +13,6 @@ import argparse
 import asyncio
 import json
 import os
-import sys
-import traceback
 from pathlib import Path
 
 import torch
@@ -27,6 +25,7 @@ from megatron_stepwise.megatron import weights as W
 from megatron_stepwise.megatron.plugin import StepwisePlugin
 from megatron_stepwise.megatron.sync import WeightSync
 from megatron_stepwise.types import Step, TrajectoryID
+from worker_entry import run_worker
 
 PROMPT = [5, 17, 42, 99, 3, 250, 64]
 LAYOUTS = [("tp2", 2, 1), ("pp2", 1, 2), ("tp1", 1, 1)]
@@ -49,7 +48,6 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--tied", type=int, default=0)
     args = p.parse_args()
-    torch.set_num_threads(1)
     out = Path(args.out)
     cfg = M.tiny_config(tie_word_embeddings=bool(args.tied))
     rank = int(os.environ["RANK"])
@@ -111,9 +109,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except Exception:
-        traceback.print_exc()
-        sys.stdout.flush()
-        os._exit(1)
+    run_worker(main)

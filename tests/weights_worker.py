@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
-import traceback
 from pathlib import Path
 
 import torch
@@ -21,6 +18,7 @@ import torch.distributed as dist
 from megatron_stepwise.megatron import convert
 from megatron_stepwise.megatron import model as M
 from megatron_stepwise.megatron import runtime
+from worker_entry import run_worker
 
 SEQUENCE = [3, 17, 42, 7, 99, 128, 5, 250, 11, 64, 1, 200]
 
@@ -61,7 +59,6 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--tokenizer", default=None)
     args = p.parse_args()
-    torch.set_num_threads(1)
     out = Path(args.out)
     report = {}
     for tp, pp in [(2, 1), (1, 2)]:
@@ -94,9 +91,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except Exception:
-        traceback.print_exc()
-        sys.stdout.flush()
-        os._exit(1)
+    run_worker(main)

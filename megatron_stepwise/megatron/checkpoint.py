@@ -40,6 +40,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_stepwise.megatron.fileops import fsync_dir, make_staging_dir, raise_together, write_atomic
+
 PathLike = Union[str, os.PathLike]
 LATEST = "latest"
 TRAINER_STATE = "trainer_state.json"
@@ -92,24 +94,6 @@ def read_trainer_state(path: PathLike) -> dict:
 # ----------------------------------------------------------------------------- file operations (rank 0)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
 def _publish(tmp: Path, final: Path) -> None:
     """Move a finished `.tmp` checkpoint into place and point `latest` at it."""
     if final.exists():  # saving the same iteration again (e.g. right after a resume)
@@ -120,8 +104,8 @@ def _publish(tmp: Path, final: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, final)
-    _fsync_dir(final.parent)
-    _write_atomic(final.parent / LATEST, final.name + "\n")
+    fsync_dir(final.parent)
+    write_atomic(final.parent / LATEST, final.name + "\n")
 
 
 def prune(ckpt_dir: PathLike, keep_last: int, *, protect: Optional[Path] = None) -> list[Path]:
@@ -291,13 +275,6 @@ def _save_strategy():
     return TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
 
 
-def _raise_together(error: Optional[str]) -> None:
-    box = [error]
-    dist.broadcast_object_list(box, src=0)
-    if box[0] is not None:
-        raise CheckpointError(box[0])
-
-
 # ----------------------------------------------------------------------------- save / load
 
 
@@ -328,14 +305,7 @@ def save_checkpoint(
     final = root / checkpoint_name(trainer_state["iteration"])
     tmp = final.with_name(final.name + ".tmp")
     rank = dist.get_rank()
-    error = None
-    if rank == 0:
-        try:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        except OSError as e:
-            error = f"cannot create checkpoint directory {tmp}: {e}"
-    _raise_together(error)  # also the barrier before anyone writes into it
+    make_staging_dir(tmp, "checkpoint directory", CheckpointError)
 
     metadata = sharded_metadata(optimizer)
     sd = _sharded_state_dict(chunks, optimizer, metadata, is_loading=False, with_rng=True)
@@ -356,7 +326,7 @@ def save_checkpoint(
             prune(root, keep_last, protect=final)
         except OSError as e:
             error = f"could not publish checkpoint {final}: {e}"
-    _raise_together(error)
+    raise_together(error, CheckpointError)
     return final
 
 

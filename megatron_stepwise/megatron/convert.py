@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_stepwise.megatron import weights as W
+from megatron_stepwise.megatron.fileops import fsync_dir, make_staging_dir, raise_together
 from megatron_stepwise.megatron.hf_mapping import (  # noqa: F401  (re-exported API)
     EMBED,
     OUTPUT,
@@ -74,14 +75,6 @@ def _is_stage_owner(layout) -> bool:
 
 def _comm_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
-def _raise_together(error: Optional[str], src: int = 0) -> None:
-    """Every rank raises `src`'s error (or none): a failure found on one rank never hangs the others."""
-    box = [error]
-    dist.broadcast_object_list(box, src=src)
-    if box[0] is not None:
-        raise WeightConversionError(box[0])
 
 
 def check_model_matches(chunks: list, arch: Any) -> None:
@@ -281,14 +274,6 @@ def save_tokenizer(tokenizer: Any, out_dir: Union[str, os.PathLike]) -> None:
         shutil.copy2(src / f, Path(out_dir) / f)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def export_hf(
     chunks: list,
     out_dir: Union[str, os.PathLike],
@@ -315,14 +300,7 @@ def export_hf(
     # Decided from the shared filesystem by every rank alike, before any collective.
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise WeightConversionError(f"export directory {out} exists and is not empty (pass overwrite=True)")
-    error = None
-    if layout.rank == 0:
-        try:
-            shutil.rmtree(partial, ignore_errors=True)
-            partial.mkdir(parents=True)
-        except OSError as e:
-            error = f"cannot create export directory {partial}: {e}"
-    _raise_together(error)  # also the barrier before anyone writes into it
+    make_staging_dir(partial, "export directory", WeightConversionError)
 
     weight_map: dict[str, str] = {}
     total_bytes = 0
@@ -351,10 +329,10 @@ def export_hf(
             if out.exists():
                 shutil.rmtree(out)
             os.replace(partial, out)
-            _fsync_dir(out.parent)
+            fsync_dir(out.parent)
         except Exception as e:  # reported on every rank below
             error = f"export to {out} failed: {e}"
-    _raise_together(error)
+    raise_together(error, WeightConversionError)
     dist.barrier()
     return out
 

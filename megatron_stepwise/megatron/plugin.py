@@ -329,6 +329,22 @@ class StepwisePlugin:
         return out
 
     # ----------------------------------------------------------------- drivers
+    def _run_schedule(self, model_chunks: list, inputs, *, forward_only: bool) -> list:
+        """megatron-core's schedule (pipelined or not) over the prepared micro-batches: the loss
+        partials when training, each micro-batch's log-probs when `forward_only`."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        return get_forward_backward_func()(
+            forward_step_func=self.forward_step,
+            data_iterator=inputs.data_iterator(),
+            model=model_chunks,
+            num_microbatches=inputs.num_microbatches,
+            seq_length=inputs.seq_length,
+            micro_batch_size=1,
+            forward_only=forward_only,
+            collect_non_loss_data=forward_only,
+        )
+
     def train_minibatch(
         self,
         model_chunks: list,
@@ -338,8 +354,6 @@ class StepwisePlugin:
         lr_scheduler=None,
     ) -> dict[str, float]:
         """One optimizer step on one mini-batch; returns metrics identical on every rank."""
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
         if unwrap(model_chunks[0]).config.finalize_model_grads_func is None:
             raise RuntimeError(
                 "model config has no finalize_model_grads_func: gradients would not be reduced over DP, "
@@ -353,16 +367,7 @@ class StepwisePlugin:
             if hasattr(chunk, "zero_grad_buffer"):
                 chunk.zero_grad_buffer()
         optimizer.zero_grad()
-        losses = get_forward_backward_func()(
-            forward_step_func=self.forward_step,
-            data_iterator=inputs.data_iterator(),
-            model=model_chunks,
-            num_microbatches=inputs.num_microbatches,
-            seq_length=inputs.seq_length,
-            micro_batch_size=1,
-            forward_only=False,
-        )
-        metrics = self.reduce_metrics(losses)
+        metrics = self.reduce_metrics(self._run_schedule(model_chunks, inputs, forward_only=False))
         update_successful, grad_norm, _ = optimizer.step()
         if lr_scheduler is not None and update_successful:
             lr_scheduler.step(increment=1)
@@ -376,22 +381,12 @@ class StepwisePlugin:
         """Forward-only log-probs of every trained token, as a flat [T] float32 tensor aligned
         with the batch's tokens (0 where loss_mask is 0). Identical on every rank."""
         from megatron.core import parallel_state as ps
-        from megatron.core.pipeline_parallel import get_forward_backward_func
 
         batch = self.as_batch(steps_or_batch)
         inputs = self.prepare_minibatch(model_chunks, batch, mode=LOGPROBS)
         for chunk in model_chunks:
             chunk.eval()
-        outputs = get_forward_backward_func()(
-            forward_step_func=self.forward_step,
-            data_iterator=inputs.data_iterator(),
-            model=model_chunks,
-            num_microbatches=inputs.num_microbatches,
-            seq_length=inputs.seq_length,
-            micro_batch_size=1,
-            forward_only=True,
-            collect_non_loss_data=True,
-        )
+        outputs = self._run_schedule(model_chunks, inputs, forward_only=True)
         for chunk in model_chunks:
             chunk.train()
         flat = torch.zeros(batch.tokens.numel(), dtype=torch.float32)
