@@ -42,6 +42,10 @@ from megatron_stepwise.types import Step, StepBatch, StepwiseBatchError
 TRAIN, LOGPROBS = "train", "logprobs"
 
 
+class UnsupportedLayoutError(ValueError):
+    """A model layout the step-wise plugin refuses (virtual pipeline, context parallel, MTP)."""
+
+
 @dataclass
 class MinibatchInputs:
     """What a megatron loop passes to `get_forward_backward_func()` for one mini-batch."""
@@ -164,7 +168,9 @@ class StepwisePlugin:
         from megatron.core import parallel_state as ps
 
         if len(model_chunks) != 1:
-            raise NotImplementedError("virtual pipeline parallelism (several model chunks per rank) is not supported")
+            raise UnsupportedLayoutError(
+                f"got {len(model_chunks)} model chunks: virtual pipeline parallelism is not supported; pass one chunk per rank"
+            )
         return (
             ps.get_data_parallel_world_size(),
             ps.get_data_parallel_rank(),
@@ -184,11 +190,13 @@ class StepwisePlugin:
         gpt = unwrap(model_chunks[0])
         dp, dp_rank, cp = self._layout(model_chunks)
         if cp > 1:
-            raise NotImplementedError("context parallelism is not supported by the step-wise packing yet")
+            raise UnsupportedLayoutError(
+                f"context_parallel={cp}: the step-wise packing does not split rows across CP ranks; use parallel.context=1"
+            )
         cfg = gpt.config
         if getattr(cfg, "mtp_num_layers", None):
             # MTP heads reuse the output layer inside GPTModel, which the plugin bypasses.
-            raise NotImplementedError("multi-token prediction (mtp_num_layers) is not supported by the plugin")
+            raise UnsupportedLayoutError("multi-token prediction (mtp_num_layers) is not supported by the plugin")
         need = ("loss_mask", "advantages") if mode == TRAIN else ("loss_mask",)
         self._check_batch(batch, gpt, need=need)
         n_trained = int((batch.token_fields["loss_mask"] != 0).sum())
