@@ -103,6 +103,10 @@ class Trainer:
     def run(self) -> list[dict[str, Any]]:
         cfg = self.cfg
         history = []
+        if self.state.iteration >= cfg.trainer.iterations and self.is_driver:
+            log.info("nothing to do: the checkpoint in %s is at iteration %d = trainer.iterations "
+                     "(raise trainer.iterations to continue, or checkpoint.resume=never to start over)",
+                     cfg.checkpoint_dir, self.state.iteration)
         progress = self._progress()
         try:
             while self.state.iteration < cfg.trainer.iterations:
