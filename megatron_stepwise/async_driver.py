@@ -37,7 +37,6 @@ from collections import defaultdict
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 
 from megatron_stepwise.algo.advantages import compute_advantages
 from megatron_stepwise.algo.batching import validate_steps
@@ -162,30 +161,18 @@ class AsyncDriver:
     # ------------------------------------------------------------------ every rank
     def _next_minibatch(self) -> Optional[tuple[list[Step], dict[str, Any]]]:
         """Rank 0 takes the step's groups; every rank gets (steps, info), or None to skip."""
-        t = self.trainer
-        payload: list[Any] = [None]
-        if t.is_driver:
-            try:
-                groups = t.loop.run_until_complete(self._take())
-                batch = None
-                if groups is not None:
-                    steps = [s for g in groups for s in g.steps]
-                    staleness = [self.version - g.start_version for g in groups]
-                    info = {"group_staleness_max": max(staleness), "group_staleness_mean": sum(staleness) / len(staleness),
-                            "requeued_groups": sum(g.attempt > 0 for g in groups)}
-                    batch = (steps, info)
-                payload[0] = (batch, t.dataset.state_dict())
-            except Exception as e:  # every rank must leave the broadcast, then all raise
-                payload[0] = e
-        dist.broadcast_object_list(payload, src=0, group=t.host_group)
-        if isinstance(payload[0], Exception):
-            raise RuntimeError(f"async rollout failed on rank 0 at iteration {t.state.iteration}: {payload[0]}") from (
-                payload[0] if t.is_driver else None
-            )
-        batch, dataset_state = payload[0]
-        # Only rank 0 draws prompts; every rank keeps the same data position for checkpoints.
-        t.dataset.load_state_dict(dataset_state)
-        return batch
+        return self.trainer.from_driver(self._take_groups, "async rollout")
+
+    def _take_groups(self) -> Optional[tuple[list[Step], dict[str, Any]]]:
+        """Rank 0: this optimizer step's groups as (steps, info), or None when filters starve it."""
+        groups = self.trainer.loop.run_until_complete(self._take())
+        if groups is None:
+            return None
+        steps = [s for g in groups for s in g.steps]
+        staleness = [self.version - g.start_version for g in groups]
+        info = {"group_staleness_max": max(staleness), "group_staleness_mean": sum(staleness) / len(staleness),
+                "requeued_groups": sum(g.attempt > 0 for g in groups)}
+        return steps, info
 
     def _prepare(self, steps: list[Step]) -> tuple[Optional[StepBatch], dict[str, Any]]:
         from megatron_stepwise.megatron.packing import set_response_field

@@ -24,7 +24,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -189,23 +189,31 @@ class Trainer:
     # ---------------------------------------------------------------------------- pieces
     def _rollout(self) -> tuple[list[Step], dict[str, Any]]:
         """Rank 0 rolls out (with dynamic sampling if enabled); every rank gets the steps."""
+        return self.from_driver(self._driver_rollout, "rollout")
+
+    def from_driver(self, produce: Callable[[], Any], what: str) -> Any:
+        """Run `produce` on rank 0 and hand its result to every rank.
+
+        A rank-0 error is raised on every rank (none is left waiting in a collective). Rank 0's
+        data position travels with the result: only rank 0 draws prompts, and every rank's
+        checkpoint must hold the same position.
+        """
         payload: list[Any] = [None]
         if self.is_driver:
             try:
-                payload[0] = self._driver_rollout()
+                payload[0] = (produce(), self.dataset.state_dict())
             except Exception as e:  # every rank must leave the broadcast, then all raise
                 payload[0] = e
         dist.broadcast_object_list(payload, src=0, group=self.host_group)
         if isinstance(payload[0], Exception):
-            raise RuntimeError(f"rollout failed on rank 0 at iteration {self.state.iteration}: {payload[0]}") from (
+            raise RuntimeError(f"{what} failed on rank 0 at iteration {self.state.iteration}: {payload[0]}") from (
                 payload[0] if self.is_driver else None
             )
-        steps, info, dataset_state = payload[0]
-        # Only rank 0 draws prompts; every rank keeps the same data position for checkpoints.
+        result, dataset_state = payload[0]
         self.dataset.load_state_dict(dataset_state)
-        return steps, info
+        return result
 
-    def _driver_rollout(self) -> tuple[list[Step], dict[str, Any], dict]:
+    def _driver_rollout(self) -> tuple[list[Step], dict[str, Any]]:
         cfg = self.cfg
         t = time.perf_counter()
         samples = self.dataset.next(cfg.data.prompts_per_iteration)
@@ -225,7 +233,7 @@ class Trainer:
         generated = sum(int(s.response_ids.numel()) for s in steps)
         info = {"rollout/sampling_rounds": rounds, "perf/rollout_tokens_per_s": generated / max(elapsed, 1e-9)}
         info.update({f"fleet/{k}": v for k, v in self.fleet.metrics().items() if isinstance(v, (int, float))})
-        return steps, info, self.dataset.state_dict()
+        return steps, info
 
     def _maybe_evaluate(self) -> dict[str, Any]:
         """Reward of the current policy on the eval prompts (rank 0 only; no training)."""
