@@ -32,12 +32,13 @@ from worker_entry import run_worker  # noqa: E402
 SEED = 7
 
 
-RUN_DEFAULTS = {"tp": 1, "pp": 1, "budget": 64, "sp": 1, "distopt": 0, "per_token_loss": 0, "tied": 0}
+RUN_DEFAULTS = {"tp": 1, "pp": 1, "budget": 64, "sp": 1, "distopt": 0, "per_token_loss": 0, "tied": 0, "bf16": 0}
 
 
 def parse():
     """`--layout NAME:key=value,...` (repeatable): layouts run one after another in this launch,
-    re-creating megatron's parallel state on the same process group. Keys: RUN_DEFAULTS."""
+    re-creating megatron's parallel state on the same process group. Keys: RUN_DEFAULTS
+    (bf16=1: bf16 weights and compute, fp32 main params and gradient reduction, as on GPU)."""
     p = argparse.ArgumentParser()
     p.add_argument("--layout", action="append", required=True)
     p.add_argument("--out", required=True)
@@ -176,7 +177,12 @@ def megatron_loop_backward(plugin, chunks, optimizer, batch):
 def run_layout(args, out_dir):
     layout = runtime.init_distributed(args.tp, args.pp, seed=SEED)
     cfg = M.tiny_config(tie_word_embeddings=bool(args.tied))
-    overrides = {"sequence_parallel": bool(args.sp) and args.tp > 1, "calculate_per_token_loss": bool(args.per_token_loss)}
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    overrides = {
+        "sequence_parallel": bool(args.sp) and args.tp > 1,
+        "calculate_per_token_loss": bool(args.per_token_loss),
+        "dtype": dtype,
+    }
     chunks = M.build_model_chunks(
         cfg,
         config_overrides=overrides,
@@ -193,7 +199,8 @@ def run_layout(args, out_dir):
             clip_grad=1.0,
             adam_eps=1e-4,  # Adam's first step is ~lr*sign(g): a larger eps keeps it smooth in g
             use_distributed_optimizer=bool(args.distopt),
-            params_dtype=torch.float32,
+            bf16=bool(args.bf16),
+            params_dtype=dtype,
         ),
         chunks,
     )
@@ -202,6 +209,10 @@ def run_layout(args, out_dir):
     batch = cases.to_batch(steps, extras)
     merged = cases.to_batch(*cases.merge_for_test(steps, extras))
     result = {"init_params": W.full_state(chunks)}
+    # What the bf16 layouts must really run: bf16 weights, fp32 gradient buffers and main params.
+    param = next(M.unwrap(chunks[0]).parameters())
+    result["dtypes"] = {"param": str(param.dtype), "main_grad": str(param.main_grad.dtype),
+                        "optimizers": sorted({type(o).__name__ for o in getattr(optimizer, "chained_optimizers", [optimizer])})}
 
     result["logprobs"] = attach_old_and_ref(plugin, chunks, batch)
     result["merged_logprobs"] = attach_old_and_ref(plugin, chunks, merged)
