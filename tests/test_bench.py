@@ -155,3 +155,29 @@ def test_cli_bench_subcommand_takes_the_suite_options(capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert all(opt in out for opt in ("--suite", "--quick", "--only", "--out", "--machine"))
+
+
+def test_gpu_benchmark_skips_without_cuda_and_runs_its_code_on_cpu(tmp_path):
+    """bench_gpu.py says why it skips on a machine without CUDA; `--device cpu --model tiny` runs
+    the same code path (bf16 model, packed micro-batches, timing, FLOPs accounting) on the CPU."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    script = str(TOOLS / "bench_gpu.py")
+    proc = subprocess.run([sys.executable, script, "--quick"], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "skipped: no CUDA GPU" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+
+    out = tmp_path / "gpu.json"
+    cmd = [sys.executable, script, "--device", "cpu", "--model", "tiny", "--quick", "--prompts", "2", "--samples", "4",
+           "--micro-tokens", "4096", "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    r = json.loads(out.read_text())
+    assert r["device"].startswith("CPU") and r["transformer_engine"] is False
+    assert 0 < r["trained_tokens"] < r["tokens"]
+    assert r["num_microbatches"] >= -(-r["tokens"] // 4096)  # packed into <= 4096-token micro-batches
+    flops = r["flops"]
+    assert flops["total"] == pytest.approx(flops["dense"] + flops["attention"] + flops["output"])
+    assert len(r["all_step_s"]) == 2 and r["step_s"] > 0
+    assert r["tokens_per_s"] == pytest.approx(r["tokens"] / r["step_s"])
+    assert r["mfu"] == pytest.approx(flops["total"] / r["step_s"] / 1e12 / r["peak_tflops"])
+    assert r["peak_tflops"] == max(r["matmul_peak_tflops"].values()) > 0
+    assert r["loss"] == r["loss"]  # finite loss from the bf16 step (NaN != NaN)

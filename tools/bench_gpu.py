@@ -17,12 +17,16 @@ Figures, measured side by side on the same device in the same run:
   per row + output layer at trained positions) / step time / peak.
 
     python tools/bench_gpu.py [--quick] [--model qwen2.5-1.5b] [--out results.json]
+
+`--device cpu --model tiny` runs the same code on the CPU with the tiny model (the test suite's
+smoke run of this script); its figures are CPU figures, not GPU ones.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import platform
 import statistics
 import sys
 import time
@@ -41,12 +45,15 @@ from megatron_stepwise.algo.losses import LossConfig  # noqa: E402
 from megatron_stepwise.synthetic import AgentWorkload, make_agent_steps  # noqa: E402
 
 MICRO_TOKENS = 4096
+MODELS = {k: v for k, v in QWEN2_CONFIGS.items() if not k.endswith("7b")}
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="a smaller mini-batch, fewer timed steps, one matmul size")
-    p.add_argument("--model", default="qwen2.5-0.5b", choices=[k for k in QWEN2_CONFIGS if not k.endswith("7b")])
+    p.add_argument("--model", default="qwen2.5-0.5b", choices=[*MODELS, "tiny"])
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run of this script")
+    p.add_argument("--micro-tokens", type=int, default=MICRO_TOKENS, help="packed micro-batch token budget")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
@@ -59,25 +66,28 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return args
 
 
-def matmul_peak_tflops(sizes: tuple[int, ...], iters: int = 20) -> dict[str, float]:
+def synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def matmul_peak_tflops(sizes: tuple[int, ...], device: str = "cuda", iters: int = 20) -> dict[str, float]:
     """Best measured bf16 dense matmul throughput (TFLOP/s) over square sizes."""
     out = {}
     for n in sizes:
-        a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-        b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+        a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+        b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
         for _ in range(3):
             a @ b
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
+        synchronize(device)
+        t = time.perf_counter()  # the synchronize brackets make host time the device's time
         for _ in range(iters):
             a @ b
-        end.record()
-        torch.cuda.synchronize()
-        seconds = start.elapsed_time(end) / 1e3
-        out[str(n)] = 2.0 * n**3 * iters / seconds / 1e12
+        synchronize(device)
+        out[str(n)] = 2.0 * n**3 * iters / (time.perf_counter() - t) / 1e12
         del a, b
-    torch.cuda.empty_cache()
+    if device == "cuda":
+        torch.cuda.empty_cache()
     return out
 
 
@@ -95,8 +105,20 @@ def gpu_minibatch(args: argparse.Namespace, vocab_size: int):
     return steps, batch
 
 
-def skip_reason() -> Optional[str]:
-    if not torch.cuda.is_available():
+def model_config(name: str) -> dict[str, Any]:
+    if name == "tiny":
+        from megatron_stepwise.megatron.presets import tiny_config
+
+        return tiny_config()
+    return MODELS[name]
+
+
+def device_name(device: str) -> str:
+    return torch.cuda.get_device_name() if device == "cuda" else f"CPU ({platform.machine()}, smoke run)"
+
+
+def skip_reason(device: str) -> Optional[str]:
+    if device == "cuda" and not torch.cuda.is_available():
         return "no CUDA GPU on this machine (torch.cuda.is_available() is False)"
     return None
 
@@ -106,7 +128,7 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
     args = parse_args(["--quick"] if quick else [])
     for key, value in options.items():
         setattr(args, key, value)
-    reason = skip_reason()
+    reason = skip_reason(args.device)
     if reason:
         print(f"bench_gpu: skipped: {reason}")
         return {"skipped": reason}
@@ -118,9 +140,10 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
     from megatron_stepwise.megatron.plugin import StepwisePlugin
     from megatron_stepwise.megatron.runtime import destroy_distributed
 
-    peak = matmul_peak_tflops((8192,) if args.quick else (4096, 8192, 16384))
+    sizes = (8192,) if args.quick else (4096, 8192, 16384)
+    peak = matmul_peak_tflops(sizes if args.device == "cuda" else (512,), args.device)
     peak_tflops = max(peak.values())
-    hf = QWEN2_CONFIGS[args.model]
+    hf = model_config(args.model)
     shape = ModelShape.from_hf(hf)
     steps, batch = gpu_minibatch(args, hf["vocab_size"])
     lengths = [s.num_tokens for s in steps]
@@ -133,16 +156,16 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
         opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-6, weight_decay=0.0, clip_grad=1.0,
                                                      bf16=True, params_dtype=torch.bfloat16), chunks)
         plugin = StepwisePlugin(LossConfig(policy_loss="ppo", reduction="token_mean"),
-                                max_tokens_per_microbatch=MICRO_TOKENS)
+                                max_tokens_per_microbatch=args.micro_tokens)
         times = []
         for i in range(args.warmup + args.repeats):
-            torch.cuda.synchronize()
+            synchronize(args.device)
             t = time.perf_counter()
             metrics = plugin.train_minibatch(chunks, opt, batch)
-            torch.cuda.synchronize()
+            synchronize(args.device)
             if i >= args.warmup:
                 times.append(time.perf_counter() - t)
-        memory_gib = torch.cuda.max_memory_allocated() / 2**30
+        memory_gib = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None
     finally:
         destroy_distributed()
 
@@ -150,19 +173,20 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
     tokens = sum(lengths)
     achieved = flops["total"] / sec / 1e12
     mfu = achieved / peak_tflops
-    print(f"GPU training step: {torch.cuda.get_device_name()}, {args.model} ({shape.total_params / 1e9:.2f}B params, "
+    memory = f"{memory_gib:>14.1f}" if memory_gib is not None else f"{'n/a':>14}"
+    print(f"Training step: {device_name(args.device)}, {args.model} ({shape.total_params / 1e9:.3g}B params, "
           f"random init, bf16), {'Transformer Engine' if te_available() else 'local'} spec; mini-batch of "
           f"{len(steps)} step rows, {tokens:,} tokens ({trained:,} trained), "
-          f"{int(metrics['num_microbatches'])} packed micro-batches of <= {MICRO_TOKENS} tokens; median of {len(times)}")
-    print("  bf16 matmul peak (measured): " + ", ".join(f"n={n}: {v:.0f}" for n, v in peak.items())
-          + f" TFLOP/s -> {peak_tflops:.0f}")
+          f"{int(metrics['num_microbatches'])} packed micro-batches of <= {args.micro_tokens} tokens; median of {len(times)}")
+    print("  bf16 matmul peak (measured): " + ", ".join(f"n={n}: {v:.3g}" for n, v in peak.items())
+          + f" TFLOP/s -> {peak_tflops:.3g}")
     print(f"  {'step s':>8}{'tokens/s':>12}{'model TFLOP/step':>18}{'achieved TFLOP/s':>18}{'MFU':>8}{'peak mem GiB':>14}")
-    print(f"  {sec:>8.3f}{tokens / sec:>12,.0f}{flops['total'] / 1e12:>18.1f}{achieved:>18.1f}{mfu:>8.1%}{memory_gib:>14.1f}")
+    print(f"  {sec:>8.3f}{tokens / sec:>12,.0f}{flops['total'] / 1e12:>18.1f}{achieved:>18.1f}{mfu:>8.1%}{memory}")
     print(f"  FLOPs split: dense {flops['dense'] / flops['total']:.0%}, attention {flops['attention'] / flops['total']:.0%}, "
           f"output layer (trained positions) {flops['output'] / flops['total']:.0%}")
     return {
         "config": {k: v for k, v in vars(args).items() if k != "out"},
-        "device": torch.cuda.get_device_name(),
+        "device": device_name(args.device),
         "transformer_engine": te_available(),
         "params": shape.total_params,
         "matmul_peak_tflops": peak,
@@ -175,6 +199,8 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
         "tokens_per_s": tokens / sec,
         "achieved_tflops": achieved,
         "mfu": mfu,
+        "num_microbatches": int(metrics["num_microbatches"]),
+        "loss": metrics["loss"],
         "max_memory_gib": memory_gib,
     }
 
