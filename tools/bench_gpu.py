@@ -25,7 +25,6 @@ smoke run of this script); its figures are CPU figures, not GPU ones.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -38,6 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_cli import script_main  # noqa: E402
 from flops import QWEN2_CONFIGS, ModelShape, training_flops  # noqa: E402
 
 from megatron_stepwise.algo.advantages import compute_advantages  # noqa: E402
@@ -205,14 +205,5 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
     }
 
 
-def main() -> None:
-    args = parse_args()
-    result = run(**{k: v for k, v in vars(args).items() if k not in ("quick", "out")}, quick=args.quick)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
-        print(f"\nwrote {args.out}")
-
-
 if __name__ == "__main__":
-    main()
+    script_main(parse_args, run)

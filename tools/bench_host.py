@@ -22,17 +22,16 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import sys
-import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_cli import PhaseTimer, script_main  # noqa: E402
 from flops import QWEN2_CONFIGS, ModelShape, training_flops  # noqa: E402
 
 from megatron_stepwise.algo.advantages import compute_advantages  # noqa: E402
@@ -66,16 +65,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 
 def run_once(steps, args) -> tuple[dict[str, float], dict[str, float], Any]:
-    wall: dict[str, float] = {}
-    cpu: dict[str, float] = {}
-
-    def phase(name: str, fn: Callable[[], Any]) -> Any:
-        t, c = time.perf_counter(), time.process_time()
-        out = fn()
-        wall[name] = time.perf_counter() - t
-        cpu[name] = time.process_time() - c
-        return out
-
+    phase = PhaseTimer()
     phase("validate", lambda: validate_steps(steps, vocab_size=32000))
     merged, _ = phase("merge", lambda: merge_steps(steps, max_tokens=args.max_tokens))
     advantages = phase("advantages", lambda: compute_advantages(merged, "grpo"))
@@ -93,7 +83,7 @@ def run_once(steps, args) -> tuple[dict[str, float], dict[str, float], Any]:
         return batches
 
     phase("columnar_batch", columnar)
-    return wall, cpu, merged
+    return phase.wall, phase.cpu, merged
 
 
 def reference_gpu_seconds(merged) -> dict[str, Any]:
@@ -161,14 +151,5 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
     }
 
 
-def main() -> None:
-    args = parse_args()
-    result = run(**{k: v for k, v in vars(args).items() if k not in ("quick", "out")}, quick=args.quick)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
-        print(f"\nwrote {args.out}")
-
-
 if __name__ == "__main__":
-    main()
+    script_main(parse_args, run)

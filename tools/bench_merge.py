@@ -23,13 +23,17 @@ T = 1..16 and over the upper half T = 8..16 (closer to the asymptote).
 from __future__ import annotations
 
 import argparse
-import json
+import sys
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from megatron_stepwise.algo.merge import merge_steps
-from megatron_stepwise.synthetic import AgentWorkload, make_agent_steps
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_cli import script_main  # noqa: E402
+from megatron_stepwise.algo.merge import merge_steps  # noqa: E402
+from megatron_stepwise.synthetic import AgentWorkload, make_agent_steps  # noqa: E402
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -134,14 +138,5 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
     }
 
 
-def main() -> None:
-    args = parse_args()
-    result = run(**{k: v for k, v in vars(args).items() if k not in ("quick", "out")}, quick=args.quick)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
-        print(f"\nwrote {args.out}")
-
-
 if __name__ == "__main__":
-    main()
+    script_main(parse_args, run)

@@ -26,18 +26,22 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
+import sys
 import time
-from typing import Any, Callable, Optional
+from pathlib import Path
+from typing import Any, Optional
 
 import numpy as np
 import torch
 
-from megatron_stepwise.algo import planner
-from megatron_stepwise.algo.batching import pad_for_data_parallel, prompt_minibatches, validate_steps
-from megatron_stepwise.algo.merge import merge_steps
-from megatron_stepwise.synthetic import AgentWorkload, make_agent_steps
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_cli import PhaseTimer, write_json  # noqa: E402
+from megatron_stepwise.algo import planner  # noqa: E402
+from megatron_stepwise.algo.batching import pad_for_data_parallel, prompt_minibatches, validate_steps  # noqa: E402
+from megatron_stepwise.algo.merge import merge_steps  # noqa: E402
+from megatron_stepwise.synthetic import AgentWorkload, make_agent_steps  # noqa: E402
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -64,17 +68,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 
 def run_pipeline(steps, args) -> tuple[dict[str, float], dict[str, float], Any]:
-    """Wall-clock and CPU seconds of each phase (CPU time is what one core spent on it, which
-    stays meaningful when other processes share the machine)."""
-    times: dict[str, float] = {}
-    cpu: dict[str, float] = {}
-
-    def phase(name: str, fn: Callable[[], Any]) -> Any:
-        t, c = time.perf_counter(), time.process_time()
-        out = fn()
-        times[name] = time.perf_counter() - t
-        cpu[name] = time.process_time() - c
-        return out
+    """Wall-clock and CPU seconds of each phase."""
+    phase = PhaseTimer()
 
     phase("validate", lambda: validate_steps(steps, vocab_size=32000))
     merged, stats = phase("merge", lambda: merge_steps(steps, max_tokens=args.max_tokens))
@@ -84,6 +79,7 @@ def run_pipeline(steps, args) -> tuple[dict[str, float], dict[str, float], Any]:
     plans = phase("plan", lambda: [planner.plan_microbatches(
         [s.num_tokens for s in mb], dp_size=args.dp, max_tokens=args.max_tokens,
         seq_align=args.seq_align, micro_align=args.micro_align) for mb in mbs])
+    times, cpu = phase.wall, phase.cpu
     times["total"] = sum(times.values())
     cpu["total"] = sum(cpu.values())
     return times, cpu, (merged, stats, mbs, plans)
@@ -192,11 +188,7 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
 
 def main() -> None:
     args = parse_args()
-    result = bench(args)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
-        print(f"\nwrote {args.out}")
+    write_json(bench(args), args.out)
 
 
 def bench(args: argparse.Namespace) -> dict[str, Any]:

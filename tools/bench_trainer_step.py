@@ -21,22 +21,26 @@ lr = 0 keeps the weights fixed, so every repeat computes the same thing; runs al
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import statistics
+import sys
 import time
 import warnings
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-from megatron_stepwise.algo.advantages import compute_advantages
-from megatron_stepwise.algo.batching import plan_microbatches
-from megatron_stepwise.algo.losses import LossConfig
-from megatron_stepwise.megatron.presets import PRESETS
-from megatron_stepwise.synthetic import AgentWorkload, make_agent_steps
-from megatron_stepwise.types import Step, StepBatch
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_cli import script_main  # noqa: E402
+from megatron_stepwise.algo.advantages import compute_advantages  # noqa: E402
+from megatron_stepwise.algo.batching import plan_microbatches  # noqa: E402
+from megatron_stepwise.algo.losses import LossConfig  # noqa: E402
+from megatron_stepwise.megatron.presets import PRESETS  # noqa: E402
+from megatron_stepwise.synthetic import AgentWorkload, make_agent_steps  # noqa: E402
+from megatron_stepwise.types import Step, StepBatch  # noqa: E402
 
 PAD_TOKEN = 0
 
@@ -207,14 +211,5 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
     }
 
 
-def main() -> None:
-    args = parse_args()
-    result = run(**{k: v for k, v in vars(args).items() if k not in ("quick", "out")}, quick=args.quick)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
-        print(f"\nwrote {args.out}")
-
-
 if __name__ == "__main__":
-    main()
+    script_main(parse_args, run)
