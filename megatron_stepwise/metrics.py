@@ -127,6 +127,29 @@ def read_metrics(run_dir: str) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def summarize_run(records: Sequence[dict[str, Any]], run_dir: str, *, window: int = 5) -> str:
+    """The lines a run ends with: how far it got and how reward and eval reward moved (means
+    over the first and last `window` iterations, so that one noisy iteration does not speak for
+    the run), and where its outputs are."""
+    if not records:
+        return f"no iteration recorded in {run_dir}"
+
+    def mean_over(rows: Sequence[dict[str, Any]], key: str) -> float:
+        values = [float(r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+        return sum(values) / len(values) if values else float("nan")
+
+    k = max(1, min(window, len(records) // 2))
+    lines = [f"done: {len(records)} iterations; reward/mean {mean_over(records[:k], 'reward/mean'):.3f} -> "
+             f"{mean_over(records[-k:], 'reward/mean'):.3f} (mean of the first / last {k})"]
+    evals = [r for r in records if isinstance(r.get("eval/reward/mean"), (int, float))]
+    if evals:
+        first, last = evals[0], evals[-1]
+        lines.append(f"eval/reward/mean {first['eval/reward/mean']:.3f} (iteration {first['iteration']}) -> "
+                     f"{last['eval/reward/mean']:.3f} (iteration {last['iteration']})")
+    lines.append(f"metrics: {os.path.join(run_dir, 'metrics.jsonl')} (curves: megatron-stepwise plot {run_dir})")
+    return "\n".join(lines)
+
+
 def _truncate_after(path: str, iteration: int) -> None:
     """On resume, drop lines of iterations that will be re-run (written after the checkpoint)."""
     if not os.path.exists(path):

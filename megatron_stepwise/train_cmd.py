@@ -48,6 +48,9 @@ def _main(args: argparse.Namespace) -> int:
 def _train(cfg) -> int:
     import logging
 
+    from megatron_stepwise.megatron.runtime import silence_megatron_noise
+
+    silence_megatron_noise()
     from megatron_stepwise.trainer import Trainer
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -33,7 +33,7 @@ from megatron_stepwise.algo.advantages import compute_advantages
 from megatron_stepwise.algo.batching import prompt_minibatches, validate_steps
 from megatron_stepwise.algo.merge import merge_steps
 from megatron_stepwise.config import ExperimentConfig
-from megatron_stepwise.metrics import MetricsLogger, rollout_metrics
+from megatron_stepwise.metrics import MetricsLogger, read_metrics, rollout_metrics, summarize_run
 from megatron_stepwise.types import Step, StepBatch
 
 log = logging.getLogger(__name__)
@@ -129,6 +129,8 @@ class Trainer:
         finally:
             if progress is not None:
                 progress.close()
+        if history and self.is_driver:
+            log.info("%s", summarize_run(read_metrics(cfg.run_dir), cfg.run_dir))
         return history
 
     def iteration(self) -> dict[str, Any]:

@@ -4,7 +4,7 @@ import pytest
 
 from megatron_stepwise import Step, TrajectoryID, make_padding_step
 from megatron_stepwise.data import PromptDataset, load_samples
-from megatron_stepwise.metrics import MetricsLogger, read_metrics, rollout_metrics
+from megatron_stepwise.metrics import MetricsLogger, read_metrics, rollout_metrics, summarize_run
 from megatron_stepwise.plot import plot_run
 
 
@@ -82,3 +82,17 @@ def test_load_samples_names_bad_line(tmp_path):
     path.write_text('{"a": 1}\n{oops\n')
     with pytest.raises(ValueError, match="bad.jsonl:2"):
         load_samples(str(path))
+
+
+def test_run_summary_averages_first_and_last_iterations_and_names_outputs():
+    records = [{"iteration": i, "reward/mean": r} for i, r in enumerate([0.0, 0.2, 0.4, 0.6, 0.8, 1.0])]
+    records[0]["eval/reward/mean"] = 0.1
+    records[4]["eval/reward/mean"] = 0.9
+    text = summarize_run(records, "runs/x", window=2)
+    assert "done: 6 iterations; reward/mean 0.100 -> 0.900 (mean of the first / last 2)" in text
+    assert "eval/reward/mean 0.100 (iteration 0) -> 0.900 (iteration 4)" in text
+    assert "runs/x/metrics.jsonl" in text and "megatron-stepwise plot runs/x" in text
+    # A short run: the window shrinks so that first and last do not overlap; no eval line.
+    short = summarize_run([{"iteration": 0, "reward/mean": 0.5}, {"iteration": 1, "reward/mean": 1.0}], "r")
+    assert "reward/mean 0.500 -> 1.000 (mean of the first / last 1)" in short and "eval" not in short
+    assert summarize_run([], "r") == "no iteration recorded in r"

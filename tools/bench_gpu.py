@@ -29,7 +29,6 @@ import platform
 import statistics
 import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -132,13 +131,14 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
     if reason:
         print(f"bench_gpu: skipped: {reason}")
         return {"skipped": reason}
-    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|cuda_graph_scope).*")
+    from megatron_stepwise.megatron.runtime import destroy_distributed, silence_megatron_noise
+
+    silence_megatron_noise()
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from bench_trainer_step import start_world_of_one
     from megatron_stepwise.megatron.model import build_model_chunks, te_available
     from megatron_stepwise.megatron.plugin import StepwisePlugin
-    from megatron_stepwise.megatron.runtime import destroy_distributed
 
     sizes = (8192,) if args.quick else (4096, 8192, 16384)
     peak = matmul_peak_tflops(sizes if args.device == "cuda" else (512,), args.device)

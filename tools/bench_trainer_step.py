@@ -26,7 +26,6 @@ import socket
 import statistics
 import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -141,10 +140,11 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
     for key, value in options.items():
         setattr(args, key, value)
     torch.set_num_threads(1)
-    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|cuda_graph_scope).*")
+    from megatron_stepwise.megatron.runtime import destroy_distributed, silence_megatron_noise
+
+    silence_megatron_noise()
     from megatron_stepwise.algo.planner import plan_stats
     from megatron_stepwise.megatron.plugin import StepwisePlugin
-    from megatron_stepwise.megatron.runtime import destroy_distributed
 
     hf = model_config(args)
     steps = agent_steps(args, hf["vocab_size"])

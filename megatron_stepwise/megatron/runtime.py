@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Iterator, Optional
@@ -19,6 +20,21 @@ import torch
 import torch.distributed as dist
 
 from megatron_stepwise.megatron import cpu_compat
+
+# What megatron-core says that is noise to us: at import, that Transformer Engine / Apex are
+# missing (it falls back to torch, as intended on CPU), a deprecated default of its own
+# TransformerConfig, and torch's deprecation of the ShardedTensor / load_state_dict API that its
+# dist_checkpointing uses.
+_NOISE = (
+    (UserWarning, ".*(Transformer Engine and Apex are not installed|Apex is not installed|full scope is deprecated)"),
+    (FutureWarning, ".*(deprecating ShardedTensor|`load_state_dict` is deprecated)"),
+)
+
+
+def silence_megatron_noise() -> None:
+    """Hide megatron-core's set-up warnings listed above (call before importing megatron-core)."""
+    for category, message in _NOISE:
+        warnings.filterwarnings("ignore", message=message, category=category)
 
 
 _COMPAT_HELD = False  # whether this runtime enabled the CPU compatibility layer
