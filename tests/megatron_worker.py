@@ -32,7 +32,7 @@ from worker_entry import run_worker  # noqa: E402
 SEED = 7
 
 
-RUN_DEFAULTS = {"tp": 1, "pp": 1, "budget": 64, "sp": 1, "distopt": 0, "per_token_loss": 0, "tied": 0, "bf16": 0}
+RUN_DEFAULTS = {"tp": 1, "pp": 1, "cp": 1, "budget": 64, "sp": 1, "distopt": 0, "per_token_loss": 0, "tied": 0, "bf16": 0}
 
 
 def parse():
@@ -175,7 +175,7 @@ def megatron_loop_backward(plugin, chunks, optimizer, batch):
 
 
 def run_layout(args, out_dir):
-    layout = runtime.init_distributed(args.tp, args.pp, seed=SEED)
+    layout = runtime.init_distributed(args.tp, args.pp, args.cp, seed=SEED)
     cfg = M.tiny_config(tie_word_embeddings=bool(args.tied))
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     overrides = {
@@ -216,7 +216,7 @@ def run_layout(args, out_dir):
 
     result["logprobs"] = attach_old_and_ref(plugin, chunks, batch)
     result["merged_logprobs"] = attach_old_and_ref(plugin, chunks, merged)
-    if args.pp == 1:
+    if args.pp == 1 and args.cp == 1:
         result["megatron_reference_logprobs"] = megatron_full_logits_logprobs(chunks, batch)
 
     result["metrics"] = plugin.train_minibatch(chunks, optimizer, batch)
@@ -244,7 +244,7 @@ def run_layout(args, out_dir):
 
     result["bad_inputs"] = run_bad_inputs(args, chunks, optimizer, layout)
     os.makedirs(out_dir, exist_ok=True)
-    if layout.dp_rank == 0 and layout.tp_rank == 0:
+    if layout.dp_rank == 0 and layout.tp_rank == 0 and layout.cp_rank == 0:
         torch.save(result, os.path.join(out_dir, f"stage{layout.pp_rank}.pt"))
     if layout.rank == 0:
         with open(os.path.join(out_dir, "bad_inputs.json"), "w") as f:

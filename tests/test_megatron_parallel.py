@@ -2,11 +2,11 @@
 
 torchrun launches of tests/megatron_worker.py (one per process count) run (the real megatron-core
 schedules, TP layers, DDP and optimizer) on a fixed tiny model with layout-independent weights
-and a fixed step-wise mini-batch. Every layout must reproduce the TP1xPP1xDP1 baseline: the
-loss and every metric, the gradients (gathered to full shapes), the parameters after one
-optimizer step, and the merged batch's metrics and gradients, within 1e-5 relative; and the
-plugin's log-probs must equal a plain full-logits reference (the Hugging Face model with the
-same weights) within 1e-5. Bad inputs raise clear errors on every rank without a hang.
+and a fixed step-wise mini-batch. Every layout (TP, PP, DP, CP and their products) must
+reproduce the TP1xPP1xDP1 baseline: the loss and every metric, the gradients (gathered to full
+shapes), the parameters after one optimizer step, and the merged batch's metrics and
+gradients, within 1e-5 relative; and the plugin's log-probs must equal a plain full-logits
+reference (the Hugging Face model with the same weights) within 1e-5. Bad inputs raise clear errors on every rank without a hang.
 
 The bf16 layouts run the mixed-precision path a GPU runs (bf16 weights and matmuls, fp32 main
 params, fp32 gradient reduction, megatron's Float16 optimizer) on the CPU: each must match the
@@ -51,6 +51,11 @@ LAYOUTS = {
     # a different micro-batch budget, the distributed optimizer, megatron's per-token loss mode
     "dp2_budget40_distopt_per_token_loss_tied": (2, "budget=40,distopt=1,per_token_loss=1,tied=1", "tp1_tied"),
     "tp2_pp2_tied": (4, "tp=2,pp=2,sp=0,tied=1", "tp1_tied"),
+    # context parallelism: every row split over the CP ranks (all-gather attention on the local path)
+    "cp2": (2, "cp=2", "tp1"),
+    "tp2_cp2_sequence_parallel": (4, "tp=2,cp=2", "tp1"),
+    "cp2_pp2_tied": (4, "cp=2,pp=2,tied=1", "tp1_tied"),
+    "dp2_cp2_budget40_distopt": (4, "cp=2,budget=40,distopt=1", "tp1"),
     # bf16 mixed precision, compared with the fp32 baselines under BF16_TOL
     "tp1_bf16": (1, "bf16=1", "tp1"),
     "tp2_sequence_parallel_bf16": (2, "tp=2,bf16=1", "tp1"),

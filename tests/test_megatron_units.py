@@ -11,7 +11,13 @@ pytest.importorskip("megatron.core")
 
 from megatron_stepwise.megatron import model as M  # noqa: E402
 from megatron_stepwise.megatron.logprobs import reference_logprobs, vocab_parallel_logprobs  # noqa: E402
-from megatron_stepwise.megatron.packing import pack_rows, response_values, set_response_field  # noqa: E402
+from megatron_stepwise.megatron.packing import (  # noqa: E402
+    alignment_for,
+    pack_rows,
+    response_values,
+    set_response_field,
+    split_for_context_parallel,
+)
 from megatron_stepwise.types import Step, StepBatch, StepwiseBatchError, TrajectoryID  # noqa: E402
 
 
@@ -73,6 +79,54 @@ def test_pack_rows_errors_name_the_step_and_budget():
         pack_rows(b, [0, 1])
     with pytest.raises(StepwiseBatchError, match=r"step 1: field 'x' has 1 values for 2"):
         set_response_field(b, "x", [torch.zeros(1), torch.zeros(1)])
+
+
+def test_context_parallel_packing_by_hand():
+    """CP2: each row padded to a multiple of 4 and cut into 4 chunks; rank 0 holds chunks 0 and
+    3 of every row, rank 1 chunks 1 and 2 (the layout TE's THD attention and megatron's RoPE use)."""
+    b = small_batch()
+    mb = pack_rows(b, [1, 0], align=alignment_for(1, False, cp=2), cp=2)
+    # row 1 [1, 2, 3] -> +1 pad; row 0 [5, 6, 7, 8, 9] -> +3 pad; 12 tokens, a multiple of 4
+    assert mb.tokens.tolist() == [[1, 2, 3, 0, 5, 6, 7, 8, 9, 0, 0, 0]]
+    assert mb.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7]]
+    assert mb.cu_seqlens.tolist() == [0, 3, 8] and mb.cu_seqlens_padded.tolist() == [0, 4, 12]
+    assert mb.max_seqlen == 8 and mb.num_real_tokens == 8
+    assert mb.pred_index.tolist() == [1, 5, 6] and mb.targets.tolist() == [3, 7, 8]
+    r0, r1 = (split_for_context_parallel(mb, 2, r) for r in (0, 1))
+    # row 1 chunks of 1: [1] [2] [3] [0]; row 0 chunks of 2: [5 6] [7 8] [9 0] [0 0]
+    assert r0.tokens.tolist() == [[1, 0, 5, 6, 0, 0]]
+    assert r1.tokens.tolist() == [[2, 3, 7, 8, 9, 0]]
+    assert r0.position_ids.tolist() == [[0, 3, 0, 1, 6, 7]] and r1.position_ids.tolist() == [[1, 2, 2, 3, 4, 5]]
+    # a trained token is scored where its predicting position lives: packed 5 ('6' -> '7') on
+    # rank 0 (local 3); packed 1 ('2' -> '3') and 6 ('7' -> '8') on rank 1 (local 0 and 2)
+    assert r0.pred_index.tolist() == [3] and r0.targets.tolist() == [7]
+    assert r1.pred_index.tolist() == [0, 2] and r1.targets.tolist() == [3, 8]
+    assert r0.num_real_tokens + r1.num_real_tokens == mb.num_real_tokens == 8
+    assert r0.cu_seqlens.tolist() == mb.cu_seqlens.tolist()  # every rank keeps the global bounds
+
+
+@pytest.mark.parametrize("cp,tp,sp", [(2, 1, False), (2, 2, True), (4, 1, False), (3, 2, True)])
+def test_context_parallel_split_partitions_tokens_and_trained_positions(cp, tp, sp):
+    """Over the CP ranks every packed position is held exactly once, every trained token is
+    scored exactly once with its own target and fields, and each rank's length suits SP."""
+    gen = torch.Generator().manual_seed(cp * 10 + tp)
+    tid = TrajectoryID("r", 0)
+    steps = []
+    for i in range(7):
+        p, r = int(torch.randint(1, 9, (1,), generator=gen)), int(torch.randint(1, 7, (1,), generator=gen))
+        steps.append(Step(tid, torch.randint(1, 50, (p,), generator=gen), torch.randint(1, 50, (r,), generator=gen),
+                          torch.randint(0, 2, (r,), generator=gen), is_last_step=i == 6))
+    b = StepBatch.from_steps(steps)
+    b.token_fields["advantages"] = torch.arange(b.tokens.numel(), dtype=torch.float32)
+    mb = pack_rows(b, [3, 0, 6, 2], align=alignment_for(tp, sp, cp), cp=cp, gather_fields=["advantages"])
+    parts = [split_for_context_parallel(mb, cp, r) for r in range(cp)]
+    assert sorted(torch.cat([p.tokens[0] for p in parts]).tolist()) == sorted(mb.tokens[0].tolist())
+    assert all(p.seq_len == mb.seq_len // cp and p.seq_len % (tp if sp else 1) == 0 for p in parts)
+    assert sorted(torch.cat([p.token_index for p in parts]).tolist()) == sorted(mb.token_index.tolist())
+    for p in parts:
+        assert torch.equal(b.tokens[p.token_index], p.targets)
+        assert torch.equal(p.fields["advantages"], b.token_fields["advantages"][p.token_index])
+    assert sum(p.num_real_tokens for p in parts) == mb.num_real_tokens
 
 
 # ---------------------------------------------------------------- log-probs

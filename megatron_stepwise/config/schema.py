@@ -36,8 +36,8 @@ class ParallelConfig:
 
     tensor: int = option(1, "tensor-parallel size (must divide attention and KV heads)", min=1)
     pipeline: int = option(1, "pipeline-parallel size (must divide the number of layers)", min=1)
-    context: int = option(1, "context-parallel size; only 1 is supported for now (the step-wise packing "
-                                 "does not split rows across CP ranks)", min=1)
+    context: int = option(1, "context-parallel size: every step row is split over the CP ranks (long "
+                                 "trajectories); rows are padded to a multiple of 2 x context", min=1)
     sequence_parallel: bool = option(False, "shard activations along the sequence inside TP regions (TP > 1)")
     use_distributed_optimizer: bool = option(False, "shard optimizer state across data-parallel ranks")
 

@@ -83,9 +83,6 @@ def _check_parallel(cfg: ExperimentConfig, check: _Checker, probes: Probes, worl
     if par.sequence_parallel and par.tensor == 1:
         check.fail("parallel.sequence_parallel", "needs parallel.tensor > 1 (it shards activations across "
                                                  "the tensor-parallel group)", "parallel.tensor")
-    if par.context > 1:
-        check.fail("parallel.context", "context parallelism is not supported yet: the step-wise packing "
-                                       "does not split rows across CP ranks (use tensor/pipeline parallelism)")
     if launch.gpus_per_node and launch.nproc_per_node > launch.gpus_per_node:
         check.fail("launch.nproc_per_node", f"{launch.nproc_per_node} training ranks per node but "
                                             f"launch.gpus_per_node is {launch.gpus_per_node}",

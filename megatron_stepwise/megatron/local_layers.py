@@ -11,6 +11,12 @@ modules fill the gaps so the CPU path runs the same THD packed format as the TE 
   sequence because megatron applies them from the same `cu_seqlens`.
 - `LocalRMSNorm`: `torch.nn.RMSNorm` whose weight is tagged `sequence_parallel` so
   megatron's `finalize_model_grads` all-reduces its gradient over TP when SP is on.
+
+Context parallelism (`packing.split_for_context_parallel`: rank r holds chunks r and
+2*cp-1-r of every sequence) is all-gather attention: each rank gathers the keys and values of
+the CP group (small next to the activations: 2 x kv_heads x head_dim per token), rebuilds each
+sequence's full K/V and attends its two query chunks to the keys before them. The backward
+sums the K/V gradients of all ranks back to their owners.
 """
 
 from __future__ import annotations
@@ -19,8 +25,9 @@ import math
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
-from megatron.core import tensor_parallel
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
@@ -34,6 +41,35 @@ class LocalRMSNorm(torch.nn.RMSNorm):
         super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
         # finalize_model_grads all-reduces grads of params tagged this way across TP.
         setattr(self.weight, "sequence_parallel", config.sequence_parallel)
+
+
+class _GatherFromContextParallel(torch.autograd.Function):
+    """[T, ...] on each CP rank -> [cp, T, ...] everywhere; backward: each rank gets the sum,
+    over ranks, of the gradients of its own slice."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.stack(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        if dist.get_backend(ctx.group) == dist.Backend.NCCL:
+            out = torch.empty_like(grad[0])
+            dist.reduce_scatter_tensor(out, grad.flatten(0, 1), group=ctx.group)
+            return out, None
+        dist.all_reduce(grad, group=ctx.group)  # gloo has no reduce-scatter
+        return grad[dist.get_rank(ctx.group)].clone(), None
+
+
+def _offset_causal_mask(q_len: int, k_len: int, offset: int, device) -> torch.Tensor:
+    """Query i (at position offset + i) sees keys 0 .. offset + i."""
+    q = torch.arange(q_len, device=device).unsqueeze(1)
+    k = torch.arange(k_len, device=device).unsqueeze(0)
+    return k <= q + offset
 
 
 class PackedCausalAttention(MegatronModule):
@@ -51,18 +87,20 @@ class PackedCausalAttention(MegatronModule):
         pg_collection=None,
     ):
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise ValueError("PackedCausalAttention (local spec) does not support context parallelism")
+        self.cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+        if self.cp_group is None and config.context_parallel_size > 1:
+            self.cp_group = parallel_state.get_context_parallel_group()
         if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal):
             raise ValueError(f"PackedCausalAttention is causal only, got {attn_mask_type}")
         self.head_dim = config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
 
-    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # q [b, np, s, hn], k/v [b, ng, s, hn]; GQA handled by SDPA.
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        # q [b, np, s, hn], k/v [b, ng, s, hn]; GQA handled by SDPA. Causal, or `mask` (True = attend).
         p = self.dropout_p if self.training else 0.0
-        kwargs = dict(is_causal=True, scale=self.softmax_scale, dropout_p=p, enable_gqa=q.size(1) != k.size(1))
+        kwargs = dict(is_causal=mask is None, attn_mask=mask, scale=self.softmax_scale, dropout_p=p,
+                      enable_gqa=q.size(1) != k.size(1))
         if p > 0.0:
             with tensor_parallel.get_cuda_rng_tracker().fork():
                 return F.scaled_dot_product_attention(q, k, v, **kwargs)
@@ -86,6 +124,9 @@ class PackedCausalAttention(MegatronModule):
             if cu is None:
                 cu = packed_seq_params.cu_seqlens_q
             bounds = cu.tolist()
+            cp = dist.get_world_size(self.cp_group) if self.cp_group is not None else 1
+            if cp > 1:
+                return self._context_parallel_thd(query, key, value, bounds, cp)
             outs = []
             for start, end in zip(bounds[:-1], bounds[1:]):
                 if end == start:
@@ -105,3 +146,33 @@ class PackedCausalAttention(MegatronModule):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         out = self._sdpa(q, k, v)  # [b, np, s, hn]
         return out.permute(2, 0, 1, 3).reshape(query.size(0), query.size(1), -1)
+
+    def _context_parallel_thd(self, query, key, value, bounds: list[int], cp: int) -> torch.Tensor:
+        """THD attention of this CP rank's chunks (r and 2cp-1-r of every sequence); `bounds` are
+        the global (padded) sequence bounds, each length a multiple of 2 * cp."""
+        rank = dist.get_rank(self.cp_group)
+        keys = _GatherFromContextParallel.apply(key, self.cp_group)  # [cp, T_local, ng, hn]
+        values = _GatherFromContextParallel.apply(value, self.cp_group)
+
+        def heads_first(t):  # [s, n, hn] -> [1, n, s, hn]
+            return t.transpose(0, 1).unsqueeze(0)
+
+        outs = []
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            c = (end - start) // (2 * cp)
+            if c == 0:
+                continue
+            local = slice(start // cp, start // cp + 2 * c)
+            # Full sequence: chunks 0..cp-1 are the ranks' first halves in rank order, chunks
+            # cp..2cp-1 their second halves in reverse rank order.
+            k_seq, v_seq = (torch.cat([t[:, local][:, :c].flatten(0, 1), t[:, local][:, c:].flip(0).flatten(0, 1)])
+                            for t in (keys, values))
+            q_local = query[local]
+            for half, chunk_index in ((q_local[:c], rank), (q_local[c:], 2 * cp - 1 - rank)):
+                offset = chunk_index * c
+                seen = offset + c  # keys up to the end of this chunk
+                mask = _offset_causal_mask(c, seen, offset, query.device)
+                out = self._sdpa(heads_first(half), heads_first(k_seq[:seen]), heads_first(v_seq[:seen]), mask)
+                outs.append(out[0].transpose(0, 1))
+        out = torch.cat(outs, dim=0) if outs else query.new_zeros(query.shape)
+        return out.reshape(out.size(0), -1)

@@ -254,8 +254,6 @@ def build_gpt_model(
     validate_parallel(arch, tp=tp, pp=pp, tokenizer_vocab_size=tokenizer_vocab_size)
     use_te = te_available() if use_te is None else use_te
     config = transformer_config(arch, tp=tp, pp=pp, cp=cp, use_te=use_te, **(config_overrides or {}))
-    if cp > 1 and not use_te:
-        raise ModelConfigError("context_parallel > 1 needs Transformer Engine (the local spec has no CP attention)")
     if pre_process is None:
         pre_process = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     if post_process is None:

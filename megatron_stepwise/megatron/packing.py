@@ -4,10 +4,17 @@ Rows (each `prompt + response` of one step) are concatenated into a single seque
 length S = sum(len) + pad, described to megatron by `PackedSeqParams(qkv_format="thd")`:
 attention is causal within each row (TE's fused attention on GPU, `PackedCausalAttention` on
 the local path) and RoPE positions restart at every row. `pad` (< `align`) tokens form one
-extra segment at the end so S is a multiple of what sequence parallelism needs (TP size).
+extra segment at the end so S is a multiple of what the layout needs (`alignment_for`).
+
+Context parallelism (CP) splits every row over the CP ranks, load-balanced for causal
+attention as Transformer Engine and megatron's RoPE expect: each row is padded to a multiple
+of 2*cp (pad tokens at its end, never attended to by its real tokens, never trained; the
+padded bounds are `cu_seqlens_padded`), cut into 2*cp chunks, and CP rank r keeps chunks r and
+2*cp-1-r (`split_for_context_parallel`). Every rank keeps the global `cu_seqlens`.
 
 A *trained position* is a token with loss_mask 1; its log-prob comes from the hidden state one
-position earlier (`pred_index`). Only those hidden states ever reach the output layer.
+position earlier (`pred_index`). Only those hidden states ever reach the output layer. Under
+CP a trained token is scored by the rank that holds its predicting position.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ class PackedMicroBatch:
     tokens: torch.Tensor  # long [1, S]
     position_ids: torch.Tensor  # long [1, S], restarting at 0 per row
     cu_seqlens: torch.Tensor  # int32 [num_segments + 1], includes the alignment pad segment
-    max_seqlen: int
+    max_seqlen: int  # longest segment, padded
     rows: list[int]  # mini-batch row indices packed here, in order
     pred_index: torch.Tensor  # long [N]: packed position whose hidden state predicts a trained token
     targets: torch.Tensor  # long [N]: the trained token ids
@@ -37,6 +44,7 @@ class PackedMicroBatch:
     fields: dict[str, torch.Tensor] = field(default_factory=dict)  # per trained token, e.g. advantages
     mode: str = "train"  # "train" or "logprobs": what the loss function computes
     loss_scale: float = 1.0  # undoes megatron's averaging over micro-batches and DP (plugin sets it)
+    cu_seqlens_padded: Optional[torch.Tensor] = None  # rows padded for CP (None: same as cu_seqlens)
 
     @property
     def seq_len(self) -> int:
@@ -50,21 +58,45 @@ class PackedMicroBatch:
         from megatron.core.packed_seq_params import PackedSeqParams
 
         cu = self.cu_seqlens.to(device=device, dtype=torch.int32)
+        padded = None if self.cu_seqlens_padded is None else self.cu_seqlens_padded.to(device=device, dtype=torch.int32)
         return PackedSeqParams(
             qkv_format="thd",
             cu_seqlens_q=cu,
             cu_seqlens_kv=cu,
+            cu_seqlens_q_padded=padded,
+            cu_seqlens_kv_padded=padded,
             max_seqlen_q=self.max_seqlen,
             max_seqlen_kv=self.max_seqlen,
         )
 
 
 def alignment_for(tp: int, sequence_parallel: bool, cp: int = 1) -> int:
-    """Packed length multiple required by the layout (SP splits the sequence over TP)."""
+    """Packed length multiple required by the layout: SP splits each CP rank's S / cp tokens
+    over TP, CP splits every row into 2 * cp chunks."""
     align = tp if sequence_parallel else 1
     if cp > 1:
         align *= 2 * cp
     return align
+
+
+def row_alignment(cp: int) -> int:
+    """Multiple each row is padded to: 2 * cp chunks under CP, none without."""
+    return 2 * cp if cp > 1 else 1
+
+
+def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros_like(x)
+    if x.numel() > 1:
+        torch.cumsum(x[:-1], 0, out=out[1:])
+    return out
+
+
+def _ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Concatenated aranges [starts[i], starts[i] + lengths[i]) without a Python loop."""
+    total = int(lengths.sum())
+    return torch.repeat_interleave(starts, lengths) + (
+        torch.arange(total) - torch.repeat_interleave(_exclusive_cumsum(lengths), lengths)
+    )
 
 
 def pack_rows(
@@ -75,43 +107,49 @@ def pack_rows(
     pad_token_id: int = 0,
     gather_fields: Sequence[str] = (),
     max_tokens: Optional[int] = None,
+    cp: int = 1,
 ) -> PackedMicroBatch:
     """Pack `rows` of `batch` into one THD sequence; gather `gather_fields` at trained tokens.
 
-    An empty `rows` gives a loss-neutral micro-batch of `align` pad tokens and no trained token.
+    With `cp` > 1 each row is padded to a multiple of 2 * cp first (`align` must be a multiple
+    of 2 * cp, as `alignment_for` gives). An empty `rows` gives a loss-neutral micro-batch of
+    `align` pad tokens and no trained token.
     """
     rows = [int(r) for r in rows]
     starts = batch.offsets[:-1]
     lengths = batch.lengths
-    if rows:
-        row_t = torch.tensor(rows, dtype=torch.long)
-        lens = lengths[row_t]
-        if bool((lens == 0).any()):
-            r = rows[int(torch.nonzero(lens == 0)[0])]
-            raise StepwiseBatchError(f"step {r}: empty row (no prompt and no response tokens)")
-        total = int(lens.sum())
-        if max_tokens is not None and total > max_tokens:
-            raise StepwiseBatchError(
-                f"micro-batch of rows {rows[:8]}{'...' if len(rows) > 8 else ''} has {total} tokens, "
-                f"over the budget max_tokens={max_tokens}"
-            )
-        # Flat indices (into the mini-batch) of every packed token, without a per-token loop.
-        seg_start = torch.zeros(len(rows), dtype=torch.long)
-        torch.cumsum(lens[:-1], 0, out=seg_start[1:])
-        within = torch.arange(total) - torch.repeat_interleave(seg_start, lens)
-        flat = torch.repeat_interleave(starts[row_t], lens) + within
-        row_of = torch.repeat_interleave(row_t, lens)
-    else:
-        lens = torch.zeros(0, dtype=torch.long)
-        total = 0
-        within = flat = row_of = torch.zeros(0, dtype=torch.long)
+    row_t = torch.tensor(rows, dtype=torch.long)
+    lens = lengths[row_t] if rows else torch.zeros(0, dtype=torch.long)
+    if bool((lens == 0).any()):
+        r = rows[int(torch.nonzero(lens == 0)[0])]
+        raise StepwiseBatchError(f"step {r}: empty row (no prompt and no response tokens)")
+    plens = lens + (-lens) % row_alignment(cp)  # each row padded for CP (no-op without)
+    total, padded_total = int(lens.sum()), int(plens.sum())
+    if max_tokens is not None and padded_total > max_tokens:
+        raise StepwiseBatchError(
+            f"micro-batch of rows {rows[:8]}{'...' if len(rows) > 8 else ''} has {padded_total} tokens, "
+            f"over the budget max_tokens={max_tokens}"
+        )
+    # Flat indices (into the mini-batch) of every real token and its packed position, without
+    # a per-token loop.
+    within = torch.arange(total) - torch.repeat_interleave(_exclusive_cumsum(lens), lens)
+    flat = torch.repeat_interleave(starts[row_t], lens) + within if rows else within
+    row_of = torch.repeat_interleave(row_t, lens) if rows else within
+    packed_pos = torch.repeat_interleave(_exclusive_cumsum(plens), lens) + within
 
-    pad = (-total) % align if total else max(align, 1)
-    tokens = torch.cat([batch.tokens[flat], torch.full((pad,), pad_token_id, dtype=torch.long)])
-    positions = torch.cat([within, torch.arange(pad)])
+    pad = (-padded_total) % align if rows else max(align, 1)
+    seg_plens = torch.cat([plens, torch.tensor([pad] if pad else [], dtype=torch.long)])
     seg_lens = torch.cat([lens, torch.tensor([pad] if pad else [], dtype=torch.long)])
+    size = padded_total + pad
+    tokens = torch.full((size,), pad_token_id, dtype=torch.long)
+    tokens[packed_pos] = batch.tokens[flat]
+    positions = torch.arange(size) - torch.repeat_interleave(_exclusive_cumsum(seg_plens), seg_plens)
     cu = torch.zeros(seg_lens.numel() + 1, dtype=torch.int32)
     torch.cumsum(seg_lens, 0, out=cu[1:])
+    cu_padded = None
+    if cp > 1:
+        cu_padded = torch.zeros_like(cu)
+        torch.cumsum(seg_plens, 0, out=cu_padded[1:])
 
     trained = batch.token_fields["loss_mask"][flat] != 0
     first_of_row = within == 0
@@ -128,14 +166,50 @@ def pack_rows(
         tokens=tokens.unsqueeze(0),
         position_ids=positions.unsqueeze(0),
         cu_seqlens=cu,
-        max_seqlen=int(seg_lens.max()) if seg_lens.numel() else 0,
+        cu_seqlens_padded=cu_padded,
+        max_seqlen=int(seg_plens.max()) if seg_plens.numel() else 0,
         rows=rows,
-        pred_index=pos - 1,
+        pred_index=packed_pos[pos] - 1,
         targets=batch.tokens[token_index],
         token_index=token_index,
         row_ids=row_of[pos],
         num_real_tokens=total,
         fields={name: batch.token_fields[name][token_index] for name in gather_fields},
+    )
+
+
+def split_for_context_parallel(mb: PackedMicroBatch, cp: int, cp_rank: int) -> PackedMicroBatch:
+    """This CP rank's part of a packed micro-batch: chunks r and 2*cp-1-r of every segment, in
+    segment order, and the trained positions whose predicting hidden state it holds."""
+    cu = (mb.cu_seqlens_padded if mb.cu_seqlens_padded is not None else mb.cu_seqlens).long()
+    seg = cu[1:] - cu[:-1]
+    if bool((seg % (2 * cp)).any()):
+        raise ValueError(f"segments of lengths {seg.tolist()} are not multiples of 2 * cp = {2 * cp}")
+    chunk = seg // (2 * cp)
+    first = cu[:-1] + cp_rank * chunk
+    second = cu[:-1] + (2 * cp - 1 - cp_rank) * chunk
+    local = _ranges(torch.stack([first, second], 1).flatten(), chunk.repeat_interleave(2))
+    where = torch.full((mb.seq_len,), -1, dtype=torch.long)
+    where[local] = torch.arange(local.numel())
+    keep = where[mb.pred_index] >= 0
+    n = len(mb.rows)  # segments after the rows are alignment padding
+    real = torch.zeros(mb.seq_len, dtype=torch.bool)
+    real[_ranges(cu[:n], (mb.cu_seqlens[1 : n + 1] - mb.cu_seqlens[:n]).long())] = True
+    return PackedMicroBatch(
+        tokens=mb.tokens[:, local],
+        position_ids=mb.position_ids[:, local],
+        cu_seqlens=mb.cu_seqlens,
+        cu_seqlens_padded=mb.cu_seqlens_padded,
+        max_seqlen=mb.max_seqlen,
+        rows=mb.rows,
+        pred_index=where[mb.pred_index[keep]],
+        targets=mb.targets[keep],
+        token_index=mb.token_index[keep],
+        row_ids=mb.row_ids[keep],
+        num_real_tokens=int(real[local].sum()),
+        fields={k: v[keep] for k, v in mb.fields.items()},
+        mode=mb.mode,
+        loss_scale=mb.loss_scale,
     )
 
 

@@ -36,14 +36,21 @@ import torch.distributed as dist
 
 from megatron_stepwise.megatron.logprobs import trained_position_logprobs
 from megatron_stepwise.megatron.model import unwrap
-from megatron_stepwise.megatron.packing import PackedMicroBatch, alignment_for, pack_rows, response_values
+from megatron_stepwise.megatron.packing import (
+    PackedMicroBatch,
+    alignment_for,
+    pack_rows,
+    response_values,
+    row_alignment,
+    split_for_context_parallel,
+)
 from megatron_stepwise.types import Step, StepBatch, StepwiseBatchError
 
 TRAIN, LOGPROBS = "train", "logprobs"
 
 
 class UnsupportedLayoutError(ValueError):
-    """A model layout the step-wise plugin refuses (virtual pipeline, context parallel, MTP)."""
+    """A model layout the step-wise plugin refuses (virtual pipeline, MTP)."""
 
 
 @dataclass
@@ -141,7 +148,7 @@ class StepwisePlugin:
             return steps_or_batch
         return StepBatch.from_steps(list(steps_or_batch))
 
-    def _check_batch(self, batch: StepBatch, gpt, *, need: Sequence[str]) -> None:
+    def _check_batch(self, batch: StepBatch, gpt, *, need: Sequence[str], row_align: int = 1) -> None:
         if batch.num_rows == 0:
             raise StepwiseBatchError("mini-batch has no steps")
         vocab = int(gpt.vocab_size)
@@ -155,16 +162,17 @@ class StepwisePlugin:
         for name in need:
             if name not in batch.token_fields:
                 raise StepwiseBatchError(f"mini-batch is missing the per-token field {name!r}")
-        lengths = batch.lengths
+        lengths = batch.lengths + (-batch.lengths) % row_align
         over = torch.nonzero(lengths > self.max_tokens).flatten()
         if over.numel():
             r = int(over[0])
+            padded = f" (padded to a multiple of {row_align} for context parallelism)" if row_align > 1 else ""
             raise StepwiseBatchError(
-                f"step {r}: {int(lengths[r])} tokens do not fit the micro-batch budget "
+                f"step {r}: {int(lengths[r])} tokens{padded} do not fit the micro-batch budget "
                 f"max_tokens_per_microbatch={self.max_tokens}"
             )
 
-    def _layout(self, model_chunks) -> tuple[int, int, int]:
+    def _layout(self, model_chunks) -> tuple[int, int, int, int]:
         from megatron.core import parallel_state as ps
 
         if len(model_chunks) != 1:
@@ -175,6 +183,7 @@ class StepwisePlugin:
             ps.get_data_parallel_world_size(),
             ps.get_data_parallel_rank(),
             ps.get_context_parallel_world_size(),
+            ps.get_context_parallel_rank(),
         )
 
     def prepare_minibatch(
@@ -188,17 +197,13 @@ class StepwisePlugin:
         self._algo()
         batch = self.as_batch(steps_or_batch)
         gpt = unwrap(model_chunks[0])
-        dp, dp_rank, cp = self._layout(model_chunks)
-        if cp > 1:
-            raise UnsupportedLayoutError(
-                f"context_parallel={cp}: the step-wise packing does not split rows across CP ranks; use parallel.context=1"
-            )
+        dp, dp_rank, cp, cp_rank = self._layout(model_chunks)
         cfg = gpt.config
         if getattr(cfg, "mtp_num_layers", None):
             # MTP heads reuse the output layer inside GPTModel, which the plugin bypasses.
             raise UnsupportedLayoutError("multi-token prediction (mtp_num_layers) is not supported by the plugin")
         need = ("loss_mask", "advantages") if mode == TRAIN else ("loss_mask",)
-        self._check_batch(batch, gpt, need=need)
+        self._check_batch(batch, gpt, need=need, row_align=row_alignment(cp))
         n_trained = int((batch.token_fields["loss_mask"] != 0).sum())
         if n_trained == 0:
             raise StepwiseBatchError(
@@ -207,7 +212,8 @@ class StepwisePlugin:
             )
         align = alignment_for(cfg.tensor_model_parallel_size, cfg.sequence_parallel, cp)
         extra = {"micro_align": align} if self._plan_takes_alignment else {}
-        plan = self._plan(batch.lengths.tolist(), dp_size=dp, max_tokens=self.max_tokens, **extra)
+        lengths = batch.lengths + (-batch.lengths) % row_alignment(cp)  # rows as packed (CP pads each)
+        plan = self._plan(lengths.tolist(), dp_size=dp, max_tokens=self.max_tokens, **extra)
         if len(plan) != dp or len({len(p) for p in plan}) != 1:
             raise RuntimeError(f"micro-batch planner returned an invalid plan for dp_size={dp}")
         fields = {}
@@ -223,10 +229,10 @@ class StepwisePlugin:
                     fields[name] = batch.token_fields[name].float()
         mbs = []
         for rows in plan[dp_rank]:
-            mb = pack_rows(batch, rows, align=align, pad_token_id=self.pad_token_id, max_tokens=self.max_tokens)
+            mb = pack_rows(batch, rows, align=align, pad_token_id=self.pad_token_id, max_tokens=self.max_tokens, cp=cp)
             mb.fields = {k: v[mb.token_index] for k, v in fields.items()}
             mb.mode = mode
-            mbs.append(mb)
+            mbs.append(split_for_context_parallel(mb, cp, cp_rank) if cp > 1 else mb)
         num_mb = len(mbs)
         scale = float(num_mb * dp) if not cfg.calculate_per_token_loss else float(n_trained)
         for mb in mbs:
@@ -315,7 +321,7 @@ class StepwisePlugin:
                     [torch.stack([item[k].detach().double().cpu().reshape(()) for k in names]) for item in losses]
                 ) if names else torch.zeros(len(losses), 0, dtype=torch.float64)
                 vec = vals.max(dim=0).values if is_max else vals.sum(dim=0)
-                if ps.get_data_parallel_world_size() > 1 and names:
+                if ps.get_data_parallel_world_size(with_context_parallel=True) > 1 and names:
                     buf = vec.to(_comm_device())
                     op = dist.ReduceOp.MAX if is_max else dist.ReduceOp.SUM
                     dist.all_reduce(buf, op=op, group=ps.get_data_parallel_group(with_context_parallel=True))
