@@ -60,16 +60,40 @@ def _latest_iteration(run_dir):
         return None
 
 
+SHORT_RUN = ("trainer.iterations=7", "checkpoint.every=2")
+
+
+@pytest.fixture(scope="module")
+def short_reference(tmp_path_factory):
+    """The uninterrupted 7-iteration DP2 run the resume and context-parallel tests repeat."""
+    ref_dir = str(tmp_path_factory.mktemp("uninterrupted"))
+    out = _train(ref_dir, *SHORT_RUN)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return {r["iteration"]: r for r in _metrics(ref_dir)}
+
+
 @pytest.mark.slow
-def test_sigkill_then_same_command_resumes_and_repeats_the_uninterrupted_run(tmp_path):
+def test_context_parallel_run_repeats_the_data_parallel_run(tmp_path, short_reference):
+    """The same experiment with each step row split over 2 CP ranks (DP1 x CP2) instead of DP2:
+    the first iteration's update is the same to fp32 rounding, and the run learns alike."""
+    run_dir = str(tmp_path / "cp2")
+    out = _train(run_dir, *SHORT_RUN, "parallel.context=2")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    m = _metrics(run_dir)
+    assert [r["iteration"] for r in m] == list(range(7)) and m[-1]["weight_version"] == 7
+    for key in ("train/loss", "train/grad_norm", "train/entropy", "train/tokens/trained"):
+        assert m[0][key] == pytest.approx(short_reference[0][key], rel=1e-5, abs=1e-7), key
+    for r in m:
+        assert abs(r["reward/mean"] - short_reference[r["iteration"]]["reward/mean"]) < 0.05, r["iteration"]
+
+
+@pytest.mark.slow
+def test_sigkill_then_same_command_resumes_and_repeats_the_uninterrupted_run(tmp_path, short_reference):
     import signal
     import time
 
-    overrides = ("trainer.iterations=7", "checkpoint.every=2")
-    ref_dir = str(tmp_path / "uninterrupted")
-    out = _train(ref_dir, *overrides)
-    assert out.returncode == 0, out.stderr[-3000:]
-    reference = {r["iteration"]: r for r in _metrics(ref_dir)}
+    overrides = SHORT_RUN
+    reference = short_reference
 
     run_dir = str(tmp_path / "killed")
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")

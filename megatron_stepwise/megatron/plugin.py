@@ -13,12 +13,14 @@ divides by the global denominator of the chosen reduction), so the mini-batch lo
 over micro-batches and DP ranks of each micro-batch's `sum_t w_t * l_t`. megatron-core then
 rescales exactly once, and the loss function undoes it:
 - `calculate_per_token_loss=False` (default): the schedule divides each micro-batch loss by
-  the number of micro-batches M and DDP averages gradients over DP, so the loss function
-  returns `partial * M * dp`;
+  the number of micro-batches M (and multiplies it by the CP size) and DDP averages gradients
+  over DP x CP, so the loss function returns `partial * M * dp`;
 - `calculate_per_token_loss=True`: the loss function returns `(partial * N, n_mb, ...)` where
-  n_mb is the micro-batch's trained-token count and N their total over the mini-batch;
-  `finalize_model_grads` divides the DP-summed gradients by sum(n_mb) = N.
-Either way the gradient is d(mini-batch loss)/d(theta), whatever TP/PP/DP/micro-batch split.
+  n_mb is the micro-batch's trained-token count (this CP rank's share) and N their total over
+  the mini-batch; `finalize_model_grads` divides the DP x CP-summed gradients by sum(n_mb) = N.
+Either way the gradient is d(mini-batch loss)/d(theta), whatever TP/PP/DP/CP/micro-batch split.
+Under context parallelism each micro-batch is split over the CP ranks
+(`packing.split_for_context_parallel`) and each rank scores the trained tokens it holds.
 
 Every rank receives the same mini-batch; all input errors are raised before any collective,
 identically on every rank, so a bad batch never leaves other ranks waiting.
@@ -307,7 +309,7 @@ class StepwisePlugin:
     # ----------------------------------------------------------------- reductions
     @staticmethod
     def reduce_metrics(losses: list) -> dict[str, float]:
-        """Combine the loss function's partials over micro-batches (last stage) and DP ranks,
+        """Combine the loss function's partials over micro-batches (last stage) and DP x CP ranks,
         then share them with every pipeline stage. Partials add up, except names ending in
         `_max`, which take the maximum. Identical on every rank."""
         from megatron.core import parallel_state as ps
@@ -404,7 +406,8 @@ class StepwisePlugin:
         for chunk in model_chunks:
             chunk.train()
         flat = torch.zeros(batch.tokens.numel(), dtype=torch.float32)
-        # Each trained token is filled by exactly one rank (its DP rank's last stage, TP rank 0),
+        # Each trained token is filled by exactly one rank (its DP rank's last stage, TP rank 0,
+        # the CP rank holding its predicting position),
         # so a SUM all-reduce over the world assembles the batch on every rank.
         if ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0:
             for item in outputs:
