@@ -407,8 +407,8 @@ class StepwisePlugin:
             chunk.train()
         flat = torch.zeros(batch.tokens.numel(), dtype=torch.float32)
         # Each trained token is filled by exactly one rank (its DP rank's last stage, TP rank 0,
-        # the CP rank holding its predicting position),
-        # so a SUM all-reduce over the world assembles the batch on every rank.
+        # the CP rank holding its predicting position), so a SUM all-reduce over the world
+        # assembles the batch on every rank.
         if ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0:
             for item in outputs:
                 flat[item["token_index"]] = item["logprobs"].float()
