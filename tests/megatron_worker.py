@@ -32,7 +32,7 @@ from worker_entry import run_worker  # noqa: E402
 SEED = 7
 
 
-RUN_DEFAULTS = {"tp": 1, "pp": 1, "cp": 1, "budget": 64, "sp": 1, "distopt": 0, "per_token_loss": 0, "tied": 0, "bf16": 0}
+RUN_DEFAULTS = {"tp": 1, "pp": 1, "cp": 1, "budget": 64, "sp": 1, "distopt": 0, "per_token_loss": 0, "tied": 0, "bf16": 0, "vocab": 256}
 
 
 def parse():
@@ -84,7 +84,7 @@ def attach_old_and_ref(plugin, chunks, batch):
 
 def megatron_full_logits_logprobs(chunks, batch):
     """Reference at PP1: megatron's own forward with the output layer, full logits gathered over
-    TP, log_softmax, gather the next token."""
+    TP (vocabulary padding dropped), log_softmax, gather the next token."""
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
     from megatron_stepwise.megatron.packing import pack_rows
@@ -98,7 +98,8 @@ def megatron_full_logits_logprobs(chunks, batch):
         for r in range(batch.num_rows):
             mb = pack_rows(batch, [r], align=align)
             logits = model(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params(torch.device("cpu")))
-            logits = gather_from_tensor_model_parallel_region(logits)[0]  # [S, V]
+            logits = gather_from_tensor_model_parallel_region(logits)[0]  # [S, V padded]
+            logits = logits[:, : M.unwrap(model).unpadded_vocab_size]  # the real vocabulary
             logp = torch.log_softmax(logits.float(), dim=-1)
             out[mb.token_index] = logp[mb.pred_index, mb.targets]
     model.train()
@@ -176,7 +177,7 @@ def megatron_loop_backward(plugin, chunks, optimizer, batch):
 
 def run_layout(args, out_dir):
     layout = runtime.init_distributed(args.tp, args.pp, args.cp, seed=SEED)
-    cfg = M.tiny_config(tie_word_embeddings=bool(args.tied))
+    cfg = M.tiny_config(tie_word_embeddings=bool(args.tied), vocab_size=args.vocab)
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     overrides = {
         "sequence_parallel": bool(args.sp) and args.tp > 1,

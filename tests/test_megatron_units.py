@@ -257,7 +257,7 @@ def test_llama3_rope_scaling_and_unsupported_configs():
         ({"num_heads": 6, "num_kv_heads": 6, "hidden_size": 48}, 4, 1, "num_attention_heads=6"),
         ({"num_kv_heads": 1}, 2, 1, "num_key_value_heads=1"),
         ({"ffn_hidden_size": 129}, 2, 1, "intermediate_size=129"),
-        ({"vocab_size": 257}, 2, 1, "vocab_size=257"),
+        ({"vocab_size": 5, "num_kv_heads": 4}, 4, 1, "vocab_size=5 is too small"),  # a whole TP shard of padding
         ({"num_layers": 3}, 1, 2, "num_hidden_layers=3"),
     ],
 )
@@ -265,6 +265,12 @@ def test_validate_parallel_names_the_key(overrides, tp, pp, key):
     arch = M.arch_from_hf(M.tiny_config(**overrides))
     with pytest.raises(M.ModelConfigError, match=key):
         M.validate_parallel(arch, tp=tp, pp=pp)
+
+
+def test_vocabulary_is_padded_to_a_multiple_of_tp():
+    assert [M.padded_vocab_size(v, 2) for v in (21, 256, 257)] == [22, 256, 258]
+    assert M.padded_vocab_size(151_665, 8) == 151_672
+    M.validate_parallel(M.arch_from_hf(M.tiny_config(vocab_size=257)), tp=2, pp=1)  # padded, accepted
 
 
 def test_tokenizer_larger_than_model_vocab_is_rejected():

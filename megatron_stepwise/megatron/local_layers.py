@@ -59,7 +59,8 @@ class _GatherFromContextParallel(torch.autograd.Function):
         grad = grad.contiguous()
         if dist.get_backend(ctx.group) == dist.Backend.NCCL:
             out = torch.empty_like(grad[0])
-            dist.reduce_scatter_tensor(out, grad.flatten(0, 1), group=ctx.group)
+            reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # torch >= 2.13
+            reduce_scatter(out, grad.flatten(0, 1), group=ctx.group)
             return out, None
         dist.all_reduce(grad, group=ctx.group)  # gloo has no reduce-scatter
         return grad[dist.get_rank(ctx.group)].clone(), None

@@ -147,11 +147,13 @@ def trained_position_logprobs(
     *,
     chunk_tokens: Optional[int] = None,
     with_entropy: bool = True,
+    vocab_size: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs/entropy at `pred_index` of a last stage's final hidden states.
 
     `hidden` is what the model returns with its output layer bypassed: [1, S_local, h]
-    (S_local = S / tp under sequence parallelism). Works at any TP size.
+    (S_local = S / tp under sequence parallelism). Works at any TP size. `vocab_size`: the real
+    vocabulary when the model's is padded; padding rows are left out of the softmax.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.mappings import (
@@ -167,12 +169,21 @@ def trained_position_logprobs(
     weight = output_weight(gpt_model)
     tp_rank = ps.get_tensor_model_parallel_rank()
     group = ps.get_tensor_model_parallel_group()
+    vocab_start = tp_rank * weight.size(0)
+    if vocab_size is not None and vocab_start + weight.size(0) > vocab_size:
+        real_rows = vocab_size - vocab_start
+        if real_rows <= 0:
+            raise ValueError(
+                f"tensor-parallel rank {tp_rank} holds only vocabulary padding (vocab_size={vocab_size}, "
+                f"{weight.size(0)} rows per rank): use a smaller tensor_parallel or less vocabulary padding"
+            )
+        weight = weight[:real_rows]  # a view: padding rows get no logits and no gradient
     selected = h.index_select(0, pred_index.to(h.device))
     return vocab_parallel_logprobs(
         selected,
         weight,
         targets.to(h.device),
-        vocab_start=tp_rank * weight.size(0),
+        vocab_start=vocab_start,
         group=group,
         chunk_tokens=chunk_tokens,
         with_entropy=with_entropy,

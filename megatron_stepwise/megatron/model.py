@@ -115,6 +115,13 @@ def tiny_config(*, num_layers: int = 4, **kwargs: Any) -> dict:
     return preset_tiny_config(num_layers=num_layers, **kwargs)
 
 
+def padded_vocab_size(vocab_size: int, tp: int) -> int:
+    """Rows of the embedding and output layer: the vocabulary rounded up to a multiple of TP.
+    Padding rows are never looked up, and the log-prob head leaves them out of the softmax
+    (`StepwisePlugin(vocab_size=...)`), so log-probs match the unpadded HF model."""
+    return vocab_size + (-vocab_size) % tp
+
+
 def validate_parallel(
     arch: GPTArch, *, tp: int, pp: int, tokenizer_vocab_size: Optional[int] = None
 ) -> None:
@@ -123,12 +130,13 @@ def validate_parallel(
         ("num_attention_heads", arch.num_heads, tp, "tensor_parallel"),
         ("num_key_value_heads", arch.num_kv_heads, tp, "tensor_parallel"),
         ("intermediate_size", arch.ffn_hidden_size, tp, "tensor_parallel"),
-        ("vocab_size", arch.vocab_size, tp, "tensor_parallel"),
         ("num_hidden_layers", arch.num_layers, pp, "pipeline_parallel"),
     ]
     for key, value, size, what in checks:
         if value % size:
             raise ModelConfigError(f"{what}={size} does not divide {key}={value}")
+    if padded_vocab_size(arch.vocab_size, tp) // tp * (tp - 1) >= arch.vocab_size:
+        raise ModelConfigError(f"vocab_size={arch.vocab_size} is too small to split over tensor_parallel={tp}")
     if arch.num_heads % arch.num_kv_heads:
         raise ModelConfigError(
             f"num_key_value_heads={arch.num_kv_heads} does not divide num_attention_heads={arch.num_heads}"
@@ -258,10 +266,10 @@ def build_gpt_model(
         pre_process = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     if post_process is None:
         post_process = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(config, use_te=use_te, vp_stage=vp_stage),
-        vocab_size=arch.vocab_size,
+        vocab_size=padded_vocab_size(arch.vocab_size, tp),
         max_sequence_length=arch.max_position_embeddings,
         pre_process=pre_process,
         post_process=post_process,
@@ -273,6 +281,8 @@ def build_gpt_model(
         rope_scaling_factor=arch.rope_scaling_factor or 8.0,
         vp_stage=vp_stage,
     )
+    model.unpadded_vocab_size = arch.vocab_size  # what the plugin scores over (see padded_vocab_size)
+    return model
 
 
 def model_provider(hf_config: Any, **kwargs: Any) -> Callable[..., Any]:

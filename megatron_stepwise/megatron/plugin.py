@@ -99,6 +99,10 @@ class StepwisePlugin:
     max_tokens_per_microbatch: token budget of one packed micro-batch, alignment padding included
         with the package planner (it packs to the layout's alignment); a step longer than this
         is an error.
+    vocab_size: the real vocabulary (the HF config's vocab_size) when the megatron model's is
+        padded (Megatron-LM's --make-vocab-size-divisible-by): padding rows are left out of the
+        softmax so log-probs match the rollout engine. Default: what `model.build_gpt_model`
+        records on the model, else the model's own vocab_size.
     The algorithm hooks default to `megatron_stepwise.algo` and can be replaced:
     `policy_loss(inputs, cfg) -> (partial_sum, metrics)`, `token_weights(batch, reduction,
     max_response_len=...) -> [T]`, `plan_microbatches(lengths, dp_size=, max_tokens=)`,
@@ -112,6 +116,7 @@ class StepwisePlugin:
         max_tokens_per_microbatch: int,
         logprob_chunk_tokens: Optional[int] = None,
         pad_token_id: int = 0,
+        vocab_size: Optional[int] = None,
         policy_loss: Optional[Callable] = None,
         token_weights: Optional[Callable] = None,
         plan_microbatches: Optional[Callable] = None,
@@ -123,6 +128,7 @@ class StepwisePlugin:
         self.max_tokens = int(max_tokens_per_microbatch)
         self.chunk_tokens = logprob_chunk_tokens
         self.pad_token_id = pad_token_id
+        self.vocab_size = vocab_size
         self._policy_loss = policy_loss
         self._token_weights = token_weights
         self._plan = plan_microbatches
@@ -153,7 +159,7 @@ class StepwisePlugin:
     def _check_batch(self, batch: StepBatch, gpt, *, need: Sequence[str], row_align: int = 1) -> None:
         if batch.num_rows == 0:
             raise StepwiseBatchError("mini-batch has no steps")
-        vocab = int(gpt.vocab_size)
+        vocab = self._vocab_size(gpt)
         bad = (batch.tokens < 0) | (batch.tokens >= vocab)
         if bool(bad.any()):
             i = int(torch.nonzero(bad)[0])
@@ -173,6 +179,13 @@ class StepwisePlugin:
                 f"step {r}: {int(lengths[r])} tokens{padded} do not fit the micro-batch budget "
                 f"max_tokens_per_microbatch={self.max_tokens}"
             )
+
+    def _vocab_size(self, gpt) -> int:
+        """The vocabulary log-probs are over (the model's rows minus any padding)."""
+        vocab = self.vocab_size or getattr(gpt, "unpadded_vocab_size", None) or gpt.vocab_size
+        if vocab > gpt.vocab_size:
+            raise ValueError(f"vocab_size={vocab} is larger than the model's {gpt.vocab_size} vocabulary rows")
+        return int(vocab)
 
     def _layout(self, model_chunks) -> tuple[int, int, int, int]:
         from megatron.core import parallel_state as ps
@@ -264,6 +277,7 @@ class StepwisePlugin:
             gpt,
             chunk_tokens=self.chunk_tokens,
             with_entropy=with_entropy,
+            vocab_size=self._vocab_size(gpt),
         )
         if mode == LOGPROBS:
             data = {"token_index": mb.token_index, "logprobs": logprobs.detach().cpu()}

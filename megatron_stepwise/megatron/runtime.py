@@ -23,11 +23,12 @@ from megatron_stepwise.megatron import cpu_compat
 
 # What megatron-core says that is noise to us: at import, that Transformer Engine / Apex are
 # missing (it falls back to torch, as intended on CPU), a deprecated default of its own
-# TransformerConfig, and torch's deprecation of the ShardedTensor / load_state_dict API that its
-# dist_checkpointing uses.
+# TransformerConfig, and torch's deprecation of APIs it still calls (ShardedTensor and
+# load_state_dict in dist_checkpointing, the *_tensor collectives in the distributed optimizer).
 _NOISE = (
     (UserWarning, ".*(Transformer Engine and Apex are not installed|Apex is not installed|full scope is deprecated)"),
-    (FutureWarning, ".*(deprecating ShardedTensor|`load_state_dict` is deprecated)"),
+    (FutureWarning, ".*(deprecating ShardedTensor|`load_state_dict` is deprecated"
+                    "|`torch.distributed.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated)"),
 )
 
 
