@@ -119,3 +119,17 @@ def test_sigkill_then_same_command_resumes_and_repeats_the_uninterrupted_run(tmp
             assert r[key] == ref[key], (r["iteration"], key)
         for key in ("train/loss", "train/grad_norm", "train/entropy"):
             assert r[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-7), (r["iteration"], key)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_run_pads_the_vocabulary_and_engines_match_the_trainer(tmp_path):
+    """TP2 + sequence parallelism on the echo tokenizer's 21-token vocabulary: the model pads it
+    to 22 rows; the weights pushed to the engines drop the padding row and the trainer's softmax
+    leaves it out, so after every sync the engine and trainer log-probs agree."""
+    run_dir = str(tmp_path / "tp2")
+    out = _train(run_dir, "trainer.iterations=3", "checkpoint.every=0", "parallel.tensor=2",
+                 "parallel.sequence_parallel=true")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    m = _metrics(run_dir)
+    assert [r["iteration"] for r in m] == [0, 1, 2]
+    assert max(r["train/logprob_gap_max"] for r in m) < 1e-4
