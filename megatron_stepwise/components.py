@@ -270,6 +270,7 @@ class Checkpoints:
             ckpt_dir=self.cfg.checkpoint_dir if mode == "auto" else None,
             path=None if mode == "auto" else mode,
             config_hash=self.config_hash(),
+            load_optimizer=self.cfg.checkpoint.load_optimizer,
         )
         if state is None:
             return None

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 
 
@@ -36,13 +35,39 @@ def _main(args: argparse.Namespace) -> int:
             print("error: launch.nnodes > 1: start the job with launch/train_slurm.sbatch (or torchrun on each node)",
                   file=sys.stderr)
             return 2
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "megatron_stepwise.cli", "train", args.config, *args.overrides]
-        env = dict(os.environ)
-        env.setdefault("OMP_NUM_THREADS", "1")
-        print("launching:", " ".join(cmd), flush=True)
-        return subprocess.call(cmd, env=env)
+        torchrun = ["--standalone", f"--nproc-per-node={nproc}", "-m", "megatron_stepwise.cli", "train",
+                    args.config, *args.overrides]
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        print("launching: torchrun", " ".join(torchrun), flush=True)
+        return _run_torchrun(torchrun)
     return _train(cfg)
+
+
+def _run_torchrun(argv: list[str]) -> int:
+    """torchrun in this process; when a rank fails, its exit code and one line instead of
+    torchrun's own traceback (the rank has already said why)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    try:
+        run(parse_args(argv))
+    except ChildFailedError as e:
+        rank, failure = min(e.failures.items())
+        print(f"error: {len(e.failures)} training rank(s) failed (first: rank {rank}, exit code "
+              f"{failure.exitcode}); see their messages above", file=sys.stderr)
+        return failure.exitcode if failure.exitcode > 0 else 1
+    return 0
+
+
+def _user_errors() -> tuple[type, ...]:
+    """Errors that mean "fix the config, data or checkpoint", not a bug: one line, exit 2."""
+    from megatron_stepwise.megatron.checkpoint import CheckpointError
+    from megatron_stepwise.megatron.hf_mapping import WeightConversionError
+    from megatron_stepwise.megatron.model import ModelConfigError
+    from megatron_stepwise.megatron.plugin import UnsupportedLayoutError
+    from megatron_stepwise.types import StepwiseBatchError
+
+    return CheckpointError, WeightConversionError, ModelConfigError, UnsupportedLayoutError, StepwiseBatchError
 
 
 def _train(cfg) -> int:
@@ -55,9 +80,15 @@ def _train(cfg) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("megatron_stepwise").setLevel(logging.INFO)  # megatron-core's INFO is set-up noise
-    trainer = Trainer(cfg)
+    trainer = None
     try:
+        trainer = Trainer(cfg)
         trainer.run()
+    except _user_errors() as e:
+        rank = int(os.environ.get("RANK", "0"))
+        print(f"error: {e}" if rank == 0 else f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
+        return 2
     finally:
-        trainer.close()
+        if trainer is not None:
+            trainer.close()
     return 0

@@ -133,3 +133,24 @@ def test_tensor_parallel_run_pads_the_vocabulary_and_engines_match_the_trainer(t
     m = _metrics(run_dir)
     assert [r["iteration"] for r in m] == [0, 1, 2]
     assert max(r["train/logprob_gap_max"] for r in m) < 1e-4
+
+
+@pytest.mark.slow
+def test_resume_at_another_tp_with_distributed_optimizer_state_is_a_clear_error(tmp_path):
+    """The distributed optimizer's checkpointed state follows DP changes only. Resuming it at
+    another TP size stops with one line naming the way out (exit 2, no traceback, checkpoint
+    kept); with checkpoint.load_optimizer=false the same command resumes the model weights."""
+    run_dir = str(tmp_path / "run")
+    common = ("parallel.use_distributed_optimizer=true", "checkpoint.every=2")
+    out = _train(run_dir, "trainer.iterations=2", *common)
+    assert out.returncode == 0, out.stderr[-3000:]
+
+    out = _train(run_dir, "trainer.iterations=3", "parallel.tensor=2", *common)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "(tp 1 -> 2)" in out.stderr and "checkpoint.load_optimizer=false" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert _latest_iteration(run_dir) == 2
+
+    out = _train(run_dir, "trainer.iterations=3", "parallel.tensor=2", "checkpoint.load_optimizer=false", *common)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert [r["iteration"] for r in _metrics(run_dir)] == [0, 1, 2]

@@ -222,6 +222,9 @@ class CheckpointConfig:
     every: int = option(0, "save every N iterations (and at the end); 0 = only at the end", min=0)
     keep_last: int = option(2, "checkpoints kept; older ones are deleted", min=1)
     resume: str = option("auto", "auto (latest in dir, if any), never, or a checkpoint path")
+    load_optimizer: bool = option(True, "restore the optimizer state on resume; false loads the model weights "
+                                        "only (fresh Adam moments), e.g. to resume a distributed-optimizer run "
+                                        "at another tensor/pipeline/context parallel size")
     export_hf: bool = option(False, "also write an HF directory (safetensors + config + tokenizer) at the end")
 
 

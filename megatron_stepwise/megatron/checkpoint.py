@@ -377,7 +377,19 @@ def load_checkpoint(
             f"checkpoint {target} was saved with config_hash={trainer_state.get('config_hash')!r}, "
             f"the current config has {config_hash!r}"
         )
-    same_layout = common.get("layout") == _layout()
+    saved_layout, layout = common.get("layout") or {}, _layout()
+    same_layout = saved_layout == layout
+    if optimizer is not None and load_optimizer and _uses_distributed_optimizer(optimizer):
+        moved = [f"{k} {saved_layout.get(k)} -> {layout[k]}" for k in ("tp", "pp", "cp") if saved_layout.get(k, 1) != layout[k]]
+        if moved:
+            # megatron-core's dp_reshardable optimizer state follows DP changes only; without this
+            # check its loader fails with a KeyError on the first missing bucket.
+            raise CheckpointError(
+                f"checkpoint {target} holds distributed-optimizer state for another model-parallel layout "
+                f"({', '.join(moved)}); it resumes only at the same tensor/pipeline/context parallel sizes. "
+                "Resume with those sizes, or load the model weights alone with fresh optimizer moments "
+                "(checkpoint.load_optimizer=false)"
+            )
     metadata = common.get("sharded_metadata") or sharded_metadata(optimizer)
     if optimizer is not None and load_optimizer:
         _materialize_optimizer_state(optimizer)
