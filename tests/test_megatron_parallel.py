@@ -55,7 +55,7 @@ LAYOUTS = {
     "cp2": (2, "cp=2", "tp1"),
     "tp2_cp2_sequence_parallel": (4, "tp=2,cp=2", "tp1"),
     "cp2_pp2_tied": (4, "cp=2,pp=2,tied=1", "tp1_tied"),
-    "dp2_cp2_budget40_distopt": (4, "cp=2,budget=40,distopt=1", "tp1"),
+    "dp2_cp2_budget40_distopt_per_token_loss": (4, "cp=2,budget=40,distopt=1,per_token_loss=1", "tp1"),
     # a vocabulary TP does not divide: TP2 pads it to 256 rows, the padding row (randomly
     # initialised, so it would show) is left out of every softmax
     "tp1_vocab255": (1, "vocab=255", None),
