@@ -32,6 +32,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+from torch.nn.attention.bias import causal_lower_right
 
 
 class LocalRMSNorm(torch.nn.RMSNorm):
@@ -66,13 +67,6 @@ class _GatherFromContextParallel(torch.autograd.Function):
         return grad[dist.get_rank(ctx.group)].clone(), None
 
 
-def _offset_causal_mask(q_len: int, k_len: int, offset: int, device) -> torch.Tensor:
-    """Query i (at position offset + i) sees keys 0 .. offset + i."""
-    q = torch.arange(q_len, device=device).unsqueeze(1)
-    k = torch.arange(k_len, device=device).unsqueeze(0)
-    return k <= q + offset
-
-
 class PackedCausalAttention(MegatronModule):
     """Core attention for THD packed sequences (and plain [s, b] batches) on any device."""
 
@@ -97,8 +91,8 @@ class PackedCausalAttention(MegatronModule):
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
 
-    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        # q [b, np, s, hn], k/v [b, ng, s, hn]; GQA handled by SDPA. Causal, or `mask` (True = attend).
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torch.Tensor:
+        # q [b, np, s, hn], k/v [b, ng, s, hn]; GQA handled by SDPA. Causal, or `mask`.
         p = self.dropout_p if self.training else 0.0
         kwargs = dict(is_causal=mask is None, attn_mask=mask, scale=self.softmax_scale, dropout_p=p,
                       enable_gqa=q.size(1) != k.size(1))
@@ -170,9 +164,10 @@ class PackedCausalAttention(MegatronModule):
                             for t in (keys, values))
             q_local = query[local]
             for half, chunk_index in ((q_local[:c], rank), (q_local[c:], 2 * cp - 1 - rank)):
-                offset = chunk_index * c
-                seen = offset + c  # keys up to the end of this chunk
-                mask = _offset_causal_mask(c, seen, offset, query.device)
+                seen = (chunk_index + 1) * c  # keys up to the end of this chunk
+                # Query i of the chunk sits at position seen - c + i: causal aligned to the lower
+                # right, a mask SDPA's fused (flash / memory-efficient) kernels take.
+                mask = causal_lower_right(c, seen)
                 out = self._sdpa(heads_first(half), heads_first(k_seq[:seen]), heads_first(v_seq[:seen]), mask)
                 outs.append(out[0].transpose(0, 1))
         out = torch.cat(outs, dim=0) if outs else query.new_zeros(query.shape)
