@@ -49,7 +49,8 @@ def test_partial_rollout_update_pauses_in_flight_turns_and_drain_mode_waits():
     version, done, r = results[True]
     k = r.token_weight_versions.count(0)
     # partial rollouts: the update did not wait for the turn, which continued with version 1
-    assert version == 1 and not done
+    # (whether the update's reply beats the turn's end is timing, so `done` is not checked here)
+    assert version == 1
     assert 0 < k < LONG.max_new_tokens and r.token_weight_versions == [0] * k + [1] * (LONG.max_new_tokens - k)
     # drain mode (synchronous training): the update waited until the turn had finished
     version, done, r = results[False]
