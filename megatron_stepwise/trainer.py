@@ -201,17 +201,18 @@ class Trainer:
         checkpoint must hold the same position.
         """
         payload: list[Any] = [None]
+        error: Optional[BaseException] = None
         if self.is_driver:
             try:
-                payload[0] = (produce(), self.dataset.state_dict())
+                payload[0] = ("ok", produce(), self.dataset.state_dict())
             except Exception as e:  # every rank must leave the broadcast, then all raise
-                payload[0] = e
+                # As text: the exception itself may not pickle (Ray and HTTP client errors hold
+                # locks and sockets), and a failed pickle would leave the other ranks waiting.
+                error, payload[0] = e, ("error", f"{type(e).__name__}: {e}", None)
         dist.broadcast_object_list(payload, src=0, group=self.host_group)
-        if isinstance(payload[0], Exception):
-            raise RuntimeError(f"{what} failed on rank 0 at iteration {self.state.iteration}: {payload[0]}") from (
-                payload[0] if self.is_driver else None
-            )
-        result, dataset_state = payload[0]
+        kind, result, dataset_state = payload[0]
+        if kind == "error":
+            raise RuntimeError(f"{what} failed on rank 0 at iteration {self.state.iteration}: {result}") from error
         self.dataset.load_state_dict(dataset_state)
         return result
 

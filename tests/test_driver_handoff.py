@@ -1,0 +1,63 @@
+"""Trainer.from_driver: rank 0 produces, every rank receives; a rank-0 error reaches every rank
+as an error (never a hang), even when the exception itself cannot be pickled."""
+
+import os
+import tempfile
+import threading
+import types
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from megatron_stepwise.trainer import Trainer
+
+
+class _Position:
+    """Stands in for the prompt dataset: rank 0's position must reach every rank."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def state_dict(self):
+        return {"position": self.value}
+
+    def load_state_dict(self, state):
+        self.value = state["position"]
+
+
+class _UnpicklableError(RuntimeError):
+    def __init__(self, msg):
+        super().__init__(msg)
+        self.lock = threading.Lock()  # like the Ray / HTTP client errors a rollout can raise
+
+
+def _worker(rank: int, store_path: str, results) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
+    fake = types.SimpleNamespace(is_driver=rank == 0, dataset=_Position(10 * rank + 7), host_group=None,
+                                 state=types.SimpleNamespace(iteration=3))
+    got = Trainer.from_driver(fake, lambda: ["steps of rank 0"], "rollout")
+    out = {"result": got, "position": fake.dataset.value}
+
+    def fail():
+        raise _UnpicklableError("engine 1 closed the connection")
+
+    try:
+        Trainer.from_driver(fake, fail, "rollout")
+    except RuntimeError as e:
+        out["error"] = str(e)
+    dist.barrier()  # both ranks got here: nobody is left in the broadcast
+    dist.destroy_process_group()
+    results[rank] = out
+
+
+@pytest.mark.distributed
+def test_rank0_result_position_and_unpicklable_error_reach_every_rank():
+    with tempfile.TemporaryDirectory() as tmp:
+        results = mp.Manager().dict()
+        mp.spawn(_worker, args=(os.path.join(tmp, "store"), results), nprocs=2, join=True)
+    for rank in (0, 1):
+        r = results[rank]
+        assert r["result"] == ["steps of rank 0"] and r["position"] == 7  # rank 0's data position
+        assert r["error"] == ("rollout failed on rank 0 at iteration 3: "
+                              "_UnpicklableError: engine 1 closed the connection")
