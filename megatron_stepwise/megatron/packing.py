@@ -79,9 +79,9 @@ def alignment_for(tp: int, sequence_parallel: bool, cp: int = 1) -> int:
     return align
 
 
-def row_alignment(cp: int) -> int:
-    """Multiple each row is padded to: 2 * cp chunks under CP, none without."""
-    return 2 * cp if cp > 1 else 1
+def packed_lengths(lengths: torch.Tensor, cp: int) -> torch.Tensor:
+    """Row lengths as packed: padded to a multiple of 2 * cp under CP, unchanged without."""
+    return lengths + (-lengths) % (2 * cp) if cp > 1 else lengths
 
 
 def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
@@ -123,7 +123,7 @@ def pack_rows(
     if bool((lens == 0).any()):
         r = rows[int(torch.nonzero(lens == 0)[0])]
         raise StepwiseBatchError(f"step {r}: empty row (no prompt and no response tokens)")
-    plens = lens + (-lens) % row_alignment(cp)  # each row padded for CP (no-op without)
+    plens = packed_lengths(lens, cp)
     total, padded_total = int(lens.sum()), int(plens.sum())
     if max_tokens is not None and padded_total > max_tokens:
         raise StepwiseBatchError(
@@ -132,10 +132,10 @@ def pack_rows(
         )
     # Flat indices (into the mini-batch) of every real token and its packed position, without
     # a per-token loop.
-    within = torch.arange(total) - torch.repeat_interleave(_exclusive_cumsum(lens), lens)
-    flat = torch.repeat_interleave(starts[row_t], lens) + within if rows else within
+    within = _ranges(torch.zeros_like(lens), lens)
+    flat = _ranges(starts[row_t], lens) if rows else within
     row_of = torch.repeat_interleave(row_t, lens) if rows else within
-    packed_pos = torch.repeat_interleave(_exclusive_cumsum(plens), lens) + within
+    packed_pos = _ranges(_exclusive_cumsum(plens), lens)
 
     pad = (-padded_total) % align if rows else max(align, 1)
     seg_plens = torch.cat([plens, torch.tensor([pad] if pad else [], dtype=torch.long)])
@@ -143,7 +143,7 @@ def pack_rows(
     size = padded_total + pad
     tokens = torch.full((size,), pad_token_id, dtype=torch.long)
     tokens[packed_pos] = batch.tokens[flat]
-    positions = torch.arange(size) - torch.repeat_interleave(_exclusive_cumsum(seg_plens), seg_plens)
+    positions = _ranges(torch.zeros_like(seg_plens), seg_plens)
     cu = torch.zeros(seg_lens.numel() + 1, dtype=torch.int32)
     torch.cumsum(seg_lens, 0, out=cu[1:])
     cu_padded = None

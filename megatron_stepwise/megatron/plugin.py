@@ -42,8 +42,8 @@ from megatron_stepwise.megatron.packing import (
     PackedMicroBatch,
     alignment_for,
     pack_rows,
+    packed_lengths,
     response_values,
-    row_alignment,
     split_for_context_parallel,
 )
 from megatron_stepwise.types import Step, StepBatch, StepwiseBatchError
@@ -156,7 +156,8 @@ class StepwisePlugin:
             return steps_or_batch
         return StepBatch.from_steps(list(steps_or_batch))
 
-    def _check_batch(self, batch: StepBatch, gpt, *, need: Sequence[str], row_align: int = 1) -> None:
+    def _check_batch(self, batch: StepBatch, gpt, *, need: Sequence[str], lengths: torch.Tensor, cp: int) -> None:
+        """`lengths`: the rows as packed (`packed_lengths`, padded for CP)."""
         if batch.num_rows == 0:
             raise StepwiseBatchError("mini-batch has no steps")
         vocab = self._vocab_size(gpt)
@@ -170,11 +171,10 @@ class StepwisePlugin:
         for name in need:
             if name not in batch.token_fields:
                 raise StepwiseBatchError(f"mini-batch is missing the per-token field {name!r}")
-        lengths = batch.lengths + (-batch.lengths) % row_align
         over = torch.nonzero(lengths > self.max_tokens).flatten()
         if over.numel():
             r = int(over[0])
-            padded = f" (padded to a multiple of {row_align} for context parallelism)" if row_align > 1 else ""
+            padded = f" (padded to a multiple of {2 * cp} for context parallelism)" if cp > 1 else ""
             raise StepwiseBatchError(
                 f"step {r}: {int(lengths[r])} tokens{padded} do not fit the micro-batch budget "
                 f"max_tokens_per_microbatch={self.max_tokens}"
@@ -218,7 +218,8 @@ class StepwisePlugin:
             # MTP heads reuse the output layer inside GPTModel, which the plugin bypasses.
             raise UnsupportedLayoutError("multi-token prediction (mtp_num_layers) is not supported by the plugin")
         need = ("loss_mask", "advantages") if mode == TRAIN else ("loss_mask",)
-        self._check_batch(batch, gpt, need=need, row_align=row_alignment(cp))
+        lengths = packed_lengths(batch.lengths, cp)
+        self._check_batch(batch, gpt, need=need, lengths=lengths, cp=cp)
         n_trained = int((batch.token_fields["loss_mask"] != 0).sum())
         if n_trained == 0:
             raise StepwiseBatchError(
@@ -227,7 +228,6 @@ class StepwisePlugin:
             )
         align = alignment_for(cfg.tensor_model_parallel_size, cfg.sequence_parallel, cp)
         extra = {"micro_align": align} if self._plan_takes_alignment else {}
-        lengths = batch.lengths + (-batch.lengths) % row_alignment(cp)  # rows as packed (CP pads each)
         plan = self._plan(lengths.tolist(), dp_size=dp, max_tokens=self.max_tokens, **extra)
         if len(plan) != dp or len({len(p) for p in plan}) != 1:
             raise RuntimeError(f"micro-batch planner returned an invalid plan for dp_size={dp}")
