@@ -52,11 +52,17 @@ def _run_torchrun(argv: list[str]) -> int:
     try:
         run(parse_args(argv))
     except ChildFailedError as e:
-        rank, failure = min(e.failures.items())
+        rank, failure = first_failure(e.failures)
         print(f"error: {len(e.failures)} training rank(s) failed (first: rank {rank}, exit code "
               f"{failure.exitcode}); see their messages above", file=sys.stderr)
         return failure.exitcode if failure.exitcode > 0 else 1
     return 0
+
+
+def first_failure(failures: dict) -> tuple:
+    """(rank, failure) of the rank that failed by itself, not one torchrun stopped afterwards
+    (negative exit code: a signal); ties go to the earliest, then the lowest rank."""
+    return min(failures.items(), key=lambda item: (item[1].exitcode <= 0, item[1].timestamp, item[0]))
 
 
 def _user_errors() -> tuple[type, ...]:

@@ -191,3 +191,20 @@ def test_dry_runs_report_bad_configs_and_allocations_with_exit_2():
     assert outside.returncode == 2 and "SLURM_JOB_NODELIST: not set" in outside.stderr
     usage = run_script("train_local.sh")
     assert usage.returncode == 2 and "--dry-run" in usage.stderr
+
+
+def test_the_reported_rank_is_the_one_that_failed_by_itself():
+    """When one rank exits with an error, torchrun stops the others (SIGTERM, exit code -15):
+    the launcher must report the rank that failed, not the lowest one it killed."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from megatron_stepwise.train_cmd import first_failure
+
+    def failure(rank, code, t):
+        f = ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=code, error_file="<N/A>")
+        f.timestamp = t
+        return f
+
+    assert first_failure({0: failure(0, -15, 5), 1: failure(1, 2, 4)})[0] == 1
+    assert first_failure({0: failure(0, 1, 7), 1: failure(1, 2, 4)})[0] == 1  # earliest error
+    assert first_failure({0: failure(0, -9, 4), 1: failure(1, -9, 4)})[0] == 0  # all killed: lowest
