@@ -1,4 +1,10 @@
-"""megatron-stepwise: step-wise RL training of multi-turn LLM agents on Megatron."""
+"""megatron-stepwise: step-wise RL training of multi-turn LLM agents on Megatron.
+
+Subpackages: `algo` (the batch pipeline, pure torch), `rollout` (engines, fleet, agent loop),
+`megatron` (megatron-core integration and `StepwisePlugin`), `config` (typed YAML configs),
+`envs` (environments). The loop is `trainer.py` (`async_driver.py` in async mode), built by
+`components.py`. Package layout, data flow and the step-wise invariants: docs/architecture.md.
+"""
 
 from megatron_stepwise.algo.advantages import (
     compute_advantages,

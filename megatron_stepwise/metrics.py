@@ -1,8 +1,8 @@
 """Per-iteration metrics: rollout statistics at trajectory level, and the run's metrics log.
 
 Reward statistics, pass@k and group filters look at trajectories (their last steps), never at
-step rows (ARCHITECTURE invariant 9): a trajectory that took 8 turns counts once, like one
-that took 1. Padding rows never count.
+step rows (docs/architecture.md, invariant 9): a trajectory that took 8 turns counts once, like
+one that took 1. Padding rows never count.
 """
 
 from __future__ import annotations

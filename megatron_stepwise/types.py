@@ -60,7 +60,8 @@ class Step:
     - `prompt_ids`: the chat history re-tokenised up to this turn (with the generation prompt).
     - `response_ids`: only the tokens generated in this turn (observations go to the next prompt).
     - `loss_mask`: 1 on tokens the engine sampled, 0 elsewhere (e.g. an EOS appended after the fact).
-    - `rollout_logprobs`: the engine's log-prob of each response token (optional).
+    - `rollout_logprobs`: the engine's log-prob of each response token, `log_softmax(logits / T)`
+      at the sampling temperature T; None when the engine reported none (unknown, never 0).
     - `reward`: the trajectory's outcome reward is the reward of its last step.
     - `weight_versions`: per response token, the policy weight version that produced it (optional).
     """
@@ -132,7 +133,10 @@ class StepBatch:
     aligned with `tokens` and hold 0 at prompt positions. Per-row fields (`row_fields`)
     have one entry per row.
 
-    token_fields always has: loss_mask (long), rollout_logprobs (float32; 0 where unknown).
+    token_fields always has: loss_mask (long), rollout_logprobs (float32) and
+    rollout_logprobs_known (bool): True on the response tokens of steps that carry rollout
+    log-probs. Where it is False the value of rollout_logprobs means nothing (it is 0): a known
+    log-prob of 0 (probability 1) and an unknown one are different things.
     row_fields always has: traj_index, group_index (long; dense ids in order of first
     appearance), is_last (bool), reward (float64), is_padding (bool).
     """
@@ -162,6 +166,19 @@ class StepBatch:
 
     def response_slice(self, r: int) -> slice:
         return slice(int(self.offsets[r] + self.prompt_lens[r]), int(self.offsets[r + 1]))
+
+    def rollout_logprobs_known(self) -> torch.Tensor:
+        """bool [T]: where `token_fields['rollout_logprobs']` holds a real engine log-prob."""
+        known = self.token_fields.get("rollout_logprobs_known")
+        return known if known is not None else torch.zeros(self.tokens.numel(), dtype=torch.bool)
+
+    def first_row_without_rollout_logprobs(self) -> Optional[int]:
+        """The first step with a trained token whose rollout log-prob is unknown, or None."""
+        missing = (self.token_fields["loss_mask"] != 0) & ~self.rollout_logprobs_known()
+        if not bool(missing.any()):
+            return None
+        i = int(torch.nonzero(missing)[0])
+        return int(torch.searchsorted(self.offsets, torch.tensor(i), right=True)) - 1
 
     def row_of_token(self) -> torch.Tensor:
         """Row index of every token (long [T])."""
@@ -196,6 +213,9 @@ class StepBatch:
                 else torch.zeros(s.response_ids.numel(), dtype=torch.float32),
                 torch.float32,
             ),
+            "rollout_logprobs_known": spread(
+                lambda s: torch.full((s.response_ids.numel(),), s.rollout_logprobs is not None), torch.bool
+            ),
         }
         if n and all(s.weight_versions is not None for s in steps):
             token_fields["weight_versions"] = spread(lambda s: s.weight_versions, torch.long)
@@ -221,15 +241,17 @@ class StepBatch:
     def to_steps(self) -> list[Step]:
         steps = []
         versions = self.token_fields.get("weight_versions")
+        known = self.rollout_logprobs_known()
         for r in range(self.num_rows):
             row, resp = self.row_slice(r), self.response_slice(r)
+            has_logprobs = resp.stop == resp.start or bool(known[resp].all())
             steps.append(
                 Step(
                     trajectory_id=self.trajectory_ids[r],
                     prompt_ids=self.tokens[row.start : resp.start].clone(),
                     response_ids=self.tokens[resp].clone(),
                     loss_mask=self.token_fields["loss_mask"][resp].clone(),
-                    rollout_logprobs=self.token_fields["rollout_logprobs"][resp].clone(),
+                    rollout_logprobs=self.token_fields["rollout_logprobs"][resp].clone() if has_logprobs else None,
                     reward=float(self.row_fields["reward"][r]),
                     is_last_step=bool(self.row_fields["is_last"][r]),
                     stop_reason=self.stop_reasons[r],

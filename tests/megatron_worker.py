@@ -135,6 +135,12 @@ def run_bad_inputs(args, chunks, optimizer, layout):
     expect("no_trainable", lambda: plugin.train_minibatch(chunks, optimizer, batch_of(untrained)), StepwiseBatchError)
     oov = [Step(tid, [1, 2, 3], [4, 5], [1, 1], is_last_step=False), Step(tid, [1, 2], [300, 5], [1, 1], is_last_step=True)]
     expect("token_out_of_vocab", lambda: plugin.train_minibatch(chunks, optimizer, batch_of(oov)), StepwiseBatchError)
+    # LOSS has tis='token': the engine's log-prob of every trained token is needed, and step 1 has none.
+    no_logprobs = [
+        Step(tid, [1, 2, 3], [4, 5], [1, 1], rollout_logprobs=[-0.5, -1.0], is_last_step=False),
+        Step(tid, [1, 2, 3, 4, 5, 9], [6, 7], [1, 1], is_last_step=True),
+    ]
+    expect("no_rollout_logprobs", lambda: plugin.train_minibatch(chunks, optimizer, batch_of(no_logprobs)), StepwiseBatchError)
     expect(
         "tokenizer_vocab",
         lambda: M.build_gpt_model(M.tiny_config(), tokenizer_vocab_size=300),

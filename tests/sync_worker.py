@@ -4,7 +4,9 @@ Rank 0 starts a Ray fleet with one embedded engine (random init of its own). For
 (TP2, PP2, TP1 x DP2, re-initialised in the same processes) and each sync mode (tensor, disk,
 distributed), the policy gets new layout-independent weights, `WeightSync.push` sends them as a
 new version, the engine generates greedily from a prompt, and the plugin's `compute_logprobs`
-scores the same tokens. Rank 0 saves both log-prob vectors (and the sync metrics) under --out.
+scores the same tokens. After the tensor-mode push the engine also samples at T = 0.6 with
+top-p 0.9 and top-k 20, scored by a plugin at T = 0.6 and, as the control, at T = 1. Rank 0 saves
+the log-prob vectors (and the sync metrics) under --out.
 """
 
 from __future__ import annotations
@@ -32,10 +34,26 @@ LAYOUTS = [("tp2", 2, 1), ("pp2", 1, 2), ("tp1", 1, 1)]
 MODES = ["tensor", "disk", "distributed"]
 
 
-def generate(loop, fleet, prompt):
+TEMPERATURE = 0.6
+
+
+def generate(loop, fleet, prompt, **sampling):
     from megatron_stepwise.rollout.engine import SamplingParams
 
-    return loop.run_until_complete(fleet.generate(prompt, SamplingParams(temperature=0.0, max_new_tokens=8)))
+    params = SamplingParams(**{"temperature": 0.0, "max_new_tokens": 8, **sampling})
+    return loop.run_until_complete(fleet.generate(prompt, params))
+
+
+def sampled_case(loop, fleet, rank, plugins, chunks) -> dict:
+    """Engine vs trainer log-probs of tokens sampled at T = 0.6, top-p 0.9, top-k 20."""
+    box = [None]
+    if rank == 0:
+        r = generate(loop, fleet, PROMPT, temperature=TEMPERATURE, top_p=0.9, top_k=20, max_new_tokens=16)
+        box = [(r.output_ids, r.logprobs)]
+    dist.broadcast_object_list(box, src=0)
+    output_ids, engine_logprobs = box[0]
+    scored = {name: megatron_logprobs(p, chunks, PROMPT, output_ids).tolist() for name, p in plugins.items()}
+    return {"output_ids": output_ids, "engine": engine_logprobs, **scored}
 
 
 def megatron_logprobs(plugin, chunks, prompt, response) -> torch.Tensor:
@@ -61,6 +79,8 @@ def main() -> None:
         loop.run_until_complete(fleet.wait_ready())
 
     plugin = StepwisePlugin(LossConfig(), max_tokens_per_microbatch=256)
+    plugins = {"megatron_t": StepwisePlugin(LossConfig(), max_tokens_per_microbatch=256, temperature=TEMPERATURE),
+               "megatron_t1": plugin}
     results: dict = {}
     syncers: dict = {}
     version = 0
@@ -98,6 +118,10 @@ def main() -> None:
                     "stale_megatron": before.tolist(),
                     "metrics": metrics,
                 }
+            if mode == "tensor":
+                case = sampled_case(loop, fleet, rank, plugins, chunks)
+                if rank == 0:
+                    results[f"{tag}/sampled"] = case
             dist.barrier()
     if rank == 0:
         (out / "results.json").write_text(json.dumps(results))

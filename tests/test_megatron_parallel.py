@@ -264,6 +264,8 @@ def test_bad_inputs_raise_clear_errors_on_every_rank(results):
     assert bad["over_budget"] == "step 0: 66 tokens do not fit the micro-batch budget max_tokens_per_microbatch=64"
     assert "no trainable token" in bad["no_trainable"]
     assert bad["token_out_of_vocab"] == "step 1: token id 300 is outside the model vocabulary [0, 256)"
+    assert bad["no_rollout_logprobs"].startswith("step 1 (bad#0): field 'rollout_logprobs' is missing")
+    assert "algo.loss.tis='token'" in bad["no_rollout_logprobs"]
     assert bad["tokenizer_vocab"] == "tokenizer has 300 tokens but the model's vocab_size is 256"
     assert bad["heads_not_divisible"] == "tensor_parallel=2 does not divide num_attention_heads=3"
     assert bad["alive_ranks"] == 2  # both ranks got past every error and met in a collective

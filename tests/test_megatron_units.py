@@ -132,8 +132,8 @@ def test_context_parallel_split_partitions_tokens_and_trained_positions(cp, tp, 
 # ---------------------------------------------------------------- log-probs
 
 
-@pytest.mark.parametrize("chunk", [1, 5, 1000])
-def test_logprobs_and_entropy_match_full_logits_with_gradients(chunk):
+@pytest.mark.parametrize("chunk,temperature", [(1, 1.0), (5, 1.0), (1000, 1.0), (5, 0.6), (1000, 1.7)])
+def test_logprobs_and_entropy_match_full_logits_with_gradients(chunk, temperature):
     g = torch.Generator().manual_seed(0)
     n, h, v = 23, 16, 50
     hidden = torch.randn(n, h, generator=g, requires_grad=True)
@@ -141,17 +141,26 @@ def test_logprobs_and_entropy_match_full_logits_with_gradients(chunk):
     targets = torch.randint(0, v, (n,), generator=g)
     a, b = torch.randn(n, generator=g), torch.randn(n, generator=g)
 
-    lp, ent = vocab_parallel_logprobs(hidden, weight, targets, chunk_tokens=chunk)
+    lp, ent = vocab_parallel_logprobs(hidden, weight, targets, chunk_tokens=chunk, temperature=temperature)
     (a * lp + b * ent).sum().backward()
     grads = hidden.grad.clone(), weight.grad.clone()
     hidden.grad = weight.grad = None
-    lp_ref, ent_ref = reference_logprobs(hidden @ weight.t(), targets)
+    # The oracle divides the full logits by T, as the rollout engine does.
+    scaled = torch.log_softmax((hidden @ weight.t()).detach() / temperature, -1)
+    torch.testing.assert_close(lp.detach(), scaled.gather(1, targets[:, None])[:, 0], rtol=1e-5, atol=1e-5)
+    lp_ref, ent_ref = reference_logprobs(hidden @ weight.t(), targets, temperature)
     (a * lp_ref + b * ent_ref).sum().backward()
 
     torch.testing.assert_close(lp, lp_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ent, ent_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(grads[0], hidden.grad, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(grads[1], weight.grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("temperature", [0, -1.0, float("nan"), float("inf")])
+def test_logprobs_refuse_a_temperature_that_is_not_positive_and_finite(temperature):
+    with pytest.raises(ValueError, match="finite T > 0"):
+        vocab_parallel_logprobs(torch.zeros(1, 4), torch.zeros(3, 4), torch.tensor([0]), temperature=temperature)
 
 
 def test_logprobs_without_entropy_and_with_no_rows():

@@ -1,13 +1,17 @@
 """Weight sync to the fleet and train/inference consistency (tests/sync_worker.py under torchrun).
 
 After each push (tensor, disk, distributed) at TP2, PP2 and TP1, the embedded engine's greedy
-log-probs for a sequence equal the plugin's `compute_logprobs` on the same tokens within 1e-4.
+log-probs for a sequence equal the plugin's `compute_logprobs` on the same tokens within 1e-4;
+so do log-probs of tokens sampled at T = 0.6 with top-p 0.9 and top-k 20, scored by a plugin
+told the temperature.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 
+from megatron_stepwise.algo.losses import LossConfig, LossInputs, policy_loss
 from megatron_stepwise.megatron import sync as S
 from weights_helpers import check_ok, load_json, run_torchrun
 
@@ -51,6 +55,29 @@ def test_engine_logprobs_equal_megatron_after_a_sync(results, layout, mode):
     stale_gap = max(abs(a - b) for a, b in zip(r["stale_engine"], r["stale_megatron"]))
     assert stale_gap > 1e-2
     assert r["metrics"]["weight_sync/bytes"] > 0 and r["metrics"]["weight_sync/buckets"] > 1
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_sampled_logprobs_at_temperature_match_and_tis_weights_are_one(results, layout):
+    r = results[0][f"{layout}/sampled"]
+    n = len(r["output_ids"])
+    assert n >= 4 and len(r["engine"]) == len(r["megatron_t"]) == n
+    engine, ours, at_t1 = (torch.tensor(r[k], dtype=torch.float64) for k in ("engine", "megatron_t", "megatron_t1"))
+    gap = float((engine - ours).abs().max())
+    assert gap <= 1e-4, f"{layout}: engine vs trainer log-probs at T=0.6 differ by {gap}"
+    # The control: a trainer scoring at T = 1 sees another distribution.
+    assert float((engine - at_t1).abs().max()) > 1e-2
+
+    # On-policy, the TIS weight old/rollout is 1 on every token.
+    ones = torch.ones(n, dtype=torch.float64)
+    _, metrics = policy_loss(
+        LossInputs(logprobs=ours, old_logprobs=ours, advantages=ones, weights=ones / n,
+                   segment_ids=torch.zeros(n, dtype=torch.long), rollout_logprobs=engine),
+        LossConfig(tis="token", tis_cap=2.0),
+    )
+    assert abs(float(metrics["tis_weight_mean"]) - 1.0) <= 1e-4
+    assert abs(float(metrics["tis_weight_max"]) - 1.0) <= 1e-4
 
 
 @pytest.mark.distributed

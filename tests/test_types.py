@@ -54,3 +54,20 @@ def test_step_batch_round_trip_and_select():
     assert sub.tokens.tolist() == [7, 8, 8, 8, 1, 2, 3]
     assert sub.trajectory_ids == [TrajectoryID("b", 0), TrajectoryID("a", 0)]
     assert sub.token_fields["rollout_logprobs"][-1].item() == pytest.approx(-0.1)
+
+
+def test_unknown_rollout_logprobs_are_marked_unknown_not_zero():
+    tid = TrajectoryID("p", 0)
+    steps = [
+        Step(tid, [1, 2], [3, 4], [1, 1], rollout_logprobs=[0.0, -0.5]),  # a known log-prob of 0 is real
+        Step(tid, [1, 2, 3, 4, 9], [5, 6], [1, 0], is_last_step=True),  # the engine reported none
+    ]
+    batch = StepBatch.from_steps(steps)
+    known = batch.rollout_logprobs_known()
+    assert known.tolist() == [False, False, True, True, False, False, False, False, False, False, False]
+    assert batch.first_row_without_rollout_logprobs() == 1
+    back = batch.to_steps()
+    assert back[0].rollout_logprobs.tolist() == [0.0, -0.5]
+    assert back[1].rollout_logprobs is None
+    assert batch.select([1, 0]).first_row_without_rollout_logprobs() == 0
+    assert batch.select([0]).first_row_without_rollout_logprobs() is None

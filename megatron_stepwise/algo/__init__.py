@@ -1,0 +1,12 @@
+"""The step-wise batch pipeline: pure Python/torch, no Megatron or Ray imports.
+
+- validate.py    `validate_steps`: reject malformed batches, naming the step and the field
+- advantages.py  outcome estimators (GRPO, Dr.GRPO, RLOO, MAXRL; registry), broadcast per step
+- merge.py       `merge_steps`: prefix merge of consecutive steps of a trajectory
+- batching.py    DP padding and prompt-based mini-batches (re-exports validate and plan)
+- planner.py     `plan_microbatches`: cost-balanced DP split into token-budget micro-batches
+- reductions.py  loss reductions as per-token weights with a global denominator
+- losses.py      PPO clip / dual-clip, GSPO, CISPO, TIS, IcePop, KL, entropy; loss registry
+
+The public names are re-exported from `megatron_stepwise`; see docs/architecture.md.
+"""

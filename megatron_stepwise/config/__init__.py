@@ -5,6 +5,15 @@
 
 `load_config` returns a validated `ExperimentConfig` or raises `ConfigError`, whose
 `problems` name every offending key at once.
+
+- schema.py    one typed dataclass per YAML section; every key with a default and help
+- fields.py    declaring keys (`option`, `section`) and building typed dataclasses from dicts
+- loader.py    `defaults:` inheritance, `a.b.c=value` overrides, provenance of keys
+- validate.py  semantic checks (layouts, combinations, the machine), one problem per finding
+- probes.py    what validation needs to know about the machine (extras, model shapes, registries)
+- errors.py    `ConfigProblem` / `ConfigError`: every problem names its dotted key
+- docs.py      the key reference generated from the schema (docs/config.md)
+- commands.py  `megatron-stepwise validate` and `megatron-stepwise config {docs,show}`
 """
 
 from __future__ import annotations

@@ -1,4 +1,14 @@
-"""Environments for multi-turn agent rollouts: protocol, registry and built-ins."""
+"""Environments for multi-turn agent rollouts: protocol, registry and built-ins.
+
+- base.py            the `Environment` protocol and the registry (`register_env`, `make_env`)
+- echo.py            `echo`: "say D" over several turns, learnable by a tiny model on CPU
+- math_tool.py       `math_tool`: arithmetic word problems solved with a sandboxed Python tool
+- sandbox.py         runs model-written Python in a subprocess with time, memory, network limits
+- search.py          `search`: Search-R1-shaped retrieval QA over a small shipped corpus
+- bm25.py            Okapi BM25 over an in-memory corpus (used by `search`)
+- tiny_tokenizers.py the shipped word- and char-level tokenizers (`tiny_word`, `tiny_char`)
+- data/              problems, corpus and questions, and the shipped tokenizer files
+"""
 
 from megatron_stepwise.envs.base import EnvSpec, Environment, get_env_spec, list_envs, make_env, register_env
 

@@ -1,10 +1,19 @@
 """Megatron (megatron-core 0.16) integration.
 
 - `runtime`: process groups (torchrun/SLURM env), NCCL on GPU, gloo + `cpu_compat` on CPU.
-- `model`: GPTModel from a Llama/Qwen2 HF config; `tiny_config()` for tests.
-- `packing`: step rows -> THD packed micro-batches; `logprobs`: vocab-parallel log-probs and
-  entropy at trained positions only; `weights`: full (unsharded) parameter views.
+- `cpu_compat`: scoped redirection of megatron-core's hard-coded CUDA uses to the CPU.
+- `presets`: named model configs and resolution of `model.hf_config` (no megatron-core import).
+- `model`: GPTModel from a Llama/Qwen2 HF config (TE or local spec), DDP-wrapped model chunks.
+- `local_layers`: packed causal attention (with CP) and SP-aware RMSNorm for the local spec.
+- `packing`: step rows -> THD packed micro-batches, trained positions, the CP split.
+- `logprobs`: vocab-parallel log-probs and entropy at trained positions only.
 - `plugin`: `StepwisePlugin` (forward_step / train_minibatch / compute_logprobs).
+- `weights`: full (unsharded) parameter and gradient views by canonical name.
+- `hf_mapping`: Megatron <-> Hugging Face names and layouts (pure functions).
+- `convert`: HF import/export and bucketed weight streaming at any TP/PP.
+- `sync`: `WeightSync`, pushing the policy's weights to the rollout fleet (disk/tensor/distributed).
+- `checkpoint`: dist_checkpointing save / load / resume, atomic, keep-last-K.
+- `fileops`: crash-safe files and renames for checkpoints and exports.
 
-Submodules import megatron-core; import them explicitly.
+Most submodules import megatron-core; import them explicitly.
 """

@@ -8,6 +8,11 @@ max and the sums (normaliser, target logit, sum p*z) with one MAX and one SUM al
 the TP group, and keeps only per-token scalars. The backward recomputes each chunk's logits, so
 peak memory is one chunk of [chunk, V/tp] fp32 logits whatever N is.
 
+Temperature. The rollout engine reports `log_softmax(logits / T)[token]` (rollout/engine.py), so
+the trainer scores the same distribution: every quantity here (log-probs, entropy, gradients)
+is of `softmax(logits / T)`. The division happens on the fp32 logits of each chunk, never on
+bf16 hidden states.
+
 The hidden-state gradient of one rank is the partial over its vocab shard: callers route
 hidden states through megatron's `copy_to_tensor_model_parallel_region` (or, with sequence
 parallelism, `gather_from_sequence_parallel_region`), whose backward sums the partials.
@@ -15,6 +20,7 @@ parallelism, `gather_from_sequence_parallel_region`), whose backward sums the pa
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -37,9 +43,14 @@ def _all_reduce(t: torch.Tensor, op, group) -> None:
         dist.all_reduce(t, op=op, group=group)
 
 
+def _scaled(logits: torch.Tensor, inv_temperature: float) -> torch.Tensor:
+    z = logits.float()
+    return z if inv_temperature == 1.0 else z.mul_(inv_temperature)
+
+
 class _VocabParallelLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, vocab_start, group, chunk, with_entropy):
+    def forward(ctx, hidden, weight, targets, vocab_start, group, chunk, with_entropy, inv_temperature):
         n = hidden.size(0)
         v_local = weight.size(0)
         logprobs = torch.empty(n, dtype=torch.float32, device=hidden.device)
@@ -51,7 +62,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         local_t = local_t.clamp(0, v_local - 1)
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
-            z = (hidden[s:e].to(weight.dtype) @ weight.t()).float()  # [c, V/tp]
+            z = _scaled(hidden[s:e].to(weight.dtype) @ weight.t(), inv_temperature)  # [c, V/tp] fp32
             zmax = z.max(dim=-1).values
             _all_reduce(zmax, dist.ReduceOp.MAX, group)
             ez = (z - zmax[:, None]).exp_()
@@ -70,6 +81,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
             entropy[s:e] = lse[s:e] - mean_z[s:e]
         ctx.save_for_backward(hidden, weight, local_t, in_shard, lse, mean_z)
         ctx.chunk = chunk
+        ctx.inv_temperature = inv_temperature
         ctx.with_entropy = with_entropy
         if not with_entropy:
             entropy.zero_()
@@ -88,7 +100,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         for s in range(0, n, ctx.chunk):
             e = min(n, s + ctx.chunk)
             h = hidden[s:e].to(weight.dtype)
-            z = (h @ weight.t()).float()
+            z = _scaled(h @ weight.t(), ctx.inv_temperature)
             g_lp = grad_logprobs[s:e, None]
             # dL/dz = g_lp * (onehot(y) - p) - g_ent * p * (z - E_p[z])
             #       = p * (-g_lp + g_ent * E_p[z] - g_ent * z) + g_lp * onehot(y)
@@ -100,12 +112,12 @@ class _VocabParallelLogProbs(torch.autograd.Function):
             g.mul_(z.sub_(lse[s:e, None]).exp_())  # z becomes p in place
             rows = torch.nonzero(in_shard[s:e]).flatten()
             g[rows, local_t[s:e][rows]] += grad_logprobs[s:e][rows]
-            g = g.to(weight.dtype)
+            g = _scaled(g, ctx.inv_temperature).to(weight.dtype)  # d(logits / T)/d(logits) = 1/T
             grad_hidden[s:e] = (g @ weight).to(hidden.dtype)
             if need_w:
                 grad_weight += (g.t() @ h).float()
         grad_weight = grad_weight.to(weight.dtype) if need_w else None
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 def vocab_parallel_logprobs(
@@ -117,19 +129,32 @@ def vocab_parallel_logprobs(
     group: Optional[dist.ProcessGroup] = None,
     chunk_tokens: Optional[int] = None,
     with_entropy: bool = True,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log p(target), entropy) per row of `hidden` [N, h], both fp32 [N].
+    """(log p(target), entropy) per row of `hidden` [N, h], both fp32 [N], of softmax(logits / T).
 
     `weight` is this rank's vocab shard [V/tp, h] covering ids [vocab_start, vocab_start + V/tp);
     `group` the TP group (None or size 1: no communication). Differentiable w.r.t. hidden and
     weight; the entropy is zeros (and not differentiated) when `with_entropy` is False.
     """
+    check_temperature(temperature)
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.size(1) != weight.size(1):
         raise ValueError(f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} do not match")
     if targets.shape != (hidden.size(0),):
         raise ValueError(f"targets {tuple(targets.shape)} must be [N={hidden.size(0)}]")
     chunk = _chunk_tokens(weight.size(0), chunk_tokens)
-    return _VocabParallelLogProbs.apply(hidden, weight, targets, vocab_start, group, chunk, with_entropy)
+    return _VocabParallelLogProbs.apply(
+        hidden, weight, targets, vocab_start, group, chunk, with_entropy, 1.0 / float(temperature)
+    )
+
+
+def check_temperature(temperature: float) -> None:
+    """Training scores sampled tokens; greedy decoding (T = 0) has no distribution to score."""
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+        raise ValueError(
+            f"temperature={temperature!r}: log-probs are scored as log_softmax(logits / T) and need a finite T > 0 "
+            "(the rollout's sampling temperature; greedy decoding, T = 0, cannot be trained on)"
+        )
 
 
 def output_weight(gpt_model) -> torch.Tensor:
@@ -148,8 +173,10 @@ def trained_position_logprobs(
     chunk_tokens: Optional[int] = None,
     with_entropy: bool = True,
     vocab_size: Optional[int] = None,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs/entropy at `pred_index` of a last stage's final hidden states.
+    """Log-probs/entropy of softmax(logits / temperature) at `pred_index` of a last stage's final
+    hidden states.
 
     `hidden` is what the model returns with its output layer bypassed: [1, S_local, h]
     (S_local = S / tp under sequence parallelism). Works at any TP size. `vocab_size`: the real
@@ -187,12 +214,15 @@ def trained_position_logprobs(
         group=group,
         chunk_tokens=chunk_tokens,
         with_entropy=with_entropy,
+        temperature=temperature,
     )
 
 
-def reference_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain full-vocabulary computation (for tests and benchmarks): logits [N, V] -> (logp, entropy)."""
-    logp_all = torch.log_softmax(logits.float(), dim=-1)
+    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
     logp = logp_all.gather(-1, targets[:, None])[:, 0]
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp, entropy

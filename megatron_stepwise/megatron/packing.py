@@ -44,6 +44,7 @@ class PackedMicroBatch:
     fields: dict[str, torch.Tensor] = field(default_factory=dict)  # per trained token, e.g. advantages
     mode: str = "train"  # "train" or "logprobs": what the loss function computes
     loss_scale: float = 1.0  # undoes megatron's averaging over micro-batches and DP (plugin sets it)
+    rollout_logprobs_complete: bool = False  # every trained token of the mini-batch has an engine log-prob
     cu_seqlens_padded: Optional[torch.Tensor] = None  # rows padded for CP (None: same as cu_seqlens)
 
     @property
@@ -210,6 +211,7 @@ def split_for_context_parallel(mb: PackedMicroBatch, cp: int, cp_rank: int) -> P
         fields={k: v[keep] for k, v in mb.fields.items()},
         mode=mb.mode,
         loss_scale=mb.loss_scale,
+        rollout_logprobs_complete=mb.rollout_logprobs_complete,
     )
 
 

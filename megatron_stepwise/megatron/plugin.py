@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from megatron_stepwise.megatron.logprobs import trained_position_logprobs
+from megatron_stepwise.megatron.logprobs import check_temperature, trained_position_logprobs
 from megatron_stepwise.megatron.model import unwrap
 from megatron_stepwise.megatron.packing import (
     PackedMicroBatch,
@@ -99,6 +99,10 @@ class StepwisePlugin:
     max_tokens_per_microbatch: token budget of one packed micro-batch, alignment padding included
         with the package planner (it packs to the layout's alignment); a step longer than this
         is an error.
+    temperature: the rollout's sampling temperature T. Every trained position is scored as
+        `log_softmax(logits / T)`, the distribution the engine sampled from and reported log-probs
+        of, so the policy ratio, TIS/IcePop weights, KL, entropy and the train-vs-rollout gap
+        compare like with like. Must be > 0 (greedy rollouts cannot be trained on).
     vocab_size: the real vocabulary (the HF config's vocab_size) when the megatron model's is
         padded (Megatron-LM's --make-vocab-size-divisible-by): padding rows are left out of the
         softmax so log-probs match the rollout engine. Default: what `model.build_gpt_model`
@@ -116,6 +120,7 @@ class StepwisePlugin:
         max_tokens_per_microbatch: int,
         logprob_chunk_tokens: Optional[int] = None,
         pad_token_id: int = 0,
+        temperature: float = 1.0,
         vocab_size: Optional[int] = None,
         policy_loss: Optional[Callable] = None,
         token_weights: Optional[Callable] = None,
@@ -128,6 +133,8 @@ class StepwisePlugin:
         self.max_tokens = int(max_tokens_per_microbatch)
         self.chunk_tokens = logprob_chunk_tokens
         self.pad_token_id = pad_token_id
+        check_temperature(temperature)
+        self.temperature = float(temperature)
         self.vocab_size = vocab_size
         self._policy_loss = policy_loss
         self._token_weights = token_weights
@@ -232,6 +239,7 @@ class StepwisePlugin:
         if len(plan) != dp or len({len(p) for p in plan}) != 1:
             raise RuntimeError(f"micro-batch planner returned an invalid plan for dp_size={dp}")
         fields = {}
+        rollout_complete = False
         if mode == TRAIN:
             weights = self._token_weights(
                 batch,
@@ -239,20 +247,43 @@ class StepwisePlugin:
                 max_response_len=getattr(self.loss_config, "max_response_len", None),
             )
             fields["weights"] = weights.float()
-            for name in ("advantages", "old_logprobs", "rollout_logprobs", "ref_logprobs"):
+            for name in ("advantages", "old_logprobs", "ref_logprobs"):
                 if name in batch.token_fields:
                     fields[name] = batch.token_fields[name].float()
+            rollout_complete = self._rollout_logprob_fields(batch, fields)
         mbs = []
         for rows in plan[dp_rank]:
             mb = pack_rows(batch, rows, align=align, pad_token_id=self.pad_token_id, max_tokens=self.max_tokens, cp=cp)
             mb.fields = {k: v[mb.token_index] for k, v in fields.items()}
             mb.mode = mode
+            mb.rollout_logprobs_complete = rollout_complete
             mbs.append(split_for_context_parallel(mb, cp, cp_rank) if cp > 1 else mb)
         num_mb = len(mbs)
         scale = float(num_mb * dp) if not cfg.calculate_per_token_loss else float(n_trained)
         for mb in mbs:
             mb.loss_scale = scale
         return MinibatchInputs(mbs, num_mb, max(mb.seq_len for mb in mbs))
+
+    def _rollout_logprob_fields(self, batch: StepBatch, fields: dict) -> bool:
+        """Add the engine's log-probs (and where they are known) to the per-token `fields`.
+
+        True when every trained token has one: only then do they reach the loss. A loss that
+        needs them (TIS, IcePop, the async off-policy correction) refuses a batch with a gap,
+        naming the first step; otherwise the train-vs-rollout gap metric covers the known ones.
+        """
+        known = batch.rollout_logprobs_known()
+        missing = batch.first_row_without_rollout_logprobs()
+        if missing is not None and getattr(self.loss_config, "needs_rollout_logprobs", False):
+            cfg = self.loss_config
+            raise StepwiseBatchError(
+                f"step {missing} ({batch.trajectory_ids[missing]}): field 'rollout_logprobs' is missing (the rollout "
+                f"engine reported no log-probs), but algo.loss.tis={cfg.tis!r} / algo.loss.icepop_* need the engine's "
+                "log-prob of every trained token"
+            )
+        if bool((known & (batch.token_fields["loss_mask"] != 0)).any()):
+            fields["rollout_logprobs"] = batch.token_fields["rollout_logprobs"].float()
+            fields["rollout_logprobs_known"] = known
+        return missing is None and "rollout_logprobs" in fields
 
     # ----------------------------------------------------------------- megatron hooks
     def forward_step(self, data_iterator, model, *_args, **_kwargs):
@@ -278,6 +309,7 @@ class StepwisePlugin:
             chunk_tokens=self.chunk_tokens,
             with_entropy=with_entropy,
             vocab_size=self._vocab_size(gpt),
+            temperature=self.temperature,
         )
         if mode == LOGPROBS:
             data = {"token_index": mb.token_index, "logprobs": logprobs.detach().cpu()}
@@ -297,7 +329,7 @@ class StepwisePlugin:
             advantages=f["advantages"],
             weights=f["weights"],
             segment_ids=mb.row_ids.to(device),
-            rollout_logprobs=f.get("rollout_logprobs"),
+            rollout_logprobs=f.get("rollout_logprobs") if mb.rollout_logprobs_complete else None,
             ref_logprobs=f.get("ref_logprobs"),
             entropy=entropy,
         )
@@ -310,8 +342,8 @@ class StepwisePlugin:
         reported["tokens/trained"] = torch.tensor(float(mb.num_trained))
         reported["tokens/total"] = torch.tensor(float(mb.num_real_tokens))
         if "rollout_logprobs" in f:
-            # |current - rollout| over trained tokens whose rollout log-prob is known (non-zero).
-            known = f["rollout_logprobs"] != 0
+            # |current - rollout| over the trained tokens whose rollout log-prob is known.
+            known = f["rollout_logprobs_known"]
             gap = (logprobs.detach() - f["rollout_logprobs"]).abs()
             reported["_gap_sum"] = gap[known].double().sum()
             reported["_gap_count"] = known.double().sum()

@@ -1,10 +1,13 @@
 """Rollout: engines that generate tokens with log-probs, a Ray fleet of them, the agent loop.
 
 - engine.py      the `Engine` protocol, `SamplingParams`, `GenerateResult` (log-prob convention)
-- local.py       embedded CPU engine (HF transformers model, batched, KV cache)
-- server.py      that engine over SGLang's HTTP API (`megatron-stepwise serve`)
-- sglang.py      SGLang HTTP client + server launcher
+- sampling.py    next-token sampling (temperature / top-p / top-k) with SGLang's log-prob convention
+- hf_model.py    HF causal LMs for the embedded engine: build from a config, checked weight loads
+- local.py       `LocalEngine`: the embedded CPU engine (batched decode, KV cache, pause/abort)
+- server.py      that engine behind SGLang's native HTTP endpoints (`megatron-stepwise serve`)
+- sglang.py      `SGLangClient` (the `Engine` protocol over SGLang's HTTP API) + server launcher
 - weight_sync.py trainer -> engine weight broadcast groups (gloo)
-- fleet.py       Ray fleet: routing, concurrency, weight broadcast, fault handling
-- agent_loop.py  the step-wise multi-turn loop emitting `Step`s
+- fleet.py       `RolloutFleet`: Ray engine actors, routing, concurrency, weight updates, faults
+- agent_loop.py  `AgentLoop`: the step-wise multi-turn loop emitting one `Step` per turn
+- buffer.py      `GroupBuffer`: finished prompt groups and the staleness bound (async training)
 """

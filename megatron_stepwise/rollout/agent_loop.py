@@ -4,7 +4,7 @@ Per trajectory: render the chat with the tokenizer's chat template and re-tokeni
 the step's prompt), check its length AFTER re-tokenising, generate, append the assistant text,
 step the environment, append its observation messages (they reach the model in the NEXT
 prompt), repeat until the environment is done, the turn budget is spent or the prompt no longer
-fits. Invariants (ARCHITECTURE.md 1-3):
+fits. Invariants (docs/architecture.md, invariants 1-3):
 
 - `response_ids` are only the tokens sampled this turn; `rollout_logprobs` align with them 1:1.
 - loss_mask is 1 on sampled tokens and 0 on an EOS appended after the fact (when the turn ended

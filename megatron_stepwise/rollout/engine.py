@@ -7,7 +7,10 @@ Log-prob convention (the same as SGLang 0.5.x's default, see `sglang/srt/layers/
 the reported log-prob of a sampled token is `log_softmax(logits / temperature)[token]` over the
 FULL vocabulary, i.e. under the temperature-scaled distribution but *before* top-p / top-k
 truncation and renormalisation. With temperature 0 (greedy) it is the raw `log_softmax(logits)`.
-A trainer that scores the same tokens with `log_softmax(logits / temperature)` reproduces it.
+The trainer does exactly that: `StepwisePlugin(temperature=T)` (the trainer passes
+`rollout.sampling.temperature`) scores every trained token as `log_softmax(logits / T)`, and
+training refuses T = 0. An engine that reports no log-probs leaves `Step.rollout_logprobs` None
+(unknown), never 0.
 """
 
 from __future__ import annotations
