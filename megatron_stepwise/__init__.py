@@ -2,8 +2,9 @@
 
 Subpackages: `algo` (the batch pipeline, pure torch), `rollout` (engines, fleet, agent loop),
 `megatron` (megatron-core integration and `StepwisePlugin`), `config` (typed YAML configs),
-`envs` (environments). The loop is `trainer.py` (`async_driver.py` in async mode), built by
-`components.py`. Package layout, data flow and the step-wise invariants: docs/architecture.md.
+`envs` (environments), `hf` (HF model configs, hub lookups, tokenizers), `loop` (the training
+loop and its two mini-batch sources, built by `loop/components.py`). Package layout, layers, data
+flow and the step-wise invariants: docs/architecture.md.
 """
 
 from megatron_stepwise.algo.advantages import (

@@ -1,7 +1,7 @@
 """`megatron-stepwise demo`: the step-wise batch pipeline on a synthetic multi-turn agent batch.
 
-validate -> prefix merge -> prompt mini-batches -> DP padding -> micro-batch plan, with a
-readable summary of what each stage did.
+validate -> prompt mini-batches -> prepare (prefix merge, advantages, columnar batch) ->
+micro-batch plan: the trainer's own functions, with a readable summary of what each stage did.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import sys
 import time
 from typing import Callable, TypeVar
 
-from megatron_stepwise.algo.batching import pad_for_data_parallel, prompt_minibatches, validate_steps
-from megatron_stepwise.algo.merge import merge_steps
+from megatron_stepwise.algo.batching import prompt_minibatches, validate_steps
 from megatron_stepwise.algo.planner import DEFAULT_ATTENTION_WEIGHT, plan_microbatches, plan_stats
+from megatron_stepwise.loop.prepare import PrepareOptions, add_counts, prepare
 from megatron_stepwise.synthetic import AgentWorkload, make_agent_steps
 from megatron_stepwise.types import StepwiseBatchError
 
@@ -59,7 +59,7 @@ def _timed(fn: Callable[[], T]) -> tuple[T, float]:
 
 def _stage(n: int, name: str, text: str, ms: float) -> None:
     lines = text.split("\n")
-    print(f"[{n}/5] {name:<13}{lines[0]:<74}{ms:8.1f} ms")
+    print(f"[{n}/4] {name:<13}{lines[0]:<74}{ms:8.1f} ms")
     for line in lines[1:]:
         print(f"{'':19}{line}")
 
@@ -87,28 +87,23 @@ def _run(args: argparse.Namespace) -> int:
     trajs = sum(s.is_last_step for s in steps)
     _stage(1, "validate", f"{len(steps)} steps, {trajs} trajectories, {w.num_prompts} prompt groups: OK", ms)
 
-    (merged, st), ms = _timed(lambda: merge_steps(steps, max_tokens=args.max_tokens))
-    _stage(2, "merge",
-           f"{st.rows_before} -> {st.rows_after} rows, {st.tokens_before:,} -> {st.tokens_after:,} tokens "
-           f"({st.token_ratio:.2f}x fewer)\ntrainable tokens {st.trainable_tokens:,} (unchanged); "
-           f"{st.broken_prefixes} turn boundaries kept apart by drift", ms)
-
-    mbs, ms = _timed(lambda: prompt_minibatches(merged, args.prompts_per_minibatch))
-    _stage(3, "mini-batches",
+    mbs, ms = _timed(lambda: prompt_minibatches(steps, args.prompts_per_minibatch))
+    _stage(2, "mini-batches",
            f"{len(mbs)} x {args.prompts_per_minibatch} prompts = {len(mbs)} optimizer steps; "
            f"rows {', '.join(str(len(m)) for m in mbs)}", ms)
 
-    t = time.perf_counter()
-    padded, first = [], 0
-    for mb in mbs:
-        padded.append(pad_for_data_parallel(mb, args.dp, first_index=first))
-        first += len(padded[-1]) - len(mb)
-    ms = (time.perf_counter() - t) * 1e3
-    _stage(4, "DP padding",
-           f"dp={args.dp}: +{', +'.join(str(len(p) - len(m)) for p, m in zip(padded, mbs))} "
-           f"loss-neutral rows (row counts now multiples of {args.dp})", ms)
+    options = PrepareOptions(merge_steps=True, max_tokens=args.max_tokens)
+    prepared, ms = _timed(lambda: [prepare(mb, options) for mb in mbs])
+    batches = [b for b, _ in prepared if b is not None]
+    c = add_counts(m for _, m in prepared)
+    _stage(3, "prepare",
+           f"prefix merge: {c['batch/rows_before_merge']} -> {c['batch/rows_after_merge']} rows, "
+           f"{c['batch/tokens_before_merge']:,} -> {c['batch/tokens_after_merge']:,} tokens "
+           f"({c['batch/tokens_before_merge'] / c['batch/tokens_after_merge']:.2f}x fewer)\n"
+           f"GRPO advantages over {c['advantages/num_groups']} groups, broadcast to every step; "
+           f"{c['advantages/zero_variance_groups']} groups without signal", ms)
 
-    lengths = [[s.num_tokens for s in mb] for mb in padded]
+    lengths = [batch.lengths.tolist() for batch in batches]
     def plan_all():
         plans = []
         for k, ls in enumerate(lengths):
@@ -120,7 +115,7 @@ def _run(args: argparse.Namespace) -> int:
 
     plans, ms = _timed(plan_all)
     stats = [plan_stats(ls, plan) for ls, plan in zip(lengths, plans)]
-    _stage(5, "plan",
+    _stage(4, "plan",
            f"balance {args.dp} DP ranks by cost = tokens + tokens^2 / {1 / DEFAULT_ATTENTION_WEIGHT:.0f} (attention);\n"
            f"pack each rank into micro-batches of <= {args.max_tokens:,} tokens", ms)
 

@@ -68,6 +68,16 @@ def rollout_metrics(steps: Sequence[Step], *, success_threshold: float = 1.0) ->
     return out
 
 
+def mean_metrics(items: Sequence[dict[str, Any]], prefix: str = "") -> dict[str, float]:
+    """Average each metric over an iteration's optimizer steps (finite numbers only)."""
+    out: dict[str, float] = {}
+    for key in {k for m in items for k in m}:
+        values = [m[key] for m in items if key in m and isinstance(m[key], (int, float)) and math.isfinite(m[key])]
+        if values:
+            out[prefix + key] = sum(values) / len(values)
+    return out
+
+
 def _observation_lengths(steps: Sequence[Step]) -> list[int]:
     """Tokens added between consecutive turns: next prompt minus (prompt + response)."""
     lengths = []

@@ -82,7 +82,7 @@ def _train(cfg) -> int:
     from megatron_stepwise.megatron.runtime import silence_megatron_noise
 
     silence_megatron_noise()
-    from megatron_stepwise.trainer import Trainer
+    from megatron_stepwise.loop.trainer import Trainer
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("megatron_stepwise").setLevel(logging.INFO)  # megatron-core's INFO is set-up noise

@@ -184,6 +184,30 @@ class StepBatch:
         """Row index of every token (long [T])."""
         return torch.repeat_interleave(torch.arange(self.num_rows), self.lengths)
 
+    def set_response_field(self, name: str, values: Sequence[torch.Tensor], dtype=torch.float32) -> None:
+        """Store per-step, response-aligned tensors (e.g. advantages) as `self.token_fields[name]`,
+        with 0 at prompt positions."""
+        if len(values) != self.num_rows:
+            raise StepwiseBatchError(f"field {name!r}: got {len(values)} tensors for {self.num_rows} steps")
+        resp = self.response_lens
+        for r, v in enumerate(values):
+            if v.numel() != int(resp[r]):
+                raise StepwiseBatchError(
+                    f"step {r}: field {name!r} has {v.numel()} values for {int(resp[r])} response tokens"
+                )
+        out = torch.zeros(self.tokens.numel(), dtype=dtype)
+        if values:
+            resp_start = self.offsets[:-1] + self.prompt_lens
+            idx = torch.repeat_interleave(resp_start, resp) + (
+                torch.arange(int(resp.sum())) - torch.repeat_interleave(torch.cumsum(resp, 0) - resp, resp)
+            )
+            out[idx] = torch.cat([v.detach().to(dtype).flatten() for v in values])
+        self.token_fields[name] = out
+
+    def response_values(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Split a flat per-token tensor of this batch into per-step response-aligned tensors."""
+        return [flat[self.response_slice(r)].clone() for r in range(self.num_rows)]
+
     @classmethod
     def from_steps(cls, steps: Sequence[Step]) -> "StepBatch":
         n = len(steps)

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from megatron_stepwise.config import ModelShape, Probes
 
 
 class FakeProbes(Probes):
-    """Probes with chosen answers: installed modules, model shapes, presets and registries."""
+    """Probes with chosen answers: installed modules, model shapes, presets, registries, hub cache.
 
-    def __init__(self, modules=("sglang",), shapes=None, presets=None, registries=None):
+    Hub ids are all "in the cache" (as on the cluster the recipes are for) except `hub_missing`.
+    """
+
+    def __init__(self, modules=("sglang",), shapes=None, presets=None, registries=None, hub_missing=()):
         self.modules = set(modules)
+        self.hub_missing = set(hub_missing)
         self.shapes = shapes or {}
         self._presets = presets
         self.registries = registries or {}
@@ -29,3 +35,8 @@ class FakeProbes(Probes):
             heads, kv, layers = self.shapes[hf_config]
             return ModelShape(heads, kv, layers, f"fake {hf_config}")
         return super().model_shape(hf_config)  # local config.json files are read for real
+
+    def locate_model(self, value, files=("config.json",)):
+        if Path(value).expanduser().exists():
+            return super().locate_model(value, files)
+        return None if value in self.hub_missing else Path("/fake-hub-cache") / value

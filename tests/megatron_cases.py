@@ -83,11 +83,9 @@ def merge_for_test(steps, extras):
 
 
 def to_batch(steps, extras) -> StepBatch:
-    from megatron_stepwise.megatron.packing import set_response_field
-
     batch = StepBatch.from_steps(steps)
     for name in ("advantages", "old_noise", "ref_noise"):
-        set_response_field(batch, name, [e[name] for e in extras])
+        batch.set_response_field(name, [e[name] for e in extras])
     return batch
 
 
@@ -98,8 +96,7 @@ def hf_reference_logprobs(cfg: dict, full: dict, batch: StepBatch) -> torch.Tens
 
     kind = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}
     config_cls, model_cls = kind[cfg["model_type"]]
-    hf_cfg = config_cls(**{k: v for k, v in cfg.items() if k != "model_type"})
-    hf_cfg._attn_implementation = "eager"
+    hf_cfg = config_cls(**{k: v for k, v in cfg.items() if k != "model_type"}, attn_implementation="eager")
     model = model_cls(hf_cfg).eval()
     from megatron_stepwise.megatron.hf_mapping import canonical_to_hf
 

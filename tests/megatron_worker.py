@@ -12,22 +12,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(__file__))
-
-import megatron_cases as cases  # noqa: E402
-
-from megatron_stepwise.algo.losses import LossConfig  # noqa: E402
-from megatron_stepwise.megatron import model as M  # noqa: E402
-from megatron_stepwise.megatron import runtime  # noqa: E402
-from megatron_stepwise.megatron import weights as W  # noqa: E402
-from megatron_stepwise.megatron.plugin import StepwisePlugin  # noqa: E402
-from megatron_stepwise.types import Step, StepwiseBatchError, TrajectoryID  # noqa: E402
-from worker_entry import run_worker  # noqa: E402
+# Siblings by bare name: Python puts this script's directory (tests/) on sys.path.
+import megatron_cases as cases
+from megatron_stepwise.algo.losses import LossConfig
+from megatron_stepwise.megatron import model as M
+from megatron_stepwise.megatron import runtime
+from megatron_stepwise.megatron import weights as W
+from megatron_stepwise.megatron.plugin import StepwisePlugin
+from megatron_stepwise.types import Step, StepwiseBatchError, TrajectoryID
+from worker_entry import run_worker
 
 SEED = 7
 

@@ -5,19 +5,9 @@ import math
 import pytest
 import torch
 
-from megatron_stepwise import Step, StepwiseBatchError, TrajectoryID, compute_advantages, make_padding_step
+from helpers import make_step
+from megatron_stepwise import StepwiseBatchError, compute_advantages, make_padding_step
 from megatron_stepwise.algo.advantages import get_estimator, list_estimators, register_estimator
-
-
-def _step(pid, k, resp_mask, last, reward=0.0, prompt_len=2):
-    return Step(
-        TrajectoryID(pid, k),
-        prompt_ids=list(range(prompt_len)),
-        response_ids=[7] * len(resp_mask),
-        loss_mask=resp_mask,
-        reward=reward,
-        is_last_step=last,
-    )
 
 
 def _batch():
@@ -28,15 +18,15 @@ def _batch():
     in the middle and at the end. Intermediate steps carry rewards that must be ignored.
     """
     return [
-        _step("a", 0, [1, 1, 0], False, reward=9.0),  # right-aligned
-        _step("a", 0, [0, 0, 1, 1], False, reward=-9.0),  # left-aligned
-        _step("a", 0, [1, 0], True, reward=1.0),
-        _step("a", 1, [0, 1, 1, 1, 0], True, reward=0.0),
-        _step("a", 2, [0, 1], False),
-        _step("a", 2, [1, 1, 1], True, reward=1.0),
+        make_step("a", 0, mask=[1, 1, 0], last=False, reward=9.0),  # right-aligned
+        make_step("a", 0, mask=[0, 0, 1, 1], last=False, reward=-9.0),  # left-aligned
+        make_step("a", 0, mask=[1, 0], last=True, reward=1.0),
+        make_step("a", 1, mask=[0, 1, 1, 1, 0], last=True, reward=0.0),
+        make_step("a", 2, mask=[0, 1], last=False),
+        make_step("a", 2, mask=[1, 1, 1], last=True, reward=1.0),
         make_padding_step(0),
-        _step("b", 0, [1, 1], False),
-        _step("b", 0, [0, 1], True, reward=5.0),
+        make_step("b", 0, mask=[1, 1], last=False),
+        make_step("b", 0, mask=[0, 1], last=True, reward=5.0),
         make_padding_step(1),
     ]
 
@@ -93,7 +83,7 @@ def test_broadcast_uses_own_mask_not_last_steps_mask():
 
 def test_padding_steps_do_not_enter_group_statistics():
     # With padding given prompt_id of a real group it would still be excluded by is_padding.
-    base = [_step("g", 0, [1], True, reward=1.0), _step("g", 1, [1], True, reward=0.0)]
+    base = [make_step("g", 0, mask=[1], last=True, reward=1.0), make_step("g", 1, mask=[1], last=True, reward=0.0)]
     with_pad = base[:1] + [make_padding_step(0)] + base[1:] + [make_padding_step(1)]
     a = compute_advantages(base, "grpo")
     b = compute_advantages(with_pad, "grpo")
@@ -103,9 +93,9 @@ def test_padding_steps_do_not_enter_group_statistics():
 
 def test_zero_variance_and_singleton_metrics():
     steps = [
-        _step("z", 0, [1], True, reward=1.0),
-        _step("z", 1, [1, 1], True, reward=1.0),
-        _step("s", 0, [1], True, reward=1.0),
+        make_step("z", 0, mask=[1], last=True, reward=1.0),
+        make_step("z", 1, mask=[1, 1], last=True, reward=1.0),
+        make_step("s", 0, mask=[1], last=True, reward=1.0),
     ]
     m = {}
     adv = compute_advantages(steps, "grpo", metrics=m)
@@ -121,8 +111,8 @@ def test_temporal_estimators_refused_on_multi_step_trajectories():
 
 def test_reinforce_pp_on_single_step_trajectories():
     steps = [
-        _step("p", 0, [1, 1, 0], True, reward=1.0),
-        _step("p", 1, [0, 1], True, reward=0.0),
+        make_step("p", 0, mask=[1, 1, 0], last=True, reward=1.0),
+        make_step("p", 1, mask=[0, 1], last=True, reward=0.0),
         make_padding_step(0),
     ]
     adv = compute_advantages(steps, "reinforce++", gamma=0.5)
@@ -136,16 +126,16 @@ def test_reinforce_pp_on_single_step_trajectories():
 
 def test_gae_needs_a_critic():
     with pytest.raises(StepwiseBatchError, match="critic"):
-        compute_advantages([_step("p", 0, [1], True)], "gae")
+        compute_advantages([make_step("p", 0, mask=[1], last=True)], "gae")
 
 
 def test_malformed_trajectories_are_named():
     with pytest.raises(StepwiseBatchError, match=r"step 1: field 'is_last_step'.*no step marked last"):
-        compute_advantages([_step("p", 0, [1], True), _step("q", 0, [1], False)])
+        compute_advantages([make_step("p", 0, mask=[1], last=True), make_step("q", 0, mask=[1], last=False)])
     with pytest.raises(StepwiseBatchError, match=r"step 1: .*continues after its last step \(step 0\)"):
-        compute_advantages([_step("p", 0, [1], True), _step("p", 0, [1], True)])
+        compute_advantages([make_step("p", 0, mask=[1], last=True), make_step("p", 0, mask=[1], last=True)])
     with pytest.raises(StepwiseBatchError, match=r"algo.estimator='nope'.*known: .*grpo"):
-        compute_advantages([_step("p", 0, [1], True)], "nope")
+        compute_advantages([make_step("p", 0, mask=[1], last=True)], "nope")
 
 
 def test_registry_accepts_user_estimators():
@@ -154,6 +144,6 @@ def test_registry_accepts_user_estimators():
         return scale * (rewards - rewards.min())
 
     assert "test_rank" in list_estimators() and get_estimator("test_rank") is rank
-    steps = [_step("p", 0, [1, 0], True, reward=2.0), _step("p", 1, [1], True, reward=5.0)]
+    steps = [make_step("p", 0, mask=[1, 0], last=True, reward=2.0), make_step("p", 1, mask=[1], last=True, reward=5.0)]
     adv = compute_advantages(steps, "test_rank", scale=2.0)
     assert adv[0].tolist() == [0.0, 0.0] and adv[1].tolist() == [6.0]

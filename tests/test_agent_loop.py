@@ -1,20 +1,19 @@
 """The step-wise agent loop driven by the embedded engine (tiny_word tokenizer, echo env)."""
 
 import asyncio
-import time
+import threading
 
 import pytest
 import torch
 
+from helpers import tiny_lm
 from megatron_stepwise.envs.echo import EchoEnv, echo_dataset
-from megatron_stepwise.envs.tiny_tokenizers import load_tokenizer
 from megatron_stepwise.rollout.agent_loop import AgentLoop, AgentLoopConfig, render_prompt
 from megatron_stepwise.rollout.engine import SamplingParams
-from megatron_stepwise.rollout.hf_model import tiny_qwen2_config
 from megatron_stepwise.rollout.local import LocalEngine
 from megatron_stepwise.types import StepBatch, TrajectoryID
 
-TOK = load_tokenizer("tiny_word")
+TOK, CONFIG = tiny_lm("tiny_word")
 EOS = TOK.eos_token_id
 
 
@@ -32,7 +31,7 @@ class RecordingEngine:
 
 
 def make_engine(seed=0):
-    return LocalEngine(tiny_qwen2_config(len(TOK)), tokenizer=TOK, seed=seed)
+    return LocalEngine(CONFIG, tokenizer=TOK, seed=seed)
 
 
 def run_loop(generator, env_factory, samples, **cfg):
@@ -148,12 +147,15 @@ def test_first_prompt_too_long_keeps_the_group_size():
 
 
 class FlakyEnv(EchoEnv):
-    """Raises on its second step for sample 0, sleeps past the timeout on reset for sample 1."""
+    """Raises on its second step for sample 0; for sample 1, reset blocks until the test releases
+    it (after the rollout), so it outlasts any timeout however fast or slow the machine is."""
+
+    release = threading.Event()
 
     def reset(self, sample):
         self.kind = sample["kind"]
         if self.kind == "slow_reset":
-            time.sleep(1.0)
+            self.release.wait(300)
         return super().reset(sample)
 
     def step(self, text):
@@ -168,8 +170,13 @@ def test_env_errors_and_timeouts_end_only_that_trajectory():
         {"prompt_id": "slow", "digits": [1, 2, 3], "kind": "slow_reset"},
         {"prompt_id": "fine", "digits": [1, 2, 3], "kind": "ok"},
     ]
-    steps = run_loop(make_engine(), FlakyEnv, samples, max_turns=3, max_input_length=200,
-                     n_samples_per_prompt=2, env_timeout_s=0.3, env_error_reward=-0.5)
+    FlakyEnv.release.clear()
+    try:
+        # The timeout is generous for the other env calls (microseconds each, even on a loaded machine).
+        steps = run_loop(make_engine(), FlakyEnv, samples, max_turns=3, max_input_length=200,
+                         n_samples_per_prompt=2, env_timeout_s=2.0, env_error_reward=-0.5)
+    finally:
+        FlakyEnv.release.set()  # frees the env threads still blocked in reset
     trajs = by_trajectory(steps)
     assert len(trajs) == 6
     for k in range(2):

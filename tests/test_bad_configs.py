@@ -95,9 +95,13 @@ CASES = [
                                "algo": {"loss": {"icepop_low": 0.5, "icepop_level": "sequence"}}}, [], {},
      "algo.loss.icepop_level", "data.merge_steps=true"),
     ("dr-grpo-norm-without-length", {"algo": {"loss": {"reduction": "seq_mean_token_sum_norm"}}}, [], {},
-     "algo.loss.max_response_len", "is None: reduction 'seq_mean_token_sum_norm' needs a positive constant"),
-    ("clip-low-zero", {"algo": {"loss": {"clip_low": 0.0}}}, [], {}, "algo.loss.clip_low", "> 0"),
-    ("clip-high-negative", {}, ["algo.loss.clip_high=-0.1"], {}, "algo.loss.clip_high", "> 0"),
+     "algo.loss.max_response_len", "must be set for reduction 'seq_mean_token_sum_norm'"),
+    ("clip-low-negative", {"algo": {"loss": {"clip_low": -0.1}}}, [], {}, "algo.loss.clip_low", ">= 0"),
+    ("clip-low-one", {"algo": {"loss": {"clip_low": 1.0}}}, [], {}, "algo.loss.clip_low", "< 1"),
+    ("clip-high-negative", {}, ["algo.loss.clip_high=-0.1"], {}, "algo.loss.clip_high", ">= 0"),
+    ("reduction-typo", {"algo": {"loss": {"reduction": "tokn_mean"}}}, [], {}, "algo.loss.reduction",
+     "did you mean 'token_mean'"),
+    ("icepop-low-above-one", {"algo": {"loss": {"icepop_low": 1.2}}}, [], {}, "algo.loss.icepop_low", "< 1"),
     ("dual-clip-below-one", {"algo": {"loss": {"clip_c": 0.5}}}, [], {}, "algo.loss.clip_c", "> 1"),
     ("icepop-high-below-one", {"algo": {"loss": {"icepop_high": 0.9}}}, [], {}, "algo.loss.icepop_high", "> 1"),
     # batching
@@ -138,6 +142,13 @@ CASES = [
     ("checkpoint-dir-missing", {"model": {"hf_checkpoint": "./no/such/model"}}, [], {}, "model.hf_checkpoint",
      "no such file"),
     ("dataset-missing", {"env": {"dataset": "/no/such/data.jsonl"}}, [], {}, "env.dataset", "no such file"),
+    # hub ids neither local nor in the HF cache (model.allow_download=true would accept them)
+    ("hub-config-not-cached", {"model": {"hf_config": "Qwen/Qwen2.5-1.5B-Instrcut"}}, [],
+     {"hub_missing": ["Qwen/Qwen2.5-1.5B-Instrcut"]}, "model.hf_config", "model.allow_download=true"),
+    ("hub-checkpoint-not-cached", {"model": {"hf_checkpoint": QWEN_1_5B}}, [], {"hub_missing": [QWEN_1_5B]},
+     "model.hf_checkpoint", "looked for *.safetensors"),
+    ("hub-tokenizer-not-cached", {"model": {"tokenizer": "Org/no-such-tokenizer"}}, [],
+     {"hub_missing": ["Org/no-such-tokenizer"]}, "model.tokenizer", "nor in the Hugging Face cache"),
     ("unknown-env", {"env": {"name": "retreival"}}, [], {"registries": {"env": ["retrieval", "math_tool"]}},
      "env.name", "did you mean 'retrieval'"),
     ("port-out-of-range", {"launch": {"master_port": 70000}}, [], {}, "launch.master_port", "<= 65535"),
@@ -172,6 +183,7 @@ def test_the_same_configs_pass_once_fixed(monkeypatch):
         ({"algo": {"estimator": "reinforce++"}, "rollout": {"max_turns": 1}}, {}),
         ({"rollout": {"engine": "sglang", "num_engines": 1, "sglang": {"servers": ["http://h1:30000"]}}},
          {"modules": ()}),
+        ({"model": {"hf_config": "Org/absent", "allow_download": True}}, {"hub_missing": ["Org/absent"]}),
     ]
     for data, probe_args in fixed:
         config_from_dict(data, probes=FakeProbes(**probe_args))

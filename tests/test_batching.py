@@ -8,10 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import make_step
 from megatron_stepwise import (
-    Step,
     StepwiseBatchError,
-    TrajectoryID,
     make_padding_step,
     pad_for_data_parallel,
     plan_microbatches,
@@ -21,26 +20,12 @@ from megatron_stepwise import (
 from megatron_stepwise.algo.planner import pad_to_multiple, plan_stats, row_cost
 
 
-def _step(pid, k, prompt, resp, mask=None, last=True, lp=None, versions=None, reward=0.0):
-    mask = [1] * len(resp) if mask is None else mask
-    return Step(
-        TrajectoryID(pid, k),
-        prompt,
-        resp,
-        mask,
-        rollout_logprobs=lp,
-        weight_versions=versions,
-        is_last_step=last,
-        reward=reward,
-    )
-
-
 def _valid_batch():
     return [
-        _step("a", 0, [1, 2], [3, 4], last=False, lp=[-0.1, -0.2]),
-        _step("a", 0, [1, 2, 3, 4, 9], [5], lp=[-0.3]),
-        _step("a", 1, [1, 2], [7], lp=[-0.4]),
-        _step("b", 0, [6], [8, 8], mask=[1, 0]),
+        make_step("a", 0, [1, 2], [3, 4], last=False, lp=[-0.1, -0.2]),
+        make_step("a", 0, [1, 2, 3, 4, 9], [5], lp=[-0.3]),
+        make_step("a", 1, [1, 2], [7], lp=[-0.4]),
+        make_step("b", 0, [6], [8, 8], mask=[1, 0]),
     ]
 
 
@@ -79,12 +64,12 @@ def test_weight_versions_length_mismatch():
 
 def test_non_contiguous_trajectory():
     steps = [
-        _step("a", 0, [1], [2], last=False),
-        _step("a", 1, [1], [3]),
+        make_step("a", 0, [1], [2], last=False),
+        make_step("a", 1, [1], [3]),
     ]
     # a#0 stops without a last step when a#1 starts.
     _expect(steps, 0, "a#0", "is_last_step")
-    steps = [_step("a", 0, [1], [2]), _step("a", 1, [1], [3]), _step("a", 0, [1, 2], [4])]
+    steps = [make_step("a", 0, [1], [2]), make_step("a", 1, [1], [3]), make_step("a", 0, [1, 2], [4])]
     _expect(steps, 2, "a#0", "trajectory_id")
 
 
@@ -96,9 +81,9 @@ def test_trajectory_without_last_step_at_end_of_batch():
 
 def test_last_step_that_is_not_the_final_row():
     steps = [
-        _step("a", 0, [1], [2], last=False),
-        _step("a", 0, [1, 2], [3], last=True),
-        _step("a", 0, [1, 2, 3], [4], last=False),
+        make_step("a", 0, [1], [2], last=False),
+        make_step("a", 0, [1, 2], [3], last=True),
+        make_step("a", 0, [1, 2, 3], [4], last=False),
     ]
     with pytest.raises(StepwiseBatchError, match=r"step 1 \(trajectory a#0\): field 'is_last_step'.*step 2 continues"):
         validate_steps(steps)
@@ -106,16 +91,16 @@ def test_last_step_that_is_not_the_final_row():
 
 def test_two_last_steps():
     steps = [
-        _step("a", 0, [1], [2], last=True),
-        _step("a", 0, [1, 2], [3], last=False),
-        _step("a", 0, [1, 2, 3], [4], last=True),
+        make_step("a", 0, [1], [2], last=True),
+        make_step("a", 0, [1, 2], [3], last=False),
+        make_step("a", 0, [1, 2, 3], [4], last=True),
     ]
     with pytest.raises(StepwiseBatchError, match=r"step 0 \(trajectory a#0\): field 'is_last_step'.*again at step 2"):
         validate_steps(steps)
 
 
 def test_prompt_groups_not_contiguous():
-    steps = [_step("a", 0, [1], [2]), _step("b", 0, [1], [2]), _step("a", 1, [1], [3])]
+    steps = [make_step("a", 0, [1], [2]), make_step("b", 0, [1], [2]), make_step("a", 1, [1], [3])]
     with pytest.raises(StepwiseBatchError, match=r"step 2 \(trajectory a#1\): field 'trajectory_id' prompt group 'a'"):
         validate_steps(steps)
 
@@ -139,7 +124,7 @@ def test_empty_response_with_trainable_mask():
 
 def test_empty_response_without_mask_is_allowed():
     steps = _valid_batch()
-    steps[2] = _step("a", 1, [1, 2], [], mask=[], lp=[])
+    steps[2] = make_step("a", 1, [1, 2], [], mask=[], lp=[])
     validate_steps(steps)
 
 
@@ -179,14 +164,14 @@ def test_non_finite_logprobs_and_reward():
 
 def test_errors_found_past_the_first_chunk():
     # Response checks run over chunks of steps; the step index must be global.
-    steps = [_step(f"p{i}", 0, [1], [2, 3]) for i in range(2500)]
+    steps = [make_step(f"p{i}", 0, [1], [2, 3]) for i in range(2500)]
     steps[2100].loss_mask = torch.tensor([0, 3])
     _expect(steps, 2100, "p2100#0", "loss_mask")
 
 
 def test_not_a_step():
     with pytest.raises(StepwiseBatchError, match="step 1: expected a Step"):
-        validate_steps([_step("a", 0, [1], [2]), "oops"])
+        validate_steps([make_step("a", 0, [1], [2]), "oops"])
 
 
 # ------------------------------------------------------------------ pad_for_data_parallel
@@ -223,13 +208,13 @@ def test_pad_rejects_bad_dp_size():
 
 def _prompt_batch():
     return [
-        _step("a", 0, [1], [2], last=False),
-        _step("a", 0, [1, 2], [3]),
-        _step("a", 1, [1], [4]),
-        _step("b", 0, [1], [5]),
-        _step("c", 0, [1], [6]),
-        _step("c", 1, [1], [7]),
-        _step("d", 0, [1], [8]),
+        make_step("a", 0, [1], [2], last=False),
+        make_step("a", 0, [1, 2], [3]),
+        make_step("a", 1, [1], [4]),
+        make_step("b", 0, [1], [5]),
+        make_step("c", 0, [1], [6]),
+        make_step("c", 1, [1], [7]),
+        make_step("d", 0, [1], [8]),
     ]
 
 
@@ -262,7 +247,7 @@ def test_minibatch_prompt_count_not_a_multiple():
 
 def test_minibatch_rejects_split_prompt_group():
     steps = _prompt_batch()
-    steps.append(_step("a", 2, [1], [9]))
+    steps.append(make_step("a", 2, [1], [9]))
     with pytest.raises(StepwiseBatchError, match=r"step 7 \(trajectory a#2\): field 'trajectory_id'"):
         prompt_minibatches(steps, 1)
 

@@ -1,7 +1,6 @@
 """The benchmark suite keeps running and reports what it promises (keys, invariants of the
 accounting, missing benchmarks); it never checks speed."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -10,16 +9,14 @@ from pathlib import Path
 
 import pytest
 
+from helpers import load_script
+
 ROOT = Path(__file__).resolve().parents[1]
 TOOLS = ROOT / "tools"
 
 
 def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(TOOLS / f"{name}.py")
 
 
 @pytest.fixture()
@@ -28,12 +25,10 @@ def suite(tools_on_path):
 
 
 @pytest.fixture()
-def tools_on_path():
-    sys.path.insert(0, str(TOOLS))
-    try:
-        yield
-    finally:
-        sys.path.remove(str(TOOLS))
+def tools_on_path(monkeypatch):
+    """The benchmarks import their siblings (flops, bench_cli, ...); sys.path, including what a
+    loaded tool adds to it, is restored after the test."""
+    monkeypatch.syspath_prepend(str(TOOLS))
 
 
 def test_quick_suite_subset_writes_json_and_markdown(tmp_path):
@@ -77,7 +72,7 @@ def test_host_pipeline_reports_every_phase_and_the_reference(tools_on_path, caps
         host = _load("bench_host").run(quick=True, prompts=8, prompts_per_minibatch=4, repeats=1)
     finally:
         torch.set_num_threads(threads)  # the benchmark pins one thread
-    phases = {"validate", "merge", "advantages", "minibatch", "plan", "total", "columnar_batch", "total_with_columnar"}
+    phases = {"validate", "minibatch", "prepare", "plan", "total"}
     assert set(host["time_s"]["warm_wall"]) == phases
     assert host["workload"]["merged_rows"] == 8 * 8  # prefix-consistent: one row per trajectory
     ref = host["reference_gpu"]

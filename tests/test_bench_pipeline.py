@@ -18,7 +18,7 @@ def test_bench_pipeline_tiny_run(tmp_path):
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     res = json.loads(out.read_text())
-    assert set(res["time_s"]["cold"]) == {"validate", "merge", "minibatch", "dp_pad", "plan", "total"}
+    assert set(res["time_s"]["cold"]) == {"validate", "minibatch", "prepare", "plan", "total"}
     merge = res["merge"]
     assert merge["rows_before"] == res["workload"]["steps"] and merge["tokens_before"] == res["workload"]["tokens"]
     layouts = res["layouts"]

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import check_ok, run_torchrun
 from megatron_stepwise.megatron import checkpoint as C
-from weights_helpers import check_ok, run_torchrun
 
 
 def fake_checkpoint(root: Path, iteration: int, *, complete: bool = True, suffix: str = "") -> Path:

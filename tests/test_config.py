@@ -192,16 +192,69 @@ def test_env_registry_and_presets_are_consulted_when_available():
     assert e.value.keys == ["parallel.tensor"] and "preset tiny" in str(e.value)
 
 
-def test_loss_section_builds_the_algo_loss_config():
+def test_loss_section_is_the_algo_loss_config():
     from megatron_stepwise.algo.losses import LossConfig as AlgoLossConfig
+    from megatron_stepwise.config.schema import LossConfig as SchemaLossConfig
 
+    assert SchemaLossConfig is AlgoLossConfig  # declared once, in algo/losses.py
     cfg = config_from_dict({"algo": {"loss": {"policy_loss": "cispo", "clip_high": 0.28, "tis": "token",
                                               "options": {"x": [1]}}}})
-    loss = cfg.algo.loss.to_algo()
-    assert isinstance(loss, AlgoLossConfig)
+    loss = cfg.algo.loss
+    assert type(loss) is AlgoLossConfig
     assert (loss.policy_loss, loss.clip_high, loss.tis, loss.options) == ("cispo", 0.28, "token", {"x": [1]})
-    loss.options["x"].append(2)  # a copy: the experiment config is not changed through it
-    assert cfg.algo.loss.options == {"x": [1]}
+    assert loss.needs_rollout_logprobs
+    assert yaml.safe_load(cfg.to_yaml())["algo"]["loss"]["clip_high"] == 0.28
+
+
+def test_loss_bounds_are_declared_once():
+    """The same bound fails a YAML config and a LossConfig built in Python, naming the same key."""
+    from megatron_stepwise.algo.losses import LossConfig
+    from megatron_stepwise.options import OptionError
+
+    cases = [({"clip_low": -0.1}, "algo.loss.clip_low", ">= 0.0"), ({"clip_low": 1.0}, "algo.loss.clip_low", "< 1.0"),
+             ({"clip_high": -0.1}, "algo.loss.clip_high", ">= 0.0"), ({"clip_c": 1.0}, "algo.loss.clip_c", "> 1.0"),
+             ({"tis_cap": 0.0}, "algo.loss.tis_cap", "> 0.0"), ({"icepop_low": -0.5}, "algo.loss.icepop_low", ">= 0.0"),
+             ({"icepop_low": 1.5}, "algo.loss.icepop_low", "< 1.0"),
+             ({"icepop_high": 0.9}, "algo.loss.icepop_high", "> 1.0"),
+             ({"max_response_len": 0}, "algo.loss.max_response_len", ">= 1"),
+             ({"reduction": "sum"}, "algo.loss.reduction", "token_mean, step_mean"),
+             ({"kl_estimator": "k4"}, "algo.loss.kl_estimator", "k1, k2, k3"),
+             ({"tis": "step"}, "algo.loss.tis", "none, token, sequence"),
+             ({"icepop_level": "row"}, "algo.loss.icepop_level", "token, sequence"),
+             ({"policy_loss": "cipso"}, "algo.loss.policy_loss", "did you mean 'cispo'"),
+             ({"reduction": "seq_mean_token_sum_norm"}, "algo.loss.max_response_len", "must be set")]
+    for values, key, fragment in cases:
+        with pytest.raises(ConfigError) as from_yaml:
+            config_from_dict({"algo": {"loss": values}})
+        with pytest.raises(OptionError) as from_python:
+            LossConfig(**values)
+        assert from_yaml.value.keys == [key] and from_python.value.key == key, values
+        problem = from_yaml.value.problems[0]
+        assert fragment in problem.message, problem
+        # The loader may add advice (where custom names come from), never a different verdict.
+        assert f"{problem.key}: {problem.message}".startswith(str(from_python.value)), values
+    # The values just inside the bounds pass both ways.
+    ok = {"clip_low": 0.0, "clip_high": 0.0, "icepop_low": 0.0, "icepop_high": 1.01, "clip_c": 1.01,
+          "reduction": "seq_mean_token_sum_norm", "max_response_len": 1}
+    assert config_from_dict({"algo": {"loss": ok}}).algo.loss == LossConfig(**ok)
+
+
+def test_registered_custom_policy_loss_is_accepted_by_yaml_and_python(tmp_path, monkeypatch):
+    """Choices of algo.loss.policy_loss come from the registry, filled by trainer.imports modules."""
+    from megatron_stepwise.algo.losses import LossConfig
+
+    (tmp_path / "my_test_loss_plugin.py").write_text(
+        "from megatron_stepwise import register_policy_loss\n"
+        "@register_policy_loss('my_test_plugin_loss')\n"
+        "def loss(inputs, cfg, segments):\n"
+        "    return -inputs.advantages * inputs.logprobs, {}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=r"algo\.loss\.policy_loss: 'my_test_plugin_loss' is not registered"):
+        LossConfig(policy_loss="my_test_plugin_loss")
+    cfg = config_from_dict({"trainer": {"imports": ["my_test_loss_plugin"]},
+                            "algo": {"loss": {"policy_loss": "my_test_plugin_loss"}}})
+    assert cfg.algo.loss.policy_loss == "my_test_plugin_loss"
+    assert LossConfig(policy_loss="my_test_plugin_loss").policy_loss == "my_test_plugin_loss"
 
 
 def test_trainer_imports_are_imported_and_failures_reported():
@@ -224,7 +277,8 @@ def test_every_key_is_documented_with_type_default_and_help():
     for key, tp, default, _ in leaves:
         assert f"  {key}  {tp} = {default}" in text
         assert f"| `{key}` |" in md
-    assert "| `algo.loss.clip_low` | float | `0.2` |" in md and "(> 0.0, < 1.0)" in md
+    assert "| `algo.loss.clip_low` | float | `0.2` |" in md and "(>= 0.0, < 1.0)" in md
+    assert "| `algo.loss.reduction` | token_mean \\| step_mean \\| trajectory_mean" in md  # choices as the type
 
 
 def test_docs_config_md_is_up_to_date():

@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import check_ok, run_torchrun
 from megatron_stepwise.megatron.model import tiny_config
-from weights_helpers import check_ok, hf_model, load_json, make_hf_dir, make_tokenizer_dir, read_hf_dir, run_torchrun
+from weights_helpers import hf_model, load_json, make_hf_dir, make_tokenizer_dir, read_hf_dir
 
 pytestmark = pytest.mark.distributed
 

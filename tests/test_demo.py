@@ -12,12 +12,13 @@ def test_demo_reports_each_stage(capsys):
             "--prompts-per-minibatch", "2", "--max-tokens", "8192", "--seed", "3"]
     assert main(args) == 0
     out = capsys.readouterr().out
-    for stage in ("[1/5] validate", "[2/5] merge", "[3/5] mini-batches", "[4/5] DP padding", "[5/5] plan"):
+    for stage in ("[1/4] validate", "[2/4] mini-batches", "[3/4] prepare", "[4/4] plan"):
         assert stage in out
-    # The merge line reports the same counts as merging the same workload directly.
+    # The prepare line reports the same merge counts as merging the same workload directly
+    # (merging is per trajectory, so per mini-batch or all at once gives the same rows).
     steps = make_agent_steps(AgentWorkload(num_prompts=4, samples_per_prompt=2, turns=(1, 3), drift_prob=0.15, seed=3))
     _, stats = merge_steps(steps, max_tokens=8192)
-    assert re.search(rf"{stats.rows_before} -> {stats.rows_after} rows, {stats.tokens_before:,} -> "
+    assert re.search(rf"prefix merge: {stats.rows_before} -> {stats.rows_after} rows, {stats.tokens_before:,} -> "
                      rf"{stats.tokens_after:,} tokens", out)
     assert "2 x 2 prompts = 2 optimizer steps" in out
 

@@ -1,16 +1,15 @@
-"""Trainer.from_driver: rank 0 produces, every rank receives; a rank-0 error reaches every rank
+"""Handoff.from_driver: rank 0 produces, every rank receives; a rank-0 error reaches every rank
 as an error (never a hang), even when the exception itself cannot be pickled."""
 
 import os
 import tempfile
 import threading
-import types
 
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megatron_stepwise.trainer import Trainer
+from megatron_stepwise.loop.handoff import Handoff
 
 
 class _Position:
@@ -34,16 +33,16 @@ class _UnpicklableError(RuntimeError):
 
 def _worker(rank: int, store_path: str, results) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
-    fake = types.SimpleNamespace(is_driver=rank == 0, dataset=_Position(10 * rank + 7), host_group=None,
-                                 state=types.SimpleNamespace(iteration=3))
-    got = Trainer.from_driver(fake, lambda: ["steps of rank 0"], "rollout")
-    out = {"result": got, "position": fake.dataset.value}
+    position = _Position(10 * rank + 7)
+    handoff = Handoff(position)
+    got = handoff.from_driver(lambda: ["steps of rank 0"], "rollout", iteration=3)
+    out = {"result": got, "position": position.value}
 
     def fail():
         raise _UnpicklableError("engine 1 closed the connection")
 
     try:
-        Trainer.from_driver(fake, fail, "rollout")
+        handoff.from_driver(fail, "rollout", iteration=3)
     except RuntimeError as e:
         out["error"] = str(e)
     dist.barrier()  # both ranks got here: nobody is left in the broadcast

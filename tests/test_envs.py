@@ -2,16 +2,16 @@
 
 import json
 import socket
-import sys
 from pathlib import Path
 
 import pytest
 
+from helpers import load_script
 from megatron_stepwise.envs import get_env_spec, list_envs, make_env
 from megatron_stepwise.envs.bm25 import BM25
 from megatron_stepwise.envs.sandbox import run_python
 from megatron_stepwise.envs.search import normalize_answer, search
-from megatron_stepwise.envs.tiny_tokenizers import TOKENIZER_NAMES, build_tokenizer_files, tokenizer_dir
+from megatron_stepwise.hf.tokenizers import TOKENIZER_NAMES, build_tokenizer_files, tokenizer_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -109,12 +109,8 @@ def test_shipped_files_are_reproducible(tmp_path):
         build_tokenizer_files(name, tmp_path / name)
         for f in ("tokenizer.json", "tokenizer_config.json"):
             assert (tmp_path / name / f).read_text() == (tokenizer_dir(name) / f).read_text(), f"{name}/{f}"
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        import make_env_data
-        import random
+    import random
 
-        shipped = [json.loads(line) for line in (ROOT / "megatron_stepwise/envs/data/math_problems.jsonl").open()]
-        assert make_env_data.math_problems(random.Random(0)) == shipped
-    finally:
-        sys.path.remove(str(ROOT / "tools"))
+    make_env_data = load_script(ROOT / "tools" / "make_env_data.py")
+    shipped = [json.loads(line) for line in (ROOT / "megatron_stepwise/envs/data/math_problems.jsonl").open()]
+    assert make_env_data.math_problems(random.Random(0)) == shipped

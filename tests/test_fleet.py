@@ -10,29 +10,20 @@ import collections
 import pytest
 import torch
 
+from helpers import tiny_lm
 from megatron_stepwise.envs.echo import echo_dataset
-from megatron_stepwise.envs.tiny_tokenizers import load_tokenizer
 from megatron_stepwise.rollout.agent_loop import AgentLoop, AgentLoopConfig
 from megatron_stepwise.rollout.engine import SamplingParams
 from megatron_stepwise.rollout.fleet import EngineSpec, RolloutFleet
-from megatron_stepwise.rollout.hf_model import build_causal_lm, tiny_qwen2_config
+from megatron_stepwise.rollout.hf_model import build_causal_lm
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session")]
 
-TOK = load_tokenizer("tiny_word")
-CONFIG = tiny_qwen2_config(len(TOK))
+TOK, CONFIG = tiny_lm("tiny_word")
 
 
 def specs(n):
     return [EngineSpec(model_config=CONFIG, tokenizer="tiny_word", seed=0, num_cpus=0.5) for _ in range(n)]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_session():
-    import ray
-
-    yield
-    ray.shutdown()
 
 
 def test_killing_an_engine_mid_rollout_loses_and_duplicates_nothing():
@@ -46,7 +37,12 @@ def test_killing_an_engine_mid_rollout_loses_and_duplicates_nothing():
             max_turns=3, max_input_length=100, n_samples_per_prompt=n, sampling=SamplingParams(max_new_tokens=16)))
         task = asyncio.create_task(loop.rollout(samples))
         # Kill engine 1 while it has turns in flight (so they must be retried elsewhere).
+        deadline = asyncio.get_running_loop().time() + 120
         while fleet.metrics()["requests"] < 10 or fleet._slots[1].outstanding == 0:
+            if task.done():
+                task.result()  # raises the rollout's error, if that is why it ended
+                pytest.fail("the rollout finished before engine 1 could be killed mid-rollout")
+            assert asyncio.get_running_loop().time() < deadline, "engine 1 never had turns in flight"
             await asyncio.sleep(0.005)
         fleet.kill_engine(1)
         steps = await task
@@ -54,7 +50,7 @@ def test_killing_an_engine_mid_rollout_loses_and_duplicates_nothing():
         await fleet.wait_restarts()
         after = fleet.metrics()
         # The restarted engine serves again.
-        r = await fleet._slots[1].handle.generate.remote([1, 5, 8, 2, 1, 6], SamplingParams(max_new_tokens=2))
+        r = await fleet.engine(1).generate.remote([1, 5, 8, 2, 1, 6], SamplingParams(max_new_tokens=2))
         loop.close()
         await fleet.shutdown()
         return steps, during, after, r
@@ -97,18 +93,20 @@ def test_weight_broadcast_versions_every_generation_and_replays_on_restart():
         out["after"] = await asyncio.gather(*(fleet.generate(prompt, greedy) for _ in range(6)))
         fleet.kill_engine(0)
         # ray.kill is asynchronous: the actor stops answering shortly after, not at once.
-        for _ in range(100):
+        for _ in range(1200):
             try:
-                await fleet._slots[0].handle.call.remote("health")
+                await fleet.engine(0).call.remote("health")
             except Exception:
                 break
             await asyncio.sleep(0.1)
         else:
-            pytest.fail("the killed engine still answers after 10 s")
-        fleet._mark_dead(fleet._slots[0], fleet._slots[0].incarnation)
+            pytest.fail("the killed engine still answers after 120 s")
+        # The fleet finds the death on the next request routed there (no request is outstanding:
+        # least-outstanding routing picks engine 0), retries it on engine 1 and restarts engine 0.
+        await fleet.generate(prompt, greedy)
         await fleet.wait_restarts()
-        out["restarted_version"] = await fleet._slots[0].handle.call.remote("weight_version")
-        out["restarted"] = await fleet._slots[0].handle.generate.remote(prompt, greedy)
+        out["restarted_version"] = await fleet.engine(0).call.remote("weight_version")
+        out["restarted"] = await fleet.engine(0).generate.remote(prompt, greedy)
         out["metrics"] = fleet.metrics()
         await fleet.shutdown()
         return out

@@ -13,7 +13,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from megatron_stepwise.rollout.buffer import GroupBuffer, group_has_variance
+from helpers import make_step
+from megatron_stepwise.algo.advantages import has_reward_variance
+from megatron_stepwise.loop.group_buffer import GroupBuffer
 from megatron_stepwise.types import Step, TrajectoryID
 
 
@@ -117,21 +119,22 @@ def test_bad_settings_name_the_config_key():
         GroupBuffer(1, 1).start(0, lambda: {"x": 1})
 
 
-def _step(pid, k, reward, last=True):
-    return Step(TrajectoryID(pid, k), [1, 2], [3], [1], reward=reward, is_last_step=last)
-
-
 def test_zero_variance_filter_acts_on_trajectory_groups_and_starvation_is_reported():
-    buf = GroupBuffer(groups_per_step=1, max_staleness=1, keep_group=group_has_variance)
+    buf = GroupBuffer(groups_per_step=1, max_staleness=1, keep_group=has_reward_variance)
     draw = counter_draw()
     flat = buf.start(0, draw)
     # 2 trajectories; the first has an earlier step whose reward (0) differs: only last steps count
-    steps = [_step("p0", 0, 0.0, last=False), _step("p0", 0, 1.0), _step("p0", 1, 1.0)]
+    steps = [
+        make_step("p0", 0, [1, 2], [3], reward=0.0, last=False),
+        make_step("p0", 0, [1, 2], [3], reward=1.0),
+        make_step("p0", 1, [1, 2], [3], reward=1.0),
+    ]
     assert buf.finish(flat.serial, steps, 0) == "filtered"
     assert buf.starved(1) and not buf.starved(2)
     assert buf.can_start(0)  # the filtered group freed its slot
     good = buf.start(0, draw)
-    assert buf.finish(good.serial, [_step("p1", 0, 0.0), _step("p1", 1, 1.0)], 0) == "ready"
+    rows = [make_step("p1", 0, [1, 2], [3], reward=0.0), make_step("p1", 1, [1, 2], [3], reward=1.0)]
+    assert buf.finish(good.serial, rows, 0) == "ready"
     assert [g.serial for g in buf.take(1, 0)] == [good.serial]
     assert not buf.starved(1) and buf.counters.filtered == 1 and buf.ledger[flat.serial] == "filtered"
 
@@ -296,7 +299,7 @@ def test_randomised_schedules_keep_the_bound_and_lose_or_duplicate_nothing(name)
 
 
 def test_trained_token_staleness_counts_only_trained_tokens():
-    from megatron_stepwise.rollout.buffer import trained_token_staleness
+    from megatron_stepwise.loop.group_buffer import trained_token_staleness
 
     a = Step(TrajectoryID("p", 0), [1], [5, 6, 7], [1, 1, 0], weight_versions=[3, 4, 4])
     b = Step(TrajectoryID("p", 1), [1], [5, 6], [1, 1], weight_versions=[5, 5])
@@ -305,7 +308,7 @@ def test_trained_token_staleness_counts_only_trained_tokens():
 
 
 def test_trajectory_version_spread_sees_updates_inside_a_trajectory():
-    from megatron_stepwise.rollout.buffer import trajectory_version_spread
+    from megatron_stepwise.loop.group_buffer import trajectory_version_spread
 
     steps = [
         Step(TrajectoryID("p", 0), [1], [5, 6], [1, 1], weight_versions=[3, 3]),

@@ -9,14 +9,15 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from config_fakes import FakeProbes
+from helpers import load_script
+from megatron_stepwise.config import load_config
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "launch"))
-import plan  # noqa: E402
-from nodelist import expand_nodelist  # noqa: E402
-
-from megatron_stepwise.config import load_config  # noqa: E402
+# The launch scripts are not a package: load them by path (nodelist first: plan imports it).
+expand_nodelist = load_script(REPO / "launch" / "nodelist.py").expand_nodelist
+plan = load_script(REPO / "launch" / "plan.py")
 
 RECIPE_1X8 = "configs/recipes/qwen2.5-1.5b_math_tool_1x8.yaml"
 RECIPE_4X8 = "configs/recipes/qwen2.5-3b_retrieval_4x8.yaml"
@@ -168,7 +169,8 @@ def test_train_local_dry_run_for_the_tiny_experiment(tmp_path):
 
 def test_train_slurm_dry_run_under_a_simulated_allocation():
     servers = "rollout.sglang.servers=[" + ",".join(f"h{i}:30000" for i in range(16)) + "]"  # no sglang here
-    result = run_script("train_slurm.sbatch", "--dry-run", RECIPE_4X8, servers,
+    # The recipe's hub ids are not in this machine's cache: the nodes will download them.
+    result = run_script("train_slurm.sbatch", "--dry-run", RECIPE_4X8, servers, "model.allow_download=true",
                         extra_env={"SLURM_JOB_NODELIST": "node[01-04]", "SLURM_NNODES": "4", "SLURM_JOB_ID": "9",
                                    "SLURM_GPUS_ON_NODE": "8", "SLURM_SUBMIT_DIR": str(REPO)})
     assert result.returncode == 0, result.stderr

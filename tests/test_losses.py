@@ -253,6 +253,13 @@ def test_empty_micro_batch_gives_a_zero_partial():
     [
         (dict(clip_c=1.0), "algo.loss.clip_c"),
         (dict(clip_low=1.0), "algo.loss.clip_low"),
+        (dict(clip_low=-0.1), "algo.loss.clip_low"),
+        (dict(clip_high=-0.1), "algo.loss.clip_high"),
+        (dict(policy_loss="nope"), "algo.loss.policy_loss"),
+        (dict(max_response_len=0), "algo.loss.max_response_len"),
+        (dict(kl_coef=-1.0), "algo.loss.kl_coef"),
+        (dict(icepop_low=-0.1), "algo.loss.icepop_low"),
+        (dict(icepop_high=1.0), "algo.loss.icepop_high"),
         (dict(reduction="sum"), "algo.loss.reduction"),
         (dict(reduction="seq_mean_token_sum_norm"), "algo.loss.max_response_len"),
         (dict(kl_estimator="k4"), "algo.loss.kl_estimator"),
@@ -267,6 +274,18 @@ def test_bad_config_names_the_key(kwargs, key):
         LossConfig(**kwargs)
 
 
+def test_loss_config_is_declared_without_the_config_package():
+    """algo/ sits below config/: LossConfig's options come from the pure-Python base module."""
+    import subprocess
+    import sys
+
+    code = ("import sys, megatron_stepwise.algo.losses as L; L.LossConfig(); "
+            "print([m for m in sys.modules if m.startswith('megatron_stepwise.config') "
+            "or m.split('.')[0] in ('megatron', 'ray', 'yaml')])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "[]"
+
+
 def test_missing_inputs_name_what_is_missing():
     with pytest.raises(ValueError, match=r"algo\.loss\.tis='token'.*rollout_logprobs"):
         policy_loss(_inputs([0.0], [1.0]), LossConfig(tis="token"))
@@ -278,8 +297,8 @@ def test_missing_inputs_name_what_is_missing():
     bad.advantages = torch.zeros(3)
     with pytest.raises(ValueError, match=r"LossInputs\.advantages: has 3 entries, logprobs has 2"):
         policy_loss(bad, LossConfig())
-    with pytest.raises(ValueError, match=r"algo\.loss\.policy_loss='nope'.*known: .*ppo"):
-        policy_loss(_inputs([0.0], [1.0]), LossConfig(policy_loss="nope"))
+    with pytest.raises(ValueError, match=r"algo\.loss\.policy_loss: 'nope' is not registered; known: .*ppo"):
+        LossConfig(policy_loss="nope")
 
 
 def test_custom_policy_loss_through_the_registry():
@@ -332,9 +351,9 @@ def test_merge_incompatible_settings_are_refused_by_key(kwargs, needle):
 
 
 def test_estimator_errors_name_the_key_and_accumulate():
-    errors = _compat(estimator="gae", reduction="step_mean", policy_loss="nope")
+    errors = _compat(estimator="gae", reduction="step_mean", policy_loss="gspo")
     assert any(e.startswith("algo.estimator='gae' is a temporal estimator") for e in errors)
-    assert any(e.startswith("algo.loss.policy_loss='nope'") for e in errors)
+    assert any(e.startswith("algo.loss.policy_loss='gspo'") for e in errors)
     assert any(e.startswith("algo.loss.reduction='step_mean'") for e in errors)
     assert _compat(estimator="unknown")[0].startswith("algo.estimator='unknown' is not a registered")
 

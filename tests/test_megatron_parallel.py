@@ -22,23 +22,18 @@ import functools
 import glob
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 pytest.importorskip("megatron.core")
 
-sys.path.insert(0, os.path.dirname(__file__))
 import megatron_cases as cases  # noqa: E402
-
+from helpers import check_ok, run_torchrun  # noqa: E402
 from megatron_stepwise.megatron.model import tiny_config  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKER = os.path.join(REPO, "tests", "megatron_worker.py")
 RTOL = 1e-5
 
 # name: (processes, worker run options, baseline layout)
@@ -93,16 +88,12 @@ def launch(nproc: int, tmp_root: str) -> None:
     """One torchrun launch runs every layout of this process count, one after another (megatron's
     parallel state is re-created per layout): startup dominates on a 2-core machine."""
     names = [n for n, (p, _, _) in LAYOUTS.items() if p == nproc]
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
-               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", WORKER,
-           "--out", tmp_root]
+    args = ["--out", tmp_root]
     for name in names:
-        cmd += ["--layout", f"{name}:{LAYOUTS[name][1]}"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    if proc.returncode != 0:
-        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
-        pytest.fail(f"torchrun with {nproc} processes ({', '.join(names)}) failed (exit {proc.returncode}):\n{tail}")
+        args += ["--layout", f"{name}:{LAYOUTS[name][1]}"]
+    # CPU workers also on a GPU machine: every layout runs everywhere (see the module docstring).
+    proc = run_torchrun("megatron_worker.py", nproc, args, timeout=900, env={"CUDA_VISIBLE_DEVICES": ""})
+    check_ok(proc, f"torchrun with {nproc} processes ({', '.join(names)})")
 
 
 @functools.lru_cache(maxsize=None)

@@ -9,13 +9,13 @@ import torch
 
 pytest.importorskip("megatron.core")
 
+from oracles import reference_logprobs  # noqa: E402
+
 from megatron_stepwise.megatron import model as M  # noqa: E402
-from megatron_stepwise.megatron.logprobs import reference_logprobs, vocab_parallel_logprobs  # noqa: E402
+from megatron_stepwise.megatron.logprobs import vocab_parallel_logprobs  # noqa: E402
 from megatron_stepwise.megatron.packing import (  # noqa: E402
     alignment_for,
     pack_rows,
-    response_values,
-    set_response_field,
     split_for_context_parallel,
 )
 from megatron_stepwise.types import Step, StepBatch, StepwiseBatchError, TrajectoryID  # noqa: E402
@@ -64,10 +64,10 @@ def test_empty_microbatch_is_loss_neutral_padding():
 
 def test_pack_rows_gathers_fields_at_trained_tokens():
     b = small_batch()
-    set_response_field(b, "advantages", [torch.tensor([0.5, 0.5, 0.0]), torch.tensor([0.0, -1.0]), torch.zeros(0)])
+    b.set_response_field("advantages", [torch.tensor([0.5, 0.5, 0.0]), torch.tensor([0.0, -1.0]), torch.zeros(0)])
     mb = pack_rows(b, [0, 1], gather_fields=["advantages"])
     assert mb.fields["advantages"].tolist() == [0.5, 0.5, -1.0]
-    assert [v.tolist() for v in response_values(b, b.token_fields["advantages"])] == [[0.5, 0.5, 0.0], [0.0, -1.0], []]
+    assert [v.tolist() for v in b.response_values(b.token_fields["advantages"])] == [[0.5, 0.5, 0.0], [0.0, -1.0], []]
 
 
 def test_pack_rows_errors_name_the_step_and_budget():
@@ -78,7 +78,7 @@ def test_pack_rows_errors_name_the_step_and_budget():
     with pytest.raises(StepwiseBatchError, match=r"step 1: field 'loss_mask'"):
         pack_rows(b, [0, 1])
     with pytest.raises(StepwiseBatchError, match=r"step 1: field 'x' has 1 values for 2"):
-        set_response_field(b, "x", [torch.zeros(1), torch.zeros(1)])
+        b.set_response_field("x", [torch.zeros(1), torch.zeros(1)])
 
 
 def test_context_parallel_packing_by_hand():

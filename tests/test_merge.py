@@ -3,32 +3,18 @@
 import pytest
 import torch
 
-from megatron_stepwise import MergeStats, Step, TrajectoryID, make_padding_step, merge_steps, validate_steps
-
-
-def _step(pid, k, prompt, resp, mask, lp=None, last=False, reward=0.0, versions=None, stop="tool_call", meta=None):
-    return Step(
-        TrajectoryID(pid, k),
-        prompt,
-        resp,
-        mask,
-        rollout_logprobs=lp,
-        reward=reward,
-        is_last_step=last,
-        stop_reason=stop,
-        weight_versions=versions,
-        metadata=meta or {},
-    )
+from helpers import make_step
+from megatron_stepwise import MergeStats, TrajectoryID, make_padding_step, merge_steps, validate_steps
 
 
 def _three_turns():
     return [
-        _step("a", 0, [1, 2], [3, 4], [1, 1], lp=[-0.1, -0.2], meta={"turn": 0}),
+        make_step("a", 0, [1, 2], [3, 4], [1, 1], last=False, lp=[-0.1, -0.2], stop="tool_call", meta={"turn": 0}),
         # obs_delta [9, 9]
-        _step("a", 0, [1, 2, 3, 4, 9, 9], [5], [1], lp=[-0.3], meta={"turn": 1}),
+        make_step("a", 0, [1, 2, 3, 4, 9, 9], [5], [1], last=False, lp=[-0.3], stop="tool_call", meta={"turn": 1}),
         # obs_delta [7]; the final EOS was appended after the fact (mask 0, log-prob 0)
-        _step("a", 0, [1, 2, 3, 4, 9, 9, 5, 7], [6, 0], [1, 0], lp=[-0.4, 0.0], last=True, reward=1.0,
-              stop="stop", meta={"turn": 2}),
+        make_step("a", 0, [1, 2, 3, 4, 9, 9, 5, 7], [6, 0], [1, 0], lp=[-0.4, 0.0], last=True, reward=1.0,
+                  stop="stop", meta={"turn": 2}),
     ]
 
 
@@ -87,8 +73,8 @@ def test_drift_in_previous_prompt_starts_a_new_row():
 
 def test_shorter_next_prompt_does_not_merge():
     steps = [
-        _step("a", 0, [1, 2], [3, 4], [1, 1]),
-        _step("a", 0, [1, 2, 3], [5], [1], last=True),  # a truncated history
+        make_step("a", 0, [1, 2], [3, 4], [1, 1], last=False),
+        make_step("a", 0, [1, 2, 3], [5], [1]),  # a truncated history
     ]
     merged, stats = merge_steps(steps)
     assert len(merged) == 2 and stats.broken_prefixes == 1
@@ -96,9 +82,9 @@ def test_shorter_next_prompt_does_not_merge():
 
 def test_different_trajectories_never_merge():
     steps = [
-        _step("a", 0, [1], [2], [1], last=True),
-        _step("a", 1, [1, 2], [3], [1], last=True),  # prefix-consistent but another sample
-        _step("b", 0, [1, 2, 3], [4], [1], last=True),
+        make_step("a", 0, [1], [2], [1]),
+        make_step("a", 1, [1, 2], [3], [1]),  # prefix-consistent but another sample
+        make_step("b", 0, [1, 2, 3], [4], [1]),
     ]
     merged, stats = merge_steps(steps)
     assert len(merged) == 3 and stats.broken_prefixes == 0

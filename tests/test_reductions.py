@@ -6,12 +6,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from helpers import make_step
 from megatron_stepwise import (
     LossConfig,
     LossInputs,
-    Step,
     StepBatch,
-    TrajectoryID,
     combine_metric_partials,
     compute_advantages,
     loss_token_weights,
@@ -23,10 +22,6 @@ from megatron_stepwise.algo.reductions import MERGE_INVARIANT_REDUCTIONS, REDUCT
 MAX_RESPONSE_LEN = 8
 
 
-def _step(pid, k, prompt, resp_mask, last, reward=0.0):
-    return Step(TrajectoryID(pid, k), prompt, [5] * len(resp_mask), resp_mask, reward=reward, is_last_step=last)
-
-
 # ----------------------------------------------------------------------------- hand-computed weights
 
 
@@ -34,12 +29,12 @@ def _hand_batch():
     # group a: traj a#0 = 2 steps (2 + 1 trained tokens), a#1 = 1 step (1 token); group b: b#0 (4 tokens).
     return StepBatch.from_steps(
         [
-            _step("a", 0, [1], [1, 1, 0], False),
-            _step("a", 0, [1, 5, 5, 5, 9], [0, 1], True, 1.0),
+            make_step("a", 0, [1], [5, 5, 5], [1, 1, 0], last=False),
+            make_step("a", 0, [1, 5, 5, 5, 9], [5, 5], [0, 1], reward=1.0),
             make_padding_step(0),
-            _step("a", 1, [1, 2], [1], True),
-            _step("b", 0, [3], [1, 1, 1, 1], True),
-            _step("b", 1, [3], [0, 0], True),  # no trained token
+            make_step("a", 1, [1, 2], [5], [1]),
+            make_step("b", 0, [3], [5, 5, 5, 5], [1, 1, 1, 1]),
+            make_step("b", 1, [3], [5, 5], [0, 0]),  # no trained token
         ]
     )
 
@@ -72,7 +67,7 @@ def test_reduction_weights_by_hand(reduction, expected):
 
 
 def test_prompt_mean_weighs_groups_equally():
-    batch = StepBatch.from_steps([_step("a", 0, [1], [1, 1, 1], True), _step("b", 0, [1], [1], True)])
+    batch = StepBatch.from_steps([make_step("a", 0, [1], [5, 5, 5], [1, 1, 1]), make_step("b", 0, [1], [5], [1])])
     assert _trained_weights(batch, "prompt_mean") == pytest.approx([1 / 6] * 3 + [1 / 2])
 
 
@@ -102,7 +97,7 @@ def stepwise_batches(draw):
                 resp = draw(st.lists(tok, min_size=n, max_size=n))
                 mask = draw(st.lists(st.integers(0, 1), min_size=n, max_size=n))
                 last = i == n_steps - 1
-                steps.append(Step(TrajectoryID(f"p{g}", k), prompt, resp, mask, reward=reward, is_last_step=last))
+                steps.append(make_step(f"p{g}", k, prompt, resp, mask, last=last, reward=reward))
                 prompt = prompt + resp + draw(st.lists(tok, min_size=0, max_size=2))
         if draw(st.booleans()):
             steps.append(make_padding_step(len(steps)))
@@ -244,8 +239,8 @@ def merge_rows(batch: StepBatch) -> StepBatch:
 
 def test_merge_helper_keeps_tokens_of_the_last_prompt():
     steps = [
-        _step("a", 0, [1, 2], [1, 0], False),
-        Step(TrajectoryID("a", 0), [1, 2, 5, 5, 8, 9], [6], [1], is_last_step=True),
+        make_step("a", 0, [1, 2], [5, 5], [1, 0], last=False),
+        make_step("a", 0, [1, 2, 5, 5, 8, 9], [6], [1]),
     ]
     merged = merge_rows(StepBatch.from_steps(steps))
     assert merged.num_rows == 1
@@ -277,9 +272,9 @@ def test_merged_and_unmerged_batches_give_the_same_loss_and_gradient(data, cfg, 
 def test_row_counting_reductions_change_under_merging(reduction):
     """Why check_loss_compatibility refuses them: a merged row counts as one sample."""
     steps = [
-        _step("a", 0, [1], [1], False),
-        Step(TrajectoryID("a", 0), [1, 5, 7], [5, 5, 5], [1, 1, 1], is_last_step=True),
-        _step("b", 0, [1], [1, 1], True),
+        make_step("a", 0, [1], [5], [1], last=False),
+        make_step("a", 0, [1, 5, 7], [5, 5, 5], [1, 1, 1]),
+        make_step("b", 0, [1], [5, 5], [1, 1]),
     ]
     batch = StepBatch.from_steps(steps)
     plain = _trained_weights(batch, reduction, max_response_len=MAX_RESPONSE_LEN)

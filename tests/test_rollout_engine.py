@@ -7,29 +7,19 @@ import threading
 import pytest
 import torch
 
-from megatron_stepwise.envs.tiny_tokenizers import load_tokenizer
-from megatron_stepwise.rollout import weight_sync
+from helpers import tiny_lm
+from megatron_stepwise import weight_transport
 from megatron_stepwise.rollout.engine import GenerateResult, SamplingParams
-from megatron_stepwise.rollout.hf_model import build_causal_lm, save_safetensors_dir, tiny_qwen2_config
+from megatron_stepwise.rollout.hf_model import build_causal_lm, save_safetensors_dir
 from megatron_stepwise.rollout.local import LocalEngine
 from megatron_stepwise.rollout.sampling import _truncate
+from oracles import teacher_forced_logprobs
 
-TOK = load_tokenizer("tiny_char")
-CONFIG = tiny_qwen2_config(len(TOK))
+TOK, CONFIG = tiny_lm("tiny_char")
 
 
 def run(coro):
     return asyncio.run(coro)
-
-
-def teacher_forced_logprobs(model, prompt, output, temperature):
-    """log_softmax(logits / T) of each output token given everything before it, one unpadded pass."""
-    ids = torch.tensor([prompt + output])
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[0].float()
-    scaled = logits / temperature if temperature > 0 else logits
-    logp = torch.log_softmax(scaled, -1)[len(prompt) - 1 : -1]
-    return logp.gather(-1, torch.tensor(output)[:, None])[:, 0]
 
 
 async def generate_many(engine, prompts, params):
@@ -177,8 +167,8 @@ def test_weight_update_from_distributed_group():
 
     def trainer():
         try:
-            group = weight_sync.open_group("127.0.0.1", port, world_size=2, timeout_s=60)
-            weight_sync.broadcast(group, [tensors[n] for n in names])
+            group = weight_transport.open_group("127.0.0.1", port, world_size=2, timeout_s=60)
+            weight_transport.broadcast(group, [tensors[n] for n in names])
         except Exception as e:  # surfaced by the assertion below
             trainer_error.append(e)
 
@@ -197,21 +187,44 @@ def test_weight_update_from_distributed_group():
         torch.testing.assert_close(engine.model.state_dict()[n], tensors[n], atol=0, rtol=0)
 
 
+async def wait_decoded(engine, rid, n, deadline_s=120.0):
+    """Poll the engine's public progress counter until request `rid` has exactly `n` tokens."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + deadline_s
+    while (got := await engine.decoded_tokens(rid)) != n:
+        assert got is None or got < n, f"request {rid} went past {n} tokens: {got}"
+        assert loop.time() < deadline, f"request {rid} did not reach {n} tokens in {deadline_s} s (at {got})"
+        await asyncio.sleep(0.005)
+
+
+@pytest.mark.timeout(300)  # a hang (a pause never lifted) fails instead of blocking the suite
 def test_pause_holds_generation_and_abort_returns_partial():
     async def scenario():
         engine = LocalEngine(CONFIG, eos_token_ids=[], seed=0)
         await engine.pause()
         task = asyncio.create_task(engine.generate(PROMPTS[0], SamplingParams(max_new_tokens=5), rid="a"))
-        await asyncio.sleep(0.2)
-        assert not task.done()
+        await asyncio.sleep(0.2)  # time it would have had to (wrongly) make progress
+        assert not task.done() and await engine.decoded_tokens("a") == 0
         await engine.resume()
-        assert len((await task).output_ids) == 5
+        assert len((await task).output_ids) == 5 and await engine.decoded_tokens("a") is None
+        # A long request, held after exactly 3 tokens whatever the machine's speed, then aborted
+        # just as decoding resumes: it ends at once, keeping what it had generated.
+        await engine.pause_after("b", 3)
         long = asyncio.create_task(engine.generate(PROMPTS[1], SamplingParams(max_new_tokens=100000), rid="b"))
-        await asyncio.sleep(0.3)
+        await wait_decoded(engine, "b", 3)
+        assert not long.done()
+        await engine.resume()
         await engine.abort("b")
         r = await long
-        assert r.finish_reason == "abort" and 0 < len(r.output_ids) < 1000 and len(r.logprobs) == len(r.output_ids)
+        # abort waits for at most the one decode step that resume may have started
+        assert r.finish_reason == "abort" and 3 <= len(r.output_ids) <= 4 and len(r.logprobs) == len(r.output_ids)
         assert await engine.health()
+        # the engine serves again, and a pause point the request never reaches does nothing
+        await engine.pause_after("c", 50)
+        assert len((await engine.generate(PROMPTS[0], SamplingParams(max_new_tokens=5), rid="c")).output_ids) == 5
+        assert len((await engine.generate(PROMPTS[0], SamplingParams(max_new_tokens=5))).output_ids) == 5
+        with pytest.raises(ValueError, match="num_tokens"):
+            await engine.pause_after("d", 0)
         await engine.close()
 
     run(scenario())

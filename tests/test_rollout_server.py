@@ -11,18 +11,17 @@ import aiohttp
 import pytest
 import torch
 
+from megatron_stepwise import weight_transport
+from helpers import tiny_lm
 from megatron_stepwise.envs.echo import EchoEnv, echo_dataset
-from megatron_stepwise.envs.tiny_tokenizers import load_tokenizer
-from megatron_stepwise.rollout import weight_sync
 from megatron_stepwise.rollout.agent_loop import AgentLoop, AgentLoopConfig
 from megatron_stepwise.rollout.engine import SamplingParams
-from megatron_stepwise.rollout.hf_model import build_causal_lm, save_safetensors_dir, tiny_qwen2_config
+from megatron_stepwise.rollout.hf_model import build_causal_lm, save_safetensors_dir
 from megatron_stepwise.rollout.local import LocalEngine
 from megatron_stepwise.rollout.server import start_server
 from megatron_stepwise.rollout.sglang import EngineRequestError, SGLangClient
 
-TOK = load_tokenizer("tiny_word")
-CONFIG = tiny_qwen2_config(len(TOK))
+TOK, CONFIG = tiny_lm("tiny_word")
 
 
 async def serving(fn, seed=0):
@@ -93,8 +92,8 @@ def test_weight_updates_over_http(tmp_path):
             mport = s.getsockname()[1]
 
         def trainer():
-            group = weight_sync.open_group("127.0.0.1", mport, 2, timeout_s=60)
-            weight_sync.broadcast(group, [state[n] for n in names])
+            group = weight_transport.open_group("127.0.0.1", mport, 2, timeout_s=60)
+            weight_transport.broadcast(group, [state[n] for n in names])
 
         thread = threading.Thread(target=trainer)
         thread.start()

@@ -159,7 +159,7 @@ async def capture_client_requests() -> list[dict]:
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    port = site._server.sockets[0].getsockname()[1]
+    port = runner.addresses[0][1]
     client = SGLangClient(f"http://127.0.0.1:{port}", tp_size=2)
     try:
         sampling = SamplingParams(temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=16, stop=["</search>"],

@@ -11,9 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import check_ok, run_torchrun
 from megatron_stepwise.algo.losses import LossConfig, LossInputs, policy_loss
 from megatron_stepwise.megatron import sync as S
-from weights_helpers import check_ok, load_json, run_torchrun
+from weights_helpers import load_json
 
 LAYOUTS = ["tp2", "pp2", "tp1"]
 MODES = ["tensor", "disk", "distributed"]

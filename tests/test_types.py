@@ -1,11 +1,8 @@
 import pytest
 import torch
 
+from helpers import make_step
 from megatron_stepwise import Step, StepBatch, StepwiseBatchError, TrajectoryID, make_padding_step
-
-
-def _step(pid, k, prompt, resp, mask, last, reward=0.0, lp=None):
-    return Step(TrajectoryID(pid, k), prompt, resp, mask, rollout_logprobs=lp, reward=reward, is_last_step=last)
 
 
 def test_trajectory_id_is_frozen_and_hashable():
@@ -16,11 +13,11 @@ def test_trajectory_id_is_frozen_and_hashable():
 
 
 def test_step_normalises_to_tensors_and_rejects_bad_types():
-    s = _step("p", 0, [1, 2], [3, 4], [1, 0], True, lp=[-0.5, -1.0])
+    s = make_step("p", 0, [1, 2], [3, 4], [1, 0], lp=[-0.5, -1.0])
     assert s.prompt_ids.dtype == torch.long and s.rollout_logprobs.dtype == torch.float32
     assert s.num_tokens == 4 and s.num_trainable == 1
     with pytest.raises(StepwiseBatchError, match="response_ids"):
-        _step("p", 0, [1], ["a"], [1], True)
+        make_step("p", 0, [1], ["a"], [1])
     with pytest.raises(StepwiseBatchError, match="trajectory_id"):
         Step("p#0", [1], [2], [1])  # type: ignore[arg-type]
 
@@ -33,9 +30,9 @@ def test_padding_step_is_loss_neutral():
 
 def test_step_batch_round_trip_and_select():
     steps = [
-        _step("a", 0, [1, 2], [3], [1], False, lp=[-0.1]),
-        _step("a", 0, [1, 2, 3, 9], [4, 5], [1, 0], True, reward=1.0, lp=[-0.2, -0.3]),
-        _step("b", 0, [7], [8, 8, 8], [1, 1, 1], True, reward=0.5),
+        make_step("a", 0, [1, 2], [3], [1], last=False, lp=[-0.1]),
+        make_step("a", 0, [1, 2, 3, 9], [4, 5], [1, 0], reward=1.0, lp=[-0.2, -0.3]),
+        make_step("b", 0, [7], [8, 8, 8], [1, 1, 1], reward=0.5),
     ]
     batch = StepBatch.from_steps(steps)
     assert batch.num_rows == 3
@@ -71,3 +68,20 @@ def test_unknown_rollout_logprobs_are_marked_unknown_not_zero():
     assert back[1].rollout_logprobs is None
     assert batch.select([1, 0]).first_row_without_rollout_logprobs() == 0
     assert batch.select([0]).first_row_without_rollout_logprobs() is None
+
+
+def test_response_fields_are_set_and_read_per_step_response():
+    tid = TrajectoryID("p", 0)
+    batch = StepBatch.from_steps([Step(tid, [5, 6], [7, 8, 9], [1, 1, 0]), Step(tid, [1], [2, 3], [0, 1]),
+                                  Step(tid, [4, 4, 4], [], [], is_last_step=True)])
+    batch.set_response_field("advantages", [torch.tensor([0.5, 0.5, 0.0]), torch.tensor([0.0, -1.0]), torch.zeros(0)])
+    adv = batch.token_fields["advantages"]
+    assert adv.dtype == torch.float32
+    assert adv.tolist() == [0.0, 0.0, 0.5, 0.5, 0.0, 0.0, 0.0, -1.0, 0.0, 0.0, 0.0]  # 0 at prompt positions
+    assert [v.tolist() for v in batch.response_values(adv)] == [[0.5, 0.5, 0.0], [0.0, -1.0], []]
+    batch.set_response_field("ids", [torch.tensor([1, 2, 3]), torch.tensor([4, 5]), torch.zeros(0)], dtype=torch.long)
+    assert batch.token_fields["ids"].dtype == torch.long
+    with pytest.raises(StepwiseBatchError, match=r"field 'x': got 2 tensors for 3 steps"):
+        batch.set_response_field("x", [torch.zeros(3), torch.zeros(2)])
+    with pytest.raises(StepwiseBatchError, match=r"step 1: field 'x' has 1 values for 2 response tokens"):
+        batch.set_response_field("x", [torch.zeros(3), torch.zeros(1), torch.zeros(0)])

@@ -14,8 +14,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from megatron_stepwise import weight_transport
 from megatron_stepwise.megatron import sync as S
-from megatron_stepwise.rollout import weight_sync
 from megatron_stepwise.rollout.fleet import EngineSpec, RolloutFleet, _Slot, weight_update_ranks
 from megatron_stepwise.rollout.sglang import SGLangServerConfig
 
@@ -66,7 +66,7 @@ class FakeEngineHandle:
     async def _join(self, address, port, rank_offset, world_size):
         loop = asyncio.get_running_loop()
         self.groups = await asyncio.gather(*(
-            loop.run_in_executor(None, weight_sync.join_group, address, port, rank_offset + tp_rank, world_size, 60)
+            loop.run_in_executor(None, weight_transport.join_group, address, port, rank_offset + tp_rank, world_size, 60)
             for tp_rank in range(self.ranks)
         ))
 
@@ -97,18 +97,18 @@ def test_weight_sync_opens_a_group_with_every_tp_rank_and_broadcasts_to_all(monk
     try:
         syncer._open_group()
         assert syncer._group.world_size == 7
-        assert [s.handle.offset for s in fleet._slots] == [1, 3, 4, None]  # the dead engine was not asked
+        assert [fleet.engine(i).offset for i in range(4)] == [1, 3, 4, None]  # the dead engine was not asked
 
         sent = torch.arange(6, dtype=torch.float32)
-        receivers = [g for s in fleet._slots for g in s.handle.groups]
+        receivers = [g for i in range(4) for g in fleet.engine(i).groups]
         assert sorted(g.rank for g in receivers) == [1, 2, 3, 4, 5, 6]
         buffers = [torch.zeros(6) for _ in receivers]
 
         async def broadcast_and_receive():
             run = asyncio.get_running_loop().run_in_executor
             await asyncio.gather(
-                run(None, weight_sync.broadcast, syncer._group, [sent]),
-                *(run(None, weight_sync.receive, g, [b]) for g, b in zip(receivers, buffers)),
+                run(None, weight_transport.broadcast, syncer._group, [sent]),
+                *(run(None, weight_transport.receive, g, [b]) for g, b in zip(receivers, buffers)),
             )
 
         loop.run_until_complete(broadcast_and_receive())

@@ -1,17 +1,12 @@
-"""Shared by the weight / checkpoint tests: tiny HF checkpoints on disk and a torchrun launcher."""
+"""Shared by the weight / checkpoint tests: tiny HF checkpoints on disk (the torchrun launcher is
+`helpers.run_torchrun`)."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
-from typing import Optional
 
 import torch
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def hf_model(cfg: dict, seed: int = 0):
@@ -57,22 +52,6 @@ def make_tokenizer_dir(path: Path, vocab_size: int) -> Path:
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token="t1", pad_token="t0")
     fast.save_pretrained(str(path))
     return path
-
-
-def run_torchrun(script: str, nproc: int, args: list[str], timeout: float = 300, env: Optional[dict] = None):
-    """Run tests/<script> under torchrun on CPU; returns the CompletedProcess (output captured)."""
-    full_env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **(env or {}))
-    # --standalone: torchrun binds its own free port (a port picked here could be taken by
-    # another job on a shared machine before torchrun listens on it).
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-        str(REPO / "tests" / script), *args,
-    ]
-    return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
-
-
-def check_ok(proc) -> None:
-    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
 
 
 def load_json(path: Path):

@@ -68,10 +68,10 @@ def summarise(result: dict) -> dict:
         "optimizer steps": sum(r.get("train/optimizer_steps", 0) for r in rows),
         "train s/iteration": statistics.mean(r.get("time/train", 0.0) for r in rows[1:] or rows),
     }
-    if "time/rollout" in rows[-1]:
-        s["rollout s/iteration"] = statistics.mean(r["time/rollout"] for r in rows[1:] or rows)
-    if "time/wait_rollout" in rows[-1]:
-        s["wait-for-groups s/iteration"] = statistics.mean(r["time/wait_rollout"] for r in rows[1:] or rows)
+    # time/rollout: the rollout itself (sync), or the wait for finished groups (async)
+    rollout_key = "wait-for-groups s/iteration" if "async/token_staleness_mean" in rows[-1] else "rollout s/iteration"
+    s[rollout_key] = statistics.mean(r["time/rollout"] for r in rows[1:] or rows)
+    if "async/token_staleness_mean" in rows[-1]:
         s["token staleness mean"] = statistics.mean(r["async/token_staleness_mean"] for r in rows)
         s["token staleness max"] = max(r["async/token_staleness_max"] for r in rows)
         s["trajectories spanning 2 versions"] = statistics.mean(r["async/trajectories_spanning_versions"] for r in rows)

@@ -92,7 +92,6 @@ def matmul_peak_tflops(sizes: tuple[int, ...], device: str = "cuda", iters: int 
 
 def gpu_minibatch(args: argparse.Namespace, vocab_size: int):
     """Agent-shaped step rows that fit a 4096-token micro-batch, with GRPO advantages."""
-    from megatron_stepwise.megatron.packing import set_response_field
     from megatron_stepwise.types import StepBatch
 
     w = AgentWorkload(num_prompts=args.prompts, samples_per_prompt=args.samples, turns=(1, 3),
@@ -100,13 +99,13 @@ def gpu_minibatch(args: argparse.Namespace, vocab_size: int):
                       vocab_size=vocab_size, success_prob=0.5, seed=args.seed)
     steps = make_agent_steps(w)
     batch = StepBatch.from_steps(steps)
-    set_response_field(batch, "advantages", compute_advantages(steps, "grpo"))
+    batch.set_response_field("advantages", compute_advantages(steps, "grpo"))
     return steps, batch
 
 
 def model_config(name: str) -> dict[str, Any]:
     if name == "tiny":
-        from megatron_stepwise.megatron.presets import tiny_config
+        from megatron_stepwise.hf.presets import tiny_config
 
         return tiny_config()
     return MODELS[name]

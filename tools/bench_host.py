@@ -2,13 +2,15 @@
 (prints measured figures; never asserts).
 
 Workload: 512 prompts x 8 samples, 1-8 turns, the Search-R1 shape of `megatron_stepwise.synthetic`
-(~67M step tokens). Phases, in the trainer's order, on ONE core (`torch.set_num_threads(1)`):
-validate -> prefix merge -> GRPO advantages -> prompt mini-batches -> micro-batch plan (DP 8,
-32k-token micro-batches) for every mini-batch. Reported: the first run (cold: memory is
-page-faulted in) and the median of later runs (warm, as in a training loop), wall and CPU time
-(CPU time is robust to other processes sharing the machine). Building the columnar StepBatch of
-each mini-batch with its advantages field (what the trainer hands the plugin) is timed too, as
-a separate line.
+(~67M step tokens). Phases, calling what training runs in its order (`trainer_pipeline` of
+`tools/bench_pipeline.py`), on ONE core (`torch.set_num_threads(1)`): validate (`validate_steps`
+on the rollout, as the mini-batch sources do) -> minibatch (`prompt_minibatches`) -> prepare
+(the trainer's `loop.prepare.prepare` per mini-batch: prefix merge, GRPO advantages, the
+columnar StepBatch with its advantages field that the plugin gets) -> plan (the plugin's host
+planning of each prepared batch: `packed_lengths` -> `plan_microbatches`, DP 8, 32k-token
+micro-batches aligned to 128). Reported: the first run (cold: memory is page-faulted in) and the
+median of later runs (warm, as in a training loop), wall and CPU time (CPU time is robust to
+other processes sharing the machine).
 
 Reference GPU time (an assumption, printed): the model FLOPs (`tools/flops.py`) of training a
 Qwen2.5-7B on the rows this run produced (merged, packed), at 40% MFU on 8 x H100 (989 dense bf16
@@ -34,14 +36,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_cli import PhaseTimer, script_main  # noqa: E402
 from flops import QWEN2_CONFIGS, ModelShape, training_flops  # noqa: E402
 
-from megatron_stepwise.algo.advantages import compute_advantages  # noqa: E402
-from megatron_stepwise.algo.batching import plan_microbatches, prompt_minibatches, validate_steps  # noqa: E402
-from megatron_stepwise.algo.merge import merge_steps  # noqa: E402
-from megatron_stepwise.megatron.packing import set_response_field  # noqa: E402  (torch only, no megatron import)
+from bench_pipeline import trainer_pipeline  # noqa: E402
+from megatron_stepwise.loop.prepare import PrepareOptions  # noqa: E402
 from megatron_stepwise.synthetic import AgentWorkload, make_agent_steps  # noqa: E402
-from megatron_stepwise.types import StepBatch  # noqa: E402
 
-PHASES = ("validate", "merge", "advantages", "minibatch", "plan")
+PHASES = ("validate", "minibatch", "prepare", "plan")
 
 REFERENCE = {"model": "qwen2.5-7b", "gpus": 8, "gpu": "H100 SXM", "peak_tflops_per_gpu": 989.0, "mfu": 0.40}
 
@@ -65,31 +64,20 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 
 def run_once(steps, args) -> tuple[dict[str, float], dict[str, float], Any]:
+    """Wall and CPU seconds per phase, and the prepared batches (what the plugin trains on)."""
     phase = PhaseTimer()
-    phase("validate", lambda: validate_steps(steps, vocab_size=32000))
-    merged, _ = phase("merge", lambda: merge_steps(steps, max_tokens=args.max_tokens))
-    advantages = phase("advantages", lambda: compute_advantages(merged, "grpo"))
-    mbs = phase("minibatch", lambda: prompt_minibatches(merged, args.prompts_per_minibatch))
-    phase("plan", lambda: [plan_microbatches([s.num_tokens for s in mb], dp_size=args.dp, max_tokens=args.max_tokens,
-                                             micro_align=128) for mb in mbs])
-
-    def columnar():
-        adv = iter(advantages)  # mini-batches are contiguous slices of `merged`, in order
-        batches = []
-        for mb in mbs:
-            batch = StepBatch.from_steps(mb)
-            set_response_field(batch, "advantages", [next(adv) for _ in mb])
-            batches.append(batch)
-        return batches
-
-    phase("columnar_batch", columnar)
-    return phase.wall, phase.cpu, merged
+    _, _, batches, _ = trainer_pipeline(
+        steps, phase, vocab_size=32000, prompts_per_minibatch=args.prompts_per_minibatch,
+        options=PrepareOptions(merge_steps=True, max_tokens=args.max_tokens), dp=args.dp,
+        max_tokens=args.max_tokens, micro_align=128)
+    return phase.wall, phase.cpu, batches
 
 
-def reference_gpu_seconds(merged) -> dict[str, Any]:
+def reference_gpu_seconds(batches) -> dict[str, Any]:
     shape = ModelShape.from_hf(QWEN2_CONFIGS[REFERENCE["model"]])
-    lengths = [s.num_tokens for s in merged]
-    flops = training_flops(shape, lengths, trained_tokens=sum(s.num_trainable for s in merged))
+    lengths = [n for b in batches for n in b.lengths.tolist()]
+    trained = sum(int(b.token_fields["loss_mask"].sum()) for b in batches)
+    flops = training_flops(shape, lengths, trained_tokens=trained)
     rate = REFERENCE["gpus"] * REFERENCE["peak_tflops_per_gpu"] * 1e12 * REFERENCE["mfu"]
     return {**REFERENCE, "params": shape.total_params, "tokens": sum(lengths), "flops": flops,
             "seconds": flops["total"] / rate}
@@ -106,11 +94,11 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
     steps = make_agent_steps(w)
     n_tokens = sum(s.num_tokens for s in steps)
     walls, cpus = [], []
-    merged = None
+    batches = None
     for _ in range(1 + args.repeats):
-        merged = None  # free the previous iteration's rows first, as a training loop does
+        batches = None  # free the previous iteration's batches first, as a training loop does
         gc.collect()
-        wall, cpu, merged = run_once(steps, args)
+        wall, cpu, batches = run_once(steps, args)
         walls.append(wall)
         cpus.append(cpu)
     warm_w = walls[1:] or walls
@@ -123,14 +111,14 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
     }
     for v in summary.values():
         v["total"] = sum(v[k] for k in PHASES)
-        v["total_with_columnar"] = v["total"] + v["columnar_batch"]
-    ref = reference_gpu_seconds(merged)
+    ref = reference_gpu_seconds(batches)
+    merged_rows = sum(b.num_rows for b in batches)
 
     print(f"host pipeline: {w.num_prompts} prompts x {w.samples_per_prompt} samples, 1-{args.max_turns} turns: "
-          f"{len(steps):,} steps, {n_tokens:,} tokens -> {len(merged):,} merged rows; dp={args.dp}, "
+          f"{len(steps):,} steps, {n_tokens:,} tokens -> {merged_rows:,} merged rows; dp={args.dp}, "
           f"max_tokens={args.max_tokens:,}, {args.prompts_per_minibatch} prompts per mini-batch, 1 thread")
     print(f"{'phase':<22}{'cold wall':>11}{'cold cpu':>11}{'warm wall':>11}{'warm cpu':>11}   (median of {len(warm_w)})")
-    for k in list(PHASES) + ["total", "columnar_batch", "total_with_columnar"]:
+    for k in list(PHASES) + ["total"]:
         print(f"{k:<22}" + "".join(f"{summary[c][k]:>10.3f}s" for c in ("cold_wall", "cold_cpu", "warm_wall", "warm_cpu")))
     total = summary["warm_wall"]["total"]
     print(f"\nassumption: the GPU time of training this iteration's rows ({ref['tokens']:,} tokens, merged and packed) "
@@ -138,12 +126,11 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
           f"of {ref['peak_tflops_per_gpu']:.0f} dense bf16 TFLOP/s per GPU: {ref['flops']['total']:.3g} model FLOPs "
           f"(tools/flops.py) -> {ref['seconds']:.1f} s")
     print(f"host pipeline (warm wall) / reference GPU time = {total:.3f} s / {ref['seconds']:.1f} s = "
-          f"{total / ref['seconds']:.2%}   (with columnar batches: "
-          f"{summary['warm_wall']['total_with_columnar'] / ref['seconds']:.2%})")
+          f"{total / ref['seconds']:.2%}")
     return {
         "config": {k: v for k, v in vars(args).items() if k != "out"},
-        "workload": {"steps": len(steps), "tokens": n_tokens, "merged_rows": len(merged),
-                     "tokens_after_merge": sum(s.num_tokens for s in merged)},
+        "workload": {"steps": len(steps), "tokens": n_tokens, "merged_rows": merged_rows,
+                     "tokens_after_merge": ref["tokens"]},
         "time_s": summary,
         "reference_gpu": ref,
         "seconds": total,

@@ -53,13 +53,14 @@ def make_case(masked: float, tokens: int, hidden: int, vocab: int):
 
 def step(path: str, case, chunk: int):
     """One forward+backward; returns the trained positions' log-probs."""
-    from megatron_stepwise.megatron.logprobs import reference_logprobs, vocab_parallel_logprobs
+    from megatron_stepwise.megatron.logprobs import vocab_parallel_logprobs
 
     h, w, targets, idx, a, b = case
     h.grad = w.grad = None
     if path == "full":
-        lp_all, ent_all = reference_logprobs(h @ w.t(), targets)
-        lp, ent = lp_all[idx], ent_all[idx]
+        logp_all = torch.log_softmax((h @ w.t()).float(), dim=-1)  # the full [tokens, vocab] logits
+        lp = logp_all.gather(-1, targets[:, None])[:, 0][idx]
+        ent = -(logp_all.exp() * logp_all).sum(-1)[idx]
     else:
         lp, ent = vocab_parallel_logprobs(h.index_select(0, idx), w, targets[idx], chunk_tokens=chunk)
     (a * lp + b * ent).sum().backward()

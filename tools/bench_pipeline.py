@@ -3,17 +3,26 @@
 Workload: the issue's synthetic agent batch (512 prompts x 8 samples, 1-8 turns, observations
 50-2000 tokens, responses 20-500), built by `megatron_stepwise.synthetic`.
 
+The timed pipeline is what a training iteration runs on the host, in the same order
+(`trainer_pipeline`, shared with `tools/bench_host.py`):
+validate (`validate_steps` on the rollout, as both mini-batch sources do) -> minibatch
+(`prompt_minibatches`) -> prepare (`loop.prepare.prepare` per mini-batch, as the trainer calls
+it: prefix merge, GRPO advantages, the columnar StepBatch) -> plan (what the plugin's
+`prepare_minibatch` does on the host before packing: `packed_lengths` of each prepared batch,
+then `plan_microbatches` with the micro-batch alignment). Group filters (config-dependent) and
+the per-rank `pack_rows` are not part of it.
+
 It reports
-1. time of validate, merge, prompt mini-batches, DP padding and planning on ONE core
-   (`torch.set_num_threads(1)`): the first run in the process (cold: fresh memory is
-   page-faulted in) and the median of the following runs (warm: the steady state of a
-   training loop, which frees the previous iteration's batch);
-2. rows and tokens before/after the prefix merge;
-3. for three layouts of the same rollouts -- ours (merged, packed), step-wise unmerged, and the
-   peers' earlier layout where each step's response also carried the next observation --
-   real and computed tokens when packed, when padded to the longest row of each of the same
-   micro-batches, and when padded to the longest row of length-sorted micro-batches (the best
-   case for padding), plus the longest padded row;
+1. time of those phases on ONE core (`torch.set_num_threads(1)`): the first run in the process
+   (cold: fresh memory is page-faulted in) and the median of the following runs (warm: the
+   steady state of a training loop, which frees the previous iteration's batches);
+2. rows and tokens before/after the prefix merge (the counts `prepare` returns, summed over
+   mini-batches with `add_counts`);
+3. for three layouts of the same rollouts -- ours (the prepared, merged rows, packed),
+   step-wise unmerged, and the peers' earlier layout where each step's response also carried
+   the next observation -- real and computed tokens when packed, when padded to the longest
+   row of each of the same micro-batches, and when padded to the longest row of length-sorted
+   micro-batches (the best case for padding), plus the longest padded row;
 4. DP balance (max / mean rank cost) of our planner against round-robin, sorted greedy on
    tokens, and longest-first greedy on cost without the exchange pass.
 
@@ -39,8 +48,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_cli import PhaseTimer, write_json  # noqa: E402
 from megatron_stepwise.algo import planner  # noqa: E402
-from megatron_stepwise.algo.batching import pad_for_data_parallel, prompt_minibatches, validate_steps  # noqa: E402
+from megatron_stepwise.algo.batching import prompt_minibatches, validate_steps  # noqa: E402
 from megatron_stepwise.algo.merge import merge_steps  # noqa: E402
+from megatron_stepwise.loop.prepare import PrepareOptions, add_counts, prepare  # noqa: E402
+from megatron_stepwise.megatron.packing import packed_lengths  # noqa: E402  (torch only, no megatron-core)
 from megatron_stepwise.synthetic import AgentWorkload, make_agent_steps  # noqa: E402
 
 
@@ -52,7 +63,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--dp", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=32768, help="token budget per micro-batch")
     p.add_argument("--prompts-per-minibatch", type=int, default=64)
-    p.add_argument("--seq-align", type=int, default=1, help="per-row alignment (2*CP with context parallelism)")
+    p.add_argument("--seq-align", type=int, default=1,
+                   help="per-row alignment: 1, or 2*CP with context parallelism (rows packed as `packed_lengths`)")
     p.add_argument("--micro-align", type=int, default=128, help="alignment of a packed micro-batch (TP x 128)")
     p.add_argument("--drift", type=float, default=0.0, help="re-tokenisation drift probability per turn")
     p.add_argument("--repeats", type=int, default=5, help="warm runs after the cold one")
@@ -61,28 +73,76 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.prompts, args.repeats = 64, 2
+    try:
+        context_parallel(args.seq_align)
+    except ValueError as e:
+        p.error(str(e))
     return args
+
+
+def context_parallel(seq_align: int) -> int:
+    """The CP size whose per-row padding (`packed_lengths`: a multiple of 2*CP) is `seq_align`."""
+    if seq_align == 1:
+        return 1
+    if seq_align < 1 or seq_align % 2:
+        raise ValueError(f"--seq-align must be 1 or 2*CP (even), got {seq_align}")
+    return seq_align // 2
 
 
 # ------------------------------------------------------------------------------- timing
 
 
+def trainer_pipeline(steps, phase: PhaseTimer, *, vocab_size: int, prompts_per_minibatch: int,
+                     options: PrepareOptions, dp: int, max_tokens: int, micro_align: int = 1,
+                     cp: int = 1) -> tuple[list, list, list, list]:
+    """One iteration's host work, each phase timed by `phase`, calling what runs in training:
+    the sources' `validate_steps` and `prompt_minibatches` (loop/sources.py, loop/async_source.py),
+    the trainer's `prepare` per mini-batch (loop/trainer.py; a mini-batch without a trained token
+    is skipped, as there), and the plugin's host-side planning of each prepared batch
+    (megatron/plugin.py prepare_minibatch: `packed_lengths` -> `plan_microbatches`).
+    Returns (mini-batches, prepare's (batch, metrics) per mini-batch, the batches, their plans)."""
+    phase("validate", lambda: validate_steps(steps, vocab_size=vocab_size))
+    mbs = phase("minibatch", lambda: prompt_minibatches(steps, prompts_per_minibatch) if steps else [])
+    prepared = phase("prepare", lambda: [prepare(mb, options) for mb in mbs])
+    batches = [b for b, _ in prepared if b is not None]
+    plans = phase("plan", lambda: [planner.plan_microbatches(
+        packed_lengths(b.lengths, cp).tolist(), dp_size=dp, max_tokens=max_tokens, micro_align=micro_align)
+        for b in batches])
+    return mbs, prepared, batches, plans
+
+
+def prepare_options(args) -> PrepareOptions:
+    return PrepareOptions(merge_steps=True, max_tokens=args.max_tokens)
+
+
 def run_pipeline(steps, args) -> tuple[dict[str, float], dict[str, float], Any]:
     """Wall-clock and CPU seconds of each phase."""
     phase = PhaseTimer()
-
-    phase("validate", lambda: validate_steps(steps, vocab_size=32000))
-    merged, stats = phase("merge", lambda: merge_steps(steps, max_tokens=args.max_tokens))
-    mbs = phase("minibatch", lambda: prompt_minibatches(merged, args.prompts_per_minibatch))
-    mbs = phase("dp_pad", lambda: [pad_for_data_parallel(mb, args.dp, first_index=k * args.dp)
-                                   for k, mb in enumerate(mbs)])
-    plans = phase("plan", lambda: [planner.plan_microbatches(
-        [s.num_tokens for s in mb], dp_size=args.dp, max_tokens=args.max_tokens,
-        seq_align=args.seq_align, micro_align=args.micro_align) for mb in mbs])
+    result = trainer_pipeline(steps, phase, vocab_size=32000, prompts_per_minibatch=args.prompts_per_minibatch,
+                              options=prepare_options(args), dp=args.dp, max_tokens=args.max_tokens,
+                              micro_align=args.micro_align, cp=context_parallel(args.seq_align))
     times, cpu = phase.wall, phase.cpu
     times["total"] = sum(times.values())
     cpu["total"] = sum(cpu.values())
-    return times, cpu, (merged, stats, mbs, plans)
+    return times, cpu, result
+
+
+def merge_report(mbs, prepared, batches, args) -> dict[str, Any]:
+    """Rows and tokens before/after the merge from `prepare`'s counts; trainable tokens from the
+    prepared batches; broken prefixes (which `prepare` does not count) from an untimed
+    `merge_steps` of the same mini-batches."""
+    counts = add_counts(m for _, m in prepared)
+    before, after = counts.get("batch/tokens_before_merge", 0), counts.get("batch/tokens_after_merge", 0)
+    return {
+        "rows_before": counts.get("batch/rows_before_merge", 0),
+        "rows_after": counts.get("batch/rows_after_merge", 0),
+        "tokens_before": before,
+        "tokens_after": after,
+        "token_ratio": before / after if after else 1.0,
+        "trainable_tokens": sum(int(b.token_fields["loss_mask"].sum()) for b in batches),
+        "broken_prefixes": sum(merge_steps(mb, max_tokens=args.max_tokens)[1].broken_prefixes for mb in mbs),
+        "skipped_minibatches": len(prepared) - len(batches),
+    }
 
 
 # ------------------------------------------------------------------------------ layouts
@@ -201,8 +261,10 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     print(f"workload: {w.num_prompts} prompts x {w.samples_per_prompt} samples, turns {w.turns}, obs {w.obs_len}, "
           f"response {w.response_len}, prompt {w.prompt_len}, drift {w.drift_prob}: {len(steps):,} steps, "
           f"{n_tokens:,} tokens (built in {gen_s:.1f} s)")
+    opts = prepare_options(args)
     print(f"config: dp={args.dp}, max_tokens={args.max_tokens:,}, {args.prompts_per_minibatch} prompts per "
-          f"mini-batch, seq_align={args.seq_align}, micro_align={args.micro_align}, 1 thread\n")
+          f"mini-batch, seq_align={args.seq_align}, micro_align={args.micro_align}, prepare(merge_steps="
+          f"{opts.merge_steps}, estimator={opts.estimator}), 1 thread\n")
 
     runs, cpu_runs = [], []
     for r in range(1 + args.repeats):
@@ -213,7 +275,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         cpu_runs.append(cpu)
         if r < args.repeats:
             del result  # free the batch as a training loop would before the next iteration
-    merged, mstats, mbs, plans = result
+    mbs, prepared, batches, plans = result
     cold, cold_cpu = runs[0], cpu_runs[0]
     warm_runs, warm_cpu_runs = (runs[1:], cpu_runs[1:]) if len(runs) > 1 else (runs, cpu_runs)
     warm = {k: statistics.median(r[k] for r in warm_runs) for k in cold}
@@ -227,17 +289,20 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
           "  the previous run's batch was freed, as in a training loop. cpu = CPU time of this process\n"
           "  (one thread), robust to other processes sharing the cores; wall includes waiting for a core.")
 
-    print(f"\nmerge: rows {mstats.rows_before:,} -> {mstats.rows_after:,}, tokens {mstats.tokens_before:,} -> "
-          f"{mstats.tokens_after:,} ({mstats.token_ratio:.2f}x fewer), trainable {mstats.trainable_tokens:,}, "
-          f"broken prefixes {mstats.broken_prefixes}")
+    merge = merge_report(mbs, prepared, batches, args)
+    print(f"\nmerge (prepare's counts over {len(mbs)} mini-batches): rows {merge['rows_before']:,} -> "
+          f"{merge['rows_after']:,}, tokens {merge['tokens_before']:,} -> {merge['tokens_after']:,} "
+          f"({merge['token_ratio']:.2f}x fewer), trainable {merge['trainable_tokens']:,}, "
+          f"broken prefixes {merge['broken_prefixes']}, mini-batches skipped (nothing to train) "
+          f"{merge['skipped_minibatches']}")
 
-    # Layouts of the same rollouts, each split into the same prompt mini-batches.
-    unmerged_mbs = prompt_minibatches(steps, args.prompts_per_minibatch)
+    # Layouts of the same rollouts, each split into the same prompt mini-batches: ours are the
+    # rows of the prepared batches (what the plugin plans and packs), the others the steps.
     peer = iter(peer_layout_lengths(steps))
     layouts = {
-        "ours_merged": [[s.num_tokens for s in mb if not s.is_padding] for mb in mbs],
-        "stepwise_unmerged": [[s.num_tokens for s in mb] for mb in unmerged_mbs],
-        "obs_in_response": [[next(peer) for _ in mb] for mb in unmerged_mbs],
+        "ours_merged": [b.lengths.tolist() for b in batches],
+        "stepwise_unmerged": [[s.num_tokens for s in mb] for mb in mbs],
+        "obs_in_response": [[next(peer) for _ in mb] for mb in mbs],
     }
     reports = {name: layout_report(lengths, args) for name, lengths in layouts.items()}
     base = reports["ours_merged"]["packed_tokens"]
@@ -269,7 +334,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     return {"config": vars(args), "workload": {"steps": len(steps), "tokens": n_tokens},
             "time_s": {"cold": cold, "warm_median": warm, "all_runs": runs},
             "cpu_s": {"cold": cold_cpu, "warm_median": warm_cpu, "all_runs": cpu_runs},
-            "merge": vars(mstats), "layouts": reports, "dp_balance": balance}
+            "merge": merge, "layouts": reports, "dp_balance": balance}
 
 
 if __name__ == "__main__":

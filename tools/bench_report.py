@@ -124,7 +124,7 @@ FIGURES: list[Figure] = [
     Figure("trainer_step", "packed real tokens per second",
            lambda r: r["layouts"]["packed"]["real_tokens_per_s"], " tok/s", 0),
     # 5. host pipeline (tools/bench_host.py)
-    Figure("host_pipeline", "validate+merge+advantages+mini-batch+plan, 512x8 trajectories (64x8 quick), wall (warm)",
+    Figure("host_pipeline", "validate+mini-batch+prepare+plan, 512x8 trajectories (64x8 quick), wall (warm)",
            lambda r: r["seconds"], " s", 3, ("<", 1.0)),
     Figure("host_pipeline", "same, CPU time of the one thread (warm)",
            lambda r: r["time_s"]["warm_cpu"]["total"], " s", 3, ("<", 1.0)),

@@ -22,7 +22,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("PYTHONPATH", str(Path(__file__).resolve().parents[1]))
 
 from megatron_stepwise.envs.echo import echo_dataset  # noqa: E402
-from megatron_stepwise.envs.tiny_tokenizers import load_tokenizer  # noqa: E402
+from megatron_stepwise.hf.tokenizers import load_tokenizer  # noqa: E402
 from megatron_stepwise.rollout.agent_loop import AgentLoop, AgentLoopConfig  # noqa: E402
 from megatron_stepwise.rollout.engine import SamplingParams  # noqa: E402
 from megatron_stepwise.rollout.fleet import EngineSpec, RolloutFleet  # noqa: E402

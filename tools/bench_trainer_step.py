@@ -37,7 +37,7 @@ from bench_cli import script_main  # noqa: E402
 from megatron_stepwise.algo.advantages import compute_advantages  # noqa: E402
 from megatron_stepwise.algo.batching import plan_microbatches  # noqa: E402
 from megatron_stepwise.algo.losses import LossConfig  # noqa: E402
-from megatron_stepwise.megatron.presets import PRESETS  # noqa: E402
+from megatron_stepwise.hf.presets import PRESETS  # noqa: E402
 from megatron_stepwise.synthetic import AgentWorkload, make_agent_steps  # noqa: E402
 from megatron_stepwise.types import Step, StepBatch  # noqa: E402
 
@@ -77,10 +77,8 @@ def agent_steps(args: argparse.Namespace, vocab_size: int) -> list[Step]:
 
 
 def to_batch(steps: list[Step], advantages: list[torch.Tensor]) -> StepBatch:
-    from megatron_stepwise.megatron.packing import set_response_field
-
     batch = StepBatch.from_steps(steps)
-    set_response_field(batch, "advantages", advantages)
+    batch.set_response_field("advantages", advantages)
     return batch
 
 

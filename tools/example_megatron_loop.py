@@ -24,7 +24,6 @@ from megatron_stepwise.algo.advantages import compute_advantages
 from megatron_stepwise.algo.losses import LossConfig
 from megatron_stepwise.megatron import runtime
 from megatron_stepwise.megatron.model import build_gpt_model, tiny_config, wrap_ddp
-from megatron_stepwise.megatron.packing import set_response_field
 from megatron_stepwise.megatron.plugin import StepwisePlugin
 from megatron_stepwise.synthetic import AgentWorkload, make_agent_steps
 from megatron_stepwise.types import StepBatch
@@ -64,7 +63,7 @@ def main() -> None:
     for iteration in range(args.iterations):
         steps = rollout(iteration, hf_config["vocab_size"])  # identical on every rank
         batch = StepBatch.from_steps(steps)
-        set_response_field(batch, "advantages", compute_advantages(steps, "grpo"))
+        batch.set_response_field("advantages", compute_advantages(steps, "grpo"))
         batch.token_fields["old_logprobs"] = plugin.compute_logprobs_flat([model], batch)
 
         # --- the loop body, as before, with the plugin's forward_step and data iterator ----

@@ -1,9 +1,11 @@
 """Batch shaping for step-wise training: DP padding and prompt-based mini-batches.
 
-The pipeline for one iteration is
+The trainer's pipeline for one iteration is
 
-    validate_steps -> (advantages) -> merge_steps -> prompt_minibatches
-        -> per mini-batch: pad_for_data_parallel (if rows must split evenly) -> plan_microbatches
+    validate_steps -> prompt_minibatches
+        -> per mini-batch: merge_steps, compute_advantages (loop/prepare.py) -> plan_microbatches
+
+`pad_for_data_parallel` is for loops that shard rows over DP ranks themselves.
 
 `validate_steps` lives in `validate.py` and `plan_microbatches` in `planner.py`; both are
 re-exported here so the whole pipeline can be imported from one place.
@@ -38,6 +40,10 @@ def pad_for_data_parallel(steps: Sequence[Step], dp_size: int, *, first_index: O
     `__pad__`. Their indices continue after any padding already in `steps`, so padding a
     batch that already holds padded pieces keeps every id unique. When padding pieces
     separately that will be concatenated later, pass distinct `first_index` values.
+
+    The trainer and the plugin do not need it: the micro-batch planner balances any number of
+    rows over the DP ranks and gives a rank without rows a loss-neutral empty micro-batch. It
+    is for loops that shard rows over DP ranks themselves.
     """
     if int(dp_size) < 1:
         raise ValueError(f"dp_size must be >= 1, got {dp_size}")

@@ -35,13 +35,14 @@ the loss runs, which is what keeps it independent of the split.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
-from typing import Callable, Optional
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Optional
 
 import torch
 
 from megatron_stepwise.algo.advantages import is_temporal_estimator, list_estimators
 from megatron_stepwise.algo.reductions import MERGE_INVARIANT_REDUCTIONS, REDUCTIONS, loss_token_weights
+from megatron_stepwise.options import check_options, option, option_problems
 
 __all__ = [
     "LossConfig",
@@ -62,50 +63,99 @@ TIS_MODES = ("none", "token", "sequence")
 ICEPOP_LEVELS = ("token", "sequence")
 
 
+# ----------------------------------------------------------------------------- registry
+
+# A policy loss maps (inputs, cfg, segments) to a per-token loss pg_t and a dict of per-token
+# indicators (0/1 or floats) that become w-weighted metric partials.
+PolicyLossFn = Callable[["LossInputs", "LossConfig", "Segments"], tuple]
+
+
+@dataclass(frozen=True)
+class _LossEntry:
+    fn: PolicyLossFn
+    sequence_level: bool  # uses per-row quantities, so its value changes when rows are merged
+
+
+_POLICY_LOSSES: dict[str, _LossEntry] = {}
+
+
+def register_policy_loss(name: str, *, sequence_level: bool = False) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Register `fn(inputs, cfg, segments) -> (pg_per_token, {name: per_token_indicator})`.
+
+    Set `sequence_level=True` if the loss uses per-row quantities (like GSPO), so that config
+    validation refuses it together with step merging.
+    """
+
+    def deco(fn: PolicyLossFn) -> PolicyLossFn:
+        _POLICY_LOSSES[name] = _LossEntry(fn, sequence_level)
+        return fn
+
+    return deco
+
+
+def get_policy_loss(name: str) -> PolicyLossFn:
+    return _lookup_loss(name).fn
+
+
+def list_policy_losses() -> list[str]:
+    return sorted(_POLICY_LOSSES)
+
+
+def _lookup_loss(name: str) -> _LossEntry:
+    try:
+        return _POLICY_LOSSES[name]
+    except KeyError:
+        raise ValueError(
+            f"algo.loss.policy_loss={name!r} is not a registered policy loss; known: {', '.join(list_policy_losses())}"
+        ) from None
+
+
+# ----------------------------------------------------------------------------- config
+
+
 @dataclass
 class LossConfig:
-    policy_loss: str = "ppo"  # 'ppo' | 'gspo' | 'cispo' | a registered name
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    clip_c: Optional[float] = None  # dual clip for negative advantages (> 1)
-    reduction: str = "token_mean"
-    max_response_len: Optional[int] = None  # Dr.GRPO constant for seq_mean_token_sum_norm
-    kl_coef: float = 0.0
-    kl_estimator: str = "k3"
-    entropy_coef: float = 0.0
-    tis: str = "none"  # importance correction old vs rollout policy: none | token | sequence
-    tis_cap: float = 2.0
-    icepop_low: Optional[float] = None  # mask where old/rollout ratio < low (None: no lower bound)
-    icepop_high: Optional[float] = None  # mask where old/rollout ratio > high (None: no upper bound)
-    icepop_level: str = "token"  # token | sequence (the step's geometric-mean ratio)
-    options: dict = field(default_factory=dict)  # free-form settings for registered custom losses
+    """The policy loss, its off-policy corrections and its reduction."""
+
+    # The one declaration of the `algo.loss` config section: YAML configs build this class (the
+    # config package reads these options for types, checks and docs/config.md) and Python code
+    # constructs it directly; both check the same bounds and choices and name `algo.loss.<key>`.
+    policy_loss: str = option("ppo", "ppo (clip, dual-clip), gspo, cispo, or a registered loss",
+                              choices=list_policy_losses)
+    clip_low: float = option(0.2, "lower clip: ratios below 1 - clip_low are clipped", min=0.0, lt=1.0)
+    clip_high: float = option(0.2, "upper clip: ratios above 1 + clip_high are clipped", min=0.0)
+    clip_c: Optional[float] = option(None, "dual-clip constant for negative advantages: their loss stops "
+                                           "growing at ratio clip_c; null = off", gt=1.0)
+    reduction: str = option("token_mean", "how token losses are averaged over a mini-batch", choices=REDUCTIONS)
+    max_response_len: Optional[int] = option(None, "the constant normaliser of seq_mean_token_sum_norm "
+                                                   "(Dr.GRPO); required by that reduction", min=1)
+    kl_coef: float = option(0.0, "weight of the KL-to-reference term; 0 = no reference model", min=0.0)
+    kl_estimator: str = option("k3", "KL estimator (Schulman's k1, k2, k3)", choices=KL_ESTIMATORS)
+    entropy_coef: float = option(0.0, "weight of the entropy bonus", min=0.0)
+    tis: str = option("none", "truncated importance sampling between trainer and rollout log-probs",
+                      choices=TIS_MODES)
+    tis_cap: float = option(2.0, "upper cap of the truncated importance weight", gt=0.0)
+    icepop_low: Optional[float] = option(None, "mask tokens whose train/rollout ratio is below this; null = off",
+                                         min=0.0, lt=1.0)
+    icepop_high: Optional[float] = option(None, "mask tokens whose train/rollout ratio is above this; null = off",
+                                          gt=1.0)
+    icepop_level: str = option("token", "IcePop masks tokens, or whole steps by their geometric-mean ratio",
+                               choices=ICEPOP_LEVELS)
+    options: dict[str, Any] = option({}, "keyword settings for a registered custom loss (free mapping)")
 
     def __post_init__(self) -> None:
-        def bad(key: str, why: str) -> ValueError:
-            return ValueError(f"algo.loss.{key}={getattr(self, key)!r}: {why}")
+        check_options(self, "algo.loss.")
 
-        if not 0.0 <= self.clip_low < 1.0:
-            raise bad("clip_low", "must be in [0, 1)")
-        if self.clip_high < 0.0:
-            raise bad("clip_high", "must be >= 0")
-        if self.clip_c is not None and self.clip_c <= 1.0:
-            raise bad("clip_c", "the dual-clip constant must be > 1")
-        if self.reduction not in REDUCTIONS:
-            raise bad("reduction", f"must be one of {', '.join(REDUCTIONS)}")
-        if self.reduction == "seq_mean_token_sum_norm" and (self.max_response_len or 0) <= 0:
-            raise bad("max_response_len", "reduction 'seq_mean_token_sum_norm' needs a positive constant")
-        if self.kl_estimator not in KL_ESTIMATORS:
-            raise bad("kl_estimator", f"must be one of {', '.join(KL_ESTIMATORS)}")
-        if self.tis not in TIS_MODES:
-            raise bad("tis", f"must be one of {', '.join(TIS_MODES)}")
-        if self.tis_cap <= 0.0:
-            raise bad("tis_cap", "must be > 0")
-        if self.icepop_low is not None and self.icepop_low < 0.0:
-            raise bad("icepop_low", "must be >= 0")
-        if self.icepop_low is not None and self.icepop_high is not None and self.icepop_low >= self.icepop_high:
-            raise bad("icepop_low", f"must be below algo.loss.icepop_high={self.icepop_high!r}")
-        if self.icepop_level not in ICEPOP_LEVELS:
-            raise bad("icepop_level", f"must be one of {', '.join(ICEPOP_LEVELS)}")
+    def problems(self) -> list[tuple[str, str]]:
+        """(key, why) for each invalid setting: the options' bounds and choices, then combinations.
+
+        The IcePop band needs no ordering check: its bounds keep icepop_low < 1 < icepop_high.
+        """
+        out = option_problems(self)
+        if self.reduction == "seq_mean_token_sum_norm" and self.max_response_len is None:
+            out.append(("max_response_len", "must be set for reduction 'seq_mean_token_sum_norm', its constant "
+                                            "normaliser (got None)"))
+        return out
 
     @property
     def uses_icepop(self) -> bool:
@@ -160,53 +210,6 @@ class Segments:
     def mean(self, x: torch.Tensor) -> torch.Tensor:
         count = torch.bincount(self.ids, minlength=self.num).to(x.dtype)
         return self.sum(x) / count[self.ids]
-
-
-# ----------------------------------------------------------------------------- registry
-
-# A policy loss maps (inputs, cfg, segments) to a per-token loss pg_t and a dict of per-token
-# indicators (0/1 or floats) that become w-weighted metric partials.
-PolicyLossFn = Callable[["LossInputs", LossConfig, Segments], tuple]
-
-
-@dataclass(frozen=True)
-class _LossEntry:
-    fn: PolicyLossFn
-    sequence_level: bool  # uses per-row quantities, so its value changes when rows are merged
-
-
-_POLICY_LOSSES: dict[str, _LossEntry] = {}
-
-
-def register_policy_loss(name: str, *, sequence_level: bool = False) -> Callable[[PolicyLossFn], PolicyLossFn]:
-    """Register `fn(inputs, cfg, segments) -> (pg_per_token, {name: per_token_indicator})`.
-
-    Set `sequence_level=True` if the loss uses per-row quantities (like GSPO), so that config
-    validation refuses it together with step merging.
-    """
-
-    def deco(fn: PolicyLossFn) -> PolicyLossFn:
-        _POLICY_LOSSES[name] = _LossEntry(fn, sequence_level)
-        return fn
-
-    return deco
-
-
-def get_policy_loss(name: str) -> PolicyLossFn:
-    return _lookup_loss(name).fn
-
-
-def list_policy_losses() -> list[str]:
-    return sorted(_POLICY_LOSSES)
-
-
-def _lookup_loss(name: str) -> _LossEntry:
-    try:
-        return _POLICY_LOSSES[name]
-    except KeyError:
-        raise ValueError(
-            f"algo.loss.policy_loss={name!r} is not a registered policy loss; known: {', '.join(list_policy_losses())}"
-        ) from None
 
 
 # ----------------------------------------------------------------------------- built-in losses
@@ -388,11 +391,6 @@ def check_loss_compatibility(cfg: LossConfig, *, merge_steps: bool, estimator: s
             f"algo.estimator={estimator!r} is a temporal estimator and cannot train multi-step trajectories: "
             "step-wise training splits a trajectory into one sequence per turn with only an outcome reward; "
             "use grpo, dr_grpo, rloo or maxrl"
-        )
-    if cfg.policy_loss not in _POLICY_LOSSES:
-        errors.append(
-            f"algo.loss.policy_loss={cfg.policy_loss!r} is not a registered policy loss; "
-            f"known: {', '.join(list_policy_losses())}"
         )
     if not merge_steps:
         return errors

@@ -35,7 +35,7 @@ def load_or_report(args: argparse.Namespace) -> ExperimentConfig | None:
 def summary(cfg: ExperimentConfig, world_size: int) -> str:
     """One line saying what the config will run."""
     par, data, ro = cfg.parallel, cfg.data, cfg.rollout
-    steps = data.prompts_per_iteration // data.prompts_per_minibatch * data.epochs
+    steps = data.optimizer_steps_per_iteration
     return (f"{cfg.name}: model {cfg.model.hf_config}, {world_size} ranks = TP{par.tensor} x PP{par.pipeline} "
             f"x CP{par.context} x DP{par.data_parallel_size(world_size)}, {ro.num_engines} {ro.engine} "
             f"engine(s), env {cfg.env.name}, estimator {cfg.algo.estimator}, {cfg.trainer.iterations} "

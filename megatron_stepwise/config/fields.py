@@ -3,12 +3,13 @@
 Every key is a dataclass field with a default and a one-line help in its metadata, so the
 reference docs and the type checks are generated from the same declaration. Supported types:
 int, float, bool, str, Optional[T], Literal[...] (enums), list[T], dict[str, T], Any and
-nested config dataclasses.
+nested config dataclasses. `option`, `section` and the bounds/choices checks live in
+`megatron_stepwise.options` (pure Python, so `algo/` can declare its configs with them, e.g.
+`algo.losses.LossConfig` for `algo.loss`) and are re-exported here.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import difflib
 import functools
@@ -17,27 +18,21 @@ import typing
 from typing import Any, Literal, Union
 
 from megatron_stepwise.config.errors import ConfigProblem
+from megatron_stepwise.options import (  # noqa: F401  (re-exported: the config package's API)
+    OptionError,
+    bounds_help,
+    choice_problem,
+    choices_of,
+    is_registry,
+    option,
+    section,
+    unchecked,
+    value_problem,
+    yaml_key,
+)
+from megatron_stepwise.options import show as _show
 
 _NoneType = type(None)
-
-
-def option(default: Any, help: str, *, key: str | None = None, min: float | None = None,
-           max: float | None = None, gt: float | None = None, lt: float | None = None) -> Any:
-    """A config key: its default, one-line help, optional YAML name and numeric bounds."""
-    meta = {"help": help, "key": key, "min": min, "max": max, "gt": gt, "lt": lt}
-    if isinstance(default, (list, dict)):
-        return dataclasses.field(default_factory=functools.partial(copy.deepcopy, default), metadata=meta)
-    return dataclasses.field(default=default, metadata=meta)
-
-
-def section(cls: type, help: str, *, key: str | None = None) -> Any:
-    """A nested group of keys (another config dataclass)."""
-    return dataclasses.field(default_factory=cls, metadata={"help": help, "key": key})
-
-
-def yaml_key(f: dataclasses.Field) -> str:
-    """The name a field has in YAML (`async` cannot be a Python attribute, so it is `async_`)."""
-    return f.metadata.get("key") or f.name
 
 
 @functools.lru_cache(maxsize=None)
@@ -91,13 +86,17 @@ def describe_type(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+def describe_field(f: dataclasses.Field, tp: Any) -> str:
+    """The type of a key for the docs: its fixed choices when it declares some, else `describe_type`."""
+    choices = f.metadata.get("choices")
+    if choices is None or is_registry(f.metadata):
+        return describe_type(tp)
+    text = " | ".join(map(str, choices))
+    return f"{text} | null" if _optional_inner(tp) is not None else text
+
+
 class _Mismatch(Exception):
     """A value that does not fit its declared type (message says what was expected)."""
-
-
-def _show(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def coerce(value: Any, tp: Any) -> Any:
@@ -112,12 +111,10 @@ def coerce(value: Any, tp: Any) -> Any:
     if tp is Any:
         return value
     if origin is Literal:
-        choices = typing.get_args(tp)
-        if value in choices and type(value) is type(choices[0]):
-            return value
-        hint = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
-        extra = f"; did you mean {hint[0]!r}?" if hint else ""
-        raise _Mismatch(f"must be one of {', '.join(map(str, choices))} (got {_show(value)}){extra}")
+        problem = choice_problem(value, typing.get_args(tp))
+        if problem:
+            raise _Mismatch(problem)
+        return value
     if origin is list:
         if not isinstance(value, list):
             raise _Mismatch(f"expected a list, got {_show(value)}")
@@ -158,29 +155,6 @@ def coerce(value: Any, tp: Any) -> Any:
             return value
         raise _Mismatch(f"expected a string, got {_show(value)}")
     raise TypeError(f"unsupported config type {tp!r}")  # a bug in a schema, not a user error
-
-
-def _bounds_problem(value: Any, meta: dict) -> str | None:
-    if value is None or not isinstance(value, (int, float)) or isinstance(value, bool):
-        return None
-    if meta.get("min") is not None and value < meta["min"]:
-        return f"must be >= {meta['min']} (got {value})"
-    if meta.get("max") is not None and value > meta["max"]:
-        return f"must be <= {meta['max']} (got {value})"
-    if meta.get("gt") is not None and value <= meta["gt"]:
-        return f"must be > {meta['gt']} (got {value})"
-    if meta.get("lt") is not None and value >= meta["lt"]:
-        return f"must be < {meta['lt']} (got {value})"
-    return None
-
-
-def bounds_help(meta: dict) -> str:
-    """The numeric bounds of a field as text for the docs ("" when unbounded)."""
-    parts = []
-    for name, sym in (("min", ">="), ("gt", ">"), ("max", "<="), ("lt", "<")):
-        if meta.get(name) is not None:
-            parts.append(f"{sym} {meta[name]}")
-    return ", ".join(parts)
 
 
 def suggest_key(root: type, path: str) -> str | None:
@@ -238,14 +212,16 @@ def build(cls: type, data: Any, problems: list[ConfigProblem], *, root: type | N
             value = coerce(value, tp)
         except _Mismatch as e:
             literal = typing.get_origin(_optional_inner(tp) or tp) is Literal  # choices already listed
-            report(path, str(e) if literal else f"{e} (type: {describe_type(tp)})")
+            report(path, str(e) if literal else f"{e} (type: {describe_field(f, tp)})")
             continue
-        bound = _bounds_problem(value, f.metadata)
-        if bound:
-            report(path, bound)
+        # Registry choices wait for validate, which imports trainer.imports (they register names) first.
+        problem = value_problem(value, f.metadata, registries=False)
+        if problem:
+            report(path, problem)
             continue
         kwargs[f.name] = value
-    return cls(**kwargs)
+    with unchecked():  # what the class's own checks would raise is reported here and by validate
+        return cls(**kwargs)
 
 
 def origin_of(origins: dict[str, str], key: str) -> str | None:

@@ -1,7 +1,7 @@
 """What validation needs to know about the machine: installed extras, model shapes, registries.
 
 Kept apart from the checks so tests can substitute a fake `Probes` (no real sglang, no hub).
-Everything here is cheap: nothing imports megatron-core, torch or transformers.
+Everything here is cheap: nothing imports megatron-core, torch or transformers, nothing downloads.
 """
 
 from __future__ import annotations
@@ -12,6 +12,11 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+
+from megatron_stepwise.envs import list_envs
+from megatron_stepwise.hf import hub
+from megatron_stepwise.hf.hub import looks_like_path
+from megatron_stepwise.hf.presets import PRESETS
 
 
 @dataclass(frozen=True)
@@ -32,21 +37,12 @@ class ModelShape:
             return None
 
 
-# Where registries of pluggable names live that config validation checks itself (module,
-# attributes: a mapping, or a function returning names). Estimators and policy losses are
-# checked by megatron_stepwise.algo.losses.check_loss_compatibility. A registry that cannot
-# be found means "cannot check", never "unknown".
+# Registries of pluggable names that config validation checks itself (a function returning the
+# names registered so far). Estimators and policy losses are checked by
+# megatron_stepwise.algo.losses.check_loss_compatibility.
 REGISTRIES = {
-    "env": ("megatron_stepwise.envs", ("list_envs", "list_environments", "ENVIRONMENTS")),
+    "env": list_envs,
 }
-# Model presets (e.g. `tiny`): a module importable without megatron-core holding PRESETS,
-# a mapping of preset name -> HF config dict.
-PRESETS_MODULE = "megatron_stepwise.megatron.presets"
-
-
-def looks_like_path(value: str) -> bool:
-    """True for values meant as local paths (a hub id like Qwen/Qwen2.5-3B is not one)."""
-    return value.startswith(("/", "./", "../", "~")) or value.endswith((".json", ".yaml", ".jsonl"))
 
 
 class Probes:
@@ -67,26 +63,12 @@ class Probes:
         return None
 
     def presets(self) -> Mapping | None:
-        try:
-            module = importlib.import_module(PRESETS_MODULE)
-        except ImportError:
-            return None
-        return getattr(module, "PRESETS", None)
+        """Model presets (e.g. `tiny`): preset name -> HF config dict."""
+        return PRESETS
 
     def registered(self, kind: str) -> set[str] | None:
-        """Names in a plugin registry, or None when the registry is not available."""
-        module_name, attrs = REGISTRIES[kind]
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            return None
-        for attr in attrs:
-            found = getattr(module, attr, None)
-            if isinstance(found, Mapping):
-                return set(found)
-            if callable(found):
-                return set(found())
-        return None
+        """Names in a plugin registry (None would mean the registry is not available)."""
+        return set(REGISTRIES[kind]())
 
     def model_shape(self, hf_config: str) -> ModelShape | None:
         """Heads and layers of a model config, when it can be read offline."""
@@ -108,14 +90,18 @@ class Probes:
         return None
 
     def _cached_hub_shape(self, repo_id: str) -> ModelShape | None:
-        try:
-            from huggingface_hub import try_to_load_from_cache
-        except ImportError:
+        found = self.locate_model(repo_id, hub.CONFIG_FILES)
+        path = found / "config.json" if found is not None else None
+        if path is None or not path.is_file():
             return None
         try:
-            found = try_to_load_from_cache(repo_id, "config.json")
-        except Exception:  # malformed repo ids raise validation errors of the hub library
+            return ModelShape.from_hf_dict(json.loads(path.read_text()), f"{repo_id} ({path})")
+        except (OSError, ValueError):
             return None
-        if isinstance(found, str) and Path(found).is_file():
-            return ModelShape.from_hf_dict(json.loads(Path(found).read_text()), found)
-        return None
+
+    def locate_model(self, value: str, files=hub.CONFIG_FILES) -> Path | None:
+        """The local directory or cached hub snapshot holding `files` of `value`; None = not here.
+
+        Never downloads: validation must not touch the network.
+        """
+        return hub.locate_offline(value, files)

@@ -1,30 +1,42 @@
 """The experiment config: one typed dataclass per YAML section, every key with a default and help.
 
-`megatron-stepwise config docs` renders this file as the key reference (docs/config.md).
+`megatron-stepwise config docs` renders this file as the key reference (docs/config.md). The
+`algo.loss` section is `megatron_stepwise.algo.losses.LossConfig` itself, declared there once
+with the same `option(...)` helpers (megatron_stepwise/options.py), so the loss functions and
+Python users get the same keys, defaults, bounds and choices as YAML configs.
 """
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
+from megatron_stepwise.algo.losses import LossConfig
 from megatron_stepwise.config.fields import option, section, to_dict
-
-Reduction = Literal["token_mean", "step_mean", "trajectory_mean", "prompt_mean", "seq_mean_token_sum_norm"]
 
 
 @dataclass
 class ModelConfig:
-    """The policy model (Llama/Qwen2 family) and how it is built."""
+    """The policy model (Llama/Qwen2 family) and how it is built.
+
+    `hf_config`, `hf_checkpoint` and `tokenizer` are resolved the same way: a preset name (`tiny`;
+    for `tokenizer`, a shipped one: `tiny_word`, `tiny_char`), else a local directory or
+    config.json, else a Hugging Face hub id (`Org/Name`), looked up in the local HF cache
+    (`$HF_HUB_CACHE`, default `$HF_HOME/hub`) and otherwise downloaded: only the config or
+    tokenizer files, or all weight files for `hf_checkpoint`. With `HF_HUB_OFFLINE=1` nothing is
+    downloaded and a hub id missing from the cache is an error. `megatron-stepwise validate`
+    rejects a hub id that is neither local nor cached, naming the key, unless
+    `model.allow_download=true` says the node will download it at start-up.
+    """
 
     hf_config: str = option("tiny", "HF model config: a preset (tiny), a local directory or config.json, "
-                                    "or a hub id (read from the local HF cache)")
+                                    "or a hub id (the HF cache, else downloaded)")
     hf_checkpoint: Optional[str] = option(None, "HF checkpoint (directory or hub id) whose weights initialise "
                                                 "the policy; null = random init")
     tokenizer: Optional[str] = option(None, "tokenizer directory or hub id; null = hf_checkpoint, else "
                                             "hf_config, else the environment's shipped vocabulary")
+    allow_download: bool = option(False, "a hub id above that is not in the local HF cache passes validation "
+                                         "and is downloaded at start-up (never with HF_HUB_OFFLINE=1)")
     dtype: Literal["auto", "bf16", "fp32"] = option("auto", "training dtype; auto = bf16 on GPU, fp32 on CPU")
     transformer_impl: Literal["auto", "te", "local"] = option(
         "auto", "megatron-core layer spec: te (transformer-engine), local, or auto (te when importable)")
@@ -67,7 +79,7 @@ class SGLangConfig:
 class SamplingConfig:
     """Sampling parameters of every rollout turn."""
 
-    temperature: float = option(1.0, "sampling temperature (> 0: RL needs sampled tokens and their log-probs)",
+    temperature: float = option(1.0, "sampling temperature T (> 0); the trainer scores tokens as log_softmax(logits / T), as the engine reports them",
                                 gt=0.0)
     top_p: float = option(1.0, "nucleus sampling mass", gt=0.0, max=1.0)
     top_k: int = option(-1, "top-k sampling; -1 = off")
@@ -123,36 +135,14 @@ class DataConfig:
     shuffle: bool = option(True, "shuffle the prompt dataset each epoch")
     seed: Optional[int] = option(None, "dataset shuffling seed; null = trainer.seed")
 
+    @property
+    def minibatches_per_iteration(self) -> int:
+        return self.prompts_per_iteration // self.prompts_per_minibatch
 
-@dataclass
-class LossConfig:
-    """The policy loss, its off-policy corrections and its reduction."""
-
-    policy_loss: str = option("ppo", "ppo (clip, dual-clip), gspo, cispo, or a registered loss")
-    clip_low: float = option(0.2, "lower clip: ratios below 1 - clip_low are clipped", gt=0.0, lt=1.0)
-    clip_high: float = option(0.2, "upper clip: ratios above 1 + clip_high are clipped", gt=0.0)
-    clip_c: Optional[float] = option(None, "dual-clip constant (> 1) for negative advantages; null = off", gt=1.0)
-    reduction: Reduction = option("token_mean", "how token losses are averaged over a mini-batch")
-    max_response_len: Optional[int] = option(None, "the constant normaliser of seq_mean_token_sum_norm", min=1)
-    kl_coef: float = option(0.0, "weight of the KL-to-reference term; 0 = no reference model", min=0.0)
-    kl_estimator: Literal["k1", "k2", "k3"] = option("k3", "KL estimator")
-    entropy_coef: float = option(0.0, "weight of the entropy bonus", min=0.0)
-    tis: Literal["none", "token", "sequence"] = option("none", "truncated importance sampling between "
-                                                               "trainer and rollout log-probs")
-    tis_cap: float = option(2.0, "upper cap of the truncated importance weight", gt=0.0)
-    icepop_low: Optional[float] = option(None, "mask tokens whose train/rollout ratio is below this; null = off",
-                                         gt=0.0, lt=1.0)
-    icepop_high: Optional[float] = option(None, "mask tokens whose train/rollout ratio is above this; null = off",
-                                          gt=1.0)
-    icepop_level: Literal["token", "sequence"] = option("token", "IcePop masks tokens, or whole steps by their "
-                                                                 "geometric-mean ratio")
-    options: dict[str, Any] = option({}, "keyword settings for a registered custom loss (free mapping)")
-
-    def to_algo(self):
-        """The `megatron_stepwise.algo.losses.LossConfig` the loss functions take."""
-        from megatron_stepwise.algo.losses import LossConfig as AlgoLossConfig
-
-        return AlgoLossConfig(**{f.name: copy.deepcopy(getattr(self, f.name)) for f in dataclasses.fields(self)})
+    @property
+    def optimizer_steps_per_iteration(self) -> int:
+        """Never depends on how many turns the trajectories took (prompt-based mini-batches)."""
+        return self.minibatches_per_iteration * self.epochs
 
 
 @dataclass
@@ -172,6 +162,7 @@ class AlgoConfig:
     estimator: str = option("grpo", "grpo, dr_grpo, rloo, maxrl, gae or reinforce++ (temporal: "
                                     "single-turn only), or a registered name")
     estimator_options: dict[str, Any] = option({}, "keyword options passed to the estimator")
+    # Declared (keys, bounds, choices, help) where the loss functions use it: algo/losses.py.
     loss: LossConfig = section(LossConfig, "policy loss")
     filters: FilterConfig = section(FilterConfig, "group filters")
 
@@ -314,6 +305,10 @@ class ExperimentConfig:
     @property
     def weight_sync_dir(self) -> str:
         return self.weight_sync.dir or f"{self.run_dir}/weights"
+
+    @property
+    def total_optimizer_steps(self) -> int:
+        return self.trainer.iterations * self.data.optimizer_steps_per_iteration
 
     @property
     def data_seed(self) -> int:

@@ -11,8 +11,9 @@ import difflib
 import re
 from pathlib import Path
 
+from megatron_stepwise.hf import hub
 from megatron_stepwise.config.errors import ConfigProblem
-from megatron_stepwise.config.fields import origin_of
+from megatron_stepwise.config.fields import config_fields, is_config_class, is_registry, origin_of
 from megatron_stepwise.config.probes import Probes, looks_like_path
 from megatron_stepwise.config.schema import ExperimentConfig
 
@@ -48,6 +49,7 @@ def validate(cfg: ExperimentConfig, *, world_size: int | None = None, world_size
     check = _Checker(bad_keys or set(), origins or {})
     probes = probes or Probes()
     _check_imports(cfg, check, probes)  # first: imported modules fill the registries checked below
+    _check_declared(cfg, check)
     _check_parallel(cfg, check, probes, world_size, world_size_source)
     _check_model(cfg, check, probes)
     _check_rollout(cfg, check, probes)
@@ -66,6 +68,26 @@ def _check_imports(cfg: ExperimentConfig, check: _Checker, probes: Probes) -> No
         error = probes.import_module(name)
         if error:
             check.fail("trainer.imports", f"cannot import {name!r}: {error}")
+
+
+def _check_declared(obj, check: _Checker, prefix: str = "") -> None:
+    """What sections find wrong with themselves (`problems()`, e.g. `algo.loss`).
+
+    Building the config already checked every key's bounds and fixed choices (a bad value was
+    reported and reset to its default); left are choices from registries (filled by
+    trainer.imports, imported just before) and combinations of keys of one section.
+    """
+    fields = config_fields(type(obj))
+    for name, f, tp in fields:
+        if is_config_class(tp):
+            _check_declared(getattr(obj, f.name), check, f"{prefix}{name}.")
+    if not callable(getattr(obj, "problems", None)):
+        return
+    metas = {name: f.metadata for name, f, _ in fields}
+    for key, why in obj.problems():
+        if is_registry(metas.get(key, {})):
+            why += " (custom ones are registered by a module listed in trainer.imports)"
+        check.fail(prefix + key, why)
 
 
 def _check_parallel(cfg: ExperimentConfig, check: _Checker, probes: Probes, world_size: int | None,
@@ -102,10 +124,19 @@ def _check_parallel(cfg: ExperimentConfig, check: _Checker, probes: Probes, worl
 
 def _check_model(cfg: ExperimentConfig, check: _Checker, probes: Probes) -> None:
     model = cfg.model
-    for key in ("hf_config", "hf_checkpoint", "tokenizer"):
+    for key, files in (("hf_config", hub.CONFIG_FILES), ("hf_checkpoint", hub.CHECKPOINT_FILES),
+                       ("tokenizer", hub.TOKENIZER_FILES)):
         value = getattr(model, key)
-        if value and looks_like_path(value) and not Path(value).expanduser().exists():
+        if not value or Path(value).expanduser().exists():
+            continue
+        if looks_like_path(value):
             check.fail(f"model.{key}", f"no such file or directory: {value}")
+        elif "/" in value and not model.allow_download and probes.locate_model(value, files) is None:
+            # A hub id (presets and shipped tokenizers have no "/") that this node cannot resolve offline.
+            check.fail(f"model.{key}", f"{value!r} is neither a local path nor in the Hugging Face cache "
+                                       f"({hub.hub_cache_dir()}, looked for {files[0]}); download it first "
+                                       f"(hf download {value}) or set model.allow_download=true",
+                       "model.allow_download")
     hf = model.hf_config
     if not looks_like_path(hf) and "/" not in hf:  # neither a path nor a hub id: a preset
         presets = probes.presets()
@@ -202,20 +233,15 @@ def check_loss_combinations(cfg: ExperimentConfig, check: _Checker) -> None:
     """Estimator and loss options that cannot work (together, or with merged steps).
 
     Delegated to `megatron_stepwise.algo.losses.check_loss_compatibility`, which knows the
-    registries (custom estimators and losses included) and which losses are sequence-level;
-    its messages start with the offending key (`algo.loss.reduction='step_mean' cannot ...`).
+    estimator registry (custom estimators included) and which losses are sequence-level; its
+    messages start with the offending key (`algo.loss.reduction='step_mean' cannot ...`). The
+    loss section's own checks (`LossConfig.problems()`) ran in `_check_declared`.
     """
     from megatron_stepwise.algo import advantages, losses
 
-    try:
-        loss = cfg.algo.loss.to_algo()
-    except ValueError as e:  # its own range checks: the message starts with the key
-        key, message = _leading_key(str(e), "algo.loss"), _after_key(str(e))
-        check.fail(key, f"is {message}" if message != str(e) else message, *_LOSS_KEYS)
-        return
-    errors = losses.check_loss_compatibility(loss, merge_steps=cfg.data.merge_steps, estimator=cfg.algo.estimator,
-                                             multi_step=cfg.rollout.max_turns > 1)
-    names = {"algo.estimator": advantages.list_estimators(), "algo.loss.policy_loss": losses.list_policy_losses()}
+    errors = losses.check_loss_compatibility(cfg.algo.loss, merge_steps=cfg.data.merge_steps,
+                                             estimator=cfg.algo.estimator, multi_step=cfg.rollout.max_turns > 1)
+    names = {"algo.estimator": advantages.list_estimators()}
     for error in errors:
         key = _leading_key(error, "algo")
         message = _after_key(error)
@@ -265,7 +291,7 @@ def _check_optim(cfg: ExperimentConfig, check: _Checker) -> None:
     if opt.min_lr > opt.lr:
         check.fail("optim.min_lr", f"{opt.min_lr} is above optim.lr {opt.lr}", "optim.lr")
     if data.prompts_per_iteration % data.prompts_per_minibatch == 0:
-        steps = cfg.trainer.iterations * data.epochs * (data.prompts_per_iteration // data.prompts_per_minibatch)
+        steps = cfg.total_optimizer_steps
         if opt.warmup_steps > steps:
             check.fail("optim.warmup_steps", f"{opt.warmup_steps} exceeds the {steps} optimizer steps of the run "
                                              "(trainer.iterations x data.epochs x mini-batches per iteration)",

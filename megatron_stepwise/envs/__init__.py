@@ -6,10 +6,13 @@
 - sandbox.py         runs model-written Python in a subprocess with time, memory, network limits
 - search.py          `search`: Search-R1-shaped retrieval QA over a small shipped corpus
 - bm25.py            Okapi BM25 over an in-memory corpus (used by `search`)
-- tiny_tokenizers.py the shipped word- and char-level tokenizers (`tiny_word`, `tiny_char`)
-- data/              problems, corpus and questions, and the shipped tokenizer files
+- data/              problems, corpus and questions
+
+The built-in environments register themselves on import; importing this package imports them.
+(The shipped tokenizers they name live in `megatron_stepwise.hf.tokenizers`.)
 """
 
+from megatron_stepwise.envs import echo, math_tool, search  # noqa: F401  (register the built-ins)
 from megatron_stepwise.envs.base import EnvSpec, Environment, get_env_spec, list_envs, make_env, register_env
 
 __all__ = ["EnvSpec", "Environment", "get_env_spec", "list_envs", "make_env", "register_env"]

@@ -5,6 +5,10 @@ messages; `step(assistant_text)` receives the text the model generated this turn
 `(observation_messages, reward, done, info)`. The observation messages are appended to the chat
 and so become part of the NEXT turn's prompt. Rewards of all steps of a trajectory are summed
 into its outcome reward. Methods may be plain functions or coroutines.
+
+Environments register themselves with `register_env` when their module is imported; the
+package (`megatron_stepwise.envs`) imports the built-in ones, so they are registered as soon as
+anything under `megatron_stepwise.envs` is imported.
 """
 
 from __future__ import annotations
@@ -49,7 +53,6 @@ def register_env(spec: EnvSpec) -> EnvSpec:
 
 
 def get_env_spec(name: str) -> EnvSpec:
-    _load_builtins()
     if name not in _REGISTRY:
         raise KeyError(f"unknown environment {name!r}; registered: {sorted(_REGISTRY)}")
     return _REGISTRY[name]
@@ -60,10 +63,4 @@ def make_env(name: str, **kwargs: Any) -> Environment:
 
 
 def list_envs() -> list[str]:
-    _load_builtins()
     return sorted(_REGISTRY)
-
-
-def _load_builtins() -> None:
-    # Imported lazily so `envs.base` stays import-cheap; each module registers itself.
-    from megatron_stepwise.envs import echo, math_tool, search  # noqa: F401

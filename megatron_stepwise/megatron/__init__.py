@@ -2,7 +2,6 @@
 
 - `runtime`: process groups (torchrun/SLURM env), NCCL on GPU, gloo + `cpu_compat` on CPU.
 - `cpu_compat`: scoped redirection of megatron-core's hard-coded CUDA uses to the CPU.
-- `presets`: named model configs and resolution of `model.hf_config` (no megatron-core import).
 - `model`: GPTModel from a Llama/Qwen2 HF config (TE or local spec), DDP-wrapped model chunks.
 - `local_layers`: packed causal attention (with CP) and SP-aware RMSNorm for the local spec.
 - `packing`: step rows -> THD packed micro-batches, trained positions, the CP split.

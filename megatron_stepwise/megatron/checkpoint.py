@@ -87,10 +87,6 @@ def find_latest(ckpt_dir: PathLike) -> Optional[Path]:
     return found[-1] if found else None
 
 
-def read_trainer_state(path: PathLike) -> dict:
-    return json.loads((Path(path) / TRAINER_STATE).read_text())
-
-
 # ----------------------------------------------------------------------------- file operations (rank 0)
 
 

@@ -48,7 +48,7 @@ from megatron_stepwise.megatron.hf_mapping import (  # noqa: F401  (re-exported 
     hf_to_canonical,
     to_hf,
 )
-from megatron_stepwise.megatron.presets import ARCHITECTURES
+from megatron_stepwise.hf.presets import ARCHITECTURES
 
 Bucket = list[tuple[str, torch.Tensor]]
 INDEX_FILE = "model.safetensors.index.json"

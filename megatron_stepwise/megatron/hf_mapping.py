@@ -28,7 +28,7 @@ import built on them are in `convert.py`.
 from __future__ import annotations
 
 import re
-from typing import Any, Iterable, Iterator, Mapping, Optional
+from typing import Any, Iterable, Mapping, Optional
 
 import torch
 
@@ -272,10 +272,3 @@ def hf_to_canonical(
         name: from_hf(name, hf_state, arch, vocab_rows=vocab_rows)
         for name in canonical_names(arch, te_spec=te_spec)
     }
-
-
-def iter_hf_tensors(named_canonical: Iterable[tuple[str, torch.Tensor]], arch: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """Stream conversion: (canonical name, full tensor) pairs -> (HF name, tensor) pairs."""
-    arch = as_arch(arch)
-    for name, tensor in named_canonical:
-        yield from to_hf(name, tensor, arch)

@@ -216,13 +216,3 @@ def trained_position_logprobs(
         with_entropy=with_entropy,
         temperature=temperature,
     )
-
-
-def reference_logprobs(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain full-vocabulary computation (for tests and benchmarks): logits [N, V] -> (logp, entropy)."""
-    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
-    logp = logp_all.gather(-1, targets[:, None])[:, 0]
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logp, entropy

@@ -16,6 +16,8 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 import torch.nn.functional as F
 
+from megatron_stepwise.hf import presets
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 
 
@@ -109,10 +111,8 @@ def arch_from_hf(cfg: Any) -> GPTArch:
 
 
 def tiny_config(*, num_layers: int = 4, **kwargs: Any) -> dict:
-    """`presets.tiny_config` with 4 layers by default (PP x VPP splits in tests and tools)."""
-    from megatron_stepwise.megatron.presets import tiny_config as preset_tiny_config
-
-    return preset_tiny_config(num_layers=num_layers, **kwargs)
+    """`hf.presets.tiny_config` with 4 layers by default (PP x VPP splits in tests and tools)."""
+    return presets.tiny_config(num_layers=num_layers, **kwargs)
 
 
 def padded_vocab_size(vocab_size: int, tp: int) -> int:

@@ -213,29 +213,3 @@ def split_for_context_parallel(mb: PackedMicroBatch, cp: int, cp_rank: int) -> P
         loss_scale=mb.loss_scale,
         rollout_logprobs_complete=mb.rollout_logprobs_complete,
     )
-
-
-def set_response_field(batch: StepBatch, name: str, values: Sequence[torch.Tensor], dtype=torch.float32) -> None:
-    """Store per-step, response-aligned tensors (e.g. advantages) as `batch.token_fields[name]`,
-    with 0 at prompt positions."""
-    if len(values) != batch.num_rows:
-        raise StepwiseBatchError(f"field {name!r}: got {len(values)} tensors for {batch.num_rows} steps")
-    resp = batch.response_lens
-    for r, v in enumerate(values):
-        if v.numel() != int(resp[r]):
-            raise StepwiseBatchError(
-                f"step {r}: field {name!r} has {v.numel()} values for {int(resp[r])} response tokens"
-            )
-    out = torch.zeros(batch.tokens.numel(), dtype=dtype)
-    if values:
-        resp_start = batch.offsets[:-1] + batch.prompt_lens
-        idx = torch.repeat_interleave(resp_start, resp) + (
-            torch.arange(int(resp.sum())) - torch.repeat_interleave(torch.cumsum(resp, 0) - resp, resp)
-        )
-        out[idx] = torch.cat([v.detach().to(dtype).flatten() for v in values])
-    batch.token_fields[name] = out
-
-
-def response_values(batch: StepBatch, flat: torch.Tensor) -> list[torch.Tensor]:
-    """Split a flat per-token tensor of `batch` into per-step response-aligned tensors."""
-    return [flat[batch.response_slice(r)].clone() for r in range(batch.num_rows)]

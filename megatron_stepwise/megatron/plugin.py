@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
+from megatron_stepwise.algo.losses import combine_metric_partials
 from megatron_stepwise.megatron.logprobs import check_temperature, trained_position_logprobs
 from megatron_stepwise.megatron.model import unwrap
 from megatron_stepwise.megatron.packing import (
@@ -43,7 +44,6 @@ from megatron_stepwise.megatron.packing import (
     alignment_for,
     pack_rows,
     packed_lengths,
-    response_values,
     split_for_context_parallel,
 )
 from megatron_stepwise.types import Step, StepBatch, StepwiseBatchError
@@ -361,15 +361,16 @@ class StepwisePlugin:
         from megatron.core import parallel_state as ps
 
         if ps.is_pipeline_last_stage(ignore_virtual=True):
-            keys = sorted(losses[0].keys()) if losses else []
-            groups = {False: [k for k in keys if not k.endswith("_max")], True: [k for k in keys if k.endswith("_max")]}
+            # This rank's micro-batches (sum, or max for _max), in float64.
+            local = combine_metric_partials([{k: v.detach().double().cpu().reshape(()) for k, v in item.items()}
+                                             for item in losses])
             combined = {}
-            for is_max, names in groups.items():
-                vals = torch.stack(
-                    [torch.stack([item[k].detach().double().cpu().reshape(()) for k in names]) for item in losses]
-                ) if names else torch.zeros(len(losses), 0, dtype=torch.float64)
-                vec = vals.max(dim=0).values if is_max else vals.sum(dim=0)
-                if ps.get_data_parallel_world_size(with_context_parallel=True) > 1 and names:
+            for is_max in (False, True):
+                names = sorted(k for k in local if k.endswith("_max") == is_max)
+                if not names:
+                    continue
+                vec = torch.stack([local[k] for k in names])
+                if ps.get_data_parallel_world_size(with_context_parallel=True) > 1:
                     buf = vec.to(_comm_device())
                     op = dist.ReduceOp.MAX if is_max else dist.ReduceOp.SUM
                     dist.all_reduce(buf, op=op, group=ps.get_data_parallel_group(with_context_parallel=True))
@@ -466,7 +467,7 @@ class StepwisePlugin:
 
     def compute_logprobs(self, model_chunks: list, steps_or_batch: Union[StepBatch, Sequence[Step]]) -> list[torch.Tensor]:
         """Per-step response-aligned log-probs (0 where loss_mask is 0), e.g. old or reference
-        policy log-probs; store them with `set_response_field(batch, 'old_logprobs', ...)` or
+        policy log-probs; store them with `batch.set_response_field('old_logprobs', ...)` or
         directly as `batch.token_fields['old_logprobs'] = compute_logprobs_flat(...)`."""
         batch = self.as_batch(steps_or_batch)
-        return response_values(batch, self.compute_logprobs_flat(model_chunks, batch))
+        return batch.response_values(self.compute_logprobs_flat(model_chunks, batch))

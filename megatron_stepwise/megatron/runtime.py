@@ -58,14 +58,6 @@ class ParallelLayout:
     dp_rank: int
     device: torch.device
 
-    @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp - 1
-
 
 @dataclass(frozen=True)
 class LaunchEnv:

@@ -33,6 +33,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_stepwise import weight_transport
 from megatron_stepwise.megatron import convert
 
 MODES = ("disk", "tensor", "distributed")
@@ -163,8 +164,6 @@ class WeightSync:
         return nbytes, buckets
 
     def _distributed(self, chunks: list, version: int) -> tuple[int, int]:
-        from megatron_stepwise.rollout import weight_sync as engine_group
-
         meta = convert.hf_metadata(chunks, self.hf_config, dtype=self.dtype)
         stream = convert.stream_hf_buckets(chunks, self.hf_config, bucket_mb=self.bucket_mb, dtype=self.dtype)
         if not self.is_driver:
@@ -173,8 +172,6 @@ class WeightSync:
             return 0, 0
         if self._group is None:
             self._open_group()
-        from megatron_stepwise.rollout.engine import dtype_name
-
         names = [name for name, _, _ in meta]
         counts = {"bytes": 0, "buckets": 0}
 
@@ -185,7 +182,7 @@ class WeightSync:
                 for (name, tensor), expected in zip(bucket, names[sent: sent + len(bucket)]):
                     if name != expected:
                         raise WeightSyncError(f"stream order changed: got {name!r}, announced {expected!r}")
-                engine_group.broadcast(self._group, [t for _, t in bucket])
+                weight_transport.broadcast(self._group, [t for _, t in bucket])
                 sent += len(bucket)
                 counts["buckets"] += 1
                 counts["bytes"] += sum(t.numel() * t.element_size() for _, t in bucket)
@@ -193,8 +190,9 @@ class WeightSync:
                 raise WeightSyncError(f"sent {sent} tensors, announced {len(names)}")
 
         async def both():
+            dtypes = [weight_transport.dtype_name(d) for _, _, d in meta]
             update = self.fleet.update_weights_from_distributed(
-                names, [dtype_name(d) for _, _, d in meta], [list(s) for _, s, _ in meta], weight_version=version
+                names, dtypes, [list(s) for _, s, _ in meta], weight_version=version
             )
             await asyncio.gather(update, asyncio.get_running_loop().run_in_executor(None, send_all))
 
@@ -202,14 +200,12 @@ class WeightSync:
         return counts["bytes"], counts["buckets"]
 
     def _open_group(self) -> None:
-        from megatron_stepwise.rollout import weight_sync as engine_group
-
         port = self.master_port or _free_port()
         world_size = self.fleet.weight_update_world_size()  # trainer + every TP rank of every engine
 
         async def both():
             trainer_side = asyncio.get_running_loop().run_in_executor(
-                None, engine_group.open_group, self.master_address, port, world_size
+                None, weight_transport.open_group, self.master_address, port, world_size
             )
             engines = await self.fleet.init_weights_update_group(self.master_address, port)
             group = await trainer_side

@@ -6,8 +6,6 @@
 - local.py       `LocalEngine`: the embedded CPU engine (batched decode, KV cache, pause/abort)
 - server.py      that engine behind SGLang's native HTTP endpoints (`megatron-stepwise serve`)
 - sglang.py      `SGLangClient` (the `Engine` protocol over SGLang's HTTP API) + server launcher
-- weight_sync.py trainer -> engine weight broadcast groups (gloo)
 - fleet.py       `RolloutFleet`: Ray engine actors, routing, concurrency, weight updates, faults
 - agent_loop.py  `AgentLoop`: the step-wise multi-turn loop emitting one `Step` per turn
-- buffer.py      `GroupBuffer`: finished prompt groups and the staleness bound (async training)
 """

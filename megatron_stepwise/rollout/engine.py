@@ -187,16 +187,3 @@ class Engine(Protocol):
     async def weight_version(self) -> int: ...
 
     async def close(self) -> None: ...
-
-
-def parse_dtype(name: str) -> torch.dtype:
-    """'bfloat16' / 'torch.bfloat16' -> torch.bfloat16 (SGLang sends dtype names as strings)."""
-    short = name.split(".")[-1]
-    dtype = getattr(torch, short, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype name {name!r}")
-    return dtype
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).split(".")[-1]

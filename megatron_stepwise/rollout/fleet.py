@@ -95,7 +95,7 @@ class EngineActor:
         if spec.torch_threads:
             os.environ.setdefault("OMP_NUM_THREADS", str(spec.torch_threads))
         if spec.kind == "local":
-            from megatron_stepwise.envs.tiny_tokenizers import load_tokenizer
+            from megatron_stepwise.hf.tokenizers import load_tokenizer
             from megatron_stepwise.rollout.local import LocalEngine
 
             tokenizer = load_tokenizer(spec.tokenizer) if spec.tokenizer else None
@@ -175,6 +175,7 @@ class RolloutFleet:
         restart_dead: bool = True,
         ray_address: Optional[str] = None,
         ray_num_cpus: Optional[int] = None,
+        partial_rollouts: bool = False,
     ):
         if not specs:
             raise ValueError("a fleet needs at least one EngineSpec")
@@ -185,7 +186,7 @@ class RolloutFleet:
         self.weight_version = 0
         # False: a weight update waits for in-flight requests to finish (synchronous training).
         # True: it pauses them mid-turn; they continue with the new weights (partial rollouts).
-        self.partial_rollouts = False
+        self.partial_rollouts = partial_rollouts
         self._metrics = FleetMetrics()
         self._limit = asyncio.Semaphore(max_concurrency)
         self._slots = [_Slot(i, spec, self._spawn(spec, i, 0)) for i, spec in enumerate(specs)]
@@ -217,6 +218,12 @@ class RolloutFleet:
     @property
     def num_alive(self) -> int:
         return sum(s.alive for s in self._slots)
+
+    def engine(self, index: int):
+        """The Ray actor handle of engine `index` as it is now (`handle.call.remote(method, ...)`
+        reaches any `Engine` method). A restarted engine gets a new handle: ask again after a
+        restart. For tests and drills; requests go through `generate`."""
+        return self._slots[index].handle
 
     def kill_engine(self, index: int) -> None:
         """Kill one engine's actor (fault-injection for tests and drills)."""

@@ -26,13 +26,13 @@ from typing import Any, Optional, Union
 
 import torch
 
+from megatron_stepwise import weight_transport
 from megatron_stepwise.rollout import hf_model
 from megatron_stepwise.rollout.engine import (
     EngineError,
     GenerateResult,
     NamedTensors,
     SamplingParams,
-    parse_dtype,
 )
 from megatron_stepwise.rollout.sampling import sample_next
 
@@ -52,6 +52,7 @@ class _Request:
     matched: Any = None
     text_len: int = 0
     generator: Optional[torch.Generator] = None  # per-request sampler when sampling_seed is set
+    decoded: int = 0  # tokens of finished decode steps, as the event loop saw them (decoded_tokens)
 
 
 class _Batch:
@@ -167,6 +168,7 @@ class LocalEngine:
         self._failure: Optional[BaseException] = None
         self._next_rid = 0
         self._weight_groups: dict[str, Any] = {}
+        self._pause_points: dict[str, int] = {}  # rid -> pause the engine once it has this many tokens
 
     # ---- scheduling -------------------------------------------------------------------------
 
@@ -178,6 +180,7 @@ class LocalEngine:
             self._loop = loop
             self._pending.clear()
             self._inflight.clear()
+            self._pause_points.clear()
             self._wakeup = asyncio.Event()
             self._running = asyncio.Event()
             self._running.set()
@@ -218,12 +221,24 @@ class LocalEngine:
                 if batch.weights_epoch != self._weights_epoch:  # weights changed since the cache was built
                     await self._run(batch.prefill)
                 await self._run(batch.step)
+            self._after_step(live)
             for r in live:
                 if r.finish_reason is not None and not r.future.done():
                     self._resolve(r)
         for r in live:
             if not r.future.done():
                 self._resolve(r)
+
+    def _after_step(self, requests: list[_Request]) -> None:
+        # Runs on the event loop right after a decode step, before the next one can start: a
+        # pause point takes effect with exactly its number of tokens, and `decoded_tokens` shows
+        # a count only once this has run (output_ids grows on the model thread during the step).
+        for r in requests:
+            r.decoded = len(r.output_ids)
+            n = self._pause_points.get(r.rid)
+            if n is not None and r.decoded >= n:
+                del self._pause_points[r.rid]
+                self._running.clear()
 
     def _finish_early(self, r: _Request) -> bool:
         """Requests that need no forward pass: aborted while queued, or nothing to generate."""
@@ -255,6 +270,7 @@ class LocalEngine:
 
     def _resolve(self, r: _Request) -> None:
         self._inflight.pop(r.rid, None)
+        self._pause_points.pop(r.rid, None)
         text = None
         if self.tokenizer is not None:
             text = self.tokenizer.decode(r.output_ids, skip_special_tokens=r.sampling.skip_special_tokens)
@@ -324,13 +340,11 @@ class LocalEngine:
         group_name: str = "weight_update_group",
         backend: str = "gloo",
     ) -> None:
-        from megatron_stepwise.rollout import weight_sync
-
         if backend != "gloo":
             raise ValueError(f"the embedded CPU engine joins weight-update groups over gloo, not {backend!r}")
         # This engine is one rank (no tensor parallelism): rank = rank_offset.
         group = await asyncio.get_running_loop().run_in_executor(
-            None, weight_sync.join_group, master_address, master_port, rank_offset, world_size
+            None, weight_transport.join_group, master_address, master_port, rank_offset, world_size
         )
         self._weight_groups[group_name] = group
 
@@ -342,17 +356,15 @@ class LocalEngine:
         group_name: str = "weight_update_group",
         weight_version: Optional[int] = None,
     ) -> int:
-        from megatron_stepwise.rollout import weight_sync
-
         group = self._weight_groups.get(group_name)
         if group is None:
             raise ValueError(f"no weight-update group {group_name!r}: call init_weights_update_group first")
         if not len(names) == len(dtypes) == len(shapes):
             raise ValueError(f"names/dtypes/shapes lengths differ: {len(names)}/{len(dtypes)}/{len(shapes)}")
-        buffers = [torch.empty(shape, dtype=parse_dtype(d)) for d, shape in zip(dtypes, shapes)]
+        buffers = [torch.empty(shape, dtype=weight_transport.parse_dtype(d)) for d, shape in zip(dtypes, shapes)]
         self._ensure_started()
         async with self._model_lock:
-            await asyncio.get_running_loop().run_in_executor(None, weight_sync.receive, group, buffers)
+            await asyncio.get_running_loop().run_in_executor(None, weight_transport.receive, group, buffers)
             await self._run(hf_model.load_named_tensors, self.model, list(zip(names, buffers)))
             return self._bump_version(weight_version)
 
@@ -374,6 +386,28 @@ class LocalEngine:
     async def resume(self) -> None:
         self._ensure_started()
         self._running.set()
+
+    async def pause_after(self, rid: str, num_tokens: int) -> None:
+        """Pause the engine (as `pause()`) right after the decode step that gives request `rid`
+        its `num_tokens`-th token; `resume()` continues. Returns at once: the request may not have
+        arrived yet. If it already has that many tokens the engine pauses before its next step;
+        if it finishes with fewer, nothing happens. For tests and drills that need a request held
+        at a known point whatever the machine's speed (poll `decoded_tokens(rid)` to see it).
+        """
+        if int(num_tokens) < 1:
+            raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
+        self._ensure_started()
+        r = self._inflight.get(rid)
+        if r is not None and r.decoded >= int(num_tokens):
+            self._running.clear()
+        else:
+            self._pause_points[rid] = int(num_tokens)
+
+    async def decoded_tokens(self, rid: str) -> Optional[int]:
+        """How many tokens request `rid` has generated so far (counting finished decode steps, so
+        a request held by `pause_after(rid, n)` shows exactly n); None if it is not in flight."""
+        r = self._inflight.get(rid)
+        return None if r is None else r.decoded
 
     async def flush_cache(self) -> None:
         """Nothing to flush: KV caches live only for the duration of one batch."""

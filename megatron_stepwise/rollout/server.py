@@ -289,7 +289,7 @@ async def start_server(engine: LocalEngine, host: str = "127.0.0.1", port: int =
 
 
 def build_engine_from_args(args: argparse.Namespace) -> LocalEngine:
-    from megatron_stepwise.envs.tiny_tokenizers import TOKENIZER_NAMES, load_tokenizer
+    from megatron_stepwise.hf.tokenizers import TOKENIZER_NAMES, load_tokenizer
     from megatron_stepwise.rollout.hf_model import tiny_qwen2_config
 
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None

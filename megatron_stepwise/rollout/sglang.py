@@ -28,8 +28,8 @@ from megatron_stepwise.rollout.engine import (
     GenerateResult,
     NamedTensors,
     SamplingParams,
-    dtype_name,
 )
+from megatron_stepwise.weight_transport import dtype_name
 
 SGLANG_VERSION = "0.5.23"  # the version the contract test checks (and the `sglang` extra pins)
 

@@ -216,11 +216,6 @@ class GroupBuffer:
         self._requeued.extend((dict(s), 0) for s in samples)
 
 
-def group_has_variance(steps: list) -> bool:
-    """The zero-variance filter: keep a group whose trajectory rewards (last steps) differ."""
-    rewards = {s.reward for s in steps if s.is_last_step and not s.is_padding}
-    return len(rewards) > 1
-
 
 def trained_token_staleness(steps: list, version: int):
     """`version - weight version that produced it` for every trained token (loss_mask 1), as one

@@ -1,4 +1,4 @@
-"""AsyncDriver's rank-0 machinery with a fake fleet, agent and dataset (no Ray, no Megatron).
+"""The async source's rank-0 machinery with a fake fleet, agent and dataset (no Ray, no Megatron).
 
 What the end-to-end run cannot show deterministically: groups keep finishing while the main
 thread is busy (training), takes hand out whole groups with distinct ids, a failed rollout
@@ -12,8 +12,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_stepwise.async_driver import AsyncDriver, loop_in_thread
 from megatron_stepwise.config.schema import ExperimentConfig
+from megatron_stepwise.loop.async_source import AsyncRollouts, loop_in_thread
+from megatron_stepwise.loop.sources import Driver
 from megatron_stepwise.rollout.engine import EngineError
 from megatron_stepwise.types import Step, TrajectoryID
 
@@ -24,14 +25,18 @@ class FakeAgent:
     def __init__(self, fleet, delays=(), rewards=(0.0, 1.0), fail_prompt=None, hang=False):
         self.fleet, self.delays, self.rewards = fleet, list(delays), rewards
         self.fail_prompt, self.hang = fail_prompt, hang
-        self.calls = 0
+        self.calls = self.cancelled = 0
 
     async def rollout(self, samples, seed=None):
         (sample,) = samples
         delay = self.delays[self.calls] if self.calls < len(self.delays) else 0.0
         self.calls += 1
         if self.hang:
-            await asyncio.Event().wait()
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                self.cancelled += 1
+                raise
         await asyncio.sleep(delay)
         pid = sample["prompt_id"]
         if pid == self.fail_prompt:
@@ -57,28 +62,34 @@ class FakeDataset:
 
 
 def make_driver(groups_per_step=2, zero_variance=False, pending=None, **agent_kw):
+    """(source, rank-0 context): the context has loop, fleet, agent and a mutable `version`."""
     cfg = ExperimentConfig()
     cfg.async_.enabled = True
     cfg.async_.max_staleness = 1
     cfg.data.prompts_per_minibatch = groups_per_step
     cfg.data.prompts_per_iteration = 2 * groups_per_step
     cfg.algo.filters.zero_variance = zero_variance
-    fleet = SimpleNamespace(weight_version=0, partial_rollouts=False)
-    trainer = SimpleNamespace(cfg=cfg, is_driver=True, state=SimpleNamespace(weight_version=0, iteration=0, async_pending=pending),
-                              loop=asyncio.new_event_loop(), fleet=fleet, dataset=FakeDataset(),
-                              agent=FakeAgent(fleet, **agent_kw))
-    return AsyncDriver(trainer), trainer
+    fleet = SimpleNamespace(weight_version=0, metrics=dict)
+    ctx = SimpleNamespace(loop=asyncio.new_event_loop(), fleet=fleet, agent=FakeAgent(fleet, **agent_kw), version=0)
+    source = AsyncRollouts(cfg, dataset=FakeDataset(), handoff=None, vocab_size=256, version=lambda: ctx.version)
+    if pending is not None:  # as a checkpoint restores it
+        source.load_state_dict({"pending": pending})
+    source.start(Driver(ctx.loop, fleet, ctx.agent))
+    return source, ctx
 
 
-def close(driver, trainer):
+def take(driver, ctx):
+    return ctx.loop.run_until_complete(driver.next_groups())
+
+
+def close(driver, ctx):
     driver.close()
-    trainer.loop.close()
+    ctx.loop.close()
 
 
 def test_take_hands_out_whole_groups_with_distinct_ids():
     driver, trainer = make_driver(groups_per_step=2)
-    groups = trainer.loop.run_until_complete(driver._take())
-    assert trainer.fleet.partial_rollouts is True
+    groups = take(driver, trainer)
     assert len(groups) == 2 and driver.buffer.counters.started == 4  # admission: (1 + 1) x 2
     ids = [g.group_id for g in groups]
     assert len(set(ids)) == 2
@@ -91,16 +102,19 @@ def test_take_hands_out_whole_groups_with_distinct_ids():
 
 def test_groups_keep_finishing_while_the_main_thread_trains():
     driver, trainer = make_driver(groups_per_step=2, delays=(0.0, 0.0, 0.3, 0.3))
-    assert len(trainer.loop.run_until_complete(driver._take())) == 2
+    assert len(take(driver, trainer)) == 2
     assert (driver.buffer.ready, driver.buffer.in_flight) == (0, 2)
     time.sleep(0.6)  # busy without the loop: nothing moves
     assert (driver.buffer.ready, driver.buffer.in_flight) == (0, 2)
     with loop_in_thread(trainer.loop):
-        time.sleep(0.6)  # "training" on the main thread; the loop runs in the helper thread
+        # "training" on the main thread until the 0.3 s groups have finished in the helper thread
+        deadline = time.monotonic() + 120
+        while (driver.buffer.ready, driver.buffer.in_flight) != (2, 0) and time.monotonic() < deadline:
+            time.sleep(0.01)
     assert (driver.buffer.ready, driver.buffer.in_flight) == (2, 0)
     # the loop is usable from the main thread again, and the version bump admits 2 more groups
-    driver.version = trainer.fleet.weight_version = 1
-    assert len(trainer.loop.run_until_complete(driver._take())) == 2
+    trainer.version = trainer.fleet.weight_version = 1
+    assert len(take(driver, trainer)) == 2
     assert driver.buffer.counters.started == 6
     close(driver, trainer)
 
@@ -108,13 +122,13 @@ def test_groups_keep_finishing_while_the_main_thread_trains():
 def test_a_failed_rollout_surfaces_in_the_take_naming_its_group():
     driver, trainer = make_driver(groups_per_step=2, fail_prompt="p1")
     with pytest.raises(RuntimeError, match=r"rollout of prompt group 'p1' failed: EngineError\('engine 1 died'\)"):
-        trainer.loop.run_until_complete(driver._take())
+        take(driver, trainer)
     close(driver, trainer)
 
 
 def test_filters_that_discard_every_group_make_the_step_give_up():
     driver, trainer = make_driver(groups_per_step=2, zero_variance=True, rewards=(1.0, 1.0))
-    assert trainer.loop.run_until_complete(driver._take()) is None
+    assert take(driver, trainer) is None
     # max_sampling_rounds (3) x prompts_per_iteration (4) groups were filtered first
     assert driver.buffer.counters.filtered == driver.starve_limit == 12
     assert driver.buffer.counters.trained == 0
@@ -123,16 +137,17 @@ def test_filters_that_discard_every_group_make_the_step_give_up():
 
 def test_close_cancels_the_groups_in_flight():
     driver, trainer = make_driver(groups_per_step=2, hang=True)
-    trainer.loop.run_until_complete(asyncio.sleep(0.05))  # the producer starts its groups
-    tasks = list(driver._tasks)
-    assert len(tasks) == 4
+    deadline = time.monotonic() + 120
+    while trainer.agent.calls < 4 and time.monotonic() < deadline:  # the producer starts its groups
+        trainer.loop.run_until_complete(asyncio.sleep(0.01))
+    assert trainer.agent.calls == 4 and driver.buffer.in_flight == 4
     close(driver, trainer)
-    assert all(t.cancelled() for t in tasks) and driver._producer.cancelled()
+    assert trainer.agent.cancelled == 4
 
 
 def test_a_resumed_driver_rolls_out_the_checkpointed_pending_prompts_first():
     driver, trainer = make_driver(groups_per_step=2, pending=[{"prompt_id": "q1"}, {"prompt_id": "q2"}])
-    groups = trainer.loop.run_until_complete(driver._take())
+    groups = take(driver, trainer)
     assert sorted(g.group_id for g in groups) == ["q1", "q2"]
-    assert [s["prompt_id"] for s in driver.pending_samples()] == ["p0", "p1"]  # drawn after them
+    assert [s["prompt_id"] for s in driver.state_dict()["pending"]] == ["p0", "p1"]  # drawn after them
     close(driver, trainer)

@@ -1,4 +1,6 @@
-"""Tiny tokenizers shipped with the package (no hub download): word-level and char-level.
+"""Tokenizers: `load_tokenizer` (a shipped tiny tokenizer by name, a local directory or a hub id).
+
+Two tiny tokenizers ship with the package (no hub download), word-level and char-level.
 
 Both use ChatML-like turns with a chat template, `<|im_end|>` as EOS and `<pad>` as padding:
 - `tiny_word`: the words of the `echo` task (roles, digits, a few words); ~20 tokens.
@@ -6,7 +8,8 @@ Both use ChatML-like turns with a chat template, `<|im_end|>` as EOS and `<pad>`
   driven by a tiny model.
 
 `build_tokenizer_files(name, out_dir)` writes `tokenizer.json` + `tokenizer_config.json`; the
-files in `envs/data/` were produced by it (a test checks they still match).
+files in `hf/data/` were produced by it (a test checks they still match); regenerate them with
+`python -m megatron_stepwise.hf.tokenizers`.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import string
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
+
+from megatron_stepwise.hf.hub import TOKENIZER_FILES, resolve_model_dir
 
 DATA_DIR = Path(__file__).parent / "data"
 SPECIAL_TOKENS = ["<pad>", "<|im_start|>", "<|im_end|>", "<unk>"]
@@ -81,13 +86,19 @@ def tokenizer_dir(name: str) -> Path:
 
 
 @lru_cache(maxsize=None)
-def load_tokenizer(name_or_path: str):
-    """A transformers tokenizer: a shipped one by name, or any local HF tokenizer directory."""
+def load_tokenizer(name_or_path: str, *, key: str = "model.tokenizer"):
+    """A transformers tokenizer: a shipped one by name, a local HF tokenizer directory, or a hub id.
+
+    Hub ids come from the local HF cache, else are downloaded (megatron_stepwise.hf.hub); `key` names
+    the config key in errors (ModelSourceError).
+    """
     from transformers import AutoTokenizer
 
-    path = tokenizer_dir(name_or_path) if name_or_path in TOKENIZER_NAMES else Path(name_or_path)
-    if not path.exists():
-        raise FileNotFoundError(f"tokenizer not found: {name_or_path}")
+    if name_or_path in TOKENIZER_NAMES:
+        path = tokenizer_dir(name_or_path)
+    else:
+        path = resolve_model_dir(name_or_path, key=key, files=TOKENIZER_FILES,
+                                 also_tried=f"a shipped tokenizer ({', '.join(TOKENIZER_NAMES)})")
     return AutoTokenizer.from_pretrained(str(path))
 
 

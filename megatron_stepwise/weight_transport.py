@@ -1,4 +1,7 @@
-"""Weight broadcast groups between the trainer (rank 0) and rollout engines (ranks 1..N).
+"""Weight transport between the trainer (rank 0) and rollout engines (ranks 1..N).
+
+Used by both sides: `megatron/sync.py` opens the group and broadcasts, `rollout/local.py` joins
+it and receives. Dtypes travel by name (`dtype_name` / `parse_dtype`, SGLang's convention).
 
 This is the CPU/gloo counterpart of SGLang's `init_weights_update_group` +
 `update_weights_from_distributed` (NCCL there): a standalone process group, separate from the
@@ -55,3 +58,17 @@ def receive(group, buffers: Iterable[torch.Tensor]) -> None:
     """Engine side: fill `buffers` in place from rank 0's broadcasts."""
     for b in buffers:
         group.group.broadcast(b, 0).wait()
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """'bfloat16' / 'torch.bfloat16' -> torch.bfloat16 (SGLang sends dtype names as strings)."""
+    short = name.split(".")[-1]
+    dtype = getattr(torch, short, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype name {name!r}")
+    return dtype
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> 'bfloat16' (the inverse of `parse_dtype`)."""
+    return str(dtype).split(".")[-1]

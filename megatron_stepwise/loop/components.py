@@ -41,18 +41,20 @@ def tokenizer_name(cfg: ExperimentConfig) -> str:
 
 
 def load_tokenizer(cfg: ExperimentConfig):
-    from megatron_stepwise.envs.tiny_tokenizers import load_tokenizer as load
+    from megatron_stepwise.hf.tokenizers import load_tokenizer as load
 
-    return load(tokenizer_name(cfg))
+    m = cfg.model
+    key = "model.tokenizer" if m.tokenizer else "model.hf_checkpoint" if m.hf_checkpoint else "env.name"
+    return load(tokenizer_name(cfg), key=key)  # the key names the source in errors
 
 
 def model_config(cfg: ExperimentConfig, tokenizer) -> dict[str, Any]:
     """The HF config dict of the policy; presets take the tokenizer's vocabulary size."""
     from megatron_stepwise.megatron.model import arch_from_hf, validate_parallel
-    from megatron_stepwise.megatron.presets import resolve_hf_config
+    from megatron_stepwise.hf.presets import resolve_hf_config
 
-    source = cfg.model.hf_checkpoint or cfg.model.hf_config
-    hf = resolve_hf_config(source, vocab_size=len(tokenizer))
+    key = "model.hf_checkpoint" if cfg.model.hf_checkpoint else "model.hf_config"
+    hf = resolve_hf_config(cfg.model.hf_checkpoint or cfg.model.hf_config, vocab_size=len(tokenizer), key=key)
     validate_parallel(arch_from_hf(hf), tp=cfg.parallel.tensor, pp=cfg.parallel.pipeline, tokenizer_vocab_size=len(tokenizer))
     return hf
 
@@ -67,10 +69,14 @@ def build_policy(cfg: ExperimentConfig, hf_config: dict) -> list:
 
     init = None
     if cfg.model.hf_checkpoint:
+        from megatron_stepwise.hf.hub import CHECKPOINT_FILES, resolve_model_dir
         from megatron_stepwise.megatron.convert import import_hf
 
+        # A local directory, the cached hub snapshot, or a download of its weights; before the model is built.
+        hf_dir = resolve_model_dir(cfg.model.hf_checkpoint, key="model.hf_checkpoint", files=CHECKPOINT_FILES)
+
         def init(chunks):
-            import_hf(chunks, cfg.model.hf_checkpoint)
+            import_hf(chunks, hf_dir)
 
     return build_model_chunks(
         hf_config,
@@ -134,16 +140,11 @@ def build_optimizer(cfg: ExperimentConfig, chunks: list):
     return get_megatron_optimizer(config, chunks)
 
 
-def total_optimizer_steps(cfg: ExperimentConfig) -> int:
-    d = cfg.data
-    return cfg.trainer.iterations * d.epochs * (d.prompts_per_iteration // d.prompts_per_minibatch)
-
-
 def build_scheduler(cfg: ExperimentConfig, optimizer):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     o = cfg.optim
-    steps = max(total_optimizer_steps(cfg), 1)
+    steps = max(cfg.total_optimizer_steps, 1)
     return OptimizerParamScheduler(
         optimizer,
         init_lr=0.0 if o.warmup_steps else o.lr,
@@ -163,7 +164,12 @@ def build_plugin(cfg: ExperimentConfig, tokenizer):
     from megatron_stepwise.megatron.plugin import StepwisePlugin
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    return StepwisePlugin(cfg.algo.loss.to_algo(), max_tokens_per_microbatch=cfg.data.max_tokens_per_microbatch, pad_token_id=pad)
+    return StepwisePlugin(
+        cfg.algo.loss,
+        max_tokens_per_microbatch=cfg.data.max_tokens_per_microbatch,
+        pad_token_id=pad,
+        temperature=cfg.rollout.sampling.temperature,  # score what the engine sampled
+    )
 
 
 # ------------------------------------------------------------------------ data
@@ -208,7 +214,8 @@ def build_fleet(cfg: ExperimentConfig, hf_config: dict, tokenizer):
             )
             specs.append(EngineSpec(kind="sglang", sglang=server, tp_size=r.engine_tp, num_cpus=1, num_gpus=r.engine_tp))
     return RolloutFleet(specs, max_concurrency=r.max_concurrency, max_retries=r.max_retries,
-                        request_timeout_s=r.timeout_s, ray_address=r.ray_address)
+                        request_timeout_s=r.timeout_s, ray_address=r.ray_address,
+                        partial_rollouts=cfg.async_.enabled)  # async: updates pause turns mid-way
 
 
 def build_agent_loop(cfg: ExperimentConfig, fleet, tokenizer):
@@ -238,69 +245,16 @@ def build_weight_sync(cfg: ExperimentConfig, fleet, hf_config: dict, loop):
     return WeightSync(fleet, w.mode, hf_config, loop=loop, bucket_mb=w.bucket_mb, sync_dir=cfg.weight_sync_dir)
 
 
-class Checkpoints:
-    """The trainer's checkpoints: megatron-core dist_checkpointing (atomic, keep-last-K, resumable
-    across layouts; see megatron/checkpoint.py) plus the trainer state (iteration, dataset
-    position, fleet weight version). Resuming restores RNG states and the data position, and the
-    engines then get the restored weights, so a resumed run repeats an uninterrupted one."""
+def export_hf(cfg: ExperimentConfig, chunks: list, hf_config: dict, tokenizer) -> str:
+    """An HF directory (safetensors + config + tokenizer) of the final policy, under the run dir."""
+    import os
 
-    def __init__(self, cfg: ExperimentConfig, trainer):
-        self.cfg = cfg
-        self.trainer = trainer
+    import torch.distributed as dist
 
-    def config_hash(self) -> str:
-        """What a resumed run must share with the saved one (not iterations, logging, layout)."""
-        import hashlib
-        import json
+    from megatron_stepwise.megatron.convert import export_hf as export
 
-        d = self.cfg.to_dict()
-        keep = {k: d[k] for k in ("model", "env", "data", "algo")}
-        return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-    def resume(self):
-        from megatron_stepwise.megatron.checkpoint import load_checkpoint
-        from megatron_stepwise.trainer import TrainerState
-
-        mode = self.cfg.checkpoint.resume
-        if mode == "never":
-            return None
-        t = self.trainer
-        state = load_checkpoint(
-            t.chunks, t.optimizer, t.scheduler,
-            ckpt_dir=self.cfg.checkpoint_dir if mode == "auto" else None,
-            path=None if mode == "auto" else mode,
-            config_hash=self.config_hash(),
-            load_optimizer=self.cfg.checkpoint.load_optimizer,
-        )
-        if state is None:
-            return None
-        if self.trainer.rank == 0:
-            log.info("resumed from iteration %d (weight version %d)", state["iteration"], state["weight_version"])
-        return TrainerState(iteration=state["iteration"], weight_version=state["weight_version"], dataset=state["dataset"],
-                            async_pending=state.get("async_pending"))
-
-    def save(self):
-        from megatron_stepwise.megatron.checkpoint import save_checkpoint
-
-        t = self.trainer
-        state = {
-            "iteration": t.state.iteration,
-            "weight_version": t.state.weight_version,
-            "dataset": t.dataset.state_dict(),
-            "config_hash": self.config_hash(),
-        }
-        if getattr(t, "async_driver", None) is not None:  # rank 0's list is the one saved
-            state["async_pending"] = t.async_driver.pending_samples()
-        return save_checkpoint(t.chunks, t.optimizer, t.scheduler, state, self.cfg.checkpoint_dir, self.cfg.checkpoint.keep_last)
-
-    def export_hf(self):
-        """An HF directory (safetensors + config + tokenizer) of the final policy."""
-        import os
-
-        from megatron_stepwise.megatron.convert import export_hf
-
-        out = os.path.join(self.cfg.run_dir, "hf")
-        export_hf(self.trainer.chunks, out, self.trainer.hf_config, tokenizer=self.trainer.tokenizer, overwrite=True)
-        if self.trainer.is_driver:
-            log.info("exported the policy as an HF checkpoint to %s", out)
-        return out
+    out = os.path.join(cfg.run_dir, "hf")
+    export(chunks, out, hf_config, tokenizer=tokenizer, overwrite=True)
+    if dist.get_rank() == 0:
+        log.info("exported the policy as an HF checkpoint to %s", out)
+    return out

@@ -1,4 +1,4 @@
-"""Named model configs (HF keys) and resolution of `model.hf_config`.
+"""Named model configs (HF keys) and resolution of `model.hf_config` (preset, path or hub id).
 
 Importable without megatron-core: the config validator uses it to check head/layer divisibility.
 """
@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 from typing import Any, Optional
+
+from megatron_stepwise.hf.hub import ModelSourceError, resolve_model_dir
 
 # HF model class of each supported model_type (a config.json's `architectures`).
 ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
@@ -59,20 +61,25 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def resolve_hf_config(name_or_path: str, *, vocab_size: Optional[int] = None) -> dict[str, Any]:
-    """An HF config dict from a preset name, a config.json, or a model directory.
+def resolve_hf_config(name_or_path: str, *, vocab_size: Optional[int] = None,
+                      key: str = "model.hf_config") -> dict[str, Any]:
+    """An HF config dict from a preset name, a config.json, a model directory, or a hub id.
 
     For presets, `vocab_size` (the tokenizer's) replaces the preset's so model and tokenizer agree.
+    Hub ids come from the local HF cache, else are downloaded (megatron_stepwise.hf.hub); `key` names
+    the config key in errors (ModelSourceError).
     """
     if name_or_path in PRESETS:
         cfg = dict(PRESETS[name_or_path])
         if vocab_size is not None:
             cfg["vocab_size"] = int(vocab_size)
         return cfg
-    path = os.path.join(name_or_path, "config.json") if os.path.isdir(name_or_path) else name_or_path
-    if not os.path.isfile(path):
-        raise FileNotFoundError(
-            f"model.hf_config={name_or_path!r}: not a preset ({', '.join(PRESETS)}), a config.json or a directory with one"
-        )
+    if os.path.isfile(name_or_path):  # a config.json by any name
+        path = name_or_path
+    else:
+        path = os.path.join(resolve_model_dir(name_or_path, key=key, also_tried=f"a preset ({', '.join(PRESETS)})"),
+                            "config.json")
+        if not os.path.isfile(path):
+            raise ModelSourceError(f"{key}={name_or_path!r}: the directory has no config.json")
     with open(path) as f:
         return json.load(f)

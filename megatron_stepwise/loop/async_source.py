@@ -1,0 +1,220 @@
+"""Asynchronous mini-batches (`async.enabled`): the fleet keeps rolling out while the trainer trains.
+
+Rank 0 runs a producer on its asyncio event loop: it starts a prompt group whenever the
+`GroupBuffer` admits one and files every finished group in it (staleness bound, admission,
+drop/requeue and group filters: see `group_buffer.py`). Each round is one optimizer step:
+
+1. rank 0 takes exactly `prompts_per_minibatch` finished groups (waiting if needed) and hands
+   their steps to every rank; groups carry a variable number of step rows;
+2. the trainer prepares and trains them while rank 0's event loop runs in a helper thread
+   (`overlap`), so turns keep being generated, environments stepped, groups started;
+3. the trainer pushes the new weights with partial rollouts: turns in flight are paused, get
+   the new weights and continue (each token records the weight version that produced it).
+
+Off-policy correction. A mini-batch is trained once, as it arrives, so the trainer's "old"
+policy is the current one (PPO ratio 1) and the behaviour policy is the rollout's: the loss's
+truncated importance weight `min(pi_theta / pi_rollout, algo.loss.tis_cap)` per token
+(tis=token) or per step (tis=sequence) corrects for the lag; the config validator requires it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from typing import Any, Callable, Optional
+
+import torch
+
+from megatron_stepwise.algo.advantages import has_reward_variance
+from megatron_stepwise.algo.validate import validate_steps
+from megatron_stepwise.loop.group_buffer import GroupBuffer, trained_token_staleness, trajectory_version_spread
+from megatron_stepwise.loop.sources import Driver, Round, rollout_seed
+from megatron_stepwise.metrics import rollout_metrics
+
+log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def loop_in_thread(loop: Optional[asyncio.AbstractEventLoop]):
+    """Run `loop` in a helper thread for the duration of the block (no-op for None).
+
+    Megatron stays on the main thread (its CPU compatibility layer is a thread-local torch
+    function mode); everything else touches the loop only with `run_until_complete` while the
+    helper is stopped, as the synchronous trainer does.
+    """
+    if loop is None:
+        yield
+        return
+    thread = threading.Thread(target=loop.run_forever, name="rollout-loop", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+
+
+class AsyncRollouts:
+    """The async mini-batch source. `version()` is the trainer's current weight version.
+
+    Stateful for checkpoints: the prompts drawn but not trained yet (`state_dict`), which a
+    resumed run rolls out first, so no drawn prompt is skipped.
+    """
+
+    def __init__(self, cfg, *, dataset, handoff, vocab_size: int, version: Callable[[], int]):
+        self.groups_per_step = cfg.data.prompts_per_minibatch
+        self.rounds_per_iteration = cfg.data.minibatches_per_iteration
+        self.seed = cfg.trainer.seed
+        self.dataset, self.handoff, self.vocab_size, self.version = dataset, handoff, vocab_size, version
+        filters = cfg.algo.filters
+        self._buffer_args = (self.groups_per_step, cfg.async_.max_staleness, cfg.async_.stale_policy)
+        self._keep_group = has_reward_variance if (filters.zero_variance or filters.dynamic_sampling) else None
+        # Filters may discard this many groups while one optimizer step waits before it is skipped
+        # (the synchronous source's dynamic sampling gives up after as many rollout rounds).
+        self.starve_limit = filters.max_sampling_rounds * cfg.data.prompts_per_iteration
+        self.driver: Optional[Driver] = None
+        self.buffer: Optional[GroupBuffer] = None
+        self._pending: list[dict[str, Any]] = []
+        self._iteration: dict[str, list] = {}
+        self.reset_metrics()
+
+    # ------------------------------------------------------------------ life cycle
+    def start(self, driver: Optional[Driver]) -> None:
+        """Start producing on rank 0 (`driver` is None on the other ranks)."""
+        if driver is None:
+            return
+        self.driver = driver
+        self.buffer = GroupBuffer(*self._buffer_args, keep_group=self._keep_group, base_version=self.version())
+        self.buffer.requeue_samples(self._pending)
+        self._waiters: list[asyncio.Future] = []
+        self._tasks: set[asyncio.Task] = set()
+        self._error: Optional[BaseException] = None
+        self._producer = driver.loop.create_task(self._produce())
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"pending": self.buffer.pending_samples() if self.buffer is not None else []}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._pending = list(state.get("pending") or [])
+
+    def close(self) -> None:
+        """Stop the producer and the groups in flight (rank 0); the trainer then shuts the fleet."""
+        if self.buffer is None:
+            return
+        tasks = [self._producer, *self._tasks]
+        for task in tasks:
+            task.cancel()
+        self.driver.loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+
+    # ------------------------------------------------------------------ rank 0: event loop side
+    def _notify(self) -> None:
+        for f in self._waiters:
+            if not f.done():
+                f.set_result(None)
+        self._waiters.clear()
+
+    async def _changed(self) -> None:
+        f = asyncio.get_running_loop().create_future()
+        self._waiters.append(f)
+        await f
+
+    async def _produce(self) -> None:
+        fleet = self.driver.fleet
+        while True:
+            while self._error is None and self.buffer.can_start(fleet.weight_version):
+                group = self.buffer.start(fleet.weight_version, draw=lambda: self.dataset.next(1)[0])
+                task = asyncio.get_running_loop().create_task(self._rollout(group))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+            await self._changed()
+
+    async def _rollout(self, group) -> None:
+        try:
+            # A per-group seed: reproducible sampling per turn whichever engine serves it.
+            steps = await self.driver.agent.rollout([group.rollout_sample()], seed=rollout_seed(self.seed, group.serial))
+            self.buffer.finish(group.serial, steps, self.version())
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - surfaces in the trainer's next take
+            self._error = RuntimeError(f"rollout of prompt group {group.group_id!r} failed: {e!r}")
+            self._error.__cause__ = e
+        finally:
+            self._notify()
+
+    async def next_groups(self) -> Optional[list]:
+        """Rank 0: this optimizer step's groups, waiting for them; None when filters starve it."""
+        self._notify()  # the version may have moved: the producer may start more groups
+        while True:
+            if self._error is not None:
+                raise self._error
+            if self._producer.done():  # it only ends by raising (e.g. a sample without prompt_id)
+                self._producer.result()
+            groups = self.buffer.take(self.groups_per_step, self.version())
+            self._notify()  # evictions and takes free admission slots
+            if groups is not None:
+                return groups
+            if self.buffer.starved(self.starve_limit):
+                self.buffer.skip_step()
+                return None
+            await self._changed()
+
+    def _take_groups(self) -> Optional[tuple[list, dict[str, Any]]]:
+        groups = self.driver.loop.run_until_complete(self.next_groups())
+        if groups is None:
+            return None
+        staleness = [self.version() - g.start_version for g in groups]
+        info = {"async/group_staleness_max": max(staleness), "async/group_staleness_mean": sum(staleness) / len(staleness),
+                "async/requeued_groups": sum(g.attempt > 0 for g in groups)}
+        return [s for g in groups for s in g.steps], info
+
+    # ------------------------------------------------------------------ every rank
+    def take(self, iteration: int) -> Optional[Round]:
+        """This optimizer step's mini-batch on every rank, or None when filters starve it."""
+        got = self.handoff.from_driver(self._take_groups, "async rollout", iteration)
+        if got is None:
+            log.warning("iteration %d: group filters discarded %d groups without %d informative ones; "
+                        "optimizer step skipped", iteration, self.starve_limit, self.groups_per_step)
+            return None
+        steps, info = got
+        validate_steps(steps, vocab_size=self.vocab_size)
+        it = self._iteration
+        it["steps"] += steps
+        it["staleness"].append(trained_token_staleness(steps, self.version()))
+        it["group_staleness_max"].append(info["async/group_staleness_max"])
+        it["group_staleness_mean"].append(info["async/group_staleness_mean"])
+        it["requeued"].append(info["async/requeued_groups"])
+        return Round([steps], {})
+
+    def overlap(self):
+        """Rollouts go on while this rank prepares and trains."""
+        return loop_in_thread(self.driver.loop if self.driver is not None else None)
+
+    def reset_metrics(self) -> None:
+        self._iteration = {"steps": [], "staleness": [], "group_staleness_max": [], "group_staleness_mean": [],
+                           "requeued": []}
+
+    def iteration_metrics(self) -> dict[str, Any]:
+        """Trajectory metrics of what was trained, staleness, and the buffer's counters."""
+        it = self._iteration
+        metrics: dict[str, Any] = rollout_metrics(it["steps"]) if it["steps"] else {}
+        if it["group_staleness_max"]:
+            metrics["async/group_staleness_max"] = max(it["group_staleness_max"])
+            metrics["async/group_staleness_mean"] = sum(it["group_staleness_mean"]) / len(it["group_staleness_mean"])
+            metrics["async/requeued_groups"] = sum(it["requeued"])
+        tokens = torch.cat(it["staleness"]) if it["staleness"] else torch.zeros(0, dtype=torch.long)
+        if tokens.numel():
+            metrics["async/token_staleness_min"] = int(tokens.min())
+            metrics["async/token_staleness_max"] = int(tokens.max())
+            metrics["async/token_staleness_mean"] = float(tokens.double().mean())
+        spread = trajectory_version_spread(it["steps"])
+        if spread:
+            # trajectories that a weight update reached mid-way (partial rollouts)
+            metrics["async/trajectories_spanning_versions"] = sum(x > 0 for x in spread) / len(spread)
+            metrics["async/trajectory_version_spread_max"] = max(spread)
+        if self.buffer is not None:
+            metrics.update(self.buffer.metrics())
+            metrics.update(self.driver.fleet_metrics())
+        self.reset_metrics()
+        return metrics

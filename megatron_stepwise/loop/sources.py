@@ -1,0 +1,157 @@
+"""Where the trainer's mini-batches come from, and the synchronous source.
+
+A mini-batch source hands the trainer `Round`s: mini-batches of validated steps (each one
+optimizer step) that are trained together, after which the trainer pushes new weights. The
+synchronous source (`SyncRollouts`) makes one round per iteration: roll out every prompt of
+the iteration with the fleet idle, then train. The asynchronous one
+(`async_source.AsyncRollouts`) makes one round per optimizer step while the fleet keeps going.
+Both have the same surface: `rounds_per_iteration`, `start`, `take`, `overlap`,
+`iteration_metrics`, `state_dict`/`load_state_dict`, `close`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from megatron_stepwise.algo.advantages import has_reward_variance
+from megatron_stepwise.algo.batching import prompt_minibatches
+from megatron_stepwise.algo.validate import validate_steps
+from megatron_stepwise.metrics import rollout_metrics
+from megatron_stepwise.types import Step
+
+log = logging.getLogger(__name__)
+
+
+def rollout_seed(seed: int, index: int, sub: Optional[int] = None) -> int:
+    """Sampling seeds depend only on the run seed and where the rollout is (iteration and round,
+    or the async group's serial): a resumed run samples the same."""
+    base = seed * 1_000_003 + index
+    return base if sub is None else base * 31 + sub
+
+
+@dataclass
+class Driver:
+    """Rank 0's rollout side: the event loop, the fleet and the agent loop that uses it."""
+
+    loop: Any
+    fleet: Any
+    agent: Any
+
+    def run(self, coro):
+        return self.loop.run_until_complete(coro)
+
+    def fleet_metrics(self) -> dict[str, float]:
+        return {f"fleet/{k}": v for k, v in self.fleet.metrics().items() if isinstance(v, (int, float))}
+
+
+@dataclass
+class Round:
+    """Mini-batches (lists of validated steps, whole prompt groups) trained with one policy snapshot."""
+
+    minibatches: list[list[Step]]
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+def group_rows(steps: list[Step]) -> dict[str, list[int]]:
+    """Rows of each prompt group (padding rows excluded), in order of first appearance."""
+    groups: dict[str, list[int]] = {}
+    for i, s in enumerate(steps):
+        if not s.is_padding:
+            groups.setdefault(s.trajectory_id.prompt_id, []).append(i)
+    return groups
+
+
+def count_informative_groups(steps: list[Step]) -> int:
+    return sum(has_reward_variance([steps[i] for i in rows]) for rows in group_rows(steps).values())
+
+
+class SyncRollouts:
+    """The synchronous source: one round per iteration (see module docstring)."""
+
+    rounds_per_iteration = 1
+
+    def __init__(self, cfg, *, dataset, handoff, vocab_size: int, progress: Optional[Callable] = None):
+        self.cfg = cfg
+        self.dataset, self.handoff, self.vocab_size = dataset, handoff, vocab_size
+        self.progress = progress  # progress(num_trajectories) -> context manager yielding a per-trajectory callback
+        self.driver: Optional[Driver] = None
+
+    def start(self, driver: Optional[Driver]) -> None:
+        self.driver = driver
+
+    def take(self, iteration: int) -> Optional[Round]:
+        """Roll out the iteration's prompts (rank 0), validate, filter and split them (every rank)."""
+        steps, metrics = self.handoff.from_driver(lambda: self._rollout(iteration), "rollout", iteration)
+        validate_steps(steps, vocab_size=self.vocab_size)
+        metrics.update(rollout_metrics(steps))
+        steps, filtered = self._filter_groups(steps, iteration)
+        metrics.update(filtered)
+        return Round(prompt_minibatches(steps, self.cfg.data.prompts_per_minibatch) if steps else [], metrics)
+
+    def _rollout(self, iteration: int) -> tuple[list[Step], dict[str, Any]]:
+        """Rank 0: roll out (with dynamic sampling if enabled)."""
+        cfg, driver = self.cfg, self.driver
+        t = time.perf_counter()
+        samples = self.dataset.next(cfg.data.prompts_per_iteration)
+        progress = self.progress(len(samples) * cfg.data.samples_per_prompt) if self.progress else contextlib.nullcontext()
+        with progress as done:
+            steps = driver.run(driver.agent.rollout(samples, seed=rollout_seed(cfg.trainer.seed, iteration, 0),
+                                                    on_trajectory_done=done))
+        rounds = 1
+        if cfg.algo.filters.dynamic_sampling:
+            # Keep rolling out fresh prompts until enough groups carry a learning signal.
+            while (count_informative_groups(steps) < cfg.data.prompts_per_iteration
+                   and rounds < cfg.algo.filters.max_sampling_rounds):
+                more = self.dataset.next(cfg.data.prompts_per_iteration)
+                seen = {s.trajectory_id.prompt_id for s in steps}
+                more = [m for m in more if m["prompt_id"] not in seen]
+                if more:
+                    steps = steps + driver.run(driver.agent.rollout(more, seed=rollout_seed(cfg.trainer.seed, iteration, rounds)))
+                rounds += 1
+        elapsed = time.perf_counter() - t
+        generated = sum(int(s.response_ids.numel()) for s in steps)
+        info = {"rollout/sampling_rounds": rounds, "perf/rollout_tokens_per_s": generated / max(elapsed, 1e-9)}
+        info.update(driver.fleet_metrics())
+        return steps, info
+
+    def _filter_groups(self, steps: list[Step], iteration: int) -> tuple[list[Step], dict[str, Any]]:
+        """Trajectory-group filters; keeps whole prompt groups and a multiple of the mini-batch size."""
+        cfg = self.cfg
+        filters = cfg.algo.filters
+        groups = group_rows(steps)
+        keep = list(groups)
+        if filters.zero_variance or filters.dynamic_sampling:
+            keep = [g for g in keep if has_reward_variance([steps[i] for i in groups[g]])]
+        target = cfg.data.prompts_per_iteration if filters.dynamic_sampling else len(keep)
+        usable = min(len(keep), target)
+        usable -= usable % cfg.data.prompts_per_minibatch
+        metrics = {
+            "filter/groups_in": len(groups),
+            "filter/groups_dropped_zero_variance": len(groups) - len(keep),
+            "filter/groups_trained": usable,
+        }
+        if usable == 0:
+            if filters.zero_variance or filters.dynamic_sampling:
+                log.warning("iteration %d: no prompt group with reward variance; no optimizer step", iteration)
+            return [], metrics
+        kept = set(keep[:usable])
+        return [s for s in steps if s.trajectory_id.prompt_id in kept], metrics
+
+    def overlap(self):
+        return contextlib.nullcontext()  # the fleet is idle while this source's batches train
+
+    def iteration_metrics(self) -> dict[str, Any]:
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,236 @@
+"""The RL loop: one training loop fed by a mini-batch source.
+
+Every training rank runs `Trainer.run()`. Global rank 0 also drives the rollout fleet. Each
+iteration is `source.rounds_per_iteration` rounds of:
+
+1. `source.take`: rank 0 rolls out (sync) or takes finished prompt groups (async); every rank
+   gets the same validated steps, split into prompt mini-batches (each one optimizer step);
+2. `prepare` each mini-batch: optional prefix merge, outcome advantages, the columnar batch;
+3. old-policy log-probs when the policy moves before a mini-batch is trained (several
+   mini-batches or epochs in one round), reference log-probs when the loss has a KL term;
+4. one optimizer step per mini-batch and epoch (`StepwisePlugin.train_minibatch`);
+5. push the new weights to the fleet (a new weight version).
+
+The synchronous source makes one round per iteration with the fleet idle (so one push after the
+iteration's last optimizer step); the async source one round per optimizer step while the
+fleet keeps rolling out. Then one JSON line of metrics and, every `checkpoint.every`, a checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import math
+import time
+from collections import defaultdict
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from megatron_stepwise.config import ExperimentConfig
+from megatron_stepwise.loop import components
+from megatron_stepwise.loop.async_source import AsyncRollouts
+from megatron_stepwise.loop.checkpoints import Checkpointer, TrainerState
+from megatron_stepwise.loop.handoff import Handoff
+from megatron_stepwise.loop.prepare import PrepareOptions, add_counts, prepare
+from megatron_stepwise.loop.sources import Driver, SyncRollouts, rollout_seed
+from megatron_stepwise.metrics import MetricsLogger, mean_metrics, read_metrics, rollout_metrics, summarize_run
+from megatron_stepwise.types import StepBatch
+
+log = logging.getLogger(__name__)
+
+
+class Trainer:
+    def __init__(self, cfg: ExperimentConfig):
+        self.cfg = cfg
+        for module in cfg.trainer.imports:
+            importlib.import_module(module)
+        components.init_runtime(cfg)
+        self.is_driver = dist.get_rank() == 0
+
+        self.tokenizer = components.load_tokenizer(cfg)
+        self.hf_config = components.model_config(cfg, self.tokenizer)
+        self.chunks = components.build_policy(cfg, self.hf_config)
+        self.ref_chunks = components.build_reference(cfg, self.hf_config, self.chunks) if cfg.algo.loss.kl_coef > 0 else None
+        self.optimizer = components.build_optimizer(cfg, self.chunks)
+        self.scheduler = components.build_scheduler(cfg, self.optimizer)
+        self.plugin = components.build_plugin(cfg, self.tokenizer)
+        self.dataset = components.build_dataset(cfg)
+        self.state = TrainerState()
+        self.prepare_options = PrepareOptions.from_config(cfg)
+        # Rollouts and small decisions travel between ranks as objects on a CPU group, whatever
+        # the training backend is.
+        handoff = Handoff(self.dataset, dist.new_group(backend="gloo"))
+        vocab = self.hf_config["vocab_size"]
+        if cfg.async_.enabled:
+            self.source = AsyncRollouts(cfg, dataset=self.dataset, handoff=handoff, vocab_size=vocab,
+                                        version=lambda: self.state.weight_version)
+        else:
+            self.source = SyncRollouts(cfg, dataset=self.dataset, handoff=handoff, vocab_size=vocab,
+                                       progress=self._rollout_progress if cfg.logging.progress else None)
+        self.checkpoints = Checkpointer(cfg, chunks=self.chunks, optimizer=self.optimizer, scheduler=self.scheduler,
+                                        parts={"trainer": self.state, "dataset": self.dataset, "rollouts": self.source})
+        self.checkpoints.resume()
+
+        self.driver: Optional[Driver] = None
+        self.logger = None
+        if self.is_driver:
+            loop = asyncio.new_event_loop()
+            fleet = components.build_fleet(cfg, self.hf_config, self.tokenizer)
+            loop.run_until_complete(fleet.wait_ready())
+            self.driver = Driver(loop, fleet, components.build_agent_loop(cfg, fleet, self.tokenizer))
+            self.logger = MetricsLogger(
+                cfg.run_dir, tensorboard=cfg.logging.tensorboard, wandb_project=cfg.logging.wandb.project,
+                wandb_name=cfg.logging.wandb.name or cfg.name, config=cfg.to_dict(),
+                resume_iteration=self.state.iteration,
+            )
+        self.weight_sync = components.build_weight_sync(cfg, self.driver and self.driver.fleet, self.hf_config,
+                                                        self.driver and self.driver.loop)
+        # The engines start from their own random init: give them the trainer's weights.
+        self.push_weights()
+        self.source.start(self.driver)
+
+    # ------------------------------------------------------------------------------- loop
+    def run(self) -> list[dict[str, Any]]:
+        cfg = self.cfg
+        history = []
+        if self.state.iteration >= cfg.trainer.iterations and self.is_driver:
+            log.info("nothing to do: the checkpoint in %s is at iteration %d = trainer.iterations "
+                     "(raise trainer.iterations to continue, or checkpoint.resume=never to start over)",
+                     cfg.checkpoint_dir, self.state.iteration)
+        progress = self._progress()
+        try:
+            while self.state.iteration < cfg.trainer.iterations:
+                evaluation = self.evaluate()
+                metrics = self.iteration()
+                metrics.update(evaluation)
+                every = cfg.checkpoint.every
+                if (every and self.state.iteration % every == 0) or self.state.iteration == cfg.trainer.iterations:
+                    t = time.perf_counter()
+                    self.checkpoints.save()
+                    metrics["time/checkpoint"] = time.perf_counter() - t
+                history.append(metrics)
+                if self.is_driver:
+                    self.logger.log(self.state.iteration - 1, metrics)
+                    if progress is not None:
+                        progress.update(1)
+                        progress.set_postfix(reward=f"{metrics.get('reward/mean', float('nan')):.3f}")
+            if cfg.checkpoint.export_hf:
+                components.export_hf(cfg, self.chunks, self.hf_config, self.tokenizer)
+        finally:
+            if progress is not None:
+                progress.close()
+        if history and self.is_driver:
+            log.info("%s", summarize_run(read_metrics(cfg.run_dir), cfg.run_dir))
+        return history
+
+    def iteration(self) -> dict[str, Any]:
+        """`rounds_per_iteration` rounds of take -> prepare -> score -> train -> push."""
+        t0 = time.perf_counter()
+        times: dict[str, float] = defaultdict(float)
+        metrics: dict[str, Any] = {}
+        counts, train_metrics, sync_metrics = [], [], []
+        skipped = trained_tokens = 0
+        for _ in range(self.source.rounds_per_iteration):
+            clock = time.perf_counter()
+            round_ = self.source.take(self.state.iteration)
+            times["time/rollout"] += time.perf_counter() - clock
+            if round_ is None:
+                skipped += 1
+                continue
+            metrics.update(round_.metrics)
+            with self.source.overlap():
+                clock = time.perf_counter()
+                prepared = [prepare(steps, self.prepare_options) for steps in round_.minibatches]
+                counts += [m for _, m in prepared]
+                batches = [b for b, _ in prepared if b is not None]
+                skipped += len(prepared) - len(batches)
+                times["time/prepare"] += time.perf_counter() - clock
+                clock = time.perf_counter()
+                self.score(batches)
+                times["time/old_logprobs"] += time.perf_counter() - clock
+                clock = time.perf_counter()
+                for _ in range(self.cfg.data.epochs):
+                    for batch in batches:
+                        train_metrics.append(self.train_step(batch))
+                times["time/train"] += time.perf_counter() - clock
+                trained_tokens += sum(int(b.lengths.sum()) for b in batches) * self.cfg.data.epochs
+            self.state.weight_version += 1
+            clock = time.perf_counter()
+            sync_metrics.append(self.push_weights())  # async: in-flight turns pause, update, go on
+            times["time/weight_sync"] += time.perf_counter() - clock
+        self.state.iteration += 1
+
+        metrics.update(add_counts(counts))
+        metrics.update(self.source.iteration_metrics())
+        metrics.update(mean_metrics(train_metrics, prefix="train/"))
+        metrics["train/optimizer_steps"] = len(train_metrics)
+        metrics["train/skipped_steps"] = skipped
+        metrics["train/lr"] = self.optimizer.param_groups[0]["lr"]
+        metrics["perf/train_tokens_per_s"] = trained_tokens / max(times["time/train"], 1e-9)
+        metrics.update(mean_metrics(sync_metrics, prefix=""))
+        metrics.update(times)
+        metrics["time/iteration"] = time.perf_counter() - t0
+        metrics["weight_version"] = self.state.weight_version
+        return metrics
+
+    def score(self, batches: list[StepBatch]) -> None:
+        """Old-policy log-probs when the policy moves before a batch is trained; reference log-probs."""
+        needs_old = len(batches) * self.cfg.data.epochs > 1
+        for batch in batches:
+            if needs_old:
+                batch.token_fields["old_logprobs"] = self.plugin.compute_logprobs_flat(self.chunks, batch)
+            if self.ref_chunks is not None:
+                batch.token_fields["ref_logprobs"] = self.plugin.compute_logprobs_flat(self.ref_chunks, batch)
+
+    def train_step(self, batch: StepBatch) -> dict[str, float]:
+        """One optimizer step on one mini-batch."""
+        return self.plugin.train_minibatch(self.chunks, self.optimizer, batch, lr_scheduler=self.scheduler)
+
+    def push_weights(self) -> dict[str, float]:
+        """Collective: every rank converts its shard; rank 0 pushes to the fleet."""
+        return self.weight_sync.push(self.chunks, self.state.weight_version) or {}
+
+    def evaluate(self) -> dict[str, Any]:
+        """Reward of the current policy on the eval prompts, every `trainer.eval_every` (rank 0 only)."""
+        every = self.cfg.trainer.eval_every
+        if not (every and self.is_driver and self.state.iteration % every == 0):
+            return {}
+        t = time.perf_counter()
+        samples = components.eval_samples(self.cfg, self.dataset)
+        steps = self.driver.run(self.driver.agent.rollout(samples, seed=rollout_seed(self.cfg.trainer.seed, self.state.iteration, -1)))
+        out = {f"eval/{k}": v for k, v in rollout_metrics(steps).items() if k.startswith(("reward/", "rollout/turns"))}
+        out["time/eval"] = time.perf_counter() - t
+        return out
+
+    # ---------------------------------------------------------------------------- output
+    def _rollout_progress(self, total: int):
+        """A per-trajectory progress bar under the iterations bar."""
+        from contextlib import contextmanager
+
+        from tqdm import tqdm
+
+        @contextmanager
+        def bar():
+            with tqdm(total=total, desc="rollout", unit="traj", leave=False, position=1) as b:
+                yield lambda _steps: b.update(1)
+
+        return bar()
+
+    def _progress(self):
+        if not (self.is_driver and self.cfg.logging.progress):
+            return None
+        from tqdm import tqdm
+
+        return tqdm(total=self.cfg.trainer.iterations, initial=self.state.iteration, desc="iterations", unit="it")
+
+    def close(self) -> None:
+        self.source.close()
+        self.weight_sync.close()
+        if self.driver is not None:
+            self.driver.run(self.driver.fleet.shutdown())
+            self.driver.agent.close()
+            self.driver.loop.close()
+        if self.logger is not None:
+            self.logger.close()

@@ -1,0 +1,125 @@
+"""Plain helpers shared by the test modules (imported by bare name: `tests` is on pytest's
+`pythonpath`). Fixtures live in conftest.py; these are functions because they are also called at
+import time, from module-level data builders and from hypothesis strategies.
+
+- `make_step`: the one Step factory of the tests.
+- `run_torchrun` / `check_ok`: the one way the tests launch tests/*_worker.py under torchrun.
+- `tiny_lm`: a tiny tokenizer and the Qwen2 config sized to it, for the embedded engine.
+- `load_script`: import a script of tools/ or launch/ by path, without touching sys.path.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from megatron_stepwise.types import Step, TrajectoryID
+
+REPO = Path(__file__).resolve().parents[1]
+TESTS = REPO / "tests"
+
+
+# ---- steps ------------------------------------------------------------------------------------
+
+def make_step(
+    pid: str,
+    k: int,
+    prompt: Sequence[int] = (0, 1),
+    resp: Optional[Sequence[int]] = None,
+    mask: Optional[Sequence[int]] = None,
+    *,
+    last: bool = True,
+    reward: float = 0.0,
+    lp: Optional[Sequence[float]] = None,
+    versions: Optional[Sequence[int]] = None,
+    stop: str = "stop",
+    meta: Optional[dict[str, Any]] = None,
+) -> Step:
+    """Step `k` of prompt `pid`'s trajectory (sample index `k`).
+
+    `resp` defaults to token 7 at every position of `mask`; `mask` defaults to all ones over
+    `resp` (at least one of the two is needed). Everything else is keyword-only:
+    `last` -> is_last_step, `lp` -> rollout_logprobs, `versions` -> weight_versions,
+    `stop` -> stop_reason, `meta` -> metadata.
+    """
+    if resp is None and mask is None:
+        raise ValueError("make_step needs resp or mask")
+    resp = [7] * len(mask) if resp is None else resp
+    mask = [1] * len(resp) if mask is None else mask
+    return Step(
+        TrajectoryID(pid, k),
+        list(prompt),
+        resp,
+        mask,
+        rollout_logprobs=lp,
+        reward=reward,
+        is_last_step=last,
+        stop_reason=stop,
+        weight_versions=versions,
+        metadata=dict(meta or {}),
+    )
+
+
+# ---- torchrun ---------------------------------------------------------------------------------
+
+def run_torchrun(
+    script: str, nproc: int, args: Sequence[str], timeout: float = 300, env: Optional[dict[str, str]] = None
+) -> subprocess.CompletedProcess:
+    """Run tests/<script> under torchrun (CPU, gloo) with `nproc` processes; returns the
+    CompletedProcess with its output captured (check it with `check_ok`).
+
+    The repository goes first on PYTHONPATH; the worker imports its tests/ siblings
+    (worker_entry, megatron_cases) by bare name because Python puts a script's directory on
+    sys.path. `env` adds or overrides variables (e.g. CUDA_VISIBLE_DEVICES="").
+    """
+    pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    full_env = dict(os.environ, PYTHONPATH=pythonpath, OMP_NUM_THREADS="1", **(env or {}))
+    # --standalone: torchrun binds its own free port (a port picked here could be taken by
+    # another job on a shared machine before torchrun listens on it).
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+        str(TESTS / script), *args,
+    ]
+    return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+
+
+def check_ok(proc: subprocess.CompletedProcess, what: str = "torchrun") -> None:
+    """Fail with the tail of the output when a `run_torchrun` launch did not exit 0."""
+    assert proc.returncode == 0, (
+        f"{what} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    )
+
+
+# ---- tiny models ------------------------------------------------------------------------------
+
+def tiny_lm(tokenizer: str = "tiny_word") -> tuple[Any, dict]:
+    """(tokenizer, config): one of the package's tiny tokenizers ("tiny_word", "tiny_char"; loaded
+    once per process, shared) and a fresh tiny Qwen2 config dict sized to its vocabulary."""
+    from megatron_stepwise.hf.tokenizers import load_tokenizer
+    from megatron_stepwise.rollout.hf_model import tiny_qwen2_config
+
+    tok = load_tokenizer(tokenizer)
+    return tok, tiny_qwen2_config(len(tok))
+
+
+# ---- scripts ----------------------------------------------------------------------------------
+
+def load_script(path: Path, name: Optional[str] = None):
+    """Import the script at `path` as module `name` (default: its stem) and register it in
+    sys.modules, so that scripts outside the package (tools/, launch/) are tested without
+    putting their folder on sys.path."""
+    path = Path(path)
+    name = name or path.stem
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    return module

@@ -1,0 +1,26 @@
+"""Plain reference computations the tests compare the optimised paths against."""
+
+from __future__ import annotations
+
+import torch
+
+
+def reference_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain full-vocabulary computation: logits [N, V] -> (logp, entropy) of `targets` [N]."""
+    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
+    logp = logp_all.gather(-1, targets[:, None])[:, 0]
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+def teacher_forced_logprobs(model, prompt: list[int], output: list[int], temperature: float = 1.0) -> torch.Tensor:
+    """log_softmax(logits / T) of each output token given everything before it, in one unpadded
+    pass of an HF causal LM (T = 0, greedy, uses the raw logits)."""
+    ids = torch.tensor([prompt + output])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0].float()
+    scaled = logits / temperature if temperature > 0 else logits
+    logp = torch.log_softmax(scaled, -1)[len(prompt) - 1 : -1]
+    return logp.gather(-1, torch.tensor(output)[:, None])[:, 0]
