@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Sequence
 
 PANELS = (
     ("Reward (trajectory level)", ("reward/mean", "reward/pass@1")),

@@ -38,7 +38,7 @@ def test_killing_an_engine_mid_rollout_loses_and_duplicates_nothing():
         task = asyncio.create_task(loop.rollout(samples))
         # Kill engine 1 while it has turns in flight (so they must be retried elsewhere).
         deadline = asyncio.get_running_loop().time() + 120
-        while fleet.metrics()["requests"] < 10 or fleet._slots[1].outstanding == 0:
+        while fleet.metrics()["requests"] < 10 or fleet.outstanding(1) == 0:
             if task.done():
                 task.result()  # raises the rollout's error, if that is why it ended
                 pytest.fail("the rollout finished before engine 1 could be killed mid-rollout")

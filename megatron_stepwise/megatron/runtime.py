@@ -8,13 +8,12 @@ layer (`cpu_compat`) for the lifetime of the runtime; `destroy_distributed` undo
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -200,15 +199,3 @@ def destroy_distributed() -> None:
     if _COMPAT_HELD:
         cpu_compat.disable_cpu_compat()
         _COMPAT_HELD = False
-
-
-@contextlib.contextmanager
-def distributed(
-    tensor_parallel: int = 1, pipeline_parallel: int = 1, context_parallel: int = 1, **kwargs
-) -> Iterator[ParallelLayout]:
-    """`with distributed(tp, pp) as layout:` — init on entry, teardown on exit."""
-    layout = init_distributed(tensor_parallel, pipeline_parallel, context_parallel, **kwargs)
-    try:
-        yield layout
-    finally:
-        destroy_distributed()

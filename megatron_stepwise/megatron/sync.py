@@ -17,7 +17,7 @@ global rank 0) and only global rank 0 talks to the fleet:
   the engines as the buckets stream in, so rank 0 never holds more than one bucket.
 
 `WeightSync` keeps what lives across pushes (the event loop driving the fleet, the
-distributed group); `sync_weights` is the one-shot form.
+distributed group).
 """
 
 from __future__ import annotations
@@ -214,13 +214,3 @@ class WeightSync:
             return group
 
         self._group = self._run(both())
-
-
-def sync_weights(chunks: list, fleet: Any, mode: str, version: int, *, hf_config: Any, **options: Any) -> dict:
-    """One push with a throwaway `WeightSync` (keep a WeightSync for mode="distributed", whose
-    group should be opened once). Collective over all training ranks."""
-    syncer = WeightSync(fleet, mode, hf_config, **options)
-    try:
-        return syncer.push(chunks, version)
-    finally:
-        syncer.close()

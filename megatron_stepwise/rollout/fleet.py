@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Awaitable, Callable, Optional
 
 from megatron_stepwise.rollout.engine import EngineError, GenerateResult, NamedTensors, SamplingParams
@@ -224,6 +224,10 @@ class RolloutFleet:
         reaches any `Engine` method). A restarted engine gets a new handle: ask again after a
         restart. For tests and drills; requests go through `generate`."""
         return self._slots[index].handle
+
+    def outstanding(self, index: int) -> int:
+        """Requests engine `index` is serving now (routing picks the engine with the fewest)."""
+        return self._slots[index].outstanding
 
     def kill_engine(self, index: int) -> None:
         """Kill one engine's actor (fault-injection for tests and drills)."""
