@@ -22,7 +22,7 @@ from megatron_stepwise.algo.losses import LossConfig
 from megatron_stepwise.megatron import model as M
 from megatron_stepwise.megatron import runtime
 from megatron_stepwise.megatron import weights as W
-from megatron_stepwise.megatron.plugin import StepwisePlugin
+from megatron_stepwise.megatron.plugin import HostLoopMismatchError, StepwisePlugin, UnsupportedLayoutError
 from megatron_stepwise.types import Step, StepwiseBatchError, TrajectoryID
 from worker_entry import run_worker
 
@@ -148,11 +148,55 @@ def run_bad_inputs(args, chunks, optimizer, layout):
         lambda: M.build_gpt_model(M.tiny_config(hidden_size=48, num_heads=3, num_kv_heads=3, ffn_hidden_size=128)),
         M.ModelConfigError,
     )
+    run_fixed_count_checks(args, chunks, plugin, batch_of, expect, msgs)
     # All ranks reach this point (no rank hangs in a collective the others skipped).
     alive = torch.ones(1)
     dist.all_reduce(alive)
     msgs["alive_ranks"] = int(alive.item())
     return msgs
+
+
+def run_fixed_count_checks(args, chunks, plugin, batch_of, expect, msgs):
+    """Host loops that run a fixed number of micro-batches (Megatron-LM's pretrain)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator, unset_num_microbatches_calculator
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    dp = ps.get_data_parallel_world_size()
+    # 2 x dp rows, each filling most of a micro-batch: 2 micro-batches per DP rank.
+    long_rows = [Step(TrajectoryID(f"f{i}", 0), list(range(1, args.budget // 2 + 4)), [5, 6, 7], [1, 1, 1],
+                      rollout_logprobs=[-0.5] * 3, is_last_step=True) for i in range(2 * dp)]
+    batch = batch_of(long_rows)
+    expect("fixed_count_too_few", lambda: plugin.prepare_minibatch(chunks, batch, num_microbatches=1),
+           HostLoopMismatchError)
+    padded = plugin.prepare_minibatch(chunks, batch, num_microbatches=4)
+    msgs["fixed_count_padded"] = [padded.num_microbatches, sum(len(mb.rows) == 0 for mb in padded.microbatches)]
+    expect("schedule_plan", lambda: plugin.forward_step(padded.data_iterator(), chunks[0], return_schedule_plan=True),
+           UnsupportedLayoutError)
+    # megatron's calculator says 3 micro-batches per step (Megatron-LM sets it from the global batch size).
+    init_num_microbatches_calculator(dist.get_rank(), None, 3 * dp, 1, dp)
+    try:
+        expect("host_count_mismatch", lambda: plugin.prepare_minibatch(chunks, batch), HostLoopMismatchError)
+        msgs["host_count_match"] = plugin.prepare_minibatch(chunks, batch, num_microbatches=3).num_microbatches
+        if ps.get_pipeline_model_parallel_world_size() == 1:
+            # A loop that skips prepare_minibatch's check: forward_step catches it at the first micro-batch.
+            inputs = plugin._prepare(chunks, batch, mode="train")
+
+            def run():
+                get_forward_backward_func()(
+                    forward_step_func=plugin.forward_step, data_iterator=inputs.data_iterator(), model=chunks,
+                    num_microbatches=3, seq_length=inputs.seq_length, micro_batch_size=1, forward_only=False)
+
+            expect("forward_step_count", run, HostLoopMismatchError)
+    finally:
+        unset_num_microbatches_calculator()
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        cfg = M.unwrap(chunks[0]).config
+        cfg.variable_seq_lengths = False
+        try:
+            expect("pp_fixed_shapes", lambda: plugin.prepare_minibatch(chunks, batch), UnsupportedLayoutError)
+        finally:
+            cfg.variable_seq_lengths = True
 
 
 def megatron_loop_backward(plugin, chunks, optimizer, batch):

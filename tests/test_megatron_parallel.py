@@ -260,3 +260,18 @@ def test_bad_inputs_raise_clear_errors_on_every_rank(results):
     assert bad["tokenizer_vocab"] == "tokenizer has 300 tokens but the model's vocab_size is 256"
     assert bad["heads_not_divisible"] == "tensor_parallel=2 does not divide num_attention_heads=3"
     assert bad["alive_ranks"] == 2  # both ranks got past every error and met in a collective
+    # a fixed micro-batch count (Megatron-LM's pretrain): padded with empty micro-batches, or refused
+    assert bad["fixed_count_padded"] == [4, 2]
+    assert bad["fixed_count_too_few"].startswith("this mini-batch needs 2 micro-batches of <= 64 tokens per DP rank, "
+                                                 "but the host loop runs num_microbatches=1")
+    assert bad["host_count_mismatch"].startswith("the training loop runs get_num_microbatches()=3 micro-batches per "
+                                                 "step, but the plugin planned 2")
+    assert bad["forward_step_count"] == bad["host_count_mismatch"]
+    assert bad["host_count_match"] == 3
+    assert "return_schedule_plan=True" in bad["schedule_plan"]
+
+
+def test_pipeline_parallel_needs_variable_sequence_lengths(results):
+    bad = results("pp2")["bad_inputs"]
+    assert bad["pp_fixed_shapes"].startswith("pipeline parallelism needs config.variable_seq_lengths=True")
+    assert bad["host_count_match"] == 3 and bad["fixed_count_padded"][0] == 4

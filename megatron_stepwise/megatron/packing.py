@@ -45,6 +45,7 @@ class PackedMicroBatch:
     mode: str = "train"  # "train" or "logprobs": what the loss function computes
     loss_scale: float = 1.0  # undoes megatron's averaging over micro-batches and DP (plugin sets it)
     rollout_logprobs_complete: bool = False  # every trained token of the mini-batch has an engine log-prob
+    plan_size: int = 1  # micro-batches the plugin planned for this mini-batch and DP rank
     cu_seqlens_padded: Optional[torch.Tensor] = None  # rows padded for CP (None: same as cu_seqlens)
 
     @property
@@ -212,4 +213,5 @@ def split_for_context_parallel(mb: PackedMicroBatch, cp: int, cp_rank: int) -> P
         mode=mb.mode,
         loss_scale=mb.loss_scale,
         rollout_logprobs_complete=mb.rollout_logprobs_complete,
+        plan_size=mb.plan_size,
     )

@@ -55,6 +55,11 @@ class UnsupportedLayoutError(ValueError):
     """A model layout the step-wise plugin refuses (virtual pipeline, MTP)."""
 
 
+class HostLoopMismatchError(ValueError):
+    """The host training loop assumes something the plugin's plan does not hold (e.g. another
+    number of micro-batches per optimizer step); raised instead of training silently wrong."""
+
+
 @dataclass
 class MinibatchInputs:
     """What a megatron loop passes to `get_forward_backward_func()` for one mini-batch."""
@@ -92,6 +97,24 @@ def _output_layer_bypassed(gpt):
         del layer.forward
 
 
+def _check_host_count(plan_size: int) -> None:
+    """With megatron's micro-batch calculator set up (Megatron-LM's pretrain does), the schedule
+    runs `get_num_microbatches()` micro-batches: it must be the plan's count, or mini-batches
+    would straddle optimizer steps silently."""
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+    try:
+        host = get_num_microbatches()
+    except AttributeError:  # the calculator is not initialised: the caller passes the count itself
+        return
+    if host != plan_size:
+        raise HostLoopMismatchError(
+            f"the training loop runs get_num_microbatches()={host} micro-batches per step, but the plugin planned "
+            f"{plan_size} for this mini-batch: pass StepwisePlugin(num_microbatches={host}) (or prepare_minibatch("
+            f"num_microbatches={host})) so every mini-batch is exactly one optimizer step"
+        )
+
+
 class StepwisePlugin:
     """Step-wise policy-gradient training for megatron-core models (see module docstring).
 
@@ -103,6 +126,10 @@ class StepwisePlugin:
         `log_softmax(logits / T)`, the distribution the engine sampled from and reported log-probs
         of, so the policy ratio, TIS/IcePop weights, KL, entropy and the train-vs-rollout gap
         compare like with like. Must be > 0 (greedy rollouts cannot be trained on).
+    num_microbatches: a fixed number of micro-batches per mini-batch and DP rank, for host loops
+        that run a fixed count (Megatron-LM's `pretrain`: global_batch_size / (micro_batch_size x
+        DP)). The plan is padded to it with loss-neutral empty micro-batches; a mini-batch that
+        needs more is an error naming both numbers. None: as many as the token budget needs.
     vocab_size: the real vocabulary (the HF config's vocab_size) when the megatron model's is
         padded (Megatron-LM's --make-vocab-size-divisible-by): padding rows are left out of the
         softmax so log-probs match the rollout engine. Default: what `model.build_gpt_model`
@@ -121,6 +148,7 @@ class StepwisePlugin:
         logprob_chunk_tokens: Optional[int] = None,
         pad_token_id: int = 0,
         temperature: float = 1.0,
+        num_microbatches: Optional[int] = None,
         vocab_size: Optional[int] = None,
         policy_loss: Optional[Callable] = None,
         token_weights: Optional[Callable] = None,
@@ -135,12 +163,16 @@ class StepwisePlugin:
         self.pad_token_id = pad_token_id
         check_temperature(temperature)
         self.temperature = float(temperature)
+        if num_microbatches is not None and num_microbatches < 1:
+            raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
+        self.num_microbatches = num_microbatches
         self.vocab_size = vocab_size
         self._policy_loss = policy_loss
         self._token_weights = token_weights
         self._plan = plan_microbatches
         self._plan_takes_alignment = False  # the package planner also packs to the layout's alignment
         self._loss_inputs = loss_inputs
+        self._in_own_schedule = False  # train_minibatch / compute_logprobs pass the plan's count themselves
 
     # ----------------------------------------------------------------- algorithm hooks
     def _algo(self):
@@ -214,8 +246,20 @@ class StepwisePlugin:
         steps_or_batch: Union[StepBatch, Sequence[Step]],
         *,
         mode: str = TRAIN,
+        num_microbatches: Optional[int] = None,
     ) -> MinibatchInputs:
-        """Validate, weight (once per mini-batch), plan and pack this DP rank's micro-batches."""
+        """Validate, weight (once per mini-batch), plan and pack this DP rank's micro-batches, for a
+        host loop that runs the schedule itself.
+
+        `num_microbatches` (default: the plugin's) pads the plan to a fixed count. When megatron's
+        micro-batch calculator is set up (Megatron-LM), its count must be the plan's: checked
+        here, on every rank before any collective.
+        """
+        inputs = self._prepare(model_chunks, steps_or_batch, mode=mode, num_microbatches=num_microbatches)
+        _check_host_count(inputs.num_microbatches)
+        return inputs
+
+    def _prepare(self, model_chunks: list, steps_or_batch, *, mode: str, num_microbatches: Optional[int] = None):
         self._algo()
         batch = self.as_batch(steps_or_batch)
         gpt = unwrap(model_chunks[0])
@@ -224,6 +268,12 @@ class StepwisePlugin:
         if getattr(cfg, "mtp_num_layers", None):
             # MTP heads reuse the output layer inside GPTModel, which the plugin bypasses.
             raise UnsupportedLayoutError("multi-token prediction (mtp_num_layers) is not supported by the plugin")
+        if cfg.pipeline_model_parallel_size > 1 and not cfg.variable_seq_lengths:
+            # Packed micro-batches differ in length; fixed-shape p2p would fail mid-schedule.
+            raise UnsupportedLayoutError(
+                "pipeline parallelism needs config.variable_seq_lengths=True (Megatron-LM: --variable-seq-lengths): "
+                "packed micro-batches have different lengths"
+            )
         need = ("loss_mask", "advantages") if mode == TRAIN else ("loss_mask",)
         lengths = packed_lengths(batch.lengths, cp)
         self._check_batch(batch, gpt, need=need, lengths=lengths, cp=cp)
@@ -238,6 +288,7 @@ class StepwisePlugin:
         plan = self._plan(lengths.tolist(), dp_size=dp, max_tokens=self.max_tokens, **extra)
         if len(plan) != dp or len({len(p) for p in plan}) != 1:
             raise RuntimeError(f"micro-batch planner returned an invalid plan for dp_size={dp}")
+        plan = self._fixed_count(plan, num_microbatches or self.num_microbatches)
         fields = {}
         rollout_complete = False
         if mode == TRAIN:
@@ -262,7 +313,21 @@ class StepwisePlugin:
         scale = float(num_mb * dp) if not cfg.calculate_per_token_loss else float(n_trained)
         for mb in mbs:
             mb.loss_scale = scale
+            mb.plan_size = num_mb
         return MinibatchInputs(mbs, num_mb, max(mb.seq_len for mb in mbs))
+
+    def _fixed_count(self, plan: list, count: Optional[int]) -> list:
+        """Pad every rank's micro-batches to `count` with empty (loss-neutral) ones."""
+        if count is None:
+            return plan
+        needed = len(plan[0])
+        if needed > count:
+            raise HostLoopMismatchError(
+                f"this mini-batch needs {needed} micro-batches of <= {self.max_tokens} tokens per DP rank, but the host "
+                f"loop runs num_microbatches={count} (Megatron-LM: global_batch_size / (micro_batch_size x DP)); "
+                "raise the global batch size or max_tokens_per_microbatch, or use fewer prompts per mini-batch"
+            )
+        return [rank + [[] for _ in range(count - needed)] for rank in plan]
 
     def _rollout_logprob_fields(self, batch: StepBatch, fields: dict) -> bool:
         """Add the engine's log-probs (and where they are known) to the per-token `fields`.
@@ -286,9 +351,20 @@ class StepwisePlugin:
         return missing is None and "rollout_logprobs" in fields
 
     # ----------------------------------------------------------------- megatron hooks
-    def forward_step(self, data_iterator, model, *_args, **_kwargs):
-        """megatron-core forward step: packed micro-batch -> (output tensor, loss function)."""
+    def forward_step(self, data_iterator, model, checkpoint_activations_microbatch=None, *,
+                     return_schedule_plan: bool = False):
+        """megatron-core forward step: packed micro-batch -> (output tensor, loss function).
+
+        `checkpoint_activations_microbatch` (passed by megatron's schedules) is left to the model
+        config's recompute settings.
+        """
+        if return_schedule_plan:
+            raise UnsupportedLayoutError(
+                "forward_step(return_schedule_plan=True) (expert-parallel A2A overlap) is not supported by the plugin"
+            )
         mb: PackedMicroBatch = next(data_iterator)
+        if not self._in_own_schedule:
+            _check_host_count(mb.plan_size)
         gpt = unwrap(model)
         device = next(gpt.parameters()).device
         tokens = mb.tokens.to(device)
@@ -397,16 +473,20 @@ class StepwisePlugin:
         partials when training, each micro-batch's log-probs when `forward_only`."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        return get_forward_backward_func()(
-            forward_step_func=self.forward_step,
-            data_iterator=inputs.data_iterator(),
-            model=model_chunks,
-            num_microbatches=inputs.num_microbatches,
-            seq_length=inputs.seq_length,
-            micro_batch_size=1,
-            forward_only=forward_only,
-            collect_non_loss_data=forward_only,
-        )
+        self._in_own_schedule = True
+        try:
+            return get_forward_backward_func()(
+                forward_step_func=self.forward_step,
+                data_iterator=inputs.data_iterator(),
+                model=model_chunks,
+                num_microbatches=inputs.num_microbatches,
+                seq_length=inputs.seq_length,
+                micro_batch_size=1,
+                forward_only=forward_only,
+                collect_non_loss_data=forward_only,
+            )
+        finally:
+            self._in_own_schedule = False
 
     def train_minibatch(
         self,
@@ -424,7 +504,7 @@ class StepwisePlugin:
                 "megatron.core.distributed.finalize_model_grads (as Megatron-LM's setup does, and "
                 "model.build_model_chunks does)."
             )
-        inputs = self.prepare_minibatch(model_chunks, steps_or_batch, mode=TRAIN)
+        inputs = self._prepare(model_chunks, steps_or_batch, mode=TRAIN)
         for chunk in model_chunks:
             chunk.train()
             if hasattr(chunk, "zero_grad_buffer"):
@@ -446,7 +526,7 @@ class StepwisePlugin:
         from megatron.core import parallel_state as ps
 
         batch = self.as_batch(steps_or_batch)
-        inputs = self.prepare_minibatch(model_chunks, batch, mode=LOGPROBS)
+        inputs = self._prepare(model_chunks, batch, mode=LOGPROBS)
         for chunk in model_chunks:
             chunk.eval()
         outputs = self._run_schedule(model_chunks, inputs, forward_only=True)
