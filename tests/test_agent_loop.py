@@ -219,3 +219,23 @@ def test_config_and_sample_errors_are_clear():
         AgentLoopConfig(max_turns=0)
     with pytest.raises(ValueError, match="duplicate prompt_id"):
         run_loop(make_engine(), EchoEnv, [{"prompt_id": "a", "digits": [1]}] * 2)
+
+
+def test_a_tagged_rollout_runs_beside_one_of_the_same_prompts_and_samples_the_same():
+    # Evaluation during async training: the same prompts may be in flight; the tag keeps the
+    # engine's request ids apart, and the sampling seeds (hence the tokens) are unchanged.
+    rec = RecordingEngine(make_engine())
+    samples = echo_dataset(num_prompts=3, num_turns=2, seed=4)
+    loop = AgentLoop(rec, TOK, EchoEnv, AgentLoopConfig(max_turns=2, max_input_length=200, n_samples_per_prompt=2,
+                                                        sampling=SamplingParams(max_new_tokens=4)))
+
+    async def both():
+        return await asyncio.gather(loop.rollout(samples, seed=11), loop.rollout(samples, seed=11, request_tag="eval/"))
+
+    try:
+        train, evaluation = asyncio.run(both())
+    finally:
+        loop.close()
+    tagged = [rid for rid in rec.calls if rid.startswith("eval/")]
+    assert len(tagged) == len(evaluation) and len(rec.calls) == len(train) + len(evaluation)
+    assert [s.response_ids.tolist() for s in train] == [s.response_ids.tolist() for s in evaluation]

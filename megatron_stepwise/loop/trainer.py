@@ -199,7 +199,9 @@ class Trainer:
             return {}
         t = time.perf_counter()
         samples = components.eval_samples(self.cfg, self.dataset)
-        steps = self.driver.run(self.driver.agent.rollout(samples, seed=rollout_seed(self.cfg.trainer.seed, self.state.iteration, -1)))
+        seed = rollout_seed(self.cfg.trainer.seed, self.state.iteration, -1)
+        # Its own request ids: async training may have groups of the same prompts in flight.
+        steps = self.driver.run(self.driver.agent.rollout(samples, seed=seed, request_tag="eval/"))
         out = {f"eval/{k}": v for k, v in rollout_metrics(steps).items() if k.startswith(("reward/", "rollout/turns"))}
         out["time/eval"] = time.perf_counter() - t
         return out

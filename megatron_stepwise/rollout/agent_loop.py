@@ -109,13 +109,16 @@ class AgentLoop:
 
     async def rollout(
         self, samples: Sequence[dict[str, Any]], seed: Optional[int] = None,
-        on_trajectory_done: Optional[Callable[[list[Step]], None]] = None,
+        on_trajectory_done: Optional[Callable[[list[Step]], None]] = None, request_tag: str = "",
     ) -> list[Step]:
         """All `n_samples_per_prompt` trajectories of every sample; steps in output order.
 
         With `seed`, every turn's request carries a `sampling_seed` derived from (seed,
         trajectory, turn): the rollout is reproducible whichever engine serves each turn.
         `on_trajectory_done(steps)` is called as each trajectory finishes (progress bars).
+        `request_tag` prefixes the engine request ids (`<tag><trajectory>/turn<k>`): rollouts
+        that may run concurrently with others of the same prompts (evaluation during async
+        training) need their own, since an engine refuses a request id already in flight.
         """
         prompt_ids = [str(s.get("prompt_id", "")) for s in samples]
         for i, pid in enumerate(prompt_ids):
@@ -128,7 +131,7 @@ class AgentLoop:
 
         async def one(sample: dict, traj_id: TrajectoryID) -> list[Step]:
             async with limit:
-                steps = await self.run_trajectory(sample, traj_id, seed=seed)
+                steps = await self.run_trajectory(sample, traj_id, seed=seed, request_tag=request_tag)
             if on_trajectory_done is not None:
                 on_trajectory_done(steps)
             return steps
@@ -141,7 +144,9 @@ class AgentLoop:
             ]
         return [step for t in tasks for step in t.result()]
 
-    async def run_trajectory(self, sample: dict[str, Any], traj_id: TrajectoryID, seed: Optional[int] = None) -> list[Step]:
+    async def run_trajectory(
+        self, sample: dict[str, Any], traj_id: TrajectoryID, seed: Optional[int] = None, request_tag: str = ""
+    ) -> list[Step]:
         cfg = self.config
         env = self.env_factory()
         try:
@@ -161,7 +166,7 @@ class AgentLoop:
                 break
             result = await self.generator.generate(
                 prompt, self._sampling_for(len(prompt), _turn_seed(seed, traj_id, turn)),
-                rid=f"{traj_id}/turn{turn}", session=str(traj_id)
+                rid=f"{request_tag}{traj_id}/turn{turn}", session=f"{request_tag}{traj_id}"
             )
             step = self._make_step(traj_id, turn, prompt, result)
             steps.append(step)
