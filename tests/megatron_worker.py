@@ -24,6 +24,7 @@ from megatron_stepwise.megatron import runtime
 from megatron_stepwise.megatron import weights as W
 from megatron_stepwise.megatron.plugin import HostLoopMismatchError, StepwisePlugin, UnsupportedLayoutError
 from megatron_stepwise.types import Step, StepwiseBatchError, TrajectoryID
+from oracles import megatron_lm_logged_metrics
 from worker_entry import run_worker
 
 SEED = 7
@@ -202,7 +203,8 @@ def run_fixed_count_checks(args, chunks, plugin, batch_of, expect, msgs):
 def megatron_loop_backward(plugin, chunks, optimizer, batch):
     """Forward and backward of `batch` at the initial weights the way a user's own megatron loop
     drives the plugin (`prepare_minibatch`, `forward_step`, megatron's schedule), no optimizer
-    step; returns the prepared inputs and the reduced metrics (gradients stay in the buffers)."""
+    step; returns the prepared inputs, the reduced metrics and what Megatron-LM's train_step would
+    log from the same loss dicts (gradients stay in the buffers)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     W.init_deterministic(chunks, seed=SEED)
@@ -219,7 +221,7 @@ def megatron_loop_backward(plugin, chunks, optimizer, batch):
         micro_batch_size=1,
         forward_only=False,
     )
-    return inputs, plugin.reduce_metrics(losses)
+    return inputs, plugin.reduce_metrics(losses), megatron_lm_logged_metrics(losses)
 
 
 def run_layout(args, out_dir):
@@ -273,7 +275,7 @@ def run_layout(args, out_dir):
     result["params_after_step"] = W.full_state(chunks)
 
     # The merged batch at the initial weights, through the low-level megatron-loop API.
-    _, result["merged_metrics"] = megatron_loop_backward(plugin, chunks, optimizer, merged)
+    _, result["merged_metrics"], result["merged_megatron_lm_logged"] = megatron_loop_backward(plugin, chunks, optimizer, merged)
     if not args.distopt:
         result["merged_grads"] = W.full_state(chunks, grads=True)
 
@@ -284,7 +286,7 @@ def run_layout(args, out_dir):
         return [micro + [[]] for micro in plan_microbatches(lengths, **kw)]
 
     padded_plugin = StepwisePlugin(LOSS, max_tokens_per_microbatch=args.budget, plan_microbatches=plan_with_empty)
-    inputs, result["empty_mb_metrics"] = megatron_loop_backward(padded_plugin, chunks, optimizer, batch)
+    inputs, result["empty_mb_metrics"], _ = megatron_loop_backward(padded_plugin, chunks, optimizer, batch)
     assert inputs.microbatches[-1].num_trained == 0
     result["empty_mb_count"] = inputs.num_microbatches
     if not args.distopt:

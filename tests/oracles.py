@@ -24,3 +24,25 @@ def teacher_forced_logprobs(model, prompt: list[int], output: list[int], tempera
     scaled = logits / temperature if temperature > 0 else logits
     logp = torch.log_softmax(scaled, -1)[len(prompt) - 1 : -1]
     return logp.gather(-1, torch.tensor(output)[:, None])[:, 0]
+
+
+def megatron_lm_logged_metrics(losses: list) -> dict:
+    """What Megatron-LM's `train_step` (core_v0.16.1) makes of a schedule's loss dicts before it
+    prints them and sends them to TensorBoard/W&B, rewritten from its description: on the last
+    pipeline stage, a 2-element value is summed over micro-batches, all-reduced over DP x CP and
+    divided; a 1-element value is averaged over micro-batches (no reduction over ranks)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if not ps.is_pipeline_last_stage(ignore_virtual=True):
+        return {}
+    out = {}
+    for key in losses[0]:
+        vals = [x[key].view(-1) for x in losses]
+        if vals[0].numel() == 2:
+            total = torch.vstack(vals).sum(dim=0)
+            dist.all_reduce(total, group=ps.get_data_parallel_group(with_context_parallel=True))
+            out[key] = float(total[0] / total[1])
+        else:
+            out[key] = float(torch.cat(vals).mean())
+    return out

@@ -178,7 +178,8 @@ def test_baseline_logprobs_and_merged_batch(results, baseline):
     assert_logprobs_match_reference(res, tied=baseline.endswith("tied"))
     # Merged rows hold exactly the unmerged batch's trainable tokens: same loss and gradient.
     m, u = res["merged_metrics"], res["metrics"]
-    assert {"loss", "pg_loss", "kl", "entropy", "clipfrac_high", "logprob_gap_max"} <= set(m)
+    assert {"loss", "pg_loss", "kl", "entropy", "clipfrac_high"} <= set(m)
+    assert "logprob_gap_max" in u and "logprob_gap_max" not in m  # max-type: train_minibatch only
     for key in set(m) - {"tokens/total"}:
         assert abs(m[key] - u[key]) <= RTOL * max(abs(u[key]), 1e-3), f"merged vs unmerged {key}: {m[key]} vs {u[key]}"
     assert m["tokens/total"] < u["tokens/total"]  # merging removed the repeated prefixes
@@ -234,6 +235,19 @@ def test_bf16_layout_matches_fp32_baseline(results, layout):
     assert_tensors_close_l2(res["params_after_step"], base["params_after_step"], BF16_TOL["params_rel"],
                             "parameters after one step")
     assert res["bad_inputs"]["alive_ranks"] == nproc
+
+
+@pytest.mark.parametrize("layout", layout_params(FP32_LAYOUTS))
+def test_megatron_lm_logs_what_reduce_metrics_returns(results, layout):
+    """The loss dicts of a host loop, reduced the way Megatron-LM's train_step reduces them before
+    printing and logging, give exactly `reduce_metrics` (DP, CP, PP, both loss modes): no key
+    averaged over micro-batches, no internal key, no max-type key (those come from train_minibatch)."""
+    res = results(layout)
+    logged, want = res["merged_megatron_lm_logged"], res["merged_metrics"]
+    assert set(logged) == set(want) and {"loss", "pg_loss", "entropy", "tokens/trained"} <= set(logged)
+    assert not any(k.endswith("_max") or k.startswith("_") for k in logged)
+    for key, value in want.items():
+        assert abs(logged[key] - value) <= 1e-9 * max(abs(value), 1.0), f"{key}: {logged[key]} vs {value}"
 
 
 @pytest.mark.parametrize("layout", layout_params(FP32_LAYOUTS))

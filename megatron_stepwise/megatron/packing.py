@@ -46,6 +46,7 @@ class PackedMicroBatch:
     loss_scale: float = 1.0  # undoes megatron's averaging over micro-batches and DP (plugin sets it)
     rollout_logprobs_complete: bool = False  # every trained token of the mini-batch has an engine log-prob
     plan_size: int = 1  # micro-batches the plugin planned for this mini-batch and DP rank
+    metric_share: float = 0.0  # 1 on exactly one micro-batch of the mini-batch: the metric pairs' denominator
     cu_seqlens_padded: Optional[torch.Tensor] = None  # rows padded for CP (None: same as cu_seqlens)
 
     @property

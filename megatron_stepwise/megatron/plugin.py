@@ -303,12 +303,14 @@ class StepwisePlugin:
                     fields[name] = batch.token_fields[name].float()
             rollout_complete = self._rollout_logprob_fields(batch, fields)
         mbs = []
-        for rows in plan[dp_rank]:
+        for i, rows in enumerate(plan[dp_rank]):
             mb = pack_rows(batch, rows, align=align, pad_token_id=self.pad_token_id, max_tokens=self.max_tokens, cp=cp)
             mb.fields = {k: v[mb.token_index] for k, v in fields.items()}
             mb.mode = mode
             mb.rollout_logprobs_complete = rollout_complete
-            mbs.append(split_for_context_parallel(mb, cp, cp_rank) if cp > 1 else mb)
+            mb = split_for_context_parallel(mb, cp, cp_rank) if cp > 1 else mb
+            mb.metric_share = 1.0 if (i, dp_rank, cp_rank) == (0, 0, 0) else 0.0
+            mbs.append(mb)
         num_mb = len(mbs)
         scale = float(num_mb * dp) if not cfg.calculate_per_token_loss else float(n_trained)
         for mb in mbs:
@@ -413,45 +415,66 @@ class StepwisePlugin:
         # Exactly 0 with a zero gradient, but it keeps the graph connected to the model output
         # for micro-batches without trained tokens (PP needs a backward through every stage).
         partial = partial + output_tensor.reshape(-1)[:0].sum()
-        reported = {k: v.detach() for k, v in metrics.items()}
-        reported["loss"] = partial.detach()
-        reported["tokens/trained"] = torch.tensor(float(mb.num_trained))
-        reported["tokens/total"] = torch.tensor(float(mb.num_real_tokens))
+        metrics = dict(metrics, loss=partial)
+        metrics["tokens/trained"] = torch.tensor(float(mb.num_trained))
+        metrics["tokens/total"] = torch.tensor(float(mb.num_real_tokens))
+        reported = self._loss_dict(mb, metrics, device)
         if "rollout_logprobs" in f:
             # |current - rollout| over the trained tokens whose rollout log-prob is known.
             known = f["rollout_logprobs_known"]
             gap = (logprobs.detach() - f["rollout_logprobs"]).abs()
-            reported["_gap_sum"] = gap[known].double().sum()
-            reported["_gap_count"] = known.double().sum()
+            reported["logprob_gap/train_vs_rollout"] = torch.stack([gap[known].double().sum(), known.double().sum()])
         scaled = partial * mb.loss_scale
         if gpt.config.calculate_per_token_loss:
             return scaled, torch.tensor(mb.num_trained, dtype=torch.int, device=device), reported
         return scaled, reported
 
+    def _loss_dict(self, mb: PackedMicroBatch, metrics: dict, device) -> dict[str, torch.Tensor]:
+        """The loss function's metrics in the form Megatron-LM's `train_step` reduces: each a float64
+        `[numerator, denominator]` pair that it sums over micro-batches and DP x CP ranks and divides.
+        A metric is a sum of micro-batch partials, so its denominator is 1 on exactly one micro-batch
+        (`metric_share`) and the logged ratio is the mini-batch total. Max-type metrics (`*_max`)
+        cannot be reduced that way: they are reported, as 1-element tensors, only to the plugin's
+        own drivers, whose `reduce_metrics` takes their maximum."""
+        share = torch.tensor(mb.metric_share, dtype=torch.float64, device=device)
+        out = {}
+        for name, value in metrics.items():
+            value = value.detach().to(device=device, dtype=torch.float64).reshape(())
+            if not name.endswith("_max"):
+                out[name] = torch.stack([value, share])
+            elif self._in_own_schedule:
+                out[name] = value.reshape(1)
+        return out
+
     # ----------------------------------------------------------------- reductions
     @staticmethod
     def reduce_metrics(losses: list) -> dict[str, float]:
-        """Combine the loss function's partials over micro-batches (last stage) and DP x CP ranks,
-        then share them with every pipeline stage. Partials add up, except names ending in
-        `_max`, which take the maximum. Identical on every rank."""
+        """Reduce the loss function's metrics over micro-batches (last stage) and DP x CP ranks the
+        way Megatron-LM's `train_step` does (`[numerator, denominator]` pairs: both summed, then
+        divided), taking the maximum of 1-element max-type metrics, and share the result with
+        every pipeline stage. Identical on every rank."""
         from megatron.core import parallel_state as ps
 
         if ps.is_pipeline_last_stage(ignore_virtual=True):
-            # This rank's micro-batches (sum, or max for _max), in float64.
-            local = combine_metric_partials([{k: v.detach().double().cpu().reshape(()) for k, v in item.items()}
+            # This rank's micro-batches (pairs summed, maxima maxed), in float64.
+            local = combine_metric_partials([{k: v.detach().double().cpu().reshape(-1) for k, v in item.items()}
                                              for item in losses])
             combined = {}
             for is_max in (False, True):
-                names = sorted(k for k in local if k.endswith("_max") == is_max)
+                names = sorted(k for k in local if (local[k].numel() == 1) == is_max)
                 if not names:
                     continue
-                vec = torch.stack([local[k] for k in names])
+                vec = torch.cat([local[k] for k in names])
                 if ps.get_data_parallel_world_size(with_context_parallel=True) > 1:
                     buf = vec.to(_comm_device())
                     op = dist.ReduceOp.MAX if is_max else dist.ReduceOp.SUM
                     dist.all_reduce(buf, op=op, group=ps.get_data_parallel_group(with_context_parallel=True))
                     vec = buf.cpu()
-                combined.update(zip(names, vec.tolist()))
+                if is_max:
+                    combined.update(zip(names, vec.tolist()))
+                else:
+                    pairs = vec.reshape(-1, 2)
+                    combined.update(zip(names, (pairs[:, 0] / pairs[:, 1]).tolist()))
             payload = [combined]
         else:
             payload = [None]
@@ -461,11 +484,7 @@ class StepwisePlugin:
                 src=ps.get_pipeline_model_parallel_last_rank(),
                 group=ps.get_pipeline_model_parallel_group(),
             )
-        sums = payload[0]
-        out = {k: v for k, v in sums.items() if not k.startswith("_")}
-        if sums.get("_gap_count"):
-            out["logprob_gap/train_vs_rollout"] = sums["_gap_sum"] / sums["_gap_count"]
-        return out
+        return payload[0]
 
     # ----------------------------------------------------------------- drivers
     def _run_schedule(self, model_chunks: list, inputs, *, forward_only: bool) -> list:
