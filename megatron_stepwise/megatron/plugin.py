@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -97,22 +97,41 @@ def _output_layer_bypassed(gpt):
         del layer.forward
 
 
-def _check_host_count(plan_size: int) -> None:
-    """With megatron's micro-batch calculator set up (Megatron-LM's pretrain does), the schedule
-    runs `get_num_microbatches()` micro-batches: it must be the plan's count, or mini-batches
-    would straddle optimizer steps silently."""
+def _host_count() -> Optional[int]:
+    """megatron's `get_num_microbatches()` when its calculator is set up (Megatron-LM's pretrain
+    does), else None: the caller passes the count to the schedule itself."""
     from megatron.core.num_microbatches_calculator import get_num_microbatches
 
     try:
-        host = get_num_microbatches()
-    except AttributeError:  # the calculator is not initialised: the caller passes the count itself
-        return
-    if host != plan_size:
+        return get_num_microbatches()
+    except AttributeError:
+        return None
+
+
+def _check_host_count(plan_size: int) -> None:
+    """The schedule of a host loop with a micro-batch calculator runs `get_num_microbatches()`
+    micro-batches: it must be the plan's count, or mini-batches would straddle optimizer steps
+    silently."""
+    host = _host_count()
+    if host is not None and host != plan_size:
         raise HostLoopMismatchError(
             f"the training loop runs get_num_microbatches()={host} micro-batches per step, but the plugin planned "
             f"{plan_size} for this mini-batch: pass StepwisePlugin(num_microbatches={host}) (or prepare_minibatch("
             f"num_microbatches={host})) so every mini-batch is exactly one optimizer step"
         )
+
+
+class _PendingMicroBatch:
+    """Micro-batch `index` of a mini-batch that is packed when `forward_step` first meets it: only
+    then is the model (layout, vocabulary) known to a loop that hands out just a data iterator."""
+
+    def __init__(self, minibatch, count: int, index: int, packed: dict):
+        self.minibatch, self.count, self.index, self._packed = minibatch, count, index, packed
+
+    def resolve(self, plugin: "StepwisePlugin", model) -> PackedMicroBatch:
+        if "inputs" not in self._packed:
+            self._packed["inputs"] = plugin._prepare([model], self.minibatch, mode=TRAIN, num_microbatches=self.count)
+        return self._packed["inputs"].microbatches[self.index]
 
 
 class StepwisePlugin:
@@ -352,6 +371,25 @@ class StepwisePlugin:
             fields["rollout_logprobs_known"] = known
         return missing is None and "rollout_logprobs" in fields
 
+    def microbatch_stream(self, minibatches: Iterable[Union[StepBatch, Sequence[Step]]]) -> Iterator:
+        """A data iterator for host loops that hand `forward_step` nothing but an iterator and run
+        a fixed number of micro-batches per optimizer step (Megatron-LM's `pretrain` with
+        `--dataloader-type external`). For each mini-batch (a StepBatch or steps, identical on
+        every rank) it yields exactly that many micro-batches: `num_microbatches`, else megatron's
+        `get_num_microbatches()`. `forward_step` packs the mini-batch for its model on meeting
+        the first; the plan is padded with loss-neutral micro-batches, and a mini-batch that
+        needs more is a HostLoopMismatchError naming both counts."""
+        for minibatch in minibatches:
+            count = self.num_microbatches or _host_count()
+            if count is None:
+                raise ValueError(
+                    "microbatch_stream needs a fixed micro-batch count: pass StepwisePlugin(num_microbatches=K) or "
+                    "initialise megatron's micro-batch calculator (Megatron-LM's pretrain does)"
+                )
+            packed: dict = {}
+            for index in range(count):
+                yield _PendingMicroBatch(minibatch, count, index, packed)
+
     # ----------------------------------------------------------------- megatron hooks
     def forward_step(self, data_iterator, model, checkpoint_activations_microbatch=None, *,
                      return_schedule_plan: bool = False):
@@ -364,7 +402,9 @@ class StepwisePlugin:
             raise UnsupportedLayoutError(
                 "forward_step(return_schedule_plan=True) (expert-parallel A2A overlap) is not supported by the plugin"
             )
-        mb: PackedMicroBatch = next(data_iterator)
+        mb = next(data_iterator)
+        if isinstance(mb, _PendingMicroBatch):
+            mb = mb.resolve(self, model)
         if not self._in_own_schedule:
             _check_host_count(mb.plan_size)
         gpt = unwrap(model)
