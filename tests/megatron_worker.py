@@ -30,7 +30,7 @@ from worker_entry import run_worker
 SEED = 7
 
 
-RUN_DEFAULTS = {"tp": 1, "pp": 1, "cp": 1, "budget": 64, "sp": 1, "distopt": 0, "per_token_loss": 0, "tied": 0, "bf16": 0, "vocab": 256}
+RUN_DEFAULTS = {"tp": 1, "pp": 1, "vpp": 1, "cp": 1, "budget": 64, "sp": 1, "distopt": 0, "per_token_loss": 0, "tied": 0, "bf16": 0, "vocab": 256}
 
 
 def parse():
@@ -139,14 +139,16 @@ def run_bad_inputs(args, chunks, optimizer, layout):
         Step(tid, [1, 2, 3, 4, 5, 9], [6, 7], [1, 1], is_last_step=True),
     ]
     expect("no_rollout_logprobs", lambda: plugin.train_minibatch(chunks, optimizer, batch_of(no_logprobs)), StepwiseBatchError)
+    stage = 0 if args.vpp > 1 else None  # under virtual pipeline parallelism a chunk names its stage
     expect(
         "tokenizer_vocab",
-        lambda: M.build_gpt_model(M.tiny_config(), tokenizer_vocab_size=300),
+        lambda: M.build_gpt_model(M.tiny_config(), tokenizer_vocab_size=300, vp_stage=stage),
         M.ModelConfigError,
     )
     expect(
         "heads_not_divisible",
-        lambda: M.build_gpt_model(M.tiny_config(hidden_size=48, num_heads=3, num_kv_heads=3, ffn_hidden_size=128)),
+        lambda: M.build_gpt_model(M.tiny_config(hidden_size=48, num_heads=3, num_kv_heads=3, ffn_hidden_size=128),
+                                  vp_stage=stage),
         M.ModelConfigError,
     )
     run_fixed_count_checks(args, chunks, plugin, batch_of, expect, msgs)
@@ -178,7 +180,11 @@ def run_fixed_count_checks(args, chunks, plugin, batch_of, expect, msgs):
     init_num_microbatches_calculator(dist.get_rank(), None, 3 * dp, 1, dp)
     try:
         expect("host_count_mismatch", lambda: plugin.prepare_minibatch(chunks, batch), HostLoopMismatchError)
-        msgs["host_count_match"] = plugin.prepare_minibatch(chunks, batch, num_microbatches=3).num_microbatches
+        if args.vpp > 1:  # the interleaved schedule runs micro-batches in groups of PP
+            expect("vpp_count_not_multiple", lambda: plugin.prepare_minibatch(chunks, batch, num_microbatches=3),
+                   HostLoopMismatchError)
+        else:
+            msgs["host_count_match"] = plugin.prepare_minibatch(chunks, batch, num_microbatches=3).num_microbatches
         if ps.get_pipeline_model_parallel_world_size() == 1:
             # A loop that skips prepare_minibatch's check: forward_step catches it at the first micro-batch.
             inputs = plugin._prepare(chunks, batch, mode="train")
@@ -225,7 +231,7 @@ def megatron_loop_backward(plugin, chunks, optimizer, batch):
 
 
 def run_layout(args, out_dir):
-    layout = runtime.init_distributed(args.tp, args.pp, args.cp, seed=SEED)
+    layout = runtime.init_distributed(args.tp, args.pp, args.cp, virtual_pipeline=args.vpp, seed=SEED)
     cfg = M.tiny_config(tie_word_embeddings=bool(args.tied), vocab_size=args.vocab)
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     overrides = {

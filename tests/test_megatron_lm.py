@@ -32,6 +32,7 @@ LAYOUTS = {
     "pp2_per_token_loss": ["--pipeline-model-parallel-size", "2", "--calculate-per-token-loss"],
     "cp2_per_token_loss": ["--context-parallel-size", "2", "--calculate-per-token-loss"],
     "tp2_sequence_parallel": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    "pp2_vpp2": ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
 }
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|(.*)")
 

@@ -118,8 +118,17 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
                            config_overrides=overrides)
 
 
-def datasets_provider(plugin: StepwisePlugin, train_val_test_num_samples):
-    return plugin.microbatch_stream(rollout_batches()), None, None
+def datasets_provider(plugin: StepwisePlugin, train_val_test_num_samples, vp_stage=None, _streams={}):
+    """One stream of rollouts; with virtual pipeline stages Megatron-LM asks once per model chunk,
+    and every chunk reads the same micro-batches."""
+    if vp_stage is None:
+        return plugin.microbatch_stream(rollout_batches()), None, None
+    if not _streams:
+        from megatron.training import get_args
+
+        chunks = get_args().virtual_pipeline_model_parallel_size
+        _streams.update(enumerate(plugin.microbatch_streams(rollout_batches(), chunks)))
+    return _streams[vp_stage], None, None
 
 
 def run(plugin: StepwisePlugin, user_flags: list[str], *, model_provider=model_provider) -> None:

@@ -123,7 +123,7 @@ def padded_vocab_size(vocab_size: int, tp: int) -> int:
 
 
 def validate_parallel(
-    arch: GPTArch, *, tp: int, pp: int, tokenizer_vocab_size: Optional[int] = None
+    arch: GPTArch, *, tp: int, pp: int, tokenizer_vocab_size: Optional[int] = None, vpp: int = 1
 ) -> None:
     """Clear errors for layouts the model cannot be split into, and vocab mismatches."""
     checks = [
@@ -131,6 +131,7 @@ def validate_parallel(
         ("num_key_value_heads", arch.num_kv_heads, tp, "tensor_parallel"),
         ("intermediate_size", arch.ffn_hidden_size, tp, "tensor_parallel"),
         ("num_hidden_layers", arch.num_layers, pp, "pipeline_parallel"),
+        ("num_hidden_layers", arch.num_layers, pp * vpp, "pipeline_parallel x virtual_pipeline"),
     ]
     for key, value, size, what in checks:
         if value % size:
@@ -210,6 +211,10 @@ def transformer_config(
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         use_cpu_initialization=not on_gpu,
+        # gloo matches a batch's sends and receives by peer and order: with PP=2 both neighbours
+        # are one rank, and the interleaved schedule's batched activation and gradient exchange
+        # would swap them. The unbatched path sends each direction on its own group.
+        batch_p2p_comm=on_gpu,
     )
     fields.update(overrides)
     return TransformerConfig(**fields)
@@ -259,9 +264,15 @@ def build_gpt_model(
     tp = ps.get_tensor_model_parallel_world_size()
     pp = ps.get_pipeline_model_parallel_world_size()
     cp = ps.get_context_parallel_world_size()
-    validate_parallel(arch, tp=tp, pp=pp, tokenizer_vocab_size=tokenizer_vocab_size)
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+    validate_parallel(arch, tp=tp, pp=pp, tokenizer_vocab_size=tokenizer_vocab_size, vpp=vpp or 1)
     use_te = te_available() if use_te is None else use_te
-    config = transformer_config(arch, tp=tp, pp=pp, cp=cp, use_te=use_te, **(config_overrides or {}))
+    overrides = dict(config_overrides or {})
+    if vpp is not None:  # interleaved pipeline: this chunk's layers depend on vp_stage
+        overrides.setdefault("virtual_pipeline_model_parallel_size", vpp)
+        if vp_stage is None:
+            raise ValueError(f"virtual pipeline parallelism ({vpp} chunks per rank) needs the chunk's vp_stage")
+    config = transformer_config(arch, tp=tp, pp=pp, cp=cp, use_te=use_te, **overrides)
     if pre_process is None:
         pre_process = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     if post_process is None:
@@ -300,6 +311,7 @@ def wrap_ddp(
     use_distributed_optimizer: bool = False,
     grad_reduce_in_fp32: bool = True,
     overlap_grad_reduce: bool = False,
+    disable_bucketing: bool = False,
     **ddp_kwargs: Any,
 ):
     """Wrap a built chunk in megatron's DDP (and Float16Module for bf16/fp16 on GPU)."""
@@ -317,7 +329,8 @@ def wrap_ddp(
         use_distributed_optimizer=use_distributed_optimizer,
         **ddp_kwargs,
     )
-    return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model,
+                                   disable_bucketing=disable_bucketing)
 
 
 def build_model_chunks(
@@ -328,24 +341,32 @@ def build_model_chunks(
     init: Optional[Callable[[list], None]] = None,
     **build_kwargs: Any,
 ) -> list:
-    """This rank's model chunks (one per virtual stage; one here), built and DDP-wrapped.
+    """This rank's model chunks, one per virtual pipeline stage (one without virtual pipeline
+    parallelism), built and DDP-wrapped.
 
     `init(chunks)` runs on the bare chunks before wrapping (e.g. loading weights).
     """
+    from megatron.core import parallel_state as ps
     from megatron.core.distributed import finalize_model_grads
 
-    chunk = build_gpt_model(hf_config, **build_kwargs)
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+    stages = [None] if vpp is None else list(range(vpp))
+    bare = [build_gpt_model(hf_config, vp_stage=stage, **build_kwargs) for stage in stages]
     if not torch.cuda.is_available():
-        chunk = chunk.to(torch.device("cpu"))
+        bare = [chunk.to(torch.device("cpu")) for chunk in bare]
     if init is not None:
-        init([chunk])
+        init(bare)
     if not wrap:
-        return [chunk]
-    chunks = [wrap_ddp(chunk, use_distributed_optimizer=use_distributed_optimizer)]
+        return bare
+    # As Megatron-LM does: only the first chunk's gradients are bucketed for overlap.
+    chunks = [wrap_ddp(chunk, use_distributed_optimizer=use_distributed_optimizer, disable_bucketing=i > 0)
+              for i, chunk in enumerate(bare)]
     # What Megatron-LM's setup does: the schedules call these to reduce gradients over DP
     # (and SP norms, tied embeddings across PP) and to skip grad sync between micro-batches.
-    chunk.config.finalize_model_grads_func = finalize_model_grads
-    chunk.config.no_sync_func = chunks[0].no_sync
+    no_sync = chunks[0].no_sync if len(chunks) == 1 else [c.no_sync for c in chunks]
+    for chunk in bare:
+        chunk.config.finalize_model_grads_func = finalize_model_grads
+        chunk.config.no_sync_func = no_sync
     return chunks
 
 

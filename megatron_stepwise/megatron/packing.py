@@ -111,12 +111,14 @@ def pack_rows(
     gather_fields: Sequence[str] = (),
     max_tokens: Optional[int] = None,
     cp: int = 1,
+    pad_to: Optional[int] = None,
 ) -> PackedMicroBatch:
     """Pack `rows` of `batch` into one THD sequence; gather `gather_fields` at trained tokens.
 
     With `cp` > 1 each row is padded to a multiple of 2 * cp first (`align` must be a multiple
     of 2 * cp, as `alignment_for` gives). An empty `rows` gives a loss-neutral micro-batch of
-    `align` pad tokens and no trained token.
+    `align` pad tokens and no trained token. `pad_to` (a multiple of `align`): pad the packed
+    sequence to at least that many tokens.
     """
     rows = [int(r) for r in rows]
     starts = batch.offsets[:-1]
@@ -141,6 +143,8 @@ def pack_rows(
     packed_pos = _ranges(_exclusive_cumsum(plens), lens)
 
     pad = (-padded_total) % align if rows else max(align, 1)
+    if pad_to is not None:
+        pad = max(pad, pad_to - padded_total)
     seg_plens = torch.cat([plens, torch.tensor([pad] if pad else [], dtype=torch.long)])
     seg_lens = torch.cat([lens, torch.tensor([pad] if pad else [], dtype=torch.long)])
     size = padded_total + pad

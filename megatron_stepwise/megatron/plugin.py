@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
@@ -52,7 +53,7 @@ TRAIN, LOGPROBS = "train", "logprobs"
 
 
 class UnsupportedLayoutError(ValueError):
-    """A model layout the step-wise plugin refuses (virtual pipeline, MTP)."""
+    """A model layout the step-wise plugin refuses (MTP, EP overlap schedule plans)."""
 
 
 class HostLoopMismatchError(ValueError):
@@ -67,9 +68,15 @@ class MinibatchInputs:
     microbatches: list[PackedMicroBatch]
     num_microbatches: int
     seq_length: int  # longest packed micro-batch (PP shapes are exchanged per micro-batch anyway)
+    num_chunks: int = 1  # model chunks per rank (virtual pipeline stages)
 
-    def data_iterator(self) -> Iterator[PackedMicroBatch]:
-        return iter(self.microbatches)
+    def data_iterator(self) -> Union[Iterator[PackedMicroBatch], list[Iterator[PackedMicroBatch]]]:
+        """The schedule's `data_iterator`: under virtual pipeline parallelism, one iterator per
+        model chunk (every chunk needs each micro-batch's packing, the first its tokens, the last
+        its loss inputs)."""
+        if self.num_chunks == 1:
+            return iter(self.microbatches)
+        return [iter(self.microbatches) for _ in range(self.num_chunks)]
 
 
 def _comm_device() -> torch.device:
@@ -245,18 +252,24 @@ class StepwisePlugin:
             raise ValueError(f"vocab_size={vocab} is larger than the model's {gpt.vocab_size} vocabulary rows")
         return int(vocab)
 
-    def _layout(self, model_chunks) -> tuple[int, int, int, int]:
+    @staticmethod
+    def _layout(model_chunks) -> tuple[int, int, int, int, int]:
+        """(dp, dp_rank, cp, cp_rank, chunks per rank); `model_chunks` must be all of this rank's
+        chunks, or one of them (a host loop's forward_step sees one at a time)."""
         from megatron.core import parallel_state as ps
 
-        if len(model_chunks) != 1:
+        vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
+        if len(model_chunks) not in (1, vpp):
             raise UnsupportedLayoutError(
-                f"got {len(model_chunks)} model chunks: virtual pipeline parallelism is not supported; pass one chunk per rank"
+                f"got {len(model_chunks)} model chunks, but megatron's parallel state has {vpp} per rank "
+                "(virtual_pipeline_model_parallel_size): pass all of this rank's chunks"
             )
         return (
             ps.get_data_parallel_world_size(),
             ps.get_data_parallel_rank(),
             ps.get_context_parallel_world_size(),
             ps.get_context_parallel_rank(),
+            vpp,
         )
 
     def prepare_minibatch(
@@ -282,12 +295,12 @@ class StepwisePlugin:
         self._algo()
         batch = self.as_batch(steps_or_batch)
         gpt = unwrap(model_chunks[0])
-        dp, dp_rank, cp, cp_rank = self._layout(model_chunks)
+        dp, dp_rank, cp, cp_rank, chunks = self._layout(model_chunks)
         cfg = gpt.config
         if getattr(cfg, "mtp_num_layers", None):
             # MTP heads reuse the output layer inside GPTModel, which the plugin bypasses.
             raise UnsupportedLayoutError("multi-token prediction (mtp_num_layers) is not supported by the plugin")
-        if cfg.pipeline_model_parallel_size > 1 and not cfg.variable_seq_lengths:
+        if cfg.pipeline_model_parallel_size > 1 and not cfg.variable_seq_lengths and chunks == 1:
             # Packed micro-batches differ in length; fixed-shape p2p would fail mid-schedule.
             raise UnsupportedLayoutError(
                 "pipeline parallelism needs config.variable_seq_lengths=True (Megatron-LM: --variable-seq-lengths): "
@@ -307,7 +320,18 @@ class StepwisePlugin:
         plan = self._plan(lengths.tolist(), dp_size=dp, max_tokens=self.max_tokens, **extra)
         if len(plan) != dp or len({len(p) for p in plan}) != 1:
             raise RuntimeError(f"micro-batch planner returned an invalid plan for dp_size={dp}")
-        plan = self._fixed_count(plan, num_microbatches or self.num_microbatches)
+        count = num_microbatches or self.num_microbatches
+        if chunks > 1:
+            # The interleaved schedule runs groups of PP micro-batches per model chunk.
+            pp = cfg.pipeline_model_parallel_size
+            if count is None:
+                count = max(pp, -(-len(plan[0]) // pp) * pp)
+            elif count % pp:
+                raise HostLoopMismatchError(
+                    f"num_microbatches={count} is not a multiple of the pipeline-parallel size {pp}, which the "
+                    "interleaved (virtual pipeline) schedule needs"
+                )
+        plan = self._fixed_count(plan, count)
         fields = {}
         rollout_complete = False
         if mode == TRAIN:
@@ -321,9 +345,18 @@ class StepwisePlugin:
                 if name in batch.token_fields:
                     fields[name] = batch.token_fields[name].float()
             rollout_complete = self._rollout_logprob_fields(batch, fields)
+        pad_to = None
+        if chunks > 1:
+            # The interleaved schedule exchanges activations and gradients in both directions at
+            # once, and megatron's shape exchange pairs those messages by order: with PP=2 both
+            # neighbours are the same rank and a variable shape could be read for the wrong
+            # tensor. Every micro-batch of the step is padded (loss-neutrally) to the longest.
+            sizes = [int(lengths[rows].sum()) if rows else 0 for rows in plan[dp_rank]]
+            pad_to = max(max(align, size + (-size) % align) for size in sizes)
         mbs = []
         for i, rows in enumerate(plan[dp_rank]):
-            mb = pack_rows(batch, rows, align=align, pad_token_id=self.pad_token_id, max_tokens=self.max_tokens, cp=cp)
+            mb = pack_rows(batch, rows, align=align, pad_token_id=self.pad_token_id, max_tokens=self.max_tokens, cp=cp,
+                           pad_to=pad_to)
             mb.fields = {k: v[mb.token_index] for k, v in fields.items()}
             mb.mode = mode
             mb.rollout_logprobs_complete = rollout_complete
@@ -335,7 +368,7 @@ class StepwisePlugin:
         for mb in mbs:
             mb.loss_scale = scale
             mb.plan_size = num_mb
-        return MinibatchInputs(mbs, num_mb, max(mb.seq_len for mb in mbs))
+        return MinibatchInputs(mbs, num_mb, pad_to or max(mb.seq_len for mb in mbs), num_chunks=chunks)
 
     def _fixed_count(self, plan: list, count: Optional[int]) -> list:
         """Pad every rank's micro-batches to `count` with empty (loss-neutral) ones."""
@@ -389,6 +422,12 @@ class StepwisePlugin:
             packed: dict = {}
             for index in range(count):
                 yield _PendingMicroBatch(minibatch, count, index, packed)
+
+    def microbatch_streams(self, minibatches: Iterable[Union[StepBatch, Sequence[Step]]], num_chunks: int) -> tuple:
+        """`microbatch_stream` for each of `num_chunks` model chunks (virtual pipeline stages, whose
+        schedule takes one data iterator per chunk): one source read once, each mini-batch packed
+        once and shared by every chunk."""
+        return itertools.tee(self.microbatch_stream(minibatches), num_chunks)
 
     # ----------------------------------------------------------------- megatron hooks
     def forward_step(self, data_iterator, model, checkpoint_activations_microbatch=None, *,
@@ -532,6 +571,11 @@ class StepwisePlugin:
         partials when training, each micro-batch's log-probs when `forward_only`."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        if len(model_chunks) != inputs.num_chunks:
+            raise UnsupportedLayoutError(
+                f"got {len(model_chunks)} model chunks for a plan of {inputs.num_chunks} per rank: pass all of "
+                "this rank's chunks (one per virtual pipeline stage)"
+            )
         self._in_own_schedule = True
         try:
             return get_forward_backward_func()(

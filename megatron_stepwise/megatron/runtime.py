@@ -98,13 +98,15 @@ def init_distributed(
     pipeline_parallel: int = 1,
     context_parallel: int = 1,
     *,
+    virtual_pipeline: Optional[int] = None,
     seed: int = 1234,
     backend: Optional[str] = None,
     timeout_minutes: int = 10,
 ) -> ParallelLayout:
     """Start torch.distributed and megatron-core's parallel state; returns this rank's layout.
 
-    The data-parallel size is what remains: world / (tp * pp * cp). Calling it again re-creates
+    The data-parallel size is what remains: world / (tp * pp * cp). `virtual_pipeline`: model
+    chunks per pipeline rank (interleaved 1F1B; None or 1: one chunk). Calling it again re-creates
     megatron's groups for a new layout on the same torch.distributed world.
     """
     global _COMPAT_HELD
@@ -147,6 +149,7 @@ def init_distributed(
         tensor_model_parallel_size=tensor_parallel,
         pipeline_model_parallel_size=pipeline_parallel,
         context_parallel_size=context_parallel,
+        virtual_pipeline_model_parallel_size=virtual_pipeline if (virtual_pipeline or 1) > 1 else None,
         distributed_timeout_minutes=timeout_minutes,
     )
     layout = current_layout(device=device, local_rank=env.local_rank)
