@@ -57,6 +57,11 @@ def rollout_metrics(steps: Sequence[Step], *, success_threshold: float = 1.0) ->
     if obs:
         out["rollout/observation_len_mean"] = sum(obs) / len(obs)
     out["rollout/trainable_tokens"] = float(sum(s.num_trainable for s in real))
+    drift = [bool(s.metadata["retokenize_drift"]) for s in real if "retokenize_drift" in s.metadata]
+    if drift:
+        # Turn boundaries where re-tokenising the chat lost the sampled ids (agent loop, either
+        # context mode); in retokenize mode the prefix merge breaks exactly there.
+        out["rollout/retokenize_drift_rate"] = sum(drift) / len(drift)
     for reason, n in Counter(s.stop_reason for s in real if s.is_last_step).items():
         out[f"stop_reason/{reason}"] = n / len(rewards)
     by_env: dict[str, list[float]] = defaultdict(list)

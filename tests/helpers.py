@@ -97,7 +97,7 @@ def check_ok(proc: subprocess.CompletedProcess, what: str = "torchrun") -> None:
 # ---- tiny models ------------------------------------------------------------------------------
 
 def tiny_lm(tokenizer: str = "tiny_word") -> tuple[Any, dict]:
-    """(tokenizer, config): one of the package's tiny tokenizers ("tiny_word", "tiny_char"; loaded
+    """(tokenizer, config): a shipped tiny tokenizer ("tiny_word", "tiny_char", "tiny_bpe"; loaded
     once per process, shared) and a fresh tiny Qwen2 config dict sized to its vocabulary."""
     from megatron_stepwise.hf.tokenizers import load_tokenizer
     from megatron_stepwise.rollout.hf_model import tiny_qwen2_config

@@ -126,6 +126,7 @@ CASES = [
     ("servers-with-embedded", {"rollout": {"sglang": {"servers": ["h1:30000"]}}}, [], {}, "rollout.sglang.servers",
      "rollout.engine is embedded"),
     ("embedded-engine-tp", {"rollout": {"engine_tp": 2}}, [], {}, "rollout.engine_tp", "one CPU process"),
+    ("context-mode-typo", {"rollout": {"context": "token"}}, [], {}, "rollout.context", "did you mean 'tokens'"),
     # async
     ("async-zero-staleness", {"async": {"enabled": True, "max_staleness": 0}, "algo": {"loss": {"tis": "token"}}},
      [], {}, "async.max_staleness", "async.enabled=false"),

@@ -81,6 +81,58 @@ def test_host_pipeline_reports_every_phase_and_the_reference(tools_on_path, caps
     assert "assumption:" in capsys.readouterr().out
 
 
+def test_context_benchmark_compares_the_modes_with_the_bpe_at_small_size(tools_on_path, capsys):
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        result = _load("bench_context").run(quick=True, prompts=1, samples=2, new_tokens=4)
+    finally:
+        torch.set_num_threads(threads)  # the benchmark pins one thread
+    rows = {(r["mode"], r["turns"]): r for r in result["rows"]}
+    assert set(rows) == {(m, t) for m in ("tokens", "retokenize") for t in (4, 8, 16)}
+    for (mode, turns), r in rows.items():
+        assert r["trajectories"] == 2 and r["steps_per_traj"] == turns  # echo runs exactly T turns
+        assert r["unique_tokens_per_traj"] <= r["merged_tokens_per_traj"] <= r["unmerged_tokens_per_traj"]
+        if mode == "tokens":  # one row per trajectory, nothing re-read, whatever the drift
+            assert r["merged_over_unique"] == 1.0 and r["rows_per_traj_merged"] == 1 and r["broken_prefixes"] == 0
+        else:  # every broken prefix is a drifted turn boundary, and it costs tokens
+            assert r["broken_prefixes"] == round(r["drift_rate"] * 2 * (turns - 1))
+            assert (r["merged_over_unique"] > 1.0) == (r["broken_prefixes"] > 0)
+    report = _load("bench_report")
+    figures = report.evaluate({"context": {"status": "ok", "result": result}})
+    context = [f for f in figures if f["benchmark"] == "context"]
+    assert len(context) == 10 and all(f["value"] is not None for f in context)
+    assert "tokens mode: merged / unique tokens" in report.summary_table(context)
+    assert "retokenize" in capsys.readouterr().out
+
+
+def test_update_reruns_the_selected_benchmarks_and_keeps_the_others(suite, tmp_path, monkeypatch):
+    import argparse
+
+    out = tmp_path / "bench.json"
+    first = {"suite": "cpu", "quick": False, "started_utc": "2026-01-02T03:04:05+00:00", "total_seconds": 100.0,
+             "machine": {"label": "VM", "megatron_core": "0.16.1", "python": "3.11"},
+             "benchmarks": {"merge": {"status": "ok", "result": {"merged_over_unique_max": 1.0}},
+                            "context": {"status": "ok", "result": {"figures": {"retokenize_drift_rate": 0.5}}}}}
+    out.write_text(json.dumps(first))
+    fresh = {"status": "ok", "result": {"figures": {"retokenize_drift_rate": 0.25}}}
+    monkeypatch.setattr(suite, "run_benchmark", lambda bench, **kw: fresh)
+    args = argparse.Namespace(suite="cpu", only="context", quick=True, timeout=None, machine="other", out=str(out),
+                              update=True)
+    report = suite.run_suite(args)
+    assert report["benchmarks"] == {"merge": first["benchmarks"]["merge"], "context": fresh}
+    assert report["started_utc"] == first["started_utc"] and report["quick"] is False
+    assert [u["benchmarks"] for u in report["updates"]] == [["context"]] and report["updates"][0]["quick"] is True
+    drift = next(f for f in report["figures"] if "drift rate" in f["figure"])
+    assert drift["value"] == 0.25
+    md = out.with_suffix(".md").read_text()
+    assert "(cpu suite, full)" in md and "Re-run later with `--only context --quick --update` on other" in md
+    assert md.count("\n| merge |") >= 1
+    with pytest.raises(SystemExit, match="--update: no report"):
+        suite.run_suite(argparse.Namespace(**{**vars(args), "out": str(tmp_path / "none.json")}))
+
+
 def test_quick_mode_leaves_out_ray_benchmarks_unless_named(suite):
     import argparse
 

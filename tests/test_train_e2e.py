@@ -154,3 +154,29 @@ def test_resume_at_another_tp_with_distributed_optimizer_state_is_a_clear_error(
     out = _train(run_dir, "trainer.iterations=3", "parallel.tensor=2", "checkpoint.load_optimizer=false", *common)
     assert out.returncode == 0, out.stderr[-3000:]
     assert [r["iteration"] for r in _metrics(run_dir)] == [0, 1, 2]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("context", ["tokens", "retokenize"])
+def test_bpe_tokenizer_trains_in_both_context_modes(tmp_path, context):
+    """The tiny experiment with the byte-level BPE (`tiny_bpe`) and the prefix merge. Token mode:
+    every trajectory merges into one row (nothing re-read: merged = unique tokens) although the
+    BPE drifts, and Megatron scores every trained token as the engine sampled it. Re-tokenise
+    mode: the measured drift breaks rows, and each step is still trained on the prompt it was sent."""
+    run_dir = str(tmp_path / context)
+    out = _train(run_dir, "trainer.iterations=2", "checkpoint.every=0", "trainer.eval_every=0",
+                 "model.tokenizer=tiny_bpe", f"rollout.context={context}", "data.merge_steps=true")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    m = _metrics(run_dir)
+    assert [r["iteration"] for r in m] == [0, 1]
+    for r in m:
+        assert r["train/logprob_gap_max"] < 1e-4 and r["train/optimizer_steps"] == 2
+        assert r["rollout/retokenize_drift_rate"] > 0  # measured in both modes
+        if context == "tokens":
+            assert r["batch/broken_prefixes"] == 0 and r["batch/rows_after_merge"] == r["rollout/trajectories"] == 64
+        else:
+            assert r["batch/broken_prefixes"] > 0 and r["batch/rows_after_merge"] > r["rollout/trajectories"]
+    print(f"\n{context}: drift rate {[round(r['rollout/retokenize_drift_rate'], 3) for r in m]}, rows after merge "
+          f"{[r['batch/rows_after_merge'] for r in m]}, tokens before/after merge "
+          f"{[(r['batch/tokens_before_merge'], r['batch/tokens_after_merge']) for r in m]}, "
+          f"gap {max(r['train/logprob_gap_max'] for r in m):.2e}")

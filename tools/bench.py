@@ -6,6 +6,7 @@ run, because these machines are shared and noisy.
     python tools/bench.py                      # the CPU suite (under 10 minutes on 2 cores)
     python tools/bench.py --quick              # smaller workloads, no Ray start-up (under 2 minutes)
     python tools/bench.py --only merge,host_pipeline --out results/bench.json
+    python tools/bench.py --only context --update --out results/bench_cpu.json   # re-run one, keep the rest
     megatron-stepwise bench ...                # the same
 
 Each benchmark is a module `tools/<module>.py` run in its own process (isolation: megatron's
@@ -58,6 +59,7 @@ class Benchmark:
 BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in [
     Benchmark("padding", "bench_pipeline", "1, 6", "padding efficiency, layouts, DP balance"),
     Benchmark("merge", "bench_merge", "2", "merge savings as turns grow"),
+    Benchmark("context", "bench_context", "2", "token-in/token-out vs re-tokenised context, BPE agent loop"),
     Benchmark("logprobs", "bench_logprobs", "3", "trained-positions-only log-probs vs full logits"),
     Benchmark("trainer_step", "bench_trainer_step", "4", "trainer step on CPU, packed vs padded"),
     Benchmark("host_pipeline", "bench_host", "5", "host pipeline overhead"),
@@ -235,11 +237,14 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
 
     benches = select(args.suite, args.only)
     timeout_s = args.timeout or TIMEOUT_S[args.quick]
+    previous = previous_report(args)
     started = datetime.datetime.now(datetime.timezone.utc)
     t0 = time.perf_counter()
-    results = {b.name: run_benchmark(b, quick=args.quick, timeout_s=timeout_s, skip=quick_skip(b, args))
-               for b in benches}
+    fresh = {b.name: run_benchmark(b, quick=args.quick, timeout_s=timeout_s, skip=quick_skip(b, args))
+             for b in benches}
     total = time.perf_counter() - t0
+    kept = previous.get("benchmarks", {})
+    results = {name: fresh.get(name, kept.get(name)) for name in BENCHMARKS if name in fresh or name in kept}
     rows = [r for r in bench_report.evaluate(results) if r["benchmark"] in results]
     machine = machine_info(args.machine)
     mode = "quick" if args.quick else "full"
@@ -250,18 +255,47 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
             print(f"  {name}: {entry['status']}: {entry.get('message', '')}")
     report = {"suite": args.suite, "quick": args.quick, "started_utc": started.isoformat(timespec="seconds"),
               "total_seconds": total, "machine": machine, "figures": rows, "benchmarks": results}
+    if previous:  # the whole-suite run stays the reference; what was re-run is listed
+        update = {"benchmarks": list(fresh), "quick": args.quick, "total_seconds": total,
+                  "started_utc": report["started_utc"], "machine": machine}
+        updates = previous.get("updates", []) + [update]
+        report.update({k: previous[k] for k in ("suite", "quick", "started_utc", "total_seconds", "machine")},
+                      updates=updates)
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=2, default=str))
         md = out.with_suffix(".md")
-        preamble = (f"Measured with `python tools/bench.py --suite {args.suite}{' --quick' if args.quick else ''}` on "
-                    f"{machine['label']} (megatron-core {machine['megatron_core']}, Python {machine['python']}), "
-                    f"{started:%Y-%m-%d}, {total:.0f} s in all. Ratios are measured side by side in the same run.")
-        md.write_text(bench_report.markdown(rows, results, title=f"Benchmarks ({args.suite} suite, {mode})",
+        preamble = describe_runs(report)
+        report_mode = "quick" if report["quick"] else "full"
+        md.write_text(bench_report.markdown(rows, results, title=f"Benchmarks ({report['suite']} suite, {report_mode})",
                                             preamble=preamble))
         print(f"\nwrote {out} and {md}")
     return report
+
+
+def describe_runs(report: dict[str, Any]) -> str:
+    """The tables' first paragraph: the run that measured them, and any later --update runs."""
+    machine = report["machine"]
+    started = datetime.datetime.fromisoformat(report["started_utc"])
+    command = f"python tools/bench.py --suite {report['suite']}{' --quick' if report['quick'] else ''}"
+    text = (f"Measured with `{command}` on {machine['label']} (megatron-core {machine['megatron_core']}, Python "
+            f"{machine['python']}), {started:%Y-%m-%d}, {report['total_seconds']:.0f} s in all. Ratios are measured "
+            f"side by side in the same run.")
+    for u in report.get("updates", []):
+        when = datetime.datetime.fromisoformat(u["started_utc"])
+        flags = f"--only {','.join(u['benchmarks'])}{' --quick' if u.get('quick') else ''} --update"
+        text += f" Re-run later with `{flags}` on {u['machine']['label']}, {when:%Y-%m-%d}, {u['total_seconds']:.0f} s."
+    return text
+
+
+def previous_report(args: argparse.Namespace) -> dict[str, Any]:
+    """With --update, the report already at --out (its other benchmarks are kept)."""
+    if not getattr(args, "update", False):
+        return {}
+    if not args.out or not Path(args.out).exists():
+        raise SystemExit(f"--update: no report at --out {args.out!r} to update")
+    return json.loads(Path(args.out).read_text())
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -271,6 +305,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--only", help=f"comma-separated subset of: {', '.join(BENCHMARKS)}")
     p.add_argument("--out", default="results/bench.json", help="JSON results (and a .md table next to it)")
     p.add_argument("--machine", help="machine description for the tables (default: CPU count and torch version)")
+    p.add_argument("--update", action="store_true",
+                   help="re-run only the selected benchmarks and keep the others' results already in --out")
     p.add_argument("--timeout", type=float,
                    help=f"seconds per benchmark (default {TIMEOUT_S[False]}, quick {TIMEOUT_S[True]})")
 

@@ -109,6 +109,18 @@ FIGURES: list[Figure] = [
            lambda r: r["growth_exponent"]["unmerged"]["all"], "", 2),
     Figure("merge", "growth exponent k, merged, T=8..16",
            lambda r: r["growth_exponent"]["merged"]["upper_half"], "", 2),
+    # 2b. the agent loop's context modes with the tiny_bpe tokenizer (tools/bench_context.py)
+    *[Figure("context", f"tiny_bpe agent loop, T={t}: merged tokens per trajectory, {mode} mode",
+             named(f"merged_tokens_per_traj_{mode}_T{t}"), " tok", 1)
+      for t in (4, 8, 16) for mode in ("tokens", "retokenize")],
+    Figure("context", "retokenize / tokens merged tokens per trajectory, T=16",
+           named("retokenize_over_tokens_T16"), "x", 2),
+    Figure("context", "tokens mode: merged / unique tokens (worst over T=4, 8, 16)",
+           named("tokens_merged_over_unique_max"), "", 3),
+    Figure("context", "retokenize mode: merged / unique tokens, T=16",
+           named("retokenize_merged_over_unique_max_turns"), "", 3),
+    Figure("context", "retokenize mode: measured re-tokenisation drift rate (random tiny policy)",
+           named("retokenize_drift_rate"), "%", 1),
     # 3. trained-positions-only log-probs (tools/bench_logprobs.py)
     Figure("logprobs", "trained-positions-only / full logits fwd+bwd speedup, 75% masked (T=1024, V=16k)",
            named("speedup_at_75pct_masked"), "x", 2, (">=", 1.5)),

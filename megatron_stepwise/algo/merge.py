@@ -1,14 +1,15 @@
 """Prefix merge: fold consecutive steps of a trajectory into one training row.
 
-Step i's prompt is the re-tokenised history, so when the tokeniser is stable it starts
-with `prompt[i-1] + response[i-1]`; the rest of it (`obs_delta`: the observation and the
-chat-template glue) is what the environment added. Training on one row
+Step i's prompt is the history as sent: built from the sampled ids in the agent loop's token
+mode, where it always starts with `prompt[i-1] + response[i-1]`, or re-tokenised, where it
+does when the tokeniser reproduces the sampled ids; the rest of it (`obs_delta`: the
+observation and the chat-template glue) is what the environment added. Training on one row
 `prompt[0] + response[0] + obs_delta[1] + response[1] + ...` gives every sampled token
 exactly the context it had in its own step, so the loss and gradients are unchanged while
 the shared history is computed once instead of once per turn (O(T^2) -> O(T) tokens).
 
-Where re-tokenisation drifted (BPE merges across the turn boundary, templates that
-rewrite earlier turns) the prefix check fails and a new row starts: merging never
+Where re-tokenisation drifted (a BPE re-encoding the sampled text differently, templates
+that rewrite earlier turns) the prefix check fails and a new row starts: merging never
 changes what a token was conditioned on.
 """
 

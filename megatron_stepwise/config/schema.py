@@ -20,7 +20,7 @@ class ModelConfig:
     """The policy model (Llama/Qwen2 family) and how it is built.
 
     `hf_config`, `hf_checkpoint` and `tokenizer` are resolved the same way: a preset name (`tiny`;
-    for `tokenizer`, a shipped one: `tiny_word`, `tiny_char`), else a local directory or
+    for `tokenizer`, a shipped one: `tiny_word`, `tiny_char`, `tiny_bpe`), else a local directory or
     config.json, else a Hugging Face hub id (`Org/Name`), looked up in the local HF cache
     (`$HF_HUB_CACHE`, default `$HF_HOME/hub`) and otherwise downloaded: only the config or
     tokenizer files, or all weight files for `hf_checkpoint`. With `HF_HUB_OFFLINE=1` nothing is
@@ -88,7 +88,19 @@ class SamplingConfig:
 
 @dataclass
 class RolloutConfig:
-    """The rollout fleet and the multi-turn agent loop."""
+    """The rollout fleet and the multi-turn agent loop.
+
+    `context` is how each turn's prompt is built. `retokenize` renders the whole chat with the
+    chat template and tokenises the text every turn: with a BPE tokenizer the text of a sampled
+    response often re-encodes to other ids, and the next prompt then does not extend the
+    previous one (`rollout/retokenize_drift_rate` measures how often). `tokens` (token-in,
+    token-out) sends the previous prompt + the ids the engine sampled (+ the EOS appended with
+    loss_mask 0 when the turn did not end on one) + the tokenised chat-template delta (closing of
+    the turn, observation, generation prompt), so the model is trained on exactly the context it
+    generated from and every step's prompt extends the previous step's. With a template that
+    rewrites earlier turns (e.g. drops their reasoning), `tokens` keeps every turn as sampled.
+    The length limit applies to the prompt actually sent, in both modes.
+    """
 
     engine: Literal["embedded", "sglang"] = option("embedded", "engine kind: embedded (CPU, transformers) "
                                                                "or sglang (GPU servers)")
@@ -98,7 +110,10 @@ class RolloutConfig:
     sampling: SamplingConfig = section(SamplingConfig, "sampling parameters")
     max_concurrency: int = option(64, "trajectories in flight at once across the fleet", min=1)
     max_turns: int = option(4, "assistant turns per trajectory at most", min=1)
-    max_input_length: int = option(2048, "longest prompt (re-tokenised chat history) a turn may send", min=1)
+    context: Literal["retokenize", "tokens"] = option(
+        "retokenize", "how each turn's prompt is built: retokenize (render and tokenise the chat every turn) or "
+                      "tokens (previous prompt + sampled ids + tokenised template delta)")
+    max_input_length: int = option(2048, "longest prompt (the chat history, as sent) a turn may send", min=1)
     max_new_tokens: int = option(256, "tokens generated per turn at most", min=1)
     timeout_s: float = option(120.0, "seconds one turn may take on an engine before it is retried", gt=0.0)
     max_retries: int = option(2, "retries of a failed or timed-out turn on another engine", min=0)

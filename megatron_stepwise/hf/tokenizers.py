@@ -1,11 +1,15 @@
 """Tokenizers: `load_tokenizer` (a shipped tiny tokenizer by name, a local directory or a hub id).
 
-Two tiny tokenizers ship with the package (no hub download), word-level and char-level.
-
-Both use ChatML-like turns with a chat template, `<|im_end|>` as EOS and `<pad>` as padding:
+Three tiny tokenizers ship with the package (no hub download): word-level, char-level and a
+byte-level BPE. All use ChatML-like turns with a chat template, `<|im_end|>` as EOS and `<pad>`
+as padding:
 - `tiny_word`: the words of the `echo` task (roles, digits, a few words); ~20 tokens.
 - `tiny_char`: printable ASCII + newline, one token per character; for text tasks (math, search)
   driven by a tiny model.
+- `tiny_bpe`: a byte-level BPE (GPT-2/Qwen style: bytes, merges, special tokens split off first),
+  trained deterministically on a small built-in corpus; 384 tokens. Unlike the two above, the
+  text of sampled ids often re-encodes to other ids (a merge the model did not sample, invalid
+  UTF-8), as with real LLM tokenizers: the tokenizer the re-tokenisation drift is measured with.
 
 `build_tokenizer_files(name, out_dir)` writes `tokenizer.json` + `tokenizer_config.json`; the
 files in `hf/data/` were produced by it (a test checks they still match); regenerate them with
@@ -32,16 +36,51 @@ WORD_CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|> {% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}"
 )
+# ChatML (newline after the role and after each turn): tiny_char and tiny_bpe.
 CHAR_CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-TOKENIZER_NAMES = ("tiny_word", "tiny_char")
+TOKENIZER_NAMES = ("tiny_word", "tiny_char", "tiny_bpe")
+
+# The BPE's training text: the echo task's turns, the chat roles and a few sentences of the math
+# and search tasks' kind. Small on purpose (a 384-token vocabulary for tiny models); repeated
+# lines make their merges frequent enough to be learnt.
+_BPE_SENTENCES = [
+    "The answer is 42. What is 7 times 6? Let me think step by step.",
+    "First add the numbers, then multiply the result by three and subtract one.",
+    "<search>national animal of the country</search>",
+    "<information>Doc 1(Title: the capital city) The capital lies on the river.</information>",
+    "<answer>The Crane.</answer> I do not know the answer yet, so I will search again.",
+    "print(sum(range(10)))  # the tool runs Python and returns its output",
+]
+
+
+def _bpe_corpus() -> list[str]:
+    lines = [f"{role}\n" for role in ROLES] * 2
+    for d in range(10):
+        lines += [f"say {d}", f"good say {d}", f"no say {d}", f"{d}"]
+    return lines + _BPE_SENTENCES * 2
+
+
+def _train_bpe():
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=384, min_frequency=2, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_bpe_corpus(), trainer=trainer)  # deterministic (a test rebuilds the shipped file)
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIAL_TOKENS])
+    return tok
 
 
 def _backend(name: str):
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
+    if name == "tiny_bpe":
+        return _train_bpe()
     if name == "tiny_word":
         words = ROLES + ECHO_WORDS
         pre = pre_tokenizers.WhitespaceSplit()

@@ -228,6 +228,7 @@ def build_agent_loop(cfg: ExperimentConfig, fleet, tokenizer):
     loop_cfg = AgentLoopConfig(
         max_turns=r.max_turns, max_input_length=r.max_input_length, n_samples_per_prompt=cfg.data.samples_per_prompt,
         sampling=sampling, env_error_reward=r.env_error_reward, max_concurrency=r.max_concurrency,
+        context=r.context,
     )
     from megatron_stepwise.envs.base import get_env_spec
 

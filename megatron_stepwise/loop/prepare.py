@@ -49,6 +49,7 @@ def prepare(steps: Sequence[Step], options: PrepareOptions = PrepareOptions()) -
         steps, stats = merge_steps(steps, max_tokens=options.max_tokens)
         metrics["batch/rows_after_merge"] = stats.rows_after
         metrics["batch/tokens_after_merge"] = stats.tokens_after
+        metrics["batch/broken_prefixes"] = stats.broken_prefixes  # steps that drifted from their history
     counts: dict[str, Any] = {}
     advantages = compute_advantages(steps, options.estimator, metrics=counts, **options.estimator_options)
     metrics.update({f"advantages/{k}": v for k, v in counts.items()})

@@ -1,14 +1,20 @@
 """The step-wise multi-turn agent loop: one `Step` per assistant turn.
 
-Per trajectory: render the chat with the tokenizer's chat template and re-tokenise it (this is
-the step's prompt), check its length AFTER re-tokenising, generate, append the assistant text,
-step the environment, append its observation messages (they reach the model in the NEXT
-prompt), repeat until the environment is done, the turn budget is spent or the prompt no longer
-fits. Invariants (docs/architecture.md, invariants 1-3):
+Per trajectory: build the step's prompt, check its length (on the prompt about to be sent),
+generate, append the assistant text, step the environment, append its observation messages
+(they reach the model in the NEXT prompt), repeat until the environment is done, the turn budget
+is spent or the prompt no longer fits. How the prompt is built is `AgentLoopConfig.context`
+(`rollout/context.py`): `retokenize` renders the chat with the chat template and re-tokenises it
+every turn; `tokens` extends the previous prompt with the ids the engine sampled and the
+tokenised template delta (observation, closing and generation prompt), so every prompt is the
+previous prompt + response + delta exactly. In both modes every step after which a next prompt
+is built records `metadata["retokenize_drift"]`: whether re-tokenising the chat after that turn
+lost its sampled ids (`rollout/retokenize_drift_rate`). Invariants (docs/architecture.md, 1-3 and 12):
 
 - `response_ids` are only the tokens sampled this turn; `rollout_logprobs` align with them 1:1.
 - loss_mask is 1 on sampled tokens and 0 on an EOS appended after the fact (when the turn ended
   on a stop string or the length limit, so the trained sequence closes like the chat template).
+- In `tokens` mode, step t+1's prompt starts with step t's prompt + response (prefix merge holds).
 - No prompt sent or emitted exceeds `max_input_length`. A trajectory that outgrows it ends with
   its last emitted step marked last (stop_reason "context_limit"). A trajectory whose FIRST prompt
   is already too long still emits one step (prompt cut to `max_input_length`, no response, so no
@@ -37,6 +43,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, Sequence, Union
 
 from megatron_stepwise.envs.base import Environment, make_env
+from megatron_stepwise.rollout.context import (
+    CONTEXT_MODES,
+    extend_context,
+    render_prompt,
+    retokenize_drifted,
+    template_delta,
+)
 from megatron_stepwise.rollout.engine import GenerateResult, SamplingParams
 from megatron_stepwise.types import Step, TrajectoryID
 
@@ -63,19 +76,18 @@ class AgentLoopConfig:
     context_limit_reward: float = 0.0
     max_concurrency: int = 64
     env_threads: int = 8
+    # "retokenize" (re-render and re-tokenise the chat) or "tokens" (extend the sampled ids).
+    context: str = "retokenize"
 
     def __post_init__(self) -> None:
+        if self.context not in CONTEXT_MODES:
+            raise ValueError(f"agent loop config: context must be one of {', '.join(CONTEXT_MODES)}, "
+                             f"got {self.context!r}")
         for name in ("max_turns", "max_input_length", "n_samples_per_prompt", "max_concurrency", "env_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"agent loop config: {name} must be >= 1, got {getattr(self, name)}")
         if self.env_timeout_s <= 0:
             raise ValueError(f"agent loop config: env_timeout_s must be > 0, got {self.env_timeout_s}")
-
-
-def render_prompt(tokenizer: Any, messages: list[dict]) -> list[int]:
-    """Chat template with the generation prompt, re-tokenised from text (the step's prompt)."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 class EnvError(RuntimeError):
@@ -156,8 +168,8 @@ class AgentLoop:
 
         steps: list[Step] = []
         total_reward = 0.0
+        prompt = retokenized = render_prompt(self.tokenizer, messages)  # turn 0: both modes agree
         for turn in range(cfg.max_turns):
-            prompt = render_prompt(self.tokenizer, messages)
             if len(prompt) > cfg.max_input_length:
                 if not steps:
                     return [self._placeholder(traj_id, prompt[: cfg.max_input_length], "context_limit",
@@ -185,7 +197,9 @@ class AgentLoop:
             step.metadata["env_info"] = info
             if done:
                 break
-            messages = messages + [{"role": "assistant", "content": text}] + observation
+            if turn + 1 < cfg.max_turns:  # a next turn will be sent
+                prompt, retokenized = self._next_prompt(step, prompt, retokenized, messages, text, observation)
+                messages = messages + [{"role": "assistant", "content": text}] + observation
         else:
             steps[-1].stop_reason = "max_turns"
         steps[-1].is_last_step = True
@@ -196,6 +210,18 @@ class AgentLoop:
         self._env_pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- helpers ----------------------------------------------------------------------------
+
+    def _next_prompt(self, step: Step, prompt: list[int], retokenized: list[int], messages: list[dict],
+                     text: str, observation: list[dict]) -> tuple[list[int], list[int]]:
+        """(the next turn's prompt in this loop's context mode, the re-tokenised chat); measures
+        drift on `step` either way, so the two modes report the same metric."""
+        response = step.response_ids.tolist()
+        after = render_prompt(self.tokenizer, messages + [{"role": "assistant", "content": text}] + observation)
+        step.metadata["retokenize_drift"] = retokenize_drifted(retokenized, response, after)
+        if self.config.context == "retokenize":
+            return after, after
+        delta = template_delta(self.tokenizer, messages, text, observation)
+        return extend_context(self.tokenizer, prompt, response, delta, self.eos_token_ids), after
 
     def _sampling_for(self, prompt_len: int, seed: Optional[int] = None) -> SamplingParams:
         cfg = self.config

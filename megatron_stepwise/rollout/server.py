@@ -306,7 +306,8 @@ def build_engine_from_args(args: argparse.Namespace) -> LocalEngine:
 def register(subparsers) -> None:
     p = subparsers.add_parser("serve", help="serve the embedded CPU engine over SGLang's HTTP API")
     p.add_argument("--model-config", required=True,
-                   help="HF config.json / model dir, or 'tiny_word' / 'tiny_char' for a tiny model and tokenizer")
+                   help="HF config.json / model dir, or a shipped tokenizer's name (tiny_word, tiny_char, "
+                        "tiny_bpe) for a tiny model and tokenizer")
     p.add_argument("--weights", default=None, help="directory of HF-named safetensors to load")
     p.add_argument("--tokenizer", default=None, help="tokenizer dir or shipped name (for stop strings and text)")
     p.add_argument("--host", default="127.0.0.1")

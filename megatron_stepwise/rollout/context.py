@@ -1,0 +1,111 @@
+"""How the agent loop builds each turn's prompt: `retokenize` the chat, or extend the `tokens`.
+
+`retokenize` renders the whole chat with the chat template and tokenises the text every turn.
+Each step is self-consistent, but the text of a sampled response need not re-encode to the ids
+the engine sampled (a BPE merge the model did not sample, invalid UTF-8, whitespace, special
+tokens), so the next prompt may not extend the previous one: the prefix merge cannot merge
+there, an engine's prefix cache misses, and turn t+1 is trained on a history the model never
+produced.
+
+`tokens` (token-in, token-out) builds turn t+1's prompt from ids only:
+
+    prompt[t+1] = prompt[t] + response[t] + delta[t]
+
+`response[t]` is what the step holds: the sampled ids exactly as generated, plus the EOS the
+loop appends (loss_mask 0) when the turn did not end on one. `delta[t]` is the tokenised
+chat-template text that closes the assistant turn, adds the observation messages and opens the
+next generation: the template is rendered with and without the new messages and only the
+suffix is tokenised (`template_delta`), less a leading end-of-turn token the response already
+ends with.
+
+Templates that rewrite history (e.g. drop the reasoning of earlier assistant turns, strip or
+re-format their content) cannot be followed incrementally: rendering with the new messages no
+longer extends the rendering without them. Token mode then keeps every earlier turn exactly as
+sampled (reasoning included) and takes the delta from the same messages rendered after a
+neutral one-turn history, where nothing is rewritten. The messages the environment sees are the
+same in both modes (decoded text).
+
+`retokenize_drifted` is the measurement behind `rollout/retokenize_drift_rate`: whether the
+re-tokenised chat after a turn still begins with the re-tokenised chat before it plus that
+turn's response ids. It is the same question in both modes (re-tokenising depends only on the
+text), and in `retokenize` mode it is exactly where the prefix merge breaks.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+CONTEXT_MODES = ("retokenize", "tokens")
+
+# A history no template rewrites (one user turn, a plain reply without reasoning or tool calls);
+# the reply is a marker found again in the rendered text.
+_NEUTRAL_HISTORY = [{"role": "user", "content": "hi"}]
+_NEUTRAL_REPLY = "<<<megatron-stepwise reply>>>"
+
+
+class ChatTemplateError(ValueError):
+    """The chat template cannot be extended turn by turn (token mode)."""
+
+
+def render_text(tokenizer: Any, messages: list[dict], *, generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
+
+
+def encode(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def render_prompt(tokenizer: Any, messages: list[dict]) -> list[int]:
+    """Chat template with the generation prompt, re-tokenised from text (the step's prompt)."""
+    return encode(tokenizer, render_text(tokenizer, messages, generation_prompt=True))
+
+
+def template_delta(tokenizer: Any, history: list[dict], reply: str, observation: list[dict]) -> str:
+    """The text the template puts after an assistant turn's content `reply`: the turn's closing,
+    the `observation` messages and the next generation prompt."""
+    delta = _delta_after(tokenizer, history, reply, observation, find_reply=False)
+    if delta is None:  # the template rewrites earlier turns: see the module docstring
+        delta = _delta_after(tokenizer, _NEUTRAL_HISTORY, _NEUTRAL_REPLY, observation, find_reply=True)
+    if delta is None:
+        raise ChatTemplateError(
+            "rollout.context=tokens: the chat template does not extend the chat when messages are added, even "
+            "after a one-turn history (rendering with the new messages does not begin with the rendering "
+            "without them); use rollout.context=retokenize with this template")
+    return delta
+
+
+def _delta_after(tokenizer: Any, history: list[dict], reply: str, observation: list[dict],
+                 *, find_reply: bool) -> Optional[str]:
+    turn = [{"role": "assistant", "content": reply}]
+    closed = render_text(tokenizer, history + turn, generation_prompt=False)
+    extended = render_text(tokenizer, history + turn + observation, generation_prompt=True)
+    if not extended.startswith(closed):
+        return None
+    if find_reply:  # the template may wrap the reply (e.g. an empty reasoning block before it)
+        at = closed.rfind(reply)
+        if at < 0:
+            return None
+        end = at + len(reply)
+    else:  # the reply must be rendered verbatim right after the generation prompt
+        head = render_text(tokenizer, history, generation_prompt=True) + reply
+        if not closed.startswith(head):
+            return None
+        end = len(head)
+    return extended[end:]
+
+
+def extend_context(tokenizer: Any, prompt: Sequence[int], response: Sequence[int], delta: str,
+                   eos_token_ids: Sequence[int]) -> list[int]:
+    """`prompt + response + tokens(delta)`, without a leading end-of-turn token of the delta that
+    the response already ends with (sampled, or appended by the loop)."""
+    delta_ids = encode(tokenizer, delta)
+    if response and delta_ids and delta_ids[0] == response[-1] and response[-1] in eos_token_ids:
+        delta_ids = delta_ids[1:]
+    return list(prompt) + list(response) + delta_ids
+
+
+def retokenize_drifted(retokenized_before: Sequence[int], response: Sequence[int],
+                       retokenized_after: Sequence[int]) -> bool:
+    """Whether re-tokenising the chat after a turn lost the ids of that turn (or of its history)."""
+    expected = list(retokenized_before) + list(response)
+    return list(retokenized_after[: len(expected)]) != expected
