@@ -14,8 +14,9 @@ What a user sets, and why:
    (`--calculate-per-token-loss`, `--sequence-parallel`, `--bf16`) and, with pipeline
    parallelism, has `config.variable_seq_lengths = True` (packed micro-batches differ in length;
    Megatron-LM has no flag for it and sets it False in its arguments). Here the package's
-   provider, built from an HF config, does both; with Megatron-LM's own `gpt_builder`, set
-   `variable_seq_lengths` on the config it builds.
+   provider, built from an HF config, does both. Megatron-LM's own `gpt_builder` needs
+   `variable_seq_lengths` set on the config it builds and a layer spec with packed-sequence
+   attention (TE on GPU; its local spec has none): not tested here.
 
 Rollouts are replaced by synthetic multi-turn steps with GRPO advantages (one optimizer step per
 rollout batch, so old-policy log-probs are the current ones). Run it (Megatron-LM's source at
