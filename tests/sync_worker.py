@@ -65,9 +65,11 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--tied", type=int, default=0)
+    p.add_argument("--model-type", default="qwen2")
     args = p.parse_args()
     out = Path(args.out)
-    cfg = M.tiny_config(tie_word_embeddings=bool(args.tied))
+    extra = {"head_dim": 24} if args.model_type == "qwen3" else {}  # explicit, not hidden / heads
+    cfg = M.tiny_config(tie_word_embeddings=bool(args.tied), model_type=args.model_type, **extra)
     rank = int(os.environ["RANK"])
 
     loop = fleet = None

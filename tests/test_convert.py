@@ -35,19 +35,24 @@ CASES = [
     pytest.param("qwen2", True, id="qwen2-tied"),
     pytest.param("llama", False, id="llama-untied"),
     pytest.param("llama", True, id="llama-tied"),
+    pytest.param("qwen3", False, id="qwen3-untied"),
+    pytest.param("qwen3", True, id="qwen3-tied"),
 ]
+# Qwen3: an explicit head_dim that is not hidden_size / num_heads (as in the real Qwen3 models).
+EXTRA = {"qwen3": {"head_dim": 24}}
 
 
 @pytest.mark.parametrize("model_type,tied", CASES)
 @pytest.mark.parametrize("te_spec", [False, True], ids=["local-norms", "te-norms"])
 def test_hf_megatron_hf_round_trip_is_bit_identical(model_type, tied, te_spec):
-    cfg = tiny_config(model_type=model_type, tie_word_embeddings=tied, num_layers=2)
+    cfg = tiny_config(model_type=model_type, tie_word_embeddings=tied, num_layers=2, **EXTRA.get(model_type, {}))
     arch = arch_from_hf(cfg)
     state = hf_state(cfg)
     canonical = H.hf_to_canonical(state, arch, te_spec=te_spec)
     assert set(canonical) == set(H.canonical_names(arch, te_spec=te_spec))
     assert ("output_layer.weight" in canonical) == (not tied)
     assert ("decoder.layers.0.self_attention.linear_qkv.bias" in canonical) == (model_type == "qwen2")
+    assert ("decoder.layers.1.self_attention.k_layernorm.weight" in canonical) == (model_type == "qwen3")
     back = H.canonical_to_hf(canonical, arch)
     assert set(back) == set(state)
     for name, tensor in state.items():

@@ -17,6 +17,8 @@ pytestmark = pytest.mark.distributed
 CHECKPOINTS = {
     "qwen2-untied": tiny_config(model_type="qwen2", tie_word_embeddings=False),
     "llama-tied": tiny_config(model_type="llama", tie_word_embeddings=True),
+    # QK RMSNorm per head and an explicit head_dim other than hidden / heads
+    "qwen3-untied": tiny_config(model_type="qwen3", tie_word_embeddings=False, head_dim=24),
 }
 LAYOUTS = ["tp2pp1", "tp1pp2"]
 

@@ -36,10 +36,16 @@ def test_prune_versions_keeps_the_newest(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v000001.partial", "v000010", "v000012"]
 
 
-@pytest.fixture(scope="module", params=[pytest.param(0, id="untied"), pytest.param(1, id="tied", marks=pytest.mark.slow)])
+@pytest.fixture(scope="module", params=[
+    pytest.param(("qwen2", 0), id="untied"),
+    pytest.param(("qwen2", 1), id="tied", marks=pytest.mark.slow),
+    pytest.param(("qwen3", 0), id="qwen3", marks=pytest.mark.slow),  # QK norm, explicit head_dim
+])
 def results(request, tmp_path_factory):
     out = tmp_path_factory.mktemp("sync")
-    check_ok(run_torchrun("sync_worker.py", 2, ["--out", str(out), "--tied", str(request.param)], timeout=600))
+    model_type, tied = request.param
+    check_ok(run_torchrun("sync_worker.py", 2, ["--out", str(out), "--tied", str(tied), "--model-type", model_type],
+                          timeout=600))
     return load_json(out / "results.json"), load_json(out / "weights_listing.json")
 
 

@@ -12,7 +12,7 @@ from typing import Any, Optional
 from megatron_stepwise.hf.hub import ModelSourceError, resolve_model_dir
 
 # HF model class of each supported model_type (a config.json's `architectures`).
-ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 def tiny_config(
@@ -28,7 +28,7 @@ def tiny_config(
     max_position_embeddings: int = 1024,
     **overrides: Any,
 ) -> dict[str, Any]:
-    """A tiny Llama/Qwen2 config in HF keys (CPU-fast): the `tiny` preset, tests and tools.
+    """A tiny Llama/Qwen2/Qwen3 config in HF keys (CPU-fast): the `tiny` preset, tests and tools.
 
     `ffn_hidden_size` defaults to 2 x hidden_size; `overrides` are further HF keys, set last.
     """
@@ -51,6 +51,8 @@ def tiny_config(
     }
     if model_type in ARCHITECTURES:
         cfg["architectures"] = [ARCHITECTURES[model_type]]
+    if model_type == "qwen3":  # Qwen3 configs name head_dim explicitly (the HF default is 128)
+        cfg.update(head_dim=hidden_size // num_heads, attention_bias=False)
     cfg.update(overrides)
     return cfg
 
@@ -58,6 +60,8 @@ def tiny_config(
 PRESETS: dict[str, dict[str, Any]] = {
     # The CPU experiment and CI model: ~60k parameters, learns the `echo` task in minutes.
     "tiny": tiny_config(),
+    # The same size as Qwen3 (per-head QK RMSNorm, explicit head_dim).
+    "tiny_qwen3": tiny_config(model_type="qwen3"),
 }
 
 

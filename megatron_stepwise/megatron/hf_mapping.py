@@ -1,4 +1,4 @@
-"""Megatron <-> Hugging Face weights for the Llama / Qwen2 family.
+"""Megatron <-> Hugging Face weights for the Llama / Qwen2 / Qwen3 family.
 
 The Megatron side is the *canonical* full tensor of `weights.py` (TP shards concatenated, layer
 index global, SwiGLU fc1 as `[gate; up]`). The mapping, per decoder layer `i`:
@@ -14,6 +14,7 @@ index global, SwiGLU fc1 as `[gate; up]`). The mapping, per decoder layer `i`:
 |   `mlp.linear_fc1.layer_norm_weight` (TE)             |                                                 |
 | `mlp.linear_fc1.weight` = [gate; up]                  | `mlp.gate_proj.weight`, `mlp.up_proj.weight`    |
 | `mlp.linear_fc2.weight`                               | `mlp.down_proj.weight`                          |
+| `self_attention.{q,k}_layernorm.weight` (Qwen3)       | `self_attn.{q,k}_norm.weight`                   |
 
 plus `embedding.word_embeddings.weight` <-> `model.embed_tokens.weight`,
 `decoder.final_layernorm.weight` <-> `model.norm.weight` and (untied only)
@@ -46,6 +47,8 @@ _LAYER_ONE_TO_ONE = {
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
     "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
 }
 # One fused megatron tensor <-> several HF tensors (in this order).
 _LAYER_FUSED = {
@@ -97,6 +100,8 @@ def canonical_names(arch: Any, *, te_spec: bool = False) -> list[str]:
         layer = [input_norm, "self_attention.linear_proj.weight", "self_attention.linear_qkv.weight"]
         if arch.qkv_bias:
             layer.append("self_attention.linear_qkv.bias")
+        if arch.qk_norm:
+            layer += ["self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"]
         layer += [mlp_norm, "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
         names += [f"decoder.layers.{i}.{suffix}" for suffix in layer]
     names.append(FINAL_NORM)

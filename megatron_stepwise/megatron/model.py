@@ -1,7 +1,7 @@
-"""Build a megatron-core `GPTModel` from a Hugging Face config of the Llama / Qwen2 family.
+"""Build a megatron-core `GPTModel` from a Hugging Face config of the Llama / Qwen2 / Qwen3 family.
 
-RMSNorm, SwiGLU, RoPE (theta, Llama-3 scaling), GQA, Qwen2's qkv bias, tied or untied
-embeddings. The Transformer Engine spec is used when TE imports; otherwise the local spec with
+RMSNorm, SwiGLU, RoPE (theta, Llama-3 scaling), GQA, Qwen2's qkv bias, Qwen3's per-head QK
+RMSNorm and explicit head_dim, tied or untied embeddings. The Transformer Engine spec is used when TE imports; otherwise the local spec with
 the torch-native packed attention and norm of `local_layers`. bf16 on GPU, fp32 on CPU.
 
 Both paths take THD packed micro-batches (`PackedSeqParams`), see `packing.py`.
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from megatron_stepwise.hf import presets
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
 
 class ModelConfigError(ValueError):
@@ -41,6 +41,7 @@ class GPTArch:
     rope_theta: float
     rope_scaling_factor: Optional[float]  # Llama-3 style scaling, None when absent
     qkv_bias: bool
+    qk_norm: bool  # RMSNorm over each query and key head before RoPE (Qwen3)
     tie_word_embeddings: bool
     max_position_embeddings: int
     init_std: float
@@ -103,6 +104,7 @@ def arch_from_hf(cfg: Any) -> GPTArch:
         rope_theta=theta,
         rope_scaling_factor=scaling,
         qkv_bias=qkv_bias,
+        qk_norm=model_type == "qwen3",
         tie_word_embeddings=bool(_get(cfg, "tie_word_embeddings", False)),
         max_position_embeddings=int(_get(cfg, "max_position_embeddings", 4096)),
         init_std=float(_get(cfg, "initializer_range", 0.02)),
@@ -189,6 +191,7 @@ def transformer_config(
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=arch.attention_dropout,
         init_method_std=arch.init_std,
@@ -231,9 +234,11 @@ def layer_spec(config, *, use_te: bool, vp_stage: Optional[int] = None):
         )
     from megatron_stepwise.megatron.local_layers import LocalRMSNorm, PackedCausalAttention
 
-    base = specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=False)
+    base = specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
     attn = base.submodules.self_attention
-    attn_sub = dataclasses.replace(attn.submodules, core_attention=PackedCausalAttention)
+    qk_norm = LocalRMSNorm if config.qk_layernorm else None
+    attn_sub = dataclasses.replace(attn.submodules, core_attention=PackedCausalAttention,
+                                   q_layernorm=qk_norm, k_layernorm=qk_norm)
     sub = dataclasses.replace(
         base.submodules,
         input_layernorm=LocalRMSNorm,
