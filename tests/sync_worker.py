@@ -68,7 +68,7 @@ def main() -> None:
     p.add_argument("--model-type", default="qwen2")
     args = p.parse_args()
     out = Path(args.out)
-    extra = {"head_dim": 24} if args.model_type == "qwen3" else {}  # explicit, not hidden / heads
+    extra = {"head_dim": 24} if args.model_type.startswith("qwen3") else {}  # explicit, not hidden / heads
     cfg = M.tiny_config(tie_word_embeddings=bool(args.tied), model_type=args.model_type, **extra)
     rank = int(os.environ["RANK"])
 

@@ -12,14 +12,17 @@ from megatron_stepwise.megatron.model import arch_from_hf, tiny_config
 
 
 def hf_state(cfg: dict, seed: int = 0) -> dict[str, torch.Tensor]:
-    """A real transformers model's state dict (random init), as saved by save_pretrained."""
+    """A real transformers model's state dict (random init), as saved by save_pretrained (MoE
+    experts one by one, as on the hub)."""
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from megatron_stepwise.rollout.hf_model import checkpoint_state
 
     fields = dict(cfg)
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state = checkpoint_state(model)
     if cfg["tie_word_embeddings"]:
         state.pop("lm_head.weight")  # save_pretrained drops the tied copy
     # Norm weights init to exactly 1 and biases to 0: perturb them so a swap would be caught.
@@ -37,9 +40,10 @@ CASES = [
     pytest.param("llama", True, id="llama-tied"),
     pytest.param("qwen3", False, id="qwen3-untied"),
     pytest.param("qwen3", True, id="qwen3-tied"),
+    pytest.param("qwen3_moe", False, id="qwen3moe-untied"),
 ]
 # Qwen3: an explicit head_dim that is not hidden_size / num_heads (as in the real Qwen3 models).
-EXTRA = {"qwen3": {"head_dim": 24}}
+EXTRA = {"qwen3": {"head_dim": 24}, "qwen3_moe": {"head_dim": 24}}
 
 
 @pytest.mark.parametrize("model_type,tied", CASES)
@@ -52,7 +56,8 @@ def test_hf_megatron_hf_round_trip_is_bit_identical(model_type, tied, te_spec):
     assert set(canonical) == set(H.canonical_names(arch, te_spec=te_spec))
     assert ("output_layer.weight" in canonical) == (not tied)
     assert ("decoder.layers.0.self_attention.linear_qkv.bias" in canonical) == (model_type == "qwen2")
-    assert ("decoder.layers.1.self_attention.k_layernorm.weight" in canonical) == (model_type == "qwen3")
+    assert ("decoder.layers.1.self_attention.k_layernorm.weight" in canonical) == model_type.startswith("qwen3")
+    assert ("decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight" in canonical) == (model_type == "qwen3_moe")
     back = H.canonical_to_hf(canonical, arch)
     assert set(back) == set(state)
     for name, tensor in state.items():

@@ -19,6 +19,8 @@ CHECKPOINTS = {
     "llama-tied": tiny_config(model_type="llama", tie_word_embeddings=True),
     # QK RMSNorm per head and an explicit head_dim other than hidden / heads
     "qwen3-untied": tiny_config(model_type="qwen3", tie_word_embeddings=False, head_dim=24),
+    # 4 experts, top-2, renormalised (EP1: the experts are whole on every rank)
+    "qwen3moe-untied": tiny_config(model_type="qwen3_moe", tie_word_embeddings=False, num_layers=4),
 }
 LAYOUTS = ["tp2pp1", "tp1pp2"]
 

@@ -40,6 +40,7 @@ def test_prune_versions_keeps_the_newest(tmp_path):
     pytest.param(("qwen2", 0), id="untied"),
     pytest.param(("qwen2", 1), id="tied", marks=pytest.mark.slow),
     pytest.param(("qwen3", 0), id="qwen3", marks=pytest.mark.slow),  # QK norm, explicit head_dim
+    pytest.param(("qwen3_moe", 0), id="qwen3moe", marks=pytest.mark.slow),  # 4 experts, top-2 (EP1)
 ])
 def results(request, tmp_path_factory):
     out = tmp_path_factory.mktemp("sync")

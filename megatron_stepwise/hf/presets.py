@@ -12,7 +12,8 @@ from typing import Any, Optional
 from megatron_stepwise.hf.hub import ModelSourceError, resolve_model_dir
 
 # HF model class of each supported model_type (a config.json's `architectures`).
-ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 def tiny_config(
@@ -51,8 +52,11 @@ def tiny_config(
     }
     if model_type in ARCHITECTURES:
         cfg["architectures"] = [ARCHITECTURES[model_type]]
-    if model_type == "qwen3":  # Qwen3 configs name head_dim explicitly (the HF default is 128)
+    if model_type in ("qwen3", "qwen3_moe"):  # Qwen3 configs name head_dim explicitly (the HF default is 128)
         cfg.update(head_dim=hidden_size // num_heads, attention_bias=False)
+    if model_type == "qwen3_moe":  # 4 experts of half the dense width, 2 per token, every layer MoE
+        cfg.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden_size, norm_topk_prob=True,
+                   decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.0)
     cfg.update(overrides)
     return cfg
 

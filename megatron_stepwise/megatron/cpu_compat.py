@@ -20,6 +20,8 @@ arithmetic is touched, so numerics are those of the CPU kernels.
 | ``torch.cuda.synchronize/empty_cache`` no-ops   | p2p race guard after batch_isend_irecv, DDP buffer frees  |
 | CUDA RNG get/set/seed -> CPU generator          | ``model_parallel_cuda_manual_seed`` and the RNG tracker's |
 |                                                 | ``fork()`` (dropout, initialisation regions)              |
+| inert ``torch.cuda.Stream`` / ``current_stream``| the MoE all-to-all dispatcher's device-to-host side      |
+|   / ``stream`` (no kernels are queued on CPU)   | stream and its events                                     |
 
 Use :func:`cpu_compat` as a context manager, or :class:`CpuCompat` ``enable()`` /
 ``disable()`` to bracket a process's distributed lifetime (``runtime.init_distributed``
@@ -86,6 +88,39 @@ def _cpu_manual_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+class _InertEvent:
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, *_args: Any) -> None:
+        pass
+
+
+class _InertStream:
+    """A CUDA stream stand-in: on CPU every operation is already ordered."""
+
+    def __init__(self, *_args: Any, **_kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, *_args: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def record_event(self, *_args: Any) -> _InertEvent:
+        return _InertEvent()
+
+    def __enter__(self) -> "_InertStream":
+        return self
+
+    def __exit__(self, *_exc: Any) -> None:
+        return None
+
+
+_DEFAULT_STREAM = _InertStream()
+
+
 class CpuCompat:
     """Holds the patches; `enable()` applies them once, `disable()` restores the originals.
 
@@ -125,6 +160,9 @@ class CpuCompat:
             self._patch(torch.cuda.random, "get_rng_state", _cpu_get_rng_state)
             self._patch(mrandom, "_get_cuda_rng_state", _cpu_get_rng_state)
             self._patch(mrandom, "_set_cuda_rng_state", _cpu_set_rng_state)
+            self._patch(torch.cuda, "Stream", _InertStream)
+            self._patch(torch.cuda, "current_stream", lambda *_a, **_k: _DEFAULT_STREAM)
+            self._patch(torch.cuda, "stream", lambda stream=None: stream or _DEFAULT_STREAM)
             self._mode = _RedirectCudaToCpu()
             self._mode.__enter__()
             return True

@@ -15,6 +15,10 @@ index global, SwiGLU fc1 as `[gate; up]`). The mapping, per decoder layer `i`:
 | `mlp.linear_fc1.weight` = [gate; up]                  | `mlp.gate_proj.weight`, `mlp.up_proj.weight`    |
 | `mlp.linear_fc2.weight`                               | `mlp.down_proj.weight`                          |
 | `self_attention.{q,k}_layernorm.weight` (Qwen3)       | `self_attn.{q,k}_norm.weight`                   |
+| MoE (Qwen3-MoE), expert `e` by its global index:      |                                                 |
+| `mlp.router.weight`                                   | `mlp.gate.weight`                               |
+| `mlp.experts.local_experts.e.linear_fc1.weight`       | `mlp.experts.e.gate_proj.weight`, `...up_proj`  |
+| `mlp.experts.local_experts.e.linear_fc2.weight`       | `mlp.experts.e.down_proj.weight`                |
 
 plus `embedding.word_embeddings.weight` <-> `model.embed_tokens.weight`,
 `decoder.final_layernorm.weight` <-> `model.norm.weight` and (untied only)
@@ -49,7 +53,11 @@ _LAYER_ONE_TO_ONE = {
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
     "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
     "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+    "mlp.router.weight": "mlp.gate.weight",
 }
+# Expert `e` (global index) of a MoE layer: the checkpoint (on-disk) per-expert names.
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
+_EXPERT_HF = {"linear_fc1": ("gate_proj.weight", "up_proj.weight"), "linear_fc2": ("down_proj.weight",)}
 # One fused megatron tensor <-> several HF tensors (in this order).
 _LAYER_FUSED = {
     "self_attention.linear_qkv.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
@@ -87,6 +95,9 @@ def hf_names_for(name: str) -> tuple[str, ...]:
             return (f"model.layers.{layer}.{_LAYER_ONE_TO_ONE[rest]}",)
         if rest in _LAYER_FUSED:
             return tuple(f"model.layers.{layer}.{suffix}" for suffix in _LAYER_FUSED[rest])
+        e = _EXPERT.match(rest)
+        if e:
+            return tuple(f"model.layers.{layer}.mlp.experts.{e.group(1)}.{suffix}" for suffix in _EXPERT_HF[e.group(2)])
     raise WeightConversionError(f"no Hugging Face mapping for megatron parameter {name!r}")
 
 
@@ -102,7 +113,13 @@ def canonical_names(arch: Any, *, te_spec: bool = False) -> list[str]:
             layer.append("self_attention.linear_qkv.bias")
         if arch.qk_norm:
             layer += ["self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"]
-        layer += [mlp_norm, "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
+        if arch.num_experts:
+            layer += [mlp_norm, "mlp.router.weight"]
+            for e in range(arch.num_experts):
+                layer += [f"mlp.experts.local_experts.{e}.linear_fc1.weight",
+                          f"mlp.experts.local_experts.{e}.linear_fc2.weight"]
+        else:
+            layer += [mlp_norm, "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
         names += [f"decoder.layers.{i}.{suffix}" for suffix in layer]
     names.append(FINAL_NORM)
     if not arch.tie_word_embeddings:
@@ -116,6 +133,11 @@ def hf_names(arch: Any) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- tensors
+
+
+def _ffn_size(name: str, arch) -> int:
+    """The MLP width of `name`: an expert's (moe_intermediate_size) or the dense one's."""
+    return arch.moe_ffn_hidden_size if ".mlp.experts." in name else arch.ffn_hidden_size
 
 
 def _qkv_rows(arch) -> tuple[int, int, int]:
@@ -178,10 +200,10 @@ def to_hf(name: str, tensor: torch.Tensor, arch: Any) -> list[tuple[str, torch.T
     elif name.endswith("linear_qkv.weight") or name.endswith("linear_qkv.bias"):
         parts = _split_qkv(name, tensor, arch)
     elif name.endswith("linear_fc1.weight"):
-        if tensor.shape[0] != 2 * arch.ffn_hidden_size:
+        ffn = _ffn_size(name, arch)
+        if tensor.shape[0] != 2 * ffn:
             raise WeightConversionError(
-                f"{name}: shape {tuple(tensor.shape)} does not hold [gate; up] of "
-                f"intermediate_size={arch.ffn_hidden_size}"
+                f"{name}: shape {tuple(tensor.shape)} does not hold [gate; up] of an MLP of width {ffn}"
             )
         parts = list(tensor.chunk(2, dim=0))
     else:
@@ -218,8 +240,9 @@ def from_hf(
         return _fuse_qkv(name, *parts, arch)
     if name.endswith("linear_fc1.weight"):
         gate, up = parts
+        ffn = _ffn_size(name, arch)
         for hf, t in zip(names, parts):
-            _check_shape(hf, t, arch.ffn_hidden_size, (arch.hidden_size,), "intermediate_size x hidden_size")
+            _check_shape(hf, t, ffn, (arch.hidden_size,), f"MLP width {ffn} x hidden_size")
         return torch.cat([gate, up], dim=0)
     (single,) = parts
     return single.clone()

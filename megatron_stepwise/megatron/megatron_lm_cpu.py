@@ -11,7 +11,6 @@ package needs:
 | `initialize_megatron(allow_no_cuda=True)`          | it asserts CUDA unless told otherwise                 |
 | `compile_helpers`, `fused_kernels.load` no-ops     | they run `make` / `nvcc` for the GPU dataset helpers  |
 | `get_device_arch_version()` answers 9              | argument checks ask for the GPU architecture          |
-| dummy `torch.cuda.Stream`/`current_stream`/`stream`| created or entered around the step, no kernels queued |
 | `torch.cuda.memory_*` queries answer 0             | memory reports in the training log                    |
 | `torch.cuda.device_count()` answers 1, `set_device`| model-parallel groups and seeds are set up only when  |
 |   is a no-op                                       | a device is counted                                   |
@@ -23,7 +22,6 @@ site-packages (`megatron.core` keeps coming from the megatron-core wheel).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import sys
 import types
@@ -31,20 +29,6 @@ import types
 import torch
 
 from megatron_stepwise.megatron.cpu_compat import enable_cpu_compat
-
-
-class _DummyStream:
-    def __init__(self, *_args, **_kwargs):
-        pass
-
-    def wait_stream(self, *_args):
-        pass
-
-    def synchronize(self):
-        pass
-
-    def record_event(self, *_args):
-        return None
 
 
 def _stub_triton() -> None:
@@ -66,9 +50,6 @@ def enable_megatron_lm_cpu() -> bool:
         return False
     enable_cpu_compat()
     _stub_triton()
-    torch.cuda.Stream = _DummyStream
-    torch.cuda.current_stream = lambda *_a, **_k: _DummyStream()
-    torch.cuda.stream = lambda *_a, **_k: contextlib.nullcontext()
     torch.cuda.device_count = lambda: 1
     torch.cuda.set_device = lambda *_a, **_k: None
     for name in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved"):

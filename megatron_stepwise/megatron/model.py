@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from megatron_stepwise.hf import presets
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 
 
 class ModelConfigError(ValueError):
@@ -46,6 +46,11 @@ class GPTArch:
     max_position_embeddings: int
     init_std: float
     attention_dropout: float
+    # Mixture of experts (Qwen3-MoE): 0 experts = a dense MLP in every layer.
+    num_experts: int = 0
+    moe_topk: int = 0
+    moe_ffn_hidden_size: int = 0
+    moe_norm_topk: bool = True  # renormalise the top-k router probabilities (HF norm_topk_prob)
 
 
 def _get(cfg: Any, name: str, default: Any = None) -> Any:
@@ -92,6 +97,7 @@ def arch_from_hf(cfg: Any) -> GPTArch:
     theta, scaling = _rope(cfg)
     qkv_bias = model_type == "qwen2" or bool(_get(cfg, "attention_bias", False))
     return GPTArch(
+        **_moe_fields(cfg),
         model_type=model_type,
         vocab_size=int(_get(cfg, "vocab_size")),
         hidden_size=hidden,
@@ -104,12 +110,28 @@ def arch_from_hf(cfg: Any) -> GPTArch:
         rope_theta=theta,
         rope_scaling_factor=scaling,
         qkv_bias=qkv_bias,
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         tie_word_embeddings=bool(_get(cfg, "tie_word_embeddings", False)),
         max_position_embeddings=int(_get(cfg, "max_position_embeddings", 4096)),
         init_std=float(_get(cfg, "initializer_range", 0.02)),
         attention_dropout=float(_get(cfg, "attention_dropout", 0.0) or 0.0),
     )
+
+
+def _moe_fields(cfg: Any) -> dict:
+    """The GPTArch MoE fields of a Qwen3-MoE config (none for a dense one)."""
+    # Hub configs say num_experts; transformers 5 writes num_local_experts (an attribute alias).
+    experts = _get(cfg, "num_experts") or _get(cfg, "num_local_experts") or 0
+    experts = int(experts) if _get(cfg, "model_type") == "qwen3_moe" else 0
+    if not experts:
+        return {}
+    if int(_get(cfg, "decoder_sparse_step", 1) or 1) != 1 or _get(cfg, "mlp_only_layers"):
+        raise ModelConfigError("decoder_sparse_step != 1 / mlp_only_layers (dense layers in a MoE model) are not supported")
+    topk = int(_get(cfg, "num_experts_per_tok"))
+    if not 1 <= topk <= experts:
+        raise ModelConfigError(f"num_experts_per_tok={topk} must be in [1, num_experts={experts}]")
+    return dict(num_experts=experts, moe_topk=topk, moe_ffn_hidden_size=int(_get(cfg, "moe_intermediate_size")),
+                moe_norm_topk=bool(_get(cfg, "norm_topk_prob", True)))
 
 
 def tiny_config(*, num_layers: int = 4, **kwargs: Any) -> dict:
@@ -219,6 +241,22 @@ def transformer_config(
         # would swap them. The unbatched path sends each direction on its own group.
         batch_p2p_comm=on_gpu,
     )
+    if arch.num_experts:
+        fields.update(
+            num_moe_experts=arch.num_experts,
+            moe_router_topk=arch.moe_topk,
+            moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+            # HF: softmax over all experts, top-k, renormalised (norm_topk_prob) or not. Megatron:
+            # softmax over the top-k logits (the same renormalised probabilities), or pre-softmax.
+            moe_router_pre_softmax=not arch.moe_norm_topk,
+            moe_router_score_function="softmax",
+            moe_router_load_balancing_type="none",  # router losses are the step-wise loss's business
+            moe_aux_loss_coeff=0.0,
+            moe_grouped_gemm=False,
+            moe_token_dispatcher_type="alltoall",  # allgather refuses variable_seq_lengths
+            expert_tensor_parallel_size=1,  # experts are split over EP, not TP
+            moe_router_dtype="fp32",
+        )
     fields.update(overrides)
     return TransformerConfig(**fields)
 
@@ -232,9 +270,12 @@ def layer_spec(config, *, use_te: bool, vp_stage: Optional[int] = None):
         return specs.get_gpt_decoder_block_spec(
             config, use_transformer_engine=True, normalization="RMSNorm", vp_stage=vp_stage
         )
+    if config.num_moe_experts:
+        _patch_router_gemm()
     from megatron_stepwise.megatron.local_layers import LocalRMSNorm, PackedCausalAttention
 
-    base = specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
+    base = specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm,
+                                          num_experts=config.num_moe_experts, moe_grouped_gemm=False)
     attn = base.submodules.self_attention
     qk_norm = LocalRMSNorm if config.qk_layernorm else None
     attn_sub = dataclasses.replace(attn.submodules, core_attention=PackedCausalAttention,
@@ -249,6 +290,15 @@ def layer_spec(config, *, use_te: bool, vp_stage: Optional[int] = None):
     return TransformerBlockSubmodules(
         layer_specs=[layer] * get_num_layers_to_build(config, vp_stage=vp_stage), layer_norm=LocalRMSNorm
     )
+
+
+def _patch_router_gemm() -> None:
+    """megatron-core 0.16's router refers to Transformer Engine's GEMM, undefined (NameError) when
+    TE is absent; None selects its torch path."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def build_gpt_model(

@@ -99,6 +99,7 @@ def init_distributed(
     context_parallel: int = 1,
     *,
     virtual_pipeline: Optional[int] = None,
+    expert_parallel: int = 1,
     seed: int = 1234,
     backend: Optional[str] = None,
     timeout_minutes: int = 10,
@@ -106,7 +107,9 @@ def init_distributed(
     """Start torch.distributed and megatron-core's parallel state; returns this rank's layout.
 
     The data-parallel size is what remains: world / (tp * pp * cp). `virtual_pipeline`: model
-    chunks per pipeline rank (interleaved 1F1B; None or 1: one chunk). Calling it again re-creates
+    chunks per pipeline rank (interleaved 1F1B; None or 1: one chunk). `expert_parallel`: MoE
+    experts split over that many ranks of the data-parallel x context-parallel group (experts are
+    never split over TP: expert TP is 1). Calling it again re-creates
     megatron's groups for a new layout on the same torch.distributed world.
     """
     global _COMPAT_HELD
@@ -150,6 +153,8 @@ def init_distributed(
         pipeline_model_parallel_size=pipeline_parallel,
         context_parallel_size=context_parallel,
         virtual_pipeline_model_parallel_size=virtual_pipeline if (virtual_pipeline or 1) > 1 else None,
+        expert_model_parallel_size=expert_parallel,
+        expert_tensor_parallel_size=1,
         distributed_timeout_minutes=timeout_minutes,
     )
     layout = current_layout(device=device, local_rank=env.local_rank)

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_EXPERT_INDEX = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")  # local in modules, global in names
 
 
 def _model(chunk):
@@ -35,15 +36,33 @@ def _layer_offset(model) -> int:
     return get_transformer_layer_offset(model.config, vp_stage=getattr(model, "vp_stage", None))
 
 
+def _is_expert(name: str) -> bool:
+    return ".mlp.experts." in name
+
+
+def _expert_parallel():
+    """(EP size, EP rank, EP group); experts are split over EP, never over TP (ETP = 1)."""
+    from megatron.core import parallel_state as ps
+
+    return (ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank(),
+            ps.get_expert_model_parallel_group())
+
+
 def canonical_params(chunk) -> Iterator[tuple[str, torch.nn.Parameter]]:
-    """(canonical name, parameter) for one model chunk, in a rank-independent order."""
+    """(canonical name, parameter) for one model chunk, in a rank-independent order. Layer and
+    expert indices are global (this stage's layer offset, this EP rank's first expert)."""
     model = _model(chunk)
     offset = _layer_offset(model)
     tied_copy = model.share_embeddings_and_output_weights and not model.pre_process
+    experts = model.config.num_moe_experts or 0
+    first_expert = experts // _expert_parallel()[0] * _expert_parallel()[1] if experts else 0
     for name, param in model.named_parameters():
         m = _LAYER.match(name)
         if m:
             name = f"decoder.layers.{int(m.group(1)) + offset}." + name[m.end():]
+            e = _EXPERT_INDEX.search(name)
+            if e:
+                name = f"{name[:e.start(1)]}{int(e.group(1)) + first_expert}{name[e.end(1):]}"
         if tied_copy and name == "output_layer.weight":
             # The last stage's copy of the tied word embeddings (kept equal by megatron).
             name = "embedding.word_embeddings.weight"
@@ -62,9 +81,10 @@ def _tp():
 
 def gather_full(local: torch.Tensor, param, name: str, model) -> torch.Tensor:
     """The full tensor of `param` (canonical `name`, in unwrapped `model`) from this rank's
-    shard `local` (its data or a gradient). Collective over the TP group; a copy at TP 1."""
+    shard `local` (its data or a gradient). Collective over the TP group; a copy at TP 1 and for
+    experts (not split over TP)."""
     tp, _, group = _tp()
-    if tp == 1 or not getattr(param, "tensor_model_parallel", False):
+    if tp == 1 or not getattr(param, "tensor_model_parallel", False) or _is_expert(name):
         return local.detach().clone()
     parts = [torch.empty_like(local) for _ in range(tp)]
     dist.all_gather(parts, local.detach().contiguous(), group=group)
@@ -78,7 +98,7 @@ def gather_full(local: torch.Tensor, param, name: str, model) -> torch.Tensor:
 def shard_full(full: torch.Tensor, param, name: str, model) -> torch.Tensor:
     """This TP rank's shard of `full` for `param` (the inverse of `gather_full`); not a collective."""
     tp, rank, _ = _tp()
-    if tp == 1 or not getattr(param, "tensor_model_parallel", False):
+    if tp == 1 or not getattr(param, "tensor_model_parallel", False) or _is_expert(name):
         return full
     dim = param.partition_dim
     if _is_glu_fc1(name, model):
@@ -90,7 +110,7 @@ def shard_full(full: torch.Tensor, param, name: str, model) -> torch.Tensor:
 def full_shape(param, name: str) -> tuple[int, ...]:
     tp, _, _ = _tp()
     shape = list(param.shape)
-    if tp > 1 and getattr(param, "tensor_model_parallel", False):
+    if tp > 1 and getattr(param, "tensor_model_parallel", False) and not _is_expert(name):
         shape[param.partition_dim] *= tp
     return tuple(shape)
 
@@ -108,8 +128,23 @@ def full_state(chunks: list, *, grads: bool = False) -> dict[str, torch.Tensor]:
                     local = param.grad if param.grad is not None else torch.zeros_like(param)
             else:
                 local = param.data
-            out[name] = gather_full(local.float(), param, name, model).cpu()
+            full = gather_full(local.float(), param, name, model)
+            out.update({n: t.cpu() for n, t in _all_experts(name, full, model)})
     return out
+
+
+def _all_experts(name: str, full: torch.Tensor, model) -> list[tuple[str, torch.Tensor]]:
+    """[(name, full)], or for an expert tensor under expert parallelism the same tensor of every
+    EP rank's corresponding expert (collective over the EP group)."""
+    ep, rank, group = _expert_parallel()
+    if not _is_expert(name) or ep == 1:
+        return [(name, full)]
+    parts = [torch.empty_like(full) for _ in range(ep)]
+    dist.all_gather(parts, full.contiguous(), group=group)
+    per_rank = model.config.num_moe_experts // ep
+    e = _EXPERT_INDEX.search(name)
+    local = int(e.group(1)) - rank * per_rank
+    return [(f"{name[:e.start(1)]}{r * per_rank + local}{name[e.end(1):]}", part) for r, part in enumerate(parts)]
 
 
 @torch.no_grad()

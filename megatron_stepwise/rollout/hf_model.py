@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
@@ -66,6 +67,47 @@ def build_causal_lm(
     return model
 
 
+# transformers keeps a MoE layer's experts fused in memory (`experts.gate_up_proj` [E, 2I, H] =
+# [gate; up] per expert, `experts.down_proj` [E, H, I]); checkpoints and weight pushes name each
+# expert's matrices, as the hub files do.
+_EXPERT = re.compile(r"^(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def _target(params: Mapping[str, torch.Tensor], name: str) -> Optional[torch.Tensor]:
+    """The parameter, or the view of a fused expert tensor, that checkpoint tensor `name` fills."""
+    if name in params:
+        return params[name]
+    m = _EXPERT.match(name)
+    if not m:
+        return None
+    prefix, e, proj = m.group(1), int(m.group(2)), m.group(3)
+    fused = params.get(f"{prefix}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}")
+    if fused is None or e >= fused.shape[0]:
+        return None
+    if proj == "down_proj":
+        return fused[e]
+    gate, up = fused[e].chunk(2, dim=0)
+    return gate if proj == "gate_proj" else up
+
+
+def checkpoint_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state in checkpoint names (fused experts split per expert), detached copies."""
+    out = {}
+    for name, tensor in model.state_dict().items():
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            prefix = name[: -len(".gate_up_proj")]
+            for e, rows in enumerate(tensor):
+                gate, up = rows.chunk(2, dim=0)
+                out[f"{prefix}.{e}.gate_proj.weight"], out[f"{prefix}.{e}.up_proj.weight"] = gate, up
+        elif name.endswith(".mlp.experts.down_proj"):
+            prefix = name[: -len(".down_proj")]
+            for e, matrix in enumerate(tensor):
+                out[f"{prefix}.{e}.down_proj.weight"] = matrix
+        else:
+            out[name] = tensor
+    return {k: v.detach().contiguous().clone() for k, v in out.items()}
+
+
 def load_named_tensors(model: torch.nn.Module, named_tensors: NamedTensors) -> int:
     """Copy HF-named tensors into the model in place (a subset is fine: bucketed pushes).
 
@@ -75,17 +117,20 @@ def load_named_tensors(model: torch.nn.Module, named_tensors: NamedTensors) -> i
     items = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else list(named_tensors)
     params = dict(model.named_parameters(remove_duplicate=False))
     params.update(dict(model.named_buffers()))
+    targets = []
     for name, tensor in items:
-        if name not in params:
+        target = _target(params, name)
+        if target is None:
             hint = sorted(params)[:4]
             raise KeyError(f"weight {name!r} is not a parameter of the model (HF names expected, e.g. {hint})")
-        if tuple(tensor.shape) != tuple(params[name].shape):
+        if tuple(tensor.shape) != tuple(target.shape):
             raise ValueError(
-                f"weight {name!r}: shape {tuple(tensor.shape)} does not match the model's {tuple(params[name].shape)}"
+                f"weight {name!r}: shape {tuple(tensor.shape)} does not match the model's {tuple(target.shape)}"
             )
+        targets.append(target)
     with torch.no_grad():
-        for name, tensor in items:
-            params[name].copy_(tensor.to(params[name].dtype))
+        for target, (_, tensor) in zip(targets, items):
+            target.copy_(tensor.to(target.dtype))
     return len(items)
 
 
@@ -109,7 +154,7 @@ def save_safetensors_dir(model: torch.nn.Module, path: Union[str, os.PathLike]) 
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
+    state = checkpoint_state(model)
     if getattr(model.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
     save_file(state, str(path / "model.safetensors"))
