@@ -92,17 +92,16 @@ def to_batch(steps, extras) -> StepBatch:
 def hf_reference_logprobs(cfg: dict, full: dict, batch: StepBatch) -> torch.Tensor:
     """Plain reference: the HF model on each row, full logits, log_softmax, gather the next
     token. Flat [T] aligned with the batch, 0 where loss_mask is 0."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen2ForCausalLM, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    kind = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}
-    config_cls, model_cls = kind[cfg["model_type"]]
-    hf_cfg = config_cls(**{k: v for k, v in cfg.items() if k != "model_type"}, attn_implementation="eager")
-    model = model_cls(hf_cfg).eval()
     from megatron_stepwise.megatron.hf_mapping import canonical_to_hf
+    from megatron_stepwise.rollout.hf_model import load_named_tensors
 
-    missing, unexpected = model.load_state_dict(canonical_to_hf(full, cfg), strict=False)
-    tied_head = ["lm_head.weight"] if cfg.get("tie_word_embeddings") else []
-    assert list(missing) == tied_head and not unexpected, (missing, unexpected)
+    fields = {k: v for k, v in cfg.items() if k != "model_type"}
+    hf_cfg = AutoConfig.for_model(cfg["model_type"], **fields, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_config(hf_cfg).eval()
+    state = canonical_to_hf(full, cfg)  # checkpoint names (MoE experts one by one)
+    assert load_named_tensors(model, state) == len(state)
     out = torch.zeros(batch.tokens.numel())
     mask = batch.token_fields["loss_mask"] != 0
     with torch.no_grad():

@@ -30,7 +30,7 @@ from worker_entry import run_worker
 SEED = 7
 
 
-RUN_DEFAULTS = {"tp": 1, "pp": 1, "vpp": 1, "cp": 1, "budget": 64, "sp": 1, "distopt": 0, "per_token_loss": 0, "tied": 0, "bf16": 0, "vocab": 256}
+RUN_DEFAULTS = {"tp": 1, "pp": 1, "vpp": 1, "cp": 1, "ep": 1, "moe": 0, "budget": 64, "sp": 1, "distopt": 0, "per_token_loss": 0, "tied": 0, "bf16": 0, "vocab": 256}
 
 
 def parse():
@@ -231,8 +231,10 @@ def megatron_loop_backward(plugin, chunks, optimizer, batch):
 
 
 def run_layout(args, out_dir):
-    layout = runtime.init_distributed(args.tp, args.pp, args.cp, virtual_pipeline=args.vpp, seed=SEED)
-    cfg = M.tiny_config(tie_word_embeddings=bool(args.tied), vocab_size=args.vocab)
+    layout = runtime.init_distributed(args.tp, args.pp, args.cp, virtual_pipeline=args.vpp, expert_parallel=args.ep,
+                                      seed=SEED)
+    moe = {"model_type": "qwen3_moe"} if args.moe else {}  # 4 experts, top-2, QK norm
+    cfg = M.tiny_config(tie_word_embeddings=bool(args.tied), vocab_size=args.vocab, **moe)
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     overrides = {
         "sequence_parallel": bool(args.sp) and args.tp > 1,

@@ -58,6 +58,11 @@ LAYOUTS = {
     # initialised, so it would show) is left out of every softmax
     "tp1_vocab255": (1, "vocab=255", None),
     "tp2_vocab255_padded": (2, "tp=2,vocab=255", "tp1_vocab255"),
+    # mixture of experts (Qwen3-MoE: 4 experts, top-2): experts split over EP ranks of the DP group
+    "tp1_moe": (1, "moe=1", None),
+    "ep2_moe": (2, "moe=1,ep=2", "tp1_moe"),
+    "ep2_tp2_moe": (4, "moe=1,ep=2,tp=2", "tp1_moe"),
+    "ep2_pp2_moe": (4, "moe=1,ep=2,pp=2", "tp1_moe"),
     # bf16 mixed precision, compared with the fp32 baselines under BF16_TOL
     "tp1_bf16": (1, "bf16=1", "tp1"),
     "tp2_sequence_parallel_bf16": (2, "tp=2,bf16=1", "tp1"),
@@ -123,10 +128,10 @@ def without_vocab_padding(state: dict, vocab: int) -> dict:
     return {k: v[:vocab] if k in VOCAB_ROWS else v for k, v in state.items()}
 
 
-def reference_logprobs(result: dict, tied: bool, merged: bool, vocab: int = 256) -> torch.Tensor:
-    key = (tied, merged, vocab)
+def reference_logprobs(result: dict, tied: bool, merged: bool, vocab: int = 256, moe: bool = False) -> torch.Tensor:
+    key = (tied, merged, vocab, moe)
     if key not in _HF_CACHE:
-        cfg = tiny_config(tie_word_embeddings=tied, vocab_size=vocab)
+        cfg = tiny_config(tie_word_embeddings=tied, vocab_size=vocab, **({"model_type": "qwen3_moe"} if moe else {}))
         steps, extras = cases.make_steps(vocab=vocab)
         if merged:
             steps, extras = cases.merge_for_test(steps, extras)
@@ -160,9 +165,10 @@ def assert_metrics_close(got: dict, want: dict, what: str, rtol: float = RTOL) -
         assert abs(a - b) <= rtol * max(abs(b), 1e-3), f"{what} {key}: {a!r} vs baseline {b!r}"
 
 
-def assert_logprobs_match_reference(result: dict, tied: bool, atol: float = 1e-5, vocab: int = 256) -> None:
+def assert_logprobs_match_reference(result: dict, tied: bool, atol: float = 1e-5, vocab: int = 256,
+                                    moe: bool = False) -> None:
     for merged, key in ((False, "logprobs"), (True, "merged_logprobs")):
-        ref = reference_logprobs(result, tied, merged, vocab)
+        ref = reference_logprobs(result, tied, merged, vocab, moe)
         err = float((result[key] - ref).abs().max())
         assert err <= atol, f"{key}: plugin vs full-logits reference max |diff| {err:.3e}"
     if "megatron_reference_logprobs" in result:
@@ -207,7 +213,7 @@ def test_layout_matches_baseline(results, layout):
             assert not res[key]["output_layer.weight"][vocab:].any(), key
     trim = functools.partial(without_vocab_padding, vocab=vocab)
     assert_tensors_close(trim(res["init_params"]), base["init_params"], "initial weights")
-    assert_logprobs_match_reference(res, tied=tied, vocab=vocab)
+    assert_logprobs_match_reference(res, tied=tied, vocab=vocab, moe="moe=1" in options)
     assert_metrics_close(res["metrics"], base["metrics"], "metrics")
     assert_metrics_close(res["merged_metrics"], base["merged_metrics"], "merged-batch metrics")
     if "grads" in res:  # the distributed optimizer leaves only shards of the reduced gradients

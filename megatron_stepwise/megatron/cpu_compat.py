@@ -22,6 +22,8 @@ arithmetic is touched, so numerics are those of the CPU kernels.
 |                                                 | ``fork()`` (dropout, initialisation regions)              |
 | inert ``torch.cuda.Stream`` / ``current_stream``| the MoE all-to-all dispatcher's device-to-host side      |
 |   / ``stream`` (no kernels are queued on CPU)   | stream and its events                                     |
+| the dispatcher's split sizes as numpy, as the   | it converts them only when moving them off a GPU; gloo's  |
+|   device-to-host copy gives them on GPU         | ``all_to_all_single`` refuses tensors as split sizes      |
 
 Use :func:`cpu_compat` as a context manager, or :class:`CpuCompat` ``enable()`` /
 ``disable()`` to bracket a process's distributed lifetime (``runtime.init_distributed``
@@ -66,6 +68,13 @@ class _RedirectCudaToCpu(TorchFunctionMode):
         if func is torch.Tensor.to and args:
             args = tuple(_CPU if _is_cuda(a) else a for a in args)
         return func(*args, **kwargs)
+
+
+def _splits_to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    # megatron's maybe_move_tensor_to_cpu converts to numpy only what it copies off a GPU.
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.cpu().numpy()
+    return tensor
 
 
 def _cuda_current_device() -> torch.device:
@@ -150,6 +159,7 @@ class CpuCompat:
             if self._depth > 1:
                 return True
             from megatron.core.tensor_parallel import random as mrandom
+            from megatron.core.transformer.moe import token_dispatcher
 
             self._patch(torch.cuda, "current_device", _cuda_current_device)
             self._patch(torch.cuda, "synchronize", _noop)
@@ -160,6 +170,7 @@ class CpuCompat:
             self._patch(torch.cuda.random, "get_rng_state", _cpu_get_rng_state)
             self._patch(mrandom, "_get_cuda_rng_state", _cpu_get_rng_state)
             self._patch(mrandom, "_set_cuda_rng_state", _cpu_set_rng_state)
+            self._patch(token_dispatcher, "maybe_move_tensor_to_cpu", _splits_to_host)
             self._patch(torch.cuda, "Stream", _InertStream)
             self._patch(torch.cuda, "current_stream", lambda *_a, **_k: _DEFAULT_STREAM)
             self._patch(torch.cuda, "stream", lambda stream=None: stream or _DEFAULT_STREAM)
