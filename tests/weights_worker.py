@@ -1,6 +1,7 @@
 """torchrun worker for tests/test_convert_distributed.py (2 processes).
 
-For each layout (TP2, then PP2 in the same processes) and each HF checkpoint under --hf-root:
+For each layout (TP2, then PP2, then EP2 for MoE checkpoints, in the same processes) and each HF
+checkpoint under --hf-root:
 import_hf into real DDP-wrapped megatron chunks, export_hf to a directory, stream the buckets to
 rank 0 (small buckets, so several per stage) and, at PP1, megatron's own forward logits for a
 fixed sequence. Rank 0 writes what it got under --out; the test compares.
@@ -61,11 +62,13 @@ def main() -> None:
     args = p.parse_args()
     out = Path(args.out)
     report = {}
-    for tp, pp in [(2, 1), (1, 2)]:
-        layout = runtime.init_distributed(tp, pp, seed=1)
+    for tp, pp, ep in [(2, 1, 1), (1, 2, 1), (1, 1, 2)]:
+        layout = runtime.init_distributed(tp, pp, expert_parallel=ep, seed=1)
         for src in sorted(Path(args.hf_root).iterdir()):
             cfg = json.loads((src / "config.json").read_text())
-            tag = f"{src.name}-tp{tp}pp{pp}"
+            if ep > 1 and "moe" not in src.name:
+                continue  # expert parallelism: MoE checkpoints only
+            tag = f"{src.name}-tp{tp}pp{pp}" + (f"ep{ep}" if ep > 1 else "")
             chunks = M.build_model_chunks(cfg)
             convert.import_hf(chunks, src)
             convert.export_hf(chunks, out / tag, cfg, tokenizer=args.tokenizer)

@@ -37,7 +37,8 @@ def summary(cfg: ExperimentConfig, world_size: int) -> str:
     par, data, ro = cfg.parallel, cfg.data, cfg.rollout
     steps = data.optimizer_steps_per_iteration
     return (f"{cfg.name}: model {cfg.model.hf_config}, {world_size} ranks = TP{par.tensor} x PP{par.pipeline} "
-            f"x CP{par.context} x DP{par.data_parallel_size(world_size)}, {ro.num_engines} {ro.engine} "
+            f"x CP{par.context} x DP{par.data_parallel_size(world_size)}"
+            f"{f' (experts over EP{par.expert})' if par.expert > 1 else ''}, {ro.num_engines} {ro.engine} "
             f"engine(s), env {cfg.env.name}, estimator {cfg.algo.estimator}, {cfg.trainer.iterations} "
             f"iterations x {steps} optimizer steps of {data.prompts_per_minibatch} prompts x "
             f"{data.samples_per_prompt} samples")

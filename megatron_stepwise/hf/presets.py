@@ -66,6 +66,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny": tiny_config(),
     # The same size as Qwen3 (per-head QK RMSNorm, explicit head_dim).
     "tiny_qwen3": tiny_config(model_type="qwen3"),
+    # Qwen3-MoE of the same size: 4 experts (half the dense MLP width each), 2 per token.
+    "tiny_qwen3_moe": tiny_config(model_type="qwen3_moe"),
 }
 
 

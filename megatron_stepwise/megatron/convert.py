@@ -112,21 +112,35 @@ def check_model_matches(chunks: list, arch: Any) -> None:
 # ----------------------------------------------------------------------------- streaming
 
 
-def _stage_canonical(chunks: list, dtype: Optional[torch.dtype]) -> Iterator[tuple[str, Optional[torch.Tensor]]]:
-    """(canonical name, full tensor) for this stage; the tensor only on TP rank 0 (else None)."""
+def _stage_canonical(chunks: list, dtype: Optional[torch.dtype], *, worker: bool = True
+                     ) -> Iterator[tuple[str, Optional[torch.Tensor]]]:
+    """(canonical name, full tensor) for this stage; the tensor only on a worker's TP rank 0 (else
+    None). Experts split over EP come from every EP rank (a collective over the EP group, which
+    EP peers outside the converting replica, `worker=False`, join for the experts only)."""
     from megatron_stepwise.megatron.model import unwrap
 
-    keep = _layout().tp_rank == 0
+    keep = worker and _layout().tp_rank == 0
     for chunk in chunks:
         model = unwrap(chunk)
         for name, param in W.canonical_params(chunk):
             if name == EMBED and not model.pre_process:
                 continue  # the last stage's copy of tied embeddings: stage 0 exports the original
+            if not worker and not W.is_expert(name):
+                continue
             full = W.gather_full(param.data, param, name, model)  # collective over TP
-            if keep:
-                yield name, (full if dtype is None else full.to(dtype)).cpu()
-            else:
-                yield name, None
+            for each, tensor in W.all_experts(name, full, model):  # collective over EP for experts
+                yield each, ((tensor if dtype is None else tensor.to(dtype)).cpu() if keep else None)
+
+
+def _joins_expert_gathers(layout) -> bool:
+    """Whether this rank, outside the converting replica, holds experts the replica needs: its EP
+    group contains a worker. Collective over the EP group (every rank calls it) when EP > 1."""
+    ep, _, group = W.expert_parallel()
+    if ep == 1:
+        return False
+    flags = [None] * ep
+    dist.all_gather_object(flags, _is_worker(layout), group=group)
+    return not _is_worker(layout) and any(flags)
 
 
 def bucketize(pairs: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
@@ -151,11 +165,15 @@ def iter_stage_buckets(
     the stage's other TP ranks run the gathers and yield nothing; other replicas return at once."""
     arch = as_arch(hf_config)
     layout = _layout()
+    if _joins_expert_gathers(layout):
+        for _ in _stage_canonical(chunks, dtype, worker=False):  # take part in the EP gathers
+            pass
+        return
     if not _is_worker(layout):
         return
     canonical = _stage_canonical(chunks, dtype)
     if layout.tp_rank != 0:
-        for _ in canonical:  # take part in the TP gathers
+        for _ in canonical:  # take part in the TP (and EP) gathers
             pass
         return
     pairs = (pair for name, full in canonical for pair in to_hf(name, full, arch))
@@ -217,7 +235,8 @@ def stage_hf_metadata(chunks: list, hf_config: Any, *, dtype: Optional[torch.dty
             if name == EMBED and not model.pre_process:
                 continue
             meta = torch.empty(W.full_shape(param, name), dtype=dtype or param.dtype, device="meta")
-            out += [(hf, tuple(t.shape), t.dtype) for hf, t in to_hf(name, meta, arch)]
+            for each in W.expert_names(name, model):  # every EP rank's expert, in stream order
+                out += [(hf, tuple(t.shape), t.dtype) for hf, t in to_hf(each, meta, arch)]
     return out
 
 

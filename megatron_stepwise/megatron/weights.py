@@ -36,11 +36,11 @@ def _layer_offset(model) -> int:
     return get_transformer_layer_offset(model.config, vp_stage=getattr(model, "vp_stage", None))
 
 
-def _is_expert(name: str) -> bool:
+def is_expert(name: str) -> bool:
     return ".mlp.experts." in name
 
 
-def _expert_parallel():
+def expert_parallel():
     """(EP size, EP rank, EP group); experts are split over EP, never over TP (ETP = 1)."""
     from megatron.core import parallel_state as ps
 
@@ -55,7 +55,7 @@ def canonical_params(chunk) -> Iterator[tuple[str, torch.nn.Parameter]]:
     offset = _layer_offset(model)
     tied_copy = model.share_embeddings_and_output_weights and not model.pre_process
     experts = model.config.num_moe_experts or 0
-    first_expert = experts // _expert_parallel()[0] * _expert_parallel()[1] if experts else 0
+    first_expert = experts // expert_parallel()[0] * expert_parallel()[1] if experts else 0
     for name, param in model.named_parameters():
         m = _LAYER.match(name)
         if m:
@@ -84,7 +84,7 @@ def gather_full(local: torch.Tensor, param, name: str, model) -> torch.Tensor:
     shard `local` (its data or a gradient). Collective over the TP group; a copy at TP 1 and for
     experts (not split over TP)."""
     tp, _, group = _tp()
-    if tp == 1 or not getattr(param, "tensor_model_parallel", False) or _is_expert(name):
+    if tp == 1 or not getattr(param, "tensor_model_parallel", False) or is_expert(name):
         return local.detach().clone()
     parts = [torch.empty_like(local) for _ in range(tp)]
     dist.all_gather(parts, local.detach().contiguous(), group=group)
@@ -98,7 +98,7 @@ def gather_full(local: torch.Tensor, param, name: str, model) -> torch.Tensor:
 def shard_full(full: torch.Tensor, param, name: str, model) -> torch.Tensor:
     """This TP rank's shard of `full` for `param` (the inverse of `gather_full`); not a collective."""
     tp, rank, _ = _tp()
-    if tp == 1 or not getattr(param, "tensor_model_parallel", False) or _is_expert(name):
+    if tp == 1 or not getattr(param, "tensor_model_parallel", False) or is_expert(name):
         return full
     dim = param.partition_dim
     if _is_glu_fc1(name, model):
@@ -110,7 +110,7 @@ def shard_full(full: torch.Tensor, param, name: str, model) -> torch.Tensor:
 def full_shape(param, name: str) -> tuple[int, ...]:
     tp, _, _ = _tp()
     shape = list(param.shape)
-    if tp > 1 and getattr(param, "tensor_model_parallel", False) and not _is_expert(name):
+    if tp > 1 and getattr(param, "tensor_model_parallel", False) and not is_expert(name):
         shape[param.partition_dim] *= tp
     return tuple(shape)
 
@@ -129,22 +129,31 @@ def full_state(chunks: list, *, grads: bool = False) -> dict[str, torch.Tensor]:
             else:
                 local = param.data
             full = gather_full(local.float(), param, name, model)
-            out.update({n: t.cpu() for n, t in _all_experts(name, full, model)})
+            out.update({n: t.cpu() for n, t in all_experts(name, full, model)})
     return out
 
 
-def _all_experts(name: str, full: torch.Tensor, model) -> list[tuple[str, torch.Tensor]]:
-    """[(name, full)], or for an expert tensor under expert parallelism the same tensor of every
-    EP rank's corresponding expert (collective over the EP group)."""
-    ep, rank, group = _expert_parallel()
-    if not _is_expert(name) or ep == 1:
-        return [(name, full)]
-    parts = [torch.empty_like(full) for _ in range(ep)]
-    dist.all_gather(parts, full.contiguous(), group=group)
+def expert_names(name: str, model) -> list[str]:
+    """[name], or for an expert under expert parallelism the names of the corresponding expert of
+    every EP rank, in EP rank order."""
+    ep, rank, _ = expert_parallel()
+    if not is_expert(name) or ep == 1:
+        return [name]
     per_rank = model.config.num_moe_experts // ep
     e = _EXPERT_INDEX.search(name)
     local = int(e.group(1)) - rank * per_rank
-    return [(f"{name[:e.start(1)]}{r * per_rank + local}{name[e.end(1):]}", part) for r, part in enumerate(parts)]
+    return [f"{name[:e.start(1)]}{r * per_rank + local}{name[e.end(1):]}" for r in range(ep)]
+
+
+def all_experts(name: str, full: torch.Tensor, model) -> list[tuple[str, torch.Tensor]]:
+    """[(name, full)], or for an expert tensor under expert parallelism the same tensor of every
+    EP rank's corresponding expert (collective over the EP group)."""
+    names = expert_names(name, model)
+    if len(names) == 1:
+        return [(name, full)]
+    parts = [torch.empty_like(full) for _ in names]
+    dist.all_gather(parts, full.contiguous(), group=expert_parallel()[2])
+    return list(zip(names, parts))
 
 
 @torch.no_grad()
