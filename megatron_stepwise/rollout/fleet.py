@@ -157,7 +157,9 @@ def ensure_ray(address: Optional[str] = None, num_cpus: Optional[int] = None) ->
     if address:
         kwargs["address"] = address
     else:
-        kwargs["num_cpus"] = num_cpus or 4
+        # A new local instance: never join a cluster someone else started on this machine (a
+        # bare ray.init() connects to the one `ray start` recorded in /tmp/ray).
+        kwargs.update(address="local", num_cpus=num_cpus or 4)
     # Workers import this package: make sure they see the same sources as the driver.
     kwargs["runtime_env"] = {"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}}
     ray.init(**kwargs)
