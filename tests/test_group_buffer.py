@@ -267,7 +267,7 @@ def test_randomised_schedules_keep_the_bound_and_lose_or_duplicate_nothing(name)
         assert len(trained_serials) == len(set(trained_serials))
         # every started group ended exactly once, or is still outstanding
         started = {s for s, _, _ in trace["starts"]}
-        outstanding = set(buf._in_flight) | {g.serial for g in buf._ready}
+        outstanding = {g.serial for g in buf.outstanding_groups()}
         assert not (outstanding & set(buf.ledger))
         assert set(buf.ledger) | outstanding == started
         assert {s for s, o in buf.ledger.items() if o == "trained"} == set(trained_serials)

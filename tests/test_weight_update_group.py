@@ -95,8 +95,8 @@ def test_weight_sync_opens_a_group_with_every_tp_rank_and_broadcasts_to_all(monk
     loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(16))  # trainer + 6 engine ranks block at once
     syncer = S.WeightSync(fleet, "distributed", {}, loop=loop, master_port=_free_port())
     try:
-        syncer._open_group()
-        assert syncer._group.world_size == 7
+        group = syncer.open_group()
+        assert group.world_size == 7 and syncer.open_group() is group
         assert [fleet.engine(i).offset for i in range(4)] == [1, 3, 4, None]  # the dead engine was not asked
 
         sent = torch.arange(6, dtype=torch.float32)
@@ -107,7 +107,7 @@ def test_weight_sync_opens_a_group_with_every_tp_rank_and_broadcasts_to_all(monk
         async def broadcast_and_receive():
             run = asyncio.get_running_loop().run_in_executor
             await asyncio.gather(
-                run(None, weight_transport.broadcast, syncer._group, [sent]),
+                run(None, weight_transport.broadcast, group, [sent]),
                 *(run(None, weight_transport.receive, g, [b]) for g, b in zip(receivers, buffers)),
             )
 

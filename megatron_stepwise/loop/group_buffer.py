@@ -206,11 +206,14 @@ class GroupBuffer:
         out["async/groups_requeue_waiting"] = float(len(self._requeued))
         return out
 
+    def outstanding_groups(self) -> list[Group]:
+        """Groups started and not yet ended (in flight or ready), by serial."""
+        return sorted([*self._in_flight.values(), *self._ready], key=lambda g: g.serial)
+
     def pending_samples(self) -> list[dict[str, Any]]:
         """Samples drawn from the dataset but not trained yet (in flight, ready, re-queued): a
         checkpoint stores them so a resumed run rolls them out first (`requeue_samples`)."""
-        groups = sorted([*self._in_flight.values(), *self._ready], key=lambda g: g.serial)
-        return [s for s, _ in self._requeued] + [g.sample for g in groups]
+        return [s for s, _ in self._requeued] + [g.sample for g in self.outstanding_groups()]
 
     def requeue_samples(self, samples: list[dict[str, Any]]) -> None:
         self._requeued.extend((dict(s), 0) for s in samples)

@@ -170,8 +170,7 @@ class WeightSync:
             for _ in stream:  # take part in the gathers / sends
                 pass
             return 0, 0
-        if self._group is None:
-            self._open_group()
+        group = self.open_group()
         names = [name for name, _, _ in meta]
         counts = {"bytes": 0, "buckets": 0}
 
@@ -182,7 +181,7 @@ class WeightSync:
                 for (name, tensor), expected in zip(bucket, names[sent: sent + len(bucket)]):
                     if name != expected:
                         raise WeightSyncError(f"stream order changed: got {name!r}, announced {expected!r}")
-                weight_transport.broadcast(self._group, [t for _, t in bucket])
+                weight_transport.broadcast(group, [t for _, t in bucket])
                 sent += len(bucket)
                 counts["buckets"] += 1
                 counts["bytes"] += sum(t.numel() * t.element_size() for _, t in bucket)
@@ -199,7 +198,14 @@ class WeightSync:
         self._run(both())
         return counts["bytes"], counts["buckets"]
 
-    def _open_group(self) -> None:
+    def open_group(self):
+        """The weight-update process group of the trainer (rank 0) and every TP rank of every
+        live engine; opened on first use (a distributed push opens it itself)."""
+        if self._group is None:
+            self._group = self._open_group()
+        return self._group
+
+    def _open_group(self):
         port = self.master_port or _free_port()
         world_size = self.fleet.weight_update_world_size()  # trainer + every TP rank of every engine
 
@@ -213,4 +219,4 @@ class WeightSync:
                 raise WeightSyncError(f"the fleet's weight-update group has {engines} ranks, expected {world_size}")
             return group
 
-        self._group = self._run(both())
+        return self._run(both())
