@@ -26,6 +26,7 @@ import copy
 import dataclasses
 import difflib
 import functools
+import math
 from typing import Any, Callable, Iterator, Sequence, Union
 
 Choices = Union[Sequence[Any], Callable[[], Sequence[Any]]]
@@ -96,6 +97,10 @@ def bounds_problem(value: Any, meta: Any) -> str | None:
     """Why a number breaks a field's bounds, or None (also for None and non-numbers)."""
     if value is None or not isinstance(value, (int, float)) or isinstance(value, bool):
         return None
+    if isinstance(value, float) and not math.isfinite(value):
+        # Every float key: NaN passes no comparison below (so no bound would catch it) and an
+        # inf learning rate or reward would only surface as NaN losses iterations later.
+        return f"must be a finite number (got {value})"
     if meta.get("min") is not None and value < meta["min"]:
         return f"must be >= {meta['min']} (got {value})"
     if meta.get("max") is not None and value > meta["max"]:

@@ -32,8 +32,8 @@ class FakeProbes(Probes):
 
     def model_shape(self, hf_config):
         if hf_config in self.shapes:
-            heads, kv, layers = self.shapes[hf_config]
-            return ModelShape(heads, kv, layers, f"fake {hf_config}")
+            heads, kv, layers, *experts = self.shapes[hf_config]  # (heads, KV heads, layers[, experts])
+            return ModelShape(heads, kv, layers, f"fake {hf_config}", *experts)
         return super().model_shape(hf_config)  # local config.json files are read for real
 
     def locate_model(self, value, files=("config.json",)):

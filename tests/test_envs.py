@@ -56,8 +56,9 @@ def test_sandbox_runs_code_with_limits(tmp_path):
         code = f"import _socket\ns = _socket.socket()\ns.connect(('127.0.0.1', {port}))\nprint('connected')"
         result = run_python(code, timeout_s=3)
         assert "connected" not in result.stdout and result.returncode != 0
-        assert "OSError" in run_python(f"import socket; socket.create_connection(('127.0.0.1', {port}))").stderr
-    # The working directory is a fresh temporary one, not ours.
+        blocked = run_python(f"import socket; socket.create_connection(('127.0.0.1', {port}))")
+        assert blocked.returncode != 0 and "PermissionError" in blocked.stderr
+    # The working directory is a fresh temporary one, not ours. (The hostile corpus: test_sandbox.py.)
     assert run_python("import os; print(os.getcwd())").stdout.strip() != str(Path.cwd())
 
 

@@ -1,6 +1,7 @@
 """The embedded engine over real HTTP on 127.0.0.1 (ephemeral ports), driven by SGLangClient."""
 
 import asyncio
+import json
 import os
 import re
 import subprocess
@@ -63,6 +64,32 @@ def test_generate_over_http_matches_the_model():
             async with http.post(f"http://127.0.0.1:{port}/generate", json={
                     "input_ids": prompt, "return_hidden_states": True}) as resp:
                 assert resp.status == 400 and "return_hidden_states" in await resp.text()
+
+    asyncio.run(serving(scenario))
+
+
+@pytest.mark.parametrize("bad", [
+    {"temperature": 1e-300},  # logits / T overflows: NaN probabilities in the batched sampler
+    {"top_k": 2.0},  # a float slice index in the sampler
+    {"temperature": "0.7"}, {"top_p": float("nan")}, {"max_new_tokens": 2.5}, {"no_stop_trim": "yes"},
+])
+def test_bad_sampling_params_get_a_400_and_the_engine_keeps_serving(bad):
+    """Once, one such request failed the engine's batch loop and left the engine unhealthy for good."""
+    prompt = [1, 5, 8, 17, 2, 1, 6]
+
+    async def scenario(engine, client, port):
+        async with aiohttp.ClientSession() as http:
+            sp = {"temperature": 0.7, "max_new_tokens": 4, **bad}
+            # allow_nan: the JSON a hostile client can send (NaN is not strict JSON, Python reads it)
+            body = {"input_ids": prompt, "sampling_params": sp}
+            async with http.post(f"http://127.0.0.1:{port}/generate", data=json.dumps(body),
+                                 headers={"Content-Type": "application/json"}) as resp:
+                message = (await resp.json())["error"]["message"]
+                assert resp.status == 400, message
+                assert f"sampling_params.{next(iter(bad))}" in message
+        assert await client.health()
+        r = await client.generate(prompt, SamplingParams(temperature=0.7, max_new_tokens=4), rid="after")
+        assert 1 <= len(r.output_ids) <= 4 and r.finish_reason in ("stop", "length")
 
     asyncio.run(serving(scenario))
 

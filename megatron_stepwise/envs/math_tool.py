@@ -1,7 +1,8 @@
 """`math_tool`: arithmetic word problems solved with a Python tool.
 
-The model may write `<python>code</python>`; the code runs in the sandbox (time, memory and
-network limits) and its printed output comes back as the next user message
+The model may write `<python>code</python>`; the code runs in the sandbox (`sandbox.py`: its
+own namespaces, no network, only a private directory writable, limits; docs/security.md; the
+sample's answer never reaches it) and its printed output comes back as the next user message
 `<output>...</output>`. The episode ends when the model writes `<answer>N</answer>`: reward 1 if
 N equals the problem's answer (numerically), else 0. A turn with neither tag gets a format hint.
 """

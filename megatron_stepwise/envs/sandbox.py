@@ -1,35 +1,48 @@
-"""Run untrusted model-written Python in a subprocess with time, memory and network limits.
+"""Run untrusted model-written Python isolated from the trainer (guarantees: docs/security.md).
 
-Limits: wall-clock timeout (the whole process group is killed), RLIMIT_CPU, RLIMIT_AS (memory),
-RLIMIT_FSIZE (no large files), an empty temporary working directory, an isolated interpreter
-(`-I`: no user site, no PYTHON* env vars) and a minimal environment. Network: the child first
-tries to enter a fresh network namespace (only loopback, down) with unshare(CLONE_NEWNET), which
-works when running as root; in every case a prelude replaces `socket.socket` so code cannot open
-sockets through the standard library. This is a guard against accidents and reward hacking in a
-research setting, not a security boundary against a determined attacker.
+Layers, each of which holds on its own (what remains without one is in docs/security.md):
+
+- namespaces (`unshare`, probed once): a new user namespace (no root needed), PID namespace
+  with its own /proc (the trainer's processes are neither visible nor signalable, and every
+  process the code starts dies with it), network namespace (no interface but a down loopback),
+  IPC and UTS namespaces. As root without user namespaces, the same minus the user namespace;
+- `sandbox_init.py`, the first code inside: resource limits (memory, CPU, file size, processes,
+  open files), no-new-privileges and Landlock (the private temp dir is the only writable place
+  and the standard library the only readable code; TCP and signals out of the sandbox denied);
+- this module: a fresh environment, stdin closed, a new session (`start_new_session`, done by
+  `subprocess` itself: no `preexec_fn`, which Python documents as unsafe with threads, and the
+  agent loop calls this from a thread pool), stdout/stderr read incrementally and capped (the
+  process is killed at the cap, so a flood costs the trainer at most the cap), and on timeout
+  or at the end the PID namespace's init and the whole process group are SIGKILLed.
+
+Only the code and an empty working directory reach the sandbox: no environment variable, file
+or argument carries the trainer's state or a dataset's answer.
 """
 
 from __future__ import annotations
 
-import ctypes
+import functools
+import json
+import logging
 import os
-import resource
+import selectors
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
-CLONE_NEWNET = 0x40000000
+log = logging.getLogger(__name__)
 
-_PRELUDE = """
-import socket as _s
-def _no_network(*a, **k):
-    raise OSError("network access is disabled in the sandbox")
-_s.socket = _no_network
-_s.create_connection = _no_network
-del _s
-"""
+INIT = Path(__file__).with_name("sandbox_init.py")
+SETUP_FAILED = 120  # sandbox_init.py's exit code when it could not confine itself
+
+# Namespace flags per isolation level; `--kill-child` also ends the namespace if unshare dies.
+_NS = ["--net", "--pid", "--fork", "--kill-child", "--mount-proc", "--ipc", "--uts"]
+_UNSHARE_USERNS = ["--user", "--map-current-user", *_NS]
 
 
 @dataclass
@@ -38,50 +51,235 @@ class SandboxResult:
     stderr: str
     returncode: int
     timed_out: bool
+    output_truncated: bool = False  # stdout or stderr hit the cap and the code was stopped there
 
     def as_observation(self, max_chars: int = 500) -> str:
         if self.timed_out:
             return "Error: timed out"
         text = self.stdout
+        if self.output_truncated:
+            return (text[:max_chars] + " [output truncated]").strip()
         if self.returncode != 0:  # the last stderr line is the exception message
             lines = self.stderr.strip().splitlines()
             text += lines[-1] if lines else f"Error: exit code {self.returncode}"
         return text.strip()[:max_chars]
 
 
-def _limit(memory_bytes: int, cpu_seconds: int) -> None:
-    """Runs in the child between fork and exec."""
-    resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+class SandboxError(RuntimeError):
+    """The sandbox could not be set up (never: the code failed; that is a normal result)."""
+
+
+SANDBOX_UID = 65534  # "nobody": the sandbox's uid when the trainer runs as root
+
+# Run by the chosen interpreter as the sandbox's user: what it can import and whether the kernel
+# has Landlock (the syscall returns the ABI version when asked with flag 1).
+_PROBE = """
+import ctypes, json, os, sys, sysconfig
+paths = sysconfig.get_paths()
+try:
+    abi = max(0, ctypes.CDLL(None, use_errno=True).syscall(444, None, ctypes.c_size_t(0), ctypes.c_uint32(1)))
+except Exception:
+    abi = 0
+print(json.dumps({"stdlib": sorted({paths["stdlib"], paths["platstdlib"],
+                                    os.path.join(paths["platstdlib"], "lib-dynload")}),
+                  "executable": os.path.realpath(sys.executable), "landlock_abi": abi}))
+"""
+
+
+@dataclass(frozen=True)
+class Isolation:
+    """What this machine lets the sandbox use (probed once per process)."""
+
+    namespaces: str  # "user" (user+pid+net+ipc+uts), "root" (the same without a user ns), "none"
+    landlock_abi: int  # 0 = no Landlock
+    run_as: tuple[str, ...]  # the setpriv prefix that drops root to SANDBOX_UID; () when not root
+    python: str  # the interpreter binary the sandbox runs
+    stdlib: tuple[str, ...]  # its standard library, the only code the sandbox may read
+    unshare: tuple[str, ...] = ()  # the unshare command and flags, () without namespaces
+
+    def describe(self) -> str:
+        ns = {"user": "user/pid/net namespaces", "root": "pid/net namespaces", "none": "no namespaces"}
+        who = f"uid {SANDBOX_UID}" if self.run_as else f"uid {os.geteuid()}"
+        return f"{ns[self.namespaces]}, Landlock ABI {self.landlock_abi or 'unavailable'}, runs as {who}"
+
+
+def _probe(cmd: list[str]) -> subprocess.CompletedProcess | None:
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.unshare(CLONE_NEWNET)  # best effort: needs CAP_SYS_ADMIN
-    except Exception:
-        pass
+        return subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60, cwd="/")
+    except (OSError, subprocess.TimeoutExpired):
+        return None
 
 
-def run_python(code: str, timeout_s: float = 5.0, memory_mb: int = 512) -> SandboxResult:
-    """Execute `code` with `python -I`; stdout/stderr are captured (truncated to 64 KiB)."""
-    with tempfile.TemporaryDirectory(prefix="sandbox-") as cwd:
-        env = {"PATH": "/usr/bin:/bin", "HOME": cwd, "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1"}
+@functools.lru_cache(maxsize=1)
+def isolation() -> Isolation:
+    """The strongest setup that runs here: as nobody before as root, namespaces before none.
+
+    Each candidate is probed exactly as the sandbox will run it (same prefix, same interpreter).
+    """
+    drop: tuple[str, ...] = ()
+    setpriv = shutil.which("setpriv")
+    if os.geteuid() == 0 and setpriv:
+        # Root is exempt from RLIMIT_NPROC and owns most files: the code runs as nobody instead.
+        drop = (setpriv, f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}", "--clear-groups")
+    # A venv's bin/python links to its base interpreter; the venv (site-packages) stays unreadable.
+    pythons = dict.fromkeys(p for p in (os.path.realpath(sys.executable),
+                                        os.path.realpath(getattr(sys, "_base_executable", sys.executable)),
+                                        shutil.which("python3", path="/usr/bin:/bin")) if p)
+    unshare = shutil.which("unshare")
+    for run_as in ((drop, ()) if drop else ((),)):
+        namespaces, prefix = "none", []
+        for level, flags in (("user", _UNSHARE_USERNS), ("root", _NS)):
+            if unshare is None or (level == "root" and (os.geteuid() != 0 or run_as)):
+                continue  # without a user namespace only real root may unshare
+            done = _probe([*run_as, unshare, *flags, "true"])
+            if done is not None and done.returncode == 0:
+                namespaces, prefix = level, [unshare, *flags]
+                break
+        for python in pythons:
+            done = _probe([*run_as, *prefix, python, "-I", "-S", "-B", "-c", _PROBE])
+            if done is None or done.returncode != 0:
+                continue
+            facts = json.loads(done.stdout)
+            found = Isolation(namespaces, int(facts["landlock_abi"]), tuple(run_as), python, tuple(facts["stdlib"]),
+                              tuple(prefix))
+            if namespaces != "user" or found.landlock_abi < 6 or (os.geteuid() == 0 and not run_as):
+                log.warning("sandbox degraded: %s; see docs/security.md for what holds without them",
+                            found.describe())
+            return found
+    raise SandboxError(f"sandbox: none of the interpreters {list(pythons)} can run a probe script")
+
+
+def readable_paths(iso: Isolation) -> list[str]:
+    """What the code may read and execute: the interpreter and its standard library, system dirs.
+
+    Never the project, a virtual environment's site-packages, datasets, /proc, /etc or /home.
+    """
+    return sorted({*iso.stdlib, iso.python, "/usr/bin", "/bin", "/usr/lib", "/usr/lib64", "/lib", "/lib64",
+                   "/dev/null", "/dev/zero", "/dev/urandom"})
+
+
+def run_python(code: str, timeout_s: float = 5.0, memory_mb: int = 512, max_output_bytes: int = 64 << 10,
+               max_processes: int = 16, max_file_bytes: int = 1 << 20) -> SandboxResult:
+    """Execute `code` in the sandbox; stdout/stderr are each kept up to `max_output_bytes`."""
+    iso = isolation()
+    workdir = tempfile.mkdtemp(prefix="sandbox-")
+    try:
+        code_path = os.path.join(workdir, "main.py")
+        with open(code_path, "w") as f:
+            f.write(code)
+        if iso.run_as:
+            os.chown(workdir, SANDBOX_UID, SANDBOX_UID)  # its only writable place
+        cfg = {
+            "code_path": code_path, "memory_bytes": memory_mb << 20, "cpu_seconds": max(1, int(timeout_s) + 1),
+            "file_bytes": max_file_bytes, "processes": max_processes, "open_files": 64,
+            "read_only": readable_paths(iso), "read_write": [workdir], "require_landlock": iso.landlock_abi > 0,
+            "supervise": iso.namespaces == "none", "timeout_s": timeout_s,
+        }
+        env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
+               "OMP_NUM_THREADS": "1"}
+        # The init script goes in as -c text: nothing of the project needs to be readable inside.
         proc = subprocess.Popen(
-            [sys.executable, "-I", "-c", _PRELUDE + "\n" + code],
-            cwd=cwd,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-            preexec_fn=lambda: _limit(memory_mb << 20, max(1, int(timeout_s) + 1)),
+            [*iso.run_as, *iso.unshare, iso.python, "-I", "-S", "-B", "-c", _init_source(), json.dumps(cfg)],
+            cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            start_new_session=True, close_fds=True,
         )
+        deadline = time.monotonic() + timeout_s
         try:
-            out, err = proc.communicate(timeout=timeout_s)
-            timed_out = False
+            out, err, timed_out, truncated = _collect(proc, deadline, max_output_bytes)
+            if not (timed_out or truncated):  # the pipes are closed; the code may still be running
+                try:
+                    proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    timed_out = True
+        finally:
+            _kill_all(proc, supervised=cfg["supervise"])
+        returncode = proc.wait()
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    decode = lambda b: b.decode("utf-8", "replace")  # noqa: E731
+    if returncode == SETUP_FAILED and decode(err).startswith("sandbox setup failed") and not timed_out:
+        raise SandboxError(decode(err).strip() or "sandbox setup failed")
+    return SandboxResult(decode(out), decode(err), returncode, timed_out, truncated)
+
+
+@functools.lru_cache(maxsize=1)
+def _init_source() -> str:
+    return INIT.read_text()
+
+
+def _collect(proc: subprocess.Popen, deadline: float, cap: int) -> tuple[bytes, bytes, bool, bool]:
+    """Read both pipes as data arrives until EOF, the deadline or a pipe passing `cap` bytes.
+
+    Memory held here is at most 2 * cap + one read, whatever the code prints.
+    """
+    buffers = {proc.stdout: bytearray(), proc.stderr: bytearray()}
+    sel = selectors.DefaultSelector()
+    for pipe in buffers:
+        os.set_blocking(pipe.fileno(), False)
+        sel.register(pipe, selectors.EVENT_READ)
+    timed_out = truncated = False
+    try:
+        while sel.get_map():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                timed_out = True
+                break
+            for key, _ in sel.select(left):
+                buf = buffers[key.fileobj]
+                chunk = os.read(key.fd, min(1 << 16, cap + 1 - len(buf)))
+                if not chunk:
+                    sel.unregister(key.fileobj)
+                    continue
+                buf += chunk
+                if len(buf) > cap:
+                    del buf[cap:]
+                    truncated = True
+            if truncated:
+                break
+    finally:
+        sel.close()
+        for pipe in buffers:
+            pipe.close()
+    return bytes(buffers[proc.stdout]), bytes(buffers[proc.stderr]), timed_out, truncated
+
+
+def _kill_all(proc: subprocess.Popen, supervised: bool) -> None:
+    """SIGKILL the PID namespace's init (that ends every process in it) and the process group.
+
+    The init is a child of `unshare`; the code may have left unshare's process group with
+    setsid(), so it is found by its parent pid, not by its group. Without namespaces the
+    supervisor (sandbox_init.supervise) is asked first, with SIGTERM, to kill what the code
+    started, since only it can find processes that left the group.
+    """
+    if supervised and proc.poll() is None:
+        _signal(lambda: os.kill(proc.pid, signal.SIGTERM))
+        try:
+            proc.wait(timeout=30)  # it kills and reaps, then exits; generous for a loaded machine
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
-            timed_out = True
-    decode = lambda b: b[: 64 << 10].decode("utf-8", "replace")  # noqa: E731
-    return SandboxResult(decode(out), decode(err), proc.returncode, timed_out)
+            pass
+    for pid in _children(proc.pid):
+        _signal(lambda: os.kill(pid, signal.SIGKILL))
+    _signal(lambda: os.killpg(proc.pid, signal.SIGKILL))
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(b")") + 2:].split()  # after "pid (comm) ": state, ppid, ...
+        if len(fields) > 1 and int(fields[1]) == pid:
+            found.append(int(entry))
+    return found
+
+
+def _signal(send) -> None:
+    try:
+        send()
+    except (ProcessLookupError, PermissionError):
+        pass

@@ -22,8 +22,12 @@ lost its sampled ids (`rollout/retokenize_drift_rate`). Invariants (docs/archite
   keeps its size and the group statistics stay unbiased in count.
 - The trajectory reward (sum of the environment's step rewards) sits on the last step; earlier
   steps carry 0 and their own environment reward in `metadata["env_reward"]`.
-- Environment exceptions and timeouts end only that trajectory (stop_reason "env_error", reward
-  `env_error_reward`, the error in `metadata["error"]`).
+- Environment exceptions (BaseException included) and timeouts end only that trajectory
+  (stop_reason "env_error", reward `env_error_reward`, the error in `metadata["error"]`); so do
+  a non-finite reward, an info that is not a picklable dict and malformed messages, checked at
+  the boundary. Calls run through `EnvCaller` (`rollout/env_calls.py`): a hung call is abandoned
+  at `env_timeout_s` and its worker slot reclaimed. A rollout in which most trajectories end in
+  env_error logs a warning with the commonest errors; `AgentLoop.env_stats()` has the counters.
 
 Stop reasons per step: "stop" (the turn ended on EOS / a stop token or string), "length"
 (max_new_tokens), "max_turns", "context_limit", "env_error", and "abort" (the engine aborted the
@@ -37,8 +41,11 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import concurrent.futures
 import inspect
+import logging
+import math
+import pickle
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, Sequence, Union
 
@@ -51,7 +58,10 @@ from megatron_stepwise.rollout.context import (
     template_delta,
 )
 from megatron_stepwise.rollout.engine import GenerateResult, SamplingParams
+from megatron_stepwise.rollout.env_calls import EnvCaller, EnvError
 from megatron_stepwise.types import Step, TrajectoryID
+
+log = logging.getLogger(__name__)
 
 STOP_REASONS = ("stop", "length", "max_turns", "context_limit", "env_error", "abort")
 
@@ -90,10 +100,6 @@ class AgentLoopConfig:
             raise ValueError(f"agent loop config: env_timeout_s must be > 0, got {self.env_timeout_s}")
 
 
-class EnvError(RuntimeError):
-    pass
-
-
 class AgentLoop:
     """Runs trajectories against a generator (an `Engine` or a fleet) and environments."""
 
@@ -115,7 +121,7 @@ class AgentLoop:
                 raise ValueError("the tokenizer has no eos_token_id: pass eos_token_ids= to AgentLoop")
             eos_token_ids = [eos]
         self.eos_token_ids = [int(t) for t in eos_token_ids]
-        self._env_pool = concurrent.futures.ThreadPoolExecutor(config.env_threads, thread_name_prefix="env")
+        self._env = EnvCaller(config.env_threads, config.env_timeout_s)
 
     # ---- public ---------------------------------------------------------------------------
 
@@ -154,16 +160,18 @@ class AgentLoop:
                 for sample, pid in zip(samples, prompt_ids)
                 for k in range(self.config.n_samples_per_prompt)
             ]
-        return [step for t in tasks for step in t.result()]
+        steps = [step for t in tasks for step in t.result()]
+        _warn_if_env_errors_dominate(steps, self._env.stats())
+        return steps
 
     async def run_trajectory(
         self, sample: dict[str, Any], traj_id: TrajectoryID, seed: Optional[int] = None, request_tag: str = ""
     ) -> list[Step]:
         cfg = self.config
-        env = self.env_factory()
         try:
-            messages = _check_messages(await self._call_env(env.reset, sample), "reset")
-        except Exception as e:  # noqa: BLE001 - any env failure ends only this trajectory
+            env = await self._env.call(self.env_factory, name="environment factory")
+            messages = await self._checked_call(env.reset, sample, check=_check_reset_output, name="env.reset")
+        except EnvError as e:  # any env failure ends only this trajectory
             return [self._placeholder(traj_id, [self.eos_token_ids[0]], "env_error", cfg.env_error_reward, e)]
 
         steps: list[Step] = []
@@ -186,8 +194,9 @@ class AgentLoop:
                 break
             text = self.tokenizer.decode(result.output_ids, skip_special_tokens=True)
             try:
-                observation, reward, done, info = _check_step_output(await self._call_env(env.step, text))
-            except Exception as e:  # noqa: BLE001
+                observation, reward, done, info = await self._checked_call(env.step, text, check=_check_step_output,
+                                                                           name="env.step")
+            except EnvError as e:
                 step.stop_reason = "env_error"
                 step.metadata["error"] = f"{type(e).__name__}: {e}"
                 total_reward = cfg.env_error_reward
@@ -207,7 +216,19 @@ class AgentLoop:
         return steps
 
     def close(self) -> None:
-        self._env_pool.shutdown(wait=False, cancel_futures=True)
+        """Nothing to release: env calls run on daemon threads that end with their call."""
+
+    async def _checked_call(self, method: Callable, arg: Any, check: Callable, name: str) -> Any:
+        """`check(method(arg))`, both under the env call's deadline and guard: the check touches
+        env-defined objects (`__float__`, `__reduce__`, `__bool__` may hang or raise anything)."""
+        if inspect.iscoroutinefunction(method):
+            out = await self._env.call(method, arg, name=name)
+            return await self._env.call(check, out, name=f"{name} (checking its result)")
+        return await self._env.call(lambda: check(method(arg)), name=name)
+
+    def env_stats(self) -> dict[str, int]:
+        """Environment call counters since this loop was built: calls, errors, timeouts, stuck_threads."""
+        return self._env.stats()
 
     # ---- helpers ----------------------------------------------------------------------------
 
@@ -275,16 +296,6 @@ class AgentLoop:
             reward=reward, is_last_step=True, stop_reason=stop_reason, weight_versions=[], metadata=metadata,
         )
 
-    async def _call_env(self, fn, *args):
-        timeout = self.config.env_timeout_s
-        try:
-            if inspect.iscoroutinefunction(fn):
-                return await asyncio.wait_for(fn(*args), timeout)
-            loop = asyncio.get_running_loop()
-            return await asyncio.wait_for(loop.run_in_executor(self._env_pool, fn, *args), timeout)
-        except asyncio.TimeoutError:
-            raise EnvError(f"environment {getattr(fn, '__name__', fn)} timed out after {timeout}s") from None
-
 
 def _check_messages(messages: Any, where: str) -> list[dict]:
     if not isinstance(messages, list) or not all(
@@ -302,11 +313,45 @@ def _turn_seed(seed: Optional[int], traj_id: TrajectoryID, turn: int) -> Optiona
     return int.from_bytes(digest, "little") >> 1
 
 
+def _check_reset_output(messages: Any) -> list[dict]:
+    return _check_messages(messages, "reset")
+
+
 def _check_step_output(out: Any) -> tuple[list[dict], float, bool, dict]:
+    """The boundary check of env.step's result: what passes here cannot break the batch later
+    (a NaN reward poisons every advantage of its group; an unpicklable info fails the broadcast
+    to the training ranks and so the whole run). It runs env-defined code (`__float__`,
+    `__reduce__`, `__bool__`), so it runs under the env call's deadline and guard."""
     if not isinstance(out, tuple) or len(out) != 4:
         raise EnvError(f"env.step must return (observation_messages, reward, done, info), got {out!r:.200}")
     observation, reward, done, info = out
-    return _check_messages(list(observation or []), "step"), float(reward), bool(done), dict(info or {})
+    if isinstance(reward, (str, bytes)):
+        raise EnvError(f"env.step reward must be a number, got {reward!r:.100}")
+    try:
+        reward = float(reward)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise EnvError(f"env.step reward must be a number, got {reward!r:.100}") from e
+    if not math.isfinite(reward):
+        raise EnvError(f"env.step returned a non-finite reward ({reward})")
+    if info is not None and not isinstance(info, dict):
+        raise EnvError(f"env.step info must be a dict, got {type(info).__name__}")
+    info = dict(info or {})
+    try:
+        pickle.dumps(info)
+    except Exception as e:  # noqa: BLE001 - any pickling failure is the env's bug
+        raise EnvError(f"env.step info must be picklable (it travels to every training rank): "
+                       f"{type(e).__name__}: {e}") from e
+    return _check_messages(list(observation or []), "step"), reward, bool(done), info
+
+
+def _warn_if_env_errors_dominate(steps: list[Step], stats: dict[str, int]) -> None:
+    """A rollout where most trajectories ended in env_error trains on nothing: say so loudly."""
+    last = [s for s in steps if s.is_last_step]
+    failed = [s for s in last if s.stop_reason == "env_error"]
+    if last and 2 * len(failed) > len(last):
+        common = Counter(str(s.metadata.get("error", "?"))[:120] for s in failed).most_common(3)
+        log.warning("rollout: %d of %d trajectories ended in env_error (env calls so far: %s); most common: %s",
+                    len(failed), len(last), stats, "; ".join(f"{n}x {e}" for e, n in common))
 
 
 async def rollout(

@@ -15,6 +15,7 @@ training refuses T = 0. An engine that reports no log-probs leaves `Step.rollout
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Iterable, Mapping, Optional, Protocol, Union, runtime_checkable
 
@@ -23,6 +24,11 @@ import torch
 NamedTensors = Union[Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
 
 FINISH_REASONS = ("stop", "length", "abort")
+
+# The smallest non-zero temperature a request (or `rollout.sampling.temperature`) may ask for.
+# Below it `logits / T` overflows (1e-300 gives inf, then NaN probabilities) and the engine's
+# sampler would fail for every request in its batch; SGLang itself treats T < 1e-6 as greedy.
+MIN_TEMPERATURE = 1e-4
 
 
 class EngineError(RuntimeError):
@@ -56,21 +62,33 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        if not self.temperature >= 0:
-            raise ValueError(f"sampling_params.temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"sampling_params.top_p must be in (0, 1], got {self.top_p}")
-        if int(self.top_k) != self.top_k:
-            raise ValueError(f"sampling_params.top_k must be an integer, got {self.top_k}")
-        if self.max_new_tokens < 0:
-            raise ValueError(f"sampling_params.max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        """Raise ValueError naming the first bad field.
+
+        Types are checked strictly (a JSON `top_k: 2.0` or `temperature: "1"` is refused): these
+        values come from HTTP requests, and one that reached the engine's batched sampler would
+        fail every request batched with it, not just its own.
+        """
+        if not _is_number(self.temperature) or not math.isfinite(self.temperature):
+            raise ValueError(f"sampling_params.temperature must be a finite number, got {self.temperature!r}")
+        if self.temperature != 0 and not self.temperature >= MIN_TEMPERATURE:
+            raise ValueError(f"sampling_params.temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}, "
+                             f"got {self.temperature!r}")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"sampling_params.top_p must be a number in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k):
+            raise ValueError(f"sampling_params.top_k must be an integer, got {self.top_k!r}")
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 0:
+            raise ValueError(f"sampling_params.max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}")
         if self.sampling_seed is not None and not (
-            isinstance(self.sampling_seed, int) and -(2**63) <= self.sampling_seed < 2**63
+            _is_int(self.sampling_seed) and -(2**63) <= self.sampling_seed < 2**63
         ):
             raise ValueError(f"sampling_params.sampling_seed must be a 64-bit integer, got {self.sampling_seed!r}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"sampling_params.stop entries must be non-empty strings, got {s!r}")
+        for flag in ("no_stop_trim", "skip_special_tokens"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"sampling_params.{flag} must be true or false, got {getattr(self, flag)!r}")
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON `sampling_params` object of SGLang's /generate."""
@@ -90,6 +108,14 @@ class SamplingParams:
         if d.get("stop_token_ids") is None:
             d.pop("stop_token_ids", None)
         return cls(**d)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass

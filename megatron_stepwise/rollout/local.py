@@ -296,6 +296,9 @@ class LocalEngine:
     ) -> GenerateResult:
         if self._failure is not None:
             raise EngineError(f"engine {self.name} is unhealthy: {self._failure!r}")
+        # Checked again here, not only when the params were built: a bad value that reached the
+        # batched sampler would fail the whole batch and leave this engine unhealthy for good.
+        sampling.validate()
         self._ensure_started()
         ids = [int(t) for t in input_ids]
         if not ids:

@@ -1,0 +1,262 @@
+"""The first code that runs inside the sandbox: confine this process, then run the model's code.
+
+Started by `sandbox.py` as `python -I -S -B -c <this file> CONFIG_JSON`, already inside the
+namespaces `unshare` made (when there are any; without a PID namespace it first forks a
+supervisor that kills whatever the code leaves behind, see `supervise`). It runs as a script with only the standard
+library (`-I` puts nothing of the project on sys.path), so it is self-contained on purpose.
+
+In order, before one byte of model code runs:
+
+1. resource limits (address space, CPU seconds, file size, processes, open files, no core dumps);
+   children inherit them;
+2. `PR_SET_NO_NEW_PRIVS` (no setuid binary can raise privileges again; Landlock requires it);
+3. Landlock (an unprivileged Linux LSM, kernel >= 5.13), when the kernel has it: the file system
+   becomes read/execute-only on the interpreter's standard library and the system binary/library
+   directories, read-write only in the private working directory, and nothing else at all (the
+   project, the datasets, /proc, /home, /etc are unreadable); TCP bind/connect is denied
+   (ABI >= 4); signals to and abstract unix sockets of processes outside the sandbox are denied
+   (ABI >= 6). Landlock also forbids ptrace-like access (/proc/<pid>/mem, environ) to processes
+   outside the sandbox, whatever the uid;
+4. seccomp: socket() (any family) and io_uring are denied (x86_64 and aarch64; elsewhere this
+   layer is skipped);
+5. the code is compiled and executed as `__main__`; its exceptions print a traceback to stderr.
+
+Exit code 120 means the sandbox itself could not be set up (the message is on stderr): the
+parent reports that as an error rather than running the code unconfined.
+"""
+
+import ctypes
+import json
+import os
+import resource
+import sys
+
+SETUP_FAILED = 120
+
+# linux/landlock.h (the syscall numbers are the same on every architecture)
+_SYS_CREATE_RULESET, _SYS_ADD_RULE, _SYS_RESTRICT_SELF = 444, 445, 446
+_CREATE_RULESET_VERSION = 1
+_RULE_PATH_BENEATH = 1
+_PR_SET_NO_NEW_PRIVS = 38
+FS_EXECUTE, FS_WRITE_FILE, FS_READ_FILE, FS_READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
+FS_ALL_ABI1 = (1 << 13) - 1  # execute .. make_sym
+FS_REFER, FS_TRUNCATE, FS_IOCTL_DEV = 1 << 13, 1 << 14, 1 << 15
+NET_BIND_TCP, NET_CONNECT_TCP = 1 << 0, 1 << 1
+SCOPE_ABSTRACT_UNIX_SOCKET, SCOPE_SIGNAL = 1 << 0, 1 << 1
+READ_ONLY = FS_EXECUTE | FS_READ_FILE | FS_READ_DIR
+FILE_ONLY = FS_EXECUTE | FS_WRITE_FILE | FS_READ_FILE | FS_TRUNCATE | FS_IOCTL_DEV  # rights a file rule may hold
+
+
+class _RulesetAttr(ctypes.Structure):
+    _fields_ = [("handled_access_fs", ctypes.c_uint64), ("handled_access_net", ctypes.c_uint64),
+                ("scoped", ctypes.c_uint64)]
+
+
+class _PathBeneathAttr(ctypes.Structure):
+    _pack_ = 1
+    _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+
+def _libc():
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def landlock_abi() -> int:
+    """The kernel's Landlock ABI version, 0 when it has none (or it is disabled)."""
+    try:
+        abi = _libc().syscall(_SYS_CREATE_RULESET, None, ctypes.c_size_t(0), ctypes.c_uint32(_CREATE_RULESET_VERSION))
+    except (OSError, AttributeError):
+        return 0
+    return max(0, int(abi))
+
+
+def apply_landlock(read_only: list, read_write: list) -> int:
+    """Restrict this process (and its future children) as described in the module docstring.
+
+    Returns the ABI used (0: Landlock unavailable, nothing restricted).
+    """
+    abi = landlock_abi()
+    if abi == 0:
+        return 0
+    libc = _libc()
+    fs = FS_ALL_ABI1 | (FS_REFER if abi >= 2 else 0) | (FS_TRUNCATE if abi >= 3 else 0) | (FS_IOCTL_DEV if abi >= 5 else 0)
+    net = (NET_BIND_TCP | NET_CONNECT_TCP) if abi >= 4 else 0
+    scoped = (SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL) if abi >= 6 else 0
+    attr = _RulesetAttr(fs, net, scoped)
+    size = 24 if abi >= 6 else 16 if abi >= 4 else 8  # older kernels refuse fields they do not know
+    ruleset = libc.syscall(_SYS_CREATE_RULESET, ctypes.byref(attr), ctypes.c_size_t(size), ctypes.c_uint32(0))
+    if ruleset < 0:
+        raise OSError(ctypes.get_errno(), "landlock_create_ruleset failed")
+    try:
+        for paths, access in ((read_only, READ_ONLY), (read_write, fs)):
+            for path in paths:
+                try:
+                    fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+                except FileNotFoundError:
+                    continue  # e.g. /lib64 on a distribution without it
+                try:
+                    allowed = access & fs
+                    if not os.path.isdir(path):
+                        allowed &= FILE_ONLY
+                    rule = _PathBeneathAttr(allowed, fd)
+                    if libc.syscall(_SYS_ADD_RULE, ruleset, _RULE_PATH_BENEATH, ctypes.byref(rule), ctypes.c_uint32(0)):
+                        raise OSError(ctypes.get_errno(), f"landlock_add_rule failed for {path}")
+                finally:
+                    os.close(fd)
+        if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0):
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS) failed")
+        if libc.syscall(_SYS_RESTRICT_SELF, ruleset, ctypes.c_uint32(0)):
+            raise OSError(ctypes.get_errno(), "landlock_restrict_self failed")
+    finally:
+        os.close(ruleset)
+    return abi
+
+
+# Seccomp (classic BPF over struct seccomp_data: nr at 0, arch at 4, args from 16).
+_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 22, 2
+_RET_ALLOW, _RET_EACCES = 0x7FFF0000, 0x00050000 | 13
+_LD_W_ABS, _JEQ_K, _JGE_K, _RET_K = 0x20, 0x15, 0x35, 0x06
+_ARCHES = {  # machine -> (AUDIT_ARCH, socket, io_uring_setup, first x32 syscall or None)
+    "x86_64": (0xC000003E, 41, 425, 0x40000000),
+    "aarch64": (0xC00000B7, 198, 425, None),
+}
+
+
+class _SockFilter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_uint16), ("filter", ctypes.POINTER(_SockFilter))]
+
+
+def deny_sockets() -> bool:
+    """Seccomp: socket() and io_uring_setup fail with EACCES; False if unsupported here.
+
+    Model code has no use for sockets, and each other layer leaves some open: a network namespace
+    does not cover pathname unix sockets (the trainer's Ray sockets, when it is not root), Landlock
+    (ABI <= 7) covers neither those nor UDP, and either may be missing. socketpair() stays allowed
+    (an unconnected pair, used by the standard library). io_uring is denied because it creates
+    sockets without the socket() syscall; on x86_64 the 32-bit and x32 entry points are denied
+    wholesale, since their syscall numbers differ.
+    """
+    arch = _ARCHES.get(os.uname().machine)
+    if arch is None:
+        return False
+    audit_arch, socket_nr, io_uring_nr, x32 = arch
+    # (code, k, jump-if-true label, jump-if-false label); labels: "allow", "deny" or None (next)
+    prog = [(_LD_W_ABS, 4, None, None), (_JEQ_K, audit_arch, None, "deny"), (_LD_W_ABS, 0, None, None)]
+    if x32 is not None:
+        prog.append((_JGE_K, x32, "deny", None))
+    prog += [(_JEQ_K, io_uring_nr, "deny", None), (_JEQ_K, socket_nr, "deny", "allow"),
+             (_RET_K, _RET_ALLOW, None, None), (_RET_K, _RET_EACCES, None, None)]
+    where = {"allow": len(prog) - 2, "deny": len(prog) - 1}
+    rel = lambda i, label: 0 if label is None else where[label] - i - 1  # noqa: E731
+    insns = (_SockFilter * len(prog))(*(_SockFilter(code, rel(i, jt), rel(i, jf), k)
+                                         for i, (code, k, jt, jf) in enumerate(prog)))
+    fprog = _SockFprog(len(prog), insns)
+    libc = _libc()
+    if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0):
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS) failed")
+    if libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0):
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECCOMP) failed")
+    return True
+
+
+def set_limits(cfg: dict) -> None:
+    for name, value in (("RLIMIT_AS", cfg["memory_bytes"]), ("RLIMIT_CPU", cfg["cpu_seconds"]),
+                        ("RLIMIT_FSIZE", cfg["file_bytes"]), ("RLIMIT_NPROC", cfg["processes"]),
+                        ("RLIMIT_NOFILE", cfg["open_files"]), ("RLIMIT_CORE", 0)):
+        resource.setrlimit(getattr(resource, name), (value, value))
+
+
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def supervise(timeout_s: float) -> None:
+    """Without a PID namespace: fork; the child returns and runs the code, this process stays
+    outside the code's Landlock domain (so the code cannot signal it) as the subreaper of
+    everything the code starts, and when the code exits, times out or this process gets SIGTERM
+    (from the trainer, at the output cap), kills every process the code left behind.
+    A PID namespace gives the same for free: its processes die with its init."""
+    if _libc().prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0):
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
+    child = os.fork()
+    if child == 0:
+        return
+    import select
+    import signal
+    import time
+
+    def end(status: int) -> None:
+        kill_descendants()
+        os._exit(status)
+
+    signal.signal(signal.SIGTERM, lambda *_: end(128 + signal.SIGTERM))
+    deadline = time.monotonic() + timeout_s
+    pidfd = os.pidfd_open(child)
+    while not select.select([pidfd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+        if time.monotonic() >= deadline:
+            end(128 + signal.SIGKILL)
+    _, status = os.waitpid(child, 0)
+    end(os.waitstatus_to_exitcode(status) % 256 if os.WIFEXITED(status) else 128 + os.WTERMSIG(status))
+
+
+def kill_descendants() -> None:
+    """SIGKILL this process's children until there are none; orphans of killed children are
+    reparented here (the subreaper), so grandchildren in other sessions are found too."""
+    import signal
+
+    me = os.getpid()
+    while True:
+        for pid in _children_of(me):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            os.waitpid(-1, 0)
+        except ChildProcessError:
+            return
+
+
+def _children_of(parent: int) -> list:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            fields = stat[stat.rfind(b")") + 2:].split()
+            if len(fields) > 1 and int(fields[1]) == parent:
+                found.append(int(entry))
+    return found
+
+
+def main() -> None:
+    try:
+        cfg = json.loads(sys.argv[1])
+        if cfg.get("supervise"):
+            supervise(cfg["timeout_s"])
+        with open(cfg["code_path"]) as f:
+            source = f.read()
+        set_limits(cfg)
+        abi = apply_landlock(cfg["read_only"], cfg["read_write"])
+        if cfg.get("require_landlock") and abi == 0:
+            raise OSError("Landlock is required but the kernel has none")
+        deny_sockets()
+        code = compile(source, "<model code>", "exec")
+    except SyntaxError:
+        raise  # the model's own error: a normal traceback, exit code 1
+    except BaseException as e:  # noqa: BLE001 - reported as a sandbox failure, never run unconfined
+        print(f"sandbox setup failed: {type(e).__name__}: {e}", file=sys.stderr)
+        sys.exit(SETUP_FAILED)
+    sys.argv = ["<model code>"]
+    del cfg, source
+    exec(code, {"__name__": "__main__", "__builtins__": __builtins__})
+
+
+if __name__ == "__main__":
+    main()

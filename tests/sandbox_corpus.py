@@ -1,0 +1,249 @@
+"""The hostile-code corpus for the sandbox: every escape an attacker tried on `math_tool`.
+
+Standard library only and runnable as a script, so the very same corpus runs inside the test
+process (as root, here) and under an unprivileged uid (`setpriv` in tests/test_sandbox.py), with
+this process as the "trainer" the code attacks: its environment, its memory, its pid, files it
+may write, a TCP and a UDP port and a unix socket it listens on.
+
+    python tests/sandbox_corpus.py            -> {"isolation": ..., "cases": {name: {"blocked", "detail"}}}
+    python tests/sandbox_corpus.py --flood    -> the peak-RSS growth of this process under stdout floods
+    python tests/sandbox_corpus.py --no-namespaces  -> the corpus with namespaces off (the degraded mode)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import resource
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DATASET = REPO / "megatron_stepwise" / "envs" / "data" / "math_problems.jsonl"
+
+
+def load_sandbox():
+    """sandbox.py by path: it needs only the standard library, so an unprivileged user (who may
+    not be able to import the project's dependencies) runs it too."""
+    name = "megatron_stepwise.envs.sandbox"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location("sandbox_under_test", REPO / "megatron_stepwise/envs/sandbox.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+class Trainer:
+    """What the attacked process exposes, and how to tell whether an attack reached it."""
+
+    def __init__(self) -> None:
+        self.token = uuid.uuid4().hex
+        self.secret = f"SECRET-{self.token}".encode()  # lives in this process's memory only
+        self.home = tempfile.mkdtemp(prefix="trainer-")  # writable by this process's uid
+        self.marker = os.path.join(self.home, "escaped")
+        self.signalled = False
+        self._old_handler = signal.signal(signal.SIGUSR1, self._on_signal)
+        self.tcp = socket.socket()
+        self.tcp.bind(("127.0.0.1", 0))
+        self.tcp.listen(8)
+        self.tcp.setblocking(False)
+        self.udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.udp.bind(("127.0.0.1", 0))
+        self.udp.setblocking(False)
+        self.unix_path = os.path.join(self.home, "trainer.sock")
+        self.unix = socket.socket(socket.AF_UNIX)
+        self.unix.bind(self.unix_path)
+        self.unix.listen(8)
+        self.unix.setblocking(False)
+
+    def _on_signal(self, *_):
+        self.signalled = True
+
+    def fields(self) -> dict:
+        return {"ppid": os.getpid(), "addr": id(self.secret), "marker": self.marker, "data": str(DATASET),
+                "tcp": self.tcp.getsockname()[1], "udp": self.udp.getsockname()[1], "unix": self.unix_path,
+                "token": self.token}
+
+    def connected(self, sock) -> bool:
+        try:
+            sock.accept()[0].close()
+            return True
+        except BlockingIOError:
+            return False
+
+    def received(self) -> bool:
+        try:
+            self.udp.recv(64)
+            return True
+        except BlockingIOError:
+            return False
+
+    def leftovers(self) -> list[int]:
+        """Processes (anyone's) whose command line carries this run's token."""
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                if self.token.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    found.append(int(pid))
+            except OSError:
+                pass
+        return found
+
+    def close(self) -> None:
+        for s in (self.tcp, self.udp, self.unix):
+            s.close()
+        signal.signal(signal.SIGUSR1, self._old_handler)
+        shutil.rmtree(self.home, ignore_errors=True)
+
+
+def _failed(r) -> bool:
+    return r.returncode != 0 or r.timed_out
+
+
+# name -> (code, judge(result, trainer) -> blocked). Code is str.format'ed with Trainer.fields().
+CORPUS = {
+    "read_parent_environ": (
+        "print(open('/proc/{ppid}/environ', 'rb').read()[:200])",
+        lambda r, t: _failed(r) and "PATH" not in r.stdout),
+    "read_ppid_environ": (  # the parent as the code sees it
+        "import os; print(open(f'/proc/{{os.getppid()}}/environ', 'rb').read()[:200])",
+        lambda r, t: _failed(r) and "PATH" not in r.stdout),
+    "read_parent_memory": (
+        "f = open('/proc/{ppid}/mem', 'rb'); f.seek({addr}); print(f.read(4096))",
+        lambda r, t: _failed(r) and t.token not in r.stdout),
+    "signal_parent": (
+        "import os, signal; os.kill({ppid}, signal.SIGUSR1); print('signalled')",
+        lambda r, t: _failed(r) and "signalled" not in r.stdout and not t.signalled),
+    "kill_parent_group": (  # the pgid of the trainer; a no-op or EPERM, never delivered
+        "import os, signal; os.killpg(os.getpgid({ppid}), signal.SIGUSR1); print('signalled')",
+        lambda r, t: _failed(r) and not t.signalled),
+    "write_outside_tempdir": (
+        "open({marker!r}, 'w').write('x'); print('wrote')",
+        lambda r, t: _failed(r) and not os.path.exists(t.marker)),
+    "write_tmp": (
+        "open('/tmp/escaped-{token}', 'w').write('x'); print('wrote')",
+        lambda r, t: _failed(r) and not os.path.exists(f"/tmp/escaped-{t.token}")),
+    "read_dataset_answers": (
+        "print(open({data!r}).read()[:300])",
+        lambda r, t: _failed(r) and '"answer"' not in r.stdout),
+    "find_dataset": (
+        "import os\n"
+        "for root, dirs, files in os.walk('/'):\n"
+        "    if 'math_problems.jsonl' in files: print('found', root)",
+        lambda r, t: "found" not in r.stdout),
+    "leave_children_running": (  # a new session and a double fork: out of any process group
+        "import os, subprocess, sys\n"
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)', '{token}'], start_new_session=True)\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        "    if os.fork() == 0:\n"
+        "        os.execv('/bin/sleep', ['sleep', '600', '{token}'])\n"
+        "    os._exit(0)\n"
+        "print('spawned')",
+        lambda r, t: _wait_for(lambda: not t.leftovers())),
+    "tcp_via__socket": (
+        "import _socket; s = _socket.socket(); s.settimeout(5); s.connect(('127.0.0.1', {tcp})); print('connected')",
+        lambda r, t: _failed(r) and "connected" not in r.stdout and not t.connected(t.tcp)),
+    "tcp_internet": (
+        "import _socket; s = _socket.socket(); s.settimeout(3); s.connect(('1.1.1.1', 53)); print('connected')",
+        lambda r, t: _failed(r) and "connected" not in r.stdout),
+    "udp_via__socket": (
+        "import _socket; s = _socket.socket(2, 2); s.sendto(b'x', ('127.0.0.1', {udp})); print('sent')",
+        lambda r, t: not t.received()),
+    "unix_socket": (
+        "import _socket; s = _socket.socket(1, 1); s.connect({unix!r}); print('connected')",
+        lambda r, t: _failed(r) and not t.connected(t.unix)),
+    "rejoin_host_network": (  # setns into the init's namespace: the root escape of the old sandbox
+        "import ctypes, os; fd = os.open('/proc/1/ns/net', os.O_RDONLY)\n"
+        "libc = ctypes.CDLL(None, use_errno=True); print('setns', libc.setns(fd, 0x40000000))\n"
+        "import _socket; s = _socket.socket(); s.settimeout(3); s.connect(('127.0.0.1', {tcp})); print('connected')",
+        lambda r, t: "connected" not in r.stdout and not t.connected(t.tcp)),
+    "unmount_proc": (
+        "import ctypes, os; libc = ctypes.CDLL(None, use_errno=True); print(libc.umount2(b'/proc', 2))\n"
+        "print(open('/proc/{ppid}/environ', 'rb').read()[:100])",
+        lambda r, t: "PATH" not in r.stdout),
+    "stdout_flood": (
+        "import sys\nwhile True: sys.stdout.write('x' * 65536)",
+        lambda r, t: r.output_truncated and len(r.stdout) <= 64 << 10),
+    "stderr_flood": (
+        "import sys\nwhile True: sys.stderr.write('x' * 65536)",
+        lambda r, t: r.output_truncated and len(r.stderr) <= 64 << 10),
+    "fork_bomb": (
+        "import os, time\nn = 0\ntry:\n    for _ in range(200):\n        if os.fork() == 0:\n"
+        "            time.sleep(600)\n        n += 1\nexcept OSError as e:\n    print('stopped at', n)",
+        lambda r, t: "stopped at" in r.stdout and int(r.stdout.split()[-1]) < 200),
+    "memory_hog": (
+        "b = bytearray(4 << 30); print('allocated')",
+        lambda r, t: _failed(r) and "allocated" not in r.stdout),
+    "disk_fill": (
+        "f = open('big', 'wb')\nfor _ in range(64): f.write(b'x' * (1 << 20))\nprint('wrote 64 MiB')",
+        lambda r, t: _failed(r) and "wrote" not in r.stdout),
+    "endless_loop": (
+        "while True: pass",
+        lambda r, t: r.timed_out),
+}
+
+
+def _wait_for(predicate, deadline_s: float = 30.0) -> bool:
+    end = time.monotonic() + deadline_s
+    while not predicate():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def run_corpus(sandbox=None, timeout_s: float = 10.0) -> dict:
+    """Every case against a fresh Trainer; {"isolation": str, "cases": {name: {blocked, detail}}}."""
+    sandbox = sandbox or load_sandbox()
+    trainer = Trainer()
+    out = {}
+    try:
+        for name, (template, judge) in CORPUS.items():
+            # The endless loop needs a short deadline to end; every other case ends by itself.
+            r = sandbox.run_python(template.format(**trainer.fields()), timeout_s=2.0 if name == "endless_loop" else timeout_s)
+            out[name] = {"blocked": bool(judge(r, trainer)), "detail": r.as_observation(160),
+                         "returncode": r.returncode}
+    finally:
+        trainer.close()
+    return {"isolation": sandbox.isolation().describe(), "euid": os.geteuid(), "cases": out}
+
+
+def flood_memory(caps=(64 << 10, 4 << 20)) -> dict:
+    """Peak RSS growth (KiB) of this process while sandboxed code floods stdout, per output cap."""
+    sandbox = load_sandbox()
+    sandbox.run_python("print(1)")  # probes and imports first: the baseline includes them
+    out = {}
+    for cap in caps:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        r = sandbox.run_python("import sys\nwhile True: sys.stdout.write('x' * 65536)", timeout_s=30,
+                               max_output_bytes=cap)
+        after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        out[str(cap)] = {"growth_kib": after - before, "baseline_kib": before, "kept_bytes": len(r.stdout),
+                         "truncated": r.output_truncated}
+    return out
+
+
+def without_namespaces(sandbox):
+    """Make `sandbox` run as on a machine without user namespaces (what docs/security.md calls degraded)."""
+    found = sandbox.isolation()
+    degraded = sandbox.Isolation("none", found.landlock_abi, found.run_as, found.python, found.stdlib, ())
+    sandbox.isolation = lambda: degraded
+    return sandbox
+
+
+if __name__ == "__main__":
+    if "--flood" in sys.argv:
+        print(json.dumps(flood_memory()))
+    else:
+        module = load_sandbox()
+        print(json.dumps(run_corpus(without_namespaces(module) if "--no-namespaces" in sys.argv else module)))
