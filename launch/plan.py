@@ -27,6 +27,10 @@ from nodelist import expand_nodelist  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 EXIT_BAD_CONFIG = 2
 LOCAL_MASTER_PORT = 29500
+# Recent Ray turns token authentication on for `ray start` (a token in ~/.ray/auth_token), but its
+# clients (wait-ray, the trainer's ray.init) send the token only when asked to: without this,
+# every client of a cluster the plan starts is refused (InvalidAuthToken). Older Ray ignores it.
+RAY_AUTH = ['export RAY_AUTH_MODE="${RAY_AUTH_MODE:-token}"']
 
 
 class PlanError(Exception):
@@ -118,6 +122,7 @@ def plan_local(job: Job) -> list[str]:
             ray_address = f"127.0.0.1:{launch.ray_port}"
             rollout = gpu_list(nproc, launch.gpus_per_node)
             lines += [
+                *RAY_AUTH,
                 f"# rollout: Ray head on GPUs {rollout or '(none)'} for {ro.num_engines} {ro.engine} engine(s)",
                 sh("env", f"CUDA_VISIBLE_DEVICES={rollout}", "ray", "start", "--head",
                    "--node-ip-address=127.0.0.1", f"--port={launch.ray_port}",
@@ -214,8 +219,8 @@ def _ray_cluster(launch, train_nodes: list[str], rollout_nodes: list[str], step:
                  ray_address: Raw) -> list[str]:
     """Ray head on the first node, a worker on every other node; each sees only its rollout GPUs."""
     gpus, nproc = launch.gpus_per_node, launch.nproc_per_node
-    lines = [f"HEAD_IP=$({sh(*step, '-w', train_nodes[0], 'hostname', '--ip-address')} | awk '{{print $1}}')",
-             "trap 'kill $(jobs -p) 2>/dev/null || true' EXIT"]
+    head_ip = sh(*step, '-w', train_nodes[0], 'hostname', '--ip-address')
+    lines = [*RAY_AUTH, f"HEAD_IP=$({head_ip} | awk '{{print $1}}')", "trap 'kill $(jobs -p) 2>/dev/null || true' EXIT"]
     ray_nodes = train_nodes + rollout_nodes
     for i, node in enumerate(ray_nodes):
         first_free = nproc if node in train_nodes else 0  # training nodes keep GPUs [0, nproc)

@@ -38,12 +38,15 @@ class PromptDataset:
     """Draws `n` samples at a time; each epoch is a fresh permutation (seeded by seed + epoch)."""
 
     def __init__(self, samples: Sequence[dict[str, Any]], *, seed: int, shuffle: bool = True):
-        if not samples:
+        if not len(samples):
             raise ValueError("the prompt dataset is empty")
-        ids = [str(s.get("prompt_id", "")) for s in samples]
-        if len(set(ids)) != len(ids) or not all(ids):
-            raise ValueError("every sample needs a unique, non-empty 'prompt_id'")
-        self.samples = list(samples)
+        if isinstance(samples, list):
+            ids = [str(s.get("prompt_id", "")) for s in samples]
+            if len(set(ids)) != len(ids) or not all(ids):
+                raise ValueError("every sample needs a unique, non-empty 'prompt_id'")
+        # Any other Sequence (sample_sources: Arrow columns, indexed JSONL) checked its ids
+        # when it was opened and is kept as is: samples become dicts only when drawn.
+        self.samples = samples
         self.seed = seed
         self.shuffle = shuffle
         self.position = DatasetPosition()

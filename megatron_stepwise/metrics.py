@@ -114,17 +114,25 @@ class MetricsLogger:
                 import wandb
             except ImportError as e:
                 raise RuntimeError("logging.wandb.project is set but the wandb package is missing (pip install wandb)") from e
-            self._wandb = wandb.init(project=wandb_project, name=wandb_name, config=config, resume="allow")
+            # The run's files go under the run directory (<run_dir>/wandb/...), next to metrics.jsonl;
+            # WANDB_MODE=offline keeps them there for `wandb sync`.
+            self._wandb = wandb.init(project=wandb_project, name=wandb_name, config=config, resume="allow",
+                                     dir=run_dir)
 
     def log(self, iteration: int, metrics: dict[str, Any]) -> None:
-        record = {"iteration": iteration, **{k: _plain(v) for k, v in metrics.items()}}
+        values = {k: _number(v) for k, v in metrics.items()}
+        record = {"iteration": iteration, **{k: _plain(v) for k, v in values.items()}}
         self._file.write(json.dumps(record, sort_keys=True) + "\n")
+        # TensorBoard and W&B get the same keys and values as the JSON line; numbers stay numbers
+        # there (a non-finite one too: JSON spells it "nan" / "inf").
         if self._tb is not None:
-            for k, v in record.items():
-                if isinstance(v, (int, float)) and k != "iteration":
-                    self._tb.add_scalar(k, v, iteration)
+            for k, v in values.items():
+                if isinstance(v, (int, float)):
+                    # float64 tensor summaries: the value itself, not its float32 rounding
+                    self._tb.add_scalar(k, v, iteration, new_style=True, double_precision=True)
+            self._tb.flush()
         if self._wandb is not None:
-            self._wandb.log(record, step=iteration)
+            self._wandb.log({"iteration": iteration, **values}, step=iteration)
 
     def close(self) -> None:
         self._file.close()
@@ -177,9 +185,13 @@ def _truncate_after(path: str, iteration: int) -> None:
     os.replace(tmp, path)
 
 
+def _number(v: Any) -> Any:
+    """A tensor or numpy scalar as a Python number; anything else unchanged."""
+    return v.item() if hasattr(v, "item") else v
+
+
 def _plain(v: Any) -> Any:
-    if hasattr(v, "item"):
-        v = v.item()
+    v = _number(v)
     if isinstance(v, float) and not math.isfinite(v):
         return str(v)
     return v

@@ -110,7 +110,18 @@ CASES = [
     ("microbatch-smaller-than-a-step", {"data": {"max_tokens_per_microbatch": 1000}}, [], {},
      "data.max_tokens_per_microbatch", "2304 tokens"),
     # rollout
-    ("temperature-zero", {"rollout": {"sampling": {"temperature": 0}}}, [], {}, "rollout.sampling.temperature", "> 0"),
+    ("temperature-zero", {"rollout": {"sampling": {"temperature": 0}}}, [], {}, "rollout.sampling.temperature",
+     ">= 0.0001"),
+    # 1e-300 passed `> 0` once and then made every engine's logits / T overflow to NaN
+    ("temperature-underflow", {"rollout": {"sampling": {"temperature": 1e-300}}}, [], {},
+     "rollout.sampling.temperature", ">= 0.0001"),
+    ("top-k-float", {"rollout": {"sampling": {"top_k": 2.0}}}, [], {}, "rollout.sampling.top_k", "expected an integer"),
+    # non-finite floats: NaN passes no bound, so every float key checks finiteness itself
+    ("nan-lr", {"optim": {"lr": float("nan")}}, [], {}, "optim.lr", "must be a finite number"),
+    ("inf-reward", {"rollout": {"env_error_reward": float("-inf")}}, [], {}, "rollout.env_error_reward",
+     "must be a finite number"),
+    ("nan-override", {}, ["algo.loss.entropy_coef=nan"], {}, "algo.loss.entropy_coef",
+     "must be a finite number"),
     ("top-k-zero", {"rollout": {"sampling": {"top_k": 0}}}, [], {}, "rollout.sampling.top_k", "-1 (off)"),
     ("sglang-without-extra", SGLANG, [], {"modules": ()}, "rollout.engine", "pip install megatron-stepwise[sglang]"),
     ("sglang-not-enough-gpus", merged(SGLANG, {"rollout": {"engine": "sglang", "num_engines": 8}}), [], {},
@@ -152,6 +163,26 @@ CASES = [
      {"hub_missing": ["Org/no-such-tokenizer"]}, "model.tokenizer", "nor in the Hugging Face cache"),
     ("unknown-env", {"env": {"name": "retreival"}}, [], {"registries": {"env": ["retrieval", "math_tool"]}},
      "env.name", "did you mean 'retrieval'"),
+    ("dataset-smaller-than-an-iteration", {"env": {"dataset_options": {"num_prompts": 6}}}, [], {},
+     "data.prompts_per_iteration", "the shipped echo dataset has 6"),
+    ("shipped-dataset-bad-option", {"env": {"dataset_options": {"num_digits": 11}}}, [], {}, "env.dataset_options",
+     "num_digits must be in 1..10"),
+    ("ray-port-in-worker-range", {"launch": {"ray_port": 16379}}, [], {}, "launch.ray_port",
+     "worker port range 10002-19999"),
+    ("fields-without-a-dataset-file", {"env": {"fields": {"prompt": "question"}}}, [], {}, "env.fields",
+     "neither is set"),
+    ("env-dotted-path-not-importable", {"env": {"name": "no_such_pkg.envs:MyEnv"}}, [], {}, "env.name",
+     "cannot import 'no_such_pkg.envs'"),
+    ("env-dotted-path-no-attribute", {"env": {"name": "megatron_stepwise.envs.echo:NoSuchEnv"}}, [], {}, "env.name",
+     "has no 'NoSuchEnv'"),
+    ("reward-fn-and-env-name", {"env": {"name": "math_tool", "reward_fn": "json:dumps"}}, [], {}, "env.reward_fn",
+     "set only one"),
+    ("reward-fn-without-dataset", {"env": {"reward_fn": "json:dumps"}, "model": {"tokenizer": "tiny_char"}}, [], {},
+     "env.dataset", "ships no dataset: set env.dataset"),
+    ("reward-fn-without-tokenizer", {"env": {"reward_fn": "json:dumps", "dataset": "megatron_stepwise/envs/data/"
+                                                                                   "math_problems.jsonl",
+                                             "fields": {"prompt": "question"}}}, [], {},
+     "model.tokenizer", "ships no tokenizer"),
     ("port-out-of-range", {"launch": {"master_port": 70000}}, [], {}, "launch.master_port", "<= 65535"),
 ]
 
@@ -203,7 +234,7 @@ def validate_cli(tmp_path: Path, text: str | None, *overrides: str) -> subproces
 
 
 @pytest.mark.parametrize("case_id", ["unknown-key-wrong-section", "merge-gspo", "world-not-divisible",
-                                     "minibatch-not-dividing"])
+                                     "minibatch-not-dividing", "temperature-underflow", "top-k-float", "nan-lr"])
 def test_cli_exits_2_with_the_key_and_no_traceback(tmp_path, case_id):
     _, data, overrides, _, key, fragment = next(c for c in CASES if c[0] == case_id)
     result = validate_cli(tmp_path, yaml.safe_dump(data), *overrides)

@@ -309,13 +309,26 @@ def test_recipes_use_real_layouts():
             "qwen2.5-3b_math_tool_4x8", "qwen2.5-3b_retrieval_4x8"} <= set(by_name)
     tiny = by_name["tiny_cpu"]
     assert tiny.launch.gpus_per_node == 0 and tiny.launch.world_size() == 2 and tiny.rollout.engine == "embedded"
-    # Qwen2.5 1.5B/3B have 2 KV heads: TP must divide them. Nodes: 1 x 8 and 4 x 8 GPUs in all.
+    # Qwen2.5 1.5B/3B have 2 KV heads, Qwen3-30B-A3B 4 (and 128 experts): TP must divide them.
+    # Nodes: 1 x 8 and 4 x 8 GPUs in all.
     for name, cfg in by_name.items():
         if name.startswith("qwen"):
-            assert 2 % cfg.parallel.tensor == 0
+            assert (4 if name.startswith("qwen3") else 2) % cfg.parallel.tensor == 0
             nodes = cfg.launch.nnodes + cfg.launch.rollout_nodes
             assert (nodes, cfg.launch.gpus_per_node) == ((1, 8) if name.endswith("1x8") else (4, 8))
             assert cfg.launch.world_size() + cfg.launch.rollout_gpus() == nodes * 8
+
+
+def test_moe_recipe_layout_is_checked_against_the_model():
+    """Qwen3-30B-A3B's recipe validates against the model's real shape (128 experts over EP8 in a
+    DP8 group), and an expert-parallel size that does not divide the experts is refused by name."""
+    qwen3 = {"Qwen/Qwen3-30B-A3B": (32, 4, 48, 128)}
+    path = CONFIGS / "recipes/qwen3-30b-a3b_math_tool_4x8.yaml"
+    cfg = load_config(path, probes=FakeProbes(shapes=qwen3))
+    assert (cfg.parallel.expert, cfg.parallel.data_parallel_size(cfg.launch.world_size())) == (8, 8)
+    with pytest.raises(ConfigError) as e:
+        load_config(path, ["parallel.expert=3"], probes=FakeProbes(shapes=qwen3))
+    assert "parallel.expert: 3 does not divide the model's 128 experts" in str(e.value)
 
 
 def test_recipes_report_missing_sglang_on_this_machine():

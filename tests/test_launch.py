@@ -210,3 +210,23 @@ def test_the_reported_rank_is_the_one_that_failed_by_itself():
     assert first_failure({0: failure(0, -15, 5), 1: failure(1, 2, 4)})[0] == 1
     assert first_failure({0: failure(0, 1, 7), 1: failure(1, 2, 4)})[0] == 1  # earliest error
     assert first_failure({0: failure(0, -9, 4), 1: failure(1, -9, 4)})[0] == 0  # all killed: lowest
+
+
+@pytest.mark.parametrize("script", ["train_local.sh", "train_slurm.sbatch"])
+def test_help_prints_usage_and_runs_nothing(script, tmp_path):
+    # No python on PATH either: --help must not need it (it used to exit 127 looking for one).
+    bare = {"PATH": "/usr/bin:/bin", "PYTHON": str(tmp_path / "must-not-run")}
+    for flag in ("--help", "-h"):
+        out = subprocess.run(["bash", str(REPO / "launch" / script), flag, "configs/tiny_cpu.yaml"], env=bare,
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and out.stderr == "", out.stderr
+        assert "CONFIG [KEY=VALUE ...]" in out.stdout and "--dry-run" in out.stdout
+        assert "#SBATCH" not in out.stdout and "set -euo" not in out.stdout
+
+
+def test_a_launch_without_python_on_path_says_how_to_activate_the_environment():
+    # As with no activated environment: the interpreter the script would use is not on PATH.
+    env = {"PATH": os.environ["PATH"], "PYTHON": "no-such-python-for-this-test"}
+    out = subprocess.run(["bash", str(REPO / "launch" / "train_local.sh"), "configs/tiny_cpu.yaml"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "source .venv/bin/activate" in out.stderr

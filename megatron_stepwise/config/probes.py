@@ -13,10 +13,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_stepwise.envs import list_envs
+from megatron_stepwise.envs import EnvSpec, list_envs, resolve_env_spec
 from megatron_stepwise.hf import hub
 from megatron_stepwise.hf.hub import looks_like_path
 from megatron_stepwise.hf.presets import PRESETS
+from megatron_stepwise.sample_sources import DatasetFacts
 
 
 @dataclass(frozen=True)
@@ -27,12 +28,15 @@ class ModelShape:
     num_key_value_heads: int
     num_layers: int
     source: str
+    num_experts: int = 0  # MoE experts per layer (0: dense)
 
     @classmethod
     def from_hf_dict(cls, cfg: Mapping, source: str) -> "ModelShape | None":
         try:
             heads = int(cfg["num_attention_heads"])
-            return cls(heads, int(cfg.get("num_key_value_heads") or heads), int(cfg["num_hidden_layers"]), source)
+            experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+            return cls(heads, int(cfg.get("num_key_value_heads") or heads), int(cfg["num_hidden_layers"]), source,
+                       experts)
         except (KeyError, TypeError, ValueError):
             return None
 
@@ -61,6 +65,31 @@ class Probes:
         except Exception as e:  # any failure of user code is reported, not raised
             return f"{type(e).__name__}: {e}"
         return None
+
+    def env_spec(self, name: str, reward_fn: str | None) -> "EnvSpec | str":
+        """The environment of env.name / env.reward_fn (dotted paths are imported); the error text."""
+        try:
+            return resolve_env_spec(name, reward_fn)
+        except Exception as e:  # a user's module failing to import is a finding, not a crash
+            return str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+
+    def dataset_facts(self, path: str, split: str) -> "DatasetFacts | str":
+        """Rows and columns of a dataset file, directory or cached hub id; the error text."""
+        from megatron_stepwise.sample_sources import dataset_facts
+
+        try:
+            return dataset_facts(path, split=split)
+        except Exception as e:  # unreadable file, missing split, hub id not cached while offline
+            return str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+
+    def shipped_facts(self, spec: EnvSpec, options: Mapping) -> "DatasetFacts | str":
+        """Rows and fields of an environment's own dataset (the shipped sets are small)."""
+        try:
+            samples = spec.dataset(**options)
+        except Exception as e:
+            return str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+        columns = tuple(dict.fromkeys(k for s in samples[:1] for k in s))
+        return DatasetFacts(len(samples), columns, f"the shipped {spec.name} dataset")
 
     def presets(self) -> Mapping | None:
         """Model presets (e.g. `tiny`): preset name -> HF config dict."""

@@ -13,13 +13,14 @@ from typing import Any, Literal, Optional
 
 from megatron_stepwise.algo.losses import LossConfig
 from megatron_stepwise.config.fields import option, section, to_dict
+from megatron_stepwise.rollout.engine import MIN_TEMPERATURE
 
 
 @dataclass
 class ModelConfig:
-    """The policy model (Llama/Qwen2 family) and how it is built.
+    """The policy model (Llama / Qwen2 / Qwen3 / Qwen3-MoE family) and how it is built.
 
-    `hf_config`, `hf_checkpoint` and `tokenizer` are resolved the same way: a preset name (`tiny`;
+    `hf_config`, `hf_checkpoint` and `tokenizer` are resolved the same way: a preset name (`tiny`, `tiny_qwen3`, `tiny_qwen3_moe`;
     for `tokenizer`, a shipped one: `tiny_word`, `tiny_char`, `tiny_bpe`), else a local directory or
     config.json, else a Hugging Face hub id (`Org/Name`), looked up in the local HF cache
     (`$HF_HUB_CACHE`, default `$HF_HOME/hub`) and otherwise downloaded: only the config or
@@ -29,7 +30,7 @@ class ModelConfig:
     `model.allow_download=true` says the node will download it at start-up.
     """
 
-    hf_config: str = option("tiny", "HF model config: a preset (tiny), a local directory or config.json, "
+    hf_config: str = option("tiny", "HF model config: a preset (tiny, tiny_qwen3, tiny_qwen3_moe), a local directory or config.json, "
                                     "or a hub id (the HF cache, else downloaded)")
     hf_checkpoint: Optional[str] = option(None, "HF checkpoint (directory or hub id) whose weights initialise "
                                                 "the policy; null = random init")
@@ -50,6 +51,8 @@ class ParallelConfig:
     pipeline: int = option(1, "pipeline-parallel size (must divide the number of layers)", min=1)
     context: int = option(1, "context-parallel size: every step row is split over the CP ranks (long "
                                  "trajectories); rows are padded to a multiple of 2 x context", min=1)
+    expert: int = option(1, "expert-parallel size (MoE models): experts split over that many ranks of the data x "
+                            "context parallel group; must divide it and the number of experts", min=1)
     sequence_parallel: bool = option(False, "shard activations along the sequence inside TP regions (TP > 1)")
     use_distributed_optimizer: bool = option(False, "shard optimizer state across data-parallel ranks")
 
@@ -79,8 +82,8 @@ class SGLangConfig:
 class SamplingConfig:
     """Sampling parameters of every rollout turn."""
 
-    temperature: float = option(1.0, "sampling temperature T (> 0); the trainer scores tokens as log_softmax(logits / T), as the engine reports them",
-                                gt=0.0)
+    temperature: float = option(1.0, "sampling temperature T (>= 1e-4: below, logits / T overflows); the trainer scores tokens as log_softmax(logits / T), as the engine reports them",
+                                min=MIN_TEMPERATURE)
     top_p: float = option(1.0, "nucleus sampling mass", gt=0.0, max=1.0)
     top_k: int = option(-1, "top-k sampling; -1 = off")
     stop: list[str] = option([], "strings that end a turn (besides the tokenizer's EOS)")
@@ -124,16 +127,33 @@ class RolloutConfig:
 
 @dataclass
 class EnvConfig:
-    """The environment the agent acts in."""
+    """The environment the agent acts in, and its samples.
 
-    name: str = option("echo", "registered environment name (echo, math_tool, search, ...)")
+    Your own task without touching this repository (docs/custom_envs.md): `name: my_pkg.my_env:MyEnv`
+    (an Environment class or factory by dotted path) or `reward_fn: my_pkg.rewards:score` (only a
+    reward function, single- or multi-turn). `dataset` is read lazily (Arrow columns, memory-mapped
+    for a `datasets` directory; JSONL by byte offset); `fields` maps the names the environment reads to the file's own columns, and
+    `megatron-stepwise validate` names a missing column and the file, and refuses a dataset with
+    fewer rows than `data.prompts_per_iteration`.
+    """
+
+    name: str = option("echo", "registered environment name (echo, math_tool, search, ...), or a dotted path "
+                               "module:Name to an Environment class or factory (module on PYTHONPATH)")
+    reward_fn: Optional[str] = option(None, "module:function scoring a reply, fn(response, sample[, turn]) -> "
+                                            "reward, or (reward, next user message or None) to go on; "
+                                            "replaces env.name; prompts from the sample's 'prompt' field")
     options: dict[str, Any] = option({}, "keyword options passed to the environment (free mapping)")
     dataset_options: dict[str, Any] = option({}, "keyword options of the environment's shipped dataset "
                                                  "(e.g. echo: num_prompts, num_turns, num_digits)")
-    dataset: Optional[str] = option(None, "training samples: a JSONL path or a builtin dataset name; "
-                                          "null = the environment's shipped set")
-    eval_dataset: Optional[str] = option(None, "evaluation samples (a JSONL path); null = a fixed set of "
-                                               "data.prompts_per_iteration training prompts")
+    dataset: Optional[str] = option(None, "training samples: a JSONL or Parquet file, a Hugging Face datasets "
+                                          "directory (save_to_disk) or hub id (local cache first); null = the "
+                                          "environment's shipped set")
+    dataset_split: str = option("train", "split of a datasets directory or hub id holding several")
+    fields: dict[str, str] = option({}, "sample field the environment reads -> column of env.dataset and "
+                                        "env.eval_dataset (e.g. prompt: question, prompt_id: id)")
+    eval_dataset: Optional[str] = option(None, "evaluation samples (same formats as env.dataset); null = a fixed "
+                                               "set of data.prompts_per_iteration training prompts")
+    eval_split: str = option("test", "split of env.eval_dataset when it is a datasets directory or hub id")
 
 
 @dataclass
@@ -238,7 +258,8 @@ class CheckpointConfig:
 class WandbConfig:
     """Weights & Biases logging (needs the wandb package)."""
 
-    project: Optional[str] = option(None, "W&B project; null = W&B off")
+    project: Optional[str] = option(None, "W&B project; null = W&B off. The run's files go under <run_dir>/wandb; "
+                                          "WANDB_MODE=offline keeps them there (wandb sync uploads them later)")
     name: Optional[str] = option(None, "W&B run name; null = the experiment name")
 
 
@@ -248,7 +269,8 @@ class LoggingConfig:
 
     run_dir: Optional[str] = option(None, "directory of metrics.jsonl, plots and defaults of dirs; "
                                           "null = runs/<name>")
-    tensorboard: bool = option(False, "also write TensorBoard events (needs the tensorboard package)")
+    tensorboard: bool = option(False, "also write TensorBoard events to <run_dir>/tensorboard: every number of "
+                                      "metrics.jsonl, as float64 (needs the tensorboard package)")
     wandb: WandbConfig = section(WandbConfig, "Weights & Biases")
     progress: bool = option(True, "progress bars for rollout and training")
 

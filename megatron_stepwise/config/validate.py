@@ -20,6 +20,9 @@ from megatron_stepwise.config.schema import ExperimentConfig
 # Estimators that compare the trajectories of one prompt: a group of one has no signal.
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "maxrl")
 _KEY_RE = re.compile(r"^[a-z_]+(\.[a-z_]+)+$")
+# `ray start` reserves these for its workers (--min/max-worker-port defaults) and refuses a
+# head port among them.
+RAY_WORKER_PORTS = (10002, 19999)
 _SERVER_RE = re.compile(r"^(https?://)?[A-Za-z0-9_.\-]+:\d{1,5}/?$")
 
 
@@ -105,6 +108,10 @@ def _check_parallel(cfg: ExperimentConfig, check: _Checker, probes: Probes, worl
     if par.sequence_parallel and par.tensor == 1:
         check.fail("parallel.sequence_parallel", "needs parallel.tensor > 1 (it shards activations across "
                                                  "the tensor-parallel group)", "parallel.tensor")
+    if RAY_WORKER_PORTS[0] <= launch.ray_port <= RAY_WORKER_PORTS[1]:
+        check.fail("launch.ray_port", f"{launch.ray_port} is inside Ray's default worker port range "
+                                      f"{RAY_WORKER_PORTS[0]}-{RAY_WORKER_PORTS[1]}: the Ray head the launch "
+                                      "scripts start would refuse it; use e.g. 6379")
     if launch.gpus_per_node and launch.nproc_per_node > launch.gpus_per_node:
         check.fail("launch.nproc_per_node", f"{launch.nproc_per_node} training ranks per node but "
                                             f"launch.gpus_per_node is {launch.gpus_per_node}",
@@ -120,6 +127,16 @@ def _check_parallel(cfg: ExperimentConfig, check: _Checker, probes: Probes, worl
     if shape.num_layers % par.pipeline:
         check.fail("parallel.pipeline", f"{par.pipeline} does not divide the model's {shape.num_layers} layers "
                                         f"({shape.source})", "model.hf_config")
+    if par.expert > 1 and not shape.num_experts:
+        check.fail("parallel.expert", f"{par.expert} needs a mixture-of-experts model; {shape.source} is dense",
+                   "model.hf_config")
+    elif par.expert > 1 and shape.num_experts % par.expert:
+        check.fail("parallel.expert", f"{par.expert} does not divide the model's {shape.num_experts} experts "
+                                      f"({shape.source})", "model.hf_config")
+    if par.expert > 1 and world_size % mp == 0 and (world_size // (par.tensor * par.pipeline)) % par.expert:
+        check.fail("parallel.expert", f"{par.expert} does not divide data x context parallel = "
+                                      f"{world_size // (par.tensor * par.pipeline)} (experts are split over "
+                                      "those ranks)", "parallel.tensor", "parallel.pipeline")
 
 
 def _check_model(cfg: ExperimentConfig, check: _Checker, probes: Probes) -> None:
@@ -311,12 +328,82 @@ def _check_outputs(cfg: ExperimentConfig, check: _Checker, probes: Probes) -> No
 
 def _check_env(cfg: ExperimentConfig, check: _Checker, probes: Probes) -> None:
     env = cfg.env
+    # env.name keeps its default (echo, also what tiny_cpu.yaml names) unless the user chose another one.
+    if env.reward_fn and env.name != type(env)().name:
+        check.fail("env.reward_fn", f"is set and so is env.name ({env.name!r}): the reward function is the "
+                                    "environment; set only one", "env.name")
+        return
+    dotted = ":" in env.name or bool(env.reward_fn)
     names = probes.registered("env")
-    if names is not None and env.name not in names:
+    if not dotted and names is not None and env.name not in names:
         hint = difflib.get_close_matches(env.name, sorted(names), n=1)
         check.fail("env.name", f"unknown environment {env.name!r} (registered: {', '.join(sorted(names))})"
                                + (f"; did you mean {hint[0]!r}?" if hint else ""))
+        return
+    missing_file = False
     for key in ("dataset", "eval_dataset"):
         value = getattr(env, key)
         if value and looks_like_path(value) and not Path(value).expanduser().exists():
             check.fail(f"env.{key}", f"no such file: {value}")
+            missing_file = True
+    spec = probes.env_spec(env.name, env.reward_fn)
+    if isinstance(spec, str):
+        if dotted:  # a registered name that is unknown was reported above, when the registry was known
+            check.fail("env.reward_fn" if env.reward_fn else "env.name", spec)
+        return
+    if spec.tokenizer is None and not (cfg.model.tokenizer or cfg.model.hf_checkpoint):
+        check.fail("model.tokenizer", f"environment {spec.name!r} ships no tokenizer: set model.tokenizer "
+                                      "(or model.hf_checkpoint)", "model.hf_checkpoint")
+    if not missing_file:
+        _check_dataset(cfg, check, probes, spec)
+
+
+def _check_dataset(cfg: ExperimentConfig, check: _Checker, probes: Probes, spec) -> None:
+    """The samples exist, hold the fields the environment reads, and are enough for one iteration."""
+    env = cfg.env
+    if env.fields and not (env.dataset or env.eval_dataset):
+        check.fail("env.fields", "maps the columns of env.dataset / env.eval_dataset files, but neither is set "
+                                 "(the environment's shipped dataset already has its fields)", "env.dataset")
+    if not env.dataset and getattr(spec.dataset, "ships_none", False):
+        check.fail("env.dataset", f"environment {spec.name!r} ships no dataset: set env.dataset")
+        return
+    if env.dataset:
+        facts = probes.dataset_facts(env.dataset, env.dataset_split)
+    else:
+        facts = probes.shipped_facts(spec, env.dataset_options)
+    if isinstance(facts, str):  # the file, or the shipped dataset's options (env.dataset null)
+        check.fail("env.dataset" if env.dataset else "env.dataset_options", facts, "env.dataset_split")
+        return
+    if facts is None:
+        return
+    ok = _check_fields(cfg, check, facts, "env.dataset", spec)
+    if env.eval_dataset:
+        eval_facts = probes.dataset_facts(env.eval_dataset, env.eval_split)
+        if isinstance(eval_facts, str):
+            check.fail("env.eval_dataset", eval_facts, "env.eval_split")
+        elif eval_facts is not None:
+            _check_fields(cfg, check, eval_facts, "env.eval_dataset", spec)
+    data = cfg.data
+    if ok and facts.num_rows < data.prompts_per_iteration:
+        check.fail("data.prompts_per_iteration", f"{data.prompts_per_iteration} prompts per iteration but "
+                                                 f"{facts.description} has {facts.num_rows}: lower it or use a "
+                                                 "larger env.dataset", "env.dataset")
+
+
+def _check_fields(cfg: ExperimentConfig, check: _Checker, facts, key: str, spec) -> bool:
+    """env.fields name existing columns, and every field the environment reads is there."""
+    columns = facts.columns
+    # env.fields maps the columns of env.dataset and env.eval_dataset, not of a shipped dataset.
+    fields = cfg.env.fields if (key == "env.eval_dataset" or cfg.env.dataset) else {}
+    ok = True
+    for target, column in fields.items():
+        if column not in columns:
+            check.fail(f"env.fields.{target}", f"column {column!r} is not in {facts.description} "
+                                               f"(columns: {', '.join(columns)})", key)
+            ok = False
+    for field in spec.required_fields:
+        if field not in columns and field not in fields:
+            check.fail(key, f"{facts.description} has no field {field!r}, which environment {spec.name!r} "
+                            f"reads (columns: {', '.join(columns)}); map a column to it with env.fields.{field}")
+            ok = False
+    return ok

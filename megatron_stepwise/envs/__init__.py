@@ -1,6 +1,7 @@
 """Environments for multi-turn agent rollouts: protocol, registry and built-ins.
 
 - base.py            the `Environment` protocol and the registry (`register_env`, `make_env`)
+- custom.py          users' environments by dotted path (`module:Name`) and reward-function-only ones
 - echo.py            `echo`: "say D" over several turns, learnable by a tiny model on CPU
 - math_tool.py       `math_tool`: arithmetic word problems solved with a sandboxed Python tool
 - sandbox.py         runs model-written Python in a subprocess with time, memory, network limits
@@ -14,5 +15,7 @@ The built-in environments register themselves on import; importing this package 
 
 from megatron_stepwise.envs import echo, math_tool, search  # noqa: F401  (register the built-ins)
 from megatron_stepwise.envs.base import EnvSpec, Environment, get_env_spec, list_envs, make_env, register_env
+from megatron_stepwise.envs.custom import RewardFnEnv, resolve_env_spec
 
-__all__ = ["EnvSpec", "Environment", "get_env_spec", "list_envs", "make_env", "register_env"]
+__all__ = ["EnvSpec", "Environment", "get_env_spec", "list_envs", "make_env", "register_env", "resolve_env_spec",
+           "RewardFnEnv"]

@@ -32,7 +32,8 @@ class EnvSpec:
     """How to build an environment and where its prompts come from.
 
     `factory(**kwargs)` returns a new environment; `dataset(**kwargs)` returns the samples (each
-    a dict with a unique "prompt_id"); `tokenizer` names the shipped tokenizer that suits it.
+    a dict with a unique "prompt_id"); `tokenizer` names the shipped tokenizer that suits it;
+    `required_fields` are the sample fields `reset` reads (validation checks a dataset has them).
     """
 
     name: str
@@ -40,6 +41,7 @@ class EnvSpec:
     dataset: Callable[..., list[dict[str, Any]]]
     tokenizer: Optional[str] = None
     description: str = ""
+    required_fields: tuple[str, ...] = ()
 
 
 _REGISTRY: dict[str, EnvSpec] = {}

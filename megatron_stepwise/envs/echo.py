@@ -64,5 +64,6 @@ register_env(
         dataset=echo_dataset,
         tokenizer="tiny_word",
         description="repeat the digit the user says, over several turns (partial credit)",
+        required_fields=("digits",),
     )
 )

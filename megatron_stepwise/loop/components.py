@@ -22,19 +22,17 @@ def init_runtime(cfg: ExperimentConfig):
     from megatron_stepwise.megatron.runtime import init_distributed
 
     p = cfg.parallel
-    return init_distributed(p.tensor, p.pipeline, p.context, seed=cfg.trainer.seed)
+    return init_distributed(p.tensor, p.pipeline, p.context, expert_parallel=p.expert, seed=cfg.trainer.seed)
 
 
 # ------------------------------------------------------------------------ tokenizer/model
 def tokenizer_name(cfg: ExperimentConfig) -> str:
     """model.tokenizer, else the HF checkpoint's, else the environment's shipped vocabulary."""
-    from megatron_stepwise.envs.base import get_env_spec
-
     if cfg.model.tokenizer:
         return cfg.model.tokenizer
     if cfg.model.hf_checkpoint:
         return cfg.model.hf_checkpoint
-    spec = get_env_spec(cfg.env.name)
+    spec = env_spec(cfg)
     if spec.tokenizer is None:
         raise ValueError(f"env.name={cfg.env.name!r} ships no tokenizer: set model.tokenizer")
     return spec.tokenizer
@@ -173,23 +171,32 @@ def build_plugin(cfg: ExperimentConfig, tokenizer):
 
 
 # ------------------------------------------------------------------------ data
-def build_dataset(cfg: ExperimentConfig):
-    from megatron_stepwise.data import PromptDataset, load_samples
-    from megatron_stepwise.envs.base import get_env_spec
+def env_spec(cfg: ExperimentConfig):
+    """The environment: env.reward_fn, else env.name (registered, or a module:Name dotted path)."""
+    from megatron_stepwise.envs.custom import resolve_env_spec
 
-    if cfg.env.dataset:
-        samples = load_samples(cfg.env.dataset)
+    return resolve_env_spec(cfg.env.name, cfg.env.reward_fn)
+
+
+def build_dataset(cfg: ExperimentConfig):
+    from megatron_stepwise.data import PromptDataset
+    from megatron_stepwise.sample_sources import open_samples
+
+    if cfg.env.dataset:  # JSONL, Parquet or a datasets directory / hub id, read lazily
+        samples = open_samples(cfg.env.dataset, fields=cfg.env.fields, split=cfg.env.dataset_split)
     else:
-        samples = get_env_spec(cfg.env.name).dataset(**cfg.env.dataset_options)
+        samples = env_spec(cfg).dataset(**cfg.env.dataset_options)
     return PromptDataset(samples, seed=cfg.data_seed, shuffle=cfg.data.shuffle)
 
 
 def eval_samples(cfg: ExperimentConfig, dataset) -> list[dict]:
     """env.eval_dataset, or a fixed set of training prompts (the same at every evaluation)."""
-    from megatron_stepwise.data import load_samples
+    from megatron_stepwise.sample_sources import open_samples
 
     if cfg.env.eval_dataset:
-        return load_samples(cfg.env.eval_dataset)
+        source = open_samples(cfg.env.eval_dataset, fields=cfg.env.fields, split=cfg.env.eval_split,
+                              key="env.eval_dataset")
+        return source[:]  # evaluated whole at every evaluation
     return dataset.samples[: cfg.data.prompts_per_iteration]
 
 
@@ -230,9 +237,7 @@ def build_agent_loop(cfg: ExperimentConfig, fleet, tokenizer):
         sampling=sampling, env_error_reward=r.env_error_reward, max_concurrency=r.max_concurrency,
         context=r.context,
     )
-    from megatron_stepwise.envs.base import get_env_spec
-
-    spec = get_env_spec(cfg.env.name)
+    spec = env_spec(cfg)
     options = dict(cfg.env.options)
     return AgentLoop(fleet, tokenizer, lambda: spec.factory(**options), loop_cfg)
 
