@@ -184,6 +184,7 @@ CASES = [
                                              "fields": {"prompt": "question"}}}, [], {},
      "model.tokenizer", "ships no tokenizer"),
     ("port-out-of-range", {"launch": {"master_port": 70000}}, [], {}, "launch.master_port", "<= 65535"),
+    ("name-is-a-path", {}, ["name=../.."], {}, "name", "must be a plain name"),
 ]
 
 
@@ -253,3 +254,21 @@ def test_cli_lists_all_problems_and_handles_unreadable_files(tmp_path):
     (tmp_path / "exp.yaml").unlink()
     missing = validate_cli(tmp_path, None)
     assert missing.returncode == 2 and "no such config file" in missing.stderr
+
+
+LAUGHS = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{b}: &{b} [{', '.join(['*' + a] * 9)}]\n" for a, b in zip("abcdefgh", "bcdefghi"))
+
+
+@pytest.mark.parametrize("what,text,fragment", [
+    ("alias bomb (9^9 values)", LAUGHS, "YAML aliases expand to more than 100000 values"),
+    ("a list that contains itself", "x: &x [*x]\n", "YAML aliases expand to more than 100000 values"),
+    ("a binary file", None, "is not a UTF-8 text file"),
+    ("a huge file", "# " + "x" * (1 << 20) + "\n", "is over 1 MiB"),
+])
+def test_hostile_yaml_is_refused_without_a_traceback(tmp_path, what, text, fragment):
+    if text is None:
+        (tmp_path / "exp.yaml").write_bytes(bytes(range(256)) * 8)
+    result = validate_cli(tmp_path, text)
+    assert result.returncode == 2 and fragment in result.stderr, (what, result.stderr[-2000:])
+    assert "Traceback" not in result.stderr

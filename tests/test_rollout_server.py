@@ -183,3 +183,57 @@ def test_serve_cli_binds_loopback_and_answers():
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_an_api_key_guards_every_endpoint_but_health(monkeypatch):
+    """With MEGATRON_STEPWISE_API_KEY set (SGLang's --api-key convention), a request without the
+    Bearer key cannot generate, replace the weights or abort; the client sends the key itself."""
+    monkeypatch.setenv("MEGATRON_STEPWISE_API_KEY", "s3cret")
+    engine = LocalEngine(CONFIG, tokenizer=TOK, seed=0)
+
+    async def scenario():
+        from megatron_stepwise.rollout.auth import api_key_from_env
+
+        runner, port = await start_server(engine, "127.0.0.1", 0, api_key=api_key_from_env())
+        url = f"http://127.0.0.1:{port}"
+        client = SGLangClient(url, timeout_s=60)  # reads the key from the environment
+        try:
+            async with aiohttp.ClientSession() as http:
+                async with http.get(url + "/health") as resp:
+                    assert resp.status == 200  # probes need no key
+                for path, body in [("/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}),
+                                   ("/update_weights_from_disk", {"model_path": "/tmp"}),
+                                   ("/abort_request", {"rid": "x"}), ("/pause_generation", {})]:
+                    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+                        async with http.post(url + path, json=body, headers=headers) as resp:
+                            assert resp.status == 401, (path, headers)
+            r = await client.generate([1, 5, 8], SamplingParams(max_new_tokens=2))
+            assert len(r.output_ids) >= 1 and await client.weight_version() == 0
+        finally:
+            await client.close()
+            await runner.cleanup()
+
+    asyncio.run(scenario())
+    asyncio.run(engine.close())
+
+
+def test_serving_beyond_loopback_needs_a_key_or_an_explicit_opt_out(monkeypatch):
+    monkeypatch.delenv("MEGATRON_STEPWISE_API_KEY", raising=False)
+    engine = LocalEngine(CONFIG, tokenizer=TOK, seed=0)
+    with pytest.raises(ValueError, match="beyond loopback\\) needs an API key: set MEGATRON_STEPWISE_API_KEY"):
+        asyncio.run(start_server(engine, "0.0.0.0", 0))
+    env = {k: v for k, v in os.environ.items() if k != "MEGATRON_STEPWISE_API_KEY"}
+    out = subprocess.run([sys.executable, "-m", "megatron_stepwise.cli", "serve", "--model-config", "tiny_word",
+                          "--host", "0.0.0.0", "--port", "0"], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 2 and "needs an API key" in out.stderr and "Traceback" not in out.stderr
+    asyncio.run(engine.close())
+
+
+def test_launched_sglang_servers_get_the_key(monkeypatch):
+    from megatron_stepwise.rollout.sglang import SGLangServerConfig
+
+    monkeypatch.setenv("MEGATRON_STEPWISE_API_KEY", "k")
+    cmd = SGLangServerConfig(model_path="m").command()
+    assert cmd[cmd.index("--api-key") + 1] == "k"
+    monkeypatch.delenv("MEGATRON_STEPWISE_API_KEY")
+    assert "--api-key" not in SGLangServerConfig(model_path="m").command()

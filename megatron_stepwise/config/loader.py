@@ -48,11 +48,41 @@ def deep_merge(base: dict, top: dict) -> dict:
     return base
 
 
+MAX_CONFIG_BYTES = 1 << 20  # experiment files are a few KB: anything this large is not one
+MAX_CONFIG_NODES = 100_000  # values after expanding YAML aliases: stops "billion laughs" and cycles
+
+
+def _expanded_size_ok(data: Any) -> bool:
+    """Whether `data`, with every alias expanded, has at most MAX_CONFIG_NODES values (a recursive
+    structure never does). Stops counting at the limit, so a bomb costs nothing to detect."""
+    todo, seen = [data], 0
+    while todo:
+        item = todo.pop()
+        seen += 1
+        if seen > MAX_CONFIG_NODES:
+            return False
+        if isinstance(item, dict):
+            todo.extend(item.keys())
+            todo.extend(item.values())
+        elif isinstance(item, list):
+            todo.extend(item)
+    return True
+
+
 def _read_yaml(path: Path, problems: list[ConfigProblem]) -> dict | None:
     try:
-        text = path.read_text()
+        with open(path, "rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as e:
         problems.append(ConfigProblem("<file>", f"cannot read {path}: {e.strerror or e}"))
+        return None
+    if len(raw) > MAX_CONFIG_BYTES:
+        problems.append(ConfigProblem("<file>", f"{path} is over {MAX_CONFIG_BYTES >> 20} MiB: not an experiment config"))
+        return None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        problems.append(ConfigProblem("<file>", f"{path} is not a UTF-8 text file (byte {e.start}): not a YAML config"))
         return None
     try:
         data = yaml.safe_load(text)
@@ -64,6 +94,10 @@ def _read_yaml(path: Path, problems: list[ConfigProblem]) -> dict | None:
         return None
     if data is None:
         return {}
+    if not _expanded_size_ok(data):
+        problems.append(ConfigProblem("<yaml>", f"{path}: YAML aliases expand to more than {MAX_CONFIG_NODES} values "
+                                                "(or refer to themselves): not an experiment config"))
+        return None
     if not isinstance(data, dict):
         problems.append(ConfigProblem("<root>", f"{path}: expected a mapping of sections, got {type(data).__name__}"))
         return None
@@ -119,6 +153,8 @@ def parse_override(text: str) -> tuple[str, Any]:
             reason = getattr(e, "problem", e)
             raise ValueError(f"override {text!r}: cannot parse the value as YAML ({reason})") from None
         value = raw  # e.g. `a=b: c`, which YAML reads as a mapping error: keep it as text
+    if not _expanded_size_ok(value):
+        raise ValueError(f"override {key}=...: its YAML aliases expand to more than {MAX_CONFIG_NODES} values")
     return key, value
 
 

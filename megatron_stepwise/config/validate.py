@@ -316,7 +316,14 @@ def _check_optim(cfg: ExperimentConfig, check: _Checker) -> None:
                        "data.prompts_per_minibatch")
 
 
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
+
+
 def _check_outputs(cfg: ExperimentConfig, check: _Checker, probes: Probes) -> None:
+    if not _SAFE_NAME.fullmatch(cfg.name) or ".." in cfg.name:
+        # The default run directory is runs/<name>: a path in the name would write elsewhere.
+        check.fail("name", f"{cfg.name!r} must be a plain name (letters, digits, . _ + -, no path); choose "
+                           "another directory with logging.run_dir", "logging.run_dir")
     resume = cfg.checkpoint.resume
     if resume not in ("auto", "never") and not Path(resume).expanduser().exists():
         check.fail("checkpoint.resume", f"is neither auto, never nor an existing checkpoint path: {resume!r}")

@@ -21,10 +21,12 @@ import argparse
 import asyncio
 import base64
 import logging
+import sys
 from typing import Any, Optional
 
 from aiohttp import web
 
+from megatron_stepwise.rollout.auth import API_KEY_ENV, api_key_from_env, bearer_matches, is_loopback
 from megatron_stepwise.rollout.engine import GenerateResult, SamplingParams
 from megatron_stepwise.rollout.local import LocalEngine
 
@@ -77,12 +79,13 @@ def generate_response(rid: str, prompt_len: int, result: GenerateResult, return_
 class EngineServer:
     """aiohttp handlers around one `LocalEngine`."""
 
-    def __init__(self, engine: LocalEngine):
+    def __init__(self, engine: LocalEngine, api_key: Optional[str] = None):
         self.engine = engine
+        self.api_key = api_key
         self._rid = 0
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors], client_max_size=1 << 30)
+        app = web.Application(middlewares=[self._auth, self._errors], client_max_size=1 << 30)
         r = app.router
         r.add_route("POST", "/generate", self.generate)
         r.add_route("PUT", "/generate", self.generate)
@@ -102,6 +105,15 @@ class EngineServer:
         r.add_post("/continue_generation", self.continue_generation)
         r.add_post("/abort_request", self.abort_request)
         return app
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler):
+        # As SGLang with --api-key: every endpoint but health checks needs the key.
+        if self.api_key and not request.path.startswith("/health") and \
+                not bearer_matches(request.headers.get("Authorization"), self.api_key):
+            return web.json_response({"error": {"message": "missing or wrong API key (Authorization: Bearer ...)"}},
+                                     status=401)
+        return await handler(request)
 
     @web.middleware
     async def _errors(self, request: web.Request, handler):
@@ -278,9 +290,16 @@ def _version(value: Any) -> Optional[int]:
         raise BadRequest(f"weight_version must be an integer (as a string), got {value!r}") from None
 
 
-async def start_server(engine: LocalEngine, host: str = "127.0.0.1", port: int = 0) -> tuple[web.AppRunner, int]:
-    """Start serving in the running event loop; returns (runner, bound port). `port=0` picks one."""
-    runner = web.AppRunner(EngineServer(engine).app(), access_log=None)
+async def start_server(engine: LocalEngine, host: str = "127.0.0.1", port: int = 0, *, api_key: Optional[str] = None,
+                       allow_unauthenticated: bool = False) -> tuple[web.AppRunner, int]:
+    """Start serving in the running event loop; returns (runner, bound port). `port=0` picks one.
+
+    Anything that can reach the port can replace the weights or abort requests: beyond loopback a
+    server needs an `api_key` unless `allow_unauthenticated` (a network you trust)."""
+    if not is_loopback(host) and not api_key and not allow_unauthenticated:
+        raise ValueError(f"serving on {host} (beyond loopback) needs an API key: set {API_KEY_ENV}, or pass "
+                         "--allow-unauthenticated on a network you trust")
+    runner = web.AppRunner(EngineServer(engine, api_key).app(), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
@@ -310,7 +329,10 @@ def register(subparsers) -> None:
                         "tiny_bpe) for a tiny model and tokenizer")
     p.add_argument("--weights", default=None, help="directory of HF-named safetensors to load")
     p.add_argument("--tokenizer", default=None, help="tokenizer dir or shipped name (for stop strings and text)")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1",
+                   help=f"interface to bind; beyond loopback the server needs ${API_KEY_ENV} (Bearer key)")
+    p.add_argument("--allow-unauthenticated", action="store_true",
+                   help=f"serve beyond loopback without ${API_KEY_ENV} (only on a network you trust)")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--max-batch-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
@@ -323,7 +345,8 @@ def _serve_main(args: argparse.Namespace) -> int:
 
     async def run() -> None:
         engine = build_engine_from_args(args)
-        runner, port = await start_server(engine, args.host, args.port)
+        runner, port = await start_server(engine, args.host, args.port, api_key=api_key_from_env(),
+                                          allow_unauthenticated=args.allow_unauthenticated)
         print(f"serving the embedded engine on http://{args.host}:{port}", flush=True)
         try:
             await asyncio.Event().wait()
@@ -335,4 +358,7 @@ def _serve_main(args: argparse.Namespace) -> int:
         asyncio.run(run())
     except KeyboardInterrupt:
         pass
+    except ValueError as e:  # a refused configuration (e.g. exposed without a key): no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0

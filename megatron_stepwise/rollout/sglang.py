@@ -23,6 +23,7 @@ from typing import Any, Optional
 
 import aiohttp
 
+from megatron_stepwise.rollout.auth import api_key_from_env, auth_headers
 from megatron_stepwise.rollout.engine import (
     EngineError,
     GenerateResult,
@@ -108,16 +109,18 @@ class SGLangClient:
         tp_size: tensor-parallel size of the server (update_weights_from_tensor sends one entry per rank).
     """
 
-    def __init__(self, base_url: str, timeout_s: float = 600.0, tp_size: int = 1):
+    def __init__(self, base_url: str, timeout_s: float = 600.0, tp_size: int = 1, api_key: Optional[str] = None):
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
         self.tp_size = tp_size
+        self.api_key = api_key or api_key_from_env()  # sent as a Bearer header (SGLang --api-key)
         self._session: Optional[aiohttp.ClientSession] = None
         self._embedded: Optional[bool] = None
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+                                                  headers=auth_headers(self.api_key))
         return self._session
 
     async def _request(self, method: str, path: str, json: Any = None, params: Any = None) -> Any:
@@ -286,6 +289,9 @@ class SGLangServerConfig:
         ]
         if self.mem_fraction_static is not None:
             cmd += ["--mem-fraction-static", str(self.mem_fraction_static)]
+        key = api_key_from_env()
+        if key and "--api-key" not in self.extra_args:
+            cmd += ["--api-key", key]  # every endpoint but /health then needs it (the client sends it)
         return cmd + list(self.extra_args)
 
     @property
