@@ -113,6 +113,9 @@ def plan_local(job: Job) -> list[str]:
     torchrun = [*rdzv, "--nnodes=1", f"--nproc-per-node={nproc}"]
     lines = [f"# megatron-stepwise local launch of {job.cfg.name}: {nproc} training rank(s) on "
              f"{'GPUs ' + gpu_list(0, nproc) if launch.gpus_per_node else 'CPU'}"]
+    # The ranks die with this script (megatron_stepwise/lifecycle.py): `$$` is the bash that runs the plan.
+    lines += ["export MEGATRON_STEPWISE_LAUNCHER_PID=$$",
+              f"export MEGATRON_STEPWISE_RUN_DIR={shlex.quote(str(REPO / job.cfg.run_dir))}"]
     env: list[object] = []
     ray_address = None
     if launch.gpus_per_node:

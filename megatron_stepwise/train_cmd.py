@@ -2,6 +2,10 @@
 
 Started without a launcher, it launches itself under torchrun with `launch.nproc_per_node`
 processes (single node); under torchrun or srun it is one training rank.
+
+One trainer per run directory: global rank 0 holds `<run_dir>/trainer.lock` for the run (the
+self-launcher checks it before starting torchrun); a second trainer is refused with exit code 2.
+Every rank dies with its launcher (`lifecycle.die_with_launcher`).
 """
 
 from __future__ import annotations
@@ -35,6 +39,15 @@ def _main(args: argparse.Namespace) -> int:
             print("error: launch.nnodes > 1: start the job with launch/train_slurm.sbatch (or torchrun on each node)",
                   file=sys.stderr)
             return 2
+        from megatron_stepwise.lifecycle import LAUNCHER_PID_ENV, LOCK_WAIT_S, RUN_DIR_ENV, RunDirLocked, RunLock
+
+        try:  # refuse before torchrun starts; rank 0 takes the lock itself
+            RunLock(cfg.run_dir).probe(LOCK_WAIT_S)
+        except RunDirLocked as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # the ranks die with this process
+        os.environ[RUN_DIR_ENV] = os.path.abspath(cfg.run_dir)
         torchrun = ["--standalone", f"--nproc-per-node={nproc}", "-m", "megatron_stepwise.cli", "train",
                     args.config, *args.overrides]
         os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -79,6 +92,20 @@ def _user_errors() -> tuple[type, ...]:
 def _train(cfg) -> int:
     import logging
 
+    from megatron_stepwise.lifecycle import LOCK_WAIT_S, RUN_DIR_ENV, RunDirLocked, RunLock, die_with_launcher
+
+    if _under_launcher():
+        die_with_launcher()
+    rank = int(os.environ.get("RANK", "0"))
+    lock = RunLock(cfg.run_dir)
+    if rank == 0:
+        try:
+            lock.acquire(LOCK_WAIT_S)
+        except RunDirLocked as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            return 2
+        os.environ.setdefault(RUN_DIR_ENV, os.path.abspath(cfg.run_dir))  # inherited by Ray's processes
+
     from megatron_stepwise.megatron.runtime import silence_megatron_noise
 
     silence_megatron_noise()
@@ -91,10 +118,12 @@ def _train(cfg) -> int:
         trainer = Trainer(cfg)
         trainer.run()
     except _user_errors() as e:
-        rank = int(os.environ.get("RANK", "0"))
         print(f"error: {e}" if rank == 0 else f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
         return 2
     finally:
-        if trainer is not None:
-            trainer.close()
+        try:
+            if trainer is not None:
+                trainer.close()
+        finally:
+            lock.release()
     return 0

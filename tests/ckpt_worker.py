@@ -153,7 +153,7 @@ def main() -> None:
         return
 
     chunks, optimizer, scheduler = build(args.tp, init_seed=2, distopt=bool(args.distopt))
-    record = {"listing_before": listing(ckpt)}
+    record = {"listing_before": listing(ckpt), "verified": C.verify_checkpoint(ckpt / "iter_0000003")}
     record["trainer_state"] = C.load_checkpoint(chunks, optimizer, scheduler, ckpt, config_hash="cfg-1")
     record.update(snapshot(chunks, optimizer, scheduler))
     try:

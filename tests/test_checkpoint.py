@@ -60,6 +60,52 @@ def test_prune_keeps_the_last_k_and_what_latest_names(tmp_path):
         C.prune(tmp_path, keep_last=0)
 
 
+def test_the_manifest_names_a_truncated_flipped_or_missing_file(tmp_path):
+    ckpt = fake_checkpoint(tmp_path, 4)
+    (ckpt / "sub").mkdir()
+    (ckpt / "sub" / "__0_0.distcp").write_bytes(bytes(range(256)) * 4)
+    C.write_manifest(ckpt)
+    assert C.verify_checkpoint(ckpt) == (None, True)
+    shard = ckpt / "sub" / "__0_0.distcp"
+    shard.write_bytes(bytes(range(256)) * 2)  # truncated
+    assert C.verify_checkpoint(ckpt) == ("file sub/__0_0.distcp: expected 1024 bytes, got 512", True)
+    data = bytearray(range(256)) * 4
+    data[700] ^= 0x01  # one flipped bit, same size
+    shard.write_bytes(bytes(data))
+    problem, _ = C.verify_checkpoint(ckpt)
+    assert problem.startswith("file sub/__0_0.distcp: expected sha256 ") and ", got " in problem
+    shard.unlink()
+    assert C.verify_checkpoint(ckpt) == ("file sub/__0_0.distcp: missing (expected 1024 bytes)", True)
+    (ckpt / C.MANIFEST).write_text("{not json")
+    assert C.verify_checkpoint(ckpt)[0].startswith("manifest.json unreadable (JSONDecodeError")
+    (ckpt / C.MANIFEST).unlink()
+    assert C.verify_checkpoint(ckpt) == (None, False)  # saved before manifests: usable, unverified
+
+
+def test_a_corrupt_latest_falls_back_and_none_good_is_one_clear_error(tmp_path):
+    assert C.choose_checkpoint(tmp_path) == (None, False, [])  # nothing to resume: a fresh start
+    for it in (2, 4, 6):
+        C.write_manifest(fake_checkpoint(tmp_path, it))
+    (tmp_path / C.LATEST).write_text("iter_0000006\n")
+    assert C.choose_checkpoint(tmp_path) == (tmp_path / "iter_0000006", True, [])
+    (tmp_path / "iter_0000006" / "common.pt").write_bytes(b"")
+    (tmp_path / "iter_0000004" / C.TRAINER_STATE).unlink()  # incomplete
+    path, verified, warnings = C.choose_checkpoint(tmp_path)
+    assert (path, verified) == (tmp_path / "iter_0000002", True)
+    assert warnings == [
+        "checkpoint iter_0000006 (file common.pt: expected 1 bytes, got 0) is corrupt or incomplete, skipped",
+        "checkpoint iter_0000004 (incomplete: trainer_state.json missing) is corrupt or incomplete, skipped",
+    ]
+    (tmp_path / "iter_0000002" / C.MANIFEST).unlink()  # an older checkpoint without a manifest
+    assert C.choose_checkpoint(tmp_path) == (tmp_path / "iter_0000002", False, warnings)
+    C.write_manifest(tmp_path / "iter_0000002")
+    (tmp_path / "iter_0000002" / "metadata.json").write_text("{}  ")
+    with pytest.raises(C.CheckpointError) as e:
+        C.choose_checkpoint(tmp_path)
+    assert str(e.value).startswith(f"no good checkpoint in {tmp_path} to resume from: iter_0000006 (file common.pt")
+    assert "iter_0000002 (file metadata.json: expected 2 bytes, got 4)" in str(e.value)
+
+
 # ----------------------------------------------------------------------------- torchrun
 
 
@@ -116,6 +162,7 @@ def test_keep_last_and_the_killed_save(runs):
     # The next save cleans up and moves the pointer.
     assert loaded["listing_after"] == ["iter_0000003", "iter_0000004", "latest"]
     assert loaded["latest_after"] == "iter_0000004"
+    assert loaded["verified"] == (None, True)  # every save writes its manifest; checked on load
 
 
 @pytest.mark.distributed

@@ -6,6 +6,7 @@ import tempfile
 import threading
 
 import pytest
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -60,3 +61,41 @@ def test_rank0_result_position_and_unpicklable_error_reach_every_rank():
         assert r["result"] == ["steps of rank 0"] and r["position"] == 7  # rank 0's data position
         assert r["error"] == ("rollout failed on rank 0 at iteration 3: "
                               "_UnpicklableError: engine 1 closed the connection")
+
+
+def _frozen_driver_worker(rank: int, store_path: str, results) -> None:
+    import time
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    from megatron_stepwise.loop.components import cpu_group
+
+    # The world keeps a long timeout: only the trainer's CPU group's own must apply.
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2,
+                            timeout=timedelta(minutes=10))
+    group = cpu_group(SimpleNamespace(parallel=SimpleNamespace(timeout_minutes=0.05)))  # 3 s
+    out = {"timeout": group._get_backend(torch.device("cpu")).options._timeout}
+    if rank == 0:
+        time.sleep(20)  # frozen: never enters the broadcast
+    else:
+        start = time.monotonic()
+        try:
+            Handoff(_Position(0), group).from_driver(lambda: None, "rollout", iteration=0)
+        except RuntimeError as e:
+            out["error"] = f"{type(e).__name__}: {e}"
+        out["waited"] = time.monotonic() - start
+    results[rank] = out
+
+
+@pytest.mark.distributed
+def test_a_frozen_driver_fails_the_other_ranks_after_the_configured_timeout():
+    """The trainer's object group gets parallel.timeout_minutes, not gloo's 30-minute default
+    (torch's new_group ignores the world's timeout)."""
+    from datetime import timedelta
+
+    with tempfile.TemporaryDirectory() as tmp:
+        results = mp.Manager().dict()
+        mp.spawn(_frozen_driver_worker, args=(os.path.join(tmp, "store"), results), nprocs=2, join=True)
+    assert results[0]["timeout"] == results[1]["timeout"] == timedelta(seconds=3)
+    assert "error" in results[1], results[1]
+    assert 2.5 < results[1]["waited"] < 18, results[1]  # the 3 s timeout, well before rank 0 wakes

@@ -64,12 +64,18 @@ SHORT_RUN = ("trainer.iterations=7", "checkpoint.every=2")
 
 
 @pytest.fixture(scope="module")
-def short_reference(tmp_path_factory):
-    """The uninterrupted 7-iteration DP2 run the resume and context-parallel tests repeat."""
+def short_reference_run(tmp_path_factory):
+    """The uninterrupted 7-iteration DP2 run the resume and context-parallel tests repeat:
+    (its run directory, its metrics by iteration). Checkpoints 6 and 7 remain (keep_last=2)."""
     ref_dir = str(tmp_path_factory.mktemp("uninterrupted"))
     out = _train(ref_dir, *SHORT_RUN)
     assert out.returncode == 0, out.stderr[-3000:]
-    return {r["iteration"]: r for r in _metrics(ref_dir)}
+    return ref_dir, {r["iteration"]: r for r in _metrics(ref_dir)}
+
+
+@pytest.fixture(scope="module")
+def short_reference(short_reference_run):
+    return short_reference_run[1]
 
 
 @pytest.mark.slow
@@ -119,6 +125,76 @@ def test_sigkill_then_same_command_resumes_and_repeats_the_uninterrupted_run(tmp
             assert r[key] == ref[key], (r["iteration"], key)
         for key in ("train/loss", "train/grad_norm", "train/entropy"):
             assert r[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-7), (r["iteration"], key)
+
+
+def _largest_file(checkpoint):
+    files = [os.path.join(d, f) for d, _, names in os.walk(checkpoint) for f in names]
+    return max(files, key=os.path.getsize)
+
+
+def _truncate(path):
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.truncate(size // 2)
+    return f"expected {size} bytes, got {size // 2}"
+
+
+def _flip_byte(path):
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    return "expected sha256"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", [_truncate, _flip_byte], ids=["truncated", "byte-flipped"])
+def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, short_reference_run, damage):
+    """The finished reference run, its latest checkpoint (7) damaged: the same command warns in
+    one line naming the file, resumes from checkpoint 6 and repeats the reference's iteration 6."""
+    import shutil
+
+    ref_dir, reference = short_reference_run
+    run_dir = str(tmp_path / "run")
+    shutil.copytree(ref_dir, run_dir)
+    latest = os.path.join(run_dir, "checkpoints", "iter_0000007")
+    assert _latest_iteration(run_dir) == 7 and os.path.isdir(os.path.join(run_dir, "checkpoints", "iter_0000006"))
+    victim = _largest_file(latest)
+    expected = damage(victim)
+
+    out = _train(run_dir, *SHORT_RUN)
+    assert out.returncode == 0, out.stderr[-3000:]
+    warning = [line for line in out.stderr.splitlines() if "iter_0000007" in line and "falling back" in line]
+    assert len(warning) == 1, out.stderr[-3000:]
+    assert os.path.relpath(victim, latest) in warning[0] and expected in warning[0], warning[0]
+    assert "iter_0000006" in warning[0]
+    resumed = _metrics(run_dir)
+    assert [r["iteration"] for r in resumed] == list(range(7))
+    r, ref = resumed[6], reference[6]
+    for key in ("reward/mean", "rollout/response_len_mean", "weight_version", "rollout/trainable_tokens"):
+        assert r[key] == ref[key], key
+    for key in ("train/loss", "train/grad_norm", "train/entropy"):
+        assert r[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-7), key
+    assert _latest_iteration(run_dir) == 7  # saved again, good this time
+    print(f"\n{damage.__name__}: {warning[0].split(': ', 1)[-1]}; iteration 6 reward "
+          f"{r['reward/mean']} (reference {ref['reward/mean']}), loss {r['train/loss']} (reference {ref['train/loss']})")
+
+
+@pytest.mark.slow
+def test_no_good_checkpoint_is_one_clear_error(tmp_path, short_reference_run):
+    import shutil
+
+    run_dir = str(tmp_path / "run")
+    shutil.copytree(short_reference_run[0], run_dir)
+    for it in (6, 7):
+        _truncate(_largest_file(os.path.join(run_dir, "checkpoints", f"iter_{it:07d}")))
+    out = _train(run_dir, *SHORT_RUN)
+    assert out.returncode == 2, out.stderr[-3000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error: no good checkpoint")]
+    assert len(errors) == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]  # rank 0's line
+    assert f"no good checkpoint in {os.path.join(run_dir, 'checkpoints')}" in errors[0]
+    assert "iter_0000007 (file" in errors[0] and "iter_0000006 (file" in errors[0]
 
 
 @pytest.mark.slow

@@ -55,6 +55,9 @@ class ParallelConfig:
                             "context parallel group; must divide it and the number of experts", min=1)
     sequence_parallel: bool = option(False, "shard activations along the sequence inside TP regions (TP > 1)")
     use_distributed_optimizer: bool = option(False, "shard optimizer state across data-parallel ranks")
+    timeout_minutes: float = option(10.0, "how long a collective waits for a frozen or dead rank before the job "
+                                          "fails (every process group: torch's world, megatron-core's, the "
+                                          "trainer's CPU group)", gt=0.0)
 
     def model_parallel_size(self) -> int:
         return self.tensor * self.pipeline * self.context

@@ -22,7 +22,18 @@ def init_runtime(cfg: ExperimentConfig):
     from megatron_stepwise.megatron.runtime import init_distributed
 
     p = cfg.parallel
-    return init_distributed(p.tensor, p.pipeline, p.context, expert_parallel=p.expert, seed=cfg.trainer.seed)
+    return init_distributed(p.tensor, p.pipeline, p.context, expert_parallel=p.expert, seed=cfg.trainer.seed,
+                            timeout_minutes=p.timeout_minutes)
+
+
+def cpu_group(cfg: ExperimentConfig):
+    """A gloo group of all ranks for objects (rollouts, decisions) with the configured timeout:
+    torch's `new_group` otherwise gives gloo its own 30-minute default, whatever the world has."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    return dist.new_group(backend="gloo", timeout=timedelta(minutes=cfg.parallel.timeout_minutes))
 
 
 # ------------------------------------------------------------------------ tokenizer/model

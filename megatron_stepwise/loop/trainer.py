@@ -60,8 +60,8 @@ class Trainer:
         self.state = TrainerState()
         self.prepare_options = PrepareOptions.from_config(cfg)
         # Rollouts and small decisions travel between ranks as objects on a CPU group, whatever
-        # the training backend is.
-        handoff = Handoff(self.dataset, dist.new_group(backend="gloo"))
+        # the training backend is, and with the configured timeout (a frozen rank 0 fails the job then).
+        handoff = Handoff(self.dataset, components.cpu_group(cfg))
         vocab = self.hf_config["vocab_size"]
         if cfg.async_.enabled:
             self.source = AsyncRollouts(cfg, dataset=self.dataset, handoff=handoff, vocab_size=vocab,

@@ -15,6 +15,13 @@ renames the directory and replaces the `latest` pointer file (write + fsync + re
 at any point leaves `latest` naming the previous complete checkpoint; stale `.tmp` directories
 are removed by the next save. The newest `keep_last` checkpoints are kept.
 
+Verified: rank 0 writes `manifest.json` (every file's size and sha256 hash) into the `.tmp`
+directory last, atomically, before the rename that commits the save. Loading checks it first
+(sizes, then hashes); a latest checkpoint with a missing, truncated or altered file is skipped
+with a one-line warning naming the file (expected vs got) and the previous good one is loaded;
+when none is good the load stops with one `CheckpointError` naming the checkpoint directory.
+Checkpoints saved before manifests existed load as before, noted as unverified.
+
 What megatron-core 0.16 needs on CPU / gloo (all handled here, nothing patched globally):
 - its torch_dist writer reports results through a queue made by a *spawned*
   `multiprocessing.Manager` (a new Python process per rank that re-imports the main module and
@@ -26,7 +33,9 @@ What megatron-core 0.16 needs on CPU / gloo (all handled here, nothing patched g
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import queue
 import random
@@ -42,9 +51,13 @@ import torch.distributed as dist
 
 from megatron_stepwise.megatron.fileops import fsync_dir, make_staging_dir, raise_together, write_atomic
 
+log = logging.getLogger(__name__)
+
 PathLike = Union[str, os.PathLike]
 LATEST = "latest"
 TRAINER_STATE = "trainer_state.json"
+MANIFEST = "manifest.json"
+_HASH = "sha256"  # hardware-accelerated on current x86 and ARM: ~1.3 GB/s here, blake2b ~0.7
 _CKPT = re.compile(r"^iter_(\d{7,})$")
 _COMPLETE_MARKERS = ("metadata.json", TRAINER_STATE)
 
@@ -85,6 +98,102 @@ def find_latest(ckpt_dir: PathLike) -> Optional[Path]:
             return target
     found = list_checkpoints(root)
     return found[-1] if found else None
+
+
+# ----------------------------------------------------------------------------- manifest (rank 0)
+
+
+def _digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_manifest(path: PathLike) -> Path:
+    """Record the size and hash of every file under checkpoint directory `path` in
+    `manifest.json` (written atomically; call it after every file is on disk)."""
+    path = Path(path)
+    skip = {MANIFEST, MANIFEST + ".tmp"}
+    files = {}
+    for f in sorted(p for p in path.rglob("*") if p.is_file()):
+        rel = f.relative_to(path).as_posix()
+        if rel not in skip:
+            files[rel] = {"size": f.stat().st_size, _HASH: _digest(f)}
+    write_atomic(path / MANIFEST, json.dumps({"format": 1, "hash": _HASH, "files": files}, indent=1, sort_keys=True))
+    return path / MANIFEST
+
+
+def verify_checkpoint(path: PathLike) -> tuple[Optional[str], bool]:
+    """(problem, verified): problem is None when `path` is usable, else one line naming what is
+    wrong (the file, expected vs got); verified is False for a checkpoint without a manifest
+    (saved before manifests existed), which is usable but unchecked."""
+    path = Path(path)
+    if not path.is_dir():
+        return "directory missing", False
+    missing = [f for f in _COMPLETE_MARKERS if not (path / f).is_file()]
+    if missing:
+        return f"incomplete: {', '.join(missing)} missing", False
+    if not (path / MANIFEST).is_file():
+        return None, False
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        files = manifest["files"]
+        algo = manifest.get("hash", _HASH)
+        if algo != _HASH or not isinstance(files, dict):
+            raise ValueError(f"unsupported hash {algo!r}" if algo != _HASH else "no file list")
+        entries = [(rel, int(e["size"]), str(e[algo])) for rel, e in sorted(files.items())]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"{MANIFEST} unreadable ({type(e).__name__}: {e})", False
+    for rel, size, _ in entries:  # sizes first: cheap, and what a truncation changes
+        try:
+            got = (path / rel).stat().st_size
+        except OSError:
+            return f"file {rel}: missing (expected {size} bytes)", True
+        if got != size:
+            return f"file {rel}: expected {size} bytes, got {got}", True
+    for rel, _, digest in entries:
+        try:
+            got = _digest(path / rel)
+        except OSError as e:
+            return f"file {rel}: unreadable ({e})", True
+        if got != digest:
+            return f"file {rel}: expected {_HASH} {digest[:16]}..., got {got[:16]}...", True
+    return None, True
+
+
+def choose_checkpoint(ckpt_dir: PathLike) -> tuple[Optional[Path], bool, list[str]]:
+    """(checkpoint, verified, warnings): the newest good checkpoint of `ckpt_dir` (the one
+    `latest` names first), whether its manifest checked it, and one line per newer one skipped
+    as corrupt or incomplete. (None, False, []) when there is nothing to resume from; raises
+    CheckpointError naming `ckpt_dir` when there are checkpoints but none is good."""
+    root = Path(ckpt_dir)
+    candidates: list[Path] = []
+    pointer = root / LATEST
+    if pointer.is_file():
+        named = root / pointer.read_text().strip()
+        if _iteration(named) is not None and named.is_dir():
+            candidates.append(named)
+    # Every iter_* directory, complete or not: saves are renamed into place whole, so an
+    # incomplete one was damaged afterwards and is worth a warning too.
+    found = [p for p in root.iterdir() if p.is_dir() and _iteration(p) is not None] if root.is_dir() else []
+    found.sort(key=_iteration)
+    candidates += [p for p in reversed(found) if p not in candidates]
+    bad: list[str] = []
+    for candidate in candidates:
+        problem, verified = verify_checkpoint(candidate)
+        if problem is None:
+            warnings = [f"checkpoint {b} is corrupt or incomplete, skipped" for b in bad]
+            # e.g. "checkpoint iter_0000006 (file common.pt: expected 4512 bytes, got 100) is ..."
+            return candidate, verified, warnings
+        bad.append(f"{candidate.name} ({problem})")
+    if candidates:
+        raise CheckpointError(
+            f"no good checkpoint in {root} to resume from: {'; '.join(bad)}. Move the directory away "
+            "to start afresh, or name a checkpoint with checkpoint.resume"
+        )
+    return None, False, []
 
 
 # ----------------------------------------------------------------------------- file operations (rank 0)
@@ -318,12 +427,35 @@ def save_checkpoint(
     error = None
     if rank == 0:
         try:
+            write_manifest(tmp)  # the last file of the save: it commits with the rename below
             _publish(tmp, final)
             prune(root, keep_last, protect=final)
         except OSError as e:
             error = f"could not publish checkpoint {final}: {e}"
     raise_together(error, CheckpointError)
     return final
+
+
+def _decide(ckpt_dir: Optional[PathLike], path: Optional[PathLike]) -> tuple[str, Optional[str]]:
+    """Rank 0: ("path", checkpoint or None) or ("error", message); warns about what it skips."""
+    try:
+        if path is not None:  # asked for by name: no fallback
+            target, warnings = Path(path), []
+            problem, verified = verify_checkpoint(target)
+            if problem is not None:
+                return "error", f"checkpoint {target} is corrupt or incomplete: {problem}"
+        else:
+            target, verified, warnings = choose_checkpoint(ckpt_dir)
+    except CheckpointError as e:
+        return "error", str(e)
+    except OSError as e:  # every rank waits for this decision: never raise on rank 0 alone
+        return "error", f"cannot read the checkpoints in {path or ckpt_dir}: {e}"
+    if target is not None:
+        if warnings:  # one line: what was wrong, and what is loaded instead
+            log.warning("%s; falling back to %s", "; ".join(warnings), target)
+        if not verified:
+            log.warning("checkpoint %s has no %s (saved by an older version): loading it unverified", target, MANIFEST)
+    return "path", None if target is None else str(target)
 
 
 def load_checkpoint(
@@ -353,11 +485,7 @@ def load_checkpoint(
         raise CheckpointError("load_checkpoint needs ckpt_dir or path")
     decision: list = [None]
     if dist.get_rank() == 0:  # one decision for everyone, even if files change meanwhile
-        target = Path(path) if path is not None else find_latest(ckpt_dir)
-        if target is not None and not is_complete(target):
-            decision = [("error", f"checkpoint {target} is incomplete or missing ({', '.join(_COMPLETE_MARKERS)})")]
-        else:
-            decision = [("path", None if target is None else str(target))]
+        decision = [_decide(ckpt_dir, path)]
     dist.broadcast_object_list(decision, src=0)
     kind, value = decision[0]
     if kind == "error":

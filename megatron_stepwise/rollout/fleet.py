@@ -28,6 +28,7 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any, Awaitable, Callable, Optional
 
+from megatron_stepwise.lifecycle import tagged_ray_instance
 from megatron_stepwise.rollout.engine import EngineError, GenerateResult, NamedTensors, SamplingParams
 from megatron_stepwise.rollout.sglang import EngineRequestError, SGLangServerConfig
 
@@ -162,7 +163,12 @@ def ensure_ray(address: Optional[str] = None, num_cpus: Optional[int] = None) ->
         kwargs.update(address="local", num_cpus=num_cpus or 4)
     # Workers import this package: make sure they see the same sources as the driver.
     kwargs["runtime_env"] = {"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}}
-    ray.init(**kwargs)
+    if kwargs["address"] == "local":
+        # Its processes die with this one, even by SIGKILL (Ray itself leaves its agents behind).
+        with tagged_ray_instance():
+            ray.init(**kwargs)
+    else:
+        ray.init(**kwargs)
 
 
 class RolloutFleet:
