@@ -185,6 +185,8 @@ CASES = [
      "model.tokenizer", "ships no tokenizer"),
     ("port-out-of-range", {"launch": {"master_port": 70000}}, [], {}, "launch.master_port", "<= 65535"),
     ("name-is-a-path", {}, ["name=../.."], {}, "name", "must be a plain name"),
+    ("env-option-typo", {"env": {"name": "math_tool", "options": {"timeout": 5}}}, [], {}, "env.options",
+     "environment 'math_tool' takes no option 'timeout' (it accepts: timeout_s, memory_mb, max_output_chars)"),
 ]
 
 

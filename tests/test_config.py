@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -9,6 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from megatron_stepwise.envs.base import get_env_spec, register_env
+from megatron_stepwise.envs.echo import EchoEnv
 import yaml
 from config_fakes import FakeProbes
 
@@ -80,8 +84,20 @@ def test_yaml_syntax_error_names_the_line(tmp_path):
 
 # ---- overrides and types --------------------------------------------------------------------
 
+class AnyOptionsEcho(EchoEnv):
+    """An environment taking any options: `env.options` is a free mapping for it."""
+
+    def __init__(self, **options):
+        super().__init__()
+        self.options = options
+
+
+register_env(dataclasses.replace(get_env_spec("echo"), name="any_options_echo", factory=AnyOptionsEcho))
+
+
 def test_overrides_nested_lists_null_and_free_dicts(tmp_path):
-    path = write(tmp_path / "x.yaml", "model: {hf_checkpoint: /tmp}\nenv: {options: {level: 1, keep: true}}\n")
+    path = write(tmp_path / "x.yaml", "model: {hf_checkpoint: /tmp}\nenv: {name: any_options_echo, "
+                                      "options: {level: 1, keep: true}}\n")
     cfg = load_config(path, [
         "rollout.sampling.temperature=0.7",
         "rollout.sampling.stop=['</answer>', \"\\n\"]",
@@ -143,7 +159,8 @@ def test_every_problem_is_reported_at_once():
 
 
 def test_to_yaml_round_trips(tmp_path):
-    cfg = load_config(CONFIGS / "tiny_cpu.yaml", ["env.options.k=[1, 2]", "async.max_staleness=3"])
+    cfg = load_config(CONFIGS / "tiny_cpu.yaml", ["env.name=any_options_echo", "env.options.k=[1, 2]",
+                                                  "async.max_staleness=3"])
     text = cfg.to_yaml()
     assert "async:" in text and "async_" not in text  # the YAML name of the section
     again = load_config(write(tmp_path / "resolved.yaml", text))

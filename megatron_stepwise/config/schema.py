@@ -145,7 +145,8 @@ class EnvConfig:
     reward_fn: Optional[str] = option(None, "module:function scoring a reply, fn(response, sample[, turn]) -> "
                                             "reward, or (reward, next user message or None) to go on; "
                                             "replaces env.name; prompts from the sample's 'prompt' field")
-    options: dict[str, Any] = option({}, "keyword options passed to the environment (free mapping)")
+    options: dict[str, Any] = option({}, "keyword options passed to the environment (validate checks the "
+                                         "environment accepts each key)")
     dataset_options: dict[str, Any] = option({}, "keyword options of the environment's shipped dataset "
                                                  "(e.g. echo: num_prompts, num_turns, num_digits)")
     dataset: Optional[str] = option(None, "training samples: a JSONL or Parquet file, a Hugging Face datasets "

@@ -8,6 +8,7 @@ the root cause once instead of a cascade.
 from __future__ import annotations
 
 import difflib
+import inspect
 import re
 from pathlib import Path
 
@@ -358,11 +359,36 @@ def _check_env(cfg: ExperimentConfig, check: _Checker, probes: Probes) -> None:
         if dotted:  # a registered name that is unknown was reported above, when the registry was known
             check.fail("env.reward_fn" if env.reward_fn else "env.name", spec)
         return
+    unknown = _unaccepted_options(spec.factory, env.options)
+    if unknown:
+        check.fail("env.options", f"environment {spec.name!r} takes no option {', '.join(map(repr, unknown))} "
+                                  f"(it accepts: {', '.join(_accepted_options(spec.factory)) or 'none'})")
     if spec.tokenizer is None and not (cfg.model.tokenizer or cfg.model.hf_checkpoint):
         check.fail("model.tokenizer", f"environment {spec.name!r} ships no tokenizer: set model.tokenizer "
                                       "(or model.hf_checkpoint)", "model.hf_checkpoint")
     if not missing_file:
         _check_dataset(cfg, check, probes, spec)
+
+
+def _accepted_options(factory) -> list[str]:
+    try:
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
+def _unaccepted_options(factory, options: dict) -> list[str]:
+    """Keys of env.options the factory cannot take (none when it takes **kwargs or is opaque):
+    a typo would otherwise fail every trajectory at start-up instead of here."""
+    try:
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    if any(p.kind == p.VAR_KEYWORD for p in params):
+        return []
+    accepted = set(_accepted_options(factory))
+    return sorted(k for k in options if k not in accepted)
 
 
 def _check_dataset(cfg: ExperimentConfig, check: _Checker, probes: Probes, spec) -> None:
