@@ -1,31 +1,12 @@
-"""Prompt dataset: samples drawn in order, reshuffled each epoch, with a resumable position."""
+"""Prompt dataset: samples drawn in order, reshuffled each epoch, with a resumable position.
+
+The samples come from `sample_sources.open_samples` (files) or an environment's shipped set."""
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass
 from typing import Any, Sequence
-
-
-def load_samples(path: str) -> list[dict[str, Any]]:
-    """JSONL samples; each must carry a unique 'prompt_id' (added from the line number if absent)."""
-    samples = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                sample = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON: {e}") from None
-            if not isinstance(sample, dict):
-                raise ValueError(f"{path}:{lineno}: a sample must be a JSON object")
-            sample.setdefault("prompt_id", f"line{lineno}")
-            samples.append(sample)
-    if not samples:
-        raise ValueError(f"{path}: no samples")
-    return samples
 
 
 @dataclass

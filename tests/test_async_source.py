@@ -104,7 +104,9 @@ def test_groups_keep_finishing_while_the_main_thread_trains():
     driver, trainer = make_driver(groups_per_step=2, delays=(0.0, 0.0, 0.3, 0.3))
     assert len(take(driver, trainer)) == 2
     assert (driver.buffer.ready, driver.buffer.in_flight) == (0, 2)
-    time.sleep(0.6)  # busy without the loop: nothing moves
+    # Without the event loop running nothing may move: a check of absence, which a slow or fast
+    # machine cannot pass or fail by timing (0.6 s is twice the groups' own delay).
+    time.sleep(0.6)
     assert (driver.buffer.ready, driver.buffer.in_flight) == (0, 2)
     with loop_in_thread(trainer.loop):
         # "training" on the main thread until the 0.3 s groups have finished in the helper thread

@@ -63,7 +63,7 @@ def test_rank0_result_position_and_unpicklable_error_reach_every_rank():
                               "_UnpicklableError: engine 1 closed the connection")
 
 
-def _frozen_driver_worker(rank: int, store_path: str, results) -> None:
+def _frozen_driver_worker(rank: int, store_path: str, results, unfreeze) -> None:
     import time
     from datetime import timedelta
     from types import SimpleNamespace
@@ -76,7 +76,8 @@ def _frozen_driver_worker(rank: int, store_path: str, results) -> None:
     group = cpu_group(SimpleNamespace(parallel=SimpleNamespace(timeout_minutes=0.05)))  # 3 s
     out = {"timeout": group._get_backend(torch.device("cpu")).options._timeout}
     if rank == 0:
-        time.sleep(20)  # frozen: never enters the broadcast
+        # Frozen: never enters the broadcast, until rank 1 has given up on it (or a long deadline).
+        out["unfrozen_by_rank1"] = unfreeze.wait(300)
     else:
         start = time.monotonic()
         try:
@@ -84,18 +85,23 @@ def _frozen_driver_worker(rank: int, store_path: str, results) -> None:
         except RuntimeError as e:
             out["error"] = f"{type(e).__name__}: {e}"
         out["waited"] = time.monotonic() - start
+        unfreeze.set()
     results[rank] = out
 
 
 @pytest.mark.distributed
+@pytest.mark.timeout(600)  # with gloo's 30-minute default, rank 1 would wait that long: fail instead
 def test_a_frozen_driver_fails_the_other_ranks_after_the_configured_timeout():
     """The trainer's object group gets parallel.timeout_minutes, not gloo's 30-minute default
     (torch's new_group ignores the world's timeout)."""
     from datetime import timedelta
 
     with tempfile.TemporaryDirectory() as tmp:
-        results = mp.Manager().dict()
-        mp.spawn(_frozen_driver_worker, args=(os.path.join(tmp, "store"), results), nprocs=2, join=True)
+        manager = mp.Manager()
+        results, unfreeze = manager.dict(), manager.Event()
+        mp.spawn(_frozen_driver_worker, args=(os.path.join(tmp, "store"), results, unfreeze), nprocs=2, join=True)
     assert results[0]["timeout"] == results[1]["timeout"] == timedelta(seconds=3)
-    assert "error" in results[1], results[1]
-    assert 2.5 < results[1]["waited"] < 18, results[1]  # the 3 s timeout, well before rank 0 wakes
+    # Rank 1 gave up while rank 0 was still frozen (rank 0 is released only by rank 1's failure),
+    # and not before the configured 3 s (a timeout cannot fire early, however busy the machine).
+    assert "error" in results[1] and results[0]["unfrozen_by_rank1"], (results[0], results[1])
+    assert results[1]["waited"] >= 2.5, results[1]

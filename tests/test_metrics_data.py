@@ -3,7 +3,8 @@ import json
 import pytest
 
 from megatron_stepwise import Step, TrajectoryID, make_padding_step
-from megatron_stepwise.data import PromptDataset, load_samples
+from megatron_stepwise.data import PromptDataset
+from megatron_stepwise.sample_sources import open_samples
 from megatron_stepwise.metrics import MetricsLogger, read_metrics, rollout_metrics, summarize_run
 from megatron_stepwise.plot import plot_run
 
@@ -60,8 +61,8 @@ def test_plot_cli_reports_missing_run(tmp_path, capsys):
 def test_dataset_epochs_resume_and_no_repeats_in_a_draw(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text("\n".join(json.dumps({"q": i}) for i in range(5)) + "\n")
-    samples = load_samples(str(path))
-    assert [s["prompt_id"] for s in samples] == [f"line{i}" for i in range(1, 6)]
+    samples = open_samples(str(path))
+    assert [s["prompt_id"] for s in samples] == [f"row{i}" for i in range(5)]
     ds = PromptDataset(samples, seed=0)
     draws = [ds.next(3) for _ in range(4)]
     for d in draws:
@@ -77,11 +78,11 @@ def test_dataset_epochs_resume_and_no_repeats_in_a_draw(tmp_path):
         ds.next(6)
 
 
-def test_load_samples_names_bad_line(tmp_path):
+def test_open_samples_names_bad_line(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"a": 1}\n{oops\n')
     with pytest.raises(ValueError, match="bad.jsonl:2"):
-        load_samples(str(path))
+        open_samples(str(path))
 
 
 def test_run_summary_averages_first_and_last_iterations_and_names_outputs():

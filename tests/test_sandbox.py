@@ -48,7 +48,9 @@ def _python_for_nobody():
 def test_hostile_corpus_is_blocked_as_non_root():
     command = _python_for_nobody()
     if command is None:
-        pytest.skip("no interpreter that uid 65534 can run with setpriv here; run the suite as a non-root user")
+        pytest.skip("no interpreter that uid 65534 can run with setpriv here (needs setpriv and a python3 readable "
+                    "by nobody, as on Debian: /usr/bin/python3); the non-root run then happens when the suite "
+                    "itself runs as a non-root user (test_hostile_corpus_is_blocked)")
     done = subprocess.run([*command, str(CORPUS_SCRIPT)], capture_output=True, text=True, cwd="/", timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout)
@@ -60,7 +62,8 @@ def test_hostile_corpus_is_blocked_without_namespaces(monkeypatch):
     """The degraded mode (no user namespaces): Landlock, seccomp, limits and the supervisor."""
     if sandbox.isolation().landlock_abi < 6:
         pytest.skip(f"the kernel's Landlock ABI is {sandbox.isolation().landlock_abi} (< 6: no signal scoping); "
-                    "docs/security.md lists what does not hold then")
+                    "docs/security.md lists what does not hold then; this test runs on kernels with Landlock ABI "
+                    ">= 6 (Linux 6.12+)")
     real = sandbox.isolation
     monkeypatch.setattr(sandbox, "isolation", real)  # restored after the test
     report = run_corpus(without_namespaces(sandbox))

@@ -35,7 +35,8 @@ def slurm(tmp_path_factory):
     out = subprocess.run(["bash", str(SCRIPT), "start", str(state)], env=ports, capture_output=True, text=True,
                          timeout=900)
     if out.returncode == EXIT_CANNOT_INSTALL:
-        pytest.skip(f"no SLURM here and it cannot be installed: {out.stderr.strip()}")
+        pytest.skip(f"no SLURM here and it cannot be installed: {out.stderr.strip()}; this test runs where "
+                    "slurm-wlm and munge are installed, or as root with apt-get (as in CI)")
     assert out.returncode == 0, out.stdout + out.stderr
     env = dict(os.environ, SLURM_CONF=str(state / "slurm.conf"), PYTHON=sys.executable)
     env.pop("WORLD_SIZE", None)
