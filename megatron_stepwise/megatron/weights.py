@@ -55,7 +55,11 @@ def canonical_params(chunk) -> Iterator[tuple[str, torch.nn.Parameter]]:
     offset = _layer_offset(model)
     tied_copy = model.share_embeddings_and_output_weights and not model.pre_process
     experts = model.config.num_moe_experts or 0
-    first_expert = experts // expert_parallel()[0] * expert_parallel()[1] if experts else 0
+    if experts:
+        ep, ep_rank, _ = expert_parallel()
+        first_expert = experts // ep * ep_rank
+    else:
+        first_expert = 0
     for name, param in model.named_parameters():
         m = _LAYER.match(name)
         if m:

@@ -23,6 +23,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 from dataclasses import asdict, dataclass
@@ -163,11 +164,8 @@ def ensure_ray(address: Optional[str] = None, num_cpus: Optional[int] = None) ->
         kwargs.update(address="local", num_cpus=num_cpus or 4)
     # Workers import this package: make sure they see the same sources as the driver.
     kwargs["runtime_env"] = {"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}}
-    if kwargs["address"] == "local":
-        # Its processes die with this one, even by SIGKILL (Ray itself leaves its agents behind).
-        with tagged_ray_instance():
-            ray.init(**kwargs)
-    else:
+    # A local instance's processes die with this one, even by SIGKILL (Ray leaves its agents behind).
+    with tagged_ray_instance() if kwargs["address"] == "local" else contextlib.nullcontext():
         ray.init(**kwargs)
 
 
