@@ -10,6 +10,7 @@ and the bad-input errors. Stage results are saved by DP rank 0 / TP rank 0 of ev
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 
@@ -67,9 +68,18 @@ LOSS = LossConfig(
 )
 
 
-def make_plugin(budget):
+# MoE layouts also train the router losses, with coefficients large enough that a wrong scale
+# under some split would show in the gradients.
+MOE_LOSS = dataclasses.replace(LOSS, router_aux_coef=0.1, router_z_coef=0.01)
+
+
+def loss_of(args):
+    return MOE_LOSS if args.moe else LOSS
+
+
+def make_plugin(args):
     # logprob_chunk_tokens=7: several chunks per micro-batch, exercising the chunked path.
-    return StepwisePlugin(LOSS, max_tokens_per_microbatch=budget, logprob_chunk_tokens=7)
+    return StepwisePlugin(loss_of(args), max_tokens_per_microbatch=args.budget, logprob_chunk_tokens=7)
 
 
 def attach_old_and_ref(plugin, chunks, batch):
@@ -106,7 +116,7 @@ def megatron_full_logits_logprobs(chunks, batch):
 
 def run_bad_inputs(args, chunks, optimizer, layout):
     """Each bad input must raise a clear error on every rank, before any collective."""
-    plugin = make_plugin(args.budget)
+    plugin = make_plugin(args)
     msgs = {}
 
     def expect(name, fn, exc):
@@ -262,7 +272,7 @@ def run_layout(args, out_dir):
         ),
         chunks,
     )
-    plugin = make_plugin(args.budget)
+    plugin = make_plugin(args)
     steps, extras = cases.make_steps(vocab=cfg["vocab_size"])
     batch = cases.to_batch(steps, extras)
     merged = cases.to_batch(*cases.merge_for_test(steps, extras))
@@ -293,7 +303,7 @@ def run_layout(args, out_dir):
     def plan_with_empty(lengths, **kw):
         return [micro + [[]] for micro in plan_microbatches(lengths, **kw)]
 
-    padded_plugin = StepwisePlugin(LOSS, max_tokens_per_microbatch=args.budget, plan_microbatches=plan_with_empty)
+    padded_plugin = StepwisePlugin(loss_of(args), max_tokens_per_microbatch=args.budget, plan_microbatches=plan_with_empty)
     inputs, result["empty_mb_metrics"], _ = megatron_loop_backward(padded_plugin, chunks, optimizer, batch)
     assert inputs.microbatches[-1].num_trained == 0
     result["empty_mb_count"] = inputs.num_microbatches

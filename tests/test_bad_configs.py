@@ -187,6 +187,9 @@ CASES = [
     ("name-is-a-path", {}, ["name=../.."], {}, "name", "must be a plain name"),
     ("env-option-typo", {"env": {"name": "math_tool", "options": {"timeout": 5}}}, [], {}, "env.options",
      "environment 'math_tool' takes no option 'timeout' (it accepts: timeout_s, memory_mb, max_output_chars)"),
+    ("router-loss-on-a-dense-model", {"algo": {"loss": {"router_aux_coef": 0.01}}}, [], {"shapes": {"tiny": (4, 4, 2)}},
+     "algo.loss.router_aux_coef", "needs a mixture-of-experts model"),
+    ("router-loss-negative", {"algo": {"loss": {"router_z_coef": -0.1}}}, [], {}, "algo.loss.router_z_coef", ">= 0"),
 ]
 
 

@@ -63,6 +63,10 @@ LAYOUTS = {
     "ep2_moe": (2, "moe=1,ep=2", "tp1_moe"),
     "ep2_tp2_moe": (4, "moe=1,ep=2,tp=2", "tp1_moe"),
     "ep2_pp2_moe": (4, "moe=1,ep=2,pp=2", "tp1_moe"),
+    # experts over the CP ranks: every row split in two, its per-expert counts summed over CP
+    "ep2_cp2_moe": (2, "moe=1,ep=2,cp=2", "tp1_moe"),
+    # another packing of the same steps, and megatron's per-token loss mode (another gradient scale)
+    "ep2_budget40_per_token_loss_moe": (2, "moe=1,ep=2,budget=40,per_token_loss=1", "tp1_moe"),
     # bf16 mixed precision, compared with the fp32 baselines under BF16_TOL
     "tp1_bf16": (1, "bf16=1", "tp1"),
     "tp2_sequence_parallel_bf16": (2, "tp=2,bf16=1", "tp1"),

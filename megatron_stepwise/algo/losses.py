@@ -141,6 +141,10 @@ class LossConfig:
                                           gt=1.0)
     icepop_level: str = option("token", "IcePop masks tokens, or whole steps by their geometric-mean ratio",
                                choices=ICEPOP_LEVELS)
+    router_aux_coef: float = option(0.0, "MoE only: weight of the per-step router load-balancing loss "
+                                         "(sequence-wise, invariant to every split; 0 = off)", min=0.0)
+    router_z_coef: float = option(0.0, "MoE only: weight of the router z-loss (mean logsumexp^2 of the "
+                                       "router logits over the mini-batch's tokens; 0 = off)", min=0.0)
     options: dict[str, Any] = option({}, "keyword settings for a registered custom loss (free mapping)")
 
     def __post_init__(self) -> None:

@@ -134,6 +134,11 @@ def _check_parallel(cfg: ExperimentConfig, check: _Checker, probes: Probes, worl
     elif par.expert > 1 and shape.num_experts % par.expert:
         check.fail("parallel.expert", f"{par.expert} does not divide the model's {shape.num_experts} experts "
                                       f"({shape.source})", "model.hf_config")
+    loss = cfg.algo.loss
+    for key in ("router_aux_coef", "router_z_coef"):
+        if getattr(loss, key) and not shape.num_experts:
+            check.fail(f"algo.loss.{key}", f"{getattr(loss, key)} needs a mixture-of-experts model; {shape.source} "
+                                           "has no router", "model.hf_config")
     if par.expert > 1 and world_size % mp == 0 and (world_size // (par.tensor * par.pipeline)) % par.expert:
         check.fail("parallel.expert", f"{par.expert} does not divide data x context parallel = "
                                       f"{world_size // (par.tensor * par.pipeline)} (experts are split over "

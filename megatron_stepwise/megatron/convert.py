@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_stepwise.megatron import weights as W
+from megatron_stepwise.megatron.runtime import comm_device
 from megatron_stepwise.megatron.fileops import fsync_dir, make_staging_dir, raise_together
 from megatron_stepwise.megatron.hf_mapping import (  # noqa: F401  (re-exported API)
     EMBED,
@@ -71,10 +72,6 @@ def _is_worker(layout) -> bool:
 
 def _is_stage_owner(layout) -> bool:
     return _is_worker(layout) and layout.tp_rank == 0
-
-
-def _comm_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def check_model_matches(chunks: list, arch: Any) -> None:
@@ -196,7 +193,7 @@ def stream_hf_buckets(
         return
     group = ps.get_pipeline_model_parallel_group()
     stage_ranks = dist.get_process_group_ranks(group)  # the owner of each stage, in stage order
-    device = _comm_device()
+    device = comm_device()
     if layout.rank == stage_ranks[0]:
         yield from local
         for src in stage_ranks[1:]:

@@ -48,6 +48,10 @@ class PackedMicroBatch:
     plan_size: int = 1  # micro-batches the plugin planned for this mini-batch and DP rank
     metric_share: float = 0.0  # 1 on exactly one micro-batch of the mini-batch: the metric pairs' denominator
     cu_seqlens_padded: Optional[torch.Tensor] = None  # rows padded for CP (None: same as cu_seqlens)
+    token_segment: Optional[torch.Tensor] = None  # long [S]: index in `rows` of each packed position, -1 = padding
+    # (alignment pad, CP pad, or a DP padding step)
+    minibatch_rows: int = 0  # rows of the whole mini-batch (all DP ranks): the router losses' normaliser
+    minibatch_tokens: int = 0  # real tokens of the whole mini-batch
 
     @property
     def seq_len(self) -> int:
@@ -150,6 +154,11 @@ def pack_rows(
     size = padded_total + pad
     tokens = torch.full((size,), pad_token_id, dtype=torch.long)
     tokens[packed_pos] = batch.tokens[flat]
+    # DP padding steps are not data: like pad tokens, they belong to no segment the routers count.
+    segment_of_row = torch.tensor([-1 if batch.trajectory_ids[r].is_padding else i for i, r in enumerate(rows)],
+                                  dtype=torch.long)
+    token_segment = torch.full((size,), -1, dtype=torch.long)
+    token_segment[packed_pos] = torch.repeat_interleave(segment_of_row, lens)
     positions = _ranges(torch.zeros_like(seg_plens), seg_plens)
     cu = torch.zeros(seg_lens.numel() + 1, dtype=torch.int32)
     torch.cumsum(seg_lens, 0, out=cu[1:])
@@ -182,6 +191,7 @@ def pack_rows(
         row_ids=row_of[pos],
         num_real_tokens=total,
         fields={name: batch.token_fields[name][token_index] for name in gather_fields},
+        token_segment=token_segment,
     )
 
 
@@ -219,4 +229,7 @@ def split_for_context_parallel(mb: PackedMicroBatch, cp: int, cp_rank: int) -> P
         loss_scale=mb.loss_scale,
         rollout_logprobs_complete=mb.rollout_logprobs_complete,
         plan_size=mb.plan_size,
+        token_segment=None if mb.token_segment is None else mb.token_segment[local],
+        minibatch_rows=mb.minibatch_rows,
+        minibatch_tokens=mb.minibatch_tokens,
     )

@@ -40,6 +40,9 @@ import torch.distributed as dist
 from megatron_stepwise.algo.losses import combine_metric_partials
 from megatron_stepwise.megatron.logprobs import check_temperature, trained_position_logprobs
 from megatron_stepwise.megatron.model import unwrap
+from megatron_stepwise.megatron.router_losses import RoutedMicroBatch, RouterLosses, check_recompute
+from megatron_stepwise.megatron.router_losses import install as install_router_hooks
+from megatron_stepwise.megatron.runtime import comm_device
 from megatron_stepwise.megatron.packing import (
     PackedMicroBatch,
     alignment_for,
@@ -77,11 +80,6 @@ class MinibatchInputs:
         if self.num_chunks == 1:
             return iter(self.microbatches)
         return [iter(self.microbatches) for _ in range(self.num_chunks)]
-
-
-def _comm_device() -> torch.device:
-    # NCCL reduces CUDA tensors only; gloo CPU ones.
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 @contextlib.contextmanager
@@ -199,6 +197,9 @@ class StepwisePlugin:
         self._plan_takes_alignment = False  # the package planner also packs to the layout's alignment
         self._loss_inputs = loss_inputs
         self._in_own_schedule = False  # train_minibatch / compute_logprobs pass the plan's count themselves
+        # MoE router balance / z losses (algo.loss.router_aux_coef / router_z_coef) and expert-load metrics.
+        self.router_losses = RouterLosses(aux_coef=getattr(loss_config, "router_aux_coef", 0.0),
+                                          z_coef=getattr(loss_config, "router_z_coef", 0.0))
 
     # ----------------------------------------------------------------- algorithm hooks
     def _algo(self):
@@ -353,6 +354,8 @@ class StepwisePlugin:
             # tensor. Every micro-batch of the step is padded (loss-neutrally) to the longest.
             sizes = [int(lengths[rows].sum()) if rows else 0 for rows in plan[dp_rank]]
             pad_to = max(max(align, size + (-size) % align) for size in sizes)
+        data = torch.tensor([not t.is_padding for t in batch.trajectory_ids], dtype=torch.bool)
+        data_rows, data_tokens = int(data.sum()), int(batch.lengths[data].sum())  # the router losses' normalisers
         mbs = []
         for i, rows in enumerate(plan[dp_rank]):
             mb = pack_rows(batch, rows, align=align, pad_token_id=self.pad_token_id, max_tokens=self.max_tokens, cp=cp,
@@ -362,6 +365,7 @@ class StepwisePlugin:
             mb.rollout_logprobs_complete = rollout_complete
             mb = split_for_context_parallel(mb, cp, cp_rank) if cp > 1 else mb
             mb.metric_share = 1.0 if (i, dp_rank, cp_rank) == (0, 0, 0) else 0.0
+            mb.minibatch_rows, mb.minibatch_tokens = data_rows, data_tokens
             mbs.append(mb)
         num_mb = len(mbs)
         scale = float(num_mb * dp) if not cfg.calculate_per_token_loss else float(n_trained)
@@ -451,9 +455,26 @@ class StepwisePlugin:
         tokens = mb.tokens.to(device)
         positions = mb.position_ids.to(device)
         bypass = _output_layer_bypassed(gpt) if gpt.post_process else contextlib.nullcontext()
-        with bypass:
+        with bypass, self.router_losses.running(self._routed(mb, gpt)):
             output = model(tokens, positions, None, packed_seq_params=mb.packed_seq_params(device))
         return output, functools.partial(self._loss_func, mb, gpt)
+
+    def _routed(self, mb: PackedMicroBatch, gpt) -> Optional[RoutedMicroBatch]:
+        """What this micro-batch tells the MoE routers (None: a dense model, or log-probs only)."""
+        if not hasattr(gpt, "_stepwise_moe"):
+            gpt._stepwise_moe = install_router_hooks(gpt)
+        if not gpt._stepwise_moe or mb.mode != TRAIN or mb.token_segment is None:
+            return None
+        if self.router_losses.active:
+            check_recompute(gpt.config)
+        n = len(mb.rows)
+        return RoutedMicroBatch(
+            token_segment=mb.token_segment,
+            row_tokens=(mb.cu_seqlens[1:n + 1] - mb.cu_seqlens[:n]).long(),
+            minibatch_rows=mb.minibatch_rows,
+            minibatch_tokens=mb.minibatch_tokens,
+            loss_scale=mb.loss_scale,
+        )
 
     def _loss_func(self, mb: PackedMicroBatch, gpt, output_tensor, non_loss_data: bool = False):
         mode = mb.mode
@@ -545,7 +566,7 @@ class StepwisePlugin:
                     continue
                 vec = torch.cat([local[k] for k in names])
                 if ps.get_data_parallel_world_size(with_context_parallel=True) > 1:
-                    buf = vec.to(_comm_device())
+                    buf = vec.to(comm_device())
                     op = dist.ReduceOp.MAX if is_max else dist.ReduceOp.SUM
                     dist.all_reduce(buf, op=op, group=ps.get_data_parallel_group(with_context_parallel=True))
                     vec = buf.cpu()
@@ -608,12 +629,14 @@ class StepwisePlugin:
                 "model.build_model_chunks does)."
             )
         inputs = self._prepare(model_chunks, steps_or_batch, mode=TRAIN)
+        self.router_losses.clear()
         for chunk in model_chunks:
             chunk.train()
             if hasattr(chunk, "zero_grad_buffer"):
                 chunk.zero_grad_buffer()
         optimizer.zero_grad()
         metrics = self.reduce_metrics(self._run_schedule(model_chunks, inputs, forward_only=False))
+        metrics.update(self.router_losses.reduce(unwrap(model_chunks[0]).config))
         update_successful, grad_norm, _ = optimizer.step()
         if lr_scheduler is not None and update_successful:
             lr_scheduler.step(increment=1)
@@ -643,7 +666,7 @@ class StepwisePlugin:
             for item in outputs:
                 flat[item["token_index"]] = item["logprobs"].float()
         if dist.is_initialized() and dist.get_world_size() > 1:
-            buf = flat.to(_comm_device())
+            buf = flat.to(comm_device())
             dist.all_reduce(buf)
             flat = buf.cpu()
         return flat

@@ -20,6 +20,11 @@ import torch.distributed as dist
 
 from megatron_stepwise.megatron import cpu_compat
 
+
+def comm_device() -> torch.device:
+    """Where collective buffers live: NCCL reduces CUDA tensors only, gloo CPU ones."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
 # What megatron-core says that is noise to us: at import, that Transformer Engine / Apex are
 # missing (it falls back to torch, as intended on CPU), a deprecated default of its own
 # TransformerConfig, and torch's deprecation of APIs it still calls (ShardedTensor and
