@@ -121,15 +121,18 @@ def plan_local(job: Job) -> list[str]:
     if launch.gpus_per_node:
         env = ["env", f"CUDA_VISIBLE_DEVICES={gpu_list(0, nproc)}"]
         if ro.ray_address is None:
-            # Engines need GPUs disjoint from training: a Ray head that only sees the rest.
+            # Engines need GPUs disjoint from training: a Ray head that only sees the rest (all
+            # of them when colocated: engines then release their memory while training runs).
             ray_address = f"127.0.0.1:{launch.ray_port}"
-            rollout = gpu_list(nproc, launch.gpus_per_node)
+            first = 0 if ro.colocate else nproc
+            rollout = gpu_list(first, launch.gpus_per_node)
             lines += [
                 *RAY_AUTH,
-                f"# rollout: Ray head on GPUs {rollout or '(none)'} for {ro.num_engines} {ro.engine} engine(s)",
+                f"# rollout: Ray head on GPUs {rollout or '(none)'} for {ro.num_engines} {ro.engine} engine(s)"
+                + (" colocated with training" if ro.colocate else ""),
                 sh("env", f"CUDA_VISIBLE_DEVICES={rollout}", "ray", "start", "--head",
                    "--node-ip-address=127.0.0.1", f"--port={launch.ray_port}",
-                   f"--num-gpus={launch.gpus_per_node - nproc}", "--block") + " &",
+                   f"--num-gpus={launch.gpus_per_node - first}", "--block") + " &",
                 "RAY_PID=$!",
                 "trap 'kill $RAY_PID 2>/dev/null || true' EXIT",
                 _wait_ray(ray_address, 1),
@@ -203,7 +206,7 @@ def plan_slurm(job: Job, environ: dict[str, str]) -> list[str]:
         ray_address = None  # an existing Ray cluster: the fleet joins it, nothing to start
         lines.append(f"# rollout: {ro.num_engines} {ro.engine} engine(s) on the Ray cluster at {ro.ray_address}")
     else:
-        lines += _ray_cluster(launch, train_nodes, rollout_nodes, step, ray_address)
+        lines += _ray_cluster(launch, train_nodes, rollout_nodes, step, ray_address, ro.colocate)
         lines.append(f"# rollout: {ro.num_engines} {ro.engine} engine(s) placed by the fleet on this Ray cluster")
     lines.append("TRAIN_PIDS=()")
     for rank, node in enumerate(train_nodes):
@@ -219,14 +222,15 @@ def plan_slurm(job: Job, environ: dict[str, str]) -> list[str]:
 
 
 def _ray_cluster(launch, train_nodes: list[str], rollout_nodes: list[str], step: list[str],
-                 ray_address: Raw) -> list[str]:
-    """Ray head on the first node, a worker on every other node; each sees only its rollout GPUs."""
+                 ray_address: Raw, colocate: bool = False) -> list[str]:
+    """Ray head on the first node, a worker on every other node; each sees only its rollout GPUs
+    (every GPU when colocated)."""
     gpus, nproc = launch.gpus_per_node, launch.nproc_per_node
     head_ip = sh(*step, '-w', train_nodes[0], 'hostname', '--ip-address')
     lines = [*RAY_AUTH, f"HEAD_IP=$({head_ip} | awk '{{print $1}}')", "trap 'kill $(jobs -p) 2>/dev/null || true' EXIT"]
     ray_nodes = train_nodes + rollout_nodes
     for i, node in enumerate(ray_nodes):
-        first_free = nproc if node in train_nodes else 0  # training nodes keep GPUs [0, nproc)
+        first_free = nproc if node in train_nodes and not colocate else 0  # training keeps [0, nproc)
         env = ["env", f"CUDA_VISIBLE_DEVICES={gpu_list(first_free, gpus)}"] if gpus else []
         role = ["--head", Raw("--node-ip-address=$HEAD_IP"), f"--port={launch.ray_port}"] if i == 0 else \
                [Raw(f"--address=$HEAD_IP:{launch.ray_port}")]

@@ -118,6 +118,17 @@ def _in_hub_cache(repo_id: str) -> bool:
     return any(d.is_dir() and any(d.iterdir()) for d in (snapshots, prepared / repo_id.replace("/", "___")))
 
 
+def _hub_snapshot(repo_id: str) -> Optional[str]:
+    """The directory of dataset `repo_id`'s cached hub snapshot, or None."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return snapshot_download(repo_id, repo_type="dataset", cache_dir=hub.hub_cache_dir(), local_files_only=True)
+    except (LocalEntryNotFoundError, ValueError):
+        return None
+
+
 def _open_hf(path: str, split: str):
     """A `datasets.Dataset` (memory-mapped Arrow) from a save_to_disk directory or the hub cache."""
     try:
@@ -128,8 +139,9 @@ def _open_hf(path: str, split: str):
     if dataset_kind(path) == "hf_dir":
         loaded = datasets.load_from_disk(str(Path(path).expanduser()))
     else:
-        # The local cache first: with HF_HUB_OFFLINE / HF_DATASETS_OFFLINE set nothing is downloaded.
-        loaded = datasets.load_dataset(path)
+        # The local cache first: a hub snapshot loads from its files (offline load_dataset(id) reads only
+        # the Arrow files of an earlier load); else load_dataset, which downloads unless HF_*_OFFLINE.
+        loaded = datasets.load_dataset(_hub_snapshot(path) or path)
     if isinstance(loaded, datasets.DatasetDict):
         if split not in loaded:
             raise DatasetError(f"{path}: no split {split!r} (splits: {', '.join(loaded)})")

@@ -53,6 +53,25 @@ def _as_tensor(value: Any, dtype: torch.dtype, name: str) -> torch.Tensor:
     return t
 
 
+#: dtype of `Step.routed_experts` (expert ids < 32768; -1 = not reported by the engine).
+ROUTED_EXPERTS_DTYPE = torch.int16
+UNKNOWN_EXPERT = -1
+
+
+def _as_routed_experts(value: Any) -> torch.Tensor:
+    """`routed_experts` as an int16 [tokens, layers, topk] tensor."""
+    t = value.detach() if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+    if t.dim() != 3:
+        raise StepwiseBatchError(
+            f"field 'routed_experts': expected a [tokens, layers, topk] tensor, got shape {tuple(t.shape)}"
+        )
+    if t.is_floating_point() or t.dtype == torch.bool:
+        raise StepwiseBatchError(f"field 'routed_experts': expected integer expert ids, got {t.dtype}")
+    if t.numel() and (int(t.max()) > torch.iinfo(ROUTED_EXPERTS_DTYPE).max or int(t.min()) < UNKNOWN_EXPERT):
+        raise StepwiseBatchError("field 'routed_experts': expert ids must be in [-1, 32767] (-1 = unknown)")
+    return t.to(ROUTED_EXPERTS_DTYPE)
+
+
 @dataclass
 class Step:
     """One turn of a trajectory, as one training sample.
@@ -64,6 +83,10 @@ class Step:
       at the sampling temperature T; None when the engine reported none (unknown, never 0).
     - `reward`: the trajectory's outcome reward is the reward of its last step.
     - `weight_versions`: per response token, the policy weight version that produced it (optional).
+    - `routed_experts`: MoE routing replay (optional): int16 [len(prompt) + len(response),
+      num_hidden_layers, topk], the experts the engine's router chose for every token of the
+      row in each decoder layer (SGLang's layout), -1 where the engine did not report them (e.g.
+      the last sampled token, which the engine never runs through the model).
     """
 
     trajectory_id: TrajectoryID
@@ -76,6 +99,7 @@ class Step:
     stop_reason: str = "stop"
     weight_versions: Optional[TokenSeq] = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    routed_experts: Optional[torch.Tensor] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.trajectory_id, TrajectoryID):
@@ -89,6 +113,8 @@ class Step:
             self.rollout_logprobs = _as_tensor(self.rollout_logprobs, torch.float32, "rollout_logprobs")
         if self.weight_versions is not None:
             self.weight_versions = _as_tensor(self.weight_versions, torch.long, "weight_versions")
+        if self.routed_experts is not None:
+            self.routed_experts = _as_routed_experts(self.routed_experts)
         self.reward = float(self.reward)
         self.is_last_step = bool(self.is_last_step)
 
@@ -137,6 +163,8 @@ class StepBatch:
     rollout_logprobs_known (bool): True on the response tokens of steps that carry rollout
     log-probs. Where it is False the value of rollout_logprobs means nothing (it is 0): a known
     log-prob of 0 (probability 1) and an unknown one are different things.
+    Optional token fields: weight_versions (long), when every step carries them; routed_experts
+    (int16 [T, layers, topk], prompt positions included, -1 = unknown), when any step does.
     row_fields always has: traj_index, group_index (long; dense ids in order of first
     appearance), is_last (bool), reward (float64), is_padding (bool).
     """
@@ -243,6 +271,9 @@ class StepBatch:
         }
         if n and all(s.weight_versions is not None for s in steps):
             token_fields["weight_versions"] = spread(lambda s: s.weight_versions, torch.long)
+        routed = _routed_experts_field(steps)
+        if routed is not None:
+            token_fields["routed_experts"] = routed
 
         traj_index, group_index = _dense_ids(steps)
         row_fields = {
@@ -265,6 +296,7 @@ class StepBatch:
     def to_steps(self) -> list[Step]:
         steps = []
         versions = self.token_fields.get("weight_versions")
+        routed = self.token_fields.get("routed_experts")
         known = self.rollout_logprobs_known()
         for r in range(self.num_rows):
             row, resp = self.row_slice(r), self.response_slice(r)
@@ -280,6 +312,7 @@ class StepBatch:
                     is_last_step=bool(self.row_fields["is_last"][r]),
                     stop_reason=self.stop_reasons[r],
                     weight_versions=None if versions is None else versions[resp].clone(),
+                    routed_experts=None if routed is None else routed[row].clone(),
                 )
             )
         return steps
@@ -303,6 +336,24 @@ class StepBatch:
             trajectory_ids=[self.trajectory_ids[i] for i in rows.tolist()],
             stop_reasons=[self.stop_reasons[i] for i in rows.tolist()],
         )
+
+
+def _routed_experts_field(steps: Sequence[Step]) -> Optional[torch.Tensor]:
+    """The batch's `routed_experts` token field when any step carries them (all of one
+    [layers, topk] shape); the rows of steps without them (padding steps, an engine that
+    did not report) are -1, unknown: the trainer's routers choose there."""
+    carried = [s.routed_experts for s in steps if s.routed_experts is not None]
+    if not carried:
+        return None
+    shapes = {tuple(r.shape[1:]) for r in carried}
+    if len(shapes) != 1:
+        raise StepwiseBatchError(f"field 'routed_experts': steps disagree on [layers, topk]: {sorted(shapes)}")
+    shape = shapes.pop()
+    return torch.cat([
+        s.routed_experts if s.routed_experts is not None
+        else torch.full((s.num_tokens, *shape), UNKNOWN_EXPERT, dtype=ROUTED_EXPERTS_DTYPE)
+        for s in steps
+    ])
 
 
 def _dense_ids(steps: Sequence[Step]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -144,6 +144,15 @@ CASES = [
     ("async-without-correction", {"async": {"enabled": True}}, [], {}, "algo.loss.tis", "policy lag"),
     ("async-several-epochs", {"async": {"enabled": True}, "algo": {"loss": {"tis": "token"}}, "data": {"epochs": 2}},
      [], {}, "data.epochs", "set data.epochs=1"),
+    # colocated mode
+    ("colocate-with-async", {"rollout": {"colocate": True}, "async": {"enabled": True},
+                             "algo": {"loss": {"tis": "token"}}}, [], {}, "rollout.colocate", "set one of them to false"),
+    ("colocate-sglang-distributed", merged(SGLANG, {"rollout": {"engine": "sglang", "num_engines": 4, "colocate": True},
+                                                    "weight_sync": {"mode": "distributed"}}),
+     [], {}, "rollout.colocate", "one NCCL group cannot hold two ranks on the same GPU"),
+    ("colocate-tensor-handles-across-nodes", {"launch": {"gpus_per_node": 8, "nproc_per_node": 4, "rollout_nodes": 1},
+                                              "rollout": {"engine": "sglang", "num_engines": 4, "colocate": True}},
+     [], {}, "rollout.colocate", "set weight_sync.mode=disk"),
     # optimizer, outputs, paths
     ("min-lr-above-lr", {"optim": {"lr": 1e-6, "min_lr": 1e-5}}, [], {}, "optim.min_lr", "above optim.lr"),
     ("warmup-longer-than-run", {"optim": {"warmup_steps": 100}}, [], {}, "optim.warmup_steps", "20 optimizer steps"),
@@ -217,6 +226,9 @@ def test_the_same_configs_pass_once_fixed(monkeypatch):
         ({"parallel": {"tensor": 2}, "launch": {"nproc_per_node": 4}}, {}),
         ({"data": {"merge_steps": True}, "algo": {"loss": {"reduction": "trajectory_mean", "tis": "token"}}}, {}),
         (merged(SGLANG, {"rollout": {"engine": "sglang", "num_engines": 4}}), {}),
+        # colocated: 8 engines share the node's 8 GPUs, 4 of them with the training ranks
+        (merged(SGLANG, {"rollout": {"engine": "sglang", "num_engines": 8, "colocate": True}}), {}),
+        ({"rollout": {"colocate": True}}, {}),
         ({"async": {"enabled": True}, "algo": {"loss": {"tis": "token"}}}, {}),
         ({"algo": {"estimator": "reinforce++"}, "rollout": {"max_turns": 1}}, {}),
         ({"rollout": {"engine": "sglang", "num_engines": 1, "sglang": {"servers": ["http://h1:30000"]}}},

@@ -62,20 +62,52 @@ def test_sandbox_runs_code_with_limits(tmp_path):
     assert run_python("import os; print(os.getcwd())").stdout.strip() != str(Path.cwd())
 
 
+def call(code):
+    return f'<tool_call>\n{json.dumps({"name": "python", "arguments": {"code": code}})}\n</tool_call>'
+
+
 def test_math_tool_env_episode():
     spec = get_env_spec("math_tool")
     sample = spec.dataset(2)[1]  # "A crate holds 17 bottles. How many bottles are in 46 crates?"
     env = spec.factory()
-    env.reset(sample)
-    obs, reward, done, info = env.step("Let me compute. <python>print(17 * 46)</python>")
-    assert obs == [{"role": "user", "content": "<output>782</output>"}] and reward == 0 and not done
+    messages = env.reset(sample)
+    assert "<tool_call>" in messages[0]["content"] and [t["function"]["name"] for t in env.tools] == ["python"]
+    obs, reward, done, info = env.step("Let me compute. " + call("print(17 * 46)"))
+    assert obs == [{"role": "tool", "name": "python", "content": "782"}] and reward == 0 and not done
+    assert info == {"tool_calls": 1, "tool_errors": 0}
     obs, reward, done, _ = env.step("thinking")
-    assert "format" not in obs[0]["content"] and "<answer>" in obs[0]["content"] and not done
+    assert obs[0]["role"] == "user" and "format" not in obs[0]["content"] and not done
+    assert "<answer>" in obs[0]["content"] and "<tool_call>" in obs[0]["content"]
     assert env.step("<answer>782</answer>")[1:3] == (1.0, True)
     env.reset(sample)
     assert env.step("<answer>781</answer>")[1:3] == (0.0, True)
     for row in spec.dataset():  # every shipped answer is an integer the question's numbers give
         assert str(int(row["answer"])) == row["answer"]
+
+
+def test_math_tool_answers_every_call_in_order_and_malformed_ones_with_an_error():
+    env = make_env("math_tool")
+    env.reset({"prompt_id": "p", "question": "What is 2 + 3?", "answer": "5"})
+    text = (call("print(2 + 3)") + "<tool_call>{\"name\": \"python\", \"arguments\": {\"code\": 1}}</tool_call>"
+            + "<tool_call>{\"name\": \"calc\", \"arguments\": {}}</tool_call>"
+            + "<tool_call>{\"name\": \"python\", \"arguments\": [1]}</tool_call>"
+            + "<tool_call>{name: python}</tool_call>" + call("print('x'  * 3)"))
+    obs, reward, done, info = env.step(text)
+    assert [m["role"] for m in obs] == ["tool"] * 5 and reward == 0 and not done
+    assert obs[0]["content"] == "5"
+    assert obs[1]["content"].startswith("Error: tool call 2: python: argument 'code' must be string, got an integer")
+    assert "unknown tool 'calc' (available: python)" in obs[2]["content"]
+    assert '"arguments" must be a JSON object, got an array' in obs[3]["content"]
+    assert "at most 4 tool calls per turn; the other 2 were not run" in obs[4]["content"]
+    assert info == {"tool_calls": 1, "tool_errors": 4}
+    obs, _, _, info = env.step("<tool_call>{name: python}</tool_call>")  # never crashes the trajectory
+    assert obs == [{"role": "tool", "content": "Error: tool call 1: invalid JSON (Expecting property name "
+                                                "enclosed in double quotes at line 1 column 2)"}]
+    # Code with raw newlines inside the JSON string (as models write it) runs.
+    code = '{"name": "python", "arguments": {"code": "x = 6\nprint(x * 7)"}}'
+    obs, _, _, _ = env.step(f"<tool_call>\n{code}\n</tool_call>")
+    assert obs[0]["content"] == "42"
+    assert env.step("The answer: <answer>5</answer>")[1:3] == (1.0, True)
 
 
 def test_bm25_scores_by_hand():

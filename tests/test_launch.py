@@ -142,6 +142,15 @@ def test_local_plan_on_gpus_starts_a_ray_head_on_the_rollout_gpus():
         plan.plan_local(job(RECIPE_4X8))
 
 
+def test_colocated_plans_give_ray_the_training_gpus_too():
+    """rollout.colocate: engines share the training GPUs (they release their memory while it trains)."""
+    colocated = ("rollout.colocate=true", "rollout.num_engines=8", "weight_sync.mode=tensor")
+    (ray,) = commands(plan.plan_local(job(RECIPE_1X8, *colocated)), "ray")
+    assert opt(ray, "CUDA_VISIBLE_DEVICES") == "0,1,2,3,4,5,6,7" and opt(ray, "--num-gpus") == "8"
+    (ray,) = commands(plan.plan_slurm(job(RECIPE_1X8, *colocated), slurm_env("gpu7", 1)), "ray")
+    assert opt(ray, "CUDA_VISIBLE_DEVICES") == "0,1,2,3,4,5,6,7" and opt(ray, "--num-gpus") == "8"
+
+
 # ---- the scripts' dry runs, as a user runs them ----------------------------------------------
 
 def run_script(script: str, *args: str, extra_env: dict[str, str] | None = None, cwd: Path = REPO):

@@ -120,3 +120,23 @@ def test_a_hub_dataset_missing_from_the_local_caches_fails_validation(tmp_path, 
     assert e.value.keys == ["env.dataset"] and "hf download --repo-type dataset acme/not-cached" in str(e.value)
     (tmp_path / "datasets" / "acme___cached" / "default").mkdir(parents=True)  # prepared by load_dataset
     config_from_dict({"env": {"dataset": "acme/cached", "fields": {"digits": "level"}}})  # size known at start-up
+
+
+def test_a_hub_dataset_in_the_hub_cache_trains_offline(tmp_path, monkeypatch):
+    """A hub id whose files are in the HF hub cache (as `hf download --repo-type dataset` leaves
+    them) loads with no network: from the snapshot's files, with the field mapping."""
+    snapshot = tmp_path / "hub" / "datasets--acme--sums" / "snapshots" / "abc123"
+    (snapshot / "data").mkdir(parents=True)
+    (snapshot / "data" / "train.jsonl").write_text(
+        "".join(json.dumps({"q": f"{i}+{i}", "a": str(2 * i)}) + "\n" for i in range(5)))
+    (tmp_path / "hub" / "datasets--acme--sums" / "refs").mkdir()
+    (tmp_path / "hub" / "datasets--acme--sums" / "refs" / "main").write_text("abc123")
+    for name, value in (("HF_HUB_CACHE", tmp_path / "hub"), ("HF_HOME", tmp_path / "home"),
+                        ("HF_DATASETS_CACHE", tmp_path / "datasets"), ("HF_HUB_OFFLINE", "1"),
+                        ("HF_DATASETS_OFFLINE", "1")):
+        monkeypatch.setenv(name, str(value))
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    source = open_samples("acme/sums", fields={"question": "q", "answer": "a"})
+    assert len(source) == 5 and (source[3]["question"], source[3]["answer"]) == ("3+3", "6")
+    config_from_dict({"env": {"name": "math_tool", "dataset": "acme/sums",
+                              "fields": {"question": "q", "answer": "a"}}})  # validation accepts it

@@ -23,9 +23,9 @@ import pytest
 import torch
 from aiohttp import web
 
-from megatron_stepwise.rollout.engine import GenerateResult, SamplingParams
+from megatron_stepwise.rollout.engine import MEMORY_TAGS, GenerateResult, SamplingParams
 from megatron_stepwise.rollout.server import EngineServer, generate_response
-from megatron_stepwise.rollout.sglang import SGLANG_VERSION, SGLangClient
+from megatron_stepwise.rollout.sglang import SGLANG_VERSION, SGLangClient, TensorHandles, serialize_tensors_sglang
 
 CACHE = Path(os.environ.get("MEGATRON_STEPWISE_CACHE", "~/.cache/megatron-stepwise")).expanduser() / "sglang-wheel"
 FILES = {
@@ -33,6 +33,8 @@ FILES = {
     "http_server": "sglang/srt/entrypoints/http_server.py",
     "sampling_params": "sglang/srt/sampling/sampling_params.py",
     "api_types": "sglang/api/v1/api_types.py",
+    "constants": "sglang/srt/constants.py",
+    "exec_args": "sglang/srt/arg_groups/fields/exec_.py",
 }
 
 
@@ -169,6 +171,14 @@ async def capture_client_requests() -> list[dict]:
         assert result.finish_reason == "stop" and result.weight_version == 3 and result.token_weight_versions == [3, 3]
         await client.update_weights_from_disk("/ckpt/hf", weight_version=4)
         await client.update_weights_from_tensors({"lm_head.weight": torch.zeros(2, 2)}, weight_version=5)
+        # colocated mode: release for training, then weights back, the update (as handles), KV cache back
+        await client.release_memory_occupation(["weights", "kv_cache"])
+        await client.resume_memory_occupation(["weights"])
+        handles = TensorHandles(serialize_tensors_sglang({"lm_head.weight": torch.zeros(2, 2)}))
+        await client.update_weights_from_tensors(handles, weight_version=5)
+        await client.resume_memory_occupation(["kv_cache"])
+        await client.release_memory_occupation()  # no tags: everything
+        await client.resume_memory_occupation()
         await client.init_weights_update_group("127.0.0.1", 29500, rank_offset=1, world_size=3, backend="nccl")
         await client.update_weights_from_distributed(["lm_head.weight"], ["bfloat16"], [[2, 2]], weight_version=6)
         await client.destroy_weights_update_group()
@@ -200,6 +210,7 @@ def test_every_endpoint_and_method_exists(sglang, captured):
         "/generate", "/update_weights_from_disk", "/update_weights_from_tensor", "/init_weights_update_group",
         "/update_weights_from_distributed", "/destroy_weights_update_group", "/pause_generation",
         "/continue_generation", "/flush_cache", "/abort_request", "/health", "/get_model_info",
+        "/release_memory_occupation", "/resume_memory_occupation",
     }
     for method, path in sorted(used):
         assert path in table, f"SGLang {SGLANG_VERSION} has no endpoint {path}"
@@ -239,7 +250,28 @@ def test_every_body_field_exists_in_the_request_class(sglang, captured):
     assert {"GenerateReqInput", "UpdateWeightFromDiskReqInput", "UpdateWeightsFromTensorReqInput",
             "InitWeightsUpdateGroupReqInput", "UpdateWeightsFromDistributedReqInput",
             "DestroyWeightsUpdateGroupReqInput", "PauseGenerationReqInput", "ContinueGenerationReqInput",
-            "AbortReq"} <= checked
+            "AbortReq", "ReleaseMemoryOccupationReqInput", "ResumeMemoryOccupationReqInput"} <= checked
+
+
+def test_memory_occupation_requests_match_sglang(sglang, captured):
+    """Colocated mode: the release/resume bodies carry SGLang's `tags`, with values among its memory
+    types (constants.GPU_MEMORY_ALL_TYPES, which no tags means); the launcher's
+    --enable-memory-saver and the resumed weights' missing values (no --enable-weights-cpu-backup)
+    are the server options the wheel declares."""
+    table = routes(sglang["http_server"])
+    assert table["/release_memory_occupation"]["body"] == "ReleaseMemoryOccupationReqInput"
+    assert table["/resume_memory_occupation"]["body"] == "ResumeMemoryOccupationReqInput"
+    consts = {n.targets[0].id: n.value for n in sglang["constants"].body
+              if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name)}
+    all_types = [ast.literal_eval(consts[e.id]) for e in consts["GPU_MEMORY_ALL_TYPES"].elts]
+    assert set(all_types) == set(MEMORY_TAGS)
+    bodies = [(c["path"], c["body"]) for c in captured if c["path"].endswith("_memory_occupation")]
+    assert bodies == [("/release_memory_occupation", {"tags": ["weights", "kv_cache"]}),
+                      ("/resume_memory_occupation", {"tags": ["weights"]}),
+                      ("/resume_memory_occupation", {"tags": ["kv_cache"]}),
+                      ("/release_memory_occupation", {}), ("/resume_memory_occupation", {})]
+    server_options = set(class_fields(sglang["exec_args"], "ExecFeatures"))
+    assert {"enable_memory_saver", "enable_weights_cpu_backup"} <= server_options
 
 
 def test_generate_payload_passes_the_json_contract(sglang, captured):

@@ -16,7 +16,7 @@ import torch
 
 from megatron_stepwise import weight_transport
 from megatron_stepwise.megatron import sync as S
-from megatron_stepwise.rollout.fleet import EngineSpec, RolloutFleet, _Slot, weight_update_ranks
+from megatron_stepwise.rollout.fleet import EngineSpec, RolloutFleet, weight_update_ranks
 from megatron_stepwise.rollout.sglang import SGLangServerConfig
 
 
@@ -71,13 +71,12 @@ class FakeEngineHandle:
         ))
 
 
-class FakeFleet(RolloutFleet):
+def fake_fleet(specs: list[EngineSpec], dead: tuple[int, ...] = ()) -> RolloutFleet:
     """The real fleet's group logic over fake engine handles (no Ray actors)."""
-
-    def __init__(self, specs: list[EngineSpec], dead: tuple[int, ...] = ()):
-        self._slots = [
-            _Slot(i, spec, FakeEngineHandle(spec.group_ranks), alive=i not in dead) for i, spec in enumerate(specs)
-        ]
+    fleet = RolloutFleet(specs, spawn=lambda spec, index, incarnation: FakeEngineHandle(spec.group_ranks))
+    for index in dead:
+        fleet.remove_engine(index)
+    return fleet
 
 
 def _free_port() -> int:
@@ -89,7 +88,7 @@ def _free_port() -> int:
 @pytest.mark.timeout(180)
 def test_weight_sync_opens_a_group_with_every_tp_rank_and_broadcasts_to_all(monkeypatch):
     monkeypatch.setattr(S.dist, "get_rank", lambda: 0)  # WeightSync drives the fleet from global rank 0
-    fleet = FakeFleet([sglang(2), local(), http(3), sglang(2)], dead=(3,))
+    fleet = fake_fleet([sglang(2), local(), http(3), sglang(2)], dead=(3,))
     assert fleet.weight_update_world_size() == 1 + 2 + 1 + 3
     loop = asyncio.new_event_loop()
     loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(16))  # trainer + 6 engine ranks block at once

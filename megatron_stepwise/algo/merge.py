@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from megatron_stepwise.types import Step
+from megatron_stepwise.types import ROUTED_EXPERTS_DTYPE, UNKNOWN_EXPERT, Step
 
 #: weight_versions value for obs_delta tokens: no policy produced them (loss_mask is 0 there).
 NOT_SAMPLED_VERSION = -1
@@ -55,6 +55,11 @@ def merge_steps(steps: Sequence[Step], *, max_tokens: Optional[int] = None) -> t
     metadata, with `metadata["merged_steps"]` = how many steps it holds (1 if unmerged).
     Steps also do not merge when only one of them has rollout_logprobs or weight_versions
     (nothing is invented), or when the row would exceed `max_tokens`.
+    `routed_experts` (MoE routing replay; they cover prompt and response) give each position
+    of the merged row the experts of the earliest merged step that reported it: the forward
+    pass in which the engine first computed that position (a prefix-caching engine reuses it in
+    later turns), so every response token keeps the routing it was sampled under; -1 (unknown)
+    where no step reported it.
     Padding steps pass through untouched. Input steps are not modified; output rows may
     share tensors with them. Expects a validated batch (`validate_steps`).
 
@@ -145,6 +150,7 @@ def _merge_group(group: list[Step]) -> Step:
             versions[a:b] = s.weight_versions
 
     return Step(
+        routed_experts=_merge_routed_experts(group, start + n),
         trajectory_id=first.trajectory_id,
         prompt_ids=first.prompt_ids,
         response_ids=response_ids,
@@ -156,3 +162,15 @@ def _merge_group(group: list[Step]) -> Step:
         weight_versions=versions,
         metadata={**last.metadata, "merged_steps": len(group)},
     )
+
+
+def _merge_routed_experts(group: list[Step], num_tokens: int) -> Optional[torch.Tensor]:
+    """The merged row's routed experts: per position, the earliest step's that is known."""
+    carried = [s.routed_experts for s in group if s.routed_experts is not None]
+    if not carried:
+        return None
+    out = torch.full((num_tokens, *carried[0].shape[1:]), UNKNOWN_EXPERT, dtype=ROUTED_EXPERTS_DTYPE)
+    for routed in reversed(carried):  # later steps first: earlier ones overwrite where they know
+        known = (routed >= 0).all(-1).all(-1)
+        out[: routed.size(0)][known] = routed[known]
+    return out

@@ -31,7 +31,8 @@ def validate_steps(steps: Sequence[Step], *, vocab_size: Optional[int] = None) -
     """Raise `StepwiseBatchError` on the first problem found in a list of steps.
 
     Checks, per step: response_ids / loss_mask / rollout_logprobs / weight_versions have
-    the same length; loss_mask holds only 0 and 1; an empty response has no trainable
+    the same length; routed_experts (when present) has one row per prompt + response token;
+    loss_mask holds only 0 and 1; an empty response has no trainable
     entry; rollout_logprobs and reward are finite; token ids are >= 0 and, when
     `vocab_size` is given, < vocab_size. Across steps: the steps of a trajectory are
     contiguous and exactly its final row has is_last_step; the trajectories of a prompt
@@ -116,6 +117,9 @@ def _check_lengths(i: int, s: Step) -> None:
         value = getattr(s, field)
         if value is not None and value.numel() != n:
             raise _fail(i, s, field, f"has length {value.numel()} but response_ids has length {n}")
+    if s.routed_experts is not None and s.routed_experts.size(0) != s.num_tokens:
+        raise _fail(i, s, "routed_experts", f"has {s.routed_experts.size(0)} positions but the step has "
+                                            f"{s.num_tokens} tokens (prompt + response)")
 
 
 # Response-side fields are checked over the concatenation of this many steps at a time:

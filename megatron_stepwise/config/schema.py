@@ -41,6 +41,10 @@ class ModelConfig:
     dtype: Literal["auto", "bf16", "fp32"] = option("auto", "training dtype; auto = bf16 on GPU, fp32 on CPU")
     transformer_impl: Literal["auto", "te", "local"] = option(
         "auto", "megatron-core layer spec: te (transformer-engine), local, or auto (te when importable)")
+    chat_template: Optional[str] = option(
+        None, "chat template replacing the tokenizer's: the Jinja text inline (a value with {{ or {%), or the path "
+              "of a .jinja file or an HF chat_template.json; it renders every prompt, tools= included "
+              "(docs/custom_envs.md); null = the tokenizer's own")
 
 
 @dataclass
@@ -126,6 +130,10 @@ class RolloutConfig:
     env_error_reward: float = option(0.0, "reward given to a trajectory ended by an environment error")
     ray_address: Optional[str] = option(None, "Ray cluster to join (auto or host:port); null = start a "
                                               "private local Ray instance")
+    colocate: bool = option(False, "training and rollout share the GPUs: after each rollout the engines release "
+                                   "their weights and KV cache, Megatron trains, then the engines take the "
+                                   "weights back, receive the new ones and take the KV cache back "
+                                   "(synchronous training only; docs/launch.md)")
 
 
 @dataclass
@@ -204,6 +212,9 @@ class AlgoConfig:
     # Declared (keys, bounds, choices, help) where the loss functions use it: algo/losses.py.
     loss: LossConfig = section(LossConfig, "policy loss")
     filters: FilterConfig = section(FilterConfig, "group filters")
+    routing_replay: bool = option(False, "MoE rollout routing replay (R3): the engines return the experts each "
+                                         "router chose per token and the trainer's routers use them at every "
+                                         "position the engine reported (docs/megatron.md); MoE models only")
 
 
 @dataclass

@@ -61,6 +61,7 @@ def validate(cfg: ExperimentConfig, *, world_size: int | None = None, world_size
     _check_algo(cfg, check)
     check_loss_combinations(cfg, check)
     _check_async(cfg, check)
+    _check_colocate(cfg, check)
     _check_optim(cfg, check)
     _check_env(cfg, check, probes)
     _check_outputs(cfg, check, probes)
@@ -139,6 +140,9 @@ def _check_parallel(cfg: ExperimentConfig, check: _Checker, probes: Probes, worl
         if getattr(loss, key) and not shape.num_experts:
             check.fail(f"algo.loss.{key}", f"{getattr(loss, key)} needs a mixture-of-experts model; {shape.source} "
                                            "has no router", "model.hf_config")
+    if cfg.algo.routing_replay and not shape.num_experts:
+        check.fail("algo.routing_replay", f"needs a mixture-of-experts model; {shape.source} has no router",
+                   "model.hf_config")
     if par.expert > 1 and world_size % mp == 0 and (world_size // (par.tensor * par.pipeline)) % par.expert:
         check.fail("parallel.expert", f"{par.expert} does not divide data x context parallel = "
                                       f"{world_size // (par.tensor * par.pipeline)} (experts are split over "
@@ -167,6 +171,12 @@ def _check_model(cfg: ExperimentConfig, check: _Checker, probes: Probes) -> None
             hint = difflib.get_close_matches(hf, list(presets), n=1)
             check.fail("model.hf_config", f"unknown preset {hf!r} (presets: {', '.join(sorted(presets))})"
                                           + (f"; did you mean {hint[0]!r}?" if hint else ""))
+    if model.chat_template:  # a missing file or a template that does not compile, before anything starts
+        from megatron_stepwise.hf.chat_templates import chat_template_problem
+
+        problem = chat_template_problem(model.chat_template)
+        if problem:
+            check.fail("model.chat_template", problem)
     if model.transformer_impl == "te" and not probes.has_module("transformer_engine"):
         check.fail("model.transformer_impl", "te needs transformer-engine (pip install "
                                              "megatron-stepwise[te]); use auto or local")
@@ -209,6 +219,8 @@ def _check_rollout(cfg: ExperimentConfig, check: _Checker, probes: Probes) -> No
                                         f"launch.gpus_per_node {launch.gpus_per_node}", "launch.gpus_per_node")
         return
     need, have = ro.num_engines * ro.engine_tp, launch.rollout_gpus()
+    if ro.colocate:  # the engines share the training GPUs (and take any rollout-only node's)
+        have = (launch.nnodes + launch.rollout_nodes) * launch.gpus_per_node
     if need > have:
         check.fail("rollout.num_engines", f"{ro.num_engines} engines x engine_tp {ro.engine_tp} need {need} "
                                           f"GPUs but the launch layout leaves {have} to rollout (launch: "
@@ -307,6 +319,26 @@ def _check_async(cfg: ExperimentConfig, check: _Checker) -> None:
     if cfg.data.epochs != 1:
         check.fail("data.epochs", f"{cfg.data.epochs}: async.enabled=true trains each mini-batch once, as "
                                   "its groups arrive; set data.epochs=1", "async.enabled")
+
+
+def _check_colocate(cfg: ExperimentConfig, check: _Checker) -> None:
+    ro = cfg.rollout
+    if not ro.colocate:
+        return
+    if cfg.async_.enabled:
+        check.fail("rollout.colocate", "true gives the engines' memory to training between rollouts, so rollout "
+                                       "cannot overlap training as async.enabled=true needs; set one of them "
+                                       "to false", "async.enabled")
+    if ro.engine == "sglang" and cfg.weight_sync.mode == "distributed":
+        check.fail("rollout.colocate", "true puts an engine on the GPU of a training rank, and one NCCL group "
+                                       "cannot hold two ranks on the same GPU: set weight_sync.mode=tensor "
+                                       "(CUDA IPC handles) or disk", "weight_sync.mode")
+    launch = cfg.launch
+    if ro.engine == "sglang" and cfg.weight_sync.mode == "tensor" and launch.nnodes + launch.rollout_nodes > 1:
+        check.fail("rollout.colocate", "true with weight_sync.mode=tensor sends CUDA IPC handles of rank 0's "
+                                       "tensors, which only engines on rank 0's node can open; on "
+                                       f"{launch.nnodes + launch.rollout_nodes} nodes set weight_sync.mode=disk",
+                   "weight_sync.mode", "launch.nnodes", "launch.rollout_nodes")
 
 
 def _check_optim(cfg: ExperimentConfig, check: _Checker) -> None:

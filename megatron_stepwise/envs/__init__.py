@@ -4,6 +4,7 @@
 - custom.py          users' environments by dotted path (`module:Name`) and reward-function-only ones
 - echo.py            `echo`: "say D" over several turns, learnable by a tiny model on CPU
 - math_tool.py       `math_tool`: arithmetic word problems solved with a sandboxed Python tool
+- tool_calls.py      tool schemas (`tools=`), the Hermes/Qwen `<tool_call>` parser, tool-result messages
 - sandbox.py         runs model-written Python in a subprocess with time, memory, network limits
 - search.py          `search`: Search-R1-shaped retrieval QA over a small shipped corpus
 - bm25.py            Okapi BM25 over an in-memory corpus (used by `search`)

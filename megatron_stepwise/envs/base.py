@@ -6,6 +6,16 @@ messages; `step(assistant_text)` receives the text the model generated this turn
 and so become part of the NEXT turn's prompt. Rewards of all steps of a trajectory are summed
 into its outcome reward. Methods may be plain functions or coroutines.
 
+Tools. An environment that offers tools declares them in an optional `tools` attribute: a list of
+function schemas (OpenAI / Hugging Face shape, `envs/tool_calls.function_tool`), or a method
+returning one. The agent loop reads it once per trajectory, right after `reset` (so it may depend
+on the sample), and renders every prompt of that trajectory with
+`tokenizer.apply_chat_template(messages, tools=tools, ...)`, in both context modes. The model's
+calls arrive in `step` as text; `envs/tool_calls.parse_tool_calls` reads the Hermes / Qwen
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, and results go back as
+observation messages with role "tool" (`tool_message`). Messages may carry extra string keys
+(`name`, `tool_call_id`) for the template. `math_tool.py` is the example.
+
 Environments register themselves with `register_env` when their module is imported; the
 package (`megatron_stepwise.envs`) imports the built-in ones, so they are registered as soon as
 anything under `megatron_stepwise.envs` is imported.
@@ -20,8 +30,14 @@ Message = dict[str, str]
 StepOutput = tuple[list[Message], float, bool, dict[str, Any]]
 
 
+ToolSchema = dict[str, Any]
+
+
 @runtime_checkable
 class Environment(Protocol):
+    """`reset` and `step` are required; `tools` (a list of `ToolSchema`, or a method returning
+    one) is optional and read once per trajectory after `reset` (see the module docstring)."""
+
     def reset(self, sample: dict[str, Any]) -> list[Message]: ...
 
     def step(self, assistant_text: str) -> StepOutput: ...

@@ -11,6 +11,15 @@ as padding:
   text of sampled ids often re-encodes to other ids (a merge the model did not sample, invalid
   UTF-8), as with real LLM tokenizers: the tokenizer the re-tokenisation drift is measured with.
 
+`tiny_char` and `tiny_bpe` use `TOOLS_CHAT_TEMPLATE`: ChatML that also renders `tools=` (a system
+turn listing the function schemas as JSON and the Hermes/Qwen `<tool_call>` format), role "tool"
+messages as `<tool_response>` turns and assistant `tool_calls` fields as `<tool_call>` blocks;
+without tools and tool messages it renders exactly as plain ChatML. Everything it adds is ASCII,
+so `tiny_char` tokenises it (keep tool descriptions ASCII for `tiny_char`: other characters become
+`<unk>`). `tiny_word` keeps the plain template (its vocabulary is the echo task's words).
+`model.chat_template` replaces any tokenizer's template (`load_tokenizer(chat_template=...)`,
+`hf/chat_templates.py`).
+
 `build_tokenizer_files(name, out_dir)` writes `tokenizer.json` + `tokenizer_config.json`; the
 files in `hf/data/` were produced by it (a test checks they still match); regenerate them with
 `python -m megatron_stepwise.hf.tokenizers`.
@@ -22,7 +31,7 @@ import json
 import string
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from megatron_stepwise.hf.hub import TOKENIZER_FILES, resolve_model_dir
 
@@ -36,9 +45,34 @@ WORD_CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|> {% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}"
 )
-# ChatML (newline after the role and after each turn): tiny_char and tiny_bpe.
+# Plain ChatML (newline after the role and after each turn): what TOOLS_CHAT_TEMPLATE, the template
+# of tiny_char and tiny_bpe, renders for chats without tools.
 CHAR_CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# ChatML with tools (Hermes/Qwen style): our own wording. With `tools`, a system turn comes first
+# (the chat's own system message, then the tool list and how to call); a leading system message is
+# not repeated. Role "tool" renders as a `tool` turn wrapping the result in <tool_response>.
+# (transformers compiles with trim_blocks: a newline right after a `%}` must be written {{ '\\n' }}.)
+TOOLS_CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages and messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "# Tools\n\nThese functions are available, as JSON schemas inside <tools></tools>:\n<tools>\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools>\n\n"
+    "To call a function, write a JSON object with its name and arguments between <tool_call> tags, "
+    "one block per call:\n<tool_call>\n{\"name\": <function name>, \"arguments\": <arguments object>}\n"
+    "</tool_call><|im_end|>\n{% endif %}"
+    "{% for m in messages %}"
+    "{% if not (tools and loop.first and m['role'] == 'system') %}"
+    "{% if m['role'] == 'tool' %}<|im_start|>tool\n<tool_response>\n{{ m['content'] }}\n</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] if m['content'] is not none else '' }}"
+    "{% if m['role'] == 'assistant' and m.get('tool_calls') %}{% for call in m['tool_calls'] %}"
+    "{% set f = call['function'] if call['function'] is defined else call %}"
+    "{% if m['content'] or not loop.first %}{{ '\\n' }}{% endif %}<tool_call>\n{\"name\": {{ f['name'] | tojson }}, "
+    "\"arguments\": {% if f['arguments'] is string %}{{ f['arguments'] }}{% else %}{{ f['arguments'] | tojson }}"
+    "{% endif %}}\n</tool_call>{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endif %}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 TOKENIZER_NAMES = ("tiny_word", "tiny_char", "tiny_bpe")
@@ -112,7 +146,7 @@ def build_tokenizer_files(name: str, out_dir: Path) -> Path:
         "unk_token": "<unk>",
         "model_max_length": 4096,
         "clean_up_tokenization_spaces": False,
-        "chat_template": WORD_CHAT_TEMPLATE if name == "tiny_word" else CHAR_CHAT_TEMPLATE,
+        "chat_template": WORD_CHAT_TEMPLATE if name == "tiny_word" else TOOLS_CHAT_TEMPLATE,
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out_dir
@@ -125,11 +159,13 @@ def tokenizer_dir(name: str) -> Path:
 
 
 @lru_cache(maxsize=None)
-def load_tokenizer(name_or_path: str, *, key: str = "model.tokenizer"):
+def load_tokenizer(name_or_path: str, *, key: str = "model.tokenizer", chat_template: Optional[str] = None):
     """A transformers tokenizer: a shipped one by name, a local HF tokenizer directory, or a hub id.
 
     Hub ids come from the local HF cache, else are downloaded (megatron_stepwise.hf.hub); `key` names
-    the config key in errors (ModelSourceError).
+    the config key in errors (ModelSourceError). `chat_template` (`model.chat_template`: inline Jinja
+    or a file, hf/chat_templates.py) replaces the tokenizer's chat template; the tokenizer is shared
+    (cached per arguments), so callers must not change it.
     """
     from transformers import AutoTokenizer
 
@@ -138,7 +174,12 @@ def load_tokenizer(name_or_path: str, *, key: str = "model.tokenizer"):
     else:
         path = resolve_model_dir(name_or_path, key=key, files=TOKENIZER_FILES,
                                  also_tried=f"a shipped tokenizer ({', '.join(TOKENIZER_NAMES)})")
-    return AutoTokenizer.from_pretrained(str(path))
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    if chat_template:
+        from megatron_stepwise.hf.chat_templates import read_chat_template
+
+        tokenizer.chat_template = read_chat_template(chat_template)
+    return tokenizer
 
 
 if __name__ == "__main__":  # regenerate the shipped files

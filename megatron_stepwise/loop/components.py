@@ -54,7 +54,8 @@ def load_tokenizer(cfg: ExperimentConfig):
 
     m = cfg.model
     key = "model.tokenizer" if m.tokenizer else "model.hf_checkpoint" if m.hf_checkpoint else "env.name"
-    return load(tokenizer_name(cfg), key=key)  # the key names the source in errors
+    # the key names the source in errors; model.chat_template replaces its chat template (every render)
+    return load(tokenizer_name(cfg), key=key, chat_template=m.chat_template)
 
 
 def model_config(cfg: ExperimentConfig, tokenizer) -> dict[str, Any]:
@@ -122,6 +123,8 @@ def use_bf16(cfg: ExperimentConfig) -> bool:
 
 def _model_overrides(cfg: ExperimentConfig) -> dict[str, Any]:
     overrides: dict[str, Any] = {"sequence_parallel": cfg.parallel.sequence_parallel and cfg.parallel.tensor > 1}
+    if cfg.algo.routing_replay:  # the routers replay the engine's experts (megatron/routing_replay.py)
+        overrides["moe_enable_routing_replay"] = True
     if use_bf16(cfg):
         overrides["dtype"] = torch.bfloat16
     return overrides
@@ -218,22 +221,34 @@ def build_fleet(cfg: ExperimentConfig, hf_config: dict, tokenizer):
 
     r = cfg.rollout
     specs = []
+    # MoE routing replay: every engine returns the experts it routed each token to
+    routed = ((int(hf_config["num_hidden_layers"]), int(hf_config["num_experts_per_tok"]))
+              if cfg.algo.routing_replay else None)
     for i in range(r.num_engines):
         if r.engine == "embedded":
             specs.append(EngineSpec(kind="local", model_config=hf_config, tokenizer=tokenizer_name(cfg),
-                                    seed=cfg.trainer.seed + 1000 + i, torch_threads=1, num_cpus=0.5))
+                                    seed=cfg.trainer.seed + 1000 + i, torch_threads=1, num_cpus=0.5,
+                                    routed_experts=routed))
         elif r.sglang.servers:
             url = r.sglang.servers[i % len(r.sglang.servers)]
-            specs.append(EngineSpec(kind="http", url=url if "://" in url else f"http://{url}", tp_size=r.engine_tp))
+            specs.append(EngineSpec(kind="http", url=url if "://" in url else f"http://{url}", tp_size=r.engine_tp,
+                                    routed_experts=routed))
         else:
+            extra = list(r.sglang.extra_args)
+            if routed and "--enable-return-routed-experts" not in extra:
+                extra.append("--enable-return-routed-experts")  # else SGLang returns no routed experts
+            if r.colocate and "--enable-memory-saver" not in extra:
+                extra.append("--enable-memory-saver")  # else release_memory_occupation frees nothing
             server = SGLangServerConfig(
                 model_path=cfg.model.hf_checkpoint or cfg.model.hf_config, host=r.sglang.host,
-                port=r.sglang.base_port + i, tp_size=r.engine_tp, extra_args=list(r.sglang.extra_args),
+                port=r.sglang.base_port + i, tp_size=r.engine_tp, extra_args=extra,
             )
-            specs.append(EngineSpec(kind="sglang", sglang=server, tp_size=r.engine_tp, num_cpus=1, num_gpus=r.engine_tp))
+            specs.append(EngineSpec(kind="sglang", sglang=server, tp_size=r.engine_tp, num_cpus=1, num_gpus=r.engine_tp,
+                                    routed_experts=routed))
     return RolloutFleet(specs, max_concurrency=r.max_concurrency, max_retries=r.max_retries,
                         request_timeout_s=r.timeout_s, ray_address=r.ray_address,
-                        partial_rollouts=cfg.async_.enabled)  # async: updates pause turns mid-way
+                        partial_rollouts=cfg.async_.enabled,  # async: updates pause turns mid-way
+                        colocate=cfg.rollout.colocate)
 
 
 def build_agent_loop(cfg: ExperimentConfig, fleet, tokenizer):

@@ -13,7 +13,9 @@ iteration is `source.rounds_per_iteration` rounds of:
 
 The synchronous source makes one round per iteration with the fleet idle (so one push after the
 iteration's last optimizer step); the async source one round per optimizer step while the
-fleet keeps rolling out. Then one JSON line of metrics and, every `checkpoint.every`, a checkpoint.
+fleet keeps rolling out. With `rollout.colocate` (synchronous only) the engines release their
+memory for steps 2-4 and take it back around step 5 (`colocate.py`). Then one JSON line of
+metrics and, every `checkpoint.every`, a checkpoint.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from megatron_stepwise.config import ExperimentConfig
 from megatron_stepwise.loop import components
 from megatron_stepwise.loop.async_source import AsyncRollouts
 from megatron_stepwise.loop.checkpoints import Checkpointer, TrainerState
+from megatron_stepwise.loop.colocate import Colocation
 from megatron_stepwise.loop.handoff import Handoff
 from megatron_stepwise.loop.prepare import PrepareOptions, add_counts, prepare
 from megatron_stepwise.loop.sources import Driver, SyncRollouts, rollout_seed
@@ -87,6 +90,9 @@ class Trainer:
             )
         self.weight_sync = components.build_weight_sync(cfg, self.driver and self.driver.fleet, self.hf_config,
                                                         self.driver and self.driver.loop)
+        if cfg.rollout.colocate and cfg.async_.enabled:  # validation says so too, naming the keys
+            raise ValueError("rollout.colocate=true needs async.enabled=false: released engines cannot roll out")
+        self.colocation = Colocation(cfg.rollout.colocate, self.driver, handoff)
         # The engines start from their own random init: give them the trainer's weights.
         self.push_weights()
         self.source.start(self.driver)
@@ -140,7 +146,8 @@ class Trainer:
                 skipped += 1
                 continue
             metrics.update(round_.metrics)
-            with self.source.overlap():
+            # colocated: the engines' memory is Megatron's from here until the push
+            with self.source.overlap(), self.colocation.released(self.state.iteration, times):
                 clock = time.perf_counter()
                 prepared = [prepare(steps, self.prepare_options) for steps in round_.minibatches]
                 counts += [m for _, m in prepared]
@@ -157,9 +164,10 @@ class Trainer:
                 times["time/train"] += time.perf_counter() - clock
                 trained_tokens += sum(int(b.lengths.sum()) for b in batches) * self.cfg.data.epochs
             self.state.weight_version += 1
-            clock = time.perf_counter()
-            sync_metrics.append(self.push_weights())  # async: in-flight turns pause, update, go on
-            times["time/weight_sync"] += time.perf_counter() - clock
+            with self.colocation.resumed(times):  # colocated: weights' memory back first, KV cache after
+                clock = time.perf_counter()
+                sync_metrics.append(self.push_weights())  # async: in-flight turns pause, update, go on
+                times["time/weight_sync"] += time.perf_counter() - clock
         self.state.iteration += 1
 
         metrics.update(add_counts(counts))

@@ -7,6 +7,7 @@
 - `packing`: step rows -> THD packed micro-batches, trained positions, the CP split.
 - `logprobs`: vocab-parallel log-probs and entropy at trained positions only.
 - `plugin`: `StepwisePlugin` (forward_step / train_minibatch / compute_logprobs).
+- `routing_replay`: MoE rollout routing replay, the routers take the engine's experts.
 - `weights`: full (unsharded) parameter and gradient views by canonical name.
 - `hf_mapping`: Megatron <-> Hugging Face names and layouts (pure functions).
 - `convert`: HF import/export and bucketed weight streaming at any TP/PP.

@@ -52,6 +52,9 @@ class PackedMicroBatch:
     # (alignment pad, CP pad, or a DP padding step)
     minibatch_rows: int = 0  # rows of the whole mini-batch (all DP ranks): the router losses' normaliser
     minibatch_tokens: int = 0  # real tokens of the whole mini-batch
+    # int16 [S, layers, topk]: the engine's experts at each packed position (routing replay),
+    # -1 where unknown (padding, unreported); None when the mini-batch carries none
+    routed_experts: Optional[torch.Tensor] = None
 
     @property
     def seq_len(self) -> int:
@@ -159,6 +162,11 @@ def pack_rows(
                                   dtype=torch.long)
     token_segment = torch.full((size,), -1, dtype=torch.long)
     token_segment[packed_pos] = torch.repeat_interleave(segment_of_row, lens)
+    routed = batch.token_fields.get("routed_experts")
+    if routed is not None:  # carried like the tokens: the engine's experts at each packed position
+        packed_routed = torch.full((size, *routed.shape[1:]), -1, dtype=routed.dtype)
+        packed_routed[packed_pos] = routed[flat]
+        routed = packed_routed
     positions = _ranges(torch.zeros_like(seg_plens), seg_plens)
     cu = torch.zeros(seg_lens.numel() + 1, dtype=torch.int32)
     torch.cumsum(seg_lens, 0, out=cu[1:])
@@ -192,6 +200,7 @@ def pack_rows(
         num_real_tokens=total,
         fields={name: batch.token_fields[name][token_index] for name in gather_fields},
         token_segment=token_segment,
+        routed_experts=routed,
     )
 
 
@@ -232,4 +241,5 @@ def split_for_context_parallel(mb: PackedMicroBatch, cp: int, cp_rank: int) -> P
         token_segment=None if mb.token_segment is None else mb.token_segment[local],
         minibatch_rows=mb.minibatch_rows,
         minibatch_tokens=mb.minibatch_tokens,
+        routed_experts=None if mb.routed_experts is None else mb.routed_experts[local],
     )

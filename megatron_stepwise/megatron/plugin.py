@@ -455,7 +455,10 @@ class StepwisePlugin:
         tokens = mb.tokens.to(device)
         positions = mb.position_ids.to(device)
         bypass = _output_layer_bypassed(gpt) if gpt.post_process else contextlib.nullcontext()
-        with bypass, self.router_losses.running(self._routed(mb, gpt)):
+        from megatron_stepwise.megatron import routing_replay  # imports megatron-core
+
+        # Routing replay (algo.routing_replay): this chunk's routers take the engine's experts.
+        with bypass, self.router_losses.running(self._routed(mb, gpt)), routing_replay.for_microbatch(gpt, mb):
             output = model(tokens, positions, None, packed_seq_params=mb.packed_seq_params(device))
         return output, functools.partial(self._loss_func, mb, gpt)
 

@@ -9,7 +9,9 @@ every turn; `tokens` extends the previous prompt with the ids the engine sampled
 tokenised template delta (observation, closing and generation prompt), so every prompt is the
 previous prompt + response + delta exactly. In both modes every step after which a next prompt
 is built records `metadata["retokenize_drift"]`: whether re-tokenising the chat after that turn
-lost its sampled ids (`rollout/retokenize_drift_rate`). Invariants (docs/architecture.md, 1-3 and 12):
+lost its sampled ids (`rollout/retokenize_drift_rate`). An environment's tool schemas (its
+optional `tools`, read once after `reset`; envs/base.py) are passed as `tools=` to every render
+of the trajectory, in both modes. Invariants (docs/architecture.md, 1-3 and 12):
 
 - `response_ids` are only the tokens sampled this turn; `rollout_logprobs` align with them 1:1.
 - loss_mask is 1 on sampled tokens and 0 on an EOS appended after the fact (when the turn ended
@@ -50,6 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, Sequence, Union
 
 from megatron_stepwise.envs.base import Environment, make_env
+from megatron_stepwise.envs.tool_calls import check_tools
 from megatron_stepwise.rollout.context import (
     CONTEXT_MODES,
     extend_context,
@@ -59,6 +62,7 @@ from megatron_stepwise.rollout.context import (
 )
 from megatron_stepwise.rollout.engine import GenerateResult, SamplingParams
 from megatron_stepwise.rollout.env_calls import EnvCaller, EnvError
+from megatron_stepwise.rollout.routing import pad_to_tokens
 from megatron_stepwise.types import Step, TrajectoryID
 
 log = logging.getLogger(__name__)
@@ -171,12 +175,13 @@ class AgentLoop:
         try:
             env = await self._env.call(self.env_factory, name="environment factory")
             messages = await self._checked_call(env.reset, sample, check=_check_reset_output, name="env.reset")
+            tools = await self._env_tools(env)
         except EnvError as e:  # any env failure ends only this trajectory
             return [self._placeholder(traj_id, [self.eos_token_ids[0]], "env_error", cfg.env_error_reward, e)]
 
         steps: list[Step] = []
         total_reward = 0.0
-        prompt = retokenized = render_prompt(self.tokenizer, messages)  # turn 0: both modes agree
+        prompt = retokenized = render_prompt(self.tokenizer, messages, tools)  # turn 0: both modes agree
         for turn in range(cfg.max_turns):
             if len(prompt) > cfg.max_input_length:
                 if not steps:
@@ -207,7 +212,8 @@ class AgentLoop:
             if done:
                 break
             if turn + 1 < cfg.max_turns:  # a next turn will be sent
-                prompt, retokenized = self._next_prompt(step, prompt, retokenized, messages, text, observation)
+                prompt, retokenized = self._next_prompt(step, prompt, retokenized, messages, text, observation,
+                                                        tools)
                 messages = messages + [{"role": "assistant", "content": text}] + observation
         else:
             steps[-1].stop_reason = "max_turns"
@@ -226,6 +232,17 @@ class AgentLoop:
             return await self._env.call(check, out, name=f"{name} (checking its result)")
         return await self._env.call(lambda: check(method(arg)), name=name)
 
+    async def _env_tools(self, env: Any) -> Optional[list[dict]]:
+        """The environment's tool schemas (its `tools` attribute or method), checked; None when it
+        has none. Looked up statically first, so environments without tools cost no env call."""
+        if inspect.getattr_static(env, "tools", None) is None:
+            return None
+        tools = await self._env.call(_read_tools, env, name="env.tools")
+        if inspect.iscoroutinefunction(tools):  # an async method: its result is checked below
+            tools = await self._env.call(tools, name="env.tools")
+            return await self._env.call(check_tools, tools, name="env.tools (checking its result)")
+        return tools
+
     def env_stats(self) -> dict[str, int]:
         """Environment call counters since this loop was built: calls, errors, timeouts, stuck_threads."""
         return self._env.stats()
@@ -233,15 +250,17 @@ class AgentLoop:
     # ---- helpers ----------------------------------------------------------------------------
 
     def _next_prompt(self, step: Step, prompt: list[int], retokenized: list[int], messages: list[dict],
-                     text: str, observation: list[dict]) -> tuple[list[int], list[int]]:
+                     text: str, observation: list[dict],
+                     tools: Optional[list[dict]] = None) -> tuple[list[int], list[int]]:
         """(the next turn's prompt in this loop's context mode, the re-tokenised chat); measures
         drift on `step` either way, so the two modes report the same metric."""
         response = step.response_ids.tolist()
-        after = render_prompt(self.tokenizer, messages + [{"role": "assistant", "content": text}] + observation)
+        after = render_prompt(self.tokenizer, messages + [{"role": "assistant", "content": text}] + observation,
+                              tools)
         step.metadata["retokenize_drift"] = retokenize_drifted(retokenized, response, after)
         if self.config.context == "retokenize":
             return after, after
-        delta = template_delta(self.tokenizer, messages, text, observation)
+        delta = template_delta(self.tokenizer, messages, text, observation, tools)
         return extend_context(self.tokenizer, prompt, response, delta, self.eos_token_ids), after
 
     def _sampling_for(self, prompt_len: int, seed: Optional[int] = None) -> SamplingParams:
@@ -282,6 +301,8 @@ class AgentLoop:
             stop_reason=stop_reason,
             weight_versions=versions,
             metadata={"turn": turn, "finish_reason": result.finish_reason, "engine": result.engine},
+            # MoE routing replay: the engine's experts for prompt + response positions (-1 unknown)
+            routed_experts=pad_to_tokens(result.routed_experts, len(prompt) + len(response)),
         )
 
     def _placeholder(self, traj_id, prompt, stop_reason, reward, error, prompt_len=None) -> Step:
@@ -303,6 +324,16 @@ def _check_messages(messages: Any, where: str) -> list[dict]:
     ):
         raise EnvError(f"env.{where} must return a list of {{'role': str, 'content': str}} messages, got {messages!r:.200}")
     return messages
+
+
+def _read_tools(env: Any) -> Any:
+    """`env.tools` (called when it is a plain method) and checked; an async method is returned as is."""
+    tools = getattr(env, "tools", None)
+    if inspect.iscoroutinefunction(tools):
+        return tools
+    if callable(tools):
+        tools = tools()
+    return check_tools(tools)
 
 
 def _turn_seed(seed: Optional[int], traj_id: TrajectoryID, turn: int) -> Optional[int]:

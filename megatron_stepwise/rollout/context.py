@@ -25,6 +25,10 @@ sampled (reasoning included) and takes the delta from the same messages rendered
 neutral one-turn history, where nothing is rewritten. The messages the environment sees are the
 same in both modes (decoded text).
 
+Tool schemas (`tools`, an environment's `tools` attribute, envs/base.py) go to every render of a
+trajectory, the deltas' included: the template renders them (usually in the system turn) the
+same way each time, so token mode extends exactly as without them.
+
 `retokenize_drifted` is the measurement behind `rollout/retokenize_drift_rate`: whether the
 re-tokenised chat after a turn still begins with the re-tokenised chat before it plus that
 turn's response ids. It is the same question in both modes (re-tokenising depends only on the
@@ -47,25 +51,29 @@ class ChatTemplateError(ValueError):
     """The chat template cannot be extended turn by turn (token mode)."""
 
 
-def render_text(tokenizer: Any, messages: list[dict], *, generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
+def render_text(tokenizer: Any, messages: list[dict], *, generation_prompt: bool,
+                tools: Optional[list[dict]] = None) -> str:
+    """The chat template's text; `tools` (function schemas) is passed as `tools=` when given."""
+    extra = {"tools": tools} if tools else {}
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False, **extra)
 
 
 def encode(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def render_prompt(tokenizer: Any, messages: list[dict]) -> list[int]:
+def render_prompt(tokenizer: Any, messages: list[dict], tools: Optional[list[dict]] = None) -> list[int]:
     """Chat template with the generation prompt, re-tokenised from text (the step's prompt)."""
-    return encode(tokenizer, render_text(tokenizer, messages, generation_prompt=True))
+    return encode(tokenizer, render_text(tokenizer, messages, generation_prompt=True, tools=tools))
 
 
-def template_delta(tokenizer: Any, history: list[dict], reply: str, observation: list[dict]) -> str:
+def template_delta(tokenizer: Any, history: list[dict], reply: str, observation: list[dict],
+                   tools: Optional[list[dict]] = None) -> str:
     """The text the template puts after an assistant turn's content `reply`: the turn's closing,
-    the `observation` messages and the next generation prompt."""
-    delta = _delta_after(tokenizer, history, reply, observation, find_reply=False)
+    the `observation` messages and the next generation prompt (rendered with the same `tools`)."""
+    delta = _delta_after(tokenizer, history, reply, observation, tools, find_reply=False)
     if delta is None:  # the template rewrites earlier turns: see the module docstring
-        delta = _delta_after(tokenizer, _NEUTRAL_HISTORY, _NEUTRAL_REPLY, observation, find_reply=True)
+        delta = _delta_after(tokenizer, _NEUTRAL_HISTORY, _NEUTRAL_REPLY, observation, tools, find_reply=True)
     if delta is None:
         raise ChatTemplateError(
             "rollout.context=tokens: the chat template does not extend the chat when messages are added, even "
@@ -75,10 +83,10 @@ def template_delta(tokenizer: Any, history: list[dict], reply: str, observation:
 
 
 def _delta_after(tokenizer: Any, history: list[dict], reply: str, observation: list[dict],
-                 *, find_reply: bool) -> Optional[str]:
+                 tools: Optional[list[dict]], *, find_reply: bool) -> Optional[str]:
     turn = [{"role": "assistant", "content": reply}]
-    closed = render_text(tokenizer, history + turn, generation_prompt=False)
-    extended = render_text(tokenizer, history + turn + observation, generation_prompt=True)
+    closed = render_text(tokenizer, history + turn, generation_prompt=False, tools=tools)
+    extended = render_text(tokenizer, history + turn + observation, generation_prompt=True, tools=tools)
     if not extended.startswith(closed):
         return None
     if find_reply:  # the template may wrap the reply (e.g. an empty reasoning block before it)
@@ -87,7 +95,7 @@ def _delta_after(tokenizer: Any, history: list[dict], reply: str, observation: l
             return None
         end = at + len(reply)
     else:  # the reply must be rendered verbatim right after the generation prompt
-        head = render_text(tokenizer, history, generation_prompt=True) + reply
+        head = render_text(tokenizer, history, generation_prompt=True, tools=tools) + reply
         if not closed.startswith(head):
             return None
         end = len(head)

@@ -35,6 +35,29 @@ class EngineError(RuntimeError):
     """An engine failed to serve a request (dead, unreachable, or it answered with an error)."""
 
 
+class EngineReleasedError(EngineError):
+    """A request an engine cannot serve while it has released memory (colocated mode): generation
+    while its weights or KV cache are released, a weight load while its weights are. Retrying on
+    another engine of the same fleet will not help: they are released together."""
+
+
+# What `release_memory_occupation` / `resume_memory_occupation` act on: SGLang 0.5.23's tags
+# (`sglang/srt/constants.py`, GPU_MEMORY_ALL_TYPES); no tags (None or []) means all of them.
+MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
+
+
+def memory_tags(tags: Optional[Iterable[str]]) -> tuple[str, ...]:
+    """The tags a release/resume request acts on, in `MEMORY_TAGS` order; ValueError names an
+    unknown one. None or empty = all, as in SGLang."""
+    if tags is None or isinstance(tags, str):
+        tags = [tags] if isinstance(tags, str) else []
+    tags = list(tags)
+    unknown = sorted({t for t in tags if t not in MEMORY_TAGS}, key=str)
+    if unknown:
+        raise ValueError(f"unknown memory tag(s) {unknown}; expected some of {list(MEMORY_TAGS)}")
+    return tuple(t for t in MEMORY_TAGS if not tags or t in tags)
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling settings; field names and meaning follow SGLang's `sampling_params`.
@@ -128,6 +151,10 @@ class GenerateResult:
     string that ended it (None otherwise). `weight_version` is the policy version at the end of the
     generation; `token_weight_versions` (when the engine reports them) gives it per token, which
     differs only if weights were swapped in place mid-generation.
+    `routed_experts` (MoE engines asked for them: SGLang's `return_routed_experts`, the embedded
+    engine's `record_routed_experts`): int16 [positions, num_hidden_layers, topk], the experts
+    each layer's router chose for positions 0, 1, ... of `input_ids + output_ids`, as far as
+    the engine ran them (SGLang: all but the last token); -1 where a layer has no router.
     """
 
     output_ids: list[int]
@@ -138,6 +165,7 @@ class GenerateResult:
     matched: Optional[Union[int, str]] = None
     text: Optional[str] = None
     engine: Optional[str] = None
+    routed_experts: Optional[torch.Tensor] = None
 
     def __post_init__(self) -> None:
         if len(self.output_ids) != len(self.logprobs):
@@ -207,6 +235,16 @@ class Engine(Protocol):
 
     async def abort(self, rid: Optional[str] = None) -> None:
         """Abort one request by id, or all when rid is None; they finish with reason "abort"."""
+
+    async def release_memory_occupation(self, tags: Optional[list[str]] = None) -> None:
+        """Colocated mode: free the memory of `tags` ("weights", "kv_cache", "cuda_graph"; None =
+        all) so training can use it. Only when idle (no request in flight). While "weights" or
+        "kv_cache" is released, `generate` fails with `EngineReleasedError`; while "weights" is,
+        so does a weight update. SGLang's order to come back is: resume "weights" -> update the
+        weights -> resume "kv_cache" (the update needs the weights' memory, not the cache's)."""
+
+    async def resume_memory_occupation(self, tags: Optional[list[str]] = None) -> None:
+        """Take back the memory of `tags` (None = all); each must have been released."""
 
     async def health(self) -> bool: ...
 

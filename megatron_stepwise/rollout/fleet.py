@@ -18,6 +18,10 @@
   current weights by replaying the last disk/tensor update (or removed if that fails, or if
   weights came over a distributed group it cannot rejoin). Each turn resolves exactly once, so no
   trajectory is lost or duplicated. Counters are in `metrics()`.
+- Colocated mode: `release_memory_occupation(tags)` waits for in-flight requests to finish and
+  has every engine free that memory; `resume_memory_occupation(tags)` takes it back. While the
+  weights or the KV cache are released, `generate` fails at once (`EngineReleasedError`), and an
+  engine restarted meanwhile is released like the others once it has its weights.
 """
 
 from __future__ import annotations
@@ -30,8 +34,20 @@ from dataclasses import asdict, dataclass
 from typing import Any, Awaitable, Callable, Optional
 
 from megatron_stepwise.lifecycle import tagged_ray_instance
-from megatron_stepwise.rollout.engine import EngineError, GenerateResult, NamedTensors, SamplingParams
-from megatron_stepwise.rollout.sglang import EngineRequestError, SGLangServerConfig
+from megatron_stepwise.rollout.engine import (
+    EngineError,
+    EngineReleasedError,
+    GenerateResult,
+    NamedTensors,
+    SamplingParams,
+    memory_tags,
+)
+from megatron_stepwise.rollout.sglang import (
+    EngineRequestError,
+    SGLangServerConfig,
+    TensorHandles,
+    serialize_tensors_sglang,
+)
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +71,8 @@ class EngineSpec:
     # Ray resources of the actor
     num_cpus: float = 1.0
     num_gpus: float = 0.0
+    # MoE routing replay: (num_hidden_layers, topk) when the engine must return routed experts
+    routed_experts: Optional[tuple[int, int]] = None
 
     def __post_init__(self) -> None:
         if self.kind not in ("local", "sglang", "http"):
@@ -104,6 +122,7 @@ class EngineActor:
             self.engine = LocalEngine(
                 spec.model_config, weights=spec.weights, tokenizer=tokenizer, max_batch_size=spec.max_batch_size,
                 seed=spec.seed, torch_threads=spec.torch_threads, name=name,
+                record_routed_experts=spec.routed_experts is not None,
             )
         else:
             from megatron_stepwise.rollout.sglang import SGLangClient, launch_sglang_server
@@ -112,7 +131,7 @@ class EngineActor:
             if spec.kind == "sglang":
                 self.proc = launch_sglang_server(spec.sglang)
                 url = spec.sglang.url
-            self.engine = SGLangClient(url, tp_size=spec.tp_size)
+            self.engine = SGLangClient(url, tp_size=spec.tp_size, routed_experts=spec.routed_experts)
 
     async def generate(self, input_ids, sampling, rid=None, session=None) -> GenerateResult:
         return await self.engine.generate(input_ids, sampling, rid=rid, session=session)
@@ -169,6 +188,16 @@ def ensure_ray(address: Optional[str] = None, num_cpus: Optional[int] = None) ->
         ray.init(**kwargs)
 
 
+def _spawn_actor(spec: EngineSpec, index: int, incarnation: int):
+    """The fleet's default engine: a Ray actor running `EngineActor`."""
+    import ray
+
+    actor = ray.remote(EngineActor).options(
+        num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, max_concurrency=1000, max_restarts=0
+    )
+    return actor.remote(spec, f"engine{index}.{incarnation}")
+
+
 class RolloutFleet:
     """N engine actors behind one `generate` (see module docstring)."""
 
@@ -182,10 +211,17 @@ class RolloutFleet:
         ray_address: Optional[str] = None,
         ray_num_cpus: Optional[int] = None,
         partial_rollouts: bool = False,
+        colocate: bool = False,
+        spawn: Optional[Callable[[EngineSpec, int, int], Any]] = None,
     ):
+        """`spawn(spec, index, incarnation)` starts an engine and returns its handle (whose
+        `call.remote(method, ...)` reaches any `Engine` method); default: a Ray actor, Ray started
+        on demand. Tests pass their own handles."""
         if not specs:
             raise ValueError("a fleet needs at least one EngineSpec")
-        ensure_ray(ray_address, ray_num_cpus or max(4, len(specs) + 1))
+        if spawn is None:
+            ensure_ray(ray_address, ray_num_cpus or max(4, len(specs) + 1))
+        self._spawn = spawn or _spawn_actor
         self.max_retries = max_retries
         self.request_timeout_s = request_timeout_s
         self.restart_dead = restart_dead
@@ -193,6 +229,8 @@ class RolloutFleet:
         # False: a weight update waits for in-flight requests to finish (synchronous training).
         # True: it pauses them mid-turn; they continue with the new weights (partial rollouts).
         self.partial_rollouts = partial_rollouts
+        # True: engines share the trainer's GPUs (colocated mode): CUDA tensors go as IPC handles.
+        self.colocate = colocate
         self._metrics = FleetMetrics()
         self._limit = asyncio.Semaphore(max_concurrency)
         self._slots = [_Slot(i, spec, self._spawn(spec, i, 0)) for i, spec in enumerate(specs)]
@@ -205,17 +243,9 @@ class RolloutFleet:
         self._update_lock = asyncio.Lock()
         self._replay: Optional[Callable[[Any, int], Awaitable]] = None
         self._restarts: set[asyncio.Task] = set()
+        self._released: set[str] = set()  # memory tags every engine has released (colocated mode)
 
     # ---- lifecycle --------------------------------------------------------------------------
-
-    @staticmethod
-    def _spawn(spec: EngineSpec, index: int, incarnation: int):
-        import ray
-
-        actor = ray.remote(EngineActor).options(
-            num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, max_concurrency=1000, max_restarts=0
-        )
-        return actor.remote(spec, f"engine{index}.{incarnation}")
 
     async def wait_ready(self, timeout_s: float = 300.0) -> None:
         """Block until every engine answers a health check."""
@@ -234,6 +264,14 @@ class RolloutFleet:
     def outstanding(self, index: int) -> int:
         """Requests engine `index` is serving now (routing picks the engine with the fewest)."""
         return self._slots[index].outstanding
+
+    def remove_engine(self, index: int) -> None:
+        """Take engine `index` out of service, without restarting it: no request, no weight
+        update reaches it (drills and tests; the fleet finds real deaths itself)."""
+        slot = self._slots[index]
+        if slot.alive:
+            slot.alive = False
+            self._metrics.removed_engines += 1
 
     def kill_engine(self, index: int) -> None:
         """Kill one engine's actor (fault-injection for tests and drills)."""
@@ -277,6 +315,10 @@ class RolloutFleet:
     async def generate(
         self, input_ids: list[int], sampling: SamplingParams, rid: Optional[str] = None, session: Optional[str] = None
     ) -> GenerateResult:
+        blocking = sorted(self._released & {"weights", "kv_cache"})
+        if blocking:
+            raise EngineReleasedError(f"the fleet's engines have released their {' and '.join(blocking)} memory "
+                                      "(colocated mode): resume_memory_occupation before generating")
         async with self._limit:
             while not self._gate.is_set():  # a weight update is in progress
                 await self._gate.wait()
@@ -311,7 +353,7 @@ class RolloutFleet:
                 self._mark_dead(slot, incarnation)
             except ray.exceptions.RayTaskError as e:
                 cause = e.cause if getattr(e, "cause", None) is not None else e
-                if isinstance(cause, (EngineRequestError, ValueError, KeyError, TypeError)):
+                if isinstance(cause, (EngineRequestError, EngineReleasedError, ValueError, KeyError, TypeError)):
                     raise cause from None  # the request itself is bad: retrying elsewhere won't help
                 error = cause
                 await self._check_engine(slot, incarnation)
@@ -370,6 +412,8 @@ class RolloutFleet:
                 await asyncio.wait_for(handle.call.remote("health"), 300)
                 if self._replay is not None:
                     await self._replay(handle, self.weight_version)
+                if self._released:  # colocated: give training the memory its peers gave
+                    await handle.call.remote("release_memory_occupation", sorted(self._released))
                 slot.handle, slot.incarnation, slot.alive = handle, slot.incarnation + 1, True
                 self._metrics.restarts += 1
                 log.warning("engine %d restarted at weight version %d", slot.index, self.weight_version)
@@ -382,9 +426,44 @@ class RolloutFleet:
         while self._restarts:
             await asyncio.gather(*list(self._restarts), return_exceptions=True)
 
+    # ---- colocated mode -----------------------------------------------------------------------
+
+    async def release_memory_occupation(self, tags: Optional[list[str]] = None) -> None:
+        """Every live engine frees the memory of `tags` (None = all), once in-flight requests are done."""
+        tags = memory_tags(tags)
+        async with self._update_lock:
+            self._gate.clear()
+            try:
+                await self._drained.wait()  # engines release only when idle (SGLang asserts it)
+                await self._fan_out("release_memory_occupation", list(tags))
+                self._released.update(tags)
+            finally:
+                self._gate.set()
+
+    async def resume_memory_occupation(self, tags: Optional[list[str]] = None) -> None:
+        """Every live engine takes back the memory of `tags` (None = all released ones).
+
+        Colocated order after training: resume ["weights"], push the new weights, resume
+        ["kv_cache"] (an update needs the weights' memory; the cache comes back last)."""
+        tags = [t for t in memory_tags(tags) if t in self._released] if tags is None else list(memory_tags(tags))
+        async with self._update_lock:
+            await self._fan_out("resume_memory_occupation", tags)
+            self._released.difference_update(tags)
+
+    def released_memory(self) -> list[str]:
+        """Memory tags the engines have released now."""
+        return sorted(self._released)
+
+    async def _fan_out(self, method: str, *args) -> None:
+        live = [s for s in self._slots if s.alive]
+        await asyncio.gather(*(self._guarded(lambda s: s.handle.call.remote(method, *args), s) for s in live))
+
     # ---- weights ----------------------------------------------------------------------------
 
     async def _update(self, call: Callable[[Any, int], Awaitable], weight_version: Optional[int], replay) -> int:
+        if "weights" in self._released:
+            raise EngineReleasedError("weight update while the engines' weights are released: "
+                                      "resume_memory_occupation(['weights']) first")
         async with self._update_lock:
             self._gate.clear()
             try:
@@ -423,6 +502,16 @@ class RolloutFleet:
         import ray
 
         items = dict(named_tensors.items()) if hasattr(named_tensors, "items") else dict(named_tensors)
+        if self.colocate and any(v.is_cuda for v in items.values()):
+            # Colocated on GPU: the engines map the trainer's tensors by CUDA IPC handles (SGLang's
+            # own format), no copy through host memory. Handles die with this call's tensors, so a
+            # restarted engine cannot replay them: it is removed instead (replay=False).
+            ref = ray.put(TensorHandles(serialize_tensors_sglang(list(items.items()))))
+
+            async def send(s, version):
+                await s.handle.call.remote("update_weights_from_tensors", ref, version)
+
+            return await self._update(send, weight_version, False)
         ref = ray.put({k: v.detach().cpu() for k, v in items.items()})
 
         async def replay(handle, version):

@@ -13,6 +13,17 @@ version of, the weights that were loaded when it was drawn (SGLang's "retract" p
 the same way; "in_place" would keep the stale cache).
 
 There is no cross-request prefix cache, so `flush_cache` has nothing to drop.
+
+Colocated mode (`release_memory_occupation` / `resume_memory_occupation`, SGLang's semantics):
+releasing "weights" frees the storage of every parameter (shapes, dtypes and the module tree
+stay, so nothing has to be rebuilt); resuming allocates it again, zero-filled: like SGLang
+without `--enable-weights-cpu-backup`, the values are gone and the engine refuses to generate
+until a weight update has loaded new ones (the colocated loop pushes the whole model right after
+resuming). "kv_cache" holds nothing between batches here (KV caches live for one batch and
+release needs an idle engine), so releasing it only marks it; "cuda_graph" has no CPU meaning.
+While "weights" or "kv_cache" is released `generate` fails with `EngineReleasedError`, and while
+"weights" is a weight update fails the same way: SGLang's order is resume "weights" -> update ->
+resume "kv_cache".
 """
 
 from __future__ import annotations
@@ -27,12 +38,14 @@ from typing import Any, Optional, Union
 import torch
 
 from megatron_stepwise import weight_transport
-from megatron_stepwise.rollout import hf_model
+from megatron_stepwise.rollout import hf_model, routing
 from megatron_stepwise.rollout.engine import (
     EngineError,
+    EngineReleasedError,
     GenerateResult,
     NamedTensors,
     SamplingParams,
+    memory_tags,
 )
 from megatron_stepwise.rollout.sampling import sample_next
 
@@ -53,6 +66,7 @@ class _Request:
     text_len: int = 0
     generator: Optional[torch.Generator] = None  # per-request sampler when sampling_seed is set
     decoded: int = 0  # tokens of finished decode steps, as the event loop saw them (decoded_tokens)
+    routed: Optional[torch.Tensor] = None  # int16 [positions run, layers, topk] (record_routed_experts)
 
 
 class _Batch:
@@ -82,6 +96,10 @@ class _Batch:
             out = eng.model(input_ids=ids, attention_mask=self.mask, position_ids=positions, use_cache=True)
         self.cache = out.past_key_values
         self.last_logits = out.logits[:, -1, :].float()
+        if eng._router_recorder is not None:  # each row's positions are its last `length` columns
+            routed = eng._router_recorder.take(ids.numel()).reshape(len(seqs), width, *eng._routed_shape)
+            for r, row, n in zip(self.requests, routed, lengths):
+                r.routed = row[width - n:].clone()
 
     @property
     def active(self) -> list[_Request]:
@@ -114,6 +132,11 @@ class _Batch:
         self.next_pos = self.next_pos + 1
         self.cache = out.past_key_values
         self.last_logits = out.logits[:, -1, :].float()
+        if eng._router_recorder is not None:  # the fed token's experts, for rows that ran a new one
+            routed = eng._router_recorder.take(len(feed))
+            for r, row in zip(self.requests, routed):
+                if r.routed is not None and r.routed.size(0) == len(r.input_ids) + len(r.output_ids) - 1:
+                    r.routed = torch.cat([r.routed, row[None]])
 
 
 class LocalEngine:
@@ -127,6 +150,9 @@ class LocalEngine:
         max_batch_size: how many concurrent requests share one batch.
         seed: seeds both the random init and the sampler.
         torch_threads: intra-op threads for this engine (None leaves torch's setting).
+        record_routed_experts: return each request's routed experts (`GenerateResult.routed_experts`,
+            MoE models only: routing replay). None: on for MoE models.
+        router_noise, router_noise_mode: test hook: perturb the routers slightly (`rollout.routing`).
     """
 
     def __init__(
@@ -139,11 +165,20 @@ class LocalEngine:
         seed: int = 0,
         torch_threads: Optional[int] = None,
         name: str = "local",
+        record_routed_experts: Optional[bool] = None,
+        router_noise: float = 0.0,
+        router_noise_mode: str = "select",
     ):
         if torch_threads is not None:
             torch.set_num_threads(torch_threads)
         self.model = hf_model.build_causal_lm(model_config, weights=weights, seed=seed)
         self.config = self.model.config
+        self._router_recorder = None
+        if record_routed_experts or (record_routed_experts is None and routing.moe_gates(self.model)) or router_noise:
+            self._router_recorder = routing.RouterRecorder(self.model, router_noise=router_noise, seed=seed,
+                                                          router_noise_mode=router_noise_mode)
+            self._routed_shape = (self._router_recorder.num_layers, self._router_recorder.topk)
+        self._return_routed = bool(record_routed_experts or (record_routed_experts is None and self._router_recorder))
         self.tokenizer = tokenizer
         if eos_token_ids is None:
             eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else self.config.eos_token_id
@@ -169,6 +204,9 @@ class LocalEngine:
         self._next_rid = 0
         self._weight_groups: dict[str, Any] = {}
         self._pause_points: dict[str, int] = {}  # rid -> pause the engine once it has this many tokens
+        self._released: set[str] = set()  # memory tags released (colocated mode)
+        self._freed_storages: list[tuple[torch.UntypedStorage, int]] = []  # (storage, its size) while released
+        self._needs_weights = False  # weights resumed without their values: a weight update must come first
 
     # ---- scheduling -------------------------------------------------------------------------
 
@@ -286,6 +324,7 @@ class LocalEngine:
                 matched=r.matched,
                 text=text,
                 engine=self.name,
+                routed_experts=r.routed if self._return_routed else None,
             )
         )
 
@@ -296,6 +335,7 @@ class LocalEngine:
     ) -> GenerateResult:
         if self._failure is not None:
             raise EngineError(f"engine {self.name} is unhealthy: {self._failure!r}")
+        self._check_can_generate()
         # Checked again here, not only when the params were built: a bad value that reached the
         # batched sampler would fail the whole batch and leave this engine unhealthy for good.
         sampling.validate()
@@ -323,12 +363,14 @@ class LocalEngine:
         return await req.future
 
     async def update_weights_from_tensors(self, named_tensors: NamedTensors, weight_version: Optional[int] = None) -> int:
+        self._check_weights_resident("update_weights_from_tensors")
         self._ensure_started()
         async with self._model_lock:
             await self._run(hf_model.load_named_tensors, self.model, named_tensors)
             return self._bump_version(weight_version)
 
     async def update_weights_from_disk(self, path: str, weight_version: Optional[int] = None) -> int:
+        self._check_weights_resident("update_weights_from_disk")
         self._ensure_started()
         async with self._model_lock:
             await self._run(hf_model.load_safetensors_dir, self.model, path)
@@ -364,6 +406,7 @@ class LocalEngine:
             raise ValueError(f"no weight-update group {group_name!r}: call init_weights_update_group first")
         if not len(names) == len(dtypes) == len(shapes):
             raise ValueError(f"names/dtypes/shapes lengths differ: {len(names)}/{len(dtypes)}/{len(shapes)}")
+        self._check_weights_resident("update_weights_from_distributed")
         buffers = [torch.empty(shape, dtype=weight_transport.parse_dtype(d)) for d, shape in zip(dtypes, shapes)]
         self._ensure_started()
         async with self._model_lock:
@@ -375,6 +418,7 @@ class LocalEngine:
         self._weight_groups.pop(group_name, None)
 
     def _bump_version(self, weight_version: Optional[int]) -> int:
+        self._needs_weights = False
         self._weights_epoch += 1
         self._weight_version = self._weight_version + 1 if weight_version is None else int(weight_version)
         return self._weight_version
@@ -429,6 +473,74 @@ class LocalEngine:
                     r.finish_reason, r.matched = "abort", None
                 if not r.future.done():
                     self._resolve(r)
+
+    # ---- colocated mode: memory release / resume (see the module docstring) -------------------
+
+    def _check_can_generate(self) -> None:
+        blocking = sorted(self._released & {"weights", "kv_cache"})
+        if blocking:
+            raise EngineReleasedError(
+                f"engine {self.name}: cannot generate while its {' and '.join(blocking)} memory is released "
+                f"(colocated mode); call resume_memory_occupation first")
+        if self._needs_weights:
+            raise EngineReleasedError(
+                f"engine {self.name}: its weights were resumed after a release and hold no values yet; "
+                "load weights (update_weights_from_*) before generating")
+
+    def _check_weights_resident(self, what: str) -> None:
+        if "weights" in self._released:
+            raise EngineReleasedError(
+                f"engine {self.name}: {what} while the weights' memory is released; the order is "
+                "resume_memory_occupation(['weights']) -> update -> resume_memory_occupation(['kv_cache'])")
+
+    async def released_memory(self) -> list[str]:
+        """The memory tags released now."""
+        return sorted(self._released)
+
+    async def release_memory_occupation(self, tags: Optional[list[str]] = None) -> None:
+        """Free the memory of `tags` (None = all); see the module docstring."""
+        tags = memory_tags(tags)
+        again = [t for t in tags if t in self._released]
+        if again:
+            raise ValueError(f"memory {again} of engine {self.name} is already released")
+        if self._inflight:  # SGLang asserts the same: releasing under a running batch would crash it
+            raise ValueError(f"engine {self.name}: release_memory_occupation needs an idle engine, "
+                             f"{len(self._inflight)} request(s) in flight")
+        self._ensure_started()
+        async with self._model_lock:
+            if "weights" in tags:
+                await self._run(self._free_weights)
+            self._released.update(tags)
+
+    async def resume_memory_occupation(self, tags: Optional[list[str]] = None) -> None:
+        """Take back the memory of `tags` (None = all), each released before."""
+        tags = memory_tags(tags)
+        missing = [t for t in tags if t not in self._released]
+        if missing:
+            raise ValueError(f"memory {missing} of engine {self.name} is not released; nothing to resume")
+        self._ensure_started()
+        async with self._model_lock:
+            if "weights" in tags:
+                await self._run(self._restore_weights)
+            self._released.difference_update(tags)
+
+    def _free_weights(self) -> None:
+        # Each storage once (tied embeddings, fused experts share one): its bytes go back to the
+        # allocator, while the tensors keep shape and dtype so loads can refill them in place.
+        seen: dict[int, tuple[torch.UntypedStorage, int]] = {}
+        for p in self.model.parameters():
+            storage = p.untyped_storage()
+            seen.setdefault(storage.data_ptr(), (storage, storage.nbytes()))
+        for storage, _ in seen.values():
+            storage.resize_(0)
+        self._freed_storages = list(seen.values())
+
+    def _restore_weights(self) -> None:
+        for storage, nbytes in self._freed_storages:
+            storage.resize_(nbytes)
+            storage.fill_(0)
+        self._freed_storages = []
+        self._needs_weights = True
 
     async def health(self) -> bool:
         return self._failure is None and (self._loop_task is None or not self._loop_task.done())

@@ -5,7 +5,9 @@ rollout stack is exercised for real on machines without a GPU. Endpoints (SGLang
 /generate, /health, /health_generate, /get_model_info, /model_info, /flush_cache,
 /update_weights_from_disk, /update_weights_from_tensor, /init_weights_update_group,
 /update_weights_from_distributed, /destroy_weights_update_group, /update_weight_version,
-/pause_generation, /continue_generation, /abort_request.
+/pause_generation, /continue_generation, /abort_request, /release_memory_occupation,
+/resume_memory_occupation (colocated mode; a request the released engine cannot serve is
+answered 400 naming why, where SGLang would fail or hang).
 
 Deviation: `/update_weights_from_tensor` takes each entry of `serialized_named_tensors` as
 base64 of a safetensors blob (`load_format="safetensors"`), not SGLang's pickled CUDA-IPC
@@ -27,14 +29,16 @@ from typing import Any, Optional
 from aiohttp import web
 
 from megatron_stepwise.rollout.auth import API_KEY_ENV, api_key_from_env, bearer_matches, is_loopback
-from megatron_stepwise.rollout.engine import GenerateResult, SamplingParams
+from megatron_stepwise.rollout.engine import EngineReleasedError, GenerateResult, SamplingParams
 from megatron_stepwise.rollout.local import LocalEngine
+from megatron_stepwise.rollout.routing import encode as encode_routed
 
 log = logging.getLogger(__name__)
 
 # /generate fields this server understands; others that SGLang knows are refused with a 400
 # naming them, rather than silently ignored.
-GENERATE_FIELDS = {"rid", "input_ids", "text", "sampling_params", "return_logprob", "stream", "logprob_start_len"}
+GENERATE_FIELDS = {"rid", "input_ids", "text", "sampling_params", "return_logprob", "stream", "logprob_start_len",
+                   "return_routed_experts", "routed_experts_start_len"}
 ENGINE_TAG = "megatron_stepwise.local"
 
 
@@ -61,7 +65,8 @@ def version_spans(versions: list[int]) -> list[dict[str, Any]]:
     return spans
 
 
-def generate_response(rid: str, prompt_len: int, result: GenerateResult, return_logprob: bool) -> dict:
+def generate_response(rid: str, prompt_len: int, result: GenerateResult, return_logprob: bool,
+                      return_routed_experts: bool = False) -> dict:
     meta: dict[str, Any] = {
         "id": rid,
         "prompt_tokens": prompt_len,
@@ -73,6 +78,10 @@ def generate_response(rid: str, prompt_len: int, result: GenerateResult, return_
     }
     if return_logprob:
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(result.logprobs, result.output_ids)]
+    if return_routed_experts:
+        # SGLang's contract: positions [0, prompt + output - 1), base64 of int32 [positions, layers, topk]
+        routed = result.routed_experts
+        meta["routed_experts"] = encode_routed(routed[: max(0, prompt_len + len(result.output_ids) - 1)])
     return {"text": result.text or "", "output_ids": list(result.output_ids), "meta_info": meta}
 
 
@@ -104,6 +113,9 @@ class EngineServer:
         r.add_post("/pause_generation", self.pause_generation)
         r.add_post("/continue_generation", self.continue_generation)
         r.add_post("/abort_request", self.abort_request)
+        for method in ("GET", "POST"):  # as SGLang's api_route(methods=["GET", "POST"])
+            r.add_route(method, "/release_memory_occupation", self.release_memory_occupation)
+            r.add_route(method, "/resume_memory_occupation", self.resume_memory_occupation)
         return app
 
     @web.middleware
@@ -121,7 +133,7 @@ class EngineServer:
             return await handler(request)
         except web.HTTPException:
             raise
-        except (BadRequest, ValueError, KeyError, TypeError, FileNotFoundError) as e:
+        except (BadRequest, ValueError, KeyError, TypeError, FileNotFoundError, EngineReleasedError) as e:
             msg = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
             if request.path.startswith(("/update_weights", "/init_weights", "/destroy_weights")):
                 return web.json_response({"success": False, "message": msg}, status=400)
@@ -147,6 +159,11 @@ class EngineServer:
             raise BadRequest("/generate: stream=true is not supported by the embedded engine")
         if body.get("logprob_start_len", -1) not in (-1, None):
             raise BadRequest("/generate: only logprob_start_len=-1 (output log-probs) is supported")
+        routed = bool(body.get("return_routed_experts", False))
+        if body.get("routed_experts_start_len", 0) not in (0, None):
+            raise BadRequest("/generate: only routed_experts_start_len=0 (every position) is supported")
+        if routed and not getattr(self.engine, "_return_routed", False):
+            raise BadRequest("/generate: return_routed_experts needs a MoE model (this engine records no routing)")
         input_ids = body.get("input_ids")
         if input_ids is None and body.get("text") is not None:
             if self.engine.tokenizer is None:
@@ -175,7 +192,8 @@ class EngineServer:
         results = await asyncio.gather(
             *(self.engine.generate(p, s, rid=r) for p, s, r in zip(prompts, params, rids))
         )
-        out = [generate_response(r, len(p), res, bool(flag)) for r, p, res, flag in zip(rids, prompts, results, lps)]
+        out = [generate_response(r, len(p), res, bool(flag), routed)
+               for r, p, res, flag in zip(rids, prompts, results, lps)]
         return web.json_response(out if batched else out[0])
 
     def _new_rid(self) -> str:
@@ -274,6 +292,21 @@ class EngineServer:
     async def continue_generation(self, request: web.Request) -> web.Response:
         await self.engine.resume()
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def release_memory_occupation(self, request: web.Request) -> web.Response:
+        await self.engine.release_memory_occupation(self._tags(await self._body(request)))
+        return web.json_response(None)
+
+    async def resume_memory_occupation(self, request: web.Request) -> web.Response:
+        await self.engine.resume_memory_occupation(self._tags(await self._body(request)))
+        return web.json_response(None)
+
+    @staticmethod
+    def _tags(body: dict) -> Optional[list[str]]:
+        tags = body.get("tags")
+        if tags is not None and not (isinstance(tags, list) and all(isinstance(t, str) for t in tags)):
+            raise BadRequest(f"'tags' must be a list of strings, got {tags!r}")
+        return tags
 
     async def abort_request(self, request: web.Request) -> web.Response:
         body = await self._body(request)

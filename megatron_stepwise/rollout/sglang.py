@@ -29,6 +29,7 @@ from megatron_stepwise.rollout.engine import (
     GenerateResult,
     NamedTensors,
     SamplingParams,
+    memory_tags,
 )
 from megatron_stepwise.weight_transport import dtype_name
 
@@ -47,8 +48,10 @@ def _version_int(value: Any) -> int:
         return 0
 
 
-def parse_generate_response(data: dict) -> GenerateResult:
-    """Tokens and log-probs from `meta_info.output_token_logprobs` ([logprob, token_id, text])."""
+def parse_generate_response(data: dict, routed_experts: Optional[tuple[int, int]] = None) -> GenerateResult:
+    """Tokens and log-probs from `meta_info.output_token_logprobs` ([logprob, token_id, text]);
+    with `routed_experts` = (num_hidden_layers, topk), the experts of `meta_info.routed_experts`
+    (base64 int32, [positions, layers, topk], as SGLang sends them for `return_routed_experts`)."""
     meta = data.get("meta_info") or {}
     entries = meta.get("output_token_logprobs")
     if entries is None:
@@ -75,7 +78,22 @@ def parse_generate_response(data: dict) -> GenerateResult:
         token_weight_versions=per_token,
         matched=reason.get("matched") if isinstance(reason, dict) else None,
         text=data.get("text"),
+        routed_experts=_routed_experts(meta, routed_experts),
     )
+
+
+def _routed_experts(meta: dict, shape: Optional[tuple[int, int]]):
+    if shape is None:
+        return None
+    blob = meta.get("routed_experts")
+    if blob is None:
+        raise EngineError("response has no meta_info.routed_experts (start SGLang with --enable-return-routed-experts)")
+    from megatron_stepwise.rollout.routing import decode
+
+    try:
+        return decode(blob, *shape)
+    except ValueError as e:
+        raise EngineError(str(e)) from None
 
 
 def serialize_tensors_safetensors(named_tensors: NamedTensors) -> str:
@@ -100,6 +118,23 @@ def serialize_tensors_sglang(named_tensors: NamedTensors) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
+def _tags_body(tags: Optional[list[str]]) -> dict[str, Any]:
+    """Body of /release_memory_occupation and /resume_memory_occupation (`tags`: None = all)."""
+    memory_tags(tags)  # an unknown tag is refused here, naming it, before anything is sent
+    return {} if tags is None else {"tags": list(tags)}
+
+
+@dataclass
+class TensorHandles:
+    """Named tensors already in SGLang's `update_weights_from_tensor` format
+    (`serialize_tensors_sglang`): for CUDA tensors, IPC handles into the memory of the process
+    that serialized them. Colocated on GPU, the trainer serializes its tensors once and every
+    engine on its node maps them, no copy through the host; the handles are valid only while the
+    trainer keeps those tensors, so until the update call returns."""
+
+    blob: str
+
+
 class SGLangClient:
     """`Engine` over SGLang's native HTTP API at `base_url`.
 
@@ -107,15 +142,20 @@ class SGLangClient:
         base_url: e.g. "http://127.0.0.1:30000".
         timeout_s: per-request timeout (generation included).
         tp_size: tensor-parallel size of the server (update_weights_from_tensor sends one entry per rank).
+        routed_experts: (num_hidden_layers, topk) of a MoE model: ask for the routed experts of every
+            position (routing replay; the server needs --enable-return-routed-experts).
     """
 
-    def __init__(self, base_url: str, timeout_s: float = 600.0, tp_size: int = 1, api_key: Optional[str] = None):
+    def __init__(self, base_url: str, timeout_s: float = 600.0, tp_size: int = 1, api_key: Optional[str] = None,
+                 routed_experts: Optional[tuple[int, int]] = None):
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
         self.tp_size = tp_size
         self.api_key = api_key or api_key_from_env()  # sent as a Bearer header (SGLang --api-key)
         self._session: Optional[aiohttp.ClientSession] = None
         self._embedded: Optional[bool] = None
+        # MoE routing replay: (num_hidden_layers, topk); requests ask for the routed experts
+        self.routed_experts = None if routed_experts is None else (int(routed_experts[0]), int(routed_experts[1]))
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -149,8 +189,10 @@ class SGLangClient:
         }
         if rid is not None:
             payload["rid"] = rid
+        if self.routed_experts is not None:
+            payload["return_routed_experts"] = True  # all positions: routed_experts_start_len 0
         data = await self._request("POST", "/generate", json=payload)
-        result = parse_generate_response(data)
+        result = parse_generate_response(data, self.routed_experts)
         result.engine = self.base_url
         return result
 
@@ -168,7 +210,11 @@ class SGLangClient:
         return await self.weight_version()
 
     async def update_weights_from_tensors(self, named_tensors: NamedTensors, weight_version: Optional[int] = None) -> int:
-        if await self._is_embedded():
+        if isinstance(named_tensors, TensorHandles):  # serialized by the trainer (colocated GPU push)
+            if await self._is_embedded():
+                raise EngineRequestError("the embedded engine takes tensors, not CUDA IPC handles")
+            blob, load_format = named_tensors.blob, None
+        elif await self._is_embedded():
             blob, load_format = serialize_tensors_safetensors(named_tensors), "safetensors"
         else:
             blob, load_format = serialize_tensors_sglang(named_tensors), None
@@ -238,6 +284,15 @@ class SGLangClient:
 
     async def flush_cache(self) -> None:
         await self._request("POST", "/flush_cache")
+
+    async def release_memory_occupation(self, tags: Optional[list[str]] = None) -> None:
+        # Colocated mode. The server must run with --enable-memory-saver (else this frees nothing)
+        # and be idle (SGLang asserts it). No tags = everything: weights, kv_cache, cuda_graph.
+        await self._request("POST", "/release_memory_occupation", json=_tags_body(tags))
+
+    async def resume_memory_occupation(self, tags: Optional[list[str]] = None) -> None:
+        # Without --enable-weights-cpu-backup resumed weights hold no values: update them next.
+        await self._request("POST", "/resume_memory_occupation", json=_tags_body(tags))
 
     async def abort(self, rid: Optional[str] = None) -> None:
         body = {"abort_all": True} if rid is None else {"rid": rid}

@@ -1,0 +1,242 @@
+"""Tool calls in the Hermes / Qwen format: schemas for `tools=`, a parser, tool-result messages.
+
+An environment that offers tools declares them as function schemas (the OpenAI / Hugging Face
+shape `{"type": "function", "function": {"name", "description", "parameters"}}`, built by
+`function_tool`); the agent loop passes them to the chat template as `tools=` (envs/base.py).
+The model calls a tool by writing, anywhere in its turn, one or several blocks
+
+    <tool_call>
+    {"name": "python", "arguments": {"code": "print(6 * 7)"}}
+    </tool_call>
+
+`parse_tool_calls(text, tools)` returns every block in order, each a `ToolCall` (name and
+arguments) or a `ToolCallError` whose `message` is written for the model (invalid JSON with its
+position, no name, arguments that are not an object, an unknown tool, a missing required
+argument, an unterminated block), so the environment can answer a malformed call with a useful
+tool message (`tool_message`) instead of failing the trajectory. JSON strings may hold raw
+newlines and tabs (models write code that way); `arguments` may also be a JSON-encoded object
+(OpenAI's shape). Arguments are checked against the schema only at the top level (required
+names, JSON types, `additionalProperties: false`).
+
+No Megatron, torch or Ray imports: environments import this in their own processes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence, Union
+
+TOOL_CALL_OPEN = "<tool_call>"
+TOOL_CALL_CLOSE = "</tool_call>"
+_TAG = re.compile(re.escape(TOOL_CALL_OPEN) + "|" + re.escape(TOOL_CALL_CLOSE))
+_JSON_TYPES: dict[str, tuple[type, ...]] = {
+    "string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,),
+    "array": (list,), "object": (dict,), "null": (type(None),),
+}
+_SHOWN = 200  # characters of a bad block quoted back in its error
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A well-formed call: `index` is its position among the turn's <tool_call> blocks."""
+
+    index: int
+    name: str
+    arguments: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ToolCallError:
+    """A block that is not a valid call; `message` is meant to be shown to the model."""
+
+    index: int
+    message: str
+    text: str  # the block's body (or what followed an unterminated <tool_call>)
+    name: Optional[str] = None  # the tool named, when the block got that far
+
+
+@dataclass(frozen=True)
+class ParsedTurn:
+    """Every <tool_call> block of a turn, in order, and the text outside them."""
+
+    blocks: list[Union[ToolCall, ToolCallError]] = field(default_factory=list)
+    text: str = ""
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        return [b for b in self.blocks if isinstance(b, ToolCall)]
+
+    @property
+    def errors(self) -> list[ToolCallError]:
+        return [b for b in self.blocks if isinstance(b, ToolCallError)]
+
+
+def function_tool(name: str, description: str, parameters: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """A function schema for `tools=` (`parameters` is a JSON schema of an object)."""
+    return {"type": "function", "function": {
+        "name": name, "description": description,
+        "parameters": parameters if parameters is not None else {"type": "object", "properties": {}},
+    }}
+
+
+def tool_function(tool: dict[str, Any]) -> dict[str, Any]:
+    """The function part of a schema: `{"name", "description", "parameters"}` (both shapes accepted)."""
+    inner = tool.get("function")
+    return inner if isinstance(inner, dict) else tool
+
+
+def tool_names(tools: Sequence[dict[str, Any]]) -> list[str]:
+    return [str(tool_function(t).get("name")) for t in tools]
+
+
+def tool_message(content: str, name: Optional[str] = None, tool_call_id: Optional[str] = None) -> dict[str, str]:
+    """A tool-result message (role "tool") to return as (part of) an observation."""
+    message = {"role": "tool", "content": str(content)}
+    if name is not None:
+        message["name"] = name
+    if tool_call_id is not None:
+        message["tool_call_id"] = tool_call_id
+    return message
+
+
+def check_tools(tools: Any) -> Optional[list[dict[str, Any]]]:
+    """Validate an environment's tool schemas; returns a plain JSON copy (None when there are none).
+
+    Raises ValueError naming what is wrong: not a list of dicts, not JSON-serialisable, a schema
+    without a function name, or two tools of the same name.
+    """
+    if tools is None:
+        return None
+    if not isinstance(tools, (list, tuple)):
+        raise ValueError(f"tools must be a list of function schemas (dicts), got {type(tools).__name__}")
+    if not tools:
+        return None
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict):
+            raise ValueError(f"tools[{i}] must be a function schema (dict), got {type(tool).__name__}")
+    try:
+        plain = json.loads(json.dumps(list(tools)))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"tools must be JSON-serialisable: {e}") from None
+    names = []
+    for i, tool in enumerate(plain):
+        name = tool_function(tool).get("name")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"tools[{i}] has no function name (expected {{'type': 'function', 'function': "
+                             f"{{'name': ..., 'parameters': ...}}}})")
+        names.append(name)
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"tools declares {', '.join(map(repr, duplicates))} more than once")
+    return plain
+
+
+def parse_tool_calls(text: str, tools: Optional[Sequence[dict[str, Any]]] = None) -> ParsedTurn:
+    """Every `<tool_call>...</tool_call>` block of `text`, in order (see the module docstring).
+
+    With `tools`, a call must name one of them and its arguments must fit its parameters.
+    A `</tool_call>` without an opening tag is left in the text.
+    """
+    by_name = {tool_function(t).get("name"): tool_function(t) for t in tools} if tools is not None else None
+    blocks: list[Union[ToolCall, ToolCallError]] = []
+    outside: list[str] = []
+    pos = 0
+    open_at: Optional[int] = None  # where the body of the block being read starts
+    for tag in _TAG.finditer(text):
+        if tag.group() == TOOL_CALL_OPEN:
+            if open_at is not None:  # a new block opens before the last one closed
+                blocks.append(_unterminated(len(blocks), text[open_at:tag.start()], reopened=True))
+            else:
+                outside.append(text[pos:tag.start()])
+            open_at = tag.end()
+        elif open_at is not None:
+            blocks.append(_parse_block(len(blocks), text[open_at:tag.start()], by_name))
+            open_at, pos = None, tag.end()
+    if open_at is not None:
+        blocks.append(_unterminated(len(blocks), text[open_at:], reopened=False))
+    else:
+        outside.append(text[pos:])
+    return ParsedTurn(blocks, "".join(outside).strip())
+
+
+def _unterminated(index: int, body: str, *, reopened: bool) -> ToolCallError:
+    where = "before the next <tool_call>" if reopened else "(the turn may have hit its token limit)"
+    return ToolCallError(index, f"tool call {index + 1}: <tool_call> is not closed by </tool_call> {where}",
+                         body.strip()[:_SHOWN])
+
+
+def _parse_block(index: int, body: str, by_name: Optional[dict]) -> Union[ToolCall, ToolCallError]:
+    body = body.strip()  # error positions count from the JSON's first character
+    shown = body[:_SHOWN]
+
+    def error(message: str, name: Optional[str] = None) -> ToolCallError:
+        return ToolCallError(index, f"tool call {index + 1}: {message}", shown, name)
+
+    if not body:
+        return error('empty; write {"name": ..., "arguments": {...}} between the tags')
+    try:
+        value = json.loads(body, strict=False)  # strict=False: raw newlines/tabs inside strings
+    except json.JSONDecodeError as e:
+        return error(f"invalid JSON ({e.msg} at line {e.lineno} column {e.colno})")
+    if not isinstance(value, dict):
+        return error(f'must be a JSON object {{"name": ..., "arguments": {{...}}}}, got {_json_type(value)}')
+    name = value.get("name")
+    if "name" not in value:
+        return error('has no "name" (the tool to call)')
+    if not isinstance(name, str) or not name:
+        return error(f'"name" must be a non-empty string, got {json.dumps(name)[:50]}')
+    arguments = value.get("arguments", {})
+    if isinstance(arguments, str):  # OpenAI's shape: the arguments object encoded as a string
+        try:
+            arguments = json.loads(arguments, strict=False) if arguments.strip() else {}
+        except json.JSONDecodeError as e:
+            return error(f'"arguments" is a string that is not valid JSON ({e.msg} at column {e.colno})', name)
+    if not isinstance(arguments, dict):
+        return error(f'"arguments" must be a JSON object, got {_json_type(arguments)}', name)
+    if by_name is not None:
+        if name not in by_name:
+            available = ", ".join(sorted(map(str, by_name))) or "none"
+            return error(f"unknown tool {name!r} (available: {available})", name)
+        problem = _argument_problem(arguments, by_name[name].get("parameters"))
+        if problem:
+            return error(f"{name}: {problem}", name)
+    return ToolCall(index, name, arguments)
+
+
+def _argument_problem(arguments: dict[str, Any], parameters: Any) -> Optional[str]:
+    if not isinstance(parameters, dict):
+        return None
+    properties = parameters.get("properties") or {}
+    missing = [k for k in parameters.get("required") or [] if k not in arguments]
+    if missing:
+        return f"missing required argument{'s' if len(missing) > 1 else ''} {', '.join(map(repr, missing))}"
+    if parameters.get("additionalProperties") is False:
+        extra = [k for k in arguments if k not in properties]
+        if extra:
+            return f"unexpected argument{'s' if len(extra) > 1 else ''} {', '.join(map(repr, extra))}"
+    for key, value in arguments.items():
+        spec = properties.get(key)
+        expected = spec.get("type") if isinstance(spec, dict) else None
+        if expected is None:
+            continue
+        types = [expected] if isinstance(expected, str) else list(expected)
+        if not any(_is_type(value, t) for t in types):
+            return f"argument {key!r} must be {' or '.join(types)}, got {_json_type(value)}"
+    return None
+
+
+def _is_type(value: Any, json_type: str) -> bool:
+    if json_type not in _JSON_TYPES:
+        return True  # a type this check does not know: accept
+    if isinstance(value, bool) and json_type in ("integer", "number"):
+        return False
+    return isinstance(value, _JSON_TYPES[json_type])
+
+
+def _json_type(value: Any) -> str:
+    for name in ("null", "boolean", "integer", "number", "string", "array", "object"):
+        if _is_type(value, name):
+            return "an integer" if name == "integer" else f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+    return type(value).__name__
