@@ -41,6 +41,8 @@ CASES = [
     pytest.param("qwen3", False, id="qwen3-untied"),
     pytest.param("qwen3", True, id="qwen3-tied"),
     pytest.param("qwen3_moe", False, id="qwen3moe-untied"),
+    pytest.param("mixtral", False, id="mixtral-untied"),
+    pytest.param("mixtral", True, id="mixtral-tied"),
 ]
 # Qwen3: an explicit head_dim that is not hidden_size / num_heads (as in the real Qwen3 models).
 EXTRA = {"qwen3": {"head_dim": 24}, "qwen3_moe": {"head_dim": 24}}
@@ -57,11 +59,40 @@ def test_hf_megatron_hf_round_trip_is_bit_identical(model_type, tied, te_spec):
     assert ("output_layer.weight" in canonical) == (not tied)
     assert ("decoder.layers.0.self_attention.linear_qkv.bias" in canonical) == (model_type == "qwen2")
     assert ("decoder.layers.1.self_attention.k_layernorm.weight" in canonical) == model_type.startswith("qwen3")
-    assert ("decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight" in canonical) == (model_type == "qwen3_moe")
+    moe = model_type in ("qwen3_moe", "mixtral")
+    assert ("decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight" in canonical) == moe
     back = H.canonical_to_hf(canonical, arch)
     assert set(back) == set(state)
     for name, tensor in state.items():
         assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
+
+
+def test_mixtral_experts_take_the_hub_names_w1_gate_w3_up_w2_down(tmp_path):
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = tiny_config(model_type="mixtral", num_layers=1)
+    arch = arch_from_hf(cfg)
+    assert (arch.num_experts, arch.moe_topk, arch.moe_ffn_hidden_size, arch.moe_norm_topk) == (4, 2, 128, True)
+    names = H.hf_names(arch)
+    assert "model.layers.0.block_sparse_moe.gate.weight" in names
+    assert H.hf_names_for("decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight", arch) == (
+        "model.layers.0.block_sparse_moe.experts.3.w1.weight", "model.layers.0.block_sparse_moe.experts.3.w3.weight")
+    assert H.hf_names_for("decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.weight", arch) == (
+        "model.layers.0.block_sparse_moe.experts.3.w2.weight",)
+    # ... which are the names transformers itself writes (and reads back into its fused experts).
+    fields = dict(cfg)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(fields.pop("model_type"), **fields))
+    model.save_pretrained(str(tmp_path))
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
+        saved = {k: f.get_tensor(k) for k in f.keys()}
+    assert sorted(saved) == sorted(names)
+    fc1 = H.from_hf("decoder.layers.0.mlp.experts.local_experts.2.linear_fc1.weight", saved, arch)
+    gate_up = model.model.layers[0].mlp.experts.gate_up_proj[2]  # transformers' [gate; up]
+    assert torch.equal(fc1, gate_up)
+    assert torch.equal(saved["model.layers.0.block_sparse_moe.experts.2.w1.weight"], gate_up[:128])
+    fc2 = H.from_hf("decoder.layers.0.mlp.experts.local_experts.2.linear_fc2.weight", saved, arch)
+    assert torch.equal(fc2, model.model.layers[0].mlp.experts.down_proj[2])
 
 
 def test_qkv_rows_are_grouped_per_query_group_by_hand():

@@ -21,10 +21,14 @@ CHECKPOINTS = {
     "qwen3-untied": tiny_config(model_type="qwen3", tie_word_embeddings=False, head_dim=24),
     # 4 experts, top-2, renormalised (EP1: the experts are whole on every rank)
     "qwen3moe-untied": tiny_config(model_type="qwen3_moe", tie_word_embeddings=False, num_layers=4),
+    # Mixtral: 4 experts of intermediate_size, top-2 always renormalised, hub names
+    # (block_sparse_moe.experts.e.w1/w2/w3) as transformers' save_pretrained writes them
+    "mixtral-untied": tiny_config(model_type="mixtral", tie_word_embeddings=False, num_layers=4),
 }
 LAYOUTS = ["tp2pp1", "tp1pp2"]
-# every checkpoint at every layout, and the MoE one with its experts split over 2 EP ranks
-CASES = [(name, layout) for name in CHECKPOINTS for layout in LAYOUTS] + [("qwen3moe-untied", "tp1pp1ep2")]
+# every checkpoint at every layout, and the MoE ones with their experts split over 2 EP ranks
+CASES = [(name, layout) for name in CHECKPOINTS for layout in LAYOUTS] + [
+    ("qwen3moe-untied", "tp1pp1ep2"), ("mixtral-untied", "tp1pp1ep2")]
 
 
 @pytest.fixture(scope="module")

@@ -95,7 +95,7 @@ def test_absent_ids_raise_naming_the_key(hf_cache):
     with pytest.raises(ModelSourceError) as e:
         resolve_hf_config("Org/Absent")
     text = str(e.value)
-    assert text.startswith("model.hf_config='Org/Absent': not a preset (tiny, tiny_qwen3, tiny_qwen3_moe), not a local path")
+    assert text.startswith("model.hf_config='Org/Absent': not a preset (tiny, tiny_qwen3, tiny_qwen3_moe, tiny_mixtral), not a local path")
     assert "HF_HUB_OFFLINE=1" in text and str(hf_cache) in text
     with pytest.raises(ModelSourceError, match=r"^model.hf_checkpoint='Org/Absent': not a preset"):
         resolve_hf_config("Org/Absent", key="model.hf_checkpoint")

@@ -232,7 +232,7 @@ def test_packed_attention_is_block_diagonal_causal_with_gqa():
 
 
 def test_arch_from_transformers_configs():
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, MixtralConfig, Qwen2Config
 
     llama = M.arch_from_hf(
         LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -244,6 +244,24 @@ def test_arch_from_transformers_configs():
     qwen = M.arch_from_hf(Qwen2Config(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=4))
     assert qwen.qkv_bias and qwen.model_type == "qwen2"
+    mixtral = M.arch_from_hf(
+        MixtralConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+                      num_key_value_heads=2, num_local_experts=6, num_experts_per_tok=2, output_router_logits=True)
+    )
+    # The expert width is intermediate_size; top-k renormalised; Llama attention; theta 1e6.
+    assert (mixtral.num_experts, mixtral.moe_topk, mixtral.moe_ffn_hidden_size) == (6, 2, 96)
+    assert mixtral.moe_norm_topk and not mixtral.qk_norm and not mixtral.qkv_bias
+    assert (mixtral.num_heads, mixtral.num_kv_heads, mixtral.head_dim, mixtral.rope_theta) == (8, 2, 8, 1e6)
+    # the same from the hub's config.json keys (and with an explicit theta)
+    hub = {**M.tiny_config(model_type="mixtral"), "rope_theta": 1e6, "num_local_experts": 8}
+    assert M.arch_from_hf(hub).num_experts == 8 and M.arch_from_hf(hub).rope_theta == 1e6
+
+
+@pytest.mark.parametrize("key, value", [("sliding_window", 4096), ("router_jitter_noise", 0.01),
+                                        ("num_local_experts", 0), ("num_experts_per_tok", 5)])
+def test_mixtral_configs_this_builder_cannot_match_are_refused_by_name(key, value):
+    with pytest.raises(M.ModelConfigError, match=f"{key}={value}"):
+        M.arch_from_hf({**M.tiny_config(model_type="mixtral"), key: value})
 
 
 def test_llama3_rope_scaling_and_unsupported_configs():

@@ -248,3 +248,33 @@ def test_sampling_seed_makes_a_request_reproducible_on_any_engine():
     assert other.output_ids != alone.output_ids
     with pytest.raises(ValueError, match="sampling_seed"):
         SamplingParams(sampling_seed="x")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_moe_weights_are_saved_and_loaded_under_the_hub_names(tmp_path, model_type):
+    """transformers fuses a MoE layer's experts in memory; files and pushes name each expert as
+    the hub does (Mixtral: block_sparse_moe.experts.e.w1/w3/w2): ours match save_pretrained's, and
+    load back into the fused parameters, ours and transformers' alike."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from megatron_stepwise.hf.presets import tiny_config
+    from megatron_stepwise.rollout.hf_model import checkpoint_state
+
+    cfg = tiny_config(model_type=model_type)
+    source = build_causal_lm(cfg, seed=3)
+    save_safetensors_dir(source, tmp_path / "ours")
+    source.save_pretrained(str(tmp_path / "theirs"))
+    names = {}
+    for which in ("ours", "theirs"):
+        with safe_open(str(tmp_path / which / "model.safetensors"), framework="pt") as f:
+            names[which] = sorted(f.keys())
+    assert names["ours"] == names["theirs"]
+    if model_type == "mixtral":
+        assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in names["ours"]
+    want = source.state_dict()
+    for loaded in (build_causal_lm(cfg, weights=tmp_path / "ours", seed=9),
+                   AutoModelForCausalLM.from_pretrained(str(tmp_path / "ours"), dtype=torch.float32)):
+        got = loaded.state_dict()
+        assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert sorted(checkpoint_state(source)) == names["ours"]

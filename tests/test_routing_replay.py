@@ -183,12 +183,13 @@ def test_layouts_replay_cannot_serve_are_refused():
 # ---- the engines -------------------------------------------------------------------------------
 
 
-def test_embedded_engine_reports_the_experts_of_every_position_it_ran():
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_embedded_engine_reports_the_experts_of_every_position_it_ran(model_type):
     from megatron_stepwise.hf.presets import tiny_config
     from megatron_stepwise.rollout.agent_loop import pad_to_tokens
     from megatron_stepwise.rollout.local import LocalEngine
 
-    cfg = tiny_config(model_type="qwen3_moe")
+    cfg = tiny_config(model_type=model_type)
 
     async def run():
         engine = LocalEngine(cfg, seed=1, eos_token_ids=[])
@@ -211,6 +212,28 @@ def test_embedded_engine_reports_the_experts_of_every_position_it_ran():
     assert torch.equal(alone.routed_experts, batched[0].routed_experts[:m])
     padded = pad_to_tokens(alone.routed_experts, len(prompts[0]) + len(alone.output_ids))
     assert padded.size(0) == 6 and bool((padded[m:] == -1).all())
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_router_hook_reproduces_the_models_own_routing(model_type):
+    """The recorder finds every router (Qwen3MoeTopKRouter, MixtralTopKRouter) and, with a
+    vanishing router noise, its recomputed gating (renormalised as the family does) leaves the
+    model's logits as they were."""
+    from megatron_stepwise.hf.presets import tiny_config
+    from megatron_stepwise.rollout.hf_model import build_causal_lm
+    from megatron_stepwise.rollout.routing import RouterRecorder, moe_gates
+
+    model = build_causal_lm(tiny_config(model_type=model_type), seed=4)
+    assert sorted(moe_gates(model)) == [0, 1]
+    ids = torch.tensor([[5, 9, 17, 3, 200, 41]])
+    with torch.no_grad():
+        plain = model(ids).logits
+        recorder = RouterRecorder(model, router_noise=1e-12)
+        hooked = model(ids).logits
+    experts = recorder.take(6)
+    recorder.close()
+    assert experts.shape == (6, 2, 2) and int(experts.min()) >= 0 and int(experts.max()) < 4
+    assert torch.allclose(hooked, plain, atol=1e-6, rtol=0)
 
 
 def test_agent_loop_steps_carry_the_engines_experts_and_merge_aligned():
@@ -323,6 +346,28 @@ def test_config_refuses_replay_for_a_dense_model(monkeypatch):
     moe = config_from_dict({"algo": {"routing_replay": True}, "model": {"hf_config": "tiny_qwen3_moe"}}, [],
                            probes=FakeProbes())
     assert moe.algo.routing_replay
+
+
+def test_mixtral_configs_count_their_experts_for_validation(tmp_path, monkeypatch):
+    """A Mixtral config (hub keys: num_local_experts) is a MoE model to config validation: the
+    preset and a config.json report their experts; replay is allowed, a non-dividing EP refused."""
+    import json
+
+    from config_fakes import FakeProbes
+
+    from megatron_stepwise.config import ConfigError, Probes, config_from_dict
+    from megatron_stepwise.hf.presets import tiny_config
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert Probes().model_shape("tiny_mixtral").num_experts == 4
+    (tmp_path / "config.json").write_text(json.dumps({**tiny_config(model_type="mixtral"), "num_local_experts": 8}))
+    assert Probes().model_shape(str(tmp_path)).num_experts == 8
+    cfg = config_from_dict({"algo": {"routing_replay": True}, "model": {"hf_config": str(tmp_path)}}, [],
+                           probes=FakeProbes())
+    assert cfg.algo.routing_replay
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"model": {"hf_config": str(tmp_path)}, "parallel": {"expert": 3}}, [], probes=FakeProbes())
+    assert "parallel.expert: 3 does not divide the model's 8 experts" in str(e.value)
 
 
 def test_the_trainer_turns_replay_on_in_the_model_and_the_engines():

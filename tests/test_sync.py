@@ -41,6 +41,8 @@ def test_prune_versions_keeps_the_newest(tmp_path):
     pytest.param(("qwen2", 1), id="tied", marks=pytest.mark.slow),
     pytest.param(("qwen3", 0), id="qwen3", marks=pytest.mark.slow),  # QK norm, explicit head_dim
     pytest.param(("qwen3_moe", 0), id="qwen3moe", marks=pytest.mark.slow),  # 4 experts, top-2 (EP1)
+    # 4 experts, top-2 renormalised; pushed under Mixtral's hub names (block_sparse_moe...w1/w2/w3)
+    pytest.param(("mixtral", 0), id="mixtral", marks=pytest.mark.slow),
 ])
 def results(request, tmp_path_factory):
     out = tmp_path_factory.mktemp("sync")

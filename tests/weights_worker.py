@@ -66,7 +66,7 @@ def main() -> None:
         layout = runtime.init_distributed(tp, pp, expert_parallel=ep, seed=1)
         for src in sorted(Path(args.hf_root).iterdir()):
             cfg = json.loads((src / "config.json").read_text())
-            if ep > 1 and "moe" not in src.name:
+            if ep > 1 and not (cfg.get("num_experts") or cfg.get("num_local_experts")):
                 continue  # expert parallelism: MoE checkpoints only
             tag = f"{src.name}-tp{tp}pp{pp}" + (f"ep{ep}" if ep > 1 else "")
             chunks = M.build_model_chunks(cfg)

@@ -18,9 +18,9 @@ from megatron_stepwise.rollout.engine import MIN_TEMPERATURE
 
 @dataclass
 class ModelConfig:
-    """The policy model (Llama / Qwen2 / Qwen3 / Qwen3-MoE family) and how it is built.
+    """The policy model (Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral family) and how it is built.
 
-    `hf_config`, `hf_checkpoint` and `tokenizer` are resolved the same way: a preset name (`tiny`, `tiny_qwen3`, `tiny_qwen3_moe`;
+    `hf_config`, `hf_checkpoint` and `tokenizer` are resolved the same way: a preset name (`tiny`, `tiny_qwen3`, `tiny_qwen3_moe`, `tiny_mixtral`;
     for `tokenizer`, a shipped one: `tiny_word`, `tiny_char`, `tiny_bpe`), else a local directory or
     config.json, else a Hugging Face hub id (`Org/Name`), looked up in the local HF cache
     (`$HF_HUB_CACHE`, default `$HF_HOME/hub`) and otherwise downloaded: only the config or
@@ -30,7 +30,7 @@ class ModelConfig:
     `model.allow_download=true` says the node will download it at start-up.
     """
 
-    hf_config: str = option("tiny", "HF model config: a preset (tiny, tiny_qwen3, tiny_qwen3_moe), a local directory or config.json, "
+    hf_config: str = option("tiny", "HF model config: a preset (tiny, tiny_qwen3, tiny_qwen3_moe, tiny_mixtral), a local directory or config.json, "
                                     "or a hub id (the HF cache, else downloaded)")
     hf_checkpoint: Optional[str] = option(None, "HF checkpoint (directory or hub id) whose weights initialise "
                                                 "the policy; null = random init")

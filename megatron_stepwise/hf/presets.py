@@ -13,7 +13,7 @@ from megatron_stepwise.hf.hub import ModelSourceError, resolve_model_dir
 
 # HF model class of each supported model_type (a config.json's `architectures`).
 ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM"}
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
 
 
 def tiny_config(
@@ -29,7 +29,8 @@ def tiny_config(
     max_position_embeddings: int = 1024,
     **overrides: Any,
 ) -> dict[str, Any]:
-    """A tiny Llama/Qwen2/Qwen3 config in HF keys (CPU-fast): the `tiny` preset, tests and tools.
+    """A tiny Llama/Qwen2/Qwen3/Qwen3-MoE/Mixtral config in HF keys (CPU-fast): the `tiny` preset,
+    tests and tools.
 
     `ffn_hidden_size` defaults to 2 x hidden_size; `overrides` are further HF keys, set last.
     """
@@ -57,6 +58,9 @@ def tiny_config(
     if model_type == "qwen3_moe":  # 4 experts of half the dense width, 2 per token, every layer MoE
         cfg.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden_size, norm_topk_prob=True,
                    decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.0)
+    if model_type == "mixtral":  # 4 experts of the dense width (intermediate_size), 2 per token, renormalised
+        cfg.update(num_local_experts=4, num_experts_per_tok=2, sliding_window=None, router_jitter_noise=0.0,
+                   output_router_logits=False, router_aux_loss_coef=0.0)
     cfg.update(overrides)
     return cfg
 
@@ -68,6 +72,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny_qwen3": tiny_config(model_type="qwen3"),
     # Qwen3-MoE of the same size: 4 experts (half the dense MLP width each), 2 per token.
     "tiny_qwen3_moe": tiny_config(model_type="qwen3_moe"),
+    # Mixtral of the same size: 4 experts (the dense MLP width each, intermediate_size), 2 per token.
+    "tiny_mixtral": tiny_config(model_type="mixtral"),
 }
 
 

@@ -415,7 +415,7 @@ def import_hf(chunks: list, hf_dir: Union[str, os.PathLike], *, optimizer: Any =
             model = unwrap(chunk)
             for name, param in W.canonical_params(chunk):
                 shape = W.full_shape(param, name)
-                hf = {n: read(n) for n in hf_names_for(name)}
+                hf = {n: read(n) for n in hf_names_for(name, arch)}
                 full = from_hf(name, hf, arch, vocab_rows=shape[0] if name in (EMBED, OUTPUT) else None)
                 if tuple(full.shape) != shape:
                     raise WeightConversionError(

@@ -1,4 +1,4 @@
-"""Megatron <-> Hugging Face weights for the Llama / Qwen2 / Qwen3 family.
+"""Megatron <-> Hugging Face weights for the Llama / Qwen2 / Qwen3 family, Qwen3-MoE and Mixtral.
 
 The Megatron side is the *canonical* full tensor of `weights.py` (TP shards concatenated, layer
 index global, SwiGLU fc1 as `[gate; up]`). The mapping, per decoder layer `i`:
@@ -19,6 +19,11 @@ index global, SwiGLU fc1 as `[gate; up]`). The mapping, per decoder layer `i`:
 | `mlp.router.weight`                                   | `mlp.gate.weight`                               |
 | `mlp.experts.local_experts.e.linear_fc1.weight`       | `mlp.experts.e.gate_proj.weight`, `...up_proj`  |
 | `mlp.experts.local_experts.e.linear_fc2.weight`       | `mlp.experts.e.down_proj.weight`                |
+| MoE (Mixtral, the hub checkpoint names):              |                                                 |
+| `mlp.router.weight`                                   | `block_sparse_moe.gate.weight`                  |
+| `mlp.experts.local_experts.e.linear_fc1.weight`       | `block_sparse_moe.experts.e.w1.weight` (gate),  |
+|                                                       |   `...w3.weight` (up)                           |
+| `mlp.experts.local_experts.e.linear_fc2.weight`       | `block_sparse_moe.experts.e.w2.weight` (down)   |
 
 plus `embedding.word_embeddings.weight` <-> `model.embed_tokens.weight`,
 `decoder.final_layernorm.weight` <-> `model.norm.weight` and (untied only)
@@ -53,11 +58,16 @@ _LAYER_ONE_TO_ONE = {
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
     "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
     "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
-    "mlp.router.weight": "mlp.gate.weight",
 }
-# Expert `e` (global index) of a MoE layer: the checkpoint (on-disk) per-expert names.
+# Expert `e` (global index) of a MoE layer: the checkpoint (on-disk) per-expert names, under
+# `_MOE_PREFIX` (Qwen3-MoE's `mlp`, Mixtral's `block_sparse_moe`).
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
-_EXPERT_HF = {"linear_fc1": ("gate_proj.weight", "up_proj.weight"), "linear_fc2": ("down_proj.weight",)}
+_EXPERT_HF = {
+    "qwen3_moe": {"linear_fc1": ("gate_proj.weight", "up_proj.weight"), "linear_fc2": ("down_proj.weight",)},
+    "mixtral": {"linear_fc1": ("w1.weight", "w3.weight"), "linear_fc2": ("w2.weight",)},
+}
+_MOE_PREFIX = {"qwen3_moe": "mlp", "mixtral": "block_sparse_moe"}
+ROUTER = "mlp.router.weight"
 # One fused megatron tensor <-> several HF tensors (in this order).
 _LAYER_FUSED = {
     "self_attention.linear_qkv.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
@@ -84,20 +94,36 @@ def as_arch(arch_or_config: Any):
 # ----------------------------------------------------------------------------- names
 
 
-def hf_names_for(name: str) -> tuple[str, ...]:
-    """The HF tensor name(s) one canonical megatron tensor maps to."""
+def _moe_type(arch: Any) -> str:
+    """Whose checkpoint names the MoE tensors take: 'mixtral' or 'qwen3_moe' (the default)."""
+    model_type = getattr(arch, "model_type", None) if arch is not None else None
+    if model_type is None and isinstance(arch, Mapping):
+        model_type = arch.get("model_type")
+    return "mixtral" if model_type == "mixtral" else "qwen3_moe"
+
+
+def hf_names_for(name: str, arch: Any = None) -> tuple[str, ...]:
+    """The HF tensor name(s) one canonical megatron tensor maps to.
+
+    arch (a GPTArch or HF config) picks the MoE names: Mixtral's hub names for a Mixtral model,
+    Qwen3-MoE's otherwise (dense tensors are named the same in every supported family).
+    """
     if name in _TOP_LEVEL:
         return (_TOP_LEVEL[name],)
     m = _LAYER.match(name)
     if m:
         layer, rest = m.groups()
+        moe = _moe_type(arch)
+        if rest == ROUTER:
+            return (f"model.layers.{layer}.{_MOE_PREFIX[moe]}.gate.weight",)
         if rest in _LAYER_ONE_TO_ONE:
             return (f"model.layers.{layer}.{_LAYER_ONE_TO_ONE[rest]}",)
         if rest in _LAYER_FUSED:
             return tuple(f"model.layers.{layer}.{suffix}" for suffix in _LAYER_FUSED[rest])
         e = _EXPERT.match(rest)
         if e:
-            return tuple(f"model.layers.{layer}.mlp.experts.{e.group(1)}.{suffix}" for suffix in _EXPERT_HF[e.group(2)])
+            prefix = f"model.layers.{layer}.{_MOE_PREFIX[moe]}.experts.{e.group(1)}"
+            return tuple(f"{prefix}.{suffix}" for suffix in _EXPERT_HF[moe][e.group(2)])
     raise WeightConversionError(f"no Hugging Face mapping for megatron parameter {name!r}")
 
 
@@ -129,7 +155,8 @@ def canonical_names(arch: Any, *, te_spec: bool = False) -> list[str]:
 
 def hf_names(arch: Any) -> list[str]:
     """Every HF tensor name a checkpoint of this architecture holds (tied: no lm_head)."""
-    return [hf for name in canonical_names(arch) for hf in hf_names_for(name)]
+    arch = as_arch(arch)
+    return [hf for name in canonical_names(arch) for hf in hf_names_for(name, arch)]
 
 
 # ----------------------------------------------------------------------------- tensors
@@ -168,7 +195,7 @@ def _split_qkv(name: str, qkv: torch.Tensor, arch) -> list[torch.Tensor]:
 def _fuse_qkv(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch) -> torch.Tensor:
     groups, q_per_group, head_dim = _qkv_rows(arch)
     rest = tuple(q.shape[1:])
-    q_name, k_name, v_name = hf_names_for(name)
+    q_name, k_name, v_name = hf_names_for(name, arch)
     _check_shape(q_name, q, arch.num_heads * head_dim, rest, f"{arch.num_heads} heads x head_dim {head_dim}")
     _check_shape(k_name, k, groups * head_dim, rest, f"{groups} key/value heads x head_dim {head_dim}")
     _check_shape(v_name, v, groups * head_dim, rest, f"{groups} key/value heads x head_dim {head_dim}")
@@ -190,7 +217,7 @@ def to_hf(name: str, tensor: torch.Tensor, arch: Any) -> list[tuple[str, torch.T
     be written with safetensors directly.
     """
     arch = as_arch(arch)
-    names = hf_names_for(name)
+    names = hf_names_for(name, arch)
     if name in _VOCAB_ROWS:
         if tensor.shape[0] < arch.vocab_size:
             raise WeightConversionError(
@@ -220,7 +247,7 @@ def from_hf(
     rows are zero.
     """
     arch = as_arch(arch)
-    names = hf_names_for(name)
+    names = hf_names_for(name, arch)
     missing = [n for n in names if n not in hf_tensors]
     if missing:
         raise WeightConversionError(f"megatron parameter {name!r} needs HF tensor(s) {missing}, not in the checkpoint")

@@ -1,8 +1,10 @@
-"""Build a megatron-core `GPTModel` from a Hugging Face config of the Llama / Qwen2 / Qwen3 family.
+"""Build a megatron-core `GPTModel` from a Hugging Face config of the Llama / Qwen2 / Qwen3 family
+and the Qwen3-MoE / Mixtral mixtures of experts.
 
 RMSNorm, SwiGLU, RoPE (theta, Llama-3 scaling), GQA, Qwen2's qkv bias, Qwen3's per-head QK
-RMSNorm and explicit head_dim, tied or untied embeddings. The Transformer Engine spec is used when TE imports; otherwise the local spec with
-the torch-native packed attention and norm of `local_layers`. bf16 on GPU, fp32 on CPU.
+RMSNorm and explicit head_dim, tied or untied embeddings, top-k routed experts in every layer.
+The Transformer Engine spec is used when TE imports; otherwise the local spec with the
+torch-native packed attention and norm of `local_layers`. bf16 on GPU, fp32 on CPU.
 
 Both paths take THD packed micro-batches (`PackedSeqParams`), see `packing.py`.
 """
@@ -18,7 +20,8 @@ import torch.nn.functional as F
 
 from megatron_stepwise.hf import presets
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
 
 
 class ModelConfigError(ValueError):
@@ -46,7 +49,7 @@ class GPTArch:
     max_position_embeddings: int
     init_std: float
     attention_dropout: float
-    # Mixture of experts (Qwen3-MoE): 0 experts = a dense MLP in every layer.
+    # Mixture of experts (Qwen3-MoE, Mixtral): 0 experts = a dense MLP in every layer.
     num_experts: int = 0
     moe_topk: int = 0
     moe_ffn_hidden_size: int = 0
@@ -60,7 +63,9 @@ def _get(cfg: Any, name: str, default: Any = None) -> Any:
 def _rope(cfg: Any) -> tuple[float, Optional[float]]:
     # transformers 5 keeps theta/scaling in `rope_parameters`; 4.x in rope_theta/rope_scaling.
     params = _get(cfg, "rope_parameters") or _get(cfg, "rope_scaling") or {}
-    theta = params.get("rope_theta") or _get(cfg, "rope_theta") or 10000.0
+    # A config without a theta means the model class's default (transformers: 1e6 for Mixtral).
+    default_theta = 1000000.0 if _get(cfg, "model_type") == "mixtral" else 10000.0
+    theta = params.get("rope_theta") or _get(cfg, "rope_theta") or default_theta
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type in (None, "default"):
         return float(theta), None
@@ -77,7 +82,8 @@ def _rope(cfg: Any) -> tuple[float, Optional[float]]:
 
 
 def arch_from_hf(cfg: Any) -> GPTArch:
-    """Normalise a transformers `LlamaConfig` / `Qwen2Config` (or an equivalent dict)."""
+    """Normalise a transformers `LlamaConfig` / `Qwen2Config` / `Qwen3Config` / `Qwen3MoeConfig` /
+    `MixtralConfig` (or an equivalent dict)."""
     model_type = _get(cfg, "model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ModelConfigError(f"model_type {model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}")
@@ -119,17 +125,42 @@ def arch_from_hf(cfg: Any) -> GPTArch:
 
 
 def _moe_fields(cfg: Any) -> dict:
-    """The GPTArch MoE fields of a Qwen3-MoE config (none for a dense one)."""
-    # Hub configs say num_experts; transformers 5 writes num_local_experts (an attribute alias).
-    experts = _get(cfg, "num_experts") or _get(cfg, "num_local_experts") or 0
-    experts = int(experts) if _get(cfg, "model_type") == "qwen3_moe" else 0
-    if not experts:
+    """The GPTArch MoE fields of a Qwen3-MoE or Mixtral config (none for a dense one).
+
+    Both route as HF does: softmax over all experts, top-k, then (Mixtral always, Qwen3-MoE with
+    norm_topk_prob) the k probabilities renormalised to sum to 1, which is megatron's softmax over
+    the top-k logits (`moe_router_pre_softmax=False`). Every layer is a MoE layer, drop-less.
+    """
+    model_type = _get(cfg, "model_type")
+    if model_type not in MOE_MODEL_TYPES:
         return {}
-    if int(_get(cfg, "decoder_sparse_step", 1) or 1) != 1 or _get(cfg, "mlp_only_layers"):
-        raise ModelConfigError("decoder_sparse_step != 1 / mlp_only_layers (dense layers in a MoE model) are not supported")
+    # Qwen3-MoE hub configs say num_experts, Mixtral's num_local_experts (transformers aliases them).
+    experts = int(_get(cfg, "num_experts") or _get(cfg, "num_local_experts") or 0)
+    if not experts and model_type == "qwen3_moe":
+        return {}  # HF builds a dense MLP in every layer of a Qwen3-MoE config without experts
+    if experts < 1:
+        raise ModelConfigError(f"num_local_experts={experts} is not supported (a {model_type} model needs >= 1)")
+    if _get(cfg, "num_experts_per_tok") is None:
+        raise ModelConfigError(f"a {model_type} config needs num_experts_per_tok")
     topk = int(_get(cfg, "num_experts_per_tok"))
     if not 1 <= topk <= experts:
         raise ModelConfigError(f"num_experts_per_tok={topk} must be in [1, num_experts={experts}]")
+    if model_type == "mixtral":
+        # Mixtral's attention may be windowed (Mistral style); megatron's here is full causal.
+        if _get(cfg, "sliding_window") is not None:
+            raise ModelConfigError(f"sliding_window={_get(cfg, 'sliding_window')} is not supported "
+                                   "(Mixtral with full causal attention only: sliding_window must be null)")
+        # HF multiplies the MoE input by U(1 - eps, 1 + eps) noise when training; nothing here does.
+        jitter = _get(cfg, "router_jitter_noise", 0.0)
+        if float(jitter or 0.0) != 0.0:
+            raise ModelConfigError(f"router_jitter_noise={jitter} is not supported (must be 0)")
+        # output_router_logits / router_aux_loss_coef only add HF's load-balancing loss to a
+        # forward given labels; the step-wise loss owns router losses, so they are ignored.
+        # The expert width is intermediate_size; the top-k probabilities are always renormalised.
+        return dict(num_experts=experts, moe_topk=topk, moe_ffn_hidden_size=int(_get(cfg, "intermediate_size")),
+                    moe_norm_topk=True)
+    if int(_get(cfg, "decoder_sparse_step", 1) or 1) != 1 or _get(cfg, "mlp_only_layers"):
+        raise ModelConfigError("decoder_sparse_step != 1 / mlp_only_layers (dense layers in a MoE model) are not supported")
     return dict(num_experts=experts, moe_topk=topk, moe_ffn_hidden_size=int(_get(cfg, "moe_intermediate_size")),
                 moe_norm_topk=bool(_get(cfg, "norm_topk_prob", True)))
 

@@ -67,21 +67,35 @@ def build_causal_lm(
     return model
 
 
-# transformers keeps a MoE layer's experts fused in memory (`experts.gate_up_proj` [E, 2I, H] =
-# [gate; up] per expert, `experts.down_proj` [E, H, I]); checkpoints and weight pushes name each
-# expert's matrices, as the hub files do.
-_EXPERT = re.compile(r"^(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# transformers keeps a MoE layer's experts fused in memory (`mlp.experts.gate_up_proj` [E, 2I, H]
+# = [gate; up] per expert, `mlp.experts.down_proj` [E, H, I], router `mlp.gate.weight`);
+# checkpoints and weight pushes name each expert's matrices, as the hub files do: Qwen3-MoE
+# `mlp.experts.e.{gate,up,down}_proj.weight`, Mixtral `block_sparse_moe.experts.e.{w1,w3,w2}.weight`
+# (gate, up, down) and `block_sparse_moe.gate.weight`.
+_EXPERT = re.compile(r"^(.+)\.(mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_MIXTRAL_GATE = re.compile(r"^(.+)\.block_sparse_moe\.gate\.weight$")
+_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # Mixtral's expert matrices
+_HUB_EXPERT_NAMES = {  # model_type -> (MoE block name, gate / up / down matrix names)
+    "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+}
+_DEFAULT_EXPERT_NAMES = ("mlp", ("gate_proj", "up_proj", "down_proj"))
 
 
 def _target(params: Mapping[str, torch.Tensor], name: str) -> Optional[torch.Tensor]:
     """The parameter, or the view of a fused expert tensor, that checkpoint tensor `name` fills."""
     if name in params:
         return params[name]
+    g = _MIXTRAL_GATE.match(name)
+    if g:
+        return params.get(f"{g.group(1)}.mlp.gate.weight")
     m = _EXPERT.match(name)
     if not m:
         return None
-    prefix, e, proj = m.group(1), int(m.group(2)), m.group(3)
-    fused = params.get(f"{prefix}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}")
+    layer, block, e, proj = m.group(1), m.group(2), int(m.group(3)), m.group(4)
+    if (block == "block_sparse_moe") != (proj in _PROJ):
+        return None  # Mixtral's matrix names go with its block name, Qwen3-MoE's with `mlp`
+    proj = _PROJ.get(proj, proj)
+    fused = params.get(f"{layer}.mlp.experts.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}")
     if fused is None or e >= fused.shape[0]:
         return None
     if proj == "down_proj":
@@ -91,18 +105,23 @@ def _target(params: Mapping[str, torch.Tensor], name: str) -> Optional[torch.Ten
 
 
 def checkpoint_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's state in checkpoint names (fused experts split per expert), detached copies."""
+    """The model's state in checkpoint names (fused experts split per expert, under the hub
+    names of the model's family), detached copies."""
+    block, (gate_name, up_name, down_name) = _HUB_EXPERT_NAMES.get(
+        getattr(getattr(model, "config", None), "model_type", None), _DEFAULT_EXPERT_NAMES)
     out = {}
     for name, tensor in model.state_dict().items():
         if name.endswith(".mlp.experts.gate_up_proj"):
-            prefix = name[: -len(".gate_up_proj")]
+            prefix = name[: -len(".mlp.experts.gate_up_proj")] + f".{block}.experts"
             for e, rows in enumerate(tensor):
                 gate, up = rows.chunk(2, dim=0)
-                out[f"{prefix}.{e}.gate_proj.weight"], out[f"{prefix}.{e}.up_proj.weight"] = gate, up
+                out[f"{prefix}.{e}.{gate_name}.weight"], out[f"{prefix}.{e}.{up_name}.weight"] = gate, up
         elif name.endswith(".mlp.experts.down_proj"):
-            prefix = name[: -len(".down_proj")]
+            prefix = name[: -len(".mlp.experts.down_proj")] + f".{block}.experts"
             for e, matrix in enumerate(tensor):
-                out[f"{prefix}.{e}.down_proj.weight"] = matrix
+                out[f"{prefix}.{e}.{down_name}.weight"] = matrix
+        elif name.endswith(".mlp.gate.weight") and block != "mlp":
+            out[name[: -len(".mlp.gate.weight")] + f".{block}.gate.weight"] = tensor
         else:
             out[name] = tensor
     return {k: v.detach().contiguous().clone() for k, v in out.items()}

@@ -1,6 +1,7 @@
 """Routed experts of the embedded engine (MoE routing replay, see megatron/routing_replay.py).
 
-`RouterRecorder` hooks the router (`mlp.gate`) of every MoE layer of a Hugging Face model and
+`RouterRecorder` hooks the router (`mlp.gate`: transformers' Qwen3-MoE and Mixtral top-k routers
+alike) of every MoE layer of a Hugging Face model and
 keeps the top-k expert ids each forward chose, so the engine can return, per request, the
 experts of every position it ran: the prompt at prefill, then each fed-back token. Ids are
 reported per decoder layer (SGLang's layout: [tokens, num_hidden_layers, topk], int32 on the
@@ -28,7 +29,9 @@ WIRE_DTYPE = torch.int32  # SGLang sends routed experts as base64 of int32 bytes
 
 
 def moe_gates(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
-    """decoder layer index -> its router module (HF Qwen3-MoE's `mlp.gate`, with top_k)."""
+    """decoder layer index -> its router module (`mlp.gate` with top_k: transformers 5's
+    Qwen3MoeTopKRouter and MixtralTopKRouter; Mixtral's hub name `block_sparse_moe` is only a
+    checkpoint name, the module is `mlp`)."""
     layers = getattr(getattr(model, "model", None), "layers", None) or []
     out = {}
     for i, layer in enumerate(layers):
@@ -49,6 +52,9 @@ class RouterRecorder:
         self.gates = moe_gates(model)
         if not self.gates:
             raise ValueError("routed experts need a MoE model (no router modules found)")
+        # Mixtral's router always renormalises the top-k and keeps the gating values in fp32;
+        # Qwen3-MoE's renormalises when norm_topk_prob and casts them to the logits' dtype.
+        self._mixtral = getattr(getattr(model, "config", None), "model_type", None) == "mixtral"
         self.num_layers = len(model.model.layers)
         self.topk = int(next(iter(self.gates.values())).top_k)
         self.router_noise = float(router_noise)
@@ -81,9 +87,9 @@ class RouterRecorder:
             logits = F.linear(hidden, weight)
             probs = torch.softmax(logits, dtype=torch.float, dim=-1)
         top = probs.gather(1, indices)
-        if getattr(gate, "norm_topk_prob", False):
+        if self._mixtral or getattr(gate, "norm_topk_prob", False):
             top = top / top.sum(dim=-1, keepdim=True)
-        return logits, top.to(logits.dtype), indices
+        return logits, (top if self._mixtral else top.to(logits.dtype)), indices
 
     def take(self, num_tokens: int) -> torch.Tensor:
         """int16 [num_tokens, num_layers, topk]: the experts of the last forward (its tokens
