@@ -27,6 +27,7 @@ from megatron_stepwise.megatron import runtime
 from megatron_stepwise.megatron import weights as W
 from megatron_stepwise.megatron.hf_mapping import canonical_to_hf
 from megatron_stepwise.megatron.plugin import LOGPROBS, StepwisePlugin
+from megatron_stepwise.megatron.routers import local_tokens
 from megatron_stepwise.rollout.engine import SamplingParams
 from megatron_stepwise.rollout.hf_model import load_named_tensors
 from megatron_stepwise.rollout.local import LocalEngine
@@ -113,7 +114,7 @@ def chosen_experts(plugin, chunks, batch: StepBatch) -> dict:
     for router, forwards in per_router.items():
         assert len(forwards) == len(inputs.microbatches)
         for mb, idx in zip(inputs.microbatches, forwards):
-            engine = routing_replay.local_targets(mb.routed_experts, config)[:, router.layer_number - 1].long()
+            engine = local_tokens(mb.routed_experts, config)[:, router.layer_number - 1].long()
             want, got = engine.sort(-1).values, idx.sort(-1).values
             rows = (want >= 0).all(-1)
             known += int(rows.sum())

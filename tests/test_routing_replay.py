@@ -125,7 +125,7 @@ def test_packing_and_context_parallel_split_carry_the_experts(cp):
 def test_sequence_parallel_slice_follows_the_tokens(monkeypatch):
     from megatron.core import parallel_state as ps
 
-    from megatron_stepwise.megatron import routing_replay as R
+    from megatron_stepwise.megatron.routers import local_tokens
 
     class Cfg:
         tensor_model_parallel_size, sequence_parallel = 2, True
@@ -133,9 +133,9 @@ def test_sequence_parallel_slice_follows_the_tokens(monkeypatch):
     routed = experts_of(torch.arange(8))
     for rank in range(2):
         monkeypatch.setattr(ps, "get_tensor_model_parallel_rank", lambda: rank)
-        assert torch.equal(R.local_targets(routed, Cfg), routed[4 * rank:4 * rank + 4])
+        assert torch.equal(local_tokens(routed, Cfg), routed[4 * rank:4 * rank + 4])
     Cfg.sequence_parallel = False
-    assert R.local_targets(routed, Cfg) is routed
+    assert local_tokens(routed, Cfg) is routed
 
 
 # ---- the replay --------------------------------------------------------------------------------

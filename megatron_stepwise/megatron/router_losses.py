@@ -38,6 +38,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron_stepwise.megatron.routers import local_tokens, moe_routers, recomputation
 from megatron_stepwise.megatron.runtime import comm_device
 
 
@@ -54,9 +55,7 @@ class RoutedMicroBatch:
 
 def install(gpt) -> bool:
     """Wrap the routers of one model chunk (once); False when it has none (a dense model)."""
-    from megatron.core.transformer.moe.router import TopKRouter
-
-    routers = [m for m in gpt.modules() if isinstance(m, TopKRouter)]
+    routers = moe_routers(gpt)
     for router in routers:
         if not getattr(router, "_stepwise_wrapped", False):
             router.routing = functools.partial(_routing, router, router.routing)
@@ -65,15 +64,12 @@ def install(gpt) -> bool:
 
 
 def check_recompute(config) -> None:
-    """A router re-run by activation recomputation would read the micro-batch being run at backward
-    time, not its own: refuse the layouts where that happens."""
-    granularity = getattr(config, "recompute_granularity", None)
-    modules = getattr(config, "recompute_modules", None) or []
-    if granularity == "full" or (granularity == "selective" and "moe" in modules):
+    """Refuse the recompute settings that re-run routers (`routers.recomputation`)."""
+    recomputed = recomputation(config)
+    if recomputed:
         raise ValueError(
-            "algo.loss.router_aux_coef / router_z_coef with activation recomputation of MoE layers "
-            f"(recompute_granularity={granularity!r}, recompute_modules={list(modules)}) is not supported: "
-            "recompute other modules, or set the router coefficients to 0"
+            f"algo.loss.router_aux_coef / router_z_coef with activation recomputation of MoE layers ({recomputed}) "
+            "is not supported: recompute other modules, or set the router coefficients to 0"
         )
 
 
@@ -117,7 +113,7 @@ class RouterLosses:
         """This micro-batch's router losses for one layer, attached to `probs`; statistics kept."""
         experts = router.config.num_moe_experts
         logits = logits.reshape(-1, experts).float()
-        segment = _local_segments(mb.token_segment, router.config).to(logits.device)
+        segment = local_tokens(mb.token_segment, router.config).to(logits.device)
         if segment.numel() != logits.size(0):
             raise RuntimeError(
                 f"router saw {logits.size(0)} tokens but the micro-batch has {segment.numel()} on this rank"
@@ -189,19 +185,6 @@ def _routing(router, routing, logits: torch.Tensor, *args, **kwargs):
         losses, mb = running
         probs = losses.add_losses(router, mb, logits, probs, routing_map)
     return probs, routing_map
-
-
-def _local_segments(token_segment: torch.Tensor, config) -> torch.Tensor:
-    """The segment of each token this rank's routers see: under sequence parallelism TP rank r
-    holds the r-th of tp equal slices of the (CP-local) packed sequence."""
-    from megatron.core import parallel_state as ps
-
-    tp = config.tensor_model_parallel_size
-    if not config.sequence_parallel or tp == 1:
-        return token_segment
-    size = token_segment.numel() // tp
-    rank = ps.get_tensor_model_parallel_rank()
-    return token_segment[rank * size:(rank + 1) * size]
 
 
 def _sum_over_token_split(counts: torch.Tensor, config) -> torch.Tensor:

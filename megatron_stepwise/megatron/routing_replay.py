@@ -40,6 +40,8 @@ import torch
 
 from megatron.core.transformer.moe.router_replay import RouterReplay
 
+from megatron_stepwise.megatron.routers import local_tokens, moe_routers, recomputation
+
 
 class RoutingReplayError(ValueError):
     """Routing replay cannot run as configured (a layout, or data that does not fit the model)."""
@@ -90,12 +92,6 @@ class KnownPositionsReplay(RouterReplay):
         return probs, indices
 
 
-def _routers(gpt) -> list:
-    from megatron.core.transformer.moe.router import TopKRouter
-
-    return [m for m in gpt.modules() if isinstance(m, TopKRouter)]
-
-
 def install(gpt) -> list:
     """Give every router of one model chunk a `KnownPositionsReplay` (once); returns the routers.
     Replaces the RouterReplay megatron-core made for `moe_enable_routing_replay` (and drops it
@@ -103,7 +99,7 @@ def install(gpt) -> list:
     routers = getattr(gpt, "_stepwise_replay_routers", None)
     if routers is not None:
         return routers
-    routers = _routers(gpt)
+    routers = moe_routers(gpt)
     for router in routers:
         if not isinstance(router.router_replay, KnownPositionsReplay):
             old = router.router_replay
@@ -122,27 +118,12 @@ def check_config(config) -> None:
     """Refuse the layouts replay cannot serve, naming the setting."""
     if getattr(config, "moe_router_fusion", False):
         raise RoutingReplayError("algo.routing_replay needs moe_router_fusion=False (the fused router has no replay)")
-    granularity = getattr(config, "recompute_granularity", None)
-    modules = getattr(config, "recompute_modules", None) or []
-    if granularity == "full" or (granularity == "selective" and "moe" in modules):
+    recomputed = recomputation(config)
+    if recomputed:
         raise RoutingReplayError(
-            "algo.routing_replay with activation recomputation of MoE layers "
-            f"(recompute_granularity={granularity!r}, recompute_modules={list(modules)}) is not supported: "
+            f"algo.routing_replay with activation recomputation of MoE layers ({recomputed}) is not supported: "
             "a recomputed router would not see its micro-batch's experts"
         )
-
-
-def local_targets(routed: torch.Tensor, config) -> torch.Tensor:
-    """The packed (CP-local) experts this rank's routers see: under sequence parallelism TP rank
-    r holds the r-th of tp equal slices of the sequence."""
-    from megatron.core import parallel_state as ps
-
-    tp = config.tensor_model_parallel_size
-    if not config.sequence_parallel or tp == 1:
-        return routed
-    size = routed.size(0) // tp
-    rank = ps.get_tensor_model_parallel_rank()
-    return routed[rank * size:(rank + 1) * size]
 
 
 @contextlib.contextmanager
@@ -155,7 +136,7 @@ def replaying(gpt, routed: Optional[torch.Tensor]):
         return
     check_config(config)
     routers = install(gpt)
-    routed = local_targets(routed, config)
+    routed = local_tokens(routed, config)
     for router in routers:
         layer = router.layer_number - 1  # global, 1-based: the engine reports every decoder layer
         if layer >= routed.size(1) or routed.size(2) != router.topk:

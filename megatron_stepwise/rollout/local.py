@@ -66,7 +66,10 @@ class _Request:
     text_len: int = 0
     generator: Optional[torch.Generator] = None  # per-request sampler when sampling_seed is set
     decoded: int = 0  # tokens of finished decode steps, as the event loop saw them (decoded_tokens)
-    routed: Optional[torch.Tensor] = None  # int16 [positions run, layers, topk] (record_routed_experts)
+    # int16 [positions, layers, topk] pieces of the positions run, in order (record_routed_experts):
+    # one per prefill and per decode step, concatenated once when the request finishes
+    routed: Optional[list[torch.Tensor]] = None
+    routed_len: int = 0
 
 
 class _Batch:
@@ -99,7 +102,7 @@ class _Batch:
         if eng._router_recorder is not None:  # each row's positions are its last `length` columns
             routed = eng._router_recorder.take(ids.numel()).reshape(len(seqs), width, *eng._routed_shape)
             for r, row, n in zip(self.requests, routed, lengths):
-                r.routed = row[width - n:].clone()
+                r.routed, r.routed_len = [row[width - n:].clone()], n
 
     @property
     def active(self) -> list[_Request]:
@@ -135,8 +138,9 @@ class _Batch:
         if eng._router_recorder is not None:  # the fed token's experts, for rows that ran a new one
             routed = eng._router_recorder.take(len(feed))
             for r, row in zip(self.requests, routed):
-                if r.routed is not None and r.routed.size(0) == len(r.input_ids) + len(r.output_ids) - 1:
-                    r.routed = torch.cat([r.routed, row[None]])
+                if r.routed is not None and r.routed_len == len(r.input_ids) + len(r.output_ids) - 1:
+                    r.routed.append(row[None])
+                    r.routed_len += 1
 
 
 class LocalEngine:
@@ -324,7 +328,7 @@ class LocalEngine:
                 matched=r.matched,
                 text=text,
                 engine=self.name,
-                routed_experts=r.routed if self._return_routed else None,
+                routed_experts=torch.cat(r.routed) if self._return_routed and r.routed else None,
             )
         )
 
