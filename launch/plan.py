@@ -116,10 +116,9 @@ def plan_local(job: Job) -> list[str]:
     # The ranks die with this script (megatron_stepwise/lifecycle.py): `$$` is the bash that runs the plan.
     lines += ["export MEGATRON_STEPWISE_LAUNCHER_PID=$$",
               f"export MEGATRON_STEPWISE_RUN_DIR={shlex.quote(str(REPO / job.cfg.run_dir))}"]
-    env: list[object] = []
     ray_address = None
     if launch.gpus_per_node:
-        env = ["env", f"CUDA_VISIBLE_DEVICES={gpu_list(0, nproc)}"]
+        env: list[object] = ["env", f"CUDA_VISIBLE_DEVICES={gpu_list(0, nproc)}"]
         if ro.ray_address is None:
             # Engines need GPUs disjoint from training: a Ray head that only sees the rest (all
             # of them when colocated: engines then release their memory while training runs).

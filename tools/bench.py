@@ -153,18 +153,18 @@ def run_benchmark(bench: Benchmark, *, quick: bool, timeout_s: float, skip: Opti
     path = TOOLS / f"{bench.module}.py"
     header = f"[{bench.name}] issue 7 item {bench.items}: {bench.title} (tools/{path.name})"
     print(f"\n{'=' * len(header)}\n{header}\n{'=' * len(header)}", flush=True)
-    if skip:
-        print(f"SKIPPED: {skip}")
-        return {"status": "skipped", "module": bench.module, "message": skip}
-    if not path.exists():
-        message = f"tools/{path.name} is not in this checkout yet; nothing measured"
-        print(f"MISSING: {message}")
-        return {"status": "missing", "module": bench.module, "message": message}
 
+    def not_run(status: str, message: str) -> dict[str, Any]:
+        print(f"{status.upper()}: {message}")
+        return {"status": status, "module": bench.module, "message": message}
+
+    if skip:
+        return not_run("skipped", skip)
+    if not path.exists():
+        return not_run("missing", f"tools/{path.name} is not in this checkout yet; nothing measured")
     if bench.device == "gpu" and not gpu_visible():
-        message = "no GPU on this machine (no nvidia-smi, /dev/nvidiactl or /dev/kfd); nothing measured"
-        print(f"SKIPPED: {message}")
-        return {"status": "skipped", "module": bench.module, "message": message}
+        return not_run("skipped",
+                       "no GPU on this machine (no nvidia-smi, /dev/nvidiactl or /dev/kfd); nothing measured")
     t0 = time.perf_counter()
     env = child_env(bench)
     with tempfile.TemporaryDirectory(prefix="bench_") as tmp:

@@ -8,11 +8,10 @@ Prints the median wall time of each stage over a few repeats (CPU, one thread).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
+from bench_cli import median_time
 from megatron_stepwise import (
     LossConfig,
     LossInputs,
@@ -44,15 +43,6 @@ def make_steps(prompts: int, samples: int, turns: int, prompt_len: int, resp_len
                     )
                 )
     return steps
-
-
-def timed(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -92,7 +82,7 @@ def main() -> None:
         ("loss_token_weights (trajectory_mean)", lambda: loss_token_weights(batch, "trajectory_mean")),
         ("policy_loss fwd+bwd (ppo, TIS, IcePop, KL)", loss_fwd_bwd),
     ]:
-        print(f"  {name:45s} {1e3 * timed(fn, args.repeats):9.2f} ms")
+        print(f"  {name:45s} {1e3 * median_time(fn, args.repeats, warmup=False):9.2f} ms")
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from bench_cli import script_main  # noqa: E402
+from bench_cli import add_seed_and_out, bench_parser, config, run_args, script_main  # noqa: E402
 from megatron_stepwise.algo.merge import merge_steps  # noqa: E402
 from megatron_stepwise.envs.echo import EchoEnv, echo_dataset  # noqa: E402
 from megatron_stepwise.hf.tokenizers import load_tokenizer  # noqa: E402
@@ -45,14 +45,12 @@ TOKENIZER = "tiny_bpe"
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="2 prompts instead of 8")
+    p = bench_parser(__doc__, "2 prompts instead of 8")
     p.add_argument("--turns", default="4,8,16", help="comma-separated turn counts T")
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--samples", type=int, default=4)
     p.add_argument("--new-tokens", type=int, default=16, help="max_new_tokens per turn")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", help="write the results as JSON here")
+    add_seed_and_out(p)
     args = p.parse_args(argv)
     if args.quick:
         args.prompts = 2
@@ -99,9 +97,7 @@ def measure(mode: str, turns: int, args: argparse.Namespace, tokenizer) -> dict[
 
 def run(quick: bool = False, **options: Any) -> dict[str, Any]:
     """Prints the table, returns the figures (what `tools/bench.py` collects)."""
-    args = parse_args(["--quick"] if quick else [])
-    for key, value in options.items():
-        setattr(args, key, value)
+    args = run_args(parse_args, quick, options)
     torch.set_num_threads(1)
     tokenizer = load_tokenizer(TOKENIZER)
     turn_counts = [int(t) for t in str(args.turns).split(",")]
@@ -132,7 +128,7 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
           f"merged / unique: tokens {by[('tokens', last)]['merged_over_unique']:.3f}, "
           f"retokenize {by[('retokenize', last)]['merged_over_unique']:.3f}; "
           f"drift rate (retokenize, mean over T) {figures['retokenize_drift_rate']:.3f}")
-    return {"config": {k: v for k, v in vars(args).items() if k != "out"}, "rows": rows, "figures": figures}
+    return {"config": config(args), "rows": rows, "figures": figures}
 
 
 if __name__ == "__main__":

@@ -36,11 +36,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_cli import script_main  # noqa: E402
+from bench_cli import add_seed_and_out, bench_parser, config, run_args, script_main  # noqa: E402
 from flops import QWEN2_CONFIGS, ModelShape, training_flops  # noqa: E402
 
 from megatron_stepwise.algo.advantages import compute_advantages  # noqa: E402
 from megatron_stepwise.algo.losses import LossConfig  # noqa: E402
+from megatron_stepwise.hf.presets import tiny_config  # noqa: E402
 from megatron_stepwise.synthetic import AgentWorkload, make_agent_steps  # noqa: E402
 
 MICRO_TOKENS = 4096
@@ -48,8 +49,7 @@ MODELS = {k: v for k, v in QWEN2_CONFIGS.items() if not k.endswith("7b")}
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="a smaller mini-batch, fewer timed steps, one matmul size")
+    p = bench_parser(__doc__, "a smaller mini-batch, fewer timed steps, one matmul size")
     p.add_argument("--model", default="qwen2.5-0.5b", choices=[*MODELS, "tiny"])
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run of this script")
     p.add_argument("--micro-tokens", type=int, default=MICRO_TOKENS, help="packed micro-batch token budget")
@@ -57,8 +57,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", help="write the results as JSON here")
+    add_seed_and_out(p)
     args = p.parse_args(argv)
     if args.quick:
         args.prompts, args.warmup, args.repeats = 4, 1, 2
@@ -103,31 +102,15 @@ def gpu_minibatch(args: argparse.Namespace, vocab_size: int):
     return steps, batch
 
 
-def model_config(name: str) -> dict[str, Any]:
-    if name == "tiny":
-        from megatron_stepwise.hf.presets import tiny_config
-
-        return tiny_config()
-    return MODELS[name]
-
-
 def device_name(device: str) -> str:
     return torch.cuda.get_device_name() if device == "cuda" else f"CPU ({platform.machine()}, smoke run)"
 
 
-def skip_reason(device: str) -> Optional[str]:
-    if device == "cuda" and not torch.cuda.is_available():
-        return "no CUDA GPU on this machine (torch.cuda.is_available() is False)"
-    return None
-
-
 def run(quick: bool = False, **options: Any) -> dict[str, Any]:
     """Prints the table, returns the figures; {'skipped': reason} without a GPU."""
-    args = parse_args(["--quick"] if quick else [])
-    for key, value in options.items():
-        setattr(args, key, value)
-    reason = skip_reason(args.device)
-    if reason:
+    args = run_args(parse_args, quick, options)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        reason = "no CUDA GPU on this machine (torch.cuda.is_available() is False)"
         print(f"bench_gpu: skipped: {reason}")
         return {"skipped": reason}
     from megatron_stepwise.megatron.runtime import destroy_distributed, silence_megatron_noise
@@ -142,7 +125,7 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
     sizes = (8192,) if args.quick else (4096, 8192, 16384)
     peak = matmul_peak_tflops(sizes if args.device == "cuda" else (512,), args.device)
     peak_tflops = max(peak.values())
-    hf = model_config(args.model)
+    hf = tiny_config() if args.model == "tiny" else MODELS[args.model]
     shape = ModelShape.from_hf(hf)
     steps, batch = gpu_minibatch(args, hf["vocab_size"])
     lengths = [s.num_tokens for s in steps]
@@ -184,7 +167,7 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
     print(f"  FLOPs split: dense {flops['dense'] / flops['total']:.0%}, attention {flops['attention'] / flops['total']:.0%}, "
           f"output layer (trained positions) {flops['output'] / flops['total']:.0%}")
     return {
-        "config": {k: v for k, v in vars(args).items() if k != "out"},
+        "config": config(args),
         "device": device_name(args.device),
         "transformer_engine": te_available(),
         "params": shape.total_params,

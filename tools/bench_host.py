@@ -23,8 +23,6 @@ the whole iteration's training (all its mini-batches); per optimizer step both s
 from __future__ import annotations
 
 import argparse
-import gc
-import statistics
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -33,7 +31,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_cli import PhaseTimer, script_main  # noqa: E402
+from bench_cli import (PhaseTimer, add_seed_and_out, bench_parser, config, repeat_runs, run_args,  # noqa: E402
+                       script_main, warm_median)
 from flops import QWEN2_CONFIGS, ModelShape, training_flops  # noqa: E402
 
 from bench_pipeline import trainer_pipeline  # noqa: E402
@@ -46,8 +45,7 @@ REFERENCE = {"model": "qwen2.5-7b", "gpus": 8, "gpu": "H100 SXM", "peak_tflops_p
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="64 prompts, 1 warm repeat")
+    p = bench_parser(__doc__, "64 prompts, 1 warm repeat")
     p.add_argument("--prompts", type=int, default=512)
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--max-turns", type=int, default=8)
@@ -55,8 +53,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=32768)
     p.add_argument("--prompts-per-minibatch", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3, help="warm runs after the cold one")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", help="write the results as JSON here")
+    add_seed_and_out(p)
     args = p.parse_args(argv)
     if args.quick:
         args.prompts, args.repeats = 64, 1
@@ -85,30 +82,15 @@ def reference_gpu_seconds(batches) -> dict[str, Any]:
 
 def run(quick: bool = False, **options: Any) -> dict[str, Any]:
     """Prints the table, returns the figures (what `tools/bench.py` collects)."""
-    args = parse_args(["--quick"] if quick else [])
-    for key, value in options.items():
-        setattr(args, key, value)
+    args = run_args(parse_args, quick, options)
     torch.set_num_threads(1)
     w = AgentWorkload(num_prompts=args.prompts, samples_per_prompt=args.samples, turns=(1, args.max_turns),
                       seed=args.seed)
     steps = make_agent_steps(w)
     n_tokens = sum(s.num_tokens for s in steps)
-    walls, cpus = [], []
-    batches = None
-    for _ in range(1 + args.repeats):
-        batches = None  # free the previous iteration's batches first, as a training loop does
-        gc.collect()
-        wall, cpu, batches = run_once(steps, args)
-        walls.append(wall)
-        cpus.append(cpu)
-    warm_w = walls[1:] or walls
-    warm_c = cpus[1:] or cpus
-    names = list(walls[0])
-    summary = {
-        "cold_wall": walls[0], "cold_cpu": cpus[0],
-        "warm_wall": {k: statistics.median(r[k] for r in warm_w) for k in names},
-        "warm_cpu": {k: statistics.median(r[k] for r in warm_c) for k in names},
-    }
+    walls, cpus, batches = repeat_runs(lambda: run_once(steps, args), args.repeats)
+    summary = {"cold_wall": walls[0], "cold_cpu": cpus[0], "warm_wall": warm_median(walls),
+               "warm_cpu": warm_median(cpus)}
     for v in summary.values():
         v["total"] = sum(v[k] for k in PHASES)
     ref = reference_gpu_seconds(batches)
@@ -117,7 +99,8 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
     print(f"host pipeline: {w.num_prompts} prompts x {w.samples_per_prompt} samples, 1-{args.max_turns} turns: "
           f"{len(steps):,} steps, {n_tokens:,} tokens -> {merged_rows:,} merged rows; dp={args.dp}, "
           f"max_tokens={args.max_tokens:,}, {args.prompts_per_minibatch} prompts per mini-batch, 1 thread")
-    print(f"{'phase':<22}{'cold wall':>11}{'cold cpu':>11}{'warm wall':>11}{'warm cpu':>11}   (median of {len(warm_w)})")
+    print(f"{'phase':<22}{'cold wall':>11}{'cold cpu':>11}{'warm wall':>11}{'warm cpu':>11}"
+          f"   (median of {len(walls[1:] or walls)})")
     for k in list(PHASES) + ["total"]:
         print(f"{k:<22}" + "".join(f"{summary[c][k]:>10.3f}s" for c in ("cold_wall", "cold_cpu", "warm_wall", "warm_cpu")))
     total = summary["warm_wall"]["total"]
@@ -128,7 +111,7 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
     print(f"host pipeline (warm wall) / reference GPU time = {total:.3f} s / {ref['seconds']:.1f} s = "
           f"{total / ref['seconds']:.2%}")
     return {
-        "config": {k: v for k, v in vars(args).items() if k != "out"},
+        "config": config(args),
         "workload": {"steps": len(steps), "tokens": n_tokens, "merged_rows": merged_rows,
                      "tokens_after_merge": ref["tokens"]},
         "time_s": summary,

@@ -26,6 +26,8 @@ import time
 
 import torch
 
+from bench_cli import bench_parser
+
 
 def _status_mib(field: str) -> float:
     with open("/proc/self/status") as f:
@@ -91,8 +93,7 @@ def timings(masked: float, args) -> tuple[float, float, float, int]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="75%% masked only, best of 2")
+    p = bench_parser(__doc__, "75%% masked only, best of 2")
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--vocab", type=int, default=32000)

@@ -31,21 +31,19 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_cli import script_main  # noqa: E402
+from bench_cli import add_seed_and_out, bench_parser, config, run_args, script_main  # noqa: E402
 from megatron_stepwise.algo.merge import merge_steps  # noqa: E402
 from megatron_stepwise.synthetic import AgentWorkload, make_agent_steps  # noqa: E402
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="16 trajectories per turn count instead of 64")
+    p = bench_parser(__doc__, "16 trajectories per turn count instead of 64")
     p.add_argument("--max-turns", type=int, default=16)
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--samples", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=32768, help="micro-batch budget a merged row must fit")
     p.add_argument("--drift", type=float, default=0.1, help="re-tokenisation drift probability of the contrast run")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", help="write the results as JSON here")
+    add_seed_and_out(p)
     args = p.parse_args(argv)
     if args.quick:
         args.prompts = 4
@@ -96,9 +94,7 @@ def measure_turns(turns: int, args: argparse.Namespace) -> dict[str, float]:
 
 def run(quick: bool = False, **options: Any) -> dict[str, Any]:
     """Prints the table, returns the figures (what `tools/bench.py` collects)."""
-    args = parse_args(["--quick"] if quick else [])
-    for key, value in options.items():
-        setattr(args, key, value)
+    args = run_args(parse_args, quick, options)
     rows = [measure_turns(t, args) for t in range(1, args.max_turns + 1)]
 
     print(f"merge savings: {args.prompts * args.samples} prefix-consistent trajectories per turn count, "
@@ -130,7 +126,7 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
           f"{last['merged_over_unique']:.3f} (worst over T: {max(r['merged_over_unique'] for r in rows):.3f}); "
           f"trained tokens equal in both layouts: {all(r['trained_tokens_equal'] for r in rows)}")
     return {
-        "config": {k: v for k, v in vars(args).items() if k != "out"},
+        "config": config(args),
         "by_turns": rows,
         "growth_exponent": exponents,
         "ratio_at_max_turns": last["unmerged_over_merged"],

@@ -34,7 +34,6 @@ It reports
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
 import sys
 import time
@@ -46,7 +45,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_cli import PhaseTimer, write_json  # noqa: E402
+from bench_cli import (PhaseTimer, add_seed_and_out, bench_parser, repeat_runs, run_args,  # noqa: E402
+                       warm_median, write_json)
 from megatron_stepwise.algo import planner  # noqa: E402
 from megatron_stepwise.algo.batching import prompt_minibatches, validate_steps  # noqa: E402
 from megatron_stepwise.algo.merge import merge_steps  # noqa: E402
@@ -56,8 +56,7 @@ from megatron_stepwise.synthetic import AgentWorkload, make_agent_steps  # noqa:
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="64 prompts, 2 warm repeats")
+    p = bench_parser(__doc__, "64 prompts, 2 warm repeats")
     p.add_argument("--prompts", type=int, default=512)
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--dp", type=int, default=8)
@@ -68,8 +67,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--micro-align", type=int, default=128, help="alignment of a packed micro-batch (TP x 128)")
     p.add_argument("--drift", type=float, default=0.0, help="re-tokenisation drift probability per turn")
     p.add_argument("--repeats", type=int, default=5, help="warm runs after the cold one")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", help="write the results as JSON here")
+    add_seed_and_out(p)
     args = p.parse_args(argv)
     if args.quick:
         args.prompts, args.repeats = 64, 2
@@ -238,12 +236,7 @@ def balance_report(minibatch_lengths: list[list[int]], args) -> dict[str, dict[s
 
 def run(quick: bool = False, **options: Any) -> dict[str, Any]:
     """The CLI's defaults (or `--quick`), with keyword overrides; prints the tables, returns the figures."""
-    args = parse_args(["--quick"] if quick else [])
-    for key, value in options.items():
-        if not hasattr(args, key):
-            raise ValueError(f"bench_pipeline.run: unknown option {key!r}")
-        setattr(args, key, value)
-    return bench(args)
+    return bench(run_args(parse_args, quick, options))
 
 
 def main() -> None:
@@ -266,21 +259,10 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
           f"mini-batch, seq_align={args.seq_align}, micro_align={args.micro_align}, prepare(merge_steps="
           f"{opts.merge_steps}, estimator={opts.estimator}), 1 thread\n")
 
-    runs, cpu_runs = [], []
-    for r in range(1 + args.repeats):
-        result = None
-        gc.collect()
-        times, cpu, result = run_pipeline(steps, args)
-        runs.append(times)
-        cpu_runs.append(cpu)
-        if r < args.repeats:
-            del result  # free the batch as a training loop would before the next iteration
-    mbs, prepared, batches, plans = result
+    runs, cpu_runs, (mbs, prepared, batches, _) = repeat_runs(lambda: run_pipeline(steps, args), args.repeats)
     cold, cold_cpu = runs[0], cpu_runs[0]
-    warm_runs, warm_cpu_runs = (runs[1:], cpu_runs[1:]) if len(runs) > 1 else (runs, cpu_runs)
-    warm = {k: statistics.median(r[k] for r in warm_runs) for k in cold}
-    warm_cpu = {k: statistics.median(r[k] for r in warm_cpu_runs) for k in cold}
-    print(f"{'':12}{'cold (1st run)':>22}{'warm (median of ' + str(len(warm_runs)) + ')':>24}")
+    warm, warm_cpu = warm_median(runs), warm_median(cpu_runs)
+    print(f"{'':12}{'cold (1st run)':>22}{'warm (median of ' + str(len(runs[1:] or runs)) + ')':>24}")
     print(f"{'phase':<12}{'wall':>11}{'cpu':>11}{'wall':>12}{'cpu':>12}")
     for k in cold:
         print(f"{k:<12}{cold[k] * 1e3:>8.1f} ms{cold_cpu[k] * 1e3:>8.1f} ms"

@@ -103,8 +103,7 @@ FIGURES: list[Figure] = [
            lambda r: r["merged_over_unique_max"], "", 3, ("<=", 1.05)),
     Figure("merge", "contrast: merged / unique with 10% re-tokenisation drift, T=16",
            lambda r: r["by_turns"][-1]["merged_over_unique_with_drift"], "", 3),
-    Figure("merge", "unmerged / merged tokens per trajectory at T=16",
-           lambda r: r["ratio_at_max_turns"], "x", 2),
+    Figure("merge", "unmerged / merged tokens per trajectory at T=16", lambda r: r["ratio_at_max_turns"], "x", 2),
     Figure("merge", "growth exponent k (tokens ~ T^k), unmerged, T=1..16",
            lambda r: r["growth_exponent"]["unmerged"]["all"], "", 2),
     Figure("merge", "growth exponent k, merged, T=8..16",
@@ -143,8 +142,7 @@ FIGURES: list[Figure] = [
     Figure("host_pipeline", "fraction of the reference GPU time of the iteration (stated assumption)",
            lambda r: r["fraction_of_gpu_time"], "%", 2),
     # 7. rollout (tools/bench_rollout.py)
-    Figure("rollout", "fleet trajectories/s, 2 engines / 1 engine",
-           lambda r: r["fleet_x2_over_x1"], "x", 2),
+    Figure("rollout", "fleet trajectories/s, 2 engines / 1 engine", lambda r: r["fleet_x2_over_x1"], "x", 2),
     Figure("rollout", "fleet x1 trajectories/s", lambda r: r["results"]["fleet x1"]["trajectories/s"], "/s", 1),
     Figure("rollout", "fleet x1 generated tokens/s", lambda r: r["results"]["fleet x1"]["gen tokens/s"], "/s", 0),
     # 8. weight sync (tools/bench_weight_sync.py)

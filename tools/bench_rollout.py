@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("PYTHONPATH", str(Path(__file__).resolve().parents[1]))
 
+from bench_cli import bench_parser  # noqa: E402
 from megatron_stepwise.envs.echo import echo_dataset  # noqa: E402
 from megatron_stepwise.hf.tokenizers import load_tokenizer  # noqa: E402
 from megatron_stepwise.rollout.agent_loop import AgentLoop, AgentLoopConfig  # noqa: E402
@@ -66,8 +67,7 @@ async def bench(args) -> dict[str, dict]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true")
+    p = bench_parser(__doc__)
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--samples", type=int, default=4)
     p.add_argument("--new-tokens", type=int, default=16)
@@ -101,9 +101,5 @@ def report(args: argparse.Namespace) -> dict:
     return {"config": vars(args), "results": results, "fleet_x2_over_x1": ratio}
 
 
-def main() -> None:
-    report(parse_args())
-
-
 if __name__ == "__main__":
-    main()
+    report(parse_args())

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
@@ -33,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_cli import script_main  # noqa: E402
+from bench_cli import add_seed_and_out, bench_parser, config, free_port, run_args, script_main  # noqa: E402
 from megatron_stepwise.algo.advantages import compute_advantages  # noqa: E402
 from megatron_stepwise.algo.batching import plan_microbatches  # noqa: E402
 from megatron_stepwise.algo.losses import LossConfig  # noqa: E402
@@ -45,16 +44,14 @@ PAD_TOKEN = 0
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="the tiny preset's size, a smaller mini-batch, 1 repeat")
+    p = bench_parser(__doc__, "the tiny preset's size, a smaller mini-batch, 1 repeat")
     p.add_argument("--prompts", type=int, default=2)
     p.add_argument("--samples", type=int, default=2)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=4096, help="micro-batch token budget")
     p.add_argument("--repeats", type=int, default=3, help="timed steps per layout after one warm-up")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", help="write the results as JSON here")
+    add_seed_and_out(p)
     args = p.parse_args(argv)
     if args.quick:
         args.prompts, args.hidden, args.layers, args.repeats = 1, 64, 2, 1
@@ -105,43 +102,26 @@ def padded_copy(steps: list[Step], advantages: list[torch.Tensor], plan) -> tupl
     return out_steps, out_adv
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_world_of_one() -> None:
     from megatron_stepwise.megatron.runtime import init_distributed
 
     # This process is its own world (the suite runs each benchmark in a fresh process).
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(_free_port()))
+                      MASTER_PORT=str(free_port()))
     init_distributed(1, 1, 1, seed=1234)
-
-
-def build_model_and_optimizer(hf_config: dict):
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-    from megatron_stepwise.megatron.model import build_model_chunks
-
-    chunks = build_model_chunks(hf_config)
-    # lr = 0: the optimizer does all its work but the weights stay put, so repeats are identical.
-    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=0.0, weight_decay=0.0, clip_grad=1.0,
-                                                 bf16=False, params_dtype=torch.float32), chunks)
-    return chunks, opt
 
 
 def run(quick: bool = False, **options: Any) -> dict[str, Any]:
     """Prints the table, returns the figures (what `tools/bench.py` collects)."""
-    args = parse_args(["--quick"] if quick else [])
-    for key, value in options.items():
-        setattr(args, key, value)
+    args = run_args(parse_args, quick, options)
     torch.set_num_threads(1)
     from megatron_stepwise.megatron.runtime import destroy_distributed, silence_megatron_noise
 
     silence_megatron_noise()
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
     from megatron_stepwise.algo.planner import plan_stats
+    from megatron_stepwise.megatron.model import build_model_chunks
     from megatron_stepwise.megatron.plugin import StepwisePlugin
 
     hf = model_config(args)
@@ -163,7 +143,10 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
 
     start_world_of_one()
     try:
-        chunks, opt = build_model_and_optimizer(hf)
+        chunks = build_model_chunks(hf)
+        # lr = 0: the optimizer does all its work but the weights stay put, so repeats are identical.
+        opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=0.0, weight_decay=0.0, clip_grad=1.0,
+                                                     bf16=False, params_dtype=torch.float32), chunks)
         n_params = sum(p.numel() for p in chunks[0].parameters())
         times: dict[str, list[float]] = {"packed": [], "padded": []}
         losses: dict[str, float] = {}
@@ -199,7 +182,7 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
     print(f"packed / padded real tokens/s = {speedup:.2f}x   (padded / packed computed tokens = {predicted:.2f}x; "
           f"loss difference {abs(res['packed']['loss'] - res['padded']['loss']):.1e}: same math, pads untrained)")
     return {
-        "config": {k: v for k, v in vars(args).items() if k != "out"},
+        "config": config(args),
         "model": {"hf_config": hf, "params": n_params},
         "minibatch": {"rows": len(steps), "real_tokens": real, "trained_tokens": trained,
                       "micro_batches": len(plan[0]), "padded_efficiency_of_plan": stats.padded_efficiency},

@@ -18,14 +18,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
+from bench_cli import bench_parser, free_port, median_time
 from megatron_stepwise.megatron import convert
 from megatron_stepwise.megatron import model as M
 from megatron_stepwise.megatron import runtime
@@ -38,16 +36,6 @@ MODELS = {
     "qwen2-100m": M.tiny_config(vocab_size=32000, hidden_size=768, num_layers=8, num_heads=12, num_kv_heads=4,
                                 ffn_hidden_size=2048),
 }
-
-
-def median_time(fn, repeat: int) -> float:
-    fn()  # warm-up: imports, first allocations, the distributed group
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def bench_model(name: str, cfg: dict, repeat: int, bucket_mb: float, workdir: Path) -> dict:
@@ -80,8 +68,7 @@ def bench_model(name: str, cfg: dict, repeat: int, bucket_mb: float, workdir: Pa
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="tiny model only, one repeat")
+    p = bench_parser(__doc__, "tiny model only, one repeat")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--bucket-mb", type=float, default=64)
     return p.parse_args(argv)
@@ -95,9 +82,7 @@ def run(quick: bool = False) -> dict:
 def report(args: argparse.Namespace) -> dict:
     repeat = 1 if args.quick else args.repeat
     torch.set_num_threads(1)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        os.environ.setdefault("MASTER_PORT", str(s.getsockname()[1]))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     runtime.init_distributed(1, 1)
     rows = []
     try:
@@ -119,9 +104,5 @@ def report(args: argparse.Namespace) -> dict:
     return {"config": {**vars(args), "repeat": repeat}, "rows": rows, "figures": figures}
 
 
-def main() -> None:
-    report(parse_args())
-
-
 if __name__ == "__main__":
-    main()
+    report(parse_args())
