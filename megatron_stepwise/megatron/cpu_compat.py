@@ -43,11 +43,7 @@ _CPU = torch.device("cpu")
 
 
 def _is_cuda(device: Any) -> bool:
-    if isinstance(device, torch.device):
-        return device.type == "cuda"
-    if isinstance(device, str):
-        return device.split(":")[0] == "cuda"
-    return False
+    return isinstance(device, (torch.device, str)) and str(device).split(":")[0] == "cuda"
 
 
 class _RedirectCudaToCpu(TorchFunctionMode):
@@ -72,13 +68,7 @@ class _RedirectCudaToCpu(TorchFunctionMode):
 
 def _splits_to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
     # megatron's maybe_move_tensor_to_cpu converts to numpy only what it copies off a GPU.
-    if torch.is_tensor(tensor) and as_numpy:
-        return tensor.cpu().numpy()
-    return tensor
-
-
-def _cuda_current_device() -> torch.device:
-    return _CPU
+    return tensor.cpu().numpy() if torch.is_tensor(tensor) and as_numpy else tensor
 
 
 def _noop(*_args: Any, **_kwargs: Any) -> None:
@@ -93,32 +83,13 @@ def _cpu_set_rng_state(new_state: torch.Tensor, *_args: Any, **_kwargs: Any) -> 
     torch.set_rng_state(new_state)
 
 
-def _cpu_manual_seed(seed: int) -> None:
-    torch.manual_seed(seed)
-
-
-class _InertEvent:
-    def synchronize(self) -> None:
-        pass
-
-    def wait(self, *_args: Any) -> None:
-        pass
-
-
 class _InertStream:
-    """A CUDA stream stand-in: on CPU every operation is already ordered."""
+    """A CUDA stream (and event) stand-in: on CPU every operation is already ordered."""
 
-    def __init__(self, *_args: Any, **_kwargs: Any) -> None:
-        pass
+    __init__ = wait_stream = synchronize = wait = _noop
 
-    def wait_stream(self, *_args: Any) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-    def record_event(self, *_args: Any) -> _InertEvent:
-        return _InertEvent()
+    def record_event(self, *_args: Any) -> "_InertStream":
+        return _InertStream()
 
     def __enter__(self) -> "_InertStream":
         return self
@@ -161,12 +132,12 @@ class CpuCompat:
             from megatron.core.tensor_parallel import random as mrandom
             from megatron.core.transformer.moe import token_dispatcher
 
-            self._patch(torch.cuda, "current_device", _cuda_current_device)
+            self._patch(torch.cuda, "current_device", lambda: _CPU)
             self._patch(torch.cuda, "synchronize", _noop)
             self._patch(torch.cuda, "empty_cache", _noop)
             self._patch(torch.cuda, "get_rng_state", _cpu_get_rng_state)
             self._patch(torch.cuda, "set_rng_state", _cpu_set_rng_state)
-            self._patch(torch.cuda, "manual_seed", _cpu_manual_seed)
+            self._patch(torch.cuda, "manual_seed", torch.manual_seed)
             self._patch(torch.cuda.random, "get_rng_state", _cpu_get_rng_state)
             self._patch(mrandom, "_get_cuda_rng_state", _cpu_get_rng_state)
             self._patch(mrandom, "_set_cuda_rng_state", _cpu_set_rng_state)

@@ -67,22 +67,24 @@ class _GatherFromContextParallel(torch.autograd.Function):
         return grad[dist.get_rank(ctx.group)].clone(), None
 
 
+def _heads_first(t: torch.Tensor) -> torch.Tensor:  # [s, n, hn] -> [1, n, s, hn]
+    return t.transpose(0, 1).unsqueeze(0)
+
+
+def _concat(outs: list, query: torch.Tensor) -> torch.Tensor:  # per-sequence [s, np, hn] -> [T, np * hn]
+    out = torch.cat(outs, dim=0) if outs else query.new_zeros(query.shape)
+    return out.reshape(out.size(0), -1)
+
+
 class PackedCausalAttention(MegatronModule):
     """Core attention for THD packed sequences (and plain [s, b] batches) on any device."""
 
-    def __init__(
-        self,
-        config: TransformerConfig,
-        layer_number: int,
-        attn_mask_type: AttnMaskType,
-        attention_type: str,
-        attention_dropout: Optional[float] = None,
-        softmax_scale: Optional[float] = None,
-        cp_comm_type: Optional[str] = None,
-        pg_collection=None,
-    ):
+    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
+                 attention_type: str, attention_dropout: Optional[float] = None,
+                 softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None,
+                 pg_collection=None):
         super().__init__(config=config)
-        self.cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+        self.cp_group = getattr(pg_collection, "cp", None)
         if self.cp_group is None and config.context_parallel_size > 1:
             self.cp_group = parallel_state.get_context_parallel_group()
         if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal):
@@ -101,37 +103,25 @@ class PackedCausalAttention(MegatronModule):
                 return F.scaled_dot_product_attention(q, k, v, **kwargs)
         return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attention_mask: Optional[torch.Tensor],
-        attn_mask_type: Optional[AttnMaskType] = None,
-        attention_bias: Optional[torch.Tensor] = None,
-        packed_seq_params: Optional[PackedSeqParams] = None,
-    ) -> torch.Tensor:
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: Optional[torch.Tensor], attn_mask_type: Optional[AttnMaskType] = None,
+                attention_bias: Optional[torch.Tensor] = None,
+                packed_seq_params: Optional[PackedSeqParams] = None) -> torch.Tensor:
         if attention_bias is not None:
             raise ValueError("PackedCausalAttention does not support attention_bias")
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             # query [T, np, hn], key/value [T, ng, hn]
             cu = packed_seq_params.cu_seqlens_q_padded
-            if cu is None:
-                cu = packed_seq_params.cu_seqlens_q
-            bounds = cu.tolist()
+            bounds = (packed_seq_params.cu_seqlens_q if cu is None else cu).tolist()
             cp = dist.get_world_size(self.cp_group) if self.cp_group is not None else 1
             if cp > 1:
                 return self._context_parallel_thd(query, key, value, bounds, cp)
             outs = []
             for start, end in zip(bounds[:-1], bounds[1:]):
-                if end == start:
-                    continue
-                q = query[start:end].transpose(0, 1).unsqueeze(0)
-                k = key[start:end].transpose(0, 1).unsqueeze(0)
-                v = value[start:end].transpose(0, 1).unsqueeze(0)
-                outs.append(self._sdpa(q, k, v)[0].transpose(0, 1))
-            out = torch.cat(outs, dim=0) if outs else query.new_zeros(query.shape)
-            return out.reshape(out.size(0), -1)
+                if end > start:
+                    q, k, v = (_heads_first(t[start:end]) for t in (query, key, value))
+                    outs.append(self._sdpa(q, k, v)[0].transpose(0, 1))
+            return _concat(outs, query)
         if attention_mask is not None:
             raise ValueError(
                 "PackedCausalAttention takes packed sequences (PackedSeqParams, qkv_format='thd') or a "
@@ -148,10 +138,6 @@ class PackedCausalAttention(MegatronModule):
         rank = dist.get_rank(self.cp_group)
         keys = _GatherFromContextParallel.apply(key, self.cp_group)  # [cp, T_local, ng, hn]
         values = _GatherFromContextParallel.apply(value, self.cp_group)
-
-        def heads_first(t):  # [s, n, hn] -> [1, n, s, hn]
-            return t.transpose(0, 1).unsqueeze(0)
-
         outs = []
         for start, end in zip(bounds[:-1], bounds[1:]):
             c = (end - start) // (2 * cp)
@@ -168,7 +154,6 @@ class PackedCausalAttention(MegatronModule):
                 # Query i of the chunk sits at position seen - c + i: causal aligned to the lower
                 # right, a mask SDPA's fused (flash / memory-efficient) kernels take.
                 mask = causal_lower_right(c, seen)
-                out = self._sdpa(heads_first(half), heads_first(k_seq[:seen]), heads_first(v_seq[:seen]), mask)
-                outs.append(out[0].transpose(0, 1))
-        out = torch.cat(outs, dim=0) if outs else query.new_zeros(query.shape)
-        return out.reshape(out.size(0), -1)
+                q, k, v = (_heads_first(t) for t in (half, k_seq[:seen], v_seq[:seen]))
+                outs.append(self._sdpa(q, k, v, mask)[0].transpose(0, 1))
+        return _concat(outs, query)

@@ -51,12 +51,9 @@ def _scaled(logits: torch.Tensor, inv_temperature: float) -> torch.Tensor:
 class _VocabParallelLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, vocab_start, group, chunk, with_entropy, inv_temperature):
-        n = hidden.size(0)
-        v_local = weight.size(0)
-        logprobs = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        entropy = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        mean_z = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        n, v_local = hidden.size(0), weight.size(0)
+        logprobs, entropy, lse, mean_z = (torch.empty(n, dtype=torch.float32, device=hidden.device)
+                                          for _ in range(4))
         local_t = targets - vocab_start
         in_shard = (local_t >= 0) & (local_t < v_local)
         local_t = local_t.clamp(0, v_local - 1)
@@ -80,9 +77,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
             mean_z[s:e] = sums[2] / sums[0]
             entropy[s:e] = lse[s:e] - mean_z[s:e]
         ctx.save_for_backward(hidden, weight, local_t, in_shard, lse, mean_z)
-        ctx.chunk = chunk
-        ctx.inv_temperature = inv_temperature
-        ctx.with_entropy = with_entropy
+        ctx.chunk, ctx.inv_temperature, ctx.with_entropy = chunk, inv_temperature, with_entropy
         if not with_entropy:
             entropy.zero_()
         return logprobs, entropy
@@ -120,17 +115,10 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
-def vocab_parallel_logprobs(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    *,
-    vocab_start: int = 0,
-    group: Optional[dist.ProcessGroup] = None,
-    chunk_tokens: Optional[int] = None,
-    with_entropy: bool = True,
-    temperature: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def vocab_parallel_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+                            vocab_start: int = 0, group: Optional[dist.ProcessGroup] = None,
+                            chunk_tokens: Optional[int] = None, with_entropy: bool = True,
+                            temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(log p(target), entropy) per row of `hidden` [N, h], both fp32 [N], of softmax(logits / T).
 
     `weight` is this rank's vocab shard [V/tp, h] covering ids [vocab_start, vocab_start + V/tp);
@@ -143,9 +131,8 @@ def vocab_parallel_logprobs(
     if targets.shape != (hidden.size(0),):
         raise ValueError(f"targets {tuple(targets.shape)} must be [N={hidden.size(0)}]")
     chunk = _chunk_tokens(weight.size(0), chunk_tokens)
-    return _VocabParallelLogProbs.apply(
-        hidden, weight, targets, vocab_start, group, chunk, with_entropy, 1.0 / float(temperature)
-    )
+    return _VocabParallelLogProbs.apply(hidden, weight, targets, vocab_start, group, chunk, with_entropy,
+                                        1.0 / float(temperature))
 
 
 def check_temperature(temperature: float) -> None:
@@ -164,17 +151,10 @@ def output_weight(gpt_model) -> torch.Tensor:
     return gpt_model.output_layer.weight
 
 
-def trained_position_logprobs(
-    hidden: torch.Tensor,
-    pred_index: torch.Tensor,
-    targets: torch.Tensor,
-    gpt_model,
-    *,
-    chunk_tokens: Optional[int] = None,
-    with_entropy: bool = True,
-    vocab_size: Optional[int] = None,
-    temperature: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def trained_position_logprobs(hidden: torch.Tensor, pred_index: torch.Tensor, targets: torch.Tensor,
+                              gpt_model, *, chunk_tokens: Optional[int] = None, with_entropy: bool = True,
+                              vocab_size: Optional[int] = None,
+                              temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs/entropy of softmax(logits / temperature) at `pred_index` of a last stage's final
     hidden states.
 
@@ -183,10 +163,8 @@ def trained_position_logprobs(
     vocabulary when the model's is padded; padding rows are left out of the softmax.
     """
     from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel.mappings import (
-        copy_to_tensor_model_parallel_region,
-        gather_from_sequence_parallel_region,
-    )
+    from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
+                                                        gather_from_sequence_parallel_region)
 
     h = hidden.squeeze(0) if hidden.dim() == 3 else hidden  # [S_local, h]
     if gpt_model.config.sequence_parallel:
@@ -195,7 +173,6 @@ def trained_position_logprobs(
         h = copy_to_tensor_model_parallel_region(h)
     weight = output_weight(gpt_model)
     tp_rank = ps.get_tensor_model_parallel_rank()
-    group = ps.get_tensor_model_parallel_group()
     vocab_start = tp_rank * weight.size(0)
     if vocab_size is not None and vocab_start + weight.size(0) > vocab_size:
         real_rows = vocab_size - vocab_start
@@ -206,13 +183,6 @@ def trained_position_logprobs(
             )
         weight = weight[:real_rows]  # a view: padding rows get no logits and no gradient
     selected = h.index_select(0, pred_index.to(h.device))
-    return vocab_parallel_logprobs(
-        selected,
-        weight,
-        targets.to(h.device),
-        vocab_start=vocab_start,
-        group=group,
-        chunk_tokens=chunk_tokens,
-        with_entropy=with_entropy,
-        temperature=temperature,
-    )
+    return vocab_parallel_logprobs(selected, weight, targets.to(h.device), vocab_start=vocab_start,
+                                   group=ps.get_tensor_model_parallel_group(), chunk_tokens=chunk_tokens,
+                                   with_entropy=with_entropy, temperature=temperature)

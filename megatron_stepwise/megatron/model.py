@@ -99,9 +99,7 @@ def arch_from_hf(cfg: Any) -> GPTArch:
         raise ModelConfigError("use_sliding_window=True is not supported")
     heads = int(_get(cfg, "num_attention_heads"))
     hidden = int(_get(cfg, "hidden_size"))
-    head_dim = _get(cfg, "head_dim") or hidden // heads
     theta, scaling = _rope(cfg)
-    qkv_bias = model_type == "qwen2" or bool(_get(cfg, "attention_bias", False))
     return GPTArch(
         **_moe_fields(cfg),
         model_type=model_type,
@@ -111,11 +109,11 @@ def arch_from_hf(cfg: Any) -> GPTArch:
         num_layers=int(_get(cfg, "num_hidden_layers")),
         num_heads=heads,
         num_kv_heads=int(_get(cfg, "num_key_value_heads") or heads),
-        head_dim=int(head_dim),
+        head_dim=int(_get(cfg, "head_dim") or hidden // heads),
         rms_norm_eps=float(_get(cfg, "rms_norm_eps", 1e-6)),
         rope_theta=theta,
         rope_scaling_factor=scaling,
-        qkv_bias=qkv_bias,
+        qkv_bias=model_type == "qwen2" or bool(_get(cfg, "attention_bias", False)),
         qk_norm=model_type in ("qwen3", "qwen3_moe"),
         tie_word_embeddings=bool(_get(cfg, "tie_word_embeddings", False)),
         max_position_embeddings=int(_get(cfg, "max_position_embeddings", 4096)),
@@ -177,9 +175,8 @@ def padded_vocab_size(vocab_size: int, tp: int) -> int:
     return vocab_size + (-vocab_size) % tp
 
 
-def validate_parallel(
-    arch: GPTArch, *, tp: int, pp: int, tokenizer_vocab_size: Optional[int] = None, vpp: int = 1
-) -> None:
+def validate_parallel(arch: GPTArch, *, tp: int, pp: int, tokenizer_vocab_size: Optional[int] = None,
+                      vpp: int = 1) -> None:
     """Clear errors for layouts the model cannot be split into, and vocab mismatches."""
     checks = [
         ("num_attention_heads", arch.num_heads, tp, "tensor_parallel"),
@@ -194,13 +191,11 @@ def validate_parallel(
     if padded_vocab_size(arch.vocab_size, tp) // tp * (tp - 1) >= arch.vocab_size:
         raise ModelConfigError(f"vocab_size={arch.vocab_size} is too small to split over tensor_parallel={tp}")
     if arch.num_heads % arch.num_kv_heads:
-        raise ModelConfigError(
-            f"num_key_value_heads={arch.num_kv_heads} does not divide num_attention_heads={arch.num_heads}"
-        )
+        raise ModelConfigError(f"num_key_value_heads={arch.num_kv_heads} does not divide "
+                               f"num_attention_heads={arch.num_heads}")
     if tokenizer_vocab_size is not None and tokenizer_vocab_size > arch.vocab_size:
-        raise ModelConfigError(
-            f"tokenizer has {tokenizer_vocab_size} tokens but the model's vocab_size is {arch.vocab_size}"
-        )
+        raise ModelConfigError(f"tokenizer has {tokenizer_vocab_size} tokens but the model's vocab_size "
+                               f"is {arch.vocab_size}")
 
 
 def te_available() -> bool:
@@ -212,61 +207,32 @@ def te_available() -> bool:
     return True
 
 
-def transformer_config(
-    arch: GPTArch,
-    *,
-    tp: int = 1,
-    pp: int = 1,
-    cp: int = 1,
-    sequence_parallel: Optional[bool] = None,
-    dtype: Optional[torch.dtype] = None,
-    use_te: Optional[bool] = None,
-    **overrides: Any,
-):
+def transformer_config(arch: GPTArch, *, tp: int = 1, pp: int = 1, cp: int = 1,
+                       sequence_parallel: Optional[bool] = None, dtype: Optional[torch.dtype] = None,
+                       use_te: Optional[bool] = None, **overrides: Any):
     """The megatron `TransformerConfig` for `arch` at this layout (overrides win)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     on_gpu = torch.cuda.is_available()
     use_te = te_available() if use_te is None else use_te
     dtype = dtype or (torch.bfloat16 if on_gpu else torch.float32)
-    if sequence_parallel is None:
-        sequence_parallel = tp > 1
     fields = dict(
-        num_layers=arch.num_layers,
-        hidden_size=arch.hidden_size,
-        ffn_hidden_size=arch.ffn_hidden_size,
-        num_attention_heads=arch.num_heads,
-        num_query_groups=arch.num_kv_heads,
-        kv_channels=arch.head_dim,
-        normalization="RMSNorm",
-        layernorm_epsilon=arch.rms_norm_eps,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=arch.qkv_bias,
-        qk_layernorm=arch.qk_norm,
-        hidden_dropout=0.0,
-        attention_dropout=arch.attention_dropout,
-        init_method_std=arch.init_std,
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        context_parallel_size=cp,
-        sequence_parallel=sequence_parallel and tp > 1,
-        params_dtype=dtype,
-        pipeline_dtype=dtype,
-        bf16=dtype == torch.bfloat16,
-        fp16=dtype == torch.float16,
+        num_layers=arch.num_layers, hidden_size=arch.hidden_size, ffn_hidden_size=arch.ffn_hidden_size,
+        num_attention_heads=arch.num_heads, num_query_groups=arch.num_kv_heads, kv_channels=arch.head_dim,
+        normalization="RMSNorm", layernorm_epsilon=arch.rms_norm_eps, gated_linear_unit=True,
+        activation_func=F.silu, add_bias_linear=False, add_qkv_bias=arch.qkv_bias, qk_layernorm=arch.qk_norm,
+        hidden_dropout=0.0, attention_dropout=arch.attention_dropout, init_method_std=arch.init_std,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
+        sequence_parallel=(tp > 1 if sequence_parallel is None else sequence_parallel) and tp > 1,
+        params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         # Micro-batches are packed to different lengths: PP must exchange shapes.
         variable_seq_lengths=True,
-        moe_token_dispatcher_type="alltoall",  # dense model; megatron rejects the default with variable lengths
+        # allgather (the default) refuses variable_seq_lengths, even for a dense model.
+        moe_token_dispatcher_type="alltoall",
         # Fusions that need CUDA kernels stay off unless TE provides them.
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=bool(use_te and on_gpu),
-        persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
-        use_cpu_initialization=not on_gpu,
+        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        apply_rope_fusion=bool(use_te and on_gpu), persist_layer_norm=False,
+        gradient_accumulation_fusion=False, use_cpu_initialization=not on_gpu,
         # gloo matches a batch's sends and receives by peer and order: with PP=2 both neighbours
         # are one rank, and the interleaved schedule's batched activation and gradient exchange
         # would swap them. The unbatched path sends each direction on its own group.
@@ -274,19 +240,14 @@ def transformer_config(
     )
     if arch.num_experts:
         fields.update(
-            num_moe_experts=arch.num_experts,
-            moe_router_topk=arch.moe_topk,
+            num_moe_experts=arch.num_experts, moe_router_topk=arch.moe_topk,
             moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
             # HF: softmax over all experts, top-k, renormalised (norm_topk_prob) or not. Megatron:
             # softmax over the top-k logits (the same renormalised probabilities), or pre-softmax.
-            moe_router_pre_softmax=not arch.moe_norm_topk,
-            moe_router_score_function="softmax",
+            moe_router_pre_softmax=not arch.moe_norm_topk, moe_router_score_function="softmax",
             moe_router_load_balancing_type="none",  # router losses are the step-wise loss's business
-            moe_aux_loss_coeff=0.0,
-            moe_grouped_gemm=False,
-            moe_token_dispatcher_type="alltoall",  # allgather refuses variable_seq_lengths
+            moe_aux_loss_coeff=0.0, moe_grouped_gemm=False, moe_router_dtype="fp32",
             expert_tensor_parallel_size=1,  # experts are split over EP, not TP
-            moe_router_dtype="fp32",
         )
     fields.update(overrides)
     return TransformerConfig(**fields)
@@ -311,16 +272,11 @@ def layer_spec(config, *, use_te: bool, vp_stage: Optional[int] = None):
     qk_norm = LocalRMSNorm if config.qk_layernorm else None
     attn_sub = dataclasses.replace(attn.submodules, core_attention=PackedCausalAttention,
                                    q_layernorm=qk_norm, k_layernorm=qk_norm)
-    sub = dataclasses.replace(
-        base.submodules,
-        input_layernorm=LocalRMSNorm,
-        pre_mlp_layernorm=LocalRMSNorm,
-        self_attention=dataclasses.replace(attn, submodules=attn_sub),
-    )
+    sub = dataclasses.replace(base.submodules, input_layernorm=LocalRMSNorm, pre_mlp_layernorm=LocalRMSNorm,
+                              self_attention=dataclasses.replace(attn, submodules=attn_sub))
     layer = dataclasses.replace(base, submodules=sub)
-    return TransformerBlockSubmodules(
-        layer_specs=[layer] * get_num_layers_to_build(config, vp_stage=vp_stage), layer_norm=LocalRMSNorm
-    )
+    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=LocalRMSNorm)
 
 
 def _patch_router_gemm() -> None:
@@ -332,16 +288,10 @@ def _patch_router_gemm() -> None:
         moe_utils.te_general_gemm = None
 
 
-def build_gpt_model(
-    hf_config: Any,
-    *,
-    pre_process: Optional[bool] = None,
-    post_process: Optional[bool] = None,
-    use_te: Optional[bool] = None,
-    config_overrides: Optional[dict] = None,
-    tokenizer_vocab_size: Optional[int] = None,
-    vp_stage: Optional[int] = None,
-):
+def build_gpt_model(hf_config: Any, *, pre_process: Optional[bool] = None,
+                    post_process: Optional[bool] = None, use_te: Optional[bool] = None,
+                    config_overrides: Optional[dict] = None,
+                    tokenizer_vocab_size: Optional[int] = None, vp_stage: Optional[int] = None):
     """One GPTModel chunk for this rank's pipeline stage (parallel state must be initialised)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -371,19 +321,13 @@ def build_gpt_model(
     if post_process is None:
         post_process = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     model = GPTModel(
-        config=config,
-        transformer_layer_spec=layer_spec(config, use_te=use_te, vp_stage=vp_stage),
-        vocab_size=padded_vocab_size(arch.vocab_size, tp),
-        max_sequence_length=arch.max_position_embeddings,
-        pre_process=pre_process,
-        post_process=post_process,
-        parallel_output=True,
-        share_embeddings_and_output_weights=arch.tie_word_embeddings,
-        position_embedding_type="rope",
+        config=config, transformer_layer_spec=layer_spec(config, use_te=use_te, vp_stage=vp_stage),
+        vocab_size=padded_vocab_size(arch.vocab_size, tp), max_sequence_length=arch.max_position_embeddings,
+        pre_process=pre_process, post_process=post_process, parallel_output=True,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings, position_embedding_type="rope",
         rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
         rope_scaling=arch.rope_scaling_factor is not None,
-        rope_scaling_factor=arch.rope_scaling_factor or 8.0,
-        vp_stage=vp_stage,
+        rope_scaling_factor=arch.rope_scaling_factor or 8.0, vp_stage=vp_stage,
     )
     model.unpadded_vocab_size = arch.vocab_size  # what the plugin scores over (see padded_vocab_size)
     return model
@@ -398,15 +342,8 @@ def model_provider(hf_config: Any, **kwargs: Any) -> Callable[..., Any]:
     return provide
 
 
-def wrap_ddp(
-    model,
-    *,
-    use_distributed_optimizer: bool = False,
-    grad_reduce_in_fp32: bool = True,
-    overlap_grad_reduce: bool = False,
-    disable_bucketing: bool = False,
-    **ddp_kwargs: Any,
-):
+def wrap_ddp(model, *, use_distributed_optimizer: bool = False, grad_reduce_in_fp32: bool = True,
+             overlap_grad_reduce: bool = False, disable_bucketing: bool = False, **ddp_kwargs: Any):
     """Wrap a built chunk in megatron's DDP (and Float16Module for bf16/fp16 on GPU)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
@@ -417,23 +354,14 @@ def wrap_ddp(
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=grad_reduce_in_fp32,
-        overlap_grad_reduce=overlap_grad_reduce,
-        use_distributed_optimizer=use_distributed_optimizer,
-        **ddp_kwargs,
-    )
+        grad_reduce_in_fp32=grad_reduce_in_fp32, overlap_grad_reduce=overlap_grad_reduce,
+        use_distributed_optimizer=use_distributed_optimizer, **ddp_kwargs)
     return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model,
                                    disable_bucketing=disable_bucketing)
 
 
-def build_model_chunks(
-    hf_config: Any,
-    *,
-    wrap: bool = True,
-    use_distributed_optimizer: bool = False,
-    init: Optional[Callable[[list], None]] = None,
-    **build_kwargs: Any,
-) -> list:
+def build_model_chunks(hf_config: Any, *, wrap: bool = True, use_distributed_optimizer: bool = False,
+                       init: Optional[Callable[[list], None]] = None, **build_kwargs: Any) -> list:
     """This rank's model chunks, one per virtual pipeline stage (one without virtual pipeline
     parallelism), built and DDP-wrapped.
 

@@ -19,6 +19,7 @@ CP a trained token is scored by the rank that holds its predicting position.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -69,24 +70,15 @@ class PackedMicroBatch:
 
         cu = self.cu_seqlens.to(device=device, dtype=torch.int32)
         padded = None if self.cu_seqlens_padded is None else self.cu_seqlens_padded.to(device=device, dtype=torch.int32)
-        return PackedSeqParams(
-            qkv_format="thd",
-            cu_seqlens_q=cu,
-            cu_seqlens_kv=cu,
-            cu_seqlens_q_padded=padded,
-            cu_seqlens_kv_padded=padded,
-            max_seqlen_q=self.max_seqlen,
-            max_seqlen_kv=self.max_seqlen,
-        )
+        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                               cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded,
+                               max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen)
 
 
 def alignment_for(tp: int, sequence_parallel: bool, cp: int = 1) -> int:
     """Packed length multiple required by the layout: SP splits each CP rank's S / cp tokens
     over TP, CP splits every row into 2 * cp chunks."""
-    align = tp if sequence_parallel else 1
-    if cp > 1:
-        align *= 2 * cp
-    return align
+    return (tp if sequence_parallel else 1) * (2 * cp if cp > 1 else 1)
 
 
 def packed_lengths(lengths: torch.Tensor, cp: int) -> torch.Tensor:
@@ -109,17 +101,9 @@ def _ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     )
 
 
-def pack_rows(
-    batch: StepBatch,
-    rows: Sequence[int],
-    *,
-    align: int = 1,
-    pad_token_id: int = 0,
-    gather_fields: Sequence[str] = (),
-    max_tokens: Optional[int] = None,
-    cp: int = 1,
-    pad_to: Optional[int] = None,
-) -> PackedMicroBatch:
+def pack_rows(batch: StepBatch, rows: Sequence[int], *, align: int = 1, pad_token_id: int = 0,
+              gather_fields: Sequence[str] = (), max_tokens: Optional[int] = None, cp: int = 1,
+              pad_to: Optional[int] = None) -> PackedMicroBatch:
     """Pack `rows` of `batch` into one THD sequence; gather `gather_fields` at trained tokens.
 
     With `cp` > 1 each row is padded to a multiple of 2 * cp first (`align` must be a multiple
@@ -128,10 +112,8 @@ def pack_rows(
     sequence to at least that many tokens.
     """
     rows = [int(r) for r in rows]
-    starts = batch.offsets[:-1]
-    lengths = batch.lengths
     row_t = torch.tensor(rows, dtype=torch.long)
-    lens = lengths[row_t] if rows else torch.zeros(0, dtype=torch.long)
+    lens = batch.lengths[row_t] if rows else torch.zeros(0, dtype=torch.long)
     if bool((lens == 0).any()):
         r = rows[int(torch.nonzero(lens == 0)[0])]
         raise StepwiseBatchError(f"step {r}: empty row (no prompt and no response tokens)")
@@ -145,15 +127,15 @@ def pack_rows(
     # Flat indices (into the mini-batch) of every real token and its packed position, without
     # a per-token loop.
     within = _ranges(torch.zeros_like(lens), lens)
-    flat = _ranges(starts[row_t], lens) if rows else within
+    flat = _ranges(batch.offsets[:-1][row_t], lens) if rows else within
     row_of = torch.repeat_interleave(row_t, lens) if rows else within
     packed_pos = _ranges(_exclusive_cumsum(plens), lens)
 
     pad = (-padded_total) % align if rows else max(align, 1)
     if pad_to is not None:
         pad = max(pad, pad_to - padded_total)
-    seg_plens = torch.cat([plens, torch.tensor([pad] if pad else [], dtype=torch.long)])
-    seg_lens = torch.cat([lens, torch.tensor([pad] if pad else [], dtype=torch.long)])
+    pad_seg = torch.tensor([pad] if pad else [], dtype=torch.long)
+    seg_plens, seg_lens = torch.cat([plens, pad_seg]), torch.cat([lens, pad_seg])
     size = padded_total + pad
     tokens = torch.full((size,), pad_token_id, dtype=torch.long)
     tokens[packed_pos] = batch.tokens[flat]
@@ -176,8 +158,7 @@ def pack_rows(
         torch.cumsum(seg_plens, 0, out=cu_padded[1:])
 
     trained = batch.token_fields["loss_mask"][flat] != 0
-    first_of_row = within == 0
-    bad = trained & first_of_row
+    bad = trained & (within == 0)
     if bool(bad.any()):
         r = int(row_of[bad][0])
         raise StepwiseBatchError(
@@ -187,20 +168,12 @@ def pack_rows(
     pos = torch.nonzero(trained).flatten()
     token_index = flat[pos]
     return PackedMicroBatch(
-        tokens=tokens.unsqueeze(0),
-        position_ids=positions.unsqueeze(0),
-        cu_seqlens=cu,
-        cu_seqlens_padded=cu_padded,
-        max_seqlen=int(seg_plens.max()) if seg_plens.numel() else 0,
-        rows=rows,
-        pred_index=packed_pos[pos] - 1,
-        targets=batch.tokens[token_index],
-        token_index=token_index,
-        row_ids=row_of[pos],
-        num_real_tokens=total,
+        tokens=tokens.unsqueeze(0), position_ids=positions.unsqueeze(0), cu_seqlens=cu,
+        cu_seqlens_padded=cu_padded, max_seqlen=int(seg_plens.max()) if seg_plens.numel() else 0, rows=rows,
+        pred_index=packed_pos[pos] - 1, targets=batch.tokens[token_index], token_index=token_index,
+        row_ids=row_of[pos], num_real_tokens=total,
         fields={name: batch.token_fields[name][token_index] for name in gather_fields},
-        token_segment=token_segment,
-        routed_experts=routed,
+        token_segment=token_segment, routed_experts=routed,
     )
 
 
@@ -212,8 +185,7 @@ def split_for_context_parallel(mb: PackedMicroBatch, cp: int, cp_rank: int) -> P
     if bool((seg % (2 * cp)).any()):
         raise ValueError(f"segments of lengths {seg.tolist()} are not multiples of 2 * cp = {2 * cp}")
     chunk = seg // (2 * cp)
-    first = cu[:-1] + cp_rank * chunk
-    second = cu[:-1] + (2 * cp - 1 - cp_rank) * chunk
+    first, second = cu[:-1] + cp_rank * chunk, cu[:-1] + (2 * cp - 1 - cp_rank) * chunk
     local = _ranges(torch.stack([first, second], 1).flatten(), chunk.repeat_interleave(2))
     where = torch.full((mb.seq_len,), -1, dtype=torch.long)
     where[local] = torch.arange(local.numel())
@@ -221,25 +193,12 @@ def split_for_context_parallel(mb: PackedMicroBatch, cp: int, cp_rank: int) -> P
     n = len(mb.rows)  # segments after the rows are alignment padding
     real = torch.zeros(mb.seq_len, dtype=torch.bool)
     real[_ranges(cu[:n], (mb.cu_seqlens[1 : n + 1] - mb.cu_seqlens[:n]).long())] = True
-    return PackedMicroBatch(
-        tokens=mb.tokens[:, local],
-        position_ids=mb.position_ids[:, local],
-        cu_seqlens=mb.cu_seqlens,
-        cu_seqlens_padded=mb.cu_seqlens_padded,
-        max_seqlen=mb.max_seqlen,
-        rows=mb.rows,
-        pred_index=where[mb.pred_index[keep]],
-        targets=mb.targets[keep],
-        token_index=mb.token_index[keep],
+    return dataclasses.replace(
+        mb, tokens=mb.tokens[:, local], position_ids=mb.position_ids[:, local],
+        pred_index=where[mb.pred_index[keep]], targets=mb.targets[keep], token_index=mb.token_index[keep],
         row_ids=mb.row_ids[keep],
-        num_real_tokens=int(real[local].sum()),
-        fields={k: v[keep] for k, v in mb.fields.items()},
-        mode=mb.mode,
-        loss_scale=mb.loss_scale,
-        rollout_logprobs_complete=mb.rollout_logprobs_complete,
-        plan_size=mb.plan_size,
+        num_real_tokens=int(real[local].sum()), fields={k: v[keep] for k, v in mb.fields.items()},
+        metric_share=0.0,  # the plugin gives it to one CP rank's micro-batch
         token_segment=None if mb.token_segment is None else mb.token_segment[local],
-        minibatch_rows=mb.minibatch_rows,
-        minibatch_tokens=mb.minibatch_tokens,
         routed_experts=None if mb.routed_experts is None else mb.routed_experts[local],
     )

@@ -91,11 +91,7 @@ def _output_layer_bypassed(gpt):
     weight only at trained positions.
     """
     layer = gpt.output_layer
-
-    def passthrough(input_, weight=None, runtime_gather_output=None, **_):
-        return input_, None
-
-    layer.forward = passthrough
+    layer.forward = lambda input_, *_, **__: (input_, None)
     try:
         yield
     finally:
@@ -164,38 +160,23 @@ class StepwisePlugin:
     `loss_inputs(**fields)` (the `LossInputs` constructor).
     """
 
-    def __init__(
-        self,
-        loss_config: Any,
-        *,
-        max_tokens_per_microbatch: int,
-        logprob_chunk_tokens: Optional[int] = None,
-        pad_token_id: int = 0,
-        temperature: float = 1.0,
-        num_microbatches: Optional[int] = None,
-        vocab_size: Optional[int] = None,
-        policy_loss: Optional[Callable] = None,
-        token_weights: Optional[Callable] = None,
-        plan_microbatches: Optional[Callable] = None,
-        loss_inputs: Optional[Callable] = None,
-    ):
+    def __init__(self, loss_config: Any, *, max_tokens_per_microbatch: int,
+                 logprob_chunk_tokens: Optional[int] = None, pad_token_id: int = 0, temperature: float = 1.0,
+                 num_microbatches: Optional[int] = None, vocab_size: Optional[int] = None,
+                 policy_loss: Optional[Callable] = None, token_weights: Optional[Callable] = None,
+                 plan_microbatches: Optional[Callable] = None, loss_inputs: Optional[Callable] = None):
         if max_tokens_per_microbatch < 1:
             raise ValueError(f"max_tokens_per_microbatch must be >= 1, got {max_tokens_per_microbatch}")
-        self.loss_config = loss_config
-        self.max_tokens = int(max_tokens_per_microbatch)
-        self.chunk_tokens = logprob_chunk_tokens
-        self.pad_token_id = pad_token_id
         check_temperature(temperature)
-        self.temperature = float(temperature)
         if num_microbatches is not None and num_microbatches < 1:
             raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
-        self.num_microbatches = num_microbatches
-        self.vocab_size = vocab_size
-        self._policy_loss = policy_loss
-        self._token_weights = token_weights
+        self.loss_config, self.max_tokens = loss_config, int(max_tokens_per_microbatch)
+        self.chunk_tokens, self.pad_token_id = logprob_chunk_tokens, pad_token_id
+        self.temperature = float(temperature)
+        self.num_microbatches, self.vocab_size = num_microbatches, vocab_size
+        self._policy_loss, self._token_weights, self._loss_inputs = policy_loss, token_weights, loss_inputs
         self._plan = plan_microbatches
         self._plan_takes_alignment = False  # the package planner also packs to the layout's alignment
-        self._loss_inputs = loss_inputs
         self._in_own_schedule = False  # train_minibatch / compute_logprobs pass the plan's count themselves
         # MoE router balance / z losses (algo.loss.router_aux_coef / router_z_coef) and expert-load metrics.
         self.router_losses = RouterLosses(aux_coef=getattr(loss_config, "router_aux_coef", 0.0),
@@ -265,22 +246,11 @@ class StepwisePlugin:
                 f"got {len(model_chunks)} model chunks, but megatron's parallel state has {vpp} per rank "
                 "(virtual_pipeline_model_parallel_size): pass all of this rank's chunks"
             )
-        return (
-            ps.get_data_parallel_world_size(),
-            ps.get_data_parallel_rank(),
-            ps.get_context_parallel_world_size(),
-            ps.get_context_parallel_rank(),
-            vpp,
-        )
+        return (ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(),
+                ps.get_context_parallel_world_size(), ps.get_context_parallel_rank(), vpp)
 
-    def prepare_minibatch(
-        self,
-        model_chunks: list,
-        steps_or_batch: Union[StepBatch, Sequence[Step]],
-        *,
-        mode: str = TRAIN,
-        num_microbatches: Optional[int] = None,
-    ) -> MinibatchInputs:
+    def prepare_minibatch(self, model_chunks: list, steps_or_batch: Union[StepBatch, Sequence[Step]], *,
+                          mode: str = TRAIN, num_microbatches: Optional[int] = None) -> MinibatchInputs:
         """Validate, weight (once per mini-batch), plan and pack this DP rank's micro-batches, for a
         host loop that runs the schedule itself.
 
@@ -336,11 +306,8 @@ class StepwisePlugin:
         fields = {}
         rollout_complete = False
         if mode == TRAIN:
-            weights = self._token_weights(
-                batch,
-                self.loss_config.reduction,
-                max_response_len=getattr(self.loss_config, "max_response_len", None),
-            )
+            max_len = getattr(self.loss_config, "max_response_len", None)
+            weights = self._token_weights(batch, self.loss_config.reduction, max_response_len=max_len)
             fields["weights"] = weights.float()
             for name in ("advantages", "old_logprobs", "ref_logprobs"):
                 if name in batch.token_fields:
@@ -361,16 +328,14 @@ class StepwisePlugin:
             mb = pack_rows(batch, rows, align=align, pad_token_id=self.pad_token_id, max_tokens=self.max_tokens, cp=cp,
                            pad_to=pad_to)
             mb.fields = {k: v[mb.token_index] for k, v in fields.items()}
-            mb.mode = mode
-            mb.rollout_logprobs_complete = rollout_complete
+            mb.mode, mb.rollout_logprobs_complete = mode, rollout_complete
             mb = split_for_context_parallel(mb, cp, cp_rank) if cp > 1 else mb
             mb.metric_share = 1.0 if (i, dp_rank, cp_rank) == (0, 0, 0) else 0.0
             mb.minibatch_rows, mb.minibatch_tokens = data_rows, data_tokens
             mbs.append(mb)
         num_mb = len(mbs)
-        scale = float(num_mb * dp) if not cfg.calculate_per_token_loss else float(n_trained)
         for mb in mbs:
-            mb.loss_scale = scale
+            mb.loss_scale = float(n_trained) if cfg.calculate_per_token_loss else float(num_mb * dp)
             mb.plan_size = num_mb
         return MinibatchInputs(mbs, num_mb, pad_to or max(mb.seq_len for mb in mbs), num_chunks=chunks)
 
@@ -397,11 +362,10 @@ class StepwisePlugin:
         known = batch.rollout_logprobs_known()
         missing = batch.first_row_without_rollout_logprobs()
         if missing is not None and getattr(self.loss_config, "needs_rollout_logprobs", False):
-            cfg = self.loss_config
             raise StepwiseBatchError(
                 f"step {missing} ({batch.trajectory_ids[missing]}): field 'rollout_logprobs' is missing (the rollout "
-                f"engine reported no log-probs), but algo.loss.tis={cfg.tis!r} / algo.loss.icepop_* need the engine's "
-                "log-prob of every trained token"
+                f"engine reported no log-probs), but algo.loss.tis={self.loss_config.tis!r} / "
+                "algo.loss.icepop_* need the engine's log-prob of every trained token"
             )
         if bool((known & (batch.token_fields["loss_mask"] != 0)).any()):
             fields["rollout_logprobs"] = batch.token_fields["rollout_logprobs"].float()
@@ -452,14 +416,13 @@ class StepwisePlugin:
             _check_host_count(mb.plan_size)
         gpt = unwrap(model)
         device = next(gpt.parameters()).device
-        tokens = mb.tokens.to(device)
-        positions = mb.position_ids.to(device)
         bypass = _output_layer_bypassed(gpt) if gpt.post_process else contextlib.nullcontext()
         from megatron_stepwise.megatron import routing_replay  # imports megatron-core
 
         # Routing replay (algo.routing_replay): this chunk's routers take the engine's experts.
         with bypass, self.router_losses.running(self._routed(mb, gpt)), routing_replay.for_microbatch(gpt, mb):
-            output = model(tokens, positions, None, packed_seq_params=mb.packed_seq_params(device))
+            output = model(mb.tokens.to(device), mb.position_ids.to(device), None,
+                           packed_seq_params=mb.packed_seq_params(device))
         return output, functools.partial(self._loss_func, mb, gpt)
 
     def _routed(self, mb: PackedMicroBatch, gpt) -> Optional[RoutedMicroBatch]:
@@ -472,32 +435,16 @@ class StepwisePlugin:
             check_recompute(gpt.config)
         n = len(mb.rows)
         return RoutedMicroBatch(
-            token_segment=mb.token_segment,
-            row_tokens=(mb.cu_seqlens[1:n + 1] - mb.cu_seqlens[:n]).long(),
-            minibatch_rows=mb.minibatch_rows,
-            minibatch_tokens=mb.minibatch_tokens,
-            loss_scale=mb.loss_scale,
-        )
+            token_segment=mb.token_segment, row_tokens=(mb.cu_seqlens[1:n + 1] - mb.cu_seqlens[:n]).long(),
+            minibatch_rows=mb.minibatch_rows, minibatch_tokens=mb.minibatch_tokens, loss_scale=mb.loss_scale)
 
     def _loss_func(self, mb: PackedMicroBatch, gpt, output_tensor, non_loss_data: bool = False):
-        mode = mb.mode
-        with_entropy = mode == TRAIN
         logprobs, entropy = trained_position_logprobs(
-            output_tensor,
-            mb.pred_index,
-            mb.targets,
-            gpt,
-            chunk_tokens=self.chunk_tokens,
-            with_entropy=with_entropy,
-            vocab_size=self._vocab_size(gpt),
-            temperature=self.temperature,
-        )
-        if mode == LOGPROBS:
+            output_tensor, mb.pred_index, mb.targets, gpt, chunk_tokens=self.chunk_tokens,
+            with_entropy=mb.mode == TRAIN, vocab_size=self._vocab_size(gpt), temperature=self.temperature)
+        if mb.mode == LOGPROBS:
             data = {"token_index": mb.token_index, "logprobs": logprobs.detach().cpu()}
-            if non_loss_data:
-                return data
-            zero = output_tensor.reshape(-1)[:0].sum()
-            return zero, data
+            return data if non_loss_data else (output_tensor.reshape(-1)[:0].sum(), data)
         return self._train_loss(mb, gpt, output_tensor, logprobs, entropy)
 
     def _train_loss(self, mb, gpt, output_tensor, logprobs, entropy):
@@ -505,15 +452,10 @@ class StepwisePlugin:
         f = {k: v.to(device) for k, v in mb.fields.items()}
         old = f.get("old_logprobs")
         inputs = self._loss_inputs(
-            logprobs=logprobs,
-            old_logprobs=old if old is not None else logprobs.detach(),
-            advantages=f["advantages"],
-            weights=f["weights"],
-            segment_ids=mb.row_ids.to(device),
+            logprobs=logprobs, old_logprobs=old if old is not None else logprobs.detach(),
+            advantages=f["advantages"], weights=f["weights"], segment_ids=mb.row_ids.to(device),
             rollout_logprobs=f.get("rollout_logprobs") if mb.rollout_logprobs_complete else None,
-            ref_logprobs=f.get("ref_logprobs"),
-            entropy=entropy,
-        )
+            ref_logprobs=f.get("ref_logprobs"), entropy=entropy)
         partial, metrics = self._policy_loss(inputs, self.loss_config)
         # Exactly 0 with a zero gradient, but it keeps the graph connected to the model output
         # for micro-batches without trained tokens (PP needs a backward through every stage).
@@ -582,11 +524,8 @@ class StepwisePlugin:
         else:
             payload = [None]
         if ps.get_pipeline_model_parallel_world_size() > 1:
-            dist.broadcast_object_list(
-                payload,
-                src=ps.get_pipeline_model_parallel_last_rank(),
-                group=ps.get_pipeline_model_parallel_group(),
-            )
+            dist.broadcast_object_list(payload, src=ps.get_pipeline_model_parallel_last_rank(),
+                                       group=ps.get_pipeline_model_parallel_group())
         return payload[0]
 
     # ----------------------------------------------------------------- drivers
@@ -603,26 +542,14 @@ class StepwisePlugin:
         self._in_own_schedule = True
         try:
             return get_forward_backward_func()(
-                forward_step_func=self.forward_step,
-                data_iterator=inputs.data_iterator(),
-                model=model_chunks,
-                num_microbatches=inputs.num_microbatches,
-                seq_length=inputs.seq_length,
-                micro_batch_size=1,
-                forward_only=forward_only,
-                collect_non_loss_data=forward_only,
-            )
+                forward_step_func=self.forward_step, data_iterator=inputs.data_iterator(), model=model_chunks,
+                num_microbatches=inputs.num_microbatches, seq_length=inputs.seq_length, micro_batch_size=1,
+                forward_only=forward_only, collect_non_loss_data=forward_only)
         finally:
             self._in_own_schedule = False
 
-    def train_minibatch(
-        self,
-        model_chunks: list,
-        optimizer,
-        steps_or_batch: Union[StepBatch, Sequence[Step]],
-        *,
-        lr_scheduler=None,
-    ) -> dict[str, float]:
+    def train_minibatch(self, model_chunks: list, optimizer, steps_or_batch: Union[StepBatch, Sequence[Step]],
+                        *, lr_scheduler=None) -> dict[str, float]:
         """One optimizer step on one mini-batch; returns metrics identical on every rank."""
         if unwrap(model_chunks[0]).config.finalize_model_grads_func is None:
             raise RuntimeError(

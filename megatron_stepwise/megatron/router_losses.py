@@ -69,8 +69,7 @@ def check_recompute(config) -> None:
     if recomputed:
         raise ValueError(
             f"algo.loss.router_aux_coef / router_z_coef with activation recomputation of MoE layers ({recomputed}) "
-            "is not supported: recompute other modules, or set the router coefficients to 0"
-        )
+            "is not supported: recompute other modules, or set the router coefficients to 0")
 
 
 # The micro-batch whose forward is running, and the RouterLosses that set it. The routers are
@@ -86,8 +85,7 @@ class RouterLosses:
     def __init__(self, aux_coef: float = 0.0, z_coef: float = 0.0):
         if aux_coef < 0 or z_coef < 0:
             raise ValueError(f"router loss coefficients must be >= 0, got aux={aux_coef}, z={z_coef}")
-        self.aux_coef = float(aux_coef)
-        self.z_coef = float(z_coef)
+        self.aux_coef, self.z_coef = float(aux_coef), float(z_coef)
         self._stats: dict[int, torch.Tensor] = {}  # layer number -> [aux, z, tokens per expert...] float64
 
     @property
@@ -140,10 +138,7 @@ class RouterLosses:
 
     def _record(self, layer: int, balance: torch.Tensor, z: torch.Tensor, tokens_per_expert: torch.Tensor) -> None:
         row = torch.cat([torch.stack([balance.detach(), z.detach()]).double().cpu(), tokens_per_expert.detach().cpu()])
-        if layer in self._stats:
-            self._stats[layer] += row
-        else:
-            self._stats[layer] = row
+        self._stats[layer] = self._stats[layer] + row if layer in self._stats else row
 
     # ----------------------------------------------------------------- metrics
     def reduce(self, config) -> dict[str, float]:

@@ -65,14 +65,8 @@ class KnownPositionsReplay(RouterReplay):
         """long [tokens, topk] with -1 rows where unknown (None: route normally)."""
         if targets is None:
             self.target_topk_idx = self.known = None
-            return
-        known = (targets >= 0).all(-1)
-        self.target_topk_idx = targets.clamp(min=0).long()
-        self.known = known
-
-    def clear_indices(self) -> None:
-        self.target_topk_idx = self.known = self.recorded_topk_idx = None
-        self.replay_backward_list = []
+        else:
+            self.target_topk_idx, self.known = targets.clamp(min=0).long(), (targets >= 0).all(-1)
 
     def get_replay_topk(self, scores: torch.Tensor, topk: int, num_groups: Optional[int] = None,
                         group_topk: Optional[int] = None, default_compute_topk: Optional[Callable] = None):
@@ -84,8 +78,7 @@ class KnownPositionsReplay(RouterReplay):
                     f"routing replay: the router routes {tuple(indices.shape)} (tokens, topk) but was given "
                     f"{tuple(target.shape)} replayed experts"
                 )
-            known = self.known.to(indices.device)
-            indices = torch.where(known[:, None], target, indices)
+            indices = torch.where(self.known.to(indices.device)[:, None], target, indices)
             probs = scores.gather(1, indices)
         if self.record:
             self.recorded_topk_idx = indices.detach().clone()
@@ -108,10 +101,6 @@ def install(gpt) -> list:
             router.router_replay = KnownPositionsReplay()
     gpt._stepwise_replay_routers = routers
     return routers
-
-
-def enabled(config) -> bool:
-    return bool(getattr(config, "num_moe_experts", None)) and bool(getattr(config, "moe_enable_routing_replay", False))
 
 
 def check_config(config) -> None:
@@ -155,8 +144,8 @@ def replaying(gpt, routed: Optional[torch.Tensor]):
 def for_microbatch(gpt, mb):
     """`replaying` for one packed micro-batch: its experts when the model config enables replay
     (`moe_enable_routing_replay`, from `algo.routing_replay`) and the mini-batch carries them."""
-    routed = getattr(mb, "routed_experts", None) if enabled(gpt.config) else None
-    return replaying(gpt, routed)
+    enabled = getattr(gpt.config, "moe_enable_routing_replay", False)  # `replaying` skips dense models
+    return replaying(gpt, getattr(mb, "routed_experts", None) if enabled else None)
 
 
 def record_routing(gpt, on: bool = True) -> list:

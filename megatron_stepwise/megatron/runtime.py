@@ -98,17 +98,9 @@ def launch_env(environ: Optional[dict] = None) -> LaunchEnv:
     return LaunchEnv(rank, world, local, addr, port)
 
 
-def init_distributed(
-    tensor_parallel: int = 1,
-    pipeline_parallel: int = 1,
-    context_parallel: int = 1,
-    *,
-    virtual_pipeline: Optional[int] = None,
-    expert_parallel: int = 1,
-    seed: int = 1234,
-    backend: Optional[str] = None,
-    timeout_minutes: int = 10,
-) -> ParallelLayout:
+def init_distributed(tensor_parallel: int = 1, pipeline_parallel: int = 1, context_parallel: int = 1, *,
+                     virtual_pipeline: Optional[int] = None, expert_parallel: int = 1, seed: int = 1234,
+                     backend: Optional[str] = None, timeout_minutes: int = 10) -> ParallelLayout:
     """Start torch.distributed and megatron-core's parallel state; returns this rank's layout.
 
     The data-parallel size is what remains: world / (tp * pp * cp). `virtual_pipeline`: model
@@ -119,6 +111,7 @@ def init_distributed(
     """
     global _COMPAT_HELD
     from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel as mtp
 
     env = launch_env()
     model_parallel = tensor_parallel * pipeline_parallel * context_parallel
@@ -135,35 +128,29 @@ def init_distributed(
     use_cuda = torch.cuda.is_available()
     if use_cuda:
         torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = torch.device("cpu")
-        if not _COMPAT_HELD:  # once per runtime, however often the layout is re-initialised
-            _COMPAT_HELD = cpu_compat.enable_cpu_compat()
-    backend = backend or ("nccl" if use_cuda else "gloo")
+    elif not _COMPAT_HELD:  # once per runtime, however often the layout is re-initialised
+        _COMPAT_HELD = cpu_compat.enable_cpu_compat()
 
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", env.master_addr)
         os.environ.setdefault("MASTER_PORT", str(env.master_port))
-        dist.init_process_group(
-            backend=backend,
-            rank=env.rank,
-            world_size=env.world_size,
-            timeout=timedelta(minutes=timeout_minutes),
-        )
+        dist.init_process_group(backend=backend or ("nccl" if use_cuda else "gloo"), rank=env.rank,
+                                world_size=env.world_size, timeout=timedelta(minutes=timeout_minutes))
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(
-        tensor_model_parallel_size=tensor_parallel,
-        pipeline_model_parallel_size=pipeline_parallel,
+        tensor_model_parallel_size=tensor_parallel, pipeline_model_parallel_size=pipeline_parallel,
         context_parallel_size=context_parallel,
         virtual_pipeline_model_parallel_size=virtual_pipeline if (virtual_pipeline or 1) > 1 else None,
-        expert_model_parallel_size=expert_parallel,
-        expert_tensor_parallel_size=1,
-        distributed_timeout_minutes=timeout_minutes,
-    )
-    layout = current_layout(device=device, local_rank=env.local_rank)
-    set_seed(seed, layout)
+        expert_model_parallel_size=expert_parallel, expert_tensor_parallel_size=1,
+        distributed_timeout_minutes=timeout_minutes)
+    layout = current_layout(local_rank=env.local_rank)
+    # Seeded as Megatron-LM does: offset per pipeline stage, then the model-parallel RNG tracker
+    # (TP ranks get distinct streams for their shards).
+    stage_seed = seed + 100 * layout.pp_rank
+    random.seed(stage_seed)
+    torch.manual_seed(stage_seed)
+    mtp.model_parallel_cuda_manual_seed(stage_seed)
     return layout
 
 
@@ -171,8 +158,6 @@ def current_layout(*, device: Optional[torch.device] = None, local_rank: int = 0
     """The layout of this process from megatron-core's parallel state (must be initialised)."""
     from megatron.core import parallel_state as ps
 
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     return ParallelLayout(
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),
@@ -185,19 +170,8 @@ def current_layout(*, device: Optional[torch.device] = None, local_rank: int = 0
         pp_rank=ps.get_pipeline_model_parallel_rank(),
         cp_rank=ps.get_context_parallel_rank(),
         dp_rank=ps.get_data_parallel_rank(),
-        device=device,
+        device=comm_device() if device is None else device,
     )
-
-
-def set_seed(seed: int, layout: ParallelLayout) -> None:
-    """Seed python/torch the way Megatron-LM does: offset per pipeline stage, then the
-    model-parallel RNG tracker (TP ranks get distinct streams for their shards)."""
-    from megatron.core import tensor_parallel
-
-    stage_seed = seed + 100 * layout.pp_rank
-    random.seed(stage_seed)
-    torch.manual_seed(stage_seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(stage_seed)
 
 
 def destroy_distributed() -> None:
