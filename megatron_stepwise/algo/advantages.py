@@ -26,24 +26,18 @@ Users add estimators by name:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
 
+from megatron_stepwise.algo.registry import Registry
 from megatron_stepwise.types import Step, StepwiseBatchError
 
 OutcomeEstimator = Callable[..., torch.Tensor]
 TemporalEstimator = Callable[..., list]
 
 
-@dataclass(frozen=True)
-class _Entry:
-    fn: Callable
-    temporal: bool
-
-
-_ESTIMATORS: dict[str, _Entry] = {}
+_ESTIMATORS = Registry("algo.estimator", "advantage estimator", StepwiseBatchError)  # flag: temporal
 
 
 def register_estimator(name: str, *, temporal: bool = False) -> Callable[[Callable], Callable]:
@@ -56,34 +50,19 @@ def register_estimator(name: str, *, temporal: bool = False) -> Callable[[Callab
     `fn(steps, *, eps, **options) -> list[Tensor]` and are only called on batches where every
     trajectory is a single step.
     """
-
-    def deco(fn: Callable) -> Callable:
-        _ESTIMATORS[name] = _Entry(fn, temporal)
-        return fn
-
-    return deco
+    return _ESTIMATORS.register(name, temporal)
 
 
 def get_estimator(name: str) -> Callable:
-    return _lookup(name).fn
+    return _ESTIMATORS.lookup(name)[0]
 
 
 def list_estimators() -> list[str]:
-    return sorted(_ESTIMATORS)
+    return _ESTIMATORS.names()
 
 
 def is_temporal_estimator(name: str) -> bool:
-    return _lookup(name).temporal
-
-
-def _lookup(name: str) -> _Entry:
-    try:
-        return _ESTIMATORS[name]
-    except KeyError:
-        raise StepwiseBatchError(
-            f"algo.estimator={name!r} is not a registered advantage estimator; "
-            f"known: {', '.join(list_estimators())}"
-        ) from None
+    return _ESTIMATORS.lookup(name)[1]
 
 
 # ----------------------------------------------------------------------------- group statistics
@@ -185,14 +164,14 @@ def compute_advantages(
     `metrics`, if given, is filled with counts: num_trajectories, num_groups, singleton_groups,
     zero_variance_groups (groups of 2+ whose rewards are all equal: no signal).
     """
-    entry = _lookup(estimator)
+    estimate, temporal = _ESTIMATORS.lookup(estimator)
     traj_of_step, last_step_of_traj = _trajectories(steps)
     real_trajs = [t for t, i in enumerate(last_step_of_traj) if not steps[i].is_padding]
     rewards = torch.tensor([steps[last_step_of_traj[t]].reward for t in real_trajs], dtype=torch.float64)
     group = _dense([steps[last_step_of_traj[t]].trajectory_id.prompt_id for t in real_trajs])
     _fill_metrics(metrics, real_trajs, rewards, group)
 
-    if entry.temporal:
+    if temporal:
         lengths = torch.bincount(traj_of_step, minlength=len(last_step_of_traj))
         for t in real_trajs:
             if int(lengths[t]) > 1:
@@ -203,7 +182,7 @@ def compute_advantages(
                     "it assigns credit along one token sequence, but step-wise training splits a trajectory "
                     "into one sequence per turn with only an outcome reward; use grpo, dr_grpo, rloo or maxrl"
                 )
-        out = entry.fn(steps, eps=eps, **options)
+        out = estimate(steps, eps=eps, **options)
         return [torch.zeros_like(o) if s.is_padding else o for o, s in zip(out, steps)]
 
     scalars = torch.zeros(len(real_trajs), dtype=torch.float64)
@@ -211,7 +190,7 @@ def compute_advantages(
         multi = group_count(group) > 1
         if bool(multi.any()):
             sub_group = _dense(group[multi].tolist())
-            value = entry.fn(rewards[multi], sub_group, eps=eps, **options)
+            value = estimate(rewards[multi], sub_group, eps=eps, **options)
             scalars[multi] = torch.as_tensor(value, dtype=torch.float64)
 
     per_traj = torch.zeros(len(last_step_of_traj), dtype=torch.float64)

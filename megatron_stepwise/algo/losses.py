@@ -42,6 +42,7 @@ import torch
 
 from megatron_stepwise.algo.advantages import is_temporal_estimator, list_estimators
 from megatron_stepwise.algo.reductions import MERGE_INVARIANT_REDUCTIONS, REDUCTIONS, loss_token_weights
+from megatron_stepwise.algo.registry import Registry
 from megatron_stepwise.options import check_options, option, option_problems
 
 __all__ = [
@@ -70,13 +71,8 @@ ICEPOP_LEVELS = ("token", "sequence")
 PolicyLossFn = Callable[["LossInputs", "LossConfig", "Segments"], tuple]
 
 
-@dataclass(frozen=True)
-class _LossEntry:
-    fn: PolicyLossFn
-    sequence_level: bool  # uses per-row quantities, so its value changes when rows are merged
-
-
-_POLICY_LOSSES: dict[str, _LossEntry] = {}
+# flag: sequence_level (uses per-row quantities, so its value changes when rows are merged)
+_POLICY_LOSSES = Registry("algo.loss.policy_loss", "policy loss")
 
 
 def register_policy_loss(name: str, *, sequence_level: bool = False) -> Callable[[PolicyLossFn], PolicyLossFn]:
@@ -85,29 +81,15 @@ def register_policy_loss(name: str, *, sequence_level: bool = False) -> Callable
     Set `sequence_level=True` if the loss uses per-row quantities (like GSPO), so that config
     validation refuses it together with step merging.
     """
-
-    def deco(fn: PolicyLossFn) -> PolicyLossFn:
-        _POLICY_LOSSES[name] = _LossEntry(fn, sequence_level)
-        return fn
-
-    return deco
+    return _POLICY_LOSSES.register(name, sequence_level)
 
 
 def get_policy_loss(name: str) -> PolicyLossFn:
-    return _lookup_loss(name).fn
+    return _POLICY_LOSSES.lookup(name)[0]
 
 
 def list_policy_losses() -> list[str]:
-    return sorted(_POLICY_LOSSES)
-
-
-def _lookup_loss(name: str) -> _LossEntry:
-    try:
-        return _POLICY_LOSSES[name]
-    except KeyError:
-        raise ValueError(
-            f"algo.loss.policy_loss={name!r} is not a registered policy loss; known: {', '.join(list_policy_losses())}"
-        ) from None
+    return _POLICY_LOSSES.names()
 
 
 # ----------------------------------------------------------------------------- config
@@ -304,7 +286,7 @@ def _off_policy_correction(inputs: LossInputs, cfg: LossConfig, seg: Segments) -
 def policy_loss(inputs: LossInputs, cfg: LossConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(partial loss, metric partials) for one micro-batch; see the module docstring."""
     inputs.check()
-    entry = _lookup_loss(cfg.policy_loss)
+    loss_fn = get_policy_loss(cfg.policy_loss)
     if cfg.needs_rollout_logprobs and inputs.rollout_logprobs is None:
         raise ValueError(
             f"algo.loss.tis={cfg.tis!r} / algo.loss.icepop_* need rollout log-probs, "
@@ -319,7 +301,7 @@ def policy_loss(inputs: LossInputs, cfg: LossConfig) -> tuple[torch.Tensor, dict
     w = inputs.weights.detach().to(dtype)
     inputs = _detached(inputs)
     seg = Segments(inputs.segment_ids)
-    pg, indicators = entry.fn(inputs, cfg, seg)
+    pg, indicators = loss_fn(inputs, cfg, seg)
     maxima: dict[str, torch.Tensor] = {}
     if inputs.rollout_logprobs is not None:
         factor, more, maxima = _off_policy_correction(inputs, cfg, seg)
@@ -404,8 +386,7 @@ def check_loss_compatibility(cfg: LossConfig, *, merge_steps: bool, estimator: s
             f"algo.loss.reduction={cfg.reduction!r} cannot be combined with data.merge_steps=true: it counts rows "
             f"and {why}; use one of {', '.join(sorted(MERGE_INVARIANT_REDUCTIONS))} or set data.merge_steps=false"
         )
-    entry = _POLICY_LOSSES.get(cfg.policy_loss)
-    if entry is not None and entry.sequence_level:
+    if cfg.policy_loss in _POLICY_LOSSES.names() and _POLICY_LOSSES.lookup(cfg.policy_loss)[1]:
         errors.append(
             f"algo.loss.policy_loss={cfg.policy_loss!r} cannot be combined with data.merge_steps=true: its ratio is "
             f"per sequence and {why}; use ppo or cispo, or set data.merge_steps=false"

@@ -23,7 +23,9 @@ anything under `megatron_stepwise.envs` is imported.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, Callable, Optional, Protocol, runtime_checkable
 
 Message = dict[str, str]
@@ -82,3 +84,17 @@ def make_env(name: str, **kwargs: Any) -> Environment:
 
 def list_envs() -> list[str]:
     return sorted(_REGISTRY)
+
+
+@lru_cache(maxsize=None)
+def read_jsonl(path: str) -> tuple[dict, ...]:
+    """The rows of a shipped JSONL data file (read once)."""
+    with open(path) as f:
+        return tuple(json.loads(line) for line in f if line.strip())
+
+
+def question_samples(path: str, num_prompts: Optional[int] = None, offset: int = 0) -> list[dict]:
+    """Samples (prompt_id, question, answer) from a shipped JSONL question file."""
+    rows = read_jsonl(str(path))[offset:]
+    rows = rows if num_prompts is None else rows[:num_prompts]
+    return [{"prompt_id": r["id"], "question": r["question"], "answer": r["answer"]} for r in rows]

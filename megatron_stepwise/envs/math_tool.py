@@ -14,13 +14,11 @@ answer (numerically), else 0. A turn with neither gets a hint.
 
 from __future__ import annotations
 
-import json
 import re
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from megatron_stepwise.envs.base import EnvSpec, Message, StepOutput, register_env
+from megatron_stepwise.envs.base import EnvSpec, Message, StepOutput, question_samples, register_env
 from megatron_stepwise.envs.sandbox import run_python
 from megatron_stepwise.envs.tool_calls import ToolCall, function_tool, parse_tool_calls, tool_message
 
@@ -96,16 +94,8 @@ class MathToolEnv:
         return {"tool_calls": self.tool_calls, "tool_errors": self.tool_errors}
 
 
-@lru_cache(maxsize=1)
-def _problems() -> tuple[dict, ...]:
-    with open(DATA) as f:
-        return tuple(json.loads(line) for line in f if line.strip())
-
-
 def math_dataset(num_prompts: int | None = None, offset: int = 0) -> list[dict]:
-    rows = _problems()[offset:]
-    rows = rows if num_prompts is None else rows[:num_prompts]
-    return [{"prompt_id": r["id"], "question": r["question"], "answer": r["answer"]} for r in rows]
+    return question_samples(DATA, num_prompts, offset)
 
 
 register_env(

@@ -8,14 +8,13 @@ no articles, collapsed whitespace; as in Search-R1), else 0.
 
 from __future__ import annotations
 
-import json
 import re
 import string
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from megatron_stepwise.envs.base import EnvSpec, Message, StepOutput, register_env
+from megatron_stepwise.envs.base import EnvSpec, Message, StepOutput, question_samples, read_jsonl, register_env
 from megatron_stepwise.envs.bm25 import BM25
 
 DATA_DIR = Path(__file__).parent / "data"
@@ -36,8 +35,7 @@ def normalize_answer(text: str) -> str:
 
 @lru_cache(maxsize=1)
 def _corpus() -> tuple[tuple[dict, ...], BM25]:
-    with open(DATA_DIR / "search_corpus.jsonl") as f:
-        docs = tuple(json.loads(line) for line in f if line.strip())
+    docs = read_jsonl(str(DATA_DIR / "search_corpus.jsonl"))
     return docs, BM25([d["title"] + " " + d["text"] for d in docs])
 
 
@@ -74,16 +72,8 @@ class SearchEnv:
         return [{"role": "user", "content": hint}], 0.0, False, {"format_error": True}
 
 
-@lru_cache(maxsize=1)
-def _questions() -> tuple[dict, ...]:
-    with open(DATA_DIR / "search_questions.jsonl") as f:
-        return tuple(json.loads(line) for line in f if line.strip())
-
-
 def search_dataset(num_prompts: int | None = None, offset: int = 0) -> list[dict]:
-    rows = _questions()[offset:]
-    rows = rows if num_prompts is None else rows[:num_prompts]
-    return [{"prompt_id": r["id"], "question": r["question"], "answer": r["answer"]} for r in rows]
+    return question_samples(DATA_DIR / "search_questions.jsonl", num_prompts, offset)
 
 
 register_env(

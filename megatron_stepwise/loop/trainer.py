@@ -23,9 +23,9 @@ from __future__ import annotations
 import asyncio
 import importlib
 import logging
-import math
 import time
 from collections import defaultdict
+from contextlib import contextmanager
 from typing import Any, Optional
 
 import torch.distributed as dist
@@ -42,6 +42,14 @@ from megatron_stepwise.metrics import MetricsLogger, mean_metrics, read_metrics,
 from megatron_stepwise.types import StepBatch
 
 log = logging.getLogger(__name__)
+
+
+@contextmanager
+def timed(times: dict[str, float], key: str):
+    """Add the seconds the block takes to `times[key]`."""
+    start = time.perf_counter()
+    yield
+    times[key] = times.get(key, 0.0) + time.perf_counter() - start
 
 
 class Trainer:
@@ -113,9 +121,8 @@ class Trainer:
                 metrics.update(evaluation)
                 every = cfg.checkpoint.every
                 if (every and self.state.iteration % every == 0) or self.state.iteration == cfg.trainer.iterations:
-                    t = time.perf_counter()
-                    self.checkpoints.save()
-                    metrics["time/checkpoint"] = time.perf_counter() - t
+                    with timed(metrics, "time/checkpoint"):
+                        self.checkpoints.save()
                 history.append(metrics)
                 if self.is_driver:
                     self.logger.log(self.state.iteration - 1, metrics)
@@ -139,35 +146,29 @@ class Trainer:
         counts, train_metrics, sync_metrics = [], [], []
         skipped = trained_tokens = 0
         for _ in range(self.source.rounds_per_iteration):
-            clock = time.perf_counter()
-            round_ = self.source.take(self.state.iteration)
-            times["time/rollout"] += time.perf_counter() - clock
+            with timed(times, "time/rollout"):
+                round_ = self.source.take(self.state.iteration)
             if round_ is None:
                 skipped += 1
                 continue
             metrics.update(round_.metrics)
             # colocated: the engines' memory is Megatron's from here until the push
             with self.source.overlap(), self.colocation.released(self.state.iteration, times):
-                clock = time.perf_counter()
-                prepared = [prepare(steps, self.prepare_options) for steps in round_.minibatches]
+                with timed(times, "time/prepare"):
+                    prepared = [prepare(steps, self.prepare_options) for steps in round_.minibatches]
                 counts += [m for _, m in prepared]
                 batches = [b for b, _ in prepared if b is not None]
                 skipped += len(prepared) - len(batches)
-                times["time/prepare"] += time.perf_counter() - clock
-                clock = time.perf_counter()
-                self.score(batches)
-                times["time/old_logprobs"] += time.perf_counter() - clock
-                clock = time.perf_counter()
-                for _ in range(self.cfg.data.epochs):
-                    for batch in batches:
-                        train_metrics.append(self.train_step(batch))
-                times["time/train"] += time.perf_counter() - clock
+                with timed(times, "time/old_logprobs"):
+                    self.score(batches)
+                with timed(times, "time/train"):
+                    for _ in range(self.cfg.data.epochs):
+                        train_metrics += [self.train_step(batch) for batch in batches]
                 trained_tokens += sum(int(b.lengths.sum()) for b in batches) * self.cfg.data.epochs
             self.state.weight_version += 1
-            with self.colocation.resumed(times):  # colocated: weights' memory back first, KV cache after
-                clock = time.perf_counter()
-                sync_metrics.append(self.push_weights())  # async: in-flight turns pause, update, go on
-                times["time/weight_sync"] += time.perf_counter() - clock
+            with self.colocation.resumed(times), timed(times, "time/weight_sync"):
+                # colocated: weights' memory back first, KV cache after; async: in-flight turns pause
+                sync_metrics.append(self.push_weights())
         self.state.iteration += 1
 
         metrics.update(add_counts(counts))
@@ -205,13 +206,14 @@ class Trainer:
         every = self.cfg.trainer.eval_every
         if not (every and self.is_driver and self.state.iteration % every == 0):
             return {}
-        t = time.perf_counter()
-        samples = components.eval_samples(self.cfg, self.dataset)
-        seed = rollout_seed(self.cfg.trainer.seed, self.state.iteration, -1)
-        # Its own request ids: async training may have groups of the same prompts in flight.
-        steps = self.driver.run(self.driver.agent.rollout(samples, seed=seed, request_tag="eval/"))
-        out = {f"eval/{k}": v for k, v in rollout_metrics(steps).items() if k.startswith(("reward/", "rollout/turns"))}
-        out["time/eval"] = time.perf_counter() - t
+        out: dict[str, Any] = {}
+        with timed(out, "time/eval"):
+            samples = components.eval_samples(self.cfg, self.dataset)
+            seed = rollout_seed(self.cfg.trainer.seed, self.state.iteration, -1)
+            # Its own request ids: async training may have groups of the same prompts in flight.
+            steps = self.driver.run(self.driver.agent.rollout(samples, seed=seed, request_tag="eval/"))
+            out.update({f"eval/{k}": v for k, v in rollout_metrics(steps).items()
+                        if k.startswith(("reward/", "rollout/turns"))})
         return out
 
     # ---------------------------------------------------------------------------- output

@@ -201,14 +201,12 @@ def choose_checkpoint(ckpt_dir: PathLike) -> tuple[Optional[Path], bool, list[st
 
 def _publish(tmp: Path, final: Path) -> None:
     """Move a finished `.tmp` checkpoint into place and point `latest` at it."""
+    old = final.with_name(final.name + ".old")
     if final.exists():  # saving the same iteration again (e.g. right after a resume)
-        old = final.with_name(final.name + ".old")
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
     fsync_dir(final.parent)
     write_atomic(final.parent / LATEST, final.name + "\n")
 
@@ -279,18 +277,12 @@ def _model_key(i: int, n: int) -> str:
     return "model" if n == 1 else f"model{i}"  # Megatron-LM's naming (virtual pipeline chunks)
 
 
-def _rng_object(state: Any):
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
-
-    # One object per global rank: rank r writes slot r of a (world_size,) array.
-    return ShardedObject("rng_state", state, (dist.get_world_size(),), (dist.get_rank(),), replica_id=0)
-
-
-def _uses_distributed_optimizer(optimizer: Any) -> bool:
+def _distributed_optimizers(optimizer: Any) -> list:
+    """(index, optimizer) of the distributed optimizers in `optimizer` (a chained one or not)."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     inner = getattr(optimizer, "chained_optimizers", [optimizer])
-    return any(isinstance(o, DistributedOptimizer) for o in inner)
+    return [(i, o) for i, o in enumerate(inner) if isinstance(o, DistributedOptimizer)]
 
 
 def _materialize_optimizer_state(optimizer: Any) -> None:
@@ -300,10 +292,8 @@ def _materialize_optimizer_state(optimizer: Any) -> None:
     `step`, which torch's Adam creates only at its first step; megatron-core's own dummy-state
     initialiser (used for its FSDP loads) makes them, and the load then overwrites them.
     """
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if isinstance(inner, DistributedOptimizer) and not inner.optimizer.state:
+    for _, inner in _distributed_optimizers(optimizer):
+        if not inner.optimizer.state:
             inner._init_optimizer_states_with_dummy_values()
 
 
@@ -315,13 +305,9 @@ def _restore_adam_steps(optimizer: Any, loaded: Any) -> None:
     foreach Adam would then advance once per parameter) and the dp_reshardable loader
     overwrites it with the placeholder's value. The true count is in the loaded param groups.
     """
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    inner_opts = getattr(optimizer, "chained_optimizers", [optimizer])
-    parts = [loaded] if len(inner_opts) == 1 else [loaded[i] for i in range(len(inner_opts))]
-    for inner, part in zip(inner_opts, parts):
-        if not isinstance(inner, DistributedOptimizer):
-            continue
+    chained = hasattr(optimizer, "chained_optimizers") and len(optimizer.chained_optimizers) > 1
+    for i, inner in _distributed_optimizers(optimizer):
+        part = loaded[i] if chained else loaded
         steps = {g["step"] for g in part["optimizer"]["param_groups"] if "step" in g}
         if len(steps) != 1:
             continue  # Apex / TE optimizers keep the step in the param groups themselves
@@ -341,12 +327,14 @@ def sharded_metadata(optimizer: Any) -> dict:
     Apex/TE (CPU) megatron-core 0.16 cannot load it (it looks for a per-parameter `step`).
     """
     metadata: dict[str, Any] = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
-    if optimizer is not None and _uses_distributed_optimizer(optimizer):
+    if optimizer is not None and _distributed_optimizers(optimizer):
         metadata["distrib_optim_sharding_type"] = "dp_reshardable"
     return metadata
 
 
 def _sharded_state_dict(chunks, optimizer, metadata: dict, *, is_loading: bool, with_rng: bool) -> dict:
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
     from megatron_stepwise.megatron.model import unwrap
 
     # megatron-core adds process groups to the metadata it is given: hand it copies, so that
@@ -358,8 +346,9 @@ def _sharded_state_dict(chunks, optimizer, metadata: dict, *, is_loading: bool, 
     if optimizer is not None:
         # As Megatron-LM: the optimizer finds its params' sharded tensors anywhere in `sd`.
         sd["optimizer"] = optimizer.sharded_state_dict(dict(sd), is_loading=is_loading, metadata=dict(metadata))
-    if with_rng:
-        sd["rng_state"] = _rng_object(rng_state())  # the data is only a placeholder when loading
+    if with_rng:  # one object per global rank: rank r writes slot r; only a placeholder when loading
+        sd["rng_state"] = ShardedObject("rng_state", rng_state(), (dist.get_world_size(),), (dist.get_rank(),),
+                                        replica_id=0)
     return sd
 
 
@@ -383,14 +372,8 @@ def _save_strategy():
 # ----------------------------------------------------------------------------- save / load
 
 
-def save_checkpoint(
-    chunks: list,
-    optimizer: Any,
-    scheduler: Any,
-    trainer_state: dict,
-    ckpt_dir: PathLike,
-    keep_last: int = 2,
-) -> Path:
+def save_checkpoint(chunks: list, optimizer: Any, scheduler: Any, trainer_state: dict, ckpt_dir: PathLike,
+                    keep_last: int = 2) -> Path:
     """Save everything needed to resume; collective over all ranks; returns the checkpoint path.
 
     trainer_state: JSON-serialisable dict with at least an int `iteration` (it names the
@@ -458,18 +441,9 @@ def _decide(ckpt_dir: Optional[PathLike], path: Optional[PathLike]) -> tuple[str
     return "path", None if target is None else str(target)
 
 
-def load_checkpoint(
-    chunks: list,
-    optimizer: Any = None,
-    scheduler: Any = None,
-    ckpt_dir: Optional[PathLike] = None,
-    *,
-    path: Optional[PathLike] = None,
-    load_optimizer: bool = True,
-    load_rng: bool = True,
-    config_hash: Optional[str] = None,
-    strict: bool = True,
-) -> Optional[dict]:
+def load_checkpoint(chunks: list, optimizer: Any = None, scheduler: Any = None, ckpt_dir: Optional[PathLike] = None,
+                    *, path: Optional[PathLike] = None, load_optimizer: bool = True, load_rng: bool = True,
+                    config_hash: Optional[str] = None, strict: bool = True) -> Optional[dict]:
     """Restore the newest checkpoint of `ckpt_dir` (or `path`); returns its trainer state, or
     None when there is nothing to resume from. Collective over all ranks.
 
@@ -503,7 +477,7 @@ def load_checkpoint(
         )
     saved_layout, layout = common.get("layout") or {}, _layout()
     same_layout = saved_layout == layout
-    if optimizer is not None and load_optimizer and _uses_distributed_optimizer(optimizer):
+    if optimizer is not None and load_optimizer and _distributed_optimizers(optimizer):
         moved = [f"{k} {saved_layout.get(k)} -> {layout[k]}" for k in ("tp", "pp", "cp") if saved_layout.get(k, 1) != layout[k]]
         if moved:
             # megatron-core's dp_reshardable optimizer state follows DP changes only; without this

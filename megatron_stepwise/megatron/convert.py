@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections import deque
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional, Union
@@ -33,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_stepwise.megatron import weights as W
-from megatron_stepwise.megatron.runtime import comm_device
+from megatron_stepwise.megatron.runtime import comm_device, current_layout
 from megatron_stepwise.megatron.fileops import fsync_dir, make_staging_dir, raise_together
 from megatron_stepwise.megatron.hf_mapping import (  # noqa: F401  (re-exported API)
     EMBED,
@@ -59,12 +60,6 @@ _TOKENIZER_FILES = (
 )
 
 
-def _layout():
-    from megatron_stepwise.megatron.runtime import current_layout
-
-    return current_layout()
-
-
 def _is_worker(layout) -> bool:
     """This rank belongs to the one replica (DP 0, CP 0) that converts weights."""
     return layout.dp_rank == 0 and layout.cp_rank == 0
@@ -72,6 +67,11 @@ def _is_worker(layout) -> bool:
 
 def _is_stage_owner(layout) -> bool:
     return _is_worker(layout) and layout.tp_rank == 0
+
+
+def _drain(collective: Iterator) -> None:
+    """Take part in a collective iterator's gathers without keeping what it yields."""
+    deque(collective, maxlen=0)
 
 
 def check_model_matches(chunks: list, arch: Any) -> None:
@@ -116,7 +116,7 @@ def _stage_canonical(chunks: list, dtype: Optional[torch.dtype], *, worker: bool
     EP peers outside the converting replica, `worker=False`, join for the experts only)."""
     from megatron_stepwise.megatron.model import unwrap
 
-    keep = worker and _layout().tp_rank == 0
+    keep = worker and current_layout().tp_rank == 0
     for chunk in chunks:
         model = unwrap(chunk)
         for name, param in W.canonical_params(chunk):
@@ -155,38 +155,32 @@ def bucketize(pairs: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> I
         yield bucket
 
 
-def iter_stage_buckets(
-    chunks: list, hf_config: Any, *, bucket_mb: float = 512, dtype: Optional[torch.dtype] = None
-) -> Iterator[Bucket]:
+def iter_stage_buckets(chunks: list, hf_config: Any, *, bucket_mb: float = 512,
+                       dtype: Optional[torch.dtype] = None) -> Iterator[Bucket]:
     """This pipeline stage's HF tensors in buckets. Yields on the stage owner (DP 0, CP 0, TP 0);
     the stage's other TP ranks run the gathers and yield nothing; other replicas return at once."""
     arch = as_arch(hf_config)
-    layout = _layout()
+    layout = current_layout()
     if _joins_expert_gathers(layout):
-        for _ in _stage_canonical(chunks, dtype, worker=False):  # take part in the EP gathers
-            pass
-        return
+        return _drain(_stage_canonical(chunks, dtype, worker=False))  # the EP gathers only
     if not _is_worker(layout):
         return
     canonical = _stage_canonical(chunks, dtype)
     if layout.tp_rank != 0:
-        for _ in canonical:  # take part in the TP (and EP) gathers
-            pass
-        return
+        return _drain(canonical)  # the TP (and EP) gathers
     pairs = (pair for name, full in canonical for pair in to_hf(name, full, arch))
     yield from bucketize(pairs, int(bucket_mb * 2**20))
 
 
-def stream_hf_buckets(
-    chunks: list, hf_config: Any, *, bucket_mb: float = 512, dtype: Optional[torch.dtype] = None
-) -> Iterator[Bucket]:
+def stream_hf_buckets(chunks: list, hf_config: Any, *, bucket_mb: float = 512,
+                      dtype: Optional[torch.dtype] = None) -> Iterator[Bucket]:
     """Every HF bucket of the whole model, yielded on global rank 0 only (stage order).
 
     Collective: every rank must iterate it to the end (the other ranks yield nothing).
     """
     from megatron.core import parallel_state as ps
 
-    layout = _layout()
+    layout = current_layout()
     local = iter_stage_buckets(chunks, hf_config, bucket_mb=bucket_mb, dtype=dtype)
     if layout.pp == 1 or not _is_worker(layout):
         yield from local
@@ -215,8 +209,7 @@ def stream_hf_buckets(
                 dist.send(tensor.to(device).contiguous(), dst=stage_ranks[0], group=group)
         dist.send_object_list([None], dst=stage_ranks[0], group=group)
     else:
-        for _ in local:
-            pass
+        _drain(local)
 
 
 def stage_hf_metadata(chunks: list, hf_config: Any, *, dtype: Optional[torch.dtype] = None) -> list[tuple]:
@@ -240,7 +233,7 @@ def stage_hf_metadata(chunks: list, hf_config: Any, *, dtype: Optional[torch.dty
 def hf_metadata(chunks: list, hf_config: Any, *, dtype: Optional[torch.dtype] = None) -> Optional[list[tuple]]:
     """Every HF tensor's (name, shape, dtype), in the order `stream_hf_buckets` delivers them,
     on global rank 0 (None elsewhere). Collective (one small gather)."""
-    layout = _layout()
+    layout = current_layout()
     mine = stage_hf_metadata(chunks, hf_config, dtype=dtype) if _is_stage_owner(layout) else None
     gathered = [None] * layout.world_size if layout.rank == 0 else None
     dist.gather_object((layout.pp_rank, mine), gathered, dst=0)
@@ -290,16 +283,8 @@ def save_tokenizer(tokenizer: Any, out_dir: Union[str, os.PathLike]) -> None:
         shutil.copy2(src / f, Path(out_dir) / f)
 
 
-def export_hf(
-    chunks: list,
-    out_dir: Union[str, os.PathLike],
-    hf_config: Any,
-    tokenizer: Any = None,
-    *,
-    bucket_mb: float = 1024,
-    dtype: Optional[torch.dtype] = None,
-    overwrite: bool = False,
-) -> Path:
+def export_hf(chunks: list, out_dir: Union[str, os.PathLike], hf_config: Any, tokenizer: Any = None, *,
+              bucket_mb: float = 1024, dtype: Optional[torch.dtype] = None, overwrite: bool = False) -> Path:
     """Write the model as an HF directory; collective over all ranks; returns `out_dir`.
 
     hf_config: the HF config (object or dict) the model was built from; `dtype` (default: the
@@ -310,7 +295,7 @@ def export_hf(
 
     arch = as_arch(hf_config)
     check_model_matches(chunks, arch)
-    layout = _layout()
+    layout = current_layout()
     out = Path(out_dir)
     partial = out.with_name(out.name + ".partial")
     # Decided from the shared filesystem by every rank alike, before any collective.

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+from collections import deque
 import shutil
 import socket
 import time
@@ -50,10 +51,8 @@ def version_dir(root: Any, version: int) -> Path:
 
 def prune_versions(root: Any, keep: int) -> list[Path]:
     """Delete all but the newest `keep` version directories under `root`; returns what went."""
-    found = sorted(
-        (p for p in Path(root).iterdir() if p.is_dir() and _VERSION_DIR.match(p.name)),
-        key=lambda p: int(_VERSION_DIR.match(p.name).group(1)),
-    )
+    found = sorted((p for p in Path(root).iterdir() if p.is_dir() and _VERSION_DIR.match(p.name)),
+                   key=lambda p: int(p.name[1:]))
     removed = found[:-keep] if keep > 0 else found
     for p in removed:
         shutil.rmtree(p, ignore_errors=True)
@@ -76,21 +75,10 @@ class WeightSync:
     dtype: dtype sent to the engines (default: the parameters' own).
     """
 
-    def __init__(
-        self,
-        fleet: Any,
-        mode: str,
-        hf_config: Any,
-        *,
-        loop: Optional[asyncio.AbstractEventLoop] = None,
-        bucket_mb: float = 512,
-        sync_dir: Optional[Any] = None,
-        keep_versions: int = 2,
-        dtype: Optional[torch.dtype] = None,
-        atomic: bool = True,
-        master_address: str = "127.0.0.1",
-        master_port: Optional[int] = None,
-    ):
+    def __init__(self, fleet: Any, mode: str, hf_config: Any, *, loop: Optional[asyncio.AbstractEventLoop] = None,
+                 bucket_mb: float = 512, sync_dir: Optional[Any] = None, keep_versions: int = 2,
+                 dtype: Optional[torch.dtype] = None, atomic: bool = True, master_address: str = "127.0.0.1",
+                 master_port: Optional[int] = None):
         if mode not in MODES:
             raise WeightSyncError(f"weight_sync.mode must be one of {MODES}, got {mode!r}")
         if mode == "disk" and sync_dir is None:
@@ -167,8 +155,7 @@ class WeightSync:
         meta = convert.hf_metadata(chunks, self.hf_config, dtype=self.dtype)
         stream = convert.stream_hf_buckets(chunks, self.hf_config, bucket_mb=self.bucket_mb, dtype=self.dtype)
         if not self.is_driver:
-            for _ in stream:  # take part in the gathers / sends
-                pass
+            deque(stream, maxlen=0)  # take part in the gathers / sends
             return 0, 0
         group = self.open_group()
         names = [name for name, _, _ in meta]
@@ -201,11 +188,8 @@ class WeightSync:
     def open_group(self):
         """The weight-update process group of the trainer (rank 0) and every TP rank of every
         live engine; opened on first use (a distributed push opens it itself)."""
-        if self._group is None:
-            self._group = self._open_group()
-        return self._group
-
-    def _open_group(self):
+        if self._group is not None:
+            return self._group
         port = self.master_port or _free_port()
         world_size = self.fleet.weight_update_world_size()  # trainer + every TP rank of every engine
 
@@ -219,4 +203,5 @@ class WeightSync:
                 raise WeightSyncError(f"the fleet's weight-update group has {engines} ranks, expected {world_size}")
             return group
 
-        return self._run(both())
+        self._group = self._run(both())
+        return self._group

@@ -6,7 +6,7 @@ every TP/PP layout. A full tensor is the concatenation of the TP shards along th
 parameter's `partition_dim`, except for SwiGLU's `linear_fc1`, whose shard r holds
 `[gate_r; up_r]` and whose full form is `[gate; up]` (independent of TP).
 
-Used to give every layout identical weights (`init_deterministic`, `load_full_state`) and to
+Used to give every layout identical weights (`init_deterministic`) and to
 compare gradients across layouts (`full_state(grads=True)`). `gather_full` / `shard_full` are
 also the basis for the HF export and import (`convert.py`).
 """
@@ -77,19 +77,24 @@ def _is_glu_fc1(name: str, model) -> bool:
     return model.config.gated_linear_unit and ".mlp.linear_fc1." in name
 
 
-def _tp():
+def _tp_split(param, name: str):
+    """(TP size, TP rank, TP group) when `param` is split over TP, else None (experts never are)."""
     from megatron.core import parallel_state as ps
 
-    return ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_group()
+    tp = ps.get_tensor_model_parallel_world_size()
+    if tp == 1 or not getattr(param, "tensor_model_parallel", False) or is_expert(name):
+        return None
+    return tp, ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_group()
 
 
 def gather_full(local: torch.Tensor, param, name: str, model) -> torch.Tensor:
     """The full tensor of `param` (canonical `name`, in unwrapped `model`) from this rank's
     shard `local` (its data or a gradient). Collective over the TP group; a copy at TP 1 and for
     experts (not split over TP)."""
-    tp, _, group = _tp()
-    if tp == 1 or not getattr(param, "tensor_model_parallel", False) or is_expert(name):
+    split = _tp_split(param, name)
+    if split is None:
         return local.detach().clone()
+    tp, _, group = split
     parts = [torch.empty_like(local) for _ in range(tp)]
     dist.all_gather(parts, local.detach().contiguous(), group=group)
     dim = param.partition_dim
@@ -101,9 +106,10 @@ def gather_full(local: torch.Tensor, param, name: str, model) -> torch.Tensor:
 
 def shard_full(full: torch.Tensor, param, name: str, model) -> torch.Tensor:
     """This TP rank's shard of `full` for `param` (the inverse of `gather_full`); not a collective."""
-    tp, rank, _ = _tp()
-    if tp == 1 or not getattr(param, "tensor_model_parallel", False) or is_expert(name):
+    split = _tp_split(param, name)
+    if split is None:
         return full
+    tp, rank, _ = split
     dim = param.partition_dim
     if _is_glu_fc1(name, model):
         gate, up = full.chunk(2, dim=dim)
@@ -112,10 +118,9 @@ def shard_full(full: torch.Tensor, param, name: str, model) -> torch.Tensor:
 
 
 def full_shape(param, name: str) -> tuple[int, ...]:
-    tp, _, _ = _tp()
-    shape = list(param.shape)
-    if tp > 1 and getattr(param, "tensor_model_parallel", False) and not is_expert(name):
-        shape[param.partition_dim] *= tp
+    shape, split = list(param.shape), _tp_split(param, name)
+    if split is not None:
+        shape[param.partition_dim] *= split[0]
     return tuple(shape)
 
 
@@ -126,12 +131,10 @@ def full_state(chunks: list, *, grads: bool = False) -> dict[str, torch.Tensor]:
     for chunk in chunks:
         model = _model(chunk)
         for name, param in canonical_params(chunk):
-            if grads:
-                local = getattr(param, "main_grad", None)
-                if local is None:
-                    local = param.grad if param.grad is not None else torch.zeros_like(param)
-            else:
-                local = param.data
+            local = param.data
+            if grads:  # megatron DDP accumulates into main_grad
+                local = next((g for g in (getattr(param, "main_grad", None), param.grad) if g is not None),
+                             torch.zeros_like(param))
             full = gather_full(local.float(), param, name, model)
             out.update({n: t.cpu() for n, t in all_experts(name, full, model)})
     return out
@@ -158,24 +161,6 @@ def all_experts(name: str, full: torch.Tensor, model) -> list[tuple[str, torch.T
     parts = [torch.empty_like(full) for _ in names]
     dist.all_gather(parts, full.contiguous(), group=expert_parallel()[2])
     return list(zip(names, parts))
-
-
-@torch.no_grad()
-def load_full_state(chunks: list, state: dict[str, torch.Tensor], *, strict: bool = True) -> None:
-    """Copy each parameter's shard out of full tensors keyed by canonical name."""
-    for chunk in chunks:
-        model = _model(chunk)
-        for name, param in canonical_params(chunk):
-            if name not in state:
-                if strict:
-                    raise KeyError(f"load_full_state: no tensor for parameter {name!r}")
-                continue
-            full = state[name]
-            if tuple(full.shape) != full_shape(param, name):
-                raise ValueError(
-                    f"load_full_state: {name!r} has shape {tuple(full.shape)}, expected {full_shape(param, name)}"
-                )
-            param.data.copy_(shard_full(full, param, name, model).to(param.dtype))
 
 
 def deterministic_full_tensor(name: str, shape: tuple[int, ...], seed: int, std: float = 0.02) -> torch.Tensor:
