@@ -151,14 +151,8 @@ def gae(steps: Sequence[Step], *, eps: float, **_) -> list[torch.Tensor]:
 # ----------------------------------------------------------------------------- step-wise driver
 
 
-def compute_advantages(
-    steps: Sequence[Step],
-    estimator: str = "grpo",
-    *,
-    eps: float = 1e-6,
-    metrics: Optional[dict] = None,
-    **options,
-) -> list[torch.Tensor]:
+def compute_advantages(steps: Sequence[Step], estimator: str = "grpo", *, eps: float = 1e-6,
+                       metrics: Optional[dict] = None, **options) -> list[torch.Tensor]:
     """One float32 tensor per step (its response length): the trajectory's scalar times the step's mask.
 
     `metrics`, if given, is filled with counts: num_trajectories, num_groups, singleton_groups,

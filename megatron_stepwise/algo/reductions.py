@@ -38,9 +38,7 @@ REDUCTIONS = ("token_mean", "step_mean", "trajectory_mean", "prompt_mean", "seq_
 MERGE_INVARIANT_REDUCTIONS = frozenset({"token_mean", "trajectory_mean", "prompt_mean"})
 
 
-def loss_token_weights(
-    batch: StepBatch, reduction: str, *, max_response_len: Optional[int] = None
-) -> torch.Tensor:
+def loss_token_weights(batch: StepBatch, reduction: str, *, max_response_len: Optional[int] = None) -> torch.Tensor:
     """float32 [T] aligned with `batch.tokens`: the reduction's weight of each token (see module doc)."""
     # Work on trained positions only: in agent batches most tokens are prompt / observation.
     loss_mask = batch.token_fields["loss_mask"]

@@ -174,9 +174,8 @@ def _check_response_chunk(steps: Sequence[Step], first: int, end: int, vocab_siz
                 raise _fail(i, steps[i], "rollout_logprobs", f"has non-finite value {float(lp[k])} at position {k}")
 
 
-def _check_id_range(
-    i: int, s: Step, field: str, ids: torch.Tensor, lo: int, hi: int, vocab_size: Optional[int]
-) -> None:
+def _check_id_range(i: int, s: Step, field: str, ids: torch.Tensor, lo: int, hi: int,
+                    vocab_size: Optional[int]) -> None:
     if lo < 0:
         k = int((ids < 0).nonzero()[0])
         raise _fail(i, s, field, f"has negative token id {int(ids[k])} at position {k}")

@@ -16,19 +16,10 @@ ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "qwen
                  "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
 
 
-def tiny_config(
-    *,
-    model_type: str = "qwen2",
-    vocab_size: int = 256,
-    hidden_size: int = 64,
-    num_layers: int = 2,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    ffn_hidden_size: Optional[int] = None,
-    tie_word_embeddings: bool = False,
-    max_position_embeddings: int = 1024,
-    **overrides: Any,
-) -> dict[str, Any]:
+def tiny_config(*, model_type: str = "qwen2", vocab_size: int = 256, hidden_size: int = 64, num_layers: int = 2,
+                num_heads: int = 4, num_kv_heads: int = 2, ffn_hidden_size: Optional[int] = None,
+                tie_word_embeddings: bool = False, max_position_embeddings: int = 1024,
+                **overrides: Any) -> dict[str, Any]:
     """A tiny Llama/Qwen2/Qwen3/Qwen3-MoE/Mixtral config in HF keys (CPU-fast): the `tiny` preset,
     tests and tools.
 

@@ -88,13 +88,8 @@ def build_policy(cfg: ExperimentConfig, hf_config: dict) -> list:
         def init(chunks):
             import_hf(chunks, hf_dir)
 
-    return build_model_chunks(
-        hf_config,
-        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
-        init=init,
-        use_te=_use_te(cfg),
-        config_overrides=_model_overrides(cfg),
-    )
+    return build_model_chunks(hf_config, use_distributed_optimizer=cfg.parallel.use_distributed_optimizer, init=init,
+                              use_te=_use_te(cfg), config_overrides=_model_overrides(cfg))
 
 
 def build_reference(cfg: ExperimentConfig, hf_config: dict, policy_chunks: list) -> list:
@@ -136,19 +131,10 @@ def build_optimizer(cfg: ExperimentConfig, chunks: list):
 
     o = cfg.optim
     bf16 = use_bf16(cfg)
-    config = OptimizerConfig(
-        optimizer="adam",
-        lr=o.lr,
-        min_lr=o.min_lr,
-        weight_decay=o.weight_decay,
-        adam_beta1=o.adam_beta1,
-        adam_beta2=o.adam_beta2,
-        adam_eps=o.eps,
-        clip_grad=o.clip_grad,
-        bf16=bf16,
-        params_dtype=torch.bfloat16 if bf16 else torch.float32,
-        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
-    )
+    config = OptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+                             adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.eps, clip_grad=o.clip_grad,
+                             bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
+                             use_distributed_optimizer=cfg.parallel.use_distributed_optimizer)
     return get_megatron_optimizer(config, chunks)
 
 
@@ -157,31 +143,19 @@ def build_scheduler(cfg: ExperimentConfig, optimizer):
 
     o = cfg.optim
     steps = max(cfg.total_optimizer_steps, 1)
-    return OptimizerParamScheduler(
-        optimizer,
-        init_lr=0.0 if o.warmup_steps else o.lr,
-        max_lr=o.lr,
-        min_lr=o.min_lr,
-        lr_warmup_steps=o.warmup_steps,
-        lr_decay_steps=max(steps, o.warmup_steps + 1),
-        lr_decay_style=o.scheduler,
-        start_wd=o.weight_decay,
-        end_wd=o.weight_decay,
-        wd_incr_steps=steps,
-        wd_incr_style="constant",
-    )
+    return OptimizerParamScheduler(optimizer, init_lr=0.0 if o.warmup_steps else o.lr, max_lr=o.lr, min_lr=o.min_lr,
+                                   lr_warmup_steps=o.warmup_steps, lr_decay_steps=max(steps, o.warmup_steps + 1),
+                                   lr_decay_style=o.scheduler, start_wd=o.weight_decay, end_wd=o.weight_decay,
+                                   wd_incr_steps=steps, wd_incr_style="constant")
 
 
 def build_plugin(cfg: ExperimentConfig, tokenizer):
     from megatron_stepwise.megatron.plugin import StepwisePlugin
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    return StepwisePlugin(
-        cfg.algo.loss,
-        max_tokens_per_microbatch=cfg.data.max_tokens_per_microbatch,
-        pad_token_id=pad,
-        temperature=cfg.rollout.sampling.temperature,  # score what the engine sampled
-    )
+    # temperature: score what the engine sampled
+    return StepwisePlugin(cfg.algo.loss, max_tokens_per_microbatch=cfg.data.max_tokens_per_microbatch,
+                          pad_token_id=pad, temperature=cfg.rollout.sampling.temperature)
 
 
 # ------------------------------------------------------------------------ data

@@ -70,14 +70,8 @@ class BufferCounters:
 class GroupBuffer:
     """See the module docstring. All methods are called from one thread (rank 0's event loop)."""
 
-    def __init__(
-        self,
-        groups_per_step: int,
-        max_staleness: int,
-        stale_policy: str = "drop",
-        keep_group: Optional[Callable[[list], bool]] = None,
-        base_version: int = 0,
-    ):
+    def __init__(self, groups_per_step: int, max_staleness: int, stale_policy: str = "drop",
+                 keep_group: Optional[Callable[[list], bool]] = None, base_version: int = 0):
         if groups_per_step < 1:
             raise ValueError(f"data.prompts_per_minibatch must be >= 1, got {groups_per_step}")
         if max_staleness < 0:

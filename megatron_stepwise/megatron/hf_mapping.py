@@ -238,9 +238,8 @@ def to_hf(name: str, tensor: torch.Tensor, arch: Any) -> list[tuple[str, torch.T
     return [(hf, part.clone(memory_format=torch.contiguous_format)) for hf, part in zip(names, parts)]
 
 
-def from_hf(
-    name: str, hf_tensors: Mapping[str, torch.Tensor], arch: Any, *, vocab_rows: Optional[int] = None
-) -> torch.Tensor:
+def from_hf(name: str, hf_tensors: Mapping[str, torch.Tensor], arch: Any, *,
+            vocab_rows: Optional[int] = None) -> torch.Tensor:
     """The canonical megatron tensor `name` from the HF tensors it maps to.
 
     vocab_rows: megatron's (padded) vocabulary size for the embedding / output layer; padding
@@ -313,13 +312,8 @@ def check_hf_names(names: Iterable[str], arch: Any) -> None:
         raise WeightConversionError("HF checkpoint does not match the model config: " + "; ".join(problems))
 
 
-def hf_to_canonical(
-    hf_state: Mapping[str, torch.Tensor],
-    arch: Any,
-    *,
-    te_spec: bool = False,
-    vocab_rows: Optional[int] = None,
-) -> dict[str, torch.Tensor]:
+def hf_to_canonical(hf_state: Mapping[str, torch.Tensor], arch: Any, *, te_spec: bool = False,
+                    vocab_rows: Optional[int] = None) -> dict[str, torch.Tensor]:
     """An HF state dict -> the whole canonical megatron state (local or TE norm names)."""
     arch = as_arch(arch)
     check_hf_names(hf_state.keys(), arch)

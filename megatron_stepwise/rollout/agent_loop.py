@@ -107,14 +107,8 @@ class AgentLoopConfig:
 class AgentLoop:
     """Runs trajectories against a generator (an `Engine` or a fleet) and environments."""
 
-    def __init__(
-        self,
-        generator: Generator,
-        tokenizer: Any,
-        env_factory: Union[str, Callable[[], Environment]],
-        config: AgentLoopConfig,
-        eos_token_ids: Optional[Sequence[int]] = None,
-    ):
+    def __init__(self, generator: Generator, tokenizer: Any, env_factory: Union[str, Callable[[], Environment]],
+                 config: AgentLoopConfig, eos_token_ids: Optional[Sequence[int]] = None):
         self.generator = generator
         self.tokenizer = tokenizer
         self.env_factory = (lambda: make_env(env_factory)) if isinstance(env_factory, str) else env_factory
@@ -129,10 +123,9 @@ class AgentLoop:
 
     # ---- public ---------------------------------------------------------------------------
 
-    async def rollout(
-        self, samples: Sequence[dict[str, Any]], seed: Optional[int] = None,
-        on_trajectory_done: Optional[Callable[[list[Step]], None]] = None, request_tag: str = "",
-    ) -> list[Step]:
+    async def rollout(self, samples: Sequence[dict[str, Any]], seed: Optional[int] = None,
+                      on_trajectory_done: Optional[Callable[[list[Step]], None]] = None,
+                      request_tag: str = "") -> list[Step]:
         """All `n_samples_per_prompt` trajectories of every sample; steps in output order.
 
         With `seed`, every turn's request carries a `sampling_seed` derived from (seed,
@@ -168,9 +161,8 @@ class AgentLoop:
         _warn_if_env_errors_dominate(steps, self._env.stats())
         return steps
 
-    async def run_trajectory(
-        self, sample: dict[str, Any], traj_id: TrajectoryID, seed: Optional[int] = None, request_tag: str = ""
-    ) -> list[Step]:
+    async def run_trajectory(self, sample: dict[str, Any], traj_id: TrajectoryID, seed: Optional[int] = None,
+                             request_tag: str = "") -> list[Step]:
         cfg = self.config
         try:
             env = await self._env.call(self.env_factory, name="environment factory")
@@ -385,13 +377,8 @@ def _warn_if_env_errors_dominate(steps: list[Step], stats: dict[str, int]) -> No
                     len(failed), len(last), stats, "; ".join(f"{n}x {e}" for e, n in common))
 
 
-async def rollout(
-    generator: Generator,
-    tokenizer: Any,
-    env: Union[str, Callable[[], Environment]],
-    samples: Sequence[dict[str, Any]],
-    config: AgentLoopConfig,
-) -> list[Step]:
+async def rollout(generator: Generator, tokenizer: Any, env: Union[str, Callable[[], Environment]],
+                  samples: Sequence[dict[str, Any]], config: AgentLoopConfig) -> list[Step]:
     """One-shot convenience: run every sample's trajectories and return their steps."""
     loop = AgentLoop(generator, tokenizer, env, config)
     try:

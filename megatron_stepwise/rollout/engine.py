@@ -186,43 +186,25 @@ class GenerateResult:
 class Engine(Protocol):
     """One inference engine. All methods are coroutines so they can sit behind HTTP or Ray."""
 
-    async def generate(
-        self,
-        input_ids: list[int],
-        sampling: SamplingParams,
-        rid: Optional[str] = None,
-        session: Optional[str] = None,
-    ) -> GenerateResult:
+    async def generate(self, input_ids: list[int], sampling: SamplingParams, rid: Optional[str] = None,
+                       session: Optional[str] = None) -> GenerateResult:
         """`rid` names the request (for abort); `session` names the conversation it belongs to
         (a fleet routes a session's turns to the same engine for prefix-cache reuse)."""
 
     async def update_weights_from_disk(self, path: str, weight_version: Optional[int] = None) -> int:
         """Load HF-named safetensors from `path`; returns the new weight version."""
 
-    async def update_weights_from_tensors(
-        self, named_tensors: NamedTensors, weight_version: Optional[int] = None
-    ) -> int:
+    async def update_weights_from_tensors(self, named_tensors: NamedTensors,
+                                          weight_version: Optional[int] = None) -> int:
         """Load tensors keyed by HF parameter names; returns the new weight version."""
 
-    async def init_weights_update_group(
-        self,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        group_name: str = "weight_update_group",
-        backend: str = "gloo",
-    ) -> None:
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                        group_name: str = "weight_update_group", backend: str = "gloo") -> None:
         """Join a process group whose rank 0 (the trainer) broadcasts weights."""
 
-    async def update_weights_from_distributed(
-        self,
-        names: list[str],
-        dtypes: list[str],
-        shapes: list[list[int]],
-        group_name: str = "weight_update_group",
-        weight_version: Optional[int] = None,
-    ) -> int:
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                              group_name: str = "weight_update_group",
+                                              weight_version: Optional[int] = None) -> int:
         """Receive the named tensors by broadcast from rank 0 of the group; returns the new version."""
 
     async def pause(self) -> None:

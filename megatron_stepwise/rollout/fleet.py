@@ -34,20 +34,10 @@ from dataclasses import asdict, dataclass
 from typing import Any, Awaitable, Callable, Optional
 
 from megatron_stepwise.lifecycle import tagged_ray_instance
-from megatron_stepwise.rollout.engine import (
-    EngineError,
-    EngineReleasedError,
-    GenerateResult,
-    NamedTensors,
-    SamplingParams,
-    memory_tags,
-)
-from megatron_stepwise.rollout.sglang import (
-    EngineRequestError,
-    SGLangServerConfig,
-    TensorHandles,
-    serialize_tensors_sglang,
-)
+from megatron_stepwise.rollout.engine import (EngineError, EngineReleasedError, GenerateResult, NamedTensors,
+                                               SamplingParams, memory_tags)
+from megatron_stepwise.rollout.sglang import (EngineRequestError, SGLangServerConfig, TensorHandles,
+                                               serialize_tensors_sglang)
 
 log = logging.getLogger(__name__)
 
@@ -201,19 +191,10 @@ def _spawn_actor(spec: EngineSpec, index: int, incarnation: int):
 class RolloutFleet:
     """N engine actors behind one `generate` (see module docstring)."""
 
-    def __init__(
-        self,
-        specs: list[EngineSpec],
-        max_concurrency: int = 64,
-        max_retries: int = 2,
-        request_timeout_s: float = 600.0,
-        restart_dead: bool = True,
-        ray_address: Optional[str] = None,
-        ray_num_cpus: Optional[int] = None,
-        partial_rollouts: bool = False,
-        colocate: bool = False,
-        spawn: Optional[Callable[[EngineSpec, int, int], Any]] = None,
-    ):
+    def __init__(self, specs: list[EngineSpec], max_concurrency: int = 64, max_retries: int = 2,
+                 request_timeout_s: float = 600.0, restart_dead: bool = True, ray_address: Optional[str] = None,
+                 ray_num_cpus: Optional[int] = None, partial_rollouts: bool = False, colocate: bool = False,
+                 spawn: Optional[Callable[[EngineSpec, int, int], Any]] = None):
         """`spawn(spec, index, incarnation)` starts an engine and returns its handle (whose
         `call.remote(method, ...)` reaches any `Engine` method); default: a Ray actor, Ray started
         on demand. Tests pass their own handles."""
@@ -312,9 +293,8 @@ class RolloutFleet:
                 return sticky
         return min(candidates, key=lambda s: (s.outstanding, s.index))
 
-    async def generate(
-        self, input_ids: list[int], sampling: SamplingParams, rid: Optional[str] = None, session: Optional[str] = None
-    ) -> GenerateResult:
+    async def generate(self, input_ids: list[int], sampling: SamplingParams, rid: Optional[str] = None,
+                       session: Optional[str] = None) -> GenerateResult:
         blocking = sorted(self._released & {"weights", "kv_cache"})
         if blocking:
             raise EngineReleasedError(f"the fleet's engines have released their {' and '.join(blocking)} memory "
@@ -529,9 +509,8 @@ class RolloutFleet:
         """World size of the group `init_weights_update_group` would open now (trainer + engine ranks)."""
         return weight_update_ranks([s.spec for s in self._slots if s.alive])[1]
 
-    async def init_weights_update_group(
-        self, master_address: str, master_port: int, group_name: str = "weight_update_group", backend: str = "gloo"
-    ) -> int:
+    async def init_weights_update_group(self, master_address: str, master_port: int,
+                                        group_name: str = "weight_update_group", backend: str = "gloo") -> int:
         """Every live engine joins one group with the trainer as rank 0, an SGLang engine with one
         rank per TP rank from its `rank_offset` (`weight_update_ranks`); returns the world size.
 
@@ -547,10 +526,9 @@ class RolloutFleet:
         ))
         return world_size
 
-    async def update_weights_from_distributed(
-        self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-        group_name: str = "weight_update_group", weight_version: Optional[int] = None,
-    ) -> int:
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                              group_name: str = "weight_update_group",
+                                              weight_version: Optional[int] = None) -> int:
         """Engines receive by broadcast; run concurrently with the trainer's `weight_sync.broadcast`."""
 
         async def call(s, v):

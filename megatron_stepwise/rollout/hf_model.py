@@ -47,12 +47,8 @@ def load_config(model_config: ModelConfigLike):
         return load_config(json.load(f))
 
 
-def build_causal_lm(
-    model_config: ModelConfigLike,
-    weights: Optional[Union[str, os.PathLike]] = None,
-    seed: int = 0,
-    dtype: torch.dtype = torch.float32,
-) -> torch.nn.Module:
+def build_causal_lm(model_config: ModelConfigLike, weights: Optional[Union[str, os.PathLike]] = None, seed: int = 0,
+                    dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """An eval-mode causal LM: random init from `seed`, then `weights` (safetensors dir) if given."""
     from transformers import AutoModelForCausalLM
 

@@ -33,20 +33,14 @@ import concurrent.futures
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 
 from megatron_stepwise import weight_transport
 from megatron_stepwise.rollout import hf_model, routing
-from megatron_stepwise.rollout.engine import (
-    EngineError,
-    EngineReleasedError,
-    GenerateResult,
-    NamedTensors,
-    SamplingParams,
-    memory_tags,
-)
+from megatron_stepwise.rollout.engine import (EngineError, EngineReleasedError, GenerateResult, NamedTensors,
+                                               SamplingParams, memory_tags)
 from megatron_stepwise.rollout.sampling import sample_next
 
 log = logging.getLogger(__name__)
@@ -159,20 +153,11 @@ class LocalEngine:
         router_noise, router_noise_mode: test hook: perturb the routers slightly (`rollout.routing`).
     """
 
-    def __init__(
-        self,
-        model_config: hf_model.ModelConfigLike,
-        weights: Optional[Union[str, os.PathLike]] = None,
-        tokenizer: Any = None,
-        eos_token_ids: Optional[list[int]] = None,
-        max_batch_size: int = 16,
-        seed: int = 0,
-        torch_threads: Optional[int] = None,
-        name: str = "local",
-        record_routed_experts: Optional[bool] = None,
-        router_noise: float = 0.0,
-        router_noise_mode: str = "select",
-    ):
+    def __init__(self, model_config: hf_model.ModelConfigLike, weights: Optional[Union[str, os.PathLike]] = None,
+                 tokenizer: Any = None, eos_token_ids: Optional[list[int]] = None, max_batch_size: int = 16,
+                 seed: int = 0, torch_threads: Optional[int] = None, name: str = "local",
+                 record_routed_experts: Optional[bool] = None, router_noise: float = 0.0,
+                 router_noise_mode: str = "select"):
         if torch_threads is not None:
             torch.set_num_threads(torch_threads)
         self.model = hf_model.build_causal_lm(model_config, weights=weights, seed=seed)
@@ -334,9 +319,8 @@ class LocalEngine:
 
     # ---- Engine protocol ----------------------------------------------------------------------
 
-    async def generate(
-        self, input_ids: list[int], sampling: SamplingParams, rid: Optional[str] = None, session: Optional[str] = None
-    ) -> GenerateResult:
+    async def generate(self, input_ids: list[int], sampling: SamplingParams, rid: Optional[str] = None,
+                       session: Optional[str] = None) -> GenerateResult:
         if self._failure is not None:
             raise EngineError(f"engine {self.name} is unhealthy: {self._failure!r}")
         self._check_can_generate()
@@ -367,28 +351,21 @@ class LocalEngine:
         return await req.future
 
     async def update_weights_from_tensors(self, named_tensors: NamedTensors, weight_version: Optional[int] = None) -> int:
-        self._check_weights_resident("update_weights_from_tensors")
-        self._ensure_started()
-        async with self._model_lock:
-            await self._run(hf_model.load_named_tensors, self.model, named_tensors)
-            return self._bump_version(weight_version)
+        return await self._load("update_weights_from_tensors", hf_model.load_named_tensors, named_tensors, weight_version)
 
     async def update_weights_from_disk(self, path: str, weight_version: Optional[int] = None) -> int:
-        self._check_weights_resident("update_weights_from_disk")
+        return await self._load("update_weights_from_disk", hf_model.load_safetensors_dir, path, weight_version)
+
+    async def _load(self, what: str, load: Callable, source: Any, weight_version: Optional[int]) -> int:
+        """`load(model, source)` under the model lock, then the new weight version."""
+        self._check_weights_resident(what)
         self._ensure_started()
         async with self._model_lock:
-            await self._run(hf_model.load_safetensors_dir, self.model, path)
+            await self._run(load, self.model, source)
             return self._bump_version(weight_version)
 
-    async def init_weights_update_group(
-        self,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        group_name: str = "weight_update_group",
-        backend: str = "gloo",
-    ) -> None:
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                        group_name: str = "weight_update_group", backend: str = "gloo") -> None:
         if backend != "gloo":
             raise ValueError(f"the embedded CPU engine joins weight-update groups over gloo, not {backend!r}")
         # This engine is one rank (no tensor parallelism): rank = rank_offset.
@@ -397,14 +374,9 @@ class LocalEngine:
         )
         self._weight_groups[group_name] = group
 
-    async def update_weights_from_distributed(
-        self,
-        names: list[str],
-        dtypes: list[str],
-        shapes: list[list[int]],
-        group_name: str = "weight_update_group",
-        weight_version: Optional[int] = None,
-    ) -> int:
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                              group_name: str = "weight_update_group",
+                                              weight_version: Optional[int] = None) -> int:
         group = self._weight_groups.get(group_name)
         if group is None:
             raise ValueError(f"no weight-update group {group_name!r}: call init_weights_update_group first")

@@ -179,9 +179,8 @@ class SGLangClient:
         except asyncio.TimeoutError as e:
             raise EngineError(f"{method} {url} timed out after {self.timeout_s}s") from e
 
-    async def generate(
-        self, input_ids: list[int], sampling: SamplingParams, rid: Optional[str] = None, session: Optional[str] = None
-    ) -> GenerateResult:
+    async def generate(self, input_ids: list[int], sampling: SamplingParams, rid: Optional[str] = None,
+                       session: Optional[str] = None) -> GenerateResult:
         payload: dict[str, Any] = {
             "input_ids": [int(t) for t in input_ids],
             "sampling_params": sampling.to_dict(),
@@ -226,15 +225,8 @@ class SGLangClient:
         await self._request("POST", "/update_weights_from_tensor", json=payload)
         return await self.weight_version()
 
-    async def init_weights_update_group(
-        self,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        group_name: str = "weight_update_group",
-        backend: str = "gloo",
-    ) -> None:
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                        group_name: str = "weight_update_group", backend: str = "gloo") -> None:
         await self._request(
             "POST",
             "/init_weights_update_group",
@@ -248,14 +240,9 @@ class SGLangClient:
             },
         )
 
-    async def update_weights_from_distributed(
-        self,
-        names: list[str],
-        dtypes: list[str],
-        shapes: list[list[int]],
-        group_name: str = "weight_update_group",
-        weight_version: Optional[int] = None,
-    ) -> int:
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                              group_name: str = "weight_update_group",
+                                              weight_version: Optional[int] = None) -> int:
         payload: dict[str, Any] = {
             "names": list(names),
             "dtypes": [d if isinstance(d, str) else dtype_name(d) for d in dtypes],
