@@ -114,19 +114,24 @@ def _stage_canonical(chunks: list, dtype: Optional[torch.dtype], *, worker: bool
     """(canonical name, full tensor) for this stage; the tensor only on a worker's TP rank 0 (else
     None). Experts split over EP come from every EP rank (a collective over the EP group, which
     EP peers outside the converting replica, `worker=False`, join for the experts only)."""
+    keep = worker and current_layout().tp_rank == 0
+    for model, name, param in _exported_params(chunks):
+        if not worker and not W.is_expert(name):
+            continue
+        full = W.gather_full(param.data, param, name, model)  # collective over TP
+        for each, tensor in W.all_experts(name, full, model):  # collective over EP for experts
+            yield each, ((tensor if dtype is None else tensor.to(dtype)).cpu() if keep else None)
+
+
+def _exported_params(chunks: list) -> Iterator[tuple[Any, str, Any]]:
+    """(unwrapped model, canonical name, parameter) of this stage's chunks, in export order."""
     from megatron_stepwise.megatron.model import unwrap
 
-    keep = worker and current_layout().tp_rank == 0
     for chunk in chunks:
         model = unwrap(chunk)
         for name, param in W.canonical_params(chunk):
-            if name == EMBED and not model.pre_process:
-                continue  # the last stage's copy of tied embeddings: stage 0 exports the original
-            if not worker and not W.is_expert(name):
-                continue
-            full = W.gather_full(param.data, param, name, model)  # collective over TP
-            for each, tensor in W.all_experts(name, full, model):  # collective over EP for experts
-                yield each, ((tensor if dtype is None else tensor.to(dtype)).cpu() if keep else None)
+            if name != EMBED or model.pre_process:  # the last stage's tied copy: stage 0 exports the original
+                yield model, name, param
 
 
 def _joins_expert_gathers(layout) -> bool:
@@ -215,18 +220,12 @@ def stream_hf_buckets(chunks: list, hf_config: Any, *, bucket_mb: float = 512,
 def stage_hf_metadata(chunks: list, hf_config: Any, *, dtype: Optional[torch.dtype] = None) -> list[tuple]:
     """(HF name, shape, dtype) of this stage's tensors in stream order, computed on meta tensors
     (no data, no communication)."""
-    from megatron_stepwise.megatron.model import unwrap
-
     arch = as_arch(hf_config)
     out = []
-    for chunk in chunks:
-        model = unwrap(chunk)
-        for name, param in W.canonical_params(chunk):
-            if name == EMBED and not model.pre_process:
-                continue
-            meta = torch.empty(W.full_shape(param, name), dtype=dtype or param.dtype, device="meta")
-            for each in W.expert_names(name, model):  # every EP rank's expert, in stream order
-                out += [(hf, tuple(t.shape), t.dtype) for hf, t in to_hf(each, meta, arch)]
+    for model, name, param in _exported_params(chunks):
+        meta = torch.empty(W.full_shape(param, name), dtype=dtype or param.dtype, device="meta")
+        for each in W.expert_names(name, model):  # every EP rank's expert, in stream order
+            out += [(hf, tuple(t.shape), t.dtype) for hf, t in to_hf(each, meta, arch)]
     return out
 
 
