@@ -167,6 +167,8 @@ class StepBatch:
     (int16 [T, layers, topk], prompt positions included, -1 = unknown), when any step does.
     row_fields always has: traj_index, group_index (long; dense ids in order of first
     appearance), is_last (bool), reward (float64), is_padding (bool).
+    `metadata` holds each step's metadata dict (turn, env info, drift...) when the batch
+    carries steps between processes (agent workers, the hand-off); None in training batches.
     """
 
     tokens: torch.Tensor
@@ -176,6 +178,7 @@ class StepBatch:
     row_fields: dict[str, torch.Tensor]
     trajectory_ids: list[TrajectoryID]
     stop_reasons: list[str]
+    metadata: Optional[list[dict[str, Any]]] = None
 
     @property
     def num_rows(self) -> int:
@@ -237,7 +240,7 @@ class StepBatch:
         return [flat[self.response_slice(r)].clone() for r in range(self.num_rows)]
 
     @classmethod
-    def from_steps(cls, steps: Sequence[Step]) -> "StepBatch":
+    def from_steps(cls, steps: Sequence[Step], keep_metadata: bool = False) -> "StepBatch":
         n = len(steps)
         prompt_lens = torch.tensor([s.prompt_ids.numel() for s in steps], dtype=torch.long)
         resp_lens = torch.tensor([s.response_ids.numel() for s in steps], dtype=torch.long)
@@ -291,6 +294,7 @@ class StepBatch:
             row_fields=row_fields,
             trajectory_ids=[s.trajectory_id for s in steps],
             stop_reasons=[s.stop_reason for s in steps],
+            metadata=[s.metadata for s in steps] if keep_metadata else None,
         )
 
     def to_steps(self) -> list[Step]:
@@ -313,6 +317,7 @@ class StepBatch:
                     stop_reason=self.stop_reasons[r],
                     weight_versions=None if versions is None else versions[resp].clone(),
                     routed_experts=None if routed is None else routed[row].clone(),
+                    metadata=dict(self.metadata[r]) if self.metadata is not None else {},
                 )
             )
         return steps
@@ -335,6 +340,7 @@ class StepBatch:
             row_fields={k: v[rows] for k, v in self.row_fields.items()},
             trajectory_ids=[self.trajectory_ids[i] for i in rows.tolist()],
             stop_reasons=[self.stop_reasons[i] for i in rows.tolist()],
+            metadata=None if self.metadata is None else [self.metadata[i] for i in rows.tolist()],
         )
 
 

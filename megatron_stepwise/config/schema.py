@@ -119,6 +119,11 @@ class RolloutConfig:
     sglang: SGLangConfig = section(SGLangConfig, "SGLang servers")
     sampling: SamplingConfig = section(SamplingConfig, "sampling parameters")
     max_concurrency: int = option(64, "trajectories in flight at once across the fleet", min=1)
+    agent_workers: Optional[int] = option(None, "Ray actors that run the agent loop (tokenizer, chat template, "
+                                                "environments), spread over the nodes; 0 = in the driver "
+                                                "process; null = 0 with the embedded engine, else 2 per Ray node",
+                                          min=0)
+    agent_worker_cpus: float = option(1.0, "CPUs Ray reserves for each agent worker", gt=0.0)
     max_turns: int = option(4, "assistant turns per trajectory at most", min=1)
     context: Literal["retokenize", "tokens"] = option(
         "retokenize", "how each turn's prompt is built: retokenize (render and tokenise the chat every turn) or "

@@ -45,7 +45,10 @@ class Driver:
         return self.loop.run_until_complete(coro)
 
     def fleet_metrics(self) -> dict[str, float]:
-        return {f"fleet/{k}": v for k, v in self.fleet.metrics().items() if isinstance(v, (int, float))}
+        out = {f"fleet/{k}": v for k, v in self.fleet.metrics().items() if isinstance(v, (int, float))}
+        if hasattr(self.agent, "metrics"):  # agent workers
+            out.update(self.agent.metrics())
+        return out
 
 
 @dataclass

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from megatron_stepwise.config import ExperimentConfig
 from megatron_stepwise.loop import components
+from megatron_stepwise.loop.agent_workers import AgentWorkers, resolve_agent_workers
 from megatron_stepwise.loop.async_source import AsyncRollouts
 from megatron_stepwise.loop.checkpoints import Checkpointer, TrainerState
 from megatron_stepwise.loop.colocate import Colocation
@@ -90,7 +91,7 @@ class Trainer:
             loop = asyncio.new_event_loop()
             fleet = components.build_fleet(cfg, self.hf_config, self.tokenizer)
             loop.run_until_complete(fleet.wait_ready())
-            self.driver = Driver(loop, fleet, components.build_agent_loop(cfg, fleet, self.tokenizer))
+            self.driver = Driver(loop, fleet, self._agents(fleet, loop))
             self.logger = MetricsLogger(
                 cfg.run_dir, tensorboard=cfg.logging.tensorboard, wandb_project=cfg.logging.wandb.project,
                 wandb_name=cfg.logging.wandb.name or cfg.name, config=cfg.to_dict(),
@@ -104,6 +105,16 @@ class Trainer:
         # The engines start from their own random init: give them the trainer's weights.
         self.push_weights()
         self.source.start(self.driver)
+
+    def _agents(self, fleet, loop):
+        """The agent loop in this process, or `rollout.agent_workers` Ray actors."""
+        n = resolve_agent_workers(self.cfg)
+        if n == 0:
+            return components.build_agent_loop(self.cfg, fleet, self.tokenizer)
+        log.info("agent loop: %d agent workers (%.3g CPUs each)", n, self.cfg.rollout.agent_worker_cpus)
+        workers = AgentWorkers(self.cfg, fleet, n)
+        loop.run_until_complete(workers.wait_ready())
+        return workers
 
     # ------------------------------------------------------------------------------- loop
     def run(self) -> list[dict[str, Any]]:

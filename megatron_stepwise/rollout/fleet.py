@@ -34,10 +34,9 @@ from dataclasses import asdict, dataclass
 from typing import Any, Awaitable, Callable, Optional
 
 from megatron_stepwise.lifecycle import tagged_ray_instance
-from megatron_stepwise.rollout.engine import (EngineError, EngineReleasedError, GenerateResult, NamedTensors,
-                                               SamplingParams, memory_tags)
-from megatron_stepwise.rollout.sglang import (EngineRequestError, SGLangServerConfig, TensorHandles,
-                                               serialize_tensors_sglang)
+from megatron_stepwise.rollout.engine import EngineReleasedError, GenerateResult, NamedTensors, SamplingParams, memory_tags
+from megatron_stepwise.rollout.engine_router import EngineRouter, EngineSlot, RequestCounters
+from megatron_stepwise.rollout.sglang import SGLangServerConfig, TensorHandles, serialize_tensors_sglang
 
 log = logging.getLogger(__name__)
 
@@ -137,11 +136,7 @@ class EngineActor:
 
 
 @dataclass
-class FleetMetrics:
-    requests: int = 0
-    generated_tokens: int = 0
-    retries: int = 0
-    timeouts: int = 0
+class FleetMetrics(RequestCounters):
     engine_failures: int = 0
     restarts: int = 0
     removed_engines: int = 0
@@ -149,13 +144,8 @@ class FleetMetrics:
 
 
 @dataclass
-class _Slot:
-    index: int
-    spec: EngineSpec
-    handle: Any
-    alive: bool = True
-    outstanding: int = 0
-    incarnation: int = 0
+class _Slot(EngineSlot):
+    spec: Optional[EngineSpec] = None
 
 
 def ensure_ray(address: Optional[str] = None, num_cpus: Optional[int] = None) -> None:
@@ -214,8 +204,9 @@ class RolloutFleet:
         self.colocate = colocate
         self._metrics = FleetMetrics()
         self._limit = asyncio.Semaphore(max_concurrency)
-        self._slots = [_Slot(i, spec, self._spawn(spec, i, 0)) for i, spec in enumerate(specs)]
-        self._sticky: dict[str, int] = {}
+        self._slots = [_Slot(i, self._spawn(spec, i, 0), spec=spec) for i, spec in enumerate(specs)]
+        self._router = EngineRouter(self._slots, max_retries=max_retries, request_timeout_s=request_timeout_s,
+                                    on_dead=self._mark_dead, counters=self._metrics)
         self._gate = asyncio.Event()
         self._gate.set()
         self._inflight = 0
@@ -279,19 +270,22 @@ class RolloutFleet:
         m.update(alive_engines=self.num_alive, weight_version=self.weight_version)
         return m
 
-    # ---- generation -------------------------------------------------------------------------
+    # ---- agent workers route their own requests ---------------------------------------------
 
-    def _pick(self, session: Optional[str], exclude: set[int]) -> _Slot:
-        candidates = [s for s in self._slots if s.alive and s.index not in exclude]
-        if not candidates:
-            candidates = [s for s in self._slots if s.alive]
-        if not candidates:
-            raise EngineError("no live engine in the fleet")
-        if session is not None and session in self._sticky:
-            sticky = self._slots[self._sticky[session]]
-            if sticky in candidates:
-                return sticky
-        return min(candidates, key=lambda s: (s.outstanding, s.index))
+    def engine_table(self) -> list[EngineSlot]:
+        """The engines as they are now, for agent workers' own routers (`EngineView`)."""
+        return [EngineSlot(s.index, s.handle, s.incarnation, s.alive) for s in self._slots]
+
+    def report_dead(self, index: int, incarnation: int) -> None:
+        """An agent worker found engine `index` dead: restart it as if the fleet had."""
+        self._mark_dead(self._slots[index], incarnation)
+
+    def add_request_counts(self, counts: RequestCounters) -> None:
+        """Requests an agent worker routed itself count in `metrics()` like the fleet's own."""
+        for key, value in asdict(counts).items():
+            setattr(self._metrics, key, getattr(self._metrics, key) + value)
+
+    # ---- generation -------------------------------------------------------------------------
 
     async def generate(self, input_ids: list[int], sampling: SamplingParams, rid: Optional[str] = None,
                        session: Optional[str] = None) -> GenerateResult:
@@ -305,72 +299,18 @@ class RolloutFleet:
             self._inflight += 1
             self._drained.clear()
             try:
-                return await self._generate_with_retries(input_ids, sampling, rid, session)
+                return await self._router.generate(input_ids, sampling, rid, session)
             finally:
                 self._inflight -= 1
                 if self._inflight == 0:
                     self._drained.set()
-
-    async def _generate_with_retries(self, input_ids, sampling, rid, session) -> GenerateResult:
-        import ray
-
-        tried: set[int] = set()
-        for attempt in range(self.max_retries + 1):
-            slot = self._pick(session, tried)
-            tried.add(slot.index)
-            slot.outstanding += 1
-            incarnation = slot.incarnation
-            try:
-                ref = slot.handle.generate.remote(input_ids, sampling, rid, session)
-                result = await asyncio.wait_for(ref, self.request_timeout_s)
-            except asyncio.TimeoutError:
-                self._metrics.timeouts += 1
-                error: BaseException = EngineError(f"engine {slot.index} timed out after {self.request_timeout_s}s")
-                self._abort_quietly(slot, rid)
-                await self._check_engine(slot, incarnation)
-            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
-                error = e
-                self._mark_dead(slot, incarnation)
-            except ray.exceptions.RayTaskError as e:
-                cause = e.cause if getattr(e, "cause", None) is not None else e
-                if isinstance(cause, (EngineRequestError, EngineReleasedError, ValueError, KeyError, TypeError)):
-                    raise cause from None  # the request itself is bad: retrying elsewhere won't help
-                error = cause
-                await self._check_engine(slot, incarnation)
-            else:
-                if session is not None:
-                    self._sticky[session] = slot.index
-                self._metrics.requests += 1
-                self._metrics.generated_tokens += len(result.output_ids)
-                return result
-            finally:
-                slot.outstanding -= 1
-            if attempt < self.max_retries:
-                self._metrics.retries += 1
-                log.warning("request %s failed on engine %d (%r); retrying", rid, slot.index, error)
-        raise EngineError(f"request {rid} failed after {self.max_retries + 1} attempts: {error!r}")
-
-    def _abort_quietly(self, slot: _Slot, rid: Optional[str]) -> None:
-        if rid is not None and slot.alive:
-            slot.handle.call.remote("abort", rid)  # fire and forget; its late result is dropped
-
-    async def _check_engine(self, slot: _Slot, incarnation: int) -> None:
-        """After an error or timeout: an engine that fails its health check is treated as dead."""
-        import ray
-
-        try:
-            healthy = await asyncio.wait_for(slot.handle.call.remote("health"), 10)
-        except (asyncio.TimeoutError, ray.exceptions.RayError):
-            healthy = False
-        if not healthy:
-            self._mark_dead(slot, incarnation)
 
     def _mark_dead(self, slot: _Slot, incarnation: int) -> None:
         if not slot.alive or slot.incarnation != incarnation:
             return  # already handled (another request saw the same death)
         slot.alive = False
         self._metrics.engine_failures += 1
-        self._sticky = {k: v for k, v in self._sticky.items() if v != slot.index}
+        self._router.forget(slot.index)
         log.warning("engine %d is dead", slot.index)
         if self.restart_dead and self._replay is not False:
             task = asyncio.get_running_loop().create_task(self._restart(slot))

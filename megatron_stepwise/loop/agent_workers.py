@@ -1,0 +1,232 @@
+"""Agent workers: the agent loop in Ray actors spread over the cluster (`rollout.agent_workers`).
+
+Each worker holds its own tokenizer, chat template, environment pool and event loop, and routes
+its turns to the engines itself (`EngineView`): no turn passes through the driver. The driver's
+`AgentWorkers` is a drop-in for `AgentLoop` (`rollout`, `env_stats`, `close`), so the sync and
+async sources, evaluation and dynamic sampling use workers unchanged. It hands out one prompt
+group per call to the least busy worker and gets the group back columnar (a `StepBatch`, no
+per-step tensor pickling), with the engines the worker found dead (the fleet restarts them) and
+its request counts (the fleet's metrics). A worker that dies is restarted and its unfinished
+groups are re-issued to a live one, counted in `agents/worker_restarts` and
+`agents/reissued_groups`; sampling seeds depend only on the trajectory and turn, so a re-issued
+group samples as it would have.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import importlib
+import logging
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+from megatron_stepwise.rollout.engine_router import EngineSlot, EngineView, RequestCounters
+from megatron_stepwise.types import Step, StepBatch
+
+log = logging.getLogger(__name__)
+
+
+def resolve_agent_workers(cfg, ray_nodes: Optional[int] = None) -> int:
+    """`rollout.agent_workers`, with null resolved: 0 for the embedded engine, else 2 per Ray node."""
+    if cfg.rollout.agent_workers is not None:
+        return int(cfg.rollout.agent_workers)
+    if cfg.rollout.engine == "embedded":
+        return 0
+    if ray_nodes is None:
+        import ray
+
+        ray_nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
+    return 2 * max(1, ray_nodes)
+
+
+@dataclass
+class WorkerReply:
+    """One group's steps, columnar, and what the worker learnt about the engines meanwhile."""
+
+    batch: StepBatch
+    dead_engines: list[tuple[int, int]]
+    requests: RequestCounters
+
+
+class AgentWorker:
+    """The body of one agent worker actor."""
+
+    def __init__(self, cfg, max_concurrency: int):
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        from megatron_stepwise.loop import components
+
+        for module in cfg.trainer.imports:  # user environments register themselves on import
+            importlib.import_module(module)
+        cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, max_concurrency=max_concurrency))
+        self.engines = EngineView(max_retries=cfg.rollout.max_retries, request_timeout_s=cfg.rollout.timeout_s)
+        self.agent = components.build_agent_loop(cfg, self.engines, components.load_tokenizer(cfg))
+
+    def ready(self) -> bool:
+        return True
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    async def rollout(self, samples: list[dict], seed: Optional[int], request_tag: str,
+                      engines: list[EngineSlot]) -> WorkerReply:
+        self.engines.refresh(engines)
+        steps = await self.agent.rollout(samples, seed=seed, request_tag=request_tag)
+        dead, requests = self.engines.take_report()
+        return WorkerReply(StepBatch.from_steps(steps, keep_metadata=True), dead, requests)
+
+    def env_stats(self) -> dict[str, int]:
+        return self.agent.env_stats()
+
+
+def _spawn_worker(cfg, index: int, max_concurrency: int):
+    import ray
+
+    actor = ray.remote(AgentWorker).options(
+        num_cpus=cfg.rollout.agent_worker_cpus, scheduling_strategy="SPREAD", max_restarts=0,
+        max_concurrency=1000, name=None)
+    return actor.remote(cfg, max_concurrency)
+
+
+@dataclass
+class _Worker:
+    index: int
+    handle: Any
+    busy: int = 0  # groups in flight on it
+    incarnation: int = 0
+
+
+class AgentWorkers:
+    """The driver's side of `n` agent workers (see the module docstring)."""
+
+    def __init__(self, cfg, fleet, n: int, spawn: Optional[Callable[[Any, int, int], Any]] = None):
+        if n < 1:
+            raise ValueError(f"rollout.agent_workers must be >= 1 here, got {n}")
+        self.cfg, self.fleet = cfg, fleet
+        self.samples_per_prompt = cfg.data.samples_per_prompt
+        # rollout.max_concurrency trajectories in flight in all; whole groups per worker
+        per_worker = max(1, math.ceil(cfg.rollout.max_concurrency / n))
+        self.groups_per_worker = max(1, per_worker // self.samples_per_prompt)
+        self.max_reissues = cfg.rollout.max_retries + 1
+        self._concurrency = max(per_worker, self.samples_per_prompt)
+        self._spawn = spawn or _spawn_worker
+        self.workers = [_Worker(i, self._spawn(cfg, i, self._concurrency)) for i in range(n)]
+        self._free = asyncio.Condition()
+        self.worker_restarts = 0
+        self.reissued_groups = 0
+
+    async def wait_ready(self, timeout_s: float = 300.0) -> None:
+        await asyncio.wait_for(asyncio.gather(*(w.handle.ready.remote() for w in self.workers)), timeout_s)
+
+    # ---- the AgentLoop surface --------------------------------------------------------------
+
+    async def rollout(self, samples: Sequence[dict[str, Any]], seed: Optional[int] = None,
+                      on_trajectory_done: Optional[Callable[[list[Step]], None]] = None,
+                      request_tag: str = "") -> list[Step]:
+        """Every sample's trajectories, steps in the order of the samples (as `AgentLoop.rollout`)."""
+        prompt_ids = [str(s.get("prompt_id", "")) for s in samples]
+        for i, pid in enumerate(prompt_ids):
+            if not pid:
+                raise ValueError(f"sample {i} has no 'prompt_id'")
+        if len(set(prompt_ids)) != len(prompt_ids):
+            dup = sorted({p for p in prompt_ids if prompt_ids.count(p) > 1})
+            raise ValueError(f"duplicate prompt_id(s) in samples: {dup[:5]}")
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(self._group(dict(s), seed, request_tag, on_trajectory_done)) for s in samples]
+        return [s for t in tasks for s in t.result()]
+
+    def env_stats(self) -> dict[str, int]:
+        import ray
+
+        total: dict[str, int] = {}
+        for stats in ray.get([w.handle.env_stats.remote() for w in self.workers]):
+            for k, v in stats.items():
+                total[k] = total.get(k, 0) + v
+        return total
+
+    def metrics(self) -> dict[str, float]:
+        return {"agents/workers": float(len(self.workers)), "agents/worker_restarts": float(self.worker_restarts),
+                "agents/reissued_groups": float(self.reissued_groups)}
+
+    def close(self) -> None:
+        import ray
+
+        for w in self.workers:
+            try:
+                ray.kill(w.handle, no_restart=True)
+            except Exception:  # noqa: BLE001 - best effort on the way out
+                pass
+
+    # ---- dispatch ----------------------------------------------------------------------------
+
+    async def _acquire(self) -> _Worker:
+        async with self._free:
+            while True:
+                free = [w for w in self.workers if w.busy < self.groups_per_worker]
+                if free:
+                    worker = min(free, key=lambda w: (w.busy, w.index))
+                    worker.busy += 1
+                    return worker
+                await self._free.wait()
+
+    async def _release(self, worker: _Worker) -> None:
+        async with self._free:
+            worker.busy -= 1
+            self._free.notify_all()
+
+    async def _group(self, sample: dict, seed: Optional[int], tag: str,
+                     on_trajectory_done: Optional[Callable[[list[Step]], None]]) -> list[Step]:
+        import ray
+
+        for attempt in range(self.max_reissues + 1):
+            worker = await self._acquire()
+            incarnation = worker.incarnation
+            try:
+                reply = await worker.handle.rollout.remote([sample], seed, tag, self.fleet.engine_table())
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+                self._restart(worker, incarnation, e)
+                if attempt == self.max_reissues:
+                    raise RuntimeError(f"prompt group {sample.get('prompt_id')!r}: its agent worker died "
+                                       f"{attempt + 1} times") from e
+                self.reissued_groups += 1
+                continue
+            except ray.exceptions.RayTaskError as e:  # the agent loop's own error, as in-process
+                raise (e.cause if getattr(e, "cause", None) is not None else e) from None
+            finally:
+                await self._release(worker)
+            for index, engine_incarnation in reply.dead_engines:
+                self.fleet.report_dead(index, engine_incarnation)
+            self.fleet.add_request_counts(reply.requests)
+            steps = reply.batch.to_steps()
+            if on_trajectory_done is not None:
+                for trajectory in _trajectories(steps):
+                    on_trajectory_done(trajectory)
+            return steps
+        raise AssertionError("unreachable")
+
+    def _restart(self, worker: _Worker, incarnation: int, error: BaseException) -> None:
+        """Replace a dead worker once (the other groups it held see the same death)."""
+        if worker.incarnation != incarnation:
+            return
+        import ray
+
+        log.warning("agent worker %d died (%s); restarting it", worker.index, type(error).__name__)
+        try:
+            ray.kill(worker.handle, no_restart=True)
+        except Exception:  # noqa: BLE001 - it is dead already
+            pass
+        worker.handle = self._spawn(self.cfg, worker.index, self._concurrency)
+        worker.incarnation += 1
+        self.worker_restarts += 1
+
+
+def _trajectories(steps: list[Step]) -> list[list[Step]]:
+    out, current = [], []
+    for s in steps:
+        current.append(s)
+        if s.is_last_step:
+            out.append(current)
+            current = []
+    return out

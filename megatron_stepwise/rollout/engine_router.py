@@ -1,0 +1,162 @@
+"""One request to one of several engine actors: sticky sessions, least outstanding, retries.
+
+The fleet on the driver and every agent worker route the same way through `EngineRouter`: a
+session's turns go back to the engine that served its previous turn (prefix-cache reuse); a new
+session goes to the engine with the fewest outstanding requests; a request whose engine dies,
+errors or times out is retried from scratch on another engine (at most `max_retries` times),
+its late result dropped and the request aborted on its engine. What a death means is the
+owner's `on_dead(slot, incarnation)`: the fleet restarts the engine, an agent worker stops
+using it and reports it to the fleet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from megatron_stepwise.rollout.engine import EngineError, EngineReleasedError, GenerateResult, SamplingParams
+from megatron_stepwise.rollout.sglang import EngineRequestError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestCounters:
+    requests: int = 0
+    generated_tokens: int = 0
+    retries: int = 0
+    timeouts: int = 0
+
+
+@dataclass
+class EngineSlot:
+    """One engine as a router sees it; `incarnation` grows with every restart."""
+
+    index: int
+    handle: Any
+    incarnation: int = 0
+    alive: bool = True
+    outstanding: int = 0
+
+
+class EngineRouter:
+    def __init__(self, slots: list[EngineSlot], *, max_retries: int, request_timeout_s: float,
+                 on_dead: Callable[[EngineSlot, int], None], counters: Optional[RequestCounters] = None):
+        self.slots = slots
+        self.max_retries = max_retries
+        self.request_timeout_s = request_timeout_s
+        self.on_dead = on_dead
+        self.counters = counters or RequestCounters()
+        self.sticky: dict[str, int] = {}
+
+    def forget(self, index: int) -> None:
+        """Sessions of a dead engine start afresh elsewhere."""
+        self.sticky = {k: v for k, v in self.sticky.items() if v != index}
+
+    def pick(self, session: Optional[str], exclude: set[int]) -> EngineSlot:
+        candidates = [s for s in self.slots if s.alive and s.index not in exclude]
+        if not candidates:
+            candidates = [s for s in self.slots if s.alive]
+        if not candidates:
+            raise EngineError("no live engine in the fleet")
+        if session is not None and session in self.sticky:
+            sticky = self.slots[self.sticky[session]]
+            if sticky in candidates:
+                return sticky
+        return min(candidates, key=lambda s: (s.outstanding, s.index))
+
+    async def generate(self, input_ids: list[int], sampling: SamplingParams, rid: Optional[str] = None,
+                       session: Optional[str] = None) -> GenerateResult:
+        import ray
+
+        tried: set[int] = set()
+        for attempt in range(self.max_retries + 1):
+            slot = self.pick(session, tried)
+            tried.add(slot.index)
+            slot.outstanding += 1
+            incarnation = slot.incarnation
+            try:
+                ref = slot.handle.generate.remote(input_ids, sampling, rid, session)
+                result = await asyncio.wait_for(ref, self.request_timeout_s)
+            except asyncio.TimeoutError:
+                self.counters.timeouts += 1
+                error: BaseException = EngineError(f"engine {slot.index} timed out after {self.request_timeout_s}s")
+                if rid is not None and slot.alive:
+                    slot.handle.call.remote("abort", rid)  # fire and forget; its late result is dropped
+                await self.check_engine(slot, incarnation)
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+                error = e
+                self.on_dead(slot, incarnation)
+            except ray.exceptions.RayTaskError as e:
+                cause = e.cause if getattr(e, "cause", None) is not None else e
+                if isinstance(cause, (EngineRequestError, EngineReleasedError, ValueError, KeyError, TypeError)):
+                    raise cause from None  # the request itself is bad: retrying elsewhere won't help
+                error = cause
+                await self.check_engine(slot, incarnation)
+            else:
+                if session is not None:
+                    self.sticky[session] = slot.index
+                self.counters.requests += 1
+                self.counters.generated_tokens += len(result.output_ids)
+                return result
+            finally:
+                slot.outstanding -= 1
+            if attempt < self.max_retries:
+                self.counters.retries += 1
+                log.warning("request %s failed on engine %d (%r); retrying", rid, slot.index, error)
+        raise EngineError(f"request {rid} failed after {self.max_retries + 1} attempts: {error!r}")
+
+    async def check_engine(self, slot: EngineSlot, incarnation: int) -> None:
+        """After an error or timeout: an engine that fails its health check is treated as dead."""
+        import ray
+
+        try:
+            healthy = await asyncio.wait_for(slot.handle.call.remote("health"), 10)
+        except (asyncio.TimeoutError, ray.exceptions.RayError):
+            healthy = False
+        if not healthy:
+            self.on_dead(slot, incarnation)
+
+
+class EngineView:
+    """An agent worker's generator: routes its own requests over the fleet's engines.
+
+    The fleet on the driver owns the engines (restarts, weight updates). The view gets the
+    fleet's engine table with every batch of work (`refresh`); an engine it finds dead it stops
+    using and reports (`take_report`), and the fleet restarts it, so the next table has it back.
+    """
+
+    def __init__(self, *, max_retries: int, request_timeout_s: float):
+        self.router = EngineRouter([], max_retries=max_retries, request_timeout_s=request_timeout_s,
+                                   on_dead=self._dead)
+        self._deaths: list[tuple[int, int]] = []
+
+    def refresh(self, table: list[EngineSlot]) -> None:
+        current = {s.index: s for s in self.router.slots}
+        slots = []
+        for t in table:
+            mine = current.get(t.index)
+            if mine is not None and mine.incarnation == t.incarnation:
+                mine.alive = mine.alive and t.alive  # a death seen here stands until a restart
+                slots.append(mine)
+            else:
+                slots.append(EngineSlot(t.index, t.handle, t.incarnation, t.alive))
+        self.router.slots[:] = slots  # in place: requests in flight keep their slot objects
+
+    def _dead(self, slot: EngineSlot, incarnation: int) -> None:
+        if slot.alive and slot.incarnation == incarnation:
+            slot.alive = False
+            self.router.forget(slot.index)
+            self._deaths.append((slot.index, incarnation))
+
+    async def generate(self, input_ids: list[int], sampling: SamplingParams, rid: Optional[str] = None,
+                       session: Optional[str] = None) -> GenerateResult:
+        return await self.router.generate(input_ids, sampling, rid, session)
+
+    def take_report(self) -> tuple[list[tuple[int, int]], RequestCounters]:
+        """(engines found dead, request counters) since the last report."""
+        deaths, counters = self._deaths, self.router.counters
+        self._deaths, self.router.counters = [], RequestCounters()
+        return deaths, counters
