@@ -59,3 +59,23 @@ def test_tiny_async_experiment_keeps_the_bound_and_learns(tmp_path):
     first = sum(r["reward/mean"] for r in rows[:6]) / 6
     last = sum(r["reward/mean"] for r in rows[-6:]) / 6
     assert last > first + 0.08, (first, last)
+
+
+def test_async_training_with_agent_workers_keeps_the_bound(tmp_path):
+    """Groups rolled out by 2 agent workers while the trainer trains: the same bound and accounting."""
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "megatron_stepwise.cli", "train", str(REPO / "configs/tiny_cpu_async.yaml"),
+           "trainer.iterations=5", f"logging.run_dir={run_dir}", "logging.progress=false",
+           "checkpoint.every=0", "checkpoint.resume=never", "rollout.agent_workers=2"]
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=480)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == list(range(5))
+    for r in rows:
+        assert r["agents/workers"] == 2 and r["train/optimizer_steps"] == 2
+        assert 0 <= r["async/token_staleness_min"] <= r["async/token_staleness_max"] <= 1
+        accounted = sum(r[f"async/groups_{k}"] for k in
+                        ("trained", "stale_dropped", "stale_requeued", "filtered", "in_flight", "ready"))
+        assert accounted == r["async/groups_started"]
+    assert rows[-1]["weight_version"] == 10 == rows[-1]["fleet/weight_version"]
