@@ -4,8 +4,9 @@ Rank 0 runs a producer on its asyncio event loop: it starts a prompt group whene
 `GroupBuffer` admits one and files every finished group in it (staleness bound, admission,
 drop/requeue and group filters: see `group_buffer.py`). Each round is one optimizer step:
 
-1. rank 0 takes exactly `prompts_per_minibatch` finished groups (waiting if needed) and hands
-   their steps to every rank; groups carry a variable number of step rows;
+1. rank 0 takes exactly `prompts_per_minibatch` finished groups (waiting if needed), prepares
+   them (its event loop running meanwhile) and hands each rank its shard; groups carry a variable
+   number of step rows;
 2. the trainer prepares and trains them while rank 0's event loop runs in a helper thread
    (`overlap`), so turns keep being generated, environments stepped, groups started;
 3. the trainer pushes the new weights with partial rollouts: turns in flight are paused, get
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import threading
 from typing import Any, Callable, Optional
@@ -30,7 +32,8 @@ import torch
 from megatron_stepwise.algo.advantages import has_reward_variance
 from megatron_stepwise.algo.validate import validate_steps
 from megatron_stepwise.loop.group_buffer import GroupBuffer, trained_token_staleness, trajectory_version_spread
-from megatron_stepwise.loop.sources import Driver, Round, rollout_seed
+from megatron_stepwise.loop.prepare import PrepareOptions
+from megatron_stepwise.loop.sources import Driver, Round, rollout_seed, split_round
 from megatron_stepwise.metrics import rollout_metrics
 
 log = logging.getLogger(__name__)
@@ -63,11 +66,15 @@ class AsyncRollouts:
     resumed run rolls out first, so no drawn prompt is skipped.
     """
 
-    def __init__(self, cfg, *, dataset, handoff, vocab_size: int, version: Callable[[], int]):
+    def __init__(self, cfg, *, dataset, handoff, vocab_size: int, version: Callable[[], int],
+                 shard: Callable[[Any], list[Any]], dp_size: int):
         self.groups_per_step = cfg.data.prompts_per_minibatch
         self.rounds_per_iteration = cfg.data.minibatches_per_iteration
         self.seed = cfg.trainer.seed
         self.dataset, self.handoff, self.vocab_size, self.version = dataset, handoff, vocab_size, version
+        self.dp_size = dp_size
+        self.split = functools.partial(split_round, options=PrepareOptions.from_config(cfg), shard=shard,
+                                       dp_size=dp_size)
         filters = cfg.algo.filters
         self._buffer_args = (self.groups_per_step, cfg.async_.max_staleness, cfg.async_.stale_policy)
         self._keep_group = has_reward_variance if (filters.zero_variance or filters.dynamic_sampling) else None
@@ -160,32 +167,30 @@ class AsyncRollouts:
                 return None
             await self._changed()
 
-    def _take_groups(self) -> Optional[tuple[list, dict[str, Any]]]:
+    def _decide(self, iteration: int) -> list[Optional[Round]]:
+        """Rank 0: this step's groups, validated, recorded for the metrics, prepared and cut into
+        one shard per DP rank while the fleet keeps rolling out."""
         groups = self.driver.loop.run_until_complete(self.next_groups())
         if groups is None:
-            return None
-        staleness = [self.version() - g.start_version for g in groups]
-        info = {"async/group_staleness_max": max(staleness), "async/group_staleness_mean": sum(staleness) / len(staleness),
-                "async/requeued_groups": sum(g.attempt > 0 for g in groups)}
-        return [s for g in groups for s in g.steps], info
-
-    # ------------------------------------------------------------------ every rank
-    def take(self, iteration: int) -> Optional[Round]:
-        """This optimizer step's mini-batch on every rank, or None when filters starve it."""
-        got = self.handoff.from_driver(self._take_groups, "async rollout", iteration)
-        if got is None:
             log.warning("iteration %d: group filters discarded %d groups without %d informative ones; "
                         "optimizer step skipped", iteration, self.starve_limit, self.groups_per_step)
-            return None
-        steps, info = got
+            return [None] * self.dp_size
+        steps = [s for g in groups for s in g.steps]
         validate_steps(steps, vocab_size=self.vocab_size)
+        staleness = [self.version() - g.start_version for g in groups]
         it = self._iteration
         it["steps"] += steps
         it["staleness"].append(trained_token_staleness(steps, self.version()))
-        it["group_staleness_max"].append(info["async/group_staleness_max"])
-        it["group_staleness_mean"].append(info["async/group_staleness_mean"])
-        it["requeued"].append(info["async/requeued_groups"])
-        return Round([steps], {})
+        it["group_staleness_max"].append(max(staleness))
+        it["group_staleness_mean"].append(sum(staleness) / len(staleness))
+        it["requeued"].append(sum(g.attempt > 0 for g in groups))
+        with loop_in_thread(self.driver.loop):
+            return self.split([steps], {})
+
+    # ------------------------------------------------------------------ every rank
+    def take(self, iteration: int) -> Optional[Round]:
+        """This rank's shard of the optimizer step's mini-batch, or None when filters starve it."""
+        return self.handoff.to_ranks(lambda: self._decide(iteration), "async rollout", iteration)
 
     def overlap(self):
         """Rollouts go on while this rank prepares and trains."""

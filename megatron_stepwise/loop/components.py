@@ -26,6 +26,13 @@ def init_runtime(cfg: ExperimentConfig):
                             timeout_minutes=p.timeout_minutes)
 
 
+def data_parallel() -> tuple[int, int]:
+    """(this rank's data-parallel rank, the data-parallel size), from megatron's parallel state."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+
+
 def cpu_group(cfg: ExperimentConfig):
     """A gloo group of all ranks for objects (rollouts, decisions) with the configured timeout:
     torch's `new_group` otherwise gives gloo its own 30-minute default, whatever the world has."""

@@ -1,17 +1,21 @@
 """Where the trainer's mini-batches come from, and the synchronous source.
 
-A mini-batch source hands the trainer `Round`s: mini-batches of validated steps (each one
-optimizer step) that are trained together, after which the trainer pushes new weights. The
-synchronous source (`SyncRollouts`) makes one round per iteration: roll out every prompt of
-the iteration with the fleet idle, then train. The asynchronous one
-(`async_source.AsyncRollouts`) makes one round per optimizer step while the fleet keeps going.
-Both have the same surface: `rounds_per_iteration`, `start`, `take`, `overlap`,
-`iteration_metrics`, `state_dict`/`load_state_dict`, `close`.
+A mini-batch source hands the trainer `Round`s: mini-batches (each one optimizer step) that are
+trained together, after which the trainer pushes new weights. The synchronous source
+(`SyncRollouts`) makes one round per iteration: roll out every prompt of the iteration with the
+fleet idle, then train. The asynchronous one (`async_source.AsyncRollouts`) makes one round per
+optimizer step while the fleet keeps going. Both have the same surface: `rounds_per_iteration`,
+`start`, `take`, `overlap`, `iteration_metrics`, `state_dict`/`load_state_dict`, `close`.
+
+Rank 0 decides everything once (`split_round`): it validates and filters the rollout, splits it
+into prompt mini-batches, prepares each (merge, advantages) and cuts it into one shard per
+data-parallel rank (the plugin's `plan_shards`); each rank then receives only its own shards.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -20,8 +24,9 @@ from typing import Any, Callable, Optional
 from megatron_stepwise.algo.advantages import has_reward_variance
 from megatron_stepwise.algo.batching import prompt_minibatches
 from megatron_stepwise.algo.validate import validate_steps
+from megatron_stepwise.loop.prepare import PrepareOptions, prepare
 from megatron_stepwise.metrics import rollout_metrics
-from megatron_stepwise.types import Step
+from megatron_stepwise.types import Step, StepBatch
 
 log = logging.getLogger(__name__)
 
@@ -53,10 +58,26 @@ class Driver:
 
 @dataclass
 class Round:
-    """Mini-batches (lists of validated steps, whole prompt groups) trained with one policy snapshot."""
+    """This rank's shards of the mini-batches trained with one policy snapshot (one per optimizer
+    step), the round's metrics and `prepare`'s counts (the same on every rank), and how many
+    mini-batches had no trainable token (no optimizer step)."""
 
-    minibatches: list[list[Step]]
+    minibatches: list[Any]  # the plugin's MinibatchShard, one per mini-batch
     metrics: dict[str, Any] = field(default_factory=dict)
+    counts: list[dict[str, Any]] = field(default_factory=list)
+    skipped: int = 0
+
+
+def split_round(minibatches: list[list[Step]], metrics: dict[str, Any], *, options: PrepareOptions,
+                shard: Callable[[StepBatch], list[Any]], dp_size: int) -> list[Round]:
+    """Rank 0: prepare each mini-batch and cut it into one shard per DP rank; one `Round` per DP rank."""
+    t = time.perf_counter()
+    prepared = [prepare(steps, options) for steps in minibatches]
+    shards = [shard(batch) for batch, _ in prepared if batch is not None]
+    metrics = {**metrics, "time/prepare": time.perf_counter() - t}
+    counts = [m for _, m in prepared]
+    skipped = len(prepared) - len(shards)
+    return [Round([s[dp] for s in shards], metrics, counts, skipped) for dp in range(dp_size)]
 
 
 def group_rows(steps: list[Step]) -> dict[str, list[int]]:
@@ -77,9 +98,12 @@ class SyncRollouts:
 
     rounds_per_iteration = 1
 
-    def __init__(self, cfg, *, dataset, handoff, vocab_size: int, progress: Optional[Callable] = None):
+    def __init__(self, cfg, *, dataset, handoff, vocab_size: int, shard: Callable[[StepBatch], list[Any]],
+                 dp_size: int, progress: Optional[Callable] = None):
         self.cfg = cfg
         self.dataset, self.handoff, self.vocab_size = dataset, handoff, vocab_size
+        self.split = functools.partial(split_round, options=PrepareOptions.from_config(cfg), shard=shard,
+                                       dp_size=dp_size)
         self.progress = progress  # progress(num_trajectories) -> context manager yielding a per-trajectory callback
         self.driver: Optional[Driver] = None
 
@@ -87,13 +111,17 @@ class SyncRollouts:
         self.driver = driver
 
     def take(self, iteration: int) -> Optional[Round]:
-        """Roll out the iteration's prompts (rank 0), validate, filter and split them (every rank)."""
-        steps, metrics = self.handoff.from_driver(lambda: self._rollout(iteration), "rollout", iteration)
+        """This rank's round: rank 0 rolls out the iteration's prompts and decides it."""
+        return self.handoff.to_ranks(lambda: self._decide(iteration), "rollout", iteration)
+
+    def _decide(self, iteration: int) -> list[Round]:
+        """Rank 0: roll out, validate, filter, split into mini-batches and shards."""
+        steps, metrics = self._rollout(iteration)
         validate_steps(steps, vocab_size=self.vocab_size)
         metrics.update(rollout_metrics(steps))
         steps, filtered = self._filter_groups(steps, iteration)
         metrics.update(filtered)
-        return Round(prompt_minibatches(steps, self.cfg.data.prompts_per_minibatch) if steps else [], metrics)
+        return self.split(prompt_minibatches(steps, self.cfg.data.prompts_per_minibatch) if steps else [], metrics)
 
     def _rollout(self, iteration: int) -> tuple[list[Step], dict[str, Any]]:
         """Rank 0: roll out (with dynamic sampling if enabled)."""

@@ -3,9 +3,11 @@
 Every training rank runs `Trainer.run()`. Global rank 0 also drives the rollout fleet. Each
 iteration is `source.rounds_per_iteration` rounds of:
 
-1. `source.take`: rank 0 rolls out (sync) or takes finished prompt groups (async); every rank
-   gets the same validated steps, split into prompt mini-batches (each one optimizer step);
-2. `prepare` each mini-batch: optional prefix merge, outcome advantages, the columnar batch;
+1. `source.take`: rank 0 rolls out (sync) or takes finished prompt groups (async), validates
+   them and splits them into prompt mini-batches (each one optimizer step);
+2. rank 0 `prepare`s each mini-batch (optional prefix merge, outcome advantages, the columnar
+   batch) and the plugin plans every data-parallel rank's micro-batches; each rank receives only
+   its own shard (`Handoff.to_ranks`);
 3. old-policy log-probs when the policy moves before a mini-batch is trained (several
    mini-batches or epochs in one round), reference log-probs when the loss has a KL term;
 4. one optimizer step per mini-batch and epoch (`StepwisePlugin.train_minibatch`);
@@ -21,6 +23,7 @@ metrics and, every `checkpoint.every`, a checkpoint.
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib
 import logging
 import time
@@ -37,10 +40,9 @@ from megatron_stepwise.loop.async_source import AsyncRollouts
 from megatron_stepwise.loop.checkpoints import Checkpointer, TrainerState
 from megatron_stepwise.loop.colocate import Colocation
 from megatron_stepwise.loop.handoff import Handoff
-from megatron_stepwise.loop.prepare import PrepareOptions, add_counts, prepare
+from megatron_stepwise.loop.prepare import add_counts
 from megatron_stepwise.loop.sources import Driver, SyncRollouts, rollout_seed
 from megatron_stepwise.metrics import MetricsLogger, mean_metrics, read_metrics, rollout_metrics, summarize_run
-from megatron_stepwise.types import StepBatch
 
 log = logging.getLogger(__name__)
 
@@ -70,17 +72,18 @@ class Trainer:
         self.plugin = components.build_plugin(cfg, self.tokenizer)
         self.dataset = components.build_dataset(cfg)
         self.state = TrainerState()
-        self.prepare_options = PrepareOptions.from_config(cfg)
         # Rollouts and small decisions travel between ranks as objects on a CPU group, whatever
         # the training backend is, and with the configured timeout (a frozen rank 0 fails the job then).
-        handoff = Handoff(self.dataset, components.cpu_group(cfg))
-        vocab = self.hf_config["vocab_size"]
+        dp_rank, dp_size = components.data_parallel()
+        self.handoff = handoff = Handoff(self.dataset, components.cpu_group(cfg), dp_rank=dp_rank)
+        # rank 0 decides every DP rank's shard of each mini-batch (the layout is the same everywhere)
+        sources = dict(dataset=self.dataset, handoff=handoff, vocab_size=self.hf_config["vocab_size"],
+                       shard=functools.partial(self.plugin.plan_shards, self.chunks), dp_size=dp_size)
         if cfg.async_.enabled:
-            self.source = AsyncRollouts(cfg, dataset=self.dataset, handoff=handoff, vocab_size=vocab,
-                                        version=lambda: self.state.weight_version)
+            self.source = AsyncRollouts(cfg, version=lambda: self.state.weight_version, **sources)
         else:
-            self.source = SyncRollouts(cfg, dataset=self.dataset, handoff=handoff, vocab_size=vocab,
-                                       progress=self._rollout_progress if cfg.logging.progress else None)
+            self.source = SyncRollouts(cfg, progress=self._rollout_progress if cfg.logging.progress else None,
+                                       **sources)
         self.checkpoints = Checkpointer(cfg, chunks=self.chunks, optimizer=self.optimizer, scheduler=self.scheduler,
                                         parts={"trainer": self.state, "dataset": self.dataset, "rollouts": self.source})
         self.checkpoints.resume()
@@ -162,20 +165,19 @@ class Trainer:
             if round_ is None:
                 skipped += 1
                 continue
+            times["time/prepare"] += round_.metrics.get("time/prepare", 0.0)  # on rank 0, inside the take
             metrics.update(round_.metrics)
+            counts += round_.counts
+            skipped += round_.skipped
+            batches = round_.minibatches
             # colocated: the engines' memory is Megatron's from here until the push
             with self.source.overlap(), self.colocation.released(self.state.iteration, times):
-                with timed(times, "time/prepare"):
-                    prepared = [prepare(steps, self.prepare_options) for steps in round_.minibatches]
-                counts += [m for _, m in prepared]
-                batches = [b for b, _ in prepared if b is not None]
-                skipped += len(prepared) - len(batches)
                 with timed(times, "time/old_logprobs"):
                     self.score(batches)
                 with timed(times, "time/train"):
                     for _ in range(self.cfg.data.epochs):
                         train_metrics += [self.train_step(batch) for batch in batches]
-                trained_tokens += sum(int(b.lengths.sum()) for b in batches) * self.cfg.data.epochs
+                trained_tokens += sum(b.tokens for b in batches) * self.cfg.data.epochs
             self.state.weight_version += 1
             with self.colocation.resumed(times), timed(times, "time/weight_sync"):
                 # colocated: weights' memory back first, KV cache after; async: in-flight turns pause
@@ -195,7 +197,7 @@ class Trainer:
         metrics["weight_version"] = self.state.weight_version
         return metrics
 
-    def score(self, batches: list[StepBatch]) -> None:
+    def score(self, batches: list) -> None:
         """Old-policy log-probs when the policy moves before a batch is trained; reference log-probs."""
         needs_old = len(batches) * self.cfg.data.epochs > 1
         for batch in batches:
@@ -204,7 +206,7 @@ class Trainer:
             if self.ref_chunks is not None:
                 batch.token_fields["ref_logprobs"] = self.plugin.compute_logprobs_flat(self.ref_chunks, batch)
 
-    def train_step(self, batch: StepBatch) -> dict[str, float]:
+    def train_step(self, batch) -> dict[str, float]:
         """One optimizer step on one mini-batch."""
         return self.plugin.train_minibatch(self.chunks, self.optimizer, batch, lr_scheduler=self.scheduler)
 

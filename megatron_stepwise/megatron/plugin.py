@@ -29,6 +29,7 @@ identically on every rank, so a bad batch never leaves other ranks waiting.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import itertools
 from dataclasses import dataclass
@@ -65,6 +66,37 @@ class HostLoopMismatchError(ValueError):
 
 
 @dataclass
+class MinibatchShard:
+    """One data-parallel rank's part of a mini-batch (`StepwisePlugin.plan_shards`): its rows with
+    the token fields the loss reads (`weights`, computed over the whole mini-batch, advantages,
+    old/ref log-probs), its micro-batches as row lists, and the mini-batch totals the loss and
+    metrics normalise by."""
+
+    batch: StepBatch
+    plan: list[list[int]]  # micro-batches of row indices into `batch`
+    rows: list[int]  # where `batch`'s rows are in the whole mini-batch
+    dp_rank: int
+    dp_size: int
+    trained_tokens: int  # over the whole mini-batch
+    data_rows: int  # rows that are not DP padding, whole mini-batch
+    data_tokens: int
+    tokens: int  # every row's tokens, whole mini-batch
+    rollout_logprobs: bool  # the engine's log-probs go to the loss
+    rollout_logprobs_complete: bool  # ... and every trained token has one
+    pad_to: Optional[int] = None
+
+    @property
+    def token_fields(self) -> dict[str, torch.Tensor]:
+        return self.batch.token_fields
+
+    def minibatch_token_index(self, local: torch.Tensor, minibatch: StepBatch) -> torch.Tensor:
+        """Token positions in `batch` -> the same tokens' positions in the whole `minibatch`."""
+        row = torch.searchsorted(self.batch.offsets, local, right=True) - 1
+        rows = torch.as_tensor(self.rows, dtype=torch.long)
+        return minibatch.offsets[:-1][rows[row]] + (local - self.batch.offsets[:-1][row])
+
+
+@dataclass
 class MinibatchInputs:
     """What a megatron loop passes to `get_forward_backward_func()` for one mini-batch."""
 
@@ -72,6 +104,7 @@ class MinibatchInputs:
     num_microbatches: int
     seq_length: int  # longest packed micro-batch (PP shapes are exchanged per micro-batch anyway)
     num_chunks: int = 1  # model chunks per rank (virtual pipeline stages)
+    shard: Optional[MinibatchShard] = None  # what was packed
 
     def data_iterator(self) -> Union[Iterator[PackedMicroBatch], list[Iterator[PackedMicroBatch]]]:
         """The schedule's `data_iterator`: under virtual pipeline parallelism, one iterator per
@@ -263,10 +296,26 @@ class StepwisePlugin:
         return inputs
 
     def _prepare(self, model_chunks: list, steps_or_batch, *, mode: str, num_microbatches: Optional[int] = None):
+        """This rank's packed micro-batches: of its shard, or of its part of a whole mini-batch."""
+        if isinstance(steps_or_batch, MinibatchShard):
+            return self._pack(model_chunks, steps_or_batch, mode=mode)
+        _, dp_rank, *_ = self._layout(model_chunks)
+        shard = self.plan_shards(model_chunks, steps_or_batch, mode=mode, num_microbatches=num_microbatches,
+                                 only=dp_rank)[0]
+        return self._pack(model_chunks, shard, mode=mode)
+
+    def plan_shards(self, model_chunks: list, steps_or_batch: Union[StepBatch, Sequence[Step]], *,
+                    mode: str = TRAIN, num_microbatches: Optional[int] = None,
+                    only: Optional[int] = None) -> list["MinibatchShard"]:
+        """Decide a mini-batch for every data-parallel rank at once: validate it, weight its tokens
+        (once, over the whole mini-batch), plan every rank's micro-batches, and cut one
+        `MinibatchShard` per DP rank (or only rank `only`'s). The decision depends on the layout,
+        not on the rank, so one process can make it for all (the trainer's driver does) and each
+        rank trains its shard with `train_minibatch(chunks, optimizer, shard)`."""
         self._algo()
         batch = self.as_batch(steps_or_batch)
         gpt = unwrap(model_chunks[0])
-        dp, dp_rank, cp, cp_rank, chunks = self._layout(model_chunks)
+        dp, _, cp, _, chunks = self._layout(model_chunks)
         cfg = gpt.config
         if getattr(cfg, "mtp_num_layers", None):
             # MTP heads reuse the output layer inside GPTModel, which the plugin bypasses.
@@ -303,41 +352,69 @@ class StepwisePlugin:
                     "interleaved (virtual pipeline) schedule needs"
                 )
         plan = self._fixed_count(plan, count)
-        fields = {}
-        rollout_complete = False
+        rollout_logprobs = complete = False
         if mode == TRAIN:
             max_len = getattr(self.loss_config, "max_response_len", None)
-            weights = self._token_weights(batch, self.loss_config.reduction, max_response_len=max_len)
-            fields["weights"] = weights.float()
-            for name in ("advantages", "old_logprobs", "ref_logprobs"):
+            weights = self._token_weights(batch, self.loss_config.reduction, max_response_len=max_len).float()
+            batch = dataclasses.replace(batch, token_fields={**batch.token_fields, "weights": weights})
+            rollout_logprobs, complete = self._check_rollout_logprobs(batch)
+        data = torch.tensor([not t.is_padding for t in batch.trajectory_ids], dtype=torch.bool)
+        totals = dict(dp_size=dp, trained_tokens=n_trained, data_rows=int(data.sum()),
+                      data_tokens=int(batch.lengths[data].sum()), tokens=int(batch.lengths.sum()),
+                      rollout_logprobs=rollout_logprobs, rollout_logprobs_complete=complete)
+        shards = []
+        for rank in range(dp) if only is None else [only]:
+            rows = [r for micro in plan[rank] for r in micro]
+            local, at = [], 0
+            for micro in plan[rank]:
+                local.append(list(range(at, at + len(micro))))
+                at += len(micro)
+            pad_to = None
+            if chunks > 1:
+                # The interleaved schedule exchanges activations and gradients in both directions at
+                # once, and megatron's shape exchange pairs those messages by order: with PP=2 both
+                # neighbours are the same rank and a variable shape could be read for the wrong
+                # tensor. Every micro-batch of the step is padded (loss-neutrally) to the longest.
+                sizes = [int(lengths[micro].sum()) if micro else 0 for micro in plan[rank]]
+                pad_to = max(max(align, size + (-size) % align) for size in sizes)
+            shards.append(MinibatchShard(batch=batch.select(rows), plan=local, rows=rows, dp_rank=rank, pad_to=pad_to,
+                                         **totals))
+        return shards
+
+    def _pack(self, model_chunks: list, shard: "MinibatchShard", *, mode: str) -> MinibatchInputs:
+        """Pack this rank's shard into micro-batches (and split them over CP)."""
+        self._algo()
+        gpt = unwrap(model_chunks[0])
+        dp, dp_rank, cp, cp_rank, chunks = self._layout(model_chunks)
+        if (shard.dp_size, shard.dp_rank) != (dp, dp_rank):
+            raise HostLoopMismatchError(f"a shard for data-parallel rank {shard.dp_rank} of {shard.dp_size} reached "
+                                        f"rank {dp_rank} of {dp}")
+        cfg, batch = gpt.config, shard.batch
+        align = alignment_for(cfg.tensor_model_parallel_size, cfg.sequence_parallel, cp)
+        fields = {}
+        if mode == TRAIN:
+            for name in ("weights", "advantages", "old_logprobs", "ref_logprobs"):
                 if name in batch.token_fields:
                     fields[name] = batch.token_fields[name].float()
-            rollout_complete = self._rollout_logprob_fields(batch, fields)
-        pad_to = None
-        if chunks > 1:
-            # The interleaved schedule exchanges activations and gradients in both directions at
-            # once, and megatron's shape exchange pairs those messages by order: with PP=2 both
-            # neighbours are the same rank and a variable shape could be read for the wrong
-            # tensor. Every micro-batch of the step is padded (loss-neutrally) to the longest.
-            sizes = [int(lengths[rows].sum()) if rows else 0 for rows in plan[dp_rank]]
-            pad_to = max(max(align, size + (-size) % align) for size in sizes)
-        data = torch.tensor([not t.is_padding for t in batch.trajectory_ids], dtype=torch.bool)
-        data_rows, data_tokens = int(data.sum()), int(batch.lengths[data].sum())  # the router losses' normalisers
+            if shard.rollout_logprobs:
+                fields["rollout_logprobs"] = batch.token_fields["rollout_logprobs"].float()
+                fields["rollout_logprobs_known"] = batch.rollout_logprobs_known()
         mbs = []
-        for i, rows in enumerate(plan[dp_rank]):
+        for i, rows in enumerate(shard.plan):
             mb = pack_rows(batch, rows, align=align, pad_token_id=self.pad_token_id, max_tokens=self.max_tokens, cp=cp,
-                           pad_to=pad_to)
+                           pad_to=shard.pad_to)
             mb.fields = {k: v[mb.token_index] for k, v in fields.items()}
-            mb.mode, mb.rollout_logprobs_complete = mode, rollout_complete
+            mb.mode, mb.rollout_logprobs_complete = mode, mode == TRAIN and shard.rollout_logprobs_complete
             mb = split_for_context_parallel(mb, cp, cp_rank) if cp > 1 else mb
             mb.metric_share = 1.0 if (i, dp_rank, cp_rank) == (0, 0, 0) else 0.0
-            mb.minibatch_rows, mb.minibatch_tokens = data_rows, data_tokens
+            mb.minibatch_rows, mb.minibatch_tokens = shard.data_rows, shard.data_tokens  # the router losses' normalisers
             mbs.append(mb)
         num_mb = len(mbs)
         for mb in mbs:
-            mb.loss_scale = float(n_trained) if cfg.calculate_per_token_loss else float(num_mb * dp)
+            mb.loss_scale = float(shard.trained_tokens) if cfg.calculate_per_token_loss else float(num_mb * dp)
             mb.plan_size = num_mb
-        return MinibatchInputs(mbs, num_mb, pad_to or max(mb.seq_len for mb in mbs), num_chunks=chunks)
+        return MinibatchInputs(mbs, num_mb, shard.pad_to or max(mb.seq_len for mb in mbs), num_chunks=chunks,
+                               shard=shard)
 
     def _fixed_count(self, plan: list, count: Optional[int]) -> list:
         """Pad every rank's micro-batches to `count` with empty (loss-neutral) ones."""
@@ -352,12 +429,13 @@ class StepwisePlugin:
             )
         return [rank + [[] for _ in range(count - needed)] for rank in plan]
 
-    def _rollout_logprob_fields(self, batch: StepBatch, fields: dict) -> bool:
-        """Add the engine's log-probs (and where they are known) to the per-token `fields`.
+    def _check_rollout_logprobs(self, batch: StepBatch) -> tuple[bool, bool]:
+        """(the engine's log-probs go to the loss, every trained token has one).
 
-        True when every trained token has one: only then do they reach the loss. A loss that
-        needs them (TIS, IcePop, the async off-policy correction) refuses a batch with a gap,
-        naming the first step; otherwise the train-vs-rollout gap metric covers the known ones.
+        They go when any trained token has one; only when all have do they reach the loss's
+        corrections. A loss that needs them (TIS, IcePop, the async off-policy correction)
+        refuses a batch with a gap, naming the first step; otherwise the train-vs-rollout gap
+        metric covers the known ones.
         """
         known = batch.rollout_logprobs_known()
         missing = batch.first_row_without_rollout_logprobs()
@@ -367,10 +445,8 @@ class StepwisePlugin:
                 f"engine reported no log-probs), but algo.loss.tis={self.loss_config.tis!r} / "
                 "algo.loss.icepop_* need the engine's log-prob of every trained token"
             )
-        if bool((known & (batch.token_fields["loss_mask"] != 0)).any()):
-            fields["rollout_logprobs"] = batch.token_fields["rollout_logprobs"].float()
-            fields["rollout_logprobs_known"] = known
-        return missing is None and "rollout_logprobs" in fields
+        present = bool((known & (batch.token_fields["loss_mask"] != 0)).any())
+        return present, present and missing is None
 
     def microbatch_stream(self, minibatches: Iterable[Union[StepBatch, Sequence[Step]]]) -> Iterator:
         """A data iterator for host loops that hand `forward_step` nothing but an iterator and run
@@ -576,13 +652,16 @@ class StepwisePlugin:
         return metrics
 
     @torch.no_grad()
-    def compute_logprobs_flat(self, model_chunks: list, steps_or_batch: Union[StepBatch, Sequence[Step]]) -> torch.Tensor:
+    def compute_logprobs_flat(self, model_chunks: list,
+                              steps_or_batch: Union[StepBatch, Sequence[Step], MinibatchShard]) -> torch.Tensor:
         """Forward-only log-probs of every trained token, as a flat [T] float32 tensor aligned
-        with the batch's tokens (0 where loss_mask is 0). Identical on every rank."""
+        with the batch's tokens (0 where loss_mask is 0): the whole mini-batch's on every rank,
+        or, given this rank's `MinibatchShard`, the shard's on every rank of its model replica."""
         from megatron.core import parallel_state as ps
 
-        batch = self.as_batch(steps_or_batch)
-        inputs = self._prepare(model_chunks, batch, mode=LOGPROBS)
+        shard = steps_or_batch if isinstance(steps_or_batch, MinibatchShard) else None
+        batch = shard.batch if shard is not None else self.as_batch(steps_or_batch)
+        inputs = self._prepare(model_chunks, shard or batch, mode=LOGPROBS)
         for chunk in model_chunks:
             chunk.eval()
         outputs = self._run_schedule(model_chunks, inputs, forward_only=True)
@@ -590,14 +669,19 @@ class StepwisePlugin:
             chunk.train()
         flat = torch.zeros(batch.tokens.numel(), dtype=torch.float32)
         # Each trained token is filled by exactly one rank (its DP rank's last stage, TP rank 0,
-        # the CP rank holding its predicting position), so a SUM all-reduce over the world
-        # assembles the batch on every rank.
+        # the CP rank holding its predicting position), so SUM all-reduces assemble the batch: over
+        # the world for a whole mini-batch, over the replica (TP x CP, then PP) for a shard.
         if ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0:
             for item in outputs:
-                flat[item["token_index"]] = item["logprobs"].float()
+                index = item["token_index"] if shard is not None else inputs.shard.minibatch_token_index(item["token_index"], batch)
+                flat[index] = item["logprobs"].float()
         if dist.is_initialized() and dist.get_world_size() > 1:
+            groups = ([ps.get_tensor_and_context_parallel_group(), ps.get_pipeline_model_parallel_group()]
+                      if shard is not None else [None])
             buf = flat.to(comm_device())
-            dist.all_reduce(buf)
+            for group in groups:
+                if group is None or dist.get_world_size(group) > 1:
+                    dist.all_reduce(buf, group=group)
             flat = buf.cpu()
         return flat
 
