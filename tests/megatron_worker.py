@@ -287,6 +287,16 @@ def run_layout(args, out_dir):
     if args.pp == 1 and args.cp == 1:
         result["megatron_reference_logprobs"] = megatron_full_logits_logprobs(chunks, batch)
 
+    # A shard decided for this rank's DP rank by one process (as the trainer's driver does) scores
+    # its rows exactly as the whole mini-batch does, reduced over its replica only.
+    shard = plugin.plan_shards(chunks, batch)[layout.dp_rank]
+    whole = plugin.compute_logprobs_flat(chunks, batch)
+    mine = plugin.compute_logprobs_flat(chunks, shard)
+    gap = (mine - whole[shard.minibatch_token_index(torch.arange(shard.batch.tokens.numel()), batch)]).abs().max()
+    gap = gap.reshape(1).to(runtime.comm_device())
+    dist.all_reduce(gap, op=dist.ReduceOp.MAX)
+    result["shard_logprobs_gap"] = float(gap)
+
     result["metrics"] = plugin.train_minibatch(chunks, optimizer, batch)
     if not args.distopt:
         result["grads"] = W.full_state(chunks, grads=True)

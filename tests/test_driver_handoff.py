@@ -105,3 +105,53 @@ def test_a_frozen_driver_fails_the_other_ranks_after_the_configured_timeout():
     # and not before the configured 3 s (a timeout cannot fire early, however busy the machine).
     assert "error" in results[1] and results[0]["unfrozen_by_rank1"], (results[0], results[1])
     assert results[1]["waited"] >= 2.5, results[1]
+
+
+def _rollout_shards(dp: int):
+    """The same synthetic rollout cut into `dp` shards by the real micro-batch planner."""
+    from megatron_stepwise.algo.planner import plan_microbatches
+    from megatron_stepwise.synthetic import AgentWorkload, make_agent_steps
+    from megatron_stepwise.types import StepBatch
+
+    batch = StepBatch.from_steps(make_agent_steps(AgentWorkload(num_prompts=16, samples_per_prompt=4, seed=3)))
+    plan = plan_microbatches(batch.lengths.tolist(), dp_size=dp, max_tokens=16384)
+    return [batch.select([r for micro in rank for r in micro]) for rank in plan]
+
+
+def _sharded_worker(rank: int, store_path: str, results) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=4)
+    out = {}
+    for dp in (1, 2, 4):
+        position = _Position(rank)
+        # model-parallel peers (here: 4 // dp ranks in a row) share a data-parallel rank
+        handoff = Handoff(position, dp_rank=rank // (4 // dp))
+        got = handoff.to_ranks(lambda: _rollout_shards(dp), "rollout", iteration=1)
+        out[dp] = {"rows": got.trajectory_ids, "tokens": int(got.tokens.numel()), "position": position.value,
+                   "bytes": handoff.bytes_received}
+    try:
+        handoff.to_ranks(lambda: 1 / 0, "rollout", iteration=2)
+    except RuntimeError as e:
+        out["error"] = str(e)
+    dist.barrier()
+    dist.destroy_process_group()
+    results[rank] = out
+
+
+@pytest.mark.distributed
+def test_each_rank_receives_only_its_data_parallel_shard():
+    with tempfile.TemporaryDirectory() as tmp:
+        results = mp.Manager().dict()
+        mp.spawn(_sharded_worker, args=(os.path.join(tmp, "store"), results), nprocs=4, join=True)
+    for dp in (1, 2, 4):
+        shards = _rollout_shards(dp)
+        for rank in range(4):
+            r, mine = results[rank][dp], shards[rank // (4 // dp)]
+            assert r["rows"] == mine.trajectory_ids and r["tokens"] == mine.tokens.numel()
+            assert r["position"] == 0  # rank 0's data position reaches every rank
+    # bytes a rank receives shrink as 1/DP (rank 0 keeps its own shard and receives nothing)
+    whole = results[1][1]["bytes"]
+    for dp in (2, 4):
+        received = [results[rank][dp]["bytes"] for rank in range(1, 4)]
+        assert all(abs(b * dp / whole - 1) < 0.1 for b in received), (dp, received, whole)
+    assert all(results[rank]["error"] == "rollout failed on rank 0 at iteration 2: ZeroDivisionError: division by zero"
+               for rank in range(4))

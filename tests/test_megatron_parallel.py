@@ -225,6 +225,7 @@ def test_layout_matches_baseline(results, layout):
         assert_tensors_close(trim(res["merged_grads"]), base["merged_grads"], "merged-batch gradients")
     assert_tensors_close(trim(res["params_after_step"]), base["params_after_step"], "parameters after one step")
     assert res["bad_inputs"]["alive_ranks"] == nproc
+    assert res["shard_logprobs_gap"] == 0.0  # a rank's shard scores exactly as the whole mini-batch
 
 
 @pytest.mark.parametrize("layout", layout_params(BF16_LAYOUTS))

@@ -1,0 +1,285 @@
+"""The rollout side at scale, host work only: agent workers -> hand-off -> prepare -> plan.
+
+An engine that answers instantly (a fixed 32-token reply, no model) inside each agent process,
+so every second measured is host work: the agent loop (chat template, tokenizer, environment,
+step assembly), the transfer of finished groups, and rank 0's decision (validate, metrics,
+prompt mini-batches, prefix merge + advantages, micro-batch plan, one shard per DP rank).
+Workload: `--prompts` x `--samples` trajectories of `--turns` turns of the echo environment with
+the `tiny_bpe` tokenizer (default 512 x 8 x 5 = 20,480 turns).
+
+Printed side by side in one run (no asserts):
+- before: the agent loop in the driver process, then the old hand-off (every `Step` pickled and
+  broadcast to every rank, each rank validating, splitting and preparing the whole rollout);
+- after: the same rollout by 1 and by 2 agent workers (Ray actors), then rank 0's decision and
+  the per-DP-rank shards;
+- CPU ms per turn inside one agent worker; turns/s of 2 workers vs 1;
+- bytes a rank receives at DP 1/2/4, and the sending side's seconds per step.
+
+    python tools/bench_scale.py                 # 512 x 8 x 5
+    python tools/bench_scale.py --quick         # 64 x 8 x 5
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("PYTHONPATH", str(Path(__file__).resolve().parents[1]))
+
+from bench_cli import add_seed_and_out, bench_parser, config, run_args, script_main  # noqa: E402
+
+REPLY_TOKENS = 32
+
+
+class InstantEngine:
+    """Answers every turn at once with the same `REPLY_TOKENS` ids (no model, no sampling)."""
+
+    def __init__(self, tokenizer: Any):
+        ids = tokenizer("the answer is 1 and that is all", add_special_tokens=False)["input_ids"]
+        self.reply = (ids * REPLY_TOKENS)[:REPLY_TOKENS]
+
+    async def generate(self, input_ids, sampling, rid=None, session=None):
+        from megatron_stepwise.rollout.engine import GenerateResult
+
+        return GenerateResult(output_ids=list(self.reply), logprobs=[-1.0] * len(self.reply), finish_reason="length",
+                              weight_version=0, engine="instant")
+
+
+def _instant_worker_class():
+    from megatron_stepwise.loop.agent_workers import AgentWorker
+
+    class InstantWorker(AgentWorker):
+        """An agent worker whose turns go to an in-process instant engine; it reports its CPU time."""
+
+        def __init__(self, cfg, max_concurrency):
+            super().__init__(cfg, max_concurrency)
+            self.agent.generator = InstantEngine(self.agent.tokenizer)
+
+        def cpu_seconds(self) -> float:
+            return time.process_time()
+
+    return InstantWorker
+
+
+class _NoFleet:
+    """The workers' generator is in-process: the fleet only has to answer their bookkeeping."""
+
+    def engine_table(self):
+        return []
+
+    def report_dead(self, index, incarnation):
+        raise AssertionError("the instant engine never dies")
+
+    def add_request_counts(self, counts):
+        pass
+
+
+def _config(args):
+    from megatron_stepwise.config import load_config
+
+    return load_config(Path(__file__).resolve().parents[1] / "configs/tiny_cpu.yaml", [
+        "model.tokenizer=tiny_bpe", f"rollout.max_turns={args.turns}", f"rollout.max_new_tokens={REPLY_TOKENS}",
+        "rollout.max_input_length=4096", f"rollout.context={args.context}", f"data.samples_per_prompt={args.samples}",
+        f"data.prompts_per_iteration={args.prompts}", f"data.prompts_per_minibatch={args.prompts_per_minibatch}",
+        f"rollout.max_concurrency={args.concurrency}", "data.max_tokens_per_microbatch=16384",
+        f"env.dataset_options.num_turns={args.turns}", f"env.dataset_options.num_prompts={args.prompts}",
+        "rollout.agent_worker_cpus=0.5",
+    ], world_size=1)
+
+
+def _samples(cfg, args) -> list[dict]:
+    from megatron_stepwise.envs.echo import echo_dataset
+
+    return echo_dataset(args.prompts, num_turns=args.turns, seed=args.seed)
+
+
+def _in_process(cfg, samples) -> tuple[list, float, float]:
+    """The agent loop in this process (today's default): (steps, wall s, CPU s)."""
+    from megatron_stepwise.loop import components
+
+    tok = components.load_tokenizer(cfg)
+    agent = components.build_agent_loop(cfg, InstantEngine(tok), tok)
+    asyncio.run(agent.rollout(samples[:8]))  # warm-up: template compilation, first allocations
+    t, c = time.perf_counter(), time.process_time()
+    steps = asyncio.run(agent.rollout(samples, seed=1))
+    return steps, time.perf_counter() - t, time.process_time() - c
+
+
+def _workers(cfg, samples, n: int) -> dict[str, Any]:
+    """The same rollout by `n` agent workers: wall seconds, the driver's CPU, the workers' CPU."""
+    import ray
+
+    from megatron_stepwise.loop.agent_workers import AgentWorkers
+
+    worker_cls = ray.remote(_instant_worker_class())
+
+    def spawn(cfg, index, concurrency):
+        return worker_cls.options(num_cpus=cfg.rollout.agent_worker_cpus, max_concurrency=1000).remote(cfg, concurrency)
+
+    loop = asyncio.new_event_loop()
+    workers = AgentWorkers(cfg, _NoFleet(), n, spawn=spawn)
+    try:
+        loop.run_until_complete(workers.wait_ready())
+        loop.run_until_complete(workers.rollout(samples[: 8 * n]))  # warm-up
+        before = ray.get([w.handle.cpu_seconds.remote() for w in workers.workers])
+        t, c = time.perf_counter(), time.process_time()
+        steps = loop.run_until_complete(workers.rollout(samples, seed=1))
+        wall, driver_cpu = time.perf_counter() - t, time.process_time() - c
+        after = ray.get([w.handle.cpu_seconds.remote() for w in workers.workers])
+    finally:
+        workers.close()
+        loop.close()
+    return {"steps": steps, "wall": wall, "driver_cpu": driver_cpu,
+            "worker_cpu": [b - a for a, b in zip(before, after)]}
+
+
+def _old_handoff(steps, cfg) -> dict[str, float]:
+    """Before: every Step pickled once and unpickled by every rank, which then validates, splits
+    and prepares the whole rollout."""
+    from megatron_stepwise.algo.batching import prompt_minibatches
+    from megatron_stepwise.algo.validate import validate_steps
+    from megatron_stepwise.loop.prepare import PrepareOptions, prepare
+
+    t = time.process_time()
+    blob = pickle.dumps(steps, protocol=pickle.HIGHEST_PROTOCOL)
+    send = time.process_time() - t
+    t = time.process_time()
+    received = pickle.loads(blob)
+    receive = time.process_time() - t
+    t = time.process_time()
+    validate_steps(received, vocab_size=cfg_vocab(cfg))
+    options = PrepareOptions.from_config(cfg)
+    for mb in prompt_minibatches(received, cfg.data.prompts_per_minibatch):
+        prepare(mb, options)
+    every_rank = time.process_time() - t
+    return {"send_cpu": send, "receive_cpu": receive, "every_rank_cpu": every_rank, "bytes_per_rank": len(blob)}
+
+
+def cfg_vocab(cfg) -> int:
+    from megatron_stepwise.loop import components
+
+    return len(components.load_tokenizer(cfg))
+
+
+def _shard(batch, dp: int, max_tokens: int) -> list:
+    """The plugin's per-DP cut (`plan_shards`) without a model: the planner's rows per rank."""
+    from megatron_stepwise.algo.planner import plan_microbatches
+
+    plan = plan_microbatches(batch.lengths.tolist(), dp_size=dp, max_tokens=max_tokens)
+    return [batch.select([r for micro in rank for r in micro]) for rank in plan]
+
+
+def _new_handoff(steps, cfg, dp_sizes=(1, 2, 4)) -> dict[str, Any]:
+    """After: rank 0 decides once (validate, metrics, mini-batches, prepare, plan, shards) and
+    pickles one payload per DP rank; a rank receives and unpickles only its own."""
+    from megatron_stepwise.algo.batching import prompt_minibatches
+    from megatron_stepwise.algo.validate import validate_steps
+    from megatron_stepwise.loop.prepare import PrepareOptions, prepare
+    from megatron_stepwise.metrics import rollout_metrics
+
+    out: dict[str, Any] = {}
+    t = time.process_time()
+    validate_steps(steps, vocab_size=cfg_vocab(cfg))
+    rollout_metrics(steps)
+    minibatches = prompt_minibatches(steps, cfg.data.prompts_per_minibatch)
+    out["validate_split_cpu"] = time.process_time() - t
+    t = time.process_time()
+    options = PrepareOptions.from_config(cfg)
+    batches = [prepare(mb, options)[0] for mb in minibatches]
+    out["prepare_cpu"] = time.process_time() - t
+    for dp in dp_sizes:
+        t = time.process_time()
+        shards = [_shard(b, dp, cfg.data.max_tokens_per_microbatch) for b in batches]
+        plan = time.process_time() - t
+        t = time.process_time()
+        blobs = [pickle.dumps([s[rank] for s in shards], protocol=5) for rank in range(dp)]
+        send = time.process_time() - t
+        t = time.process_time()
+        pickle.loads(blobs[-1])
+        receive = time.process_time() - t
+        out[f"dp{dp}"] = {"plan_cpu": plan, "send_cpu": send, "receive_cpu": receive,
+                          "bytes_per_rank": [len(b) for b in blobs]}
+    return out
+
+
+def run(quick: bool = False, **options) -> dict[str, Any]:
+    from megatron_stepwise.rollout.fleet import ensure_ray
+
+    args = run_args(parse_args, quick, options)
+    cfg = _config(args)
+    samples = _samples(cfg, args)
+    print(f"workload: {args.prompts} prompts x {args.samples} samples x {args.turns} turns, "
+          f"{REPLY_TOKENS}-token replies, context={args.context}, tiny_bpe, echo")
+
+    steps, wall, cpu = _in_process(cfg, samples)
+    turns = len(steps)
+    result: dict[str, Any] = {"config": config(args), "turns": turns}
+    result["in_process"] = {"wall_s": wall, "cpu_s": cpu, "cpu_ms_per_turn": 1e3 * cpu / turns,
+                            "turns_per_s": turns / wall}
+    print(f"\nin the driver process: {turns} turns in {wall:.2f} s wall, {1e3 * cpu / turns:.3f} ms CPU per turn")
+
+    ensure_ray(num_cpus=4)
+    for n in (1, 2):
+        w = _workers(cfg, samples, n)
+        assert len(w["steps"]) == turns
+        result[f"workers{n}"] = {"wall_s": w["wall"], "turns_per_s": turns / w["wall"],
+                                 "driver_cpu_ms_per_turn": 1e3 * w["driver_cpu"] / turns,
+                                 "worker_cpu_ms_per_turn": 1e3 * sum(w["worker_cpu"]) / turns}
+        print(f"{n} agent worker(s): {turns / w['wall']:.0f} turns/s, worker CPU "
+              f"{1e3 * sum(w['worker_cpu']) / turns:.3f} ms per turn, driver CPU "
+              f"{1e3 * w['driver_cpu'] / turns:.3f} ms per turn")
+    result["workers_2_vs_1"] = result["workers2"]["turns_per_s"] / result["workers1"]["turns_per_s"]
+    print(f"2 workers vs 1: {result['workers_2_vs_1']:.2f}x turns per second ({os.cpu_count()} cores)")
+
+    old, new = _old_handoff(steps, cfg), _new_handoff(steps, cfg)
+    result["handoff_before"], result["handoff_after"] = old, new
+    print(f"\nhand-off of {turns} steps")
+    print(f"  before: pickle every Step {1e3 * old['send_cpu'] / turns:.3f} ms/step, {old['bytes_per_rank'] / 1e6:.1f} MB "
+          f"to every rank, each rank unpickles ({1e3 * old['receive_cpu'] / turns:.3f} ms/step) and validates + "
+          f"prepares all ({old['every_rank_cpu']:.2f} s)")
+    print(f"  after: rank 0 validates + splits {new['validate_split_cpu']:.2f} s, prepares {new['prepare_cpu']:.2f} s once")
+    for dp in (1, 2, 4):
+        d = new[f"dp{dp}"]
+        per_rank = d["bytes_per_rank"]
+        print(f"    DP{dp}: plan + shards {d['plan_cpu']:.2f} s, send {1e3 * d['send_cpu'] / turns:.4f} ms/step, "
+              f"bytes per rank {min(per_rank) / 1e6:.2f}-{max(per_rank) / 1e6:.2f} MB "
+              f"({sum(per_rank) / dp / per_rank_whole(new) :.3f} of DP1)")
+
+    before = wall + old["send_cpu"] + old["receive_cpu"] + old["every_rank_cpu"]
+    after = result["workers2"]["wall_s"] + new["validate_split_cpu"] + new["prepare_cpu"] + new["dp4"]["plan_cpu"] \
+        + new["dp4"]["send_cpu"] + new["dp4"]["receive_cpu"]
+    result["host_seconds_before"], result["host_seconds_after"] = before, after
+    print(f"\nhost seconds per iteration (rollout + hand-off + prepare/plan), DP4: before {before:.1f} s "
+          f"(in-process loop, pickled Steps), after {after:.1f} s (2 agent workers, shards)")
+    return result
+
+
+def per_rank_whole(new: dict) -> float:
+    return float(sum(new["dp1"]["bytes_per_rank"]))
+
+
+def parse_args(argv: Optional[list[str]] = None):
+    p = bench_parser(__doc__, "64 prompts instead of 512")
+    p.add_argument("--prompts", type=int, default=512)
+    p.add_argument("--samples", type=int, default=8)
+    p.add_argument("--turns", type=int, default=5)
+    p.add_argument("--prompts-per-minibatch", type=int, default=64)
+    p.add_argument("--concurrency", type=int, default=256)
+    p.add_argument("--context", choices=("retokenize", "tokens"), default="retokenize")
+    add_seed_and_out(p)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.prompts = 64
+    return args
+
+
+if __name__ == "__main__":
+    script_main(parse_args, run)
