@@ -71,7 +71,8 @@ def make_driver(groups_per_step=2, zero_variance=False, pending=None, **agent_kw
     cfg.algo.filters.zero_variance = zero_variance
     fleet = SimpleNamespace(weight_version=0, metrics=dict)
     ctx = SimpleNamespace(loop=asyncio.new_event_loop(), fleet=fleet, agent=FakeAgent(fleet, **agent_kw), version=0)
-    source = AsyncRollouts(cfg, dataset=FakeDataset(), handoff=None, vocab_size=256, version=lambda: ctx.version)
+    source = AsyncRollouts(cfg, dataset=FakeDataset(), handoff=None, vocab_size=256, version=lambda: ctx.version,
+                           shard=lambda batch: [batch], dp_size=1)
     if pending is not None:  # as a checkpoint restores it
         source.load_state_dict({"pending": pending})
     source.start(Driver(ctx.loop, fleet, ctx.agent))
