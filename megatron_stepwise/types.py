@@ -297,26 +297,34 @@ class StepBatch:
             metadata=[s.metadata for s in steps] if keep_metadata else None,
         )
 
-    def to_steps(self) -> list[Step]:
-        steps = []
+    def to_steps(self, copy: bool = True) -> list[Step]:
+        """The rows as Steps; `copy=False` gives views of this batch's tensors (cheaper, for a
+        batch nothing else will modify, e.g. one just received from another process)."""
+        own = (lambda t: t.clone()) if copy else (lambda t: t)
+        offsets, plens = self.offsets.tolist(), self.prompt_lens.tolist()
         versions = self.token_fields.get("weight_versions")
         routed = self.token_fields.get("routed_experts")
-        known = self.rollout_logprobs_known()
+        # per row: does every response token carry a known rollout log-prob?
+        unknown = torch.zeros(self.tokens.numel() + 1, dtype=torch.long)
+        torch.cumsum((~self.rollout_logprobs_known()).long(), 0, out=unknown[1:])
+        unknown = unknown.tolist()
+        rewards, lasts = self.row_fields["reward"].tolist(), self.row_fields["is_last"].tolist()
+        steps = []
         for r in range(self.num_rows):
-            row, resp = self.row_slice(r), self.response_slice(r)
-            has_logprobs = resp.stop == resp.start or bool(known[resp].all())
+            start, mid, end = offsets[r], offsets[r] + plens[r], offsets[r + 1]
+            has_logprobs = unknown[end] == unknown[mid]
             steps.append(
                 Step(
                     trajectory_id=self.trajectory_ids[r],
-                    prompt_ids=self.tokens[row.start : resp.start].clone(),
-                    response_ids=self.tokens[resp].clone(),
-                    loss_mask=self.token_fields["loss_mask"][resp].clone(),
-                    rollout_logprobs=self.token_fields["rollout_logprobs"][resp].clone() if has_logprobs else None,
-                    reward=float(self.row_fields["reward"][r]),
-                    is_last_step=bool(self.row_fields["is_last"][r]),
+                    prompt_ids=own(self.tokens[start:mid]),
+                    response_ids=own(self.tokens[mid:end]),
+                    loss_mask=own(self.token_fields["loss_mask"][mid:end]),
+                    rollout_logprobs=own(self.token_fields["rollout_logprobs"][mid:end]) if has_logprobs else None,
+                    reward=rewards[r],
+                    is_last_step=lasts[r],
                     stop_reason=self.stop_reasons[r],
-                    weight_versions=None if versions is None else versions[resp].clone(),
-                    routed_experts=None if routed is None else routed[row].clone(),
+                    weight_versions=None if versions is None else own(versions[mid:end]),
+                    routed_experts=None if routed is None else own(routed[start:end]),
                     metadata=dict(self.metadata[r]) if self.metadata is not None else {},
                 )
             )

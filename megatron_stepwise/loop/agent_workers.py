@@ -199,7 +199,7 @@ class AgentWorkers:
             for index, engine_incarnation in reply.dead_engines:
                 self.fleet.report_dead(index, engine_incarnation)
             self.fleet.add_request_counts(reply.requests)
-            steps = reply.batch.to_steps()
+            steps = reply.batch.to_steps(copy=False)  # fresh from the worker: nothing else holds it
             if on_trajectory_done is not None:
                 for trajectory in _trajectories(steps):
                     on_trajectory_done(trajectory)

@@ -22,8 +22,9 @@ Either way the gradient is d(mini-batch loss)/d(theta), whatever TP/PP/DP/CP/mic
 Under context parallelism each micro-batch is split over the CP ranks
 (`packing.split_for_context_parallel`) and each rank scores the trained tokens it holds.
 
-Every rank receives the same mini-batch; all input errors are raised before any collective,
-identically on every rank, so a bad batch never leaves other ranks waiting.
+Every rank receives the same mini-batch, or only its own `MinibatchShard` when one process
+decided every DP rank's part (`plan_shards`, as the trainer's rank 0 does); all input errors
+are raised before any collective, so a bad batch never leaves other ranks waiting.
 """
 
 from __future__ import annotations
