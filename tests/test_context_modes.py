@@ -100,7 +100,7 @@ def test_the_bpe_is_byte_level_with_chatml_specials_and_can_drift():
 
 def test_token_mode_prompts_extend_exactly_and_merge_to_one_row(engine, samples):
     rec = RecordingEngine(engine)
-    steps = run(rec, samples, n_samples_per_prompt=3, max_turns=TURNS, context="tokens")
+    steps = run(rec, samples, n_samples_per_prompt=3, max_turns=TURNS, context="tokens", drift_sample_rate=1.0)
     by_prompt = {s["prompt_id"]: s for s in samples}
     trajs = trajectories(steps)
     assert len(trajs) == 12 and all(len(t) == TURNS for t in trajs.values())
@@ -224,7 +224,8 @@ def test_token_mode_keeps_reasoning_a_history_rewriting_template_drops(samples):
     reply = "<think>the user wants a digit</think>3"
     kept = encode(reply)
     for context in ("tokens", "retokenize"):
-        steps = run(Scripted(reply), samples[:1], tokenizer=tok, n_samples_per_prompt=1, max_turns=3, context=context)
+        steps = run(Scripted(reply), samples[:1], tokenizer=tok, n_samples_per_prompt=1, max_turns=3, context=context,
+                    drift_sample_rate=1.0)
         for prev, nxt in zip(steps, steps[1:]):
             head = prev.prompt_ids.tolist() + prev.response_ids.tolist()
             assert prev.metadata["retokenize_drift"]  # re-rendering drops the reasoning just sampled
@@ -263,5 +264,5 @@ def test_extend_context_drops_only_an_end_of_turn_the_response_already_has():
 
 
 def test_an_unknown_context_mode_is_refused_by_name():
-    with pytest.raises(ValueError, match="context must be one of retokenize, tokens, got 'token'"):
+    with pytest.raises(ValueError, match=r"rollout.context: must be one of retokenize, tokens \(got 'token'\)"):
         AgentLoopConfig(context="token")
