@@ -166,3 +166,32 @@ def test_env_caller_refuses_new_calls_once_too_many_are_stuck():
         gate.set()
     assert wait_until(lambda: caller.stuck() == 0)
     assert asyncio.run(caller.call(lambda: 7)) == 7
+
+
+def test_env_caller_reuses_its_workers_and_replaces_a_hung_one():
+    gate = threading.Event()
+    caller = EnvCaller(threads=2, timeout_s=2.0, max_stuck=4)
+
+    async def scenario():
+        # Calls one after another, and several at once: always on the pool's (at most 2) workers.
+        ran_on = [await caller.call(threading.current_thread) for _ in range(10)]
+        ran_on += await asyncio.gather(*(caller.call(threading.current_thread) for _ in range(10)))
+        assert len(set(ran_on)) <= 2 and all(t.daemon for t in ran_on)
+        # A call that hangs in C takes its worker with it; the pool gets a new one, so a single
+        # call slot still serves every later call while the hung worker stays parked.
+        with pytest.raises(EnvError, match="timed out"):
+            await caller.call(gate.wait)
+        assert caller.stuck() == 1
+        after = await asyncio.gather(*(caller.call(threading.current_thread) for _ in range(4)))
+        assert caller.stuck() == 1 and len(set(after)) <= 2
+        return set(ran_on) | set(after)
+
+    try:
+        workers = asyncio.run(scenario())
+    finally:
+        gate.set()
+    assert wait_until(lambda: caller.stuck() == 0)
+    caller.close()  # the idle workers end; a later call starts a new pool
+    assert wait_until(lambda: not any(t.is_alive() for t in workers))
+    assert asyncio.run(caller.call(lambda: 7)) == 7
+    caller.close()

@@ -32,7 +32,7 @@ import torch  # noqa: E402
 from bench_cli import add_seed_and_out, bench_parser, config, run_args, script_main  # noqa: E402
 from megatron_stepwise.envs.echo import EchoEnv, echo_dataset  # noqa: E402
 from megatron_stepwise.hf.tokenizers import load_tokenizer  # noqa: E402
-from megatron_stepwise.rollout.agent_loop import AgentLoop  # noqa: E402
+from megatron_stepwise.rollout.agent_loop import AgentLoop, AgentLoopConfig  # noqa: E402
 from megatron_stepwise.rollout.context import CONTEXT_MODES, encode  # noqa: E402
 from megatron_stepwise.rollout.engine import GenerateResult  # noqa: E402
 
@@ -67,11 +67,9 @@ class InstantEngine:
 
 
 def loop_for(mode: str, args: argparse.Namespace, tokenizer) -> AgentLoop:
-    from megatron_stepwise.rollout import agent_loop
-
-    # Built through whichever config the agent loop takes (the knobs it reads are the same).
-    cfg = agent_loop.AgentLoopConfig(max_turns=args.turns, max_input_length=1_000_000,
-                                     n_samples_per_prompt=args.samples, context=mode)
+    """The loop with the experiment defaults but these turns, samples and context mode."""
+    cfg = AgentLoopConfig(max_turns=args.turns, max_input_length=1_000_000, n_samples_per_prompt=args.samples,
+                          context=mode)
     return AgentLoop(InstantEngine(tokenizer, args.new_tokens), tokenizer, EchoEnv, cfg)
 
 
