@@ -104,7 +104,8 @@ class RolloutConfig:
     the turn, observation, generation prompt), so the model is trained on exactly the context it
     generated from and every step's prompt extends the previous step's. With a template that
     rewrites earlier turns (e.g. drops their reasoning), `tokens` keeps every turn as sampled.
-    The length limit applies to the prompt actually sent, in both modes.
+    The length limit applies to the prompt actually sent, in both modes. `retokenize` measures
+    the drift at every turn for free; `tokens` on the `drift_sample_rate` share of trajectories.
     """
 
     engine: Literal["embedded", "sglang"] = option("embedded", "engine kind: embedded (CPU, transformers) "

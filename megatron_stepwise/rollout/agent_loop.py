@@ -7,9 +7,11 @@ is spent or the prompt no longer fits. How the prompt is built is `AgentLoopConf
 (`rollout/context.py`): `retokenize` renders the chat with the chat template and re-tokenises it
 every turn; `tokens` extends the previous prompt with the ids the engine sampled and the
 tokenised template delta (observation, closing and generation prompt), so every prompt is the
-previous prompt + response + delta exactly. In both modes every step after which a next prompt
-is built records `metadata["retokenize_drift"]`: whether re-tokenising the chat after that turn
-lost its sampled ids (`rollout/retokenize_drift_rate`). An environment's tool schemas (its
+previous prompt + response + delta exactly. Every step after which a next prompt is built
+records `metadata["retokenize_drift"]`: whether re-tokenising the chat after that turn lost its
+sampled ids (`rollout/retokenize_drift_rate`); in `tokens` mode only the steps of the
+`drift_sample_rate` share of trajectories do (measuring costs that mode a whole render and
+tokenisation per turn; `retokenize` gets it for free). An environment's tool schemas (its
 optional `tools`, read once after `reset`; envs/base.py) are passed as `tools=` to every render
 of the trajectory, in both modes. Invariants (docs/architecture.md, 1-3 and 12):
 
@@ -27,8 +29,9 @@ of the trajectory, in both modes. Invariants (docs/architecture.md, 1-3 and 12):
 - Environment exceptions (BaseException included) and timeouts end only that trajectory
   (stop_reason "env_error", reward `env_error_reward`, the error in `metadata["error"]`); so do
   a non-finite reward, an info that is not a picklable dict and malformed messages, checked at
-  the boundary. Calls run through `EnvCaller` (`rollout/env_calls.py`): a hung call is abandoned
-  at `env_timeout_s` and its worker slot reclaimed. A rollout in which most trajectories end in
+  the boundary. Calls run through `EnvCaller` (`rollout/env_calls.py`), a pool of
+  `env_concurrency` reused workers: a hung call is abandoned at `env_timeout_s` and its worker
+  replaced. A rollout in which most trajectories end in
   env_error logs a warning with the commonest errors; `AgentLoop.env_stats()` has the counters.
 
 Stop reasons per step: "stop" (the turn ended on EOS / a stop token or string), "length"
