@@ -46,6 +46,18 @@ def option(default: Any, help: str, *, key: str | None = None, min: float | None
     return dataclasses.field(default=default, metadata=meta)
 
 
+def option_of(cls: type, name: str) -> Any:
+    """The option `name` of the option dataclass `cls` as a field of another class: the same
+    default, help, bounds and choices, declared once (e.g. the `rollout` section's agent-loop
+    keys are `rollout.agent_loop.AgentLoopConfig`'s)."""
+    f = next((f for f in dataclasses.fields(cls) if f.name == name), None)
+    if f is None or "help" not in f.metadata:
+        raise TypeError(f"{cls.__name__} declares no option {name!r}")  # a bug in a schema
+    if f.default_factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=f.default_factory, metadata=f.metadata)
+    return dataclasses.field(default=f.default, metadata=f.metadata)
+
+
 def section(cls: type, help: str, *, key: str | None = None) -> Any:
     """A nested group of keys (another option dataclass)."""
     return dataclasses.field(default_factory=cls, metadata={"help": help, "key": key})

@@ -256,6 +256,55 @@ def test_loss_bounds_are_declared_once():
     assert config_from_dict({"algo": {"loss": ok}}).algo.loss == LossConfig(**ok)
 
 
+def test_rollout_keys_are_declared_once_where_they_are_read():
+    """The agent loop's rollout keys and rollout.sampling fail the same way from YAML and from
+    Python (AgentLoopConfig, SamplingConfig), naming the same key; the defaults agree."""
+    from megatron_stepwise.options import OptionError
+    from megatron_stepwise.rollout.agent_loop import ROLLOUT_KEYS, AgentLoopConfig
+    from megatron_stepwise.rollout.engine import SamplingConfig
+
+    defaults, loop_defaults = ExperimentConfig().rollout, AgentLoopConfig()
+    assert all(getattr(defaults, k) == getattr(loop_defaults, k) for k in ROLLOUT_KEYS)
+    assert (defaults.drift_sample_rate, defaults.env_concurrency) == (0.125, 32)
+    cases = [("max_turns", 0, ">= 1"), ("context", "token", "retokenize, tokens"), ("max_input_length", 0, ">= 1"),
+             ("drift_sample_rate", 1.5, "<= 1.0"), ("drift_sample_rate", -0.1, ">= 0.0"),
+             ("env_concurrency", 0, ">= 1"), ("max_concurrency", 0, ">= 1")]
+    for key, value, fragment in cases:
+        with pytest.raises(ConfigError) as from_yaml:
+            config_from_dict({"rollout": {key: value}})
+        with pytest.raises(OptionError) as from_python:
+            AgentLoopConfig(**{key: value})
+        assert from_yaml.value.keys == [f"rollout.{key}"] == [from_python.value.key], key
+        assert fragment in from_yaml.value.problems[0].message and fragment in str(from_python.value), key
+    for values, fragment in [({"top_k": 0}, "-1 (off) or >= 1"), ({"top_p": 0.0}, "> 0.0"),
+                             ({"temperature": 0.0}, ">= 0.0001")]:
+        with pytest.raises(ConfigError) as from_yaml:
+            config_from_dict({"rollout": {"sampling": values}})
+        with pytest.raises(OptionError) as from_python:
+            SamplingConfig(**values)
+        key = f"rollout.sampling.{next(iter(values))}"
+        assert from_yaml.value.keys == [key] == [from_python.value.key], values
+        assert fragment in from_yaml.value.problems[0].message and fragment in str(from_python.value), values
+
+
+def test_the_agent_loop_is_built_from_the_rollout_section():
+    from megatron_stepwise.loop.components import build_agent_loop
+
+    cfg = config_from_dict({"rollout": {"max_turns": 3, "context": "tokens", "max_new_tokens": 17,
+                                        "drift_sample_rate": 0.5, "env_concurrency": 5, "env_error_reward": -1.0,
+                                        "sampling": {"temperature": 0.7, "top_k": 4, "stop": ["</a>"]}},
+                            "data": {"samples_per_prompt": 6}})
+    loop = build_agent_loop(cfg, fleet=None, tokenizer=type("Tok", (), {"eos_token_id": 0})())
+    try:
+        c = loop.config
+        assert (c.max_turns, c.context, c.drift_sample_rate, c.env_concurrency, c.env_error_reward,
+                c.n_samples_per_prompt) == (3, "tokens", 0.5, 5, -1.0, 6)
+        s = c.sampling
+        assert (s.max_new_tokens, s.temperature, s.top_k, s.stop) == (17, 0.7, 4, ["</a>"])
+    finally:
+        loop.close()
+
+
 def test_registered_custom_policy_loss_is_accepted_by_yaml_and_python(tmp_path, monkeypatch):
     """Choices of algo.loss.policy_loss come from the registry, filled by trainer.imports modules."""
     from megatron_stepwise.algo.losses import LossConfig

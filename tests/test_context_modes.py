@@ -100,7 +100,7 @@ def test_the_bpe_is_byte_level_with_chatml_specials_and_can_drift():
 
 def test_token_mode_prompts_extend_exactly_and_merge_to_one_row(engine, samples):
     rec = RecordingEngine(engine)
-    steps = run(rec, samples, n_samples_per_prompt=3, max_turns=TURNS, context="tokens")
+    steps = run(rec, samples, n_samples_per_prompt=3, max_turns=TURNS, context="tokens", drift_sample_rate=1.0)
     by_prompt = {s["prompt_id"]: s for s in samples}
     trajs = trajectories(steps)
     assert len(trajs) == 12 and all(len(t) == TURNS for t in trajs.values())
@@ -155,6 +155,36 @@ def test_retokenize_mode_drift_is_measured_and_is_where_the_merge_breaks(engine,
     assert drifted > 0 and ratio > 1.0
     print(f"\nretokenize mode, tiny_bpe, random tiny policy, T={TURNS}: drift rate {rate:.3f}, "
           f"merged / unique tokens {ratio:.3f}")
+
+
+def test_token_mode_measures_drift_on_a_stable_share_of_trajectories(engine, samples):
+    """rollout.drift_sample_rate: the measured trajectories are picked by their id (the same in
+    a new loop, as in a resumed run), measure every turn boundary, and the measurement changes
+    nothing else; unmeasured steps carry no drift, and the rate averages measured ones only."""
+    def measured(steps):
+        return {tid for tid, traj in trajectories(steps).items() if "retokenize_drift" in traj[0].metadata}
+
+    full = run(engine, samples, n_samples_per_prompt=4, max_turns=3, context="tokens", drift_sample_rate=1.0)
+    half = run(engine, samples, n_samples_per_prompt=4, max_turns=3, context="tokens", drift_sample_rate=0.5)
+    again = run(engine, samples, n_samples_per_prompt=4, max_turns=3, context="tokens", drift_sample_rate=0.5)
+    assert measured(full) == set(trajectories(full)) and len(full) == len(half)
+    assert 0 < len(measured(half)) < len(trajectories(half)) and measured(again) == measured(half)
+    by_id = {(s.trajectory_id, s.metadata["turn"]): s for s in full}
+    for s in half:
+        ref = by_id[(s.trajectory_id, s.metadata["turn"])]
+        assert s.prompt_ids.tolist() == ref.prompt_ids.tolist()  # same prompts with or without measuring
+        if s.trajectory_id in measured(half) and not s.is_last_step:
+            assert s.metadata["retokenize_drift"] == ref.metadata["retokenize_drift"]
+        else:
+            assert "retokenize_drift" not in s.metadata
+    kept = [s for s in full if s.trajectory_id in measured(half) and not s.is_last_step]
+    assert rollout_metrics(half)["rollout/retokenize_drift_rate"] == pytest.approx(
+        sum(s.metadata["retokenize_drift"] for s in kept) / len(kept))
+    none = run(engine, samples, n_samples_per_prompt=2, max_turns=3, context="tokens", drift_sample_rate=0.0)
+    assert not measured(none) and "rollout/retokenize_drift_rate" not in rollout_metrics(none)
+    # Re-tokenising measures every boundary whatever the rate: the next prompt IS the re-rendered chat.
+    retok = run(engine, samples, n_samples_per_prompt=2, max_turns=3, context="retokenize", drift_sample_rate=0.0)
+    assert all("retokenize_drift" in s.metadata for s in retok if not s.is_last_step)
 
 
 def first_prompt(sample):
@@ -224,7 +254,8 @@ def test_token_mode_keeps_reasoning_a_history_rewriting_template_drops(samples):
     reply = "<think>the user wants a digit</think>3"
     kept = encode(reply)
     for context in ("tokens", "retokenize"):
-        steps = run(Scripted(reply), samples[:1], tokenizer=tok, n_samples_per_prompt=1, max_turns=3, context=context)
+        steps = run(Scripted(reply), samples[:1], tokenizer=tok, n_samples_per_prompt=1, max_turns=3, context=context,
+                    drift_sample_rate=1.0)
         for prev, nxt in zip(steps, steps[1:]):
             head = prev.prompt_ids.tolist() + prev.response_ids.tolist()
             assert prev.metadata["retokenize_drift"]  # re-rendering drops the reasoning just sampled
@@ -263,5 +294,5 @@ def test_extend_context_drops_only_an_end_of_turn_the_response_already_has():
 
 
 def test_an_unknown_context_mode_is_refused_by_name():
-    with pytest.raises(ValueError, match="context must be one of retokenize, tokens, got 'token'"):
+    with pytest.raises(ValueError, match=r"rollout.context: must be one of retokenize, tokens \(got 'token'\)"):
         AgentLoopConfig(context="token")

@@ -20,7 +20,7 @@ from megatron_stepwise.rollout.local import LocalEngine
 from megatron_stepwise.types import TrajectoryID
 
 TOK, CONFIG = tiny_lm("tiny_word")
-HUNG = 8  # as many hung calls as env threads: the old fixed pool was then stuck for good
+HUNG = 8  # as many hung calls as env workers: a fixed pool was then stuck for good
 RELEASE = threading.Event()  # frees the C-blocked hangs at the very end of the test session
 
 
@@ -66,7 +66,7 @@ def rollout(loop, samples):
 
 def make_loop(**cfg):
     cfg = {"sampling": SamplingParams(max_new_tokens=4), "max_turns": 2, "max_input_length": 200,
-           "n_samples_per_prompt": 1, "env_threads": HUNG, "env_timeout_s": 5.0, "env_error_reward": -1.0, **cfg}
+           "n_samples_per_prompt": 1, "env_concurrency": HUNG, "env_timeout_s": 5.0, "env_error_reward": -1.0, **cfg}
     return AgentLoop(LocalEngine(CONFIG, tokenizer=TOK, seed=0), TOK, FaultyEnv, AgentLoopConfig(**cfg))
 
 
@@ -104,12 +104,14 @@ def test_hung_env_calls_end_as_env_error_and_their_workers_are_reclaimed():
     assert stats["timeouts"] == HUNG
     # The spinning threads unwind (asynchronous exception); the C-blocked ones stay parked, as daemons.
     assert wait_until(lambda: loop.env_stats()["stuck_threads"] == len(blocks)), loop.env_stats()
-    def env_threads():
-        return [t for t in threading.enumerate() if t.name.startswith("env-")]
+    def env_threads(kind="env-"):
+        return [t for t in threading.enumerate() if t.name.startswith(kind)]
 
-    # Threads of calls that returned may take a moment to exit after delivering their result.
-    assert wait_until(lambda: len(env_threads()) == len(blocks)), env_threads()
-    assert all(t.daemon for t in env_threads())  # the parked ones cannot keep the process alive
+    # The unwound spinners end; the parked ones are the only abandoned workers left, and the
+    # pool itself never grew past its size (each abandoned worker was replaced, not added to).
+    assert wait_until(lambda: len(env_threads("env-stuck-")) == len(blocks)), env_threads()
+    assert len(env_threads("env-worker-")) <= HUNG
+    assert all(t.daemon for t in env_threads())  # neither the parked nor the idle ones keep the process alive
     # Every slot came back: a second rollout on the same loop runs all its env calls.
     again = rollout(loop, [sample(f"again{i}", "ok") for i in range(HUNG)])
     assert all(s.stop_reason != "env_error" for s in again), [s.metadata.get("error") for s in again]
@@ -164,3 +166,32 @@ def test_env_caller_refuses_new_calls_once_too_many_are_stuck():
         gate.set()
     assert wait_until(lambda: caller.stuck() == 0)
     assert asyncio.run(caller.call(lambda: 7)) == 7
+
+
+def test_env_caller_reuses_its_workers_and_replaces_a_hung_one():
+    gate = threading.Event()
+    caller = EnvCaller(threads=2, timeout_s=2.0, max_stuck=4)
+
+    async def scenario():
+        # Calls one after another, and several at once: always on the pool's (at most 2) workers.
+        ran_on = [await caller.call(threading.current_thread) for _ in range(10)]
+        ran_on += await asyncio.gather(*(caller.call(threading.current_thread) for _ in range(10)))
+        assert len(set(ran_on)) <= 2 and all(t.daemon for t in ran_on)
+        # A call that hangs in C takes its worker with it; the pool gets a new one, so a single
+        # call slot still serves every later call while the hung worker stays parked.
+        with pytest.raises(EnvError, match="timed out"):
+            await caller.call(gate.wait)
+        assert caller.stuck() == 1
+        after = await asyncio.gather(*(caller.call(threading.current_thread) for _ in range(4)))
+        assert caller.stuck() == 1 and len(set(after)) <= 2
+        return set(ran_on) | set(after)
+
+    try:
+        workers = asyncio.run(scenario())
+    finally:
+        gate.set()
+    assert wait_until(lambda: caller.stuck() == 0)
+    caller.close()  # the idle workers end; a later call starts a new pool
+    assert wait_until(lambda: not any(t.is_alive() for t in workers))
+    assert asyncio.run(caller.call(lambda: 7)) == 7
+    caller.close()

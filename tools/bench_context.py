@@ -62,7 +62,8 @@ def rollout(mode: str, turns: int, args: argparse.Namespace, tokenizer) -> list:
     async def go() -> list:
         engine = LocalEngine(tiny_qwen2_config(len(tokenizer)), tokenizer=tokenizer, seed=args.seed)
         cfg = AgentLoopConfig(max_turns=turns, max_input_length=1_000_000, n_samples_per_prompt=args.samples,
-                              sampling=SamplingParams(max_new_tokens=args.new_tokens), context=mode)
+                              sampling=SamplingParams(max_new_tokens=args.new_tokens), context=mode,
+                              drift_sample_rate=1.0)  # the drift of every trajectory, in both modes
         loop = AgentLoop(engine, tokenizer, EchoEnv, cfg)
         try:
             return await loop.rollout(echo_dataset(args.prompts, num_turns=turns, seed=args.seed + turns),

@@ -1,9 +1,13 @@
 """The experiment config: one typed dataclass per YAML section, every key with a default and help.
 
-`megatron-stepwise config docs` renders this file as the key reference (docs/config.md). The
-`algo.loss` section is `megatron_stepwise.algo.losses.LossConfig` itself, declared there once
-with the same `option(...)` helpers (megatron_stepwise/options.py), so the loss functions and
-Python users get the same keys, defaults, bounds and choices as YAML configs.
+`megatron-stepwise config docs` renders this file as the key reference (docs/config.md). Keys
+read by one component are declared next to it, once, with the same `option(...)` helpers
+(megatron_stepwise/options.py), so that code and Python users get the same keys, defaults,
+bounds and choices as YAML configs: the `algo.loss` section is
+`megatron_stepwise.algo.losses.LossConfig` itself, `rollout.sampling` is
+`megatron_stepwise.rollout.engine.SamplingConfig`, and the agent loop's keys of `rollout`
+(`max_turns`, `context`, ...) are `megatron_stepwise.rollout.agent_loop.AgentLoopConfig`'s,
+taken with `option_of` (the agent loop is built from the section: `AgentLoopConfig.from_section`).
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ from typing import Any, Literal, Optional
 
 from megatron_stepwise.algo.losses import LossConfig
 from megatron_stepwise.config.fields import option, section, to_dict
-from megatron_stepwise.rollout.engine import MIN_TEMPERATURE
+from megatron_stepwise.options import option_of
+from megatron_stepwise.rollout.agent_loop import AgentLoopConfig
+from megatron_stepwise.rollout.engine import SamplingConfig
 
 
 @dataclass
@@ -86,17 +92,6 @@ class SGLangConfig:
 
 
 @dataclass
-class SamplingConfig:
-    """Sampling parameters of every rollout turn."""
-
-    temperature: float = option(1.0, "sampling temperature T (>= 1e-4: below, logits / T overflows); the trainer scores tokens as log_softmax(logits / T), as the engine reports them",
-                                min=MIN_TEMPERATURE)
-    top_p: float = option(1.0, "nucleus sampling mass", gt=0.0, max=1.0)
-    top_k: int = option(-1, "top-k sampling; -1 = off")
-    stop: list[str] = option([], "strings that end a turn (besides the tokenizer's EOS)")
-
-
-@dataclass
 class RolloutConfig:
     """The rollout fleet and the multi-turn agent loop.
 
@@ -109,7 +104,8 @@ class RolloutConfig:
     the turn, observation, generation prompt), so the model is trained on exactly the context it
     generated from and every step's prompt extends the previous step's. With a template that
     rewrites earlier turns (e.g. drops their reasoning), `tokens` keeps every turn as sampled.
-    The length limit applies to the prompt actually sent, in both modes.
+    The length limit applies to the prompt actually sent, in both modes. `retokenize` measures
+    the drift at every turn for free; `tokens` on the `drift_sample_rate` share of trajectories.
     """
 
     engine: Literal["embedded", "sglang"] = option("embedded", "engine kind: embedded (CPU, transformers) "
@@ -117,22 +113,24 @@ class RolloutConfig:
     num_engines: int = option(1, "number of engines in the fleet", min=1)
     engine_tp: int = option(1, "tensor-parallel size (GPUs) of each SGLang engine", min=1)
     sglang: SGLangConfig = section(SGLangConfig, "SGLang servers")
+    # Declared where they are read: `rollout.sampling` in rollout/engine.py, the agent loop's
+    # keys in rollout/agent_loop.py (`option_of` takes their default, help, bounds and choices).
     sampling: SamplingConfig = section(SamplingConfig, "sampling parameters")
-    max_concurrency: int = option(64, "trajectories in flight at once across the fleet", min=1)
+    max_concurrency: int = option_of(AgentLoopConfig, "max_concurrency")
     agent_workers: Optional[int] = option(None, "Ray actors that run the agent loop (tokenizer, chat template, "
                                                 "environments), spread over the nodes; 0 = in the driver "
                                                 "process; null = 0 with the embedded engine, else 2 per Ray node",
                                           min=0)
     agent_worker_cpus: float = option(1.0, "CPUs Ray reserves for each agent worker", gt=0.0)
-    max_turns: int = option(4, "assistant turns per trajectory at most", min=1)
-    context: Literal["retokenize", "tokens"] = option(
-        "retokenize", "how each turn's prompt is built: retokenize (render and tokenise the chat every turn) or "
-                      "tokens (previous prompt + sampled ids + tokenised template delta)")
-    max_input_length: int = option(2048, "longest prompt (the chat history, as sent) a turn may send", min=1)
+    max_turns: int = option_of(AgentLoopConfig, "max_turns")
+    context: Literal["retokenize", "tokens"] = option_of(AgentLoopConfig, "context")
+    max_input_length: int = option_of(AgentLoopConfig, "max_input_length")
     max_new_tokens: int = option(256, "tokens generated per turn at most", min=1)
     timeout_s: float = option(120.0, "seconds one turn may take on an engine before it is retried", gt=0.0)
     max_retries: int = option(2, "retries of a failed or timed-out turn on another engine", min=0)
-    env_error_reward: float = option(0.0, "reward given to a trajectory ended by an environment error")
+    env_error_reward: float = option_of(AgentLoopConfig, "env_error_reward")
+    drift_sample_rate: float = option_of(AgentLoopConfig, "drift_sample_rate")
+    env_concurrency: int = option_of(AgentLoopConfig, "env_concurrency")
     ray_address: Optional[str] = option(None, "Ray cluster to join (auto or host:port); null = start a "
                                               "private local Ray instance")
     colocate: bool = option(False, "training and rollout share the GPUs: after each rollout the engines release "

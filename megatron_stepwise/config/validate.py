@@ -184,8 +184,6 @@ def _check_model(cfg: ExperimentConfig, check: _Checker, probes: Probes) -> None
 
 def _check_rollout(cfg: ExperimentConfig, check: _Checker, probes: Probes) -> None:
     ro, sg, launch = cfg.rollout, cfg.rollout.sglang, cfg.launch
-    if ro.sampling.top_k == 0 or ro.sampling.top_k < -1:
-        check.fail("rollout.sampling.top_k", f"must be -1 (off) or >= 1 (got {ro.sampling.top_k})")
     for i, server in enumerate(sg.servers):
         if not _SERVER_RE.match(server):
             check.fail("rollout.sglang.servers", f"item {i} {server!r} is not host:port or http://host:port")

@@ -233,17 +233,12 @@ def build_fleet(cfg: ExperimentConfig, hf_config: dict, tokenizer):
 
 
 def build_agent_loop(cfg: ExperimentConfig, fleet, tokenizer):
+    """The agent loop of `cfg` driving `fleet` (any generator: a fleet, an engine, a client)."""
     from megatron_stepwise.rollout.agent_loop import AgentLoop, AgentLoopConfig
-    from megatron_stepwise.rollout.engine import SamplingParams
 
     r = cfg.rollout
-    sampling = SamplingParams(temperature=r.sampling.temperature, top_p=r.sampling.top_p, top_k=r.sampling.top_k,
-                              max_new_tokens=r.max_new_tokens, stop=list(r.sampling.stop))
-    loop_cfg = AgentLoopConfig(
-        max_turns=r.max_turns, max_input_length=r.max_input_length, n_samples_per_prompt=cfg.data.samples_per_prompt,
-        sampling=sampling, env_error_reward=r.env_error_reward, max_concurrency=r.max_concurrency,
-        context=r.context,
-    )
+    loop_cfg = AgentLoopConfig.from_section(r, n_samples_per_prompt=cfg.data.samples_per_prompt,
+                                            sampling=r.sampling.params(r.max_new_tokens))
     spec = env_spec(cfg)
     options = dict(cfg.env.options)
     return AgentLoop(fleet, tokenizer, lambda: spec.factory(**options), loop_cfg)

@@ -7,9 +7,11 @@ is spent or the prompt no longer fits. How the prompt is built is `AgentLoopConf
 (`rollout/context.py`): `retokenize` renders the chat with the chat template and re-tokenises it
 every turn; `tokens` extends the previous prompt with the ids the engine sampled and the
 tokenised template delta (observation, closing and generation prompt), so every prompt is the
-previous prompt + response + delta exactly. In both modes every step after which a next prompt
-is built records `metadata["retokenize_drift"]`: whether re-tokenising the chat after that turn
-lost its sampled ids (`rollout/retokenize_drift_rate`). An environment's tool schemas (its
+previous prompt + response + delta exactly. Every step after which a next prompt is built
+records `metadata["retokenize_drift"]`: whether re-tokenising the chat after that turn lost its
+sampled ids (`rollout/retokenize_drift_rate`); in `tokens` mode only the steps of the
+`drift_sample_rate` share of trajectories do (measuring costs that mode a whole render and
+tokenisation per turn; `retokenize` gets it for free). An environment's tool schemas (its
 optional `tools`, read once after `reset`; envs/base.py) are passed as `tools=` to every render
 of the trajectory, in both modes. Invariants (docs/architecture.md, 1-3 and 12):
 
@@ -27,8 +29,9 @@ of the trajectory, in both modes. Invariants (docs/architecture.md, 1-3 and 12):
 - Environment exceptions (BaseException included) and timeouts end only that trajectory
   (stop_reason "env_error", reward `env_error_reward`, the error in `metadata["error"]`); so do
   a non-finite reward, an info that is not a picklable dict and malformed messages, checked at
-  the boundary. Calls run through `EnvCaller` (`rollout/env_calls.py`): a hung call is abandoned
-  at `env_timeout_s` and its worker slot reclaimed. A rollout in which most trajectories end in
+  the boundary. Calls run through `EnvCaller` (`rollout/env_calls.py`), a pool of
+  `env_concurrency` reused workers: a hung call is abandoned at `env_timeout_s` and its worker
+  replaced. A rollout in which most trajectories end in
   env_error logs a warning with the commonest errors; `AgentLoop.env_stats()` has the counters.
 
 Stop reasons per step: "stop" (the turn ended on EOS / a stop token or string), "length"
@@ -41,7 +44,9 @@ then sample index.
 
 from __future__ import annotations
 
+import array
 import asyncio
+import copy
 import hashlib
 import inspect
 import logging
@@ -51,6 +56,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, Sequence, Union
 
+import torch
+
 from megatron_stepwise.envs.base import Environment, make_env
 from megatron_stepwise.envs.tool_calls import check_tools
 from megatron_stepwise.rollout.context import (
@@ -58,8 +65,9 @@ from megatron_stepwise.rollout.context import (
     extend_context,
     render_prompt,
     retokenize_drifted,
-    template_delta,
+    turn_delta,
 )
+from megatron_stepwise.options import check_options, option, option_problems
 from megatron_stepwise.rollout.engine import GenerateResult, SamplingParams
 from megatron_stepwise.rollout.env_calls import EnvCaller, EnvError
 from megatron_stepwise.rollout.routing import pad_to_tokens
@@ -76,32 +84,52 @@ class Generator(Protocol):
     ) -> GenerateResult: ...
 
 
+# The keys AgentLoopConfig shares with the `rollout` config section (same names there):
+# declared here once; config/schema.py's RolloutConfig takes their declarations (`option_of`)
+# and `from_section` reads them back from the section.
+ROLLOUT_KEYS = ("max_concurrency", "max_turns", "context", "max_input_length", "env_error_reward",
+                "drift_sample_rate", "env_concurrency")
+
+
 @dataclass
 class AgentLoopConfig:
-    max_turns: int = 4
-    max_input_length: int = 2048
-    n_samples_per_prompt: int = 4
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    # If set, max_new_tokens is clamped so prompt + response fits the model's context.
-    max_model_length: Optional[int] = None
-    append_eos: bool = True
-    env_timeout_s: float = 30.0
-    env_error_reward: float = 0.0
-    context_limit_reward: float = 0.0
-    max_concurrency: int = 64
-    env_threads: int = 8
-    # "retokenize" (re-render and re-tokenise the chat) or "tokens" (extend the sampled ids).
-    context: str = "retokenize"
+    """The agent loop's settings; `ROLLOUT_KEYS` are the `rollout.*` keys of an experiment."""
+
+    max_concurrency: int = option(64, "trajectories in flight at once across the fleet", min=1)
+    max_turns: int = option(4, "assistant turns per trajectory at most", min=1)
+    context: str = option(
+        "retokenize", "how each turn's prompt is built: retokenize (render and tokenise the chat every turn) or "
+                      "tokens (previous prompt + sampled ids + tokenised template delta)", choices=CONTEXT_MODES)
+    max_input_length: int = option(2048, "longest prompt (the chat history, as sent) a turn may send", min=1)
+    env_error_reward: float = option(0.0, "reward given to a trajectory ended by an environment error")
+    drift_sample_rate: float = option(
+        0.125, "context=tokens: fraction of trajectories (picked by a hash of their id, so a resumed run measures "
+               "the same ones) whose turns measure rollout/retokenize_drift_rate, at the cost of rendering and "
+               "tokenising the whole chat once more per turn; context=retokenize measures every turn for free",
+        min=0.0, max=1.0)
+    env_concurrency: int = option(32, "environment calls running at once per agent loop (worker threads of its "
+                                      "pool; a hung call's worker is replaced)", min=1)
+    # Python-only settings (an experiment sets them from other keys, or leaves the defaults).
+    n_samples_per_prompt: int = option(4, "trajectories per prompt (data.samples_per_prompt)", min=1)
+    sampling: SamplingParams = field(default_factory=SamplingParams)  # rollout.sampling + max_new_tokens
+    max_model_length: Optional[int] = option(None, "max_new_tokens is clamped so prompt + response fits this "
+                                                   "context; null = no clamp", min=1)
+    append_eos: bool = option(True, "append the EOS (loss_mask 0) to a turn that did not end on one")
+    env_timeout_s: float = option(30.0, "seconds one environment call may take", gt=0.0)
+    context_limit_reward: float = option(0.0, "reward of a trajectory whose first prompt is already too long")
 
     def __post_init__(self) -> None:
-        if self.context not in CONTEXT_MODES:
-            raise ValueError(f"agent loop config: context must be one of {', '.join(CONTEXT_MODES)}, "
-                             f"got {self.context!r}")
-        for name in ("max_turns", "max_input_length", "n_samples_per_prompt", "max_concurrency", "env_threads"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"agent loop config: {name} must be >= 1, got {getattr(self, name)}")
-        if self.env_timeout_s <= 0:
-            raise ValueError(f"agent loop config: env_timeout_s must be > 0, got {self.env_timeout_s}")
+        check_options(self)
+
+    def problems(self) -> list[tuple[str, str]]:
+        """(key, why) per bad setting: `rollout.<key>` for the experiment's keys, the field otherwise."""
+        return [(f"rollout.{key}" if key in ROLLOUT_KEYS else f"AgentLoopConfig.{key}", why)
+                for key, why in option_problems(self)]
+
+    @classmethod
+    def from_section(cls, rollout: Any, **settings: Any) -> "AgentLoopConfig":
+        """From an experiment's `rollout` section (its `ROLLOUT_KEYS`), plus Python-only `settings`."""
+        return cls(**{key: getattr(rollout, key) for key in ROLLOUT_KEYS}, **settings)
 
 
 class AgentLoop:
@@ -119,7 +147,7 @@ class AgentLoop:
                 raise ValueError("the tokenizer has no eos_token_id: pass eos_token_ids= to AgentLoop")
             eos_token_ids = [eos]
         self.eos_token_ids = [int(t) for t in eos_token_ids]
-        self._env = EnvCaller(config.env_threads, config.env_timeout_s)
+        self._env = EnvCaller(config.env_concurrency, config.env_timeout_s)
 
     # ---- public ---------------------------------------------------------------------------
 
@@ -173,7 +201,10 @@ class AgentLoop:
 
         steps: list[Step] = []
         total_reward = 0.0
-        prompt = retokenized = render_prompt(self.tokenizer, messages, tools)  # turn 0: both modes agree
+        prompt = render_prompt(self.tokenizer, messages, tools)
+        # Per trajectory: the re-tokenised chat when drift is measured (turn 0: both modes agree),
+        # and in token mode the template's rendering of the chat so far (the next delta's head).
+        ctx = _Context(retokenized=prompt if self._measures_drift(traj_id) else None)
         for turn in range(cfg.max_turns):
             if len(prompt) > cfg.max_input_length:
                 if not steps:
@@ -185,7 +216,7 @@ class AgentLoop:
                 prompt, self._sampling_for(len(prompt), _turn_seed(seed, traj_id, turn)),
                 rid=f"{request_tag}{traj_id}/turn{turn}", session=f"{request_tag}{traj_id}"
             )
-            step = self._make_step(traj_id, turn, prompt, result)
+            step, response = self._make_step(traj_id, turn, prompt, result)
             steps.append(step)
             if result.finish_reason == "abort":
                 break
@@ -204,8 +235,7 @@ class AgentLoop:
             if done:
                 break
             if turn + 1 < cfg.max_turns:  # a next turn will be sent
-                prompt, retokenized = self._next_prompt(step, prompt, retokenized, messages, text, observation,
-                                                        tools)
+                prompt = self._next_prompt(step, prompt, response, ctx, messages, text, observation, tools)
                 messages = messages + [{"role": "assistant", "content": text}] + observation
         else:
             steps[-1].stop_reason = "max_turns"
@@ -214,7 +244,8 @@ class AgentLoop:
         return steps
 
     def close(self) -> None:
-        """Nothing to release: env calls run on daemon threads that end with their call."""
+        """Ends the environment call pool's idle workers (a later rollout starts new ones)."""
+        self._env.close()
 
     async def _checked_call(self, method: Callable, arg: Any, check: Callable, name: str) -> Any:
         """`check(method(arg))`, both under the env call's deadline and guard: the check touches
@@ -241,19 +272,31 @@ class AgentLoop:
 
     # ---- helpers ----------------------------------------------------------------------------
 
-    def _next_prompt(self, step: Step, prompt: list[int], retokenized: list[int], messages: list[dict],
-                     text: str, observation: list[dict],
-                     tools: Optional[list[dict]] = None) -> tuple[list[int], list[int]]:
-        """(the next turn's prompt in this loop's context mode, the re-tokenised chat); measures
-        drift on `step` either way, so the two modes report the same metric."""
-        response = step.response_ids.tolist()
-        after = render_prompt(self.tokenizer, messages + [{"role": "assistant", "content": text}] + observation,
-                              tools)
-        step.metadata["retokenize_drift"] = retokenize_drifted(retokenized, response, after)
+    def _measures_drift(self, traj_id: TrajectoryID) -> bool:
+        """Retokenize mode measures every trajectory (free: the next prompt is the re-tokenised
+        chat); token mode a `drift_sample_rate` share, picked by the trajectory id's hash."""
+        rate = self.config.drift_sample_rate
+        if self.config.context == "retokenize" or rate >= 1.0:
+            return True
+        return rate > 0.0 and _unit_hash(traj_id) < rate
+
+    def _next_prompt(self, step: Step, prompt: list[int], response: list[int], ctx: "_Context",
+                     messages: list[dict], text: str, observation: list[dict],
+                     tools: Optional[list[dict]] = None) -> list[int]:
+        """The next turn's prompt in this loop's context mode (`response`: `step`'s response ids as
+        a list). A trajectory that measures drift records it on `step` (the same measurement in
+        both modes)."""
+        after = None
+        if ctx.retokenized is not None or self.config.context == "retokenize":
+            after = render_prompt(self.tokenizer, messages + [{"role": "assistant", "content": text}] + observation,
+                                  tools)
+        if ctx.retokenized is not None:
+            step.metadata["retokenize_drift"] = retokenize_drifted(ctx.retokenized, response, after)
+            ctx.retokenized = after
         if self.config.context == "retokenize":
-            return after, after
-        delta = template_delta(self.tokenizer, messages, text, observation, tools)
-        return extend_context(self.tokenizer, prompt, response, delta, self.eos_token_ids), after
+            return after
+        delta, ctx.head = turn_delta(self.tokenizer, messages, text, observation, tools, head=ctx.head)
+        return extend_context(self.tokenizer, prompt, response, delta, self.eos_token_ids)
 
     def _sampling_for(self, prompt_len: int, seed: Optional[int] = None) -> SamplingParams:
         cfg = self.config
@@ -264,9 +307,17 @@ class AgentLoop:
             room = max(0, cfg.max_model_length - prompt_len)
             if room < cfg.sampling.max_new_tokens:
                 changes["max_new_tokens"] = room
-        return SamplingParams(**{**cfg.sampling.to_dict(), **changes}) if changes else cfg.sampling
+        if not changes:
+            return cfg.sampling
+        # A copy of the validated params with values this loop computed (an in-range 63-bit
+        # seed, a room >= 0): validating the whole object again per turn was pure overhead.
+        params = copy.copy(cfg.sampling)
+        params.__dict__.update(changes)
+        return params
 
-    def _make_step(self, traj_id: TrajectoryID, turn: int, prompt: list[int], result: GenerateResult) -> Step:
+    def _make_step(self, traj_id: TrajectoryID, turn: int, prompt: list[int],
+                   result: GenerateResult) -> tuple[Step, list[int]]:
+        """The turn's step, and its response ids as a list (the next prompt extends them)."""
         response = list(result.output_ids)
         logprobs = list(result.logprobs)
         versions = list(result.token_weight_versions or [result.weight_version] * len(response))
@@ -282,20 +333,21 @@ class AgentLoop:
             logprobs.append(0.0)
             versions.append(versions[-1] if versions else result.weight_version)
         stop_reason = {"stop": "stop", "length": "length"}.get(result.finish_reason, "abort")
-        return Step(
+        step = Step(
             trajectory_id=traj_id,
-            prompt_ids=prompt,
-            response_ids=response,
-            loss_mask=loss_mask,
-            rollout_logprobs=logprobs,
+            prompt_ids=_tensor(prompt, "q", torch.long),
+            response_ids=_tensor(response, "q", torch.long),
+            loss_mask=_tensor(loss_mask, "q", torch.long),
+            rollout_logprobs=_tensor(logprobs, "f", torch.float32),
             reward=0.0,
             is_last_step=False,
             stop_reason=stop_reason,
-            weight_versions=versions,
+            weight_versions=_tensor(versions, "q", torch.long),
             metadata={"turn": turn, "finish_reason": result.finish_reason, "engine": result.engine},
             # MoE routing replay: the engine's experts for prompt + response positions (-1 unknown)
             routed_experts=pad_to_tokens(result.routed_experts, len(prompt) + len(response)),
         )
+        return step, response
 
     def _placeholder(self, traj_id, prompt, stop_reason, reward, error, prompt_len=None) -> Step:
         """A zero-trainable-token last step that keeps the trajectory (and its group) counted."""
@@ -326,6 +378,33 @@ def _read_tools(env: Any) -> Any:
     if callable(tools):
         tools = tools()
     return check_tools(tools)
+
+
+@dataclass
+class _Context:
+    """What a trajectory carries from turn to turn to build the next prompt cheaply."""
+
+    retokenized: Optional[list[int]] = None  # the re-tokenised chat, when this trajectory measures drift
+    head: Optional[str] = None  # token mode: the template's rendering of the chat with the generation prompt
+
+
+def _tensor(values: list, typecode: str, dtype: torch.dtype) -> Any:
+    """`values` as a 1-D tensor through a packed array, several times faster than `torch.tensor`
+    on a list (it was most of a step's cost); anything the array refuses (an empty list, odd
+    types) is left to `Step`'s own conversion, so the result and its checks are the same."""
+    try:
+        packed = array.array(typecode, values)
+    except (TypeError, ValueError, OverflowError):
+        return values
+    if not packed:
+        return values
+    return torch.frombuffer(packed, dtype=dtype).clone()  # a tensor owning ordinary storage
+
+
+def _unit_hash(traj_id: TrajectoryID) -> float:
+    """A stable number in [0, 1) per trajectory id (the same in every process and run)."""
+    digest = hashlib.blake2b(f"{traj_id.prompt_id}/{traj_id.sample_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2**64
 
 
 def _turn_seed(seed: Optional[int], traj_id: TrajectoryID, turn: int) -> Optional[int]:

@@ -71,35 +71,47 @@ def template_delta(tokenizer: Any, history: list[dict], reply: str, observation:
                    tools: Optional[list[dict]] = None) -> str:
     """The text the template puts after an assistant turn's content `reply`: the turn's closing,
     the `observation` messages and the next generation prompt (rendered with the same `tools`)."""
-    delta = _delta_after(tokenizer, history, reply, observation, tools, find_reply=False)
+    return turn_delta(tokenizer, history, reply, observation, tools)[0]
+
+
+def turn_delta(tokenizer: Any, history: list[dict], reply: str, observation: list[dict],
+               tools: Optional[list[dict]] = None, head: Optional[str] = None) -> tuple[str, str]:
+    """`template_delta`, and the rendering of the chat after the turn with the generation prompt:
+    the next turn's `head`. `head` is this turn's (the rendering of `history` with the generation
+    prompt) when the caller kept it from the previous turn, which saves rendering it again."""
+    delta, extended = _delta_after(tokenizer, history, reply, observation, tools, find_reply=False, head=head)
     if delta is None:  # the template rewrites earlier turns: see the module docstring
-        delta = _delta_after(tokenizer, _NEUTRAL_HISTORY, _NEUTRAL_REPLY, observation, tools, find_reply=True)
+        delta, _ = _delta_after(tokenizer, _NEUTRAL_HISTORY, _NEUTRAL_REPLY, observation, tools, find_reply=True)
     if delta is None:
         raise ChatTemplateError(
             "rollout.context=tokens: the chat template does not extend the chat when messages are added, even "
             "after a one-turn history (rendering with the new messages does not begin with the rendering "
             "without them); use rollout.context=retokenize with this template")
-    return delta
+    return delta, extended
 
 
 def _delta_after(tokenizer: Any, history: list[dict], reply: str, observation: list[dict],
-                 tools: Optional[list[dict]], *, find_reply: bool) -> Optional[str]:
+                 tools: Optional[list[dict]], *, find_reply: bool,
+                 head: Optional[str] = None) -> tuple[Optional[str], str]:
+    """(the delta, or None when the template does not extend here; the extended rendering)."""
     turn = [{"role": "assistant", "content": reply}]
     closed = render_text(tokenizer, history + turn, generation_prompt=False, tools=tools)
     extended = render_text(tokenizer, history + turn + observation, generation_prompt=True, tools=tools)
     if not extended.startswith(closed):
-        return None
+        return None, extended
     if find_reply:  # the template may wrap the reply (e.g. an empty reasoning block before it)
         at = closed.rfind(reply)
         if at < 0:
-            return None
+            return None, extended
         end = at + len(reply)
     else:  # the reply must be rendered verbatim right after the generation prompt
-        head = render_text(tokenizer, history, generation_prompt=True, tools=tools) + reply
+        if head is None:
+            head = render_text(tokenizer, history, generation_prompt=True, tools=tools)
+        head += reply
         if not closed.startswith(head):
-            return None
+            return None, extended
         end = len(head)
-    return extended[end:]
+    return extended[end:], extended
 
 
 def extend_context(tokenizer: Any, prompt: Sequence[int], response: Sequence[int], delta: str,

@@ -21,6 +21,8 @@ from typing import Any, Iterable, Mapping, Optional, Protocol, Union, runtime_ch
 
 import torch
 
+from megatron_stepwise.options import check_options, option, option_problems
+
 NamedTensors = Union[Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
 
 FINISH_REASONS = ("stop", "length", "abort")
@@ -59,10 +61,42 @@ def memory_tags(tags: Optional[Iterable[str]]) -> tuple[str, ...]:
 
 
 @dataclass
+class SamplingConfig:
+    """Sampling parameters of every rollout turn."""
+
+    # The one declaration of the `rollout.sampling` config section (its docstring is that
+    # section's text in docs/config.md), next to the per-request `SamplingParams` it builds
+    # (`params`). Stricter than a request: training refuses greedy sampling (it divides by T).
+
+    temperature: float = option(1.0, "sampling temperature T (>= 1e-4: below, logits / T overflows); the trainer scores tokens as log_softmax(logits / T), as the engine reports them",
+                                min=MIN_TEMPERATURE)
+    top_p: float = option(1.0, "nucleus sampling mass", gt=0.0, max=1.0)
+    top_k: int = option(-1, "top-k sampling; -1 = off")
+    stop: list[str] = option([], "strings that end a turn (besides the tokenizer's EOS)")
+
+    def __post_init__(self) -> None:
+        check_options(self, "rollout.sampling.")
+
+    def problems(self) -> list[tuple[str, str]]:
+        """(key, why) per bad setting: the declared bounds, and top_k's two meaningful forms."""
+        out = option_problems(self)
+        if _is_int(self.top_k) and (self.top_k == 0 or self.top_k < -1):
+            out.append(("top_k", f"must be -1 (off) or >= 1 (got {self.top_k})"))
+        return out
+
+    def params(self, max_new_tokens: int) -> "SamplingParams":
+        """Every turn's request settings (`rollout.max_new_tokens` gives `max_new_tokens`)."""
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                              max_new_tokens=max_new_tokens, stop=list(self.stop))
+
+
+@dataclass
 class SamplingParams:
     """Per-request sampling settings; field names and meaning follow SGLang's `sampling_params`.
 
-    top_k <= 0 means "no top-k". temperature 0 means greedy.
+    top_k <= 0 means "no top-k". temperature 0 means greedy. An experiment's requests are built
+    by `SamplingConfig.params` (its defaults and bounds); these defaults serve bare requests
+    (HTTP, tests) that leave a field out.
     """
 
     temperature: float = 1.0

@@ -3,15 +3,16 @@
 Environments are user code: `step` may block forever (a dead service, a deadlock), raise
 `SystemExit`, or return garbage. The agent loop calls them through `EnvCaller`:
 
-- a blocking call runs on its own daemon worker thread; at most `threads` run at once. At the
-  deadline the call fails with `EnvTimeout` and its slot is given back at once, so hung calls
-  never use up the capacity (a fixed thread pool did: once all its threads were stuck every
-  later call timed out too, and its non-daemon threads kept the process from exiting). The
-  abandoned thread is then asked to stop with an asynchronous exception, which ends any hang
-  that runs Python code (a polling loop, a retry loop); one blocked inside a C call (a socket
-  read, `time.sleep`) cannot be interrupted by Python and stays parked as a daemon thread until
-  that call returns. `stuck` counts those; beyond `max_stuck` new calls are refused (an error
-  for that trajectory) instead of piling up threads;
+- a blocking call runs on a worker of the caller's pool of daemon threads; at most `threads`
+  run at once. Workers wait for the next call and are reused (starting a thread per call cost
+  more host time than a cheap `step` itself). At the deadline the call fails with `EnvTimeout`
+  and its worker is abandoned and replaced at once, so hung calls never use up the capacity (a
+  fixed pool did: once all its threads were stuck every later call timed out too). The
+  abandoned worker is asked to stop with an asynchronous exception, which ends any hang that
+  runs Python code (a polling loop, a retry loop); one blocked inside a C call (a socket read,
+  `time.sleep`) cannot be interrupted by Python and stays parked as a daemon thread (named
+  `env-stuck-...`) until that call returns, then exits. `stuck` counts those; beyond
+  `max_stuck` new calls are refused (an error for that trajectory) instead of piling up threads;
 - whatever the call raises, `BaseException` included (`SystemExit` from an environment must
   not end the run), comes back as `EnvError` naming the exception;
 - coroutine methods run on the event loop with the same deadline (cancelled at it).
@@ -24,6 +25,8 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import inspect
+import itertools
+import queue
 import threading
 from typing import Any, Callable
 
@@ -41,6 +44,32 @@ class _Abandoned(BaseException):
     catches Exception does not swallow it)."""
 
 
+class _Pool:
+    """Worker threads sharing one job queue; counters change under `EnvCaller._lock`."""
+
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.workers = 0  # live workers (an abandoned one no longer counts: it was replaced)
+        self.idle = 0  # workers waiting for a job
+
+
+class _Job:
+    """One blocking call handed to the pool; `worker` is set when a worker takes it."""
+
+    __slots__ = ("fn", "args", "loop", "future", "worker", "finished", "abandoned", "pool")
+
+    def __init__(self, fn: Callable, args: tuple, loop: asyncio.AbstractEventLoop, future: asyncio.Future):
+        self.fn, self.args, self.loop, self.future = fn, args, loop, future
+        self.worker: threading.Thread | None = None
+        self.pool: _Pool | None = None
+        self.finished = self.abandoned = False
+
+
+def _deliver(future: asyncio.Future, outcome: tuple[bool, Any]) -> None:
+    if not future.done():  # not already given up at the deadline
+        future.set_result(outcome)
+
+
 class EnvCaller:
     def __init__(self, threads: int, timeout_s: float, max_stuck: int | None = None):
         if threads < 1 or timeout_s <= 0:
@@ -50,6 +79,8 @@ class EnvCaller:
         self.max_stuck = 4 * threads if max_stuck is None else max_stuck
         self._slots: asyncio.Semaphore | None = None
         self._slots_loop: asyncio.AbstractEventLoop | None = None
+        self._pool = _Pool()
+        self._names = itertools.count()
         self._abandoned: list[threading.Thread] = []
         self._lock = threading.Lock()
         self.calls = self.errors = self.timeouts = 0
@@ -75,6 +106,13 @@ class EnvCaller:
             self.errors += 1
             raise
 
+    def close(self) -> None:
+        """Ends the pool's workers (a busy one after its call); later calls start a new pool."""
+        with self._lock:
+            pool, self._pool = self._pool, _Pool()
+        for _ in range(pool.workers):
+            pool.jobs.put(None)
+
     async def _call_async(self, fn, args, name):
         try:
             return await asyncio.wait_for(fn(*args), self.timeout_s)
@@ -87,45 +125,88 @@ class EnvCaller:
             raise EnvError(f"environment {name} raised {type(e).__name__}: {e}") from e
 
     async def _call_thread(self, fn, args, name):
-        if self.stuck() >= self.max_stuck:
+        if self._abandoned and self.stuck() >= self.max_stuck:
             raise EnvError(f"environment {name} not called: {self.stuck()} earlier calls are still stuck "
                            f"(the environment hangs in a blocking call)")
         loop = asyncio.get_running_loop()
         if self._slots is None or self._slots_loop is not loop:  # one semaphore per event loop
             self._slots, self._slots_loop = asyncio.Semaphore(self.threads), loop
         async with self._slots:
-            future: asyncio.Future = loop.create_future()
-
-            def deliver(outcome: tuple[bool, Any]) -> None:
-                if not future.done():
-                    future.set_result(outcome)
-
-            def work() -> None:
-                try:
-                    try:
-                        outcome = (True, fn(*args))
-                    except _Abandoned:
-                        return
-                    except BaseException as e:  # noqa: BLE001 - a worker thread: nothing here is a real signal
-                        outcome = (False, e)
-                    loop.call_soon_threadsafe(deliver, outcome)
-                except (_Abandoned, RuntimeError):  # abandoned just as it finished; the event loop is gone
-                    pass
-
-            thread = threading.Thread(target=work, name=f"env-{name}", daemon=True)
-            thread.start()
+            job = _Job(fn, args, loop, loop.create_future())
+            self._submit(job)
             try:
-                ok, value = await asyncio.wait_for(future, self.timeout_s)
+                ok, value = await asyncio.wait_for(job.future, self.timeout_s)
             except asyncio.TimeoutError:
                 self.timeouts += 1
-                self._abandon(thread)
+                self._abandon(job, name)
                 raise EnvTimeout(f"environment {name} timed out after {self.timeout_s}s") from None
         if ok:
             return value
         raise EnvError(f"environment {name} raised {type(value).__name__}: {value}") from value
 
-    def _abandon(self, thread: threading.Thread) -> None:
+    def _submit(self, job: _Job) -> None:
+        pool = self._pool
         with self._lock:
-            self._abandoned.append(thread)
-        if thread.ident is not None and thread.is_alive():
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(_Abandoned))
+            # The semaphore caps calls in flight at `threads`, so the pool grows to that at most.
+            grow = pool.idle == 0 and pool.workers < self.threads
+            if grow:
+                pool.workers += 1
+        if grow:
+            threading.Thread(target=self._work, args=(pool,), name=f"env-worker-{next(self._names)}",
+                             daemon=True).start()
+        job.pool = pool
+        pool.jobs.put(job)
+
+    def _work(self, pool: _Pool) -> None:
+        """A pool worker: runs jobs until it is abandoned (its call hung) or the pool is closed."""
+        me = threading.current_thread()
+        try:
+            while True:
+                with self._lock:
+                    pool.idle += 1
+                job = pool.jobs.get()
+                with self._lock:
+                    pool.idle -= 1
+                    if job is None:
+                        pool.workers -= 1
+                        return
+                    if job.abandoned:
+                        continue  # timed out while queued: nobody waits for it
+                    job.worker = me
+                try:
+                    outcome = (True, job.fn(*job.args))
+                except _Abandoned:
+                    return
+                except BaseException as e:  # noqa: BLE001 - a worker thread: nothing here is a real signal
+                    outcome = (False, e)
+                with self._lock:
+                    if job.abandoned:  # replaced already; an asynchronous exception may be pending
+                        return
+                    job.finished = True
+                try:
+                    job.loop.call_soon_threadsafe(_deliver, job.future, outcome)
+                except RuntimeError:  # the event loop that waited is gone
+                    pass
+        except _Abandoned:  # arrived after the call returned: this worker was replaced, just end
+            return
+
+    def _abandon(self, job: _Job, name: str) -> None:
+        """Gives up a timed-out job: its worker (if it has one and is still in the call) is
+        replaced, renamed `env-stuck-<name>` and sent `_Abandoned`."""
+        with self._lock:
+            if job.finished:  # returned just at the deadline: the worker is fine, keep it
+                return
+            job.abandoned = True
+            worker = job.worker
+            if worker is None:  # still queued: a worker will skip it
+                return
+            job.pool.workers -= 1  # a new worker takes its place on the next call
+            self._abandoned.append(worker)
+            # Sent under the lock: the worker cannot have moved on to another job yet (it
+            # checks `abandoned` under this lock after its call), so only this call is unwound.
+            if worker.ident is not None:
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(worker.ident), ctypes.py_object(_Abandoned))
+        try:
+            worker.name = f"env-stuck-{name}"
+        except Exception:  # noqa: BLE001 - a name is only a debugging aid
+            pass
