@@ -55,7 +55,9 @@ class AgentWorker:
     """The body of one agent worker actor."""
 
     def __init__(self, cfg, max_concurrency: int):
+        # One worker is one core's agent loop: a tokenizer thread pool per short text only spins.
         os.environ.setdefault("OMP_NUM_THREADS", "1")
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         from megatron_stepwise.loop import components
 
         for module in cfg.trainer.imports:  # user environments register themselves on import
