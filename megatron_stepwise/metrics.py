@@ -60,7 +60,9 @@ def rollout_metrics(steps: Sequence[Step], *, success_threshold: float = 1.0) ->
     drift = [bool(s.metadata["retokenize_drift"]) for s in real if "retokenize_drift" in s.metadata]
     if drift:
         # Turn boundaries where re-tokenising the chat lost the sampled ids (agent loop, either
-        # context mode); in retokenize mode the prefix merge breaks exactly there.
+        # context mode); in retokenize mode the prefix merge breaks exactly there. Only measured
+        # steps count (token mode measures rollout.drift_sample_rate of the trajectories); with
+        # none measured the metric is absent rather than a 0 that would read as "no drift".
         out["rollout/retokenize_drift_rate"] = sum(drift) / len(drift)
     for reason, n in Counter(s.stop_reason for s in real if s.is_last_step).items():
         out[f"stop_reason/{reason}"] = n / len(rewards)
