@@ -3,9 +3,9 @@
 Each worker holds its own tokenizer, chat template, environment pool and event loop, and routes
 its turns to the engines itself (`EngineView`): no turn passes through the driver. The driver's
 `AgentWorkers` is a drop-in for `AgentLoop` (`rollout`, `env_stats`, `close`), so the sync and
-async sources, evaluation and dynamic sampling use workers unchanged. It hands out one prompt
-group per call to the least busy worker and gets the group back columnar (a `StepBatch`, no
-per-step tensor pickling), with the engines the worker found dead (the fleet restarts them) and
+async sources, evaluation and dynamic sampling use workers unchanged. It hands out prompt groups
+(a few per call when a rollout has many, one in async mode) to the least busy worker and gets
+them back columnar (a `StepBatch`, no per-step tensor pickling), with the engines the worker found dead (the fleet restarts them) and
 its request counts (the fleet's metrics). A worker that dies is restarted and its unfinished
 groups are re-issued to a live one, counted in `agents/worker_restarts` and
 `agents/reissued_groups`; sampling seeds depend only on the trajectory and turn, so a re-issued
@@ -27,6 +27,8 @@ from megatron_stepwise.rollout.engine_router import EngineSlot, EngineView, Requ
 from megatron_stepwise.types import Step, StepBatch
 
 log = logging.getLogger(__name__)
+
+CHUNKS_PER_WORKER = 4  # a synchronous rollout's groups go out in at least this many calls per worker
 
 
 def resolve_agent_workers(cfg, ray_nodes: Optional[int] = None) -> int:
@@ -135,8 +137,12 @@ class AgentWorkers:
         if len(set(prompt_ids)) != len(prompt_ids):
             dup = sorted({p for p in prompt_ids if prompt_ids.count(p) > 1})
             raise ValueError(f"duplicate prompt_id(s) in samples: {dup[:5]}")
+        # Several groups a call when there are many (fewer calls, less driver work per turn), yet
+        # at least CHUNKS_PER_WORKER calls per worker so the load still balances.
+        size = max(1, min(self.groups_per_worker, len(samples) // (CHUNKS_PER_WORKER * len(self.workers))))
+        chunks = [[dict(s) for s in samples[i:i + size]] for i in range(0, len(samples), size)]
         async with asyncio.TaskGroup() as tg:
-            tasks = [tg.create_task(self._group(dict(s), seed, request_tag, on_trajectory_done)) for s in samples]
+            tasks = [tg.create_task(self._chunk(chunk, seed, request_tag, on_trajectory_done)) for chunk in chunks]
         return [s for t in tasks for s in t.result()]
 
     def env_stats(self) -> dict[str, int]:
@@ -163,41 +169,42 @@ class AgentWorkers:
 
     # ---- dispatch ----------------------------------------------------------------------------
 
-    async def _acquire(self) -> _Worker:
+    async def _acquire(self, groups: int) -> _Worker:
         async with self._free:
             while True:
-                free = [w for w in self.workers if w.busy < self.groups_per_worker]
+                free = [w for w in self.workers if w.busy == 0 or w.busy + groups <= self.groups_per_worker]
                 if free:
                     worker = min(free, key=lambda w: (w.busy, w.index))
-                    worker.busy += 1
+                    worker.busy += groups
                     return worker
                 await self._free.wait()
 
-    async def _release(self, worker: _Worker) -> None:
+    async def _release(self, worker: _Worker, groups: int) -> None:
         async with self._free:
-            worker.busy -= 1
+            worker.busy -= groups
             self._free.notify_all()
 
-    async def _group(self, sample: dict, seed: Optional[int], tag: str,
+    async def _chunk(self, samples: list[dict], seed: Optional[int], tag: str,
                      on_trajectory_done: Optional[Callable[[list[Step]], None]]) -> list[Step]:
+        """Prompt groups rolled out by one worker in one call; re-issued whole if it dies."""
         import ray
 
         for attempt in range(self.max_reissues + 1):
-            worker = await self._acquire()
+            worker = await self._acquire(len(samples))
             incarnation = worker.incarnation
             try:
-                reply = await worker.handle.rollout.remote([sample], seed, tag, self.fleet.engine_table())
+                reply = await worker.handle.rollout.remote(samples, seed, tag, self.fleet.engine_table())
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
                 self._restart(worker, incarnation, e)
                 if attempt == self.max_reissues:
-                    raise RuntimeError(f"prompt group {sample.get('prompt_id')!r}: its agent worker died "
-                                       f"{attempt + 1} times") from e
-                self.reissued_groups += 1
+                    raise RuntimeError(f"prompt groups {[s.get('prompt_id') for s in samples][:4]}: their agent "
+                                       f"worker died {attempt + 1} times") from e
+                self.reissued_groups += len(samples)
                 continue
             except ray.exceptions.RayTaskError as e:  # the agent loop's own error, as in-process
                 raise (e.cause if getattr(e, "cause", None) is not None else e) from None
             finally:
-                await self._release(worker)
+                await self._release(worker, len(samples))
             for index, engine_incarnation in reply.dead_engines:
                 self.fleet.report_dead(index, engine_incarnation)
             self.fleet.add_request_counts(reply.requests)
