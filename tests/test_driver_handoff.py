@@ -127,7 +127,7 @@ def _sharded_worker(rank: int, store_path: str, results) -> None:
         handoff = Handoff(position, dp_rank=rank // (4 // dp))
         got = handoff.to_ranks(lambda: _rollout_shards(dp), "rollout", iteration=1)
         out[dp] = {"rows": got.trajectory_ids, "tokens": int(got.tokens.numel()), "position": position.value,
-                   "bytes": handoff.bytes_received}
+                   "bytes": handoff.bytes_received, "sent": handoff.bytes_sent}
     try:
         handoff.to_ranks(lambda: 1 / 0, "rollout", iteration=2)
     except RuntimeError as e:
@@ -153,5 +153,10 @@ def test_each_rank_receives_only_its_data_parallel_shard():
     for dp in (2, 4):
         received = [results[rank][dp]["bytes"] for rank in range(1, 4)]
         assert all(abs(b * dp / whole - 1) < 0.1 for b in received), (dp, received, whole)
+    # rank 0 sends each DP shard once, to one rank of its replica, which passes it on: at DP2 rank 0
+    # sends shard 1 to rank 2 and broadcasts shard 0 to rank 1 (not every shard to every rank)
+    shards = [results[rank][2]["bytes"] for rank in (1, 2)]
+    assert results[0][2]["sent"] == sum(shards) and results[2][2]["sent"] == results[3][2]["bytes"]
+    assert results[0][4]["sent"] == sum(results[rank][4]["bytes"] for rank in (1, 2, 3))
     assert all(results[rank]["error"] == "rollout failed on rank 0 at iteration 2: ZeroDivisionError: division by zero"
                for rank in range(4))

@@ -7,12 +7,14 @@ in a collective):
 
 - `from_driver`: one small object for every rank (decisions, timings);
 - `to_ranks`: one payload per data-parallel rank (the mini-batch shards it trains), pickled once
-  per DP rank and sent point to point, so each rank receives ~1/DP of the rollout's bytes.
+  per DP rank and sent to one rank of that model replica, which broadcasts it to the replica's
+  other ranks: each rank receives ~1/DP of the rollout's bytes, and rank 0 sends each byte once.
 """
 
 from __future__ import annotations
 
 import pickle
+from datetime import timedelta
 from typing import Any, Callable, Optional
 
 import torch
@@ -21,15 +23,17 @@ import torch.distributed as dist
 
 class Handoff:
     """`dataset`: has state_dict()/load_state_dict(); `group`: a CPU (gloo) process group of every
-    rank; `dp_rank`: this rank's data-parallel rank (for `to_ranks`)."""
+    rank; `dp_rank`: this rank's data-parallel rank (for `to_ranks`); `timeout`: of the groups
+    `to_ranks` opens inside each model replica."""
 
-    def __init__(self, dataset: Any, group: Any = None, dp_rank: int = 0):
+    def __init__(self, dataset: Any, group: Any = None, dp_rank: int = 0, timeout: Optional[timedelta] = None):
         self.dataset = dataset
         self.group = group
         self.dp_rank = dp_rank
+        self.timeout = timeout  # of the replica groups `to_ranks` creates (default: torch's)
         self.is_driver = dist.get_rank() == 0
-        self._dp_of_rank: Optional[list[int]] = None
-        self.bytes_received = 0  # by this rank through `to_ranks`, since it was built
+        self._replica_info: Optional[tuple] = None
+        self.bytes_received = self.bytes_sent = 0  # by this rank through `to_ranks`, since it was built
 
     def from_driver(self, produce: Callable[[], Any], what: str, iteration: int) -> Any:
         """Run `produce` on rank 0 and return its result on every rank."""
@@ -42,40 +46,59 @@ class Handoff:
 
     def to_ranks(self, produce: Callable[[], list[Any]], what: str, iteration: int) -> Any:
         """Run `produce` on rank 0; it returns one payload per data-parallel rank, and every rank
-        returns its own DP rank's."""
-        ranks = self._dp_ranks()
-        world, me = len(ranks), dist.get_rank()
-        sizes = torch.zeros(world, dtype=torch.long)
+        returns its own DP rank's. Rank 0 pickles each payload once and sends it to one rank of
+        that DP rank's model replica, which broadcasts it to the others."""
+        _, leaders, groups = self._replicas()
+        dp = self.dp_rank
+        sizes = torch.zeros(len(leaders), dtype=torch.long)
         error: Optional[BaseException] = None
+        blob: Optional[bytearray] = None
         if self.is_driver:
             error, (kind, result, state) = self._run(produce)
-            if kind == "ok" and len(result) != max(ranks) + 1:
-                kind, result = "error", f"{what} produced {len(result)} payloads for {max(ranks) + 1} DP ranks"
-            per_dp = result if kind == "ok" else [result] * (max(ranks) + 1)
-            blobs = {dp: bytearray(pickle.dumps((kind, per_dp[dp], state), protocol=5)) for dp in set(ranks[1:])}
-            for r in range(1, world):
-                sizes[r] = len(blobs[ranks[r]])
-            mine = (kind, per_dp[ranks[0]], state)
-        if world > 1:
+            if kind == "ok" and len(result) != len(leaders):
+                kind, result = "error", f"{what} produced {len(result)} payloads for {len(leaders)} DP ranks"
+            per_dp = result if kind == "ok" else [result] * len(leaders)
+            blobs = {d: bytearray(pickle.dumps((kind, per_dp[d], state), protocol=5))
+                     for d in range(len(leaders)) if d != dp or groups[d] is not None}
+            for d, b in blobs.items():
+                sizes[d] = len(b)
+            mine = (kind, per_dp[dp], state)
+        if dist.get_world_size() > 1:
             dist.broadcast(sizes, src=0, group=self.group)
         if self.is_driver:
-            sends = [dist.isend(torch.frombuffer(blobs[ranks[r]], dtype=torch.uint8), dst=r, group=self.group)
-                     for r in range(1, world)]
+            sends = [dist.isend(torch.frombuffer(blobs[d], dtype=torch.uint8), dst=leaders[d], group=self.group)
+                     for d in range(len(leaders)) if leaders[d] != 0]
             for work in sends:
                 work.wait()
+            blob = blobs.get(dp)
+            self.bytes_sent += sum(len(blobs[d]) for d in range(len(leaders)) if leaders[d] != 0)
+        if blob is not None:
+            buf = torch.frombuffer(blob, dtype=torch.uint8)
+        else:
+            buf = torch.empty(int(sizes[dp]), dtype=torch.uint8)
+        if not self.is_driver and dist.get_rank() == leaders[dp]:
+            dist.recv(buf, src=0, group=self.group)
+        if groups[dp] is not None:  # the replica's other ranks get it from their leader
+            dist.broadcast(buf, src=leaders[dp], group=groups[dp])
+            if dist.get_rank() == leaders[dp]:
+                self.bytes_sent += buf.numel() * (dist.get_world_size(groups[dp]) - 1)
+        if self.is_driver:
             return self._open(mine, error, what, iteration)
-        buf = torch.empty(int(sizes[me]), dtype=torch.uint8)
-        dist.recv(buf, src=0, group=self.group)
         self.bytes_received += buf.numel()
         return self._open(pickle.loads(buf.numpy().tobytes()), None, what, iteration)
 
-    def _dp_ranks(self) -> list[int]:
-        """Each global rank's data-parallel rank (gathered once)."""
-        if self._dp_of_rank is None:
-            ranks: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(ranks, self.dp_rank, group=self.group)
-            self._dp_of_rank = [int(r) for r in ranks]
-        return self._dp_of_rank
+    def _replicas(self) -> tuple[list[int], list[int], list[Any]]:
+        """(each rank's DP rank, each DP rank's leader: its lowest global rank, each DP rank's
+        group of ranks when it has more than one), gathered and created once on every rank."""
+        if self._replica_info is None:
+            dp_of: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(dp_of, self.dp_rank, group=self.group)
+            members = [[r for r, d in enumerate(dp_of) if d == k] for k in range(max(dp_of) + 1)]
+            # every rank creates every group, in the same order (torch.distributed requires it)
+            groups = [dist.new_group(m, backend="gloo", timeout=self.timeout) if len(m) > 1 else None
+                      for m in members]
+            self._replica_info = (dp_of, [m[0] for m in members], groups)
+        return self._replica_info
 
     def _run(self, produce: Callable[[], Any]) -> tuple[Optional[BaseException], tuple]:
         try:

@@ -29,6 +29,7 @@ import logging
 import time
 from collections import defaultdict
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import Any, Optional
 
 import torch.distributed as dist
@@ -75,7 +76,8 @@ class Trainer:
         # Rollouts and small decisions travel between ranks as objects on a CPU group, whatever
         # the training backend is, and with the configured timeout (a frozen rank 0 fails the job then).
         dp_rank, dp_size = components.data_parallel()
-        self.handoff = handoff = Handoff(self.dataset, components.cpu_group(cfg), dp_rank=dp_rank)
+        self.handoff = handoff = Handoff(self.dataset, components.cpu_group(cfg), dp_rank=dp_rank,
+                                         timeout=timedelta(minutes=cfg.parallel.timeout_minutes))
         # rank 0 decides every DP rank's shard of each mini-batch (the layout is the same everywhere)
         sources = dict(dataset=self.dataset, handoff=handoff, vocab_size=self.hf_config["vocab_size"],
                        shard=functools.partial(self.plugin.plan_shards, self.chunks), dp_size=dp_size)
@@ -233,6 +235,7 @@ class Trainer:
     def _rollout_progress(self, total: int):
         """A per-trajectory progress bar under the iterations bar."""
         from contextlib import contextmanager
+from datetime import timedelta
 
         from tqdm import tqdm
 
