@@ -138,8 +138,10 @@ class AgentWorkers:
             dup = sorted({p for p in prompt_ids if prompt_ids.count(p) > 1})
             raise ValueError(f"duplicate prompt_id(s) in samples: {dup[:5]}")
         # Several groups a call when there are many (fewer calls, less driver work per turn), yet
-        # at least CHUNKS_PER_WORKER calls per worker so the load still balances.
-        size = max(1, min(self.groups_per_worker, len(samples) // (CHUNKS_PER_WORKER * len(self.workers))))
+        # at least CHUNKS_PER_WORKER calls per worker so the load still balances, and at most half
+        # a worker's groups, so its next call starts while the last one's stragglers finish.
+        most = max(1, self.groups_per_worker // 2)
+        size = max(1, min(most, len(samples) // (CHUNKS_PER_WORKER * len(self.workers))))
         chunks = [[dict(s) for s in samples[i:i + size]] for i in range(0, len(samples), size)]
         async with asyncio.TaskGroup() as tg:
             tasks = [tg.create_task(self._chunk(chunk, seed, request_tag, on_trajectory_done)) for chunk in chunks]
