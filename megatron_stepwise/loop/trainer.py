@@ -234,9 +234,6 @@ class Trainer:
     # ---------------------------------------------------------------------------- output
     def _rollout_progress(self, total: int):
         """A per-trajectory progress bar under the iterations bar."""
-        from contextlib import contextmanager
-from datetime import timedelta
-
         from tqdm import tqdm
 
         @contextmanager
