@@ -228,3 +228,21 @@ def test_gpu_benchmark_skips_without_cuda_and_runs_its_code_on_cpu(tmp_path):
     assert r["mfu"] == pytest.approx(flops["total"] / r["step_s"] / 1e12 / r["peak_tflops"])
     assert r["peak_tflops"] == max(r["matmul_peak_tflops"].values()) > 0
     assert r["loss"] == r["loss"]  # finite loss from the bf16 step (NaN != NaN)
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_scale_benchmark_runs_the_real_host_path_at_small_size(tools_on_path, capsys):
+    """tools/bench_scale.py with 16 prompts x 4 samples x 2 turns: every phase reports, the agent
+    workers roll out every turn, and the shards a rank receives shrink as 1/DP."""
+    bench = _load("bench_scale")
+    r = bench.run(quick=True, prompts=16, samples=4, turns=2, prompts_per_minibatch=4, concurrency=32)
+    assert r["turns"] == 16 * 4 * 2  # echo ends after its 2 turns; every trajectory is there
+    for key in ("in_process", "workers1", "workers2"):
+        assert r[key]["turns_per_s"] > 0 and r[key]["wall_s"] > 0
+    after = r["handoff_after"]
+    whole = sum(after["dp1"]["bytes_per_rank"])
+    for dp in (2, 4):
+        assert len(after[f"dp{dp}"]["bytes_per_rank"]) == dp
+        assert abs(sum(after[f"dp{dp}"]["bytes_per_rank"]) / whole - 1) < 0.1  # the same rows, cut dp ways
+    assert r["handoff_before"]["bytes_per_rank"] > 0 and r["host_seconds_after"] > 0
+    assert "2 workers vs 1" in capsys.readouterr().out

@@ -65,6 +65,10 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in [
     Benchmark("host_pipeline", "bench_host", "5", "host pipeline overhead"),
     Benchmark("rollout", "bench_rollout", "7", "rollout fleet throughput, 1 vs 2 engines", starts_ray=True),
     Benchmark("weight_sync", "bench_weight_sync", "8", "weight sync Megatron -> HF", starts_ray=True),
+    Benchmark("turn_cost", "bench_turn_cost", "-", "agent-loop host CPU per turn, both context modes"),
+    Benchmark("env_calls", "bench_env_calls", "-", "sandboxed tool calls per second vs env concurrency"),
+    Benchmark("scale", "bench_scale", "-", "rollout side at 512x8x5: agent workers, sharded hand-off",
+              starts_ray=True),
     Benchmark("gpu", "bench_gpu", "9", "GPU training step tokens/s and MFU", device="gpu"),
 ]}
 

@@ -29,28 +29,15 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+TOOLS, ROOT = Path(__file__).resolve().parent, Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(TOOLS))
+sys.path.insert(0, str(ROOT))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("PYTHONPATH", str(Path(__file__).resolve().parents[1]))
 
 from bench_cli import add_seed_and_out, bench_parser, config, run_args, script_main  # noqa: E402
+from instant_engine import InstantEngine  # noqa: E402
 
 REPLY_TOKENS = 32
-
-
-class InstantEngine:
-    """Answers every turn at once with the same `REPLY_TOKENS` ids (no model, no sampling)."""
-
-    def __init__(self, tokenizer: Any):
-        ids = tokenizer("the answer is 1 and that is all", add_special_tokens=False)["input_ids"]
-        self.reply = (ids * REPLY_TOKENS)[:REPLY_TOKENS]
-
-    async def generate(self, input_ids, sampling, rid=None, session=None):
-        from megatron_stepwise.rollout.engine import GenerateResult
-
-        return GenerateResult(output_ids=list(self.reply), logprobs=[-1.0] * len(self.reply), finish_reason="length",
-                              weight_version=0, engine="instant")
 
 
 def _instant_worker_class():
@@ -61,7 +48,7 @@ def _instant_worker_class():
 
         def __init__(self, cfg, max_concurrency):
             super().__init__(cfg, max_concurrency)
-            self.agent.generator = InstantEngine(self.agent.tokenizer)
+            self.agent.generator = InstantEngine(self.agent.tokenizer, REPLY_TOKENS)
 
         def cpu_seconds(self) -> float:
             return time.process_time()
@@ -106,7 +93,7 @@ def _in_process(cfg, samples) -> tuple[list, float, float]:
     from megatron_stepwise.loop import components
 
     tok = components.load_tokenizer(cfg)
-    agent = components.build_agent_loop(cfg, InstantEngine(tok), tok)
+    agent = components.build_agent_loop(cfg, InstantEngine(tok, REPLY_TOKENS), tok)
     asyncio.run(agent.rollout(samples[:8]))  # warm-up: template compilation, first allocations
     t, c = time.perf_counter(), time.process_time()
     steps = asyncio.run(agent.rollout(samples, seed=1))
@@ -237,6 +224,8 @@ def run(quick: bool = False, **options) -> dict[str, Any]:
                             "turns_per_s": turns / wall}
     print(f"\nin the driver process: {turns} turns in {wall:.2f} s wall, {1e3 * cpu / turns:.3f} ms CPU per turn")
 
+    # the agent workers import this file's worker class and the instant engine
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), str(TOOLS), os.environ.get("PYTHONPATH")) if p)
     ensure_ray(num_cpus=4)
     for n in (1, 2):
         w = _workers(cfg, samples, n)

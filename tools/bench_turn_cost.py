@@ -30,11 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 from bench_cli import add_seed_and_out, bench_parser, config, run_args, script_main  # noqa: E402
+from instant_engine import InstantEngine  # noqa: E402
 from megatron_stepwise.envs.echo import EchoEnv, echo_dataset  # noqa: E402
 from megatron_stepwise.hf.tokenizers import load_tokenizer  # noqa: E402
 from megatron_stepwise.rollout.agent_loop import AgentLoop, AgentLoopConfig  # noqa: E402
-from megatron_stepwise.rollout.context import CONTEXT_MODES, encode  # noqa: E402
-from megatron_stepwise.rollout.engine import GenerateResult  # noqa: E402
+from megatron_stepwise.rollout.context import CONTEXT_MODES  # noqa: E402
 
 TOKENIZER = "tiny_bpe"
 
@@ -52,18 +52,6 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     if args.quick:
         args.prompts, args.repeats = 2, 1
     return args
-
-
-class InstantEngine:
-    """Answers every request at once with the same ids (no model: only host work is left)."""
-
-    def __init__(self, tokenizer, new_tokens: int):
-        ids = encode(tokenizer, "7 is the digit you asked for, and here it is again: 7. " * 8)
-        eos = tokenizer.eos_token_id
-        self.ids = [t for t in ids if t != eos][:new_tokens]
-
-    async def generate(self, input_ids, sampling, rid=None, session=None) -> GenerateResult:
-        return GenerateResult(output_ids=list(self.ids), logprobs=[-0.5] * len(self.ids), finish_reason="length")
 
 
 def loop_for(mode: str, args: argparse.Namespace, tokenizer) -> AgentLoop:
