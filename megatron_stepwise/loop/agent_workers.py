@@ -23,6 +23,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
+from megatron_stepwise.rollout.agent_loop import checked_prompt_ids
 from megatron_stepwise.rollout.engine_router import EngineSlot, EngineView, RequestCounters
 from megatron_stepwise.types import Step, StepBatch
 
@@ -130,13 +131,7 @@ class AgentWorkers:
                       on_trajectory_done: Optional[Callable[[list[Step]], None]] = None,
                       request_tag: str = "") -> list[Step]:
         """Every sample's trajectories, steps in the order of the samples (as `AgentLoop.rollout`)."""
-        prompt_ids = [str(s.get("prompt_id", "")) for s in samples]
-        for i, pid in enumerate(prompt_ids):
-            if not pid:
-                raise ValueError(f"sample {i} has no 'prompt_id'")
-        if len(set(prompt_ids)) != len(prompt_ids):
-            dup = sorted({p for p in prompt_ids if prompt_ids.count(p) > 1})
-            raise ValueError(f"duplicate prompt_id(s) in samples: {dup[:5]}")
+        checked_prompt_ids(samples)
         # Several groups a call when there are many (fewer calls, less driver work per turn), yet
         # at least CHUNKS_PER_WORKER calls per worker so the load still balances, and at most half
         # a worker's groups, so its next call starts while the last one's stragglers finish.

@@ -163,13 +163,7 @@ class AgentLoop:
         that may run concurrently with others of the same prompts (evaluation during async
         training) need their own, since an engine refuses a request id already in flight.
         """
-        prompt_ids = [str(s.get("prompt_id", "")) for s in samples]
-        for i, pid in enumerate(prompt_ids):
-            if not pid:
-                raise ValueError(f"sample {i} has no 'prompt_id'")
-        if len(set(prompt_ids)) != len(prompt_ids):
-            dup = sorted({p for p in prompt_ids if prompt_ids.count(p) > 1})
-            raise ValueError(f"duplicate prompt_id(s) in samples: {dup[:5]}")
+        prompt_ids = checked_prompt_ids(samples)
         limit = asyncio.Semaphore(self.config.max_concurrency)
 
         async def one(sample: dict, traj_id: TrajectoryID) -> list[Step]:
@@ -360,6 +354,18 @@ class AgentLoop:
             trajectory_id=traj_id, prompt_ids=prompt, response_ids=[], loss_mask=[], rollout_logprobs=[],
             reward=reward, is_last_step=True, stop_reason=stop_reason, weight_versions=[], metadata=metadata,
         )
+
+
+def checked_prompt_ids(samples: Sequence[dict[str, Any]]) -> list[str]:
+    """The samples' prompt ids; each must be there and unique (a group is one prompt's trajectories)."""
+    prompt_ids = [str(s.get("prompt_id", "")) for s in samples]
+    for i, pid in enumerate(prompt_ids):
+        if not pid:
+            raise ValueError(f"sample {i} has no 'prompt_id'")
+    if len(set(prompt_ids)) != len(prompt_ids):
+        dup = sorted({p for p in prompt_ids if prompt_ids.count(p) > 1})
+        raise ValueError(f"duplicate prompt_id(s) in samples: {dup[:5]}")
+    return prompt_ids
 
 
 def _check_messages(messages: Any, where: str) -> list[dict]:
