@@ -241,8 +241,8 @@ def test_scale_benchmark_runs_the_real_host_path_at_small_size(tools_on_path, ca
         assert r[key]["turns_per_s"] > 0 and r[key]["wall_s"] > 0
     after = r["handoff_after"]
     whole = sum(after["dp1"]["bytes_per_rank"])
-    for dp in (2, 4):
+    for dp, most in ((2, 0.65), (4, 0.4)):  # ~1/DP, plus each shard's fixed framing at this tiny size
         assert len(after[f"dp{dp}"]["bytes_per_rank"]) == dp
-        assert abs(sum(after[f"dp{dp}"]["bytes_per_rank"]) / whole - 1) < 0.1  # the same rows, cut dp ways
+        assert max(after[f"dp{dp}"]["bytes_per_rank"]) < most * whole
     assert r["handoff_before"]["bytes_per_rank"] > 0 and r["host_seconds_after"] > 0
     assert "2 workers vs 1" in capsys.readouterr().out
