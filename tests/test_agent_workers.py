@@ -127,3 +127,25 @@ def test_agent_workers_default_to_the_driver_process_only_for_the_embedded_engin
     assert resolve_agent_workers(_config("rollout.agent_workers=3")) == 3
     sglang = _config("rollout.engine=sglang", "rollout.sglang.servers=[127.0.0.1:1]")
     assert resolve_agent_workers(sglang, ray_nodes=4) == 8
+
+
+def test_workers_are_refused_at_once_while_colocated_engines_are_released(setup):
+    """Colocated mode: a rollout through the workers while the engines' memory is Megatron's fails
+    at once with the engine's own error (not retried, no engine declared dead), and works again
+    once the memory is back."""
+    from megatron_stepwise.rollout.engine import EngineReleasedError
+
+    cfg, loop, fleet, samples, reference = setup
+    workers = AgentWorkers(cfg, fleet, 1)
+    try:
+        loop.run_until_complete(workers.wait_ready())
+        loop.run_until_complete(fleet.release_memory_occupation(["kv_cache"]))
+        with pytest.raises(BaseExceptionGroup) as failed:  # as the in-process loop's task group raises it
+            loop.run_until_complete(workers.rollout(samples[:2], seed=5))
+        assert failed.group_contains(EngineReleasedError, match="kv_cache memory is released")
+        loop.run_until_complete(fleet.resume_memory_occupation(["kv_cache"]))
+        m = fleet.metrics()
+        assert m["engine_failures"] == 0 and m["retries"] == 0
+        _same(reference, loop.run_until_complete(workers.rollout(samples, seed=5)))
+    finally:
+        workers.close()
