@@ -313,6 +313,11 @@ class StepwisePlugin:
     def _prepare(self, model_chunks: list, steps_or_batch, *, mode: str, num_microbatches: Optional[int] = None):
         """This rank's packed micro-batches: of its shard, or of its part of a whole mini-batch."""
         if isinstance(steps_or_batch, MinibatchShard):
+            planned = len(steps_or_batch.plan)
+            if num_microbatches is not None and planned != num_microbatches:
+                raise HostLoopMismatchError(
+                    f"this shard was planned as {planned} micro-batches but the host loop runs num_microbatches="
+                    f"{num_microbatches}: pass the same num_microbatches to plan_shards")
             return self._pack(model_chunks, steps_or_batch, mode=mode)
         _, dp_rank, *_ = self._layout(model_chunks)
         shard = self.plan_shards(model_chunks, steps_or_batch, mode=mode, num_microbatches=num_microbatches,
