@@ -30,10 +30,6 @@ class TrajectoryID:
     prompt_id: str
     sample_index: int
 
-    @property
-    def is_padding(self) -> bool:
-        return self.prompt_id.startswith(PAD_PROMPT_PREFIX)
-
     def __str__(self) -> str:
         return f"{self.prompt_id}#{self.sample_index}"
 
@@ -87,6 +83,8 @@ class Step:
       num_hidden_layers, topk], the experts the engine's router chose for every token of the
       row in each decoder layer (SGLang's layout), -1 where the engine did not report them (e.g.
       the last sampled token, which the engine never runs through the model).
+    - `is_padding`: a loss-neutral row that fills a batch to a DP multiple (`make_padding_step`);
+      it never enters advantages, metrics or loss denominators.
     """
 
     trajectory_id: TrajectoryID
@@ -100,6 +98,7 @@ class Step:
     weight_versions: Optional[TokenSeq] = None
     metadata: dict[str, Any] = field(default_factory=dict)
     routed_experts: Optional[torch.Tensor] = None
+    is_padding: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.trajectory_id, TrajectoryID):
@@ -119,10 +118,6 @@ class Step:
         self.is_last_step = bool(self.is_last_step)
 
     @property
-    def is_padding(self) -> bool:
-        return self.trajectory_id.is_padding
-
-    @property
     def num_tokens(self) -> int:
         return int(self.prompt_ids.numel() + self.response_ids.numel())
 
@@ -134,8 +129,8 @@ class Step:
 def make_padding_step(index: int, prompt_ids: Optional[TokenSeq] = None) -> Step:
     """A loss-neutral row used to fill a batch to a DP multiple.
 
-    loss_mask all 0, is_last_step True, a unique trajectory id whose prompt_id marks it as
-    padding; it never enters advantages, metrics or loss denominators.
+    is_padding True, loss_mask all 0, is_last_step True, and a trajectory id of its own
+    (`__pad__<index>`, so it forms no group with any other row).
     """
     prompt = torch.as_tensor(prompt_ids if prompt_ids is not None else [0], dtype=torch.long)
     return Step(
@@ -147,6 +142,7 @@ def make_padding_step(index: int, prompt_ids: Optional[TokenSeq] = None) -> Step
         reward=0.0,
         is_last_step=True,
         stop_reason="padding",
+        is_padding=True,
     )
 
 
@@ -309,6 +305,7 @@ class StepBatch:
         torch.cumsum((~self.rollout_logprobs_known()).long(), 0, out=unknown[1:])
         unknown = unknown.tolist()
         rewards, lasts = self.row_fields["reward"].tolist(), self.row_fields["is_last"].tolist()
+        paddings = self.row_fields["is_padding"].tolist()
         steps = []
         for r in range(self.num_rows):
             start, mid, end = offsets[r], offsets[r] + plens[r], offsets[r + 1]
@@ -326,6 +323,7 @@ class StepBatch:
                     weight_versions=None if versions is None else own(versions[mid:end]),
                     routed_experts=None if routed is None else own(routed[start:end]),
                     metadata=dict(self.metadata[r]) if self.metadata is not None else {},
+                    is_padding=paddings[r],
                 )
             )
         return steps

@@ -50,7 +50,7 @@ def direct_router_losses(chunks, batch):
     captured = []
     hooks = [m.register_forward_hook(lambda mod, inp, out: captured.append((mod, mod.gating(inp[0]), out[1])))
              for m in gpt.modules() if isinstance(m, TopKRouter)]
-    rows = [r for r in range(batch.num_rows) if not batch.trajectory_ids[r].is_padding]
+    rows = [r for r in range(batch.num_rows) if not batch.row_fields["is_padding"][r]]
     n_tokens = int(batch.lengths[rows].sum())
     for chunk in chunks:
         chunk.zero_grad_buffer()

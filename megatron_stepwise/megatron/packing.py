@@ -140,8 +140,8 @@ def pack_rows(batch: StepBatch, rows: Sequence[int], *, align: int = 1, pad_toke
     tokens = torch.full((size,), pad_token_id, dtype=torch.long)
     tokens[packed_pos] = batch.tokens[flat]
     # DP padding steps are not data: like pad tokens, they belong to no segment the routers count.
-    segment_of_row = torch.tensor([-1 if batch.trajectory_ids[r].is_padding else i for i, r in enumerate(rows)],
-                                  dtype=torch.long)
+    padding = batch.row_fields["is_padding"]
+    segment_of_row = torch.tensor([-1 if padding[r] else i for i, r in enumerate(rows)], dtype=torch.long)
     token_segment = torch.full((size,), -1, dtype=torch.long)
     token_segment[packed_pos] = torch.repeat_interleave(segment_of_row, lens)
     routed = batch.token_fields.get("routed_experts")

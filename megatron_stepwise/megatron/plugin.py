@@ -378,7 +378,7 @@ class StepwisePlugin:
             weights = self._token_weights(batch, self.loss_config.reduction, max_response_len=max_len).float()
             batch = dataclasses.replace(batch, token_fields={**batch.token_fields, "weights": weights})
             rollout_logprobs, complete = self._check_rollout_logprobs(batch)
-        data = torch.tensor([not t.is_padding for t in batch.trajectory_ids], dtype=torch.bool)
+        data = ~batch.row_fields["is_padding"]
         totals = dict(dp_size=dp, trained_tokens=n_trained, data_rows=int(data.sum()),
                       data_tokens=int(batch.lengths[data].sum()), tokens=int(batch.lengths.sum()),
                       rollout_logprobs=rollout_logprobs, rollout_logprobs_complete=complete)
