@@ -47,7 +47,7 @@ def resolve_agent_workers(cfg, ray_nodes: Optional[int] = None) -> int:
 
 @dataclass
 class WorkerReply:
-    """One group's steps, columnar, and what the worker learnt about the engines meanwhile."""
+    """The groups' steps, columnar, and what the worker learnt about the engines meanwhile."""
 
     batch: StepBatch
     dead_engines: list[tuple[int, int]]
