@@ -118,7 +118,9 @@ def _train(cfg) -> int:
         trainer = Trainer(cfg)
         trainer.run()
     except _user_errors() as e:
-        print(f"error: {e}" if rank == 0 else f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
+        # One write with its newline: the ranks share stderr, and print's two writes interleave.
+        sys.stderr.write((f"error: {e}" if rank == 0 else f"error (rank {rank}): {e}") + "\n")
+        sys.stderr.flush()
         return 2
     finally:
         try:
