@@ -12,7 +12,7 @@ import pytest
 
 from megatron_stepwise.config import load_config
 from megatron_stepwise.loop import components
-from megatron_stepwise.loop.agent_workers import AgentWorkers, resolve_agent_workers
+from megatron_stepwise.loop.agent_workers import AgentWorkers, AgentWorkersNotStarted, resolve_agent_workers
 
 pytestmark = [pytest.mark.usefixtures("ray_session")]
 
@@ -149,3 +149,20 @@ def test_workers_are_refused_at_once_while_colocated_engines_are_released(setup)
         _same(reference, loop.run_until_complete(workers.rollout(samples, seed=5)))
     finally:
         workers.close()
+
+
+def test_workers_that_cannot_start_are_a_clear_error_naming_the_keys():
+    """Ray keeps an actor it has no CPUs for pending forever: waiting for it ends in an error
+    that says so and names the keys, not a bare timeout."""
+
+    class Pending:  # an actor handle whose constructor never runs
+        class ready:
+            @staticmethod
+            def remote():
+                return asyncio.get_running_loop().create_future()
+
+    cfg = _config("rollout.agent_worker_cpus=3")
+    workers = AgentWorkers(cfg, fleet=None, n=2, spawn=lambda cfg, index, concurrency: Pending())
+    with pytest.raises(AgentWorkersNotStarted, match=r"2 agent workers did not start within 0 s.*2 x 3 free CPUs.*"
+                                           r"rollout.agent_workers, rollout.agent_worker_cpus"):
+        asyncio.run(workers.wait_ready(timeout_s=0.2))

@@ -32,6 +32,10 @@ log = logging.getLogger(__name__)
 CHUNKS_PER_WORKER = 4  # a synchronous rollout's groups go out in at least this many calls per worker
 
 
+class AgentWorkersNotStarted(TimeoutError):
+    """The agent workers' actors never started (Ray had no room for them): a resource setting to fix."""
+
+
 def resolve_agent_workers(cfg, ray_nodes: Optional[int] = None) -> int:
     """`rollout.agent_workers`, with null resolved: 0 for the embedded engine, else 2 per Ray node."""
     if cfg.rollout.agent_workers is not None:
@@ -123,7 +127,14 @@ class AgentWorkers:
         self.reissued_groups = 0
 
     async def wait_ready(self, timeout_s: float = 300.0) -> None:
-        await asyncio.wait_for(asyncio.gather(*(w.handle.ready.remote() for w in self.workers)), timeout_s)
+        try:
+            await asyncio.wait_for(asyncio.gather(*(w.handle.ready.remote() for w in self.workers)), timeout_s)
+        except asyncio.TimeoutError:
+            cpus = self.cfg.rollout.agent_worker_cpus
+            raise AgentWorkersNotStarted(
+                f"{len(self.workers)} agent workers did not start within {timeout_s:.0f} s: Ray may not have "
+                f"{len(self.workers)} x {cpus:g} free CPUs besides the engines' (rollout.agent_workers, "
+                f"rollout.agent_worker_cpus; `ray status` shows what is pending)") from None
 
     # ---- the AgentLoop surface --------------------------------------------------------------
 
