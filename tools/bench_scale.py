@@ -160,16 +160,12 @@ def _shard(batch, dp: int, max_tokens: int) -> list:
     """The plugin's per-DP cut (`plan_shards`) without a model: the planner's rows per rank, as
     the `MinibatchShard`s rank 0 sends (their wire form included)."""
     from megatron_stepwise.algo.planner import plan_microbatches
-    from megatron_stepwise.megatron.plugin import MinibatchShard
+    from megatron_stepwise.megatron.plugin import MinibatchShard, shard_rows
 
     plan = plan_microbatches(batch.lengths.tolist(), dp_size=dp, max_tokens=max_tokens)
     shards = []
     for rank, micros in enumerate(plan):
-        rows = [r for micro in micros for r in micro]
-        local, at = [], 0
-        for micro in micros:
-            local.append(list(range(at, at + len(micro))))
-            at += len(micro)
+        rows, local = shard_rows(micros)
         shards.append(MinibatchShard(batch.select(rows), local, rows, rank, dp, trained_tokens=0, data_rows=0,
                                      data_tokens=0, tokens=0, rollout_logprobs=True, rollout_logprobs_complete=True))
     return shards

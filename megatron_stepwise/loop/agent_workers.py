@@ -95,7 +95,7 @@ def _spawn_worker(cfg, index: int, max_concurrency: int):
 
     actor = ray.remote(AgentWorker).options(
         num_cpus=cfg.rollout.agent_worker_cpus, scheduling_strategy="SPREAD", max_restarts=0,
-        max_concurrency=1000, name=None)
+        max_concurrency=1000)
     return actor.remote(cfg, max_concurrency)
 
 

@@ -7,8 +7,8 @@ drop/requeue and group filters: see `group_buffer.py`). Each round is one optimi
 1. rank 0 takes exactly `prompts_per_minibatch` finished groups (waiting if needed), prepares
    them (its event loop running meanwhile) and hands each rank its shard; groups carry a variable
    number of step rows;
-2. the trainer prepares and trains them while rank 0's event loop runs in a helper thread
-   (`overlap`), so turns keep being generated, environments stepped, groups started;
+2. every rank trains its shard while rank 0's event loop runs in a helper thread (`overlap`), so
+   turns keep being generated, environments stepped, groups started;
 3. the trainer pushes the new weights with partial rollouts: turns in flight are paused, get
    the new weights and continue (each token records the weight version that produced it).
 

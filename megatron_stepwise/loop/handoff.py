@@ -85,7 +85,7 @@ class Handoff:
         if self.is_driver:
             return self._open(mine, error, what, iteration)
         self.bytes_received += buf.numel()
-        return self._open(pickle.loads(buf.numpy().tobytes()), None, what, iteration)
+        return self._open(pickle.loads(memoryview(buf.numpy())), None, what, iteration)  # no copy of the bytes
 
     def _replicas(self) -> tuple[list[int], list[int], list[Any]]:
         """(each rank's DP rank, each DP rank's leader: its lowest global rank, each DP rank's

@@ -111,6 +111,17 @@ class MinibatchShard:
         return minibatch.offsets[:-1][rows[row]] + (local - self.batch.offsets[:-1][row])
 
 
+def shard_rows(micros: list[list[int]]) -> tuple[list[int], list[list[int]]]:
+    """One rank's micro-batches (rows of the mini-batch) -> (its rows in order, the same
+    micro-batches as positions in that list)."""
+    rows = [r for micro in micros for r in micro]
+    local, at = [], 0
+    for micro in micros:
+        local.append(list(range(at, at + len(micro))))
+        at += len(micro)
+    return rows, local
+
+
 @dataclass
 class MinibatchInputs:
     """What a megatron loop passes to `get_forward_backward_func()` for one mini-batch."""
@@ -384,11 +395,7 @@ class StepwisePlugin:
                       rollout_logprobs=rollout_logprobs, rollout_logprobs_complete=complete)
         shards = []
         for rank in range(dp) if only is None else [only]:
-            rows = [r for micro in plan[rank] for r in micro]
-            local, at = [], 0
-            for micro in plan[rank]:
-                local.append(list(range(at, at + len(micro))))
-                at += len(micro)
+            rows, local = shard_rows(plan[rank])
             pad_to = None
             if chunks > 1:
                 # The interleaved schedule exchanges activations and gradients in both directions at
