@@ -19,7 +19,8 @@ from megatron_stepwise.algo.losses import LossConfig
 from megatron_stepwise.config.fields import option, section, to_dict
 from megatron_stepwise.options import option_of
 from megatron_stepwise.rollout.agent_loop import AgentLoopConfig
-from megatron_stepwise.rollout.engine import SamplingConfig
+from megatron_stepwise.rollout.engine import SamplingConfig, SamplingParams
+from megatron_stepwise.rollout.engine_router import RetryConfig
 
 
 @dataclass
@@ -113,8 +114,9 @@ class RolloutConfig:
     num_engines: int = option(1, "number of engines in the fleet", min=1)
     engine_tp: int = option(1, "tensor-parallel size (GPUs) of each SGLang engine", min=1)
     sglang: SGLangConfig = section(SGLangConfig, "SGLang servers")
-    # Declared where they are read: `rollout.sampling` in rollout/engine.py, the agent loop's
-    # keys in rollout/agent_loop.py (`option_of` takes their default, help, bounds and choices).
+    # Declared where they are read: `rollout.sampling` and max_new_tokens in rollout/engine.py, the
+    # agent loop's keys in rollout/agent_loop.py, the retry keys in rollout/engine_router.py
+    # (`option_of` takes their default, help, bounds and choices).
     sampling: SamplingConfig = section(SamplingConfig, "sampling parameters")
     max_concurrency: int = option_of(AgentLoopConfig, "max_concurrency")
     agent_workers: Optional[int] = option(None, "Ray actors that run the agent loop (tokenizer, chat template, "
@@ -125,9 +127,9 @@ class RolloutConfig:
     max_turns: int = option_of(AgentLoopConfig, "max_turns")
     context: Literal["retokenize", "tokens"] = option_of(AgentLoopConfig, "context")
     max_input_length: int = option_of(AgentLoopConfig, "max_input_length")
-    max_new_tokens: int = option(256, "tokens generated per turn at most", min=1)
-    timeout_s: float = option(120.0, "seconds one turn may take on an engine before it is retried", gt=0.0)
-    max_retries: int = option(2, "retries of a failed or timed-out turn on another engine", min=0)
+    max_new_tokens: int = option_of(SamplingParams, "max_new_tokens")
+    timeout_s: float = option_of(RetryConfig, "timeout_s")
+    max_retries: int = option_of(RetryConfig, "max_retries")
     env_error_reward: float = option_of(AgentLoopConfig, "env_error_reward")
     drift_sample_rate: float = option_of(AgentLoopConfig, "drift_sample_rate")
     env_concurrency: int = option_of(AgentLoopConfig, "env_concurrency")

@@ -32,6 +32,9 @@ FINISH_REASONS = ("stop", "length", "abort")
 # sampler would fail for every request in its batch; SGLang itself treats T < 1e-6 as greedy.
 MIN_TEMPERATURE = 1e-4
 
+# What SGLang generates for a request that leaves out `max_new_tokens` (its SamplingParams).
+SGLANG_MAX_NEW_TOKENS = 128
+
 
 class EngineError(RuntimeError):
     """An engine failed to serve a request (dead, unreachable, or it answered with an error)."""
@@ -102,7 +105,9 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
-    max_new_tokens: int = 128
+    # `rollout.max_new_tokens` (declared here, one default for configs and bare requests; a
+    # request may ask for 0: prompt log-probs only)
+    max_new_tokens: int = option(256, "tokens generated per turn at most", min=1)
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     no_stop_trim: bool = False
@@ -158,6 +163,8 @@ class SamplingParams:
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"sampling_params: unsupported field(s) {unknown}; supported: {sorted(known)}")
+        if d.get("max_new_tokens") is None:
+            d["max_new_tokens"] = SGLANG_MAX_NEW_TOKENS  # a wire request means SGLang's default
         if d.get("top_k") is None:
             d.pop("top_k", None)
         if d.get("stop") is None:

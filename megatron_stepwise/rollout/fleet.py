@@ -35,7 +35,8 @@ from typing import Any, Awaitable, Callable, Optional
 
 from megatron_stepwise.lifecycle import tagged_ray_instance
 from megatron_stepwise.rollout.engine import EngineReleasedError, GenerateResult, NamedTensors, SamplingParams, memory_tags
-from megatron_stepwise.rollout.engine_router import EngineRouter, EngineSlot, RequestCounters
+from megatron_stepwise.rollout.agent_loop import AgentLoopConfig
+from megatron_stepwise.rollout.engine_router import EngineRouter, EngineSlot, RequestCounters, RetryConfig
 from megatron_stepwise.rollout.sglang import SGLangServerConfig, TensorHandles, serialize_tensors_sglang
 
 log = logging.getLogger(__name__)
@@ -181,8 +182,9 @@ def _spawn_actor(spec: EngineSpec, index: int, incarnation: int):
 class RolloutFleet:
     """N engine actors behind one `generate` (see module docstring)."""
 
-    def __init__(self, specs: list[EngineSpec], max_concurrency: int = 64, max_retries: int = 2,
-                 request_timeout_s: float = 600.0, restart_dead: bool = True, ray_address: Optional[str] = None,
+    def __init__(self, specs: list[EngineSpec], max_concurrency: int = AgentLoopConfig.max_concurrency,
+                 max_retries: int = RetryConfig.max_retries, request_timeout_s: float = RetryConfig.timeout_s,
+                 restart_dead: bool = True, ray_address: Optional[str] = None,
                  ray_num_cpus: Optional[int] = None, partial_rollouts: bool = False, colocate: bool = False,
                  spawn: Optional[Callable[[EngineSpec, int, int], Any]] = None):
         """`spawn(spec, index, incarnation)` starts an engine and returns its handle (whose
