@@ -19,8 +19,7 @@ from megatron_stepwise.algo.losses import LossConfig
 from megatron_stepwise.config.fields import option, section, to_dict
 from megatron_stepwise.options import option_of
 from megatron_stepwise.rollout.agent_loop import AgentLoopConfig
-from megatron_stepwise.rollout.engine import SamplingConfig, SamplingParams
-from megatron_stepwise.rollout.engine_router import RetryConfig
+from megatron_stepwise.rollout.engine import RetryConfig, SamplingConfig, SamplingParams
 
 
 @dataclass
@@ -115,7 +114,7 @@ class RolloutConfig:
     engine_tp: int = option(1, "tensor-parallel size (GPUs) of each SGLang engine", min=1)
     sglang: SGLangConfig = section(SGLangConfig, "SGLang servers")
     # Declared where they are read: `rollout.sampling` and max_new_tokens in rollout/engine.py, the
-    # agent loop's keys in rollout/agent_loop.py, the retry keys in rollout/engine_router.py
+    # agent loop's keys in rollout/agent_loop.py, `RetryConfig` in rollout/engine.py too
     # (`option_of` takes their default, help, bounds and choices).
     sampling: SamplingConfig = section(SamplingConfig, "sampling parameters")
     max_concurrency: int = option_of(AgentLoopConfig, "max_concurrency")

@@ -94,6 +94,14 @@ class SamplingConfig:
 
 
 @dataclass
+class RetryConfig:
+    """The `rollout` keys that say when a turn is retried (read by the fleet's and the agent workers' `EngineRouter`)."""
+
+    timeout_s: float = option(120.0, "seconds one turn may take on an engine before it is retried", gt=0.0)
+    max_retries: int = option(2, "retries of a failed or timed-out turn on another engine", min=0)
+
+
+@dataclass
 class SamplingParams:
     """Per-request sampling settings; field names and meaning follow SGLang's `sampling_params`.
 

@@ -16,19 +16,10 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from megatron_stepwise.options import option
 from megatron_stepwise.rollout.engine import EngineError, EngineReleasedError, GenerateResult, SamplingParams
 from megatron_stepwise.rollout.sglang import EngineRequestError
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RetryConfig:
-    """The `rollout` keys that say when a turn is retried (read by the fleet and the agent workers)."""
-
-    timeout_s: float = option(120.0, "seconds one turn may take on an engine before it is retried", gt=0.0)
-    max_retries: int = option(2, "retries of a failed or timed-out turn on another engine", min=0)
 
 
 @dataclass

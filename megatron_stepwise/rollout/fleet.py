@@ -34,9 +34,9 @@ from dataclasses import asdict, dataclass
 from typing import Any, Awaitable, Callable, Optional
 
 from megatron_stepwise.lifecycle import tagged_ray_instance
-from megatron_stepwise.rollout.engine import EngineReleasedError, GenerateResult, NamedTensors, SamplingParams, memory_tags
+from megatron_stepwise.rollout.engine import EngineReleasedError, RetryConfig, GenerateResult, NamedTensors, SamplingParams, memory_tags
 from megatron_stepwise.rollout.agent_loop import AgentLoopConfig
-from megatron_stepwise.rollout.engine_router import EngineRouter, EngineSlot, RequestCounters, RetryConfig
+from megatron_stepwise.rollout.engine_router import EngineRouter, EngineSlot, RequestCounters
 from megatron_stepwise.rollout.sglang import SGLangServerConfig, TensorHandles, serialize_tensors_sglang
 
 log = logging.getLogger(__name__)
