@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from megatron_stepwise.algo.groups import groups_of
 from megatron_stepwise.config.schema import ExperimentConfig
 from megatron_stepwise.loop.async_source import AsyncRollouts, loop_in_thread
 from megatron_stepwise.loop.sources import Driver
@@ -27,7 +28,7 @@ class FakeAgent:
         self.fail_prompt, self.hang = fail_prompt, hang
         self.calls = self.cancelled = 0
 
-    async def rollout(self, samples, seed=None):
+    async def rollout_groups(self, samples, seed=None):
         (sample,) = samples
         delay = self.delays[self.calls] if self.calls < len(self.delays) else 0.0
         self.calls += 1
@@ -48,7 +49,7 @@ class FakeAgent:
                 last = t == turns - 1
                 steps.append(Step(TrajectoryID(pid, k), [1, 2], [3, 4], [1, 1], weight_versions=[v, v],
                                   reward=self.rewards[k] if last else 0.0, is_last_step=last))
-        return steps
+        return groups_of(steps)
 
 
 class FakeDataset:
@@ -96,7 +97,7 @@ def test_take_hands_out_whole_groups_with_distinct_ids():
     assert len(set(ids)) == 2
     for g in groups:
         # all 3 rows (2 trajectories: 1 + 2 turns) of the group, carrying the group's id
-        assert [(s.trajectory_id.prompt_id, s.trajectory_id.sample_index) for s in g.steps] == \
+        assert [(s.trajectory_id.prompt_id, s.trajectory_id.sample_index) for s in g.rollout.steps] == \
             [(g.group_id, 0), (g.group_id, 1), (g.group_id, 1)]
     close(driver, trainer)
 

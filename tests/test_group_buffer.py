@@ -61,7 +61,7 @@ def test_take_returns_exactly_n_oldest_start_version_first_or_none():
     assert buf.take(2, 2) is None
     buf.finish(a.serial, ["a"], 2)
     got = buf.take(2, 2)
-    assert [g.steps for g in got] == [["a"], ["d"]]
+    assert [g.rollout for g in got] == [["a"], ["d"]]
     assert buf.counters.trained == 4 and buf.ledger == {0: "trained", 1: "trained", 2: "trained", 3: "trained"}
 
 
@@ -259,7 +259,7 @@ def test_randomised_schedules_keep_the_bound_and_lose_or_duplicate_nothing(name)
                 # the staleness bound
                 assert 0 <= version - g.start_version <= sc.max_staleness, (seed, version, g)
                 # a group's rows arrive together, complete and in order
-                assert g.steps == generated[g.serial]
+                assert g.rollout == generated[g.serial]
             # distinct advantage groups inside one mini-batch
             assert len({g.group_id for g in groups}) == len(groups)
             trained_serials += [g.serial for g in groups]

@@ -5,8 +5,8 @@ its turns to the engines itself (`EngineView`): no turn passes through the drive
 `AgentWorkers` is a drop-in for `AgentLoop` (`rollout`, `env_stats`, `close`), so the sync and
 async sources, evaluation and dynamic sampling use workers unchanged. It hands out prompt groups
 (a few per call when a rollout has many, one in async mode) to the least busy worker and gets
-them back columnar (a `StepBatch`, no per-step tensor pickling), with the engines the worker found dead (the fleet restarts them) and
-its request counts (the fleet's metrics). A worker that dies is restarted and its unfinished
+back `RolloutGroup`s (columnar on the wire, no per-step tensor pickling), with the engines the
+worker found dead (the fleet restarts them) and its request counts (the fleet's metrics). A worker that dies is restarted and its unfinished
 groups are re-issued to a live one, counted in `agents/worker_restarts` and
 `agents/reissued_groups`; sampling seeds depend only on the trajectory and turn, so a re-issued
 group samples as it would have.
@@ -23,9 +23,10 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
+from megatron_stepwise.algo.groups import RolloutGroup, flat_steps
 from megatron_stepwise.rollout.agent_loop import checked_prompt_ids
 from megatron_stepwise.rollout.engine_router import EngineSlot, EngineView, RequestCounters
-from megatron_stepwise.types import Step, StepBatch
+from megatron_stepwise.types import Step
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +52,9 @@ def resolve_agent_workers(cfg, ray_nodes: Optional[int] = None) -> int:
 
 @dataclass
 class WorkerReply:
-    """The groups' steps, columnar, and what the worker learnt about the engines meanwhile."""
+    """The groups (columnar on the wire) and what the worker learnt about the engines meanwhile."""
 
-    batch: StepBatch
+    groups: list[RolloutGroup]
     dead_engines: list[tuple[int, int]]
     requests: RequestCounters
 
@@ -82,9 +83,9 @@ class AgentWorker:
     async def rollout(self, samples: list[dict], seed: Optional[int], request_tag: str,
                       engines: list[EngineSlot]) -> WorkerReply:
         self.engines.refresh(engines)
-        steps = await self.agent.rollout(samples, seed=seed, request_tag=request_tag)
+        groups = await self.agent.rollout_groups(samples, seed=seed, request_tag=request_tag)
         dead, requests = self.engines.take_report()
-        return WorkerReply(StepBatch.from_steps(steps, keep_metadata=True), dead, requests)
+        return WorkerReply(groups, dead, requests)
 
     def env_stats(self) -> dict[str, int]:
         return self.agent.env_stats()
@@ -141,7 +142,12 @@ class AgentWorkers:
     async def rollout(self, samples: Sequence[dict[str, Any]], seed: Optional[int] = None,
                       on_trajectory_done: Optional[Callable[[list[Step]], None]] = None,
                       request_tag: str = "") -> list[Step]:
-        """Every sample's trajectories, steps in the order of the samples (as `AgentLoop.rollout`)."""
+        return flat_steps(await self.rollout_groups(samples, seed, on_trajectory_done, request_tag))
+
+    async def rollout_groups(self, samples: Sequence[dict[str, Any]], seed: Optional[int] = None,
+                             on_trajectory_done: Optional[Callable[[list[Step]], None]] = None,
+                             request_tag: str = "") -> list[RolloutGroup]:
+        """One group per sample, in the order of the samples (as `AgentLoop.rollout_groups`)."""
         checked_prompt_ids(samples)
         # Several groups a call when there are many (fewer calls, less driver work per turn), yet
         # at least CHUNKS_PER_WORKER calls per worker so the load still balances, and at most half
@@ -151,7 +157,7 @@ class AgentWorkers:
         chunks = [[dict(s) for s in samples[i:i + size]] for i in range(0, len(samples), size)]
         async with asyncio.TaskGroup() as tg:
             tasks = [tg.create_task(self._chunk(chunk, seed, request_tag, on_trajectory_done)) for chunk in chunks]
-        return [s for t in tasks for s in t.result()]
+        return [g for t in tasks for g in t.result()]
 
     def env_stats(self) -> dict[str, int]:
         import ray
@@ -193,7 +199,7 @@ class AgentWorkers:
             self._free.notify_all()
 
     async def _chunk(self, samples: list[dict], seed: Optional[int], tag: str,
-                     on_trajectory_done: Optional[Callable[[list[Step]], None]]) -> list[Step]:
+                     on_trajectory_done: Optional[Callable[[list[Step]], None]]) -> list[RolloutGroup]:
         """Prompt groups rolled out by one worker in one call; re-issued whole if it dies."""
         import ray
 
@@ -216,11 +222,11 @@ class AgentWorkers:
             for index, engine_incarnation in reply.dead_engines:
                 self.fleet.report_dead(index, engine_incarnation)
             self.fleet.add_request_counts(reply.requests)
-            steps = reply.batch.to_steps(copy=False)  # fresh from the worker: nothing else holds it
             if on_trajectory_done is not None:
-                for trajectory in _trajectories(steps):
-                    on_trajectory_done(trajectory)
-            return steps
+                for group in reply.groups:
+                    for trajectory in group.trajectories:
+                        on_trajectory_done(trajectory)
+            return reply.groups
         raise AssertionError("unreachable")
 
     def _restart(self, worker: _Worker, incarnation: int, error: BaseException) -> None:
@@ -238,12 +244,3 @@ class AgentWorkers:
         worker.incarnation += 1
         self.worker_restarts += 1
 
-
-def _trajectories(steps: list[Step]) -> list[list[Step]]:
-    out, current = [], []
-    for s in steps:
-        current.append(s)
-        if s.is_last_step:
-            out.append(current)
-            current = []
-    return out

@@ -23,13 +23,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import operator
 import logging
 import threading
 from typing import Any, Callable, Optional
 
 import torch
 
-from megatron_stepwise.algo.advantages import has_reward_variance
+from megatron_stepwise.algo.groups import flat_steps
 from megatron_stepwise.algo.validate import validate_steps
 from megatron_stepwise.loop.group_buffer import GroupBuffer, trained_token_staleness, trajectory_version_spread
 from megatron_stepwise.loop.prepare import PrepareOptions
@@ -77,7 +78,7 @@ class AsyncRollouts:
                                        dp_size=dp_size)
         filters = cfg.algo.filters
         self._buffer_args = (self.groups_per_step, cfg.async_.max_staleness, cfg.async_.stale_policy)
-        self._keep_group = has_reward_variance if (filters.zero_variance or filters.dynamic_sampling) else None
+        self._keep_group = operator.attrgetter("has_reward_variance") if (filters.zero_variance or filters.dynamic_sampling) else None
         # Filters may discard this many groups while one optimizer step waits before it is skipped
         # (the synchronous source's dynamic sampling gives up after as many rollout rounds).
         self.starve_limit = filters.max_sampling_rounds * cfg.data.prompts_per_iteration
@@ -140,8 +141,9 @@ class AsyncRollouts:
     async def _rollout(self, group) -> None:
         try:
             # A per-group seed: reproducible sampling per turn whichever engine serves it.
-            steps = await self.driver.agent.rollout([group.rollout_sample()], seed=rollout_seed(self.seed, group.serial))
-            self.buffer.finish(group.serial, steps, self.version())
+            (rollout,) = await self.driver.agent.rollout_groups([group.rollout_sample()],
+                                                                seed=rollout_seed(self.seed, group.serial))
+            self.buffer.finish(group.serial, rollout, self.version())
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - surfaces in the trainer's next take
@@ -175,7 +177,7 @@ class AsyncRollouts:
             log.warning("iteration %d: group filters discarded %d groups without %d informative ones; "
                         "optimizer step skipped", iteration, self.starve_limit, self.groups_per_step)
             return [None] * self.dp_size
-        steps = [s for g in groups for s in g.steps]
+        steps = flat_steps(g.rollout for g in groups)
         validate_steps(steps, vocab_size=self.vocab_size)
         staleness = [self.version() - g.start_version for g in groups]
         it = self._iteration

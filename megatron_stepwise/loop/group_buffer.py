@@ -49,7 +49,7 @@ class Group:
     group_id: str  # the prompt_id its trajectories carry; unique among outstanding groups
     start_version: int
     attempt: int = 0  # 0 for a fresh sample, k after k stale re-queues
-    steps: list = field(default_factory=list)  # the group's Steps, once finished
+    rollout: Any = None  # what the rollout produced (a RolloutGroup), once finished
     finish_order: int = -1
 
     def rollout_sample(self) -> dict[str, Any]:
@@ -71,7 +71,7 @@ class GroupBuffer:
     """See the module docstring. All methods are called from one thread (rank 0's event loop)."""
 
     def __init__(self, groups_per_step: int, max_staleness: int, stale_policy: str = "drop",
-                 keep_group: Optional[Callable[[list], bool]] = None, base_version: int = 0):
+                 keep_group: Optional[Callable[[Any], bool]] = None, base_version: int = 0):
         if groups_per_step < 1:
             raise ValueError(f"data.prompts_per_minibatch must be >= 1, got {groups_per_step}")
         if max_staleness < 0:
@@ -133,18 +133,18 @@ class GroupBuffer:
         self.counters.started += 1
         return group
 
-    def finish(self, serial: int, steps: list, version: int) -> str:
+    def finish(self, serial: int, rollout: Any, version: int) -> str:
         """A group's trajectories all finished (trainer at `version`); returns what became of it:
         "ready", "filtered", "dropped" or "requeued"."""
         group = self._in_flight.pop(serial, None)
         if group is None:
             raise ValueError(f"group {serial} is not in flight (finished twice, or never started)")
-        group.steps = list(steps)
+        group.rollout = rollout
         group.finish_order = self.counters.finished
         self.counters.finished += 1
         if self.is_stale(group, version):
             return self._evict(group)
-        if self.keep_group is not None and not self.keep_group(group.steps):
+        if self.keep_group is not None and not self.keep_group(group.rollout):
             self.counters.filtered += 1
             self._filtered_since_take += 1
             self.ledger[serial] = "filtered"

@@ -21,8 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from megatron_stepwise.algo.advantages import has_reward_variance
-from megatron_stepwise.algo.batching import prompt_minibatches
+from megatron_stepwise.algo.groups import RolloutGroup, flat_steps
 from megatron_stepwise.algo.validate import validate_steps
 from megatron_stepwise.loop.prepare import PrepareOptions, prepare
 from megatron_stepwise.metrics import rollout_metrics
@@ -80,19 +79,6 @@ def split_round(minibatches: list[list[Step]], metrics: dict[str, Any], *, optio
     return [Round([s[dp] for s in shards], metrics, counts, skipped) for dp in range(dp_size)]
 
 
-def group_rows(steps: list[Step]) -> dict[str, list[int]]:
-    """Rows of each prompt group (padding rows excluded), in order of first appearance."""
-    groups: dict[str, list[int]] = {}
-    for i, s in enumerate(steps):
-        if not s.is_padding:
-            groups.setdefault(s.trajectory_id.prompt_id, []).append(i)
-    return groups
-
-
-def count_informative_groups(steps: list[Step]) -> int:
-    return sum(has_reward_variance([steps[i] for i in rows]) for rows in group_rows(steps).values())
-
-
 class SyncRollouts:
     """The synchronous source: one round per iteration (see module docstring)."""
 
@@ -116,47 +102,48 @@ class SyncRollouts:
 
     def _decide(self, iteration: int) -> list[Round]:
         """Rank 0: roll out, validate, filter, split into mini-batches and shards."""
-        steps, metrics = self._rollout(iteration)
+        groups, metrics = self._rollout(iteration)
+        steps = flat_steps(groups)
         validate_steps(steps, vocab_size=self.vocab_size)
         metrics.update(rollout_metrics(steps))
-        steps, filtered = self._filter_groups(steps, iteration)
+        groups, filtered = self._filter_groups(groups, iteration)
         metrics.update(filtered)
-        return self.split(prompt_minibatches(steps, self.cfg.data.prompts_per_minibatch) if steps else [], metrics)
+        k = self.cfg.data.prompts_per_minibatch
+        return self.split([flat_steps(groups[i:i + k]) for i in range(0, len(groups), k)], metrics)
 
-    def _rollout(self, iteration: int) -> tuple[list[Step], dict[str, Any]]:
+    def _rollout(self, iteration: int) -> tuple[list[RolloutGroup], dict[str, Any]]:
         """Rank 0: roll out (with dynamic sampling if enabled)."""
         cfg, driver = self.cfg, self.driver
         t = time.perf_counter()
         samples = self.dataset.next(cfg.data.prompts_per_iteration)
         progress = self.progress(len(samples) * cfg.data.samples_per_prompt) if self.progress else contextlib.nullcontext()
         with progress as done:
-            steps = driver.run(driver.agent.rollout(samples, seed=rollout_seed(cfg.trainer.seed, iteration, 0),
-                                                    on_trajectory_done=done))
+            groups = driver.run(driver.agent.rollout_groups(samples, seed=rollout_seed(cfg.trainer.seed, iteration, 0),
+                                                            on_trajectory_done=done))
         rounds = 1
         if cfg.algo.filters.dynamic_sampling:
             # Keep rolling out fresh prompts until enough groups carry a learning signal.
-            while (count_informative_groups(steps) < cfg.data.prompts_per_iteration
+            while (sum(g.has_reward_variance for g in groups) < cfg.data.prompts_per_iteration
                    and rounds < cfg.algo.filters.max_sampling_rounds):
-                more = self.dataset.next(cfg.data.prompts_per_iteration)
-                seen = {s.trajectory_id.prompt_id for s in steps}
-                more = [m for m in more if m["prompt_id"] not in seen]
+                seen = {g.prompt_id for g in groups}
+                more = [m for m in self.dataset.next(cfg.data.prompts_per_iteration) if m["prompt_id"] not in seen]
                 if more:
-                    steps = steps + driver.run(driver.agent.rollout(more, seed=rollout_seed(cfg.trainer.seed, iteration, rounds)))
+                    seed = rollout_seed(cfg.trainer.seed, iteration, rounds)
+                    groups = groups + driver.run(driver.agent.rollout_groups(more, seed=seed))
                 rounds += 1
         elapsed = time.perf_counter() - t
-        generated = sum(int(s.response_ids.numel()) for s in steps)
+        generated = sum(g.generated_tokens for g in groups)
         info = {"rollout/sampling_rounds": rounds, "perf/rollout_tokens_per_s": generated / max(elapsed, 1e-9)}
         info.update(driver.fleet_metrics())
-        return steps, info
+        return groups, info
 
-    def _filter_groups(self, steps: list[Step], iteration: int) -> tuple[list[Step], dict[str, Any]]:
-        """Trajectory-group filters; keeps whole prompt groups and a multiple of the mini-batch size."""
+    def _filter_groups(self, groups: list[RolloutGroup], iteration: int) -> tuple[list[RolloutGroup], dict[str, Any]]:
+        """Group filters; keeps a multiple of the mini-batch size of whole prompt groups."""
         cfg = self.cfg
         filters = cfg.algo.filters
-        groups = group_rows(steps)
-        keep = list(groups)
+        keep = groups
         if filters.zero_variance or filters.dynamic_sampling:
-            keep = [g for g in keep if has_reward_variance([steps[i] for i in groups[g]])]
+            keep = [g for g in groups if g.has_reward_variance]
         target = cfg.data.prompts_per_iteration if filters.dynamic_sampling else len(keep)
         usable = min(len(keep), target)
         usable -= usable % cfg.data.prompts_per_minibatch
@@ -165,12 +152,9 @@ class SyncRollouts:
             "filter/groups_dropped_zero_variance": len(groups) - len(keep),
             "filter/groups_trained": usable,
         }
-        if usable == 0:
-            if filters.zero_variance or filters.dynamic_sampling:
-                log.warning("iteration %d: no prompt group with reward variance; no optimizer step", iteration)
-            return [], metrics
-        kept = set(keep[:usable])
-        return [s for s in steps if s.trajectory_id.prompt_id in kept], metrics
+        if usable == 0 and (filters.zero_variance or filters.dynamic_sampling):
+            log.warning("iteration %d: no prompt group with reward variance; no optimizer step", iteration)
+        return keep[:usable], metrics
 
     def overlap(self):
         return contextlib.nullcontext()  # the fleet is idle while this source's batches train

@@ -58,6 +58,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence, Union
 
 import torch
 
+from megatron_stepwise.algo.groups import RolloutGroup, flat_steps
 from megatron_stepwise.envs.base import Environment, make_env
 from megatron_stepwise.envs.tool_calls import check_tools
 from megatron_stepwise.rollout.context import (
@@ -154,7 +155,13 @@ class AgentLoop:
     async def rollout(self, samples: Sequence[dict[str, Any]], seed: Optional[int] = None,
                       on_trajectory_done: Optional[Callable[[list[Step]], None]] = None,
                       request_tag: str = "") -> list[Step]:
-        """All `n_samples_per_prompt` trajectories of every sample; steps in output order.
+        """`rollout_groups` as one flat list of steps, group after group."""
+        return flat_steps(await self.rollout_groups(samples, seed, on_trajectory_done, request_tag))
+
+    async def rollout_groups(self, samples: Sequence[dict[str, Any]], seed: Optional[int] = None,
+                             on_trajectory_done: Optional[Callable[[list[Step]], None]] = None,
+                             request_tag: str = "") -> list[RolloutGroup]:
+        """One `RolloutGroup` per sample: its `n_samples_per_prompt` trajectories, in sample order.
 
         With `seed`, every turn's request carries a `sampling_seed` derived from (seed,
         trajectory, turn): the rollout is reproducible whichever engine serves each turn.
@@ -179,9 +186,10 @@ class AgentLoop:
                 for sample, pid in zip(samples, prompt_ids)
                 for k in range(self.config.n_samples_per_prompt)
             ]
-        steps = [step for t in tasks for step in t.result()]
-        _warn_if_env_errors_dominate(steps, self._env.stats())
-        return steps
+        n = self.config.n_samples_per_prompt
+        groups = [RolloutGroup(pid, [t.result() for t in tasks[i * n:(i + 1) * n]]) for i, pid in enumerate(prompt_ids)]
+        _warn_if_env_errors_dominate(flat_steps(groups), self._env.stats())
+        return groups
 
     async def run_trajectory(self, sample: dict[str, Any], traj_id: TrajectoryID, seed: Optional[int] = None,
                              request_tag: str = "") -> list[Step]:

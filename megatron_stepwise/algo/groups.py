@@ -1,0 +1,89 @@
+"""Prompt groups: the unit a rollout yields and the trainer decides on.
+
+A `RolloutGroup` is one prompt's trajectories (`samples_per_prompt` of them), each a list of
+steps ending on its one `is_last_step`. The structure is checked once, where the group is
+made (the agent loop); filters, dynamic sampling and mini-batching then read a group's
+outcome rewards and sizes without re-deriving trajectories from a flat step list. A group
+pickles columnar (one `StepBatch`, flat token tensors with offsets), never as per-step
+tensors: agent workers send groups to the driver that way, and the async buffer keeps them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from megatron_stepwise.types import Step, StepBatch, StepwiseBatchError
+
+
+@dataclass
+class RolloutGroup:
+    prompt_id: str
+    trajectories: list[list[Step]]
+
+    def __post_init__(self) -> None:
+        for k, trajectory in enumerate(self.trajectories):
+            where = f"prompt group {self.prompt_id!r}, trajectory {k}"
+            if not trajectory:
+                raise StepwiseBatchError(f"{where}: no steps")
+            if any(s.trajectory_id.prompt_id != self.prompt_id for s in trajectory):
+                raise StepwiseBatchError(f"{where}: a step of another prompt ({trajectory[0].trajectory_id})")
+            if not trajectory[-1].is_last_step or any(s.is_last_step for s in trajectory[:-1]):
+                raise StepwiseBatchError(f"{where}: field 'is_last_step' must be True on its last step only")
+
+    @property
+    def steps(self) -> list[Step]:
+        return [s for t in self.trajectories for s in t]
+
+    @property
+    def rewards(self) -> list[float]:
+        """Each trajectory's outcome reward (its last step's)."""
+        return [t[-1].reward for t in self.trajectories]
+
+    @property
+    def has_reward_variance(self) -> bool:
+        """Not every trajectory got the same reward: the group carries a learning signal."""
+        return len(set(self.rewards)) > 1
+
+    @property
+    def num_steps(self) -> int:
+        return sum(len(t) for t in self.trajectories)
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(int(s.response_ids.numel()) for t in self.trajectories for s in t)
+
+    # Columnar on the wire: one StepBatch and the trajectories' lengths.
+    def __getstate__(self) -> dict:
+        return {"prompt_id": self.prompt_id, "batch": StepBatch.from_steps(self.steps, keep_metadata=True),
+                "lengths": [len(t) for t in self.trajectories]}
+
+    def __setstate__(self, state: dict) -> None:
+        steps = state["batch"].to_steps(copy=False)  # fresh from the wire: nothing else holds it
+        self.prompt_id, self.trajectories, start = state["prompt_id"], [], 0
+        for n in state["lengths"]:
+            self.trajectories.append(steps[start:start + n])
+            start += n
+
+
+def flat_steps(groups: Iterable[RolloutGroup]) -> list[Step]:
+    """Every group's steps, group after group (the order a flat rollout has)."""
+    return [s for g in groups for s in g.steps]
+
+
+def groups_of(steps: Sequence[Step]) -> list[RolloutGroup]:
+    """The prompt groups of a flat rollout (contiguous trajectories, as the agent loop returns
+    them), in order of first appearance; padding rows are not part of any group."""
+    groups: dict[str, list[list[Step]]] = {}
+    current: list[Step] = []
+    for s in steps:
+        if s.is_padding:
+            continue
+        current.append(s)
+        if s.is_last_step:
+            groups.setdefault(s.trajectory_id.prompt_id, []).append(current)
+            current = []
+    if current:
+        raise StepwiseBatchError(f"trajectory {current[-1].trajectory_id}: field 'is_last_step' is False on its "
+                                 "final step (the rollout ends inside it)")
+    return [RolloutGroup(pid, trajectories) for pid, trajectories in groups.items()]
