@@ -81,6 +81,7 @@ def first_failure(failures: dict) -> tuple:
 def _user_errors() -> tuple[type, ...]:
     """Errors that mean "fix the config, data or checkpoint", not a bug: one line, exit 2."""
     from megatron_stepwise.loop.agent_workers import AgentWorkersNotStarted
+    from megatron_stepwise.loop.divergence import RunDiverged
     from megatron_stepwise.megatron.checkpoint import CheckpointError
     from megatron_stepwise.megatron.hf_mapping import WeightConversionError
     from megatron_stepwise.megatron.model import ModelConfigError
@@ -88,7 +89,7 @@ def _user_errors() -> tuple[type, ...]:
     from megatron_stepwise.types import StepwiseBatchError
 
     return (CheckpointError, WeightConversionError, ModelConfigError, UnsupportedLayoutError, StepwiseBatchError,
-            AgentWorkersNotStarted)
+            AgentWorkersNotStarted, RunDiverged)
 
 
 def _train(cfg) -> int:

@@ -118,6 +118,7 @@ CASES = [
     ("top-k-float", {"rollout": {"sampling": {"top_k": 2.0}}}, [], {}, "rollout.sampling.top_k", "expected an integer"),
     # non-finite floats: NaN passes no bound, so every float key checks finiteness itself
     ("nan-lr", {"optim": {"lr": float("nan")}}, [], {}, "optim.lr", "must be a finite number"),
+    ("absurd-lr", {"optim": {"lr": 1e30}}, [], {}, "optim.lr", "must be <= 1.0"),
     ("inf-reward", {"rollout": {"env_error_reward": float("-inf")}}, [], {}, "rollout.env_error_reward",
      "must be a finite number"),
     ("nan-override", {}, ["algo.loss.entropy_coef=nan"], {}, "algo.loss.entropy_coef",
