@@ -125,6 +125,15 @@ def _train(cfg) -> int:
         sys.stderr.write((f"error: {e}" if rank == 0 else f"error (rank {rank}): {e}") + "\n")
         sys.stderr.flush()
         return 2
+    except BaseException as e:  # the fleet lost every engine: its cause in one line, not the trajectories'
+        from megatron_stepwise.rollout.engine import engine_loss
+
+        lost = engine_loss(e)
+        if lost is None:
+            raise
+        sys.stderr.write(f"error: {lost}\n")
+        sys.stderr.flush()
+        return 1
     finally:
         try:
             if trainer is not None:
