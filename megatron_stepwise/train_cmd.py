@@ -39,10 +39,11 @@ def _main(args: argparse.Namespace) -> int:
             print("error: launch.nnodes > 1: start the job with launch/train_slurm.sbatch (or torchrun on each node)",
                   file=sys.stderr)
             return 2
-        from megatron_stepwise.lifecycle import LAUNCHER_PID_ENV, LOCK_WAIT_S, RUN_DIR_ENV, RunDirLocked, RunLock
+        from megatron_stepwise.lifecycle import (LAUNCHER_PID_ENV, LOCK_WAIT_S, RUN_DIR_ENV, HeldLocks, RunDirLocked,
+                                                 run_locks)
 
-        try:  # refuse before torchrun starts; rank 0 takes the lock itself
-            RunLock(cfg.run_dir).probe(LOCK_WAIT_S)
+        try:  # refuse before torchrun starts; rank 0 takes the locks itself
+            HeldLocks(run_locks(cfg.run_dir, cfg.checkpoint_dir)).probe(LOCK_WAIT_S)
         except RunDirLocked as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -95,12 +96,12 @@ def _user_errors() -> tuple[type, ...]:
 def _train(cfg) -> int:
     import logging
 
-    from megatron_stepwise.lifecycle import LOCK_WAIT_S, RUN_DIR_ENV, RunDirLocked, RunLock, die_with_launcher
+    from megatron_stepwise.lifecycle import LOCK_WAIT_S, RUN_DIR_ENV, HeldLocks, RunDirLocked, die_with_launcher, run_locks
 
     if _under_launcher():
         die_with_launcher()
     rank = int(os.environ.get("RANK", "0"))
-    lock = RunLock(cfg.run_dir)
+    lock = HeldLocks(run_locks(cfg.run_dir, cfg.checkpoint_dir))
     if rank == 0:
         try:
             lock.acquire(LOCK_WAIT_S)

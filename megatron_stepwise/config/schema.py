@@ -270,6 +270,8 @@ class CheckpointConfig:
                                         "only (fresh Adam moments), e.g. to resume a distributed-optimizer run "
                                         "at another tensor/pipeline/context parallel size")
     export_hf: bool = option(False, "also write an HF directory (safetensors + config + tokenizer) at the end")
+    accept_unverified: bool = option(False, "resume from a checkpoint without a manifest.json (unverified: "
+                                            "saved by an older version, or its manifest lost)")
 
 
 @dataclass
