@@ -100,3 +100,59 @@ def test_concurrent_calls_from_threads_without_preexec_fn(monkeypatch):
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         results = list(pool.map(lambda i: sandbox.run_python(f"print({i} * {i})", timeout_s=60), range(16)))
     assert [r.stdout for r in results] == [f"{i * i}\n" for i in range(16)]
+
+
+REAPER = """
+import ctypes, json, os, sys
+sys.path.insert(0, sys.argv[1])
+from sandbox_corpus import load_sandbox
+ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans come here
+sandbox = load_sandbox()
+calls = [sandbox.run_python("import time\\nwhile True: time.sleep(0.01)", timeout_s=1.0),  # timed out
+         sandbox.run_python("import sys\\nwhile True: sys.stdout.write('x' * 65536)", timeout_s=30),  # truncated
+         sandbox.run_python("import os\\nif os.fork() == 0:\\n    os.setsid()\\n    import time; time.sleep(600)",
+                            timeout_s=5)]  # a child left running
+zombies = []
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        stat = open(f"/proc/{pid}/stat", "rb").read()
+    except OSError:
+        continue
+    fields = stat[stat.rfind(b")") + 2:].split()
+    if int(fields[1]) == os.getpid():
+        zombies.append((int(pid), fields[0].decode()))
+print(json.dumps({"timed_out": calls[0].timed_out, "truncated": calls[1].output_truncated, "left": zombies}))
+"""
+
+
+def test_the_sandbox_reaps_what_it_starts_leaving_no_orphan_to_a_reaper():
+    """Where PID 1 never reaps (a container whose entrypoint is the trainer), every orphan
+    re-parented to it would stay a zombie: a subreaper here sees what would reach PID 1."""
+    done = subprocess.run([sys.executable, "-c", REAPER, str(Path(__file__).parent)], capture_output=True,
+                          text=True, timeout=600, cwd="/")
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert report["timed_out"] and report["truncated"]
+    assert report["left"] == [], f"processes left to the reaper ({sandbox.isolation().describe()}): {report['left']}"
+
+
+def test_a_tree_the_code_cannot_be_made_to_keep_is_removed(tmp_path):
+    """The cleanup itself, on what rmtree fails at: a deep chain (RecursionError), chmod 0 dirs,
+    a symlink out (not followed)."""
+    root = tmp_path / "call"
+    (root / "locked" / "inner").mkdir(parents=True)
+    (root / "locked" / "inner" / "f").write_text("x")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_text("x")
+    (root / "link").symlink_to(outside)
+    os.chmod(root / "locked" / "inner", 0)
+    os.chmod(root / "locked", 0)
+    fd = os.open(root, os.O_RDONLY)
+    for _ in range(1500):
+        os.mkdir("d", dir_fd=fd)
+        fd, old = os.open("d", os.O_RDONLY, dir_fd=fd), fd
+        os.close(old)
+    os.close(fd)
+    sandbox.remove_tree(str(root))
+    assert not root.exists() and (outside / "keep").is_file()

@@ -13,7 +13,9 @@ Layers, each of which holds on its own (what remains without one is in docs/secu
   `subprocess` itself: no `preexec_fn`, which Python documents as unsafe with threads, and the
   agent loop calls this from a thread pool), stdout/stderr read incrementally and capped (the
   process is killed at the cap, so a flood costs the trainer at most the cap), and on timeout
-  or at the end the PID namespace's init and the whole process group are SIGKILLed.
+  or at the end the PID namespace's init and then the whole process group are SIGKILLed, each
+  process reaped by its own parent (no zombie is left to an orphan reaper); the call's directory
+  is then removed by `remove_tree`, which nothing the code built can make fail.
 
 Only the code and an empty working directory reach the sandbox: no environment variable, file
 or argument carries the trainer's state or a dataset's answer.
@@ -195,11 +197,49 @@ def run_python(code: str, timeout_s: float = 5.0, memory_mb: int = 512, max_outp
             _kill_all(proc, supervised=cfg["supervise"])
         returncode = proc.wait()
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        remove_tree(workdir)
     decode = lambda b: b.decode("utf-8", "replace")  # noqa: E731
     if returncode == SETUP_FAILED and decode(err).startswith("sandbox setup failed") and not timed_out:
         raise SandboxError(decode(err).strip() or "sandbox setup failed")
     return SandboxResult(decode(out), decode(err), returncode, timed_out, truncated)
+
+
+def remove_tree(root: str) -> None:
+    """Delete a call's directory and whatever the code built in it; never raises.
+
+    `shutil.rmtree` recurses (a chain of a few thousand directories makes it raise
+    RecursionError) and skips what it may not read (a `chmod 0` directory, as non-root). Here
+    no path gets deep: each directory is made accessible, its files unlinked and its
+    subdirectories moved into one fresh directory of ours (`trash`) to be emptied in turn. What
+    still cannot go is logged, not raised.
+    """
+    try:
+        os.chmod(root, 0o700)
+        trash = tempfile.mkdtemp(prefix=".remove-", dir=root)  # a name the code cannot have taken
+        pending, moved = [root], 0
+        while pending:
+            path = pending.pop()
+            os.chmod(path, 0o700)
+            with os.scandir(path) as entries:
+                found = [(e.path, e.is_dir(follow_symlinks=False)) for e in entries]
+            for child, is_dir in found:
+                if child == trash:
+                    continue
+                if not is_dir:
+                    os.unlink(child)
+                    continue
+                moved += 1
+                target = os.path.join(trash, str(moved))
+                os.chmod(child, 0o700)  # moving a directory rewrites its "..": it must be writable
+                os.rename(child, target)
+                pending.append(target)
+            if path != root:
+                os.rmdir(path)  # its files are gone and its subdirectories moved out
+        os.rmdir(trash)
+        os.rmdir(root)
+    except OSError as e:
+        log.warning("sandbox: could not remove all of %s (%s)", root, e)
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @functools.lru_cache(maxsize=1)
@@ -257,8 +297,16 @@ def _kill_all(proc: subprocess.Popen, supervised: bool) -> None:
             proc.wait(timeout=30)  # it kills and reaps, then exits; generous for a loaded machine
         except subprocess.TimeoutExpired:
             pass
-    for pid in _children(proc.pid):
+    children = _children(proc.pid)
+    for pid in children:
         _signal(lambda: os.kill(pid, signal.SIGKILL))
+    if children and proc.poll() is None:
+        # unshare reaps its child and exits by itself: killed first, it would leave that child a
+        # zombie for whichever process reaps orphans (PID 1 in a container may never do it)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
     _signal(lambda: os.killpg(proc.pid, signal.SIGKILL))
 
 

@@ -17,8 +17,9 @@ In order, before one byte of model code runs:
    (ABI >= 4); signals to and abstract unix sockets of processes outside the sandbox are denied
    (ABI >= 6). Landlock also forbids ptrace-like access (/proc/<pid>/mem, environ) to processes
    outside the sandbox, whatever the uid;
-4. seccomp: socket() (any family) and io_uring are denied (x86_64 and aarch64; elsewhere this
-   layer is skipped);
+4. a fresh anonymous session keyring (the trainer's keys are no longer this process's), then
+   seccomp: socket() (any family), io_uring and the key syscalls (add_key, request_key, keyctl)
+   are denied (x86_64 and aarch64; elsewhere this layer is skipped);
 5. the code is compiled and executed as `__main__`; its exceptions print a traceback to stderr.
 
 Exit code 120 means the sandbox itself could not be set up (the message is on stderr): the
@@ -120,6 +121,18 @@ _ARCHES = {  # machine -> (AUDIT_ARCH, socket, io_uring_setup, first x32 syscall
     "x86_64": (0xC000003E, 41, 425, 0x40000000),
     "aarch64": (0xC00000B7, 198, 425, None),
 }
+_KEY_SYSCALLS = {"x86_64": (248, 249, 250), "aarch64": (217, 218, 219)}  # add_key, request_key, keyctl
+_KEYCTL_JOIN_SESSION_KEYRING = 1
+
+
+def new_session_keyring() -> bool:
+    """Join a fresh anonymous session keyring, so the keys of the trainer's session (PAM,
+    systemd, Kerberos) are not this process's; False where the kernel has no keyrings. The key
+    syscalls are denied afterwards (`deny_sockets`), so this is depth, not the only layer."""
+    nr = _KEY_SYSCALLS.get(os.uname().machine)
+    if nr is None:
+        return False
+    return _libc().syscall(nr[2], _KEYCTL_JOIN_SESSION_KEYRING, None) >= 0
 
 
 class _SockFilter(ctypes.Structure):
@@ -131,7 +144,8 @@ class _SockFprog(ctypes.Structure):
 
 
 def deny_sockets() -> bool:
-    """Seccomp: socket() and io_uring_setup fail with EACCES; False if unsupported here.
+    """Seccomp: socket(), io_uring_setup and the key syscalls fail with EACCES; False if
+    unsupported here.
 
     Model code has no use for sockets, and each other layer leaves some open: a network namespace
     does not cover pathname unix sockets (the trainer's Ray sockets, when it is not root), Landlock
@@ -148,6 +162,7 @@ def deny_sockets() -> bool:
     prog = [(_LD_W_ABS, 4, None, None), (_JEQ_K, audit_arch, None, "deny"), (_LD_W_ABS, 0, None, None)]
     if x32 is not None:
         prog.append((_JGE_K, x32, "deny", None))
+    prog += [(_JEQ_K, key_nr, "deny", None) for key_nr in _KEY_SYSCALLS[os.uname().machine]]
     prog += [(_JEQ_K, io_uring_nr, "deny", None), (_JEQ_K, socket_nr, "deny", "allow"),
              (_RET_K, _RET_ALLOW, None, None), (_RET_K, _RET_EACCES, None, None)]
     where = {"allow": len(prog) - 2, "deny": len(prog) - 1}
@@ -246,6 +261,7 @@ def main() -> None:
         abi = apply_landlock(cfg["read_only"], cfg["read_write"])
         if cfg.get("require_landlock") and abi == 0:
             raise OSError("Landlock is required but the kernel has none")
+        new_session_keyring()
         deny_sockets()
         code = compile(source, "<model code>", "exec")
     except SyntaxError:
