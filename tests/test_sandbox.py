@@ -156,3 +156,26 @@ def test_a_tree_the_code_cannot_be_made_to_keep_is_removed(tmp_path):
     os.close(fd)
     sandbox.remove_tree(str(root))
     assert not root.exists() and (outside / "keep").is_file()
+
+
+def test_read_grants_never_cover_a_package_directory(tmp_path):
+    """conda, pyenv and python:3.x images keep site-packages inside the standard library's
+    directory: it is granted entry by entry, the package directory left out (links need none)."""
+    stdlib = tmp_path / "prefix" / "lib" / "python3.11"
+    (stdlib / "site-packages" / "megatron_stepwise" / "envs" / "data").mkdir(parents=True)
+    (stdlib / "lib-dynload").mkdir()
+    (stdlib / "json").mkdir()
+    (stdlib / "os.py").write_text("")
+    (stdlib / "to-packages").symlink_to(stdlib / "site-packages")
+    other = tmp_path / "prefix" / "share"  # nothing packaged within: one rule for the whole tree
+    (other / "a" / "b").mkdir(parents=True)
+    grants = sandbox._grants(str(stdlib), 3) + sandbox._grants(str(other), 3)
+    assert sorted(grants) == sorted(map(str, [stdlib / "json", stdlib / "lib-dynload", stdlib / "os.py", other]))
+    # and on this machine: no grant holds a package directory of any interpreter here
+    import site
+    import sysconfig
+
+    packages = {Path(p).resolve() for p in [*site.getsitepackages(), sysconfig.get_paths()["purelib"],
+                                            "/usr/lib/python3/dist-packages"] if os.path.isdir(p)}
+    for path in sandbox.readable_paths(sandbox.isolation()):
+        assert not any(pkg.is_relative_to(Path(path).resolve()) for pkg in packages), (path, packages)

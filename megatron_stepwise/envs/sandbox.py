@@ -151,13 +151,38 @@ def isolation() -> Isolation:
     raise SandboxError(f"sandbox: none of the interpreters {list(pythons)} can run a probe script")
 
 
+_PACKAGE_DIRS = ("site-packages", "dist-packages")
+
+
+@functools.lru_cache(maxsize=4)
 def readable_paths(iso: Isolation) -> list[str]:
     """What the code may read and execute: the interpreter and its standard library, system dirs.
 
-    Never the project, a virtual environment's site-packages, datasets, /proc, /etc or /home.
+    Never the project, any site-packages or dist-packages (a conda, pyenv or Docker python's
+    standard library directory holds its site-packages, and /usr/lib Debian's dist-packages: a
+    non-editable install would expose the shipped datasets), datasets, /proc, /etc or /home.
     """
-    return sorted({*iso.stdlib, iso.python, "/usr/bin", "/bin", "/usr/lib", "/usr/lib64", "/lib", "/lib64",
-                   "/dev/null", "/dev/zero", "/dev/urandom"})
+    grants = [g for path in (*iso.stdlib, "/usr/lib", "/usr/lib64", "/lib", "/lib64") for g in _grants(path, 3)]
+    return sorted({*grants, iso.python, "/usr/bin", "/bin", "/dev/null", "/dev/zero", "/dev/urandom"})
+
+
+def _grants(path: str, depth: int) -> list[str]:
+    """`path` itself, or, when a package directory lies within `depth` levels under it, its
+    entries one by one with the package directories left out (Landlock grants whole trees)."""
+    path = os.path.realpath(path)  # a rule on a link grants its target (/lib -> usr/lib)
+    if os.path.basename(path) in _PACKAGE_DIRS:
+        return []
+    if depth == 0 or not os.path.isdir(path):
+        return [path]
+    try:
+        names = sorted(os.listdir(path))
+    except OSError:
+        return [path]
+    # Links need no rule of their own (Landlock checks where they lead), and one would grant
+    # their target, which the whole directory's rule did not.
+    children = [os.path.join(path, n) for n in names if not os.path.islink(os.path.join(path, n))]
+    parts = [g for child in children for g in _grants(child, depth - 1)]
+    return [path] if parts == children else parts
 
 
 def run_python(code: str, timeout_s: float = 5.0, memory_mb: int = 512, max_output_bytes: int = 64 << 10,
