@@ -190,6 +190,7 @@ def run_python(code: str, timeout_s: float = 5.0, memory_mb: int = 512, max_outp
     """Execute `code` in the sandbox; stdout/stderr are each kept up to `max_output_bytes`."""
     iso = isolation()
     workdir = tempfile.mkdtemp(prefix="sandbox-")
+    status_r = None
     try:
         code_path = os.path.join(workdir, "main.py")
         with open(code_path, "w") as f:
@@ -202,14 +203,20 @@ def run_python(code: str, timeout_s: float = 5.0, memory_mb: int = 512, max_outp
             "read_only": readable_paths(iso), "read_write": [workdir], "require_landlock": iso.landlock_abi > 0,
             "supervise": iso.namespaces == "none", "timeout_s": timeout_s,
         }
+        # setup's own report ("ok" or why not), closed before the code runs: the code cannot forge it
+        status_r, status_w = os.pipe()
+        cfg["status_fd"] = status_w
         env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
                "OMP_NUM_THREADS": "1"}
         # The init script goes in as -c text: nothing of the project needs to be readable inside.
-        proc = subprocess.Popen(
-            [*iso.run_as, *iso.unshare, iso.python, "-I", "-S", "-B", "-c", _init_source(), json.dumps(cfg)],
-            cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            start_new_session=True, close_fds=True,
-        )
+        try:
+            proc = subprocess.Popen(
+                [*iso.run_as, *iso.unshare, iso.python, "-I", "-S", "-B", "-c", _init_source(), json.dumps(cfg)],
+                cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                start_new_session=True, close_fds=True, pass_fds=(status_w,),
+            )
+        finally:
+            os.close(status_w)
         deadline = time.monotonic() + timeout_s
         try:
             out, err, timed_out, truncated = _collect(proc, deadline, max_output_bytes)
@@ -221,12 +228,24 @@ def run_python(code: str, timeout_s: float = 5.0, memory_mb: int = 512, max_outp
         finally:
             _kill_all(proc, supervised=cfg["supervise"])
         returncode = proc.wait()
+        status = _read_status(status_r)
     finally:
+        if status_r is not None:
+            os.close(status_r)
         remove_tree(workdir)
     decode = lambda b: b.decode("utf-8", "replace")  # noqa: E731
-    if returncode == SETUP_FAILED and decode(err).startswith("sandbox setup failed") and not timed_out:
-        raise SandboxError(decode(err).strip() or "sandbox setup failed")
+    if status.startswith("sandbox setup failed"):
+        raise SandboxError(status)
     return SandboxResult(decode(out), decode(err), returncode, timed_out, truncated)
+
+
+def _read_status(fd: int) -> str:
+    """What setup reported: "ok", its failure, or "" (it never got that far: killed, timed out)."""
+    try:
+        os.set_blocking(fd, False)  # every writer is gone by now; never wait on a straggler
+        return os.read(fd, 4096).decode("utf-8", "replace")
+    except OSError:
+        return ""
 
 
 def remove_tree(root: str) -> None:

@@ -23,7 +23,10 @@ In order, before one byte of model code runs:
 5. the code is compiled and executed as `__main__`; its exceptions print a traceback to stderr.
 
 Exit code 120 means the sandbox itself could not be set up (the message is on stderr): the
-parent reports that as an error rather than running the code unconfined.
+parent reports that as an error rather than running the code unconfined. It learns which it was
+from the status pipe (`status_fd`): "ok" once confined, or the failure, and the pipe is closed
+before the model's code runs, so the code cannot forge a setup failure (which would raise in the
+trainer) by printing the message and exiting 120.
 """
 
 import ctypes
@@ -188,7 +191,7 @@ def set_limits(cfg: dict) -> None:
 _PR_SET_CHILD_SUBREAPER = 36
 
 
-def supervise(timeout_s: float) -> None:
+def supervise(timeout_s: float, status_fd=None) -> None:
     """Without a PID namespace: fork; the child returns and runs the code, this process stays
     outside the code's Landlock domain (so the code cannot signal it) as the subreaper of
     everything the code starts, and when the code exits, times out or this process gets SIGTERM
@@ -199,6 +202,8 @@ def supervise(timeout_s: float) -> None:
     child = os.fork()
     if child == 0:
         return
+    if status_fd is not None:
+        os.close(status_fd)  # the child reports; this process outlives the code and must not hold it
     import select
     import signal
     import time
@@ -250,11 +255,21 @@ def _children_of(parent: int) -> list:
     return found
 
 
+def _report(fd, message: str) -> None:
+    if fd is not None:
+        try:
+            os.write(fd, message.encode("utf-8", "replace")[:4096])
+        finally:
+            os.close(fd)
+
+
 def main() -> None:
+    status = None
     try:
         cfg = json.loads(sys.argv[1])
+        status = cfg.get("status_fd")
         if cfg.get("supervise"):
-            supervise(cfg["timeout_s"])
+            supervise(cfg["timeout_s"], status)
         with open(cfg["code_path"]) as f:
             source = f.read()
         set_limits(cfg)
@@ -263,12 +278,13 @@ def main() -> None:
             raise OSError("Landlock is required but the kernel has none")
         new_session_keyring()
         deny_sockets()
-        code = compile(source, "<model code>", "exec")
-    except SyntaxError:
-        raise  # the model's own error: a normal traceback, exit code 1
     except BaseException as e:  # noqa: BLE001 - reported as a sandbox failure, never run unconfined
-        print(f"sandbox setup failed: {type(e).__name__}: {e}", file=sys.stderr)
+        message = f"sandbox setup failed: {type(e).__name__}: {e}"
+        print(message, file=sys.stderr)
+        _report(status, message)
         sys.exit(SETUP_FAILED)
+    _report(status, "ok")  # and closed: nothing the code does can write to it
+    code = compile(source, "<model code>", "exec")  # a SyntaxError is the model's: traceback, exit 1
     sys.argv = ["<model code>"]
     del cfg, source
     exec(code, {"__name__": "__main__", "__builtins__": __builtins__})
