@@ -5,7 +5,9 @@
   time, command line). A second trainer on the same directory gets `RunDirLocked`, which
   names the owner. The kernel drops the lock when its holder dies however it dies, so a
   lock left by a dead process is simply taken over. The descriptor is close-on-exec, so
-  processes the trainer starts (Ray's raylet and workers) never inherit it.
+  processes the trainer starts (Ray's raylet and workers) never inherit it. `run_locks` adds
+  the same lock on the checkpoint directory when it lies elsewhere (two runs that share one
+  `checkpoint.dir` would resume from and prune each other's checkpoints).
 - `die_with_launcher`: a training rank's parent is torchrun's agent, which starts every rank
   in a session of its own (`start_new_session`), so a signal to the launcher's process group
   never reaches the ranks. Each rank asks the kernel for SIGKILL when its parent dies
@@ -53,9 +55,10 @@ def _describe(owner: dict) -> str:
 class RunLock:
     """Exclusive lock on a run directory, held until `release()` or the holder's death."""
 
-    def __init__(self, run_dir: str):
+    def __init__(self, run_dir: str, what: str = "run directory", key: str = "logging.run_dir"):
         self.run_dir = run_dir
         self.path = os.path.join(run_dir, LOCK_NAME)
+        self.what, self.key = what, key  # for the message: what the directory is, the key that sets it
         self._fd: Optional[int] = None
 
     def read_owner(self) -> dict:
@@ -85,9 +88,9 @@ class RunLock:
                     continue
             os.close(fd)
             raise RunDirLocked(
-                f"run directory {os.path.abspath(self.run_dir)} is in use by another trainer: "
+                f"{self.what} {os.path.abspath(self.run_dir)} is in use by another trainer: "
                 f"{_describe(self.read_owner())} (lock {self.path}); stop that run first, or set "
-                f"logging.run_dir to another directory") from None
+                f"{self.key} to another directory") from None
         if record:
             owner = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), "argv": sys.argv}
             os.ftruncate(fd, 0)
@@ -113,6 +116,39 @@ class RunLock:
     @property
     def held(self) -> bool:
         return self._fd is not None
+
+
+def run_locks(run_dir: str, checkpoint_dir: str) -> list[RunLock]:
+    """The locks a trainer holds: its run directory's, and its checkpoint directory's when that is
+    not the run directory itself (one lock file cannot be taken twice)."""
+    locks = [RunLock(run_dir)]
+    if os.path.realpath(checkpoint_dir) != os.path.realpath(run_dir):
+        locks.append(RunLock(checkpoint_dir, "checkpoint directory", "checkpoint.dir"))
+    return locks
+
+
+class HeldLocks:
+    """Several `RunLock`s taken in order and released together; none is kept if one is refused."""
+
+    def __init__(self, locks: list[RunLock]):
+        self.locks = locks
+
+    def acquire(self, wait: float = 0.0) -> "HeldLocks":
+        try:
+            for lock in self.locks:
+                lock.acquire(wait)
+        except BaseException:
+            self.release()
+            raise
+        return self
+
+    def probe(self, wait: float = 0.0) -> None:
+        for lock in self.locks:
+            lock.probe(wait)
+
+    def release(self) -> None:
+        for lock in reversed(self.locks):
+            lock.release()
 
 
 def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:

@@ -39,10 +39,11 @@ def _main(args: argparse.Namespace) -> int:
             print("error: launch.nnodes > 1: start the job with launch/train_slurm.sbatch (or torchrun on each node)",
                   file=sys.stderr)
             return 2
-        from megatron_stepwise.lifecycle import LAUNCHER_PID_ENV, LOCK_WAIT_S, RUN_DIR_ENV, RunDirLocked, RunLock
+        from megatron_stepwise.lifecycle import (LAUNCHER_PID_ENV, LOCK_WAIT_S, RUN_DIR_ENV, HeldLocks, RunDirLocked,
+                                                 run_locks)
 
-        try:  # refuse before torchrun starts; rank 0 takes the lock itself
-            RunLock(cfg.run_dir).probe(LOCK_WAIT_S)
+        try:  # refuse before torchrun starts; rank 0 takes the locks itself
+            HeldLocks(run_locks(cfg.run_dir, cfg.checkpoint_dir)).probe(LOCK_WAIT_S)
         except RunDirLocked as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -81,6 +82,7 @@ def first_failure(failures: dict) -> tuple:
 def _user_errors() -> tuple[type, ...]:
     """Errors that mean "fix the config, data or checkpoint", not a bug: one line, exit 2."""
     from megatron_stepwise.loop.agent_workers import AgentWorkersNotStarted
+    from megatron_stepwise.loop.divergence import RunDiverged
     from megatron_stepwise.megatron.checkpoint import CheckpointError
     from megatron_stepwise.megatron.hf_mapping import WeightConversionError
     from megatron_stepwise.megatron.model import ModelConfigError
@@ -88,18 +90,18 @@ def _user_errors() -> tuple[type, ...]:
     from megatron_stepwise.types import StepwiseBatchError
 
     return (CheckpointError, WeightConversionError, ModelConfigError, UnsupportedLayoutError, StepwiseBatchError,
-            AgentWorkersNotStarted)
+            AgentWorkersNotStarted, RunDiverged)
 
 
 def _train(cfg) -> int:
     import logging
 
-    from megatron_stepwise.lifecycle import LOCK_WAIT_S, RUN_DIR_ENV, RunDirLocked, RunLock, die_with_launcher
+    from megatron_stepwise.lifecycle import LOCK_WAIT_S, RUN_DIR_ENV, HeldLocks, RunDirLocked, die_with_launcher, run_locks
 
     if _under_launcher():
         die_with_launcher()
     rank = int(os.environ.get("RANK", "0"))
-    lock = RunLock(cfg.run_dir)
+    lock = HeldLocks(run_locks(cfg.run_dir, cfg.checkpoint_dir))
     if rank == 0:
         try:
             lock.acquire(LOCK_WAIT_S)
@@ -124,6 +126,15 @@ def _train(cfg) -> int:
         sys.stderr.write((f"error: {e}" if rank == 0 else f"error (rank {rank}): {e}") + "\n")
         sys.stderr.flush()
         return 2
+    except BaseException as e:  # the fleet lost every engine: its cause in one line, not the trajectories'
+        from megatron_stepwise.rollout.engine import engine_loss
+
+        lost = engine_loss(e)
+        if lost is None:
+            raise
+        sys.stderr.write(f"error: {lost}\n")
+        sys.stderr.flush()
+        return 1
     finally:
         try:
             if trainer is not None:

@@ -11,11 +11,13 @@ from __future__ import annotations
 import pytest
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def ray_session():
-    """Ray for the tests of one module: a fleet starts it on first use (`ensure_ray`); this
-    shuts it down after the module, so the next module starts a fresh one. Modules use it with
-    `pytestmark = [..., pytest.mark.usefixtures("ray_session")]`."""
+    """One Ray for the whole test session: the first fleet starts it (`ensure_ray`), every later
+    module that asks for it shares it, and it shuts down at the end. Starting one per module made
+    the suite wait on a raylet's start deadline once per module (the one a busy machine misses).
+    Modules use it with `pytestmark = [..., pytest.mark.usefixtures("ray_session")]` and shut
+    their own fleets and workers down, so the next module finds every CPU free."""
     import ray
 
     yield

@@ -190,6 +190,21 @@ CORPUS = {
     "endless_loop": (
         "while True: pass",
         lambda r, t: r.timed_out),
+    "key_syscalls": (  # the trainer's session keyring: add a key to it, read its id
+        "import ctypes, os; libc = ctypes.CDLL(None, use_errno=True)\n"
+        "add_key, keyctl = {{'x86_64': (248, 250), 'aarch64': (217, 219)}}[os.uname().machine]\n"
+        "r = libc.syscall(add_key, b'user', b'k{token}', b'v', 1, -3)\n"
+        "print('added' if r >= 0 else 'add denied', ctypes.get_errno())\n"
+        "r = libc.syscall(keyctl, 0, -3, 0)\n"
+        "print('read' if r >= 0 else 'read denied', ctypes.get_errno())",
+        lambda r, t: "add denied 13" in r.stdout and "read denied 13" in r.stdout),
+    "undeletable_tree": (  # a directory chain deeper than rmtree recurses, and chmod 0 directories
+        "import os; print(os.getcwd(), flush=True)\n"
+        "os.makedirs('locked/inner'); open('locked/inner/f', 'w').write('x')\n"
+        "os.chmod('locked/inner', 0); os.chmod('locked', 0)\n"
+        "for _ in range(1500): os.mkdir('d'); os.chdir('d')\n"
+        "open('leaf', 'w').write('x'); print('built')",
+        lambda r, t: "built" in r.stdout and not os.path.exists(r.stdout.split()[0])),
 }
 
 

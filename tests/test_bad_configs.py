@@ -118,6 +118,7 @@ CASES = [
     ("top-k-float", {"rollout": {"sampling": {"top_k": 2.0}}}, [], {}, "rollout.sampling.top_k", "expected an integer"),
     # non-finite floats: NaN passes no bound, so every float key checks finiteness itself
     ("nan-lr", {"optim": {"lr": float("nan")}}, [], {}, "optim.lr", "must be a finite number"),
+    ("absurd-lr", {"optim": {"lr": 1e30}}, [], {}, "optim.lr", "must be <= 1.0"),
     ("inf-reward", {"rollout": {"env_error_reward": float("-inf")}}, [], {}, "rollout.env_error_reward",
      "must be a finite number"),
     ("nan-override", {}, ["algo.loss.entropy_coef=nan"], {}, "algo.loss.entropy_coef",
@@ -282,6 +283,11 @@ LAUGHS = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
     ("a list that contains itself", "x: &x [*x]\n", "YAML aliases expand to more than 100000 values"),
     ("a binary file", None, "is not a UTF-8 text file"),
     ("a huge file", "# " + "x" * (1 << 20) + "\n", "is over 1 MiB"),
+    ("lists nested deeper than the parser recurses", "model: " + "[" * 5000 + "]" * 5000 + "\n",
+     "nested more than 64 levels deep"),
+    ("mappings nested deeper than the parser recurses", "model: " + "{a: " * 3000 + "1" + "}" * 3000 + "\n",
+     "nested more than 64 levels deep"),
+    ("nested 65 levels", "model: " + "[" * 65 + "]" * 65 + "\n", "nested more than 64 levels deep"),
 ])
 def test_hostile_yaml_is_refused_without_a_traceback(tmp_path, what, text, fragment):
     if text is None:
@@ -289,3 +295,10 @@ def test_hostile_yaml_is_refused_without_a_traceback(tmp_path, what, text, fragm
     result = validate_cli(tmp_path, text)
     assert result.returncode == 2 and fragment in result.stderr, (what, result.stderr[-2000:])
     assert "Traceback" not in result.stderr
+
+
+def test_an_override_nested_too_deep_is_one_error_naming_its_key():
+    from megatron_stepwise.config.loader import parse_override
+
+    with pytest.raises(ValueError, match=r"^override model.x=\.\.\.: nested more than 64 levels deep$"):
+        parse_override("model.x=" + "[" * 3000 + "]" * 3000)

@@ -97,13 +97,89 @@ def test_a_corrupt_latest_falls_back_and_none_good_is_one_clear_error(tmp_path):
         "checkpoint iter_0000004 (incomplete: trainer_state.json missing) is corrupt or incomplete, skipped",
     ]
     (tmp_path / "iter_0000002" / C.MANIFEST).unlink()  # an older checkpoint without a manifest
-    assert C.choose_checkpoint(tmp_path) == (tmp_path / "iter_0000002", False, warnings)
+    assert C.choose_checkpoint(tmp_path, accept_unverified=True) == (tmp_path / "iter_0000002", False, warnings)
+    with pytest.raises(C.CheckpointError, match=r"iter_0000002 \(no manifest.json, so unverified "
+                                                r"\(checkpoint.accept_unverified=true loads it\)\)"):
+        C.choose_checkpoint(tmp_path)  # refused by default
     C.write_manifest(tmp_path / "iter_0000002")
     (tmp_path / "iter_0000002" / "metadata.json").write_text("{}  ")
     with pytest.raises(C.CheckpointError) as e:
         C.choose_checkpoint(tmp_path)
     assert str(e.value).startswith(f"no good checkpoint in {tmp_path} to resume from: iter_0000006 (file common.pt")
     assert "iter_0000002 (file metadata.json: expected 2 bytes, got 4)" in str(e.value)
+
+
+def test_an_unverified_latest_falls_back_to_the_previous_verified_one(tmp_path):
+    C.write_manifest(fake_checkpoint(tmp_path, 2))
+    fake_checkpoint(tmp_path, 4)  # no manifest: lost, or written by an older version
+    path, verified, warnings = C.choose_checkpoint(tmp_path)
+    assert (path.name, verified) == ("iter_0000002", True)
+    assert warnings == [f"checkpoint iter_0000004 ({C.UNVERIFIED}) is corrupt or incomplete, skipped"]
+    assert C.choose_checkpoint(tmp_path, accept_unverified=True)[:2] == (tmp_path / "iter_0000004", False)
+    # one that failed to load on some rank is skipped the same way
+    C.write_manifest(tmp_path / "iter_0000004")
+    path, _, warnings = C.choose_checkpoint(tmp_path, failed={"iter_0000004": "failed to load (KeyError: 'x')"})
+    assert path.name == "iter_0000002" and "iter_0000004 (failed to load (KeyError: 'x'))" in warnings[0]
+
+
+def test_a_checkpoint_written_by_another_run_is_refused_naming_both(tmp_path):
+    ckpt = fake_checkpoint(tmp_path, 3)
+    (ckpt / C.TRAINER_STATE).write_text(json.dumps({"iteration": 3, "run_id": "aaaa", "run_dir": "/runs/first"}))
+    C.write_manifest(ckpt)
+    kind, message = C._decide(tmp_path, None, run_id="bbbb")
+    assert kind == "error" and "\n" not in message
+    assert f"checkpoint {ckpt} was written by another run (run_id aaaa in /runs/first), this is run bbbb" in message
+    assert "checkpoint.dir" in message and "checkpoint.resume=" in message
+    assert C._decide(tmp_path, None, run_id="aaaa") == ("path", str(ckpt))  # its own run resumes
+    assert C._decide(None, ckpt, run_id="bbbb") == ("path", str(ckpt))  # named deliberately: allowed
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_a_checkpoint_that_fails_to_load_falls_back_to_the_previous_one(tmp_path, one_rank, monkeypatch):
+    ckpts = tmp_path / "ckpts"
+    for it in (2, 4, 6):
+        C.write_manifest(fake_checkpoint(ckpts, it))
+    tried = []
+
+    def load(target, *args, **kwargs):  # iter 6 is damaged in a way its manifest cannot show
+        tried.append(target.name)
+        if target.name == "iter_0000006":
+            raise RuntimeError("torch_dist metadata says shard 3\nmore text")
+        return {"iteration": int(target.name[5:])}
+
+    monkeypatch.setattr(C, "_load", load)
+    assert C.load_checkpoint([], ckpt_dir=ckpts) == {"iteration": 4}
+    assert tried == ["iter_0000006", "iter_0000004"]
+    # every one fails: one error naming each
+    monkeypatch.setattr(C, "_load", lambda target, *a, **k: (_ for _ in ()).throw(OSError("bad")))
+    with pytest.raises(C.CheckpointError, match=r"no good checkpoint in .*iter_0000006 \(failed to load "
+                                                r"\(OSError: bad\)\); iter_0000004 .*; iter_0000002 "):
+        C.load_checkpoint([], ckpt_dir=ckpts)
+
+
+def test_a_second_trainer_on_the_same_checkpoint_dir_is_refused(tmp_path):
+    from megatron_stepwise.lifecycle import HeldLocks, RunDirLocked, run_locks
+
+    shared = tmp_path / "shared_ckpts"
+    first = HeldLocks(run_locks(str(tmp_path / "run_a"), str(shared))).acquire()
+    try:
+        second = HeldLocks(run_locks(str(tmp_path / "run_b"), str(shared)))
+        with pytest.raises(RunDirLocked, match=rf"checkpoint directory {shared} is in use by another trainer: "
+                                               r"pid \d+ .*set checkpoint.dir to another directory"):
+            second.acquire()
+        assert not second.locks[0].held  # its own run directory's lock is not kept either
+    finally:
+        first.release()
+    HeldLocks(run_locks(str(tmp_path / "run_b"), str(shared))).acquire().release()
+    assert len(run_locks(str(tmp_path / "r"), str(tmp_path / "r"))) == 1  # checkpoint.dir = run_dir: one lock
 
 
 # ----------------------------------------------------------------------------- torchrun

@@ -278,3 +278,42 @@ def test_moe_weights_are_saved_and_loaded_under_the_hub_names(tmp_path, model_ty
         got = loaded.state_dict()
         assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
     assert sorted(checkpoint_state(source)) == names["ours"]
+
+
+def test_non_finite_weights_are_refused_naming_the_tensor(tmp_path):
+    engine = LocalEngine(CONFIG, eos_token_ids=[], seed=0)
+    before = greedy(engine).output_ids
+    bad = dict(build_causal_lm(CONFIG, seed=3).state_dict())
+    bad["model.norm.weight"] = bad["model.norm.weight"].clone()
+    bad["model.norm.weight"][1] = float("nan")
+    with pytest.raises(ValueError, match=r"'model.norm.weight' holds non-finite"):
+        run(engine.update_weights_from_tensors(bad))
+    bad["model.norm.weight"][1] = float("inf")
+    save_safetensors_dir(build_causal_lm(CONFIG, seed=3), tmp_path / "w")
+    from safetensors.torch import save_file
+    save_file({"model.norm.weight": bad["model.norm.weight"]}, str(tmp_path / "w" / "zz-bad.safetensors"))
+    with pytest.raises(ValueError, match=r"'model.norm.weight' holds non-finite"):
+        run(engine.update_weights_from_disk(str(tmp_path / "w")))
+    # Nothing was written: not even the good file that came first.
+    assert greedy(engine).output_ids == before and run(engine.weight_version()) == 0
+
+
+def test_an_engine_whose_model_thread_failed_recovers_on_the_next_good_weight_load():
+    engine = LocalEngine(CONFIG, eos_token_ids=[], seed=0)
+    good = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    expected = greedy(engine).output_ids
+
+    async def scenario():
+        with torch.no_grad():  # weights gone bad behind the loader's back (e.g. overflow in place)
+            engine.model.get_input_embeddings().weight.fill_(float("nan"))
+        with pytest.raises(Exception):
+            await engine.generate(PROMPTS[0], SamplingParams(temperature=1.0, max_new_tokens=4))
+        assert not await engine.health()
+        with pytest.raises(Exception, match="unhealthy"):
+            await engine.generate(PROMPTS[0], SamplingParams(temperature=0, max_new_tokens=4))
+        assert await engine.update_weights_from_tensors(good) == 1
+        assert await engine.health()
+        result = await engine.generate(PROMPTS[0], SamplingParams(temperature=0, max_new_tokens=8))
+        return result.output_ids
+
+    assert run(scenario()) == expected

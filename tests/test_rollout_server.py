@@ -1,6 +1,7 @@
 """The embedded engine over real HTTP on 127.0.0.1 (ephemeral ports), driven by SGLangClient."""
 
 import asyncio
+import logging
 import json
 import os
 import re
@@ -215,6 +216,39 @@ def test_an_api_key_guards_every_endpoint_but_health(monkeypatch):
 
     asyncio.run(scenario())
     asyncio.run(engine.close())
+
+
+def test_a_malformed_header_gets_a_400_or_401_and_the_key_stays_out_of_the_log(caplog):
+    """aiohttp logs a request it cannot parse with the offending header line: the key after
+    `Bearer` must not reach the log; undecodable bytes in the key are a 401, not a 500."""
+    key = "TOPSECRETKEY123"
+    engine = LocalEngine(CONFIG, tokenizer=TOK, seed=0)
+    requests = {  # raw request -> the status it must get
+        b"Authorization: Bearer " + key.encode() + b"\x01\r\n": 400,  # invalid header char
+        b"Authorization: Bearer " + key.encode() + b"\r\nBad Header\r\n": 400,  # invalid header line
+        b"Authorization: Bearer " + key.encode() + "\u00e9".encode() + b"\r\nContent-Length: 2\r\n\r\n{}": 401,
+    }
+
+    async def scenario():
+        runner, port = await start_server(engine, "127.0.0.1", 0, api_key=key)
+        statuses = []
+        try:
+            for head, _ in requests.items():
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                raw = b"POST /generate HTTP/1.1\r\nHost: x\r\n" + head
+                writer.write(raw if raw.endswith(b"{}") else raw + b"\r\n")
+                await writer.drain()
+                statuses.append(int((await reader.readline()).split()[1]))
+                writer.close()
+        finally:
+            await runner.cleanup()
+        return statuses
+
+    with caplog.at_level(logging.DEBUG):
+        assert asyncio.run(scenario()) == list(requests.values())
+    asyncio.run(engine.close())
+    assert "Invalid header" in caplog.text  # logged, as aiohttp does...
+    assert key not in caplog.text and "Bearer <redacted>" in caplog.text  # ...without the key
 
 
 def test_serving_beyond_loopback_needs_a_key_or_an_explicit_opt_out(monkeypatch):

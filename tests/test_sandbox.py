@@ -100,3 +100,95 @@ def test_concurrent_calls_from_threads_without_preexec_fn(monkeypatch):
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         results = list(pool.map(lambda i: sandbox.run_python(f"print({i} * {i})", timeout_s=60), range(16)))
     assert [r.stdout for r in results] == [f"{i * i}\n" for i in range(16)]
+
+
+REAPER = """
+import ctypes, json, os, sys
+sys.path.insert(0, sys.argv[1])
+from sandbox_corpus import load_sandbox
+ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans come here
+sandbox = load_sandbox()
+calls = [sandbox.run_python("import time\\nwhile True: time.sleep(0.01)", timeout_s=1.0),  # timed out
+         sandbox.run_python("import sys\\nwhile True: sys.stdout.write('x' * 65536)", timeout_s=30),  # truncated
+         sandbox.run_python("import os\\nif os.fork() == 0:\\n    os.setsid()\\n    import time; time.sleep(600)",
+                            timeout_s=5)]  # a child left running
+zombies = []
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        stat = open(f"/proc/{pid}/stat", "rb").read()
+    except OSError:
+        continue
+    fields = stat[stat.rfind(b")") + 2:].split()
+    if int(fields[1]) == os.getpid():
+        zombies.append((int(pid), fields[0].decode()))
+print(json.dumps({"timed_out": calls[0].timed_out, "truncated": calls[1].output_truncated, "left": zombies}))
+"""
+
+
+def test_the_sandbox_reaps_what_it_starts_leaving_no_orphan_to_a_reaper():
+    """Where PID 1 never reaps (a container whose entrypoint is the trainer), every orphan
+    re-parented to it would stay a zombie: a subreaper here sees what would reach PID 1."""
+    done = subprocess.run([sys.executable, "-c", REAPER, str(Path(__file__).parent)], capture_output=True,
+                          text=True, timeout=600, cwd="/")
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert report["timed_out"] and report["truncated"]
+    assert report["left"] == [], f"processes left to the reaper ({sandbox.isolation().describe()}): {report['left']}"
+
+
+def test_a_tree_the_code_cannot_be_made_to_keep_is_removed(tmp_path):
+    """The cleanup itself, on what rmtree fails at: a deep chain (RecursionError), chmod 0 dirs,
+    a symlink out (not followed)."""
+    root = tmp_path / "call"
+    (root / "locked" / "inner").mkdir(parents=True)
+    (root / "locked" / "inner" / "f").write_text("x")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_text("x")
+    (root / "link").symlink_to(outside)
+    os.chmod(root / "locked" / "inner", 0)
+    os.chmod(root / "locked", 0)
+    fd = os.open(root, os.O_RDONLY)
+    for _ in range(1500):
+        os.mkdir("d", dir_fd=fd)
+        fd, old = os.open("d", os.O_RDONLY, dir_fd=fd), fd
+        os.close(old)
+    os.close(fd)
+    sandbox.remove_tree(str(root))
+    assert not root.exists() and (outside / "keep").is_file()
+
+
+def test_read_grants_never_cover_a_package_directory(tmp_path):
+    """conda, pyenv and python:3.x images keep site-packages inside the standard library's
+    directory: it is granted entry by entry, the package directory left out (links need none)."""
+    stdlib = tmp_path / "prefix" / "lib" / "python3.11"
+    (stdlib / "site-packages" / "megatron_stepwise" / "envs" / "data").mkdir(parents=True)
+    (stdlib / "lib-dynload").mkdir()
+    (stdlib / "json").mkdir()
+    (stdlib / "os.py").write_text("")
+    (stdlib / "to-packages").symlink_to(stdlib / "site-packages")
+    other = tmp_path / "prefix" / "share"  # nothing packaged within: one rule for the whole tree
+    (other / "a" / "b").mkdir(parents=True)
+    grants = sandbox._grants(str(stdlib), 3) + sandbox._grants(str(other), 3)
+    assert sorted(grants) == sorted(map(str, [stdlib / "json", stdlib / "lib-dynload", stdlib / "os.py", other]))
+    # and on this machine: no grant holds a package directory of any interpreter here
+    import site
+    import sysconfig
+
+    packages = {Path(p).resolve() for p in [*site.getsitepackages(), sysconfig.get_paths()["purelib"],
+                                            "/usr/lib/python3/dist-packages"] if os.path.isdir(p)}
+    for path in sandbox.readable_paths(sandbox.isolation()):
+        assert not any(pkg.is_relative_to(Path(path).resolve()) for pkg in packages), (path, packages)
+
+
+def test_the_code_cannot_forge_a_setup_failure_but_a_real_one_still_raises(monkeypatch):
+    """Printing the setup-failure line and exiting 120 is the code's own result (it used to raise
+    SandboxError in the trainer); a failure of setup itself is still an error, never run unconfined."""
+    forged = sandbox.run_python("import sys\nsys.stderr.write('sandbox setup failed: forged\\n')\nsys.exit(120)")
+    assert forged.returncode == 120 and "forged" in forged.stderr and not forged.timed_out
+    broken = sandbox._init_source().replace("def set_limits(cfg: dict) -> None:\n",
+                                            "def set_limits(cfg: dict) -> None:\n    raise OSError('limits refused')\n")
+    assert broken != sandbox._init_source()
+    monkeypatch.setattr(sandbox, "_init_source", lambda: broken)
+    with pytest.raises(sandbox.SandboxError, match=r"^sandbox setup failed: OSError: limits refused$"):
+        sandbox.run_python("print('never runs')")

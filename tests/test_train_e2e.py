@@ -229,6 +229,29 @@ def test_tensor_parallel_run_pads_the_vocabulary_and_engines_match_the_trainer(t
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_a_run_refuses_another_runs_checkpoints_naming_both(tmp_path, short_reference_run):
+    """A second run with its own run directory but the first one's checkpoint.dir (copied here,
+    so the first run's lock is not what refuses it) stops before training: one line, exit 2."""
+    import shutil
+
+    ref_dir = short_reference_run[0]
+    shared = str(tmp_path / "shared_checkpoints")
+    shutil.copytree(os.path.join(ref_dir, "checkpoints"), shared)
+    with open(os.path.join(ref_dir, "run_id")) as f:
+        first = f.read().strip()
+    run_dir = str(tmp_path / "second")
+    out = _train(run_dir, *SHORT_RUN, f"checkpoint.dir={shared}")
+    assert out.returncode == 2, out.stderr[-3000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error: checkpoint")]
+    assert len(errors) == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    with open(os.path.join(run_dir, "run_id")) as f:
+        second = f.read().strip()
+    assert f"was written by another run (run_id {first} in {os.path.abspath(ref_dir)}), this is run {second}" \
+        in errors[0]
+    assert not os.path.exists(os.path.join(run_dir, "metrics.jsonl"))  # nothing trained
+
+
 def test_resume_at_another_tp_with_distributed_optimizer_state_is_a_clear_error(tmp_path):
     """The distributed optimizer's checkpointed state follows DP changes only. Resuming it at
     another TP size stops with one line naming the way out (exit 2, no traceback, checkpoint

@@ -50,6 +50,30 @@ def deep_merge(base: dict, top: dict) -> dict:
 
 MAX_CONFIG_BYTES = 1 << 20  # experiment files are a few KB: anything this large is not one
 MAX_CONFIG_NODES = 100_000  # values after expanding YAML aliases: stops "billion laughs" and cycles
+MAX_CONFIG_DEPTH = 64  # nesting levels; a config has a handful, and the parser recurses per level
+
+
+class _TooDeep(Exception):
+    pass
+
+
+def _load_yaml(text: str) -> Any:
+    """`yaml.safe_load`, with nesting the parser cannot recurse through as `_TooDeep`."""
+    try:
+        return yaml.safe_load(text)
+    except RecursionError:
+        raise _TooDeep from None
+
+
+def _check_depth(data: Any) -> None:
+    """`_TooDeep` past MAX_CONFIG_DEPTH levels (after `_expanded_size_ok`: the walk is bounded)."""
+    todo = [(data, 1)]
+    while todo:
+        item, depth = todo.pop()
+        if depth > MAX_CONFIG_DEPTH:
+            raise _TooDeep
+        if isinstance(item, (dict, list)):
+            todo.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item))
 
 
 def _expanded_size_ok(data: Any) -> bool:
@@ -85,7 +109,11 @@ def _read_yaml(path: Path, problems: list[ConfigProblem]) -> dict | None:
         problems.append(ConfigProblem("<file>", f"{path} is not a UTF-8 text file (byte {e.start}): not a YAML config"))
         return None
     try:
-        data = yaml.safe_load(text)
+        data = _load_yaml(text)
+    except _TooDeep:
+        problems.append(ConfigProblem("<yaml>", f"{path}: nested more than {MAX_CONFIG_DEPTH} levels deep: "
+                                                "not an experiment config"))
+        return None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -97,6 +125,12 @@ def _read_yaml(path: Path, problems: list[ConfigProblem]) -> dict | None:
     if not _expanded_size_ok(data):
         problems.append(ConfigProblem("<yaml>", f"{path}: YAML aliases expand to more than {MAX_CONFIG_NODES} values "
                                                 "(or refer to themselves): not an experiment config"))
+        return None
+    try:
+        _check_depth(data)
+    except _TooDeep:
+        problems.append(ConfigProblem("<yaml>", f"{path}: nested more than {MAX_CONFIG_DEPTH} levels deep: "
+                                                "not an experiment config"))
         return None
     if not isinstance(data, dict):
         problems.append(ConfigProblem("<root>", f"{path}: expected a mapping of sections, got {type(data).__name__}"))
@@ -147,7 +181,9 @@ def parse_override(text: str) -> tuple[str, Any]:
     if not sep or not _KEY_RE.match(key):
         raise ValueError(f"override {text!r} is not of the form section.key=value")
     try:
-        value = yaml.safe_load(raw)
+        value = _load_yaml(raw)
+    except _TooDeep:
+        raise ValueError(f"override {key}=...: nested more than {MAX_CONFIG_DEPTH} levels deep") from None
     except yaml.YAMLError as e:
         if raw.lstrip()[:1] in ("[", "{"):
             reason = getattr(e, "problem", e)
@@ -155,6 +191,10 @@ def parse_override(text: str) -> tuple[str, Any]:
         value = raw  # e.g. `a=b: c`, which YAML reads as a mapping error: keep it as text
     if not _expanded_size_ok(value):
         raise ValueError(f"override {key}=...: its YAML aliases expand to more than {MAX_CONFIG_NODES} values")
+    try:
+        _check_depth(value)
+    except _TooDeep:
+        raise ValueError(f"override {key}=...: nested more than {MAX_CONFIG_DEPTH} levels deep") from None
     return key, value
 
 

@@ -225,8 +225,8 @@ class AlgoConfig:
 class OptimConfig:
     """Adam optimizer and learning-rate schedule."""
 
-    lr: float = option(1e-6, "peak learning rate", gt=0.0)
-    min_lr: float = option(0.0, "final learning rate of the linear/cosine decay", min=0.0)
+    lr: float = option(1e-6, "peak learning rate", gt=0.0, max=1.0)
+    min_lr: float = option(0.0, "final learning rate of the linear/cosine decay", min=0.0, max=1.0)
     weight_decay: float = option(0.0, "decoupled weight decay", min=0.0)
     adam_beta1: float = option(0.9, "Adam beta1", min=0.0, lt=1.0)
     adam_beta2: float = option(0.999, "Adam beta2", min=0.0, lt=1.0)
@@ -271,6 +271,8 @@ class CheckpointConfig:
                                         "only (fresh Adam moments), e.g. to resume a distributed-optimizer run "
                                         "at another tensor/pipeline/context parallel size")
     export_hf: bool = option(False, "also write an HF directory (safetensors + config + tokenizer) at the end")
+    accept_unverified: bool = option(False, "resume from a checkpoint without a manifest.json (unverified: "
+                                            "saved by an older version, or its manifest lost)")
 
 
 @dataclass

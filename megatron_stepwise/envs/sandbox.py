@@ -13,7 +13,9 @@ Layers, each of which holds on its own (what remains without one is in docs/secu
   `subprocess` itself: no `preexec_fn`, which Python documents as unsafe with threads, and the
   agent loop calls this from a thread pool), stdout/stderr read incrementally and capped (the
   process is killed at the cap, so a flood costs the trainer at most the cap), and on timeout
-  or at the end the PID namespace's init and the whole process group are SIGKILLed.
+  or at the end the PID namespace's init and then the whole process group are SIGKILLed, each
+  process reaped by its own parent (no zombie is left to an orphan reaper); the call's directory
+  is then removed by `remove_tree`, which nothing the code built can make fail.
 
 Only the code and an empty working directory reach the sandbox: no environment variable, file
 or argument carries the trainer's state or a dataset's answer.
@@ -149,13 +151,38 @@ def isolation() -> Isolation:
     raise SandboxError(f"sandbox: none of the interpreters {list(pythons)} can run a probe script")
 
 
+_PACKAGE_DIRS = ("site-packages", "dist-packages")
+
+
+@functools.lru_cache(maxsize=4)
 def readable_paths(iso: Isolation) -> list[str]:
     """What the code may read and execute: the interpreter and its standard library, system dirs.
 
-    Never the project, a virtual environment's site-packages, datasets, /proc, /etc or /home.
+    Never the project, any site-packages or dist-packages (a conda, pyenv or Docker python's
+    standard library directory holds its site-packages, and /usr/lib Debian's dist-packages: a
+    non-editable install would expose the shipped datasets), datasets, /proc, /etc or /home.
     """
-    return sorted({*iso.stdlib, iso.python, "/usr/bin", "/bin", "/usr/lib", "/usr/lib64", "/lib", "/lib64",
-                   "/dev/null", "/dev/zero", "/dev/urandom"})
+    grants = [g for path in (*iso.stdlib, "/usr/lib", "/usr/lib64", "/lib", "/lib64") for g in _grants(path, 3)]
+    return sorted({*grants, iso.python, "/usr/bin", "/bin", "/dev/null", "/dev/zero", "/dev/urandom"})
+
+
+def _grants(path: str, depth: int) -> list[str]:
+    """`path` itself, or, when a package directory lies within `depth` levels under it, its
+    entries one by one with the package directories left out (Landlock grants whole trees)."""
+    path = os.path.realpath(path)  # a rule on a link grants its target (/lib -> usr/lib)
+    if os.path.basename(path) in _PACKAGE_DIRS:
+        return []
+    if depth == 0 or not os.path.isdir(path):
+        return [path]
+    try:
+        names = sorted(os.listdir(path))
+    except OSError:
+        return [path]
+    # Links need no rule of their own (Landlock checks where they lead), and one would grant
+    # their target, which the whole directory's rule did not.
+    children = [os.path.join(path, n) for n in names if not os.path.islink(os.path.join(path, n))]
+    parts = [g for child in children for g in _grants(child, depth - 1)]
+    return [path] if parts == children else parts
 
 
 def run_python(code: str, timeout_s: float = 5.0, memory_mb: int = 512, max_output_bytes: int = 64 << 10,
@@ -163,6 +190,7 @@ def run_python(code: str, timeout_s: float = 5.0, memory_mb: int = 512, max_outp
     """Execute `code` in the sandbox; stdout/stderr are each kept up to `max_output_bytes`."""
     iso = isolation()
     workdir = tempfile.mkdtemp(prefix="sandbox-")
+    status_r = None
     try:
         code_path = os.path.join(workdir, "main.py")
         with open(code_path, "w") as f:
@@ -175,14 +203,20 @@ def run_python(code: str, timeout_s: float = 5.0, memory_mb: int = 512, max_outp
             "read_only": readable_paths(iso), "read_write": [workdir], "require_landlock": iso.landlock_abi > 0,
             "supervise": iso.namespaces == "none", "timeout_s": timeout_s,
         }
+        # setup's own report ("ok" or why not), closed before the code runs: the code cannot forge it
+        status_r, status_w = os.pipe()
+        cfg["status_fd"] = status_w
         env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
                "OMP_NUM_THREADS": "1"}
         # The init script goes in as -c text: nothing of the project needs to be readable inside.
-        proc = subprocess.Popen(
-            [*iso.run_as, *iso.unshare, iso.python, "-I", "-S", "-B", "-c", _init_source(), json.dumps(cfg)],
-            cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            start_new_session=True, close_fds=True,
-        )
+        try:
+            proc = subprocess.Popen(
+                [*iso.run_as, *iso.unshare, iso.python, "-I", "-S", "-B", "-c", _init_source(), json.dumps(cfg)],
+                cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                start_new_session=True, close_fds=True, pass_fds=(status_w,),
+            )
+        finally:
+            os.close(status_w)
         deadline = time.monotonic() + timeout_s
         try:
             out, err, timed_out, truncated = _collect(proc, deadline, max_output_bytes)
@@ -194,12 +228,62 @@ def run_python(code: str, timeout_s: float = 5.0, memory_mb: int = 512, max_outp
         finally:
             _kill_all(proc, supervised=cfg["supervise"])
         returncode = proc.wait()
+        status = _read_status(status_r)
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        if status_r is not None:
+            os.close(status_r)
+        remove_tree(workdir)
     decode = lambda b: b.decode("utf-8", "replace")  # noqa: E731
-    if returncode == SETUP_FAILED and decode(err).startswith("sandbox setup failed") and not timed_out:
-        raise SandboxError(decode(err).strip() or "sandbox setup failed")
+    if status.startswith("sandbox setup failed"):
+        raise SandboxError(status)
     return SandboxResult(decode(out), decode(err), returncode, timed_out, truncated)
+
+
+def _read_status(fd: int) -> str:
+    """What setup reported: "ok", its failure, or "" (it never got that far: killed, timed out)."""
+    try:
+        os.set_blocking(fd, False)  # every writer is gone by now; never wait on a straggler
+        return os.read(fd, 4096).decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def remove_tree(root: str) -> None:
+    """Delete a call's directory and whatever the code built in it; never raises.
+
+    `shutil.rmtree` recurses (a chain of a few thousand directories makes it raise
+    RecursionError) and skips what it may not read (a `chmod 0` directory, as non-root). Here
+    no path gets deep: each directory is made accessible, its files unlinked and its
+    subdirectories moved into one fresh directory of ours (`trash`) to be emptied in turn. What
+    still cannot go is logged, not raised.
+    """
+    try:
+        os.chmod(root, 0o700)
+        trash = tempfile.mkdtemp(prefix=".remove-", dir=root)  # a name the code cannot have taken
+        pending, moved = [root], 0
+        while pending:
+            path = pending.pop()
+            os.chmod(path, 0o700)
+            with os.scandir(path) as entries:
+                found = [(e.path, e.is_dir(follow_symlinks=False)) for e in entries]
+            for child, is_dir in found:
+                if child == trash:
+                    continue
+                if not is_dir:
+                    os.unlink(child)
+                    continue
+                moved += 1
+                target = os.path.join(trash, str(moved))
+                os.chmod(child, 0o700)  # moving a directory rewrites its "..": it must be writable
+                os.rename(child, target)
+                pending.append(target)
+            if path != root:
+                os.rmdir(path)  # its files are gone and its subdirectories moved out
+        os.rmdir(trash)
+        os.rmdir(root)
+    except OSError as e:
+        log.warning("sandbox: could not remove all of %s (%s)", root, e)
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @functools.lru_cache(maxsize=1)
@@ -257,8 +341,16 @@ def _kill_all(proc: subprocess.Popen, supervised: bool) -> None:
             proc.wait(timeout=30)  # it kills and reaps, then exits; generous for a loaded machine
         except subprocess.TimeoutExpired:
             pass
-    for pid in _children(proc.pid):
+    children = _children(proc.pid)
+    for pid in children:
         _signal(lambda: os.kill(pid, signal.SIGKILL))
+    if children and proc.poll() is None:
+        # unshare reaps its child and exits by itself: killed first, it would leave that child a
+        # zombie for whichever process reaps orphans (PID 1 in a container may never do it)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
     _signal(lambda: os.killpg(proc.pid, signal.SIGKILL))
 
 

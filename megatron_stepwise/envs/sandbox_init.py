@@ -17,12 +17,16 @@ In order, before one byte of model code runs:
    (ABI >= 4); signals to and abstract unix sockets of processes outside the sandbox are denied
    (ABI >= 6). Landlock also forbids ptrace-like access (/proc/<pid>/mem, environ) to processes
    outside the sandbox, whatever the uid;
-4. seccomp: socket() (any family) and io_uring are denied (x86_64 and aarch64; elsewhere this
-   layer is skipped);
+4. a fresh anonymous session keyring (the trainer's keys are no longer this process's), then
+   seccomp: socket() (any family), io_uring and the key syscalls (add_key, request_key, keyctl)
+   are denied (x86_64 and aarch64; elsewhere this layer is skipped);
 5. the code is compiled and executed as `__main__`; its exceptions print a traceback to stderr.
 
 Exit code 120 means the sandbox itself could not be set up (the message is on stderr): the
-parent reports that as an error rather than running the code unconfined.
+parent reports that as an error rather than running the code unconfined. It learns which it was
+from the status pipe (`status_fd`): "ok" once confined, or the failure, and the pipe is closed
+before the model's code runs, so the code cannot forge a setup failure (which would raise in the
+trainer) by printing the message and exiting 120.
 """
 
 import ctypes
@@ -120,6 +124,18 @@ _ARCHES = {  # machine -> (AUDIT_ARCH, socket, io_uring_setup, first x32 syscall
     "x86_64": (0xC000003E, 41, 425, 0x40000000),
     "aarch64": (0xC00000B7, 198, 425, None),
 }
+_KEY_SYSCALLS = {"x86_64": (248, 249, 250), "aarch64": (217, 218, 219)}  # add_key, request_key, keyctl
+_KEYCTL_JOIN_SESSION_KEYRING = 1
+
+
+def new_session_keyring() -> bool:
+    """Join a fresh anonymous session keyring, so the keys of the trainer's session (PAM,
+    systemd, Kerberos) are not this process's; False where the kernel has no keyrings. The key
+    syscalls are denied afterwards (`deny_sockets`), so this is depth, not the only layer."""
+    nr = _KEY_SYSCALLS.get(os.uname().machine)
+    if nr is None:
+        return False
+    return _libc().syscall(nr[2], _KEYCTL_JOIN_SESSION_KEYRING, None) >= 0
 
 
 class _SockFilter(ctypes.Structure):
@@ -131,7 +147,8 @@ class _SockFprog(ctypes.Structure):
 
 
 def deny_sockets() -> bool:
-    """Seccomp: socket() and io_uring_setup fail with EACCES; False if unsupported here.
+    """Seccomp: socket(), io_uring_setup and the key syscalls fail with EACCES; False if
+    unsupported here.
 
     Model code has no use for sockets, and each other layer leaves some open: a network namespace
     does not cover pathname unix sockets (the trainer's Ray sockets, when it is not root), Landlock
@@ -148,6 +165,7 @@ def deny_sockets() -> bool:
     prog = [(_LD_W_ABS, 4, None, None), (_JEQ_K, audit_arch, None, "deny"), (_LD_W_ABS, 0, None, None)]
     if x32 is not None:
         prog.append((_JGE_K, x32, "deny", None))
+    prog += [(_JEQ_K, key_nr, "deny", None) for key_nr in _KEY_SYSCALLS[os.uname().machine]]
     prog += [(_JEQ_K, io_uring_nr, "deny", None), (_JEQ_K, socket_nr, "deny", "allow"),
              (_RET_K, _RET_ALLOW, None, None), (_RET_K, _RET_EACCES, None, None)]
     where = {"allow": len(prog) - 2, "deny": len(prog) - 1}
@@ -173,7 +191,7 @@ def set_limits(cfg: dict) -> None:
 _PR_SET_CHILD_SUBREAPER = 36
 
 
-def supervise(timeout_s: float) -> None:
+def supervise(timeout_s: float, status_fd=None) -> None:
     """Without a PID namespace: fork; the child returns and runs the code, this process stays
     outside the code's Landlock domain (so the code cannot signal it) as the subreaper of
     everything the code starts, and when the code exits, times out or this process gets SIGTERM
@@ -184,6 +202,8 @@ def supervise(timeout_s: float) -> None:
     child = os.fork()
     if child == 0:
         return
+    if status_fd is not None:
+        os.close(status_fd)  # the child reports; this process outlives the code and must not hold it
     import select
     import signal
     import time
@@ -235,24 +255,36 @@ def _children_of(parent: int) -> list:
     return found
 
 
+def _report(fd, message: str) -> None:
+    if fd is not None:
+        try:
+            os.write(fd, message.encode("utf-8", "replace")[:4096])
+        finally:
+            os.close(fd)
+
+
 def main() -> None:
+    status = None
     try:
         cfg = json.loads(sys.argv[1])
+        status = cfg.get("status_fd")
         if cfg.get("supervise"):
-            supervise(cfg["timeout_s"])
+            supervise(cfg["timeout_s"], status)
         with open(cfg["code_path"]) as f:
             source = f.read()
         set_limits(cfg)
         abi = apply_landlock(cfg["read_only"], cfg["read_write"])
         if cfg.get("require_landlock") and abi == 0:
             raise OSError("Landlock is required but the kernel has none")
+        new_session_keyring()
         deny_sockets()
-        code = compile(source, "<model code>", "exec")
-    except SyntaxError:
-        raise  # the model's own error: a normal traceback, exit code 1
     except BaseException as e:  # noqa: BLE001 - reported as a sandbox failure, never run unconfined
-        print(f"sandbox setup failed: {type(e).__name__}: {e}", file=sys.stderr)
+        message = f"sandbox setup failed: {type(e).__name__}: {e}"
+        print(message, file=sys.stderr)
+        _report(status, message)
         sys.exit(SETUP_FAILED)
+    _report(status, "ok")  # and closed: nothing the code does can write to it
+    code = compile(source, "<model code>", "exec")  # a SyntaxError is the model's: traceback, exit 1
     sys.argv = ["<model code>"]
     del cfg, source
     exec(code, {"__name__": "__main__", "__builtins__": __builtins__})

@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from megatron_stepwise.algo.groups import RolloutGroup, flat_steps
 from megatron_stepwise.rollout.agent_loop import checked_prompt_ids
+from megatron_stepwise.rollout.engine import engine_loss
 from megatron_stepwise.rollout.engine_router import EngineSlot, EngineView, RequestCounters
 from megatron_stepwise.types import Step
 
@@ -155,8 +156,15 @@ class AgentWorkers:
         most = max(1, self.groups_per_worker // 2)
         size = max(1, min(most, len(samples) // (CHUNKS_PER_WORKER * len(self.workers))))
         chunks = [[dict(s) for s in samples[i:i + size]] for i in range(0, len(samples), size)]
-        async with asyncio.TaskGroup() as tg:
-            tasks = [tg.create_task(self._chunk(chunk, seed, request_tag, on_trajectory_done)) for chunk in chunks]
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tasks = [tg.create_task(self._chunk(chunk, seed, request_tag, on_trajectory_done))
+                         for chunk in chunks]
+        except BaseExceptionGroup as group:  # the fleet lost every engine: one error, not one per chunk
+            lost = engine_loss(group)
+            if lost is not None:
+                raise lost from None
+            raise
         return [g for t in tasks for g in t.result()]
 
     def env_stats(self) -> dict[str, int]:

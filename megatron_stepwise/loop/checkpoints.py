@@ -4,7 +4,9 @@ plus explicit named stateful parts (the trainer state, the prompt dataset's posi
 source's pending prompts): anything with `state_dict()` / `load_state_dict(state)`.
 
 Resuming restores RNG states and every part, and the engines then get the restored weights, so
-a resumed run repeats an uninterrupted one.
+a resumed run repeats an uninterrupted one. Every save records the run's id (`run_id`, kept in
+`<run_dir>/run_id`) and run directory, so a run never resumes from another run's checkpoints in a
+shared `checkpoint.dir`.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional, Protocol
@@ -44,6 +48,26 @@ class TrainerState:
         self.weight_version = int(state["weight_version"])
 
 
+RUN_ID_FILE = "run_id"
+
+
+def run_id(run_dir: str) -> str:
+    """This run's id: made on its first start, kept in `<run_dir>/run_id` (rank 0, under the run lock)."""
+    path = Path(run_dir) / RUN_ID_FILE
+    try:
+        existing = path.read_text().strip()
+    except FileNotFoundError:
+        existing = ""
+    if existing:
+        return existing
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new = uuid.uuid4().hex[:16]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(new + "\n")
+    os.replace(tmp, path)
+    return new
+
+
 def config_hash(cfg) -> str:
     """What a resumed run must share with the saved one (not iterations, logging, layout)."""
     d = cfg.to_dict()
@@ -63,6 +87,8 @@ class Checkpointer:
         self.ckpt = cfg.checkpoint
         self.ckpt_dir = cfg.checkpoint_dir
         self.config_hash = config_hash(cfg)
+        self.run_dir = os.path.abspath(cfg.run_dir)
+        self.run_id = run_id(cfg.run_dir) if dist.get_rank() == 0 else None  # rank 0 decides and saves
         self.chunks, self.optimizer, self.scheduler = chunks, optimizer, scheduler
         self.parts = dict(parts)
 
@@ -77,6 +103,8 @@ class Checkpointer:
             path=None if mode == "auto" else mode,
             config_hash=self.config_hash,
             load_optimizer=self.ckpt.load_optimizer,
+            accept_unverified=self.ckpt.accept_unverified,
+            run_id=self.run_id,
         )
         if state is None:
             return False
@@ -93,6 +121,8 @@ class Checkpointer:
         state = {
             "iteration": self.parts["trainer"].iteration,
             "config_hash": self.config_hash,
+            "run_id": self.run_id,
+            "run_dir": self.run_dir,
             "parts": {name: part.state_dict() for name, part in self.parts.items()},
         }
         return save_checkpoint(self.chunks, self.optimizer, self.scheduler, state, self.ckpt_dir, self.ckpt.keep_last)

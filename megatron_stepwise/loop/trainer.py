@@ -40,6 +40,7 @@ from megatron_stepwise.loop.agent_workers import AgentWorkers, resolve_agent_wor
 from megatron_stepwise.loop.async_source import AsyncRollouts
 from megatron_stepwise.loop.checkpoints import Checkpointer, TrainerState
 from megatron_stepwise.loop.colocate import Colocation
+from megatron_stepwise.loop.divergence import check_finite
 from megatron_stepwise.loop.handoff import Handoff
 from megatron_stepwise.loop.prepare import add_counts
 from megatron_stepwise.loop.sources import Driver, SyncRollouts, rollout_seed
@@ -209,8 +210,10 @@ class Trainer:
                 batch.token_fields["ref_logprobs"] = self.plugin.compute_logprobs_flat(self.ref_chunks, batch)
 
     def train_step(self, batch) -> dict[str, float]:
-        """One optimizer step on one mini-batch."""
-        return self.plugin.train_minibatch(self.chunks, self.optimizer, batch, lr_scheduler=self.scheduler)
+        """One optimizer step on one mini-batch; a non-finite loss or grad norm ends the run here."""
+        metrics = self.plugin.train_minibatch(self.chunks, self.optimizer, batch, lr_scheduler=self.scheduler)
+        check_finite(metrics, iteration=self.state.iteration, clip_grad=self.cfg.optim.clip_grad)
+        return metrics
 
     def push_weights(self) -> dict[str, float]:
         """Collective: every rank converts its shard; rank 0 pushes to the fleet."""

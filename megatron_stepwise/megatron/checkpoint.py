@@ -20,7 +20,15 @@ directory last, atomically, before the rename that commits the save. Loading che
 (sizes, then hashes); a latest checkpoint with a missing, truncated or altered file is skipped
 with a one-line warning naming the file (expected vs got) and the previous good one is loaded;
 when none is good the load stops with one `CheckpointError` naming the checkpoint directory.
-Checkpoints saved before manifests existed load as before, noted as unverified.
+A checkpoint without a manifest (saved before manifests existed, or its manifest lost) is
+unverified: skipped like a damaged one unless the caller accepts it (`accept_unverified`,
+`checkpoint.accept_unverified`). A chosen checkpoint that then fails to load on any rank is
+skipped the same way and the previous one is tried: a damaged latest never blocks a resume
+while a good one is left.
+
+Runs: each save records the run's `run_id` (and run directory); resuming from the latest of a
+directory refuses a checkpoint written by another run, naming both (two runs sharing one
+`checkpoint.dir`); naming the checkpoint explicitly (`path`) starts from it deliberately.
 
 What megatron-core 0.16 needs on CPU / gloo (all handled here, nothing patched globally):
 - its torch_dist writer reports results through a queue made by a *spawned*
@@ -163,11 +171,17 @@ def verify_checkpoint(path: PathLike) -> tuple[Optional[str], bool]:
     return None, True
 
 
-def choose_checkpoint(ckpt_dir: PathLike) -> tuple[Optional[Path], bool, list[str]]:
+UNVERIFIED = f"no {MANIFEST}, so unverified (checkpoint.accept_unverified=true loads it)"
+
+
+def choose_checkpoint(ckpt_dir: PathLike, *, accept_unverified: bool = False,
+                      failed: Optional[dict[str, str]] = None) -> tuple[Optional[Path], bool, list[str]]:
     """(checkpoint, verified, warnings): the newest good checkpoint of `ckpt_dir` (the one
     `latest` names first), whether its manifest checked it, and one line per newer one skipped
-    as corrupt or incomplete. (None, False, []) when there is nothing to resume from; raises
+    as corrupt, incomplete, unverified (without `accept_unverified`) or in `failed` (name ->
+    why it failed to load). (None, False, []) when there is nothing to resume from; raises
     CheckpointError naming `ckpt_dir` when there are checkpoints but none is good."""
+    failed = failed or {}
     root = Path(ckpt_dir)
     candidates: list[Path] = []
     pointer = root / LATEST
@@ -183,6 +197,9 @@ def choose_checkpoint(ckpt_dir: PathLike) -> tuple[Optional[Path], bool, list[st
     bad: list[str] = []
     for candidate in candidates:
         problem, verified = verify_checkpoint(candidate)
+        if problem is None and not verified and not accept_unverified:
+            problem = UNVERIFIED
+        problem = failed.get(candidate.name, problem)
         if problem is None:
             warnings = [f"checkpoint {b} is corrupt or incomplete, skipped" for b in bad]
             # e.g. "checkpoint iter_0000006 (file common.pt: expected 4512 bytes, got 100) is ..."
@@ -419,16 +436,24 @@ def save_checkpoint(chunks: list, optimizer: Any, scheduler: Any, trainer_state:
     return final
 
 
-def _decide(ckpt_dir: Optional[PathLike], path: Optional[PathLike]) -> tuple[str, Optional[str]]:
+def _decide(ckpt_dir: Optional[PathLike], path: Optional[PathLike], *, accept_unverified: bool = False,
+            run_id: Optional[str] = None, failed: Optional[dict[str, str]] = None) -> tuple[str, Optional[str]]:
     """Rank 0: ("path", checkpoint or None) or ("error", message); warns about what it skips."""
     try:
         if path is not None:  # asked for by name: no fallback
             target, warnings = Path(path), []
             problem, verified = verify_checkpoint(target)
+            if problem is None and not verified and not accept_unverified:
+                problem = UNVERIFIED
+            problem = (failed or {}).get(target.name, problem)
             if problem is not None:
-                return "error", f"checkpoint {target} is corrupt or incomplete: {problem}"
+                return "error", f"checkpoint {target} is corrupt, incomplete or unverified: {problem}"
         else:
-            target, verified, warnings = choose_checkpoint(ckpt_dir)
+            target, verified, warnings = choose_checkpoint(ckpt_dir, accept_unverified=accept_unverified,
+                                                           failed=failed)
+            clash = _other_run(target, run_id)
+            if clash:
+                return "error", clash
     except CheckpointError as e:
         return "error", str(e)
     except OSError as e:  # every rank waits for this decision: never raise on rank 0 alone
@@ -437,36 +462,77 @@ def _decide(ckpt_dir: Optional[PathLike], path: Optional[PathLike]) -> tuple[str
         if warnings:  # one line: what was wrong, and what is loaded instead
             log.warning("%s; falling back to %s", "; ".join(warnings), target)
         if not verified:
-            log.warning("checkpoint %s has no %s (saved by an older version): loading it unverified", target, MANIFEST)
+            log.warning("checkpoint %s has no %s: loading it unverified (checkpoint.accept_unverified)",
+                        target, MANIFEST)
     return "path", None if target is None else str(target)
+
+
+def _other_run(target: Optional[Path], run_id: Optional[str]) -> Optional[str]:
+    """The error for a checkpoint another run wrote (its recorded run_id differs), else None."""
+    if target is None or run_id is None:
+        return None
+    try:
+        saved = json.loads((target / TRAINER_STATE).read_text())
+    except (OSError, ValueError):
+        return None  # unreadable: the load itself reports it
+    theirs = saved.get("run_id") if isinstance(saved, dict) else None
+    if theirs is None or theirs == run_id:
+        return None  # saved before run ids were recorded, or ours
+    where = f" in {saved['run_dir']}" if saved.get("run_dir") else ""
+    return (f"checkpoint {target} was written by another run (run_id {theirs}{where}), this is run {run_id}: "
+            "two runs share one checkpoint directory. Give this run its own checkpoint.dir, or start "
+            "from that checkpoint deliberately with checkpoint.resume=<its path>")
 
 
 def load_checkpoint(chunks: list, optimizer: Any = None, scheduler: Any = None, ckpt_dir: Optional[PathLike] = None,
                     *, path: Optional[PathLike] = None, load_optimizer: bool = True, load_rng: bool = True,
-                    config_hash: Optional[str] = None, strict: bool = True) -> Optional[dict]:
+                    config_hash: Optional[str] = None, strict: bool = True, accept_unverified: bool = False,
+                    run_id: Optional[str] = None) -> Optional[dict]:
     """Restore the newest checkpoint of `ckpt_dir` (or `path`); returns its trainer state, or
     None when there is nothing to resume from. Collective over all ranks.
 
     config_hash: when given, a checkpoint saved with a different `trainer_state['config_hash']`
-    is refused. RNG states are restored only if the parallel layout is unchanged (a resharded
-    resume gets a fresh RNG stream, as with Megatron-LM).
+    is refused. run_id (rank 0's): from `ckpt_dir`, a checkpoint another run wrote is refused.
+    accept_unverified: load a checkpoint without a manifest. A checkpoint that fails to load on
+    any rank is skipped for the previous one. RNG states are restored only if the parallel
+    layout is unchanged (a resharded resume gets a fresh RNG stream, as with Megatron-LM).
     """
+    if path is None and ckpt_dir is None:
+        raise CheckpointError("load_checkpoint needs ckpt_dir or path")
+    failed: dict[str, str] = {}
+    while True:
+        decision: list = [None]
+        if dist.get_rank() == 0:  # one decision for everyone, even if files change meanwhile
+            decision = [_decide(ckpt_dir, path, accept_unverified=accept_unverified, run_id=run_id, failed=failed)]
+        dist.broadcast_object_list(decision, src=0)
+        kind, value = decision[0]
+        if kind == "error":
+            raise CheckpointError(value)
+        if value is None:
+            return None
+        target = Path(value)
+        error, state = None, None
+        try:
+            state = _load(target, chunks, optimizer, scheduler, load_optimizer=load_optimizer, load_rng=load_rng,
+                          config_hash=config_hash, strict=strict)
+        except CheckpointError:
+            raise  # it loads, but not into this run (config, layout): the previous one would not either
+        except Exception as e:  # noqa: BLE001 - damaged in a way the manifest did not see
+            error = f"failed to load ({type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]})"
+        errors: list = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)  # every rank moves on together, even those that loaded
+        problems = [e for e in errors if e]
+        if not problems:
+            return state
+        failed[target.name] = problems[0]
+        log.warning("checkpoint %s %s; trying the previous one", target, problems[0])
+
+
+def _load(target: Path, chunks: list, optimizer: Any, scheduler: Any, *, load_optimizer: bool, load_rng: bool,
+          config_hash: Optional[str], strict: bool) -> dict:
     from megatron.core import dist_checkpointing
 
     from megatron_stepwise.megatron.model import unwrap
-
-    if path is None and ckpt_dir is None:
-        raise CheckpointError("load_checkpoint needs ckpt_dir or path")
-    decision: list = [None]
-    if dist.get_rank() == 0:  # one decision for everyone, even if files change meanwhile
-        decision = [_decide(ckpt_dir, path)]
-    dist.broadcast_object_list(decision, src=0)
-    kind, value = decision[0]
-    if kind == "error":
-        raise CheckpointError(value)
-    if value is None:
-        return None
-    target = Path(value)
 
     common = dist_checkpointing.load_common_state_dict(str(target))
     trainer_state = common["trainer_state"]

@@ -69,7 +69,7 @@ from megatron_stepwise.rollout.context import (
     turn_delta,
 )
 from megatron_stepwise.options import check_options, option, option_problems
-from megatron_stepwise.rollout.engine import GenerateResult, SamplingParams
+from megatron_stepwise.rollout.engine import GenerateResult, SamplingParams, engine_loss
 from megatron_stepwise.rollout.env_calls import EnvCaller, EnvError
 from megatron_stepwise.rollout.routing import pad_to_tokens
 from megatron_stepwise.types import Step, TrajectoryID
@@ -180,12 +180,18 @@ class AgentLoop:
                 on_trajectory_done(steps)
             return steps
 
-        async with asyncio.TaskGroup() as tg:  # an engine failure cancels the rest and propagates
-            tasks = [
-                tg.create_task(one(sample, TrajectoryID(pid, k)))
-                for sample, pid in zip(samples, prompt_ids)
-                for k in range(self.config.n_samples_per_prompt)
-            ]
+        try:
+            async with asyncio.TaskGroup() as tg:  # an engine failure cancels the rest and propagates
+                tasks = [
+                    tg.create_task(one(sample, TrajectoryID(pid, k)))
+                    for sample, pid in zip(samples, prompt_ids)
+                    for k in range(self.config.n_samples_per_prompt)
+                ]
+        except BaseExceptionGroup as group:  # the fleet lost every engine: one error, not one per trajectory
+            lost = engine_loss(group)
+            if lost is not None:
+                raise lost from None
+            raise
         n = self.config.n_samples_per_prompt
         groups = [RolloutGroup(pid, [t.result() for t in tasks[i * n:(i + 1) * n]]) for i, pid in enumerate(prompt_ids)]
         _warn_if_env_errors_dominate(flat_steps(groups), self._env.stats())

@@ -40,6 +40,30 @@ class EngineError(RuntimeError):
     """An engine failed to serve a request (dead, unreachable, or it answered with an error)."""
 
 
+class NoLiveEngine(EngineError):
+    """Every engine a router knows is dead (the fleet may be restarting them)."""
+
+
+class FleetLost(EngineError):
+    """Every engine of the fleet is dead and none could be restarted."""
+
+
+def engine_loss(error: BaseException) -> Optional[EngineError]:
+    """The `FleetLost` (else `NoLiveEngine`) inside `error`, through exception groups, Ray task
+    errors and causes: the one line a run that lost its engines ends with; None if there is none."""
+    found: list[BaseException] = []
+    todo, seen = [error], set()
+    while todo:
+        e = todo.pop(0)
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if type(e) in (FleetLost, NoLiveEngine):  # not Ray's wrappers, whose text is a traceback
+            found.append(e)
+        todo += list(getattr(e, "exceptions", ()) or ()) + [getattr(e, "cause", None), e.__cause__]
+    return next((e for e in found if isinstance(e, FleetLost)), found[0] if found else None)
+
+
 class EngineReleasedError(EngineError):
     """A request an engine cannot serve while it has released memory (colocated mode): generation
     while its weights or KV cache are released, a weight load while its weights are. Retrying on

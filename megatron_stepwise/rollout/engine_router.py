@@ -16,7 +16,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from megatron_stepwise.rollout.engine import EngineError, EngineReleasedError, GenerateResult, SamplingParams
+from megatron_stepwise.rollout.engine import EngineError, EngineReleasedError, GenerateResult, NoLiveEngine, SamplingParams
 from megatron_stepwise.rollout.sglang import EngineRequestError
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ class EngineRouter:
         if not candidates:
             candidates = [s for s in self.slots if s.alive]
         if not candidates:
-            raise EngineError("no live engine in the fleet")
+            raise NoLiveEngine("no live engine in the fleet")
         if session is not None and session in self.sticky:
             sticky = self.slots[self.sticky[session]]
             if sticky in candidates:

@@ -16,8 +16,10 @@
   engine (at most `max_retries` times); the late result of a timed-out request is dropped and the
   request aborted on its engine. A dead engine is restarted from its spec and brought to the
   current weights by replaying the last disk/tensor update (or removed if that fails, or if
-  weights came over a distributed group it cannot rejoin). Each turn resolves exactly once, so no
-  trajectory is lost or duplicated. Counters are in `metrics()`.
+  weights came over a distributed group it cannot rejoin), at most `max_restarts` times per engine.
+  A request that finds no live engine waits for the restarts in progress; when every engine is
+  gone it fails with `FleetLost`, one line naming each engine's last failure. Each turn resolves
+  exactly once, so no trajectory is lost or duplicated. Counters are in `metrics()`.
 - Colocated mode: `release_memory_occupation(tags)` waits for in-flight requests to finish and
   has every engine free that memory; `resume_memory_occupation(tags)` takes it back. While the
   weights or the KV cache are released, `generate` fails at once (`EngineReleasedError`), and an
@@ -34,8 +36,9 @@ from dataclasses import asdict, dataclass
 from typing import Any, Awaitable, Callable, Optional
 
 from megatron_stepwise.lifecycle import tagged_ray_instance
-from megatron_stepwise.rollout.engine import EngineReleasedError, RetryConfig, GenerateResult, NamedTensors, SamplingParams, memory_tags
 from megatron_stepwise.rollout.agent_loop import AgentLoopConfig
+from megatron_stepwise.rollout.engine import (EngineError, EngineReleasedError, FleetLost, GenerateResult,
+                                               NamedTensors, RetryConfig, SamplingParams, memory_tags)
 from megatron_stepwise.rollout.engine_router import EngineRouter, EngineSlot, RequestCounters
 from megatron_stepwise.rollout.sglang import SGLangServerConfig, TensorHandles, serialize_tensors_sglang
 
@@ -147,6 +150,13 @@ class FleetMetrics(RequestCounters):
 @dataclass
 class _Slot(EngineSlot):
     spec: Optional[EngineSpec] = None
+    restarts: int = 0
+    cause: str = ""  # why it is out of service, for FleetLost
+
+
+def _one_line(error: BaseException) -> str:
+    text = (str(error).strip().splitlines() or [""])[0]
+    return f"{type(error).__name__}: {text[:200]}" if text else type(error).__name__
 
 
 def ensure_ray(address: Optional[str] = None, num_cpus: Optional[int] = None) -> None:
@@ -184,7 +194,7 @@ class RolloutFleet:
 
     def __init__(self, specs: list[EngineSpec], max_concurrency: int = AgentLoopConfig.max_concurrency,
                  max_retries: int = RetryConfig.max_retries, request_timeout_s: float = RetryConfig.timeout_s,
-                 restart_dead: bool = True, ray_address: Optional[str] = None,
+                 restart_dead: bool = True, max_restarts: int = 3, ray_address: Optional[str] = None,
                  ray_num_cpus: Optional[int] = None, partial_rollouts: bool = False, colocate: bool = False,
                  spawn: Optional[Callable[[EngineSpec, int, int], Any]] = None):
         """`spawn(spec, index, incarnation)` starts an engine and returns its handle (whose
@@ -198,6 +208,7 @@ class RolloutFleet:
         self.max_retries = max_retries
         self.request_timeout_s = request_timeout_s
         self.restart_dead = restart_dead
+        self.max_restarts = max_restarts
         self.weight_version = 0
         # False: a weight update waits for in-flight requests to finish (synchronous training).
         # True: it pauses them mid-turn; they continue with the new weights (partial rollouts).
@@ -245,6 +256,7 @@ class RolloutFleet:
         slot = self._slots[index]
         if slot.alive:
             slot.alive = False
+            slot.cause = "removed"
             self._metrics.removed_engines += 1
 
     def kill_engine(self, index: int) -> None:
@@ -301,11 +313,30 @@ class RolloutFleet:
             self._inflight += 1
             self._drained.clear()
             try:
-                return await self._router.generate(input_ids, sampling, rid, session)
+                for _ in range(self.max_retries + 1):
+                    await self._wait_for_an_engine()
+                    try:
+                        return await self._router.generate(input_ids, sampling, rid, session)
+                    except EngineReleasedError:
+                        raise
+                    except EngineError as e:  # its engines died under it: again once restarts are done
+                        if self.num_alive and not self._restarts:
+                            raise
+                        error = e
+                await self._wait_for_an_engine()
+                raise error
             finally:
                 self._inflight -= 1
                 if self._inflight == 0:
                     self._drained.set()
+
+    async def _wait_for_an_engine(self) -> None:
+        """Return once an engine is alive; `FleetLost` when every one is gone for good."""
+        while self.num_alive == 0 and self._restarts:
+            await self.wait_restarts()
+        if self.num_alive == 0:
+            causes = "; ".join(f"engine {s.index}: {s.cause or 'removed'}" for s in self._slots)
+            raise FleetLost(f"every rollout engine is gone ({causes})")
 
     def _mark_dead(self, slot: _Slot, incarnation: int) -> None:
         if not slot.alive or slot.incarnation != incarnation:
@@ -314,18 +345,26 @@ class RolloutFleet:
         self._metrics.engine_failures += 1
         self._router.forget(slot.index)
         log.warning("engine %d is dead", slot.index)
-        if self.restart_dead and self._replay is not False:
+        slot.cause = "died"
+        if slot.restarts >= self.max_restarts:
+            slot.cause = f"died again after {slot.restarts} restarts (the limit)"
+            self._metrics.removed_engines += 1
+        elif self.restart_dead and self._replay is not False:
+            slot.restarts += 1
             task = asyncio.get_running_loop().create_task(self._restart(slot))
             self._restarts.add(task)
             task.add_done_callback(self._restarts.discard)
         else:
+            slot.cause = "died (not restartable: weights came over a distributed group)" if self.restart_dead \
+                else "died (restarts are off)"
             self._metrics.removed_engines += 1
 
     async def _restart(self, slot: _Slot) -> None:
         import ray
 
         try:
-            ray.kill(slot.handle, no_restart=True)
+            if ray.is_initialized():  # (a handle of a test's own spawn is no actor; never start Ray for it)
+                ray.kill(slot.handle, no_restart=True)
         except Exception:  # noqa: BLE001 - it is dead already
             pass
         async with self._update_lock:  # never come back in the middle of a weight update
@@ -339,8 +378,9 @@ class RolloutFleet:
                 slot.handle, slot.incarnation, slot.alive = handle, slot.incarnation + 1, True
                 self._metrics.restarts += 1
                 log.warning("engine %d restarted at weight version %d", slot.index, self.weight_version)
-            except Exception:  # noqa: BLE001
+            except Exception as e:  # noqa: BLE001
                 log.exception("engine %d could not be restarted; removed from the fleet", slot.index)
+                slot.cause = f"died, and its restart failed ({_one_line(e)})"
                 self._metrics.removed_engines += 1
 
     async def wait_restarts(self) -> None:

@@ -142,6 +142,9 @@ def load_named_tensors(model: torch.nn.Module, named_tensors: NamedTensors) -> i
             raise ValueError(
                 f"weight {name!r}: shape {tuple(tensor.shape)} does not match the model's {tuple(target.shape)}"
             )
+        # A NaN or inf weight would fail the next sampled token in the model thread, not here.
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise ValueError(f"weight {name!r} holds non-finite values (NaN or inf); the model keeps its weights")
         targets.append(target)
     with torch.no_grad():
         for target, (_, tensor) in zip(targets, items):
@@ -150,17 +153,18 @@ def load_named_tensors(model: torch.nn.Module, named_tensors: NamedTensors) -> i
 
 
 def load_safetensors_dir(model: torch.nn.Module, path: Union[str, os.PathLike]) -> int:
-    """Load every `*.safetensors` file in `path` (HF names) into the model."""
+    """Load every `*.safetensors` file in `path` (HF names) into the model, all of them checked
+    before any is written (a bad file leaves the model untouched)."""
     from safetensors.torch import load_file
 
     path = Path(path)
     files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path}")
-    count = 0
+    named: dict = {}
     for f in files:
-        count += load_named_tensors(model, load_file(str(f)))
-    return count
+        named.update(load_file(str(f)))
+    return load_named_tensors(model, named)
 
 
 def save_safetensors_dir(model: torch.nn.Module, path: Union[str, os.PathLike]) -> Path:

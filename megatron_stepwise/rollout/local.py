@@ -14,6 +14,10 @@ the same way; "in_place" would keep the stale cache).
 
 There is no cross-request prefix cache, so `flush_cache` has nothing to drop.
 
+Faults: a load refuses non-finite weights (naming the tensor) and leaves the model as it was.
+A failure in the model thread fails the requests in flight and makes the engine unhealthy
+until the next good weight load, which restarts the scheduler (the fleet restarts it sooner).
+
 Colocated mode (`release_memory_occupation` / `resume_memory_occupation`, SGLang's semantics):
 releasing "weights" frees the storage of every parameter (shapes, dtypes and the module tree
 stay, so nothing has to be rebuilt); resuming allocates it again, zero-filled: like SGLang
@@ -203,7 +207,7 @@ class LocalEngine:
         # (Re)start the scheduler on the running event loop; a new loop (e.g. a second
         # asyncio.run) gets fresh events, since asyncio primitives are bound to one loop.
         loop = asyncio.get_running_loop()
-        if self._loop_task is None or self._loop is not loop:
+        if self._loop_task is None or self._loop is not loop or self._loop_task.done():
             self._loop = loop
             self._pending.clear()
             self._inflight.clear()
@@ -394,6 +398,10 @@ class LocalEngine:
         self._weight_groups.pop(group_name, None)
 
     def _bump_version(self, weight_version: Optional[int]) -> int:
+        if self._failure is not None:  # the model thread failed on the old weights; the new ones get a chance
+            log.warning("embedded engine %s: healthy again after a weight load (it had failed: %r)",
+                        self.name, self._failure)
+            self._failure = None
         self._needs_weights = False
         self._weights_epoch += 1
         self._weight_version = self._weight_version + 1 if weight_version is None else int(weight_version)

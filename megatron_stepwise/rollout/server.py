@@ -28,7 +28,7 @@ from typing import Any, Optional
 
 from aiohttp import web
 
-from megatron_stepwise.rollout.auth import API_KEY_ENV, api_key_from_env, bearer_matches, is_loopback
+from megatron_stepwise.rollout.auth import API_KEY_ENV, api_key_from_env, bearer_matches, is_loopback, redact_bearer_tokens
 from megatron_stepwise.rollout.engine import EngineReleasedError, GenerateResult, SamplingParams
 from megatron_stepwise.rollout.local import LocalEngine
 from megatron_stepwise.rollout.routing import encode as encode_routed
@@ -332,6 +332,7 @@ async def start_server(engine: LocalEngine, host: str = "127.0.0.1", port: int =
     if not is_loopback(host) and not api_key and not allow_unauthenticated:
         raise ValueError(f"serving on {host} (beyond loopback) needs an API key: set {API_KEY_ENV}, or pass "
                          "--allow-unauthenticated on a network you trust")
+    redact_bearer_tokens()  # aiohttp logs an unparsable request with its header line
     runner = web.AppRunner(EngineServer(engine, api_key).app(), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
