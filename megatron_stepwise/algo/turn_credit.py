@@ -1,0 +1,98 @@
+"""Turn-level advantage estimators: each turn credited with the rewards from it on.
+
+A turn estimator sees a group's trajectories as a matrix of per-turn rewards
+`rewards[j, t]` (float64, zero past `lengths[j]`), where the last turn's reward is the outcome
+minus the earlier turns' own rewards (so the rewards add up to the outcome), and returns one
+advantage per turn. Registered here (docs/credit.md has the formulas and the proofs):
+
+- `turn_rloo`     G_t - mean over the other trajectories of their G at the same turn index (a
+                  trajectory that already ended counts with its last turn's G); unbiased at gamma 1
+- `turn_dr_grpo`  the same with the mean over the whole group (Dr.GRPO); unbiased up to (n-1)/n
+- `turn_grpo`     the same divided by that column's std (GRPO); biased, trades bias for variance
+- `turn_discount` the outcome times gamma^(turns - 1) (AReaL-style), then an outcome estimator
+
+With zero intermediate rewards and gamma 1 each is bit-exactly the outcome estimator it extends.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_stepwise.algo.advantages import dr_grpo, get_estimator, grpo, is_turn_estimator, register_estimator, rloo
+from megatron_stepwise.types import StepwiseBatchError
+
+#: The option every turn estimator takes, and the outcome estimators `turn_discount` may wrap.
+GAMMA = "gamma"
+DISCOUNT_BASES = ("rloo", "dr_grpo", "grpo", "maxrl")
+
+
+def check_gamma(gamma: float) -> float:
+    gamma = float(gamma)
+    if not 0.0 < gamma <= 1.0:  # also refuses NaN
+        raise StepwiseBatchError(f"algo.estimator_options.gamma={gamma!r} must be in (0, 1]")
+    return gamma
+
+
+def returns_to_go(rewards: torch.Tensor, gamma: float) -> torch.Tensor:
+    """G[j, t] = rewards[j, t] + gamma * G[j, t + 1], for a [n_traj, turns] reward matrix."""
+    out = torch.zeros_like(rewards)
+    running = torch.zeros(rewards.size(0), dtype=rewards.dtype)
+    for t in range(rewards.size(1) - 1, -1, -1):
+        running = rewards[:, t] + gamma * running
+        out[:, t] = running
+    return out
+
+
+def held_returns(returns: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """returns[j, min(t, lengths[j] - 1)]: a trajectory that ended keeps its last turn's return."""
+    turns = torch.arange(returns.size(1)).expand_as(returns)
+    return returns.gather(1, torch.minimum(turns, (lengths - 1)[:, None]))
+
+
+def _per_turn_column(base):
+    """A turn estimator applying the outcome estimator `base` to each turn index's column of
+    held returns-to-go (the same group ids, so n is the group size in every column)."""
+
+    def estimate(rewards: torch.Tensor, lengths: torch.Tensor, group: torch.Tensor, *, eps: float,
+                 gamma: float = 1.0, **_) -> torch.Tensor:
+        held = held_returns(returns_to_go(rewards, check_gamma(gamma)), lengths)
+        return torch.stack([base(held[:, t], group, eps=eps) for t in range(held.size(1))], dim=1)
+
+    estimate.__doc__ = f"Per turn index, {base.__name__} of the held returns-to-go (docs/credit.md)."
+    return estimate
+
+
+register_estimator("turn_rloo", turn=True)(_per_turn_column(rloo))
+register_estimator("turn_dr_grpo", turn=True)(_per_turn_column(dr_grpo))
+register_estimator("turn_grpo", turn=True)(_per_turn_column(grpo))
+
+
+@register_estimator("turn_discount", turn=True)
+def turn_discount(rewards: torch.Tensor, lengths: torch.Tensor, group: torch.Tensor, *, eps: float,
+                  gamma: float = 0.9, base: str = "rloo", **options) -> torch.Tensor:
+    """AReaL-style: the outcome discounted by gamma per extra turn, gamma^(T - 1) * R, then the
+    outcome estimator `base`; every turn of a trajectory gets its scalar."""
+    gamma = check_gamma(gamma)
+    if base not in DISCOUNT_BASES:
+        raise StepwiseBatchError(f"algo.estimator_options.base={base!r} must be one of {', '.join(DISCOUNT_BASES)}")
+    outcome = returns_to_go(rewards, 1.0)[:, 0]  # the sum of the turn rewards: exactly R when the earlier ones are 0
+    discounted = outcome * torch.pow(torch.tensor(gamma, dtype=torch.float64), (lengths - 1).to(torch.float64))
+    scalar = get_estimator(base)(discounted, group, eps=eps, **options)
+    return scalar[:, None].expand(-1, rewards.size(1))
+
+
+def check_turn_options(estimator: str, options: dict) -> list[str]:
+    """Config errors (empty if fine) of a turn estimator's `algo.estimator_options`."""
+    if not is_turn_estimator(estimator):
+        return []
+    errors = []
+    known = {GAMMA, "base"} if estimator == "turn_discount" else {GAMMA}
+    for key in sorted(set(options) - known):
+        errors.append(f"algo.estimator_options.{key} is not an option of {estimator} (known: {', '.join(sorted(known))})")
+    try:
+        check_gamma(options.get(GAMMA, 1.0))
+    except (StepwiseBatchError, TypeError, ValueError) as e:
+        errors.append(str(e) if isinstance(e, StepwiseBatchError) else f"algo.estimator_options.gamma: {e}")
+    if estimator == "turn_discount" and options.get("base", "rloo") not in DISCOUNT_BASES:
+        errors.append(f"algo.estimator_options.base={options['base']!r} must be one of {', '.join(DISCOUNT_BASES)}")
+    return errors
