@@ -107,6 +107,7 @@ def test_trajectory_reward_on_last_step_and_stop_reasons():
         assert all(s.reward == 0.0 for s in traj[:-1])
         env_rewards = [s.metadata["env_reward"] for s in traj]
         assert traj[-1].reward == pytest.approx(sum(env_rewards))
+        assert [s.turn_reward for s in traj] == env_rewards  # each turn's own reward, first-class
         assert len(traj) == 3  # echo is done exactly after its 3 turns
         for s in traj:
             assert s.stop_reason == ("stop" if s.metadata["finish_reason"] == "stop" else "length")
