@@ -81,18 +81,17 @@ def turn_discount(rewards: torch.Tensor, lengths: torch.Tensor, group: torch.Ten
     return scalar[:, None].expand(-1, rewards.size(1))
 
 
-def check_turn_options(estimator: str, options: dict) -> list[str]:
-    """Config errors (empty if fine) of a turn estimator's `algo.estimator_options`."""
+def check_turn_options(estimator: str, options: dict) -> list[tuple[str, str]]:
+    """(config key, problem) pairs, empty if fine, for a turn estimator's `algo.estimator_options`."""
     if not is_turn_estimator(estimator):
         return []
-    errors = []
-    known = {GAMMA, "base"} if estimator == "turn_discount" else {GAMMA}
-    for key in sorted(set(options) - known):
-        errors.append(f"algo.estimator_options.{key} is not an option of {estimator} (known: {', '.join(sorted(known))})")
-    try:
-        check_gamma(options.get(GAMMA, 1.0))
-    except (StepwiseBatchError, TypeError, ValueError) as e:
-        errors.append(str(e) if isinstance(e, StepwiseBatchError) else f"algo.estimator_options.gamma: {e}")
+    problems = []
+    known = (GAMMA, "base") if estimator == "turn_discount" else (GAMMA,)
+    for key in sorted(set(options) - set(known)):
+        problems.append((f"algo.estimator_options.{key}", f"is not an option of {estimator} (known: {', '.join(known)})"))
+    gamma = options.get(GAMMA, 1.0)
+    if not isinstance(gamma, (int, float)) or isinstance(gamma, bool) or not 0.0 < gamma <= 1.0:
+        problems.append((f"algo.estimator_options.{GAMMA}", f"{gamma!r} must be a number in (0, 1]"))
     if estimator == "turn_discount" and options.get("base", "rloo") not in DISCOUNT_BASES:
-        errors.append(f"algo.estimator_options.base={options['base']!r} must be one of {', '.join(DISCOUNT_BASES)}")
-    return errors
+        problems.append(("algo.estimator_options.base", f"{options['base']!r} must be one of {', '.join(DISCOUNT_BASES)}"))
+    return problems
