@@ -3,7 +3,9 @@
 The policy is a softmax table `theta[turn, action]` over three actions per turn: 0 stops the
 trajectory (so the policy chooses when to stop), 1 is the key action, 2 a filler. A filler turn
 pays `filler_reward` at once; the key action pays nothing then, but taking it at turn `key_turn`
-adds `key_bonus` to the trajectory's last turn. A trajectory ends when it stops or after
+adds `key_bonus` to the trajectory's last turn; with `reward_noise`, every sampled turn's reward
+also gets +-reward_noise at random (zero mean, so every expectation is unchanged: the turns'
+rewards are noisy, as judged or tool-checked steps are). A trajectory ends when it stops or after
 `max_turns` turns; its outcome is the sum of its turn rewards. Every trajectory can be
 enumerated (fewer than 3^max_turns), so the gradient of any objective written as an expectation
 over trajectories is exact (autograd through the enumeration), and sampled estimators can be
@@ -27,11 +29,17 @@ class KeyTurnTask:
     key_turn: int = 1
     key_bonus: float = 1.0
     filler_reward: float = 0.2
+    reward_noise: float = 0.0
 
-    def turn_rewards(self, actions: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """float64 [n, max_turns]: each turn's reward (0 past the length), the key bonus on the last turn."""
+    def turn_rewards(self, actions: torch.Tensor, lengths: torch.Tensor,
+                     generator: torch.Generator | None = None) -> torch.Tensor:
+        """float64 [n, max_turns]: each turn's reward (0 past the length), the key bonus on the last
+        turn; the noise is drawn only with a `generator` (sampling), never in the enumeration."""
         alive = torch.arange(self.max_turns)[None, :] < lengths[:, None]
         rewards = (alive & (actions == FILLER)).double() * self.filler_reward
+        if generator is not None and self.reward_noise:
+            signs = torch.randint(0, 2, rewards.shape, generator=generator).double() * 2 - 1
+            rewards = rewards + signs * self.reward_noise * alive
         got_key = (lengths > self.key_turn) & (actions[:, self.key_turn] == KEY)
         rewards[torch.arange(actions.size(0)), lengths - 1] += got_key.double() * self.key_bonus
         return rewards
@@ -105,7 +113,7 @@ def sampled_gradients(task: KeyTurnTask, theta: torch.Tensor, estimator, groups:
     group's trajectories of sum_t A[i, t] grad log pi(a_t). `estimator(rewards, lengths, group)`
     returns the advantages [n, turns] (a registered turn estimator with its options bound)."""
     actions, lengths = task.sample(theta, groups * group_size, generator)
-    rewards = task.turn_rewards(actions, lengths)
+    rewards = task.turn_rewards(actions, lengths, generator)
     group = torch.arange(groups).repeat_interleave(group_size)
     adv = estimator(rewards, lengths, group)
     alive = torch.arange(task.max_turns)[None, :] < lengths[:, None]
