@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from helpers import make_step
-from megatron_stepwise import StepwiseBatchError, compute_advantages, merge_with_advantages
+from megatron_stepwise import StepwiseBatchError, compute_advantages, make_padding_step, merge_with_advantages
 from megatron_stepwise.algo.advantages import get_estimator, rloo
 from megatron_stepwise.algo.turn_credit import DISCOUNT_BASES, returns_to_go
 from megatron_stepwise.envs.credit_task import KeyTurnTask, exact_gradient, expected_update, sampled_gradients, trajectory_probs
@@ -167,3 +167,14 @@ def test_bad_turn_options_are_one_clear_error(options, key):
     steps = _variable_length_groups(intermediate=0.0)
     with pytest.raises(StepwiseBatchError, match=rf"algo.estimator_options.{key}="):
         compute_advantages(steps, "turn_discount", **options)
+
+
+def test_padding_and_singleton_groups_get_zero_and_change_nothing():
+    steps = _variable_length_groups(intermediate=0.4)
+    base = compute_advantages(steps, "turn_rloo")
+    single = [make_step("solo", 0, mask=[1], last=False), make_step("solo", 0, mask=[1, 1], last=True, reward=3.0)]
+    single[0].turn_reward = 1.0
+    got = compute_advantages(steps[:5] + [make_padding_step(0)] + steps[5:] + single, "turn_rloo")
+    assert all(torch.equal(g, b) for g, b in zip(got[:5] + got[6:-2], base))
+    assert got[5].numel() == 0 and all(not bool(a.any()) for a in got[-2:])
+    assert compute_advantages([], "turn_rloo") == []

@@ -252,10 +252,12 @@ def _turn_scalars(estimate: Callable, name: str, steps: Sequence[Step], traj_of_
     if bool(multi.any()):
         value = estimate(matrix[multi], lengths[multi], _dense(group[multi].tolist()), eps=eps, **options)
         advantages[multi] = torch.as_tensor(value, dtype=torch.float64)
-    return [
-        float(advantages[row_of_traj[t], turn]) if turn >= 0 else 0.0
-        for t, turn in zip(traj_of_step.tolist(), turn_of_step)
-    ]
+    turns = torch.tensor(turn_of_step, dtype=torch.long)
+    rows = torch.tensor([row_of_traj.get(t, 0) for t in traj_of_step.tolist()], dtype=torch.long)
+    per_step = torch.zeros(len(steps), dtype=torch.float64)
+    real = turns >= 0  # padding steps keep 0
+    per_step[real] = advantages[rows[real], turns[real]]
+    return per_step.tolist()
 
 
 def has_reward_variance(steps: Sequence[Step]) -> bool:
