@@ -161,7 +161,7 @@ def test_turn_estimators_refuse_merged_rows_naming_the_step():
         compute_advantages(rows, "turn_rloo")
 
 
-@pytest.mark.parametrize("options, key", [({"gamma": 0.0}, "gamma"), ({"gamma": 1.5}, "gamma"),
+@pytest.mark.parametrize("options, key", [({"gamma": 0.0}, "gamma"), ({"gamma": 1.5}, "gamma"), ({"gamma": "high"}, "gamma"),
                                           ({"base": "reinforce++"}, "base")])
 def test_bad_turn_options_are_one_clear_error(options, key):
     steps = _variable_length_groups(intermediate=0.0)

@@ -27,10 +27,10 @@ DISCOUNT_BASES = ("rloo", "dr_grpo", "grpo", "maxrl")
 
 
 def check_gamma(gamma: float) -> float:
-    gamma = float(gamma)
-    if not 0.0 < gamma <= 1.0:  # also refuses NaN
-        raise StepwiseBatchError(f"algo.estimator_options.gamma={gamma!r} must be in (0, 1]")
-    return gamma
+    """`gamma` as a float in (0, 1], or an error naming the option."""
+    if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not 0.0 < gamma <= 1.0:  # NaN too
+        raise StepwiseBatchError(f"algo.estimator_options.gamma={gamma!r} must be a number in (0, 1]")
+    return float(gamma)
 
 
 def returns_to_go(rewards: torch.Tensor, gamma: float) -> torch.Tensor:
@@ -89,9 +89,10 @@ def check_turn_options(estimator: str, options: dict) -> list[tuple[str, str]]:
     known = (GAMMA, "base") if estimator == "turn_discount" else (GAMMA,)
     for key in sorted(set(options) - set(known)):
         problems.append((f"algo.estimator_options.{key}", f"is not an option of {estimator} (known: {', '.join(known)})"))
-    gamma = options.get(GAMMA, 1.0)
-    if not isinstance(gamma, (int, float)) or isinstance(gamma, bool) or not 0.0 < gamma <= 1.0:
-        problems.append((f"algo.estimator_options.{GAMMA}", f"{gamma!r} must be a number in (0, 1]"))
+    try:
+        check_gamma(options.get(GAMMA, 1.0))
+    except StepwiseBatchError as e:
+        problems.append((f"algo.estimator_options.{GAMMA}", str(e).split("=", 1)[1]))
     if estimator == "turn_discount" and options.get("base", "rloo") not in DISCOUNT_BASES:
         problems.append(("algo.estimator_options.base", f"{options['base']!r} must be one of {', '.join(DISCOUNT_BASES)}"))
     return problems
