@@ -24,10 +24,13 @@ def _total(actions, lengths, rewards):
 
 
 def _turn(name, **options):
-    return lambda r, lengths, g: get_estimator(name)(r, lengths, g, eps=EPS, **options)
+    fn = get_estimator(name)
+    if name != "turn_state_rloo":
+        return lambda r, lengths, g, states: fn(r, lengths, g, eps=EPS, **options)
+    return lambda r, lengths, g, states: fn(r, lengths, g, eps=EPS, states=states, **options)
 
 
-def _outcome_rloo(r, lengths, g):
+def _outcome_rloo(r, lengths, g, states):
     return rloo(r.sum(1), g, eps=EPS)[:, None].expand(-1, r.size(1))
 
 
@@ -35,6 +38,7 @@ def _outcome_rloo(r, lengths, g):
 UNBIASED = {
     "rloo (outcome broadcast)": (_outcome_rloo, lambda: exact_gradient(TASK, THETA, _total)),
     "turn_rloo": (_turn("turn_rloo"), lambda: exact_gradient(TASK, THETA, _total)),
+    "turn_state_rloo": (_turn("turn_state_rloo"), lambda: exact_gradient(TASK, THETA, _total)),
     "turn_dr_grpo": (_turn("turn_dr_grpo"),
                      lambda: exact_gradient(TASK, THETA, _total) * (GROUP_SIZE - 1) / GROUP_SIZE),
     "turn_rloo gamma 0.8": (_turn("turn_rloo", gamma=0.8),
@@ -72,7 +76,8 @@ def test_documented_unbiased_estimators_match_the_exact_gradient(name):
 def test_per_turn_index_normalisation_is_biased_when_the_policy_stops():
     """The naive oracle fails the same test, and by far: each extra turn costs the intermediate
     rewards' group mean, a hidden penalty on continuing."""
-    z = _z_scores(per_turn_index_normalised, exact_gradient(TASK, THETA, _total))
+    z = _z_scores(lambda r, lengths, g, states: per_turn_index_normalised(r, lengths, g),
+                  exact_gradient(TASK, THETA, _total))
     assert float(z.abs().max()) > 10, f"z-scores per parameter {z}"
 
 
@@ -178,3 +183,22 @@ def test_padding_and_singleton_groups_get_zero_and_change_nothing():
     assert all(torch.equal(g, b) for g, b in zip(got[:5] + got[6:-2], base))
     assert got[5].numel() == 0 and all(not bool(a.any()) for a in got[-2:])
     assert compute_advantages([], "turn_rloo") == []
+
+
+def test_turn_state_rloo_baselines_a_turn_with_other_trajectories_at_the_same_state():
+    """Trajectories 0 and 1 reach the same second prompt (same history); trajectory 2 does not.
+    At a shared state the baseline is the others' return there; elsewhere turn_rloo's."""
+    t0 = _prefix_trajectory("g", 0, [0.5, 0.0], 2.5)  # G = [2.5, 2.0]
+    t1 = _prefix_trajectory("g", 1, [0.5, 0.0], 1.5)  # same prompts as t0: G = [1.5, 1.0]
+    t2 = _prefix_trajectory("g", 2, [0.0], 0.25)      # one turn: G = [0.25]
+    t2[0].prompt_ids = torch.tensor([1, 3])           # another first state
+    got = [float(a[0]) for a in compute_advantages(t0 + t1 + t2, "turn_state_rloo")]
+    # turn 0: t0 and t1 share a state: 2.5 - 1.5 and 1.5 - 2.5; t2 alone: turn_rloo's 0.25 - (2.5 + 1.5) / 2
+    # turn 1: t0 and t1 share a state: 2.0 - 1.0 and 1.0 - 2.0
+    assert got == pytest.approx([1.0, 1.0, -1.0, -1.0, 0.25 - 2.0])
+    # An environment's state key wins over the prompt: one key for every turn groups them all.
+    for s in t0 + t1 + t2:
+        s.metadata["state_key"] = "same"
+    got = [float(a[0]) for a in compute_advantages(t0 + t1 + t2, "turn_state_rloo")]
+    # t0 turn 0: the other trajectories' turns at "same": t1's 1.5, 1.0 and t2's 0.25
+    assert got[0] == pytest.approx(2.5 - (1.5 + 1.0 + 0.25) / 3)

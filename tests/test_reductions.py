@@ -104,7 +104,7 @@ def stepwise_batches(draw):
             steps.append(make_padding_step(len(steps)))
     batch = StepBatch.from_steps(steps)
     adv = compute_advantages(steps, draw(st.sampled_from(["grpo", "dr_grpo", "rloo", "maxrl", "turn_rloo",
-                                                          "turn_grpo", "turn_discount"])))
+                                                          "turn_grpo", "turn_state_rloo", "turn_discount"])))
     zeros = [torch.zeros(s.prompt_ids.numel()) for s in steps]
     batch.token_fields["adv"] = torch.cat([x for z, a in zip(zeros, adv) for x in (z, a)])
     # Per-token policy values; only trained positions matter. uid names each trained token.

@@ -42,9 +42,11 @@ def best_reward(task: KeyTurnTask) -> float:
 def bound(name: str):
     """The estimator as `(rewards, lengths, group) -> advantages [n, turns]`."""
     fn = get_estimator(name)
+    if name == "turn_state_rloo":
+        return lambda r, lengths, g, states: fn(r, lengths, g, eps=EPS, states=states)
     if is_turn_estimator(name):
-        return lambda r, lengths, g: fn(r, lengths, g, eps=EPS)
-    return lambda r, lengths, g: fn(r.sum(1), g, eps=EPS)[:, None].expand(-1, r.size(1))
+        return lambda r, lengths, g, states: fn(r, lengths, g, eps=EPS)
+    return lambda r, lengths, g, states: fn(r.sum(1), g, eps=EPS)[:, None].expand(-1, r.size(1))
 
 
 def train(task: KeyTurnTask, name: str, seed: int, args) -> tuple[int | None, float]:
@@ -61,7 +63,7 @@ def train(task: KeyTurnTask, name: str, seed: int, args) -> tuple[int | None, fl
     return reached, expected_reward(task, theta)
 
 
-def _naive(rewards, lengths, group):
+def _naive(rewards, lengths, group, states=None):
     """Per-turn-index normalisation (the biased construction; tests/oracles.py has the same)."""
     n, turns = rewards.shape
     alive = (torch.arange(turns)[None, :] < lengths[:, None]).double()
@@ -78,9 +80,10 @@ def measure_bias(groups: int = 5000, group_size: int = 4) -> None:
     exact = exact_gradient(task, theta, lambda a, lengths, r: r.sum(1))
     print(f"key-turn task (3 turns), {groups} groups x {group_size}; exact gradient norm {float(exact.norm()):.4f}")
     print(f"{'estimator':<28} {'max |z|':>8} {'|bias|/|grad|':>14} {'cosine':>7} {'mean SE':>8}")
-    cases = [(name, bound(name)) for name in ("rloo", "grpo", "dr_grpo", "turn_rloo", "turn_dr_grpo", "turn_grpo")]
-    cases += [("turn_rloo gamma 0.8", lambda r, lengths, g: get_estimator("turn_rloo")(r, lengths, g, eps=EPS, gamma=0.8)),
-              ("turn_discount gamma 0.8", lambda r, lengths, g: get_estimator("turn_discount")(r, lengths, g, eps=EPS, gamma=0.8)),
+    cases = [(name, bound(name)) for name in ("rloo", "grpo", "dr_grpo", "turn_rloo", "turn_dr_grpo", "turn_grpo",
+                                              "turn_state_rloo")]
+    cases += [("turn_rloo gamma 0.8", lambda r, lengths, g, states: get_estimator("turn_rloo")(r, lengths, g, eps=EPS, gamma=0.8)),
+              ("turn_discount gamma 0.8", lambda r, lengths, g, states: get_estimator("turn_discount")(r, lengths, g, eps=EPS, gamma=0.8)),
               ("per-turn-index (naive)", _naive)]
     for name, est in cases:
         per_group = sampled_gradients(task, theta, est, groups, group_size, torch.Generator().manual_seed(0))
@@ -98,7 +101,8 @@ def main(argv=None) -> None:
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--lr", type=float, default=0.5)
     p.add_argument("--threshold", type=float, default=0.9, help="share of the best achievable total reward")
-    p.add_argument("--pairs", default="rloo:turn_rloo,grpo:turn_grpo", help="outcome:turn estimator pairs")
+    p.add_argument("--pairs", default="rloo:turn_rloo,grpo:turn_grpo", help="outcome:turn estimator pairs "
+                                                                            "(turn_state_rloo too)")
     p.add_argument("--bias", action="store_true", help="measure each estimator's bias instead of learning")
     args = p.parse_args(argv)
     if args.bias:

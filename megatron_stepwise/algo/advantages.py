@@ -31,6 +31,7 @@ Users add estimators by name:
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -247,9 +248,13 @@ def _turn_scalars(estimate: Callable, name: str, steps: Sequence[Step], traj_of_
     for j, r in enumerate(rewards_of):
         earlier = sum(r[:-1])  # 0.0 when the earlier turns carry no reward: the last turn's is exactly R
         matrix[j, : len(r)] = torch.tensor(r[:-1] + [float(outcomes[j]) - earlier], dtype=torch.float64)
+    if "states" in inspect.signature(estimate).parameters:
+        options = {**options, "states": _state_ids(steps, traj_of_step, row_of_traj, turn_of_step, matrix.shape)}
     advantages = torch.zeros_like(matrix)
     multi = group_count(group) > 1 if len(real_trajs) else torch.zeros(0, dtype=torch.bool)
     if bool(multi.any()):
+        if "states" in options:
+            options["states"] = options["states"][multi]
         value = estimate(matrix[multi], lengths[multi], _dense(group[multi].tolist()), eps=eps, **options)
         advantages[multi] = torch.as_tensor(value, dtype=torch.float64)
     turns = torch.tensor(turn_of_step, dtype=torch.long)
@@ -296,6 +301,21 @@ def _trajectories(steps: Sequence[Step]) -> tuple[torch.Tensor, list[int]]:
                 "last, so it has no outcome reward"
             )
     return torch.tensor(traj_of_step, dtype=torch.long), [int(i) for i in last]  # type: ignore[arg-type]
+
+
+def _state_ids(steps: Sequence[Step], traj_of_step: torch.Tensor, row_of_traj: dict, turn_of_step: list[int],
+               shape: tuple) -> torch.Tensor:
+    """long [n_traj, turns]: equal ids for turns at the same state, -1 past a trajectory's length.
+    A step's state is its `metadata["state_key"]` when the environment or caller set one, else
+    its prompt (the whole history the policy saw)."""
+    ids: dict = {}
+    states = torch.full(shape, -1, dtype=torch.long)
+    for s, t, turn in zip(steps, traj_of_step.tolist(), turn_of_step):
+        if turn >= 0:
+            key = s.metadata.get("state_key")
+            key = ("key", key) if key is not None else ("prompt", s.prompt_ids.numpy().tobytes())
+            states[row_of_traj[t], turn] = ids.setdefault(key, len(ids))
+    return states
 
 
 def _dense(keys: Sequence) -> torch.Tensor:

@@ -9,9 +9,12 @@ advantage per turn. Registered here (docs/credit.md has the formulas and the pro
                   trajectory that already ended counts with its last turn's G); unbiased at gamma 1
 - `turn_dr_grpo`  the same with the mean over the whole group (Dr.GRPO); unbiased up to (n-1)/n
 - `turn_grpo`     the same divided by that column's std (GRPO); biased, trades bias for variance
+- `turn_state_rloo` G_t - the mean G of other trajectories' turns at the same state (GiGPO-style
+                  step groups, kept unbiased); turn_rloo's baseline where none reached it
 - `turn_discount` the outcome times gamma^(turns - 1) (AReaL-style), then an outcome estimator
 
-With zero intermediate rewards and gamma 1 each is bit-exactly the outcome estimator it extends.
+With zero intermediate rewards and gamma 1 each but `turn_state_rloo` is bit-exactly the outcome
+estimator it extends.
 """
 
 from __future__ import annotations
@@ -96,3 +99,34 @@ def check_turn_options(estimator: str, options: dict) -> list[tuple[str, str]]:
     if estimator == "turn_discount" and options.get("base", "rloo") not in DISCOUNT_BASES:
         problems.append(("algo.estimator_options.base", f"{options['base']!r} must be one of {', '.join(DISCOUNT_BASES)}"))
     return problems
+
+
+@register_estimator("turn_state_rloo", turn=True)
+def turn_state_rloo(rewards: torch.Tensor, lengths: torch.Tensor, group: torch.Tensor, *, eps: float,
+                    states: torch.Tensor, gamma: float = 1.0, **_) -> torch.Tensor:
+    """GiGPO-style step groups, kept unbiased: G_t minus the mean G of the OTHER trajectories'
+    turns at the same state (`states`: long [n, turns], equal ids = equal states, -1 past the
+    length); where no other trajectory reached that state, `turn_rloo`'s baseline."""
+    returns = returns_to_go(rewards, check_gamma(gamma))
+    held = held_returns(returns, lengths)
+    alive = torch.arange(rewards.size(1))[None, :] < lengths[:, None]
+    n = rewards.size(0)
+    # Dense ids of (group, state) and of (trajectory, state) over the alive turns.
+    key = torch.unique(torch.stack([group[:, None].expand_as(states)[alive], states[alive]], 1), dim=0,
+                       return_inverse=True)[1]
+    own = torch.unique(torch.stack([torch.arange(n)[:, None].expand_as(states)[alive], key], 1), dim=0,
+                       return_inverse=True)[1]
+    g = returns[alive]
+    sums = torch.zeros(int(key.max()) + 1 if key.numel() else 0, dtype=g.dtype).index_add_(0, key, g)
+    counts = torch.zeros_like(sums).index_add_(0, key, torch.ones_like(g))
+    own_sums = torch.zeros(int(own.max()) + 1 if own.numel() else 0, dtype=g.dtype).index_add_(0, own, g)
+    own_counts = torch.zeros_like(own_sums).index_add_(0, own, torch.ones_like(g))
+    others = counts[key] - own_counts[own]
+    by_state = (sums[key] - own_sums[own]) / others.clamp(min=1)
+    # Fallback: the other trajectories' held returns at this turn index (turn_rloo's baseline).
+    group_size = torch.bincount(group)[group].to(g.dtype)
+    column_sums = torch.zeros(int(group.max()) + 1, held.size(1), dtype=g.dtype).index_add_(0, group, held)
+    by_turn = ((column_sums[group] - held) / (group_size - 1)[:, None])[alive]
+    out = torch.zeros_like(rewards)
+    out[alive] = g - torch.where(others > 0, by_state, by_turn)
+    return out

@@ -210,7 +210,7 @@ class AlgoConfig:
     """Advantage estimator, loss and group filters."""
 
     estimator: str = option("grpo", "grpo, dr_grpo, rloo, maxrl; turn-level turn_rloo, turn_dr_grpo, turn_grpo, "
-                                    "turn_discount (docs/credit.md); gae or reinforce++ (temporal: single-turn "
+                                    "turn_state_rloo, turn_discount (docs/credit.md); gae or reinforce++ (temporal: single-turn "
                                     "only); or a registered name")
     estimator_options: dict[str, Any] = option({}, "keyword options passed to the estimator (turn-level: gamma; "
                                                    "turn_discount: gamma, base)")

@@ -107,15 +107,24 @@ def expected_update(task: KeyTurnTask, theta: torch.Tensor, credit) -> torch.Ten
     return (probs[:, None, None] * (score(theta, actions, lengths) * c[:, :, None, None]).sum(1)).sum(0)
 
 
+def history_states(actions: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """long [n, turns]: one id per distinct history (the actions before the turn), -1 past the length."""
+    turns = actions.size(1)
+    digits = (actions + 1) * (NUM_ACTIONS + 1) ** torch.arange(turns)[None, :]
+    before = torch.cat([torch.zeros(actions.size(0), 1, dtype=torch.long), digits.cumsum(1)[:, :-1]], 1)
+    return torch.where(torch.arange(turns)[None, :] < lengths[:, None], before, -1)
+
+
 def sampled_gradients(task: KeyTurnTask, theta: torch.Tensor, estimator, groups: int, group_size: int,
                       generator: torch.Generator) -> torch.Tensor:
     """One policy-gradient estimate per group, float64 [groups, turns, actions]: the mean over the
-    group's trajectories of sum_t A[i, t] grad log pi(a_t). `estimator(rewards, lengths, group)`
-    returns the advantages [n, turns] (a registered turn estimator with its options bound)."""
+    group's trajectories of sum_t A[i, t] grad log pi(a_t). `estimator(rewards, lengths, group,
+    states=...)` returns the advantages [n, turns] (a registered turn estimator with its options
+    bound); `states` are the histories' ids (`history_states`), for state-grouped estimators."""
     actions, lengths = task.sample(theta, groups * group_size, generator)
     rewards = task.turn_rewards(actions, lengths, generator)
     group = torch.arange(groups).repeat_interleave(group_size)
-    adv = estimator(rewards, lengths, group)
+    adv = estimator(rewards, lengths, group, states=history_states(actions, lengths))
     alive = torch.arange(task.max_turns)[None, :] < lengths[:, None]
     per_traj = (score(theta, actions, lengths) * (adv * alive)[:, :, None, None]).sum(1)
     return per_traj.view(groups, group_size, task.max_turns, NUM_ACTIONS).mean(1)
