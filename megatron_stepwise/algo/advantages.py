@@ -57,6 +57,8 @@ def register_estimator(name: str, *, temporal: bool = False, turn: bool = False)
     `fn(rewards: float64 [n_traj, turns], lengths: long [n_traj], group, *, eps, **options)
     -> [n_traj, turns]`: per-turn rewards (0 past a trajectory's length; the last turn's is the
     outcome minus the earlier turns') in, one advantage per turn out; groups of 2 or more only.
+    One that takes a `states` keyword also gets long [n_traj, turns] state ids (equal ids: the
+    same state; a step's `metadata["state_key"]`, else its prompt; -1 past the length).
     Temporal estimators (`temporal=True`) have the signature
     `fn(steps, *, eps, **options) -> list[Tensor]` and are only called on batches where every
     trajectory is a single step.
