@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from helpers import make_step
-from megatron_stepwise import StepwiseBatchError, compute_advantages, make_padding_step, merge_with_advantages
+from megatron_stepwise import StepwiseBatchError, compute_advantages, make_padding_step, merge_steps, merge_with_advantages
 from megatron_stepwise.algo.advantages import get_estimator, rloo
 from megatron_stepwise.algo.turn_credit import DISCOUNT_BASES, returns_to_go
 from megatron_stepwise.envs.credit_task import KeyTurnTask, exact_gradient, expected_update, sampled_gradients, trajectory_probs
@@ -157,6 +157,12 @@ def test_merged_rows_carry_each_turns_own_advantage():
     unmerged, _ = prepare(steps, PrepareOptions("turn_rloo", merge_steps=False))
     trained = lambda b: b.token_fields["advantages"][b.token_fields["loss_mask"] == 1]  # noqa: E731
     assert batch.num_rows == 3 and torch.equal(trained(batch), trained(unmerged))
+    # Outcome estimators: advantages before merging equal advantages of the merged rows (the old order).
+    rows, _ = merge_steps(steps)
+    batch, _ = prepare(steps, PrepareOptions("grpo", merge_steps=True))
+    assert torch.equal(batch.token_fields["advantages"],
+                       torch.cat([x for r, a in zip(rows, compute_advantages(rows, "grpo"))
+                                  for x in (torch.zeros(r.prompt_ids.numel()), a)]))
 
 
 def test_turn_estimators_refuse_merged_rows_naming_the_step():
