@@ -30,7 +30,7 @@ from megatron_stepwise.algo.batching import (
     prompt_minibatches,
     validate_steps,
 )
-from megatron_stepwise.algo.merge import MergeStats, merge_steps
+from megatron_stepwise.algo.merge import MergeStats, merge_steps, merge_with_advantages
 from megatron_stepwise.types import (
     PAD_PROMPT_PREFIX,
     Step,
@@ -64,6 +64,7 @@ __all__ = [
     "TrajectoryID",
     "make_padding_step",
     "merge_steps",
+    "merge_with_advantages",
     "pad_for_data_parallel",
     "plan_microbatches",
     "prompt_minibatches",

@@ -78,6 +78,10 @@ class Step:
     - `rollout_logprobs`: the engine's log-prob of each response token, `log_softmax(logits / T)`
       at the sampling temperature T; None when the engine reported none (unknown, never 0).
     - `reward`: the trajectory's outcome reward is the reward of its last step.
+    - `turn_reward`: the reward the environment gave for this turn alone (0 if it gives none).
+      Turn-level estimators (docs/credit.md) credit each turn with the rewards from it on; the
+      outcome stays the total, so the last turn's own share is taken as `reward` minus the
+      turn rewards of the earlier steps.
     - `weight_versions`: per response token, the policy weight version that produced it (optional).
     - `routed_experts`: MoE routing replay (optional): int16 [len(prompt) + len(response),
       num_hidden_layers, topk], the experts the engine's router chose for every token of the
@@ -94,6 +98,7 @@ class Step:
     rollout_logprobs: Optional[FloatSeq] = None
     reward: float = 0.0
     is_last_step: bool = False
+    turn_reward: float = 0.0
     stop_reason: str = "stop"
     weight_versions: Optional[TokenSeq] = None
     metadata: dict[str, Any] = field(default_factory=dict)
@@ -115,6 +120,7 @@ class Step:
         if self.routed_experts is not None:
             self.routed_experts = _as_routed_experts(self.routed_experts)
         self.reward = float(self.reward)
+        self.turn_reward = float(self.turn_reward)
         self.is_last_step = bool(self.is_last_step)
 
     @property
@@ -162,7 +168,7 @@ class StepBatch:
     Optional token fields: weight_versions (long), when every step carries them; routed_experts
     (int16 [T, layers, topk], prompt positions included, -1 = unknown), when any step does.
     row_fields always has: traj_index, group_index (long; dense ids in order of first
-    appearance), is_last (bool), reward (float64), is_padding (bool).
+    appearance), is_last (bool), reward (float64), turn_reward (float64), is_padding (bool).
     `metadata` holds each step's metadata dict (turn, env info, drift...) when the batch
     carries steps between processes (agent workers, the hand-off); None in training batches.
     """
@@ -280,6 +286,7 @@ class StepBatch:
             "group_index": group_index,
             "is_last": torch.tensor([s.is_last_step for s in steps], dtype=torch.bool),
             "reward": torch.tensor([s.reward for s in steps], dtype=torch.float64),
+            "turn_reward": torch.tensor([s.turn_reward for s in steps], dtype=torch.float64),
             "is_padding": torch.tensor([s.is_padding for s in steps], dtype=torch.bool),
         }
         return cls(
@@ -305,6 +312,7 @@ class StepBatch:
         torch.cumsum((~self.rollout_logprobs_known()).long(), 0, out=unknown[1:])
         unknown = unknown.tolist()
         rewards, lasts = self.row_fields["reward"].tolist(), self.row_fields["is_last"].tolist()
+        turn_rewards = self.row_fields["turn_reward"].tolist() if "turn_reward" in self.row_fields else [0.0] * self.num_rows
         paddings = self.row_fields["is_padding"].tolist()
         steps = []
         for r in range(self.num_rows):
@@ -319,6 +327,7 @@ class StepBatch:
                     rollout_logprobs=own(self.token_fields["rollout_logprobs"][mid:end]) if has_logprobs else None,
                     reward=rewards[r],
                     is_last_step=lasts[r],
+                    turn_reward=turn_rewards[r],
                     stop_reason=self.stop_reasons[r],
                     weight_versions=None if versions is None else own(versions[mid:end]),
                     routed_experts=None if routed is None else own(routed[start:end]),

@@ -4,13 +4,15 @@ Three prompts x two samples; trajectories of 1 to 4 steps whose prompts re-token
 history (so consecutive steps merge), uneven lengths, responses ending in an appended token
 with loss_mask 0, and two padding rows. Per-token extras (advantages, rollout log-probs and
 the noise added to recomputed log-probs) are response-aligned so that a merged row carries
-exactly the same values at the same tokens.
+exactly the same values at the same tokens. The advantages are a turn-level estimator's
+(`turn_rloo` on per-turn rewards), so the turns of one trajectory train on different values.
 """
 
 from __future__ import annotations
 
 import torch
 
+from megatron_stepwise.algo.advantages import compute_advantages
 from megatron_stepwise.types import Step, StepBatch, TrajectoryID, make_padding_step
 
 def make_steps(vocab: int = 256, seed: int = 0):
@@ -41,6 +43,7 @@ def make_steps(vocab: int = 256, seed: int = 0):
                     rollout_logprobs=-(0.1 + 3 * torch.rand(n_resp, generator=g)) * mask,
                     reward=adv,
                     is_last_step=k == turns - 1,
+                    turn_reward=0.25 * (k + 1) * (-1) ** t,
                 )
             )
             extras.append(
@@ -55,6 +58,8 @@ def make_steps(vocab: int = 256, seed: int = 0):
     for i in range(2):
         steps.append(make_padding_step(i))
         extras.append({k: torch.zeros(0) for k in ("advantages", "old_noise", "ref_noise")})
+    for e, a in zip(extras, compute_advantages(steps, "turn_rloo")):
+        e["advantages"] = a
     return steps, extras
 
 

@@ -46,3 +46,19 @@ def megatron_lm_logged_metrics(losses: list) -> dict:
         else:
             out[key] = float(torch.cat(vals).mean())
     return out
+
+
+def per_turn_index_normalised(rewards: torch.Tensor, lengths: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+    """The naive turn-level estimator (MT-GRPO style, verl RFC 7244), kept as a test oracle: each
+    turn's reward minus the leave-one-out mean of the same turn index's rewards over the group's
+    other trajectories that reached it, summed from the turn on. The number of baseline terms
+    depends on the trajectory's own stopping turn, so it is biased when the policy stops.
+    rewards float64 [n, turns] (0 past the length), lengths long [n], group long [n] -> [n, turns]."""
+    n, turns = rewards.shape
+    alive = (torch.arange(turns)[None, :] < lengths[:, None]).double()
+    groups = int(group.max()) + 1
+    sums = torch.zeros(groups, turns, dtype=torch.float64).index_add_(0, group, rewards * alive)
+    counts = torch.zeros(groups, turns, dtype=torch.float64).index_add_(0, group, alive)
+    others = (counts[group] - alive).clamp(min=1)
+    centred = (rewards - (sums[group] - rewards * alive) / others) * alive
+    return centred.flip(1).cumsum(1).flip(1)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from helpers import tiny_lm
+from megatron_stepwise.envs.custom import RewardFnEnv
 from megatron_stepwise.envs.echo import EchoEnv, echo_dataset
 from megatron_stepwise.rollout.agent_loop import AgentLoop, AgentLoopConfig, render_prompt
 from megatron_stepwise.rollout.engine import SamplingParams
@@ -107,6 +108,7 @@ def test_trajectory_reward_on_last_step_and_stop_reasons():
         assert all(s.reward == 0.0 for s in traj[:-1])
         env_rewards = [s.metadata["env_reward"] for s in traj]
         assert traj[-1].reward == pytest.approx(sum(env_rewards))
+        assert [s.turn_reward for s in traj] == env_rewards  # each turn's own reward, first-class
         assert len(traj) == 3  # echo is done exactly after its 3 turns
         for s in traj:
             assert s.stop_reason == ("stop" if s.metadata["finish_reason"] == "stop" else "length")
@@ -239,3 +241,14 @@ def test_a_tagged_rollout_runs_beside_one_of_the_same_prompts_and_samples_the_sa
     tagged = [rid for rid in rec.calls if rid.startswith("eval/")]
     assert len(tagged) == len(evaluation) and len(rec.calls) == len(train) + len(evaluation)
     assert [s.response_ids.tolist() for s in train] == [s.response_ids.tolist() for s in evaluation]
+
+
+def test_a_multi_turn_reward_functions_per_turn_rewards_land_on_each_step():
+    def score(response, sample, turn):
+        return (0.25 * (turn + 1), "again") if turn < 2 else (1.0, None)
+
+    steps = run_loop(make_engine(), lambda: RewardFnEnv(score), [{"prompt_id": "r", "prompt": "say 3"}],
+                     max_turns=5, max_input_length=200, n_samples_per_prompt=2)
+    for traj in by_trajectory(steps).values():
+        assert [s.turn_reward for s in traj] == [0.25, 0.5, 1.0]
+        assert traj[-1].reward == 1.75 and traj[-1].is_last_step

@@ -98,11 +98,13 @@ def stepwise_batches(draw):
                 mask = draw(st.lists(st.integers(0, 1), min_size=n, max_size=n))
                 last = i == n_steps - 1
                 steps.append(make_step(f"p{g}", k, prompt, resp, mask, last=last, reward=reward))
+                steps[-1].turn_reward = draw(st.sampled_from([0.0, 0.25, -0.5]))  # for turn-level estimators
                 prompt = prompt + resp + draw(st.lists(tok, min_size=0, max_size=2))
         if draw(st.booleans()):
             steps.append(make_padding_step(len(steps)))
     batch = StepBatch.from_steps(steps)
-    adv = compute_advantages(steps, draw(st.sampled_from(["grpo", "dr_grpo", "rloo", "maxrl"])))
+    adv = compute_advantages(steps, draw(st.sampled_from(["grpo", "dr_grpo", "rloo", "maxrl", "turn_rloo",
+                                                          "turn_grpo", "turn_state_rloo", "turn_discount"])))
     zeros = [torch.zeros(s.prompt_ids.numel()) for s in steps]
     batch.token_fields["adv"] = torch.cat([x for z, a in zip(zeros, adv) for x in (z, a)])
     # Per-token policy values; only trained positions matter. uid names each trained token.

@@ -34,6 +34,7 @@ def test_step_batch_round_trip_and_select():
         make_step("a", 0, [1, 2, 3, 9], [4, 5], [1, 0], reward=1.0, lp=[-0.2, -0.3]),
         make_step("b", 0, [7], [8, 8, 8], [1, 1, 1], reward=0.5),
     ]
+    steps[0].turn_reward = 0.25  # the environment's reward for that turn alone
     batch = StepBatch.from_steps(steps)
     assert batch.num_rows == 3
     assert batch.offsets.tolist() == [0, 3, 9, 13]
@@ -47,7 +48,10 @@ def test_step_batch_round_trip_and_select():
         assert x.response_ids.tolist() == y.response_ids.tolist()
         assert x.loss_mask.tolist() == y.loss_mask.tolist()
         assert x.reward == y.reward and x.is_last_step == y.is_last_step
+        assert x.turn_reward == y.turn_reward
+    assert [s.turn_reward for s in back] == [0.25, 0.0, 0.0]
     sub = batch.select([2, 0])
+    assert sub.to_steps()[1].turn_reward == 0.25
     assert sub.tokens.tolist() == [7, 8, 8, 8, 1, 2, 3]
     assert sub.trajectory_ids == [TrajectoryID("b", 0), TrajectoryID("a", 0)]
     assert sub.token_fields["rollout_logprobs"][-1].item() == pytest.approx(-0.1)

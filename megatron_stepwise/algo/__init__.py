@@ -2,6 +2,7 @@
 
 - validate.py    `validate_steps`: reject malformed batches, naming the step and the field
 - advantages.py  outcome estimators (GRPO, Dr.GRPO, RLOO, MAXRL; registry), broadcast per step
+- turn_credit.py turn-level estimators (return-to-go baselines, turn-discounted outcome)
 - merge.py       `merge_steps`: prefix merge of consecutive steps of a trajectory
 - batching.py    DP padding and prompt-based mini-batches (re-exports validate and plan)
 - planner.py     `plan_microbatches`: cost-balanced DP split into token-budget micro-batches
@@ -10,3 +11,5 @@
 
 The public names are re-exported from `megatron_stepwise`; see docs/architecture.md.
 """
+
+from megatron_stepwise.algo import turn_credit  # noqa: F401  (registers the turn-level estimators)

@@ -17,6 +17,11 @@ token of turn 1 to the outcome of turn 3, so they are refused on multi-step traj
 `reinforce++` stays available for single-step trajectories; `gae` needs a critic's values,
 which this plugin does not train, so it is always refused.
 
+Turn-level estimators (`algo/turn_credit.py`, docs/credit.md) credit each turn with the rewards
+from it on (`Step.turn_reward`), so different turns of one trajectory get different advantages;
+they need the unmerged steps (compute them before `merge_steps`, which carries each turn's
+advantage to its own positions).
+
 Users add estimators by name:
 
     @register_estimator("my_estimator")
@@ -26,6 +31,7 @@ Users add estimators by name:
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -37,20 +43,29 @@ OutcomeEstimator = Callable[..., torch.Tensor]
 TemporalEstimator = Callable[..., list]
 
 
-_ESTIMATORS = Registry("algo.estimator", "advantage estimator", StepwiseBatchError)  # flag: temporal
+_ESTIMATORS = Registry("algo.estimator", "advantage estimator", StepwiseBatchError)  # flag: the kind
+OUTCOME, TEMPORAL, TURN = "outcome", "temporal", "turn"
 
 
-def register_estimator(name: str, *, temporal: bool = False) -> Callable[[Callable], Callable]:
+def register_estimator(name: str, *, temporal: bool = False, turn: bool = False) -> Callable[[Callable], Callable]:
     """Register an advantage estimator under `name` (decorator).
 
     Outcome estimators (the default) have the signature
     `fn(rewards: float64 [n_traj], group: long [n_traj], *, eps, **options) -> [n_traj]`,
     where `group` holds dense group ids 0..G-1; they only ever see groups of 2 or more.
+    Turn estimators (`turn=True`) have the signature
+    `fn(rewards: float64 [n_traj, turns], lengths: long [n_traj], group, *, eps, **options)
+    -> [n_traj, turns]`: per-turn rewards (0 past a trajectory's length; the last turn's is the
+    outcome minus the earlier turns') in, one advantage per turn out; groups of 2 or more only.
+    One that takes a `states` keyword also gets long [n_traj, turns] state ids (equal ids: the
+    same state; a step's `metadata["state_key"]`, else its prompt; -1 past the length).
     Temporal estimators (`temporal=True`) have the signature
     `fn(steps, *, eps, **options) -> list[Tensor]` and are only called on batches where every
     trajectory is a single step.
     """
-    return _ESTIMATORS.register(name, temporal)
+    if temporal and turn:
+        raise ValueError(f"estimator {name!r}: temporal and turn are exclusive")
+    return _ESTIMATORS.register(name, TEMPORAL if temporal else TURN if turn else OUTCOME)
 
 
 def get_estimator(name: str) -> Callable:
@@ -62,7 +77,11 @@ def list_estimators() -> list[str]:
 
 
 def is_temporal_estimator(name: str) -> bool:
-    return _ESTIMATORS.lookup(name)[1]
+    return _ESTIMATORS.lookup(name)[1] == TEMPORAL
+
+
+def is_turn_estimator(name: str) -> bool:
+    return _ESTIMATORS.lookup(name)[1] == TURN
 
 
 # ----------------------------------------------------------------------------- group statistics
@@ -158,14 +177,17 @@ def compute_advantages(steps: Sequence[Step], estimator: str = "grpo", *, eps: f
     `metrics`, if given, is filled with counts: num_trajectories, num_groups, singleton_groups,
     zero_variance_groups (groups of 2+ whose rewards are all equal: no signal).
     """
-    estimate, temporal = _ESTIMATORS.lookup(estimator)
+    estimate, kind = _ESTIMATORS.lookup(estimator)
     traj_of_step, last_step_of_traj = _trajectories(steps)
     real_trajs = [t for t, i in enumerate(last_step_of_traj) if not steps[i].is_padding]
     rewards = torch.tensor([steps[last_step_of_traj[t]].reward for t in real_trajs], dtype=torch.float64)
     group = _dense([steps[last_step_of_traj[t]].trajectory_id.prompt_id for t in real_trajs])
     _fill_metrics(metrics, real_trajs, rewards, group)
 
-    if temporal:
+    if kind == TURN:
+        per_step = _turn_scalars(estimate, estimator, steps, traj_of_step, real_trajs, rewards, group, eps, options)
+        return _times_own_mask(per_step, steps)
+    if kind == TEMPORAL:
         lengths = torch.bincount(traj_of_step, minlength=len(last_step_of_traj))
         for t in real_trajs:
             if int(lengths[t]) > 1:
@@ -189,14 +211,60 @@ def compute_advantages(steps: Sequence[Step], estimator: str = "grpo", *, eps: f
 
     per_traj = torch.zeros(len(last_step_of_traj), dtype=torch.float64)
     per_traj[torch.tensor(real_trajs, dtype=torch.long)] = scalars
-    per_step = per_traj[traj_of_step].tolist()
-    # Each step gets the scalar at ITS OWN trained positions.
+    return _times_own_mask(per_traj[traj_of_step].tolist(), steps)
+
+
+def _times_own_mask(per_step: list[float], steps: Sequence[Step]) -> list[torch.Tensor]:
+    """Each step gets its scalar at ITS OWN trained positions (padding: zeros)."""
     return [
         torch.zeros(s.response_ids.numel(), dtype=torch.float32)
         if s.is_padding
         else (v * s.loss_mask.to(torch.float32))
         for v, s in zip(per_step, steps)
     ]
+
+
+def _turn_scalars(estimate: Callable, name: str, steps: Sequence[Step], traj_of_step: torch.Tensor,
+                  real_trajs: list[int], outcomes: torch.Tensor, group: torch.Tensor, eps: float,
+                  options: dict) -> list[float]:
+    """One advantage per step from a turn estimator: the per-turn reward matrix of the real
+    trajectories (the last turn's reward is the outcome minus the earlier turns' own rewards),
+    the estimator on the groups of 2 or more, and each step's entry at its own turn."""
+    row_of_traj = {t: j for j, t in enumerate(real_trajs)}
+    turn_of_step: list[int] = []
+    rewards_of: list[list[float]] = [[] for _ in real_trajs]
+    for i, (s, t) in enumerate(zip(steps, traj_of_step.tolist())):
+        j = row_of_traj.get(t)
+        turn_of_step.append(len(rewards_of[j]) if j is not None else -1)
+        if j is None:
+            continue
+        if s.metadata.get("merged_steps", 1) > 1:
+            raise StepwiseBatchError(
+                f"step {i}: field 'metadata.merged_steps': algo.estimator={name!r} gives each turn its own "
+                "advantage, so it needs the unmerged steps; compute advantages before merge_steps "
+                "(merge_with_advantages carries them to the merged rows)"
+            )
+        rewards_of[j].append(s.turn_reward)
+    lengths = torch.tensor([len(r) for r in rewards_of], dtype=torch.long)
+    matrix = torch.zeros(len(real_trajs), int(lengths.max()) if len(real_trajs) else 0, dtype=torch.float64)
+    for j, r in enumerate(rewards_of):
+        earlier = sum(r[:-1])  # 0.0 when the earlier turns carry no reward: the last turn's is exactly R
+        matrix[j, : len(r)] = torch.tensor(r[:-1] + [float(outcomes[j]) - earlier], dtype=torch.float64)
+    if "states" in inspect.signature(estimate).parameters:
+        options = {**options, "states": _state_ids(steps, traj_of_step, row_of_traj, turn_of_step, matrix.shape)}
+    advantages = torch.zeros_like(matrix)
+    multi = group_count(group) > 1 if len(real_trajs) else torch.zeros(0, dtype=torch.bool)
+    if bool(multi.any()):
+        if "states" in options:
+            options["states"] = options["states"][multi]
+        value = estimate(matrix[multi], lengths[multi], _dense(group[multi].tolist()), eps=eps, **options)
+        advantages[multi] = torch.as_tensor(value, dtype=torch.float64)
+    turns = torch.tensor(turn_of_step, dtype=torch.long)
+    rows = torch.tensor([row_of_traj.get(t, 0) for t in traj_of_step.tolist()], dtype=torch.long)
+    per_step = torch.zeros(len(steps), dtype=torch.float64)
+    real = turns >= 0  # padding steps keep 0
+    per_step[real] = advantages[rows[real], turns[real]]
+    return per_step.tolist()
 
 
 def has_reward_variance(steps: Sequence[Step]) -> bool:
@@ -235,6 +303,21 @@ def _trajectories(steps: Sequence[Step]) -> tuple[torch.Tensor, list[int]]:
                 "last, so it has no outcome reward"
             )
     return torch.tensor(traj_of_step, dtype=torch.long), [int(i) for i in last]  # type: ignore[arg-type]
+
+
+def _state_ids(steps: Sequence[Step], traj_of_step: torch.Tensor, row_of_traj: dict, turn_of_step: list[int],
+               shape: tuple) -> torch.Tensor:
+    """long [n_traj, turns]: equal ids for turns at the same state, -1 past a trajectory's length.
+    A step's state is its `metadata["state_key"]` when the environment or caller set one, else
+    its prompt (the whole history the policy saw)."""
+    ids: dict = {}
+    states = torch.full(shape, -1, dtype=torch.long)
+    for s, t, turn in zip(steps, traj_of_step.tolist(), turn_of_step):
+        if turn >= 0:
+            key = s.metadata.get("state_key")
+            key = ("key", key) if key is not None else ("prompt", s.prompt_ids.numpy().tobytes())
+            states[row_of_traj[t], turn] = ids.setdefault(key, len(ids))
+    return states
 
 
 def _dense(keys: Sequence) -> torch.Tensor:

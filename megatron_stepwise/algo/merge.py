@@ -51,7 +51,7 @@ def merge_steps(steps: Sequence[Step], *, max_tokens: Optional[int] = None) -> t
     While `prompt[i-1] + response[i-1]` is a prefix of `prompt[i]`, the row grows by
     obs_delta (loss_mask 0, log-prob 0, weight version -1) then step i's response, mask,
     log-probs and weight versions; otherwise a new row starts. A merged row keeps the
-    first step's prompt and the last merged step's reward, is_last_step, stop_reason and
+    first step's prompt and the last merged step's reward, turn_reward, is_last_step, stop_reason and
     metadata, with `metadata["merged_steps"]` = how many steps it holds (1 if unmerged).
     Steps also do not merge when only one of them has rollout_logprobs or weight_versions
     (nothing is invented), or when the row would exceed `max_tokens`.
@@ -65,31 +65,61 @@ def merge_steps(steps: Sequence[Step], *, max_tokens: Optional[int] = None) -> t
 
     Outcome advantages may be computed before or after merging: a merged row keeps its
     trajectory id and last-step reward, and scalar x merged loss_mask equals the merged
-    per-step advantages (obs_delta positions are 0 either way).
+    per-step advantages (obs_delta positions are 0 either way). Turn-level advantages differ
+    from turn to turn: compute them first and merge with `merge_with_advantages`.
     """
+    out, stats, _ = _merge(steps, max_tokens)
+    return out, stats
+
+
+def merge_with_advantages(steps: Sequence[Step], advantages: Sequence[torch.Tensor], *,
+                          max_tokens: Optional[int] = None) -> tuple[list[Step], list[torch.Tensor], MergeStats]:
+    """`merge_steps`, carrying per-step response-aligned `advantages` along: a merged row's
+    advantages are each turn's own at that turn's response positions, 0 at obs_delta."""
+    if len(advantages) != len(steps):
+        raise ValueError(f"merge_with_advantages: {len(advantages)} advantage tensors for {len(steps)} steps")
+    out, stats, members = _merge(steps, max_tokens)
+    merged: list[torch.Tensor] = []
+    for row, idx in zip(out, members):
+        if len(idx) == 1:
+            merged.append(advantages[idx[0]])
+            continue
+        values = torch.zeros(row.response_ids.numel(), dtype=advantages[idx[0]].dtype)
+        start = row.prompt_ids.numel()
+        for i in idx:  # where each step's response lands in the merged response (as in _merge_group)
+            a = steps[i].prompt_ids.numel() - start
+            values[a : a + steps[i].response_ids.numel()] = advantages[i]
+        merged.append(values)
+    return out, merged, stats
+
+
+def _merge(steps: Sequence[Step], max_tokens: Optional[int]) -> tuple[list[Step], MergeStats, list[list[int]]]:
+    """The merged rows, the stats, and each row's input step indices."""
     out: list[Step] = []
+    members: list[list[int]] = []
     stats = MergeStats(0, 0, 0, 0, 0)
     group: list[Step] = []  # steps of the row being built
-    for step in steps:
+    idx: list[int] = []
+    for i, step in enumerate(steps):
         if step.is_padding:
             stats.padding_rows += 1
-            _flush(group, out)
+            _flush(group, out, idx, members)
             out.append(step)
+            members.append([i])
             continue
         stats.rows_before += 1
         stats.tokens_before += step.num_tokens
-        if group and _can_extend(group, step, max_tokens, stats):
-            group.append(step)
-        else:
-            _flush(group, out)
-            group.append(step)
-    _flush(group, out)
+        if not (group and _can_extend(group, step, max_tokens, stats)):
+            _flush(group, out, idx, members)
+        group.append(step)
+        idx.append(i)
+    _flush(group, out, idx, members)
     for row in out:
         if not row.is_padding:
             stats.rows_after += 1
             stats.tokens_after += row.num_tokens
             stats.trainable_tokens += row.num_trainable  # equals the input's: masks are copied, never changed
-    return out, stats
+    return out, stats, members
 
 
 def _can_extend(group: list[Step], step: Step, max_tokens: Optional[int], stats: MergeStats) -> bool:
@@ -118,9 +148,11 @@ def _is_continuation(prev: Step, step: Step) -> bool:
     return torch.equal(nxt[:p], prev.prompt_ids) and torch.equal(nxt[p : p + r], prev.response_ids)
 
 
-def _flush(group: list[Step], out: list[Step]) -> None:
+def _flush(group: list[Step], out: list[Step], idx: list[int], members: list[list[int]]) -> None:
     if not group:
         return
+    members.append(list(idx))
+    idx.clear()
     if len(group) == 1:
         s = group[0]
         out.append(dataclasses.replace(s, metadata={**s.metadata, "merged_steps": 1}))
@@ -158,6 +190,7 @@ def _merge_group(group: list[Step]) -> Step:
         rollout_logprobs=logprobs,
         reward=last.reward,
         is_last_step=last.is_last_step,
+        turn_reward=last.turn_reward,
         stop_reason=last.stop_reason,
         weight_versions=versions,
         metadata={**last.metadata, "merged_steps": len(group)},

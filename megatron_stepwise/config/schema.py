@@ -210,9 +210,11 @@ class FilterConfig:
 class AlgoConfig:
     """Advantage estimator, loss and group filters."""
 
-    estimator: str = option("grpo", "grpo, dr_grpo, rloo, maxrl, gae or reinforce++ (temporal: "
-                                    "single-turn only), or a registered name")
-    estimator_options: dict[str, Any] = option({}, "keyword options passed to the estimator")
+    estimator: str = option("grpo", "grpo, dr_grpo, rloo, maxrl; turn-level turn_rloo, turn_dr_grpo, turn_grpo, "
+                                    "turn_state_rloo, turn_discount (docs/credit.md); gae or reinforce++ (temporal: single-turn "
+                                    "only); or a registered name")
+    estimator_options: dict[str, Any] = option({}, "keyword options passed to the estimator (turn-level: gamma; "
+                                                   "turn_discount: gamma, base)")
     # Declared (keys, bounds, choices, help) where the loss functions use it: algo/losses.py.
     loss: LossConfig = section(LossConfig, "policy loss")
     filters: FilterConfig = section(FilterConfig, "group filters")

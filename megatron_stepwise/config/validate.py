@@ -245,8 +245,9 @@ def _check_data(cfg: ExperimentConfig, check: _Checker) -> None:
 
 def _check_algo(cfg: ExperimentConfig, check: _Checker) -> None:
     algo, data = cfg.algo, cfg.data
+    turn_level = _check_turn_estimator(cfg, check)
     if data.samples_per_prompt == 1:
-        if algo.estimator in GROUP_ESTIMATORS:
+        if algo.estimator in GROUP_ESTIMATORS or turn_level:
             check.fail("data.samples_per_prompt", f"is 1 but algo.estimator {algo.estimator} compares the "
                                                   "trajectories of a prompt: every advantage would be 0",
                        "algo.estimator")
@@ -256,6 +257,23 @@ def _check_algo(cfg: ExperimentConfig, check: _Checker) -> None:
                 check.fail(f"algo.filters.{key}", "a group of one trajectory (data.samples_per_prompt=1) has "
                                                   "no reward variance: every group would be dropped",
                            "data.samples_per_prompt")
+
+
+def _check_turn_estimator(cfg: ExperimentConfig, check: _Checker) -> bool:
+    """A turn-level estimator's options, and per-turn rewards to credit (docs/credit.md).
+    True when `algo.estimator` is one."""
+    from megatron_stepwise.algo import advantages, turn_credit
+
+    name = cfg.algo.estimator
+    if name not in advantages.list_estimators() or not advantages.is_turn_estimator(name):
+        return False
+    if cfg.rollout.max_turns == 1:
+        check.fail("algo.estimator", f"{name} credits each turn with the rewards from it on, but "
+                                     "rollout.max_turns=1 leaves one turn per trajectory and no per-turn "
+                                     "rewards: use its outcome estimator (rloo, grpo, dr_grpo)", "rollout.max_turns")
+    for key, message in turn_credit.check_turn_options(name, dict(cfg.algo.estimator_options)):
+        check.fail(key, message, "algo.estimator")
+    return True
 
 
 # Keys the loss checks of megatron_stepwise.algo read: a parse error in any of them silences them.

@@ -9,7 +9,8 @@
   `score(response, sample)` (or `score(response, sample, turn=t)` when it takes `turn`) after
   every assistant turn. A number ends the episode with that reward; `(reward, message)` gives
   the reward and continues with `message` as the next user turn (`None` ends it), so the same
-  function drives single-turn and multi-turn tasks.
+  function drives single-turn and multi-turn tasks. Each call's reward is that turn's own
+  (`Step.turn_reward`, what turn-level estimators credit); the trajectory's is their sum.
 """
 
 from __future__ import annotations

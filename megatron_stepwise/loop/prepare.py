@@ -3,7 +3,7 @@
 Both mini-batch sources (the synchronous rollout and the async group buffer) hand every
 mini-batch to `prepare`, and so do the demo and the host-pipeline benchmarks, so what they
 measure is what runs. A mini-batch holds whole prompt groups, so merging and the (group-wise)
-outcome advantages give the same result whether one prepares a mini-batch or the iteration.
+advantages give the same result whether one prepares a mini-batch or the iteration.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from megatron_stepwise.algo.advantages import compute_advantages
-from megatron_stepwise.algo.merge import merge_steps
+from megatron_stepwise.algo.merge import merge_with_advantages
 from megatron_stepwise.types import Step, StepBatch
 
 
@@ -33,7 +33,8 @@ class PrepareOptions:
 
 
 def prepare(steps: Sequence[Step], options: PrepareOptions = PrepareOptions()) -> tuple[Optional[StepBatch], dict]:
-    """Merge (optionally), outcome advantages, columnar batch with the `advantages` field.
+    """Advantages, merge (optionally, carrying each turn's advantage), columnar batch with the
+    `advantages` field.
 
     `steps` are one mini-batch (whole prompt groups), already validated by the source that
     produced them. Returns (None, metrics) when no step has a trained token (e.g. every
@@ -45,14 +46,15 @@ def prepare(steps: Sequence[Step], options: PrepareOptions = PrepareOptions()) -
         "batch/rows_before_merge": len(steps),
         "batch/tokens_before_merge": sum(s.num_tokens for s in steps),
     }
+    counts: dict[str, Any] = {}
+    # Before merging: turn-level estimators give each turn its own advantage.
+    advantages = compute_advantages(steps, options.estimator, metrics=counts, **options.estimator_options)
+    metrics.update({f"advantages/{k}": v for k, v in counts.items()})
     if options.merge_steps:
-        steps, stats = merge_steps(steps, max_tokens=options.max_tokens)
+        steps, advantages, stats = merge_with_advantages(steps, advantages, max_tokens=options.max_tokens)
         metrics["batch/rows_after_merge"] = stats.rows_after
         metrics["batch/tokens_after_merge"] = stats.tokens_after
         metrics["batch/broken_prefixes"] = stats.broken_prefixes  # steps that drifted from their history
-    counts: dict[str, Any] = {}
-    advantages = compute_advantages(steps, options.estimator, metrics=counts, **options.estimator_options)
-    metrics.update({f"advantages/{k}": v for k, v in counts.items()})
     if not any(s.num_trainable for s in steps):
         return None, metrics
     batch = StepBatch.from_steps(steps)

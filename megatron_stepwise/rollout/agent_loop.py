@@ -25,7 +25,8 @@ of the trajectory, in both modes. Invariants (docs/architecture.md, 1-3 and 12):
   trainable tokens, reward `context_limit_reward`, stop_reason "context_limit"): its prompt group
   keeps its size and the group statistics stay unbiased in count.
 - The trajectory reward (sum of the environment's step rewards) sits on the last step; earlier
-  steps carry 0 and their own environment reward in `metadata["env_reward"]`.
+  steps carry 0. Every step carries its own environment reward in `turn_reward` (and, as
+  before, in `metadata["env_reward"]`).
 - Environment exceptions (BaseException included) and timeouts end only that trajectory
   (stop_reason "env_error", reward `env_error_reward`, the error in `metadata["error"]`); so do
   a non-finite reward, an info that is not a picklable dict and malformed messages, checked at
@@ -238,6 +239,7 @@ class AgentLoop:
                 total_reward = cfg.env_error_reward
                 break
             total_reward += reward
+            step.turn_reward = reward
             step.metadata["env_reward"] = reward
             step.metadata["env_info"] = info
             if done:
