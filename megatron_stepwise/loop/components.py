@@ -213,7 +213,7 @@ def build_fleet(cfg: ExperimentConfig, hf_config: dict, tokenizer):
         elif r.sglang.servers:
             url = r.sglang.servers[i % len(r.sglang.servers)]
             specs.append(EngineSpec(kind="http", url=url if "://" in url else f"http://{url}", tp_size=r.engine_tp,
-                                    routed_experts=routed))
+                                    routed_experts=routed, generate_url=r.sglang.router_url))
         else:
             extra = list(r.sglang.extra_args)
             if routed and "--enable-return-routed-experts" not in extra:
