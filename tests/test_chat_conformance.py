@@ -197,3 +197,21 @@ def test_retokenize_mode_flags_every_rewrite(name, model_dirs):
             history = after
     TALLY.setdefault(name, {})["drift_flagged"] = flagged
     assert truth > 0  # the script does produce rewrites
+
+
+@pytest.mark.parametrize("name, closing, also", [
+    ("qwen2.5-instruct", "<|im_end|>", ["<|endoftext|>"]),
+    ("qwen3", "<|im_end|>", ["<|endoftext|>"]),
+    ("qwen3.5", "<|im_end|>", ["<|endoftext|>"]),
+    ("llama-3.1-instruct", "<|eot_id|>", ["<|end_of_text|>", "<|eom_id|>"]),
+    ("deepseek-r1-distill-qwen", "<｜end▁of▁sentence｜>", []),
+    ("deepseek-v3.1", "<｜end▁of▁sentence｜>", []),
+    ("glm-4.6", None, ["<|endoftext|>", "<|user|>", "<|observation|>"]),  # GLM closes no turn
+])
+def test_end_of_turn_comes_from_the_models_own_files(name, closing, also, model_dirs):
+    """The appended token is the one the chat template closes a reply with; every
+    generation_config.json eos_token_id also ends a turn (none of this is per-family code)."""
+    tok = load_tokenizer(str(model_dirs[name]))
+    eot = end_of_turn(tok)
+    assert (None if eot.append is None else tok.convert_ids_to_tokens(eot.append)) == closing
+    assert tok.convert_ids_to_tokens(list(eot.ids)) == ([closing] if closing else []) + also
