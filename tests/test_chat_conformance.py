@@ -17,9 +17,7 @@ third-party copy exists).
 
 from __future__ import annotations
 
-import asyncio
 import os
-import random
 from pathlib import Path
 
 import pytest
@@ -27,8 +25,6 @@ import pytest
 from helpers import REPO, load_script
 from megatron_stepwise.hf.end_of_turn import end_of_turn
 from megatron_stepwise.hf.tokenizers import load_tokenizer
-from megatron_stepwise.rollout.agent_loop import AgentLoop, AgentLoopConfig
-from megatron_stepwise.rollout.engine import GenerateResult, SamplingParams
 
 SRC = os.environ.get("STEPWISE_TOKENIZERS_SRC")
 pytestmark = pytest.mark.skipif(
@@ -43,62 +39,6 @@ SEED = 28
 def model_dirs(tmp_path_factory):
     out = tmp_path_factory.mktemp("families")
     return {name: families.build_family(name, SRC, out) for name in families.FAMILIES}
-
-
-class Scripted:
-    """The engine and the environment of scripted trajectories: turn k of trajectory i samples
-    `ids[i][k]` and the environment answers `turns[i][k].observation`."""
-
-    def __init__(self, tokenizer, fam, eot, n):
-        rng = random.Random(f"{SEED}/{fam.name}")
-        self.first, self.turns, self.ids = [], [], []
-        for _ in range(n):
-            messages, turns = families.trajectory(fam, rng)
-            self.first.append(messages)
-            self.turns.append(turns)
-            self.ids.append([families.sampled_ids(tokenizer, t, rng, list(eot.ids)) for t in turns])
-
-    async def generate(self, input_ids, sampling, rid=None, session=None):
-        i, k = _where(rid)
-        ids, reason = self.ids[i][k]
-        return GenerateResult(list(ids), [-1.0] * len(ids), reason, weight_version=0)
-
-    def env(self):
-        script = self
-
-        class Env:
-            def reset(self, sample):
-                self.i, self.k = int(sample["prompt_id"]), 0
-                return list(script.first[self.i])
-
-            def step(self, text):
-                turns = script.turns[self.i]
-                obs = turns[self.k].observation
-                self.k += 1
-                return list(obs), 0.0, self.k == len(turns), {}
-
-        return Env()
-
-
-def _where(rid: str) -> tuple[int, int]:
-    traj, turn = rid.split("/turn")  # "<prompt_id>#<sample>/turn<k>"
-    return int(traj.split("#")[0]), int(turn)
-
-
-def _run(tokenizer, script, eot, context):
-    cfg = AgentLoopConfig(max_turns=4, context=context, max_input_length=1 << 20, drift_sample_rate=1.0,
-                          n_samples_per_prompt=1, sampling=SamplingParams(max_new_tokens=4096),
-                          append_eos=eot.append is not None, env_timeout_s=120.0)
-    ids = list(eot.ids) if eot.append is None else [eot.append] + [i for i in eot.ids if i != eot.append]
-    loop = AgentLoop(script, tokenizer, script.env, cfg, eos_token_ids=ids)
-    try:
-        steps = asyncio.run(loop.rollout([{"prompt_id": str(i)} for i in range(len(script.turns))]))
-    finally:
-        loop.close()
-    by_traj: dict[int, list] = {}
-    for s in steps:
-        by_traj.setdefault(int(s.trajectory_id.prompt_id), []).append(s)
-    return by_traj
 
 
 def _render(tok, messages, generation_prompt):
@@ -129,8 +69,8 @@ def test_token_mode_extends_exactly_with_the_templates_delta(name, model_dirs):
     fam = families.FAMILIES[name]
     tok = load_tokenizer(str(model_dirs[name]))  # as the trainer loads model.tokenizer
     eot = end_of_turn(tok)
-    script = Scripted(tok, fam, eot, TRAJECTORIES)
-    runs = _run(tok, script, eot, "tokens")
+    script = families.Scripted(tok, fam, eot, TRAJECTORIES, seed=SEED)
+    runs = families.run_loop(tok, script, eot, "tokens")
     tally = TALLY.setdefault(name, {"trajectories": 0, "turns": 0, "boundaries": 0, "appended": 0, "rewrites": 0,
                                     "tool->": 0, "noncanonical": 0})
     for i, steps in runs.items():
@@ -174,8 +114,8 @@ def test_retokenize_mode_flags_every_rewrite(name, model_dirs):
     fam = families.FAMILIES[name]
     tok = load_tokenizer(str(model_dirs[name]))
     eot = end_of_turn(tok)
-    script = Scripted(tok, fam, eot, TRAJECTORIES)
-    runs = _run(tok, script, eot, "retokenize")
+    script = families.Scripted(tok, fam, eot, TRAJECTORIES, seed=SEED)
+    runs = families.run_loop(tok, script, eot, "retokenize")
     flagged = truth = 0
     for i, steps in runs.items():
         history = list(script.first[i])

@@ -19,6 +19,7 @@ non-canonical token ids (a token split in two, as a sampling model may produce).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
@@ -26,6 +27,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
+
+from megatron_stepwise.rollout.agent_loop import AgentLoop, AgentLoopConfig
+from megatron_stepwise.rollout.engine import GenerateResult, SamplingParams
 
 QWEN25_ADDED = {  # Qwen2.5's tokenizer_config (id: (token, special))
     151646: ("<|object_ref_start|>", True), 151647: ("<|object_ref_end|>", True), 151648: ("<|box_start|>", True),
@@ -147,7 +151,7 @@ def tool_call_text(fam: Family, name: str, args: dict) -> str:
     return f"<tool_call>\n{json.dumps({'name': name, 'arguments': args})}\n</tool_call>"
 
 
-def trajectory(fam: Family, rng: random.Random) -> tuple[list[dict], list[Turn]]:
+def trajectory(fam: Family, rng: random.Random, noncanonical_share: float = 0.3) -> tuple[list[dict], list[Turn]]:
     """(the first messages, the scripted turns) of one trajectory."""
     messages = ([{"role": "system", "content": "You are a helpful agent."}] if rng.random() < 0.5 else [])
     messages.append({"role": "user", "content": _phrase(rng, rng.randint(3, 12))})
@@ -172,7 +176,7 @@ def trajectory(fam: Family, rng: random.Random) -> tuple[list[dict], list[Turn]]
                                for _ in range(rng.choice([1, 1, 2, 3]))]
             else:
                 observation = [{"role": "user", "content": _phrase(rng, rng.randint(1, 6))}]
-        turns.append(Turn(think + body, ending, rng.random() < 0.3, observation, stop))
+        turns.append(Turn(think + body, ending, rng.random() < noncanonical_share, observation, stop))
     return messages, turns
 
 
@@ -213,6 +217,63 @@ def split_one_token(tokenizer: Any, ids: list[int], rng: random.Random) -> list[
             if a in vocab and b in vocab:
                 return ids[:i] + [vocab[a], vocab[b]] + ids[i + 1:]
     return ids
+
+
+class Scripted:
+    """The engine and the environment of scripted trajectories: turn k of trajectory i samples
+    `ids[i][k]` and the environment answers `turns[i][k].observation`."""
+
+    def __init__(self, tokenizer, fam, eot, n, seed=0, noncanonical_share=0.3):
+        rng = random.Random(f"{seed}/{fam.name}")
+        self.first, self.turns, self.ids = [], [], []
+        for _ in range(n):
+            messages, turns = trajectory(fam, rng, noncanonical_share)
+            self.first.append(messages)
+            self.turns.append(turns)
+            self.ids.append([sampled_ids(tokenizer, t, rng, list(eot.ids)) for t in turns])
+
+    async def generate(self, input_ids, sampling, rid=None, session=None):
+        i, k = _where(rid)
+        ids, reason = self.ids[i][k]
+        return GenerateResult(list(ids), [-1.0] * len(ids), reason, weight_version=0)
+
+    def env(self):
+        script = self
+
+        class Env:
+            def reset(self, sample):
+                self.i, self.k = int(sample["prompt_id"]), 0
+                return list(script.first[self.i])
+
+            def step(self, text):
+                turns = script.turns[self.i]
+                obs = turns[self.k].observation
+                self.k += 1
+                return list(obs), 0.0, self.k == len(turns), {}
+
+        return Env()
+
+
+def _where(rid: str) -> tuple[int, int]:
+    traj, turn = rid.split("/turn")  # "<prompt_id>#<sample>/turn<k>"
+    return int(traj.split("#")[0]), int(turn)
+
+
+def run_loop(tokenizer, script, eot, context):
+    """Steps of every scripted trajectory through the real AgentLoop, by trajectory index."""
+    cfg = AgentLoopConfig(max_turns=4, context=context, max_input_length=1 << 20, drift_sample_rate=1.0,
+                          n_samples_per_prompt=1, sampling=SamplingParams(max_new_tokens=4096),
+                          append_eos=eot.append is not None, env_timeout_s=120.0)
+    ids = list(eot.ids) if eot.append is None else [eot.append] + [i for i in eot.ids if i != eot.append]
+    loop = AgentLoop(script, tokenizer, script.env, cfg, eos_token_ids=ids)
+    try:
+        steps = asyncio.run(loop.rollout([{"prompt_id": str(i)} for i in range(len(script.turns))]))
+    finally:
+        loop.close()
+    by_traj: dict[int, list] = {}
+    for s in steps:
+        by_traj.setdefault(int(s.trajectory_id.prompt_id), []).append(s)
+    return by_traj
 
 
 if __name__ == "__main__":
