@@ -151,14 +151,30 @@ def tool_call_text(fam: Family, name: str, args: dict) -> str:
     return f"<tool_call>\n{json.dumps({'name': name, 'arguments': args})}\n</tool_call>"
 
 
-def trajectory(fam: Family, rng: random.Random, noncanonical_share: float = 0.3) -> tuple[list[dict], list[Turn]]:
-    """(the first messages, the scripted turns) of one trajectory."""
+def generation_prompt_thinks(tokenizer: Any) -> Optional[bool]:
+    """True when the template's generation prompt opens a reasoning block (`<think>\n`: the model
+    continues inside it), False when it opens and closes one (no reasoning), else None."""
+    chat = [{"role": "user", "content": "hi"}]
+    prompt = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True).rstrip("\n")
+    return True if prompt.endswith("<think>") else False if prompt.endswith("</think>") else None
+
+
+def trajectory(fam: Family, rng: random.Random, noncanonical_share: float = 0.3,
+               prompt_thinks: Optional[bool] = None) -> tuple[list[dict], list[Turn]]:
+    """(the first messages, the scripted turns) of one trajectory; `prompt_thinks` as
+    `generation_prompt_thinks` (a model whose prompt opens the reasoning block writes its end)."""
     messages = ([{"role": "system", "content": "You are a helpful agent."}] if rng.random() < 0.5 else [])
     messages.append({"role": "user", "content": _phrase(rng, rng.randint(3, 12))})
     turns = []
     n = rng.randint(1, 4)
     for k in range(n):
-        think = f"<think>\n{_phrase(rng, rng.randint(2, 10))}\n</think>\n\n" if fam.thinks and rng.random() < 0.5 else ""
+        reasoning = _phrase(rng, rng.randint(2, 10))
+        if prompt_thinks:
+            think = f"{reasoning}\n</think>\n\n"
+        elif prompt_thinks is None and fam.thinks and rng.random() < 0.5:
+            think = f"<think>\n{reasoning}\n</think>\n\n"
+        else:
+            think = ""
         calls = k + 1 < n and rng.random() < 0.7
         body = tool_call_text(fam, rng.choice(TOOLS), {"q": _phrase(rng, rng.randint(1, 4))}) if calls else \
             _phrase(rng, rng.randint(1, 15))
@@ -226,8 +242,9 @@ class Scripted:
     def __init__(self, tokenizer, fam, eot, n, seed=0, noncanonical_share=0.3):
         rng = random.Random(f"{seed}/{fam.name}")
         self.first, self.turns, self.ids = [], [], []
+        thinks = generation_prompt_thinks(tokenizer)
         for _ in range(n):
-            messages, turns = trajectory(fam, rng, noncanonical_share)
+            messages, turns = trajectory(fam, rng, noncanonical_share, thinks)
             self.first.append(messages)
             self.turns.append(turns)
             self.ids.append([sampled_ids(tokenizer, t, rng, list(eot.ids)) for t in turns])
