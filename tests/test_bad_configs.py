@@ -143,6 +143,9 @@ CASES = [
      "rollout.num_engines", "lists 1 servers"),
     ("sglang-router-without-servers", {"rollout": {"engine": "sglang", "sglang": {"router_url": "http://r:8000"}}},
      [], {"modules": ()}, "rollout.sglang.servers", "router_url is set"),
+    ("sglang-router-with-routing-replay", {"rollout": {"engine": "sglang", "sglang": {
+        "router_url": "http://r:8000", "servers": ["h1:30000"]}}, "algo": {"routing_replay": True}},
+     [], {"modules": ()}, "rollout.sglang.router_url", "sglang-router drops"),
     ("sglang-bad-server", {"rollout": {"engine": "sglang", "sglang": {"servers": ["h1"]}}}, [], {"modules": ()},
      "rollout.sglang.servers", "host:port"),
     ("servers-with-embedded", {"rollout": {"sglang": {"servers": ["h1:30000"]}}}, [], {}, "rollout.sglang.servers",

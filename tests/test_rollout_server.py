@@ -271,3 +271,40 @@ def test_launched_sglang_servers_get_the_key(monkeypatch):
     assert cmd[cmd.index("--api-key") + 1] == "k"
     monkeypatch.delenv("MEGATRON_STEPWISE_API_KEY")
     assert "--api-key" not in SGLangServerConfig(model_path="m").command()
+
+
+# What sglang-router 0.3.2 adds to every /generate it forwards (SGLang's defaults, plus `model`).
+ROUTER_FIELDS = {"model": "default", "background": False, "log_metrics": True, "no_logs": False,
+                 "return_bytes": False, "return_entropy": False, "return_hidden_states": False,
+                 "return_text_in_logprobs": False}
+
+
+@pytest.mark.parametrize("extra, status, fragment", [
+    (ROUTER_FIELDS, 200, None),
+    ({"session_id": "s1", "priority": 3, "routing_key": "k", "custom_labels": {"a": "b"}, "lora_path": None,
+      "image_data": [], "top_logprobs_num": 0}, 200, None),  # hints, and unsupported ones left at the default
+    ({"return_text_in_logprobs": True}, 200, None),
+    ({"log_metrics": "yes"}, 400, "log_metrics must be bool"),
+    ({"priority": 1.5}, 400, "priority must be int"),
+    ({"top_logprobs_num": 5}, 400, "top_logprobs_num=5 is not supported"),
+    ({"lora_path": "/adapters/a"}, 400, "lora_path="),
+    ({"return_logprobs": True}, 400, "unknown field(s) ['return_logprobs']"),
+])
+def test_generate_takes_sglangs_fields(extra, status, fragment):
+    """Every GenerateReqInput field is accepted (hints ignored); a malformed value, a feature the
+    engine lacks, or a field SGLang does not have is a 400 naming it."""
+    prompt = [1, 5, 8, 17, 2, 1, 6]
+
+    async def scenario(engine, client, port):
+        async with aiohttp.ClientSession() as http:
+            body = {"input_ids": prompt, "return_logprob": True, "sampling_params": {"max_new_tokens": 3}, **extra}
+            async with http.post(f"http://127.0.0.1:{port}/generate", json=body) as resp:
+                return resp.status, await resp.json()
+
+    got, data = asyncio.run(serving(scenario))
+    assert got == status, data
+    if fragment:
+        assert fragment in data["error"]["message"]
+    elif extra.get("return_text_in_logprobs"):
+        assert [e[2] for e in data["meta_info"]["output_token_logprobs"]] == \
+            [TOK.decode([t]) for t in data["output_ids"]]

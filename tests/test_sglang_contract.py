@@ -24,6 +24,7 @@ import torch
 from aiohttp import web
 
 from megatron_stepwise.rollout.engine import MEMORY_TAGS, GenerateResult, SamplingParams
+from megatron_stepwise.rollout import generate_fields
 from megatron_stepwise.rollout.server import EngineServer, generate_response
 from megatron_stepwise.rollout.sglang import SGLANG_VERSION, SGLangClient, TensorHandles, serialize_tensors_sglang
 
@@ -310,3 +311,14 @@ def test_embedded_server_speaks_the_same_api(sglang):
     assert set(resp) <= set(class_fields(sglang["api_types"], "GenerateResponse"))
     assert set(resp["meta_info"]) <= set(class_fields(sglang["api_types"], "GenerateMetaInfo"))
     assert resp["meta_info"]["finish_reason"] == {"type": "length", "length": 2}
+
+
+def test_the_embedded_server_classifies_every_generate_field(sglang):
+    """Each field of SGLang's GenerateReqInput is honoured, ignored or refused-when-set by the
+    embedded server (a request forwarded by sglang-router carries many of them); none is unknown."""
+    fields = set(class_fields(sglang["io_struct"], "GenerateReqInput"))
+    assert fields - generate_fields.KNOWN == set()
+    ours = generate_fields.HONOURED | generate_fields.UNSUPPORTED | (set(generate_fields.IGNORED) - {"model"})
+    assert ours - fields == set(), "fields SGLang does not have"
+    tables = [generate_fields.HONOURED, set(generate_fields.IGNORED), generate_fields.UNSUPPORTED]
+    assert sum(len(t) for t in tables) == len(generate_fields.KNOWN)  # disjoint

@@ -305,3 +305,61 @@ def test_the_trainer_loads_its_tokenizer_with_the_override(monkeypatch):
     assert components.load_tokenizer(cfg).chat_template == UPPER
     plain = config_from_dict({"model": {"tokenizer": "tiny_char"}}, probes=FakeProbes())
     assert components.load_tokenizer(plain).chat_template != UPPER
+
+
+# ---- the other formats --------------------------------------------------------------------------
+
+SEARCH = function_tool("search", "Search.", {"type": "object", "properties": {"q": {"type": "string"},
+                                                                             "n": {"type": "integer"}},
+                                             "required": ["q"]})
+
+
+def test_qwen3_coder_xml_calls_inside_tool_call_blocks():
+    text = ("let me look\n<tool_call>\n<function=search>\n<parameter=q>\nparis weather\n</parameter>\n"
+            "<parameter=n>\n3\n</parameter>\n</function>\n</tool_call>")
+    turn = parse_tool_calls(text, [SEARCH])
+    assert turn.calls == [ToolCall(0, "search", {"q": "paris weather", "n": 3})] and turn.text == "let me look"
+    bad = parse_tool_calls("<tool_call>\n<function=>\n</function>\n</tool_call>", [SEARCH])
+    assert "names no function" in bad.errors[0].message
+
+
+def test_glm_calls():
+    text = "<tool_call>search\n<arg_key>q</arg_key>\n<arg_value>x y</arg_value>\n</tool_call>"
+    assert parse_tool_calls(text, [SEARCH], format="glm").calls == [ToolCall(0, "search", {"q": "x y"})]
+    turn = parse_tool_calls("<tool_call>\n<arg_key>q</arg_key></tool_call>", [SEARCH], format="glm")
+    assert "function name first" in turn.errors[0].message
+    unknown = parse_tool_calls("<tool_call>find\n</tool_call>", [SEARCH], format="glm")
+    assert "unknown tool 'find'" in unknown.errors[0].message
+
+
+def test_llama3_json_calls():
+    two = '{"name": "search", "parameters": {"q": "a"}}; {"name": "search", "parameters": {"q": 1}}'
+    turn = parse_tool_calls(two, [SEARCH], format="llama3_json")
+    assert turn.calls == [ToolCall(0, "search", {"q": "a"})] and "must be string" in turn.errors[0].message
+    tagged = parse_tool_calls('<|python_tag|>{"name": "search", "parameters": {"q": "a"', [SEARCH], format="llama3_json")
+    assert "invalid JSON" in tagged.errors[0].message
+    plain = parse_tool_calls("The answer is 4.", [SEARCH], format="llama3_json")
+    assert plain.blocks == [] and plain.text == "The answer is 4."
+    with pytest.raises(ValueError, match="tool call format must be one of"):
+        parse_tool_calls("x", format="mistral")
+
+
+@pytest.mark.parametrize("format", ["hermes", "glm", "llama3_json"])
+def test_no_model_output_makes_a_parser_raise(format):
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    pieces = st.sampled_from(["<tool_call>", "</tool_call>", "<function=", "<parameter=q>", "</parameter>",
+                              "</function>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "{", "}",
+                              "[", "]", '"name"', ":", '"search"', '"parameters"', '"arguments"', ",", ";", "\n",
+                              "<|python_tag|>", "1", "null", '"q"', "x"])
+
+    @settings(max_examples=300, deadline=None, derandomize=True)
+    @given(st.lists(pieces | st.text(max_size=5), max_size=30))
+    def check(parts):
+        parse_tool_calls("".join(parts), [SEARCH], format=format)
+
+    check()
+    deep = "[" * 100_000  # deeper than Python's JSON decoder recurses
+    for text in (f"<tool_call>{deep}</tool_call>", deep.replace("[", "{\"a\":"), f"<tool_call>x\n<arg_key>a</arg_key><arg_value>{deep}</arg_value></tool_call>"):
+        parse_tool_calls(text, [SEARCH], format=format)

@@ -84,8 +84,9 @@ class SGLangConfig:
     host: str = option("127.0.0.1", "interface launched servers bind to")
     base_port: int = option(30000, "first port of launched servers (engine i uses base_port + i)",
                             min=1, max=65535)
-    router_url: Optional[str] = option(None, "an sglang_router already running (http://host:port) for "
-                                             "generation; servers must then be listed for weight updates")
+    router_url: Optional[str] = option(None, "an sglang-router already running (http://host:port) for "
+                                             "generation; servers must then be listed for weight updates "
+                                             "(not with algo.routing_replay)")
     servers: list[str] = option([], "servers already running (host:port or http://host:port); empty = "
                                     "launch num_engines servers on Ray")
     extra_args: list[str] = option([], "extra command-line arguments for `python -m sglang.launch_server`")

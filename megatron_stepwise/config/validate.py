@@ -189,6 +189,11 @@ def _check_rollout(cfg: ExperimentConfig, check: _Checker, probes: Probes) -> No
             check.fail("rollout.sglang.servers", f"item {i} {server!r} is not host:port or http://host:port")
     if sg.router_url and not _SERVER_RE.match(sg.router_url):
         check.fail("rollout.sglang.router_url", f"{sg.router_url!r} is not http://host:port")
+    if sg.router_url and cfg.algo.routing_replay:
+        # sglang-router 0.3.x forwards /generate without return_routed_experts
+        check.fail("rollout.sglang.router_url", "routing replay (algo.routing_replay) needs the routed experts, "
+                                                "which sglang-router drops; unset router_url (the fleet routes "
+                                                "itself) or algo.routing_replay", "algo.routing_replay")
     if ro.engine == "embedded":
         for key in ("servers", "router_url"):
             if getattr(sg, key):

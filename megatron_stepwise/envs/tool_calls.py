@@ -1,4 +1,4 @@
-"""Tool calls in the Hermes / Qwen format: schemas for `tools=`, a parser, tool-result messages.
+"""Tool calls as chat models write them: schemas for `tools=`, a parser, tool-result messages.
 
 An environment that offers tools declares them as function schemas (the OpenAI / Hugging Face
 shape `{"type": "function", "function": {"name", "description", "parameters"}}`, built by
@@ -18,6 +18,13 @@ newlines and tabs (models write code that way); `arguments` may also be a JSON-e
 (OpenAI's shape). Arguments are checked against the schema only at the top level (required
 names, JSON types, `additionalProperties: false`).
 
+`format` picks how the model writes calls (`TOOL_CALL_FORMATS`): `hermes` (above; a block may
+also hold Qwen3-Coder / Qwen3.5's `<function=NAME><parameter=KEY>value</parameter></function>`),
+`glm` (GLM-4.5/4.6: `<tool_call>NAME<arg_key>KEY</arg_key><arg_value>value</arg_value></tool_call>`,
+values JSON when they parse, else strings) and `llama3_json` (Llama 3.1/3.2 custom tools: the
+whole turn is `{"name": ..., "parameters": {...}}`, optionally after `<|python_tag|>`, several
+separated by `;`). None of them raises on model output.
+
 No Megatron, torch or Ray imports: environments import this in their own processes.
 """
 
@@ -28,6 +35,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
+TOOL_CALL_FORMATS = ("hermes", "glm", "llama3_json")
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
 _TAG = re.compile(re.escape(TOOL_CALL_OPEN) + "|" + re.escape(TOOL_CALL_CLOSE))
@@ -133,13 +141,18 @@ def check_tools(tools: Any) -> Optional[list[dict[str, Any]]]:
     return plain
 
 
-def parse_tool_calls(text: str, tools: Optional[Sequence[dict[str, Any]]] = None) -> ParsedTurn:
-    """Every `<tool_call>...</tool_call>` block of `text`, in order (see the module docstring).
+def parse_tool_calls(text: str, tools: Optional[Sequence[dict[str, Any]]] = None,
+                     format: str = "hermes") -> ParsedTurn:
+    """Every tool call of `text`, in order, written in `format` (see the module docstring).
 
     With `tools`, a call must name one of them and its arguments must fit its parameters.
     A `</tool_call>` without an opening tag is left in the text.
     """
+    if format not in TOOL_CALL_FORMATS:
+        raise ValueError(f"tool call format must be one of {', '.join(TOOL_CALL_FORMATS)}, got {format!r}")
     by_name = {tool_function(t).get("name"): tool_function(t) for t in tools} if tools is not None else None
+    if format == "llama3_json":
+        return _parse_llama3_json(text, by_name)
     blocks: list[Union[ToolCall, ToolCallError]] = []
     outside: list[str] = []
     pos = 0
@@ -152,7 +165,7 @@ def parse_tool_calls(text: str, tools: Optional[Sequence[dict[str, Any]]] = None
                 outside.append(text[pos:tag.start()])
             open_at = tag.end()
         elif open_at is not None:
-            blocks.append(_parse_block(len(blocks), text[open_at:tag.start()], by_name))
+            blocks.append(_parse_block(len(blocks), text[open_at:tag.start()], by_name, format))
             open_at, pos = None, tag.end()
     if open_at is not None:
         blocks.append(_unterminated(len(blocks), text[open_at:], reopened=False))
@@ -167,7 +180,7 @@ def _unterminated(index: int, body: str, *, reopened: bool) -> ToolCallError:
                          body.strip()[:_SHOWN])
 
 
-def _parse_block(index: int, body: str, by_name: Optional[dict]) -> Union[ToolCall, ToolCallError]:
+def _parse_block(index: int, body: str, by_name: Optional[dict], format: str = "hermes") -> Union[ToolCall, ToolCallError]:
     body = body.strip()  # error positions count from the JSON's first character
     shown = body[:_SHOWN]
 
@@ -176,10 +189,16 @@ def _parse_block(index: int, body: str, by_name: Optional[dict]) -> Union[ToolCa
 
     if not body:
         return error('empty; write {"name": ..., "arguments": {...}} between the tags')
+    if format == "glm":
+        return _checked(index, *_glm_call(body), by_name, error)
+    if body.startswith("<function="):
+        return _checked(index, *_xml_call(body), by_name, error)
     try:
         value = json.loads(body, strict=False)  # strict=False: raw newlines/tabs inside strings
     except json.JSONDecodeError as e:
         return error(f"invalid JSON ({e.msg} at line {e.lineno} column {e.colno})")
+    except RecursionError:  # model output can nest brackets deeper than Python's decoder recurses
+        return error("invalid JSON (nested too deeply)")
     if not isinstance(value, dict):
         return error(f'must be a JSON object {{"name": ..., "arguments": {{...}}}}, got {_json_type(value)}')
     name = value.get("name")
@@ -193,8 +212,18 @@ def _parse_block(index: int, body: str, by_name: Optional[dict]) -> Union[ToolCa
             arguments = json.loads(arguments, strict=False) if arguments.strip() else {}
         except json.JSONDecodeError as e:
             return error(f'"arguments" is a string that is not valid JSON ({e.msg} at column {e.colno})', name)
+        except RecursionError:
+            return error('"arguments" is a string that is not valid JSON (nested too deeply)', name)
     if not isinstance(arguments, dict):
         return error(f'"arguments" must be a JSON object, got {_json_type(arguments)}', name)
+    return _checked(index, name, arguments, None, by_name, error)
+
+
+def _checked(index: int, name: Optional[str], arguments: dict, problem: Optional[str], by_name: Optional[dict],
+             error) -> Union[ToolCall, ToolCallError]:
+    """The call, or the error of a parse `problem`, an unknown tool or arguments that do not fit."""
+    if problem:
+        return error(problem, name)
     if by_name is not None:
         if name not in by_name:
             available = ", ".join(sorted(map(str, by_name))) or "none"
@@ -203,6 +232,77 @@ def _parse_block(index: int, body: str, by_name: Optional[dict]) -> Union[ToolCa
         if problem:
             return error(f"{name}: {problem}", name)
     return ToolCall(index, name, arguments)
+
+
+_XML_FUNCTION = re.compile(r"<function=([^>\n]*)>(.*?)(?:</function>|$)", re.S)
+_XML_PARAMETER = re.compile(r"<parameter=([^>\n]*)>\n?(.*?)\n?</parameter>", re.S)
+_GLM_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
+
+
+def _loose_value(text: str) -> Any:
+    """A parameter value: JSON when it parses (numbers, objects...), else the text itself."""
+    try:
+        return json.loads(text, strict=False)
+    except (ValueError, RecursionError):
+        return text
+
+
+def _xml_call(body: str) -> tuple[Optional[str], dict, Optional[str]]:
+    """(name, arguments, problem) of Qwen3-Coder's `<function=NAME><parameter=KEY>v</parameter>`."""
+    match = _XML_FUNCTION.match(body)
+    name = match.group(1).strip() if match else ""
+    if not name:
+        return None, {}, "<function=...> names no function"
+    args = {k.strip(): _loose_value(v) for k, v in _XML_PARAMETER.findall(match.group(2))}
+    return name, args, None
+
+
+def _glm_call(body: str) -> tuple[Optional[str], dict, Optional[str]]:
+    """(name, arguments, problem) of GLM's `NAME<arg_key>KEY</arg_key><arg_value>v</arg_value>`."""
+    name = body.split("<arg_key>", 1)[0].strip()
+    if not name or any(c in name for c in "<>{}\n"):
+        return None, {}, "write the function name first, then <arg_key>...</arg_key><arg_value>...</arg_value> pairs"
+    args = {k.strip(): _loose_value(v) for k, v in _GLM_ARGUMENT.findall(body)}
+    return name, args, None
+
+
+def _parse_llama3_json(text: str, by_name: Optional[dict]) -> ParsedTurn:
+    """Llama 3.x custom tool calls: the turn is the call(s) `{"name", "parameters"}`, else text."""
+    body = text.strip()
+    if body.startswith("<|python_tag|>"):
+        body = body[len("<|python_tag|>"):].strip()
+    if not body.startswith("{"):
+        return ParsedTurn([], text.strip())
+    blocks: list[Union[ToolCall, ToolCallError]] = []
+    decoder, pos = json.JSONDecoder(strict=False), 0
+    while pos < len(body):
+        index, rest = len(blocks), body[pos:]
+
+        def error(message: str, name: Optional[str] = None, index: int = index, rest: str = rest) -> ToolCallError:
+            return ToolCallError(index, f"tool call {index + 1}: {message}", rest[:_SHOWN], name)
+
+        try:
+            value, end = decoder.raw_decode(body, pos)
+        except json.JSONDecodeError as e:
+            blocks.append(error(f"invalid JSON ({e.msg} at line {e.lineno} column {e.colno})"))
+            break
+        except RecursionError:
+            blocks.append(error("invalid JSON (nested too deeply)"))
+            break
+        pos = end
+        name = value.get("name") if isinstance(value, dict) else None
+        arguments = value.get("parameters", value.get("arguments", {})) if isinstance(value, dict) else None
+        if not isinstance(name, str) or not name:
+            blocks.append(error('must be a JSON object {"name": ..., "parameters": {...}}'))
+        elif not isinstance(arguments, dict):
+            blocks.append(error(f'"parameters" must be a JSON object, got {_json_type(arguments)}', name))
+        else:
+            blocks.append(_checked(index, name, arguments, None, by_name, error))
+        while pos < len(body) and body[pos] in " \t\r\n;":
+            pos += 1
+        if pos < len(body) and body[pos] != "{":
+            return ParsedTurn(blocks, body[pos:].strip())
+    return ParsedTurn(blocks, "")
 
 
 def _argument_problem(arguments: dict[str, Any], parameters: Any) -> Optional[str]:

@@ -213,7 +213,7 @@ def build_fleet(cfg: ExperimentConfig, hf_config: dict, tokenizer):
         elif r.sglang.servers:
             url = r.sglang.servers[i % len(r.sglang.servers)]
             specs.append(EngineSpec(kind="http", url=url if "://" in url else f"http://{url}", tp_size=r.engine_tp,
-                                    routed_experts=routed))
+                                    routed_experts=routed, generate_url=r.sglang.router_url))
         else:
             extra = list(r.sglang.extra_args)
             if routed and "--enable-return-routed-experts" not in extra:
@@ -234,14 +234,18 @@ def build_fleet(cfg: ExperimentConfig, hf_config: dict, tokenizer):
 
 def build_agent_loop(cfg: ExperimentConfig, fleet, tokenizer):
     """The agent loop of `cfg` driving `fleet` (any generator: a fleet, an engine, a client)."""
+    from megatron_stepwise.hf.end_of_turn import end_of_turn
     from megatron_stepwise.rollout.agent_loop import AgentLoop, AgentLoopConfig
 
     r = cfg.rollout
+    eot = end_of_turn(tokenizer)  # from the chat template and the model's generation_config.json
     loop_cfg = AgentLoopConfig.from_section(r, n_samples_per_prompt=cfg.data.samples_per_prompt,
-                                            sampling=r.sampling.params(r.max_new_tokens))
+                                            sampling=r.sampling.params(r.max_new_tokens),
+                                            append_eos=eot.append is not None)
     spec = env_spec(cfg)
     options = dict(cfg.env.options)
-    return AgentLoop(fleet, tokenizer, lambda: spec.factory(**options), loop_cfg)
+    ids = list(eot.ids) if eot.append is None else [eot.append] + [i for i in eot.ids if i != eot.append]
+    return AgentLoop(fleet, tokenizer, lambda: spec.factory(**options), loop_cfg, eos_token_ids=ids)
 
 
 # ------------------------------------------------------------------------ weights

@@ -22,7 +22,9 @@ Templates that rewrite history (e.g. drop the reasoning of earlier assistant tur
 re-format their content) cannot be followed incrementally: rendering with the new messages no
 longer extends the rendering without them. Token mode then keeps every earlier turn exactly as
 sampled (reasoning included) and takes the delta from the same messages rendered after a
-neutral one-turn history, where nothing is rewritten. The messages the environment sees are the
+neutral one-turn history, where nothing is rewritten (only what follows the reply is taken, so a
+template that wraps the reply itself differently once a user message follows, as Qwen3's does
+with the reasoning block, still extends). The messages the environment sees are the
 same in both modes (decoded text).
 
 Tool schemas (`tools`, an environment's `tools` attribute, envs/base.py) go to every render of a
@@ -95,23 +97,25 @@ def _delta_after(tokenizer: Any, history: list[dict], reply: str, observation: l
                  head: Optional[str] = None) -> tuple[Optional[str], str]:
     """(the delta, or None when the template does not extend here; the extended rendering)."""
     turn = [{"role": "assistant", "content": reply}]
-    closed = render_text(tokenizer, history + turn, generation_prompt=False, tools=tools)
     extended = render_text(tokenizer, history + turn + observation, generation_prompt=True, tools=tools)
+    if find_reply:
+        # The template may wrap the reply (an empty reasoning block before it) and wrap it
+        # otherwise once a user message follows (Qwen3 renders that block only for turns after
+        # the last user message): what follows the reply is the delta, provided the messages
+        # before the assistant turn render unchanged.
+        at = extended.rfind(reply)
+        before = render_text(tokenizer, history, generation_prompt=False, tools=tools)
+        return (None if at < 0 or not extended.startswith(before) else extended[at + len(reply):]), extended
+    closed = render_text(tokenizer, history + turn, generation_prompt=False, tools=tools)
     if not extended.startswith(closed):
         return None, extended
-    if find_reply:  # the template may wrap the reply (e.g. an empty reasoning block before it)
-        at = closed.rfind(reply)
-        if at < 0:
-            return None, extended
-        end = at + len(reply)
-    else:  # the reply must be rendered verbatim right after the generation prompt
-        if head is None:
-            head = render_text(tokenizer, history, generation_prompt=True, tools=tools)
-        head += reply
-        if not closed.startswith(head):
-            return None, extended
-        end = len(head)
-    return extended[end:], extended
+    # the reply must be rendered verbatim right after the generation prompt
+    if head is None:
+        head = render_text(tokenizer, history, generation_prompt=True, tools=tools)
+    head += reply
+    if not closed.startswith(head):
+        return None, extended
+    return extended[len(head):], extended
 
 
 def extend_context(tokenizer: Any, prompt: Sequence[int], response: Sequence[int], delta: str,

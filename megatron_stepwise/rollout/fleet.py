@@ -60,6 +60,7 @@ class EngineSpec:
     # sglang (launched by the actor) / http (already running)
     sglang: Optional[SGLangServerConfig] = None
     url: Optional[str] = None
+    generate_url: Optional[str] = None  # an sglang-router in front of the servers (generation only)
     tp_size: int = 1
     # Ray resources of the actor
     num_cpus: float = 1.0
@@ -124,7 +125,8 @@ class EngineActor:
             if spec.kind == "sglang":
                 self.proc = launch_sglang_server(spec.sglang)
                 url = spec.sglang.url
-            self.engine = SGLangClient(url, tp_size=spec.tp_size, routed_experts=spec.routed_experts)
+            self.engine = SGLangClient(url, tp_size=spec.tp_size, routed_experts=spec.routed_experts,
+                                       generate_url=spec.generate_url)
 
     async def generate(self, input_ids, sampling, rid=None, session=None) -> GenerateResult:
         return await self.engine.generate(input_ids, sampling, rid=rid, session=session)

@@ -30,20 +30,26 @@ from aiohttp import web
 
 from megatron_stepwise.rollout.auth import API_KEY_ENV, api_key_from_env, bearer_matches, is_loopback, redact_bearer_tokens
 from megatron_stepwise.rollout.engine import EngineReleasedError, GenerateResult, SamplingParams
+from megatron_stepwise.rollout.generate_fields import check_generate_fields
 from megatron_stepwise.rollout.local import LocalEngine
 from megatron_stepwise.rollout.routing import encode as encode_routed
 
 log = logging.getLogger(__name__)
 
-# /generate fields this server understands; others that SGLang knows are refused with a 400
-# naming them, rather than silently ignored.
-GENERATE_FIELDS = {"rid", "input_ids", "text", "sampling_params", "return_logprob", "stream", "logprob_start_len",
-                   "return_routed_experts", "routed_experts_start_len"}
 ENGINE_TAG = "megatron_stepwise.local"
 
 
 class BadRequest(ValueError):
     pass
+
+
+class _QuietGrpcProbe(logging.Filter):
+    """sglang-router probes each worker for gRPC (an HTTP/2 preface): aiohttp answers 400, as it
+    should, but would also log a traceback per probe."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (exc is not None and "PRI/Upgrade" in str(exc))
 
 
 def finish_reason_json(result: GenerateResult) -> dict[str, Any]:
@@ -66,7 +72,7 @@ def version_spans(versions: list[int]) -> list[dict[str, Any]]:
 
 
 def generate_response(rid: str, prompt_len: int, result: GenerateResult, return_logprob: bool,
-                      return_routed_experts: bool = False) -> dict:
+                      return_routed_experts: bool = False, token_text=None) -> dict:
     meta: dict[str, Any] = {
         "id": rid,
         "prompt_tokens": prompt_len,
@@ -77,7 +83,8 @@ def generate_response(rid: str, prompt_len: int, result: GenerateResult, return_
         "cached_tokens": 0,
     }
     if return_logprob:
-        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(result.logprobs, result.output_ids)]
+        text = token_text or (lambda t: None)  # return_text_in_logprobs: each token's text
+        meta["output_token_logprobs"] = [[lp, t, text(t)] for lp, t in zip(result.logprobs, result.output_ids)]
     if return_routed_experts:
         # SGLang's contract: positions [0, prompt + output - 1), base64 of int32 [positions, layers, topk]
         routed = result.routed_experts
@@ -152,9 +159,7 @@ class EngineServer:
 
     async def generate(self, request: web.Request) -> web.Response:
         body = await self._body(request)
-        unsupported = sorted(set(body) - GENERATE_FIELDS)
-        if unsupported:
-            raise BadRequest(f"/generate: field(s) {unsupported} are not supported by the embedded engine")
+        check_generate_fields(body)  # SGLang's fields: honoured, ignored, or refused by name
         if body.get("stream"):
             raise BadRequest("/generate: stream=true is not supported by the embedded engine")
         if body.get("logprob_start_len", -1) not in (-1, None):
@@ -192,7 +197,10 @@ class EngineServer:
         results = await asyncio.gather(
             *(self.engine.generate(p, s, rid=r) for p, s, r in zip(prompts, params, rids))
         )
-        out = [generate_response(r, len(p), res, bool(flag), routed)
+        token_text = None
+        if body.get("return_text_in_logprobs") and self.engine.tokenizer is not None:
+            token_text = lambda t: self.engine.tokenizer.decode([t])  # noqa: E731
+        out = [generate_response(r, len(p), res, bool(flag), routed, token_text)
                for r, p, res, flag in zip(rids, prompts, results, lps)]
         return web.json_response(out if batched else out[0])
 
@@ -333,6 +341,7 @@ async def start_server(engine: LocalEngine, host: str = "127.0.0.1", port: int =
         raise ValueError(f"serving on {host} (beyond loopback) needs an API key: set {API_KEY_ENV}, or pass "
                          "--allow-unauthenticated on a network you trust")
     redact_bearer_tokens()  # aiohttp logs an unparsable request with its header line
+    logging.getLogger("aiohttp.server").addFilter(_QuietGrpcProbe())
     runner = web.AppRunner(EngineServer(engine, api_key).app(), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)

@@ -144,11 +144,14 @@ class SGLangClient:
         tp_size: tensor-parallel size of the server (update_weights_from_tensor sends one entry per rank).
         routed_experts: (num_hidden_layers, topk) of a MoE model: ask for the routed experts of every
             position (routing replay; the server needs --enable-return-routed-experts).
+        generate_url: where /generate goes instead of `base_url` (an sglang-router in front of the
+            servers); everything else (weights, pause, abort, health) still goes to `base_url`.
     """
 
     def __init__(self, base_url: str, timeout_s: float = 600.0, tp_size: int = 1, api_key: Optional[str] = None,
-                 routed_experts: Optional[tuple[int, int]] = None):
+                 routed_experts: Optional[tuple[int, int]] = None, generate_url: Optional[str] = None):
         self.base_url = base_url.rstrip("/")
+        self.generate_url = (generate_url or base_url).rstrip("/")
         self.timeout_s = timeout_s
         self.tp_size = tp_size
         self.api_key = api_key or api_key_from_env()  # sent as a Bearer header (SGLang --api-key)
@@ -163,8 +166,9 @@ class SGLangClient:
                                                   headers=auth_headers(self.api_key))
         return self._session
 
-    async def _request(self, method: str, path: str, json: Any = None, params: Any = None) -> Any:
-        url = self.base_url + path
+    async def _request(self, method: str, path: str, json: Any = None, params: Any = None,
+                       base_url: Optional[str] = None) -> Any:
+        url = (base_url or self.base_url) + path
         try:
             async with self._http().request(method, url, json=json, params=params) as resp:
                 text = await resp.text()
@@ -190,9 +194,9 @@ class SGLangClient:
             payload["rid"] = rid
         if self.routed_experts is not None:
             payload["return_routed_experts"] = True  # all positions: routed_experts_start_len 0
-        data = await self._request("POST", "/generate", json=payload)
+        data = await self._request("POST", "/generate", json=payload, base_url=self.generate_url)
         result = parse_generate_response(data, self.routed_experts)
-        result.engine = self.base_url
+        result.engine = self.generate_url
         return result
 
     async def _is_embedded(self) -> bool:
