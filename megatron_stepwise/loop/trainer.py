@@ -40,6 +40,7 @@ from megatron_stepwise.loop.agent_workers import AgentWorkers, resolve_agent_wor
 from megatron_stepwise.loop.async_source import AsyncRollouts
 from megatron_stepwise.loop.checkpoints import Checkpointer, TrainerState
 from megatron_stepwise.loop.colocate import Colocation
+from megatron_stepwise.loop.dumps import DumpRecorder, assemble_logprobs, dump_path, write_dump
 from megatron_stepwise.loop.handoff import Handoff
 from megatron_stepwise.loop.prepare import add_counts
 from megatron_stepwise.loop.sources import Driver, SyncRollouts, rollout_seed
@@ -79,8 +80,10 @@ class Trainer:
         self.handoff = handoff = Handoff(self.dataset, components.cpu_group(cfg), dp_rank=dp_rank,
                                          timeout=timedelta(minutes=cfg.parallel.timeout_minutes))
         # rank 0 decides every DP rank's shard of each mini-batch (the layout is the same everywhere)
+        self.recorder = DumpRecorder(cfg.trainer.dump_rollouts or 0)
         sources = dict(dataset=self.dataset, handoff=handoff, vocab_size=self.hf_config["vocab_size"],
-                       shard=functools.partial(self.plugin.plan_shards, self.chunks), dp_size=dp_size)
+                       shard=functools.partial(self.plugin.plan_shards, self.chunks), dp_size=dp_size,
+                       recorder=self.recorder)
         if cfg.async_.enabled:
             self.source = AsyncRollouts(cfg, version=lambda: self.state.weight_version, **sources)
         else:
@@ -161,6 +164,9 @@ class Trainer:
         metrics: dict[str, Any] = {}
         counts, train_metrics, sync_metrics = [], [], []
         skipped = trained_tokens = 0
+        dumping = self.recorder.begin(self.state.iteration)  # the same decision on every rank
+        dumped_logprobs: list = []
+        version = self.state.weight_version  # the weights this iteration's first step trains
         for _ in range(self.source.rounds_per_iteration):
             with timed(times, "time/rollout"):
                 round_ = self.source.take(self.state.iteration)
@@ -176,6 +182,9 @@ class Trainer:
             with self.source.overlap(), self.colocation.released(self.state.iteration, times):
                 with timed(times, "time/old_logprobs"):
                     self.score(batches)
+                if dumping:
+                    with timed(times, "time/dump"):
+                        dumped_logprobs += [self.trainer_logprobs(batch) for batch in batches]
                 with timed(times, "time/train"):
                     for _ in range(self.cfg.data.epochs):
                         train_metrics += [self.train_step(batch) for batch in batches]
@@ -185,6 +194,9 @@ class Trainer:
                 # colocated: weights' memory back first, KV cache after; async: in-flight turns pause
                 sync_metrics.append(self.push_weights())
         self.state.iteration += 1
+        if dumping:
+            with timed(times, "time/dump"):
+                self.write_dump(dumped_logprobs, train_metrics, version)
 
         metrics.update(add_counts(counts))
         metrics.update(self.source.iteration_metrics())
@@ -207,6 +219,29 @@ class Trainer:
                 batch.token_fields["old_logprobs"] = self.plugin.compute_logprobs_flat(self.chunks, batch)
             if self.ref_chunks is not None:
                 batch.token_fields["ref_logprobs"] = self.plugin.compute_logprobs_flat(self.ref_chunks, batch)
+
+    def trainer_logprobs(self, shard) -> tuple:
+        """(rows, batch, flat log-probs) of this rank's shard under the weights it is about to train
+        with: the old-policy log-probs when `score` made them, else one forward pass."""
+        flat = shard.token_fields.get("old_logprobs")
+        if flat is None:
+            flat = self.plugin.compute_logprobs_flat(self.chunks, shard)
+        return shard.dp_rank, shard.rows, shard.batch, flat
+
+    def write_dump(self, pieces: list, train_metrics: list[dict[str, float]], weight_version: int) -> None:
+        """Collective: every rank's shard log-probs to rank 0, which writes the iteration's dump."""
+        gathered: Optional[list] = [None] * dist.get_world_size() if self.is_driver else None
+        dist.gather_object(pieces, gathered, dst=0, group=self.handoff.group)
+        if not self.is_driver:
+            return
+        captured = self.recorder.minibatches
+        for m, cap in enumerate(captured):
+            by_dp = {p[0]: p[1:] for rank_pieces in gathered for p in rank_pieces[m:m + 1]}
+            cap.trainer_logprobs = assemble_logprobs(cap.batch, list(by_dp.values()))
+        iteration = self.state.iteration - 1
+        write_dump(dump_path(self.cfg.run_dir, iteration), captured, iteration=iteration,
+                   weight_version=weight_version,
+                   config=self.cfg.to_dict(), train_metrics=train_metrics, epochs=self.cfg.data.epochs)
 
     def train_step(self, batch) -> dict[str, float]:
         """One optimizer step on one mini-batch."""
