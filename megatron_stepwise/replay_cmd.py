@@ -46,8 +46,6 @@ def _main(args: argparse.Namespace) -> int:
         return 2
     nproc = cfg.launch.nproc_per_node * cfg.launch.nnodes
     if not under_launcher and nproc > 1:
-        from megatron_stepwise.train_cmd import _run_torchrun
-
         argv = ["--standalone", f"--nproc-per-node={nproc}", "-m", "megatron_stepwise.cli", "replay", args.run_dir,
                 *args.overrides, "--iteration", str(args.iteration)]
         argv += [f"--out={args.out}"] if args.out else []
@@ -57,10 +55,33 @@ def _main(args: argparse.Namespace) -> int:
     return _replay(cfg, dump, args)
 
 
+def _run_torchrun(argv: list[str]) -> int:
+    """torchrun in this process; a failed rank has said why: its exit code, no torchrun traceback."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    try:
+        run(parse_args(argv))
+    except ChildFailedError as e:
+        code = max(f.exitcode for f in e.failures.values())
+        return code if code > 0 else 1
+    return 0
+
+
+def _user_errors() -> tuple[type, ...]:
+    """Errors that mean "fix the run directory or the overrides": one line, exit 2."""
+    from megatron_stepwise.megatron.checkpoint import CheckpointError
+    from megatron_stepwise.megatron.model import ModelConfigError
+    from megatron_stepwise.megatron.plugin import UnsupportedLayoutError
+
+    from megatron_stepwise.types import StepwiseBatchError
+
+    return CheckpointError, ModelConfigError, UnsupportedLayoutError, StepwiseBatchError
+
+
 def _replay(cfg, dump, args) -> int:
     from megatron_stepwise.loop.replay import replay
     from megatron_stepwise.megatron.runtime import silence_megatron_noise
-    from megatron_stepwise.train_cmd import _user_errors
 
     silence_megatron_noise()
     rank = int(os.environ.get("RANK", "0"))
