@@ -48,6 +48,18 @@ def test_every_second_iteration_is_dumped_with_what_was_trained(dumped_run):
     assert {r["weight_versions"][0] for r in rows} == {2}
 
 
+@pytest.mark.slow
+def test_the_time_budget_adds_up_to_each_iteration(dumped_run):
+    from megatron_stepwise.time_budget import PARTS
+
+    _, metrics = dumped_run
+    for m in metrics:
+        parts = [m[f"budget/{k}"] for k in PARTS]
+        assert min(parts) >= 0 and abs(sum(parts) - m["time/iteration"]) <= 0.02 * m["time/iteration"]
+        assert m["budget/generation"] > 0 and m["budget/train"] > 0 and m["budget/weight_push"] > 0
+        assert m["perf/tokens_per_s_per_gpu"] > 0
+
+
 def _replay(run_dir, *args):
     return _cli("replay", run_dir, *args)
 

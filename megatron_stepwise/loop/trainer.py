@@ -45,8 +45,14 @@ from megatron_stepwise.loop.handoff import Handoff
 from megatron_stepwise.loop.prepare import add_counts
 from megatron_stepwise.loop.sources import Driver, SyncRollouts, rollout_seed
 from megatron_stepwise.metrics import MetricsLogger, mean_metrics, read_metrics, rollout_metrics, summarize_run
+from megatron_stepwise.time_budget import ActivityClock, TimeBudget, budget_line
 
 log = logging.getLogger(__name__)
+
+
+def rollout_devices(cfg) -> int:
+    """Devices the rollout fleet holds: its GPUs, or one per engine on a CPU-only run."""
+    return cfg.launch.rollout_gpus() if cfg.launch.gpus_per_node else cfg.rollout.num_engines
 
 
 @contextmanager
@@ -95,6 +101,8 @@ class Trainer:
 
         self.driver: Optional[Driver] = None
         self.logger = None
+        self.activity = ActivityClock()  # generation and environment time of the in-process agent loop
+        self.devices = dist.get_world_size() + (0 if cfg.rollout.colocate else rollout_devices(cfg))
         if self.is_driver:
             loop = asyncio.new_event_loop()
             fleet = components.build_fleet(cfg, self.hf_config, self.tokenizer)
@@ -118,7 +126,9 @@ class Trainer:
         """The agent loop in this process, or `rollout.agent_workers` Ray actors."""
         n = resolve_agent_workers(self.cfg)
         if n == 0:
-            return components.build_agent_loop(self.cfg, fleet, self.tokenizer)
+            agent = components.build_agent_loop(self.cfg, fleet, self.tokenizer)
+            agent.track(self.activity)
+            return agent
         log.info("agent loop: %d agent workers (%.3g CPUs each)", n, self.cfg.rollout.agent_worker_cpus)
         workers = AgentWorkers(self.cfg, fleet, n)
         loop.run_until_complete(workers.wait_ready())
@@ -154,12 +164,15 @@ class Trainer:
             if progress is not None:
                 progress.close()
         if history and self.is_driver:
-            log.info("%s", summarize_run(read_metrics(cfg.run_dir), cfg.run_dir))
+            records = read_metrics(cfg.run_dir)
+            log.info("%s", summarize_run(records, cfg.run_dir))
+            if (line := budget_line(records)) is not None:
+                log.info("%s", line)
         return history
 
     def iteration(self) -> dict[str, Any]:
         """`rounds_per_iteration` rounds of take -> prepare -> score -> train -> push."""
-        t0 = time.perf_counter()
+        budget = TimeBudget(activity=self.activity)
         times: dict[str, float] = defaultdict(float)
         metrics: dict[str, Any] = {}
         counts, train_metrics, sync_metrics = [], [], []
@@ -168,7 +181,7 @@ class Trainer:
         dumped_logprobs: list = []
         version = self.state.weight_version  # the weights this iteration's first step trains
         for _ in range(self.source.rounds_per_iteration):
-            with timed(times, "time/rollout"):
+            with budget.rollout(lambda: self.handoff.produce_seconds), timed(times, "time/rollout"):
                 round_ = self.source.take(self.state.iteration)
             if round_ is None:
                 skipped += 1
@@ -179,7 +192,7 @@ class Trainer:
             skipped += round_.skipped
             batches = round_.minibatches
             # colocated: the engines' memory is Megatron's from here until the push
-            with self.source.overlap(), self.colocation.released(self.state.iteration, times):
+            with budget.part("train"), self.source.overlap(), self.colocation.released(self.state.iteration, times):
                 with timed(times, "time/old_logprobs"):
                     self.score(batches)
                 if dumping:
@@ -190,12 +203,12 @@ class Trainer:
                         train_metrics += [self.train_step(batch) for batch in batches]
                 trained_tokens += sum(b.tokens for b in batches) * self.cfg.data.epochs
             self.state.weight_version += 1
-            with self.colocation.resumed(times), timed(times, "time/weight_sync"):
+            with budget.part("weight_push"), self.colocation.resumed(times), timed(times, "time/weight_sync"):
                 # colocated: weights' memory back first, KV cache after; async: in-flight turns pause
                 sync_metrics.append(self.push_weights())
         self.state.iteration += 1
         if dumping:
-            with timed(times, "time/dump"):
+            with budget.part("host"), timed(times, "time/dump"):
                 self.write_dump(dumped_logprobs, train_metrics, version)
 
         metrics.update(add_counts(counts))
@@ -207,7 +220,8 @@ class Trainer:
         metrics["perf/train_tokens_per_s"] = trained_tokens / max(times["time/train"], 1e-9)
         metrics.update(mean_metrics(sync_metrics, prefix=""))
         metrics.update(times)
-        metrics["time/iteration"] = time.perf_counter() - t0
+        metrics.update(budget.finish(tokens=trained_tokens, devices=self.devices))
+        metrics["time/iteration"] = metrics["budget/wall"]
         metrics["weight_version"] = self.state.weight_version
         return metrics
 
