@@ -17,7 +17,8 @@ The synchronous source makes one round per iteration with the fleet idle (so one
 iteration's last optimizer step); the async source one round per optimizer step while the
 fleet keeps rolling out. With `rollout.colocate` (synchronous only) the engines release their
 memory for steps 2-4 and take it back around step 5 (`colocate.py`). Then one JSON line of
-metrics and, every `checkpoint.every`, a checkpoint.
+metrics (with the iteration's time budget, `time_budget.py`), every `trainer.dump_rollouts` a
+rollout dump (`dumps.py`) and, every `checkpoint.every`, a checkpoint.
 """
 
 from __future__ import annotations
@@ -253,9 +254,12 @@ class Trainer:
             by_dp = {p[0]: p[1:] for rank_pieces in gathered for p in rank_pieces[m:m + 1]}
             cap.trainer_logprobs = assemble_logprobs(cap.batch, list(by_dp.values()))
         iteration = self.state.iteration - 1
-        write_dump(dump_path(self.cfg.run_dir, iteration), captured, iteration=iteration,
-                   weight_version=weight_version,
-                   config=self.cfg.to_dict(), train_metrics=train_metrics, epochs=self.cfg.data.epochs)
+        path = dump_path(self.cfg.run_dir, iteration)
+        try:
+            write_dump(path, captured, iteration=iteration, weight_version=weight_version,
+                       config=self.cfg.to_dict(), train_metrics=train_metrics, epochs=self.cfg.data.epochs)
+        except OSError as e:  # a dump is for looking at: training goes on without it
+            log.warning("iteration %d: could not write the rollout dump %s: %s", iteration, path, e)
 
     def train_step(self, batch) -> dict[str, float]:
         """One optimizer step on one mini-batch."""
