@@ -108,6 +108,12 @@ def test_the_page_renders_in_headless_chromium_with_every_trajectory_and_a_scree
     assert re.search(r'id="shown">8<', html) and re.search(r'id="total">8<', html)
     assert len(re.findall(r'class="tok r-e"', html)) == 9 + 1  # 9 appended EOS, plus the legend's
     assert "env error: TimeoutError" in html and html.count("<svg") == 2
+    # the filters, set from the link: only the trajectory whose environment failed, then rewards >= 1
+    for fragment, shown in (("err=yes", 1), ("rmin=1", 4), ("stop=env_error&err=no", 0)):
+        dom = subprocess.run([_chromium(), *flags, "--dump-dom", f"{page}#{fragment}"], capture_output=True, text=True,
+                             timeout=120)
+        assert re.search(rf'id="shown">{shown}<', dom.stdout), fragment
+        assert len(re.findall(r'<details class="traj" [^>]*style="display: none;"', dom.stdout)) == 8 - shown
     shot = tmp_path / "viewer.png"
     result = subprocess.run([_chromium(), *flags, f"--screenshot={shot}", page], capture_output=True, timeout=120)
     assert result.returncode == 0 and shot.stat().st_size > 10_000
