@@ -225,11 +225,11 @@ def _rebuild(cols: dict[str, list], rows: list[int], experts_shape) -> tuple[Ste
     return batch, spread("trainer_logprobs", torch.float32)
 
 
-def assemble_logprobs(minibatch: StepBatch, pieces: Sequence[tuple[list[int], StepBatch, torch.Tensor]]) -> torch.Tensor:
-    """Each DP shard's flat log-probs (its rows in the mini-batch, its batch, its flat [T]) -> the
-    mini-batch's flat [T]."""
+def assemble_logprobs(minibatch: StepBatch, pieces: Sequence[tuple[list[int], torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Each DP shard's flat log-probs (its rows in the mini-batch, its own row offsets, its flat
+    [T]) -> the mini-batch's flat [T]."""
     out = torch.zeros(minibatch.tokens.numel(), dtype=torch.float32)
-    for rows, local, flat in pieces:
+    for rows, offsets, flat in pieces:
         for k, r in enumerate(rows):
-            out[minibatch.row_slice(r)] = flat[local.row_slice(k)]
+            out[minibatch.row_slice(r)] = flat[int(offsets[k]):int(offsets[k + 1])]
     return out

@@ -236,12 +236,13 @@ class Trainer:
                 batch.token_fields["ref_logprobs"] = self.plugin.compute_logprobs_flat(self.ref_chunks, batch)
 
     def trainer_logprobs(self, shard) -> tuple:
-        """(rows, batch, flat log-probs) of this rank's shard under the weights it is about to train
-        with: the old-policy log-probs when `score` made them, else one forward pass."""
+        """(DP rank, rows in the mini-batch, row offsets, flat log-probs) of this rank's shard under
+        the weights it is about to train with: the old-policy log-probs when `score` made them,
+        else one forward pass."""
         flat = shard.token_fields.get("old_logprobs")
         if flat is None:
             flat = self.plugin.compute_logprobs_flat(self.chunks, shard)
-        return shard.dp_rank, shard.rows, shard.batch, flat
+        return shard.dp_rank, shard.rows, shard.batch.offsets, flat
 
     def write_dump(self, pieces: list, train_metrics: list[dict[str, float]], weight_version: int) -> None:
         """Collective: every rank's shard log-probs to rank 0, which writes the iteration's dump."""
