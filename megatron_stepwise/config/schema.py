@@ -309,6 +309,9 @@ class TrainerConfig:
                                 "data.samples_per_prompt samples per eval prompt, logged as eval/*; 0 = off", min=0)
     imports: list[str] = option([], "Python modules imported first (they register custom environments, "
                                     "estimators or losses)")
+    dump_rollouts: Optional[int] = option(None, "write every N-th iteration's trained rows to "
+                                                "<run_dir>/rollouts/ (Parquet, docs/inspect.md); null or 0 = off",
+                                          min=0)
 
 
 @dataclass

@@ -68,14 +68,14 @@ class AsyncRollouts:
     """
 
     def __init__(self, cfg, *, dataset, handoff, vocab_size: int, version: Callable[[], int],
-                 shard: Callable[[Any], list[Any]], dp_size: int):
+                 shard: Callable[[Any], list[Any]], dp_size: int, recorder: Any = None):
         self.groups_per_step = cfg.data.prompts_per_minibatch
         self.rounds_per_iteration = cfg.data.minibatches_per_iteration
         self.seed = cfg.trainer.seed
         self.dataset, self.handoff, self.vocab_size, self.version = dataset, handoff, vocab_size, version
         self.dp_size = dp_size
         self.split = functools.partial(split_round, options=PrepareOptions.from_config(cfg), shard=shard,
-                                       dp_size=dp_size)
+                                       dp_size=dp_size, recorder=recorder)
         filters = cfg.algo.filters
         self._buffer_args = (self.groups_per_step, cfg.async_.max_staleness, cfg.async_.stale_policy)
         self._keep_group = operator.attrgetter("has_reward_variance") if (filters.zero_variance or filters.dynamic_sampling) else None

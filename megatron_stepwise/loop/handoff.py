@@ -14,6 +14,7 @@ in a collective):
 from __future__ import annotations
 
 import pickle
+import time
 from datetime import timedelta
 from typing import Any, Callable, Optional
 
@@ -34,6 +35,7 @@ class Handoff:
         self.is_driver = dist.get_rank() == 0
         self._replica_info: Optional[tuple] = None
         self.bytes_received = self.bytes_sent = 0  # by this rank through `to_ranks`, since it was built
+        self.produce_seconds = 0.0  # rank 0's time inside `produce`; the rest of a hand-off is moving it
 
     def from_driver(self, produce: Callable[[], Any], what: str, iteration: int) -> Any:
         """Run `produce` on rank 0 and return its result on every rank."""
@@ -101,12 +103,15 @@ class Handoff:
         return self._replica_info
 
     def _run(self, produce: Callable[[], Any]) -> tuple[Optional[BaseException], tuple]:
+        start = time.perf_counter()
         try:
             return None, ("ok", produce(), self.dataset.state_dict())
         except Exception as e:  # every rank must leave the collective, then all raise
             # As text: the exception itself may not pickle (Ray and HTTP client errors hold
             # locks and sockets), and a failed pickle would leave the other ranks waiting.
             return e, ("error", f"{type(e).__name__}: {e}", None)
+        finally:
+            self.produce_seconds += time.perf_counter() - start
 
     def _open(self, payload: tuple, error: Optional[BaseException], what: str, iteration: int) -> Any:
         kind, result, dataset_state = payload

@@ -32,14 +32,16 @@ class PrepareOptions:
                    cfg.data.max_tokens_per_microbatch)
 
 
-def prepare(steps: Sequence[Step], options: PrepareOptions = PrepareOptions()) -> tuple[Optional[StepBatch], dict]:
+def prepare(steps: Sequence[Step], options: PrepareOptions = PrepareOptions(), *,
+            keep_metadata: bool = False) -> tuple[Optional[StepBatch], dict]:
     """Advantages, merge (optionally, carrying each turn's advantage), columnar batch with the
     `advantages` field.
 
     `steps` are one mini-batch (whole prompt groups), already validated by the source that
     produced them. Returns (None, metrics) when no step has a trained token (e.g. every
     trajectory hit the context limit on its first prompt). Metrics are counts, so the metrics
-    of several mini-batches add up (`add_counts`).
+    of several mini-batches add up (`add_counts`). `keep_metadata`: the batch keeps each row's
+    step metadata (for a rollout dump).
     """
     steps = list(steps)
     metrics: dict[str, Any] = {
@@ -57,7 +59,7 @@ def prepare(steps: Sequence[Step], options: PrepareOptions = PrepareOptions()) -
         metrics["batch/broken_prefixes"] = stats.broken_prefixes  # steps that drifted from their history
     if not any(s.num_trainable for s in steps):
         return None, metrics
-    batch = StepBatch.from_steps(steps)
+    batch = StepBatch.from_steps(steps, keep_metadata=keep_metadata)
     batch.set_response_field("advantages", advantages)
     return batch, metrics
 

@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional
 
 from megatron_stepwise.algo.groups import RolloutGroup, flat_steps
 from megatron_stepwise.algo.validate import validate_steps
+from megatron_stepwise.loop.dumps import DumpRecorder
 from megatron_stepwise.loop.prepare import PrepareOptions, prepare
 from megatron_stepwise.metrics import rollout_metrics
 from megatron_stepwise.types import Step, StepBatch
@@ -68,10 +69,17 @@ class Round:
 
 
 def split_round(minibatches: list[list[Step]], metrics: dict[str, Any], *, options: PrepareOptions,
-                shard: Callable[[StepBatch], list[Any]], dp_size: int) -> list[Round]:
-    """Rank 0: prepare each mini-batch and cut it into one shard per DP rank; one `Round` per DP rank."""
+                shard: Callable[[StepBatch], list[Any]], dp_size: int,
+                recorder: Optional[DumpRecorder] = None) -> list[Round]:
+    """Rank 0: prepare each mini-batch and cut it into one shard per DP rank; one `Round` per DP
+    rank. A `recorder` of a dumped iteration keeps each prepared mini-batch."""
     t = time.perf_counter()
-    prepared = [prepare(steps, options) for steps in minibatches]
+    keep = recorder is not None and recorder.active
+    prepared = [prepare(steps, options, keep_metadata=keep) for steps in minibatches]
+    for batch, _ in prepared:
+        if keep and batch is not None:
+            recorder.capture(batch, batch.metadata)
+            batch.metadata = None  # the shards travel without it
     shards = [shard(batch) for batch, _ in prepared if batch is not None]
     metrics = {**metrics, "time/prepare": time.perf_counter() - t}
     counts = [m for _, m in prepared]
@@ -85,11 +93,11 @@ class SyncRollouts:
     rounds_per_iteration = 1
 
     def __init__(self, cfg, *, dataset, handoff, vocab_size: int, shard: Callable[[StepBatch], list[Any]],
-                 dp_size: int, progress: Optional[Callable] = None):
+                 dp_size: int, progress: Optional[Callable] = None, recorder: Optional[DumpRecorder] = None):
         self.cfg = cfg
         self.dataset, self.handoff, self.vocab_size = dataset, handoff, vocab_size
         self.split = functools.partial(split_round, options=PrepareOptions.from_config(cfg), shard=shard,
-                                       dp_size=dp_size)
+                                       dp_size=dp_size, recorder=recorder)
         self.progress = progress  # progress(num_trajectories) -> context manager yielding a per-trajectory callback
         self.driver: Optional[Driver] = None
 

@@ -17,7 +17,8 @@ The synchronous source makes one round per iteration with the fleet idle (so one
 iteration's last optimizer step); the async source one round per optimizer step while the
 fleet keeps rolling out. With `rollout.colocate` (synchronous only) the engines release their
 memory for steps 2-4 and take it back around step 5 (`colocate.py`). Then one JSON line of
-metrics and, every `checkpoint.every`, a checkpoint.
+metrics (with the iteration's time budget, `time_budget.py`), every `trainer.dump_rollouts` a
+rollout dump (`dumps.py`) and, every `checkpoint.every`, a checkpoint.
 """
 
 from __future__ import annotations
@@ -41,12 +42,19 @@ from megatron_stepwise.loop.async_source import AsyncRollouts
 from megatron_stepwise.loop.checkpoints import Checkpointer, TrainerState
 from megatron_stepwise.loop.colocate import Colocation
 from megatron_stepwise.loop.divergence import check_finite
+from megatron_stepwise.loop.dumps import DumpRecorder, assemble_logprobs, dump_path, write_dump
 from megatron_stepwise.loop.handoff import Handoff
 from megatron_stepwise.loop.prepare import add_counts
 from megatron_stepwise.loop.sources import Driver, SyncRollouts, rollout_seed
 from megatron_stepwise.metrics import MetricsLogger, mean_metrics, read_metrics, rollout_metrics, summarize_run
+from megatron_stepwise.time_budget import ActivityClock, TimeBudget, budget_line
 
 log = logging.getLogger(__name__)
+
+
+def rollout_devices(cfg) -> int:
+    """Devices the rollout fleet holds: its GPUs, or one per engine on a CPU-only run."""
+    return cfg.launch.rollout_gpus() if cfg.launch.gpus_per_node else cfg.rollout.num_engines
 
 
 @contextmanager
@@ -80,8 +88,10 @@ class Trainer:
         self.handoff = handoff = Handoff(self.dataset, components.cpu_group(cfg), dp_rank=dp_rank,
                                          timeout=timedelta(minutes=cfg.parallel.timeout_minutes))
         # rank 0 decides every DP rank's shard of each mini-batch (the layout is the same everywhere)
+        self.recorder = DumpRecorder(cfg.trainer.dump_rollouts or 0)
         sources = dict(dataset=self.dataset, handoff=handoff, vocab_size=self.hf_config["vocab_size"],
-                       shard=functools.partial(self.plugin.plan_shards, self.chunks), dp_size=dp_size)
+                       shard=functools.partial(self.plugin.plan_shards, self.chunks), dp_size=dp_size,
+                       recorder=self.recorder)
         if cfg.async_.enabled:
             self.source = AsyncRollouts(cfg, version=lambda: self.state.weight_version, **sources)
         else:
@@ -93,6 +103,8 @@ class Trainer:
 
         self.driver: Optional[Driver] = None
         self.logger = None
+        self.activity = ActivityClock()  # generation and environment time of the in-process agent loop
+        self.devices = dist.get_world_size() + (0 if cfg.rollout.colocate else rollout_devices(cfg))
         if self.is_driver:
             loop = asyncio.new_event_loop()
             fleet = components.build_fleet(cfg, self.hf_config, self.tokenizer)
@@ -116,7 +128,9 @@ class Trainer:
         """The agent loop in this process, or `rollout.agent_workers` Ray actors."""
         n = resolve_agent_workers(self.cfg)
         if n == 0:
-            return components.build_agent_loop(self.cfg, fleet, self.tokenizer)
+            agent = components.build_agent_loop(self.cfg, fleet, self.tokenizer)
+            agent.track(self.activity)
+            return agent
         log.info("agent loop: %d agent workers (%.3g CPUs each)", n, self.cfg.rollout.agent_worker_cpus)
         workers = AgentWorkers(self.cfg, fleet, n)
         loop.run_until_complete(workers.wait_ready())
@@ -152,18 +166,24 @@ class Trainer:
             if progress is not None:
                 progress.close()
         if history and self.is_driver:
-            log.info("%s", summarize_run(read_metrics(cfg.run_dir), cfg.run_dir))
+            records = read_metrics(cfg.run_dir)
+            log.info("%s", summarize_run(records, cfg.run_dir))
+            if (line := budget_line(records)) is not None:
+                log.info("%s", line)
         return history
 
     def iteration(self) -> dict[str, Any]:
         """`rounds_per_iteration` rounds of take -> prepare -> score -> train -> push."""
-        t0 = time.perf_counter()
+        budget = TimeBudget(activity=self.activity)
         times: dict[str, float] = defaultdict(float)
         metrics: dict[str, Any] = {}
         counts, train_metrics, sync_metrics = [], [], []
         skipped = trained_tokens = 0
+        dumping = self.recorder.begin(self.state.iteration)  # the same decision on every rank
+        dumped_logprobs: list = []
+        version = self.state.weight_version  # the weights this iteration's first step trains
         for _ in range(self.source.rounds_per_iteration):
-            with timed(times, "time/rollout"):
+            with budget.rollout(lambda: self.handoff.produce_seconds), timed(times, "time/rollout"):
                 round_ = self.source.take(self.state.iteration)
             if round_ is None:
                 skipped += 1
@@ -174,18 +194,24 @@ class Trainer:
             skipped += round_.skipped
             batches = round_.minibatches
             # colocated: the engines' memory is Megatron's from here until the push
-            with self.source.overlap(), self.colocation.released(self.state.iteration, times):
+            with budget.part("train"), self.source.overlap(), self.colocation.released(self.state.iteration, times):
                 with timed(times, "time/old_logprobs"):
                     self.score(batches)
+                if dumping:
+                    with timed(times, "time/dump"):
+                        dumped_logprobs += [self.trainer_logprobs(batch) for batch in batches]
                 with timed(times, "time/train"):
                     for _ in range(self.cfg.data.epochs):
                         train_metrics += [self.train_step(batch) for batch in batches]
                 trained_tokens += sum(b.tokens for b in batches) * self.cfg.data.epochs
             self.state.weight_version += 1
-            with self.colocation.resumed(times), timed(times, "time/weight_sync"):
+            with budget.part("weight_push"), self.colocation.resumed(times), timed(times, "time/weight_sync"):
                 # colocated: weights' memory back first, KV cache after; async: in-flight turns pause
                 sync_metrics.append(self.push_weights())
         self.state.iteration += 1
+        if dumping:
+            with budget.part("host"), timed(times, "time/dump"):
+                self.write_dump(dumped_logprobs, train_metrics, version)
 
         metrics.update(add_counts(counts))
         metrics.update(self.source.iteration_metrics())
@@ -196,7 +222,8 @@ class Trainer:
         metrics["perf/train_tokens_per_s"] = trained_tokens / max(times["time/train"], 1e-9)
         metrics.update(mean_metrics(sync_metrics, prefix=""))
         metrics.update(times)
-        metrics["time/iteration"] = time.perf_counter() - t0
+        metrics.update(budget.finish(tokens=trained_tokens, devices=self.devices))
+        metrics["time/iteration"] = metrics["budget/wall"]
         metrics["weight_version"] = self.state.weight_version
         return metrics
 
@@ -208,6 +235,33 @@ class Trainer:
                 batch.token_fields["old_logprobs"] = self.plugin.compute_logprobs_flat(self.chunks, batch)
             if self.ref_chunks is not None:
                 batch.token_fields["ref_logprobs"] = self.plugin.compute_logprobs_flat(self.ref_chunks, batch)
+
+    def trainer_logprobs(self, shard) -> tuple:
+        """(DP rank, rows in the mini-batch, row offsets, flat log-probs) of this rank's shard under
+        the weights it is about to train with: the old-policy log-probs when `score` made them,
+        else one forward pass."""
+        flat = shard.token_fields.get("old_logprobs")
+        if flat is None:
+            flat = self.plugin.compute_logprobs_flat(self.chunks, shard)
+        return shard.dp_rank, shard.rows, shard.batch.offsets, flat
+
+    def write_dump(self, pieces: list, train_metrics: list[dict[str, float]], weight_version: int) -> None:
+        """Collective: every rank's shard log-probs to rank 0, which writes the iteration's dump."""
+        gathered: Optional[list] = [None] * dist.get_world_size() if self.is_driver else None
+        dist.gather_object(pieces, gathered, dst=0, group=self.handoff.group)
+        if not self.is_driver:
+            return
+        captured = self.recorder.minibatches
+        for m, cap in enumerate(captured):
+            by_dp = {p[0]: p[1:] for rank_pieces in gathered for p in rank_pieces[m:m + 1]}
+            cap.trainer_logprobs = assemble_logprobs(cap.batch, list(by_dp.values()))
+        iteration = self.state.iteration - 1
+        path = dump_path(self.cfg.run_dir, iteration)
+        try:
+            write_dump(path, captured, iteration=iteration, weight_version=weight_version,
+                       config=self.cfg.to_dict(), train_metrics=train_metrics, epochs=self.cfg.data.epochs)
+        except OSError as e:  # a dump is for looking at: training goes on without it
+            log.warning("iteration %d: could not write the rollout dump %s: %s", iteration, path, e)
 
     def train_step(self, batch) -> dict[str, float]:
         """One optimizer step on one mini-batch; a non-finite loss or grad norm ends the run here."""

@@ -73,6 +73,7 @@ from megatron_stepwise.options import check_options, option, option_problems
 from megatron_stepwise.rollout.engine import GenerateResult, SamplingParams, engine_loss
 from megatron_stepwise.rollout.env_calls import EnvCaller, EnvError
 from megatron_stepwise.rollout.routing import pad_to_tokens
+from megatron_stepwise.time_budget import GENERATION, NO_ACTIVITY
 from megatron_stepwise.types import Step, TrajectoryID
 
 log = logging.getLogger(__name__)
@@ -150,6 +151,7 @@ class AgentLoop:
             eos_token_ids = [eos]
         self.eos_token_ids = [int(t) for t in eos_token_ids]
         self._env = EnvCaller(config.env_concurrency, config.env_timeout_s)
+        self.activity = NO_ACTIVITY  # where generation time goes (`track`)
 
     # ---- public ---------------------------------------------------------------------------
 
@@ -221,10 +223,11 @@ class AgentLoop:
                                               cfg.context_limit_reward, None, prompt_len=len(prompt))]
                 steps[-1].stop_reason = "context_limit"
                 break
-            result = await self.generator.generate(
-                prompt, self._sampling_for(len(prompt), _turn_seed(seed, traj_id, turn)),
-                rid=f"{request_tag}{traj_id}/turn{turn}", session=f"{request_tag}{traj_id}"
-            )
+            with self.activity.active(GENERATION):
+                result = await self.generator.generate(
+                    prompt, self._sampling_for(len(prompt), _turn_seed(seed, traj_id, turn)),
+                    rid=f"{request_tag}{traj_id}/turn{turn}", session=f"{request_tag}{traj_id}"
+                )
             step, response = self._make_step(traj_id, turn, prompt, result)
             steps.append(step)
             if result.finish_reason == "abort":
@@ -275,6 +278,10 @@ class AgentLoop:
             tools = await self._env.call(tools, name="env.tools")
             return await self._env.call(check_tools, tools, name="env.tools (checking its result)")
         return tools
+
+    def track(self, activity) -> None:
+        """Report generation and environment calls to `activity` (a time_budget.ActivityClock)."""
+        self.activity = self._env.activity = activity
 
     def env_stats(self) -> dict[str, int]:
         """Environment call counters since this loop was built: calls, errors, timeouts, stuck_threads."""

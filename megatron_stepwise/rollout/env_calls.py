@@ -30,6 +30,8 @@ import queue
 import threading
 from typing import Any, Callable
 
+from megatron_stepwise.time_budget import ENVIRONMENT, NO_ACTIVITY
+
 
 class EnvError(RuntimeError):
     """An environment call failed; ends only the trajectory that made it."""
@@ -71,6 +73,8 @@ def _deliver(future: asyncio.Future, outcome: tuple[bool, Any]) -> None:
 
 
 class EnvCaller:
+    activity = NO_ACTIVITY  # where environment time goes (the agent loop's `track`)
+
     def __init__(self, threads: int, timeout_s: float, max_stuck: int | None = None):
         if threads < 1 or timeout_s <= 0:
             raise ValueError(f"EnvCaller needs threads >= 1 and timeout_s > 0, got {threads}, {timeout_s}")
@@ -99,9 +103,10 @@ class EnvCaller:
         name = name or getattr(fn, "__qualname__", getattr(fn, "__name__", repr(fn)))
         self.calls += 1
         try:
-            if inspect.iscoroutinefunction(fn):
-                return await self._call_async(fn, args, name)
-            return await self._call_thread(fn, args, name)
+            with self.activity.active(ENVIRONMENT):
+                if inspect.iscoroutinefunction(fn):
+                    return await self._call_async(fn, args, name)
+                return await self._call_thread(fn, args, name)
         except EnvError:
             self.errors += 1
             raise

@@ -1,0 +1,235 @@
+"""Rollout dumps: every `trainer.dump_rollouts` iterations, what the trainer trained, one Parquet file.
+
+`RUN_DIR/rollouts/iter_0000042.parquet` holds one row per trained row (step, or merged
+trajectory) of iteration 42: its mini-batch, ids, tokens, loss mask, rollout log-probs and
+their weight versions, reward, outcome reward, advantages, stop reason, environment info,
+routed experts (when present) and the trainer's own log-probs of the trained tokens with the
+weights that trained the row. The file's metadata holds the resolved config, the weight version
+and each optimizer step's train metrics. `read_dump` rebuilds the exact `StepBatch` of every
+mini-batch (bit for bit), which is what `replay` trains on and what the viewer shows.
+Rank 0 captures the prepared mini-batches in `split_round`; writing happens after the iteration.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+
+from megatron_stepwise.types import ROUTED_EXPERTS_DTYPE, StepBatch, TrajectoryID
+
+DUMP_DIR = "rollouts"
+META_KEY = b"megatron_stepwise.dump"
+FORMAT_VERSION = 1
+# Token fields a prepared mini-batch carries; all but routed_experts are 0 at prompt positions.
+RESPONSE_FIELDS = {"loss_mask": torch.long, "rollout_logprobs": torch.float32,
+                   "rollout_logprobs_known": torch.bool, "advantages": torch.float32,
+                   "weight_versions": torch.long}
+
+
+class DumpError(ValueError):
+    """A dump that is missing or does not hold what was asked (named in the message)."""
+
+
+def dump_path(run_dir: str | Path, iteration: int) -> Path:
+    return Path(run_dir) / DUMP_DIR / f"iter_{int(iteration):07d}.parquet"
+
+
+def dumped_iterations(run_dir: str | Path) -> list[int]:
+    return sorted(int(p.stem.split("_")[1]) for p in (Path(run_dir) / DUMP_DIR).glob("iter_*.parquet"))
+
+
+@dataclass
+class Captured:
+    """One prepared mini-batch as trained, with each row's step metadata (env info, turn...)."""
+
+    batch: StepBatch
+    metadata: list[dict[str, Any]]
+    trainer_logprobs: Optional[torch.Tensor] = None  # flat [T], aligned with batch.tokens
+
+
+@dataclass
+class DumpRecorder:
+    """Rank 0: collects the mini-batches of a dumped iteration (`capture` runs inside `split_round`)."""
+
+    every: int = 0
+    active: bool = False
+    minibatches: list[Captured] = field(default_factory=list)
+
+    def begin(self, iteration: int) -> bool:
+        self.active = bool(self.every) and iteration % self.every == 0
+        self.minibatches = []
+        return self.active
+
+    def capture(self, batch: StepBatch, metadata: Sequence[dict[str, Any]]) -> None:
+        if self.active:  # a copy of the dict: the plugin adds fields to shards, never to this batch
+            self.minibatches.append(Captured(StepBatch(**{**batch.__dict__, "token_fields": dict(batch.token_fields),
+                                                          "metadata": None}), list(metadata)))
+
+
+def _jsonable(value: Any) -> Any:
+    try:
+        return json.loads(json.dumps(value, default=str))
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def write_dump(path: str | Path, minibatches: Sequence[Captured], *, iteration: int, weight_version: int,
+               config: dict, train_metrics: Sequence[dict[str, float]], epochs: int = 1) -> Path:
+    """One Parquet file, one row per trained row of every mini-batch (atomic: temp file + rename)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    cols: dict[str, list] = {k: [] for k in (
+        "minibatch", "row", "prompt_id", "sample_index", "traj_index", "group_index", "turn", "is_last",
+        "is_padding", "reward", "outcome_reward", "stop_reason", "env_error", "prompt_ids", "response_ids",
+        *RESPONSE_FIELDS, "trainer_logprobs", "routed_experts", "info")}
+    experts_shape = None
+    for m, cap in enumerate(minibatches):
+        b = cap.batch
+        outcome = _outcome_rewards(b)
+        routed = b.token_fields.get("routed_experts")
+        if routed is not None:
+            experts_shape = list(routed.shape[1:])
+        for r in range(b.num_rows):
+            row, resp = b.row_slice(r), b.response_slice(r)
+            meta = cap.metadata[r] if r < len(cap.metadata) else {}
+            tid = b.trajectory_ids[r]
+            cols["minibatch"].append(m)
+            cols["row"].append(r)
+            cols["prompt_id"].append(tid.prompt_id)
+            cols["sample_index"].append(tid.sample_index)
+            cols["traj_index"].append(int(b.row_fields["traj_index"][r]))
+            cols["group_index"].append(int(b.row_fields["group_index"][r]))
+            cols["turn"].append(meta.get("turn") if isinstance(meta.get("turn"), int) else None)
+            cols["is_last"].append(bool(b.row_fields["is_last"][r]))
+            cols["is_padding"].append(bool(b.row_fields["is_padding"][r]))
+            cols["reward"].append(float(b.row_fields["reward"][r]))
+            cols["outcome_reward"].append(outcome[r])
+            cols["stop_reason"].append(b.stop_reasons[r])
+            cols["env_error"].append(meta.get("error"))
+            cols["prompt_ids"].append(b.tokens[row][: int(b.prompt_lens[r])].tolist())
+            cols["response_ids"].append(b.tokens[resp].tolist())
+            for name in RESPONSE_FIELDS:
+                t = b.token_fields.get(name)
+                cols[name].append(None if t is None else t[resp].tolist())
+            lp = cap.trainer_logprobs
+            cols["trainer_logprobs"].append(None if lp is None else lp[resp].tolist())
+            cols["routed_experts"].append(None if routed is None else routed[row].reshape(-1).tolist())
+            cols["info"].append(json.dumps(_jsonable(meta)))
+    types = {"minibatch": pa.int32(), "row": pa.int32(), "sample_index": pa.int64(), "traj_index": pa.int64(),
+             "group_index": pa.int64(), "turn": pa.int32(), "reward": pa.float64(), "outcome_reward": pa.float64(),
+             "prompt_ids": pa.list_(pa.int64()), "response_ids": pa.list_(pa.int64()),
+             "loss_mask": pa.list_(pa.int8()), "rollout_logprobs": pa.list_(pa.float32()),
+             "rollout_logprobs_known": pa.list_(pa.bool_()), "advantages": pa.list_(pa.float32()),
+             "weight_versions": pa.list_(pa.int64()), "trainer_logprobs": pa.list_(pa.float32()),
+             "routed_experts": pa.list_(pa.int16()), "env_error": pa.string(), "stop_reason": pa.string(),
+             "prompt_id": pa.string(), "info": pa.string(), "is_last": pa.bool_(), "is_padding": pa.bool_()}
+    table = pa.table({k: pa.array(v, type=types[k]) for k, v in cols.items()})
+    meta = {"version": FORMAT_VERSION, "iteration": iteration, "weight_version": weight_version, "epochs": epochs,
+            "minibatches": len(minibatches), "routed_experts_shape": experts_shape,
+            "train_metrics": list(train_metrics), "config": _jsonable(config)}
+    table = table.replace_schema_metadata({META_KEY: json.dumps(meta).encode()})
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    pq.write_table(table, tmp, compression="zstd")
+    tmp.replace(path)
+    return path
+
+
+def _outcome_rewards(b: StepBatch) -> list[float]:
+    """Each row's trajectory outcome: the reward of the trajectory's last step in this batch."""
+    last = {int(t): float(r) for t, r, is_last in zip(b.row_fields["traj_index"].tolist(),
+                                                      b.row_fields["reward"].tolist(),
+                                                      b.row_fields["is_last"].tolist()) if is_last}
+    return [last.get(int(t), float("nan")) for t in b.row_fields["traj_index"].tolist()]
+
+
+@dataclass
+class Dump:
+    """A dump read back: its metadata, its rows (pyarrow Table) and each mini-batch's `StepBatch`."""
+
+    meta: dict[str, Any]
+    table: Any
+    minibatches: list[StepBatch]
+    trainer_logprobs: list[Optional[torch.Tensor]]
+
+    @property
+    def iteration(self) -> int:
+        return int(self.meta["iteration"])
+
+
+def read_dump(run_dir: str | Path, iteration: Optional[int] = None) -> Dump:
+    """The dump of `iteration` (default: the last one dumped), its mini-batches rebuilt exactly."""
+    import pyarrow.parquet as pq
+
+    available = dumped_iterations(run_dir)
+    if iteration is None:
+        if not available:
+            raise DumpError(f"no rollout dumps in {Path(run_dir) / DUMP_DIR} (train with trainer.dump_rollouts=N)")
+        iteration = available[-1]
+    path = dump_path(run_dir, iteration)
+    if not path.is_file():
+        raise DumpError(f"no dump of iteration {iteration} in {path.parent}: dumped iterations are "
+                        f"{available or 'none'} (trainer.dump_rollouts=N dumps every N-th)")
+    table = pq.read_table(path)
+    raw = (table.schema.metadata or {}).get(META_KEY)
+    if raw is None:
+        raise DumpError(f"{path} is not a megatron-stepwise rollout dump (no {META_KEY.decode()} metadata)")
+    meta = json.loads(raw)
+    cols = table.to_pydict()
+    batches, logprobs = [], []
+    for m in range(int(meta["minibatches"])):
+        rows = [i for i, v in enumerate(cols["minibatch"]) if v == m]
+        batch, lp = _rebuild(cols, rows, meta.get("routed_experts_shape"))
+        batches.append(batch)
+        logprobs.append(lp)
+    return Dump(meta, table, batches, logprobs)
+
+
+def _rebuild(cols: dict[str, list], rows: list[int], experts_shape) -> tuple[StepBatch, Optional[torch.Tensor]]:
+    prompt_lens = torch.tensor([len(cols["prompt_ids"][i]) for i in rows], dtype=torch.long)
+    resp_lens = torch.tensor([len(cols["response_ids"][i]) for i in rows], dtype=torch.long)
+    offsets = torch.zeros(len(rows) + 1, dtype=torch.long)
+    torch.cumsum(prompt_lens + resp_lens, 0, out=offsets[1:])
+    tokens = torch.tensor([t for i in rows for t in cols["prompt_ids"][i] + cols["response_ids"][i]], dtype=torch.long)
+
+    def spread(name: str, dtype) -> Optional[torch.Tensor]:
+        if any(cols[name][i] is None for i in rows) or not rows:
+            return None
+        out = torch.zeros(int(offsets[-1]), dtype=dtype)
+        for k, i in enumerate(rows):
+            start = int(offsets[k] + prompt_lens[k])
+            out[start:int(offsets[k + 1])] = torch.tensor(cols[name][i], dtype=dtype)
+        return out
+
+    token_fields = {name: t for name, dtype in RESPONSE_FIELDS.items() if (t := spread(name, dtype)) is not None}
+    if experts_shape and all(cols["routed_experts"][i] is not None for i in rows):
+        flat = [e for i in rows for e in cols["routed_experts"][i]]
+        token_fields["routed_experts"] = torch.tensor(flat, dtype=ROUTED_EXPERTS_DTYPE).reshape(-1, *experts_shape)
+    row_fields = {
+        "traj_index": torch.tensor([cols["traj_index"][i] for i in rows], dtype=torch.long),
+        "group_index": torch.tensor([cols["group_index"][i] for i in rows], dtype=torch.long),
+        "is_last": torch.tensor([cols["is_last"][i] for i in rows], dtype=torch.bool),
+        "reward": torch.tensor([cols["reward"][i] for i in rows], dtype=torch.float64),
+        "is_padding": torch.tensor([cols["is_padding"][i] for i in rows], dtype=torch.bool),
+    }
+    batch = StepBatch(tokens=tokens, offsets=offsets, prompt_lens=prompt_lens, token_fields=token_fields,
+                      row_fields=row_fields,
+                      trajectory_ids=[TrajectoryID(cols["prompt_id"][i], int(cols["sample_index"][i])) for i in rows],
+                      stop_reasons=[cols["stop_reason"][i] for i in rows])
+    return batch, spread("trainer_logprobs", torch.float32)
+
+
+def assemble_logprobs(minibatch: StepBatch, pieces: Sequence[tuple[list[int], torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Each DP shard's flat log-probs (its rows in the mini-batch, its own row offsets, its flat
+    [T]) -> the mini-batch's flat [T]."""
+    out = torch.zeros(minibatch.tokens.numel(), dtype=torch.float32)
+    for rows, offsets, flat in pieces:
+        for k, r in enumerate(rows):
+            out[minibatch.row_slice(r)] = flat[int(offsets[k]):int(offsets[k + 1])]
+    return out
