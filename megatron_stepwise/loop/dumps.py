@@ -85,7 +85,7 @@ def write_dump(path: str | Path, minibatches: Sequence[Captured], *, iteration: 
 
     cols: dict[str, list] = {k: [] for k in (
         "minibatch", "row", "prompt_id", "sample_index", "traj_index", "group_index", "turn", "is_last",
-        "is_padding", "reward", "outcome_reward", "stop_reason", "env_error", "prompt_ids", "response_ids",
+        "is_padding", "reward", "turn_reward", "outcome_reward", "stop_reason", "env_error", "prompt_ids", "response_ids",
         *RESPONSE_FIELDS, "trainer_logprobs", "routed_experts", "info")}
     experts_shape = None
     for m, cap in enumerate(minibatches):
@@ -108,6 +108,7 @@ def write_dump(path: str | Path, minibatches: Sequence[Captured], *, iteration: 
             cols["is_last"].append(bool(b.row_fields["is_last"][r]))
             cols["is_padding"].append(bool(b.row_fields["is_padding"][r]))
             cols["reward"].append(float(b.row_fields["reward"][r]))
+            cols["turn_reward"].append(float(b.row_fields["turn_reward"][r]) if "turn_reward" in b.row_fields else 0.0)
             cols["outcome_reward"].append(outcome[r])
             cols["stop_reason"].append(b.stop_reasons[r])
             cols["env_error"].append(meta.get("error"))
@@ -121,7 +122,7 @@ def write_dump(path: str | Path, minibatches: Sequence[Captured], *, iteration: 
             cols["routed_experts"].append(None if routed is None else routed[row].reshape(-1).tolist())
             cols["info"].append(json.dumps(_jsonable(meta)))
     types = {"minibatch": pa.int32(), "row": pa.int32(), "sample_index": pa.int64(), "traj_index": pa.int64(),
-             "group_index": pa.int64(), "turn": pa.int32(), "reward": pa.float64(), "outcome_reward": pa.float64(),
+             "group_index": pa.int64(), "turn": pa.int32(), "reward": pa.float64(), "turn_reward": pa.float64(), "outcome_reward": pa.float64(),
              "prompt_ids": pa.list_(pa.int64()), "response_ids": pa.list_(pa.int64()),
              "loss_mask": pa.list_(pa.int8()), "rollout_logprobs": pa.list_(pa.float32()),
              "rollout_logprobs_known": pa.list_(pa.bool_()), "advantages": pa.list_(pa.float32()),
@@ -216,6 +217,7 @@ def _rebuild(cols: dict[str, list], rows: list[int], experts_shape) -> tuple[Ste
         "group_index": torch.tensor([cols["group_index"][i] for i in rows], dtype=torch.long),
         "is_last": torch.tensor([cols["is_last"][i] for i in rows], dtype=torch.bool),
         "reward": torch.tensor([cols["reward"][i] for i in rows], dtype=torch.float64),
+        "turn_reward": torch.tensor([cols["turn_reward"][i] for i in rows], dtype=torch.float64),
         "is_padding": torch.tensor([cols["is_padding"][i] for i in rows], dtype=torch.bool),
     }
     batch = StepBatch(tokens=tokens, offsets=offsets, prompt_lens=prompt_lens, token_fields=token_fields,
