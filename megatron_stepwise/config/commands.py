@@ -21,12 +21,18 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world-size", type=int, default=None,
                         help="check the parallel layout for this many ranks (default: $WORLD_SIZE, "
                              "else launch.nnodes x launch.nproc_per_node)")
+    parser.add_argument("--skip-local-checks", action="store_true",
+                        help="skip this machine's checks (installed sglang/TE, HF cache, HF_HUB_OFFLINE): "
+                             "for a GPU recipe on a CPU login node")
 
 
 def load_or_report(args: argparse.Namespace) -> ExperimentConfig | None:
     """The validated config of parsed `add_config_arguments`, or None after printing its problems."""
     try:
-        return load_config(args.config, args.overrides, world_size=args.world_size)
+        from megatron_stepwise.config.probes import ClusterProbes
+
+        probes = ClusterProbes() if getattr(args, "skip_local_checks", False) else None
+        return load_config(args.config, args.overrides, world_size=args.world_size, probes=probes)
     except ConfigError as e:
         print(e.render(), file=sys.stderr)
         return None
