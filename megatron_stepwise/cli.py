@@ -17,7 +17,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _subcommands():
     """Each subcommand lives next to what it runs and registers its own parser."""
-    from megatron_stepwise import bench_cmd, demo, plot, train_cmd
+    from megatron_stepwise import bench_cmd, demo, eval_cmd, plot, rollout_cmd, train_cmd
     from megatron_stepwise.config import commands as config_commands
     from megatron_stepwise.rollout import server
 
@@ -29,6 +29,8 @@ def _subcommands():
         config_commands.register_config,
         server.register,
         bench_cmd.register,
+        eval_cmd.register,
+        rollout_cmd.register,
     ]
 
 

@@ -118,7 +118,7 @@ class SyncRollouts:
         """Rank 0: roll out, validate, filter, split into mini-batches and shards."""
         steps, metrics = self._rollout(iteration)
         validate_steps(steps, vocab_size=self.vocab_size)
-        metrics.update(rollout_metrics(steps))
+        metrics.update(rollout_metrics(steps, success_threshold=self.cfg.eval_.success_threshold))
         steps, filtered = self._filter_groups(steps, iteration)
         metrics.update(filtered)
         return self.split(prompt_minibatches(steps, self.cfg.data.prompts_per_minibatch) if steps else [], metrics)
