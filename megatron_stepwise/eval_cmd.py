@@ -4,8 +4,9 @@ The policy: an HF directory (`--hf`, e.g. `<run_dir>/hf` of `checkpoint.export_h
 checkpoint (`--checkpoint`, a `iter_*` directory or a checkpoint directory's latest; loaded in
 this process at TP1/PP1 and converted), by default the run's latest checkpoint, else
 `model.hf_checkpoint` or the random init. It is served by one embedded engine in this process
-and evaluated on every eval set with the `eval` section's settings (loop/evaluation.py); the
-metrics are printed and written as one JSON object to `<run_dir>/eval/<name>.json`.
+and evaluated on every eval set with the `eval` section's settings (loop/evaluation.py). The
+metrics are printed and written, with every set's rewards by prompt ("outcomes"), to
+`<run_dir>/eval/<name>.json` (name: `iter_<N>`, the HF directory's, or `initial`).
 """
 
 from __future__ import annotations
@@ -37,14 +38,15 @@ def _main(args: argparse.Namespace) -> int:
     if cfg is None:
         return 2
     try:
-        metrics, source = evaluate(cfg, checkpoint=args.checkpoint, hf=args.hf)
+        metrics, source, iteration, outcomes = evaluate(cfg, checkpoint=args.checkpoint, hf=args.hf)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out = args.out or os.path.join(cfg.run_dir, "eval", f"{source}.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
-        json.dump({"source": source, **metrics}, f, indent=1, sort_keys=True)
+        json.dump({"source": source, "iteration": iteration, **metrics, "outcomes": outcomes}, f, indent=1,
+                  sort_keys=True)
     for key in sorted(metrics):
         print(f"{key:40s} {metrics[key]:.4f}")
     print(f"metrics: {out}")
@@ -57,12 +59,14 @@ def _single_process_layout() -> list[str]:
             "launch.nnodes=1", "launch.nproc_per_node=1", "rollout.num_engines=1"]
 
 
-def evaluate(cfg, *, checkpoint: str | None = None, hf: str | None = None) -> tuple[dict, str]:
-    """(metrics, a name for the policy evaluated)."""
+def evaluate(cfg, *, checkpoint: str | None = None, hf: str | None = None) -> tuple[dict, str, int, dict]:
+    """(metrics, a name for the policy evaluated, its iteration, every set's rewards by prompt). Sampling seeds are those of training's
+    evaluation at the checkpoint's iteration (0 for an HF directory or the initial policy)."""
     import asyncio
 
     from megatron_stepwise.loop import components
     from megatron_stepwise.loop.evaluation import Evaluator, standalone_engine
+    from megatron_stepwise.loop.sources import rollout_seed
 
     if hf is not None and not os.path.isdir(hf):
         raise FileNotFoundError(f"--hf {hf}: no such directory")
@@ -70,23 +74,24 @@ def evaluate(cfg, *, checkpoint: str | None = None, hf: str | None = None) -> tu
         checkpoint = cfg.checkpoint_dir
     tokenizer = components.load_tokenizer(cfg)
     hf_config = components.model_config(cfg, tokenizer)
-    weights, source = hf, os.path.basename(os.path.normpath(hf)) if hf else "initial"
+    weights, source, iteration = hf, os.path.basename(os.path.normpath(hf)) if hf else "initial", 0
     if checkpoint is not None:
-        weights, source = _checkpoint_as_hf(cfg, checkpoint, hf_config, tokenizer)
+        weights, source, iteration = _checkpoint_as_hf(cfg, checkpoint, hf_config, tokenizer)
     engine = standalone_engine(cfg, tokenizer, hf_config, weights)
     evaluator = Evaluator(cfg, engine, tokenizer, components.build_dataset(cfg))
     try:
-        metrics = asyncio.run(evaluator.evaluate(seed=cfg.trainer.seed))
+        # the seeds training's evaluation of this iteration used: the same trajectories, same metrics
+        metrics = asyncio.run(evaluator.evaluate(seed=rollout_seed(cfg.trainer.seed, iteration, -1)))
     finally:
         evaluator.close()
-    return metrics, source
+    return metrics, source, iteration, evaluator.outcomes
 
 
 def _has_checkpoint(directory: str) -> bool:
     return any(name.startswith("iter_") for name in os.listdir(directory))
 
 
-def _checkpoint_as_hf(cfg, checkpoint: str, hf_config: dict, tokenizer) -> tuple[str, str]:
+def _checkpoint_as_hf(cfg, checkpoint: str, hf_config: dict, tokenizer) -> tuple[str, str, int]:
     """Load a Megatron checkpoint at TP1/PP1 in this process and write it as an HF directory."""
     import torch.distributed as dist
 
@@ -113,7 +118,7 @@ def _checkpoint_as_hf(cfg, checkpoint: str, hf_config: dict, tokenizer) -> tuple
 
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
-    return out, source
+    return out, source, int(state["iteration"])
 
 
 def _free_port() -> int:

@@ -203,12 +203,32 @@ def read_metrics(run_dir: str) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def write_eval(run_dir: str, name: str, iteration: int, metrics: dict[str, Any]) -> str:
+    """An evaluation outside the per-iteration lines (the final one, `eval` runs): one JSON
+    object in <run_dir>/eval/<name>.json, `iteration` being the policy's iteration count."""
+    path = os.path.join(run_dir, "eval", f"{name}.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump({"iteration": iteration, **{k: _plain(v) for k, v in metrics.items()}}, f, indent=1, sort_keys=True)
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def read_final_eval(run_dir: str) -> Optional[dict[str, Any]]:
+    """<run_dir>/eval/final.json, or None."""
+    try:
+        with open(os.path.join(run_dir, "eval", "final.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
 def summarize_run(records: Sequence[dict[str, Any]], run_dir: str, *, window: int = 5) -> str:
     """The lines a run ends with: how far it got and how reward and eval reward moved (means
     over the first and last `window` iterations, so that one noisy iteration does not speak for
     the run), and where its outputs are."""
-    evals = [r for r in records if isinstance(r.get("eval/reward/mean"), (int, float))]
-    records = [r for r in records if "reward/mean" in r]  # training lines (a final evaluation has its own)
+    final = read_final_eval(run_dir) if os.path.isdir(run_dir) else None
+    evals = [r for r in [*records, final or {}] if isinstance(r.get("eval/reward/mean"), (int, float))]
     if not records:
         return f"no iteration recorded in {run_dir}"
 

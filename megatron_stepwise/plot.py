@@ -39,11 +39,14 @@ def plot_run(run_dir: str, out: str | None = None) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from megatron_stepwise.metrics import read_metrics
+    from megatron_stepwise.metrics import read_final_eval, read_metrics
 
     records = read_metrics(run_dir)
     if not records:
         raise ValueError(f"{run_dir}: metrics.jsonl is empty, nothing to plot")
+    final = read_final_eval(run_dir) if os.path.isdir(run_dir) else None
+    if final is not None:  # the final policy's evaluation: one more point on the eval curves
+        records = [*records, final]
     out = out or os.path.join(run_dir, "curves.png")
     fig, axes = plt.subplots(2, 4, figsize=(20, 8))
     for ax in axes.flat[len(PANELS):]:

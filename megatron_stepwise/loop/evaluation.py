@@ -89,6 +89,7 @@ class Evaluator:
         self.cfg, self.tokenizer = cfg, tokenizer
         self.sets = eval_sets(cfg, dataset)
         self.agent = eval_agent_loop(cfg, generator, tokenizer)
+        self.outcomes: dict[str, dict[str, list[float]]] = {}  # last evaluation: set -> prompt -> rewards
 
     async def evaluate(self, seed: int) -> dict[str, float]:
         """`eval/...` metrics of every set; the default set's keys are `eval/<metric>`."""
@@ -97,6 +98,7 @@ class Evaluator:
         for s in self.sets:
             # Its own request ids: async training may have groups of the same prompts in flight.
             steps = await self.agent.rollout(s.samples, seed=seed, request_tag=s.prefix)
+            self.outcomes[s.name] = {pid: [st.reward for st in g] for pid, g in group_outcomes(steps).items()}
             out.update({s.prefix + k: v for k, v in eval_metrics(steps, self.tokenizer,
                                                                  self.cfg.eval_.success_threshold).items()})
         out["time/eval"] = time.perf_counter() - start

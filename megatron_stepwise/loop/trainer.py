@@ -45,7 +45,8 @@ from megatron_stepwise.loop.evaluation import Evaluator
 from megatron_stepwise.loop.handoff import Handoff
 from megatron_stepwise.loop.prepare import add_counts
 from megatron_stepwise.loop.sources import Driver, SyncRollouts, rollout_seed
-from megatron_stepwise.metrics import MetricsLogger, iteration_line, mean_metrics, read_metrics, summarize_run
+from megatron_stepwise.metrics import (MetricsLogger, iteration_line, mean_metrics, read_metrics, summarize_run,
+                                       write_eval)
 
 log = logging.getLogger(__name__)
 
@@ -152,8 +153,8 @@ class Trainer:
                     else:  # no bar (logging.progress=false, or output to a file): one line per iteration
                         log.info("%s", iteration_line(self.state.iteration, cfg.trainer.iterations, metrics))
             if history and self.is_driver and cfg.trainer.eval_every and cfg.eval_.at_end:
-                # the final policy: its own line, at the iteration count (the lines before are per iteration)
-                self.logger.log(self.state.iteration, self.evaluate(force=True))
+                # the final policy, in <run_dir>/eval/final.json (metrics.jsonl stays one line per iteration)
+                write_eval(cfg.run_dir, "final", self.state.iteration, self.evaluate(force=True))
             if cfg.checkpoint.export_hf:
                 components.export_hf(cfg, self.chunks, self.hf_config, self.tokenizer)
         finally:
