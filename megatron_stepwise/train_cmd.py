@@ -53,7 +53,8 @@ def _main(args: argparse.Namespace) -> int:
         torchrun = ["--standalone", f"--nproc-per-node={nproc}", "-m", "megatron_stepwise.cli", "train",
                     args.config, *args.overrides]
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-        print("launching: torchrun", " ".join(torchrun), flush=True)
+        print(f"launching: torchrun {' '.join(torchrun)}\n(working directory: {os.getcwd()}; relative paths in the "
+              "config resolve here, as with launch/train_local.sh)", flush=True)
         return _run_torchrun(torchrun)
     return _train(cfg)
 
