@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shlex
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
