@@ -68,29 +68,37 @@ class Job:
                 *self.overrides, *extra]
 
 
-def load_job(config_path: str, overrides: list[str]) -> Job:
+def load_job(config_path: str, overrides: list[str], skip_local_checks: bool = False) -> Job:
     sys.path.insert(0, str(REPO))
     from megatron_stepwise.config import ConfigError, load_config
+    from megatron_stepwise.config.probes import ClusterProbes
 
     try:
-        cfg = load_config(config_path, overrides)
+        cfg = load_config(config_path, overrides, probes=ClusterProbes() if skip_local_checks else None)
     except ConfigError as e:
         raise PlanError([str(p) for p in e.problems]) from None
-    return Job(cfg, _repo_relative(config_path), list(overrides))
+    return Job(cfg, _as_typed(config_path), list(overrides))
 
 
-def _repo_relative(path: str) -> str:
-    """The config path as the plan's commands see it (they run from the repository root)."""
+def _as_typed(path: str) -> str:
+    """The config path as the plan's commands see it: they run in the working directory (below)."""
     resolved = Path(path).resolve()
     try:
-        return str(resolved.relative_to(REPO))
+        return str(resolved.relative_to(Path.cwd().resolve()))
     except ValueError:
         return str(resolved)
 
 
+# One working-directory rule for every launcher, the same as `megatron-stepwise train`: the
+# directory it was started from (under sbatch, the submission directory, where SLURM starts the
+# batch script). Relative paths on the command line and in the config (logging.run_dir,
+# env.dataset, ...) resolve there; the plan says so and cds there explicitly.
 def _prelude(lines: list[str]) -> list[str]:
     bindir = Path(sys.executable).parent
-    return ["set -euo pipefail", f"cd {shlex.quote(str(REPO))}",
+    workdir = str(Path.cwd().resolve())
+    return ["set -euo pipefail",
+            f"# working directory: {workdir} (relative paths in the config and arguments resolve here)",
+            f"cd {shlex.quote(workdir)}",
             f'export PATH={shlex.quote(str(bindir))}:"$PATH"',
             f'export PYTHONPATH={shlex.quote(str(REPO))}${{PYTHONPATH:+:$PYTHONPATH}}', *lines]
 
@@ -115,7 +123,7 @@ def plan_local(job: Job) -> list[str]:
              f"{'GPUs ' + gpu_list(0, nproc) if launch.gpus_per_node else 'CPU'}"]
     # The ranks die with this script (megatron_stepwise/lifecycle.py): `$$` is the bash that runs the plan.
     lines += ["export MEGATRON_STEPWISE_LAUNCHER_PID=$$",
-              f"export MEGATRON_STEPWISE_RUN_DIR={shlex.quote(str(REPO / job.cfg.run_dir))}"]
+              f"export MEGATRON_STEPWISE_RUN_DIR={shlex.quote(str(Path.cwd().resolve() / job.cfg.run_dir))}"]
     ray_address = None
     if launch.gpus_per_node:
         env: list[object] = ["env", f"CUDA_VISIBLE_DEVICES={gpu_list(0, nproc)}"]
@@ -269,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(mode)
         p.add_argument("config")
         p.add_argument("overrides", nargs="*")
+        p.add_argument("--skip-local-checks", action="store_true",
+                       help="validate for the cluster's nodes, not this machine (a dry run from a login node)")
     w = sub.add_parser("wait-ray")
     w.add_argument("address")
     w.add_argument("nodes", type=int)
@@ -277,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.mode == "wait-ray":
         return wait_ray(args.address, args.nodes, args.timeout)
     try:
-        job = load_job(args.config, args.overrides)
+        job = load_job(args.config, args.overrides, skip_local_checks=args.skip_local_checks)
         lines = plan_local(job) if args.mode == "local" else plan_slurm(job, dict(os.environ))
     except PlanError as e:
         print(f"{args.config}: cannot launch:", file=sys.stderr)

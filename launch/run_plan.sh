@@ -3,6 +3,7 @@
 # Parses their [-h|--help] [--dry-run] CONFIG [KEY=VALUE ...], then prints or runs the plan.
 dry_run=0
 args=()
+plan_flags=()
 usage() {  # the comment block at the top of the launching script
   awk 'NR > 1 && /^#/ && !/^#SBATCH/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$script"
 }
@@ -10,6 +11,7 @@ for arg in "$@"; do
   case $arg in
     -h|--help) usage; exit 0 ;;  # before anything runs: --help never launches
     --dry-run) dry_run=1 ;;
+    --skip-local-checks) plan_flags+=(--skip-local-checks) ;;  # validate for the nodes, not this machine
     *) args+=("$arg") ;;
   esac
 done
@@ -23,7 +25,7 @@ if ! command -v "$python" >/dev/null 2>&1; then
        "(source .venv/bin/activate) or set PYTHON=/path/to/python" >&2
   exit 2
 fi
-plan="$("$python" "$here/plan.py" "$mode" "${args[@]}")" || exit $?
+plan="$("$python" "$here/plan.py" "$mode" ${plan_flags[@]+"${plan_flags[@]}"} "${args[@]}")" || exit $?
 if (( dry_run )); then
   printf '%s\n' "$plan"
   exit 0

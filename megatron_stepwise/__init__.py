@@ -7,38 +7,38 @@ loop and its two mini-batch sources, built by `loop/components.py`). Package lay
 flow and the step-wise invariants: docs/architecture.md.
 """
 
-from megatron_stepwise.algo.advantages import (
-    compute_advantages,
-    get_estimator,
-    list_estimators,
-    register_estimator,
-)
-from megatron_stepwise.algo.losses import (
-    LossConfig,
-    LossInputs,
-    check_loss_compatibility,
-    combine_metric_partials,
-    get_policy_loss,
-    list_policy_losses,
-    loss_token_weights,
-    policy_loss,
-    register_policy_loss,
-)
-from megatron_stepwise.algo.batching import (
-    pad_for_data_parallel,
-    plan_microbatches,
-    prompt_minibatches,
-    validate_steps,
-)
-from megatron_stepwise.algo.merge import MergeStats, merge_steps, merge_with_advantages
-from megatron_stepwise.types import (
-    PAD_PROMPT_PREFIX,
-    Step,
-    StepBatch,
-    StepwiseBatchError,
-    TrajectoryID,
-    make_padding_step,
-)
+# The public names, imported on first use (PEP 562): `import megatron_stepwise` and the command
+# line's `--help` stay fast (torch is a few seconds of imports), `from megatron_stepwise import Step`
+# works as before.
+_EXPORTS = {
+    "megatron_stepwise.algo.advantages": ("compute_advantages", "get_estimator", "list_estimators",
+                                          "register_estimator"),
+    "megatron_stepwise.algo.losses": ("LossConfig", "LossInputs", "check_loss_compatibility",
+                                      "combine_metric_partials", "get_policy_loss", "list_policy_losses",
+                                      "loss_token_weights", "policy_loss", "register_policy_loss"),
+    "megatron_stepwise.algo.batching": ("pad_for_data_parallel", "plan_microbatches", "prompt_minibatches",
+                                        "validate_steps"),
+    "megatron_stepwise.algo.merge": ("MergeStats", "merge_steps", "merge_with_advantages"),
+    "megatron_stepwise.types": ("PAD_PROMPT_PREFIX", "Step", "StepBatch", "StepwiseBatchError", "TrajectoryID",
+                                "make_padding_step"),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+
+
+def __getattr__(name: str):
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'megatron_stepwise' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_MODULE_OF])
+
 
 __version__ = "0.1.0"
 

@@ -3,35 +3,46 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+
+# name -> (where its `register(subparsers)` is, its one-line help). Only the command being run
+# is imported, so `megatron-stepwise --help` lists them all without importing torch.
+COMMANDS = {
+    "train": ("megatron_stepwise.train_cmd:register", "run an RL experiment (self-launches torchrun when needed)"),
+    "eval": ("megatron_stepwise.eval_cmd:register", "evaluate a checkpoint or an HF directory on the eval sets"),
+    "rollout": ("megatron_stepwise.rollout_cmd:register", "print a few trajectories turn by turn (no training)"),
+    "validate": ("megatron_stepwise.config.commands:register_validate",
+                 "check an experiment config without running anything"),
+    "config": ("megatron_stepwise.config.commands:register_config",
+               "config key reference, metrics reference and resolved configs"),
+    "demo": ("megatron_stepwise.demo:register", "run the step-wise batch pipeline on a synthetic agent batch"),
+    "plot": ("megatron_stepwise.plot:register", "render reward, eval, length and timing curves of a run to PNG"),
+    "serve": ("megatron_stepwise.rollout.server:register", "serve the embedded CPU engine over SGLang's HTTP API"),
+    "bench": ("megatron_stepwise.bench_cmd:register", "run the benchmark suite (tools/bench.py)"),
+    "replay": ("megatron_stepwise.replay_cmd:register",
+               "re-run a dumped iteration's optimizer steps from its checkpoint, at any layout"),
+    "view": ("megatron_stepwise.view_cmd:register", "write an HTML page of a dumped iteration's trajectories"),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
     parser = argparse.ArgumentParser(prog="megatron-stepwise", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    for register in _subcommands():
-        register(sub)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (target, help_text) in COMMANDS.items():
+        if name == command:
+            _load(target)(sub)
+        else:  # listed with its help; its module is imported only when it runs
+            sub.add_parser(name, help=help_text)
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)
 
 
-def _subcommands():
-    """Each subcommand lives next to what it runs and registers its own parser."""
-    from megatron_stepwise import bench_cmd, demo, plot, replay_cmd, train_cmd, view_cmd
-    from megatron_stepwise.config import commands as config_commands
-    from megatron_stepwise.rollout import server
-
-    return [
-        train_cmd.register,
-        demo.register,
-        plot.register,
-        config_commands.register_validate,
-        config_commands.register_config,
-        server.register,
-        bench_cmd.register,
-        replay_cmd.register,
-        view_cmd.register,
-    ]
+def _load(target: str):
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)
 
 
 if __name__ == "__main__":

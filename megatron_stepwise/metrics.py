@@ -7,6 +7,7 @@ one that took 1. Padding rows never count.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -21,6 +22,58 @@ def trajectory_rewards(steps: Sequence[Step]) -> dict:
     return {s.trajectory_id: s.reward for s in steps if s.is_last_step and not s.is_padding}
 
 
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of one group: the chance that k of its n samples, drawn without
+    replacement, include at least one of its c successes (Chen et al. 2021): 1 - C(n-c, k) / C(n, k)."""
+    if not 0 < k <= n or not 0 <= c <= n:
+        raise ValueError(f"pass@k needs 0 < k <= n and 0 <= c <= n, got n={n}, c={c}, k={k}")
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def majority_at_k(answers: Sequence[Any], correct: Sequence[bool], k: int, max_subsets: int = 20000) -> float:
+    """maj@k (cons@k) of one group: the expected correctness of the majority answer of k samples
+    drawn without replacement (a tie counts as the share of correct answers among the tied ones),
+    computed over every k-subset; None-answers never win a vote. Too many subsets is an error."""
+    n = len(answers)
+    if not 0 < k <= n or len(correct) != n:
+        raise ValueError(f"maj@k needs 0 < k <= n answers with one correctness each, got n={n}, k={k}")
+    if math.comb(n, k) > max_subsets:
+        raise ValueError(f"maj@{k} of {n} samples has {math.comb(n, k)} subsets (> {max_subsets})")
+    right = {a for a, ok in zip(answers, correct) if ok and a is not None}
+    total = 0.0
+    for subset in itertools.combinations(range(n), k):
+        votes = Counter(answers[i] for i in subset if answers[i] is not None)
+        if not votes:
+            continue
+        top = max(votes.values())
+        tied = [a for a, v in votes.items() if v == top]
+        total += sum(a in right for a in tied) / len(tied)
+    return total / math.comb(n, k)
+
+
+def pass_ks(n: int) -> list[int]:
+    """The k of pass@k reported for groups of n: powers of two below n, and n."""
+    ks = [k for k in (1, 2, 4, 8, 16, 32, 64, 128) if k < n]
+    return ks + [n]
+
+
+def group_outcomes(steps: Sequence[Step]) -> dict[str, list[Step]]:
+    """{prompt_id: last steps of its trajectories} of the real trajectories."""
+    groups: dict[str, list[Step]] = defaultdict(list)
+    for s in steps:
+        if s.is_last_step and not s.is_padding:
+            groups[s.trajectory_id.prompt_id].append(s)
+    return groups
+
+
+def pass_metrics(groups: Sequence[Sequence[float]], success_threshold: float, prefix: str = "reward/") -> dict:
+    """Unbiased pass@k for the k of `pass_ks` of the smallest group (a trajectory succeeds when
+    its reward >= `success_threshold`), averaged over groups."""
+    n = min(len(g) for g in groups)
+    return {f"{prefix}pass@{k}": sum(pass_at_k(len(g), sum(r >= success_threshold for r in g), k) for g in groups)
+            / len(groups) for k in pass_ks(n)}
+
+
 def rollout_metrics(steps: Sequence[Step], *, success_threshold: float = 1.0) -> dict[str, float]:
     """Trajectory-level reward, pass@k, turns, lengths and stop reasons of one rollout."""
     real = [s for s in steps if not s.is_padding]
@@ -33,14 +86,12 @@ def rollout_metrics(steps: Sequence[Step], *, success_threshold: float = 1.0) ->
         groups[tid.prompt_id].append(r)
     values = list(rewards.values())
     mean = sum(values) / len(values)
-    k = max(len(v) for v in groups.values())
     out: dict[str, float] = {
         "reward/mean": mean,
         "reward/std": math.sqrt(sum((r - mean) ** 2 for r in values) / len(values)),
         "reward/max": max(values),
         "reward/min": min(values),
-        f"reward/pass@{k}": sum(any(r >= success_threshold for r in g) for g in groups.values()) / len(groups),
-        "reward/pass@1": sum(r >= success_threshold for r in values) / len(values),
+        **pass_metrics(list(groups.values()), success_threshold),
         "reward/zero_variance_groups": sum(len(set(g)) == 1 for g in groups.values()) / len(groups),
         "rollout/trajectories": float(len(rewards)),
         "rollout/steps": float(len(real)),
@@ -152,10 +203,32 @@ def read_metrics(run_dir: str) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def write_eval(run_dir: str, name: str, iteration: int, metrics: dict[str, Any]) -> str:
+    """An evaluation outside the per-iteration lines (the final one, `eval` runs): one JSON
+    object in <run_dir>/eval/<name>.json, `iteration` being the policy's iteration count."""
+    path = os.path.join(run_dir, "eval", f"{name}.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump({"iteration": iteration, **{k: _plain(v) for k, v in metrics.items()}}, f, indent=1, sort_keys=True)
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def read_final_eval(run_dir: str) -> Optional[dict[str, Any]]:
+    """<run_dir>/eval/final.json, or None."""
+    try:
+        with open(os.path.join(run_dir, "eval", "final.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
 def summarize_run(records: Sequence[dict[str, Any]], run_dir: str, *, window: int = 5) -> str:
     """The lines a run ends with: how far it got and how reward and eval reward moved (means
     over the first and last `window` iterations, so that one noisy iteration does not speak for
     the run), and where its outputs are."""
+    final = read_final_eval(run_dir) if os.path.isdir(run_dir) else None
+    evals = [r for r in [*records, final or {}] if isinstance(r.get("eval/reward/mean"), (int, float))]
     if not records:
         return f"no iteration recorded in {run_dir}"
 
@@ -166,13 +239,26 @@ def summarize_run(records: Sequence[dict[str, Any]], run_dir: str, *, window: in
     k = max(1, min(window, len(records) // 2))
     lines = [f"done: {len(records)} iterations; reward/mean {mean_over(records[:k], 'reward/mean'):.3f} -> "
              f"{mean_over(records[-k:], 'reward/mean'):.3f} (mean of the first / last {k})"]
-    evals = [r for r in records if isinstance(r.get("eval/reward/mean"), (int, float))]
     if evals:
         first, last = evals[0], evals[-1]
         lines.append(f"eval/reward/mean {first['eval/reward/mean']:.3f} (iteration {first['iteration']}) -> "
                      f"{last['eval/reward/mean']:.3f} (iteration {last['iteration']})")
     lines.append(f"metrics: {os.path.join(run_dir, 'metrics.jsonl')} (curves: megatron-stepwise plot {run_dir})")
     return "\n".join(lines)
+
+
+def iteration_line(done: int, total: int, metrics: dict[str, Any]) -> str:
+    """The one line a run prints per iteration when it shows no progress bar."""
+    def num(key: str, fmt: str = ".3f") -> str:
+        v = metrics.get(key)
+        return format(v, fmt) if isinstance(v, (int, float)) else "-"
+
+    line = (f"iteration {done}/{total}: reward {num('reward/mean')} pass@1 {num('reward/pass@1')} "
+            f"response_len {num('rollout/response_len_mean', '.1f')} loss {num('train/pg_loss', '.4f')} "
+            f"{num('time/iteration', '.1f')} s")
+    if isinstance(metrics.get("eval/reward/mean"), (int, float)):
+        line += f" | eval reward {num('eval/reward/mean')}"
+    return line
 
 
 def _truncate_after(path: str, iteration: int) -> None:

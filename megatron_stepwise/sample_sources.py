@@ -11,7 +11,8 @@ and its lines are re-read on demand.
 `fields` maps the names an environment reads to the dataset's own column names, e.g.
 `{"prompt": "question", "answer": "solution"}`: the sample keeps all its columns and gains the
 mapped names. A mapped column that is missing is one error naming the key, the column and the
-file. Every sample gets a unique `prompt_id` (mapped, present, or `row<N>` from its position).
+file. Every sample gets a unique `prompt_id` (mapped, present, or `row<N>` from its position),
+and so does every sample of an environment's `dataset` callable (`with_prompt_ids`).
 """
 
 from __future__ import annotations
@@ -165,6 +166,25 @@ def _mapped(row: dict[str, Any], fields: Mapping[str, str], index: int) -> dict[
         sample["prompt_id"] = f"row{index}"
     sample["prompt_id"] = str(sample["prompt_id"])
     return sample
+
+
+def with_prompt_ids(samples: Sequence[dict[str, Any]], *, key: str = "env.dataset") -> list[dict[str, Any]]:
+    """An environment's `dataset` callable's samples, each with a unique `prompt_id` (its own, or
+    `row<N>` from its position, as files get); a repeated or non-dict sample is an error naming it."""
+    out, seen = [], set()
+    for i, sample in enumerate(samples):
+        if not isinstance(sample, Mapping):
+            raise DatasetError(f"{key}: sample {i} of the environment's dataset is a {type(sample).__name__}, "
+                               "not a dict")
+        sample = _mapped(dict(sample), {}, i)
+        if sample["prompt_id"] in seen:
+            raise DatasetError(f"{key}: prompt_id {sample['prompt_id']!r} (sample {i} of the environment's "
+                               "dataset) appears twice; prompt ids must be unique")
+        seen.add(sample["prompt_id"])
+        out.append(sample)
+    if not out:
+        raise DatasetError(f"{key}: the environment's dataset returned no samples")
+    return out
 
 
 class ArrowSamples(Sequence):

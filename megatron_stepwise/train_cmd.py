@@ -11,6 +11,7 @@ Every rank dies with its launcher (`lifecycle.die_with_launcher`).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -48,11 +49,13 @@ def _main(args: argparse.Namespace) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
         os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # the ranks die with this process
+        os.environ.setdefault("MEGATRON_STEPWISE_COMMAND", json.dumps(sys.argv))  # recorded in run.json
         os.environ[RUN_DIR_ENV] = os.path.abspath(cfg.run_dir)
         torchrun = ["--standalone", f"--nproc-per-node={nproc}", "-m", "megatron_stepwise.cli", "train",
                     args.config, *args.overrides]
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-        print("launching: torchrun", " ".join(torchrun), flush=True)
+        print(f"launching: torchrun {' '.join(torchrun)}\n(working directory: {os.getcwd()}; relative paths in the "
+              "config resolve here, as with launch/train_local.sh)", flush=True)
         return _run_torchrun(torchrun)
     return _train(cfg)
 
@@ -79,6 +82,12 @@ def first_failure(failures: dict) -> tuple:
     return min(failures.items(), key=lambda item: (item[1].exitcode <= 0, item[1].timestamp, item[0]))
 
 
+def _command_line() -> list[str]:
+    """The command the user typed (the self-launcher's, when torchrun started this rank)."""
+    launcher = os.environ.get("MEGATRON_STEPWISE_COMMAND")
+    return json.loads(launcher) if launcher else list(sys.argv)
+
+
 def _user_errors() -> tuple[type, ...]:
     """Errors that mean "fix the config, data or checkpoint", not a bug: one line, exit 2."""
     from megatron_stepwise.loop.agent_workers import AgentWorkersNotStarted
@@ -87,10 +96,11 @@ def _user_errors() -> tuple[type, ...]:
     from megatron_stepwise.megatron.hf_mapping import WeightConversionError
     from megatron_stepwise.megatron.model import ModelConfigError
     from megatron_stepwise.megatron.plugin import UnsupportedLayoutError
+    from megatron_stepwise.sample_sources import DatasetError
     from megatron_stepwise.types import StepwiseBatchError
 
     return (CheckpointError, WeightConversionError, ModelConfigError, UnsupportedLayoutError, StepwiseBatchError,
-            AgentWorkersNotStarted, RunDiverged)
+            AgentWorkersNotStarted, DatasetError, RunDiverged)
 
 
 def _train(cfg) -> int:
@@ -117,9 +127,17 @@ def _train(cfg) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("megatron_stepwise").setLevel(logging.INFO)  # megatron-core's INFO is set-up noise
+    if rank == 0:
+        from megatron_stepwise.run_record import log_to_run_dir
+
+        log_to_run_dir(cfg.run_dir)
     trainer = None
     try:
         trainer = Trainer(cfg)
+        if rank == 0:  # after a resume was accepted: the record is of the config that runs
+            from megatron_stepwise.run_record import write_run_record
+
+            write_run_record(cfg.run_dir, cfg.to_yaml(), _command_line())
         trainer.run()
     except _user_errors() as e:
         # One write with its newline: the ranks share stderr, and print's two writes interleave.

@@ -134,7 +134,7 @@ CASES = [
     ("nan-override", {}, ["algo.loss.entropy_coef=nan"], {}, "algo.loss.entropy_coef",
      "must be a finite number"),
     ("top-k-zero", {"rollout": {"sampling": {"top_k": 0}}}, [], {}, "rollout.sampling.top_k", "-1 (off)"),
-    ("sglang-without-extra", SGLANG, [], {"modules": ()}, "rollout.engine", "pip install megatron-stepwise[sglang]"),
+    ("sglang-without-extra", SGLANG, [], {"modules": ()}, "rollout.engine", "pip install 'megatron-stepwise[sglang]'"),
     ("sglang-not-enough-gpus", merged(SGLANG, {"rollout": {"engine": "sglang", "num_engines": 8}}), [], {},
      "rollout.num_engines", "need 8 GPUs"),
     ("sglang-on-cpu", {"rollout": {"engine": "sglang"}}, [], {}, "rollout.num_engines", "leaves 0 to rollout"),
@@ -212,6 +212,9 @@ CASES = [
      "environment 'math_tool' takes no option 'timeout' (it accepts: timeout_s, memory_mb, max_output_chars)"),
     ("router-loss-on-a-dense-model", {"algo": {"loss": {"router_aux_coef": 0.01}}}, [], {"shapes": {"tiny": (4, 4, 2)}},
      "algo.loss.router_aux_coef", "needs a mixture-of-experts model"),
+    ("echo-dataset-options-on-another-env", {"env": {"name": "math_tool", "dataset_options": {"num_digits": 4}}}, [],
+     {}, "env.dataset_options", "takes no option 'num_digits' (it accepts: num_prompts, offset); options written "
+     "for another environment? override with env.dataset_options={}"),
     ("router-loss-negative", {"algo": {"loss": {"router_z_coef": -0.1}}}, [], {}, "algo.loss.router_z_coef", ">= 0"),
 ]
 

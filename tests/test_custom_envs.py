@@ -66,3 +66,40 @@ def test_dotted_path_reads_the_optional_class_attributes(tmp_path, monkeypatch):
     with pytest.raises(EnvPathError, match="expected module:name"):
         resolve_env_spec("user_envs_probe:")
     sys.modules.pop("user_envs_probe", None)
+
+
+def test_a_dataset_callable_without_prompt_ids_gets_row_ids_like_a_file():
+    from megatron_stepwise.sample_sources import DatasetError, with_prompt_ids
+
+    samples = with_prompt_ids([{"prompt": "a"}, {"prompt": "b", "prompt_id": 7}, {"prompt": "c", "prompt_id": ""}])
+    assert [s["prompt_id"] for s in samples] == ["row0", "7", "row2"]
+    with pytest.raises(DatasetError, match="prompt_id 'x' \\(sample 1 of the environment's dataset\\) appears twice"):
+        with_prompt_ids([{"prompt_id": "x"}, {"prompt_id": "x"}])
+    with pytest.raises(DatasetError, match="sample 0 of the environment's dataset is a str, not a dict"):
+        with_prompt_ids(["what is 2+2?"])
+
+
+def test_validate_and_the_trainer_dataset_accept_a_callable_without_prompt_ids(tmp_path, monkeypatch):
+    from megatron_stepwise.config import config_from_dict
+    from megatron_stepwise.loop.components import build_dataset
+
+    (tmp_path / "user_guess_env.py").write_text(textwrap.dedent('''
+        class Guess:
+            tokenizer = "tiny_char"
+
+            @staticmethod
+            def dataset(num=8):
+                return [{"prompt": f"guess {i}", "target": i} for i in range(num)]
+
+            def reset(self, sample):
+                return [{"role": "user", "content": sample["prompt"]}]
+
+            def step(self, text):
+                return [], 0.0, True, {}
+    '''))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    cfg = config_from_dict({"env": {"name": "user_guess_env:Guess"}})
+    dataset = build_dataset(cfg)
+    assert sorted(s["prompt_id"] for s in dataset.next(8)) == sorted(f"row{i}" for i in range(8))
+    sys.modules.pop("user_guess_env", None)

@@ -143,11 +143,26 @@ def test_a_rollout_dominated_by_env_errors_warns(caplog):
     loop = make_loop()
     with caplog.at_level(logging.WARNING, logger="megatron_stepwise.rollout.agent_loop"):
         rollout(loop, [sample("a", "nan"), sample("b", "exit"), sample("c", "ok")])
+    assert "most trajectories fail" in caplog.text
     assert "2 of 3 trajectories ended in env_error" in caplog.text and "non-finite reward" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="megatron_stepwise.rollout.agent_loop"):
-        rollout(loop, [sample("d", "nan"), sample("e", "ok"), sample("f", "ok")])
+        rollout(loop, [sample("d", "ok"), sample("e", "ok"), sample("f", "ok")])
     assert "env_error" not in caplog.text
+
+
+def test_a_few_env_errors_log_one_sample_traceback_with_file_and_line(caplog):
+    loop = make_loop()
+    with caplog.at_level(logging.WARNING, logger="megatron_stepwise.rollout.agent_loop"):
+        steps = rollout(loop, [sample("d", "exit"), sample("e", "ok"), sample("f", "ok"), sample("g", "ok")])
+    records = [r for r in caplog.records if "env_error" in r.getMessage()]
+    assert len(records) == 1, "one warning per rollout"
+    text = records[0].getMessage()
+    assert "1 of 4 trajectories ended in env_error" in text and "most trajectories fail" not in text
+    raise_line = next(i for i, line in enumerate(open(__file__), 1) if "raise SystemExit(3)" in line)
+    assert f'test_env_faults.py", line {raise_line}, in step' in text  # the env's own file:line
+    failed = next(s for s in steps if s.stop_reason == "env_error")
+    assert "SystemExit" in failed.metadata["error_traceback"]
 
 
 def test_env_caller_refuses_new_calls_once_too_many_are_stuck():

@@ -150,7 +150,7 @@ def test_download_when_online_fetches_only_the_files_needed(hf_cache, monkeypatc
 
 # ---- validation ---------------------------------------------------------------------------------
 
-def test_validation_checks_hub_ids_against_the_cache(hf_cache):
+def test_validation_checks_hub_ids_against_the_cache(hf_cache, monkeypatch):
     config_from_dict({"model": {"hf_config": REPO_ID, "tokenizer": REPO_ID}})
     with pytest.raises(ConfigError) as e:
         config_from_dict({"model": {"hf_config": "Org/Absent", "hf_checkpoint": REPO_ID, "tokenizer": "Org/Tok"}})
@@ -161,7 +161,12 @@ def test_validation_checks_hub_ids_against_the_cache(hf_cache):
         config_from_dict({"model": {"hf_config": REPO_ID}, "parallel": {"tensor": 4},
                           "launch": {"nproc_per_node": 4}})
     assert e.value.keys == ["parallel.tensor"] and "Org/Name" in str(e.value)
-    config_from_dict({"model": {"hf_config": "Org/Absent", "hf_checkpoint": "Org/Absent", "allow_download": True}})
+    allowed = {"model": {"hf_config": "Org/Absent", "hf_checkpoint": "Org/Absent", "allow_download": True}}
+    with pytest.raises(ConfigError) as e:  # offline (the fixture): a download could never happen
+        config_from_dict(allowed)
+    assert e.value.keys == ["model.allow_download"] and "HF_HUB_OFFLINE=1 forbids downloading 'Org/Absent'" in str(e.value)
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    config_from_dict(allowed)
 
 
 def write_config(tmp_path: Path, model: dict) -> Path:
@@ -186,6 +191,10 @@ def test_cli_validate_passes_a_cached_id_or_allowed_download(hf_cache, tmp_path,
     assert cli_main(["validate", str(write_config(tmp_path, {"hf_config": REPO_ID}))]) == 0
     assert "model Org/Name" in capsys.readouterr().out
     path = write_config(tmp_path, {"hf_config": "Org/Absent", "allow_download": True})
+    assert cli_main(["validate", str(path)]) == 2  # HF_HUB_OFFLINE=1 (the fixture) and a download needed
+    assert "- model.allow_download: is true but HF_HUB_OFFLINE=1" in capsys.readouterr().err
+    assert cli_main(["validate", "--skip-local-checks", str(path)]) == 0  # for the cluster's nodes, not this one
+    monkeypatch.delenv("HF_HUB_OFFLINE")
     assert cli_main(["validate", str(path)]) == 0, capsys.readouterr().err
     assert cli_main(["validate", str(path), "model.allow_download=false"]) == 2
     assert "- model.hf_config: " in capsys.readouterr().err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shlex
 import subprocess
@@ -170,10 +171,13 @@ def test_train_local_dry_run_for_the_tiny_experiment(tmp_path):
     assert train[2:] == ["torchrun", "--standalone", "--nnodes=1", "--nproc-per-node=2", "-m", "megatron_stepwise.cli",
                          "train", "configs/tiny_cpu.yaml", "trainer.iterations=3"]
     assert commands(lines, "ray") == []  # on CPU rank 0 starts its own Ray instance
-    assert f"cd {REPO}" in lines
-    # run from another directory: the config path still resolves
+    assert f"cd {REPO}" in lines  # the directory it was started from, as `megatron-stepwise train`
+    # run from another directory: the plan runs there (relative paths resolve there), the config by its path
     elsewhere = run_script("train_local.sh", "--dry-run", str(REPO / "configs/tiny_cpu.yaml"), cwd=tmp_path)
-    assert "train configs/tiny_cpu.yaml" in elsewhere.stdout
+    assert f"cd {tmp_path}" in elsewhere.stdout.splitlines()
+    assert f"# working directory: {tmp_path} (relative paths" in elsewhere.stdout
+    assert f"train {REPO / 'configs/tiny_cpu.yaml'}" in elsewhere.stdout
+    assert f"MEGATRON_STEPWISE_RUN_DIR={tmp_path / 'runs/tiny_cpu'}" in elsewhere.stdout
 
 
 def test_train_slurm_dry_run_under_a_simulated_allocation():
@@ -239,3 +243,15 @@ def test_a_launch_without_python_on_path_says_how_to_activate_the_environment():
     out = subprocess.run(["bash", str(REPO / "launch" / "train_local.sh"), "configs/tiny_cpu.yaml"], env=env,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "source .venv/bin/activate" in out.stderr
+
+
+def test_gpu_recipe_dry_run_from_a_cpu_login_node_with_skip_local_checks():
+    """No sglang here and no servers listed: refused as this machine, planned for the nodes."""
+    env = {"SLURM_JOB_NODELIST": "node[01-04]", "SLURM_NNODES": "4", "SLURM_JOB_ID": "9", "SLURM_GPUS_ON_NODE": "8",
+           "SLURM_SUBMIT_DIR": str(REPO)}
+    if importlib.util.find_spec("sglang") is None:  # this machine cannot launch SGLang servers itself
+        here = run_script("train_slurm.sbatch", "--dry-run", RECIPE_4X8, "model.allow_download=true", extra_env=env)
+        assert here.returncode == 2 and "sglang" in here.stderr
+    nodes = run_script("train_slurm.sbatch", "--dry-run", "--skip-local-checks", RECIPE_4X8, extra_env=env)
+    assert nodes.returncode == 0, nodes.stderr
+    assert len(commands(nodes.stdout.splitlines(), "torchrun")) == 2

@@ -97,3 +97,80 @@ def test_run_summary_averages_first_and_last_iterations_and_names_outputs():
     short = summarize_run([{"iteration": 0, "reward/mean": 0.5}, {"iteration": 1, "reward/mean": 1.0}], "r")
     assert "reward/mean 0.500 -> 1.000 (mean of the first / last 1)" in short and "eval" not in short
     assert summarize_run([], "r") == "no iteration recorded in r"
+
+
+def _brute_pass_at_k(successes, k):
+    import itertools
+    subsets = list(itertools.combinations(successes, k))
+    return sum(any(s) for s in subsets) / len(subsets)
+
+
+def test_pass_at_k_is_the_unbiased_estimator_checked_by_enumerating_every_subset():
+    from megatron_stepwise.metrics import pass_at_k
+
+    for n in range(1, 9):
+        for c in range(n + 1):
+            for k in range(1, n + 1):
+                outcomes = [True] * c + [False] * (n - c)
+                assert pass_at_k(n, c, k) == pytest.approx(_brute_pass_at_k(outcomes, k)), (n, c, k)
+
+
+def test_reward_pass_at_k_uses_partial_credit_against_the_threshold():
+    # groups of 4 with partial-credit rewards: 0.5 counts as a success only with threshold 0.5
+    steps = []
+    for k, r in enumerate([0.5, 0.0, 0.0, 0.0]):
+        steps += _traj("p", k, r, 1)
+    for k, r in enumerate([1.0, 1.0, 0.0, 0.0]):
+        steps += _traj("q", k, r, 1)
+    strict, lenient = rollout_metrics(steps), rollout_metrics(steps, success_threshold=0.5)
+    assert strict["reward/pass@1"] == pytest.approx((0 + 0.5) / 2)
+    assert strict["reward/pass@2"] == pytest.approx((0 + _brute_pass_at_k([1, 1, 0, 0], 2)) / 2)
+    assert lenient["reward/pass@2"] == pytest.approx((_brute_pass_at_k([1, 0, 0, 0], 2) + 5 / 6) / 2)
+    assert set(k for k in strict if "pass@" in k) == {"reward/pass@1", "reward/pass@2", "reward/pass@4"}
+
+
+def test_majority_at_k_matches_a_brute_force_vote_over_every_subset():
+    import itertools
+    import random
+    from collections import Counter
+
+    from megatron_stepwise.metrics import majority_at_k
+
+    def brute(answers, correct, k):
+        scores = []
+        for idx in itertools.combinations(range(len(answers)), k):
+            votes = Counter(answers[i] for i in idx if answers[i] is not None)
+            if not votes:
+                scores.append(0.0)
+                continue
+            top = max(votes.values())
+            tied = sorted(a for a, v in votes.items() if v == top)
+            good = {answers[i] for i in range(len(answers)) if correct[i]}
+            scores.append(sum(a in good for a in tied) / len(tied))
+        return sum(scores) / len(scores)
+
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.randint(1, 7)
+        answers = [rng.choice(["3", "4", "5", None]) for _ in range(n)]
+        correct = [a == "4" for a in answers]
+        for k in range(1, n + 1):
+            assert majority_at_k(answers, correct, k) == pytest.approx(brute(answers, correct, k))
+    # the hand-counted case: answers 4, 4, 5 (4 is right): maj@3 = 1, maj@1 = 2/3, maj@2 = (1 + 1/2 + 1/2) / 3
+    assert majority_at_k(["4", "4", "5"], [True, True, False], 3) == 1.0
+    assert majority_at_k(["4", "4", "5"], [True, True, False], 2) == pytest.approx(2 / 3)
+
+
+def test_plot_has_an_eval_panel_with_every_sets_reward_and_largest_pass_at_k(tmp_path):
+    from megatron_stepwise.plot import eval_keys
+
+    records = [{"iteration": 0, "reward/mean": 0.1, "eval/reward/mean": 0.2, "eval/reward/pass@1": 0.2,
+                "eval/reward/pass@4": 0.5, "eval/hard/reward/mean": 0.0, "eval/hard/reward/pass@8": 0.1},
+               {"iteration": 1, "eval/reward/mean": 0.4}]
+    assert eval_keys(records) == ["eval/hard/reward/mean", "eval/reward/mean", "eval/hard/reward/pass@8",
+                                  "eval/reward/pass@4"]
+    log = MetricsLogger(str(tmp_path))
+    for r in records:
+        log.log(r["iteration"], {k: v for k, v in r.items() if k != "iteration"})
+    log.close()
+    assert plot_run(str(tmp_path)).endswith("curves.png")

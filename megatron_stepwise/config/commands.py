@@ -1,4 +1,4 @@
-"""`megatron-stepwise validate` and `megatron-stepwise config {docs,show}`.
+"""`megatron-stepwise validate` and `megatron-stepwise config {docs,metrics,show}`.
 
 User mistakes in a config end with exit code 2 and the list of problems, never a traceback.
 """
@@ -21,12 +21,18 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world-size", type=int, default=None,
                         help="check the parallel layout for this many ranks (default: $WORLD_SIZE, "
                              "else launch.nnodes x launch.nproc_per_node)")
+    parser.add_argument("--skip-local-checks", action="store_true",
+                        help="skip this machine's checks (installed sglang/TE, HF cache, HF_HUB_OFFLINE): "
+                             "for a GPU recipe on a CPU login node")
 
 
 def load_or_report(args: argparse.Namespace) -> ExperimentConfig | None:
     """The validated config of parsed `add_config_arguments`, or None after printing its problems."""
     try:
-        return load_config(args.config, args.overrides, world_size=args.world_size)
+        from megatron_stepwise.config.probes import ClusterProbes
+
+        probes = ClusterProbes() if getattr(args, "skip_local_checks", False) else None
+        return load_config(args.config, args.overrides, world_size=args.world_size, probes=probes)
     except ConfigError as e:
         print(e.render(), file=sys.stderr)
         return None
@@ -60,6 +66,13 @@ def _docs(args: argparse.Namespace) -> int:
     return 0
 
 
+def _metrics_docs(args: argparse.Namespace) -> int:
+    from megatron_stepwise.metric_keys import render_markdown, render_text
+
+    sys.stdout.write(render_markdown() if args.markdown else render_text())
+    return 0
+
+
 def _show(args: argparse.Namespace) -> int:
     cfg = load_or_report(args)
     if cfg is None:
@@ -85,6 +98,9 @@ def register_config(sub: argparse._SubParsersAction) -> None:
     docs = csub.add_parser("docs", help="print the reference of every key (type, default, help)")
     docs.add_argument("--markdown", action="store_true", help="Markdown, as in docs/config.md")
     docs.set_defaults(func=_docs)
+    metrics = csub.add_parser("metrics", help="print the reference of every metrics.jsonl key (unit, level, meaning)")
+    metrics.add_argument("--markdown", action="store_true", help="Markdown, as in docs/metrics.md")
+    metrics.set_defaults(func=_metrics_docs)
     show = csub.add_parser("show", help="print the resolved YAML (defaults merged, overrides applied)")
     add_config_arguments(show)
     show.set_defaults(func=_show)

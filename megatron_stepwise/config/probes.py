@@ -84,8 +84,10 @@ class Probes:
 
     def shipped_facts(self, spec: EnvSpec, options: Mapping) -> "DatasetFacts | str":
         """Rows and fields of an environment's own dataset (the shipped sets are small)."""
+        from megatron_stepwise.sample_sources import with_prompt_ids
+
         try:
-            samples = spec.dataset(**options)
+            samples = with_prompt_ids(spec.dataset(**options))
         except Exception as e:
             return str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
         columns = tuple(dict.fromkeys(k for s in samples[:1] for k in s))
@@ -134,3 +136,22 @@ class Probes:
         Never downloads: validation must not touch the network.
         """
         return hub.locate_offline(value, files)
+
+    def hub_offline(self) -> bool:
+        """HF_HUB_OFFLINE=1 here: nothing may be downloaded."""
+        return hub.hub_offline()
+
+
+class ClusterProbes(Probes):
+    """`validate --skip-local-checks`: checks a recipe for other machines (a GPU recipe from a CPU
+    login node), so it assumes what only those nodes can say: their packages (sglang,
+    transformer-engine) are installed and their Hugging Face cache holds the models."""
+
+    def has_module(self, name: str) -> bool:
+        return True
+
+    def locate_model(self, value: str, files=hub.CONFIG_FILES) -> Path | None:
+        return hub.locate_offline(value, files) or Path(value)
+
+    def hub_offline(self) -> bool:
+        return False

@@ -181,7 +181,8 @@ class DataConfig:
     samples_per_prompt: int = option(4, "trajectories per prompt (the group size of the estimator)", min=1)
     prompts_per_minibatch: int = option(4, "prompts per mini-batch; each mini-batch is one optimizer step",
                                         min=1)
-    epochs: int = option(1, "passes over an iteration's mini-batches", min=1)
+    epochs: int = option(1, "optimizer passes over each iteration's rollouts (verl's ppo_epochs), not passes over "
+                            "the prompt dataset", min=1)
     merge_steps: bool = option(False, "merge consecutive steps of a trajectory that share a prefix")
     max_tokens_per_microbatch: int = option(4096, "token budget of one packed micro-batch (per DP rank)", min=1)
     shuffle: bool = option(True, "shuffle the prompt dataset each epoch")
@@ -305,13 +306,35 @@ class TrainerConfig:
 
     iterations: int = option(10, "training iterations (rollout + optimizer steps + weight sync)", min=1)
     seed: int = option(1234, "seed of model init, sampling and shuffling")
-    eval_every: int = option(0, "evaluate every N iterations (and before the first): reward of "
-                                "data.samples_per_prompt samples per eval prompt, logged as eval/*; 0 = off", min=0)
+    eval_every: int = option(0, "evaluate every N iterations (before the first, and after the last with "
+                                "eval.at_end), logged as eval/*; settings in the eval section; 0 = off", min=0)
     imports: list[str] = option([], "Python modules imported first (they register custom environments, "
                                     "estimators or losses)")
     dump_rollouts: Optional[int] = option(None, "write every N-th iteration's trained rows to "
                                                 "<run_dir>/rollouts/ (Parquet, docs/inspect.md); null or 0 = off",
                                           min=0)
+
+
+@dataclass
+class EvalConfig:
+    """Evaluation of the policy: during training every `trainer.eval_every` iterations (and after
+    the last), or alone with `megatron-stepwise eval` (docs/evaluation.md).
+
+    The default set (`env.eval_dataset`, else a fixed set of training prompts) logs `eval/*`;
+    each named set of `sets` logs `eval/<name>/*`. Per set: the mean reward, unbiased pass@k for
+    k = 1, 2, 4, ... up to `samples_per_prompt`, and maj@k (majority vote over the trajectories'
+    answers: the environment's `info["answer"]` at the last step, else the last reply's text).
+    """
+
+    sets: dict[str, str] = option({}, "named eval sets: name -> dataset (JSONL, Parquet, datasets directory or "
+                                      "hub id; env.fields maps their columns), logged as eval/<name>/*")
+    samples_per_prompt: Optional[int] = option(None, "trajectories per eval prompt; null = data.samples_per_prompt",
+                                               min=1)
+    temperature: Optional[float] = option(None, "eval sampling temperature (0 = greedy); null = "
+                                                "rollout.sampling.temperature", min=0.0)
+    success_threshold: float = option(1.0, "reward at or above which a trajectory counts as solved (pass@k, "
+                                           "maj@k; training's reward/pass@k too)")
+    at_end: bool = option(True, "with trainer.eval_every > 0, also evaluate the final policy")
 
 
 @dataclass
@@ -356,6 +379,7 @@ class ExperimentConfig:
     checkpoint: CheckpointConfig = section(CheckpointConfig, "checkpoints")
     logging: LoggingConfig = section(LoggingConfig, "metrics")
     trainer: TrainerConfig = section(TrainerConfig, "RL loop")
+    eval_: EvalConfig = section(EvalConfig, "evaluation", key="eval")
     launch: LaunchConfig = section(LaunchConfig, "process placement")
 
     @property

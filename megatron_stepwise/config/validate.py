@@ -24,6 +24,7 @@ _KEY_RE = re.compile(r"^[a-z_]+(\.[a-z_]+)+$")
 # `ray start` reserves these for its workers (--min/max-worker-port defaults) and refuses a
 # head port among them.
 RAY_WORKER_PORTS = (10002, 19999)
+SGLANG_INSTALL_HINT = "pip install 'megatron-stepwise[sglang]'"  # README says the same
 _SERVER_RE = re.compile(r"^(https?://)?[A-Za-z0-9_.\-]+:\d{1,5}/?$")
 
 
@@ -164,6 +165,15 @@ def _check_model(cfg: ExperimentConfig, check: _Checker, probes: Probes) -> None
                                        f"({hub.hub_cache_dir()}, looked for {files[0]}); download it first "
                                        f"(hf download {value}) or set model.allow_download=true",
                        "model.allow_download")
+    if model.allow_download and probes.hub_offline():
+        needs = [getattr(model, k) for k, files in (("hf_config", hub.CONFIG_FILES), ("hf_checkpoint",
+                 hub.CHECKPOINT_FILES), ("tokenizer", hub.TOKENIZER_FILES))
+                 if getattr(model, k) and "/" in getattr(model, k) and not looks_like_path(getattr(model, k))
+                 and probes.locate_model(getattr(model, k), files) is None]
+        if needs:
+            check.fail("model.allow_download", f"is true but HF_HUB_OFFLINE=1 forbids downloading {needs[0]!r}, "
+                                               "which is not in the local Hugging Face cache; download it first "
+                                               f"(hf download {needs[0]}) or unset HF_HUB_OFFLINE")
     hf = model.hf_config
     if not looks_like_path(hf) and "/" not in hf:  # neither a path nor a hub id: a preset
         presets = probes.presets()
@@ -215,7 +225,7 @@ def _check_rollout(cfg: ExperimentConfig, check: _Checker, probes: Probes) -> No
         return
     if not probes.has_module("sglang"):
         check.fail("rollout.engine", "sglang launches servers but the sglang package is not installed "
-                                     "(pip install megatron-stepwise[sglang]), and no running servers are "
+                                     f"({SGLANG_INSTALL_HINT}), and no running servers are "
                                      "listed in rollout.sglang.servers")
     if launch.gpus_per_node and ro.engine_tp > launch.gpus_per_node:
         check.fail("rollout.engine_tp", f"an engine cannot span nodes: engine_tp {ro.engine_tp} > "
@@ -461,6 +471,14 @@ def _check_dataset(cfg: ExperimentConfig, check: _Checker, probes: Probes, spec)
     if env.dataset:
         facts = probes.dataset_facts(env.dataset, env.dataset_split)
     else:
+        unknown = _unaccepted_options(spec.dataset, env.dataset_options)
+        if unknown:  # typically inherited from a config written for another environment (tiny_cpu's echo)
+            check.fail("env.dataset_options", f"the dataset of environment {spec.name!r} takes no option "
+                                              f"{', '.join(map(repr, unknown))} (it accepts: "
+                                              f"{', '.join(_accepted_options(spec.dataset)) or 'none'}); options "
+                                              "written for another environment? override with "
+                                              "env.dataset_options={}")
+            return
         facts = probes.shipped_facts(spec, env.dataset_options)
     if isinstance(facts, str):  # the file, or the shipped dataset's options (env.dataset null)
         check.fail("env.dataset" if env.dataset else "env.dataset_options", facts, "env.dataset_split")

@@ -72,6 +72,7 @@ class AsyncRollouts:
         self.groups_per_step = cfg.data.prompts_per_minibatch
         self.rounds_per_iteration = cfg.data.minibatches_per_iteration
         self.seed = cfg.trainer.seed
+        self.success_threshold = cfg.eval_.success_threshold
         self.dataset, self.handoff, self.vocab_size, self.version = dataset, handoff, vocab_size, version
         self.dp_size = dp_size
         self.split = functools.partial(split_round, options=PrepareOptions.from_config(cfg), shard=shard,
@@ -205,7 +206,7 @@ class AsyncRollouts:
     def iteration_metrics(self) -> dict[str, Any]:
         """Trajectory metrics of what was trained, staleness, and the buffer's counters."""
         it = self._iteration
-        metrics: dict[str, Any] = rollout_metrics(it["steps"]) if it["steps"] else {}
+        metrics: dict[str, Any] = rollout_metrics(it["steps"], success_threshold=self.success_threshold) if it["steps"] else {}
         if it["group_staleness_max"]:
             metrics["async/group_staleness_max"] = max(it["group_staleness_max"])
             metrics["async/group_staleness_mean"] = sum(it["group_staleness_mean"]) / len(it["group_staleness_mean"])

@@ -68,11 +68,48 @@ def run_id(run_dir: str) -> str:
     return new
 
 
+# What a resumed run must share with the saved one: the model, the task and its data, the
+# algorithm. Everything else (optim, rollout, trainer.iterations, logging, checkpoint, parallel,
+# launch, eval, ...) may change on a resume; the changes are logged (docs/runs.md).
+HASHED_SECTIONS = ("model", "env", "data", "algo")
+
+
 def config_hash(cfg) -> str:
-    """What a resumed run must share with the saved one (not iterations, logging, layout)."""
+    """Hash of the HASHED_SECTIONS of the resolved config."""
     d = cfg.to_dict()
-    keep = {k: d[k] for k in ("model", "env", "data", "algo")}
+    keep = {k: d[k] for k in HASHED_SECTIONS}
     return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _override(key: str, value: Any) -> str:
+    return f"{key}={value if isinstance(value, str) else json.dumps(value)}"
+
+
+def check_same_config(saved_state: dict[str, Any], cfg, current_hash: str, where: str) -> list[str]:
+    """Raise CheckpointError naming the differing keys and the two remedies when the checkpoint
+    was saved with other HASHED_SECTIONS; else the other keys that changed ("key: old -> new")."""
+    from megatron_stepwise.megatron.checkpoint import CheckpointError
+    from megatron_stepwise.run_record import config_diff
+
+    saved = saved_state.get("config")
+    diff = config_diff(saved, cfg.to_dict()) if isinstance(saved, dict) else []
+    fixed = [d for d in diff if d[0].split(".")[0] in HASHED_SECTIONS]
+    free = [f"{k}: {a!r} -> {b!r}" for k, a, b in diff if k.split(".")[0] not in HASHED_SECTIONS]
+    if saved_state.get("config_hash") in (None, current_hash):
+        return free
+    if fixed:
+        keys = "\n".join(f"  {k}: {a!r} in the checkpoint, {b!r} now" for k, a, b in fixed)
+        restore = " ".join(_override(k, a) for k, a, _ in fixed)
+    else:  # a checkpoint from before configs were saved in it
+        keys = "  (this checkpoint does not record its config: compare with the run's config.yaml / run.json)"
+        restore = "<the saved values>"
+    raise CheckpointError(
+        f"checkpoint {where} was saved with another config: a resume must keep {', '.join(HASHED_SECTIONS)} "
+        f"unchanged (config_hash {saved_state.get('config_hash')} saved, {current_hash} now), and these differ:\n"
+        f"{keys}\n"
+        + (f"(also changed, which a resume may change: {'; '.join(free)})\n" if free else "")
+        + f"Either resume with the saved values ({restore}), or start a new run: checkpoint.resume=never "
+          "(here, replacing this run's checkpoints) or another logging.run_dir")
 
 
 class Checkpointer:
@@ -86,6 +123,7 @@ class Checkpointer:
             raise ValueError("Checkpointer parts need a 'trainer' TrainerState")
         self.ckpt = cfg.checkpoint
         self.ckpt_dir = cfg.checkpoint_dir
+        self.cfg = cfg
         self.config_hash = config_hash(cfg)
         self.run_dir = os.path.abspath(cfg.run_dir)
         self.run_id = run_id(cfg.run_dir) if dist.get_rank() == 0 else None  # rank 0 decides and saves
@@ -101,13 +139,15 @@ class Checkpointer:
             self.chunks, self.optimizer, self.scheduler,
             ckpt_dir=self.ckpt_dir if mode == "auto" else None,
             path=None if mode == "auto" else mode,
-            config_hash=self.config_hash,
             load_optimizer=self.ckpt.load_optimizer,
             accept_unverified=self.ckpt.accept_unverified,
             run_id=self.run_id,
         )
         if state is None:
             return False
+        changed = check_same_config(state, self.cfg, self.config_hash, self.ckpt_dir if mode == "auto" else mode)
+        if changed and dist.get_rank() == 0:
+            log.info("resuming with changed settings (a resume may change these): %s", "; ".join(changed))
         saved = state["parts"] if "parts" in state else _flat_format_parts(state)
         for name, part in self.parts.items():
             part.load_state_dict(saved.get(name) or {})
@@ -123,6 +163,7 @@ class Checkpointer:
             "config_hash": self.config_hash,
             "run_id": self.run_id,
             "run_dir": self.run_dir,
+            "config": self.cfg.to_dict(),  # a resume with another config names the keys that differ
             "parts": {name: part.state_dict() for name, part in self.parts.items()},
         }
         return save_checkpoint(self.chunks, self.optimizer, self.scheduler, state, self.ckpt_dir, self.ckpt.keep_last)

@@ -175,12 +175,12 @@ def env_spec(cfg: ExperimentConfig):
 
 def build_dataset(cfg: ExperimentConfig):
     from megatron_stepwise.data import PromptDataset
-    from megatron_stepwise.sample_sources import open_samples
+    from megatron_stepwise.sample_sources import open_samples, with_prompt_ids
 
     if cfg.env.dataset:  # JSONL, Parquet or a datasets directory / hub id, read lazily
         samples = open_samples(cfg.env.dataset, fields=cfg.env.fields, split=cfg.env.dataset_split)
-    else:
-        samples = env_spec(cfg).dataset(**cfg.env.dataset_options)
+    else:  # the environment's own samples get row<N> ids where they have none, as files do
+        samples = with_prompt_ids(env_spec(cfg).dataset(**cfg.env.dataset_options))
     return PromptDataset(samples, seed=cfg.data_seed, shuffle=cfg.data.shuffle)
 
 

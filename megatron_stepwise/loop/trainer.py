@@ -27,6 +27,7 @@ import asyncio
 import functools
 import importlib
 import logging
+import sys
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -43,10 +44,12 @@ from megatron_stepwise.loop.checkpoints import Checkpointer, TrainerState
 from megatron_stepwise.loop.colocate import Colocation
 from megatron_stepwise.loop.divergence import check_finite
 from megatron_stepwise.loop.dumps import DumpRecorder, assemble_logprobs, dump_path, write_dump
+from megatron_stepwise.loop.evaluation import Evaluator
 from megatron_stepwise.loop.handoff import Handoff
 from megatron_stepwise.loop.prepare import add_counts
 from megatron_stepwise.loop.sources import Driver, SyncRollouts, rollout_seed
-from megatron_stepwise.metrics import MetricsLogger, mean_metrics, read_metrics, rollout_metrics, summarize_run
+from megatron_stepwise.metrics import (MetricsLogger, iteration_line, mean_metrics, read_metrics, summarize_run,
+                                       write_eval)
 from megatron_stepwise.time_budget import ActivityClock, TimeBudget, budget_line
 
 log = logging.getLogger(__name__)
@@ -95,13 +98,14 @@ class Trainer:
         if cfg.async_.enabled:
             self.source = AsyncRollouts(cfg, version=lambda: self.state.weight_version, **sources)
         else:
-            self.source = SyncRollouts(cfg, progress=self._rollout_progress if cfg.logging.progress else None,
+            self.source = SyncRollouts(cfg, progress=self._rollout_progress if cfg.logging.progress and sys.stderr.isatty() else None,
                                        **sources)
         self.checkpoints = Checkpointer(cfg, chunks=self.chunks, optimizer=self.optimizer, scheduler=self.scheduler,
                                         parts={"trainer": self.state, "dataset": self.dataset, "rollouts": self.source})
         self.checkpoints.resume()
 
         self.driver: Optional[Driver] = None
+        self.evaluator: Optional[Evaluator] = None
         self.logger = None
         self.activity = ActivityClock()  # generation and environment time of the in-process agent loop
         self.devices = dist.get_world_size() + (0 if cfg.rollout.colocate else rollout_devices(cfg))
@@ -110,6 +114,7 @@ class Trainer:
             fleet = components.build_fleet(cfg, self.hf_config, self.tokenizer)
             loop.run_until_complete(fleet.wait_ready())
             self.driver = Driver(loop, fleet, self._agents(fleet, loop))
+            self.evaluator = Evaluator(cfg, fleet, self.tokenizer, self.dataset) if cfg.trainer.eval_every else None
             self.logger = MetricsLogger(
                 cfg.run_dir, tensorboard=cfg.logging.tensorboard, wandb_project=cfg.logging.wandb.project,
                 wandb_name=cfg.logging.wandb.name or cfg.name, config=cfg.to_dict(),
@@ -160,6 +165,11 @@ class Trainer:
                     if progress is not None:
                         progress.update(1)
                         progress.set_postfix(reward=f"{metrics.get('reward/mean', float('nan')):.3f}")
+                    else:  # no bar (logging.progress=false, or output to a file): one line per iteration
+                        log.info("%s", iteration_line(self.state.iteration, cfg.trainer.iterations, metrics))
+            if history and self.is_driver and cfg.trainer.eval_every and cfg.eval_.at_end:
+                # the final policy, in <run_dir>/eval/final.json (metrics.jsonl stays one line per iteration)
+                write_eval(cfg.run_dir, "final", self.state.iteration, self.evaluate(force=True))
             if cfg.checkpoint.export_hf:
                 components.export_hf(cfg, self.chunks, self.hf_config, self.tokenizer)
         finally:
@@ -273,20 +283,14 @@ class Trainer:
         """Collective: every rank converts its shard; rank 0 pushes to the fleet."""
         return self.weight_sync.push(self.chunks, self.state.weight_version) or {}
 
-    def evaluate(self) -> dict[str, Any]:
-        """Reward of the current policy on the eval prompts, every `trainer.eval_every` (rank 0 only)."""
+    def evaluate(self, force: bool = False) -> dict[str, Any]:
+        """Every eval set, every `trainer.eval_every` iterations or when `force`d (rank 0 only;
+        loop/evaluation.py)."""
         every = self.cfg.trainer.eval_every
-        if not (every and self.is_driver and self.state.iteration % every == 0):
+        if not (every and self.is_driver and (force or self.state.iteration % every == 0)):
             return {}
-        out: dict[str, Any] = {}
-        with timed(out, "time/eval"):
-            samples = components.eval_samples(self.cfg, self.dataset)
-            seed = rollout_seed(self.cfg.trainer.seed, self.state.iteration, -1)
-            # Its own request ids: async training may have groups of the same prompts in flight.
-            steps = self.driver.run(self.driver.agent.rollout(samples, seed=seed, request_tag="eval/"))
-            out.update({f"eval/{k}": v for k, v in rollout_metrics(steps).items()
-                        if k.startswith(("reward/", "rollout/turns"))})
-        return out
+        seed = rollout_seed(self.cfg.trainer.seed, self.state.iteration, -1)
+        return self.driver.run(self.evaluator.evaluate(seed))
 
     # ---------------------------------------------------------------------------- output
     def _rollout_progress(self, total: int):
@@ -301,7 +305,7 @@ class Trainer:
         return bar()
 
     def _progress(self):
-        if not (self.is_driver and self.cfg.logging.progress):
+        if not (self.is_driver and self.cfg.logging.progress and sys.stderr.isatty()):
             return None
         from tqdm import tqdm
 
@@ -310,6 +314,8 @@ class Trainer:
     def close(self) -> None:
         self.source.close()
         self.weight_sync.close()
+        if self.evaluator is not None:
+            self.evaluator.close()
         if self.driver is not None:
             self.driver.run(self.driver.fleet.shutdown())
             self.driver.agent.close()

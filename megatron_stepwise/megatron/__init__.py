@@ -15,5 +15,15 @@
 - `checkpoint`: dist_checkpointing save / load / resume, atomic, keep-last-K.
 - `fileops`: crash-safe files and renames for checkpoints and exports.
 
-Most submodules import megatron-core; import them explicitly.
+Most submodules import megatron-core; import them explicitly. `layer_spec` (the decoder spec a
+model built by the host needs: packed causal attention, or TE's) and `transformer_config` are
+exported here, imported on first use (`model_contract` checks a host-built model).
 """
+
+
+def __getattr__(name: str):
+    if name in ("layer_spec", "transformer_config"):
+        from megatron_stepwise.megatron import model
+
+        return getattr(model, name)
+    raise AttributeError(f"module 'megatron_stepwise.megatron' has no attribute {name!r}")

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from megatron_stepwise.algo.losses import combine_metric_partials
 from megatron_stepwise.megatron.logprobs import check_temperature, trained_position_logprobs
 from megatron_stepwise.megatron.model import unwrap
+from megatron_stepwise.megatron.model_contract import check_model_contract
 from megatron_stepwise.megatron.router_losses import RoutedMicroBatch, RouterLosses, check_recompute
 from megatron_stepwise.megatron.router_losses import install as install_router_hooks
 from megatron_stepwise.megatron.runtime import comm_device
@@ -351,6 +352,7 @@ class StepwisePlugin:
         if getattr(cfg, "mtp_num_layers", None):
             # MTP heads reuse the output layer inside GPTModel, which the plugin bypasses.
             raise UnsupportedLayoutError("multi-token prediction (mtp_num_layers) is not supported by the plugin")
+        check_model_contract(gpt)  # a host-built model: the fix named before the first forward
         if cfg.pipeline_model_parallel_size > 1 and not cfg.variable_seq_lengths and chunks == 1:
             # Packed micro-batches differ in length; fixed-shape p2p would fail mid-schedule.
             raise UnsupportedLayoutError(

@@ -32,8 +32,9 @@ of the trajectory, in both modes. Invariants (docs/architecture.md, 1-3 and 12):
   a non-finite reward, an info that is not a picklable dict and malformed messages, checked at
   the boundary. Calls run through `EnvCaller` (`rollout/env_calls.py`), a pool of
   `env_concurrency` reused workers: a hung call is abandoned at `env_timeout_s` and its worker
-  replaced. A rollout in which most trajectories end in
-  env_error logs a warning with the commonest errors; `AgentLoop.env_stats()` has the counters.
+  replaced. A rollout with env_error trajectories logs one warning: how many, the commonest
+  errors and one sample traceback (file:line, in `metadata["error_traceback"]`), louder when most
+  trajectories failed; `AgentLoop.env_stats()` has the counters.
 
 Stop reasons per step: "stop" (the turn ended on EOS / a stop token or string), "length"
 (max_new_tokens), "max_turns", "context_limit", "env_error", and "abort" (the engine aborted the
@@ -53,6 +54,7 @@ import inspect
 import logging
 import math
 import pickle
+import traceback
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, Sequence, Union
@@ -239,6 +241,7 @@ class AgentLoop:
             except EnvError as e:
                 step.stop_reason = "env_error"
                 step.metadata["error"] = f"{type(e).__name__}: {e}"
+                step.metadata["error_traceback"] = error_traceback(e)
                 total_reward = cfg.env_error_reward
                 break
             total_reward += reward
@@ -371,6 +374,7 @@ class AgentLoop:
         metadata: dict[str, Any] = {"turn": 0}
         if error is not None:
             metadata["error"] = f"{type(error).__name__}: {error}"
+            metadata["error_traceback"] = error_traceback(error)
         if prompt_len is not None:
             metadata["untruncated_prompt_len"] = prompt_len
         return Step(
@@ -475,14 +479,30 @@ def _check_step_output(out: Any) -> tuple[list[dict], float, bool, dict]:
     return _check_messages(list(observation or []), "step"), reward, bool(done), info
 
 
+def error_traceback(error: BaseException, frames: int = 4) -> str:
+    """The last `frames` frames (file:line) of what the environment raised (the cause of an
+    `EnvError`), so a user can find the line without a debugger; "" when there is no traceback."""
+    cause = error.__cause__ or error
+    if cause.__traceback__ is None:
+        return ""
+    lines = traceback.format_exception(type(cause), cause, cause.__traceback__, limit=-frames)
+    return "".join(lines)[-2000:]
+
+
 def _warn_if_env_errors_dominate(steps: list[Step], stats: dict[str, int]) -> None:
-    """A rollout where most trajectories ended in env_error trains on nothing: say so loudly."""
+    """Once per rollout with env_error trajectories: how many, the commonest errors and one sample
+    traceback; a rollout where most trajectories failed trains on nothing, so it says so loudly."""
     last = [s for s in steps if s.is_last_step]
     failed = [s for s in last if s.stop_reason == "env_error"]
-    if last and 2 * len(failed) > len(last):
-        common = Counter(str(s.metadata.get("error", "?"))[:120] for s in failed).most_common(3)
-        log.warning("rollout: %d of %d trajectories ended in env_error (env calls so far: %s); most common: %s",
-                    len(failed), len(last), stats, "; ".join(f"{n}x {e}" for e, n in common))
+    if not failed:
+        return
+    common = Counter(str(s.metadata.get("error", "?"))[:120] for s in failed).most_common(3)
+    sample = next((s for s in failed if s.metadata.get("error_traceback")), failed[0])
+    where = sample.metadata.get("error_traceback") or "(no traceback: a timeout or a result rejected at the boundary)"
+    loud = "most trajectories fail, nothing to learn from: " if 2 * len(failed) > len(last) else ""
+    log.warning("rollout: %s%d of %d trajectories ended in env_error (env calls so far: %s); most common: %s\n"
+                "sample (trajectory %s):\n%s", loud, len(failed), len(last), stats,
+                "; ".join(f"{n}x {e}" for e, n in common), sample.trajectory_id, where.rstrip())
 
 
 async def rollout(generator: Generator, tokenizer: Any, env: Union[str, Callable[[], Environment]],

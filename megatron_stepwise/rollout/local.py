@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import inspect
 import logging
 import os
 from dataclasses import dataclass, field
@@ -95,7 +96,7 @@ class _Batch:
         positions = (self.mask.cumsum(-1) - 1).clamp(min=0)
         with torch.no_grad():
             out = eng.model(input_ids=ids, attention_mask=self.mask, position_ids=positions, use_cache=True)
-        self.cache = out.past_key_values
+        self.cache = getattr(out, eng.cache_name)
         self.last_logits = out.logits[:, -1, :].float()
         if eng._router_recorder is not None:  # each row's positions are its last `length` columns
             routed = eng._router_recorder.take(ids.numel()).reshape(len(seqs), width, *eng._routed_shape)
@@ -127,11 +128,11 @@ class _Batch:
                 input_ids=torch.tensor(feed).unsqueeze(1),
                 attention_mask=self.mask,
                 position_ids=self.next_pos.unsqueeze(1),
-                past_key_values=self.cache,
+                **{eng.cache_name: self.cache},
                 use_cache=True,
             )
         self.next_pos = self.next_pos + 1
-        self.cache = out.past_key_values
+        self.cache = getattr(out, eng.cache_name)
         self.last_logits = out.logits[:, -1, :].float()
         if eng._router_recorder is not None:  # the fed token's experts, for rows that ran a new one
             routed = eng._router_recorder.take(len(feed))
@@ -166,6 +167,8 @@ class LocalEngine:
             torch.set_num_threads(torch_threads)
         self.model = hf_model.build_causal_lm(model_config, weights=weights, seed=seed)
         self.config = self.model.config
+        # transformers 5 renamed the KV cache argument and output to `cache` (the old name warns every call)
+        self.cache_name = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         self._router_recorder = None
         if record_routed_experts or (record_routed_experts is None and routing.moe_gates(self.model)) or router_noise:
             self._router_recorder = routing.RouterRecorder(self.model, router_noise=router_noise, seed=seed,
