@@ -168,6 +168,20 @@ _T = [  # (pattern, unit, over, meaning)
         ("time/eval", "s", "iteration", "evaluation"),
         ("time/engine_release", "s", "iteration", "colocated engines releasing their memory"),
         ("time/engine_resume", "s", "iteration", "colocated engines taking their memory back"),
+        ("time/dump", "s", "iteration", "the trainer's log-probs for a rollout dump (trainer.dump_rollouts)"),
+    ]),
+    ("Time budget (parts add up to budget/wall; docs/inspect.md)", [
+        ("budget/generation", "s", "iteration", "some generation in flight"),
+        ("budget/environment", "s", "iteration", "environment calls in flight, no generation"),
+        ("budget/host", "s", "iteration", "the rest of producing the round on rank 0: agent-loop host work, "
+                                           "prepare, planning, writing a dump"),
+        ("budget/handoff", "s", "iteration", "sending and receiving the round's shards"),
+        ("budget/train", "s", "iteration", "old log-probs, forward, backward and optimizer steps"),
+        ("budget/weight_push", "s", "iteration", "pushing the weights to the fleet"),
+        ("budget/idle", "s", "iteration", "wall time no part holds (metrics, logging, waits)"),
+        ("budget/wall", "s", "iteration", "the iteration's wall time the parts add up to"),
+        ("perf/tokens_per_s_per_gpu", "tokens/s", "iteration", "trained tokens per second of wall time per "
+                                                               "device, training ranks and rollout GPUs counted"),
     ]),
 ]
 
