@@ -103,3 +103,5 @@ def test_replay_without_the_checkpoint_before_is_one_clear_error(dumped_run, tmp
     assert "needs the checkpoint saved before it" in out.stderr and "Traceback" not in out.stderr
     out = _replay(run_dir, "--iteration", "1")
     assert out.returncode == 2 and "no dump of iteration 1" in out.stderr and "[0, 2]" in out.stderr
+    out = _replay(run_dir, "parallel.tensor=3", "--iteration", "2")
+    assert out.returncode == 2 and "parallel.tensor" in out.stderr and "Traceback" not in out.stderr
