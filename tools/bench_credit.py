@@ -8,15 +8,25 @@ total reward (by enumeration, no sampling noise) reaches the threshold, and the 
 `--bias` instead measures each estimator's bias at a fixed policy against the exact gradient of
 the expected total reward (20,000 trajectories, the test's setting: tests/test_credit.py).
 
+`--echo` trains the real tiny CPU system instead (`configs/tiny_cpu.yaml`: Megatron DP2, embedded
+engines, the 3-turn echo task whose turns are scored one by one), once per estimator and seed,
+and reports the iteration at which the 5-iteration mean trajectory reward first reaches
+`--echo-threshold`.
+
     python tools/bench_credit.py                       # learning: 3 seeds, three tasks
     python tools/bench_credit.py --bias                # measured bias per estimator
+    python tools/bench_credit.py --echo                # tiny CPU runs: rloo vs turn_rloo, 3 seeds
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -93,6 +103,37 @@ def measure_bias(groups: int = 5000, group_size: int = 4) -> None:
               f"{float((mean - exact).norm() / exact.norm()):>14.3f} {cos:>7.3f} {float(se.mean()):>8.4f}")
 
 
+def echo_run(estimator: str, seed: int, args, root: str) -> list[float]:
+    """One tiny CPU training run; its per-iteration mean trajectory reward."""
+    run_dir = os.path.join(root, f"{estimator}_{seed}")
+    repo = Path(__file__).resolve().parent.parent
+    cmd = [sys.executable, "-m", "megatron_stepwise.cli", "train", str(repo / "configs/tiny_cpu.yaml"),
+           f"algo.estimator={estimator}", f"trainer.seed={seed}", f"trainer.iterations={args.echo_iterations}",
+           f"logging.run_dir={run_dir}", "checkpoint.resume=never", "checkpoint.every=100000"]
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line)["reward/mean"] for line in f if '"reward/mean"' in line]
+
+
+def compare_on_echo(args) -> None:
+    window = 5
+    print(f"tiny CPU runs (configs/tiny_cpu.yaml), {args.echo_iterations} iterations; first iteration whose "
+          f"{window}-iteration mean reward >= {args.echo_threshold}")
+    print(f"{'estimator':<12} {'seed':>5} {'iteration':>10} {'reward first 5 -> last 5':>26}")
+    with tempfile.TemporaryDirectory() as root:
+        for estimator in args.echo_estimators.split(","):
+            for seed in range(1, args.seeds + 1):
+                rewards = echo_run(estimator, seed, args, root)
+                means = [statistics.mean(rewards[i - window + 1: i + 1]) for i in range(window - 1, len(rewards))]
+                hit = next((i + window - 1 for i, m in enumerate(means) if m >= args.echo_threshold), None)
+                print(f"{estimator:<12} {seed:>5} {hit if hit is not None else '>' + str(len(rewards) - 1):>10} "
+                      f"{statistics.mean(rewards[:window]):>12.3f} -> {statistics.mean(rewards[-window:]):.3f}",
+                      flush=True)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seeds", type=int, default=3)
@@ -104,9 +145,15 @@ def main(argv=None) -> None:
     p.add_argument("--pairs", default="rloo:turn_rloo,grpo:turn_grpo", help="outcome:turn estimator pairs "
                                                                             "(turn_state_rloo too)")
     p.add_argument("--bias", action="store_true", help="measure each estimator's bias instead of learning")
+    p.add_argument("--echo", action="store_true", help="compare on the tiny CPU system instead")
+    p.add_argument("--echo-estimators", default="rloo,turn_rloo")
+    p.add_argument("--echo-iterations", type=int, default=60)
+    p.add_argument("--echo-threshold", type=float, default=0.7)
     args = p.parse_args(argv)
     if args.bias:
         return measure_bias()
+    if args.echo:
+        return compare_on_echo(args)
     tasks = {"3 turns, key at turn 1": KeyTurnTask(3, 1, 1.0, 0.2),
              "6 turns, key at turn 2": KeyTurnTask(6, 2, 1.0, 0.2),
              "6 turns, key at turn 2, turn rewards +-1 noise": KeyTurnTask(6, 2, 1.0, 0.2, reward_noise=1.0)}
