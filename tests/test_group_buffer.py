@@ -8,13 +8,14 @@ random group sizes and random filters, for many seeds.
 
 import heapq
 import itertools
+import operator
 import random
 from dataclasses import dataclass
 
 import pytest
 
 from helpers import make_step
-from megatron_stepwise.algo.advantages import has_reward_variance
+from megatron_stepwise.algo.groups import groups_of
 from megatron_stepwise.loop.group_buffer import GroupBuffer
 from megatron_stepwise.types import Step, TrajectoryID
 
@@ -120,7 +121,7 @@ def test_bad_settings_name_the_config_key():
 
 
 def test_zero_variance_filter_acts_on_trajectory_groups_and_starvation_is_reported():
-    buf = GroupBuffer(groups_per_step=1, max_staleness=1, keep_group=has_reward_variance)
+    buf = GroupBuffer(groups_per_step=1, max_staleness=1, keep_group=operator.attrgetter("has_reward_variance"))
     draw = counter_draw()
     flat = buf.start(0, draw)
     # 2 trajectories; the first has an earlier step whose reward (0) differs: only last steps count
@@ -129,12 +130,12 @@ def test_zero_variance_filter_acts_on_trajectory_groups_and_starvation_is_report
         make_step("p0", 0, [1, 2], [3], reward=1.0),
         make_step("p0", 1, [1, 2], [3], reward=1.0),
     ]
-    assert buf.finish(flat.serial, steps, 0) == "filtered"
+    assert buf.finish(flat.serial, groups_of(steps)[0], 0) == "filtered"
     assert buf.starved(1) and not buf.starved(2)
     assert buf.can_start(0)  # the filtered group freed its slot
     good = buf.start(0, draw)
     rows = [make_step("p1", 0, [1, 2], [3], reward=0.0), make_step("p1", 1, [1, 2], [3], reward=1.0)]
-    assert buf.finish(good.serial, rows, 0) == "ready"
+    assert buf.finish(good.serial, groups_of(rows)[0], 0) == "ready"
     assert [g.serial for g in buf.take(1, 0)] == [good.serial]
     assert not buf.starved(1) and buf.counters.filtered == 1 and buf.ledger[flat.serial] == "filtered"
 

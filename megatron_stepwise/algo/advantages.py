@@ -267,13 +267,6 @@ def _turn_scalars(estimate: Callable, name: str, steps: Sequence[Step], traj_of_
     return per_step.tolist()
 
 
-def has_reward_variance(steps: Sequence[Step]) -> bool:
-    """The zero-variance filter's predicate for one prompt group: its trajectories' outcome
-    rewards (last steps; padding rows excluded) are not all equal, so the group carries signal."""
-    rewards = {s.reward for s in steps if s.is_last_step and not s.is_padding}
-    return len(rewards) > 1
-
-
 def _trajectories(steps: Sequence[Step]) -> tuple[torch.Tensor, list[int]]:
     """Dense trajectory id of every step, and the index of each trajectory's last step.
 
