@@ -128,6 +128,7 @@ class RolloutConfig:
     max_new_tokens: int = option(256, "tokens generated per turn at most", min=1)
     timeout_s: float = option(120.0, "seconds one turn may take on an engine before it is retried", gt=0.0)
     max_retries: int = option(2, "retries of a failed or timed-out turn on another engine", min=0)
+    max_restarts: int = option(3, "restarts of each dead engine before the fleet gives it up", min=0)
     env_error_reward: float = option_of(AgentLoopConfig, "env_error_reward")
     drift_sample_rate: float = option_of(AgentLoopConfig, "drift_sample_rate")
     env_concurrency: int = option_of(AgentLoopConfig, "env_concurrency")
