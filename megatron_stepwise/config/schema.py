@@ -130,6 +130,7 @@ class RolloutConfig:
     max_new_tokens: int = option_of(SamplingParams, "max_new_tokens")
     timeout_s: float = option_of(RetryConfig, "timeout_s")
     max_retries: int = option_of(RetryConfig, "max_retries")
+    max_restarts: int = option_of(RetryConfig, "max_restarts")
     env_error_reward: float = option_of(AgentLoopConfig, "env_error_reward")
     drift_sample_rate: float = option_of(AgentLoopConfig, "drift_sample_rate")
     env_concurrency: int = option_of(AgentLoopConfig, "env_concurrency")

@@ -227,7 +227,7 @@ def build_fleet(cfg: ExperimentConfig, hf_config: dict, tokenizer):
             specs.append(EngineSpec(kind="sglang", sglang=server, tp_size=r.engine_tp, num_cpus=1, num_gpus=r.engine_tp,
                                     routed_experts=routed))
     return RolloutFleet(specs, max_concurrency=r.max_concurrency, max_retries=r.max_retries,
-                        request_timeout_s=r.timeout_s, ray_address=r.ray_address,
+                        max_restarts=r.max_restarts, request_timeout_s=r.timeout_s, ray_address=r.ray_address,
                         partial_rollouts=cfg.async_.enabled,  # async: updates pause turns mid-way
                         colocate=cfg.rollout.colocate)
 

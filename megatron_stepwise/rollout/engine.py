@@ -119,10 +119,12 @@ class SamplingConfig:
 
 @dataclass
 class RetryConfig:
-    """The `rollout` keys that say when a turn is retried (read by the fleet's and the agent workers' `EngineRouter`)."""
+    """The `rollout` keys that say when a turn is retried on another engine and how often a dead
+    engine is restarted (read by the fleet and the agent workers' `EngineRouter`)."""
 
     timeout_s: float = option(120.0, "seconds one turn may take on an engine before it is retried", gt=0.0)
     max_retries: int = option(2, "retries of a failed or timed-out turn on another engine", min=0)
+    max_restarts: int = option(3, "restarts of each dead engine before the fleet gives it up", min=0)
 
 
 @dataclass

@@ -210,7 +210,7 @@ class RolloutFleet:
 
     def __init__(self, specs: list[EngineSpec], max_concurrency: int = AgentLoopConfig.max_concurrency,
                  max_retries: int = RetryConfig.max_retries, request_timeout_s: float = RetryConfig.timeout_s,
-                 restart_dead: bool = True, max_restarts: int = 3, ray_address: Optional[str] = None,
+                 restart_dead: bool = True, max_restarts: int = RetryConfig.max_restarts, ray_address: Optional[str] = None,
                  ray_num_cpus: Optional[int] = None, partial_rollouts: bool = False, colocate: bool = False,
                  spawn: Optional[Callable[[EngineSpec, int, int], Any]] = None):
         """`spawn(spec, index, incarnation)` starts an engine and returns its handle (whose
