@@ -155,3 +155,15 @@ def test_end_of_turn_comes_from_the_models_own_files(name, closing, also, model_
     eot = end_of_turn(tok)
     assert (None if eot.append is None else tok.convert_ids_to_tokens(eot.append)) == closing
     assert tok.convert_ids_to_tokens(list(eot.ids)) == ([closing] if closing else []) + also
+
+
+def test_drift_tool_measures_the_share_of_non_canonical_samples(model_dirs):
+    """tools/bench_drift_real.py: with a template that re-renders nothing (Qwen2.5), natural text
+    never drifts and every flagged boundary is one whose ids were split."""
+    bench = load_script(Path(REPO) / "tools" / "bench_drift_real.py")
+    tok = load_tokenizer(str(model_dirs["qwen2.5-instruct"]))
+    fam = families.FAMILIES["qwen2.5-instruct"]
+    clean = bench.measure(tok, fam, 0.0, 40, seed=1)
+    split = bench.measure(tok, fam, 1.0, 40, seed=1)
+    assert clean["drift_rate"] == 0.0 and clean["boundaries"] > 40
+    assert split["drift_rate"] > 0.8 and split["drift_rate"] == split["noncanonical"] and split["template"] == 0.0

@@ -72,6 +72,8 @@ class Family:
     generation_eos: tuple = ()  # generation_config.json eos_token_id
     tool_format: str = "hermes"  # how the model writes a tool call (scripted replies)
     thinks: bool = False  # replies may open with a <think> block
+    think_block: str = "<think>\n{}\n</think>\n\n"  # how a reply opens with its reasoning
+    always_thinks: bool = False  # every reply opens with the block (GLM: an empty one without reasoning)
 
 
 FAMILIES = {f.name: f for f in [
@@ -88,7 +90,7 @@ FAMILIES = {f.name: f for f in [
     Family("deepseek-v3.1", "deepseek-ai-DeepSeek-V3.1.jinja", "qwen2", DEEPSEEK_ADDED, "<｜end▁of▁sentence｜>",
            "<｜begin▁of▁sentence｜>", (151643,), tool_format="deepseek", thinks=True),
     Family("glm-4.6", "GLM-4.6.jinja", "qwen2", GLM_ADDED, "<|endoftext|>", None, (151643, 151649, 151651),
-           tool_format="glm", thinks=True),
+           tool_format="glm", thinks=True, think_block="\n<think>{}</think>\n", always_thinks=True),
 ]}
 
 
@@ -171,8 +173,8 @@ def trajectory(fam: Family, rng: random.Random, noncanonical_share: float = 0.3,
         reasoning = _phrase(rng, rng.randint(2, 10))
         if prompt_thinks:
             think = f"{reasoning}\n</think>\n\n"
-        elif prompt_thinks is None and fam.thinks and rng.random() < 0.5:
-            think = f"<think>\n{reasoning}\n</think>\n\n"
+        elif prompt_thinks is None and fam.thinks and (fam.always_thinks or rng.random() < 0.5):
+            think = fam.think_block.format(reasoning if rng.random() < 0.5 else "")
         else:
             think = ""
         calls = k + 1 < n and rng.random() < 0.7
