@@ -15,6 +15,7 @@ fleet's driver) runs on the first node, which is also the Ray head.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import sys
@@ -93,12 +94,13 @@ def _as_typed(path: str) -> str:
 # directory it was started from (under sbatch, the submission directory, where SLURM starts the
 # batch script). Relative paths on the command line and in the config (logging.run_dir,
 # env.dataset, ...) resolve there; the plan says so and cds there explicitly.
-def _prelude(lines: list[str]) -> list[str]:
+def _prelude(lines: list[str], job: Job, script: str) -> list[str]:
     bindir = Path(sys.executable).parent
     workdir = str(Path.cwd().resolve())
+    command = json.dumps([script, job.config_path, *job.overrides])  # recorded in <run_dir>/run.json
     return ["set -euo pipefail",
             f"# working directory: {workdir} (relative paths in the config and arguments resolve here)",
-            f"cd {shlex.quote(workdir)}",
+            f"cd {shlex.quote(workdir)}", f"export MEGATRON_STEPWISE_COMMAND={shlex.quote(command)}",
             f'export PATH={shlex.quote(str(bindir))}:"$PATH"',
             f'export PYTHONPATH={shlex.quote(str(REPO))}${{PYTHONPATH:+:$PYTHONPATH}}', *lines]
 
@@ -149,7 +151,7 @@ def plan_local(job: Job) -> list[str]:
         lines.append(f"# rollout: {ro.num_engines} {ro.engine} engine(s) on "
                      f"{'Ray at ' + ro.ray_address if ro.ray_address else 'a local Ray instance rank 0 starts'}")
     lines.append(sh(*env, *job.train_command(torchrun, ray_address)))
-    return _prelude(lines)
+    return _prelude(lines, job, "launch/train_local.sh")
 
 
 @dataclass
@@ -225,7 +227,7 @@ def plan_slurm(job: Job, environ: dict[str, str]) -> list[str]:
     lines += ["status=0",
               'for pid in "${TRAIN_PIDS[@]}"; do wait "$pid" || status=$?; done',
               'exit "$status"']
-    return _prelude(lines)
+    return _prelude(lines, job, "launch/train_slurm.sbatch")
 
 
 def _ray_cluster(launch, train_nodes: list[str], rollout_nodes: list[str], step: list[str],

@@ -132,3 +132,30 @@ def test_metrics_reference_is_generated_and_a_new_key_is_undocumented():
     assert describe("reward/pass@16").pattern == "reward/pass@<k>"
     assert describe("eval/hard_set/reward/maj@4").pattern == "eval/[<set>/]reward/maj@<k>"
     assert describe("train/some_new_loss_term") is None and describe("reward/pass@best") is None
+
+
+def test_rollout_preview_prints_trajectories_turn_by_turn_with_an_env_errors_traceback(tmp_path):
+    (tmp_path / "guess_env.py").write_text(
+        "class Guess:\n"
+        "    tokenizer = 'tiny_word'\n\n"
+        "    @staticmethod\n"
+        "    def dataset(num=8):\n"
+        "        return [{'prompt': f'say {i}', 'target': i} for i in range(num)]  # no prompt_id: row<N>\n\n"
+        "    def reset(self, sample):\n"
+        "        self.target = sample['target']\n"
+        "        return [{'role': 'user', 'content': sample['prompt']}]\n\n"
+        "    def step(self, text):\n"
+        "        if self.target == 1:\n"
+        "            raise KeyError('no such target')\n"
+        "        return [{'role': 'user', 'content': 'again'}], 0.5, False, {}\n")
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}:{tmp_path}", OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-m", "megatron_stepwise.cli", "rollout", "configs/tiny_cpu.yaml",
+                          "env.name=guess_env:Guess", "env.dataset_options={}", "data.shuffle=false",
+                          "rollout.max_turns=2", "-n", "2"],
+                         env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout
+    assert text.count("=== trajectory") == 2 and "=== trajectory row0#0 ===" in text
+    assert "[turn 0 reply" in text and "env reward 0.5" in text and "[turn 1 reply" in text
+    assert "--> reward 0, stop_reason env_error" in text and "KeyError: 'no such target'" in text
+    assert 'guess_env.py", line 14, in step' in text  # the environment's own file and line (the raise)

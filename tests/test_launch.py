@@ -172,6 +172,8 @@ def test_train_local_dry_run_for_the_tiny_experiment(tmp_path):
                          "train", "configs/tiny_cpu.yaml", "trainer.iterations=3"]
     assert commands(lines, "ray") == []  # on CPU rank 0 starts its own Ray instance
     assert f"cd {REPO}" in lines  # the directory it was started from, as `megatron-stepwise train`
+    assert ("export MEGATRON_STEPWISE_COMMAND='[\"launch/train_local.sh\", \"configs/tiny_cpu.yaml\", "
+            "\"trainer.iterations=3\"]'") in lines  # what run.json records
     # run from another directory: the plan runs there (relative paths resolve there), the config by its path
     elsewhere = run_script("train_local.sh", "--dry-run", str(REPO / "configs/tiny_cpu.yaml"), cwd=tmp_path)
     assert f"cd {tmp_path}" in elsewhere.stdout.splitlines()
