@@ -14,12 +14,8 @@ import os
 from collections import Counter, defaultdict
 from typing import Any, Optional, Sequence
 
+from megatron_stepwise.algo.groups import RolloutGroup, groups_of
 from megatron_stepwise.types import Step
-
-
-def trajectory_rewards(steps: Sequence[Step]) -> dict:
-    """{TrajectoryID: outcome reward} from the last step of every real trajectory."""
-    return {s.trajectory_id: s.reward for s in steps if s.is_last_step and not s.is_padding}
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -74,29 +70,30 @@ def pass_metrics(groups: Sequence[Sequence[float]], success_threshold: float, pr
             / len(groups) for k in pass_ks(n)}
 
 
-def rollout_metrics(steps: Sequence[Step], *, success_threshold: float = 1.0) -> dict[str, float]:
-    """Trajectory-level reward, pass@k, turns, lengths and stop reasons of one rollout."""
-    real = [s for s in steps if not s.is_padding]
-    if not real:
+def rollout_metrics(rollout: Sequence[RolloutGroup] | Sequence[Step], *,
+                    success_threshold: float = 1.0) -> dict[str, float]:
+    """Trajectory-level reward, pass@k, turns, lengths and stop reasons of one rollout, given as
+    its prompt groups or as its flat steps (padding rows ignored)."""
+    groups = list(rollout) if rollout and isinstance(rollout[0], RolloutGroup) else groups_of(rollout)
+    trajectories = [t for g in groups for t in g.trajectories]
+    if not trajectories:
         return {}
-    rewards = trajectory_rewards(real)
-    turns = Counter(s.trajectory_id for s in real)
-    groups: dict[str, list[float]] = defaultdict(list)
-    for tid, r in rewards.items():
-        groups[tid.prompt_id].append(r)
-    values = list(rewards.values())
+    real = [s for t in trajectories for s in t]
+    last = [t[-1] for t in trajectories]
+    values = [s.reward for s in last]
+    turns = [len(t) for t in trajectories]
     mean = sum(values) / len(values)
     out: dict[str, float] = {
         "reward/mean": mean,
         "reward/std": math.sqrt(sum((r - mean) ** 2 for r in values) / len(values)),
         "reward/max": max(values),
         "reward/min": min(values),
-        **pass_metrics(list(groups.values()), success_threshold),
-        "reward/zero_variance_groups": sum(len(set(g)) == 1 for g in groups.values()) / len(groups),
-        "rollout/trajectories": float(len(rewards)),
+        **pass_metrics([g.rewards for g in groups], success_threshold),
+        "reward/zero_variance_groups": sum(not g.has_reward_variance for g in groups) / len(groups),
+        "rollout/trajectories": float(len(trajectories)),
         "rollout/steps": float(len(real)),
-        "rollout/turns_mean": sum(turns.values()) / len(turns),
-        "rollout/turns_max": float(max(turns.values())),
+        "rollout/turns_mean": sum(turns) / len(turns),
+        "rollout/turns_max": float(max(turns)),
     }
     resp = [s.response_ids.numel() for s in real]
     prompt = [s.prompt_ids.numel() for s in real]
@@ -104,8 +101,8 @@ def rollout_metrics(steps: Sequence[Step], *, success_threshold: float = 1.0) ->
     out["rollout/response_len_max"] = float(max(resp))
     out["rollout/prompt_len_mean"] = sum(prompt) / len(prompt)
     out["rollout/prompt_len_max"] = float(max(prompt))
-    obs = _observation_lengths(real)
-    if obs:
+    obs = [max(cur.prompt_ids.numel() - prev.num_tokens, 0) for t in trajectories for prev, cur in zip(t, t[1:])]
+    if obs:  # tokens added between consecutive turns: next prompt minus (prompt + response)
         out["rollout/observation_len_mean"] = sum(obs) / len(obs)
     out["rollout/trainable_tokens"] = float(sum(s.num_trainable for s in real))
     drift = [bool(s.metadata["retokenize_drift"]) for s in real if "retokenize_drift" in s.metadata]
@@ -115,11 +112,11 @@ def rollout_metrics(steps: Sequence[Step], *, success_threshold: float = 1.0) ->
         # steps count (token mode measures rollout.drift_sample_rate of the trajectories); with
         # none measured the metric is absent rather than a 0 that would read as "no drift".
         out["rollout/retokenize_drift_rate"] = sum(drift) / len(drift)
-    for reason, n in Counter(s.stop_reason for s in real if s.is_last_step).items():
-        out[f"stop_reason/{reason}"] = n / len(rewards)
+    for reason, n in Counter(s.stop_reason for s in last).items():
+        out[f"stop_reason/{reason}"] = n / len(last)
     by_env: dict[str, list[float]] = defaultdict(list)
-    for s in real:
-        if s.is_last_step and "env" in s.metadata:
+    for s in last:
+        if "env" in s.metadata:
             by_env[str(s.metadata["env"])].append(s.reward)
     for env, rs in by_env.items():
         out[f"reward/env/{env}"] = sum(rs) / len(rs)
@@ -134,15 +131,6 @@ def mean_metrics(items: Sequence[dict[str, Any]], prefix: str = "") -> dict[str,
         if values:
             out[prefix + key] = sum(values) / len(values)
     return out
-
-
-def _observation_lengths(steps: Sequence[Step]) -> list[int]:
-    """Tokens added between consecutive turns: next prompt minus (prompt + response)."""
-    lengths = []
-    for prev, cur in zip(steps, steps[1:]):
-        if prev.trajectory_id == cur.trajectory_id:
-            lengths.append(max(cur.prompt_ids.numel() - prev.num_tokens, 0))
-    return lengths
 
 
 class MetricsLogger:

@@ -183,6 +183,7 @@ class AsyncRollouts:
         staleness = [self.version() - g.start_version for g in groups]
         it = self._iteration
         it["steps"] += steps
+        it["groups"] += [g.rollout for g in groups]
         it["staleness"].append(trained_token_staleness(steps, self.version()))
         it["group_staleness_max"].append(max(staleness))
         it["group_staleness_mean"].append(sum(staleness) / len(staleness))
@@ -200,13 +201,13 @@ class AsyncRollouts:
         return loop_in_thread(self.driver.loop if self.driver is not None else None)
 
     def reset_metrics(self) -> None:
-        self._iteration = {"steps": [], "staleness": [], "group_staleness_max": [], "group_staleness_mean": [],
-                           "requeued": []}
+        self._iteration = {"steps": [], "groups": [], "staleness": [], "group_staleness_max": [],
+                           "group_staleness_mean": [], "requeued": []}
 
     def iteration_metrics(self) -> dict[str, Any]:
         """Trajectory metrics of what was trained, staleness, and the buffer's counters."""
         it = self._iteration
-        metrics: dict[str, Any] = rollout_metrics(it["steps"], success_threshold=self.success_threshold) if it["steps"] else {}
+        metrics: dict[str, Any] = rollout_metrics(it["groups"], success_threshold=self.success_threshold)
         if it["group_staleness_max"]:
             metrics["async/group_staleness_max"] = max(it["group_staleness_max"])
             metrics["async/group_staleness_mean"] = sum(it["group_staleness_mean"]) / len(it["group_staleness_mean"])

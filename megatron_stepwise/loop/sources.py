@@ -113,7 +113,7 @@ class SyncRollouts:
         groups, metrics = self._rollout(iteration)
         steps = flat_steps(groups)
         validate_steps(steps, vocab_size=self.vocab_size)
-        metrics.update(rollout_metrics(steps, success_threshold=self.cfg.eval_.success_threshold))
+        metrics.update(rollout_metrics(groups, success_threshold=self.cfg.eval_.success_threshold))
         groups, filtered = self._filter_groups(groups, iteration)
         metrics.update(filtered)
         k = self.cfg.data.prompts_per_minibatch
