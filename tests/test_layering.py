@@ -1,7 +1,7 @@
 """The package's layering (pyproject.toml [tool.importlinter]) holds, and it has no import cycle.
 
 `lint-imports` checks the contracts: cli -> commands -> loop -> config -> (megatron | rollout)
--> envs -> algo -> base, each layer importing only the ones below it, and algo/types/config/hf
+-> envs -> metrics -> algo -> base, each layer importing only the ones below it, and algo/types/config/hf
 free of Megatron, Ray and engines. Cycles are counted on the same import graph (grimp, which
 import-linter builds; function-local imports included) as strongly connected components.
 """
