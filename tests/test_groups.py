@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from helpers import make_step
-from megatron_stepwise.algo.groups import RolloutGroup, flat_steps, groups_of
+from megatron_stepwise.algo.groups import RolloutGroup, flat_steps, groups_of, pack_groups, unpack_groups
 from megatron_stepwise.types import StepBatch, StepwiseBatchError, make_padding_step
 
 
@@ -30,7 +30,7 @@ def test_reads_outcomes_and_sizes_without_a_flat_scan():
 def test_pickles_as_one_step_batch_and_back():
     g = _group(turns=(3, 2))
     state = g.__getstate__()
-    assert isinstance(state["batch"], StepBatch) and state["lengths"] == [3, 2]
+    assert isinstance(state["batch"], StepBatch) and state["lengths"] == [[3, 2]]
     back = pickle.loads(pickle.dumps(g))
     assert back.prompt_id == "p" and [len(t) for t in back.trajectories] == [3, 2]
     for a, b in zip(g.steps, back.steps):
@@ -38,6 +38,17 @@ def test_pickles_as_one_step_batch_and_back():
         for name in ("prompt_ids", "response_ids", "loss_mask", "rollout_logprobs", "weight_versions"):
             assert torch.equal(getattr(a, name), getattr(b, name)), name
         assert a.metadata == b.metadata
+
+
+def test_several_groups_pack_into_one_batch_and_back():
+    groups = [_group("a", turns=(2, 1)), _group("b", rewards=(1.0, 1.0), turns=(1, 3))]
+    state = pack_groups(groups)
+    assert state["prompt_ids"] == ["a", "b"] and state["batch"].num_rows == 7
+    back = unpack_groups(pickle.loads(pickle.dumps(state)))
+    assert [g.prompt_id for g in back] == ["a", "b"]
+    assert [[len(t) for t in g.trajectories] for g in back] == [[2, 1], [1, 3]]
+    assert [g.rewards for g in back] == [g.rewards for g in groups]
+    assert [s.trajectory_id for s in flat_steps(back)] == [s.trajectory_id for s in flat_steps(groups)]
 
 
 def test_pickle_is_columnar_not_one_tensor_per_step():

@@ -53,17 +53,35 @@ class RolloutGroup:
     def generated_tokens(self) -> int:
         return sum(int(s.response_ids.numel()) for t in self.trajectories for s in t)
 
-    # Columnar on the wire: one StepBatch and the trajectories' lengths.
+    # Columnar on the wire (see `pack_groups`).
     def __getstate__(self) -> dict:
-        return {"prompt_id": self.prompt_id, "batch": StepBatch.from_steps(self.steps, keep_metadata=True),
-                "lengths": [len(t) for t in self.trajectories]}
+        return pack_groups([self])
 
     def __setstate__(self, state: dict) -> None:
-        steps = state["batch"].to_steps(copy=False)  # fresh from the wire: nothing else holds it
-        self.prompt_id, self.trajectories, start = state["prompt_id"], [], 0
-        for n in state["lengths"]:
-            self.trajectories.append(steps[start:start + n])
+        (group,) = unpack_groups(state)
+        self.prompt_id, self.trajectories = group.prompt_id, group.trajectories
+
+
+def pack_groups(groups: Sequence[RolloutGroup]) -> dict:
+    """Groups as one StepBatch plus their prompt ids and trajectory lengths: what travels, so
+    several groups cost one set of tensors, not one per step (nor one per group)."""
+    return {"batch": StepBatch.from_steps(flat_steps(groups), keep_metadata=True),
+            "prompt_ids": [g.prompt_id for g in groups],
+            "lengths": [[len(t) for t in g.trajectories] for g in groups]}
+
+
+def unpack_groups(state: dict) -> list[RolloutGroup]:
+    steps = state["batch"].to_steps(copy=False)  # fresh from the wire: nothing else holds it
+    groups, start = [], 0
+    for prompt_id, lengths in zip(state["prompt_ids"], state["lengths"]):
+        trajectories = []
+        for n in lengths:
+            trajectories.append(steps[start:start + n])
             start += n
+        group = RolloutGroup.__new__(RolloutGroup)  # checked where it was made
+        group.prompt_id, group.trajectories = prompt_id, trajectories
+        groups.append(group)
+    return groups
 
 
 def flat_steps(groups: Iterable[RolloutGroup]) -> list[Step]:

@@ -23,7 +23,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
-from megatron_stepwise.algo.groups import RolloutGroup, flat_steps
+from megatron_stepwise.algo.groups import RolloutGroup, flat_steps, pack_groups, unpack_groups
 from megatron_stepwise.rollout.agent_loop import checked_prompt_ids
 from megatron_stepwise.rollout.engine import engine_loss
 from megatron_stepwise.rollout.engine_router import EngineSlot, EngineView, RequestCounters
@@ -58,6 +58,13 @@ class WorkerReply:
     groups: list[RolloutGroup]
     dead_engines: list[tuple[int, int]]
     requests: RequestCounters
+
+    def __getstate__(self) -> dict:  # all the reply's groups as one columnar batch
+        return {"groups": pack_groups(self.groups), "dead_engines": self.dead_engines, "requests": self.requests}
+
+    def __setstate__(self, state: dict) -> None:
+        self.groups = unpack_groups(state["groups"])
+        self.dead_engines, self.requests = state["dead_engines"], state["requests"]
 
 
 class AgentWorker:
