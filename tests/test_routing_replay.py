@@ -325,7 +325,7 @@ def test_sglang_declares_what_the_client_uses():
     captured = {}
 
     class Client(SGLangClient):
-        async def _request(self, method, path, json=None, params=None):
+        async def _request(self, method, path, json=None, params=None, base_url=None):
             captured.update(json)
             return {"meta_info": {"output_token_logprobs": [], "finish_reason": {"type": "length"},
                                   "routed_experts": routing.encode(torch.zeros(2, 2, 2))}}

@@ -13,6 +13,7 @@ Printed side by side in one run (no asserts):
 - after: the same rollout by 1 and by 2 agent workers (Ray actors), then rank 0's decision and
   the per-DP-rank shards;
 - CPU ms per turn inside one agent worker; turns/s of 2 workers vs 1;
+- a reply's groups to the driver: one batch per group vs packed (`pack_groups`);
 - bytes a rank receives at DP 1/2/4, and the sending side's seconds per step.
 
     python tools/bench_scale.py                 # 512 x 8 x 5
@@ -108,8 +109,13 @@ def _workers(cfg, samples, n: int) -> dict[str, Any]:
 
     worker_cls = ray.remote(_instant_worker_class())
 
+    # The workers import this file's worker class and the instant engine: tools/ on their path, even
+    # in a Ray started before this ran (the test suite starts one per session).
+    env = {"env_vars": {"PYTHONPATH": os.environ["PYTHONPATH"]}}
+
     def spawn(cfg, index, concurrency):
-        return worker_cls.options(num_cpus=cfg.rollout.agent_worker_cpus, max_concurrency=1000).remote(cfg, concurrency)
+        return worker_cls.options(num_cpus=cfg.rollout.agent_worker_cpus, max_concurrency=1000,
+                                  runtime_env=env).remote(cfg, concurrency)
 
     loop = asyncio.new_event_loop()
     workers = AgentWorkers(cfg, _NoFleet(), n, spawn=spawn)
@@ -126,6 +132,25 @@ def _workers(cfg, samples, n: int) -> dict[str, Any]:
         loop.close()
     return {"steps": steps, "wall": wall, "driver_cpu": driver_cpu,
             "worker_cpu": [b - a for a, b in zip(before, after)]}
+
+
+def _group_transfer(steps, groups_per_reply: int = 8) -> dict[str, Any]:
+    """A reply's groups as one batch per group vs packed into one (`pack_groups`, what the workers
+    send): pickle + unpickle CPU per step, side by side."""
+    from megatron_stepwise.algo.groups import groups_of, pack_groups, unpack_groups
+
+    groups = groups_of(steps)
+    replies = [groups[i:i + groups_per_reply] for i in range(0, len(groups), groups_per_reply)]
+
+    def cpu(fn) -> float:
+        t = time.process_time()
+        for reply in replies:
+            fn(reply)
+        return 1e3 * (time.process_time() - t) / len(steps)
+
+    per_group = cpu(lambda reply: pickle.loads(pickle.dumps(reply, protocol=5)))
+    packed = cpu(lambda reply: unpack_groups(pickle.loads(pickle.dumps(pack_groups(reply), protocol=5))))
+    return {"groups_per_reply": groups_per_reply, "per_group_ms_per_step": per_group, "packed_ms_per_step": packed}
 
 
 def _old_handoff(steps, cfg) -> dict[str, float]:
@@ -234,6 +259,10 @@ def run(quick: bool = False, **options) -> dict[str, Any]:
               f"{1e3 * w['driver_cpu'] / turns:.3f} ms per turn")
     result["workers_2_vs_1"] = result["workers2"]["turns_per_s"] / result["workers1"]["turns_per_s"]
     print(f"2 workers vs 1: {result['workers_2_vs_1']:.2f}x turns per second ({os.cpu_count()} cores)")
+
+    result["group_transfer"] = g = _group_transfer(steps)
+    print(f"groups worker -> driver, pickle + unpickle: one batch per group {g['per_group_ms_per_step']:.4f} ms/step, "
+          f"a reply's groups packed {g['packed_ms_per_step']:.4f} ms/step ({g['groups_per_reply']} groups a reply)")
 
     old, new = _old_handoff(steps, cfg), _new_handoff(steps, cfg)
     result["handoff_before"], result["handoff_after"] = old, new
