@@ -11,7 +11,7 @@ run: setup
 	$(VENV)/bin/megatron-stepwise train configs/tiny_cpu.yaml
 
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=20 tests
 
 test-fast: setup
 	$(PY) -m pytest -q tests -m "not distributed and not slow"
