@@ -290,3 +290,25 @@ def tagged_ray_instance():
             os.environ.pop(RAY_OWNER_ENV, None)
         else:
             os.environ[RAY_OWNER_ENV] = previous
+
+
+def run_torchrun(argv: list[str]) -> int:
+    """torchrun in this process (the `train` and `replay` self-launchers); when a rank fails, its exit
+    code and one line instead of torchrun's own traceback (the rank has already said why)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    try:
+        run(parse_args(argv))
+    except ChildFailedError as e:
+        rank, failure = first_failure(e.failures)
+        print(f"error: {len(e.failures)} training rank(s) failed (first: rank {rank}, exit code "
+              f"{failure.exitcode}); see their messages above", file=sys.stderr)
+        return failure.exitcode if failure.exitcode > 0 else 1
+    return 0
+
+
+def first_failure(failures: dict) -> tuple:
+    """(rank, failure) of the rank that failed by itself, not one torchrun stopped afterwards
+    (negative exit code: a signal); ties go to the earliest, then the lowest rank."""
+    return min(failures.items(), key=lambda item: (item[1].exitcode <= 0, item[1].timestamp, item[0]))

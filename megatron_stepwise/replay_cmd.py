@@ -51,21 +51,10 @@ def _main(args: argparse.Namespace) -> int:
         argv += [f"--out={args.out}"] if args.out else []
         argv += [f"--check-tol={args.check_tol}"] if args.check_tol is not None else []
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-        return _run_torchrun(argv)
+        from megatron_stepwise.lifecycle import run_torchrun
+
+        return run_torchrun(argv)
     return _replay(cfg, dump, args)
-
-
-def _run_torchrun(argv: list[str]) -> int:
-    """torchrun in this process; a failed rank has said why: its exit code, no torchrun traceback."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
-
-    try:
-        run(parse_args(argv))
-    except ChildFailedError as e:
-        code = max(f.exitcode for f in e.failures.values())
-        return code if code > 0 else 1
-    return 0
 
 
 def _user_errors() -> tuple[type, ...]:

@@ -41,7 +41,7 @@ def _main(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 2
         from megatron_stepwise.lifecycle import (LAUNCHER_PID_ENV, LOCK_WAIT_S, RUN_DIR_ENV, HeldLocks, RunDirLocked,
-                                                 run_locks)
+                                                 run_locks, run_torchrun)
 
         try:  # refuse before torchrun starts; rank 0 takes the locks itself
             HeldLocks(run_locks(cfg.run_dir, cfg.checkpoint_dir)).probe(LOCK_WAIT_S)
@@ -56,30 +56,8 @@ def _main(args: argparse.Namespace) -> int:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         print(f"launching: torchrun {' '.join(torchrun)}\n(working directory: {os.getcwd()}; relative paths in the "
               "config resolve here, as with launch/train_local.sh)", flush=True)
-        return _run_torchrun(torchrun)
+        return run_torchrun(torchrun)
     return _train(cfg)
-
-
-def _run_torchrun(argv: list[str]) -> int:
-    """torchrun in this process; when a rank fails, its exit code and one line instead of
-    torchrun's own traceback (the rank has already said why)."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
-
-    try:
-        run(parse_args(argv))
-    except ChildFailedError as e:
-        rank, failure = first_failure(e.failures)
-        print(f"error: {len(e.failures)} training rank(s) failed (first: rank {rank}, exit code "
-              f"{failure.exitcode}); see their messages above", file=sys.stderr)
-        return failure.exitcode if failure.exitcode > 0 else 1
-    return 0
-
-
-def first_failure(failures: dict) -> tuple:
-    """(rank, failure) of the rank that failed by itself, not one torchrun stopped afterwards
-    (negative exit code: a signal); ties go to the earliest, then the lowest rank."""
-    return min(failures.items(), key=lambda item: (item[1].exitcode <= 0, item[1].timestamp, item[0]))
 
 
 def _command_line() -> list[str]:

@@ -215,7 +215,7 @@ def test_the_reported_rank_is_the_one_that_failed_by_itself():
     the launcher must report the rank that failed, not the lowest one it killed."""
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-    from megatron_stepwise.train_cmd import first_failure
+    from megatron_stepwise.lifecycle import first_failure
 
     def failure(rank, code, t):
         f = ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=code, error_file="<N/A>")
