@@ -34,7 +34,7 @@ trains the weights that become V + 1.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional
 
 STALE_POLICIES = ("drop", "requeue")
