@@ -121,6 +121,8 @@ _T = [  # (pattern, unit, over, meaning)
         ("agents/workers", "count", "iteration", "agent worker actors (rollout.agent_workers)"),
         ("agents/worker_restarts", "count", "run", "agent workers restarted"),
         ("agents/reissued_groups", "count", "run", "prompt groups re-issued after a worker died"),
+        ("agents/rows_held", "flag", "iteration", "1 when each replica fetched its rows from the agent workers "
+                                                  "(rollout.handoff=workers), 0 when they went through rank 0"),
     ]),
     ("Asynchronous training (async.enabled)", [
         ("async/token_staleness_mean", "versions", "token", "weight versions between a trained token's and the trainer's"),

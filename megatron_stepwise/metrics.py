@@ -14,7 +14,7 @@ import os
 from collections import Counter, defaultdict
 from typing import Any, Optional, Sequence
 
-from megatron_stepwise.algo.groups import RolloutGroup, groups_of
+from megatron_stepwise.algo.groups import GroupSummary, RolloutGroup, groups_of
 from megatron_stepwise.types import Step
 
 
@@ -70,18 +70,17 @@ def pass_metrics(groups: Sequence[Sequence[float]], success_threshold: float, pr
             / len(groups) for k in pass_ks(n)}
 
 
-def rollout_metrics(rollout: Sequence[RolloutGroup] | Sequence[Step], *,
+def rollout_metrics(rollout: Sequence[RolloutGroup] | Sequence[GroupSummary] | Sequence[Step], *,
                     success_threshold: float = 1.0) -> dict[str, float]:
     """Trajectory-level reward, pass@k, turns, lengths and stop reasons of one rollout, given as
-    its prompt groups or as its flat steps (padding rows ignored)."""
-    groups = list(rollout) if rollout and isinstance(rollout[0], RolloutGroup) else groups_of(rollout)
-    trajectories = [t for g in groups for t in g.trajectories]
-    if not trajectories:
+    its prompt groups (or their summaries) or as its flat steps (padding rows ignored)."""
+    if rollout and isinstance(rollout[0], Step):
+        rollout = groups_of(rollout)
+    groups = [g.summary() for g in rollout]
+    values = [r for g in groups for r in g.rewards]
+    if not values:
         return {}
-    real = [s for t in trajectories for s in t]
-    last = [t[-1] for t in trajectories]
-    values = [s.reward for s in last]
-    turns = [len(t) for t in trajectories]
+    turns = [n for g in groups for n in g.turns]
     mean = sum(values) / len(values)
     out: dict[str, float] = {
         "reward/mean": mean,
@@ -90,34 +89,36 @@ def rollout_metrics(rollout: Sequence[RolloutGroup] | Sequence[Step], *,
         "reward/min": min(values),
         **pass_metrics([g.rewards for g in groups], success_threshold),
         "reward/zero_variance_groups": sum(not g.has_reward_variance for g in groups) / len(groups),
-        "rollout/trajectories": float(len(trajectories)),
-        "rollout/steps": float(len(real)),
+        "rollout/trajectories": float(len(values)),
+        "rollout/steps": float(sum(g.num_steps for g in groups)),
         "rollout/turns_mean": sum(turns) / len(turns),
         "rollout/turns_max": float(max(turns)),
     }
-    resp = [s.response_ids.numel() for s in real]
-    prompt = [s.prompt_ids.numel() for s in real]
+    resp = [n for g in groups for n in g.response_lens]
+    prompt = [n for g in groups for n in g.prompt_lens]
     out["rollout/response_len_mean"] = sum(resp) / len(resp)
     out["rollout/response_len_max"] = float(max(resp))
     out["rollout/prompt_len_mean"] = sum(prompt) / len(prompt)
     out["rollout/prompt_len_max"] = float(max(prompt))
-    obs = [max(cur.prompt_ids.numel() - prev.num_tokens, 0) for t in trajectories for prev, cur in zip(t, t[1:])]
-    if obs:  # tokens added between consecutive turns: next prompt minus (prompt + response)
+    obs = [n for g in groups for n in g.observation_lens()]
+    if obs:
         out["rollout/observation_len_mean"] = sum(obs) / len(obs)
-    out["rollout/trainable_tokens"] = float(sum(s.num_trainable for s in real))
-    drift = [bool(s.metadata["retokenize_drift"]) for s in real if "retokenize_drift" in s.metadata]
+    out["rollout/trainable_tokens"] = float(sum(n for g in groups for n in g.trainable))
+    drift = [d for g in groups for d in g.drift if d is not None]
     if drift:
         # Turn boundaries where re-tokenising the chat lost the sampled ids (agent loop, either
         # context mode); in retokenize mode the prefix merge breaks exactly there. Only measured
         # steps count (token mode measures rollout.drift_sample_rate of the trajectories); with
         # none measured the metric is absent rather than a 0 that would read as "no drift".
         out["rollout/retokenize_drift_rate"] = sum(drift) / len(drift)
-    for reason, n in Counter(s.stop_reason for s in last).items():
-        out[f"stop_reason/{reason}"] = n / len(last)
+    stops = [r for g in groups for r in g.stop_reasons]
+    for reason, n in Counter(stops).items():
+        out[f"stop_reason/{reason}"] = n / len(stops)
     by_env: dict[str, list[float]] = defaultdict(list)
-    for s in last:
-        if "env" in s.metadata:
-            by_env[str(s.metadata["env"])].append(s.reward)
+    for g in groups:
+        for env, r in zip(g.envs, g.rewards):
+            if env is not None:
+                by_env[env].append(r)
     for env, rs in by_env.items():
         out[f"reward/env/{env}"] = sum(rs) / len(rs)
     return out

@@ -8,6 +8,7 @@ tensors + row offsets) those paths work on.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Sequence, Union
 
@@ -336,6 +337,52 @@ class StepBatch:
                 )
             )
         return steps
+
+    # Between processes, integer columns travel narrowed (token ids < 2^31, masks 0/1): 22 bytes
+    # a token instead of 37 for a prepared batch.
+    _WIRE = {"loss_mask": torch.int8, "weight_versions": torch.int32}
+
+    def for_wire(self) -> "StepBatch":
+        narrow = {k: v.to(self._WIRE[k]) if k in self._WIRE else v for k, v in self.token_fields.items()}
+        return dataclasses.replace(self, tokens=self.tokens.to(torch.int32), token_fields=narrow)
+
+    def from_wire(self) -> "StepBatch":
+        wide = {k: v.long() if k in self._WIRE else v for k, v in self.token_fields.items()}
+        return dataclasses.replace(self, tokens=self.tokens.long(), token_fields=wide)
+
+    @classmethod
+    def concat(cls, batches: Sequence["StepBatch"]) -> "StepBatch":
+        """The rows of several batches, one batch after the other. Trajectory and group ids are
+        renumbered in order, as `from_steps` numbers a flat list; a token field only some batches
+        have is dropped, except `routed_experts`, which is -1 (unknown) where a batch lacks it."""
+        if not batches:
+            raise StepwiseBatchError("no batch to concatenate")
+        lengths = torch.cat([b.lengths for b in batches])
+        offsets = torch.zeros(lengths.numel() + 1, dtype=torch.long)
+        torch.cumsum(lengths, 0, out=offsets[1:])
+        names = set.intersection(*(set(b.token_fields) for b in batches))
+        token_fields = {k: torch.cat([b.token_fields[k] for b in batches]) for k in batches[0].token_fields if k in names}
+        routed = [b.token_fields.get("routed_experts") for b in batches]
+        shape = next((tuple(r.shape[1:]) for r in routed if r is not None), None)
+        if shape is not None:
+            token_fields["routed_experts"] = torch.cat([
+                r if r is not None else torch.full((b.tokens.numel(), *shape), UNKNOWN_EXPERT, dtype=ROUTED_EXPERTS_DTYPE)
+                for r, b in zip(routed, batches)])
+        row_fields = {k: torch.cat([b.row_fields[k] for b in batches]) for k in batches[0].row_fields}
+        for key in ("traj_index", "group_index"):
+            parts, base = [], 0
+            for b in batches:
+                ids = b.row_fields[key]
+                parts.append(ids + base)
+                base += int(ids.max()) + 1 if ids.numel() else 0
+            row_fields[key] = torch.cat(parts)
+        metadata = None
+        if all(b.metadata is not None for b in batches):
+            metadata = [m for b in batches for m in b.metadata]
+        return cls(tokens=torch.cat([b.tokens for b in batches]), offsets=offsets,
+                   prompt_lens=torch.cat([b.prompt_lens for b in batches]), token_fields=token_fields,
+                   row_fields=row_fields, trajectory_ids=[t for b in batches for t in b.trajectory_ids],
+                   stop_reasons=[r for b in batches for r in b.stop_reasons], metadata=metadata)
 
     def select(self, rows: Iterable[int]) -> "StepBatch":
         """A new batch holding the given rows, in the given order."""

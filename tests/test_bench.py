@@ -245,4 +245,12 @@ def test_scale_benchmark_runs_the_real_host_path_at_small_size(tools_on_path, ca
         assert len(after[f"dp{dp}"]["bytes_per_rank"]) == dp
         assert max(after[f"dp{dp}"]["bytes_per_rank"]) < most * whole
     assert r["handoff_before"]["bytes_per_rank"] > 0 and r["host_seconds_after"] > 0
+    # rows left in the workers: rank 0 sends manifests, each rank fetches ~1/DP of the rows
+    held = r["held"]
+    fetched = sum(held["dp1"]["bytes_fetched_per_rank"])
+    assert fetched > 0 and r["host_seconds_held"] > 0
+    for dp, most in ((2, 0.65), (4, 0.4)):
+        assert len(held[f"dp{dp}"]["bytes_fetched_per_rank"]) == dp
+        assert max(held[f"dp{dp}"]["bytes_fetched_per_rank"]) < most * fetched
+    assert max(held["dp1"]["manifest_bytes"]) < 0.2 * fetched  # no token data through rank 0
     assert "2 workers vs 1" in capsys.readouterr().out

@@ -96,7 +96,9 @@ def test_context_parallel_run_repeats_the_data_parallel_run(tmp_path, short_refe
 @pytest.mark.slow
 def test_agent_workers_repeat_the_in_process_run_exactly(tmp_path, short_reference):
     """The same experiment with the agent loop in 2 Ray agent workers: the turns' sampling seeds
-    depend only on the trajectory and turn, so every rollout, reward, loss and eval is the same."""
+    depend only on the trajectory and turn, so every rollout, reward, loss and eval is the same.
+    The workers validate and prepare their groups and keep the rows; rank 0 decides from their
+    row tables and each DP rank fetches its own rows from the workers (`rollout.handoff`)."""
     run_dir = str(tmp_path / "workers")
     out = _train(run_dir, *SHORT_RUN, "rollout.agent_workers=2")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -107,6 +109,7 @@ def test_agent_workers_repeat_the_in_process_run_exactly(tmp_path, short_referen
         keys = [k for k in ref if k.startswith(("reward/", "eval/", "rollout/", "train/loss", "advantages/"))]
         assert keys and {k: r[k] for k in keys} == {k: ref[k] for k in keys}, r["iteration"]
         assert r["agents/workers"] == 2 and r["agents/worker_restarts"] == 0
+        assert r["agents/rows_held"] == 1.0  # each replica fetched its rows from the workers
         assert r["fleet/requests"] == ref["fleet/requests"]  # the workers' turns counted by the fleet
 
 

@@ -14,7 +14,10 @@ Printed side by side in one run (no asserts):
   the per-DP-rank shards;
 - CPU ms per turn inside one agent worker; turns/s of 2 workers vs 1;
 - a reply's groups to the driver: one batch per group vs packed (`pack_groups`);
-- bytes a rank receives at DP 1/2/4, and the sending side's seconds per step.
+- bytes a rank receives at DP 1/2/4, and the sending side's seconds per step;
+- rows left in the workers (`rollout.handoff: workers`): the workers validate and prepare their
+  groups, rank 0 decides from row tables and sends manifests, each DP rank fetches its rows from
+  the workers: rank 0's bytes and seconds, each rank's bytes.
 
     python tools/bench_scale.py                 # 512 x 8 x 5
     python tools/bench_scale.py --quick         # 64 x 8 x 5
@@ -23,12 +26,15 @@ Printed side by side in one run (no asserts):
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import pickle
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
+
+import torch
 
 TOOLS, ROOT = Path(__file__).resolve().parent, Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(TOOLS))
@@ -47,8 +53,8 @@ def _instant_worker_class():
     class InstantWorker(AgentWorker):
         """An agent worker whose turns go to an in-process instant engine; it reports its CPU time."""
 
-        def __init__(self, cfg, max_concurrency):
-            super().__init__(cfg, max_concurrency)
+        def __init__(self, cfg, max_concurrency, name=""):
+            super().__init__(cfg, max_concurrency, name)
             self.agent.generator = InstantEngine(self.agent.tokenizer, REPLY_TOKENS)
 
         def cpu_seconds(self) -> float:
@@ -101,11 +107,15 @@ def _in_process(cfg, samples) -> tuple[list, float, float]:
     return steps, time.perf_counter() - t, time.process_time() - c
 
 
-def _workers(cfg, samples, n: int) -> dict[str, Any]:
-    """The same rollout by `n` agent workers: wall seconds, the driver's CPU, the workers' CPU."""
+def _workers(cfg, samples, n: int, held: Optional[Callable] = None) -> dict[str, Any]:
+    """The same rollout by `n` agent workers: wall seconds, the driver's CPU, the workers' CPU.
+    With `held(groups)`, the workers keep each group's prepared rows and `held` runs on the
+    summaries while the workers are alive (rank 0's decision, the replicas' fetches)."""
     import ray
 
     from megatron_stepwise.loop.agent_workers import AgentWorkers
+    from megatron_stepwise.loop.prepare import PrepareOptions
+    from megatron_stepwise.loop.worker_rows import NAMESPACE, HoldRequest
 
     worker_cls = ray.remote(_instant_worker_class())
 
@@ -113,10 +123,11 @@ def _workers(cfg, samples, n: int) -> dict[str, Any]:
     # in a Ray started before this ran (the test suite starts one per session).
     env = {"env_vars": {"PYTHONPATH": os.environ["PYTHONPATH"]}}
 
-    def spawn(cfg, index, concurrency):
-        return worker_cls.options(num_cpus=cfg.rollout.agent_worker_cpus, max_concurrency=1000,
-                                  runtime_env=env).remote(cfg, concurrency)
+    def spawn(cfg, index, concurrency, name):
+        return worker_cls.options(num_cpus=cfg.rollout.agent_worker_cpus, max_concurrency=1000, name=name,
+                                  namespace=NAMESPACE, runtime_env=env).remote(cfg, concurrency, name)
 
+    hold = HoldRequest(1, PrepareOptions.from_config(cfg), cfg_vocab(cfg)) if held else None
     loop = asyncio.new_event_loop()
     workers = AgentWorkers(cfg, _NoFleet(), n, spawn=spawn)
     try:
@@ -124,14 +135,81 @@ def _workers(cfg, samples, n: int) -> dict[str, Any]:
         loop.run_until_complete(workers.rollout(samples[: 8 * n]))  # warm-up
         before = ray.get([w.handle.cpu_seconds.remote() for w in workers.workers])
         t, c = time.perf_counter(), time.process_time()
-        steps = loop.run_until_complete(workers.rollout(samples, seed=1))
+        groups = loop.run_until_complete(workers.rollout_groups(samples, seed=1, hold=hold))
         wall, driver_cpu = time.perf_counter() - t, time.process_time() - c
         after = ray.get([w.handle.cpu_seconds.remote() for w in workers.workers])
+        decided = held(groups) if held else None
     finally:
         workers.close()
         loop.close()
-    return {"steps": steps, "wall": wall, "driver_cpu": driver_cpu,
+    return {"groups": groups, "wall": wall, "driver_cpu": driver_cpu, "held": decided,
             "worker_cpu": [b - a for a, b in zip(before, after)]}
+
+
+def _decide(rows, dp: int, max_tokens: int) -> list:
+    """The plugin's `decide_shards` without a model: the planner's rows per DP rank, with the
+    reduction's denominators."""
+    from megatron_stepwise.algo.planner import plan_microbatches
+    from megatron_stepwise.algo.reductions import row_denominators
+    from megatron_stepwise.megatron.plugin import ShardDecision, shard_rows
+
+    plan = plan_microbatches(rows.lengths.tolist(), dp_size=dp, max_tokens=max_tokens)
+    denominators = row_denominators(rows, "token_mean")
+    out = []
+    for rank, micros in enumerate(plan):
+        mine, local = shard_rows(micros)
+        index = torch.as_tensor(mine, dtype=torch.long)
+        out.append(ShardDecision(local, mine, rank, dp, trained_tokens=int(rows.trained.sum()), data_rows=0,
+                                 data_tokens=0, tokens=0, rollout_logprobs=True, rollout_logprobs_complete=True,
+                                 traj_index=rows.traj_index[index], group_index=rows.group_index[index],
+                                 denominators=denominators[index]))
+    return out
+
+
+def _held_handoff(cfg, dp_sizes=(1, 2, 4)) -> Callable:
+    """Rows left in the workers: rank 0 decides from the groups' row tables and pickles one small
+    manifest per DP rank; each DP rank fetches its rows from the workers (here one after the
+    other, from this process)."""
+    import ray
+
+    from megatron_stepwise.loop.worker_rows import RowFetcher, split_held_round
+    from megatron_stepwise.metrics import rollout_metrics
+
+    def run(groups) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        t = time.process_time()
+        rollout_metrics(groups)
+        k = cfg.data.prompts_per_minibatch
+        minibatches = [groups[i:i + k] for i in range(0, len(groups), k)]
+        out["split_cpu"] = time.process_time() - t
+        address = ray.get_runtime_context().gcs_address
+        for dp in dp_sizes:
+            t = time.process_time()
+            decide = functools.partial(_decide, dp=dp, max_tokens=cfg.data.max_tokens_per_microbatch)
+            shards, _, _ = split_held_round(minibatches, decide=decide, key=1, ray_address=address)
+            decision = time.process_time() - t
+            t = time.process_time()
+            blobs = [pickle.dumps([s[rank] for s in shards], protocol=5) for rank in range(dp)]
+            send = time.process_time() - t
+            fetched, fetch_wall = [], []
+            for rank in range(dp):
+                fetcher = RowFetcher()
+                t = time.perf_counter()
+                for shard in pickle.loads(blobs[rank]):
+                    fetcher.fetch(shard)
+                fetch_wall.append(time.perf_counter() - t)
+                fetched.append(fetcher.bytes_fetched)
+            out[f"dp{dp}"] = {"decision_cpu": decision, "send_cpu": send, "manifest_bytes": [len(b) for b in blobs],
+                              "bytes_fetched_per_rank": fetched, "fetch_wall_per_rank": fetch_wall}
+        return out
+
+    return run
+
+
+def flat_steps(groups):
+    from megatron_stepwise.algo.groups import flat_steps as flat
+
+    return flat(groups)
 
 
 def _group_transfer(steps, groups_per_reply: int = 8) -> dict[str, Any]:
@@ -250,6 +328,7 @@ def run(quick: bool = False, **options) -> dict[str, Any]:
     ensure_ray(num_cpus=4)
     for n in (1, 2):
         w = _workers(cfg, samples, n)
+        w["steps"] = flat_steps(w["groups"])
         assert len(w["steps"]) == turns
         result[f"workers{n}"] = {"wall_s": w["wall"], "turns_per_s": turns / w["wall"],
                                  "driver_cpu_ms_per_turn": 1e3 * w["driver_cpu"] / turns,
@@ -278,12 +357,31 @@ def run(quick: bool = False, **options) -> dict[str, Any]:
               f"bytes per rank {min(per_rank) / 1e6:.2f}-{max(per_rank) / 1e6:.2f} MB "
               f"({sum(per_rank) / dp / per_rank_whole(new) :.3f} of DP1)")
 
+    w = _workers(cfg, samples, 2, held=_held_handoff(cfg))
+    held = w["held"]
+    result["held"] = {"wall_s": w["wall"], "driver_cpu_ms_per_turn": 1e3 * w["driver_cpu"] / turns,
+                      "worker_cpu_ms_per_turn": 1e3 * sum(w["worker_cpu"]) / turns, **held}
+    print(f"  rows left in the workers (rollout.handoff=workers): 2 workers roll out, validate and prepare: "
+          f"{turns / w['wall']:.0f} turns/s, driver CPU {1e3 * w['driver_cpu'] / turns:.3f} ms per turn "
+          f"(summaries and row tables in, no token); metrics + split {held['split_cpu']:.2f} s")
+    for dp in (1, 2, 4):
+        d = held[f"dp{dp}"]
+        fetched = d["bytes_fetched_per_rank"]
+        print(f"    DP{dp}: decision {d['decision_cpu']:.2f} s, manifests {1e3 * d['send_cpu'] / turns:.4f} ms/step, "
+              f"{max(d['manifest_bytes']) / 1e3:.0f} kB per rank from rank 0; each rank fetches "
+              f"{min(fetched) / 1e6:.2f}-{max(fetched) / 1e6:.2f} MB from the workers "
+              f"({sum(fetched) / dp / sum(held['dp1']['bytes_fetched_per_rank']):.3f} of DP1) in "
+              f"{max(d['fetch_wall_per_rank']):.2f} s")
+    result["host_seconds_held"] = held_s = w["wall"] + held["split_cpu"] + held["dp4"]["decision_cpu"] \
+        + held["dp4"]["send_cpu"] + max(held["dp4"]["fetch_wall_per_rank"])
+
     before = wall + old["send_cpu"] + old["receive_cpu"] + old["every_rank_cpu"]
     after = result["workers2"]["wall_s"] + new["validate_split_cpu"] + new["prepare_cpu"] + new["dp4"]["plan_cpu"] \
         + new["dp4"]["send_cpu"] + new["dp4"]["receive_cpu"]
     result["host_seconds_before"], result["host_seconds_after"] = before, after
     print(f"\nhost seconds per iteration (rollout + hand-off + prepare/plan), DP4: before {before:.1f} s "
-          f"(in-process loop, pickled Steps), after {after:.1f} s (2 agent workers, shards)")
+          f"(in-process loop, pickled Steps), after {after:.1f} s (2 agent workers, shards through rank 0), "
+          f"{held_s:.1f} s (2 agent workers, rows fetched from the workers; the DP ranks fetch in parallel)")
     return result
 
 

@@ -11,7 +11,7 @@ tensors: agent workers send groups to the driver that way, and the async buffer 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 from megatron_stepwise.types import Step, StepBatch, StepwiseBatchError
 
@@ -53,6 +53,18 @@ class RolloutGroup:
     def generated_tokens(self) -> int:
         return sum(int(s.response_ids.numel()) for t in self.trajectories for s in t)
 
+    def summary(self) -> "GroupSummary":
+        last = [t[-1] for t in self.trajectories]
+        steps = self.steps
+        return GroupSummary(
+            prompt_id=self.prompt_id, rewards=self.rewards, turns=[len(t) for t in self.trajectories],
+            stop_reasons=[s.stop_reason for s in last],
+            envs=[str(s.metadata["env"]) if "env" in s.metadata else None for s in last],
+            prompt_lens=[int(s.prompt_ids.numel()) for s in steps],
+            response_lens=[int(s.response_ids.numel()) for s in steps],
+            trainable=[s.num_trainable for s in steps],
+            drift=[bool(s.metadata["retokenize_drift"]) if "retokenize_drift" in s.metadata else None for s in steps])
+
     # Columnar on the wire (see `pack_groups`).
     def __getstate__(self) -> dict:
         return pack_groups([self])
@@ -60,6 +72,49 @@ class RolloutGroup:
     def __setstate__(self, state: dict) -> None:
         (group,) = unpack_groups(state)
         self.prompt_id, self.trajectories = group.prompt_id, group.trajectories
+
+
+@dataclass
+class GroupSummary:
+    """A group without its tokens: what the group filters, dynamic sampling and the rollout
+    metrics read. An agent worker that keeps a group's rows sends only this to the driver.
+    Per trajectory: outcome, turns, last stop reason and environment; per step, in the
+    group's order: prompt, response and trained lengths, and re-tokenisation drift (None
+    where it was not measured)."""
+
+    prompt_id: str
+    rewards: list[float]
+    turns: list[int]
+    stop_reasons: list[str]
+    envs: list[Optional[str]]
+    prompt_lens: list[int]
+    response_lens: list[int]
+    trainable: list[int]
+    drift: list[Optional[bool]]
+
+    @property
+    def has_reward_variance(self) -> bool:
+        return len(set(self.rewards)) > 1
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.prompt_lens)
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(self.response_lens)
+
+    def observation_lens(self) -> list[int]:
+        """Tokens added between consecutive turns: next prompt minus (prompt + response)."""
+        out, start = [], 0
+        for n in self.turns:
+            for prev, cur in zip(range(start, start + n), range(start + 1, start + n)):
+                out.append(max(self.prompt_lens[cur] - self.prompt_lens[prev] - self.response_lens[prev], 0))
+            start += n
+        return out
+
+    def summary(self) -> "GroupSummary":
+        return self
 
 
 def pack_groups(groups: Sequence[RolloutGroup]) -> dict:

@@ -124,6 +124,10 @@ class RolloutConfig:
                                                 "process; null = 0 with the embedded engine, else 2 per Ray node",
                                           min=0)
     agent_worker_cpus: float = option(1.0, "CPUs Ray reserves for each agent worker", gt=0.0)
+    handoff: Literal["workers", "driver"] = option(
+        "workers", "with agent workers in synchronous training, where the rollout's token data goes: workers = "
+                   "each data-parallel replica fetches its rows from the workers (rank 0 moves none); driver = "
+                   "through rank 0")
     max_turns: int = option_of(AgentLoopConfig, "max_turns")
     context: Literal["retokenize", "tokens"] = option_of(AgentLoopConfig, "context")
     max_input_length: int = option_of(AgentLoopConfig, "max_input_length")

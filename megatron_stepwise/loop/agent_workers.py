@@ -20,10 +20,12 @@ import importlib
 import logging
 import math
 import os
+import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 from megatron_stepwise.algo.groups import RolloutGroup, flat_steps, pack_groups, unpack_groups
+from megatron_stepwise.loop.worker_rows import NAMESPACE, HeldGroup, HeldRows, HoldRequest
 from megatron_stepwise.rollout.agent_loop import checked_prompt_ids
 from megatron_stepwise.rollout.engine import engine_loss
 from megatron_stepwise.rollout.engine_router import EngineSlot, EngineView, RequestCounters
@@ -55,22 +57,26 @@ def resolve_agent_workers(cfg, ray_nodes: Optional[int] = None) -> int:
 class WorkerReply:
     """The groups (columnar on the wire) and what the worker learnt about the engines meanwhile."""
 
-    groups: list[RolloutGroup]
+    groups: list[RolloutGroup] | list[HeldGroup]  # held: the worker keeps the rows
     dead_engines: list[tuple[int, int]]
     requests: RequestCounters
 
     def __getstate__(self) -> dict:  # all the reply's groups as one columnar batch
-        return {"groups": pack_groups(self.groups), "dead_engines": self.dead_engines, "requests": self.requests}
+        held = bool(self.groups) and isinstance(self.groups[0], HeldGroup)
+        groups = self.groups if held else pack_groups(self.groups)
+        return {"groups": groups, "held": held, "dead_engines": self.dead_engines, "requests": self.requests}
 
     def __setstate__(self, state: dict) -> None:
-        self.groups = unpack_groups(state["groups"])
+        self.groups = state["groups"] if state["held"] else unpack_groups(state["groups"])
         self.dead_engines, self.requests = state["dead_engines"], state["requests"]
 
 
 class AgentWorker:
     """The body of one agent worker actor."""
 
-    def __init__(self, cfg, max_concurrency: int):
+    def __init__(self, cfg, max_concurrency: int, name: str = ""):
+        self.name = name  # its Ray actor name: training ranks fetch held rows by it
+        self.held = HeldRows()
         # One worker is one core's agent loop: a tokenizer thread pool per short text only spins.
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -89,23 +95,31 @@ class AgentWorker:
         return os.getpid()
 
     async def rollout(self, samples: list[dict], seed: Optional[int], request_tag: str,
-                      engines: list[EngineSlot]) -> WorkerReply:
+                      engines: list[EngineSlot], hold: Optional[HoldRequest] = None) -> WorkerReply:
         self.engines.refresh(engines)
         groups = await self.agent.rollout_groups(samples, seed=seed, request_tag=request_tag)
         dead, requests = self.engines.take_report()
+        if hold is not None:  # keep the prepared rows here; the driver gets their summaries
+            groups = [self.held.keep(g, hold, self.name) for g in groups]
         return WorkerReply(groups, dead, requests)
+
+    def take(self, key: int, runs: list) -> Any:
+        return self.held.take(key, runs)
+
+    def release(self, key: int) -> None:
+        self.held.release(key)
 
     def env_stats(self) -> dict[str, int]:
         return self.agent.env_stats()
 
 
-def _spawn_worker(cfg, index: int, max_concurrency: int):
+def _spawn_worker(cfg, index: int, max_concurrency: int, name: str):
     import ray
 
     actor = ray.remote(AgentWorker).options(
         num_cpus=cfg.rollout.agent_worker_cpus, scheduling_strategy="SPREAD", max_restarts=0,
-        max_concurrency=1000)
-    return actor.remote(cfg, max_concurrency)
+        max_concurrency=1000, name=name, namespace=NAMESPACE)
+    return actor.remote(cfg, max_concurrency, name)
 
 
 @dataclass
@@ -119,7 +133,7 @@ class _Worker:
 class AgentWorkers:
     """The driver's side of `n` agent workers (see the module docstring)."""
 
-    def __init__(self, cfg, fleet, n: int, spawn: Optional[Callable[[Any, int, int], Any]] = None):
+    def __init__(self, cfg, fleet, n: int, spawn: Optional[Callable[[Any, int, int, str], Any]] = None):
         if n < 1:
             raise ValueError(f"rollout.agent_workers must be >= 1 here, got {n}")
         self.cfg, self.fleet = cfg, fleet
@@ -130,7 +144,8 @@ class AgentWorkers:
         self.max_reissues = cfg.rollout.max_retries + 1
         self._concurrency = max(per_worker, self.samples_per_prompt)
         self._spawn = spawn or _spawn_worker
-        self.workers = [_Worker(i, self._spawn(cfg, i, self._concurrency)) for i in range(n)]
+        self._token = uuid.uuid4().hex[:12]  # names this driver's workers apart from any other run's
+        self.workers = [_Worker(i, self._new_actor(i, 0)) for i in range(n)]
         self._free = asyncio.Condition()
         self.worker_restarts = 0
         self.reissued_groups = 0
@@ -154,8 +169,9 @@ class AgentWorkers:
 
     async def rollout_groups(self, samples: Sequence[dict[str, Any]], seed: Optional[int] = None,
                              on_trajectory_done: Optional[Callable[[list[Step]], None]] = None,
-                             request_tag: str = "") -> list[RolloutGroup]:
-        """One group per sample, in the order of the samples (as `AgentLoop.rollout_groups`)."""
+                             request_tag: str = "", hold: Optional[HoldRequest] = None) -> list:
+        """One group per sample, in the order of the samples (as `AgentLoop.rollout_groups`); with
+        `hold`, the workers keep each group's prepared rows and return `HeldGroup`s."""
         checked_prompt_ids(samples)
         # Several groups a call when there are many (fewer calls, less driver work per turn), yet
         # at least CHUNKS_PER_WORKER calls per worker so the load still balances, and at most half
@@ -165,7 +181,7 @@ class AgentWorkers:
         chunks = [[dict(s) for s in samples[i:i + size]] for i in range(0, len(samples), size)]
         try:
             async with asyncio.TaskGroup() as tg:
-                tasks = [tg.create_task(self._chunk(chunk, seed, request_tag, on_trajectory_done))
+                tasks = [tg.create_task(self._chunk(chunk, seed, request_tag, on_trajectory_done, hold))
                          for chunk in chunks]
         except BaseExceptionGroup as group:  # the fleet lost every engine: one error, not one per chunk
             lost = engine_loss(group)
@@ -182,6 +198,11 @@ class AgentWorkers:
             for k, v in stats.items():
                 total[k] = total.get(k, 0) + v
         return total
+
+    def release(self, key: int) -> None:
+        """The rows of round `key` (and earlier) are fetched: the workers drop them."""
+        for w in self.workers:
+            w.handle.release.remote(key)
 
     def metrics(self) -> dict[str, float]:
         return {"agents/workers": float(len(self.workers)), "agents/worker_restarts": float(self.worker_restarts),
@@ -214,7 +235,8 @@ class AgentWorkers:
             self._free.notify_all()
 
     async def _chunk(self, samples: list[dict], seed: Optional[int], tag: str,
-                     on_trajectory_done: Optional[Callable[[list[Step]], None]]) -> list[RolloutGroup]:
+                     on_trajectory_done: Optional[Callable[[list[Step]], None]],
+                     hold: Optional[HoldRequest] = None) -> list:
         """Prompt groups rolled out by one worker in one call; re-issued whole if it dies."""
         import ray
 
@@ -222,7 +244,7 @@ class AgentWorkers:
             worker = await self._acquire(len(samples))
             incarnation = worker.incarnation
             try:
-                reply = await worker.handle.rollout.remote(samples, seed, tag, self.fleet.engine_table())
+                reply = await worker.handle.rollout.remote(samples, seed, tag, self.fleet.engine_table(), hold)
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
                 self._restart(worker, incarnation, e)
                 if attempt == self.max_reissues:
@@ -237,12 +259,15 @@ class AgentWorkers:
             for index, engine_incarnation in reply.dead_engines:
                 self.fleet.report_dead(index, engine_incarnation)
             self.fleet.add_request_counts(reply.requests)
-            if on_trajectory_done is not None:
+            if on_trajectory_done is not None:  # held groups: one call per trajectory, without its steps
                 for group in reply.groups:
-                    for trajectory in group.trajectories:
+                    for trajectory in group.trajectories if hold is None else [[]] * len(group.summary().turns):
                         on_trajectory_done(trajectory)
             return reply.groups
         raise AssertionError("unreachable")
+
+    def _new_actor(self, index: int, incarnation: int):
+        return self._spawn(self.cfg, index, self._concurrency, f"agent-{self._token}-{index}.{incarnation}")
 
     def _restart(self, worker: _Worker, incarnation: int, error: BaseException) -> None:
         """Replace a dead worker once (the other groups it held see the same death)."""
@@ -255,7 +280,7 @@ class AgentWorkers:
             ray.kill(worker.handle, no_restart=True)
         except Exception:  # noqa: BLE001 - it is dead already
             pass
-        worker.handle = self._spawn(self.cfg, worker.index, self._concurrency)
         worker.incarnation += 1
+        worker.handle = self._new_actor(worker.index, worker.incarnation)
         self.worker_restarts += 1
 

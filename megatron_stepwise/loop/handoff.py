@@ -46,22 +46,25 @@ class Handoff:
         dist.broadcast_object_list(payload, src=0, group=self.group)
         return self._open(payload[0], error, what, iteration)
 
-    def to_ranks(self, produce: Callable[[], list[Any]], what: str, iteration: int) -> Any:
+    def to_ranks(self, produce: Callable[[], list[Any]], what: str, iteration: int,
+                 resolve: Optional[Callable[[Any], Any]] = None) -> Any:
         """Run `produce` on rank 0; it returns one payload per data-parallel rank, and every rank
         returns its own DP rank's. Rank 0 pickles each payload once and sends it to one rank of
-        that DP rank's model replica, which broadcasts it to the others."""
+        that DP rank's model replica, which broadcasts it to the others. `resolve`, when given,
+        is applied by that one rank before the broadcast (it fetches the rows a payload only
+        names); a failure there is raised on every rank."""
         _, leaders, groups = self._replicas()
         dp = self.dp_rank
+        leader = dist.get_rank() == leaders[dp]
         sizes = torch.zeros(len(leaders), dtype=torch.long)
         error: Optional[BaseException] = None
-        blob: Optional[bytearray] = None
         if self.is_driver:
             error, (kind, result, state) = self._run(produce)
             if kind == "ok" and len(result) != len(leaders):
                 kind, result = "error", f"{what} produced {len(result)} payloads for {len(leaders)} DP ranks"
             per_dp = result if kind == "ok" else [result] * len(leaders)
             blobs = {d: bytearray(pickle.dumps((kind, per_dp[d], state), protocol=5))
-                     for d in range(len(leaders)) if d != dp or groups[d] is not None}
+                     for d in range(len(leaders)) if leaders[d] != 0 or (groups[d] is not None and resolve is None)}
             for d, b in blobs.items():
                 sizes[d] = len(b)
             mine = (kind, per_dp[dp], state)
@@ -72,22 +75,60 @@ class Handoff:
                      for d in range(len(leaders)) if leaders[d] != 0]
             for work in sends:
                 work.wait()
-            blob = blobs.get(dp)
             self.bytes_sent += sum(len(blobs[d]) for d in range(len(leaders)) if leaders[d] != 0)
-        if blob is not None:
-            buf = torch.frombuffer(blob, dtype=torch.uint8)
-        else:
+        elif leader:
             buf = torch.empty(int(sizes[dp]), dtype=torch.uint8)
-        if not self.is_driver and dist.get_rank() == leaders[dp]:
             dist.recv(buf, src=0, group=self.group)
-        if groups[dp] is not None:  # the replica's other ranks get it from their leader
-            dist.broadcast(buf, src=leaders[dp], group=groups[dp])
-            if dist.get_rank() == leaders[dp]:
-                self.bytes_sent += buf.numel() * (dist.get_world_size(groups[dp]) - 1)
-        if self.is_driver:
+            self.bytes_received += buf.numel()
+            mine = pickle.loads(memoryview(buf.numpy()))  # no copy of the bytes
+        if resolve is None:
+            if groups[dp] is not None:  # the replica's other ranks get rank 0's bytes from their leader
+                raw = None
+                if leader:
+                    raw = torch.frombuffer(blobs[dp], dtype=torch.uint8) if self.is_driver else buf
+                mine = self._share(mine if leader else None, raw, groups[dp], leaders[dp])
             return self._open(mine, error, what, iteration)
+        failure = None
+        if leader and mine[0] == "ok":
+            try:
+                mine = ("ok", resolve(mine[1]), mine[2])
+            except Exception as e:  # every rank must leave the agreement below, then all raise
+                failure = f"DP rank {dp} (global rank {dist.get_rank()}): {type(e).__name__}: {e}"
+                mine = ("error", failure, None)
+        if groups[dp] is not None:
+            mine = self._share(mine if leader else None, None, groups[dp], leaders[dp])
+        self._agree(failure, what, iteration)
+        return self._open(mine, error, what, iteration)
+
+    def _share(self, payload: Any, raw: Optional[torch.Tensor], group: Any, src: int) -> Any:
+        """The replica leader's payload on every rank of its replica (`raw`: its pickled bytes,
+        when the leader has them already)."""
+        size = torch.zeros(1, dtype=torch.long)
+        buf = raw
+        if dist.get_rank() == src:
+            if buf is None:
+                buf = torch.frombuffer(bytearray(pickle.dumps(payload, protocol=5)), dtype=torch.uint8)
+            size[0] = buf.numel()
+        dist.broadcast(size, src=src, group=group)
+        if dist.get_rank() != src:
+            buf = torch.empty(int(size[0]), dtype=torch.uint8)
+        dist.broadcast(buf, src=src, group=group)
+        if dist.get_rank() == src:
+            self.bytes_sent += buf.numel() * (dist.get_world_size(group) - 1)
+            return payload if payload is not None else pickle.loads(memoryview(buf.numpy()))
         self.bytes_received += buf.numel()
-        return self._open(pickle.loads(memoryview(buf.numpy())), None, what, iteration)  # no copy of the bytes
+        return pickle.loads(memoryview(buf.numpy()))
+
+    def _agree(self, failure: Optional[str], what: str, iteration: int) -> None:
+        """Every rank raises when any rank failed to resolve its payload."""
+        if dist.get_world_size() == 1:
+            failures = [failure]
+        else:
+            failures = [None] * dist.get_world_size()
+            dist.all_gather_object(failures, failure, group=self.group)
+        first = next((f for f in failures if f is not None), None)
+        if first is not None:
+            raise RuntimeError(f"{what} at iteration {iteration}: fetching the rows failed on {first}")
 
     def _replicas(self) -> tuple[list[int], list[int], list[Any]]:
         """(each rank's DP rank, each DP rank's leader: its lowest global rank, each DP rank's

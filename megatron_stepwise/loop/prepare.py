@@ -43,6 +43,16 @@ def prepare(steps: Sequence[Step], options: PrepareOptions = PrepareOptions(), *
     of several mini-batches add up (`add_counts`). `keep_metadata`: the batch keeps each row's
     step metadata (for a rollout dump).
     """
+    batch, metrics = prepare_rows(steps, options, keep_metadata=keep_metadata)
+    if not bool((batch.token_fields["loss_mask"] != 0).any()):
+        return None, metrics
+    return batch, metrics
+
+
+def prepare_rows(steps: Sequence[Step], options: PrepareOptions = PrepareOptions(), *,
+                 keep_metadata: bool = False) -> tuple[StepBatch, dict]:
+    """`prepare`, keeping a batch with no trained token: whole groups prepared one at a time
+    (an agent worker prepares each group it made) concatenate to the mini-batch's batch."""
     steps = list(steps)
     metrics: dict[str, Any] = {
         "batch/rows_before_merge": len(steps),
@@ -57,8 +67,6 @@ def prepare(steps: Sequence[Step], options: PrepareOptions = PrepareOptions(), *
         metrics["batch/rows_after_merge"] = stats.rows_after
         metrics["batch/tokens_after_merge"] = stats.tokens_after
         metrics["batch/broken_prefixes"] = stats.broken_prefixes  # steps that drifted from their history
-    if not any(s.num_trainable for s in steps):
-        return None, metrics
     batch = StepBatch.from_steps(steps, keep_metadata=keep_metadata)
     batch.set_response_field("advantages", advantages)
     return batch, metrics

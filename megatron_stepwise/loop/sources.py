@@ -21,10 +21,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from megatron_stepwise.algo.advantages import is_temporal_estimator
 from megatron_stepwise.algo.groups import RolloutGroup, flat_steps
 from megatron_stepwise.algo.validate import validate_steps
 from megatron_stepwise.loop.dumps import DumpRecorder
 from megatron_stepwise.loop.prepare import PrepareOptions, prepare
+from megatron_stepwise.loop.worker_rows import HeldGroup, HoldRequest, RowFetcher, split_held_round
 from megatron_stepwise.metrics import rollout_metrics
 from megatron_stepwise.types import Step, StepBatch
 
@@ -87,17 +89,36 @@ def split_round(minibatches: list[list[Step]], metrics: dict[str, Any], *, optio
     return [Round([s[dp] for s in shards], metrics, counts, skipped) for dp in range(dp_size)]
 
 
+def holds_rows(cfg) -> bool:
+    """Whether the synchronous source leaves the rollout's rows in the agent workers (the same
+    answer on every rank, from the config alone). Temporal estimators see the whole mini-batch
+    at once, so they take the driver's path."""
+    workers = cfg.rollout.agent_workers
+    if cfg.async_.enabled or cfg.rollout.handoff != "workers" or workers == 0:
+        return False
+    if workers is None and cfg.rollout.engine == "embedded":
+        return False
+    return not is_temporal_estimator(cfg.algo.estimator)
+
+
 class SyncRollouts:
     """The synchronous source: one round per iteration (see module docstring)."""
 
     rounds_per_iteration = 1
 
     def __init__(self, cfg, *, dataset, handoff, vocab_size: int, shard: Callable[[StepBatch], list[Any]],
-                 dp_size: int, progress: Optional[Callable] = None, recorder: Optional[DumpRecorder] = None):
+                 dp_size: int, progress: Optional[Callable] = None, recorder: Optional[DumpRecorder] = None,
+                 decide: Optional[Callable] = None):
         self.cfg = cfg
         self.dataset, self.handoff, self.vocab_size = dataset, handoff, vocab_size
-        self.split = functools.partial(split_round, options=PrepareOptions.from_config(cfg), shard=shard,
+        self.options = PrepareOptions.from_config(cfg)
+        self.split = functools.partial(split_round, options=self.options, shard=shard,
                                        dp_size=dp_size, recorder=recorder)
+        self.dp_size, self.recorder = dp_size, recorder
+        # Rows left in the agent workers: rank 0 decides from their tables (`decide`, the plugin's
+        # decide_shards) and each replica fetches its own (`fetcher`).
+        self.decide = decide
+        self.fetcher = RowFetcher() if decide is not None and holds_rows(cfg) else None
         self.progress = progress  # progress(num_trajectories) -> context manager yielding a per-trajectory callback
         self.driver: Optional[Driver] = None
 
@@ -106,28 +127,53 @@ class SyncRollouts:
 
     def take(self, iteration: int) -> Optional[Round]:
         """This rank's round: rank 0 rolls out the iteration's prompts and decides it."""
-        return self.handoff.to_ranks(lambda: self._decide(iteration), "rollout", iteration)
+        resolve = self.fetcher.resolve if self.fetcher is not None else None
+        try:
+            return self.handoff.to_ranks(lambda: self._decide(iteration), "rollout", iteration, resolve=resolve)
+        finally:
+            if resolve is not None and self.driver is not None:
+                self.driver.agent.release(iteration)  # every replica has its rows (or failed): drop them
 
     def _decide(self, iteration: int) -> list[Round]:
         """Rank 0: roll out, validate, filter, split into mini-batches and shards."""
-        groups, metrics = self._rollout(iteration)
-        steps = flat_steps(groups)
-        validate_steps(steps, vocab_size=self.vocab_size)
+        hold = self._hold_request(iteration)
+        groups, metrics = self._rollout(iteration, hold)
+        if hold is None:
+            validate_steps(flat_steps(groups), vocab_size=self.vocab_size)
         metrics.update(rollout_metrics(groups, success_threshold=self.cfg.eval_.success_threshold))
         groups, filtered = self._filter_groups(groups, iteration)
         metrics.update(filtered)
         k = self.cfg.data.prompts_per_minibatch
-        return self.split([flat_steps(groups[i:i + k]) for i in range(0, len(groups), k)], metrics)
+        minibatches = [groups[i:i + k] for i in range(0, len(groups), k)]
+        if hold is None:
+            if self.fetcher is not None:
+                metrics["agents/rows_held"] = 0.0
+            return self.split([flat_steps(m) for m in minibatches], metrics)
+        import ray
 
-    def _rollout(self, iteration: int) -> tuple[list[RolloutGroup], dict[str, Any]]:
-        """Rank 0: roll out (with dynamic sampling if enabled)."""
+        t = time.perf_counter()
+        shards, counts, skipped = split_held_round(minibatches, decide=self.decide, key=hold.key,
+                                                   ray_address=ray.get_runtime_context().gcs_address)
+        metrics = {**metrics, "time/prepare": time.perf_counter() - t, "agents/rows_held": 1.0}
+        return [Round([s[dp] for s in shards], metrics, counts, skipped) for dp in range(self.dp_size)]
+
+    def _hold_request(self, iteration: int) -> Optional[HoldRequest]:
+        """Rank 0: ask the workers to keep the rows, unless this iteration is dumped (the dump
+        is written on rank 0, from the rows)."""
+        if self.fetcher is None or (self.recorder is not None and self.recorder.active):
+            return None
+        return HoldRequest(iteration, self.options, self.vocab_size)
+
+    def _rollout(self, iteration: int, hold: Optional[HoldRequest] = None) -> tuple[list, dict[str, Any]]:
+        """Rank 0: roll out (with dynamic sampling if enabled); held groups with `hold`."""
         cfg, driver = self.cfg, self.driver
         t = time.perf_counter()
         samples = self.dataset.next(cfg.data.prompts_per_iteration)
+        held = {"hold": hold} if hold is not None else {}
         progress = self.progress(len(samples) * cfg.data.samples_per_prompt) if self.progress else contextlib.nullcontext()
         with progress as done:
             groups = driver.run(driver.agent.rollout_groups(samples, seed=rollout_seed(cfg.trainer.seed, iteration, 0),
-                                                            on_trajectory_done=done))
+                                                            on_trajectory_done=done, **held))
         rounds = 1
         if cfg.algo.filters.dynamic_sampling:
             # Keep rolling out fresh prompts until enough groups carry a learning signal.
@@ -137,7 +183,7 @@ class SyncRollouts:
                 more = [m for m in self.dataset.next(cfg.data.prompts_per_iteration) if m["prompt_id"] not in seen]
                 if more:
                     seed = rollout_seed(cfg.trainer.seed, iteration, rounds)
-                    groups = groups + driver.run(driver.agent.rollout_groups(more, seed=seed))
+                    groups = groups + driver.run(driver.agent.rollout_groups(more, seed=seed, **held))
                 rounds += 1
         elapsed = time.perf_counter() - t
         generated = sum(g.generated_tokens for g in groups)

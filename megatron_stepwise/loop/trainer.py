@@ -99,7 +99,7 @@ class Trainer:
             self.source = AsyncRollouts(cfg, version=lambda: self.state.weight_version, **sources)
         else:
             self.source = SyncRollouts(cfg, progress=self._rollout_progress if cfg.logging.progress and sys.stderr.isatty() else None,
-                                       **sources)
+                                       decide=functools.partial(self.plugin.decide_shards, self.chunks), **sources)
         self.checkpoints = Checkpointer(cfg, chunks=self.chunks, optimizer=self.optimizer, scheduler=self.scheduler,
                                         parts={"trainer": self.state, "dataset": self.dataset, "rollouts": self.source})
         self.checkpoints.resume()

@@ -40,6 +40,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_stepwise.algo.losses import combine_metric_partials
+from megatron_stepwise.algo.reductions import row_denominators, weights_from_denominators
+from megatron_stepwise.algo.rows import RowTable
 from megatron_stepwise.megatron.logprobs import check_temperature, trained_position_logprobs
 from megatron_stepwise.megatron.model import unwrap
 from megatron_stepwise.megatron.model_contract import check_model_contract
@@ -91,19 +93,12 @@ class MinibatchShard:
     def token_fields(self) -> dict[str, torch.Tensor]:
         return self.batch.token_fields
 
-    # Sent between processes with narrower integer types (ids < 2^31, masks 0/1): 22 bytes a
-    # token instead of 37 for a prepared batch; widened again on arrival.
-    _WIRE = {"loss_mask": torch.int8, "weight_versions": torch.int32}
-
+    # Sent between processes with narrower integer types (`StepBatch.for_wire`).
     def __getstate__(self) -> dict[str, Any]:
-        b = self.batch
-        narrow = {k: v.to(self._WIRE[k]) if k in self._WIRE else v for k, v in b.token_fields.items()}
-        return {**self.__dict__, "batch": dataclasses.replace(b, tokens=b.tokens.to(torch.int32), token_fields=narrow)}
+        return {**self.__dict__, "batch": self.batch.for_wire()}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        b = state["batch"]
-        wide = {k: v.long() if k in self._WIRE else v for k, v in b.token_fields.items()}
-        self.__dict__.update(state, batch=dataclasses.replace(b, tokens=b.tokens.long(), token_fields=wide))
+        self.__dict__.update(state, batch=state["batch"].from_wire())
 
     def minibatch_token_index(self, local: torch.Tensor, minibatch: StepBatch) -> torch.Tensor:
         """Token positions in `batch` -> the same tokens' positions in the whole `minibatch`."""
@@ -121,6 +116,42 @@ def shard_rows(micros: list[list[int]]) -> tuple[list[int], list[list[int]]]:
         local.append(list(range(at, at + len(micro))))
         at += len(micro)
     return rows, local
+
+
+@dataclass
+class ShardDecision:
+    """What `decide_shards` decides for one DP rank: which rows of the mini-batch it trains (in
+    this order), its micro-batches as positions in that list, the mini-batch totals, and each
+    row's loss denominator (None when the weights were computed on the whole batch)."""
+
+    plan: list[list[int]]
+    rows: list[int]
+    dp_rank: int
+    dp_size: int
+    trained_tokens: int
+    data_rows: int
+    data_tokens: int
+    tokens: int
+    rollout_logprobs: bool
+    rollout_logprobs_complete: bool
+    traj_index: torch.Tensor
+    group_index: torch.Tensor
+    denominators: Optional[torch.Tensor] = None
+    pad_to: Optional[int] = None
+
+    def cut(self, batch: StepBatch) -> MinibatchShard:
+        """This rank's shard from `batch`, which holds exactly its rows, in `rows` order."""
+        if batch.num_rows != len(self.rows):
+            raise StepwiseBatchError(f"DP rank {self.dp_rank}: got {batch.num_rows} rows for a decision of "
+                                     f"{len(self.rows)}")
+        row_fields = {**batch.row_fields, "traj_index": self.traj_index, "group_index": self.group_index}
+        token_fields = batch.token_fields
+        if self.denominators is not None:
+            token_fields = {**token_fields, "weights": weights_from_denominators(batch, self.denominators)}
+        batch = dataclasses.replace(batch, token_fields=token_fields, row_fields=row_fields)
+        totals = {f.name: getattr(self, f.name) for f in dataclasses.fields(MinibatchShard)
+                  if f.name not in ("batch", "plan", "rows", "pad_to")}
+        return MinibatchShard(batch=batch, plan=self.plan, rows=self.rows, pad_to=self.pad_to, **totals)
 
 
 @dataclass
@@ -235,6 +266,7 @@ class StepwisePlugin:
         self.temperature = float(temperature)
         self.num_microbatches, self.vocab_size = num_microbatches, vocab_size
         self._policy_loss, self._token_weights, self._loss_inputs = policy_loss, token_weights, loss_inputs
+        self._default_weights = token_weights is None  # the built-in reductions: weighable from row counts
         self._plan = plan_microbatches
         self._plan_takes_alignment = False  # the package planner also packs to the layout's alignment
         self._in_own_schedule = False  # train_minibatch / compute_logprobs pass the plan's count themselves
@@ -263,8 +295,7 @@ class StepwisePlugin:
             return steps_or_batch
         return StepBatch.from_steps(list(steps_or_batch))
 
-    def _check_batch(self, batch: StepBatch, gpt, *, need: Sequence[str], lengths: torch.Tensor, cp: int) -> None:
-        """`lengths`: the rows as packed (`packed_lengths`, padded for CP)."""
+    def _check_tokens(self, batch: StepBatch, gpt, *, need: Sequence[str]) -> None:
         if batch.num_rows == 0:
             raise StepwiseBatchError("mini-batch has no steps")
         vocab = self._vocab_size(gpt)
@@ -278,6 +309,9 @@ class StepwisePlugin:
         for name in need:
             if name not in batch.token_fields:
                 raise StepwiseBatchError(f"mini-batch is missing the per-token field {name!r}")
+
+    def _check_lengths(self, lengths: torch.Tensor, cp: int) -> None:
+        """`lengths`: the rows as packed (`packed_lengths`, padded for CP)."""
         over = torch.nonzero(lengths > self.max_tokens).flatten()
         if over.numel():
             r = int(over[0])
@@ -346,6 +380,29 @@ class StepwisePlugin:
         rank trains its shard with `train_minibatch(chunks, optimizer, shard)`."""
         self._algo()
         batch = self.as_batch(steps_or_batch)
+        self._check_tokens(batch, unwrap(model_chunks[0]), need=("loss_mask", "advantages") if mode == TRAIN
+                           else ("loss_mask",))
+        custom_weights = mode == TRAIN and not self._default_weights
+        if custom_weights:  # a user's weighting sees the whole mini-batch
+            max_len = getattr(self.loss_config, "max_response_len", None)
+            weights = self._token_weights(batch, self.loss_config.reduction, max_response_len=max_len).float()
+            batch = dataclasses.replace(batch, token_fields={**batch.token_fields, "weights": weights})
+        decisions = self.decide_shards(model_chunks, RowTable.of(batch), mode=mode, num_microbatches=num_microbatches,
+                                       only=only, weigh=not custom_weights)
+        return [d.cut(batch.select(d.rows)) for d in decisions]
+
+    def decide_shards(self, model_chunks: list, rows: RowTable, *, mode: str = TRAIN,
+                      num_microbatches: Optional[int] = None, only: Optional[int] = None,
+                      weigh: bool = True) -> list["ShardDecision"]:
+        """`plan_shards` from the rows' lengths and counts alone (no token): every DP rank's rows,
+        micro-batches, totals and loss denominators. Whoever holds a rank's rows (in `rows` order)
+        turns its decision into a `MinibatchShard` with `ShardDecision.cut`, so the process that
+        decides never needs the token data. The tokens' own checks (vocabulary, fields) are the
+        holder's: the trainer's agent workers validate the steps they produce."""
+        self._algo()
+        if weigh and mode == TRAIN and not self._default_weights:
+            raise UnsupportedLayoutError("decide_shards weighs tokens with the built-in loss reductions; a custom "
+                                         "token_weights hook needs the whole mini-batch (use plan_shards)")
         gpt = unwrap(model_chunks[0])
         dp, _, cp, _, chunks = self._layout(model_chunks)
         cfg = gpt.config
@@ -359,10 +416,11 @@ class StepwisePlugin:
                 "pipeline parallelism needs config.variable_seq_lengths=True (Megatron-LM: --variable-seq-lengths): "
                 "packed micro-batches have different lengths"
             )
-        need = ("loss_mask", "advantages") if mode == TRAIN else ("loss_mask",)
-        lengths = packed_lengths(batch.lengths, cp)
-        self._check_batch(batch, gpt, need=need, lengths=lengths, cp=cp)
-        n_trained = int((batch.token_fields["loss_mask"] != 0).sum())
+        if rows.num_rows == 0:
+            raise StepwiseBatchError("mini-batch has no steps")
+        lengths = packed_lengths(rows.lengths, cp)
+        self._check_lengths(lengths, cp)
+        n_trained = int(rows.trained.sum())
         if n_trained == 0:
             raise StepwiseBatchError(
                 "mini-batch has no trainable token (loss_mask is 0 on every step): nothing to "
@@ -386,18 +444,19 @@ class StepwisePlugin:
                 )
         plan = self._fixed_count(plan, count)
         rollout_logprobs = complete = False
+        denominators = None
         if mode == TRAIN:
-            max_len = getattr(self.loss_config, "max_response_len", None)
-            weights = self._token_weights(batch, self.loss_config.reduction, max_response_len=max_len).float()
-            batch = dataclasses.replace(batch, token_fields={**batch.token_fields, "weights": weights})
-            rollout_logprobs, complete = self._check_rollout_logprobs(batch)
-        data = ~batch.row_fields["is_padding"]
+            if weigh:
+                max_len = getattr(self.loss_config, "max_response_len", None)
+                denominators = row_denominators(rows, self.loss_config.reduction, max_response_len=max_len)
+            rollout_logprobs, complete = self._check_rollout_logprobs(rows)
+        data = ~rows.is_padding
         totals = dict(dp_size=dp, trained_tokens=n_trained, data_rows=int(data.sum()),
-                      data_tokens=int(batch.lengths[data].sum()), tokens=int(batch.lengths.sum()),
+                      data_tokens=int(rows.lengths[data].sum()), tokens=int(rows.lengths.sum()),
                       rollout_logprobs=rollout_logprobs, rollout_logprobs_complete=complete)
-        shards = []
+        decisions = []
         for rank in range(dp) if only is None else [only]:
-            rows, local = shard_rows(plan[rank])
+            mine, local = shard_rows(plan[rank])
             pad_to = None
             if chunks > 1:
                 # The interleaved schedule exchanges activations and gradients in both directions at
@@ -406,9 +465,12 @@ class StepwisePlugin:
                 # tensor. Every micro-batch of the step is padded (loss-neutrally) to the longest.
                 sizes = [int(lengths[micro].sum()) if micro else 0 for micro in plan[rank]]
                 pad_to = max(max(align, size + (-size) % align) for size in sizes)
-            shards.append(MinibatchShard(batch=batch.select(rows), plan=local, rows=rows, dp_rank=rank, pad_to=pad_to,
-                                         **totals))
-        return shards
+            index = torch.as_tensor(mine, dtype=torch.long)
+            decisions.append(ShardDecision(
+                plan=local, rows=mine, dp_rank=rank, pad_to=pad_to,
+                denominators=None if denominators is None else denominators[index],
+                traj_index=rows.traj_index[index], group_index=rows.group_index[index], **totals))
+        return decisions
 
     def _pack(self, model_chunks: list, shard: "MinibatchShard", *, mode: str) -> MinibatchInputs:
         """Pack this rank's shard into micro-batches (and split them over CP)."""
@@ -458,7 +520,7 @@ class StepwisePlugin:
             )
         return [rank + [[] for _ in range(count - needed)] for rank in plan]
 
-    def _check_rollout_logprobs(self, batch: StepBatch) -> tuple[bool, bool]:
+    def _check_rollout_logprobs(self, rows: RowTable) -> tuple[bool, bool]:
         """(the engine's log-probs go to the loss, every trained token has one).
 
         They go when any trained token has one; only when all have do they reach the loss's
@@ -466,15 +528,14 @@ class StepwisePlugin:
         refuses a batch with a gap, naming the first step; otherwise the train-vs-rollout gap
         metric covers the known ones.
         """
-        known = batch.rollout_logprobs_known()
-        missing = batch.first_row_without_rollout_logprobs()
+        missing = rows.first_row_missing_logprobs()
         if missing is not None and getattr(self.loss_config, "needs_rollout_logprobs", False):
             raise StepwiseBatchError(
-                f"step {missing} ({batch.trajectory_ids[missing]}): field 'rollout_logprobs' is missing (the rollout "
+                f"step {missing} ({rows.trajectory_ids[missing]}): field 'rollout_logprobs' is missing (the rollout "
                 f"engine reported no log-probs), but algo.loss.tis={self.loss_config.tis!r} / "
                 "algo.loss.icepop_* need the engine's log-prob of every trained token"
             )
-        present = bool((known & (batch.token_fields["loss_mask"] != 0)).any())
+        present = bool((rows.trained_known > 0).any())
         return present, present and missing is None
 
     def microbatch_stream(self, minibatches: Iterable[Union[StepBatch, Sequence[Step]]]) -> Iterator:

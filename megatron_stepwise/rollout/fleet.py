@@ -176,7 +176,7 @@ def ensure_ray(address: Optional[str] = None, num_cpus: Optional[int] = None) ->
         kwargs.update(address="local", num_cpus=num_cpus or 4)
         # Recent Ray turns token auth on for a new local instance and warns about it on every start;
         # for this private instance (loopback, ours alone) that is the right default, not news.
-        _quiet_ray_token_notice()
+        quiet_ray_token_notice()
     # Workers import this package: make sure they see the same sources as the driver.
     kwargs["runtime_env"] = {"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}}
     # A local instance's processes die with this one, even by SIGKILL (Ray leaves its agents behind).
@@ -189,7 +189,7 @@ class _DropRayTokenNotice(logging.Filter):
         return not str(record.msg).startswith("Token authentication is enabled for this Ray cluster")
 
 
-def _quiet_ray_token_notice() -> None:
+def quiet_ray_token_notice() -> None:
     logger = logging.getLogger("ray._private.authentication.authentication_token_setup")
     if not any(isinstance(f, _DropRayTokenNotice) for f in logger.filters):
         logger.addFilter(_DropRayTokenNotice())

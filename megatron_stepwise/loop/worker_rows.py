@@ -1,0 +1,209 @@
+"""Rows that stay in the agent workers: the hand-off in which rank 0 moves no token data.
+
+With agent workers and `rollout.handoff: workers` (synchronous training), a worker validates and
+prepares (advantages, merge) each group it rolls out and keeps the prepared rows; the driver
+gets a `HeldGroup`: the group's summary (filters, metrics), its `RowTable` (lengths and counts,
+no token) and the name of the worker holding it. Rank 0 decides the mini-batches and every DP
+rank's rows from those alone (`split_held_round`) and sends each replica a `RemoteShard`: its
+decision plus which rows to fetch from which worker. The replica's lowest rank fetches them
+through Ray (`RowFetcher`) and cuts its shard; the rows travel worker -> rank, once.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from megatron_stepwise.algo.groups import GroupSummary, RolloutGroup
+from megatron_stepwise.algo.rows import RowTable
+from megatron_stepwise.algo.validate import validate_steps
+from megatron_stepwise.loop.prepare import PrepareOptions, add_counts, prepare_rows
+from megatron_stepwise.types import StepBatch
+
+NAMESPACE = "megatron_stepwise"  # the Ray namespace the agent workers are named in
+
+
+@dataclass(frozen=True)
+class HoldRequest:
+    """Asks a worker to prepare and keep the groups of one round (`key`)."""
+
+    key: int
+    options: PrepareOptions
+    vocab_size: Optional[int]
+
+
+@dataclass
+class HeldGroup:
+    """A group whose rows a worker keeps: what the driver decides on."""
+
+    summary_: GroupSummary
+    rows: RowTable
+    counts: dict[str, Any]  # `prepare`'s counts of this group
+    holder: str  # the worker's Ray actor name
+
+    @property
+    def prompt_id(self) -> str:
+        return self.summary_.prompt_id
+
+    @property
+    def has_reward_variance(self) -> bool:
+        return self.summary_.has_reward_variance
+
+    @property
+    def generated_tokens(self) -> int:
+        return self.summary_.generated_tokens
+
+    def summary(self) -> GroupSummary:
+        return self.summary_
+
+
+def hold_group(group: RolloutGroup, request: HoldRequest) -> tuple[StepBatch, dict[str, Any]]:
+    """Worker side: validate one group where it was made and prepare its rows."""
+    validate_steps(group.steps, vocab_size=request.vocab_size)
+    return prepare_rows(group.steps, request.options)
+
+
+class HeldRows:
+    """Worker side: the prepared rows of the groups it holds, by (round, prompt id)."""
+
+    def __init__(self):
+        self.batches: dict[tuple[int, str], StepBatch] = {}
+
+    def keep(self, group: RolloutGroup, request: HoldRequest, holder: str) -> HeldGroup:
+        batch, counts = hold_group(group, request)
+        self.batches[(request.key, group.prompt_id)] = batch
+        return HeldGroup(group.summary(), RowTable.of(batch), counts, holder)
+
+    def take(self, key: int, runs: list[tuple[str, list[int]]]) -> StepBatch:
+        """The rows asked for, in order, narrowed for the wire."""
+        try:
+            parts = [self.batches[(key, prompt_id)].select(rows) for prompt_id, rows in runs]
+        except KeyError as e:
+            raise KeyError(f"this agent worker holds no rows of prompt group {e.args[0][1]!r} in round {key}") from None
+        return StepBatch.concat(parts).for_wire()
+
+    def release(self, key: int) -> None:
+        for k in [k for k in self.batches if k[0] <= key]:
+            del self.batches[k]
+
+
+@dataclass
+class RemoteShard:
+    """One DP rank's decision and where its rows are: `fetch` turns it into the shard."""
+
+    decision: Any  # the plugin's ShardDecision
+    key: int
+    pieces: list[tuple[str, list[tuple[str, list[int]]]]]  # (worker, runs of (prompt id, rows))
+    order: list[int]  # the decision's rows as positions in the fetched pieces, concatenated
+    ray_address: str
+    ray_auth_mode: Optional[str] = None  # RAY_AUTH_MODE of rank 0's Ray: a joining process must use the same
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.order)
+
+
+def split_held_round(minibatches: list[list[HeldGroup]], *, decide: Callable[[RowTable], list[Any]],
+                     key: int, ray_address: str) -> tuple[list[list[RemoteShard]], list[dict], int]:
+    """Rank 0: every mini-batch's decision per DP rank, from the groups' row tables. Returns (per
+    mini-batch, one RemoteShard per DP rank), `prepare`'s counts per mini-batch, and how many
+    mini-batches had no trained token (no optimizer step)."""
+    shards, counts, skipped = [], [], 0
+    for groups in minibatches:
+        rows = RowTable.concat([g.rows for g in groups])
+        counts.append(add_counts(g.counts for g in groups))
+        if int(rows.trained.sum()) == 0:
+            skipped += 1
+            continue
+        where = [(g, j) for g in groups for j in range(g.rows.num_rows)]
+        shards.append([_remote(d, where, key, ray_address) for d in decide(rows)])
+    auth = os.environ.get("RAY_AUTH_MODE")
+    for shard in (s for mb in shards for s in mb):
+        shard.ray_auth_mode = auth
+    return shards, counts, skipped
+
+
+def _remote(decision, where: list[tuple[HeldGroup, int]], key: int, ray_address: str) -> RemoteShard:
+    wanted: dict[str, list[tuple[str, int]]] = defaultdict(list)
+    position = []
+    for r in decision.rows:
+        group, j = where[r]
+        position.append((group.holder, len(wanted[group.holder])))
+        wanted[group.holder].append((group.prompt_id, j))
+    base, at = {}, 0
+    for holder, rows in wanted.items():
+        base[holder] = at
+        at += len(rows)
+    pieces = [(holder, _runs(rows)) for holder, rows in wanted.items()]
+    return RemoteShard(decision, key, pieces, [base[h] + k for h, k in position], ray_address)
+
+
+def _runs(rows: list[tuple[str, int]]) -> list[tuple[str, list[int]]]:
+    """Consecutive rows of one group as one run: one `select` per run on the worker."""
+    runs: list[tuple[str, list[int]]] = []
+    for prompt_id, j in rows:
+        if runs and runs[-1][0] == prompt_id:
+            runs[-1][1].append(j)
+        else:
+            runs.append((prompt_id, [j]))
+    return runs
+
+
+@dataclass
+class RowFetcher:
+    """A training rank's side: fetch a RemoteShard's rows from the workers that hold them."""
+
+    bytes_fetched: int = 0
+    seconds: float = 0.0
+    _actors: dict[str, Any] = field(default_factory=dict)
+
+    def resolve(self, payload: Any) -> Any:
+        """A round's mini-batches with every RemoteShard fetched and cut (others as they are)."""
+        minibatches = getattr(payload, "minibatches", None)
+        if not minibatches or not any(isinstance(m, RemoteShard) for m in minibatches):
+            return payload
+        payload.minibatches = [self.fetch(m) if isinstance(m, RemoteShard) else m for m in minibatches]
+        return payload
+
+    def fetch(self, remote: RemoteShard):
+        import ray
+
+        start = time.perf_counter()
+        self._connect(remote.ray_address, remote.ray_auth_mode)
+        refs = [self._actor(holder).take.remote(remote.key, runs) for holder, runs in remote.pieces]
+        parts = ray.get(refs)
+        self.bytes_fetched += sum(_nbytes(p) for p in parts)
+        batch = StepBatch.concat([p.from_wire() for p in parts]).select(remote.order)
+        self.seconds += time.perf_counter() - start
+        return remote.decision.cut(batch)
+
+    def _connect(self, address: str, auth_mode: Optional[str]) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            if auth_mode and os.environ.get("RAY_AUTH_MODE") != auth_mode:
+                # The token itself: RAY_AUTH_TOKEN, or ~/.ray/auth_token on this node. Ray reads the
+                # mode once per process; re-read it, as Ray's own token set-up does.
+                os.environ["RAY_AUTH_MODE"] = auth_mode
+                from ray._raylet import Config
+
+                Config.initialize("")
+            from megatron_stepwise.rollout.fleet import quiet_ray_token_notice
+
+            quiet_ray_token_notice()
+            ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, include_dashboard=False)
+
+    def _actor(self, name: str):
+        if name not in self._actors:
+            import ray
+
+            self._actors[name] = ray.get_actor(name, namespace=NAMESPACE)
+        return self._actors[name]
+
+
+def _nbytes(batch: StepBatch) -> int:
+    tensors = [batch.tokens, batch.offsets, batch.prompt_lens, *batch.token_fields.values(), *batch.row_fields.values()]
+    return sum(t.numel() * t.element_size() for t in tensors)
