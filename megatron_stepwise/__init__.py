@@ -19,6 +19,7 @@ _EXPORTS = {
     "megatron_stepwise.algo.batching": ("pad_for_data_parallel", "plan_microbatches", "prompt_minibatches",
                                         "validate_steps"),
     "megatron_stepwise.algo.merge": ("MergeStats", "merge_steps", "merge_with_advantages"),
+    "megatron_stepwise.algo.rows": ("RowTable",),
     "megatron_stepwise.types": ("PAD_PROMPT_PREFIX", "Step", "StepBatch", "StepwiseBatchError", "TrajectoryID",
                                 "make_padding_step"),
 }
@@ -58,6 +59,7 @@ __all__ = [
     "register_estimator",
     "MergeStats",
     "PAD_PROMPT_PREFIX",
+    "RowTable",
     "Step",
     "StepBatch",
     "StepwiseBatchError",
