@@ -5,14 +5,17 @@ Layers, each of which holds on its own (what remains without one is in docs/secu
 - namespaces (`unshare`, probed once): a new user namespace (no root needed), PID namespace
   with its own /proc (the trainer's processes are neither visible nor signalable, and every
   process the code starts dies with it), network namespace (no interface but a down loopback),
-  IPC and UTS namespaces. As root without user namespaces, the same minus the user namespace;
-- `sandbox_init.py`, the first code inside: resource limits (memory, CPU, file size, processes,
-  open files), no-new-privileges and Landlock (the private temp dir is the only writable place
+  IPC and UTS namespaces, and a mount namespace holding the call's own size-limited tmpfs. As
+  root without user namespaces, the same minus the user namespace;
+- `sandbox_init.py`, the first code inside: the tmpfs, every capability dropped, resource limits
+  (memory, CPU, file size, processes, open files), no-new-privileges and Landlock (the private temp dir is the only writable place
   and the standard library the only readable code; TCP and signals out of the sandbox denied);
 - this module: a fresh environment, stdin closed, a new session (`start_new_session`, done by
   `subprocess` itself: no `preexec_fn`, which Python documents as unsafe with threads, and the
   agent loop calls this from a thread pool), stdout/stderr read incrementally and capped (the
-  process is killed at the cap, so a flood costs the trainer at most the cap), and on timeout
+  process is killed at the cap, so a flood costs the trainer at most the cap), the call's totals
+  watched between reads (`sandbox_watch.py`: memory of its process tree, and its directory's
+  size where it has no tmpfs; the call is stopped past one), and on timeout
   or at the end the PID namespace's init and then the whole process group are SIGKILLed, each
   process reaped by its own parent (no zombie is left to an orphan reaper); the call's directory
   is then removed by `remove_tree`, which nothing the code built can make fail.

@@ -7,6 +7,8 @@ library (`-I` puts nothing of the project on sys.path), so it is self-contained 
 
 In order, before one byte of model code runs:
 
+0. with a mount namespace, a tmpfs of the call's disk quota over its directory (the process
+   starts as its user namespace's root for that), then every capability dropped for good;
 1. resource limits (address space, CPU seconds, file size, processes, open files, no core dumps);
    children inherit them;
 2. `PR_SET_NO_NEW_PRIVS` (no setuid binary can raise privileges again; Landlock requires it);
