@@ -196,6 +196,11 @@ CORPUS = {
         "            b = b'x' * (400 << 20); time.sleep(600)\n    except OSError:\n        pass\n"
         "b = b'x' * (400 << 20); time.sleep(600)",
         lambda r, t: "memory" in r.limit and _held_mib(r) <= 2 * MEMORY_MB and not r.timed_out),
+    "memory_shared_mappings": (  # the same in shared memory (mmap(-1, n) is MAP_SHARED: not anonymous)
+        "import mmap, os, time\nchunk = b'x' * (1 << 20)\nfor _ in range(15):\n    try:\n"
+        "        if os.fork() == 0:\n            break\n    except OSError:\n        pass\n"
+        "m = mmap.mmap(-1, 400 << 20)\nfor i in range(400):\n    m[i << 20:(i + 1) << 20] = chunk\ntime.sleep(600)",
+        lambda r, t: "memory" in r.limit and _held_mib(r) <= 2 * MEMORY_MB and not r.timed_out),
     "regain_capabilities": (  # the code starts as its user namespace's root to mount its tmpfs
         "import ctypes; libc = ctypes.CDLL(None, use_errno=True)\n"
         "hdr = (ctypes.c_uint32 * 2)(0x20080522, 0); data = (ctypes.c_uint32 * 6)(); libc.capget(hdr, data)\n"

@@ -1,6 +1,6 @@
 """Per-call totals the kernel does not keep for the sandbox here, checked from the trainer's side.
 
-- memory: the private (anonymous) resident memory of every process of the call, summed. Limits
+- memory: the resident anonymous and shared memory of every process of the call, summed. Limits
   per process (RLIMIT_AS) do not cap a tree of processes, and a cgroup for the call would need a
   delegated cgroup v2 hierarchy, which most machines that train do not give a job;
 - disk, only where the call has no tmpfs of its own (no namespaces): the bytes allocated under
@@ -20,7 +20,6 @@ import ctypes
 import os
 import time
 
-PAGE = os.sysconf("SC_PAGE_SIZE")
 SLOW, FAST = 0.05, 0.005  # seconds between checks: normally, and past half of a limit
 
 
@@ -47,13 +46,18 @@ def process_tree(root: int) -> list[int]:
 
 
 def private_memory(pid: int) -> int:
-    """Resident memory not backed by a file (statm: resident - shared), in bytes; 0 once gone."""
+    """Resident memory not backed by a regular file, in bytes (0 once gone): anonymous pages and
+    shared memory (`mmap(-1, n)`, memfd, SysV), the latter counted in each process mapping it."""
     try:
-        with open(f"/proc/{pid}/statm", "rb") as f:
-            fields = f.read().split()
-        return max(0, int(fields[1]) - int(fields[2])) * PAGE
-    except (OSError, IndexError, ValueError):
+        with open(f"/proc/{pid}/status", "rb") as f:
+            status = f.read()
+    except OSError:
         return 0
+    kib = 0
+    for line in status.splitlines():
+        if line.startswith((b"RssAnon:", b"RssShmem:")):
+            kib += int(line.split()[1])
+    return kib << 10
 
 
 def disk_usage(root: str, max_entries: int, on_dir=None) -> tuple[int, int]:
