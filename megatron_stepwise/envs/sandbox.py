@@ -8,8 +8,9 @@ Layers, each of which holds on its own (what remains without one is in docs/secu
   IPC and UTS namespaces, and a mount namespace holding the call's own size-limited tmpfs. As
   root without user namespaces, the same minus the user namespace;
 - `sandbox_init.py`, the first code inside: the tmpfs, every capability dropped, resource limits
-  (memory, CPU, file size, processes, open files), no-new-privileges and Landlock (the private temp dir is the only writable place
-  and the standard library the only readable code; TCP and signals out of the sandbox denied);
+  (memory, CPU, file size, processes, open files), no-new-privileges and Landlock (the private
+  temp dir is the only writable place and the standard library the only readable code; TCP and
+  signals out of the sandbox denied);
 - this module: a fresh environment, stdin closed, a new session (`start_new_session`, done by
   `subprocess` itself: no `preexec_fn`, which Python documents as unsafe with threads, and the
   agent loop calls this from a thread pool), stdout/stderr read incrementally and capped (the
@@ -320,7 +321,8 @@ def _has_user(uid: int) -> bool:
 @functools.lru_cache(maxsize=1)
 def _uid_lock_dir() -> str:
     """Root's own directory for the pool's locks, shared by every trainer process on the machine."""
-    path = os.path.join("/run" if os.access("/run", os.W_OK) else tempfile.gettempdir(), "megatron-stepwise-sandbox-uids")
+    parent = "/run" if os.access("/run", os.W_OK) else tempfile.gettempdir()
+    path = os.path.join(parent, "megatron-stepwise-sandbox-uids")
     os.makedirs(path, mode=0o700, exist_ok=True)
     st = os.lstat(path)
     if st.st_uid != 0 or st.st_mode & 0o077 or not os.path.isdir(path) or os.path.islink(path):

@@ -227,7 +227,8 @@ class EngineServer:
         """`text` (one string, or a batch of them) as token ids."""
         if self.engine.tokenizer is None:
             raise BadRequest("/generate: 'text' needs a server started with --tokenizer; send input_ids")
-        if not (isinstance(texts, str) or (isinstance(texts, list) and texts and all(isinstance(t, str) for t in texts))):
+        batch = isinstance(texts, list) and texts and all(isinstance(t, str) for t in texts)
+        if not (isinstance(texts, str) or batch):
             raise BadRequest(f"/generate: text must be a string or a non-empty list of strings, got {texts!r}"[:500])
         encode = lambda t: self.engine.tokenizer(t, add_special_tokens=False)["input_ids"]  # noqa: E731
         return [encode(t) for t in texts] if isinstance(texts, list) else encode(texts)
@@ -292,7 +293,8 @@ class EngineServer:
         where = "/init_weights_update_group"
         body = await self._body(request)
         address = F.text(body, "master_address", where)
-        port, rank_offset, world_size = (F.integer(body, k, where) for k in ("master_port", "rank_offset", "world_size"))
+        port, rank_offset, world_size = (F.integer(body, k, where)
+                                         for k in ("master_port", "rank_offset", "world_size"))
         if not 0 < port < 65536 or not 0 <= rank_offset < world_size:
             raise BadRequest(f"{where}: need 0 < master_port < 65536 and 0 <= rank_offset < world_size, got "
                              f"master_port={port}, rank_offset={rank_offset}, world_size={world_size}")
