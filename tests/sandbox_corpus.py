@@ -187,6 +187,26 @@ CORPUS = {
     "disk_fill": (
         "f = open('big', 'wb')\nfor _ in range(64): f.write(b'x' * (1 << 20))\nprint('wrote 64 MiB')",
         lambda r, t: _failed(r) and "wrote" not in r.stdout),
+    "disk_fill_many_files": (  # each file within RLIMIT_FSIZE, 3000 MiB in all
+        "n = 0\ntry:\n    for i in range(3000):\n        open(f'f{{i}}', 'wb').write(b'x' * (1 << 20)); n += 1\n"
+        "        print(n, flush=True)\nexcept OSError as e:\n    print('stopped', e)",
+        lambda r, t: _written_mib(r) <= 2 * DISK_MB and ("No space left" in r.stdout or "wrote" in r.limit)),
+    "memory_many_processes": (  # 16 processes of ~400 MiB each: within RLIMIT_AS one by one
+        "import os, time\nfor _ in range(15):\n    try:\n        if os.fork() == 0:\n"
+        "            b = b'x' * (400 << 20); time.sleep(600)\n    except OSError:\n        pass\n"
+        "b = b'x' * (400 << 20); time.sleep(600)",
+        lambda r, t: "memory" in r.limit and _held_mib(r) <= 2 * MEMORY_MB and not r.timed_out),
+    "memory_shared_mappings": (  # the same in shared memory (mmap(-1, n) is MAP_SHARED: not anonymous)
+        "import mmap, os, time\nchunk = b'x' * (1 << 20)\nfor _ in range(15):\n    try:\n"
+        "        if os.fork() == 0:\n            break\n    except OSError:\n        pass\n"
+        "m = mmap.mmap(-1, 400 << 20)\nfor i in range(400):\n    m[i << 20:(i + 1) << 20] = chunk\ntime.sleep(600)",
+        lambda r, t: "memory" in r.limit and _held_mib(r) <= 2 * MEMORY_MB and not r.timed_out),
+    "regain_capabilities": (  # the code starts as its user namespace's root to mount its tmpfs
+        "import ctypes; libc = ctypes.CDLL(None, use_errno=True)\n"
+        "hdr = (ctypes.c_uint32 * 2)(0x20080522, 0); data = (ctypes.c_uint32 * 6)(); libc.capget(hdr, data)\n"
+        "print('effective', data[0], data[3], 'permitted', data[1], data[4])\n"
+        "print('mount', libc.mount(b'tmpfs', b'.', b'tmpfs', 0, b'size=1g'))",
+        lambda r, t: "effective 0 0 permitted 0 0" in r.stdout and "mount -1" in r.stdout),
     "endless_loop": (
         "while True: pass",
         lambda r, t: r.timed_out),
@@ -206,6 +226,21 @@ CORPUS = {
         "open('leaf', 'w').write('x'); print('built')",
         lambda r, t: "built" in r.stdout and not os.path.exists(r.stdout.split()[0])),
 }
+
+
+DISK_MB, MEMORY_MB = 64, 512  # run_python's defaults, which the corpus runs with
+
+
+def _written_mib(r) -> int:
+    """The files the disk case wrote: the last count it printed, and one more it may have been
+    killed in the middle of."""
+    counts = [int(w) for w in r.stdout.split() if w.isdigit()]
+    return (counts[-1] if counts else 0) + 1
+
+
+def _held_mib(r) -> int:
+    words = r.limit.split()
+    return int(words[words.index("MiB") - 1]) if "MiB" in words else 1 << 30
 
 
 def _wait_for(predicate, deadline_s: float = 30.0) -> bool:

@@ -219,8 +219,9 @@ def test_an_api_key_guards_every_endpoint_but_health(monkeypatch):
 
 
 def test_a_malformed_header_gets_a_400_or_401_and_the_key_stays_out_of_the_log(caplog):
-    """aiohttp logs a request it cannot parse with the offending header line: the key after
-    `Bearer` must not reach the log; undecodable bytes in the key are a 401, not a 500."""
+    """aiohttp logs a request it cannot parse with the offending header line, and answered it
+    with that line: the key after `Bearer` must reach neither the log nor the answer; undecodable
+    bytes in the key are a 401, not a 500."""
     key = "TOPSECRETKEY123"
     engine = LocalEngine(CONFIG, tokenizer=TOK, seed=0)
     requests = {  # raw request -> the status it must get
@@ -235,10 +236,12 @@ def test_a_malformed_header_gets_a_400_or_401_and_the_key_stays_out_of_the_log(c
         try:
             for head, _ in requests.items():
                 reader, writer = await asyncio.open_connection("127.0.0.1", port)
-                raw = b"POST /generate HTTP/1.1\r\nHost: x\r\n" + head
+                raw = b"POST /generate HTTP/1.1\r\nHost: x\r\nConnection: close\r\n" + head
                 writer.write(raw if raw.endswith(b"{}") else raw + b"\r\n")
                 await writer.drain()
-                statuses.append(int((await reader.readline()).split()[1]))
+                answer = await asyncio.wait_for(reader.read(), 60)  # the whole answer: the server closes
+                statuses.append(int(answer.split()[1]))
+                assert key.encode() not in answer, answer  # aiohttp's own 400 quoted the header line
                 writer.close()
         finally:
             await runner.cleanup()
@@ -308,3 +311,82 @@ def test_generate_takes_sglangs_fields(extra, status, fragment):
     elif extra.get("return_text_in_logprobs"):
         assert [e[2] for e in data["meta_info"]["output_token_logprobs"]] == \
             [TOK.decode([t]) for t in data["output_ids"]]
+
+
+P = [1, 5, 8]
+
+
+def _gen(**fields):
+    return "/generate", {"input_ids": P, "sampling_params": {"max_new_tokens": 2}, **fields}
+
+
+# (endpoint, body, what the 400 must say). Each was once a 200 with the value coerced (a float or
+# a string taken as a token id, "false" read as true, 2.5 as version 2...), a 500, or a 400 whose
+# message named no field.
+BAD_REQUESTS = [
+    (*_gen(input_ids=[1.5, 2]), "input_ids must be a non-empty list of integer token ids"),
+    (*_gen(input_ids=["1", "2"]), "input_ids must be"),
+    (*_gen(input_ids=[True, 2]), "input_ids must be"),
+    (*_gen(input_ids=[[1], [2.0]]), "input_ids[1] must be"),
+    (*_gen(input_ids=[[1, 2], 3]), "input_ids[1] must be"),
+    (*_gen(input_ids=None, text=["a", None]), "text must be a string or a non-empty list of strings"),
+    (*_gen(rid=5), "rid must be a string"),
+    (*_gen(rid={"a": 1}), "rid must be a string"),
+    (*_gen(return_logprob="no"), "return_logprob must be true or false"),
+    (*_gen(return_logprob=1), "return_logprob must be true or false"),
+    (*_gen(return_text_in_logprobs="yes"), "return_text_in_logprobs must be true or false"),
+    (*_gen(return_routed_experts="false"), "return_routed_experts must be true or false"),
+    (*_gen(stream=0), "stream must be true or false"),
+    (*_gen(logprob_start_len=-1.0), "logprob_start_len must be an integer"),
+    (*_gen(routed_experts_start_len=False), "routed_experts_start_len must be an integer"),
+    (*_gen(sampling_params="abc"), "sampling_params must be a JSON object"),
+    (*_gen(sampling_params={"stop_token_ids": [1.5]}), "sampling_params.stop_token_ids must be integers"),
+    (*_gen(sampling_params={"stop_token_ids": "1"}), "sampling_params.stop_token_ids must be a list"),
+    (*_gen(sampling_params={"stop": {"a": 1}}), "sampling_params.stop must be a list"),
+    ("/update_weights_from_disk", {"model_path": 5}, "model_path must be a string"),
+    ("/update_weights_from_disk", {"model_path": "/nonexistent", "weight_version": 1.9},
+     "weight_version must be an integer or a string of digits, got 1.9"),
+    ("/update_weights_from_disk", {"model_path": "/nonexistent", "abort_all_requests": "no"},
+     "abort_all_requests must be true or false"),
+    ("/update_weights_from_tensor", {"load_format": "safetensors", "serialized_named_tensors": ["aGVsbG8="]},
+     "serialized_named_tensors[0] is not a safetensors blob"),
+    ("/update_weights_from_tensor", {"load_format": "safetensors", "serialized_named_tensors": ["!!!"]},
+     "serialized_named_tensors[0] is not base64"),
+    ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": [1], "rank_offset": 1,
+                                    "world_size": 2}, "master_port must be an integer"),
+    ("/init_weights_update_group", {"master_address": 5, "master_port": 1, "rank_offset": 1, "world_size": 2,
+                                    "backend": "nccl"}, "master_address must be a string"),
+    ("/update_weights_from_distributed", {"names": ["a"], "dtypes": ["float32"], "shapes": [[2]],
+                                         "group_name": ["x"]}, "group_name must be a string"),
+    ("/destroy_weights_update_group", {"group_name": ["x"]}, "group_name must be a string"),
+    ("/update_weight_version", {"new_version": 2.5}, "new_version must be an integer or a string of digits"),
+    ("/update_weight_version", {"new_version": True}, "new_version must be an integer or a string of digits"),
+    ("/update_weight_version", {"new_version": "3", "abort_all_requests": "no"},
+     "abort_all_requests must be true or false"),
+    ("/pause_generation", {"mode": ["abort"]}, "mode must be a string"),
+    ("/abort_request", {"abort_all": "no"}, "abort_all must be true or false"),
+    ("/abort_request", {"rid": 5}, "rid must be a string"),
+    ("/abort_request", {"rid": ["x"]}, "rid must be a string"),
+    ("/generate", "[" * 100_000, "request body is not valid JSON: nested too deeply"),
+]
+
+
+def test_every_bad_request_value_is_a_400_naming_the_field():
+    """No coercion (a float, a string or a bool where an integer or flag is meant), no 500."""
+    async def scenario(engine, client, port):
+        wrong = []
+        async with aiohttp.ClientSession() as http:
+            for path, body, fragment in BAD_REQUESTS:
+                data = body if isinstance(body, str) else json.dumps(body)
+                async with http.post(f"http://127.0.0.1:{port}{path}", data=data,
+                                     headers={"Content-Type": "application/json"}) as resp:
+                    text = await resp.text()
+                if resp.status != 400 or fragment not in text:
+                    wrong.append((path, data[:80], resp.status, text[:200]))
+        assert await client.health()  # and the engine still serves
+        r = await client.generate(P, SamplingParams(temperature=0.7, max_new_tokens=2), rid="after")
+        assert 1 <= len(r.output_ids) <= 2
+        return wrong
+
+    wrong = asyncio.run(serving(scenario))
+    assert not wrong, "\n".join(map(str, wrong))

@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -45,13 +46,16 @@ def _python_for_nobody():
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the suite already runs as non-root: test_hostile_corpus_is_blocked "
                                                 "is the non-root run")
-def test_hostile_corpus_is_blocked_as_non_root():
+@pytest.mark.parametrize("mode", [[], ["--no-namespaces"]], ids=["namespaces", "no-namespaces"])
+def test_hostile_corpus_is_blocked_as_non_root(mode):
+    if mode and sandbox.isolation().landlock_abi < 6:
+        pytest.skip("without namespaces the corpus needs Landlock ABI >= 6 (signal scoping; Linux 6.12+)")
     command = _python_for_nobody()
     if command is None:
         pytest.skip("no interpreter that uid 65534 can run with setpriv here (needs setpriv and a python3 readable "
                     "by nobody, as on Debian: /usr/bin/python3); the non-root run then happens when the suite "
                     "itself runs as a non-root user (test_hostile_corpus_is_blocked)")
-    done = subprocess.run([*command, str(CORPUS_SCRIPT)], capture_output=True, text=True, cwd="/", timeout=600)
+    done = subprocess.run([*command, str(CORPUS_SCRIPT), *mode], capture_output=True, text=True, cwd="/", timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout)
     assert report["euid"] == NOBODY
@@ -192,3 +196,41 @@ def test_the_code_cannot_forge_a_setup_failure_but_a_real_one_still_raises(monke
     monkeypatch.setattr(sandbox, "_init_source", lambda: broken)
     with pytest.raises(sandbox.SandboxError, match=r"^sandbox setup failed: OSError: limits refused$"):
         sandbox.run_python("print('never runs')")
+
+
+BOMB = ("import os, time\nfor _ in range(64):\n    try:\n        if os.fork() == 0:\n            time.sleep(600)\n"
+        "    except OSError:\n        pass\ntime.sleep(600)")
+
+
+def _processes_of(uids) -> int:
+    count = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        uid = int(next(line for line in status.splitlines() if line.startswith("Uid:")).split()[1])
+        count += uid in uids
+    return count
+
+
+def test_a_fork_bomb_does_not_stop_a_concurrent_call_without_namespaces(monkeypatch):
+    """Without namespaces RLIMIT_NPROC counts a uid's processes machine-wide: were every call
+    nobody, a call holding 16 processes would leave a concurrent one unable to start any."""
+    if not sandbox.isolation().run_as:
+        pytest.skip("the trainer is not root here: every call runs as the trainer's uid, and docs/security.md "
+                    "says what holds then (the uid pool needs root)")
+    monkeypatch.setattr(sandbox, "isolation", sandbox.isolation)  # restored after the test
+    without_namespaces(sandbox)
+    uids = set(sandbox.UID_POOL)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        bomb = pool.submit(sandbox.run_python, BOMB, timeout_s=15)
+        deadline = time.monotonic() + 60
+        while _processes_of(uids) < 16 and not bomb.done():
+            assert time.monotonic() < deadline, "the fork bomb never reached its process limit"
+            time.sleep(0.05)
+        other = sandbox.run_python("import os\nif os.fork() == 0:\n    os._exit(0)\nos.wait(); print('forked')",
+                                   timeout_s=30)
+        assert other.stdout == "forked\n", other
+        assert not bomb.done()  # it still held its processes while the other call forked
+    assert bomb.result().timed_out

@@ -5,14 +5,18 @@ Layers, each of which holds on its own (what remains without one is in docs/secu
 - namespaces (`unshare`, probed once): a new user namespace (no root needed), PID namespace
   with its own /proc (the trainer's processes are neither visible nor signalable, and every
   process the code starts dies with it), network namespace (no interface but a down loopback),
-  IPC and UTS namespaces. As root without user namespaces, the same minus the user namespace;
-- `sandbox_init.py`, the first code inside: resource limits (memory, CPU, file size, processes,
-  open files), no-new-privileges and Landlock (the private temp dir is the only writable place
-  and the standard library the only readable code; TCP and signals out of the sandbox denied);
+  IPC and UTS namespaces, and a mount namespace holding the call's own size-limited tmpfs. As
+  root without user namespaces, the same minus the user namespace;
+- `sandbox_init.py`, the first code inside: the tmpfs, every capability dropped, resource limits
+  (memory, CPU, file size, processes, open files), no-new-privileges and Landlock (the private
+  temp dir is the only writable place and the standard library the only readable code; TCP and
+  signals out of the sandbox denied);
 - this module: a fresh environment, stdin closed, a new session (`start_new_session`, done by
   `subprocess` itself: no `preexec_fn`, which Python documents as unsafe with threads, and the
   agent loop calls this from a thread pool), stdout/stderr read incrementally and capped (the
-  process is killed at the cap, so a flood costs the trainer at most the cap), and on timeout
+  process is killed at the cap, so a flood costs the trainer at most the cap), the call's totals
+  watched between reads (`sandbox_watch.py`: memory of its process tree, and its directory's
+  size where it has no tmpfs; the call is stopped past one), and on timeout
   or at the end the PID namespace's init and then the whole process group are SIGKILLed, each
   process reaped by its own parent (no zombie is left to an orphan reaper); the call's directory
   is then removed by `remove_tree`, which nothing the code built can make fail.
@@ -23,10 +27,13 @@ or argument carries the trainer's state or a dataset's answer.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import json
 import logging
 import os
+import pwd
 import selectors
 import shutil
 import signal
@@ -37,6 +44,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+try:
+    from .sandbox_watch import Watch
+except ImportError:  # loaded by path (tests/sandbox_corpus.py, run by an unprivileged user): the sibling file
+    import importlib.util as _util
+
+    _spec = _util.spec_from_file_location("sandbox_watch", Path(__file__).with_name("sandbox_watch.py"))
+    _watch = _util.module_from_spec(_spec)
+    _spec.loader.exec_module(_watch)
+    Watch = _watch.Watch
+
 log = logging.getLogger(__name__)
 
 INIT = Path(__file__).with_name("sandbox_init.py")
@@ -44,7 +61,9 @@ SETUP_FAILED = 120  # sandbox_init.py's exit code when it could not confine itse
 
 # Namespace flags per isolation level; `--kill-child` also ends the namespace if unshare dies.
 _NS = ["--net", "--pid", "--fork", "--kill-child", "--mount-proc", "--ipc", "--uts"]
-_UNSHARE_USERNS = ["--user", "--map-current-user", *_NS]
+# The code starts as the user namespace's root (mapped to the trainer's uid, or nobody) to mount
+# its tmpfs, then drops every capability before anything else (sandbox_init.drop_capabilities).
+_UNSHARE_USERNS = ["--user", "--map-root-user", *_NS]
 
 
 @dataclass
@@ -54,8 +73,11 @@ class SandboxResult:
     returncode: int
     timed_out: bool
     output_truncated: bool = False  # stdout or stderr hit the cap and the code was stopped there
+    limit: str = ""  # the per-call total the code broke and was stopped for ("" if none)
 
     def as_observation(self, max_chars: int = 500) -> str:
+        if self.limit:
+            return f"Error: stopped: {self.limit}"
         if self.timed_out:
             return "Error: timed out"
         text = self.stdout
@@ -82,7 +104,11 @@ try:
     abi = max(0, ctypes.CDLL(None, use_errno=True).syscall(444, None, ctypes.c_size_t(0), ctypes.c_uint32(1)))
 except Exception:
     abi = 0
-print(json.dumps({"stdlib": sorted({paths["stdlib"], paths["platstdlib"],
+tmpfs = False
+if sys.argv[1:] == ["tmpfs"]:  # only ever inside a private mount namespace
+    libc = ctypes.CDLL(None, use_errno=True)
+    tmpfs = libc.mount(b"tmpfs", b"/tmp", b"tmpfs", 6, b"size=1m,nr_inodes=16") == 0
+print(json.dumps({"tmpfs": tmpfs, "stdlib": sorted({paths["stdlib"], paths["platstdlib"],
                                     os.path.join(paths["platstdlib"], "lib-dynload")}),
                   "executable": os.path.realpath(sys.executable), "landlock_abi": abi}))
 """
@@ -98,11 +124,16 @@ class Isolation:
     python: str  # the interpreter binary the sandbox runs
     stdlib: tuple[str, ...]  # its standard library, the only code the sandbox may read
     unshare: tuple[str, ...] = ()  # the unshare command and flags, () without namespaces
+    tmpfs: bool = False  # each call gets a size-limited tmpfs in its own mount namespace
 
     def describe(self) -> str:
         ns = {"user": "user/pid/net namespaces", "root": "pid/net namespaces", "none": "no namespaces"}
-        who = f"uid {SANDBOX_UID}" if self.run_as else f"uid {os.geteuid()}"
-        return f"{ns[self.namespaces]}, Landlock ABI {self.landlock_abi or 'unavailable'}, runs as {who}"
+        who = f"uid {os.geteuid()}"
+        if self.run_as:
+            who = f"uid {SANDBOX_UID}" if self.namespaces != "none" else f"one of uids {UID_POOL.start}.."
+        disk = "tmpfs" if self.tmpfs else "watched"
+        return (f"{ns[self.namespaces]}, Landlock ABI {self.landlock_abi or 'unavailable'}, runs as {who}, "
+                f"disk quota {disk}")
 
 
 def _probe(cmd: list[str]) -> subprocess.CompletedProcess | None:
@@ -138,13 +169,14 @@ def isolation() -> Isolation:
                 namespaces, prefix = level, [unshare, *flags]
                 break
         for python in pythons:
-            done = _probe([*run_as, *prefix, python, "-I", "-S", "-B", "-c", _PROBE])
+            done = _probe([*run_as, *prefix, python, "-I", "-S", "-B", "-c", _PROBE, *(["tmpfs"] if prefix else [])])
             if done is None or done.returncode != 0:
                 continue
             facts = json.loads(done.stdout)
             found = Isolation(namespaces, int(facts["landlock_abi"]), tuple(run_as), python, tuple(facts["stdlib"]),
-                              tuple(prefix))
-            if namespaces != "user" or found.landlock_abi < 6 or (os.geteuid() == 0 and not run_as):
+                              tuple(prefix), bool(facts["tmpfs"]))
+            if (namespaces != "user" or found.landlock_abi < 6 or not found.tmpfs
+                    or (os.geteuid() == 0 and not run_as)):
                 log.warning("sandbox degraded: %s; see docs/security.md for what holds without them",
                             found.describe())
             return found
@@ -186,8 +218,13 @@ def _grants(path: str, depth: int) -> list[str]:
 
 
 def run_python(code: str, timeout_s: float = 5.0, memory_mb: int = 512, max_output_bytes: int = 64 << 10,
-               max_processes: int = 16, max_file_bytes: int = 1 << 20) -> SandboxResult:
-    """Execute `code` in the sandbox; stdout/stderr are each kept up to `max_output_bytes`."""
+               max_processes: int = 16, max_file_bytes: int = 1 << 20, disk_mb: int = 64,
+               max_files: int = 4096) -> SandboxResult:
+    """Execute `code` in the sandbox; stdout/stderr are each kept up to `max_output_bytes`.
+
+    `memory_mb` bounds the call's processes together (and each one's address space), `disk_mb`
+    and `max_files` everything it writes, `max_file_bytes` each file (docs/security.md).
+    """
     iso = isolation()
     workdir = tempfile.mkdtemp(prefix="sandbox-")
     status_r = None
@@ -195,39 +232,39 @@ def run_python(code: str, timeout_s: float = 5.0, memory_mb: int = 512, max_outp
         code_path = os.path.join(workdir, "main.py")
         with open(code_path, "w") as f:
             f.write(code)
-        if iso.run_as:
-            os.chown(workdir, SANDBOX_UID, SANDBOX_UID)  # its only writable place
-        cfg = {
-            "code_path": code_path, "memory_bytes": memory_mb << 20, "cpu_seconds": max(1, int(timeout_s) + 1),
-            "file_bytes": max_file_bytes, "processes": max_processes, "open_files": 64,
-            "read_only": readable_paths(iso), "read_write": [workdir], "require_landlock": iso.landlock_abi > 0,
-            "supervise": iso.namespaces == "none", "timeout_s": timeout_s,
-        }
-        # setup's own report ("ok" or why not), closed before the code runs: the code cannot forge it
-        status_r, status_w = os.pipe()
-        cfg["status_fd"] = status_w
-        env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
-               "OMP_NUM_THREADS": "1"}
-        # The init script goes in as -c text: nothing of the project needs to be readable inside.
-        try:
-            proc = subprocess.Popen(
-                [*iso.run_as, *iso.unshare, iso.python, "-I", "-S", "-B", "-c", _init_source(), json.dumps(cfg)],
-                cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                start_new_session=True, close_fds=True, pass_fds=(status_w,),
-            )
-        finally:
-            os.close(status_w)
-        deadline = time.monotonic() + timeout_s
-        try:
-            out, err, timed_out, truncated = _collect(proc, deadline, max_output_bytes)
-            if not (timed_out or truncated):  # the pipes are closed; the code may still be running
-                try:
-                    proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    timed_out = True
-        finally:
-            _kill_all(proc, supervised=cfg["supervise"])
-        returncode = proc.wait()
+        with _sandbox_uid(iso) as uid:
+            run_as = iso.run_as
+            if uid is not None:
+                os.chown(workdir, uid, uid)  # its only writable place
+                run_as = (iso.run_as[0], f"--reuid={uid}", f"--regid={uid}", "--clear-groups")
+            cfg = {
+                "code_path": code_path, "memory_bytes": memory_mb << 20, "cpu_seconds": max(1, int(timeout_s) + 1),
+                "file_bytes": max_file_bytes, "processes": max_processes, "open_files": 64,
+                "read_only": readable_paths(iso), "read_write": [workdir], "require_landlock": iso.landlock_abi > 0,
+                "supervise": iso.namespaces == "none", "timeout_s": timeout_s,
+                "tmpfs_bytes": (disk_mb << 20) if iso.tmpfs else 0, "tmpfs_inodes": max_files,
+            }
+            # setup's own report ("ok" or why not), closed before the code runs: the code cannot forge it
+            status_r, status_w = os.pipe()
+            cfg["status_fd"] = status_w
+            env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
+                   "OMP_NUM_THREADS": "1"}
+            # The init script goes in as -c text: nothing of the project needs to be readable inside.
+            try:
+                proc = subprocess.Popen(
+                    [*run_as, *iso.unshare, iso.python, "-I", "-S", "-B", "-c", _init_source(), json.dumps(cfg)],
+                    cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                    start_new_session=True, close_fds=True, pass_fds=(status_w,),
+                )
+            finally:
+                os.close(status_w)
+            deadline = time.monotonic() + timeout_s
+            watch = Watch(proc.pid, memory_mb << 20, None if iso.tmpfs else (workdir, disk_mb << 20, max_files))
+            try:
+                out, err, timed_out, truncated, limit = _collect(proc, deadline, max_output_bytes, watch)
+            finally:
+                _kill_all(proc, supervised=cfg["supervise"])
+            returncode = proc.wait()
         status = _read_status(status_r)
     finally:
         if status_r is not None:
@@ -236,7 +273,61 @@ def run_python(code: str, timeout_s: float = 5.0, memory_mb: int = 512, max_outp
     decode = lambda b: b.decode("utf-8", "replace")  # noqa: E731
     if status.startswith("sandbox setup failed"):
         raise SandboxError(status)
-    return SandboxResult(decode(out), decode(err), returncode, timed_out, truncated)
+    return SandboxResult(decode(out), decode(err), returncode, timed_out, truncated, limit or "")
+
+
+# Without namespaces, RLIMIT_NPROC counts every process of a uid: as root each call then runs as
+# a uid of its own from this pool, so one call's fork bomb cannot stop a concurrent call's forks.
+UID_POOL = range(1_900_000_000, 1_900_000_064)
+
+
+@contextlib.contextmanager
+def _sandbox_uid(iso: Isolation):
+    """The uid the call runs as (None: the trainer's own), held until the call's processes are gone."""
+    if not iso.run_as:
+        yield None
+        return
+    if iso.namespaces != "none":
+        yield SANDBOX_UID  # its own user namespace counts its processes apart
+        return
+    locks = _uid_lock_dir()
+    free = [uid for uid in UID_POOL if not _has_user(uid)]
+    fd = None
+    try:
+        for i, uid in enumerate([*free, free[0]] if free else []):
+            fd = os.open(os.path.join(locks, str(uid)), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:  # every uid busy (more concurrent calls than the pool): wait for the first one
+                fcntl.flock(fd, fcntl.LOCK_EX if i == len(free) else fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                os.close(fd)
+                fd = None
+        if fd is None:
+            raise SandboxError(f"sandbox: every uid of {UID_POOL} belongs to a user of this machine")
+        yield uid
+    finally:
+        if fd is not None:
+            os.close(fd)  # releases the lock
+
+
+def _has_user(uid: int) -> bool:
+    try:
+        pwd.getpwuid(uid)
+        return True
+    except KeyError:
+        return False
+
+
+@functools.lru_cache(maxsize=1)
+def _uid_lock_dir() -> str:
+    """Root's own directory for the pool's locks, shared by every trainer process on the machine."""
+    parent = "/run" if os.access("/run", os.W_OK) else tempfile.gettempdir()
+    path = os.path.join(parent, "megatron-stepwise-sandbox-uids")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.lstat(path)
+    if st.st_uid != 0 or st.st_mode & 0o077 or not os.path.isdir(path) or os.path.islink(path):
+        raise SandboxError(f"sandbox: {path} must be a directory of root's only (mode 0700); remove it")
+    return path
 
 
 def _read_status(fd: int) -> str:
@@ -291,24 +382,44 @@ def _init_source() -> str:
     return INIT.read_text()
 
 
-def _collect(proc: subprocess.Popen, deadline: float, cap: int) -> tuple[bytes, bytes, bool, bool]:
-    """Read both pipes as data arrives until EOF, the deadline or a pipe passing `cap` bytes.
+def _collect(proc: subprocess.Popen, deadline: float, cap: int,
+             watch: Watch) -> tuple[bytes, bytes, bool, bool, str | None]:
+    """Read both pipes as data arrives until the code ends, the deadline, a pipe passing `cap`
+    bytes or a per-call total broken (`watch`, checked between reads).
 
     Memory held here is at most 2 * cap + one read, whatever the code prints.
+    Returns (stdout, stderr, timed out, truncated, the total broken or None).
     """
     buffers = {proc.stdout: bytearray(), proc.stderr: bytearray()}
     sel = selectors.DefaultSelector()
     for pipe in buffers:
         os.set_blocking(pipe.fileno(), False)
         sel.register(pipe, selectors.EVENT_READ)
+    if watch.fileno() is not None:
+        sel.register(watch.fileno(), selectors.EVENT_READ)
     timed_out = truncated = False
+    limit = None
     try:
-        while sel.get_map():
+        while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 timed_out = True
                 break
-            for key, _ in sel.select(left):
+            if not watch.due():
+                limit = watch.check()
+                if limit:
+                    break
+            wait = min(left, watch.due())
+            if len(sel.get_map()) == (watch.fileno() is not None):  # pipes closed; the code may still run
+                try:
+                    proc.wait(timeout=wait)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+            for key, _ in sel.select(wait):
+                if key.fileobj == watch.fileno():
+                    watch.woken()
+                    continue
                 buf = buffers[key.fileobj]
                 chunk = os.read(key.fd, min(1 << 16, cap + 1 - len(buf)))
                 if not chunk:
@@ -322,9 +433,10 @@ def _collect(proc: subprocess.Popen, deadline: float, cap: int) -> tuple[bytes, 
                 break
     finally:
         sel.close()
+        watch.close()
         for pipe in buffers:
             pipe.close()
-    return bytes(buffers[proc.stdout]), bytes(buffers[proc.stderr]), timed_out, truncated
+    return bytes(buffers[proc.stdout]), bytes(buffers[proc.stderr]), timed_out, truncated, limit
 
 
 def _kill_all(proc: subprocess.Popen, supervised: bool) -> None:

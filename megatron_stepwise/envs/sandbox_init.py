@@ -7,6 +7,8 @@ library (`-I` puts nothing of the project on sys.path), so it is self-contained 
 
 In order, before one byte of model code runs:
 
+0. with a mount namespace, a tmpfs of the call's disk quota over its directory (the process
+   starts as its user namespace's root for that), then every capability dropped for good;
 1. resource limits (address space, CPU seconds, file size, processes, open files, no core dumps);
    children inherit them;
 2. `PR_SET_NO_NEW_PRIVS` (no setuid binary can raise privileges again; Landlock requires it);
@@ -181,6 +183,64 @@ def deny_sockets() -> bool:
     return True
 
 
+_MS_NOSUID, _MS_NODEV = 2, 4
+
+
+def mount_quota(path: str, size_bytes: int, inodes: int) -> None:
+    """A tmpfs of `size_bytes` and `inodes` files and directories over the call's directory, in
+    this call's own mount namespace: the kernel's total for everything the code writes (ENOSPC
+    past it). Needs CAP_SYS_ADMIN in the user namespace owning the mount namespace, which is why
+    the code starts as the namespace's root and drops every capability right after."""
+    opts = f"size={size_bytes},nr_inodes={inodes},mode=0700".encode()
+    if _libc().mount(b"tmpfs", path.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, opts):
+        raise OSError(ctypes.get_errno(), f"mounting the call's tmpfs on {path} failed")
+    os.chdir(path)  # the old cwd is the directory under the mount
+
+
+_PR_CAPBSET_DROP, _PR_SET_SECUREBITS, _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 24, 28, 47, 4
+# noroot, no_setuid_fixup and no_cap_ambient_raise set, keep_caps clear, each locked
+_SECUREBITS = 0b11101111
+_CAP_VERSION_3 = 0x20080522
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+def capabilities() -> int:
+    """This process's effective capability set as a bit mask."""
+    data = (_CapData * 2)()
+    if _libc().capget(ctypes.byref(_CapHeader(_CAP_VERSION_3, 0)), data):
+        raise OSError(ctypes.get_errno(), "capget failed")
+    return data[0].effective | data[1].effective << 32
+
+
+def drop_capabilities() -> None:
+    """Lose every capability for good (also across execve: bounding set empty, root gets nothing
+    back). The code starts as root of its user namespace only to mount its tmpfs."""
+    if not capabilities():
+        return  # nothing to drop: the bounding set only matters to who can regain, and NO_NEW_PRIVS holds
+    libc = _libc()
+    try:
+        last = int(open("/proc/sys/kernel/cap_last_cap").read())
+    except (OSError, ValueError):
+        last = 63
+    if libc.prctl(_PR_SET_SECUREBITS, _SECUREBITS, 0, 0, 0):
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECUREBITS) failed")
+    for cap in range(last + 1):
+        if libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0):
+            raise OSError(ctypes.get_errno(), f"prctl(PR_CAPBSET_DROP, {cap}) failed")
+    libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)  # EINVAL before Linux 4.3: none to clear
+    if libc.capset(ctypes.byref(_CapHeader(_CAP_VERSION_3, 0)), (_CapData * 2)()):
+        raise OSError(ctypes.get_errno(), "capset failed")
+    if capabilities():
+        raise OSError("capabilities are still held after dropping them")
+
+
 def set_limits(cfg: dict) -> None:
     for name, value in (("RLIMIT_AS", cfg["memory_bytes"]), ("RLIMIT_CPU", cfg["cpu_seconds"]),
                         ("RLIMIT_FSIZE", cfg["file_bytes"]), ("RLIMIT_NPROC", cfg["processes"]),
@@ -272,6 +332,9 @@ def main() -> None:
             supervise(cfg["timeout_s"], status)
         with open(cfg["code_path"]) as f:
             source = f.read()
+        if cfg.get("tmpfs_bytes"):
+            mount_quota(cfg["read_write"][0], cfg["tmpfs_bytes"], cfg["tmpfs_inodes"])
+        drop_capabilities()
         set_limits(cfg)
         abi = apply_landlock(cfg["read_only"], cfg["read_write"])
         if cfg.get("require_landlock") and abi == 0:

@@ -16,6 +16,7 @@ training refuses T = 0. An engine that reports no log-probs leaves `Step.rollout
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Iterable, Mapping, Optional, Protocol, Union, runtime_checkable
 
@@ -153,7 +154,15 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        # lists only: list() of a dict or a string would take its keys or characters in silence
+        for name in ("stop", "stop_token_ids"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (list, tuple)):
+                raise ValueError(f"sampling_params.{name} must be a list, got {value!r}")
         self.stop = list(self.stop or [])
+        bad = [t for t in self.stop_token_ids or [] if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
+        if bad:
+            raise ValueError(f"sampling_params.stop_token_ids must be integers, got {bad[0]!r}")
         self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
         self.validate()
 
@@ -192,6 +201,8 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, d: Optional[Mapping[str, Any]]) -> "SamplingParams":
+        if d is not None and not isinstance(d, Mapping):
+            raise ValueError(f"sampling_params must be a JSON object, got {d!r}")
         d = dict(d or {})
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)

@@ -27,7 +27,10 @@ import sys
 from typing import Any, Optional
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_server import Server
 
+from megatron_stepwise.rollout import request_fields as F
 from megatron_stepwise.rollout.auth import API_KEY_ENV, api_key_from_env, bearer_matches, is_loopback, redact_bearer_tokens
 from megatron_stepwise.rollout.engine import EngineReleasedError, GenerateResult, SamplingParams
 from megatron_stepwise.rollout.generate_fields import check_generate_fields
@@ -39,8 +42,30 @@ log = logging.getLogger(__name__)
 ENGINE_TAG = "megatron_stepwise.local"
 
 
-class BadRequest(ValueError):
-    pass
+BadRequest = F.BadRequest
+
+
+class _Handler(RequestHandler):
+    """aiohttp answers a request it cannot parse with 400 and the parser's message, which quotes
+    the offending header line (an `Authorization: Bearer <key>` included) back to the sender and
+    to anything logging responses on the way: the answer here names the fault, never the bytes."""
+
+    def handle_error(self, request, status=500, exc=None, message=None):
+        if status == 400:
+            message = "malformed HTTP request (its request line or a header could not be parsed)"
+        return super().handle_error(request, status, exc, message)
+
+
+class _Server(Server):
+    def __call__(self) -> RequestHandler:
+        return _Handler(self, loop=self._loop, **self._kwargs)
+
+
+class _Runner(web.AppRunner):
+    async def _make_server(self) -> Server:
+        server = await super()._make_server()
+        server.__class__ = _Server  # the same object, its connections handled by _Handler
+        return server
 
 
 class _QuietGrpcProbe(logging.Filter):
@@ -147,49 +172,43 @@ class EngineServer:
             return web.json_response({"error": {"message": msg}}, status=400)
 
     async def _body(self, request: web.Request) -> dict:
-        if not request.can_read_body:
-            return {}
-        try:
-            body = await request.json()
-        except ValueError as e:
-            raise BadRequest(f"request body is not valid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise BadRequest("request body must be a JSON object")
-        return body
+        return F.parse_body(await request.read()) if request.can_read_body else {}
 
     async def generate(self, request: web.Request) -> web.Response:
+        where = "/generate"
         body = await self._body(request)
         check_generate_fields(body)  # SGLang's fields: honoured, ignored, or refused by name
-        if body.get("stream"):
+        if F.flag(body, "stream", where):
             raise BadRequest("/generate: stream=true is not supported by the embedded engine")
-        if body.get("logprob_start_len", -1) not in (-1, None):
+        if F.integer(body, "logprob_start_len", where, -1) != -1:
             raise BadRequest("/generate: only logprob_start_len=-1 (output log-probs) is supported")
-        routed = bool(body.get("return_routed_experts", False))
-        if body.get("routed_experts_start_len", 0) not in (0, None):
+        routed = F.flag(body, "return_routed_experts", where)
+        if F.integer(body, "routed_experts_start_len", where, 0) != 0:
             raise BadRequest("/generate: only routed_experts_start_len=0 (every position) is supported")
         if routed and not getattr(self.engine, "_return_routed", False):
             raise BadRequest("/generate: return_routed_experts needs a MoE model (this engine records no routing)")
+        text_in_logprobs = F.flag(body, "return_text_in_logprobs", where)
         input_ids = body.get("input_ids")
         if input_ids is None and body.get("text") is not None:
-            if self.engine.tokenizer is None:
-                raise BadRequest("/generate: 'text' needs a server started with --tokenizer; send input_ids")
-            texts = body["text"]
-            encode = lambda t: self.engine.tokenizer(t, add_special_tokens=False)["input_ids"]  # noqa: E731
-            input_ids = [encode(t) for t in texts] if isinstance(texts, list) else encode(texts)
+            input_ids = self._encode(body["text"])
         if not isinstance(input_ids, list) or not input_ids:
             raise BadRequest("/generate: 'input_ids' must be a non-empty list of token ids (or a list of them)")
         batched = isinstance(input_ids[0], list)
-        prompts = input_ids if batched else [input_ids]
+        prompts = ([F.token_ids(p, where, f"input_ids[{i}]") for i, p in enumerate(input_ids)] if batched
+                   else [F.token_ids(input_ids, where)])
         n = len(prompts)
-        sp, rids, lp = body.get("sampling_params"), body.get("rid"), body.get("return_logprob", False)
-        sps = sp if isinstance(sp, list) else [sp] * n
-        lps = lp if isinstance(lp, list) else [lp] * n
+        sps = F.one_or_each(body.get("sampling_params"), n, lambda v: v is None or isinstance(v, dict),
+                            "a JSON object", where, "sampling_params")
+        lp = body.get("return_logprob")
+        lps = F.one_or_each(False if lp is None else lp, n, lambda v: isinstance(v, bool), "true or false", where,
+                            "return_logprob")
+        rids = body.get("rid")
         if rids is None:
             rids = [self._new_rid() for _ in range(n)]
-        elif not isinstance(rids, list):
+        elif isinstance(rids, str):
             rids = [rids] if n == 1 else [f"{rids}-{i}" for i in range(n)]
-        if not len(sps) == len(lps) == len(rids) == n:
-            raise BadRequest(f"/generate: batch of {n} prompts needs as many sampling_params, rid and return_logprob")
+        else:
+            rids = F.one_or_each(rids, n, lambda v: isinstance(v, str), "a string", where, "rid")
         try:
             params = [SamplingParams.from_dict(s) for s in sps]
         except TypeError as e:
@@ -198,11 +217,21 @@ class EngineServer:
             *(self.engine.generate(p, s, rid=r) for p, s, r in zip(prompts, params, rids))
         )
         token_text = None
-        if body.get("return_text_in_logprobs") and self.engine.tokenizer is not None:
+        if text_in_logprobs and self.engine.tokenizer is not None:
             token_text = lambda t: self.engine.tokenizer.decode([t])  # noqa: E731
-        out = [generate_response(r, len(p), res, bool(flag), routed, token_text)
+        out = [generate_response(r, len(p), res, flag, routed, token_text)
                for r, p, res, flag in zip(rids, prompts, results, lps)]
         return web.json_response(out if batched else out[0])
+
+    def _encode(self, texts: Any) -> list:
+        """`text` (one string, or a batch of them) as token ids."""
+        if self.engine.tokenizer is None:
+            raise BadRequest("/generate: 'text' needs a server started with --tokenizer; send input_ids")
+        batch = isinstance(texts, list) and texts and all(isinstance(t, str) for t in texts)
+        if not (isinstance(texts, str) or batch):
+            raise BadRequest(f"/generate: text must be a string or a non-empty list of strings, got {texts!r}"[:500])
+        encode = lambda t: self.engine.tokenizer(t, add_special_tokens=False)["input_ids"]  # noqa: E731
+        return [encode(t) for t in texts] if isinstance(texts, list) else encode(texts)
 
     def _new_rid(self) -> str:
         self._rid += 1
@@ -222,17 +251,19 @@ class EngineServer:
         return web.Response(text="Cache flushed.\n")
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        where = "/update_weights_from_disk"
         body = await self._body(request)
-        if "model_path" not in body:
-            raise BadRequest("/update_weights_from_disk: 'model_path' is required")
-        if body.get("abort_all_requests"):
+        path = F.text(body, "model_path", where)
+        version = F.version(body.get("weight_version"), where)
+        if F.flag(body, "abort_all_requests", where):
             await self.engine.abort()
-        version = await self.engine.update_weights_from_disk(body["model_path"], _version(body.get("weight_version")))
+        version = await self.engine.update_weights_from_disk(path, version)
         return web.json_response({"success": True, "message": f"weight version {version}", "num_paused_requests": 0})
 
     async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
         from safetensors.torch import load as load_safetensors
 
+        where = "/update_weights_from_tensor"
         body = await self._body(request)
         if body.get("load_format") != "safetensors":
             raise BadRequest(
@@ -240,56 +271,77 @@ class EngineServer:
                 "(base64 safetensors blobs in serialized_named_tensors)"
             )
         blobs = body.get("serialized_named_tensors")
-        if not isinstance(blobs, list) or not blobs:
-            raise BadRequest("/update_weights_from_tensor: 'serialized_named_tensors' must be a non-empty list")
+        if not isinstance(blobs, list) or not blobs or not all(isinstance(b, str) for b in blobs):
+            raise BadRequest(f"{where}: serialized_named_tensors must be a non-empty list of base64 strings")
+        version = F.version(body.get("weight_version"), where)
+        abort = F.flag(body, "abort_all_requests", where)
         # One entry per tensor-parallel rank in SGLang; this engine has one rank: all are equal.
-        tensors = load_safetensors(base64.b64decode(blobs[0]))
-        if body.get("abort_all_requests"):
+        try:
+            raw = base64.b64decode(blobs[0], validate=True)
+        except ValueError as e:
+            raise BadRequest(f"{where}: serialized_named_tensors[0] is not base64 ({e})") from None
+        try:
+            tensors = load_safetensors(raw)
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own SafetensorError on bad bytes
+            raise BadRequest(f"{where}: serialized_named_tensors[0] is not a safetensors blob ({e})") from None
+        if abort:
             await self.engine.abort()
-        version = await self.engine.update_weights_from_tensors(tensors, _version(body.get("weight_version")))
+        version = await self.engine.update_weights_from_tensors(tensors, version)
         return web.json_response({"success": True, "message": f"weight version {version}"})
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        where = "/init_weights_update_group"
         body = await self._body(request)
-        missing = [k for k in ("master_address", "master_port", "rank_offset", "world_size") if k not in body]
-        if missing:
-            raise BadRequest(f"/init_weights_update_group: missing field(s) {missing}")
+        address = F.text(body, "master_address", where)
+        port, rank_offset, world_size = (F.integer(body, k, where)
+                                         for k in ("master_port", "rank_offset", "world_size"))
+        if not 0 < port < 65536 or not 0 <= rank_offset < world_size:
+            raise BadRequest(f"{where}: need 0 < master_port < 65536 and 0 <= rank_offset < world_size, got "
+                             f"master_port={port}, rank_offset={rank_offset}, world_size={world_size}")
         await self.engine.init_weights_update_group(
-            body["master_address"], int(body["master_port"]), int(body["rank_offset"]), int(body["world_size"]),
-            body.get("group_name", "weight_update_group"), body.get("backend", "gloo"),
+            address, port, rank_offset, world_size,
+            F.text(body, "group_name", where, "weight_update_group"), F.text(body, "backend", where, "gloo"),
         )
         return web.json_response({"success": True, "message": "joined"})
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        where = "/update_weights_from_distributed"
         body = await self._body(request)
         missing = [k for k in ("names", "dtypes", "shapes") if k not in body]
         if missing:
-            raise BadRequest(f"/update_weights_from_distributed: missing field(s) {missing}")
-        if body.get("abort_all_requests"):
+            raise BadRequest(f"{where}: missing field(s) {missing}")
+        names, dtypes = F.text_list(body, "names", where), F.text_list(body, "dtypes", where)
+        shapes = body["shapes"]
+        if not isinstance(shapes, list) or not all(
+                isinstance(s, list) and all(F.is_int(d) and d >= 0 for d in s) for s in shapes):
+            raise BadRequest(f"{where}: shapes must be a list of lists of integers >= 0, got {shapes!r}"[:500])
+        group = F.text(body, "group_name", where, "weight_update_group")
+        version = F.version(body.get("weight_version"), where)
+        if F.flag(body, "abort_all_requests", where):
             await self.engine.abort()
-        version = await self.engine.update_weights_from_distributed(
-            body["names"], body["dtypes"], body["shapes"], body.get("group_name", "weight_update_group"),
-            _version(body.get("weight_version")),
-        )
+        version = await self.engine.update_weights_from_distributed(names, dtypes, shapes, group, version)
         return web.json_response({"success": True, "message": f"weight version {version}"})
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
         body = await self._body(request)
-        await self.engine.destroy_weights_update_group(body.get("group_name", "weight_update_group"))
+        await self.engine.destroy_weights_update_group(
+            F.text(body, "group_name", "/destroy_weights_update_group", "weight_update_group"))
         return web.json_response({"success": True, "message": "destroyed"})
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
+        where = "/update_weight_version"
         body = await self._body(request)
-        if "new_version" not in body:
-            raise BadRequest("/update_weight_version: 'new_version' is required")
-        if body.get("abort_all_requests", True):
+        if body.get("new_version") is None:
+            raise BadRequest(f"{where}: new_version is required")
+        version = F.version(body["new_version"], where, "new_version")
+        if F.flag(body, "abort_all_requests", where, default=True):
             await self.engine.abort()
-        await self.engine.set_weight_version(_version(body["new_version"]))
+        await self.engine.set_weight_version(version)
         return web.json_response({"success": True})
 
     async def pause_generation(self, request: web.Request) -> web.Response:
         body = await self._body(request)
-        mode = body.get("mode", "abort")
+        mode = F.text(body, "mode", "/pause_generation", "abort")
         if mode not in ("abort", "retract", "in_place"):
             raise BadRequest(f"/pause_generation: unknown mode {mode!r}")
         await self.engine.pause()
@@ -318,17 +370,10 @@ class EngineServer:
 
     async def abort_request(self, request: web.Request) -> web.Response:
         body = await self._body(request)
-        await self.engine.abort(None if body.get("abort_all") else body.get("rid"))
+        abort_all = F.flag(body, "abort_all", "/abort_request")
+        rid = F.text(body, "rid", "/abort_request", None)
+        await self.engine.abort(None if abort_all else rid)
         return web.Response(status=200)
-
-
-def _version(value: Any) -> Optional[int]:
-    if value is None:
-        return None
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        raise BadRequest(f"weight_version must be an integer (as a string), got {value!r}") from None
 
 
 async def start_server(engine: LocalEngine, host: str = "127.0.0.1", port: int = 0, *, api_key: Optional[str] = None,
@@ -342,7 +387,7 @@ async def start_server(engine: LocalEngine, host: str = "127.0.0.1", port: int =
                          "--allow-unauthenticated on a network you trust")
     redact_bearer_tokens()  # aiohttp logs an unparsable request with its header line
     logging.getLogger("aiohttp.server").addFilter(_QuietGrpcProbe())
-    runner = web.AppRunner(EngineServer(engine, api_key).app(), access_log=None)
+    runner = _Runner(EngineServer(engine, api_key).app(), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
