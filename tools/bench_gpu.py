@@ -58,7 +58,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--profile", help="after timing, profile one more step (torch.profiler) and write its "
-                   "top operators by host and by device time to this file")
+                   "top operators by host and by device time to this file (slow: on an H200 the 0.5B run "
+                   "with it did not finish within 130 s; use --prompts 2)")
     add_seed_and_out(p)
     args = p.parse_args(argv)
     if args.quick:
