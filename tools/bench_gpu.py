@@ -57,6 +57,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--profile", help="after timing, profile one more step (torch.profiler) and write its "
+                   "top operators by host and by device time to this file (slow: on an H200 the 0.5B run "
+                   "with it did not finish within 130 s; use --prompts 2)")
     add_seed_and_out(p)
     args = p.parse_args(argv)
     if args.quick:
@@ -100,6 +103,24 @@ def gpu_minibatch(args: argparse.Namespace, vocab_size: int):
     batch = StepBatch.from_steps(steps)
     batch.set_response_field("advantages", compute_advantages(steps, "grpo"))
     return steps, batch
+
+
+def profile_step(step, device: str, path: str, rows: int = 30) -> None:
+    """One step under torch.profiler: tables of the top operators by self host (CPU) time and by
+    self device time, written to `path`; the first lines of each printed."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        step()
+        synchronize(device)
+    averages = prof.key_averages()
+    tables = [f"== by self CPU time\n{averages.table(sort_by='self_cpu_time_total', row_limit=rows)}"]
+    if device == "cuda":
+        tables.append(f"== by self device time\n{averages.table(sort_by='self_device_time_total', row_limit=rows)}")
+    Path(path).write_text("\n".join(tables))
+    for t in tables:
+        print("\n".join(t.splitlines()[:16]))
 
 
 def device_name(device: str) -> str:
@@ -148,6 +169,8 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
             if i >= args.warmup:
                 times.append(time.perf_counter() - t)
         memory_gib = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None
+        if args.profile:
+            profile_step(lambda: plugin.train_minibatch(chunks, opt, batch), args.device, args.profile)
     finally:
         destroy_distributed()
 

@@ -13,6 +13,10 @@ Each (path, masked fraction) runs in its own subprocess so peak memory is that r
 (growth of the peak RSS over the inputs). Prints measured figures side by side; no asserts.
 
     python tools/bench_logprobs.py [--tokens 2048 --hidden 512 --vocab 32000 --threads 2]
+
+`--device cuda [--dtype bf16]` runs it on the GPU: hidden states and output weight in that
+dtype (both paths take the log-softmax in fp32), steps timed between `torch.cuda.synchronize()`
+calls, peak memory = growth of `torch.cuda.max_memory_allocated` over the inputs, in-process.
 """
 
 from __future__ import annotations
@@ -43,14 +47,25 @@ def _reset_peak_rss() -> None:
         f.write("5")
 
 
-def make_case(masked: float, tokens: int, hidden: int, vocab: int):
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def make_case(masked: float, tokens: int, hidden: int, vocab: int, device: str = "cpu", dtype: str = "fp32"):
     g = torch.Generator().manual_seed(0)
-    h = torch.randn(tokens, hidden, generator=g).requires_grad_(True)
-    w = (0.02 * torch.randn(vocab, hidden, generator=g)).requires_grad_(True)
+    h = torch.randn(tokens, hidden, generator=g)
+    w = 0.02 * torch.randn(vocab, hidden, generator=g)
     targets = torch.randint(0, vocab, (tokens,), generator=g)
     idx = torch.nonzero(torch.rand(tokens, generator=g) >= masked).flatten()
     a, b = torch.randn(idx.numel(), generator=g), torch.randn(idx.numel(), generator=g)
-    return h, w, targets, idx, a, b
+    if device == "cpu" and dtype == "fp32":  # the CPU figures' exact inputs
+        return h.requires_grad_(True), w.requires_grad_(True), targets, idx, a, b
+    h, w = (t.to(device=device, dtype=DTYPES[dtype]).requires_grad_(True) for t in (h, w))
+    return (h, w, *(t.to(device) for t in (targets, idx, a, b)))
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
 def step(path: str, case, chunk: int):
@@ -71,22 +86,38 @@ def step(path: str, case, chunk: int):
 
 def peak_memory_child(path: str, masked: float, args) -> None:
     """Runs in its own process: growth of the peak RSS over the inputs during one step."""
-    case = make_case(masked, args.tokens, args.hidden, args.vocab)
+    case = make_case(masked, args.tokens, args.hidden, args.vocab, "cpu", args.dtype)
     _reset_peak_rss()
     base = _status_mib("VmRSS")
     step(path, case, args.chunk)
     print(json.dumps({"peak_mib": _status_mib("VmHWM") - base}))
 
 
+def cuda_peak_mib(path: str, masked: float, args) -> float:
+    """GPU: growth of the peak allocated memory over the inputs during one step (in-process)."""
+    case = make_case(masked, args.tokens, args.hidden, args.vocab, "cuda", args.dtype)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step(path, case, args.chunk)
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    del case
+    return peak
+
+
 def timings(masked: float, args) -> tuple[float, float, float, int]:
     """Best-of-reps time of both paths, alternated so background load hits both alike."""
-    case = make_case(masked, args.tokens, args.hidden, args.vocab)
+    case = make_case(masked, args.tokens, args.hidden, args.vocab, args.device, args.dtype)
     lp_full, lp_trained = step("full", case, args.chunk), step("trained", case, args.chunk)  # warm-up
     best = {"full": float("inf"), "trained": float("inf")}
     for _ in range(args.reps):
         for path in best:
+            _sync(args.device)
             t = time.perf_counter()
             step(path, case, args.chunk)
+            _sync(args.device)
             best[path] = min(best[path], time.perf_counter() - t)
     diff = float((lp_full - lp_trained).abs().max()) if lp_full.numel() else 0.0
     return best["full"], best["trained"], diff, int(case[3].numel())
@@ -101,6 +132,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--chunk", type=int, default=512, help="tokens per logits chunk on the trained path")
     p.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "2")))
     p.add_argument("--masked", type=float, nargs="*", default=[0.0, 0.5, 0.75, 0.9])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="of the hidden states and output weight")
+    p.add_argument("--out", help="write the figures as JSON here")
     p.add_argument("--_child", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
@@ -120,9 +154,11 @@ def run(quick: bool = False) -> dict:
 
 def report(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
-    print(f"CPU, {args.threads} threads: T={args.tokens} tokens per micro-batch, hidden {args.hidden}, "
-          f"vocab {args.vocab}, fp32; forward+backward of log-probs and entropy at the trained positions "
-          f"(best of {args.reps}, paths alternated; peak memory from a separate process per path)")
+    where = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {args.threads} threads"
+    how = "in-process peak of torch.cuda.max_memory_allocated" if args.device == "cuda" else "a separate process per path"
+    print(f"{where}: T={args.tokens} tokens per micro-batch, hidden {args.hidden}, "
+          f"vocab {args.vocab}, {args.dtype}; forward+backward of log-probs and entropy at the trained positions "
+          f"(best of {args.reps}, paths alternated; peak memory from {how})")
     header = f"{'masked':>7} {'trained':>8} | {'full s':>8} {'trained s':>10} {'speed-up':>9} | " \
              f"{'full MiB':>9} {'trained MiB':>12} {'mem ratio':>10} | {'max |dlogp|':>11}"
     print(header)
@@ -132,9 +168,12 @@ def report(args: argparse.Namespace) -> dict:
     for masked in args.masked:
         peak = {}
         for path in ("full", "trained"):
+            if args.device == "cuda":
+                peak[path] = cuda_peak_mib(path, masked, args)
+                continue
             cmd = [sys.executable, __file__, "--_child", path, str(masked), "--tokens", str(args.tokens),
                    "--hidden", str(args.hidden), "--vocab", str(args.vocab), "--chunk", str(args.chunk),
-                   "--threads", str(args.threads)]
+                   "--threads", str(args.threads), "--dtype", args.dtype]
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
             peak[path] = json.loads(proc.stdout.strip().splitlines()[-1])["peak_mib"]
         t_full, t_trained, diff, n = timings(masked, args)
@@ -149,8 +188,9 @@ def report(args: argparse.Namespace) -> dict:
         pct = round(100 * r["masked"])
         figures[f"speedup_at_{pct}pct_masked"] = r["speedup"]
         figures[f"memory_ratio_at_{pct}pct_masked"] = r["full_peak_mib"] / max(r["trained_peak_mib"], 1e-9)
-    config = {k: v for k, v in vars(args).items() if k != "_child"}
-    return {"config": config, "rows": rows, "figures": figures}
+    config = {k: v for k, v in vars(args).items() if k not in ("_child", "out")}
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    return {"config": config, "device": device, "rows": rows, "figures": figures}
 
 
 def main() -> None:
@@ -159,7 +199,11 @@ def main() -> None:
         torch.set_num_threads(args.threads)
         peak_memory_child(args._child[0], float(args._child[1]), args)
         return
-    report(args)
+    result = report(args)
+    if args.out:
+        from bench_cli import write_json
+
+        write_json(result, args.out)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,10 @@ lr = 0 keeps the weights fixed, so every repeat computes the same thing; runs al
 (real tokens / step time) of each and their ratio, next to the ratio the token counts predict.
 
     python tools/bench_trainer_step.py [--quick] [--out results.json]
+
+`--device cuda` runs the same comparison on the GPU (NCCL, bf16 weights with fp32 main
+parameters, steps timed between `torch.cuda.synchronize()` calls); give it a model and a
+mini-batch large enough to occupy the GPU (e.g. `--hidden 1024 --layers 8 --prompts 8 --samples 8`).
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=4096, help="micro-batch token budget")
     p.add_argument("--repeats", type=int, default=3, help="timed steps per layout after one warm-up")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="cuda: NCCL and bf16 weights (fp32 main parameters) on the GPU")
     add_seed_and_out(p)
     args = p.parse_args(argv)
     if args.quick:
@@ -114,14 +120,18 @@ def start_world_of_one() -> None:
 def run(quick: bool = False, **options: Any) -> dict[str, Any]:
     """Prints the table, returns the figures (what `tools/bench.py` collects)."""
     args = run_args(parse_args, quick, options)
+    on_gpu = args.device == "cuda"
+    if on_gpu and not torch.cuda.is_available():
+        raise SystemExit("bench_trainer_step: --device cuda needs a CUDA GPU")
     torch.set_num_threads(1)
+    dtype = torch.bfloat16 if on_gpu else torch.float32
     from megatron_stepwise.megatron.runtime import destroy_distributed, silence_megatron_noise
 
     silence_megatron_noise()
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from megatron_stepwise.algo.planner import plan_stats
-    from megatron_stepwise.megatron.model import build_model_chunks
+    from megatron_stepwise.megatron.model import build_model_chunks, te_available
     from megatron_stepwise.megatron.plugin import StepwisePlugin
 
     hf = model_config(args)
@@ -143,17 +153,21 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
 
     start_world_of_one()
     try:
-        chunks = build_model_chunks(hf)
+        chunks = build_model_chunks(hf, config_overrides={"dtype": dtype})
         # lr = 0: the optimizer does all its work but the weights stay put, so repeats are identical.
         opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=0.0, weight_decay=0.0, clip_grad=1.0,
-                                                     bf16=False, params_dtype=torch.float32), chunks)
+                                                     bf16=on_gpu, params_dtype=dtype), chunks)
         n_params = sum(p.numel() for p in chunks[0].parameters())
         times: dict[str, list[float]] = {"packed": [], "padded": []}
         losses: dict[str, float] = {}
         for i in range(1 + args.repeats):
             for name in ("packed", "padded"):
+                if on_gpu:
+                    torch.cuda.synchronize()
                 t = time.perf_counter()
                 metrics = plugins[name].train_minibatch(chunks, opt, batches[name])
+                if on_gpu:
+                    torch.cuda.synchronize()
                 if i > 0:  # the first round warms up allocators and megatron's buffers
                     times[name].append(time.perf_counter() - t)
                 losses[name] = metrics["loss"]
@@ -171,7 +185,9 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
     speedup = res["packed"]["real_tokens_per_s"] / res["padded"]["real_tokens_per_s"]
     predicted = computed["padded"] / computed["packed"]
 
-    print(f"trainer step (CPU, 1 thread, world size 1): Qwen2-shaped h={args.hidden} layers={args.layers} "
+    spec = "Transformer Engine" if te_available() else "local"
+    where = f"{torch.cuda.get_device_name()}, bf16, {spec} spec" if on_gpu else "CPU, 1 thread"
+    print(f"trainer step ({where}, world size 1): Qwen2-shaped h={args.hidden} layers={args.layers} "
           f"vocab={hf['vocab_size']} ({n_params / 1e6:.2f}M params), one mini-batch of {len(steps)} step rows "
           f"({args.prompts} prompts x {args.samples} samples, 1-6 turns), {real:,} real tokens, {trained:,} trained, "
           f"{len(plan[0])} micro-batches (budget {args.max_tokens:,} tokens), median of {args.repeats}")
@@ -183,6 +199,7 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
           f"loss difference {abs(res['packed']['loss'] - res['padded']['loss']):.1e}: same math, pads untrained)")
     return {
         "config": config(args),
+        "device": torch.cuda.get_device_name() if on_gpu else "cpu",
         "model": {"hf_config": hf, "params": n_params},
         "minibatch": {"rows": len(steps), "real_tokens": real, "trained_tokens": trained,
                       "micro_batches": len(plan[0]), "padded_efficiency_of_plan": stats.padded_efficiency},

@@ -191,7 +191,7 @@ class Segments:
         self.num = int(self.ids.max()) + 1 if self.ids.numel() else 0
 
     def sum(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(self.num, dtype=x.dtype).index_add(0, self.ids, x)[self.ids]
+        return torch.zeros(self.num, dtype=x.dtype, device=x.device).index_add(0, self.ids, x)[self.ids]
 
     def mean(self, x: torch.Tensor) -> torch.Tensor:
         count = torch.bincount(self.ids, minlength=self.num).to(x.dtype)
@@ -325,9 +325,9 @@ def policy_loss(inputs: LossInputs, cfg: LossConfig) -> tuple[torch.Tensor, dict
     for name, ind in indicators.items():
         metrics[name] = (w * ind.detach().to(dtype)).sum()
     for name, values in maxima.items():
-        metrics[name] = values.max().to(dtype) if values.numel() else torch.zeros((), dtype=dtype)
+        metrics[name] = values.max().to(dtype) if values.numel() else torch.zeros((), dtype=dtype, device=w.device)
     metrics["loss_weight_sum"] = w.sum()
-    metrics["num_tokens"] = torch.tensor(float(w.numel()), dtype=dtype)
+    metrics["num_tokens"] = torch.tensor(float(w.numel()), dtype=dtype, device=w.device)
     return loss, metrics
 
 

@@ -111,8 +111,10 @@ class PackedCausalAttention(MegatronModule):
             raise ValueError("PackedCausalAttention does not support attention_bias")
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             # query [T, np, hn], key/value [T, ng, hn]
-            cu = packed_seq_params.cu_seqlens_q_padded
-            bounds = (packed_seq_params.cu_seqlens_q if cu is None else cu).tolist()
+            bounds = getattr(packed_seq_params, "stepwise_bounds", None)  # host copy (packing.py)
+            if bounds is None:
+                cu = packed_seq_params.cu_seqlens_q_padded
+                bounds = (packed_seq_params.cu_seqlens_q if cu is None else cu).tolist()
             cp = dist.get_world_size(self.cp_group) if self.cp_group is not None else 1
             if cp > 1:
                 return self._context_parallel_thd(query, key, value, bounds, cp)

@@ -70,9 +70,14 @@ class PackedMicroBatch:
 
         cu = self.cu_seqlens.to(device=device, dtype=torch.int32)
         padded = None if self.cu_seqlens_padded is None else self.cu_seqlens_padded.to(device=device, dtype=torch.int32)
-        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                               cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded,
-                               max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen)
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                 cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded,
+                                 max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen)
+        # The (padded) segment bounds as host integers, read by `PackedCausalAttention` so that on
+        # a GPU no layer has to copy them back from the device (a synchronisation per layer).
+        host = self.cu_seqlens if self.cu_seqlens_padded is None else self.cu_seqlens_padded
+        params.stepwise_bounds = host.tolist()
+        return params
 
 
 def alignment_for(tp: int, sequence_parallel: bool, cp: int = 1) -> int:
