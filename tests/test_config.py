@@ -19,6 +19,7 @@ from config_fakes import FakeProbes
 from megatron_stepwise.config import ConfigError, ExperimentConfig, config_from_dict, load_config
 from megatron_stepwise.config.docs import render_markdown, render_text, sections
 from megatron_stepwise.config.fields import all_keys
+from megatron_stepwise.hf.presets import tiny_config
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "configs"
@@ -170,8 +171,7 @@ def test_to_yaml_round_trips(tmp_path):
 
 def test_heads_and_layers_checked_against_a_local_hf_config(tmp_path):
     model = tmp_path / "model"
-    write(model / "config.json", json.dumps({"num_attention_heads": 12, "num_key_value_heads": 2,
-                                             "num_hidden_layers": 6}))
+    write(model / "config.json", json.dumps(tiny_config(hidden_size=96, num_heads=12, num_kv_heads=2, num_layers=6)))
     base = {"model": {"hf_config": str(model)}, "launch": {"nproc_per_node": 8}}
     cfg = config_from_dict(base, ["parallel.tensor=2", "parallel.pipeline=2"])
     assert cfg.parallel.data_parallel_size(8) == 2
@@ -179,6 +179,13 @@ def test_heads_and_layers_checked_against_a_local_hf_config(tmp_path):
         config_from_dict(base, ["parallel.tensor=4", "parallel.pipeline=4", "launch.nproc_per_node=16"])
     assert e.value.keys == ["parallel.tensor", "parallel.pipeline"]
     assert "2 KV heads" in str(e.value) and "6 layers" in str(e.value)
+
+
+def test_an_unsupported_model_config_is_reported_by_validation(tmp_path):
+    write(tmp_path / "config.json", json.dumps({**tiny_config(), "model_type": "gpt2"}))
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"model": {"hf_config": str(tmp_path)}})
+    assert e.value.keys == ["model.hf_config"] and "model_type 'gpt2' is not supported" in str(e.value)
 
 
 def test_custom_estimators_register_through_trainer_imports(tmp_path, monkeypatch):
@@ -195,7 +202,7 @@ def test_custom_estimators_register_through_trainer_imports(tmp_path, monkeypatc
 
 def test_env_registry_and_presets_are_consulted_when_available():
     probes = FakeProbes(registries={"env": ["echo", "math_tool"]},
-                        presets={"tiny": {"num_attention_heads": 4, "num_hidden_layers": 2}})
+                        presets={"tiny": tiny_config(num_heads=4, num_layers=2)})
     cfg = config_from_dict({"env": {"name": "math_tool"}}, probes=probes)
     assert cfg.env.name == "math_tool"
     with pytest.raises(ConfigError) as e:

@@ -25,7 +25,7 @@ from typing import Iterable
 from megatron_stepwise.config.errors import ConfigError, ConfigProblem
 from megatron_stepwise.config.fields import build
 from megatron_stepwise.config.loader import COMMAND_LINE, ComposeError, apply_overrides, compose
-from megatron_stepwise.config.probes import ModelShape, Probes
+from megatron_stepwise.config.probes import Probes
 from megatron_stepwise.config.schema import (
     AlgoConfig,
     AsyncConfig,
@@ -112,7 +112,6 @@ __all__ = [
     "LoggingConfig",
     "LossConfig",
     "ModelConfig",
-    "ModelShape",
     "OptimConfig",
     "ParallelConfig",
     "Probes",

@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 from megatron_stepwise.hf import hub
+from megatron_stepwise.hf.arch import ModelConfigError, arch_from_hf
 from megatron_stepwise.config.errors import ConfigProblem
 from megatron_stepwise.config.fields import config_fields, is_config_class, is_registry, origin_of
 from megatron_stepwise.config.probes import Probes, looks_like_path
@@ -119,30 +120,36 @@ def _check_parallel(cfg: ExperimentConfig, check: _Checker, probes: Probes, worl
         check.fail("launch.nproc_per_node", f"{launch.nproc_per_node} training ranks per node but "
                                             f"launch.gpus_per_node is {launch.gpus_per_node}",
                    "launch.gpus_per_node")
-    shape = probes.model_shape(cfg.model.hf_config)
-    if shape is None:
+    found = probes.model_config(cfg.model.hf_config)
+    if found is None:
+        return
+    hf, source = found
+    try:
+        arch = arch_from_hf(hf)
+    except ModelConfigError as e:
+        check.fail("model.hf_config", f"{e} ({source})")
         return
     tp = par.tensor
-    if shape.num_attention_heads % tp or shape.num_key_value_heads % tp:
-        check.fail("parallel.tensor", f"{tp} does not divide the model's {shape.num_attention_heads} attention "
-                                      f"heads and {shape.num_key_value_heads} KV heads ({shape.source})",
+    if arch.num_heads % tp or arch.num_kv_heads % tp:
+        check.fail("parallel.tensor", f"{tp} does not divide the model's {arch.num_heads} attention "
+                                      f"heads and {arch.num_kv_heads} KV heads ({source})",
                    "model.hf_config")
-    if shape.num_layers % par.pipeline:
-        check.fail("parallel.pipeline", f"{par.pipeline} does not divide the model's {shape.num_layers} layers "
-                                        f"({shape.source})", "model.hf_config")
-    if par.expert > 1 and not shape.num_experts:
-        check.fail("parallel.expert", f"{par.expert} needs a mixture-of-experts model; {shape.source} is dense",
+    if arch.num_layers % par.pipeline:
+        check.fail("parallel.pipeline", f"{par.pipeline} does not divide the model's {arch.num_layers} layers "
+                                        f"({source})", "model.hf_config")
+    if par.expert > 1 and not arch.num_experts:
+        check.fail("parallel.expert", f"{par.expert} needs a mixture-of-experts model; {source} is dense",
                    "model.hf_config")
-    elif par.expert > 1 and shape.num_experts % par.expert:
-        check.fail("parallel.expert", f"{par.expert} does not divide the model's {shape.num_experts} experts "
-                                      f"({shape.source})", "model.hf_config")
+    elif par.expert > 1 and arch.num_experts % par.expert:
+        check.fail("parallel.expert", f"{par.expert} does not divide the model's {arch.num_experts} experts "
+                                      f"({source})", "model.hf_config")
     loss = cfg.algo.loss
     for key in ("router_aux_coef", "router_z_coef"):
-        if getattr(loss, key) and not shape.num_experts:
-            check.fail(f"algo.loss.{key}", f"{getattr(loss, key)} needs a mixture-of-experts model; {shape.source} "
+        if getattr(loss, key) and not arch.num_experts:
+            check.fail(f"algo.loss.{key}", f"{getattr(loss, key)} needs a mixture-of-experts model; {source} "
                                            "has no router", "model.hf_config")
-    if cfg.algo.routing_replay and not shape.num_experts:
-        check.fail("algo.routing_replay", f"needs a mixture-of-experts model; {shape.source} has no router",
+    if cfg.algo.routing_replay and not arch.num_experts:
+        check.fail("algo.routing_replay", f"needs a mixture-of-experts model; {source} has no router",
                    "model.hf_config")
     if par.expert > 1 and world_size % mp == 0 and (world_size // (par.tensor * par.pipeline)) % par.expert:
         check.fail("parallel.expert", f"{par.expert} does not divide data x context parallel = "
