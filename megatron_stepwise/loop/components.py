@@ -28,9 +28,10 @@ def init_runtime(cfg: ExperimentConfig):
 
 def data_parallel() -> tuple[int, int]:
     """(this rank's data-parallel rank, the data-parallel size), from megatron's parallel state."""
-    from megatron.core import parallel_state as ps
+    from megatron_stepwise.megatron.runtime import current_layout
 
-    return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    layout = current_layout()
+    return layout.dp_rank, layout.dp
 
 
 def cpu_group(cfg: ExperimentConfig):

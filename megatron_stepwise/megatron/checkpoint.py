@@ -58,6 +58,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_stepwise.megatron.fileops import fsync_dir, make_staging_dir, raise_together, write_atomic
+from megatron_stepwise.megatron.runtime import current_layout
 
 log = logging.getLogger(__name__)
 
@@ -278,18 +279,6 @@ def set_rng_state(state: dict) -> None:
 # ----------------------------------------------------------------------------- state dicts
 
 
-def _layout() -> dict:
-    from megatron.core import parallel_state as ps
-
-    return {
-        "world_size": dist.get_world_size(),
-        "tp": ps.get_tensor_model_parallel_world_size(),
-        "pp": ps.get_pipeline_model_parallel_world_size(),
-        "cp": ps.get_context_parallel_world_size(),
-        "dp": ps.get_data_parallel_world_size(),
-    }
-
-
 def _model_key(i: int, n: int) -> str:
     return "model" if n == 1 else f"model{i}"  # Megatron-LM's naming (virtual pipeline chunks)
 
@@ -417,7 +406,7 @@ def save_checkpoint(chunks: list, optimizer: Any, scheduler: Any, trainer_state:
     sd["sharded_metadata"] = metadata  # loading must build the same structure
     sd["trainer_state"] = json.loads(state_json)
     sd["scheduler"] = scheduler.state_dict() if scheduler is not None else None
-    sd["layout"] = _layout()
+    sd["layout"] = current_layout().sizes()
     with _in_process_results_queue():
         dist_checkpointing.save(sd, str(tmp), sharded_strategy=_save_strategy())
     if rank == 0:
@@ -541,7 +530,7 @@ def _load(target: Path, chunks: list, optimizer: Any, scheduler: Any, *, load_op
             f"checkpoint {target} was saved with config_hash={trainer_state.get('config_hash')!r}, "
             f"the current config has {config_hash!r}"
         )
-    saved_layout, layout = common.get("layout") or {}, _layout()
+    saved_layout, layout = common.get("layout") or {}, current_layout().sizes()
     same_layout = saved_layout == layout
     if optimizer is not None and load_optimizer and _distributed_optimizers(optimizer):
         moved = [f"{k} {saved_layout.get(k)} -> {layout[k]}" for k in ("tp", "pp", "cp") if saved_layout.get(k, 1) != layout[k]]
