@@ -126,6 +126,8 @@ CASES = [
     ("temperature-underflow", {"rollout": {"sampling": {"temperature": 1e-300}}}, [], {},
      "rollout.sampling.temperature", ">= 0.0001"),
     ("top-k-float", {"rollout": {"sampling": {"top_k": 2.0}}}, [], {}, "rollout.sampling.top_k", "expected an integer"),
+    ("eval-temperature-underflow", {"eval": {"temperature": 1e-300}}, [], {}, "eval.temperature",
+     "0 (greedy) or a finite number >= 0.0001"),
     # non-finite floats: NaN passes no bound, so every float key checks finiteness itself
     ("nan-lr", {"optim": {"lr": float("nan")}}, [], {}, "optim.lr", "must be a finite number"),
     ("absurd-lr", {"optim": {"lr": 1e30}}, [], {}, "optim.lr", "must be <= 1.0"),

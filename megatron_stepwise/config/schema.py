@@ -17,9 +17,10 @@ from typing import Any, Literal, Optional
 
 from megatron_stepwise.algo.losses import LossConfig
 from megatron_stepwise.config.fields import option, section, to_dict
-from megatron_stepwise.options import option_of
+from megatron_stepwise.options import option_of, option_problems
 from megatron_stepwise.rollout.agent_loop import AgentLoopConfig
 from megatron_stepwise.rollout.engine import RetryConfig, SamplingConfig, SamplingParams
+from megatron_stepwise.types import temperature_problem
 
 
 @dataclass
@@ -336,6 +337,14 @@ class EvalConfig:
     success_threshold: float = option(1.0, "reward at or above which a trajectory counts as solved (pass@k, "
                                            "maj@k; training's reward/pass@k too)")
     at_end: bool = option(True, "with trainer.eval_every > 0, also evaluate the final policy")
+
+    def problems(self) -> list[tuple[str, str]]:
+        """The declared bounds, and a request's temperature rule (0 or >= MIN_TEMPERATURE)."""
+        out = option_problems(self)
+        why = None if self.temperature is None else temperature_problem(self.temperature, greedy=True)
+        if why and "temperature" not in dict(out):  # a negative one broke the declared bound already
+            out.append(("temperature", why))
+        return out
 
 
 @dataclass
