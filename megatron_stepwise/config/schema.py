@@ -17,7 +17,7 @@ from typing import Any, Literal, Optional
 
 from megatron_stepwise.algo.losses import LossConfig
 from megatron_stepwise.config.fields import option, section, to_dict
-from megatron_stepwise.options import option_of, option_problems
+from megatron_stepwise.options import check_options, option_of, option_problems
 from megatron_stepwise.rollout.agent_loop import AgentLoopConfig
 from megatron_stepwise.rollout.engine import RetryConfig, SamplingConfig, SamplingParams
 from megatron_stepwise.types import temperature_problem
@@ -263,6 +263,9 @@ class AsyncConfig:
     max_staleness: int = option(1, "train only on trajectories started at most this many weight "
                                    "versions ago", min=0)
     stale_policy: Literal["drop", "requeue"] = option("drop", "what happens to a too-stale trajectory")
+
+    def __post_init__(self) -> None:  # read by loop/group_buffer.py, which trusts these bounds
+        check_options(self, "async.")
 
 
 @dataclass
