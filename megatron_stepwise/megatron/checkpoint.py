@@ -229,11 +229,15 @@ def _publish(tmp: Path, final: Path) -> None:
     write_atomic(final.parent / LATEST, final.name + "\n")
 
 
+def _check_keep_last(keep_last: int) -> None:
+    if keep_last < 1:  # checkpoint.keep_last's bound, for callers outside the config
+        raise CheckpointError(f"keep_last must be >= 1, got {keep_last}")
+
+
 def prune(ckpt_dir: PathLike, keep_last: int, *, protect: Optional[Path] = None) -> list[Path]:
     """Delete all but the newest `keep_last` complete checkpoints, and leftover `.tmp`/`.old`
     directories of interrupted saves; never `protect` or what `latest` names. Returns what went."""
-    if keep_last < 1:
-        raise CheckpointError(f"keep_last must be >= 1, got {keep_last}")
+    _check_keep_last(keep_last)
     root = Path(ckpt_dir)
     keep = set(list_checkpoints(root)[-keep_last:])
     latest = find_latest(root)
@@ -379,7 +383,7 @@ def _save_strategy():
 
 
 def save_checkpoint(chunks: list, optimizer: Any, scheduler: Any, trainer_state: dict, ckpt_dir: PathLike,
-                    keep_last: int = 2) -> Path:
+                    keep_last: int) -> Path:
     """Save everything needed to resume; collective over all ranks; returns the checkpoint path.
 
     trainer_state: JSON-serialisable dict with at least an int `iteration` (it names the
@@ -389,8 +393,7 @@ def save_checkpoint(chunks: list, optimizer: Any, scheduler: Any, trainer_state:
 
     if "iteration" not in trainer_state or not isinstance(trainer_state["iteration"], int):
         raise CheckpointError(f"trainer_state needs an int 'iteration', got {trainer_state.get('iteration')!r}")
-    if keep_last < 1:
-        raise CheckpointError(f"keep_last must be >= 1, got {keep_last}")
+    _check_keep_last(keep_last)  # before anything is written
     try:
         state_json = json.dumps(trainer_state, indent=2, sort_keys=True)
     except TypeError as e:
