@@ -19,8 +19,6 @@ from megatron_stepwise.config.fields import config_fields, is_config_class, is_r
 from megatron_stepwise.config.probes import Probes, looks_like_path
 from megatron_stepwise.config.schema import ExperimentConfig
 
-# Estimators that compare the trajectories of one prompt: a group of one has no signal.
-GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "maxrl")
 _KEY_RE = re.compile(r"^[a-z_]+(\.[a-z_]+)+$")
 # `ray start` reserves these for its workers (--min/max-worker-port defaults) and refuses a
 # head port among them.
@@ -266,11 +264,15 @@ def _check_data(cfg: ExperimentConfig, check: _Checker) -> None:
 
 
 def _check_algo(cfg: ExperimentConfig, check: _Checker) -> None:
+    from megatron_stepwise.algo import advantages
+
     algo, data = cfg.algo, cfg.data
-    turn_level = _check_turn_estimator(cfg, check)
+    _check_turn_estimator(cfg, check)  # imports turn_credit, which registers the turn estimators
     if data.samples_per_prompt == 1:
-        if algo.estimator in GROUP_ESTIMATORS or turn_level:
-            check.fail("data.samples_per_prompt", f"is 1 but algo.estimator {algo.estimator} compares the "
+        # Outcome and turn estimators compare the trajectories of a prompt (the registry's kinds).
+        name = algo.estimator
+        if name in advantages.list_estimators() and not advantages.is_temporal_estimator(name):
+            check.fail("data.samples_per_prompt", f"is 1 but algo.estimator {name} compares the "
                                                   "trajectories of a prompt: every advantage would be 0",
                        "algo.estimator")
             return  # the filters below fail for the same reason; one fix solves both
@@ -281,21 +283,19 @@ def _check_algo(cfg: ExperimentConfig, check: _Checker) -> None:
                            "data.samples_per_prompt")
 
 
-def _check_turn_estimator(cfg: ExperimentConfig, check: _Checker) -> bool:
-    """A turn-level estimator's options, and per-turn rewards to credit (docs/credit.md).
-    True when `algo.estimator` is one."""
+def _check_turn_estimator(cfg: ExperimentConfig, check: _Checker) -> None:
+    """A turn-level estimator's options, and per-turn rewards to credit (docs/credit.md)."""
     from megatron_stepwise.algo import advantages, turn_credit
 
     name = cfg.algo.estimator
     if name not in advantages.list_estimators() or not advantages.is_turn_estimator(name):
-        return False
+        return
     if cfg.rollout.max_turns == 1:
         check.fail("algo.estimator", f"{name} credits each turn with the rewards from it on, but "
                                      "rollout.max_turns=1 leaves one turn per trajectory and no per-turn "
                                      "rewards: use its outcome estimator (rloo, grpo, dr_grpo)", "rollout.max_turns")
     for key, message in turn_credit.check_turn_options(name, dict(cfg.algo.estimator_options)):
         check.fail(key, message, "algo.estimator")
-    return True
 
 
 # Keys the loss checks of megatron_stepwise.algo read: a parse error in any of them silences them.
