@@ -27,6 +27,7 @@ import dataclasses
 import difflib
 import functools
 import math
+import typing
 from typing import Any, Callable, Iterator, Sequence, Union
 
 Choices = Union[Sequence[Any], Callable[[], Sequence[Any]]]
@@ -56,6 +57,23 @@ def option_of(cls: type, name: str) -> Any:
     if f.default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=f.default_factory, metadata=f.metadata)
     return dataclasses.field(default=f.default, metadata=f.metadata)
+
+
+def takes_options(owner: type, names: Sequence[str]) -> Callable[[type], type]:
+    """Class decorator (below `@dataclass`): the options `names` of `owner` that the class does not
+    declare itself are appended as its fields (`option_of`), so a key the owner adds to `names`
+    needs no second edit in the schema."""
+
+    def add(cls: type) -> type:
+        own = cls.__dict__["__annotations__"]  # the class declares fields of its own
+        hints = typing.get_type_hints(owner)
+        for name in names:
+            if name not in own:
+                own[name] = hints[name]
+                setattr(cls, name, option_of(owner, name))
+        return cls
+
+    return add
 
 
 def section(cls: type, help: str, *, key: str | None = None) -> Any:

@@ -434,3 +434,22 @@ def test_cli_validate_show_and_docs():
     helptext = run_cli("config", "--help")
     assert helptext.returncode == 0
     assert "algo.loss.clip_high" in helptext.stdout and "weight_sync.mode" in helptext.stdout
+
+
+def test_takes_options_appends_the_owners_keys_a_section_does_not_list():
+    """A key the agent loop adds to ROLLOUT_KEYS reaches the rollout section without a schema edit."""
+    from megatron_stepwise.options import option, option_of, takes_options
+
+    @dataclasses.dataclass
+    class Owner:
+        a: int = option(1, "a", min=1)
+        b: int = option(2, "b")
+
+    @dataclasses.dataclass
+    @takes_options(Owner, ("a", "b"))
+    class Section:
+        b: int = option_of(Owner, "b")
+        c: int = option(3, "c")
+
+    assert [f.name for f in dataclasses.fields(Section)] == ["b", "c", "a"]
+    assert Section().a == 1 and dataclasses.fields(Section)[2].metadata["min"] == 1

@@ -17,8 +17,8 @@ from typing import Any, Literal, Optional
 
 from megatron_stepwise.algo.losses import LossConfig
 from megatron_stepwise.config.fields import option, section, to_dict
-from megatron_stepwise.options import check_options, option_of, option_problems
-from megatron_stepwise.rollout.agent_loop import AgentLoopConfig
+from megatron_stepwise.options import check_options, option_of, option_problems, takes_options
+from megatron_stepwise.rollout.agent_loop import ROLLOUT_KEYS, AgentLoopConfig
 from megatron_stepwise.rollout.engine import RetryConfig, SamplingConfig, SamplingParams
 from megatron_stepwise.types import temperature_problem
 
@@ -94,6 +94,7 @@ class SGLangConfig:
 
 
 @dataclass
+@takes_options(AgentLoopConfig, ROLLOUT_KEYS)  # the agent loop's keys not placed below come last
 class RolloutConfig:
     """The rollout fleet and the multi-turn agent loop.
 
