@@ -181,7 +181,7 @@ class DataConfig:
     """How rollouts become optimizer steps (prompt-based mini-batches)."""
 
     prompts_per_iteration: int = option(8, "prompts rolled out per iteration", min=1)
-    samples_per_prompt: int = option(4, "trajectories per prompt (the group size of the estimator)", min=1)
+    samples_per_prompt: int = option_of(AgentLoopConfig, "n_samples_per_prompt")
     prompts_per_minibatch: int = option(4, "prompts per mini-batch; each mini-batch is one optimizer step",
                                         min=1)
     epochs: int = option(1, "optimizer passes over each iteration's rollouts (verl's ppo_epochs), not passes over "

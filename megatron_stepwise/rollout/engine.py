@@ -20,7 +20,7 @@ from typing import Any, Iterable, Mapping, Optional, Protocol, Union, runtime_ch
 
 import torch
 
-from megatron_stepwise.options import check_options, option, option_problems
+from megatron_stepwise.options import check_options, option, option_problems, problem_of
 from megatron_stepwise.types import MIN_TEMPERATURE, temperature_problem, top_k_problem
 
 NamedTensors = Union[Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
@@ -163,8 +163,9 @@ class SamplingParams:
                          ("top_k", top_k_problem(self.top_k))):
             if why:
                 raise ValueError(f"sampling_params.{key} {why}")
-        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
-            raise ValueError(f"sampling_params.top_p must be a number in (0, 1], got {self.top_p!r}")
+        why = problem_of(SamplingConfig, "top_p", self.top_p) if _is_number(self.top_p) else "must be a number"
+        if why:
+            raise ValueError(f"sampling_params.top_p {why}")
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 0:
             raise ValueError(f"sampling_params.max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}")
         if self.sampling_seed is not None and not (
