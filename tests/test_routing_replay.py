@@ -369,7 +369,7 @@ def test_mixtral_configs_count_their_experts_for_validation(tmp_path, monkeypatc
     assert cfg.algo.routing_replay
     with pytest.raises(ConfigError) as e:
         config_from_dict({"model": {"hf_config": str(tmp_path)}, "parallel": {"expert": 3}}, [], probes=FakeProbes())
-    assert "parallel.expert: 3 does not divide the model's 8 experts" in str(e.value)
+    assert "parallel.expert: expert_parallel=3 does not divide num_experts=8" in str(e.value)
 
 
 def test_the_trainer_turns_replay_on_in_the_model_and_the_engines():

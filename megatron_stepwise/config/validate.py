@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 from megatron_stepwise.hf import hub
-from megatron_stepwise.hf.arch import ModelConfigError, arch_from_hf
+from megatron_stepwise.hf.arch import ModelConfigError, arch_from_hf, split_problems
 from megatron_stepwise.config.errors import ConfigProblem
 from megatron_stepwise.config.fields import config_fields, is_config_class, is_registry, origin_of
 from megatron_stepwise.config.probes import Probes, looks_like_path
@@ -127,20 +127,11 @@ def _check_parallel(cfg: ExperimentConfig, check: _Checker, probes: Probes, worl
     except ModelConfigError as e:
         check.fail("model.hf_config", f"{e} ({source})")
         return
-    tp = par.tensor
-    if arch.num_heads % tp or arch.num_kv_heads % tp:
-        check.fail("parallel.tensor", f"{tp} does not divide the model's {arch.num_heads} attention "
-                                      f"heads and {arch.num_kv_heads} KV heads ({source})",
-                   "model.hf_config")
-    if arch.num_layers % par.pipeline:
-        check.fail("parallel.pipeline", f"{par.pipeline} does not divide the model's {arch.num_layers} layers "
-                                        f"({source})", "model.hf_config")
-    if par.expert > 1 and not arch.num_experts:
-        check.fail("parallel.expert", f"{par.expert} needs a mixture-of-experts model; {source} is dense",
-                   "model.hf_config")
-    elif par.expert > 1 and arch.num_experts % par.expert:
-        check.fail("parallel.expert", f"{par.expert} does not divide the model's {arch.num_experts} experts "
-                                      f"({source})", "model.hf_config")
+    reported = set()
+    for size, why in split_problems(arch, tp=par.tensor, pp=par.pipeline, ep=par.expert):
+        if size not in reported:  # one problem per key
+            reported.add(size)
+            check.fail(f"parallel.{size}", f"{why} ({source})", "model.hf_config")
     loss = cfg.algo.loss
     for key in ("router_aux_coef", "router_z_coef"):
         if getattr(loss, key) and not arch.num_experts:

@@ -159,21 +159,32 @@ def padded_vocab_size(vocab_size: int, tp: int) -> int:
     return vocab_size + (-vocab_size) % tp
 
 
-def validate_parallel(arch: GPTArch, *, tp: int, pp: int, tokenizer_vocab_size: Optional[int] = None,
-                      vpp: int = 1) -> None:
-    """Clear errors for layouts the model cannot be split into, and vocab mismatches."""
-    checks = [
-        ("num_attention_heads", arch.num_heads, tp, "tensor_parallel"),
-        ("num_key_value_heads", arch.num_kv_heads, tp, "tensor_parallel"),
-        ("intermediate_size", arch.ffn_hidden_size, tp, "tensor_parallel"),
-        ("num_hidden_layers", arch.num_layers, pp, "pipeline_parallel"),
-        ("num_hidden_layers", arch.num_layers, pp * vpp, "pipeline_parallel x virtual_pipeline"),
-    ]
-    for key, value, size, what in checks:
-        if value % size:
-            raise ModelConfigError(f"{what}={size} does not divide {key}={value}")
+def split_problems(arch: GPTArch, *, tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1) -> list[tuple[str, str]]:
+    """(parallel size, why) for each way a layout cannot split `arch`; the size is "tensor",
+    "pipeline" or "expert". Config validation names its key, the builder raises the first."""
+    checks = [("tensor", "num_attention_heads", arch.num_heads, tp, "tensor_parallel"),
+              ("tensor", "num_key_value_heads", arch.num_kv_heads, tp, "tensor_parallel"),
+              ("tensor", "intermediate_size", arch.ffn_hidden_size, tp, "tensor_parallel"),
+              ("pipeline", "num_hidden_layers", arch.num_layers, pp, "pipeline_parallel")]
+    if vpp > 1:
+        checks.append(("pipeline", "num_hidden_layers", arch.num_layers, pp * vpp,
+                       "pipeline_parallel x virtual_pipeline"))
+    out = [(size, f"{what}={n} does not divide {key}={value}") for size, key, value, n, what in checks if value % n]
     if padded_vocab_size(arch.vocab_size, tp) // tp * (tp - 1) >= arch.vocab_size:
-        raise ModelConfigError(f"vocab_size={arch.vocab_size} is too small to split over tensor_parallel={tp}")
+        out.append(("tensor", f"vocab_size={arch.vocab_size} is too small to split over tensor_parallel={tp}"))
+    if ep > 1 and not arch.num_experts:
+        out.append(("expert", f"expert_parallel={ep} needs a mixture-of-experts model (this one is dense)"))
+    elif arch.num_experts % ep:
+        out.append(("expert", f"expert_parallel={ep} does not divide num_experts={arch.num_experts}"))
+    return out
+
+
+def validate_parallel(arch: GPTArch, *, tp: int, pp: int, tokenizer_vocab_size: Optional[int] = None,
+                      vpp: int = 1, ep: int = 1) -> None:
+    """Clear errors for layouts the model cannot be split into, and vocab mismatches."""
+    problems = split_problems(arch, tp=tp, pp=pp, vpp=vpp, ep=ep)
+    if problems:
+        raise ModelConfigError(problems[0][1])
     if arch.num_heads % arch.num_kv_heads:
         raise ModelConfigError(f"num_key_value_heads={arch.num_kv_heads} does not divide "
                                f"num_attention_heads={arch.num_heads}")

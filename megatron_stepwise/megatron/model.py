@@ -132,15 +132,13 @@ def build_gpt_model(hf_config: Any, *, pre_process: Optional[bool] = None,
     pp = ps.get_pipeline_model_parallel_world_size()
     cp = ps.get_context_parallel_world_size()
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
-    validate_parallel(arch, tp=tp, pp=pp, tokenizer_vocab_size=tokenizer_vocab_size, vpp=vpp or 1)
+    ep = ps.get_expert_model_parallel_world_size() if arch.num_experts else 1
+    validate_parallel(arch, tp=tp, pp=pp, tokenizer_vocab_size=tokenizer_vocab_size, vpp=vpp or 1, ep=ep)
     use_te = te_available() if use_te is None else use_te
     overrides = dict(config_overrides or {})
     if arch.num_experts:
         # The model config must know EP: it marks expert weights so DDP reduces their gradients
         # over the expert-data-parallel group, not the whole DP group (which holds other experts).
-        ep = ps.get_expert_model_parallel_world_size()
-        if arch.num_experts % ep:
-            raise ModelConfigError(f"expert_parallel={ep} does not divide num_experts={arch.num_experts}")
         overrides.setdefault("expert_model_parallel_size", ep)
     if vpp is not None:  # interleaved pipeline: this chunk's layers depend on vp_stage
         overrides.setdefault("virtual_pipeline_model_parallel_size", vpp)
