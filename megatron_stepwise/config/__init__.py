@@ -10,7 +10,7 @@
 - fields.py    declaring keys (`option`, `section`) and building typed dataclasses from dicts
 - loader.py    `defaults:` inheritance, `a.b.c=value` overrides, provenance of keys
 - validate.py  semantic checks (layouts, combinations, the machine), one problem per finding
-- probes.py    what validation needs to know about the machine (extras, model shapes, registries)
+- probes.py    what validation needs to know about the machine (extras, model configs, registries)
 - errors.py    `ConfigProblem` / `ConfigError`: every problem names its dotted key
 - docs.py      the key reference generated from the schema (docs/config.md)
 - commands.py  `megatron-stepwise validate` and `megatron-stepwise config {docs,show}`
