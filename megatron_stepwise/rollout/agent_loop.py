@@ -90,8 +90,8 @@ class Generator(Protocol):
 
 
 # The keys AgentLoopConfig shares with the `rollout` config section (same names there):
-# declared here once; config/schema.py's RolloutConfig takes their declarations (`option_of`)
-# and `from_section` reads them back from the section.
+# declared here once; config/schema.py's RolloutConfig takes their declarations (`option_of`;
+# a name added here joins the section by itself) and `from_section` reads them back.
 ROLLOUT_KEYS = ("max_concurrency", "max_turns", "context", "max_input_length", "env_error_reward",
                 "drift_sample_rate", "env_concurrency")
 
