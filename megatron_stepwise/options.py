@@ -27,6 +27,7 @@ import dataclasses
 import difflib
 import functools
 import math
+import typing
 from typing import Any, Callable, Iterator, Sequence, Union
 
 Choices = Union[Sequence[Any], Callable[[], Sequence[Any]]]
@@ -50,12 +51,40 @@ def option_of(cls: type, name: str) -> Any:
     """The option `name` of the option dataclass `cls` as a field of another class: the same
     default, help, bounds and choices, declared once (e.g. the `rollout` section's agent-loop
     keys are `rollout.agent_loop.AgentLoopConfig`'s)."""
-    f = next((f for f in dataclasses.fields(cls) if f.name == name), None)
-    if f is None or "help" not in f.metadata:
-        raise TypeError(f"{cls.__name__} declares no option {name!r}")  # a bug in a schema
+    f = _option_field(cls, name)
     if f.default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=f.default_factory, metadata=f.metadata)
     return dataclasses.field(default=f.default, metadata=f.metadata)
+
+
+def _option_field(cls: type, name: str) -> dataclasses.Field:
+    f = next((f for f in dataclasses.fields(cls) if f.name == name), None)
+    if f is None or "help" not in f.metadata:
+        raise TypeError(f"{cls.__name__} declares no option {name!r}")  # a bug in a schema
+    return f
+
+
+def problem_of(cls: type, name: str, value: Any) -> str | None:
+    """Why `value` breaks the bounds or choices of option `name` of `cls`, or None: for code that
+    takes one declared knob as a plain value (a request field, a function argument)."""
+    return value_problem(value, _option_field(cls, name).metadata)
+
+
+def takes_options(owner: type, names: Sequence[str]) -> Callable[[type], type]:
+    """Class decorator (below `@dataclass`): the options `names` of `owner` that the class does not
+    declare itself are appended as its fields (`option_of`), so a key the owner adds to `names`
+    needs no second edit in the schema."""
+
+    def add(cls: type) -> type:
+        own = cls.__dict__["__annotations__"]  # the class declares fields of its own
+        hints = typing.get_type_hints(owner)
+        for name in names:
+            if name not in own:
+                own[name] = hints[name]
+                setattr(cls, name, option_of(owner, name))
+        return cls
+
+    return add
 
 
 def section(cls: type, help: str, *, key: str | None = None) -> Any:

@@ -9,6 +9,7 @@ tensors + row offsets) those paths work on.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Sequence, Union
 
@@ -18,6 +19,26 @@ TokenSeq = Union[Sequence[int], torch.Tensor]
 FloatSeq = Union[Sequence[float], torch.Tensor]
 
 PAD_PROMPT_PREFIX = "__pad__"
+
+# The smallest non-zero sampling temperature: below it `logits / T` overflows (1e-300 gives inf,
+# then NaN probabilities). SGLang itself treats T < 1e-6 as greedy.
+MIN_TEMPERATURE = 1e-4
+
+
+def temperature_problem(value: Any, *, greedy: bool) -> Optional[str]:
+    """Why `value` is no sampling temperature, or None: a finite T >= MIN_TEMPERATURE, or 0
+    (greedy) where `greedy` allows it. Training scores log_softmax(logits / T), so never 0 there."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and (value >= MIN_TEMPERATURE or (greedy and value == 0)):
+        return None
+    return f"must be {'0 (greedy) or ' if greedy else ''}a finite number >= {MIN_TEMPERATURE} (got {value!r})"
+
+
+def top_k_problem(value: Any) -> Optional[str]:
+    """Why `value` is no top-k, or None: -1 (off) or >= 1, SGLang's rule."""
+    if isinstance(value, int) and not isinstance(value, bool) and (value == -1 or value >= 1):
+        return None
+    return f"must be -1 (off) or >= 1 (got {value!r})"
 
 
 class StepwiseBatchError(ValueError):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megatron_stepwise.config import ModelShape, Probes
+from megatron_stepwise.config import Probes
+from megatron_stepwise.hf.presets import tiny_config
 
 
 class FakeProbes(Probes):
@@ -30,11 +31,12 @@ class FakeProbes(Probes):
         names = self.registries.get(kind)
         return None if names is None else set(names)
 
-    def model_shape(self, hf_config):
+    def model_config(self, hf_config):
         if hf_config in self.shapes:
             heads, kv, layers, *experts = self.shapes[hf_config]  # (heads, KV heads, layers[, experts])
-            return ModelShape(heads, kv, layers, f"fake {hf_config}", *experts)
-        return super().model_shape(hf_config)  # local config.json files are read for real
+            moe = {"model_type": "qwen3_moe", "num_experts": experts[0]} if experts else {}
+            return tiny_config(num_heads=heads, num_kv_heads=kv, num_layers=layers, **moe), f"fake {hf_config}"
+        return super().model_config(hf_config)  # local config.json files are read for real
 
     def locate_model(self, value, files=("config.json",)):
         if Path(value).expanduser().exists():

@@ -19,6 +19,7 @@ from config_fakes import FakeProbes
 from megatron_stepwise.config import ConfigError, ExperimentConfig, config_from_dict, load_config
 from megatron_stepwise.config.docs import render_markdown, render_text, sections
 from megatron_stepwise.config.fields import all_keys
+from megatron_stepwise.hf.presets import tiny_config
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "configs"
@@ -170,15 +171,21 @@ def test_to_yaml_round_trips(tmp_path):
 
 def test_heads_and_layers_checked_against_a_local_hf_config(tmp_path):
     model = tmp_path / "model"
-    write(model / "config.json", json.dumps({"num_attention_heads": 12, "num_key_value_heads": 2,
-                                             "num_hidden_layers": 6}))
+    write(model / "config.json", json.dumps(tiny_config(hidden_size=96, num_heads=12, num_kv_heads=2, num_layers=6)))
     base = {"model": {"hf_config": str(model)}, "launch": {"nproc_per_node": 8}}
     cfg = config_from_dict(base, ["parallel.tensor=2", "parallel.pipeline=2"])
     assert cfg.parallel.data_parallel_size(8) == 2
     with pytest.raises(ConfigError) as e:  # 4 divides 12 heads but not 2 KV heads; 4 does not divide 6 layers
         config_from_dict(base, ["parallel.tensor=4", "parallel.pipeline=4", "launch.nproc_per_node=16"])
     assert e.value.keys == ["parallel.tensor", "parallel.pipeline"]
-    assert "2 KV heads" in str(e.value) and "6 layers" in str(e.value)
+    assert "num_key_value_heads=2" in str(e.value) and "num_hidden_layers=6" in str(e.value)
+
+
+def test_an_unsupported_model_config_is_reported_by_validation(tmp_path):
+    write(tmp_path / "config.json", json.dumps({**tiny_config(), "model_type": "gpt2"}))
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"model": {"hf_config": str(tmp_path)}})
+    assert e.value.keys == ["model.hf_config"] and "model_type 'gpt2' is not supported" in str(e.value)
 
 
 def test_custom_estimators_register_through_trainer_imports(tmp_path, monkeypatch):
@@ -195,7 +202,7 @@ def test_custom_estimators_register_through_trainer_imports(tmp_path, monkeypatc
 
 def test_env_registry_and_presets_are_consulted_when_available():
     probes = FakeProbes(registries={"env": ["echo", "math_tool"]},
-                        presets={"tiny": {"num_attention_heads": 4, "num_hidden_layers": 2}})
+                        presets={"tiny": tiny_config(num_heads=4, num_layers=2)})
     cfg = config_from_dict({"env": {"name": "math_tool"}}, probes=probes)
     assert cfg.env.name == "math_tool"
     with pytest.raises(ConfigError) as e:
@@ -394,7 +401,7 @@ def test_moe_recipe_layout_is_checked_against_the_model():
     assert (cfg.parallel.expert, cfg.parallel.data_parallel_size(cfg.launch.world_size())) == (8, 8)
     with pytest.raises(ConfigError) as e:
         load_config(path, ["parallel.expert=3"], probes=FakeProbes(shapes=qwen3))
-    assert "parallel.expert: 3 does not divide the model's 128 experts" in str(e.value)
+    assert "parallel.expert: expert_parallel=3 does not divide num_experts=128" in str(e.value)
 
 
 def test_recipes_report_missing_sglang_on_this_machine():
@@ -427,3 +434,22 @@ def test_cli_validate_show_and_docs():
     helptext = run_cli("config", "--help")
     assert helptext.returncode == 0
     assert "algo.loss.clip_high" in helptext.stdout and "weight_sync.mode" in helptext.stdout
+
+
+def test_takes_options_appends_the_owners_keys_a_section_does_not_list():
+    """A key the agent loop adds to ROLLOUT_KEYS reaches the rollout section without a schema edit."""
+    from megatron_stepwise.options import option, option_of, takes_options
+
+    @dataclasses.dataclass
+    class Owner:
+        a: int = option(1, "a", min=1)
+        b: int = option(2, "b")
+
+    @dataclasses.dataclass
+    @takes_options(Owner, ("a", "b"))
+    class Section:
+        b: int = option_of(Owner, "b")
+        c: int = option(3, "c")
+
+    assert [f.name for f in dataclasses.fields(Section)] == ["b", "c", "a"]
+    assert Section().a == 1 and dataclasses.fields(Section)[2].metadata["min"] == 1

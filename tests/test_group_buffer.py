@@ -1,7 +1,7 @@
 """GroupBuffer: the staleness bound, admission, atomic groups and conservation of async training.
 
 The randomised tests drive the buffer exactly as the async driver does (a producer that starts
-groups whenever admitted, a trainer that takes `groups_per_step` groups, trains, bumps the
+groups whenever admitted, a trainer that takes `prompts_per_minibatch` groups, trains, bumps the
 version and syncs the fleet) on a simulated clock with random generation and training speeds,
 random group sizes and random filters, for many seeds.
 """
@@ -16,7 +16,9 @@ import pytest
 
 from helpers import make_step
 from megatron_stepwise.algo.groups import groups_of
+from megatron_stepwise.config.schema import AsyncConfig
 from megatron_stepwise.loop.group_buffer import GroupBuffer
+from megatron_stepwise.options import OptionError
 from megatron_stepwise.types import Step, TrajectoryID
 
 
@@ -31,7 +33,7 @@ def counter_draw():
 
 # ------------------------------------------------------------------------- hand-computed cases
 def test_admission_keeps_the_fleet_at_most_max_staleness_steps_ahead():
-    buf = GroupBuffer(groups_per_step=4, max_staleness=1)
+    buf = GroupBuffer(4, AsyncConfig(max_staleness=1))
     draw = counter_draw()
     started = []
     while buf.can_start(0):
@@ -50,7 +52,7 @@ def test_admission_keeps_the_fleet_at_most_max_staleness_steps_ahead():
 
 
 def test_take_returns_exactly_n_oldest_start_version_first_or_none():
-    buf = GroupBuffer(groups_per_step=2, max_staleness=3)
+    buf = GroupBuffer(2, AsyncConfig(max_staleness=3))
     draw = counter_draw()
     a, b = buf.start(0, draw), buf.start(0, draw)
     c, d = buf.start(1, draw), buf.start(2, draw)
@@ -68,7 +70,7 @@ def test_take_returns_exactly_n_oldest_start_version_first_or_none():
 
 @pytest.mark.parametrize("policy", ["drop", "requeue"])
 def test_too_stale_groups_are_dropped_or_requeued_and_counted(policy):
-    buf = GroupBuffer(groups_per_step=1, max_staleness=1, stale_policy=policy, base_version=5)
+    buf = GroupBuffer(1, AsyncConfig(max_staleness=1, stale_policy=policy), base_version=5)
     draw = counter_draw()
     old, fresh = buf.start(5, draw), buf.start(6, draw)
     buf.finish(old.serial, ["old"], version=6)  # staleness 1: still fine
@@ -89,7 +91,7 @@ def test_too_stale_groups_are_dropped_or_requeued_and_counted(policy):
 
 
 def test_finish_twice_or_unknown_group_is_an_error():
-    buf = GroupBuffer(groups_per_step=1, max_staleness=1)
+    buf = GroupBuffer(1, AsyncConfig(max_staleness=1))
     g = buf.start(0, counter_draw())
     buf.finish(g.serial, [], 0)
     with pytest.raises(ValueError, match="group 0 is not in flight"):
@@ -99,7 +101,7 @@ def test_finish_twice_or_unknown_group_is_an_error():
 
 
 def test_a_prompt_in_flight_twice_gets_distinct_group_ids():
-    buf = GroupBuffer(groups_per_step=2, max_staleness=1)
+    buf = GroupBuffer(2, AsyncConfig(max_staleness=1))
     same = iter([sample(0, "q"), sample(1, "q"), sample(2, "q")])
     a, b = buf.start(0, lambda: next(same)), buf.start(0, lambda: next(same))
     assert (a.group_id, b.group_id) == ("q", "q~1")
@@ -110,18 +112,14 @@ def test_a_prompt_in_flight_twice_gets_distinct_group_ids():
 
 
 def test_bad_settings_name_the_config_key():
-    with pytest.raises(ValueError, match="async.stale_policy"):
-        GroupBuffer(1, 1, stale_policy="retry")
-    with pytest.raises(ValueError, match="async.max_staleness"):
-        GroupBuffer(1, -1)
-    with pytest.raises(ValueError, match="data.prompts_per_minibatch"):
-        GroupBuffer(0, 1)
+    with pytest.raises(OptionError, match="async.max_staleness: must be >= 0"):
+        AsyncConfig(max_staleness=-1)  # the section checks its bounds; the buffer trusts them
     with pytest.raises(ValueError, match="has no 'prompt_id'"):
-        GroupBuffer(1, 1).start(0, lambda: {"x": 1})
+        GroupBuffer(1, AsyncConfig()).start(0, lambda: {"x": 1})
 
 
 def test_zero_variance_filter_acts_on_trajectory_groups_and_starvation_is_reported():
-    buf = GroupBuffer(groups_per_step=1, max_staleness=1, keep_group=operator.attrgetter("has_reward_variance"))
+    buf = GroupBuffer(1, AsyncConfig(max_staleness=1), keep_group=operator.attrgetter("has_reward_variance"))
     draw = counter_draw()
     flat = buf.start(0, draw)
     # 2 trajectories; the first has an earlier step whose reward (0) differs: only last steps count
@@ -141,14 +139,14 @@ def test_zero_variance_filter_acts_on_trajectory_groups_and_starvation_is_report
 
 
 def test_pending_samples_survive_for_a_checkpoint():
-    buf = GroupBuffer(groups_per_step=2, max_staleness=1, stale_policy="requeue")
+    buf = GroupBuffer(2, AsyncConfig(max_staleness=1, stale_policy="requeue"))
     draw = counter_draw()
     gs = [buf.start(0, draw) for _ in range(4)]
     for g in gs[:3]:
         buf.finish(g.serial, [g.serial], 0)
     buf.take(2, 0)  # uids 0, 1 trained; 2 ready; 3 in flight
     assert [s["uid"] for s in buf.pending_samples()] == [2, 3]
-    other = GroupBuffer(groups_per_step=2, max_staleness=1)
+    other = GroupBuffer(2, AsyncConfig(max_staleness=1))
     other.requeue_samples(buf.pending_samples())
     assert [other.start(0, draw).sample["uid"] for _ in range(3)] == [2, 3, 4]
 
@@ -182,7 +180,8 @@ def simulate(sc: Scenario, seed: int, train_steps: int = 40, max_events: int = 2
     """Producer and trainer around one GroupBuffer on a simulated clock; returns a trace."""
     rng = random.Random(seed)
     keep = (lambda rows: rows[0][2]) if sc.filter_prob else None
-    buf = GroupBuffer(sc.groups_per_step, sc.max_staleness, sc.policy, keep_group=keep)
+    buf = GroupBuffer(sc.groups_per_step, AsyncConfig(max_staleness=sc.max_staleness, stale_policy=sc.policy),
+                      keep_group=keep)
     uid = itertools.count()
     # a small dataset, so the same prompt is often in flight twice
     draw = lambda: (lambda i: {"prompt_id": f"p{i % 7}", "uid": i})(next(uid))  # noqa: E731

@@ -159,7 +159,7 @@ def test_logprobs_and_entropy_match_full_logits_with_gradients(chunk, temperatur
 
 @pytest.mark.parametrize("temperature", [0, -1.0, float("nan"), float("inf")])
 def test_logprobs_refuse_a_temperature_that_is_not_positive_and_finite(temperature):
-    with pytest.raises(ValueError, match="finite T > 0"):
+    with pytest.raises(ValueError, match="temperature must be a finite number >= 0.0001"):
         vocab_parallel_logprobs(torch.zeros(1, 4), torch.zeros(3, 4), torch.tensor([0]), temperature=temperature)
 
 

@@ -359,15 +359,17 @@ def test_mixtral_configs_count_their_experts_for_validation(tmp_path, monkeypatc
     from megatron_stepwise.hf.presets import tiny_config
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    assert Probes().model_shape("tiny_mixtral").num_experts == 4
+    from megatron_stepwise.hf.arch import arch_from_hf
+
+    assert arch_from_hf(Probes().model_config("tiny_mixtral")[0]).num_experts == 4
     (tmp_path / "config.json").write_text(json.dumps({**tiny_config(model_type="mixtral"), "num_local_experts": 8}))
-    assert Probes().model_shape(str(tmp_path)).num_experts == 8
+    assert arch_from_hf(Probes().model_config(str(tmp_path))[0]).num_experts == 8
     cfg = config_from_dict({"algo": {"routing_replay": True}, "model": {"hf_config": str(tmp_path)}}, [],
                            probes=FakeProbes())
     assert cfg.algo.routing_replay
     with pytest.raises(ConfigError) as e:
         config_from_dict({"model": {"hf_config": str(tmp_path)}, "parallel": {"expert": 3}}, [], probes=FakeProbes())
-    assert "parallel.expert: 3 does not divide the model's 8 experts" in str(e.value)
+    assert "parallel.expert: expert_parallel=3 does not divide num_experts=8" in str(e.value)
 
 
 def test_the_trainer_turns_replay_on_in_the_model_and_the_engines():

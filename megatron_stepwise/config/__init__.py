@@ -10,7 +10,7 @@
 - fields.py    declaring keys (`option`, `section`) and building typed dataclasses from dicts
 - loader.py    `defaults:` inheritance, `a.b.c=value` overrides, provenance of keys
 - validate.py  semantic checks (layouts, combinations, the machine), one problem per finding
-- probes.py    what validation needs to know about the machine (extras, model shapes, registries)
+- probes.py    what validation needs to know about the machine (extras, model configs, registries)
 - errors.py    `ConfigProblem` / `ConfigError`: every problem names its dotted key
 - docs.py      the key reference generated from the schema (docs/config.md)
 - commands.py  `megatron-stepwise validate` and `megatron-stepwise config {docs,show}`
@@ -25,7 +25,7 @@ from typing import Iterable
 from megatron_stepwise.config.errors import ConfigError, ConfigProblem
 from megatron_stepwise.config.fields import build
 from megatron_stepwise.config.loader import COMMAND_LINE, ComposeError, apply_overrides, compose
-from megatron_stepwise.config.probes import ModelShape, Probes
+from megatron_stepwise.config.probes import Probes
 from megatron_stepwise.config.schema import (
     AlgoConfig,
     AsyncConfig,
@@ -112,7 +112,6 @@ __all__ = [
     "LoggingConfig",
     "LossConfig",
     "ModelConfig",
-    "ModelShape",
     "OptimConfig",
     "ParallelConfig",
     "Probes",

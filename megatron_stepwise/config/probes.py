@@ -1,4 +1,4 @@
-"""What validation needs to know about the machine: installed extras, model shapes, registries.
+"""What validation needs to know about the machine: installed extras, model configs, registries.
 
 Kept apart from the checks so tests can substitute a fake `Probes` (no real sglang, no hub).
 Everything here is cheap: nothing imports megatron-core, torch or transformers, nothing downloads.
@@ -10,7 +10,6 @@ import importlib
 import importlib.util
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_stepwise.envs import EnvSpec, list_envs, resolve_env_spec
@@ -18,27 +17,6 @@ from megatron_stepwise.hf import hub
 from megatron_stepwise.hf.hub import looks_like_path
 from megatron_stepwise.hf.presets import PRESETS
 from megatron_stepwise.sample_sources import DatasetFacts
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The parts of an HF model config that constrain the parallel layout."""
-
-    num_attention_heads: int
-    num_key_value_heads: int
-    num_layers: int
-    source: str
-    num_experts: int = 0  # MoE experts per layer (0: dense)
-
-    @classmethod
-    def from_hf_dict(cls, cfg: Mapping, source: str) -> "ModelShape | None":
-        try:
-            heads = int(cfg["num_attention_heads"])
-            experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
-            return cls(heads, int(cfg.get("num_key_value_heads") or heads), int(cfg["num_hidden_layers"]), source,
-                       experts)
-        except (KeyError, TypeError, ValueError):
-            return None
 
 
 # Registries of pluggable names that config validation checks itself (a function returning the
@@ -101,34 +79,23 @@ class Probes:
         """Names in a plugin registry (None would mean the registry is not available)."""
         return set(REGISTRIES[kind]())
 
-    def model_shape(self, hf_config: str) -> ModelShape | None:
-        """Heads and layers of a model config, when it can be read offline."""
+    def model_config(self, hf_config: str) -> tuple[Mapping, str] | None:
+        """The HF config dict of `model.hf_config` and where it was read, when it can be read offline."""
         path = Path(hf_config).expanduser()
         if path.is_dir():
             path = path / "config.json"
         if path.is_file():
-            try:
-                return ModelShape.from_hf_dict(json.loads(path.read_text()), str(path))
-            except (OSError, ValueError):
-                return None
+            return _read_json(path, str(path))
         presets = self.presets()
         if presets is not None and hf_config in presets:
             preset = presets[hf_config]
             preset = preset if isinstance(preset, Mapping) else getattr(preset, "to_dict", lambda: {})()
-            return ModelShape.from_hf_dict(preset, f"preset {hf_config}")
+            return preset, f"preset {hf_config}"
         if "/" in hf_config and not looks_like_path(hf_config):
-            return self._cached_hub_shape(hf_config)
+            found = self.locate_model(hf_config, hub.CONFIG_FILES)
+            if found is not None and (found / "config.json").is_file():
+                return _read_json(found / "config.json", f"{hf_config} ({found / 'config.json'})")
         return None
-
-    def _cached_hub_shape(self, repo_id: str) -> ModelShape | None:
-        found = self.locate_model(repo_id, hub.CONFIG_FILES)
-        path = found / "config.json" if found is not None else None
-        if path is None or not path.is_file():
-            return None
-        try:
-            return ModelShape.from_hf_dict(json.loads(path.read_text()), f"{repo_id} ({path})")
-        except (OSError, ValueError):
-            return None
 
     def locate_model(self, value: str, files=hub.CONFIG_FILES) -> Path | None:
         """The local directory or cached hub snapshot holding `files` of `value`; None = not here.
@@ -140,6 +107,13 @@ class Probes:
     def hub_offline(self) -> bool:
         """HF_HUB_OFFLINE=1 here: nothing may be downloaded."""
         return hub.hub_offline()
+
+
+def _read_json(path: Path, source: str) -> tuple[Mapping, str] | None:
+    try:
+        return json.loads(path.read_text()), source
+    except (OSError, ValueError):
+        return None
 
 
 class ClusterProbes(Probes):

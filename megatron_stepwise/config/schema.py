@@ -17,9 +17,10 @@ from typing import Any, Literal, Optional
 
 from megatron_stepwise.algo.losses import LossConfig
 from megatron_stepwise.config.fields import option, section, to_dict
-from megatron_stepwise.options import option_of
-from megatron_stepwise.rollout.agent_loop import AgentLoopConfig
+from megatron_stepwise.options import check_options, option_of, option_problems, takes_options
+from megatron_stepwise.rollout.agent_loop import ROLLOUT_KEYS, AgentLoopConfig
 from megatron_stepwise.rollout.engine import RetryConfig, SamplingConfig, SamplingParams
+from megatron_stepwise.types import temperature_problem
 
 
 @dataclass
@@ -93,6 +94,7 @@ class SGLangConfig:
 
 
 @dataclass
+@takes_options(AgentLoopConfig, ROLLOUT_KEYS)  # the agent loop's keys not placed below come last
 class RolloutConfig:
     """The rollout fleet and the multi-turn agent loop.
 
@@ -183,7 +185,7 @@ class DataConfig:
     """How rollouts become optimizer steps (prompt-based mini-batches)."""
 
     prompts_per_iteration: int = option(8, "prompts rolled out per iteration", min=1)
-    samples_per_prompt: int = option(4, "trajectories per prompt (the group size of the estimator)", min=1)
+    samples_per_prompt: int = option_of(AgentLoopConfig, "n_samples_per_prompt")
     prompts_per_minibatch: int = option(4, "prompts per mini-batch; each mini-batch is one optimizer step",
                                         min=1)
     epochs: int = option(1, "optimizer passes over each iteration's rollouts (verl's ppo_epochs), not passes over "
@@ -267,6 +269,9 @@ class AsyncConfig:
                                    "versions ago", min=0)
     stale_policy: Literal["drop", "requeue"] = option("drop", "what happens to a too-stale trajectory")
 
+    def __post_init__(self) -> None:  # read by loop/group_buffer.py, which trusts these bounds
+        check_options(self, "async.")
+
 
 @dataclass
 class CheckpointConfig:
@@ -340,6 +345,14 @@ class EvalConfig:
     success_threshold: float = option(1.0, "reward at or above which a trajectory counts as solved (pass@k, "
                                            "maj@k; training's reward/pass@k too)")
     at_end: bool = option(True, "with trainer.eval_every > 0, also evaluate the final policy")
+
+    def problems(self) -> list[tuple[str, str]]:
+        """The declared bounds, and a request's temperature rule (0 or >= MIN_TEMPERATURE)."""
+        out = option_problems(self)
+        why = None if self.temperature is None else temperature_problem(self.temperature, greedy=True)
+        if why and "temperature" not in dict(out):  # a negative one broke the declared bound already
+            out.append(("temperature", why))
+        return out
 
 
 @dataclass

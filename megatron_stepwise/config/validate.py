@@ -13,13 +13,12 @@ import re
 from pathlib import Path
 
 from megatron_stepwise.hf import hub
+from megatron_stepwise.hf.arch import ModelConfigError, arch_from_hf, split_problems
 from megatron_stepwise.config.errors import ConfigProblem
 from megatron_stepwise.config.fields import config_fields, is_config_class, is_registry, origin_of
 from megatron_stepwise.config.probes import Probes, looks_like_path
 from megatron_stepwise.config.schema import ExperimentConfig
 
-# Estimators that compare the trajectories of one prompt: a group of one has no signal.
-GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "maxrl")
 _KEY_RE = re.compile(r"^[a-z_]+(\.[a-z_]+)+$")
 # `ray start` reserves these for its workers (--min/max-worker-port defaults) and refuses a
 # head port among them.
@@ -119,30 +118,27 @@ def _check_parallel(cfg: ExperimentConfig, check: _Checker, probes: Probes, worl
         check.fail("launch.nproc_per_node", f"{launch.nproc_per_node} training ranks per node but "
                                             f"launch.gpus_per_node is {launch.gpus_per_node}",
                    "launch.gpus_per_node")
-    shape = probes.model_shape(cfg.model.hf_config)
-    if shape is None:
+    found = probes.model_config(cfg.model.hf_config)
+    if found is None:
         return
-    tp = par.tensor
-    if shape.num_attention_heads % tp or shape.num_key_value_heads % tp:
-        check.fail("parallel.tensor", f"{tp} does not divide the model's {shape.num_attention_heads} attention "
-                                      f"heads and {shape.num_key_value_heads} KV heads ({shape.source})",
-                   "model.hf_config")
-    if shape.num_layers % par.pipeline:
-        check.fail("parallel.pipeline", f"{par.pipeline} does not divide the model's {shape.num_layers} layers "
-                                        f"({shape.source})", "model.hf_config")
-    if par.expert > 1 and not shape.num_experts:
-        check.fail("parallel.expert", f"{par.expert} needs a mixture-of-experts model; {shape.source} is dense",
-                   "model.hf_config")
-    elif par.expert > 1 and shape.num_experts % par.expert:
-        check.fail("parallel.expert", f"{par.expert} does not divide the model's {shape.num_experts} experts "
-                                      f"({shape.source})", "model.hf_config")
+    hf, source = found
+    try:
+        arch = arch_from_hf(hf)
+    except ModelConfigError as e:
+        check.fail("model.hf_config", f"{e} ({source})")
+        return
+    reported = set()
+    for size, why in split_problems(arch, tp=par.tensor, pp=par.pipeline, ep=par.expert):
+        if size not in reported:  # one problem per key
+            reported.add(size)
+            check.fail(f"parallel.{size}", f"{why} ({source})", "model.hf_config")
     loss = cfg.algo.loss
     for key in ("router_aux_coef", "router_z_coef"):
-        if getattr(loss, key) and not shape.num_experts:
-            check.fail(f"algo.loss.{key}", f"{getattr(loss, key)} needs a mixture-of-experts model; {shape.source} "
+        if getattr(loss, key) and not arch.num_experts:
+            check.fail(f"algo.loss.{key}", f"{getattr(loss, key)} needs a mixture-of-experts model; {source} "
                                            "has no router", "model.hf_config")
-    if cfg.algo.routing_replay and not shape.num_experts:
-        check.fail("algo.routing_replay", f"needs a mixture-of-experts model; {shape.source} has no router",
+    if cfg.algo.routing_replay and not arch.num_experts:
+        check.fail("algo.routing_replay", f"needs a mixture-of-experts model; {source} has no router",
                    "model.hf_config")
     if par.expert > 1 and world_size % mp == 0 and (world_size // (par.tensor * par.pipeline)) % par.expert:
         check.fail("parallel.expert", f"{par.expert} does not divide data x context parallel = "
@@ -259,11 +255,15 @@ def _check_data(cfg: ExperimentConfig, check: _Checker) -> None:
 
 
 def _check_algo(cfg: ExperimentConfig, check: _Checker) -> None:
+    from megatron_stepwise.algo import advantages
+
     algo, data = cfg.algo, cfg.data
-    turn_level = _check_turn_estimator(cfg, check)
+    _check_turn_estimator(cfg, check)  # imports turn_credit, which registers the turn estimators
     if data.samples_per_prompt == 1:
-        if algo.estimator in GROUP_ESTIMATORS or turn_level:
-            check.fail("data.samples_per_prompt", f"is 1 but algo.estimator {algo.estimator} compares the "
+        # Outcome and turn estimators compare the trajectories of a prompt (the registry's kinds).
+        name = algo.estimator
+        if name in advantages.list_estimators() and not advantages.is_temporal_estimator(name):
+            check.fail("data.samples_per_prompt", f"is 1 but algo.estimator {name} compares the "
                                                   "trajectories of a prompt: every advantage would be 0",
                        "algo.estimator")
             return  # the filters below fail for the same reason; one fix solves both
@@ -274,21 +274,19 @@ def _check_algo(cfg: ExperimentConfig, check: _Checker) -> None:
                            "data.samples_per_prompt")
 
 
-def _check_turn_estimator(cfg: ExperimentConfig, check: _Checker) -> bool:
-    """A turn-level estimator's options, and per-turn rewards to credit (docs/credit.md).
-    True when `algo.estimator` is one."""
+def _check_turn_estimator(cfg: ExperimentConfig, check: _Checker) -> None:
+    """A turn-level estimator's options, and per-turn rewards to credit (docs/credit.md)."""
     from megatron_stepwise.algo import advantages, turn_credit
 
     name = cfg.algo.estimator
     if name not in advantages.list_estimators() or not advantages.is_turn_estimator(name):
-        return False
+        return
     if cfg.rollout.max_turns == 1:
         check.fail("algo.estimator", f"{name} credits each turn with the rewards from it on, but "
                                      "rollout.max_turns=1 leaves one turn per trajectory and no per-turn "
                                      "rewards: use its outcome estimator (rloo, grpo, dr_grpo)", "rollout.max_turns")
     for key, message in turn_credit.check_turn_options(name, dict(cfg.algo.estimator_options)):
         check.fail(key, message, "algo.estimator")
-    return True
 
 
 # Keys the loss checks of megatron_stepwise.algo read: a parse error in any of them silences them.

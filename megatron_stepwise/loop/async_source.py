@@ -69,7 +69,7 @@ class AsyncRollouts:
 
     def __init__(self, cfg, *, dataset, handoff, vocab_size: int, version: Callable[[], int],
                  shard: Callable[[Any], list[Any]], dp_size: int, recorder: Any = None):
-        self.groups_per_step = cfg.data.prompts_per_minibatch
+        self.prompts_per_minibatch = cfg.data.prompts_per_minibatch
         self.rounds_per_iteration = cfg.data.minibatches_per_iteration
         self.seed = cfg.trainer.seed
         self.success_threshold = cfg.eval_.success_threshold
@@ -78,7 +78,7 @@ class AsyncRollouts:
         self.split = functools.partial(split_round, options=PrepareOptions.from_config(cfg), shard=shard,
                                        dp_size=dp_size, recorder=recorder)
         filters = cfg.algo.filters
-        self._buffer_args = (self.groups_per_step, cfg.async_.max_staleness, cfg.async_.stale_policy)
+        self._buffer_args = (self.prompts_per_minibatch, cfg.async_)
         self._keep_group = operator.attrgetter("has_reward_variance") if (filters.zero_variance or filters.dynamic_sampling) else None
         # Filters may discard this many groups while one optimizer step waits before it is skipped
         # (the synchronous source's dynamic sampling gives up after as many rollout rounds).
@@ -161,7 +161,7 @@ class AsyncRollouts:
                 raise self._error
             if self._producer.done():  # it only ends by raising (e.g. a sample without prompt_id)
                 self._producer.result()
-            groups = self.buffer.take(self.groups_per_step, self.version())
+            groups = self.buffer.take(self.prompts_per_minibatch, self.version())
             self._notify()  # evictions and takes free admission slots
             if groups is not None:
                 return groups
@@ -176,7 +176,7 @@ class AsyncRollouts:
         groups = self.driver.loop.run_until_complete(self.next_groups())
         if groups is None:
             log.warning("iteration %d: group filters discarded %d groups without %d informative ones; "
-                        "optimizer step skipped", iteration, self.starve_limit, self.groups_per_step)
+                        "optimizer step skipped", iteration, self.starve_limit, self.prompts_per_minibatch)
             return [None] * self.dp_size
         steps = flat_steps(g.rollout for g in groups)
         validate_steps(steps, vocab_size=self.vocab_size)

@@ -28,9 +28,10 @@ def init_runtime(cfg: ExperimentConfig):
 
 def data_parallel() -> tuple[int, int]:
     """(this rank's data-parallel rank, the data-parallel size), from megatron's parallel state."""
-    from megatron.core import parallel_state as ps
+    from megatron_stepwise.megatron.runtime import current_layout
 
-    return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    layout = current_layout()
+    return layout.dp_rank, layout.dp
 
 
 def cpu_group(cfg: ExperimentConfig):
@@ -67,7 +68,7 @@ def load_tokenizer(cfg: ExperimentConfig):
 
 def model_config(cfg: ExperimentConfig, tokenizer) -> dict[str, Any]:
     """The HF config dict of the policy; presets take the tokenizer's vocabulary size."""
-    from megatron_stepwise.megatron.model import arch_from_hf, validate_parallel
+    from megatron_stepwise.hf.arch import arch_from_hf, validate_parallel
     from megatron_stepwise.hf.presets import resolve_hf_config
 
     key = "model.hf_checkpoint" if cfg.model.hf_checkpoint else "model.hf_config"
@@ -197,14 +198,15 @@ def eval_samples(cfg: ExperimentConfig, dataset) -> list[dict]:
 
 # ------------------------------------------------------------------------ rollout
 def build_fleet(cfg: ExperimentConfig, hf_config: dict, tokenizer):
+    from megatron_stepwise.hf.arch import arch_from_hf
     from megatron_stepwise.rollout.fleet import EngineSpec, RolloutFleet
     from megatron_stepwise.rollout.sglang import SGLangServerConfig
 
     r = cfg.rollout
     specs = []
+    arch = arch_from_hf(hf_config)
     # MoE routing replay: every engine returns the experts it routed each token to
-    routed = ((int(hf_config["num_hidden_layers"]), int(hf_config["num_experts_per_tok"]))
-              if cfg.algo.routing_replay else None)
+    routed = (arch.num_layers, arch.moe_topk) if cfg.algo.routing_replay else None
     for i in range(r.num_engines):
         if r.engine == "embedded":
             specs.append(EngineSpec(kind="local", model_config=hf_config, tokenizer=tokenizer_name(cfg),

@@ -14,7 +14,7 @@ trains the weights that become V + 1.
   evicted first, and so are groups already too stale when they finish: dropped, or re-queued
   (their sample starts again as a new group) by `stale_policy`, and counted.
 - **Admission.** A group may start at fleet version v only while
-  `trained + outstanding < (v - base_version + max_staleness + 1) * groups_per_step`
+  `trained + outstanding < (v - base_version + max_staleness + 1) * prompts_per_minibatch`
   (outstanding = in flight + ready). Were groups trained in start order, a group started at v
   would be trained by step v + max_staleness at the latest; the rule keeps the fleet at most
   `max_staleness` optimizer steps ahead of the trainer, so evictions stay rare.
@@ -35,9 +35,10 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
-STALE_POLICIES = ("drop", "requeue")
+if TYPE_CHECKING:
+    from megatron_stepwise.config.schema import AsyncConfig
 
 
 @dataclass
@@ -70,17 +71,12 @@ class BufferCounters:
 class GroupBuffer:
     """See the module docstring. All methods are called from one thread (rank 0's event loop)."""
 
-    def __init__(self, groups_per_step: int, max_staleness: int, stale_policy: str = "drop",
+    def __init__(self, prompts_per_minibatch: int, staleness: "AsyncConfig",
                  keep_group: Optional[Callable[[Any], bool]] = None, base_version: int = 0):
-        if groups_per_step < 1:
-            raise ValueError(f"data.prompts_per_minibatch must be >= 1, got {groups_per_step}")
-        if max_staleness < 0:
-            raise ValueError(f"async.max_staleness must be >= 0, got {max_staleness}")
-        if stale_policy not in STALE_POLICIES:
-            raise ValueError(f"async.stale_policy must be one of {', '.join(STALE_POLICIES)}, got {stale_policy!r}")
-        self.groups_per_step = groups_per_step
-        self.max_staleness = max_staleness
-        self.stale_policy = stale_policy
+        # Both come from config sections that checked their bounds (data.prompts_per_minibatch, async).
+        self.prompts_per_minibatch = prompts_per_minibatch
+        self.max_staleness = staleness.max_staleness
+        self.stale_policy = staleness.stale_policy
         self.keep_group = keep_group
         self.base_version = base_version
         self.counters = BufferCounters()
@@ -108,7 +104,7 @@ class GroupBuffer:
 
     def capacity(self, version: int) -> int:
         """Groups that may have been started (trained + outstanding) by fleet version `version`."""
-        return (version - self.base_version + self.max_staleness + 1) * self.groups_per_step
+        return (version - self.base_version + self.max_staleness + 1) * self.prompts_per_minibatch
 
     # ---- producer side ------------------------------------------------------------------------
     def can_start(self, version: int) -> bool:

@@ -58,6 +58,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_stepwise.megatron.fileops import fsync_dir, make_staging_dir, raise_together, write_atomic
+from megatron_stepwise.megatron.runtime import current_layout
 
 log = logging.getLogger(__name__)
 
@@ -228,11 +229,15 @@ def _publish(tmp: Path, final: Path) -> None:
     write_atomic(final.parent / LATEST, final.name + "\n")
 
 
+def _check_keep_last(keep_last: int) -> None:
+    if keep_last < 1:  # checkpoint.keep_last's bound, for callers outside the config
+        raise CheckpointError(f"keep_last must be >= 1, got {keep_last}")
+
+
 def prune(ckpt_dir: PathLike, keep_last: int, *, protect: Optional[Path] = None) -> list[Path]:
     """Delete all but the newest `keep_last` complete checkpoints, and leftover `.tmp`/`.old`
     directories of interrupted saves; never `protect` or what `latest` names. Returns what went."""
-    if keep_last < 1:
-        raise CheckpointError(f"keep_last must be >= 1, got {keep_last}")
+    _check_keep_last(keep_last)
     root = Path(ckpt_dir)
     keep = set(list_checkpoints(root)[-keep_last:])
     latest = find_latest(root)
@@ -276,18 +281,6 @@ def set_rng_state(state: dict) -> None:
 
 
 # ----------------------------------------------------------------------------- state dicts
-
-
-def _layout() -> dict:
-    from megatron.core import parallel_state as ps
-
-    return {
-        "world_size": dist.get_world_size(),
-        "tp": ps.get_tensor_model_parallel_world_size(),
-        "pp": ps.get_pipeline_model_parallel_world_size(),
-        "cp": ps.get_context_parallel_world_size(),
-        "dp": ps.get_data_parallel_world_size(),
-    }
 
 
 def _model_key(i: int, n: int) -> str:
@@ -390,7 +383,7 @@ def _save_strategy():
 
 
 def save_checkpoint(chunks: list, optimizer: Any, scheduler: Any, trainer_state: dict, ckpt_dir: PathLike,
-                    keep_last: int = 2) -> Path:
+                    keep_last: int) -> Path:
     """Save everything needed to resume; collective over all ranks; returns the checkpoint path.
 
     trainer_state: JSON-serialisable dict with at least an int `iteration` (it names the
@@ -400,8 +393,7 @@ def save_checkpoint(chunks: list, optimizer: Any, scheduler: Any, trainer_state:
 
     if "iteration" not in trainer_state or not isinstance(trainer_state["iteration"], int):
         raise CheckpointError(f"trainer_state needs an int 'iteration', got {trainer_state.get('iteration')!r}")
-    if keep_last < 1:
-        raise CheckpointError(f"keep_last must be >= 1, got {keep_last}")
+    _check_keep_last(keep_last)  # before anything is written
     try:
         state_json = json.dumps(trainer_state, indent=2, sort_keys=True)
     except TypeError as e:
@@ -417,7 +409,7 @@ def save_checkpoint(chunks: list, optimizer: Any, scheduler: Any, trainer_state:
     sd["sharded_metadata"] = metadata  # loading must build the same structure
     sd["trainer_state"] = json.loads(state_json)
     sd["scheduler"] = scheduler.state_dict() if scheduler is not None else None
-    sd["layout"] = _layout()
+    sd["layout"] = current_layout().sizes()
     with _in_process_results_queue():
         dist_checkpointing.save(sd, str(tmp), sharded_strategy=_save_strategy())
     if rank == 0:
@@ -541,7 +533,7 @@ def _load(target: Path, chunks: list, optimizer: Any, scheduler: Any, *, load_op
             f"checkpoint {target} was saved with config_hash={trainer_state.get('config_hash')!r}, "
             f"the current config has {config_hash!r}"
         )
-    saved_layout, layout = common.get("layout") or {}, _layout()
+    saved_layout, layout = common.get("layout") or {}, current_layout().sizes()
     same_layout = saved_layout == layout
     if optimizer is not None and load_optimizer and _distributed_optimizers(optimizer):
         moved = [f"{k} {saved_layout.get(k)} -> {layout[k]}" for k in ("tp", "pp", "cp") if saved_layout.get(k, 1) != layout[k]]

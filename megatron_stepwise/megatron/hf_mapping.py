@@ -42,6 +42,8 @@ from typing import Any, Iterable, Mapping, Optional
 
 import torch
 
+from megatron_stepwise.hf.arch import GPTArch, arch_from_hf
+
 EMBED = "embedding.word_embeddings.weight"
 FINAL_NORM = "decoder.final_layernorm.weight"
 OUTPUT = "output_layer.weight"
@@ -85,9 +87,7 @@ class WeightConversionError(ValueError):
 
 
 def as_arch(arch_or_config: Any):
-    """A `model.GPTArch` from a GPTArch, an HF config object or an HF config dict."""
-    from megatron_stepwise.megatron.model import GPTArch, arch_from_hf
-
+    """A `GPTArch` from a GPTArch, an HF config object or an HF config dict."""
     return arch_or_config if isinstance(arch_or_config, GPTArch) else arch_from_hf(arch_or_config)
 
 

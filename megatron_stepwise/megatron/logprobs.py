@@ -20,11 +20,12 @@ parallelism, `gather_from_sequence_parallel_region`), whose backward sums the pa
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from megatron_stepwise.types import temperature_problem
 
 # fp32 logits held at once by default: chunk = budget / (V_local * 4 bytes * ~3 temporaries).
 DEFAULT_CHUNK_BYTES = 512 * 2**20
@@ -137,11 +138,10 @@ def vocab_parallel_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets:
 
 def check_temperature(temperature: float) -> None:
     """Training scores sampled tokens; greedy decoding (T = 0) has no distribution to score."""
-    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
-        raise ValueError(
-            f"temperature={temperature!r}: log-probs are scored as log_softmax(logits / T) and need a finite T > 0 "
-            "(the rollout's sampling temperature; greedy decoding, T = 0, cannot be trained on)"
-        )
+    why = temperature_problem(temperature, greedy=False)
+    if why:
+        raise ValueError(f"temperature {why}: log-probs are scored as log_softmax(logits / T) at the rollout's "
+                         "sampling temperature (greedy decoding cannot be trained on)")
 
 
 def output_weight(gpt_model) -> torch.Tensor:

@@ -47,7 +47,7 @@ from megatron_stepwise.megatron.model import unwrap
 from megatron_stepwise.megatron.model_contract import check_model_contract
 from megatron_stepwise.megatron.router_losses import RoutedMicroBatch, RouterLosses, check_recompute
 from megatron_stepwise.megatron.router_losses import install as install_router_hooks
-from megatron_stepwise.megatron.runtime import comm_device
+from megatron_stepwise.megatron.runtime import ParallelLayout, comm_device, current_layout
 from megatron_stepwise.megatron.packing import (
     PackedMicroBatch,
     alignment_for,
@@ -329,19 +329,16 @@ class StepwisePlugin:
         return int(vocab)
 
     @staticmethod
-    def _layout(model_chunks) -> tuple[int, int, int, int, int]:
-        """(dp, dp_rank, cp, cp_rank, chunks per rank); `model_chunks` must be all of this rank's
-        chunks, or one of them (a host loop's forward_step sees one at a time)."""
-        from megatron.core import parallel_state as ps
-
-        vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
-        if len(model_chunks) not in (1, vpp):
+    def _layout(model_chunks) -> ParallelLayout:
+        """This rank's layout; `model_chunks` must be all of this rank's chunks, or one of them (a
+        host loop's forward_step sees one at a time)."""
+        layout = current_layout()
+        if len(model_chunks) not in (1, layout.vpp):
             raise UnsupportedLayoutError(
-                f"got {len(model_chunks)} model chunks, but megatron's parallel state has {vpp} per rank "
+                f"got {len(model_chunks)} model chunks, but megatron's parallel state has {layout.vpp} per rank "
                 "(virtual_pipeline_model_parallel_size): pass all of this rank's chunks"
             )
-        return (ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(),
-                ps.get_context_parallel_world_size(), ps.get_context_parallel_rank(), vpp)
+        return layout
 
     def prepare_minibatch(self, model_chunks: list, steps_or_batch: Union[StepBatch, Sequence[Step]], *,
                           mode: str = TRAIN, num_microbatches: Optional[int] = None) -> MinibatchInputs:
@@ -365,9 +362,8 @@ class StepwisePlugin:
                     f"this shard was planned as {planned} micro-batches but the host loop runs num_microbatches="
                     f"{num_microbatches}: pass the same num_microbatches to plan_shards")
             return self._pack(model_chunks, steps_or_batch, mode=mode)
-        _, dp_rank, *_ = self._layout(model_chunks)
         shard = self.plan_shards(model_chunks, steps_or_batch, mode=mode, num_microbatches=num_microbatches,
-                                 only=dp_rank)[0]
+                                 only=self._layout(model_chunks).dp_rank)[0]
         return self._pack(model_chunks, shard, mode=mode)
 
     def plan_shards(self, model_chunks: list, steps_or_batch: Union[StepBatch, Sequence[Step]], *,
@@ -404,7 +400,8 @@ class StepwisePlugin:
             raise UnsupportedLayoutError("decide_shards weighs tokens with the built-in loss reductions; a custom "
                                          "token_weights hook needs the whole mini-batch (use plan_shards)")
         gpt = unwrap(model_chunks[0])
-        dp, _, cp, _, chunks = self._layout(model_chunks)
+        layout = self._layout(model_chunks)
+        dp, cp, chunks = layout.dp, layout.cp, layout.vpp
         cfg = gpt.config
         if getattr(cfg, "mtp_num_layers", None):
             # MTP heads reuse the output layer inside GPTModel, which the plugin bypasses.
@@ -476,7 +473,8 @@ class StepwisePlugin:
         """Pack this rank's shard into micro-batches (and split them over CP)."""
         self._algo()
         gpt = unwrap(model_chunks[0])
-        dp, dp_rank, cp, cp_rank, chunks = self._layout(model_chunks)
+        layout = self._layout(model_chunks)
+        dp, dp_rank, cp, cp_rank, chunks = layout.dp, layout.dp_rank, layout.cp, layout.cp_rank, layout.vpp
         if (shard.dp_size, shard.dp_rank) != (dp, dp_rank):
             raise HostLoopMismatchError(f"a shard for data-parallel rank {shard.dp_rank} of {shard.dp_size} reached "
                                         f"rank {dp_rank} of {dp}")

@@ -47,7 +47,8 @@ _COMPAT_HELD = False  # whether this runtime enabled the CPU compatibility layer
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """Where this process sits. Sizes multiply to the world size."""
+    """Where this process sits (tp x pp x cp x dp = world size); the one layout object of the
+    plugin, the checkpoints and weight conversion."""
 
     rank: int
     world_size: int
@@ -61,6 +62,11 @@ class ParallelLayout:
     cp_rank: int
     dp_rank: int
     device: torch.device
+    vpp: int = 1  # model chunks per rank (virtual pipeline stages)
+
+    def sizes(self) -> dict[str, int]:
+        """The group sizes, as a checkpoint stores them (a plain dict on disk)."""
+        return {"world_size": self.world_size, "tp": self.tp, "pp": self.pp, "cp": self.cp, "dp": self.dp}
 
 
 @dataclass(frozen=True)
@@ -171,6 +177,7 @@ def current_layout(*, device: Optional[torch.device] = None, local_rank: int = 0
         cp_rank=ps.get_context_parallel_rank(),
         dp_rank=ps.get_data_parallel_rank(),
         device=comm_device() if device is None else device,
+        vpp=ps.get_virtual_pipeline_model_parallel_world_size() or 1,
     )
 
 

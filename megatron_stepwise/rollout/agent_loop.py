@@ -90,8 +90,8 @@ class Generator(Protocol):
 
 
 # The keys AgentLoopConfig shares with the `rollout` config section (same names there):
-# declared here once; config/schema.py's RolloutConfig takes their declarations (`option_of`)
-# and `from_section` reads them back from the section.
+# declared here once; config/schema.py's RolloutConfig takes their declarations (`option_of`;
+# a name added here joins the section by itself) and `from_section` reads them back.
 ROLLOUT_KEYS = ("max_concurrency", "max_turns", "context", "max_input_length", "env_error_reward",
                 "drift_sample_rate", "env_concurrency")
 
@@ -115,7 +115,8 @@ class AgentLoopConfig:
     env_concurrency: int = option(32, "environment calls running at once per agent loop (worker threads of its "
                                       "pool; a hung call's worker is replaced)", min=1)
     # Python-only settings (an experiment sets them from other keys, or leaves the defaults).
-    n_samples_per_prompt: int = option(4, "trajectories per prompt (data.samples_per_prompt)", min=1)
+    # data.samples_per_prompt's declaration (the schema takes it under that name)
+    n_samples_per_prompt: int = option(4, "trajectories per prompt (the group size of the estimator)", min=1)
     sampling: SamplingParams = field(default_factory=SamplingParams)  # rollout.sampling + max_new_tokens
     max_model_length: Optional[int] = option(None, "max_new_tokens is clamped so prompt + response fits this "
                                                    "context; null = no clamp", min=1)

@@ -15,23 +15,18 @@ training refuses T = 0. An engine that reports no log-probs leaves `Step.rollout
 
 from __future__ import annotations
 
-import math
 import numbers
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Iterable, Mapping, Optional, Protocol, Union, runtime_checkable
 
 import torch
 
-from megatron_stepwise.options import check_options, option, option_problems
+from megatron_stepwise.options import check_options, option, option_problems, problem_of
+from megatron_stepwise.types import MIN_TEMPERATURE, temperature_problem, top_k_problem
 
 NamedTensors = Union[Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
 
 FINISH_REASONS = ("stop", "length", "abort")
-
-# The smallest non-zero temperature a request (or `rollout.sampling.temperature`) may ask for.
-# Below it `logits / T` overflows (1e-300 gives inf, then NaN probabilities) and the engine's
-# sampler would fail for every request in its batch; SGLang itself treats T < 1e-6 as greedy.
-MIN_TEMPERATURE = 1e-4
 
 # What SGLang generates for a request that leaves out `max_new_tokens` (its SamplingParams).
 SGLANG_MAX_NEW_TOKENS = 128
@@ -106,10 +101,10 @@ class SamplingConfig:
         check_options(self, "rollout.sampling.")
 
     def problems(self) -> list[tuple[str, str]]:
-        """(key, why) per bad setting: the declared bounds, and top_k's two meaningful forms."""
+        """(key, why) per bad setting: the declared bounds, and top_k's rule."""
         out = option_problems(self)
-        if _is_int(self.top_k) and (self.top_k == 0 or self.top_k < -1):
-            out.append(("top_k", f"must be -1 (off) or >= 1 (got {self.top_k})"))
+        if _is_int(self.top_k) and top_k_problem(self.top_k):  # a non-integer is the loader's type error
+            out.append(("top_k", top_k_problem(self.top_k)))
         return out
 
     def params(self, max_new_tokens: int) -> "SamplingParams":
@@ -132,7 +127,7 @@ class RetryConfig:
 class SamplingParams:
     """Per-request sampling settings; field names and meaning follow SGLang's `sampling_params`.
 
-    top_k <= 0 means "no top-k". temperature 0 means greedy. An experiment's requests are built
+    top_k -1 means "no top-k". temperature 0 means greedy. An experiment's requests are built
     by `SamplingConfig.params` (its defaults and bounds); these defaults serve bare requests
     (HTTP, tests) that leave a field out.
     """
@@ -173,15 +168,13 @@ class SamplingParams:
         values come from HTTP requests, and one that reached the engine's batched sampler would
         fail every request batched with it, not just its own.
         """
-        if not _is_number(self.temperature) or not math.isfinite(self.temperature):
-            raise ValueError(f"sampling_params.temperature must be a finite number, got {self.temperature!r}")
-        if self.temperature != 0 and not self.temperature >= MIN_TEMPERATURE:
-            raise ValueError(f"sampling_params.temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}, "
-                             f"got {self.temperature!r}")
-        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
-            raise ValueError(f"sampling_params.top_p must be a number in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k):
-            raise ValueError(f"sampling_params.top_k must be an integer, got {self.top_k!r}")
+        for key, why in (("temperature", temperature_problem(self.temperature, greedy=True)),
+                         ("top_k", top_k_problem(self.top_k))):
+            if why:
+                raise ValueError(f"sampling_params.{key} {why}")
+        why = problem_of(SamplingConfig, "top_p", self.top_p) if _is_number(self.top_p) else "must be a number"
+        if why:
+            raise ValueError(f"sampling_params.top_p {why}")
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 0:
             raise ValueError(f"sampling_params.max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}")
         if self.sampling_seed is not None and not (
