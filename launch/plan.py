@@ -123,7 +123,7 @@ def plan_local(job: Job) -> list[str]:
     torchrun = [*rdzv, "--nnodes=1", f"--nproc-per-node={nproc}"]
     lines = [f"# megatron-stepwise local launch of {job.cfg.name}: {nproc} training rank(s) on "
              f"{'GPUs ' + gpu_list(0, nproc) if launch.gpus_per_node else 'CPU'}"]
-    # The ranks die with this script (megatron_stepwise/lifecycle.py): `$$` is the bash that runs the plan.
+    # The ranks die with this script (megatron_stepwise/rundir/lifecycle.py): `$$` is the bash that runs the plan.
     lines += ["export MEGATRON_STEPWISE_LAUNCHER_PID=$$",
               f"export MEGATRON_STEPWISE_RUN_DIR={shlex.quote(str(Path.cwd().resolve() / job.cfg.run_dir))}"]
     ray_address = None

@@ -20,7 +20,7 @@ _EXPORTS = {
                                         "validate_steps"),
     "megatron_stepwise.algo.merge": ("MergeStats", "merge_steps", "merge_with_advantages"),
     "megatron_stepwise.algo.rows": ("RowTable",),
-    "megatron_stepwise.types": ("PAD_PROMPT_PREFIX", "Step", "StepBatch", "StepwiseBatchError", "TrajectoryID",
+    "megatron_stepwise.steps": ("PAD_PROMPT_PREFIX", "Step", "StepBatch", "StepwiseBatchError", "TrajectoryID",
                                 "make_padding_step"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}

@@ -1,4 +1,8 @@
-"""Shared fixtures.
+"""Shared fixtures, for tests/unit and tests/integration alike.
+
+Layout: tests/unit (in-process, fast), tests/integration (torchrun, Ray, subprocesses, end to
+end), tests/workers (the scripts those launch and the modules only they import); the shared
+helpers stay in tests/. pytest's `pythonpath` has tests/ and tests/workers.
 
 The shared plain helpers are in tests/helpers.py, imported by bare name (`tests` is on pytest's
 `pythonpath`): the Step factory `make_step` (also called from module-level data builders and

@@ -3,7 +3,7 @@
 import time, from module-level data builders and from hypothesis strategies.
 
 - `make_step`: the one Step factory of the tests.
-- `run_torchrun` / `check_ok`: the one way the tests launch tests/*_worker.py under torchrun.
+- `run_torchrun` / `check_ok`: the one way the tests launch tests/workers/*_worker.py under torchrun.
 - `tiny_lm`: a tiny tokenizer and the Qwen2 config sized to it, for the embedded engine.
 - `load_script`: import a script of tools/ or launch/ by path, without touching sys.path.
 """
@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from megatron_stepwise.types import Step, TrajectoryID
+from megatron_stepwise.steps import Step, TrajectoryID
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = REPO / "tests"
@@ -69,20 +69,21 @@ def make_step(
 def run_torchrun(
     script: str, nproc: int, args: Sequence[str], timeout: float = 300, env: Optional[dict[str, str]] = None
 ) -> subprocess.CompletedProcess:
-    """Run tests/<script> under torchrun (CPU, gloo) with `nproc` processes; returns the
+    """Run tests/workers/<script> under torchrun (CPU, gloo) with `nproc` processes; returns the
     CompletedProcess with its output captured (check it with `check_ok`).
 
-    The repository goes first on PYTHONPATH; the worker imports its tests/ siblings
-    (worker_entry, megatron_cases) by bare name because Python puts a script's directory on
-    sys.path. `env` adds or overrides variables (e.g. CUDA_VISIBLE_DEVICES="").
+    The repository goes first on PYTHONPATH; the worker imports its tests/workers/ siblings
+    (worker_entry) by bare name because Python puts a script's directory on sys.path, and the
+    tests/ helpers (megatron_cases, oracles) because tests/ goes on PYTHONPATH too.
+    `env` adds or overrides variables (e.g. CUDA_VISIBLE_DEVICES="").
     """
-    pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    pythonpath = os.pathsep.join(p for p in (str(REPO), str(TESTS), os.environ.get("PYTHONPATH", "")) if p)
     full_env = dict(os.environ, PYTHONPATH=pythonpath, OMP_NUM_THREADS="1", **(env or {}))
     # --standalone: torchrun binds its own free port (a port picked here could be taken by
     # another job on a shared machine before torchrun listens on it).
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-        str(TESTS / script), *args,
+        str(TESTS / "workers" / script), *args,
     ]
     return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
 
@@ -100,7 +101,7 @@ def tiny_lm(tokenizer: str = "tiny_word") -> tuple[Any, dict]:
     """(tokenizer, config): a shipped tiny tokenizer ("tiny_word", "tiny_char", "tiny_bpe"; loaded
     once per process, shared) and a fresh tiny Qwen2 config dict sized to its vocabulary."""
     from megatron_stepwise.hf.tokenizers import load_tokenizer
-    from megatron_stepwise.rollout.hf_model import tiny_qwen2_config
+    from megatron_stepwise.rollout.embedded.hf_model import tiny_qwen2_config
 
     tok = load_tokenizer(tokenizer)
     return tok, tiny_qwen2_config(len(tok))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from megatron_stepwise.algo.advantages import compute_advantages
-from megatron_stepwise.types import Step, StepBatch, TrajectoryID, make_padding_step
+from megatron_stepwise.steps import Step, StepBatch, TrajectoryID, make_padding_step
 
 def make_steps(vocab: int = 256, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
@@ -99,8 +99,8 @@ def hf_reference_logprobs(cfg: dict, full: dict, batch: StepBatch) -> torch.Tens
     token. Flat [T] aligned with the batch, 0 where loss_mask is 0."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from megatron_stepwise.megatron.hf_mapping import canonical_to_hf
-    from megatron_stepwise.rollout.hf_model import load_named_tensors
+    from megatron_stepwise.mcore.weights.hf_mapping import canonical_to_hf
+    from megatron_stepwise.rollout.embedded.hf_model import load_named_tensors
 
     fields = {k: v for k, v in cfg.items() if k != "model_type"}
     hf_cfg = AutoConfig.for_model(cfg["model_type"], **fields, attn_implementation="eager")

@@ -1,7 +1,7 @@
 """The hostile-code corpus for the sandbox: every escape an attacker tried on `math_tool`.
 
 Standard library only and runnable as a script, so the very same corpus runs inside the test
-process (as root, here) and under an unprivileged uid (`setpriv` in tests/test_sandbox.py), with
+process (as root, here) and under an unprivileged uid (`setpriv` in tests/integration/test_sandbox.py), with
 this process as the "trainer" the code attacks: its environment, its memory, its pid, files it
 may write, a TCP and a UDP port and a unix socket it listens on.
 

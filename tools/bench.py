@@ -1,4 +1,4 @@
-"""The benchmark suite: one command, one table per benchmark, a summary against issue 7's targets,
+"""The benchmark suite: one command, one table per benchmark, a summary against the performance targets,
 and every result in one JSON file (plus a markdown table for the README). Benchmarks print
 figures; they never assert. Every figure is a ratio or rate measured side by side in the same
 run, because these machines are shared and noisy.
@@ -50,7 +50,7 @@ ROOT = TOOLS.parent
 class Benchmark:
     name: str
     module: str  # tools/<module>.py
-    items: str  # issue 7 items it covers
+    items: str  # the performance targets it covers
     title: str
     device: str = "cpu"  # "cpu": run with CUDA hidden; "gpu": as the machine is
     starts_ray: bool = False  # a Ray cluster per run: ~1-1.5 min of start-up on a busy 2-core machine
@@ -155,7 +155,7 @@ def stream(cmd: list[str], env: dict[str, str], timeout_s: float) -> tuple[int, 
 
 def run_benchmark(bench: Benchmark, *, quick: bool, timeout_s: float, skip: Optional[str] = None) -> dict[str, Any]:
     path = TOOLS / f"{bench.module}.py"
-    header = f"[{bench.name}] issue 7 item {bench.items}: {bench.title} (tools/{path.name})"
+    header = f"[{bench.name}] targets {bench.items}: {bench.title} (tools/{path.name})"
     print(f"\n{'=' * len(header)}\n{header}\n{'=' * len(header)}", flush=True)
 
     def not_run(status: str, message: str) -> dict[str, Any]:

@@ -34,12 +34,12 @@ from bench_cli import add_seed_and_out, bench_parser, config, run_args, script_m
 from megatron_stepwise.algo.merge import merge_steps  # noqa: E402
 from megatron_stepwise.envs.echo import EchoEnv, echo_dataset  # noqa: E402
 from megatron_stepwise.hf.tokenizers import load_tokenizer  # noqa: E402
-from megatron_stepwise.metrics import rollout_metrics  # noqa: E402
+from megatron_stepwise.metrics.core import rollout_metrics  # noqa: E402
 from megatron_stepwise.rollout.agent_loop import AgentLoop, AgentLoopConfig  # noqa: E402
 from megatron_stepwise.rollout.context import CONTEXT_MODES  # noqa: E402
 from megatron_stepwise.rollout.engine import SamplingParams  # noqa: E402
-from megatron_stepwise.rollout.hf_model import tiny_qwen2_config  # noqa: E402
-from megatron_stepwise.rollout.local import LocalEngine  # noqa: E402
+from megatron_stepwise.rollout.embedded.hf_model import tiny_qwen2_config  # noqa: E402
+from megatron_stepwise.rollout.embedded.engine import LocalEngine  # noqa: E402
 
 TOKENIZER = "tiny_bpe"
 

@@ -6,7 +6,7 @@ plain gradient ascent on sampled policy gradients, from uniform logits, with eac
 turn and the same seeds. Reported per estimator and seed: iterations until the exact expected
 total reward (by enumeration, no sampling noise) reaches the threshold, and the final reward.
 `--bias` instead measures each estimator's bias at a fixed policy against the exact gradient of
-the expected total reward (20,000 trajectories, the test's setting: tests/test_credit.py).
+the expected total reward (20,000 trajectories, the test's setting: tests/unit/test_credit.py).
 
 `--echo` trains the real tiny CPU system instead (`configs/tiny_cpu.yaml`: Megatron DP2, embedded
 engines, the 3-turn echo task whose turns are scored one by one), once per estimator and seed,

@@ -34,7 +34,7 @@ from flops import QWEN2_CONFIGS  # noqa: E402
 
 from megatron_stepwise.algo.losses import LossConfig  # noqa: E402
 from megatron_stepwise.hf.presets import tiny_config  # noqa: E402
-from megatron_stepwise.synthetic import AgentWorkload, make_agent_steps  # noqa: E402
+from megatron_stepwise.data.synthetic import AgentWorkload, make_agent_steps  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -73,16 +73,16 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
         reason = "no CUDA GPU on this machine (torch.cuda.is_available() is False)"
         print(f"bench_engine_agreement: skipped: {reason}")
         return {"skipped": reason}
-    from megatron_stepwise.megatron.runtime import destroy_distributed, silence_megatron_noise
+    from megatron_stepwise.mcore.runtime.runtime import destroy_distributed, silence_megatron_noise
 
     silence_megatron_noise()
     from transformers import AutoModelForCausalLM
 
     from bench_trainer_step import start_world_of_one
-    from megatron_stepwise.megatron.convert import export_hf, import_hf
-    from megatron_stepwise.megatron.model import build_model_chunks, te_available
-    from megatron_stepwise.megatron.plugin import StepwisePlugin
-    from megatron_stepwise.types import StepBatch
+    from megatron_stepwise.mcore.weights.convert import export_hf, import_hf
+    from megatron_stepwise.mcore.train.model import build_model_chunks, te_available
+    from megatron_stepwise.mcore.train.plugin import StepwisePlugin
+    from megatron_stepwise.steps import StepBatch
 
     hf = tiny_config() if args.model == "tiny" else QWEN2_CONFIGS[args.model]
     w = AgentWorkload(num_prompts=args.prompts, samples_per_prompt=args.samples, turns=(1, 3),

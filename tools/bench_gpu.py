@@ -42,7 +42,7 @@ from flops import QWEN2_CONFIGS, ModelShape, training_flops  # noqa: E402
 from megatron_stepwise.algo.advantages import compute_advantages  # noqa: E402
 from megatron_stepwise.algo.losses import LossConfig  # noqa: E402
 from megatron_stepwise.hf.presets import tiny_config  # noqa: E402
-from megatron_stepwise.synthetic import AgentWorkload, make_agent_steps  # noqa: E402
+from megatron_stepwise.data.synthetic import AgentWorkload, make_agent_steps  # noqa: E402
 
 MICRO_TOKENS = 4096
 MODELS = {k: v for k, v in QWEN2_CONFIGS.items() if not k.endswith("7b")}
@@ -94,7 +94,7 @@ def matmul_peak_tflops(sizes: tuple[int, ...], device: str = "cuda", iters: int 
 
 def gpu_minibatch(args: argparse.Namespace, vocab_size: int):
     """Agent-shaped step rows that fit a 4096-token micro-batch, with GRPO advantages."""
-    from megatron_stepwise.types import StepBatch
+    from megatron_stepwise.steps import StepBatch
 
     w = AgentWorkload(num_prompts=args.prompts, samples_per_prompt=args.samples, turns=(1, 3),
                       prompt_len=(100, 600), obs_len=(50, 1000), response_len=(20, 400),
@@ -134,14 +134,14 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
         reason = "no CUDA GPU on this machine (torch.cuda.is_available() is False)"
         print(f"bench_gpu: skipped: {reason}")
         return {"skipped": reason}
-    from megatron_stepwise.megatron.runtime import destroy_distributed, silence_megatron_noise
+    from megatron_stepwise.mcore.runtime.runtime import destroy_distributed, silence_megatron_noise
 
     silence_megatron_noise()
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from bench_trainer_step import start_world_of_one
-    from megatron_stepwise.megatron.model import build_model_chunks, te_available
-    from megatron_stepwise.megatron.plugin import StepwisePlugin
+    from megatron_stepwise.mcore.train.model import build_model_chunks, te_available
+    from megatron_stepwise.mcore.train.plugin import StepwisePlugin
 
     sizes = (8192,) if args.quick else (4096, 8192, 16384)
     peak = matmul_peak_tflops(sizes if args.device == "cuda" else (512,), args.device)

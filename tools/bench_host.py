@@ -1,7 +1,7 @@
 """Host-side pipeline overhead of one RL iteration, against a stated reference GPU time
 (prints measured figures; never asserts).
 
-Workload: 512 prompts x 8 samples, 1-8 turns, the Search-R1 shape of `megatron_stepwise.synthetic`
+Workload: 512 prompts x 8 samples, 1-8 turns, the Search-R1 shape of `megatron_stepwise.data.synthetic`
 (~67M step tokens). Phases, calling what training runs in its order (`trainer_pipeline` of
 `tools/bench_pipeline.py`), on ONE core (`torch.set_num_threads(1)`): validate (`validate_steps`
 on the rollout, as the mini-batch sources do) -> minibatch (`prompt_minibatches`) -> prepare
@@ -36,8 +36,8 @@ from bench_cli import (PhaseTimer, add_seed_and_out, bench_parser, config, repea
 from flops import QWEN2_CONFIGS, ModelShape, training_flops  # noqa: E402
 
 from bench_pipeline import trainer_pipeline  # noqa: E402
-from megatron_stepwise.loop.prepare import PrepareOptions  # noqa: E402
-from megatron_stepwise.synthetic import AgentWorkload, make_agent_steps  # noqa: E402
+from megatron_stepwise.loop.training_batch import PrepareOptions  # noqa: E402
+from megatron_stepwise.data.synthetic import AgentWorkload, make_agent_steps  # noqa: E402
 
 PHASES = ("validate", "minibatch", "prepare", "plan")
 

@@ -37,7 +37,7 @@ def per_sequence(q, k, v, lengths, scale):
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_stepwise.megatron.local_layers import PackedCausalAttention
+    from megatron_stepwise.mcore.train.local_layers import PackedCausalAttention
 
     nh, ng, d = q.size(1), k.size(1), q.size(2)
     cfg = TransformerConfig(num_layers=1, hidden_size=nh * d, num_attention_heads=nh, num_query_groups=ng,

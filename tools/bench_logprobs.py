@@ -70,7 +70,7 @@ def _sync(device: str) -> None:
 
 def step(path: str, case, chunk: int):
     """One forward+backward; returns the trained positions' log-probs."""
-    from megatron_stepwise.megatron.logprobs import vocab_parallel_logprobs
+    from megatron_stepwise.mcore.train.logprobs import vocab_parallel_logprobs
 
     h, w, targets, idx, a, b = case
     h.grad = w.grad = None

@@ -1,7 +1,7 @@
 """Merge savings: tokens the model computes per trajectory, step-wise rows vs prefix-merged rows,
 as the number of turns grows (prints measured figures; never asserts).
 
-Workload: `megatron_stepwise.synthetic` agent trajectories with a FIXED number of turns T
+Workload: `megatron_stepwise.data.synthetic` agent trajectories with a FIXED number of turns T
 (T = 1..16), the Search-R1 shape otherwise (prompt 100-600, observations 50-2000, responses
 20-500 tokens), prefix-consistent (no re-tokenisation drift). For each T it reports, per
 trajectory,
@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_cli import add_seed_and_out, bench_parser, config, run_args, script_main  # noqa: E402
 from megatron_stepwise.algo.merge import merge_steps  # noqa: E402
-from megatron_stepwise.synthetic import AgentWorkload, make_agent_steps  # noqa: E402
+from megatron_stepwise.data.synthetic import AgentWorkload, make_agent_steps  # noqa: E402
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:

@@ -1,7 +1,7 @@
 """Benchmark of the host-side step-wise batch pipeline (prints measured figures; never asserts).
 
 Workload: the issue's synthetic agent batch (512 prompts x 8 samples, 1-8 turns, observations
-50-2000 tokens, responses 20-500), built by `megatron_stepwise.synthetic`.
+50-2000 tokens, responses 20-500), built by `megatron_stepwise.data.synthetic`.
 
 The timed pipeline is what a training iteration runs on the host, in the same order
 (`trainer_pipeline`, shared with `tools/bench_host.py`):
@@ -50,9 +50,9 @@ from bench_cli import (PhaseTimer, add_seed_and_out, bench_parser, repeat_runs, 
 from megatron_stepwise.algo import planner  # noqa: E402
 from megatron_stepwise.algo.batching import prompt_minibatches, validate_steps  # noqa: E402
 from megatron_stepwise.algo.merge import merge_steps  # noqa: E402
-from megatron_stepwise.loop.prepare import PrepareOptions, add_counts, prepare  # noqa: E402
-from megatron_stepwise.megatron.packing import packed_lengths  # noqa: E402  (torch only, no megatron-core)
-from megatron_stepwise.synthetic import AgentWorkload, make_agent_steps  # noqa: E402
+from megatron_stepwise.loop.training_batch import PrepareOptions, add_counts, prepare  # noqa: E402
+from megatron_stepwise.mcore.train.packing import packed_lengths  # noqa: E402  (torch only, no megatron-core)
+from megatron_stepwise.data.synthetic import AgentWorkload, make_agent_steps  # noqa: E402
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -97,7 +97,7 @@ def trainer_pipeline(steps, phase: PhaseTimer, *, vocab_size: int, prompts_per_m
     the sources' `validate_steps` and `prompt_minibatches` (loop/sources.py, loop/async_source.py),
     the trainer's `prepare` per mini-batch (loop/trainer.py; a mini-batch without a trained token
     is skipped, as there), and the plugin's host-side planning of each prepared batch
-    (megatron/plugin.py prepare_minibatch: `packed_lengths` -> `plan_microbatches`).
+    (mcore/train/plugin.py prepare_minibatch: `packed_lengths` -> `plan_microbatches`).
     Returns (mini-batches, prepare's (batch, metrics) per mini-batch, the batches, their plans)."""
     phase("validate", lambda: validate_steps(steps, vocab_size=vocab_size))
     mbs = phase("minibatch", lambda: prompt_minibatches(steps, prompts_per_minibatch) if steps else [])

@@ -1,4 +1,4 @@
-"""The figures the benchmark suite reports, with issue 7's targets, and their tables.
+"""The figures the benchmark suite reports, with their targets, and their tables.
 
 Each `Figure` reads one number out of a benchmark's result dict (what its `run(quick)` returned).
 A benchmark that is missing, skipped or failed leaves its figures unmeasured; so does a result
@@ -24,7 +24,7 @@ class Figure:
     extract: Callable[[Result], Optional[float]]
     unit: str = ""  # printed after the value: "x", " s", "%"...
     digits: int = 3
-    target: Optional[tuple[str, float]] = None  # (op, threshold) from issue 7; None = reported only
+    target: Optional[tuple[str, float]] = None  # (op, threshold); None = reported only
 
     def value(self, result: Optional[Result]) -> Optional[float]:
         if not result:
@@ -206,7 +206,7 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
 
 def markdown(rows: list[dict[str, Any]], benchmarks: dict[str, Result], *, title: str, preamble: str) -> str:
     out = [f"### {title}", "", preamble, "",
-           "| Benchmark | Figure | Measured | Target (issue 7) | Met |", "|---|---|---:|---:|:---:|"]
+           "| Benchmark | Figure | Measured | Target | Met |", "|---|---|---:|---:|:---:|"]
     for r in rows:
         target = r["target"].replace("<", "&lt;")
         out.append(f"| {r['benchmark']} | {r['figure']} | {r['display']} | {target} | {_met_text(r)} |")

@@ -27,8 +27,8 @@ from megatron_stepwise.hf.tokenizers import load_tokenizer  # noqa: E402
 from megatron_stepwise.rollout.agent_loop import AgentLoop, AgentLoopConfig  # noqa: E402
 from megatron_stepwise.rollout.engine import SamplingParams  # noqa: E402
 from megatron_stepwise.rollout.fleet import EngineSpec, RolloutFleet  # noqa: E402
-from megatron_stepwise.rollout.hf_model import tiny_qwen2_config  # noqa: E402
-from megatron_stepwise.rollout.local import LocalEngine  # noqa: E402
+from megatron_stepwise.rollout.embedded.hf_model import tiny_qwen2_config  # noqa: E402
+from megatron_stepwise.rollout.embedded.engine import LocalEngine  # noqa: E402
 
 
 async def measure(generator, tok, samples, cfg) -> dict:

@@ -114,7 +114,7 @@ def _workers(cfg, samples, n: int, held: Optional[Callable] = None) -> dict[str,
     import ray
 
     from megatron_stepwise.loop.agent_workers import AgentWorkers
-    from megatron_stepwise.loop.prepare import PrepareOptions
+    from megatron_stepwise.loop.training_batch import PrepareOptions
     from megatron_stepwise.loop.worker_rows import NAMESPACE, HoldRequest
 
     worker_cls = ray.remote(_instant_worker_class())
@@ -151,7 +151,7 @@ def _decide(rows, dp: int, max_tokens: int) -> list:
     reduction's denominators."""
     from megatron_stepwise.algo.planner import plan_microbatches
     from megatron_stepwise.algo.reductions import row_denominators
-    from megatron_stepwise.megatron.plugin import ShardDecision, shard_rows
+    from megatron_stepwise.mcore.train.plugin import ShardDecision, shard_rows
 
     plan = plan_microbatches(rows.lengths.tolist(), dp_size=dp, max_tokens=max_tokens)
     denominators = row_denominators(rows, "token_mean")
@@ -173,7 +173,7 @@ def _held_handoff(cfg, dp_sizes=(1, 2, 4)) -> Callable:
     import ray
 
     from megatron_stepwise.loop.worker_rows import RowFetcher, split_held_round
-    from megatron_stepwise.metrics import rollout_metrics
+    from megatron_stepwise.metrics.core import rollout_metrics
 
     def run(groups) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -236,7 +236,7 @@ def _old_handoff(steps, cfg) -> dict[str, float]:
     and prepares the whole rollout."""
     from megatron_stepwise.algo.batching import prompt_minibatches
     from megatron_stepwise.algo.validate import validate_steps
-    from megatron_stepwise.loop.prepare import PrepareOptions, prepare
+    from megatron_stepwise.loop.training_batch import PrepareOptions, prepare
 
     t = time.process_time()
     blob = pickle.dumps(steps, protocol=pickle.HIGHEST_PROTOCOL)
@@ -263,7 +263,7 @@ def _shard(batch, dp: int, max_tokens: int) -> list:
     """The plugin's per-DP cut (`plan_shards`) without a model: the planner's rows per rank, as
     the `MinibatchShard`s rank 0 sends (their wire form included)."""
     from megatron_stepwise.algo.planner import plan_microbatches
-    from megatron_stepwise.megatron.plugin import MinibatchShard, shard_rows
+    from megatron_stepwise.mcore.train.plugin import MinibatchShard, shard_rows
 
     plan = plan_microbatches(batch.lengths.tolist(), dp_size=dp, max_tokens=max_tokens)
     shards = []
@@ -279,8 +279,8 @@ def _new_handoff(steps, cfg, dp_sizes=(1, 2, 4)) -> dict[str, Any]:
     pickles one payload per DP rank; a rank receives and unpickles only its own."""
     from megatron_stepwise.algo.batching import prompt_minibatches
     from megatron_stepwise.algo.validate import validate_steps
-    from megatron_stepwise.loop.prepare import PrepareOptions, prepare
-    from megatron_stepwise.metrics import rollout_metrics
+    from megatron_stepwise.loop.training_batch import PrepareOptions, prepare
+    from megatron_stepwise.metrics.core import rollout_metrics
 
     out: dict[str, Any] = {}
     t = time.process_time()

@@ -4,7 +4,7 @@ micro-batch, under the real plugin (prints measured figures; never asserts).
 Setup: megatron-core at world size 1 (gloo, the CPU compatibility layer), a small Qwen2-shaped
 model (the `tiny` preset widened to a measurable step), megatron's Adam, and
 `StepwisePlugin.train_minibatch` on one agent-shaped mini-batch: step-wise rows from
-`megatron_stepwise.synthetic` (1-6 turns, variable prompt, observation and response lengths),
+`megatron_stepwise.data.synthetic` (1-6 turns, variable prompt, observation and response lengths),
 GRPO advantages, PPO loss with token-mean reduction.
 
 The two runs differ only in padding. Both use the plugin's own micro-batch plan of the real
@@ -41,8 +41,8 @@ from megatron_stepwise.algo.advantages import compute_advantages  # noqa: E402
 from megatron_stepwise.algo.batching import plan_microbatches  # noqa: E402
 from megatron_stepwise.algo.losses import LossConfig  # noqa: E402
 from megatron_stepwise.hf.presets import PRESETS  # noqa: E402
-from megatron_stepwise.synthetic import AgentWorkload, make_agent_steps  # noqa: E402
-from megatron_stepwise.types import Step, StepBatch  # noqa: E402
+from megatron_stepwise.data.synthetic import AgentWorkload, make_agent_steps  # noqa: E402
+from megatron_stepwise.steps import Step, StepBatch  # noqa: E402
 
 PAD_TOKEN = 0
 
@@ -109,7 +109,7 @@ def padded_copy(steps: list[Step], advantages: list[torch.Tensor], plan) -> tupl
 
 
 def start_world_of_one() -> None:
-    from megatron_stepwise.megatron.runtime import init_distributed
+    from megatron_stepwise.mcore.runtime.runtime import init_distributed
 
     # This process is its own world (the suite runs each benchmark in a fresh process).
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
@@ -125,14 +125,14 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
         raise SystemExit("bench_trainer_step: --device cuda needs a CUDA GPU")
     torch.set_num_threads(1)
     dtype = torch.bfloat16 if on_gpu else torch.float32
-    from megatron_stepwise.megatron.runtime import destroy_distributed, silence_megatron_noise
+    from megatron_stepwise.mcore.runtime.runtime import destroy_distributed, silence_megatron_noise
 
     silence_megatron_noise()
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from megatron_stepwise.algo.planner import plan_stats
-    from megatron_stepwise.megatron.model import build_model_chunks, te_available
-    from megatron_stepwise.megatron.plugin import StepwisePlugin
+    from megatron_stepwise.mcore.train.model import build_model_chunks, te_available
+    from megatron_stepwise.mcore.train.plugin import StepwisePlugin
 
     hf = model_config(args)
     steps = agent_steps(args, hf["vocab_size"])

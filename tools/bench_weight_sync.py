@@ -24,11 +24,11 @@ from pathlib import Path
 import torch
 
 from bench_cli import bench_parser, free_port, median_time
-from megatron_stepwise.megatron import convert
-from megatron_stepwise.megatron import model as M
-from megatron_stepwise.megatron import runtime
-from megatron_stepwise.megatron import weights as W
-from megatron_stepwise.megatron.sync import WeightSync
+from megatron_stepwise.mcore.weights import convert
+from megatron_stepwise.mcore.train import model as M
+from megatron_stepwise.mcore.runtime import runtime
+from megatron_stepwise.mcore.weights import full_views as W
+from megatron_stepwise.mcore.weights.sync import WeightSync
 
 MODELS = {
     "tiny": M.tiny_config(),

@@ -22,11 +22,11 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_stepwise.algo.advantages import compute_advantages
 from megatron_stepwise.algo.losses import LossConfig
-from megatron_stepwise.megatron import runtime
-from megatron_stepwise.megatron.model import build_gpt_model, tiny_config, wrap_ddp
-from megatron_stepwise.megatron.plugin import StepwisePlugin
-from megatron_stepwise.synthetic import AgentWorkload, make_agent_steps
-from megatron_stepwise.types import StepBatch
+from megatron_stepwise.mcore.runtime import runtime
+from megatron_stepwise.mcore.train.model import build_gpt_model, tiny_config, wrap_ddp
+from megatron_stepwise.mcore.train.plugin import StepwisePlugin
+from megatron_stepwise.data.synthetic import AgentWorkload, make_agent_steps
+from megatron_stepwise.steps import StepBatch
 
 
 def rollout(iteration: int, vocab: int) -> list:

@@ -5,7 +5,7 @@ Counted (multiply-add = 2 FLOPs; backward = 2x forward, so training = 3x forward
   N_layers_params = per layer h*(q + 2*kv) (QKV) + q*h (output) + 3*h*ffn (SwiGLU gate, up,
   down), q = heads * head_dim, kv = kv_heads * head_dim; norms and biases are left out (< 0.1%);
 - the output layer: 6 * vocab * h * trained_tokens. The plugin applies it only at positions with
-  loss_mask 1 (`megatron/logprobs.py`); a full-logits implementation would pay it on every
+  loss_mask 1 (`mcore/train/logprobs.py`); a full-logits implementation would pay it on every
   token (pass trained_tokens=tokens for that convention);
 - causal attention per row of length L: QK^T and PV are 2 * q * L^2 each in full, half of it
   under the causal mask, so 2 * q * L^2 forward and 6 * q * L^2 per training step and layer.

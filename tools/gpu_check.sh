@@ -23,7 +23,7 @@ step() {  # step SECONDS NAME COMMAND...
 {
   step 20 device nvidia-smi
   step 60 versions $PY -c "import torch, transformers, megatron.core as m; print('torch', torch.__version__, 'cuda', torch.version.cuda, '| megatron-core', m.__version__, '| transformers', transformers.__version__, '|', torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
-  step 60 pytest-gpu $PY -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider
+  step 60 pytest-gpu $PY -m pytest -q -m gpu tests/unit/test_gpu.py -p no:cacheprovider
   step 120 bench_gpu-0.5b $PY tools/bench_gpu.py --model qwen2.5-0.5b --prompts 8 --warmup 1 --repeats 3 --out "$OUT/bench_gpu_0.5b.json"
   step 90 engine-agreement $PY tools/bench_engine_agreement.py --model qwen2.5-0.5b --out "$OUT/engine_agreement.json"
   step 60 logprobs-head $PY tools/bench_logprobs.py --device cuda --dtype bf16 --tokens 4096 --hidden 896 --vocab 151936 --chunk 294 --reps 5 --out "$OUT/logprobs.json"

@@ -26,7 +26,7 @@ tag core_v0.16.1 on MEGATRON_LM_SRC; any extra Megatron-LM flag is passed throug
     ... --nproc-per-node 2 tools/megatron_lm_pretrain.py --pipeline-model-parallel-size 2
     ... --nproc-per-node 2 tools/megatron_lm_pretrain.py --context-parallel-size 2 --calculate-per-token-loss
 
-Without a GPU it runs on gloo with the CPU patches of `megatron_stepwise.megatron.megatron_lm_cpu`.
+Without a GPU it runs on gloo with the CPU patches of `megatron_stepwise.mcore.runtime.megatron_lm_cpu`.
 """
 
 from __future__ import annotations
@@ -40,10 +40,10 @@ import torch
 
 from megatron_stepwise.algo.advantages import compute_advantages
 from megatron_stepwise.algo.losses import LossConfig
-from megatron_stepwise.megatron.model import build_gpt_model, tiny_config
-from megatron_stepwise.megatron.plugin import StepwisePlugin
-from megatron_stepwise.synthetic import AgentWorkload, make_agent_steps
-from megatron_stepwise.types import StepBatch
+from megatron_stepwise.mcore.train.model import build_gpt_model, tiny_config
+from megatron_stepwise.mcore.train.plugin import StepwisePlugin
+from megatron_stepwise.data.synthetic import AgentWorkload, make_agent_steps
+from megatron_stepwise.steps import StepBatch
 
 HF_CONFIG = tiny_config(num_layers=4)
 MAX_TOKENS = 256  # tokens per packed micro-batch: --seq-length
@@ -137,7 +137,7 @@ def run(plugin: StepwisePlugin, user_flags: list[str], *, model_provider=model_p
     if not os.environ.get("MEGATRON_LM_SRC"):
         sys.exit("set MEGATRON_LM_SRC to a Megatron-LM checkout (tag core_v0.16.1): its megatron/training is needed")
     sys.path.append(os.environ["MEGATRON_LM_SRC"])  # after site-packages: megatron.core stays the wheel's
-    from megatron_stepwise.megatron.megatron_lm_cpu import enable_megatron_lm_cpu
+    from megatron_stepwise.mcore.runtime.megatron_lm_cpu import enable_megatron_lm_cpu
 
     enable_megatron_lm_cpu()
     from megatron.core.enums import ModelType

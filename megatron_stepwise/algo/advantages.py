@@ -37,7 +37,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from megatron_stepwise.algo.registry import Registry
-from megatron_stepwise.types import Step, StepwiseBatchError
+from megatron_stepwise.steps import Step, StepwiseBatchError
 
 OutcomeEstimator = Callable[..., torch.Tensor]
 TemporalEstimator = Callable[..., list]

@@ -3,7 +3,7 @@
 The trainer's pipeline for one iteration is
 
     validate_steps -> prompt_minibatches
-        -> per mini-batch: merge_steps, compute_advantages (loop/prepare.py) -> plan_microbatches
+        -> per mini-batch: merge_steps, compute_advantages (loop/training_batch.py) -> plan_microbatches
 
 `pad_for_data_parallel` is for loops that shard rows over DP ranks themselves.
 
@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 
 from megatron_stepwise.algo.planner import pad_to_multiple, plan_microbatches, plan_stats  # noqa: F401
 from megatron_stepwise.algo.validate import validate_steps  # noqa: F401
-from megatron_stepwise.types import PAD_PROMPT_PREFIX, Step, StepwiseBatchError, make_padding_step
+from megatron_stepwise.steps import PAD_PROMPT_PREFIX, Step, StepwiseBatchError, make_padding_step
 
 
 def next_padding_index(steps: Sequence[Step]) -> int:

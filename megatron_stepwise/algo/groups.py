@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
-from megatron_stepwise.types import Step, StepBatch, StepwiseBatchError
+from megatron_stepwise.steps import Step, StepBatch, StepwiseBatchError
 
 
 @dataclass

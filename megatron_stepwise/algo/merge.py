@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from megatron_stepwise.types import ROUTED_EXPERTS_DTYPE, UNKNOWN_EXPERT, Step
+from megatron_stepwise.steps import ROUTED_EXPERTS_DTYPE, UNKNOWN_EXPERT, Step
 
 #: weight_versions value for obs_delta tokens: no policy produced them (loss_mask is 0 there).
 NOT_SAMPLED_VERSION = -1

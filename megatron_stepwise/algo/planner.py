@@ -40,7 +40,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from megatron_stepwise.types import StepwiseBatchError
+from megatron_stepwise.steps import StepwiseBatchError
 
 DEFAULT_ATTENTION_WEIGHT = 1.0 / 24576
 

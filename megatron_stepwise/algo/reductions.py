@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 
 from megatron_stepwise.algo.rows import RowTable
-from megatron_stepwise.types import StepBatch
+from megatron_stepwise.steps import StepBatch
 
 REDUCTIONS = ("token_mean", "step_mean", "trajectory_mean", "prompt_mean", "seq_mean_token_sum_norm")
 MERGE_INVARIANT_REDUCTIONS = frozenset({"token_mean", "trajectory_mean", "prompt_mean"})

@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from megatron_stepwise.types import StepBatch
+from megatron_stepwise.steps import StepBatch
 
 
 @dataclass

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from megatron_stepwise.algo.advantages import dr_grpo, get_estimator, grpo, is_turn_estimator, register_estimator, rloo
-from megatron_stepwise.types import StepwiseBatchError
+from megatron_stepwise.steps import StepwiseBatchError
 
 #: The option every turn estimator takes, and the outcome estimators `turn_discount` may wrap.
 GAMMA = "gamma"

@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from megatron_stepwise.types import Step, StepwiseBatchError
+from megatron_stepwise.steps import Step, StepwiseBatchError
 
 
 def _where(i: int, step: Step) -> str:

@@ -16,7 +16,7 @@ from megatron_stepwise.envs import EnvSpec, list_envs, resolve_env_spec
 from megatron_stepwise.hf import hub
 from megatron_stepwise.hf.hub import looks_like_path
 from megatron_stepwise.hf.presets import PRESETS
-from megatron_stepwise.sample_sources import DatasetFacts
+from megatron_stepwise.data.files import DatasetFacts
 
 
 # Registries of pluggable names that config validation checks itself (a function returning the
@@ -53,7 +53,7 @@ class Probes:
 
     def dataset_facts(self, path: str, split: str) -> "DatasetFacts | str":
         """Rows and columns of a dataset file, directory or cached hub id; the error text."""
-        from megatron_stepwise.sample_sources import dataset_facts
+        from megatron_stepwise.data.files import dataset_facts
 
         try:
             return dataset_facts(path, split=split)
@@ -62,7 +62,7 @@ class Probes:
 
     def shipped_facts(self, spec: EnvSpec, options: Mapping) -> "DatasetFacts | str":
         """Rows and fields of an environment's own dataset (the shipped sets are small)."""
-        from megatron_stepwise.sample_sources import with_prompt_ids
+        from megatron_stepwise.data.files import with_prompt_ids
 
         try:
             samples = with_prompt_ids(spec.dataset(**options))

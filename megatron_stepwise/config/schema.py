@@ -20,7 +20,7 @@ from megatron_stepwise.config.fields import option, section, to_dict
 from megatron_stepwise.options import check_options, option_of, option_problems, takes_options
 from megatron_stepwise.rollout.agent_loop import ROLLOUT_KEYS, AgentLoopConfig
 from megatron_stepwise.rollout.engine import RetryConfig, SamplingConfig, SamplingParams
-from megatron_stepwise.types import temperature_problem
+from megatron_stepwise.steps import temperature_problem
 
 
 @dataclass

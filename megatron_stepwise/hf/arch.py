@@ -1,7 +1,7 @@
 """The model architecture of a Hugging Face config, parsed once: `arch_from_hf` -> `GPTArch`.
 
 Pure Python (no torch, no megatron-core), so config validation reads the same facts as the
-Megatron builder (megatron/model.py), the weight mapping and the rollout fleet.
+Megatron builder (mcore/train/model.py), the weight mapping and the rollout fleet.
 """
 
 from __future__ import annotations

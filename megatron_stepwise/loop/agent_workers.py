@@ -29,7 +29,7 @@ from megatron_stepwise.loop.worker_rows import NAMESPACE, HeldGroup, HeldRows, H
 from megatron_stepwise.rollout.agent_loop import checked_prompt_ids
 from megatron_stepwise.rollout.engine import engine_loss
 from megatron_stepwise.rollout.engine_router import EngineSlot, EngineView, RequestCounters
-from megatron_stepwise.types import Step
+from megatron_stepwise.steps import Step
 
 log = logging.getLogger(__name__)
 

@@ -33,9 +33,9 @@ import torch
 from megatron_stepwise.algo.groups import flat_steps
 from megatron_stepwise.algo.validate import validate_steps
 from megatron_stepwise.loop.group_buffer import GroupBuffer, trained_token_staleness, trajectory_version_spread
-from megatron_stepwise.loop.prepare import PrepareOptions
+from megatron_stepwise.loop.training_batch import PrepareOptions
 from megatron_stepwise.loop.sources import Driver, Round, rollout_seed, split_round
-from megatron_stepwise.metrics import rollout_metrics
+from megatron_stepwise.metrics.core import rollout_metrics
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 
 # ------------------------------------------------------------------------------ runtime
 def init_runtime(cfg: ExperimentConfig):
-    from megatron_stepwise.megatron.runtime import init_distributed
+    from megatron_stepwise.mcore.runtime.runtime import init_distributed
 
     p = cfg.parallel
     return init_distributed(p.tensor, p.pipeline, p.context, expert_parallel=p.expert, seed=cfg.trainer.seed,
@@ -28,7 +28,7 @@ def init_runtime(cfg: ExperimentConfig):
 
 def data_parallel() -> tuple[int, int]:
     """(this rank's data-parallel rank, the data-parallel size), from megatron's parallel state."""
-    from megatron_stepwise.megatron.runtime import current_layout
+    from megatron_stepwise.mcore.runtime.runtime import current_layout
 
     layout = current_layout()
     return layout.dp_rank, layout.dp
@@ -83,12 +83,12 @@ def _use_te(cfg: ExperimentConfig):
 
 
 def build_policy(cfg: ExperimentConfig, hf_config: dict) -> list:
-    from megatron_stepwise.megatron.model import build_model_chunks
+    from megatron_stepwise.mcore.train.model import build_model_chunks
 
     init = None
     if cfg.model.hf_checkpoint:
         from megatron_stepwise.hf.hub import CHECKPOINT_FILES, resolve_model_dir
-        from megatron_stepwise.megatron.convert import import_hf
+        from megatron_stepwise.mcore.weights.convert import import_hf
 
         # A local directory, the cached hub snapshot, or a download of its weights; before the model is built.
         hf_dir = resolve_model_dir(cfg.model.hf_checkpoint, key="model.hf_checkpoint", files=CHECKPOINT_FILES)
@@ -102,7 +102,7 @@ def build_policy(cfg: ExperimentConfig, hf_config: dict) -> list:
 
 def build_reference(cfg: ExperimentConfig, hf_config: dict, policy_chunks: list) -> list:
     """A frozen copy of the initial policy for the KL term (same sharding as the policy)."""
-    from megatron_stepwise.megatron.model import build_model_chunks, unwrap
+    from megatron_stepwise.mcore.train.model import build_model_chunks, unwrap
 
     state = [copy.deepcopy(unwrap(c).state_dict()) for c in policy_chunks]
 
@@ -126,7 +126,7 @@ def use_bf16(cfg: ExperimentConfig) -> bool:
 
 def _model_overrides(cfg: ExperimentConfig) -> dict[str, Any]:
     overrides: dict[str, Any] = {"sequence_parallel": cfg.parallel.sequence_parallel and cfg.parallel.tensor > 1}
-    if cfg.algo.routing_replay:  # the routers replay the engine's experts (megatron/routing_replay.py)
+    if cfg.algo.routing_replay:  # the routers replay the engine's experts (mcore/train/routing_replay.py)
         overrides["moe_enable_routing_replay"] = True
     if use_bf16(cfg):
         overrides["dtype"] = torch.bfloat16
@@ -158,7 +158,7 @@ def build_scheduler(cfg: ExperimentConfig, optimizer):
 
 
 def build_plugin(cfg: ExperimentConfig, tokenizer):
-    from megatron_stepwise.megatron.plugin import StepwisePlugin
+    from megatron_stepwise.mcore.train.plugin import StepwisePlugin
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     # temperature: score what the engine sampled
@@ -175,8 +175,8 @@ def env_spec(cfg: ExperimentConfig):
 
 
 def build_dataset(cfg: ExperimentConfig):
-    from megatron_stepwise.data import PromptDataset
-    from megatron_stepwise.sample_sources import open_samples, with_prompt_ids
+    from megatron_stepwise.data.prompts import PromptDataset
+    from megatron_stepwise.data.files import open_samples, with_prompt_ids
 
     if cfg.env.dataset:  # JSONL, Parquet or a datasets directory / hub id, read lazily
         samples = open_samples(cfg.env.dataset, fields=cfg.env.fields, split=cfg.env.dataset_split)
@@ -187,7 +187,7 @@ def build_dataset(cfg: ExperimentConfig):
 
 def eval_samples(cfg: ExperimentConfig, dataset) -> list[dict]:
     """env.eval_dataset, or a fixed set of training prompts (the same at every evaluation)."""
-    from megatron_stepwise.sample_sources import open_samples
+    from megatron_stepwise.data.files import open_samples
 
     if cfg.env.eval_dataset:
         source = open_samples(cfg.env.eval_dataset, fields=cfg.env.fields, split=cfg.env.eval_split,
@@ -253,7 +253,7 @@ def build_agent_loop(cfg: ExperimentConfig, fleet, tokenizer):
 # ------------------------------------------------------------------------ weights
 def build_weight_sync(cfg: ExperimentConfig, fleet, hf_config: dict, loop):
     """Pushes the policy to the fleet after each update (weight_sync.mode: disk | tensor | distributed)."""
-    from megatron_stepwise.megatron.sync import WeightSync
+    from megatron_stepwise.mcore.weights.sync import WeightSync
 
     w = cfg.weight_sync
     return WeightSync(fleet, w.mode, hf_config, loop=loop, bucket_mb=w.bucket_mb, sync_dir=cfg.weight_sync_dir)
@@ -265,7 +265,7 @@ def export_hf(cfg: ExperimentConfig, chunks: list, hf_config: dict, tokenizer) -
 
     import torch.distributed as dist
 
-    from megatron_stepwise.megatron.convert import export_hf as export
+    from megatron_stepwise.mcore.weights.convert import export_hf as export
 
     out = os.path.join(cfg.run_dir, "hf")
     export(chunks, out, hf_config, tokenizer=tokenizer, overwrite=True)

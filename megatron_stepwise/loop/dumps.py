@@ -19,7 +19,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from megatron_stepwise.types import ROUTED_EXPERTS_DTYPE, StepBatch, TrajectoryID
+from megatron_stepwise.steps import ROUTED_EXPERTS_DTYPE, StepBatch, TrajectoryID
 
 DUMP_DIR = "rollouts"
 META_KEY = b"megatron_stepwise.dump"

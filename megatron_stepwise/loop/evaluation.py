@@ -18,8 +18,8 @@ from typing import Any, Optional, Sequence
 
 from megatron_stepwise.config import ExperimentConfig
 from megatron_stepwise.loop import components
-from megatron_stepwise.metrics import group_outcomes, majority_at_k, pass_ks, rollout_metrics
-from megatron_stepwise.types import Step
+from megatron_stepwise.metrics.core import group_outcomes, majority_at_k, pass_ks, rollout_metrics
+from megatron_stepwise.steps import Step
 
 MAJ_MAX_SUBSETS = 20000  # maj@k enumerates k-subsets; larger k are left out
 
@@ -33,7 +33,7 @@ class EvalSet:
 
 def eval_sets(cfg: ExperimentConfig, dataset) -> list[EvalSet]:
     """The default set and every named one of `eval.sets`, loaded once."""
-    from megatron_stepwise.sample_sources import open_samples
+    from megatron_stepwise.data.files import open_samples
 
     sets = [EvalSet("default", list(components.eval_samples(cfg, dataset)), "eval/")]
     for name, path in cfg.eval_.sets.items():
@@ -111,7 +111,7 @@ class Evaluator:
 def standalone_engine(cfg: ExperimentConfig, tokenizer, hf_config: dict, weights: Optional[str]):
     """One embedded engine in this process serving `weights` (an HF safetensors directory; None =
     model.hf_checkpoint, else the seeded random init): for `eval` and `rollout` without a fleet."""
-    from megatron_stepwise.rollout.local import LocalEngine
+    from megatron_stepwise.rollout.embedded.engine import LocalEngine
 
     if cfg.rollout.engine != "embedded":
         raise ValueError("rollout.engine=sglang: evaluating without training runs the embedded engine in this "

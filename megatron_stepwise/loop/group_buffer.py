@@ -1,34 +1,13 @@
 """The buffer of finished trajectory groups in asynchronous training, and its staleness bound.
 
-In async mode the fleet keeps rolling out prompt groups (all `samples_per_prompt` trajectories of
-one prompt) while the trainer trains. `GroupBuffer` is the bookkeeping between the two. It is
-plain Python (no asyncio, Ray or torch.distributed), so its guarantees are tested against a
-simulated clock with random generation and training speeds (tests/test_group_buffer.py).
+In async mode the fleet keeps rolling out prompt groups while the trainer trains; `GroupBuffer`
+is the bookkeeping between the two: `take(n, V)` returns exactly n whole groups no staler than
+`max_staleness`, admission keeps the fleet at most that many optimizer steps ahead, group filters
+act at completion, and every started group ends exactly once (`ledger`).
 
-Versions: a group's `start_version` is the fleet's weight version when it was started (its
-trajectories' first tokens come from that version or a later one). The trainer at version V
-trains the weights that become V + 1.
-
-- **The bound.** `take(n, V)` returns only groups with `V - start_version <= max_staleness`.
-  Ready groups that grew older than that (slow generation, or newer groups overtook them) are
-  evicted first, and so are groups already too stale when they finish: dropped, or re-queued
-  (their sample starts again as a new group) by `stale_policy`, and counted.
-- **Admission.** A group may start at fleet version v only while
-  `trained + outstanding < (v - base_version + max_staleness + 1) * prompts_per_minibatch`
-  (outstanding = in flight + ready). Were groups trained in start order, a group started at v
-  would be trained by step v + max_staleness at the latest; the rule keeps the fleet at most
-  `max_staleness` optimizer steps ahead of the trainer, so evictions stay rare.
-- **Atomic groups.** A group enters once all its trajectories finished and leaves whole: its rows
-  (a variable number: trajectories x turns) always arrive together, in the agent loop's order.
-- **Exactly n.** `take` returns exactly n groups, oldest start version first (those closest to
-  the bound), or None when fewer than n are ready.
-- **Group filters** (`keep_group`, e.g. "the rewards vary") act at completion: a filtered group
-  never takes a training slot and frees its admission slot, so the trainer always gets n
-  informative groups (dynamic sampling for free). `starved(limit)` says that filters discarded
-  `limit` groups since the last take: the trainer gives up on that step instead of waiting
-  forever (e.g. once every prompt is solved).
-- **Conservation.** Every started group ends exactly once: trained, dropped, re-queued, filtered,
-  or still outstanding; `ledger` records which.
+Plain Python (no asyncio, Ray or torch.distributed), so its guarantees are tested against a
+simulated clock (tests/unit/test_group_buffer.py). The design, rule by rule: docs/async.md,
+"The group buffer".
 """
 
 from __future__ import annotations

@@ -29,14 +29,14 @@ COMPARED = ("loss", "grad_norm", "entropy", "pg_loss")
 
 
 def checkpoint_path(cfg, iteration: int) -> Path:
-    from megatron_stepwise.megatron.checkpoint import checkpoint_name
+    from megatron_stepwise.mcore.weights.dist_checkpoint import checkpoint_name
 
     return Path(cfg.checkpoint_dir) / checkpoint_name(iteration)
 
 
 def replay(cfg, dump: Dump) -> dict[str, Any]:
     """Collective over every rank of `cfg`'s layout; returns the report (the same on every rank)."""
-    from megatron_stepwise.megatron.checkpoint import CheckpointError, load_checkpoint
+    from megatron_stepwise.mcore.weights.dist_checkpoint import CheckpointError, load_checkpoint
 
     k = dump.iteration
     components.init_runtime(cfg)
@@ -105,8 +105,8 @@ def _max_diff(got: list, want: list) -> Optional[float]:
 
 def _param_diff(cfg, hf_config: dict, chunks: list, path: Path) -> float:
     """Largest |replayed - saved| parameter over every rank, the saved ones loaded at this layout."""
-    from megatron_stepwise.megatron.checkpoint import load_checkpoint
-    from megatron_stepwise.megatron.model import unwrap
+    from megatron_stepwise.mcore.weights.dist_checkpoint import load_checkpoint
+    from megatron_stepwise.mcore.train.model import unwrap
 
     saved = components.build_policy(cfg, hf_config)
     load_checkpoint(saved, path=path, load_optimizer=False, load_rng=False)

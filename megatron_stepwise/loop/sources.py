@@ -25,10 +25,10 @@ from megatron_stepwise.algo.advantages import is_temporal_estimator
 from megatron_stepwise.algo.groups import RolloutGroup, flat_steps
 from megatron_stepwise.algo.validate import validate_steps
 from megatron_stepwise.loop.dumps import DumpRecorder
-from megatron_stepwise.loop.prepare import PrepareOptions, prepare
+from megatron_stepwise.loop.training_batch import PrepareOptions, prepare
 from megatron_stepwise.loop.worker_rows import HeldGroup, HoldRequest, RowFetcher, split_held_round
-from megatron_stepwise.metrics import rollout_metrics
-from megatron_stepwise.types import Step, StepBatch
+from megatron_stepwise.metrics.core import rollout_metrics
+from megatron_stepwise.steps import Step, StepBatch
 
 log = logging.getLogger(__name__)
 

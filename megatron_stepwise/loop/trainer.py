@@ -40,15 +40,15 @@ from megatron_stepwise.config import ExperimentConfig
 from megatron_stepwise.loop import components
 from megatron_stepwise.loop.agent_workers import AgentWorkers, resolve_agent_workers
 from megatron_stepwise.loop.async_source import AsyncRollouts
-from megatron_stepwise.loop.checkpoints import Checkpointer, TrainerState
+from megatron_stepwise.loop.checkpointer import Checkpointer, TrainerState
 from megatron_stepwise.loop.colocate import Colocation
 from megatron_stepwise.loop.divergence import check_finite
 from megatron_stepwise.loop.dumps import DumpRecorder, assemble_logprobs, dump_path, write_dump
 from megatron_stepwise.loop.evaluation import Evaluator
 from megatron_stepwise.loop.handoff import Handoff
-from megatron_stepwise.loop.prepare import add_counts
+from megatron_stepwise.loop.training_batch import add_counts
 from megatron_stepwise.loop.sources import Driver, SyncRollouts, rollout_seed
-from megatron_stepwise.metrics import (MetricsLogger, iteration_line, mean_metrics, read_metrics, summarize_run,
+from megatron_stepwise.metrics.core import (MetricsLogger, iteration_line, mean_metrics, read_metrics, summarize_run,
                                        write_eval)
 from megatron_stepwise.time_budget import ActivityClock, TimeBudget, budget_line
 

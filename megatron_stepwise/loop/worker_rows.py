@@ -20,8 +20,8 @@ from typing import Any, Callable, Optional
 from megatron_stepwise.algo.groups import GroupSummary, RolloutGroup
 from megatron_stepwise.algo.rows import RowTable
 from megatron_stepwise.algo.validate import validate_steps
-from megatron_stepwise.loop.prepare import PrepareOptions, add_counts, prepare_rows
-from megatron_stepwise.types import StepBatch
+from megatron_stepwise.loop.training_batch import PrepareOptions, add_counts, prepare_rows
+from megatron_stepwise.steps import StepBatch
 
 NAMESPACE = "megatron_stepwise"  # the Ray namespace the agent workers are named in
 

@@ -1,11 +1,10 @@
 """Rollout: engines that generate tokens with log-probs, a Ray fleet of them, the agent loop.
 
-- engine.py      the `Engine` protocol, `SamplingParams`, `GenerateResult` (log-prob convention)
-- sampling.py    next-token sampling (temperature / top-p / top-k) with SGLang's log-prob convention
-- hf_model.py    HF causal LMs for the embedded engine: build from a config, checked weight loads
-- local.py       `LocalEngine`: the embedded CPU engine (batched decode, KV cache, pause/abort)
-- server.py      that engine behind SGLang's native HTTP endpoints (`megatron-stepwise serve`)
-- sglang.py      `SGLangClient` (the `Engine` protocol over SGLang's HTTP API) + server launcher
-- fleet.py       `RolloutFleet`: Ray engine actors, routing, concurrency, weight updates, faults
-- agent_loop.py  `AgentLoop`: the step-wise multi-turn loop emitting one `Step` per turn
+- engine.py        the `Engine` protocol, `SamplingParams`, `GenerateResult` (log-prob convention)
+- sglang.py        `SGLangClient` (the `Engine` protocol over SGLang's HTTP API) + server launcher
+- fleet.py         `RolloutFleet`: Ray engine actors, routing, concurrency, weight updates, faults
+- engine_router.py `EngineRouter` and an agent worker's `EngineView`
+- agent_loop.py    `AgentLoop`: the step-wise multi-turn loop emitting one `Step` per turn
+- context.py, env_calls.py, routing.py, auth.py: prompts per turn, env calls, routed experts, keys
+- embedded/        the embedded CPU engine (`LocalEngine`) and its SGLang-compatible server
 """

@@ -76,7 +76,7 @@ from megatron_stepwise.rollout.engine import GenerateResult, SamplingParams, eng
 from megatron_stepwise.rollout.env_calls import EnvCaller, EnvError
 from megatron_stepwise.rollout.routing import pad_to_tokens
 from megatron_stepwise.time_budget import GENERATION, NO_ACTIVITY
-from megatron_stepwise.types import Step, TrajectoryID
+from megatron_stepwise.steps import Step, TrajectoryID
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from typing import Any, Iterable, Mapping, Optional, Protocol, Union, runtime_ch
 import torch
 
 from megatron_stepwise.options import check_options, option, option_problems, problem_of
-from megatron_stepwise.types import MIN_TEMPERATURE, temperature_problem, top_k_problem
+from megatron_stepwise.steps import MIN_TEMPERATURE, temperature_problem, top_k_problem
 
 NamedTensors = Union[Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
 

@@ -35,7 +35,7 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any, Awaitable, Callable, Optional
 
-from megatron_stepwise.lifecycle import tagged_ray_instance
+from megatron_stepwise.rundir.lifecycle import tagged_ray_instance
 from megatron_stepwise.rollout.agent_loop import AgentLoopConfig
 from megatron_stepwise.rollout.engine import (EngineError, EngineReleasedError, FleetLost, GenerateResult,
                                                NamedTensors, RetryConfig, SamplingParams, memory_tags)
@@ -110,7 +110,7 @@ class EngineActor:
             os.environ.setdefault("OMP_NUM_THREADS", str(spec.torch_threads))
         if spec.kind == "local":
             from megatron_stepwise.hf.tokenizers import load_tokenizer
-            from megatron_stepwise.rollout.local import LocalEngine
+            from megatron_stepwise.rollout.embedded.engine import LocalEngine
 
             tokenizer = load_tokenizer(spec.tokenizer) if spec.tokenizer else None
             self.engine = LocalEngine(

@@ -1,4 +1,4 @@
-"""Routed experts of the embedded engine (MoE routing replay, see megatron/routing_replay.py).
+"""Routed experts of the embedded engine (MoE routing replay, see mcore/train/routing_replay.py).
 
 `RouterRecorder` hooks the router (`mlp.gate`: transformers' Qwen3-MoE and Mixtral top-k routers
 alike) of every MoE layer of a Hugging Face model and

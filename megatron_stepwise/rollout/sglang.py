@@ -1,7 +1,7 @@
 """SGLang: an async HTTP client for its native API, and a server launcher.
 
 `SGLangClient` implements the `Engine` protocol over SGLang's native endpoints (checked against
-the pinned sglang wheel by tests/test_sglang_contract.py). It drives a real SGLang server, an
+the pinned sglang wheel by tests/integration/test_sglang_contract.py). It drives a real SGLang server, an
 `sglang_router` (generation only: send weight updates to the workers), or the embedded
 engine's server (`megatron-stepwise serve`), which speaks the same API.
 

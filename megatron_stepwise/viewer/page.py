@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from megatron_stepwise.loop.dumps import read_dump
-from megatron_stepwise.metrics import read_metrics
+from megatron_stepwise.metrics.core import read_metrics
 
 log = logging.getLogger(__name__)
 

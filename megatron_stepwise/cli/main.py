@@ -1,0 +1,49 @@
+"""`megatron-stepwise` command line: one subcommand per job."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (where its `register(subparsers)` is, its one-line help). Only the command being run
+# is imported, so `megatron-stepwise --help` lists them all without importing torch.
+COMMANDS = {
+    "train": ("megatron_stepwise.cli.train:register", "run an RL experiment (self-launches torchrun when needed)"),
+    "eval": ("megatron_stepwise.cli.eval:register", "evaluate a checkpoint or an HF directory on the eval sets"),
+    "rollout": ("megatron_stepwise.cli.rollout:register", "print a few trajectories turn by turn (no training)"),
+    "validate": ("megatron_stepwise.cli.config:register_validate",
+                 "check an experiment config without running anything"),
+    "config": ("megatron_stepwise.cli.config:register_config",
+               "config key reference, metrics reference and resolved configs"),
+    "demo": ("megatron_stepwise.cli.demo:register", "run the step-wise batch pipeline on a synthetic agent batch"),
+    "plot": ("megatron_stepwise.cli.plot:register", "render reward, eval, length and timing curves of a run to PNG"),
+    "serve": ("megatron_stepwise.cli.serve:register", "serve the embedded CPU engine over SGLang's HTTP API"),
+    "bench": ("megatron_stepwise.cli.bench:register", "run the benchmark suite (tools/bench.py)"),
+    "replay": ("megatron_stepwise.cli.replay:register",
+               "re-run a dumped iteration's optimizer steps from its checkpoint, at any layout"),
+    "view": ("megatron_stepwise.cli.view:register", "write an HTML page of a dumped iteration's trajectories"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = argparse.ArgumentParser(prog="megatron-stepwise", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (target, help_text) in COMMANDS.items():
+        if name == command:
+            _load(target)(sub)
+        else:  # listed with its help; its module is imported only when it runs
+            sub.add_parser(name, help=help_text)
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+def _load(target: str):
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

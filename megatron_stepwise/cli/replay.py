@@ -1,0 +1,110 @@
+"""`megatron-stepwise replay RUN_DIR [key=value ...] --iteration K`: retrain a dumped iteration offline.
+
+Reads the run's config from the dump (`trainer.dump_rollouts`), applies the overrides (e.g.
+`parallel.tensor=2` for another layout), launches itself under torchrun with
+`launch.nproc_per_node` ranks when needed, and runs `loop/replay.py`. Prints each optimizer
+step's loss and grad norm beside the recorded ones and writes the report as JSON
+(`RUN_DIR/replay/iter_K.json`, or `--out`). Exit 0 when it ran; 2 for a missing dump or
+checkpoint, or a bad override; with `--check-tol` a mismatch exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("replay", help="re-run a dumped iteration's optimizer steps from its checkpoint, at any layout")
+    p.add_argument("run_dir", help="the run directory (holds rollouts/ and checkpoints/)")
+    p.add_argument("--iteration", type=int, required=True, help="the dumped iteration to replay")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="config overrides, e.g. parallel.tensor=2 (right after RUN_DIR)")
+    p.add_argument("--out", default=None, help="report path (default RUN_DIR/replay/iter_K.json)")
+    p.add_argument("--check-tol", type=float, default=None,
+                   help="exit 1 unless loss, grad norm and parameters match within this absolute tolerance")
+    p.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    from megatron_stepwise.config import ConfigError, config_from_dict
+    from megatron_stepwise.loop.dumps import DumpError, read_dump
+
+    try:
+        dump = read_dump(args.run_dir, args.iteration)
+    except DumpError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    overrides = [f"logging.run_dir={os.path.abspath(args.run_dir)}", *args.overrides]
+    under_launcher = "RANK" in os.environ
+    try:
+        cfg = config_from_dict(dump.meta["config"], overrides)
+    except ConfigError as e:
+        print(e.render(), file=sys.stderr)
+        return 2
+    nproc = cfg.launch.nproc_per_node * cfg.launch.nnodes
+    if not under_launcher and nproc > 1:
+        argv = ["--standalone", f"--nproc-per-node={nproc}", "-m", "megatron_stepwise.cli", "replay", args.run_dir,
+                *args.overrides, "--iteration", str(args.iteration)]
+        argv += [f"--out={args.out}"] if args.out else []
+        argv += [f"--check-tol={args.check_tol}"] if args.check_tol is not None else []
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        from megatron_stepwise.rundir.lifecycle import run_torchrun
+
+        return run_torchrun(argv)
+    return _replay(cfg, dump, args)
+
+
+def _user_errors() -> tuple[type, ...]:
+    """Errors that mean "fix the run directory or the overrides": one line, exit 2."""
+    from megatron_stepwise.mcore.weights.dist_checkpoint import CheckpointError
+    from megatron_stepwise.mcore.train.model import ModelConfigError
+    from megatron_stepwise.mcore.train.plugin import UnsupportedLayoutError
+
+    from megatron_stepwise.steps import StepwiseBatchError
+
+    return CheckpointError, ModelConfigError, UnsupportedLayoutError, StepwiseBatchError
+
+
+def _replay(cfg, dump, args) -> int:
+    from megatron_stepwise.loop.replay import replay
+    from megatron_stepwise.mcore.runtime.runtime import silence_megatron_noise
+
+    silence_megatron_noise()
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        report = replay(cfg, dump)
+    except _user_errors() as e:
+        sys.stderr.write((f"error: {e}" if rank == 0 else f"error (rank {rank}): {e}") + "\n")
+        return 2
+    if rank != 0:
+        return 0
+    out = args.out or os.path.join(args.run_dir, "replay", f"iter_{dump.iteration:07d}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(report, f, indent=2)
+    print(render(report))
+    print(f"report: {out}")
+    if args.check_tol is not None and not within(report, args.check_tol):
+        print(f"error: the replay differs from the recorded run by more than {args.check_tol}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def within(report: dict, tol: float) -> bool:
+    diffs = [report["max_abs_diff"].get("loss"), report["max_abs_diff"].get("grad_norm"), report["params_max_abs_diff"]]
+    return all(d is not None and d <= tol for d in diffs)
+
+
+def render(report: dict) -> str:
+    lines = [f"replay of iteration {report['iteration']} at {report['layout']} (recorded at {report['recorded_layout']})"]
+    for i, s in enumerate(report["steps"]):
+        lines.append(f"  step {i}: loss {s['loss']!r} (recorded {s['recorded_loss']!r}), grad_norm {s['grad_norm']!r} "
+                     f"(recorded {s['recorded_grad_norm']!r})")
+    d = report["max_abs_diff"]
+    params = report["params_max_abs_diff"]
+    lines.append(f"  max |diff|: loss {d['loss']!r}, grad_norm {d['grad_norm']!r}, parameters vs "
+                 f"{report['params_checkpoint'] or '(no next checkpoint)'} {params!r}")
+    return "\n".join(lines)

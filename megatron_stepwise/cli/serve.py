@@ -1,0 +1,73 @@
+"""`serve`: the embedded CPU engine behind SGLang's native HTTP API (rollout/embedded/server.py).
+
+    megatron-stepwise serve --model-config tiny_word --host 127.0.0.1 --port 30000
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from typing import Any
+
+from megatron_stepwise.rollout.auth import API_KEY_ENV, api_key_from_env
+from megatron_stepwise.rollout.embedded.engine import LocalEngine
+from megatron_stepwise.rollout.embedded.server import start_server
+
+
+def build_engine_from_args(args: argparse.Namespace) -> LocalEngine:
+    from megatron_stepwise.hf.tokenizers import TOKENIZER_NAMES, load_tokenizer
+    from megatron_stepwise.rollout.embedded.hf_model import tiny_qwen2_config
+
+    tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
+    model_config: Any = args.model_config
+    if model_config in TOKENIZER_NAMES:  # a tiny model sized for a shipped tokenizer
+        tokenizer = tokenizer or load_tokenizer(model_config)
+        model_config = tiny_qwen2_config(len(tokenizer))
+    return LocalEngine(
+        model_config, weights=args.weights, tokenizer=tokenizer, max_batch_size=args.max_batch_size,
+        seed=args.seed, torch_threads=args.torch_threads,
+    )
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="serve the embedded CPU engine over SGLang's HTTP API")
+    p.add_argument("--model-config", required=True,
+                   help="HF config.json / model dir, or a shipped tokenizer's name (tiny_word, tiny_char, "
+                        "tiny_bpe) for a tiny model and tokenizer")
+    p.add_argument("--weights", default=None, help="directory of HF-named safetensors to load")
+    p.add_argument("--tokenizer", default=None, help="tokenizer dir or shipped name (for stop strings and text)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help=f"interface to bind; beyond loopback the server needs ${API_KEY_ENV} (Bearer key)")
+    p.add_argument("--allow-unauthenticated", action="store_true",
+                   help=f"serve beyond loopback without ${API_KEY_ENV} (only on a network you trust)")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--max-batch-size", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--torch-threads", type=int, default=None)
+    p.set_defaults(func=_serve_main)
+
+
+def _serve_main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+
+    async def run() -> None:
+        engine = build_engine_from_args(args)
+        runner, port = await start_server(engine, args.host, args.port, api_key=api_key_from_env(),
+                                          allow_unauthenticated=args.allow_unauthenticated)
+        print(f"serving the embedded engine on http://{args.host}:{port}", flush=True)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await runner.cleanup()
+            await engine.close()
+
+    try:
+        asyncio.run(run())
+    except KeyboardInterrupt:
+        pass
+    except ValueError as e:  # a refused configuration (e.g. exposed without a key): no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,1 @@
+"""Data readers: the prompt dataset, sample files (JSONL, Parquet, datasets), synthetic batches."""

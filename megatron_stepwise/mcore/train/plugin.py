@@ -1,0 +1,781 @@
+"""`StepwisePlugin`: step-wise RL training inside a megatron-core training loop.
+
+It gives an existing loop the two things megatron-core's schedules need,
+`forward_step(data_iterator, model) -> (output_tensor, loss_func)` for
+`get_forward_backward_func()` (the same signature Megatron-LM's `pretrain` takes), and a data
+iterator of packed micro-batches, plus two drivers built from them:
+
+- `train_minibatch(model_chunks, optimizer, batch)`: one optimizer step on one mini-batch;
+- `compute_logprobs(model_chunks, batch)`: forward-only log-probs (old / reference policy).
+
+Loss normalisation. Token weights are computed once per mini-batch (`loss_token_weights`
+divides by the global denominator of the chosen reduction), so the mini-batch loss is the sum
+over micro-batches and DP ranks of each micro-batch's `sum_t w_t * l_t`. megatron-core then
+rescales exactly once, and the loss function undoes it:
+- `calculate_per_token_loss=False` (default): the schedule divides each micro-batch loss by
+  the number of micro-batches M (and multiplies it by the CP size) and DDP averages gradients
+  over DP x CP, so the loss function returns `partial * M * dp`;
+- `calculate_per_token_loss=True`: the loss function returns `(partial * N, n_mb, ...)` where
+  n_mb is the micro-batch's trained-token count (this CP rank's share) and N their total over
+  the mini-batch; `finalize_model_grads` divides the DP x CP-summed gradients by sum(n_mb) = N.
+Either way the gradient is d(mini-batch loss)/d(theta), whatever TP/PP/DP/CP/micro-batch split.
+Under context parallelism each micro-batch is split over the CP ranks
+(`packing.split_for_context_parallel`) and each rank scores the trained tokens it holds.
+
+Every rank receives the same mini-batch, or only its own `MinibatchShard` when one process
+decided every DP rank's part (`plan_shards`, as the trainer's rank 0 does); all input errors
+are raised before any collective, so a bad batch never leaves other ranks waiting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import itertools
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+
+from megatron_stepwise.algo.losses import combine_metric_partials
+from megatron_stepwise.algo.reductions import row_denominators, weights_from_denominators
+from megatron_stepwise.algo.rows import RowTable
+from megatron_stepwise.mcore.train.logprobs import check_temperature, trained_position_logprobs
+from megatron_stepwise.mcore.train.model import unwrap
+from megatron_stepwise.mcore.train.model_contract import check_model_contract
+from megatron_stepwise.mcore.train.router_losses import RoutedMicroBatch, RouterLosses, check_recompute
+from megatron_stepwise.mcore.train.router_losses import install as install_router_hooks
+from megatron_stepwise.mcore.runtime.runtime import ParallelLayout, comm_device, current_layout
+from megatron_stepwise.mcore.train.packing import (
+    PackedMicroBatch,
+    alignment_for,
+    pack_rows,
+    packed_lengths,
+    split_for_context_parallel,
+)
+from megatron_stepwise.steps import Step, StepBatch, StepwiseBatchError
+
+TRAIN, LOGPROBS = "train", "logprobs"
+
+
+class UnsupportedLayoutError(ValueError):
+    """A model layout the step-wise plugin refuses (MTP, EP overlap schedule plans)."""
+
+
+class HostLoopMismatchError(ValueError):
+    """The host training loop assumes something the plugin's plan does not hold (e.g. another
+    number of micro-batches per optimizer step); raised instead of training silently wrong."""
+
+
+@dataclass
+class MinibatchShard:
+    """One data-parallel rank's part of a mini-batch (`StepwisePlugin.plan_shards`): its rows with
+    the token fields the loss reads (`weights`, computed over the whole mini-batch, advantages,
+    old/ref log-probs), its micro-batches as row lists, and the mini-batch totals the loss and
+    metrics normalise by."""
+
+    batch: StepBatch
+    plan: list[list[int]]  # micro-batches of row indices into `batch`
+    rows: list[int]  # where `batch`'s rows are in the whole mini-batch
+    dp_rank: int
+    dp_size: int
+    trained_tokens: int  # over the whole mini-batch
+    data_rows: int  # rows that are not DP padding, whole mini-batch
+    data_tokens: int
+    tokens: int  # every row's tokens, whole mini-batch
+    rollout_logprobs: bool  # the engine's log-probs go to the loss
+    rollout_logprobs_complete: bool  # ... and every trained token has one
+    pad_to: Optional[int] = None
+
+    @property
+    def token_fields(self) -> dict[str, torch.Tensor]:
+        return self.batch.token_fields
+
+    # Sent between processes with narrower integer types (`StepBatch.for_wire`).
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "batch": self.batch.for_wire()}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, batch=state["batch"].from_wire())
+
+    def minibatch_token_index(self, local: torch.Tensor, minibatch: StepBatch) -> torch.Tensor:
+        """Token positions in `batch` -> the same tokens' positions in the whole `minibatch`."""
+        row = torch.searchsorted(self.batch.offsets, local, right=True) - 1
+        rows = torch.as_tensor(self.rows, dtype=torch.long)
+        return minibatch.offsets[:-1][rows[row]] + (local - self.batch.offsets[:-1][row])
+
+
+def shard_rows(micros: list[list[int]]) -> tuple[list[int], list[list[int]]]:
+    """One rank's micro-batches (rows of the mini-batch) -> (its rows in order, the same
+    micro-batches as positions in that list)."""
+    rows = [r for micro in micros for r in micro]
+    local, at = [], 0
+    for micro in micros:
+        local.append(list(range(at, at + len(micro))))
+        at += len(micro)
+    return rows, local
+
+
+@dataclass
+class ShardDecision:
+    """What `decide_shards` decides for one DP rank: which rows of the mini-batch it trains (in
+    this order), its micro-batches as positions in that list, the mini-batch totals, and each
+    row's loss denominator (None when the weights were computed on the whole batch)."""
+
+    plan: list[list[int]]
+    rows: list[int]
+    dp_rank: int
+    dp_size: int
+    trained_tokens: int
+    data_rows: int
+    data_tokens: int
+    tokens: int
+    rollout_logprobs: bool
+    rollout_logprobs_complete: bool
+    traj_index: torch.Tensor
+    group_index: torch.Tensor
+    denominators: Optional[torch.Tensor] = None
+    pad_to: Optional[int] = None
+
+    def cut(self, batch: StepBatch) -> MinibatchShard:
+        """This rank's shard from `batch`, which holds exactly its rows, in `rows` order."""
+        if batch.num_rows != len(self.rows):
+            raise StepwiseBatchError(f"DP rank {self.dp_rank}: got {batch.num_rows} rows for a decision of "
+                                     f"{len(self.rows)}")
+        row_fields = {**batch.row_fields, "traj_index": self.traj_index, "group_index": self.group_index}
+        token_fields = batch.token_fields
+        if self.denominators is not None:
+            token_fields = {**token_fields, "weights": weights_from_denominators(batch, self.denominators)}
+        batch = dataclasses.replace(batch, token_fields=token_fields, row_fields=row_fields)
+        totals = {f.name: getattr(self, f.name) for f in dataclasses.fields(MinibatchShard)
+                  if f.name not in ("batch", "plan", "rows", "pad_to")}
+        return MinibatchShard(batch=batch, plan=self.plan, rows=self.rows, pad_to=self.pad_to, **totals)
+
+
+@dataclass
+class MinibatchInputs:
+    """What a megatron loop passes to `get_forward_backward_func()` for one mini-batch."""
+
+    microbatches: list[PackedMicroBatch]
+    num_microbatches: int
+    seq_length: int  # longest packed micro-batch (PP shapes are exchanged per micro-batch anyway)
+    num_chunks: int = 1  # model chunks per rank (virtual pipeline stages)
+    shard: Optional[MinibatchShard] = None  # what was packed
+
+    def data_iterator(self) -> Union[Iterator[PackedMicroBatch], list[Iterator[PackedMicroBatch]]]:
+        """The schedule's `data_iterator`: under virtual pipeline parallelism, one iterator per
+        model chunk (every chunk needs each micro-batch's packing, the first its tokens, the last
+        its loss inputs)."""
+        if self.num_chunks == 1:
+            return iter(self.microbatches)
+        return [iter(self.microbatches) for _ in range(self.num_chunks)]
+
+
+@contextlib.contextmanager
+def _output_layer_bypassed(gpt):
+    """Make the GPTModel return its final hidden states instead of full-vocabulary logits.
+
+    Shadowing the output layer's `forward` on the instance for one call keeps the user's
+    module (names, hooks, checkpoints) untouched; the log-prob head then applies the output
+    weight only at trained positions.
+    """
+    layer = gpt.output_layer
+    layer.forward = lambda input_, *_, **__: (input_, None)
+    try:
+        yield
+    finally:
+        del layer.forward
+
+
+def _host_count() -> Optional[int]:
+    """megatron's `get_num_microbatches()` when its calculator is set up (Megatron-LM's pretrain
+    does), else None: the caller passes the count to the schedule itself."""
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+    try:
+        return get_num_microbatches()
+    except AttributeError:
+        return None
+
+
+def _check_host_count(plan_size: int) -> None:
+    """The schedule of a host loop with a micro-batch calculator runs `get_num_microbatches()`
+    micro-batches: it must be the plan's count, or mini-batches would straddle optimizer steps
+    silently."""
+    host = _host_count()
+    if host is not None and host != plan_size:
+        raise HostLoopMismatchError(
+            f"the training loop runs get_num_microbatches()={host} micro-batches per step, but the plugin planned "
+            f"{plan_size} for this mini-batch: pass StepwisePlugin(num_microbatches={host}) (or prepare_minibatch("
+            f"num_microbatches={host})) so every mini-batch is exactly one optimizer step"
+        )
+
+
+class _PendingMicroBatch:
+    """Micro-batch `index` of a mini-batch that is packed when `forward_step` first meets it: only
+    then is the model (layout, vocabulary) known to a loop that hands out just a data iterator."""
+
+    def __init__(self, minibatch, count: int, index: int, packed: dict):
+        self.minibatch, self.count, self.index, self._packed = minibatch, count, index, packed
+
+    def resolve(self, plugin: "StepwisePlugin", model) -> PackedMicroBatch:
+        if "inputs" not in self._packed:
+            self._packed["inputs"] = plugin._prepare([model], self.minibatch, mode=TRAIN, num_microbatches=self.count)
+        return self._packed["inputs"].microbatches[self.index]
+
+
+class StepwisePlugin:
+    """Step-wise policy-gradient training for megatron-core models (see module docstring).
+
+    loss_config: the `algo.losses.LossConfig` (policy loss, clipping, reduction, KL, entropy...).
+    max_tokens_per_microbatch: token budget of one packed micro-batch, alignment padding included
+        with the package planner (it packs to the layout's alignment); a step longer than this
+        is an error.
+    temperature: the rollout's sampling temperature T. Every trained position is scored as
+        `log_softmax(logits / T)`, the distribution the engine sampled from and reported log-probs
+        of, so the policy ratio, TIS/IcePop weights, KL, entropy and the train-vs-rollout gap
+        compare like with like. Must be > 0 (greedy rollouts cannot be trained on).
+    num_microbatches: a fixed number of micro-batches per mini-batch and DP rank, for host loops
+        that run a fixed count (Megatron-LM's `pretrain`: global_batch_size / (micro_batch_size x
+        DP)). The plan is padded to it with loss-neutral empty micro-batches; a mini-batch that
+        needs more is an error naming both numbers. None: as many as the token budget needs.
+    vocab_size: the real vocabulary (the HF config's vocab_size) when the megatron model's is
+        padded (Megatron-LM's --make-vocab-size-divisible-by): padding rows are left out of the
+        softmax so log-probs match the rollout engine. Default: what `model.build_gpt_model`
+        records on the model, else the model's own vocab_size.
+    The algorithm hooks default to `megatron_stepwise.algo` and can be replaced:
+    `policy_loss(inputs, cfg) -> (partial_sum, metrics)`, `token_weights(batch, reduction,
+    max_response_len=...) -> [T]`, `plan_microbatches(lengths, dp_size=, max_tokens=)`,
+    `loss_inputs(**fields)` (the `LossInputs` constructor).
+    """
+
+    def __init__(self, loss_config: Any, *, max_tokens_per_microbatch: int,
+                 logprob_chunk_tokens: Optional[int] = None, pad_token_id: int = 0, temperature: float = 1.0,
+                 num_microbatches: Optional[int] = None, vocab_size: Optional[int] = None,
+                 policy_loss: Optional[Callable] = None, token_weights: Optional[Callable] = None,
+                 plan_microbatches: Optional[Callable] = None, loss_inputs: Optional[Callable] = None):
+        if max_tokens_per_microbatch < 1:
+            raise ValueError(f"max_tokens_per_microbatch must be >= 1, got {max_tokens_per_microbatch}")
+        check_temperature(temperature)
+        if num_microbatches is not None and num_microbatches < 1:
+            raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
+        self.loss_config, self.max_tokens = loss_config, int(max_tokens_per_microbatch)
+        self.chunk_tokens, self.pad_token_id = logprob_chunk_tokens, pad_token_id
+        self.temperature = float(temperature)
+        self.num_microbatches, self.vocab_size = num_microbatches, vocab_size
+        self._policy_loss, self._token_weights, self._loss_inputs = policy_loss, token_weights, loss_inputs
+        self._default_weights = token_weights is None  # the built-in reductions: weighable from row counts
+        self._plan = plan_microbatches
+        self._plan_takes_alignment = False  # the package planner also packs to the layout's alignment
+        self._in_own_schedule = False  # train_minibatch / compute_logprobs pass the plan's count themselves
+        # MoE router balance / z losses (algo.loss.router_aux_coef / router_z_coef) and expert-load metrics.
+        self.router_losses = RouterLosses(aux_coef=getattr(loss_config, "router_aux_coef", 0.0),
+                                          z_coef=getattr(loss_config, "router_z_coef", 0.0))
+
+    # ----------------------------------------------------------------- algorithm hooks
+    def _algo(self):
+        if None in (self._policy_loss, self._token_weights, self._loss_inputs):
+            from megatron_stepwise.algo import losses
+
+            self._policy_loss = self._policy_loss or losses.policy_loss
+            self._token_weights = self._token_weights or losses.loss_token_weights
+            self._loss_inputs = self._loss_inputs or losses.LossInputs
+        if self._plan is None:
+            from megatron_stepwise.algo.planner import plan_microbatches
+
+            self._plan = plan_microbatches
+            self._plan_takes_alignment = True
+
+    # ----------------------------------------------------------------- input preparation
+    @staticmethod
+    def as_batch(steps_or_batch: Union[StepBatch, Sequence[Step]]) -> StepBatch:
+        if isinstance(steps_or_batch, StepBatch):
+            return steps_or_batch
+        return StepBatch.from_steps(list(steps_or_batch))
+
+    def _check_tokens(self, batch: StepBatch, gpt, *, need: Sequence[str]) -> None:
+        if batch.num_rows == 0:
+            raise StepwiseBatchError("mini-batch has no steps")
+        vocab = self._vocab_size(gpt)
+        bad = (batch.tokens < 0) | (batch.tokens >= vocab)
+        if bool(bad.any()):
+            i = int(torch.nonzero(bad)[0])
+            r = int(torch.searchsorted(batch.offsets, torch.tensor(i), right=True)) - 1
+            raise StepwiseBatchError(
+                f"step {r}: token id {int(batch.tokens[i])} is outside the model vocabulary [0, {vocab})"
+            )
+        for name in need:
+            if name not in batch.token_fields:
+                raise StepwiseBatchError(f"mini-batch is missing the per-token field {name!r}")
+
+    def _check_lengths(self, lengths: torch.Tensor, cp: int) -> None:
+        """`lengths`: the rows as packed (`packed_lengths`, padded for CP)."""
+        over = torch.nonzero(lengths > self.max_tokens).flatten()
+        if over.numel():
+            r = int(over[0])
+            padded = f" (padded to a multiple of {2 * cp} for context parallelism)" if cp > 1 else ""
+            raise StepwiseBatchError(
+                f"step {r}: {int(lengths[r])} tokens{padded} do not fit the micro-batch budget "
+                f"max_tokens_per_microbatch={self.max_tokens}"
+            )
+
+    def _vocab_size(self, gpt) -> int:
+        """The vocabulary log-probs are over (the model's rows minus any padding)."""
+        vocab = self.vocab_size or getattr(gpt, "unpadded_vocab_size", None) or gpt.vocab_size
+        if vocab > gpt.vocab_size:
+            raise ValueError(f"vocab_size={vocab} is larger than the model's {gpt.vocab_size} vocabulary rows")
+        return int(vocab)
+
+    @staticmethod
+    def _layout(model_chunks) -> ParallelLayout:
+        """This rank's layout; `model_chunks` must be all of this rank's chunks, or one of them (a
+        host loop's forward_step sees one at a time)."""
+        layout = current_layout()
+        if len(model_chunks) not in (1, layout.vpp):
+            raise UnsupportedLayoutError(
+                f"got {len(model_chunks)} model chunks, but megatron's parallel state has {layout.vpp} per rank "
+                "(virtual_pipeline_model_parallel_size): pass all of this rank's chunks"
+            )
+        return layout
+
+    def prepare_minibatch(self, model_chunks: list, steps_or_batch: Union[StepBatch, Sequence[Step]], *,
+                          mode: str = TRAIN, num_microbatches: Optional[int] = None) -> MinibatchInputs:
+        """Validate, weight (once per mini-batch), plan and pack this DP rank's micro-batches, for a
+        host loop that runs the schedule itself.
+
+        `num_microbatches` (default: the plugin's) pads the plan to a fixed count. When megatron's
+        micro-batch calculator is set up (Megatron-LM), its count must be the plan's: checked
+        here, on every rank before any collective.
+        """
+        inputs = self._prepare(model_chunks, steps_or_batch, mode=mode, num_microbatches=num_microbatches)
+        _check_host_count(inputs.num_microbatches)
+        return inputs
+
+    def _prepare(self, model_chunks: list, steps_or_batch, *, mode: str, num_microbatches: Optional[int] = None):
+        """This rank's packed micro-batches: of its shard, or of its part of a whole mini-batch."""
+        if isinstance(steps_or_batch, MinibatchShard):
+            planned = len(steps_or_batch.plan)
+            if num_microbatches is not None and planned != num_microbatches:
+                raise HostLoopMismatchError(
+                    f"this shard was planned as {planned} micro-batches but the host loop runs num_microbatches="
+                    f"{num_microbatches}: pass the same num_microbatches to plan_shards")
+            return self._pack(model_chunks, steps_or_batch, mode=mode)
+        shard = self.plan_shards(model_chunks, steps_or_batch, mode=mode, num_microbatches=num_microbatches,
+                                 only=self._layout(model_chunks).dp_rank)[0]
+        return self._pack(model_chunks, shard, mode=mode)
+
+    def plan_shards(self, model_chunks: list, steps_or_batch: Union[StepBatch, Sequence[Step]], *,
+                    mode: str = TRAIN, num_microbatches: Optional[int] = None,
+                    only: Optional[int] = None) -> list["MinibatchShard"]:
+        """Decide a mini-batch for every data-parallel rank at once: validate it, weight its tokens
+        (once, over the whole mini-batch), plan every rank's micro-batches, and cut one
+        `MinibatchShard` per DP rank (or only rank `only`'s). The decision depends on the layout,
+        not on the rank, so one process can make it for all (the trainer's driver does) and each
+        rank trains its shard with `train_minibatch(chunks, optimizer, shard)`."""
+        self._algo()
+        batch = self.as_batch(steps_or_batch)
+        self._check_tokens(batch, unwrap(model_chunks[0]), need=("loss_mask", "advantages") if mode == TRAIN
+                           else ("loss_mask",))
+        custom_weights = mode == TRAIN and not self._default_weights
+        if custom_weights:  # a user's weighting sees the whole mini-batch
+            max_len = getattr(self.loss_config, "max_response_len", None)
+            weights = self._token_weights(batch, self.loss_config.reduction, max_response_len=max_len).float()
+            batch = dataclasses.replace(batch, token_fields={**batch.token_fields, "weights": weights})
+        decisions = self.decide_shards(model_chunks, RowTable.of(batch), mode=mode, num_microbatches=num_microbatches,
+                                       only=only, weigh=not custom_weights)
+        return [d.cut(batch.select(d.rows)) for d in decisions]
+
+    def decide_shards(self, model_chunks: list, rows: RowTable, *, mode: str = TRAIN,
+                      num_microbatches: Optional[int] = None, only: Optional[int] = None,
+                      weigh: bool = True) -> list["ShardDecision"]:
+        """`plan_shards` from the rows' lengths and counts alone (no token): every DP rank's rows,
+        micro-batches, totals and loss denominators. Whoever holds a rank's rows (in `rows` order)
+        turns its decision into a `MinibatchShard` with `ShardDecision.cut`, so the process that
+        decides never needs the token data. The tokens' own checks (vocabulary, fields) are the
+        holder's: the trainer's agent workers validate the steps they produce."""
+        self._algo()
+        if weigh and mode == TRAIN and not self._default_weights:
+            raise UnsupportedLayoutError("decide_shards weighs tokens with the built-in loss reductions; a custom "
+                                         "token_weights hook needs the whole mini-batch (use plan_shards)")
+        gpt = unwrap(model_chunks[0])
+        layout = self._layout(model_chunks)
+        dp, cp, chunks = layout.dp, layout.cp, layout.vpp
+        cfg = gpt.config
+        if getattr(cfg, "mtp_num_layers", None):
+            # MTP heads reuse the output layer inside GPTModel, which the plugin bypasses.
+            raise UnsupportedLayoutError("multi-token prediction (mtp_num_layers) is not supported by the plugin")
+        check_model_contract(gpt)  # a host-built model: the fix named before the first forward
+        if cfg.pipeline_model_parallel_size > 1 and not cfg.variable_seq_lengths and chunks == 1:
+            # Packed micro-batches differ in length; fixed-shape p2p would fail mid-schedule.
+            raise UnsupportedLayoutError(
+                "pipeline parallelism needs config.variable_seq_lengths=True (Megatron-LM: --variable-seq-lengths): "
+                "packed micro-batches have different lengths"
+            )
+        if rows.num_rows == 0:
+            raise StepwiseBatchError("mini-batch has no steps")
+        lengths = packed_lengths(rows.lengths, cp)
+        self._check_lengths(lengths, cp)
+        n_trained = int(rows.trained.sum())
+        if n_trained == 0:
+            raise StepwiseBatchError(
+                "mini-batch has no trainable token (loss_mask is 0 on every step): nothing to "
+                + ("train" if mode == TRAIN else "score")
+            )
+        align = alignment_for(cfg.tensor_model_parallel_size, cfg.sequence_parallel, cp)
+        extra = {"micro_align": align} if self._plan_takes_alignment else {}
+        plan = self._plan(lengths.tolist(), dp_size=dp, max_tokens=self.max_tokens, **extra)
+        if len(plan) != dp or len({len(p) for p in plan}) != 1:
+            raise RuntimeError(f"micro-batch planner returned an invalid plan for dp_size={dp}")
+        count = num_microbatches or self.num_microbatches
+        if chunks > 1:
+            # The interleaved schedule runs groups of PP micro-batches per model chunk.
+            pp = cfg.pipeline_model_parallel_size
+            if count is None:
+                count = max(pp, -(-len(plan[0]) // pp) * pp)
+            elif count % pp:
+                raise HostLoopMismatchError(
+                    f"num_microbatches={count} is not a multiple of the pipeline-parallel size {pp}, which the "
+                    "interleaved (virtual pipeline) schedule needs"
+                )
+        plan = self._fixed_count(plan, count)
+        rollout_logprobs = complete = False
+        denominators = None
+        if mode == TRAIN:
+            if weigh:
+                max_len = getattr(self.loss_config, "max_response_len", None)
+                denominators = row_denominators(rows, self.loss_config.reduction, max_response_len=max_len)
+            rollout_logprobs, complete = self._check_rollout_logprobs(rows)
+        data = ~rows.is_padding
+        totals = dict(dp_size=dp, trained_tokens=n_trained, data_rows=int(data.sum()),
+                      data_tokens=int(rows.lengths[data].sum()), tokens=int(rows.lengths.sum()),
+                      rollout_logprobs=rollout_logprobs, rollout_logprobs_complete=complete)
+        decisions = []
+        for rank in range(dp) if only is None else [only]:
+            mine, local = shard_rows(plan[rank])
+            pad_to = None
+            if chunks > 1:
+                # The interleaved schedule exchanges activations and gradients in both directions at
+                # once, and megatron's shape exchange pairs those messages by order: with PP=2 both
+                # neighbours are the same rank and a variable shape could be read for the wrong
+                # tensor. Every micro-batch of the step is padded (loss-neutrally) to the longest.
+                sizes = [int(lengths[micro].sum()) if micro else 0 for micro in plan[rank]]
+                pad_to = max(max(align, size + (-size) % align) for size in sizes)
+            index = torch.as_tensor(mine, dtype=torch.long)
+            decisions.append(ShardDecision(
+                plan=local, rows=mine, dp_rank=rank, pad_to=pad_to,
+                denominators=None if denominators is None else denominators[index],
+                traj_index=rows.traj_index[index], group_index=rows.group_index[index], **totals))
+        return decisions
+
+    def _pack(self, model_chunks: list, shard: "MinibatchShard", *, mode: str) -> MinibatchInputs:
+        """Pack this rank's shard into micro-batches (and split them over CP)."""
+        self._algo()
+        gpt = unwrap(model_chunks[0])
+        layout = self._layout(model_chunks)
+        dp, dp_rank, cp, cp_rank, chunks = layout.dp, layout.dp_rank, layout.cp, layout.cp_rank, layout.vpp
+        if (shard.dp_size, shard.dp_rank) != (dp, dp_rank):
+            raise HostLoopMismatchError(f"a shard for data-parallel rank {shard.dp_rank} of {shard.dp_size} reached "
+                                        f"rank {dp_rank} of {dp}")
+        cfg, batch = gpt.config, shard.batch
+        align = alignment_for(cfg.tensor_model_parallel_size, cfg.sequence_parallel, cp)
+        fields = {}
+        if mode == TRAIN:
+            for name in ("weights", "advantages", "old_logprobs", "ref_logprobs"):
+                if name in batch.token_fields:
+                    fields[name] = batch.token_fields[name].float()
+            if shard.rollout_logprobs:
+                fields["rollout_logprobs"] = batch.token_fields["rollout_logprobs"].float()
+                fields["rollout_logprobs_known"] = batch.rollout_logprobs_known()
+        mbs = []
+        for i, rows in enumerate(shard.plan):
+            mb = pack_rows(batch, rows, align=align, pad_token_id=self.pad_token_id, max_tokens=self.max_tokens, cp=cp,
+                           pad_to=shard.pad_to)
+            mb.fields = {k: v[mb.token_index] for k, v in fields.items()}
+            mb.mode, mb.rollout_logprobs_complete = mode, mode == TRAIN and shard.rollout_logprobs_complete
+            mb = split_for_context_parallel(mb, cp, cp_rank) if cp > 1 else mb
+            mb.metric_share = 1.0 if (i, dp_rank, cp_rank) == (0, 0, 0) else 0.0
+            mb.minibatch_rows, mb.minibatch_tokens = shard.data_rows, shard.data_tokens  # the router losses' normalisers
+            mbs.append(mb)
+        num_mb = len(mbs)
+        for mb in mbs:
+            mb.loss_scale = float(shard.trained_tokens) if cfg.calculate_per_token_loss else float(num_mb * dp)
+            mb.plan_size = num_mb
+        return MinibatchInputs(mbs, num_mb, shard.pad_to or max(mb.seq_len for mb in mbs), num_chunks=chunks,
+                               shard=shard)
+
+    def _fixed_count(self, plan: list, count: Optional[int]) -> list:
+        """Pad every rank's micro-batches to `count` with empty (loss-neutral) ones."""
+        if count is None:
+            return plan
+        needed = len(plan[0])
+        if needed > count:
+            raise HostLoopMismatchError(
+                f"this mini-batch needs {needed} micro-batches of <= {self.max_tokens} tokens per DP rank, but the host "
+                f"loop runs num_microbatches={count} (Megatron-LM: global_batch_size / (micro_batch_size x DP)); "
+                "raise the global batch size or max_tokens_per_microbatch, or use fewer prompts per mini-batch"
+            )
+        return [rank + [[] for _ in range(count - needed)] for rank in plan]
+
+    def _check_rollout_logprobs(self, rows: RowTable) -> tuple[bool, bool]:
+        """(the engine's log-probs go to the loss, every trained token has one).
+
+        They go when any trained token has one; only when all have do they reach the loss's
+        corrections. A loss that needs them (TIS, IcePop, the async off-policy correction)
+        refuses a batch with a gap, naming the first step; otherwise the train-vs-rollout gap
+        metric covers the known ones.
+        """
+        missing = rows.first_row_missing_logprobs()
+        if missing is not None and getattr(self.loss_config, "needs_rollout_logprobs", False):
+            raise StepwiseBatchError(
+                f"step {missing} ({rows.trajectory_ids[missing]}): field 'rollout_logprobs' is missing (the rollout "
+                f"engine reported no log-probs), but algo.loss.tis={self.loss_config.tis!r} / "
+                "algo.loss.icepop_* need the engine's log-prob of every trained token"
+            )
+        present = bool((rows.trained_known > 0).any())
+        return present, present and missing is None
+
+    def microbatch_stream(self, minibatches: Iterable[Union[StepBatch, Sequence[Step]]]) -> Iterator:
+        """A data iterator for host loops that hand `forward_step` nothing but an iterator and run
+        a fixed number of micro-batches per optimizer step (Megatron-LM's `pretrain` with
+        `--dataloader-type external`). For each mini-batch (a StepBatch or steps, identical on
+        every rank) it yields exactly that many micro-batches: `num_microbatches`, else megatron's
+        `get_num_microbatches()`. `forward_step` packs the mini-batch for its model on meeting
+        the first; the plan is padded with loss-neutral micro-batches, and a mini-batch that
+        needs more is a HostLoopMismatchError naming both counts."""
+        for minibatch in minibatches:
+            count = self.num_microbatches or _host_count()
+            if count is None:
+                raise ValueError(
+                    "microbatch_stream needs a fixed micro-batch count: pass StepwisePlugin(num_microbatches=K) or "
+                    "initialise megatron's micro-batch calculator (Megatron-LM's pretrain does)"
+                )
+            packed: dict = {}
+            for index in range(count):
+                yield _PendingMicroBatch(minibatch, count, index, packed)
+
+    def microbatch_streams(self, minibatches: Iterable[Union[StepBatch, Sequence[Step]]], num_chunks: int) -> tuple:
+        """`microbatch_stream` for each of `num_chunks` model chunks (virtual pipeline stages, whose
+        schedule takes one data iterator per chunk): one source read once, each mini-batch packed
+        once and shared by every chunk."""
+        return itertools.tee(self.microbatch_stream(minibatches), num_chunks)
+
+    # ----------------------------------------------------------------- megatron hooks
+    def forward_step(self, data_iterator, model, checkpoint_activations_microbatch=None, *,
+                     return_schedule_plan: bool = False):
+        """megatron-core forward step: packed micro-batch -> (output tensor, loss function).
+
+        `checkpoint_activations_microbatch` (passed by megatron's schedules) is left to the model
+        config's recompute settings.
+        """
+        if return_schedule_plan:
+            raise UnsupportedLayoutError(
+                "forward_step(return_schedule_plan=True) (expert-parallel A2A overlap) is not supported by the plugin"
+            )
+        mb = next(data_iterator)
+        if isinstance(mb, _PendingMicroBatch):
+            mb = mb.resolve(self, model)
+        if not self._in_own_schedule:
+            _check_host_count(mb.plan_size)
+        gpt = unwrap(model)
+        device = next(gpt.parameters()).device
+        bypass = _output_layer_bypassed(gpt) if gpt.post_process else contextlib.nullcontext()
+        from megatron_stepwise.mcore.train import routing_replay  # imports megatron-core
+
+        # Routing replay (algo.routing_replay): this chunk's routers take the engine's experts.
+        with bypass, self.router_losses.running(self._routed(mb, gpt)), routing_replay.for_microbatch(gpt, mb):
+            output = model(mb.tokens.to(device), mb.position_ids.to(device), None,
+                           packed_seq_params=mb.packed_seq_params(device))
+        return output, functools.partial(self._loss_func, mb, gpt)
+
+    def _routed(self, mb: PackedMicroBatch, gpt) -> Optional[RoutedMicroBatch]:
+        """What this micro-batch tells the MoE routers (None: a dense model, or log-probs only)."""
+        if not hasattr(gpt, "_stepwise_moe"):
+            gpt._stepwise_moe = install_router_hooks(gpt)
+        if not gpt._stepwise_moe or mb.mode != TRAIN or mb.token_segment is None:
+            return None
+        if self.router_losses.active:
+            check_recompute(gpt.config)
+        n = len(mb.rows)
+        return RoutedMicroBatch(
+            token_segment=mb.token_segment, row_tokens=(mb.cu_seqlens[1:n + 1] - mb.cu_seqlens[:n]).long(),
+            minibatch_rows=mb.minibatch_rows, minibatch_tokens=mb.minibatch_tokens, loss_scale=mb.loss_scale)
+
+    def _loss_func(self, mb: PackedMicroBatch, gpt, output_tensor, non_loss_data: bool = False):
+        logprobs, entropy = trained_position_logprobs(
+            output_tensor, mb.pred_index, mb.targets, gpt, chunk_tokens=self.chunk_tokens,
+            with_entropy=mb.mode == TRAIN, vocab_size=self._vocab_size(gpt), temperature=self.temperature)
+        if mb.mode == LOGPROBS:
+            data = {"token_index": mb.token_index, "logprobs": logprobs.detach().cpu()}
+            return data if non_loss_data else (output_tensor.reshape(-1)[:0].sum(), data)
+        return self._train_loss(mb, gpt, output_tensor, logprobs, entropy)
+
+    def _train_loss(self, mb, gpt, output_tensor, logprobs, entropy):
+        device = logprobs.device
+        f = {k: v.to(device) for k, v in mb.fields.items()}
+        old = f.get("old_logprobs")
+        inputs = self._loss_inputs(
+            logprobs=logprobs, old_logprobs=old if old is not None else logprobs.detach(),
+            advantages=f["advantages"], weights=f["weights"], segment_ids=mb.row_ids.to(device),
+            rollout_logprobs=f.get("rollout_logprobs") if mb.rollout_logprobs_complete else None,
+            ref_logprobs=f.get("ref_logprobs"), entropy=entropy)
+        partial, metrics = self._policy_loss(inputs, self.loss_config)
+        # Exactly 0 with a zero gradient, but it keeps the graph connected to the model output
+        # for micro-batches without trained tokens (PP needs a backward through every stage).
+        partial = partial + output_tensor.reshape(-1)[:0].sum()
+        metrics = dict(metrics, loss=partial)
+        metrics["tokens/trained"] = torch.tensor(float(mb.num_trained))
+        metrics["tokens/total"] = torch.tensor(float(mb.num_real_tokens))
+        reported = self._loss_dict(mb, metrics, device)
+        if "rollout_logprobs" in f:
+            # |current - rollout| over the trained tokens whose rollout log-prob is known.
+            known = f["rollout_logprobs_known"]
+            gap = (logprobs.detach() - f["rollout_logprobs"]).abs()
+            reported["logprob_gap/train_vs_rollout"] = torch.stack([gap[known].double().sum(), known.double().sum()])
+        scaled = partial * mb.loss_scale
+        if gpt.config.calculate_per_token_loss:
+            return scaled, torch.tensor(mb.num_trained, dtype=torch.int, device=device), reported
+        return scaled, reported
+
+    def _loss_dict(self, mb: PackedMicroBatch, metrics: dict, device) -> dict[str, torch.Tensor]:
+        """The loss function's metrics in the form Megatron-LM's `train_step` reduces: each a float64
+        `[numerator, denominator]` pair that it sums over micro-batches and DP x CP ranks and divides.
+        A metric is a sum of micro-batch partials, so its denominator is 1 on exactly one micro-batch
+        (`metric_share`) and the logged ratio is the mini-batch total. Max-type metrics (`*_max`)
+        cannot be reduced that way: they are reported, as 1-element tensors, only to the plugin's
+        own drivers, whose `reduce_metrics` takes their maximum."""
+        share = torch.tensor(mb.metric_share, dtype=torch.float64, device=device)
+        out = {}
+        for name, value in metrics.items():
+            value = value.detach().to(device=device, dtype=torch.float64).reshape(())
+            if not name.endswith("_max"):
+                out[name] = torch.stack([value, share])
+            elif self._in_own_schedule:
+                out[name] = value.reshape(1)
+        return out
+
+    # ----------------------------------------------------------------- reductions
+    @staticmethod
+    def reduce_metrics(losses: list) -> dict[str, float]:
+        """Reduce the loss function's metrics over micro-batches (last stage) and DP x CP ranks the
+        way Megatron-LM's `train_step` does (`[numerator, denominator]` pairs: both summed, then
+        divided), taking the maximum of 1-element max-type metrics, and share the result with
+        every pipeline stage. Identical on every rank."""
+        from megatron.core import parallel_state as ps
+
+        if ps.is_pipeline_last_stage(ignore_virtual=True):
+            # This rank's micro-batches (pairs summed, maxima maxed), in float64.
+            local = combine_metric_partials([{k: v.detach().double().cpu().reshape(-1) for k, v in item.items()}
+                                             for item in losses])
+            combined = {}
+            for is_max in (False, True):
+                names = sorted(k for k in local if (local[k].numel() == 1) == is_max)
+                if not names:
+                    continue
+                vec = torch.cat([local[k] for k in names])
+                if ps.get_data_parallel_world_size(with_context_parallel=True) > 1:
+                    buf = vec.to(comm_device())
+                    op = dist.ReduceOp.MAX if is_max else dist.ReduceOp.SUM
+                    dist.all_reduce(buf, op=op, group=ps.get_data_parallel_group(with_context_parallel=True))
+                    vec = buf.cpu()
+                if is_max:
+                    combined.update(zip(names, vec.tolist()))
+                else:
+                    pairs = vec.reshape(-1, 2)
+                    combined.update(zip(names, (pairs[:, 0] / pairs[:, 1]).tolist()))
+            payload = [combined]
+        else:
+            payload = [None]
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            dist.broadcast_object_list(payload, src=ps.get_pipeline_model_parallel_last_rank(),
+                                       group=ps.get_pipeline_model_parallel_group())
+        return payload[0]
+
+    # ----------------------------------------------------------------- drivers
+    def _run_schedule(self, model_chunks: list, inputs, *, forward_only: bool) -> list:
+        """megatron-core's schedule (pipelined or not) over the prepared micro-batches: the loss
+        partials when training, each micro-batch's log-probs when `forward_only`."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        if len(model_chunks) != inputs.num_chunks:
+            raise UnsupportedLayoutError(
+                f"got {len(model_chunks)} model chunks for a plan of {inputs.num_chunks} per rank: pass all of "
+                "this rank's chunks (one per virtual pipeline stage)"
+            )
+        self._in_own_schedule = True
+        try:
+            return get_forward_backward_func()(
+                forward_step_func=self.forward_step, data_iterator=inputs.data_iterator(), model=model_chunks,
+                num_microbatches=inputs.num_microbatches, seq_length=inputs.seq_length, micro_batch_size=1,
+                forward_only=forward_only, collect_non_loss_data=forward_only)
+        finally:
+            self._in_own_schedule = False
+
+    def train_minibatch(self, model_chunks: list, optimizer, steps_or_batch: Union[StepBatch, Sequence[Step]],
+                        *, lr_scheduler=None) -> dict[str, float]:
+        """One optimizer step on one mini-batch; returns metrics identical on every rank."""
+        if unwrap(model_chunks[0]).config.finalize_model_grads_func is None:
+            raise RuntimeError(
+                "model config has no finalize_model_grads_func: gradients would not be reduced over DP, "
+                "sequence-parallel norms or tied embeddings. Set config.finalize_model_grads_func = "
+                "megatron.core.distributed.finalize_model_grads (as Megatron-LM's setup does, and "
+                "model.build_model_chunks does)."
+            )
+        inputs = self._prepare(model_chunks, steps_or_batch, mode=TRAIN)
+        self.router_losses.clear()
+        for chunk in model_chunks:
+            chunk.train()
+            if hasattr(chunk, "zero_grad_buffer"):
+                chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        metrics = self.reduce_metrics(self._run_schedule(model_chunks, inputs, forward_only=False))
+        metrics.update(self.router_losses.reduce(unwrap(model_chunks[0]).config))
+        update_successful, grad_norm, _ = optimizer.step()
+        if lr_scheduler is not None and update_successful:
+            lr_scheduler.step(increment=1)
+        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        metrics["update_successful"] = float(bool(update_successful))
+        metrics["num_microbatches"] = float(inputs.num_microbatches)
+        return metrics
+
+    @torch.no_grad()
+    def compute_logprobs_flat(self, model_chunks: list,
+                              steps_or_batch: Union[StepBatch, Sequence[Step], MinibatchShard]) -> torch.Tensor:
+        """Forward-only log-probs of every trained token, as a flat [T] float32 tensor aligned
+        with the batch's tokens (0 where loss_mask is 0): the whole mini-batch's on every rank,
+        or, given this rank's `MinibatchShard`, the shard's on every rank of its model replica."""
+        from megatron.core import parallel_state as ps
+
+        shard = steps_or_batch if isinstance(steps_or_batch, MinibatchShard) else None
+        batch = shard.batch if shard is not None else self.as_batch(steps_or_batch)
+        inputs = self._prepare(model_chunks, shard or batch, mode=LOGPROBS)
+        for chunk in model_chunks:
+            chunk.eval()
+        outputs = self._run_schedule(model_chunks, inputs, forward_only=True)
+        for chunk in model_chunks:
+            chunk.train()
+        flat = torch.zeros(batch.tokens.numel(), dtype=torch.float32)
+        # Each trained token is filled by exactly one rank (its DP rank's last stage, TP rank 0,
+        # the CP rank holding its predicting position), so SUM all-reduces assemble the batch: over
+        # the world for a whole mini-batch, over the replica (TP x CP, then PP) for a shard.
+        if ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0:
+            for item in outputs:
+                index = item["token_index"] if shard is not None else inputs.shard.minibatch_token_index(item["token_index"], batch)
+                flat[index] = item["logprobs"].float()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            groups = ([ps.get_tensor_and_context_parallel_group(), ps.get_pipeline_model_parallel_group()]
+                      if shard is not None else [None])
+            buf = flat.to(comm_device())
+            for group in groups:
+                if group is None or dist.get_world_size(group) > 1:
+                    dist.all_reduce(buf, group=group)
+            flat = buf.cpu()
+        return flat
+
+    def compute_logprobs(self, model_chunks: list, steps_or_batch: Union[StepBatch, Sequence[Step]]) -> list[torch.Tensor]:
+        """Per-step response-aligned log-probs (0 where loss_mask is 0), e.g. old or reference
+        policy log-probs; store them with `batch.set_response_field('old_logprobs', ...)` or
+        directly as `batch.token_fields['old_logprobs'] = compute_logprobs_flat(...)`."""
+        batch = self.as_batch(steps_or_batch)
+        return batch.response_values(self.compute_logprobs_flat(model_chunks, batch))

@@ -1,0 +1,157 @@
+"""Rollout routing replay (R3) for MoE RL: the trainer's routers use the engine's experts.
+
+A MoE router's top-k is discontinuous: the engine (bf16 kernels, another batch shape, another
+TP/EP layout) and the trainer can choose different experts for the same token with the same
+weights, and one flipped expert changes that token's hidden state and every later one, so the
+engine-vs-trainer log-prob gap of MoE models is far larger than of dense ones. Replay removes
+that source: the engine reports, per token and MoE layer, the experts it chose
+(`GenerateResult.routed_experts`; SGLang's `return_routed_experts`), the steps carry them
+(`Step.routed_experts`, int16 [tokens, layers, topk], -1 = unknown), packing moves them with
+the tokens (`PackedMicroBatch.routed_experts`, CP chunks included), and with
+`algo.routing_replay: true` (model config `moe_enable_routing_replay`) each router of the
+trainer takes those experts instead of its own top-k at every position where they are known.
+The gating weights are still the trainer's: `softmax` of its own logits gathered at the
+replayed experts, so the router keeps its gradient.
+
+Which positions: every position the engine reported, prompt and response alike: the trainer
+then runs the forward pass the engine ran, and a trained token's log-prob depends on the
+routing of every position before it. Positions without a report (the last sampled token,
+which the engine never runs through the model, padding, steps of an engine that reports
+none) are routed by the trainer as usual. Merged rows keep, per position, the earliest merged
+step's experts (`algo.merge`).
+
+Mechanics: megatron-core 0.16 routes through `RouterReplay.get_replay_topk` when a router has a
+`router_replay`; `install` gives every TopKRouter of a model chunk a `KnownPositionsReplay`
+(a RouterReplay subclass, not registered in megatron's global list), and `replaying` sets each
+router's targets for exactly one forward pass (one micro-batch of one model chunk) and clears
+them after, so nothing accumulates across steps (megatron's own `set_target_indices` appends to
+a backward-replay list on every call). Routers re-run by activation recomputation would read
+the wrong micro-batch: `check_config` refuses those layouts (and megatron's fused router). Under sequence parallelism
+TP rank r routes the r-th of tp slices of its (CP-local) packed tokens; the targets are sliced
+the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Optional
+
+import torch
+
+from megatron.core.transformer.moe.router_replay import RouterReplay
+
+from megatron_stepwise.mcore.train.routers import local_tokens, moe_routers, recomputation
+
+
+class RoutingReplayError(ValueError):
+    """Routing replay cannot run as configured (a layout, or data that does not fit the model)."""
+
+
+class KnownPositionsReplay(RouterReplay):
+    """One router's replay: the target experts where known, the router's own top-k elsewhere.
+
+    `recorded_topk_idx` keeps the experts the last forward used (tests compare them with the
+    engine's)."""
+
+    def __init__(self):  # deliberately not registered in RouterReplay.global_router_replay_instances
+        self.target_topk_idx: Optional[torch.Tensor] = None
+        self.known: Optional[torch.Tensor] = None
+        self.recorded_topk_idx: Optional[torch.Tensor] = None
+        self.router_replay_action = None
+        self.replay_backward_list: list = []
+        self.record = False
+
+    def set_targets(self, targets: Optional[torch.Tensor]) -> None:
+        """long [tokens, topk] with -1 rows where unknown (None: route normally)."""
+        if targets is None:
+            self.target_topk_idx = self.known = None
+        else:
+            self.target_topk_idx, self.known = targets.clamp(min=0).long(), (targets >= 0).all(-1)
+
+    def get_replay_topk(self, scores: torch.Tensor, topk: int, num_groups: Optional[int] = None,
+                        group_topk: Optional[int] = None, default_compute_topk: Optional[Callable] = None):
+        probs, indices = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+        if self.target_topk_idx is not None:
+            target = self.target_topk_idx.to(indices.device)
+            if target.shape != indices.shape:
+                raise RoutingReplayError(
+                    f"routing replay: the router routes {tuple(indices.shape)} (tokens, topk) but was given "
+                    f"{tuple(target.shape)} replayed experts"
+                )
+            indices = torch.where(self.known.to(indices.device)[:, None], target, indices)
+            probs = scores.gather(1, indices)
+        if self.record:
+            self.recorded_topk_idx = indices.detach().clone()
+        return probs, indices
+
+
+def install(gpt) -> list:
+    """Give every router of one model chunk a `KnownPositionsReplay` (once); returns the routers.
+    Replaces the RouterReplay megatron-core made for `moe_enable_routing_replay` (and drops it
+    from megatron's global list, which would otherwise keep it alive)."""
+    routers = getattr(gpt, "_stepwise_replay_routers", None)
+    if routers is not None:
+        return routers
+    routers = moe_routers(gpt)
+    for router in routers:
+        if not isinstance(router.router_replay, KnownPositionsReplay):
+            old = router.router_replay
+            if old is not None and old in RouterReplay.global_router_replay_instances:
+                RouterReplay.global_router_replay_instances.remove(old)
+            router.router_replay = KnownPositionsReplay()
+    gpt._stepwise_replay_routers = routers
+    return routers
+
+
+def check_config(config) -> None:
+    """Refuse the layouts replay cannot serve, naming the setting."""
+    if getattr(config, "moe_router_fusion", False):
+        raise RoutingReplayError("algo.routing_replay needs moe_router_fusion=False (the fused router has no replay)")
+    recomputed = recomputation(config)
+    if recomputed:
+        raise RoutingReplayError(
+            f"algo.routing_replay with activation recomputation of MoE layers ({recomputed}) is not supported: "
+            "a recomputed router would not see its micro-batch's experts"
+        )
+
+
+@contextlib.contextmanager
+def replaying(gpt, routed: Optional[torch.Tensor]):
+    """Inside: the routers of model chunk `gpt` replay `routed` (int16 [S_local, layers, topk],
+    -1 = unknown; None or a dense model: nothing happens)."""
+    config = gpt.config
+    if routed is None or not getattr(config, "num_moe_experts", None):
+        yield
+        return
+    check_config(config)
+    routers = install(gpt)
+    routed = local_tokens(routed, config)
+    for router in routers:
+        layer = router.layer_number - 1  # global, 1-based: the engine reports every decoder layer
+        if layer >= routed.size(1) or routed.size(2) != router.topk:
+            raise RoutingReplayError(
+                f"routing replay: routed experts of shape {tuple(routed.shape)} (tokens, layers, topk) do not cover "
+                f"layer {layer} with top-{router.topk}"
+            )
+        router.router_replay.set_targets(routed[:, layer].to(next(router.parameters()).device))
+    try:
+        yield
+    finally:
+        for router in routers:
+            router.router_replay.set_targets(None)
+
+
+def for_microbatch(gpt, mb):
+    """`replaying` for one packed micro-batch: its experts when the model config enables replay
+    (`moe_enable_routing_replay`, from `algo.routing_replay`) and the mini-batch carries them."""
+    enabled = getattr(gpt.config, "moe_enable_routing_replay", False)  # `replaying` skips dense models
+    return replaying(gpt, getattr(mb, "routed_experts", None) if enabled else None)
+
+
+def record_routing(gpt, on: bool = True) -> list:
+    """Keep, per router, the experts its last forward used (`router.router_replay.recorded_topk_idx`,
+    long [tokens, topk]); returns the routers in layer order. For tests and diagnostics."""
+    routers = install(gpt)
+    for router in routers:
+        router.router_replay.record = on
+    return sorted(routers, key=lambda r: r.layer_number)

@@ -1,0 +1,559 @@
+"""The embedded CPU engine: a Hugging Face causal LM behind the `Engine` protocol.
+
+Concurrent `generate` calls are batched: pending requests are taken together (up to
+`max_batch_size`), left-padded, prefilled once, then decoded step by step with the HF KV cache
+(`past_key_values`); a request's future resolves as soon as it finishes. Model work runs on one
+worker thread so the event loop (HTTP server, Ray actor) stays responsive, and between two decode
+steps the engine can be paused, aborted or have its weights replaced.
+
+Partial rollouts: requests in flight during a weight update continue, not restart. Their KV cache
+was computed by the old weights, so it is rebuilt (prompt + tokens generated so far) with the new
+ones before the next token: each token is sampled from, and reports the log-prob and weight
+version of, the weights that were loaded when it was drawn (SGLang's "retract" pause behaves
+the same way; "in_place" would keep the stale cache).
+
+There is no cross-request prefix cache, so `flush_cache` has nothing to drop.
+
+Faults: a load refuses non-finite weights (naming the tensor) and leaves the model as it was.
+A failure in the model thread fails the requests in flight and makes the engine unhealthy
+until the next good weight load, which restarts the scheduler (the fleet restarts it sooner).
+
+Colocated mode (`release_memory_occupation` / `resume_memory_occupation`, SGLang's semantics):
+releasing "weights" frees the storage of every parameter (shapes, dtypes and the module tree
+stay, so nothing has to be rebuilt); resuming allocates it again, zero-filled: like SGLang
+without `--enable-weights-cpu-backup`, the values are gone and the engine refuses to generate
+until a weight update has loaded new ones (the colocated loop pushes the whole model right after
+resuming). "kv_cache" holds nothing between batches here (KV caches live for one batch and
+release needs an idle engine), so releasing it only marks it; "cuda_graph" has no CPU meaning.
+While "weights" or "kv_cache" is released `generate` fails with `EngineReleasedError`, and while
+"weights" is a weight update fails the same way: SGLang's order is resume "weights" -> update ->
+resume "kv_cache".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import inspect
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Union
+
+import torch
+
+from megatron_stepwise import weight_transport
+from megatron_stepwise.rollout.embedded import hf_model
+from megatron_stepwise.rollout import routing
+from megatron_stepwise.rollout.engine import (EngineError, EngineReleasedError, GenerateResult, NamedTensors,
+                                               SamplingParams, memory_tags)
+from megatron_stepwise.rollout.embedded.sampling import sample_next
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Request:
+    input_ids: list[int]
+    sampling: SamplingParams
+    rid: str
+    future: asyncio.Future
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish_reason: Optional[str] = None
+    matched: Any = None
+    text_len: int = 0
+    generator: Optional[torch.Generator] = None  # per-request sampler when sampling_seed is set
+    decoded: int = 0  # tokens of finished decode steps, as the event loop saw them (decoded_tokens)
+    # int16 [positions, layers, topk] pieces of the positions run, in order (record_routed_experts):
+    # one per prefill and per decode step, concatenated once when the request finishes
+    routed: Optional[list[torch.Tensor]] = None
+    routed_len: int = 0
+
+
+class _Batch:
+    """One static batch: left-padded prefill, then one token per active row per `step()`.
+
+    After a weight swap in the middle of the batch, `prefill()` runs again over each row's prompt
+    plus the tokens it has generated so far: generation continues (nothing is discarded) and
+    every later token is sampled from the new weights' distribution, with their exact log-prob.
+    """
+
+    def __init__(self, engine: "LocalEngine", requests: list[_Request]):
+        self.engine = engine
+        self.requests = requests
+        self.prefill()
+
+    def prefill(self) -> None:
+        eng = self.engine
+        self.weights_epoch = eng._weights_epoch
+        seqs = [r.input_ids + r.output_ids for r in self.requests]
+        lengths = [len(s) for s in seqs]
+        width = max(lengths)
+        ids = torch.tensor([[eng.pad_token_id] * (width - n) + s for s, n in zip(seqs, lengths)])
+        self.mask = torch.tensor([[0] * (width - n) + [1] * n for n in lengths])
+        self.next_pos = torch.tensor(lengths)
+        positions = (self.mask.cumsum(-1) - 1).clamp(min=0)
+        with torch.no_grad():
+            out = eng.model(input_ids=ids, attention_mask=self.mask, position_ids=positions, use_cache=True)
+        self.cache = getattr(out, eng.cache_name)
+        self.last_logits = out.logits[:, -1, :].float()
+        if eng._router_recorder is not None:  # each row's positions are its last `length` columns
+            routed = eng._router_recorder.take(ids.numel()).reshape(len(seqs), width, *eng._routed_shape)
+            for r, row, n in zip(self.requests, routed, lengths):
+                r.routed, r.routed_len = [row[width - n:].clone()], n
+
+    @property
+    def active(self) -> list[_Request]:
+        return [r for r in self.requests if r.finish_reason is None]
+
+    def step(self) -> None:
+        """Sample the next token of every active row, apply stop rules, run one decode forward."""
+        eng = self.engine
+        version = eng._weight_version
+        feed = []
+        for i, r in enumerate(self.requests):
+            if r.finish_reason is None:
+                token, lp = sample_next(self.last_logits[i], r.sampling, r.generator or eng.generator)
+                r.output_ids.append(token)
+                r.logprobs.append(lp)
+                r.versions.append(version)
+                eng._check_finished(r)
+            feed.append(r.output_ids[-1] if r.output_ids else eng.pad_token_id)
+        if not self.active:
+            return
+        self.mask = torch.cat([self.mask, torch.ones(len(self.requests), 1, dtype=self.mask.dtype)], dim=1)
+        with torch.no_grad():
+            out = eng.model(
+                input_ids=torch.tensor(feed).unsqueeze(1),
+                attention_mask=self.mask,
+                position_ids=self.next_pos.unsqueeze(1),
+                **{eng.cache_name: self.cache},
+                use_cache=True,
+            )
+        self.next_pos = self.next_pos + 1
+        self.cache = getattr(out, eng.cache_name)
+        self.last_logits = out.logits[:, -1, :].float()
+        if eng._router_recorder is not None:  # the fed token's experts, for rows that ran a new one
+            routed = eng._router_recorder.take(len(feed))
+            for r, row in zip(self.requests, routed):
+                if r.routed is not None and r.routed_len == len(r.input_ids) + len(r.output_ids) - 1:
+                    r.routed.append(row[None])
+                    r.routed_len += 1
+
+
+class LocalEngine:
+    """Embedded CPU engine (Qwen2/Llama family via transformers).
+
+    Args:
+        model_config: HF config (object, dict, config.json or model directory).
+        weights: optional safetensors directory with HF-named weights.
+        tokenizer: needed only for stop strings (and `text` in results).
+        eos_token_ids: tokens that end a generation besides per-request `stop_token_ids`.
+        max_batch_size: how many concurrent requests share one batch.
+        seed: seeds both the random init and the sampler.
+        torch_threads: intra-op threads for this engine (None leaves torch's setting).
+        record_routed_experts: return each request's routed experts (`GenerateResult.routed_experts`,
+            MoE models only: routing replay). None: on for MoE models.
+        router_noise, router_noise_mode: test hook: perturb the routers slightly (`rollout.routing`).
+    """
+
+    def __init__(self, model_config: hf_model.ModelConfigLike, weights: Optional[Union[str, os.PathLike]] = None,
+                 tokenizer: Any = None, eos_token_ids: Optional[list[int]] = None, max_batch_size: int = 16,
+                 seed: int = 0, torch_threads: Optional[int] = None, name: str = "local",
+                 record_routed_experts: Optional[bool] = None, router_noise: float = 0.0,
+                 router_noise_mode: str = "select"):
+        if torch_threads is not None:
+            torch.set_num_threads(torch_threads)
+        self.model = hf_model.build_causal_lm(model_config, weights=weights, seed=seed)
+        self.config = self.model.config
+        # transformers 5 renamed the KV cache argument and output to `cache` (the old name warns every call)
+        self.cache_name = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        self._router_recorder = None
+        if record_routed_experts or (record_routed_experts is None and routing.moe_gates(self.model)) or router_noise:
+            self._router_recorder = routing.RouterRecorder(self.model, router_noise=router_noise, seed=seed,
+                                                          router_noise_mode=router_noise_mode)
+            self._routed_shape = (self._router_recorder.num_layers, self._router_recorder.topk)
+        self._return_routed = bool(record_routed_experts or (record_routed_experts is None and self._router_recorder))
+        self.tokenizer = tokenizer
+        if eos_token_ids is None:
+            eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else self.config.eos_token_id
+            eos_token_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        self.eos_token_ids = set(int(t) for t in eos_token_ids)
+        pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
+        self.pad_token_id = int(pad if pad is not None else 0)
+        self.max_positions = int(getattr(self.config, "max_position_embeddings", 1 << 30))
+        self.max_batch_size = max_batch_size
+        self.name = name
+        self.generator = torch.Generator().manual_seed(seed)
+        self._weight_version = 0
+        self._weights_epoch = 0  # bumped by every weight load; in-flight batches compare it
+        self._pending: list[_Request] = []
+        self._inflight: dict[str, _Request] = {}
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{name}-model")
+        self._loop_task: Optional[asyncio.Task] = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._wakeup: Optional[asyncio.Event] = None
+        self._running: Optional[asyncio.Event] = None
+        self._model_lock: Optional[asyncio.Lock] = None
+        self._failure: Optional[BaseException] = None
+        self._next_rid = 0
+        self._weight_groups: dict[str, Any] = {}
+        self._pause_points: dict[str, int] = {}  # rid -> pause the engine once it has this many tokens
+        self._released: set[str] = set()  # memory tags released (colocated mode)
+        self._freed_storages: list[tuple[torch.UntypedStorage, int]] = []  # (storage, its size) while released
+        self._needs_weights = False  # weights resumed without their values: a weight update must come first
+
+    # ---- scheduling -------------------------------------------------------------------------
+
+    def _ensure_started(self) -> None:
+        # (Re)start the scheduler on the running event loop; a new loop (e.g. a second
+        # asyncio.run) gets fresh events, since asyncio primitives are bound to one loop.
+        loop = asyncio.get_running_loop()
+        if self._loop_task is None or self._loop is not loop or self._loop_task.done():
+            self._loop = loop
+            self._pending.clear()
+            self._inflight.clear()
+            self._pause_points.clear()
+            self._wakeup = asyncio.Event()
+            self._running = asyncio.Event()
+            self._running.set()
+            self._model_lock = asyncio.Lock()
+            self._loop_task = loop.create_task(self._schedule_loop())
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def _schedule_loop(self) -> None:
+        try:
+            while True:
+                while not self._pending:
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                await self._running.wait()
+                requests = self._pending[: self.max_batch_size]
+                del self._pending[: len(requests)]
+                await self._run_batch(requests)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # a model failure makes the engine unhealthy; callers see it
+            log.exception("embedded engine %s failed", self.name)
+            self._failure = e
+            for r in list(self._inflight.values()):
+                if not r.future.done():
+                    r.future.set_exception(EngineError(f"engine {self.name} failed: {e!r}"))
+
+    async def _run_batch(self, requests: list[_Request]) -> None:
+        live = [r for r in requests if not self._finish_early(r)]
+        if not live:
+            return
+        async with self._model_lock:
+            batch = await self._run(_Batch, self, live)
+        while batch.active:
+            await self._running.wait()
+            async with self._model_lock:
+                if batch.weights_epoch != self._weights_epoch:  # weights changed since the cache was built
+                    await self._run(batch.prefill)
+                await self._run(batch.step)
+            self._after_step(live)
+            for r in live:
+                if r.finish_reason is not None and not r.future.done():
+                    self._resolve(r)
+        for r in live:
+            if not r.future.done():
+                self._resolve(r)
+
+    def _after_step(self, requests: list[_Request]) -> None:
+        # Runs on the event loop right after a decode step, before the next one can start: a
+        # pause point takes effect with exactly its number of tokens, and `decoded_tokens` shows
+        # a count only once this has run (output_ids grows on the model thread during the step).
+        for r in requests:
+            r.decoded = len(r.output_ids)
+            n = self._pause_points.get(r.rid)
+            if n is not None and r.decoded >= n:
+                del self._pause_points[r.rid]
+                self._running.clear()
+
+    def _finish_early(self, r: _Request) -> bool:
+        """Requests that need no forward pass: aborted while queued, or nothing to generate."""
+        if r.sampling.max_new_tokens == 0 or len(r.input_ids) >= self.max_positions:
+            r.finish_reason, r.matched = "length", None
+        else:
+            return False
+        self._resolve(r)
+        return True
+
+    def _check_finished(self, r: _Request) -> None:
+        token = r.output_ids[-1]
+        if token in self.eos_token_ids or token in r.sampling.stop_token_ids:
+            r.finish_reason, r.matched = "stop", token
+            return
+        if r.sampling.stop:
+            if self.tokenizer is None:
+                raise EngineError("stop strings need a tokenizer: pass tokenizer= to LocalEngine")
+            text = self.tokenizer.decode(r.output_ids, skip_special_tokens=r.sampling.skip_special_tokens)
+            for s in r.sampling.stop:
+                if text.find(s, max(0, r.text_len - len(s) + 1)) >= 0:
+                    r.finish_reason, r.matched = "stop", s
+                    return
+            r.text_len = len(text)
+        if len(r.output_ids) >= r.sampling.max_new_tokens:
+            r.finish_reason, r.matched = "length", None
+        elif len(r.input_ids) + len(r.output_ids) >= self.max_positions:
+            r.finish_reason, r.matched = "length", None
+
+    def _resolve(self, r: _Request) -> None:
+        self._inflight.pop(r.rid, None)
+        self._pause_points.pop(r.rid, None)
+        text = None
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(r.output_ids, skip_special_tokens=r.sampling.skip_special_tokens)
+            if isinstance(r.matched, str) and not r.sampling.no_stop_trim:
+                text = text[: text.rfind(r.matched)]
+        r.future.set_result(
+            GenerateResult(
+                output_ids=list(r.output_ids),
+                logprobs=list(r.logprobs),
+                finish_reason=r.finish_reason,
+                weight_version=r.versions[-1] if r.versions else self._weight_version,
+                token_weight_versions=list(r.versions),
+                matched=r.matched,
+                text=text,
+                engine=self.name,
+                routed_experts=torch.cat(r.routed) if self._return_routed and r.routed else None,
+            )
+        )
+
+    # ---- Engine protocol ----------------------------------------------------------------------
+
+    async def generate(self, input_ids: list[int], sampling: SamplingParams, rid: Optional[str] = None,
+                       session: Optional[str] = None) -> GenerateResult:
+        if self._failure is not None:
+            raise EngineError(f"engine {self.name} is unhealthy: {self._failure!r}")
+        self._check_can_generate()
+        # Checked again here, not only when the params were built: a bad value that reached the
+        # batched sampler would fail the whole batch and leave this engine unhealthy for good.
+        sampling.validate()
+        self._ensure_started()
+        ids = [int(t) for t in input_ids]
+        if not ids:
+            raise ValueError("input_ids is empty")
+        vocab = int(self.config.vocab_size)
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"input_ids contain ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        if sampling.stop and self.tokenizer is None:
+            raise ValueError("sampling_params.stop (stop strings) needs an engine with a tokenizer")
+        if rid is None:
+            self._next_rid += 1
+            rid = f"{self.name}-{self._next_rid}"
+        if rid in self._inflight:
+            raise ValueError(f"request id {rid!r} is already in flight")
+        req = _Request(ids, sampling, rid, asyncio.get_running_loop().create_future())
+        if sampling.sampling_seed is not None:
+            req.generator = torch.Generator().manual_seed(sampling.sampling_seed % (1 << 63))
+        self._inflight[rid] = req
+        self._pending.append(req)
+        self._wakeup.set()
+        return await req.future
+
+    async def update_weights_from_tensors(self, named_tensors: NamedTensors, weight_version: Optional[int] = None) -> int:
+        return await self._load("update_weights_from_tensors", hf_model.load_named_tensors, named_tensors, weight_version)
+
+    async def update_weights_from_disk(self, path: str, weight_version: Optional[int] = None) -> int:
+        return await self._load("update_weights_from_disk", hf_model.load_safetensors_dir, path, weight_version)
+
+    async def _load(self, what: str, load: Callable, source: Any, weight_version: Optional[int]) -> int:
+        """`load(model, source)` under the model lock, then the new weight version."""
+        self._check_weights_resident(what)
+        self._ensure_started()
+        async with self._model_lock:
+            await self._run(load, self.model, source)
+            return self._bump_version(weight_version)
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                        group_name: str = "weight_update_group", backend: str = "gloo") -> None:
+        if backend != "gloo":
+            raise ValueError(f"the embedded CPU engine joins weight-update groups over gloo, not {backend!r}")
+        # This engine is one rank (no tensor parallelism): rank = rank_offset.
+        group = await asyncio.get_running_loop().run_in_executor(
+            None, weight_transport.join_group, master_address, master_port, rank_offset, world_size
+        )
+        self._weight_groups[group_name] = group
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                              group_name: str = "weight_update_group",
+                                              weight_version: Optional[int] = None) -> int:
+        group = self._weight_groups.get(group_name)
+        if group is None:
+            raise ValueError(f"no weight-update group {group_name!r}: call init_weights_update_group first")
+        if not len(names) == len(dtypes) == len(shapes):
+            raise ValueError(f"names/dtypes/shapes lengths differ: {len(names)}/{len(dtypes)}/{len(shapes)}")
+        self._check_weights_resident("update_weights_from_distributed")
+        buffers = [torch.empty(shape, dtype=weight_transport.parse_dtype(d)) for d, shape in zip(dtypes, shapes)]
+        self._ensure_started()
+        async with self._model_lock:
+            await asyncio.get_running_loop().run_in_executor(None, weight_transport.receive, group, buffers)
+            await self._run(hf_model.load_named_tensors, self.model, list(zip(names, buffers)))
+            return self._bump_version(weight_version)
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        self._weight_groups.pop(group_name, None)
+
+    def _bump_version(self, weight_version: Optional[int]) -> int:
+        if self._failure is not None:  # the model thread failed on the old weights; the new ones get a chance
+            log.warning("embedded engine %s: healthy again after a weight load (it had failed: %r)",
+                        self.name, self._failure)
+            self._failure = None
+        self._needs_weights = False
+        self._weights_epoch += 1
+        self._weight_version = self._weight_version + 1 if weight_version is None else int(weight_version)
+        return self._weight_version
+
+    async def set_weight_version(self, weight_version: int) -> None:
+        self._weight_version = int(weight_version)
+
+    async def pause(self) -> None:
+        self._ensure_started()
+        self._running.clear()
+
+    async def resume(self) -> None:
+        self._ensure_started()
+        self._running.set()
+
+    async def pause_after(self, rid: str, num_tokens: int) -> None:
+        """Pause the engine (as `pause()`) right after the decode step that gives request `rid`
+        its `num_tokens`-th token; `resume()` continues. Returns at once: the request may not have
+        arrived yet. If it already has that many tokens the engine pauses before its next step;
+        if it finishes with fewer, nothing happens. For tests and drills that need a request held
+        at a known point whatever the machine's speed (poll `decoded_tokens(rid)` to see it).
+        """
+        if int(num_tokens) < 1:
+            raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
+        self._ensure_started()
+        r = self._inflight.get(rid)
+        if r is not None and r.decoded >= int(num_tokens):
+            self._running.clear()
+        else:
+            self._pause_points[rid] = int(num_tokens)
+
+    async def decoded_tokens(self, rid: str) -> Optional[int]:
+        """How many tokens request `rid` has generated so far (counting finished decode steps, so
+        a request held by `pause_after(rid, n)` shows exactly n); None if it is not in flight."""
+        r = self._inflight.get(rid)
+        return None if r is None else r.decoded
+
+    async def flush_cache(self) -> None:
+        """Nothing to flush: KV caches live only for the duration of one batch."""
+
+    async def abort(self, rid: Optional[str] = None) -> None:
+        """Finish the request(s) now with reason "abort", keeping the tokens generated so far."""
+        if rid is not None and rid not in self._inflight:
+            return
+        targets = list(self._inflight.values()) if rid is None else [self._inflight[rid]]
+        self._ensure_started()
+        async with self._model_lock:  # no decode step is running while we finish requests
+            for r in targets:
+                if r in self._pending:
+                    self._pending.remove(r)
+                if r.finish_reason is None:
+                    r.finish_reason, r.matched = "abort", None
+                if not r.future.done():
+                    self._resolve(r)
+
+    # ---- colocated mode: memory release / resume (see the module docstring) -------------------
+
+    def _check_can_generate(self) -> None:
+        blocking = sorted(self._released & {"weights", "kv_cache"})
+        if blocking:
+            raise EngineReleasedError(
+                f"engine {self.name}: cannot generate while its {' and '.join(blocking)} memory is released "
+                f"(colocated mode); call resume_memory_occupation first")
+        if self._needs_weights:
+            raise EngineReleasedError(
+                f"engine {self.name}: its weights were resumed after a release and hold no values yet; "
+                "load weights (update_weights_from_*) before generating")
+
+    def _check_weights_resident(self, what: str) -> None:
+        if "weights" in self._released:
+            raise EngineReleasedError(
+                f"engine {self.name}: {what} while the weights' memory is released; the order is "
+                "resume_memory_occupation(['weights']) -> update -> resume_memory_occupation(['kv_cache'])")
+
+    async def released_memory(self) -> list[str]:
+        """The memory tags released now."""
+        return sorted(self._released)
+
+    async def release_memory_occupation(self, tags: Optional[list[str]] = None) -> None:
+        """Free the memory of `tags` (None = all); see the module docstring."""
+        tags = memory_tags(tags)
+        again = [t for t in tags if t in self._released]
+        if again:
+            raise ValueError(f"memory {again} of engine {self.name} is already released")
+        if self._inflight:  # SGLang asserts the same: releasing under a running batch would crash it
+            raise ValueError(f"engine {self.name}: release_memory_occupation needs an idle engine, "
+                             f"{len(self._inflight)} request(s) in flight")
+        self._ensure_started()
+        async with self._model_lock:
+            if "weights" in tags:
+                await self._run(self._free_weights)
+            self._released.update(tags)
+
+    async def resume_memory_occupation(self, tags: Optional[list[str]] = None) -> None:
+        """Take back the memory of `tags` (None = all), each released before."""
+        tags = memory_tags(tags)
+        missing = [t for t in tags if t not in self._released]
+        if missing:
+            raise ValueError(f"memory {missing} of engine {self.name} is not released; nothing to resume")
+        self._ensure_started()
+        async with self._model_lock:
+            if "weights" in tags:
+                await self._run(self._restore_weights)
+            self._released.difference_update(tags)
+
+    def _free_weights(self) -> None:
+        # Each storage once (tied embeddings, fused experts share one): its bytes go back to the
+        # allocator, while the tensors keep shape and dtype so loads can refill them in place.
+        seen: dict[int, tuple[torch.UntypedStorage, int]] = {}
+        for p in self.model.parameters():
+            storage = p.untyped_storage()
+            seen.setdefault(storage.data_ptr(), (storage, storage.nbytes()))
+        for storage, _ in seen.values():
+            storage.resize_(0)
+        self._freed_storages = list(seen.values())
+
+    def _restore_weights(self) -> None:
+        for storage, nbytes in self._freed_storages:
+            storage.resize_(nbytes)
+            storage.fill_(0)
+        self._freed_storages = []
+        self._needs_weights = True
+
+    async def health(self) -> bool:
+        return self._failure is None and (self._loop_task is None or not self._loop_task.done())
+
+    async def weight_version(self) -> int:
+        return self._weight_version
+
+    def model_info(self) -> dict:
+        return {
+            "model_path": None,
+            "served_model_name": self.name,
+            "is_generation": True,
+            "weight_version": str(self._weight_version),
+            "model_type": getattr(self.config, "model_type", None),
+            "architectures": getattr(self.config, "architectures", None),
+            "vocab_size": int(self.config.vocab_size),
+        }
+
+    async def close(self) -> None:
+        await self.abort()
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            try:
+                await self._loop_task
+            except (asyncio.CancelledError, Exception):
+                pass
+            self._loop_task = None
+        self._executor.shutdown(wait=False)

@@ -1,0 +1,393 @@
+"""HTTP server for the embedded engine with SGLang's native endpoints and payloads.
+
+The same `SGLangClient` drives this server and a real SGLang server, so the HTTP path of the
+rollout stack is exercised for real on machines without a GPU. Endpoints (SGLang 0.5.x names):
+/generate, /health, /health_generate, /get_model_info, /model_info, /flush_cache,
+/update_weights_from_disk, /update_weights_from_tensor, /init_weights_update_group,
+/update_weights_from_distributed, /destroy_weights_update_group, /update_weight_version,
+/pause_generation, /continue_generation, /abort_request, /release_memory_occupation,
+/resume_memory_occupation (colocated mode; a request the released engine cannot serve is
+answered 400 naming why, where SGLang would fail or hang).
+
+Deviation: `/update_weights_from_tensor` takes each entry of `serialized_named_tensors` as
+base64 of a safetensors blob (`load_format="safetensors"`), not SGLang's pickled CUDA-IPC
+handles, which only work between processes sharing a GPU and should never be unpickled from a
+socket.
+
+    megatron-stepwise serve --model-config tiny_word --host 127.0.0.1 --port 30000
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+from typing import Any, Optional
+
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_server import Server
+
+from megatron_stepwise.rollout.embedded import request_fields as F
+from megatron_stepwise.rollout.auth import API_KEY_ENV, api_key_from_env, bearer_matches, is_loopback, redact_bearer_tokens
+from megatron_stepwise.rollout.engine import EngineReleasedError, GenerateResult, SamplingParams
+from megatron_stepwise.rollout.embedded.generate_fields import check_generate_fields
+from megatron_stepwise.rollout.embedded.engine import LocalEngine
+from megatron_stepwise.rollout.routing import encode as encode_routed
+
+log = logging.getLogger(__name__)
+
+ENGINE_TAG = "megatron_stepwise.local"
+
+
+BadRequest = F.BadRequest
+
+
+class _Handler(RequestHandler):
+    """aiohttp answers a request it cannot parse with 400 and the parser's message, which quotes
+    the offending header line (an `Authorization: Bearer <key>` included) back to the sender and
+    to anything logging responses on the way: the answer here names the fault, never the bytes."""
+
+    def handle_error(self, request, status=500, exc=None, message=None):
+        if status == 400:
+            message = "malformed HTTP request (its request line or a header could not be parsed)"
+        return super().handle_error(request, status, exc, message)
+
+
+class _Server(Server):
+    def __call__(self) -> RequestHandler:
+        return _Handler(self, loop=self._loop, **self._kwargs)
+
+
+class _Runner(web.AppRunner):
+    async def _make_server(self) -> Server:
+        server = await super()._make_server()
+        server.__class__ = _Server  # the same object, its connections handled by _Handler
+        return server
+
+
+class _QuietGrpcProbe(logging.Filter):
+    """sglang-router probes each worker for gRPC (an HTTP/2 preface): aiohttp answers 400, as it
+    should, but would also log a traceback per probe."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (exc is not None and "PRI/Upgrade" in str(exc))
+
+
+def finish_reason_json(result: GenerateResult) -> dict[str, Any]:
+    if result.finish_reason == "stop":
+        return {"type": "stop", "matched": result.matched}
+    if result.finish_reason == "length":
+        return {"type": "length", "length": len(result.output_ids)}
+    return {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+
+
+def version_spans(versions: list[int]) -> list[dict[str, Any]]:
+    """Per-token versions -> SGLang's `meta_info.weight_versions` spans ([start, end))."""
+    spans: list[dict[str, Any]] = []
+    for i, v in enumerate(versions):
+        if spans and spans[-1]["version"] == str(v):
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": str(v), "start": i, "end": i + 1})
+    return spans
+
+
+def generate_response(rid: str, prompt_len: int, result: GenerateResult, return_logprob: bool,
+                      return_routed_experts: bool = False, token_text=None) -> dict:
+    meta: dict[str, Any] = {
+        "id": rid,
+        "prompt_tokens": prompt_len,
+        "completion_tokens": len(result.output_ids),
+        "finish_reason": finish_reason_json(result),
+        "weight_version": str(result.weight_version),
+        "weight_versions": version_spans(result.token_weight_versions or []),
+        "cached_tokens": 0,
+    }
+    if return_logprob:
+        text = token_text or (lambda t: None)  # return_text_in_logprobs: each token's text
+        meta["output_token_logprobs"] = [[lp, t, text(t)] for lp, t in zip(result.logprobs, result.output_ids)]
+    if return_routed_experts:
+        # SGLang's contract: positions [0, prompt + output - 1), base64 of int32 [positions, layers, topk]
+        routed = result.routed_experts
+        meta["routed_experts"] = encode_routed(routed[: max(0, prompt_len + len(result.output_ids) - 1)])
+    return {"text": result.text or "", "output_ids": list(result.output_ids), "meta_info": meta}
+
+
+class EngineServer:
+    """aiohttp handlers around one `LocalEngine`."""
+
+    def __init__(self, engine: LocalEngine, api_key: Optional[str] = None):
+        self.engine = engine
+        self.api_key = api_key
+        self._rid = 0
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._auth, self._errors], client_max_size=1 << 30)
+        r = app.router
+        r.add_route("POST", "/generate", self.generate)
+        r.add_route("PUT", "/generate", self.generate)
+        for path in ("/health", "/health_generate"):
+            r.add_get(path, self.health)
+        for path in ("/get_model_info", "/model_info"):
+            r.add_get(path, self.model_info)
+        r.add_route("GET", "/flush_cache", self.flush_cache)
+        r.add_route("POST", "/flush_cache", self.flush_cache)
+        r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
+        r.add_post("/update_weights_from_tensor", self.update_weights_from_tensor)
+        r.add_post("/init_weights_update_group", self.init_weights_update_group)
+        r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
+        r.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
+        r.add_post("/update_weight_version", self.update_weight_version)
+        r.add_post("/pause_generation", self.pause_generation)
+        r.add_post("/continue_generation", self.continue_generation)
+        r.add_post("/abort_request", self.abort_request)
+        for method in ("GET", "POST"):  # as SGLang's api_route(methods=["GET", "POST"])
+            r.add_route(method, "/release_memory_occupation", self.release_memory_occupation)
+            r.add_route(method, "/resume_memory_occupation", self.resume_memory_occupation)
+        return app
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler):
+        # As SGLang with --api-key: every endpoint but health checks needs the key.
+        if self.api_key and not request.path.startswith("/health") and \
+                not bearer_matches(request.headers.get("Authorization"), self.api_key):
+            return web.json_response({"error": {"message": "missing or wrong API key (Authorization: Bearer ...)"}},
+                                     status=401)
+        return await handler(request)
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler):
+        try:
+            return await handler(request)
+        except web.HTTPException:
+            raise
+        except (BadRequest, ValueError, KeyError, TypeError, FileNotFoundError, EngineReleasedError) as e:
+            msg = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+            if request.path.startswith(("/update_weights", "/init_weights", "/destroy_weights")):
+                return web.json_response({"success": False, "message": msg}, status=400)
+            return web.json_response({"error": {"message": msg}}, status=400)
+
+    async def _body(self, request: web.Request) -> dict:
+        return F.parse_body(await request.read()) if request.can_read_body else {}
+
+    async def generate(self, request: web.Request) -> web.Response:
+        where = "/generate"
+        body = await self._body(request)
+        check_generate_fields(body)  # SGLang's fields: honoured, ignored, or refused by name
+        if F.flag(body, "stream", where):
+            raise BadRequest("/generate: stream=true is not supported by the embedded engine")
+        if F.integer(body, "logprob_start_len", where, -1) != -1:
+            raise BadRequest("/generate: only logprob_start_len=-1 (output log-probs) is supported")
+        routed = F.flag(body, "return_routed_experts", where)
+        if F.integer(body, "routed_experts_start_len", where, 0) != 0:
+            raise BadRequest("/generate: only routed_experts_start_len=0 (every position) is supported")
+        if routed and not getattr(self.engine, "_return_routed", False):
+            raise BadRequest("/generate: return_routed_experts needs a MoE model (this engine records no routing)")
+        text_in_logprobs = F.flag(body, "return_text_in_logprobs", where)
+        input_ids = body.get("input_ids")
+        if input_ids is None and body.get("text") is not None:
+            input_ids = self._encode(body["text"])
+        if not isinstance(input_ids, list) or not input_ids:
+            raise BadRequest("/generate: 'input_ids' must be a non-empty list of token ids (or a list of them)")
+        batched = isinstance(input_ids[0], list)
+        prompts = ([F.token_ids(p, where, f"input_ids[{i}]") for i, p in enumerate(input_ids)] if batched
+                   else [F.token_ids(input_ids, where)])
+        n = len(prompts)
+        sps = F.one_or_each(body.get("sampling_params"), n, lambda v: v is None or isinstance(v, dict),
+                            "a JSON object", where, "sampling_params")
+        lp = body.get("return_logprob")
+        lps = F.one_or_each(False if lp is None else lp, n, lambda v: isinstance(v, bool), "true or false", where,
+                            "return_logprob")
+        rids = body.get("rid")
+        if rids is None:
+            rids = [self._new_rid() for _ in range(n)]
+        elif isinstance(rids, str):
+            rids = [rids] if n == 1 else [f"{rids}-{i}" for i in range(n)]
+        else:
+            rids = F.one_or_each(rids, n, lambda v: isinstance(v, str), "a string", where, "rid")
+        try:
+            params = [SamplingParams.from_dict(s) for s in sps]
+        except TypeError as e:
+            raise BadRequest(f"sampling_params: {e}") from None
+        results = await asyncio.gather(
+            *(self.engine.generate(p, s, rid=r) for p, s, r in zip(prompts, params, rids))
+        )
+        token_text = None
+        if text_in_logprobs and self.engine.tokenizer is not None:
+            token_text = lambda t: self.engine.tokenizer.decode([t])  # noqa: E731
+        out = [generate_response(r, len(p), res, flag, routed, token_text)
+               for r, p, res, flag in zip(rids, prompts, results, lps)]
+        return web.json_response(out if batched else out[0])
+
+    def _encode(self, texts: Any) -> list:
+        """`text` (one string, or a batch of them) as token ids."""
+        if self.engine.tokenizer is None:
+            raise BadRequest("/generate: 'text' needs a server started with --tokenizer; send input_ids")
+        batch = isinstance(texts, list) and texts and all(isinstance(t, str) for t in texts)
+        if not (isinstance(texts, str) or batch):
+            raise BadRequest(f"/generate: text must be a string or a non-empty list of strings, got {texts!r}"[:500])
+        encode = lambda t: self.engine.tokenizer(t, add_special_tokens=False)["input_ids"]  # noqa: E731
+        return [encode(t) for t in texts] if isinstance(texts, list) else encode(texts)
+
+    def _new_rid(self) -> str:
+        self._rid += 1
+        return f"req-{self._rid}"
+
+    async def health(self, request: web.Request) -> web.Response:
+        ok = await self.engine.health()
+        return web.Response(status=200 if ok else 503)
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        info = self.engine.model_info()
+        info["engine"] = ENGINE_TAG
+        return web.json_response(info)
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        await self.engine.flush_cache()
+        return web.Response(text="Cache flushed.\n")
+
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        where = "/update_weights_from_disk"
+        body = await self._body(request)
+        path = F.text(body, "model_path", where)
+        version = F.version(body.get("weight_version"), where)
+        if F.flag(body, "abort_all_requests", where):
+            await self.engine.abort()
+        version = await self.engine.update_weights_from_disk(path, version)
+        return web.json_response({"success": True, "message": f"weight version {version}", "num_paused_requests": 0})
+
+    async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
+        from safetensors.torch import load as load_safetensors
+
+        where = "/update_weights_from_tensor"
+        body = await self._body(request)
+        if body.get("load_format") != "safetensors":
+            raise BadRequest(
+                "/update_weights_from_tensor: the embedded engine takes load_format='safetensors' "
+                "(base64 safetensors blobs in serialized_named_tensors)"
+            )
+        blobs = body.get("serialized_named_tensors")
+        if not isinstance(blobs, list) or not blobs or not all(isinstance(b, str) for b in blobs):
+            raise BadRequest(f"{where}: serialized_named_tensors must be a non-empty list of base64 strings")
+        version = F.version(body.get("weight_version"), where)
+        abort = F.flag(body, "abort_all_requests", where)
+        # One entry per tensor-parallel rank in SGLang; this engine has one rank: all are equal.
+        try:
+            raw = base64.b64decode(blobs[0], validate=True)
+        except ValueError as e:
+            raise BadRequest(f"{where}: serialized_named_tensors[0] is not base64 ({e})") from None
+        try:
+            tensors = load_safetensors(raw)
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own SafetensorError on bad bytes
+            raise BadRequest(f"{where}: serialized_named_tensors[0] is not a safetensors blob ({e})") from None
+        if abort:
+            await self.engine.abort()
+        version = await self.engine.update_weights_from_tensors(tensors, version)
+        return web.json_response({"success": True, "message": f"weight version {version}"})
+
+    async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        where = "/init_weights_update_group"
+        body = await self._body(request)
+        address = F.text(body, "master_address", where)
+        port, rank_offset, world_size = (F.integer(body, k, where)
+                                         for k in ("master_port", "rank_offset", "world_size"))
+        if not 0 < port < 65536 or not 0 <= rank_offset < world_size:
+            raise BadRequest(f"{where}: need 0 < master_port < 65536 and 0 <= rank_offset < world_size, got "
+                             f"master_port={port}, rank_offset={rank_offset}, world_size={world_size}")
+        await self.engine.init_weights_update_group(
+            address, port, rank_offset, world_size,
+            F.text(body, "group_name", where, "weight_update_group"), F.text(body, "backend", where, "gloo"),
+        )
+        return web.json_response({"success": True, "message": "joined"})
+
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        where = "/update_weights_from_distributed"
+        body = await self._body(request)
+        missing = [k for k in ("names", "dtypes", "shapes") if k not in body]
+        if missing:
+            raise BadRequest(f"{where}: missing field(s) {missing}")
+        names, dtypes = F.text_list(body, "names", where), F.text_list(body, "dtypes", where)
+        shapes = body["shapes"]
+        if not isinstance(shapes, list) or not all(
+                isinstance(s, list) and all(F.is_int(d) and d >= 0 for d in s) for s in shapes):
+            raise BadRequest(f"{where}: shapes must be a list of lists of integers >= 0, got {shapes!r}"[:500])
+        group = F.text(body, "group_name", where, "weight_update_group")
+        version = F.version(body.get("weight_version"), where)
+        if F.flag(body, "abort_all_requests", where):
+            await self.engine.abort()
+        version = await self.engine.update_weights_from_distributed(names, dtypes, shapes, group, version)
+        return web.json_response({"success": True, "message": f"weight version {version}"})
+
+    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        await self.engine.destroy_weights_update_group(
+            F.text(body, "group_name", "/destroy_weights_update_group", "weight_update_group"))
+        return web.json_response({"success": True, "message": "destroyed"})
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        where = "/update_weight_version"
+        body = await self._body(request)
+        if body.get("new_version") is None:
+            raise BadRequest(f"{where}: new_version is required")
+        version = F.version(body["new_version"], where, "new_version")
+        if F.flag(body, "abort_all_requests", where, default=True):
+            await self.engine.abort()
+        await self.engine.set_weight_version(version)
+        return web.json_response({"success": True})
+
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        mode = F.text(body, "mode", "/pause_generation", "abort")
+        if mode not in ("abort", "retract", "in_place"):
+            raise BadRequest(f"/pause_generation: unknown mode {mode!r}")
+        await self.engine.pause()
+        if mode == "abort":
+            await self.engine.abort()
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        await self.engine.resume()
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def release_memory_occupation(self, request: web.Request) -> web.Response:
+        await self.engine.release_memory_occupation(self._tags(await self._body(request)))
+        return web.json_response(None)
+
+    async def resume_memory_occupation(self, request: web.Request) -> web.Response:
+        await self.engine.resume_memory_occupation(self._tags(await self._body(request)))
+        return web.json_response(None)
+
+    @staticmethod
+    def _tags(body: dict) -> Optional[list[str]]:
+        tags = body.get("tags")
+        if tags is not None and not (isinstance(tags, list) and all(isinstance(t, str) for t in tags)):
+            raise BadRequest(f"'tags' must be a list of strings, got {tags!r}")
+        return tags
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        abort_all = F.flag(body, "abort_all", "/abort_request")
+        rid = F.text(body, "rid", "/abort_request", None)
+        await self.engine.abort(None if abort_all else rid)
+        return web.Response(status=200)
+
+
+async def start_server(engine: LocalEngine, host: str = "127.0.0.1", port: int = 0, *, api_key: Optional[str] = None,
+                       allow_unauthenticated: bool = False) -> tuple[web.AppRunner, int]:
+    """Start serving in the running event loop; returns (runner, bound port). `port=0` picks one.
+
+    Anything that can reach the port can replace the weights or abort requests: beyond loopback a
+    server needs an `api_key` unless `allow_unauthenticated` (a network you trust)."""
+    if not is_loopback(host) and not api_key and not allow_unauthenticated:
+        raise ValueError(f"serving on {host} (beyond loopback) needs an API key: set {API_KEY_ENV}, or pass "
+                         "--allow-unauthenticated on a network you trust")
+    redact_bearer_tokens()  # aiohttp logs an unparsable request with its header line
+    logging.getLogger("aiohttp.server").addFilter(_QuietGrpcProbe())
+    runner = _Runner(EngineServer(engine, api_key).app(), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = site._server.sockets[0].getsockname()[1]
+    return runner, bound

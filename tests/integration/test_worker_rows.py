@@ -1,0 +1,179 @@
+"""Rows left in the agent workers (`rollout.handoff: workers`): groups prepared one at a time
+make the mini-batch `prepare` makes; rank 0 decides from row tables alone; a replica's fetched
+rows make exactly the shard the whole mini-batch would have given it; a failed fetch on one
+rank is an error on every rank."""
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from megatron_stepwise.algo.groups import groups_of
+from megatron_stepwise.algo.planner import plan_microbatches
+from megatron_stepwise.algo.reductions import REDUCTIONS, loss_token_weights, row_denominators
+from megatron_stepwise.algo.rows import RowTable
+from megatron_stepwise.loop.handoff import Handoff
+from megatron_stepwise.loop.training_batch import PrepareOptions, add_counts, prepare, prepare_rows
+from megatron_stepwise.loop.worker_rows import HeldRows, HoldRequest, RemoteShard, RowFetcher, split_held_round
+from megatron_stepwise.mcore.train.plugin import ShardDecision, shard_rows
+from megatron_stepwise.metrics.core import rollout_metrics
+from megatron_stepwise.data.synthetic import AgentWorkload, make_agent_steps
+from megatron_stepwise.steps import StepBatch
+
+
+def _groups(seed=3, prompts=6):
+    return groups_of(make_agent_steps(AgentWorkload(num_prompts=prompts, samples_per_prompt=4, seed=seed)))
+
+
+def _same_batch(a: StepBatch, b: StepBatch):
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.offsets, b.offsets)
+    assert torch.equal(a.prompt_lens, b.prompt_lens) and a.trajectory_ids == b.trajectory_ids
+    assert set(a.token_fields) == set(b.token_fields) and set(a.row_fields) == set(b.row_fields)
+    for k in a.token_fields:
+        assert torch.equal(a.token_fields[k], b.token_fields[k]), k
+    for k in a.row_fields:
+        assert torch.equal(a.row_fields[k], b.row_fields[k]), k
+
+
+@pytest.mark.parametrize("estimator,merge", [("grpo", False), ("grpo", True), ("turn_rloo", False), ("rloo", True)])
+def test_groups_prepared_one_at_a_time_make_the_minibatch_prepare_makes(estimator, merge):
+    groups = _groups()
+    options = PrepareOptions(estimator, {}, merge, 16384)
+    whole, whole_counts = prepare([s for g in groups for s in g.steps], options)
+    parts = [prepare_rows(g.steps, options) for g in groups]
+    _same_batch(StepBatch.concat([b for b, _ in parts]), whole)
+    assert add_counts(c for _, c in parts) == whole_counts
+    table = RowTable.concat([RowTable.of(b) for b, _ in parts])
+    expected = RowTable.of(whole)
+    for name in ("lengths", "trained", "trained_known", "traj_index", "group_index", "is_padding"):
+        assert torch.equal(getattr(table, name), getattr(expected, name)), name
+
+
+def test_metrics_from_summaries_equal_metrics_from_the_groups():
+    groups = _groups(seed=5)
+    assert rollout_metrics([g.summary() for g in groups]) == rollout_metrics(groups)
+    assert rollout_metrics([s for g in groups for s in g.steps]) == rollout_metrics(groups)
+
+
+def _decide(rows: RowTable, dp: int, reduction: str):
+    """decide_shards' cut without a model: the real planner, the reduction's denominators."""
+    plan = plan_microbatches(rows.lengths.tolist(), dp_size=dp, max_tokens=16384)
+    denominators = row_denominators(rows, reduction)
+    out = []
+    for rank, micros in enumerate(plan):
+        mine, local = shard_rows(micros)
+        index = torch.as_tensor(mine, dtype=torch.long)
+        out.append(ShardDecision(local, mine, rank, dp, int(rows.trained.sum()), 0, 0, 0, False, False,
+                                 rows.traj_index[index], rows.group_index[index], denominators[index]))
+    return out
+
+
+class _LocalFetcher(RowFetcher):
+    """Fetches from in-process HeldRows instead of Ray actors."""
+
+    def __init__(self, holders):
+        super().__init__()
+        self.holders = holders
+
+    def _connect(self, address, auth_mode):
+        pass
+
+    def _actor(self, name):
+        holder = self.holders[name]
+
+        class Method:
+            def __init__(self, fn):
+                self.remote = fn
+
+        return type("Actor", (), {"take": Method(lambda key, runs: _Ready(holder.take(key, runs)))})()
+
+
+class _Ready:
+    def __init__(self, value):
+        self.value = value
+
+
+@pytest.mark.parametrize("reduction", [r for r in REDUCTIONS if r != "seq_mean_token_sum_norm"])
+@pytest.mark.parametrize("dp", [1, 2, 3])
+def test_fetched_rows_make_the_shard_of_the_whole_minibatch(monkeypatch, reduction, dp):
+    import ray
+
+    monkeypatch.setattr(ray, "get", lambda refs: [r.value for r in refs])
+    groups = _groups(prompts=8)
+    options = PrepareOptions("grpo", {}, True, 16384)
+    request = HoldRequest(4, options, vocab_size=None)
+    holders = {"w0": HeldRows(), "w1": HeldRows()}
+    held = [holders[f"w{i % 2}"].keep(g, request, f"w{i % 2}") for i, g in enumerate(groups)]
+    minibatches = [held[:5], held[5:]]  # a mini-batch's groups on both workers
+    shards, counts, skipped = split_held_round(minibatches, decide=lambda rows: _decide(rows, dp, reduction),
+                                               key=4, ray_address="unused")
+    assert skipped == 0 and len(shards) == 2 and all(len(s) == dp for s in shards)
+    fetcher = _LocalFetcher(holders)
+    for groups_of_mb, remote in zip([groups[:5], groups[5:]], shards):
+        whole, whole_counts = prepare([s for g in groups_of_mb for s in g.steps], options)
+        weights = loss_token_weights(whole, reduction)
+        for shard in (fetcher.fetch(r) for r in remote):
+            expected = whole.select(shard.rows)
+            expected.token_fields["weights"] = weights[torch.cat([torch.arange(int(whole.offsets[r]),
+                                                                               int(whole.offsets[r + 1]))
+                                                                  for r in shard.rows])]
+            _same_batch(shard.batch, expected)
+    assert counts[0] == prepare([s for g in groups[:5] for s in g.steps], options)[1]
+    assert fetcher.bytes_fetched > 0
+    # the decision travels without a token: a manifest is far smaller than the rows it names
+    assert all(isinstance(r, RemoteShard) and r.num_rows == len(r.decision.rows) for mb in shards for r in mb)
+
+
+def test_a_worker_names_what_it_does_not_hold_and_drops_released_rounds():
+    holder = HeldRows()
+    group = _groups(prompts=1)[0]
+    holder.keep(group, HoldRequest(1, PrepareOptions(), None), "w0")
+    assert holder.take(1, [(group.prompt_id, [0])]).num_rows == 1
+    with pytest.raises(KeyError, match="no rows of prompt group 'nope' in round 1"):
+        holder.take(1, [("nope", [0])])
+    holder.release(1)
+    assert holder.batches == {}
+
+
+def _resolve_worker(rank: int, store_path: str, results) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=4)
+
+    class Position:
+        def state_dict(self):
+            return {}
+
+        def load_state_dict(self, state):
+            pass
+
+    out = {}
+    handoff = Handoff(Position(), dp_rank=rank // 2)  # DP2 x 2 model-parallel ranks
+    got = handoff.to_ranks(lambda: [["a"], ["b"]], "rollout", 1, resolve=lambda p: p + [dist.get_rank()])
+    out["ok"] = got
+
+    def resolve(payload):
+        if dist.get_rank() == 2:
+            raise ConnectionError("agent worker agent-x-1.0 is gone")
+        return payload
+
+    try:
+        handoff.to_ranks(lambda: [["a"], ["b"]], "rollout", 2, resolve=resolve)
+    except RuntimeError as e:
+        out["error"] = str(e)
+    dist.barrier()  # every rank got here: none is left in a collective
+    dist.destroy_process_group()
+    results[rank] = out
+
+
+@pytest.mark.distributed
+def test_a_replica_leader_resolves_for_its_replica_and_a_failure_reaches_every_rank():
+    with tempfile.TemporaryDirectory() as tmp:
+        results = mp.Manager().dict()
+        mp.spawn(_resolve_worker, args=(os.path.join(tmp, "store"), results), nprocs=4, join=True)
+    # the leaders (ranks 0 and 2) resolve; their replica peers get the leader's result
+    assert [results[r]["ok"] for r in range(4)] == [["a", 0], ["a", 0], ["b", 2], ["b", 2]]
+    for rank in range(4):
+        assert results[rank]["error"] == ("rollout at iteration 2: fetching the rows failed on DP rank 1 (global "
+                                          "rank 2): ConnectionError: agent worker agent-x-1.0 is gone"), rank

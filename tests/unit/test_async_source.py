@@ -1,0 +1,157 @@
+"""The async source's rank-0 machinery with a fake fleet, agent and dataset (no Ray, no Megatron).
+
+What the end-to-end run cannot show deterministically: groups keep finishing while the main
+thread is busy (training), takes hand out whole groups with distinct ids, a failed rollout
+surfaces in the trainer naming its group, filters that discard everything make the step give
+up instead of hanging, and closing cancels the groups in flight.
+"""
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_stepwise.algo.groups import groups_of
+from megatron_stepwise.config.schema import ExperimentConfig
+from megatron_stepwise.loop.async_source import AsyncRollouts, loop_in_thread
+from megatron_stepwise.loop.sources import Driver
+from megatron_stepwise.rollout.engine import EngineError
+from megatron_stepwise.steps import Step, TrajectoryID
+
+
+class FakeAgent:
+    """Each group: 2 trajectories of 1 and 2 turns; the k-th group takes delays[k] seconds."""
+
+    def __init__(self, fleet, delays=(), rewards=(0.0, 1.0), fail_prompt=None, hang=False):
+        self.fleet, self.delays, self.rewards = fleet, list(delays), rewards
+        self.fail_prompt, self.hang = fail_prompt, hang
+        self.calls = self.cancelled = 0
+
+    async def rollout_groups(self, samples, seed=None):
+        (sample,) = samples
+        delay = self.delays[self.calls] if self.calls < len(self.delays) else 0.0
+        self.calls += 1
+        if self.hang:
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                self.cancelled += 1
+                raise
+        await asyncio.sleep(delay)
+        pid = sample["prompt_id"]
+        if pid == self.fail_prompt:
+            raise EngineError("engine 1 died")
+        v = self.fleet.weight_version
+        steps = []
+        for k, turns in enumerate((1, 2)):
+            for t in range(turns):
+                last = t == turns - 1
+                steps.append(Step(TrajectoryID(pid, k), [1, 2], [3, 4], [1, 1], weight_versions=[v, v],
+                                  reward=self.rewards[k] if last else 0.0, is_last_step=last))
+        return groups_of(steps)
+
+
+class FakeDataset:
+    def __init__(self, size=3):
+        self.size, self.drawn = size, 0
+
+    def next(self, n):
+        out = [{"prompt_id": f"p{(self.drawn + i) % self.size}"} for i in range(n)]
+        self.drawn += n
+        return out
+
+
+def make_driver(groups_per_step=2, zero_variance=False, pending=None, **agent_kw):
+    """(source, rank-0 context): the context has loop, fleet, agent and a mutable `version`."""
+    cfg = ExperimentConfig()
+    cfg.async_.enabled = True
+    cfg.async_.max_staleness = 1
+    cfg.data.prompts_per_minibatch = groups_per_step
+    cfg.data.prompts_per_iteration = 2 * groups_per_step
+    cfg.algo.filters.zero_variance = zero_variance
+    fleet = SimpleNamespace(weight_version=0, metrics=dict)
+    ctx = SimpleNamespace(loop=asyncio.new_event_loop(), fleet=fleet, agent=FakeAgent(fleet, **agent_kw), version=0)
+    source = AsyncRollouts(cfg, dataset=FakeDataset(), handoff=None, vocab_size=256, version=lambda: ctx.version,
+                           shard=lambda batch: [batch], dp_size=1)
+    if pending is not None:  # as a checkpoint restores it
+        source.load_state_dict({"pending": pending})
+    source.start(Driver(ctx.loop, fleet, ctx.agent))
+    return source, ctx
+
+
+def take(driver, ctx):
+    return ctx.loop.run_until_complete(driver.next_groups())
+
+
+def close(driver, ctx):
+    driver.close()
+    ctx.loop.close()
+
+
+def test_take_hands_out_whole_groups_with_distinct_ids():
+    driver, trainer = make_driver(groups_per_step=2)
+    groups = take(driver, trainer)
+    assert len(groups) == 2 and driver.buffer.counters.started == 4  # admission: (1 + 1) x 2
+    ids = [g.group_id for g in groups]
+    assert len(set(ids)) == 2
+    for g in groups:
+        # all 3 rows (2 trajectories: 1 + 2 turns) of the group, carrying the group's id
+        assert [(s.trajectory_id.prompt_id, s.trajectory_id.sample_index) for s in g.rollout.steps] == \
+            [(g.group_id, 0), (g.group_id, 1), (g.group_id, 1)]
+    close(driver, trainer)
+
+
+def test_groups_keep_finishing_while_the_main_thread_trains():
+    driver, trainer = make_driver(groups_per_step=2, delays=(0.0, 0.0, 0.3, 0.3))
+    assert len(take(driver, trainer)) == 2
+    assert (driver.buffer.ready, driver.buffer.in_flight) == (0, 2)
+    # Without the event loop running nothing may move: a check of absence, which a slow or fast
+    # machine cannot pass or fail by timing (0.6 s is twice the groups' own delay).
+    time.sleep(0.6)
+    assert (driver.buffer.ready, driver.buffer.in_flight) == (0, 2)
+    with loop_in_thread(trainer.loop):
+        # "training" on the main thread until the 0.3 s groups have finished in the helper thread
+        deadline = time.monotonic() + 120
+        while (driver.buffer.ready, driver.buffer.in_flight) != (2, 0) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert (driver.buffer.ready, driver.buffer.in_flight) == (2, 0)
+    # the loop is usable from the main thread again, and the version bump admits 2 more groups
+    trainer.version = trainer.fleet.weight_version = 1
+    assert len(take(driver, trainer)) == 2
+    assert driver.buffer.counters.started == 6
+    close(driver, trainer)
+
+
+def test_a_failed_rollout_surfaces_in_the_take_naming_its_group():
+    driver, trainer = make_driver(groups_per_step=2, fail_prompt="p1")
+    with pytest.raises(RuntimeError, match=r"rollout of prompt group 'p1' failed: EngineError\('engine 1 died'\)"):
+        take(driver, trainer)
+    close(driver, trainer)
+
+
+def test_filters_that_discard_every_group_make_the_step_give_up():
+    driver, trainer = make_driver(groups_per_step=2, zero_variance=True, rewards=(1.0, 1.0))
+    assert take(driver, trainer) is None
+    # max_sampling_rounds (3) x prompts_per_iteration (4) groups were filtered first
+    assert driver.buffer.counters.filtered == driver.starve_limit == 12
+    assert driver.buffer.counters.trained == 0
+    close(driver, trainer)
+
+
+def test_close_cancels_the_groups_in_flight():
+    driver, trainer = make_driver(groups_per_step=2, hang=True)
+    deadline = time.monotonic() + 120
+    while trainer.agent.calls < 4 and time.monotonic() < deadline:  # the producer starts its groups
+        trainer.loop.run_until_complete(asyncio.sleep(0.01))
+    assert trainer.agent.calls == 4 and driver.buffer.in_flight == 4
+    close(driver, trainer)
+    assert trainer.agent.cancelled == 4
+
+
+def test_a_resumed_driver_rolls_out_the_checkpointed_pending_prompts_first():
+    driver, trainer = make_driver(groups_per_step=2, pending=[{"prompt_id": "q1"}, {"prompt_id": "q2"}])
+    groups = take(driver, trainer)
+    assert sorted(g.group_id for g in groups) == ["q1", "q2"]
+    assert [s["prompt_id"] for s in driver.state_dict()["pending"]] == ["p0", "p1"]  # drawn after them
+    close(driver, trainer)

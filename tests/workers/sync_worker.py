@@ -1,0 +1,138 @@
+"""torchrun worker for tests/integration/test_sync.py (2 processes): train/inference consistency.
+
+Rank 0 starts a Ray fleet with one embedded engine (random init of its own). For each layout
+(TP2, PP2, TP1 x DP2, re-initialised in the same processes) and each sync mode (tensor, disk,
+distributed), the policy gets new layout-independent weights, `WeightSync.push` sends them as a
+new version, the engine generates greedily from a prompt, and the plugin's `compute_logprobs`
+scores the same tokens. After the tensor-mode push the engine also samples at T = 0.6 with
+top-p 0.9 and top-k 20, scored by a plugin at T = 0.6 and, as the control, at T = 1. Rank 0 saves
+the log-prob vectors (and the sync metrics) under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_stepwise.algo.losses import LossConfig
+from megatron_stepwise.mcore.train import model as M
+from megatron_stepwise.mcore.runtime import runtime
+from megatron_stepwise.mcore.weights import full_views as W
+from megatron_stepwise.mcore.train.plugin import StepwisePlugin
+from megatron_stepwise.mcore.weights.sync import WeightSync
+from megatron_stepwise.steps import Step, TrajectoryID
+from worker_entry import run_worker
+
+PROMPT = [5, 17, 42, 99, 3, 250, 64]
+LAYOUTS = [("tp2", 2, 1), ("pp2", 1, 2), ("tp1", 1, 1)]
+MODES = ["tensor", "disk", "distributed"]
+
+
+TEMPERATURE = 0.6
+
+
+def generate(loop, fleet, prompt, **sampling):
+    from megatron_stepwise.rollout.engine import SamplingParams
+
+    params = SamplingParams(**{"temperature": 0.0, "max_new_tokens": 8, **sampling})
+    return loop.run_until_complete(fleet.generate(prompt, params))
+
+
+def sampled_case(loop, fleet, rank, plugins, chunks) -> dict:
+    """Engine vs trainer log-probs of tokens sampled at T = 0.6, top-p 0.9, top-k 20."""
+    box = [None]
+    if rank == 0:
+        r = generate(loop, fleet, PROMPT, temperature=TEMPERATURE, top_p=0.9, top_k=20, max_new_tokens=16)
+        box = [(r.output_ids, r.logprobs)]
+    dist.broadcast_object_list(box, src=0)
+    output_ids, engine_logprobs = box[0]
+    scored = {name: megatron_logprobs(p, chunks, PROMPT, output_ids).tolist() for name, p in plugins.items()}
+    return {"output_ids": output_ids, "engine": engine_logprobs, **scored}
+
+
+def megatron_logprobs(plugin, chunks, prompt, response) -> torch.Tensor:
+    step = Step(TrajectoryID("consistency", 0), prompt, response, [1] * len(response), is_last_step=True)
+    return plugin.compute_logprobs(chunks, [step])[0]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--tied", type=int, default=0)
+    p.add_argument("--model-type", default="qwen2")
+    args = p.parse_args()
+    out = Path(args.out)
+    extra = {"head_dim": 24} if args.model_type.startswith("qwen3") else {}  # explicit, not hidden / heads
+    cfg = M.tiny_config(tie_word_embeddings=bool(args.tied), model_type=args.model_type, **extra)
+    rank = int(os.environ["RANK"])
+
+    loop = fleet = None
+    if rank == 0:
+        from megatron_stepwise.rollout.fleet import EngineSpec, RolloutFleet
+
+        loop = asyncio.new_event_loop()
+        fleet = RolloutFleet([EngineSpec(kind="local", model_config=cfg, seed=123, num_cpus=0.5)], ray_num_cpus=2)
+        loop.run_until_complete(fleet.wait_ready())
+
+    plugin = StepwisePlugin(LossConfig(), max_tokens_per_microbatch=256)
+    plugins = {"megatron_t": StepwisePlugin(LossConfig(), max_tokens_per_microbatch=256, temperature=TEMPERATURE),
+               "megatron_t1": plugin}
+    results: dict = {}
+    syncers: dict = {}
+    version = 0
+    for tag, tp, pp in LAYOUTS:
+        runtime.init_distributed(tp, pp, seed=1)
+        chunks = M.build_model_chunks(cfg)
+        if not syncers:  # one per mode, kept across layouts (the distributed group is opened once)
+            syncers = {
+                mode: WeightSync(fleet, mode, cfg, loop=loop, bucket_mb=0.05, sync_dir=out / "weights")
+                for mode in MODES
+            }
+        for mode in MODES:
+            version += 1
+            W.init_deterministic(chunks, seed=version)  # new weights: each push must carry them
+            box = [None]
+            if rank == 0:
+                stale = generate(loop, fleet, PROMPT)  # before the push: still the old weights
+                box = [stale.output_ids]
+            dist.broadcast_object_list(box, src=0)
+            before = megatron_logprobs(plugin, chunks, PROMPT, box[0])
+            metrics = syncers[mode].push(chunks, version)
+            if rank == 0:
+                result = generate(loop, fleet, PROMPT)
+                box = [(result.output_ids, result.logprobs, result.weight_version)]
+            dist.broadcast_object_list(box, src=0)
+            output_ids, engine_logprobs, engine_version = box[0]
+            ours = megatron_logprobs(plugin, chunks, PROMPT, output_ids)
+            if rank == 0:
+                results[f"{tag}/{mode}"] = {
+                    "version": version,
+                    "engine_version": engine_version,
+                    "engine": engine_logprobs,
+                    "megatron": ours.tolist(),
+                    "stale_engine": stale.logprobs,
+                    "stale_megatron": before.tolist(),
+                    "metrics": metrics,
+                }
+            if mode == "tensor":
+                case = sampled_case(loop, fleet, rank, plugins, chunks)
+                if rank == 0:
+                    results[f"{tag}/sampled"] = case
+            dist.barrier()
+    if rank == 0:
+        (out / "results.json").write_text(json.dumps(results))
+        (out / "weights_listing.json").write_text(json.dumps(sorted(p.name for p in (out / "weights").iterdir())))
+        loop.run_until_complete(fleet.shutdown())
+    for s in syncers.values():
+        s.close()
+    runtime.destroy_distributed()
+
+
+if __name__ == "__main__":
+    run_worker(main)
