@@ -39,25 +39,25 @@ class HoldRequest:
 class HeldGroup:
     """A group whose rows a worker keeps: what the driver decides on."""
 
-    summary_: GroupSummary
+    group: GroupSummary  # the summary: outcomes, turns, lengths
     rows: RowTable
     counts: dict[str, Any]  # `prepare`'s counts of this group
     holder: str  # the worker's Ray actor name
 
     @property
     def prompt_id(self) -> str:
-        return self.summary_.prompt_id
+        return self.group.prompt_id
 
     @property
     def has_reward_variance(self) -> bool:
-        return self.summary_.has_reward_variance
+        return self.group.has_reward_variance
 
     @property
     def generated_tokens(self) -> int:
-        return self.summary_.generated_tokens
+        return self.group.generated_tokens
 
     def summary(self) -> GroupSummary:
-        return self.summary_
+        return self.group
 
 
 def hold_group(group: RolloutGroup, request: HoldRequest) -> tuple[StepBatch, dict[str, Any]]:
