@@ -104,8 +104,7 @@ class LossConfig:
                                choices=ICEPOP_LEVELS)
     router_aux_coef: float = option(0.0, "MoE only: weight of the per-step router load-balancing loss "
                                          "(sequence-wise, invariant to every split; 0 = off)", min=0.0)
-    router_z_coef: float = option(0.0, "MoE only: weight of the router z-loss (mean logsumexp^2 of the "
-                                       "router logits over the mini-batch's tokens; 0 = off)", min=0.0)
+    router_z_coef: float = option(0.0, "MoE only: weight of the router z-loss (docs/megatron.md); 0 = off", min=0.0)
     options: dict[str, Any] = option({}, "keyword settings for a registered custom loss (free mapping)")
 
     def __post_init__(self) -> None:

@@ -70,14 +70,12 @@ class AgentLoopConfig:
     max_concurrency: int = option(64, "trajectories in flight at once across the fleet", min=1)
     max_turns: int = option(4, "assistant turns per trajectory at most", min=1)
     context: str = option(
-        "retokenize", "how each turn's prompt is built: retokenize (render and tokenise the chat every turn) or "
-                      "tokens (previous prompt + sampled ids + tokenised template delta)", choices=CONTEXT_MODES)
+        "retokenize", "how each turn's prompt is built: retokenize the chat or extend the tokens "
+                      "(docs/chat_conformance.md)", choices=CONTEXT_MODES)
     max_input_length: int = option(2048, "longest prompt (the chat history, as sent) a turn may send", min=1)
     env_error_reward: float = option(0.0, "reward given to a trajectory ended by an environment error")
     drift_sample_rate: float = option(
-        0.125, "context=tokens: fraction of trajectories (picked by a hash of their id, so a resumed run measures "
-               "the same ones) whose turns measure rollout/retokenize_drift_rate, at the cost of rendering and "
-               "tokenising the whole chat once more per turn; context=retokenize measures every turn for free",
+        0.125, "context=tokens: share of trajectories measuring rollout/retokenize_drift_rate (costs a render)",
         min=0.0, max=1.0)
     env_concurrency: int = option(32, "environment calls running at once per agent loop (worker threads of its "
                                       "pool; a hung call's worker is replaced)", min=1)
