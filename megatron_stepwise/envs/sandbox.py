@@ -7,7 +7,7 @@ and the call's directory removed). Only the code and an empty working directory 
 sandbox: no environment variable, file or argument carries the trainer's state or an answer.
 
 What each layer does and why (no `preexec_fn`, reaping, output caps): docs/security.md,
-'The sandbox's layers'.
+'The sandbox' and 'The sandbox's layers'.
 """
 
 from __future__ import annotations

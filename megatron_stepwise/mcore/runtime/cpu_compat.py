@@ -7,8 +7,8 @@ the distributed optimizer) run unchanged on CPU; every patch changes only where 
 or what a device query answers, never the arithmetic. Use `cpu_compat()` as a context manager
 or `CpuCompat.enable()` / `disable()`; it is inert when CUDA is available.
 
-Each patch and the megatron-core code that needs it: docs/megatron.md,
-'The CPU patches, one by one'.
+Each patch and the megatron-core code that needs it: docs/megatron.md, 'CPU compatibility
+layer' and 'The CPU patches, one by one'.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ gating weights stay the trainer's (so the router keeps its gradient). `install` 
 a `KnownPositionsReplay`; `replaying` sets its targets for exactly one forward pass.
 
 Why (top-k is discontinuous), which positions are replayed, and how it hooks megatron-core 0.16:
-docs/megatron.md, 'Rollout routing replay (R3)' and 'Routing replay mechanics'.
+docs/megatron.md, 'Rollout routing replay (R3)'; why not megatron's own replay API: 'Routing
+replay mechanics'.
 """
 
 from __future__ import annotations

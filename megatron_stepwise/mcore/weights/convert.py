@@ -6,7 +6,7 @@ SGLang load, renamed into place when complete) and `import_hf` (start from a pre
 Every rank must call (and, for the iterators, exhaust) them: they are collective. The name and
 layout mapping itself is in `weights/hf_mapping.py` (pure functions, re-exported here).
 
-Each entry point and which ranks do the work: docs/weights.md,
+Each entry point and which ranks do the work: docs/weights.md, 'Hugging Face checkpoints' and
 'Conversion entry points and ownership'.
 """
 

@@ -6,8 +6,9 @@ barrier, rename, `latest` pointer) and verified (a `manifest.json` of sizes and 
 before loading; a damaged latest falls back to the previous good one). A resume refuses a
 checkpoint written by another run.
 
-What each part holds, when it reloads into another layout, and the two megatron-core 0.16 quirks
-on CPU/gloo handled here: docs/weights.md, 'Checkpoint format and guarantees'.
+What each part holds and when it reloads into another layout: docs/weights.md, 'Checkpoints';
+the two megatron-core 0.16 quirks on CPU / gloo handled here: 'Checkpoints: pruning and
+megatron-core on CPU'.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ the trainer ranks convert their own weights to HF names (`weights/convert.py`) a
 rank 0 talks to the fleet. `WeightSync` keeps what lives across pushes (the event loop driving
 the fleet, the distributed group).
 
-How each transport moves the buckets: docs/weights.md, 'The three sync transports'.
+How each transport moves the buckets: docs/weights.md, 'Weight sync to the fleet' and
+'The three sync transports'.
 """
 
 from __future__ import annotations
