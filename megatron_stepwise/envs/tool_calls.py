@@ -7,7 +7,8 @@ be answered with a `tool_message` instead of failing the trajectory. `format` pi
 (`TOOL_CALL_FORMATS`: `hermes`, `glm`, `llama3_json`); none raises on model output.
 No Megatron, torch or Ray imports: environments import this in their own processes.
 
-The formats and what the parser checks: docs/custom_envs.md, 'Tool-call formats and parsing'.
+The formats and what the parser checks: docs/custom_envs.md, 'Tools: `tools=`, `<tool_call>` and
+`model.chat_template`' and 'Tool-call formats and parsing'.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@
   started once the driver is gone.
 
 Why each is needed (torchrun's sessions, Ray's lingering agents): docs/launch.md,
-'Run lifecycle: locks and process death'.
+'One trainer per run directory; the run dies with its launcher'.
 """
 
 from __future__ import annotations
