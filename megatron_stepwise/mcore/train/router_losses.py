@@ -7,7 +7,8 @@ DeepSeek-V3's sequence-wise loss) and z-loss (`algo.loss.router_z_coef`, ST-MoE)
 enters through `MoEAuxLossAutoScaler`, weighted like the policy loss. Statistics are reduced
 once per mini-batch into `moe/aux_loss`, `moe/z_loss`, `moe/expert_load_max|min`.
 
-Formulas, split invariance and scaling: docs/megatron.md, 'Router loss formulas'.
+Formulas, split invariance and metrics: docs/megatron.md, 'Router losses and expert-load metrics';
+the auto-scaler's scale: 'Router loss formulas'.
 """
 
 from __future__ import annotations
