@@ -1,32 +1,13 @@
 """Step-wise outcome advantages.
 
-A *group* is all trajectories of one prompt_id; a trajectory's outcome reward is the reward of
-its last step. An outcome estimator turns the rewards of a batch of trajectories into one
-scalar per trajectory, and that scalar is given to **every step of the trajectory, times the
-step's own loss mask**. (Copying the last step's already-masked tensor to earlier steps puts
-the value at the last step's positions, which gives earlier steps no signal at their own
-tokens: see SkyRL PR 1507.)
+A group is all trajectories of one prompt_id; an outcome estimator turns the trajectories'
+rewards into one scalar each, given to every step of the trajectory times that step's own loss
+mask. Padding steps get zeros; a singleton group gets 0 (`metrics['singleton_groups']`).
+Temporal estimators (`gae`, `reinforce++`) are refused on multi-step trajectories; turn-level
+estimators live in `algo/turn_credit.py`. Users add estimators with `@register_estimator`.
 
-Padding steps (`Step.is_padding`) get zeros and never enter a group's statistics. A group
-with a single trajectory has no baseline, so its trajectory gets advantage 0 whatever the
-estimator, and is counted in `metrics['singleton_groups']`.
-
-Temporal estimators (`gae`, `reinforce++`) assign per-token credit along one sequence. In
-step-wise training a trajectory is several sequences (one per turn), and nothing relates a
-token of turn 1 to the outcome of turn 3, so they are refused on multi-step trajectories.
-`reinforce++` stays available for single-step trajectories; `gae` needs a critic's values,
-which this plugin does not train, so it is always refused.
-
-Turn-level estimators (`algo/turn_credit.py`, docs/credit.md) credit each turn with the rewards
-from it on (`Step.turn_reward`), so different turns of one trajectory get different advantages;
-they need the unmerged steps (compute them before `merge_steps`, which carries each turn's
-advantage to its own positions).
-
-Users add estimators by name:
-
-    @register_estimator("my_estimator")
-    def my_estimator(rewards, group, *, eps, **options):  # float64 [n_traj], long [n_traj]
-        return ...                                        # float [n_traj]
+Why the mask is the step's own, why temporal estimators are refused, and the registration
+signature: docs/credit.md, 'Outcome estimators'.
 """
 
 from __future__ import annotations

@@ -1,35 +1,14 @@
 """Step-wise policy losses: PPO clip / dual-clip, GSPO, CISPO, off-policy correction, KL, entropy.
 
 `policy_loss(inputs, cfg)` works on the trained positions of one micro-batch and returns a
-*partial sum* `sum_t w_t * (pg_t + kl_coef * kl_t - entropy_coef * ent_t)`, where `w_t` comes
-from `loss_token_weights` (the reduction, already divided by the mini-batch's global
-denominator). The mini-batch loss is the plain sum of the partials over micro-batches and DP
-ranks. Every metric is a partial too: a 0-dim tensor summed over micro-batches and ranks,
-weighted by `w_t` (so `clipfrac_high` sums to the reduction-weighted fraction of clipped
-tokens), except metrics whose name ends in `_max`, which combine with max
-(`combine_metric_partials` does both).
+partial sum `sum_t w_t * (pg_t + kl_coef * kl_t - entropy_coef * ent_t)`, `w_t` from
+`loss_token_weights` (`algo/reductions.py`); the mini-batch loss and every metric are plain sums
+of partials over micro-batches and DP ranks (`_max` metrics combine with max). A "sequence" is
+one row (one step, or a merged row), so GSPO and sequence-level TIS / IcePop are per step;
+`check_loss_compatibility` refuses the combinations merging would change.
 
-Step-wise meaning of sequence-level quantities. A "sequence" here is one row: one step's
-response (one turn), or a merged row when prefix merging is on. So:
-
-- GSPO's ratio is per step: `s = exp(mean over the step's trained tokens of (logp - old_logp))`,
-  clipped per step. A trajectory of k turns contributes k sequences, so long trajectories
-  weigh more than under GSPO on whole trajectories (use `trajectory_mean` to even that out
-  at the token level; the per-step clipping remains).
-- Sequence-level TIS uses the step's importance ratio `prod_t old/rollout` (truncated at
-  `tis_cap`); sequence-level IcePop uses the step's geometric-mean ratio, because a band
-  around 1 on a product of hundreds of token ratios would mask almost every step.
-
-A merged row spans several turns, so these per-sequence quantities change value under
-merging; `check_loss_compatibility` refuses those combinations with `data.merge_steps`.
-Rows are never split across micro-batches, so per-row quantities computed inside one
-micro-batch are complete.
-
-Off-policy correction (trainer old log-probs vs the engine's rollout log-probs) scales only
-the policy-gradient term, never KL or entropy. TIS truncates the ratio from above at
-`tis_cap`; IcePop zeroes tokens (or whole steps) whose ratio leaves [icepop_low, icepop_high].
-Masked tokens keep their share of the reduction's denominator: the reduction is fixed before
-the loss runs, which is what keeps it independent of the split.
+The step-wise meaning of sequence-level quantities and the off-policy correction:
+docs/megatron.md, 'Policy losses, step by step'.
 """
 
 from __future__ import annotations
@@ -125,8 +104,7 @@ class LossConfig:
                                choices=ICEPOP_LEVELS)
     router_aux_coef: float = option(0.0, "MoE only: weight of the per-step router load-balancing loss "
                                          "(sequence-wise, invariant to every split; 0 = off)", min=0.0)
-    router_z_coef: float = option(0.0, "MoE only: weight of the router z-loss (mean logsumexp^2 of the "
-                                       "router logits over the mini-batch's tokens; 0 = off)", min=0.0)
+    router_z_coef: float = option(0.0, "MoE only: weight of the router z-loss (docs/megatron.md); 0 = off", min=0.0)
     options: dict[str, Any] = option({}, "keyword settings for a registered custom loss (free mapping)")
 
     def __post_init__(self) -> None:

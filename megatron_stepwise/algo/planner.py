@@ -1,33 +1,13 @@
 """Micro-batch planning: balance rows across data-parallel ranks, then pack each rank's
 rows into token-budget micro-batches.
 
-Cost model. A row of s tokens costs `s + attention_weight * s**2` "token equivalents":
-per token and layer the dense matmuls cost ~24*h^2 FLOPs and causal attention ~4*h*s, so
-the ratio is s / (6*h); the default 1/24576 is h = 4096 (verl's `24576*s + s^2`).
-Packed micro-batches (THD / block-diagonal mask) pay the quadratic term per row, not per
-micro-batch, so a rank's cost is the sum of its rows' costs.
+A row of s tokens costs `s + attention_weight * s**2`; ranks are balanced on that cost
+(greedy, then exchanges), then each rank's rows are spread over the fewest micro-batches every
+rank can share. Deterministic: every tie is broken by row index. `plan_stats` reports the
+computed tokens and the efficiency (real / computed).
 
-Computed tokens (what `plan_stats` reports).
-- packed: a micro-batch computes its rows back to back, each row padded to `seq_align`
-  (context parallelism needs 2*CP), the total padded to `micro_align` (TP sequence
-  parallelism, kernel tiles).
-- pad-to-longest (BSHD): every row of a micro-batch is padded to the longest one.
-- an empty micro-batch (ranks must run the same number) computes one dummy row of
-  alignment tokens with loss_mask 0.
-Efficiency = real tokens / computed tokens. Filling micro-batches to the budget is not the
-goal in itself; fewer micro-batches is (less per-micro-batch overhead, smaller PP bubbles).
-
-Algorithm (deterministic: every tie is broken by row index).
-1. Ranks: longest-processing-time greedy on cost (largest row to the least-loaded rank),
-   then exchanges (a move, or a swap of one row each way) between the heaviest rank and
-   one of the lightest ranks while that lowers the heavier load, picking the exchange
-   closest to half the gap with a vectorised search; it stops once the heaviest rank is
-   within 1e-4 of the mean (finer than the cost model itself).
-2. Micro-batches: M = what the neediest rank needs, starting from the token lower bound
-   ceil(rank tokens / budget). Each rank spreads its rows over exactly M micro-batches with worst-fit
-   decreasing (balanced micro-batches, good for pipeline parallelism); if that overflows
-   the budget, best-fit decreasing (tighter) into at most M, the rest left empty; if a
-   rank needs more than M, M grows and planning restarts.
+The cost model's derivation, what counts as computed tokens, and the algorithm step by step:
+docs/megatron.md, 'Micro-batch planning: cost model and algorithm'.
 """
 
 from __future__ import annotations

@@ -1,29 +1,14 @@
 """Loss reductions as per-token weights with a global denominator.
 
-The loss of a mini-batch is written `L = sum_t w_t * l_t`, where `w_t` already holds the
-reduction's normaliser computed **once on the whole mini-batch** (before any micro-batch runs).
-Each micro-batch / DP rank then adds up `w_t * l_t` over its own tokens, and the sum of those
-partial sums is `L` exactly, however the rows were cut: no per-micro-batch means, no
-"divide by number of micro-batches" fix-ups.
+The mini-batch loss is `L = sum_t w_t * l_t`, where `w_t` already holds the reduction's
+normaliser computed once on the whole mini-batch, so the partial sums of any micro-batch / DP
+split add up to `L` exactly, with no per-micro-batch fix-ups. Reductions: `token_mean`,
+`step_mean`, `trajectory_mean`, `prompt_mean`, `seq_mean_token_sum_norm` (Dr.GRPO).
+`step_mean` and `seq_mean_token_sum_norm` count rows, so they are not merge-invariant and
+`check_loss_compatibility` refuses them with merging.
 
-Reductions (m_t = loss_mask, 0 on prompts, padding rows and untrained response tokens):
-
-- `token_mean`: `w_t = m_t / N`, N the trained tokens of the mini-batch.
-- `step_mean`: mean over steps (rows) of each step's token mean: `w_t = m_t / (n_row * S)`,
-  S the rows with at least one trained token (a row with none has no mean and is left out).
-- `trajectory_mean`: every trajectory weighs the same however many turns it took; within a
-  trajectory it is a token mean over all its steps: `w_t = m_t / (n_traj * K)`, K the
-  trajectories with a trained token.
-- `prompt_mean`: every prompt group weighs the same; a token mean within the group:
-  `w_t = m_t / (n_group * G)`.
-- `seq_mean_token_sum_norm` (Dr.GRPO): each step's token *sum* over a constant
-  `max_response_len`, averaged over the real (non-padding) rows: `w_t = m_t / (L_max * R)`.
-
-Merging consecutive steps of a trajectory into one row (obs tokens in between masked 0) moves
-trained tokens between rows of the same trajectory and group but keeps their number. So
-token_mean, trajectory_mean and prompt_mean give identical weights merged or not. step_mean
-and seq_mean_token_sum_norm count *rows*, and a merged row is one sample where it used to be
-several, so they cannot be merge-invariant; `check_loss_compatibility` refuses that pairing.
+Each reduction's weight formula and the merge argument: docs/megatron.md,
+'Loss reductions as token weights'.
 """
 
 from __future__ import annotations

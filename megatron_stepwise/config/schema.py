@@ -37,21 +37,18 @@ class ModelConfig:
     `model.allow_download=true` says the node will download it at start-up.
     """
 
-    hf_config: str = option("tiny", "HF model config: a preset (tiny, tiny_qwen3, tiny_qwen3_moe, tiny_mixtral), a local directory or config.json, "
-                                    "or a hub id (the HF cache, else downloaded)")
+    hf_config: str = option("tiny", "HF model config: a preset name, a local directory or config.json, or a hub id")
     hf_checkpoint: Optional[str] = option(None, "HF checkpoint (directory or hub id) whose weights initialise "
                                                 "the policy; null = random init")
     tokenizer: Optional[str] = option(None, "tokenizer directory or hub id; null = hf_checkpoint, else "
                                             "hf_config, else the environment's shipped vocabulary")
-    allow_download: bool = option(False, "a hub id above that is not in the local HF cache passes validation "
-                                         "and is downloaded at start-up (never with HF_HUB_OFFLINE=1)")
+    allow_download: bool = option(
+        False, "a hub id not in the local HF cache is downloaded at start-up (never with HF_HUB_OFFLINE=1)")
     dtype: Literal["auto", "bf16", "fp32"] = option("auto", "training dtype; auto = bf16 on GPU, fp32 on CPU")
     transformer_impl: Literal["auto", "te", "local"] = option(
         "auto", "megatron-core layer spec: te (transformer-engine), local, or auto (te when importable)")
     chat_template: Optional[str] = option(
-        None, "chat template replacing the tokenizer's: the Jinja text inline (a value with {{ or {%), or the path "
-              "of a .jinja file or an HF chat_template.json; it renders every prompt, tools= included "
-              "(docs/custom_envs.md); null = the tokenizer's own")
+        None, "chat template replacing the tokenizer's: inline Jinja or a file (docs/custom_envs.md); null = own")
 
 
 @dataclass
@@ -60,15 +57,14 @@ class ParallelConfig:
 
     tensor: int = option(1, "tensor-parallel size (must divide attention and KV heads)", min=1)
     pipeline: int = option(1, "pipeline-parallel size (must divide the number of layers)", min=1)
-    context: int = option(1, "context-parallel size: every step row is split over the CP ranks (long "
-                                 "trajectories); rows are padded to a multiple of 2 x context", min=1)
-    expert: int = option(1, "expert-parallel size (MoE models): experts split over that many ranks of the data x "
-                            "context parallel group; must divide it and the number of experts", min=1)
+    context: int = option(
+        1, "context-parallel size: each step row is split over the CP ranks (docs/megatron.md)", min=1)
+    expert: int = option(
+        1, "expert-parallel size (MoE): divides data x context parallel and the number of experts", min=1)
     sequence_parallel: bool = option(False, "shard activations along the sequence inside TP regions (TP > 1)")
     use_distributed_optimizer: bool = option(False, "shard optimizer state across data-parallel ranks")
-    timeout_minutes: float = option(10.0, "how long a collective waits for a frozen or dead rank before the job "
-                                          "fails (every process group: torch's world, megatron-core's, the "
-                                          "trainer's CPU group)", gt=0.0)
+    timeout_minutes: float = option(
+        10.0, "how long any collective waits for a frozen or dead rank before the job fails (docs/launch.md)", gt=0.0)
 
     def model_parallel_size(self) -> int:
         return self.tensor * self.pipeline * self.context
@@ -85,9 +81,8 @@ class SGLangConfig:
     host: str = option("127.0.0.1", "interface launched servers bind to")
     base_port: int = option(30000, "first port of launched servers (engine i uses base_port + i)",
                             min=1, max=65535)
-    router_url: Optional[str] = option(None, "an sglang-router already running (http://host:port) for "
-                                             "generation; servers must then be listed for weight updates "
-                                             "(not with algo.routing_replay)")
+    router_url: Optional[str] = option(
+        None, "a running sglang-router (http://host:port) for generation; list servers too (docs/launch.md)")
     servers: list[str] = option([], "servers already running (host:port or http://host:port); empty = "
                                     "launch num_engines servers on Ray")
     extra_args: list[str] = option([], "extra command-line arguments for `python -m sglang.launch_server`")
@@ -121,15 +116,12 @@ class RolloutConfig:
     # (`option_of` takes their default, help, bounds and choices).
     sampling: SamplingConfig = section(SamplingConfig, "sampling parameters")
     max_concurrency: int = option_of(AgentLoopConfig, "max_concurrency")
-    agent_workers: Optional[int] = option(None, "Ray actors that run the agent loop (tokenizer, chat template, "
-                                                "environments), spread over the nodes; 0 = in the driver "
-                                                "process; null = 0 with the embedded engine, else 2 per Ray node",
-                                          min=0)
+    agent_workers: Optional[int] = option(
+        None, "Ray actors running the agent loop; 0 = the driver; null = 0 when embedded, else 2 per node",
+        min=0)
     agent_worker_cpus: float = option(1.0, "CPUs Ray reserves for each agent worker", gt=0.0)
     handoff: Literal["workers", "driver"] = option(
-        "workers", "with agent workers in synchronous training, where the rollout's token data goes: workers = "
-                   "each data-parallel replica fetches its rows from the workers (rank 0 moves none); driver = "
-                   "through rank 0")
+        "workers", "where sync rollout rows go with agent workers: workers (each DP replica fetches) or driver")
     max_turns: int = option_of(AgentLoopConfig, "max_turns")
     context: Literal["retokenize", "tokens"] = option_of(AgentLoopConfig, "context")
     max_input_length: int = option_of(AgentLoopConfig, "max_input_length")
@@ -142,10 +134,8 @@ class RolloutConfig:
     env_concurrency: int = option_of(AgentLoopConfig, "env_concurrency")
     ray_address: Optional[str] = option(None, "Ray cluster to join (auto or host:port); null = start a "
                                               "private local Ray instance")
-    colocate: bool = option(False, "training and rollout share the GPUs: after each rollout the engines release "
-                                   "their weights and KV cache, Megatron trains, then the engines take the "
-                                   "weights back, receive the new ones and take the KV cache back "
-                                   "(synchronous training only; docs/launch.md)")
+    colocate: bool = option(
+        False, "training and rollout share the GPUs, engines freeing memory while Megatron trains (sync only)")
 
 
 @dataclass
@@ -160,18 +150,15 @@ class EnvConfig:
     fewer rows than `data.prompts_per_iteration`.
     """
 
-    name: str = option("echo", "registered environment name (echo, math_tool, search, ...), or a dotted path "
-                               "module:Name to an Environment class or factory (module on PYTHONPATH)")
-    reward_fn: Optional[str] = option(None, "module:function scoring a reply, fn(response, sample[, turn]) -> "
-                                            "reward, or (reward, next user message or None) to go on; "
-                                            "replaces env.name; prompts from the sample's 'prompt' field")
+    name: str = option(
+        "echo", "a registered environment name (echo, math_tool, ...) or module:Name of an env class or factory")
+    reward_fn: Optional[str] = option(None, "module:function scoring a reply; replaces env.name (docs/custom_envs.md)")
     options: dict[str, Any] = option({}, "keyword options passed to the environment (validate checks the "
                                          "environment accepts each key)")
     dataset_options: dict[str, Any] = option({}, "keyword options of the environment's shipped dataset "
                                                  "(e.g. echo: num_prompts, num_turns, num_digits)")
-    dataset: Optional[str] = option(None, "training samples: a JSONL or Parquet file, a Hugging Face datasets "
-                                          "directory (save_to_disk) or hub id (local cache first); null = the "
-                                          "environment's shipped set")
+    dataset: Optional[str] = option(
+        None, "training samples: JSONL, Parquet, a datasets directory or hub id; null = the env's shipped set")
     dataset_split: str = option("train", "split of a datasets directory or hub id holding several")
     fields: dict[str, str] = option({}, "sample field the environment reads -> column of env.dataset and "
                                         "env.eval_dataset (e.g. prompt: question, prompt_id: id)")
@@ -219,17 +206,15 @@ class FilterConfig:
 class AlgoConfig:
     """Advantage estimator, loss and group filters."""
 
-    estimator: str = option("grpo", "grpo, dr_grpo, rloo, maxrl; turn-level turn_rloo, turn_dr_grpo, turn_grpo, "
-                                    "turn_state_rloo, turn_discount (docs/credit.md); gae or reinforce++ (temporal: single-turn "
-                                    "only); or a registered name")
+    estimator: str = option(
+        "grpo", "advantage estimator: outcome, turn-level, temporal or registered (names: docs/credit.md)")
     estimator_options: dict[str, Any] = option({}, "keyword options passed to the estimator (turn-level: gamma; "
                                                    "turn_discount: gamma, base)")
     # Declared (keys, bounds, choices, help) where the loss functions use it: algo/losses.py.
     loss: LossConfig = section(LossConfig, "policy loss")
     filters: FilterConfig = section(FilterConfig, "group filters")
-    routing_replay: bool = option(False, "MoE rollout routing replay (R3): the engines return the experts each "
-                                         "router chose per token and the trainer's routers use them at every "
-                                         "position the engine reported (docs/megatron.md); MoE models only")
+    routing_replay: bool = option(
+        False, "MoE only: the trainer's routers reuse the experts the engine chose (R3; docs/megatron.md)")
 
 
 @dataclass
@@ -281,9 +266,8 @@ class CheckpointConfig:
     every: int = option(0, "save every N iterations (and at the end); 0 = only at the end", min=0)
     keep_last: int = option(2, "checkpoints kept; older ones are deleted", min=1)
     resume: str = option("auto", "auto (latest in dir, if any), never, or a checkpoint path")
-    load_optimizer: bool = option(True, "restore the optimizer state on resume; false loads the model weights "
-                                        "only (fresh Adam moments), e.g. to resume a distributed-optimizer run "
-                                        "at another tensor/pipeline/context parallel size")
+    load_optimizer: bool = option(
+        True, "restore the optimizer state on resume; false = model weights only (docs/weights.md)")
     export_hf: bool = option(False, "also write an HF directory (safetensors + config + tokenizer) at the end")
     accept_unverified: bool = option(False, "resume from a checkpoint without a manifest.json (unverified: "
                                             "saved by an older version, or its manifest lost)")
@@ -293,8 +277,7 @@ class CheckpointConfig:
 class WandbConfig:
     """Weights & Biases logging (needs the wandb package)."""
 
-    project: Optional[str] = option(None, "W&B project; null = W&B off. The run's files go under <run_dir>/wandb; "
-                                          "WANDB_MODE=offline keeps them there (wandb sync uploads them later)")
+    project: Optional[str] = option(None, "W&B project; null = W&B off (docs/runs.md)")
     name: Optional[str] = option(None, "W&B run name; null = the experiment name")
 
 
@@ -304,8 +287,7 @@ class LoggingConfig:
 
     run_dir: Optional[str] = option(None, "directory of metrics.jsonl, plots and defaults of dirs; "
                                           "null = runs/<name>")
-    tensorboard: bool = option(False, "also write TensorBoard events to <run_dir>/tensorboard: every number of "
-                                      "metrics.jsonl, as float64 (needs the tensorboard package)")
+    tensorboard: bool = option(False, "also write TensorBoard events to <run_dir>/tensorboard (docs/runs.md)")
     wandb: WandbConfig = section(WandbConfig, "Weights & Biases")
     progress: bool = option(True, "progress bars for rollout and training")
 
@@ -316,8 +298,7 @@ class TrainerConfig:
 
     iterations: int = option(10, "training iterations (rollout + optimizer steps + weight sync)", min=1)
     seed: int = option(1234, "seed of model init, sampling and shuffling")
-    eval_every: int = option(0, "evaluate every N iterations (before the first, and after the last with "
-                                "eval.at_end), logged as eval/*; settings in the eval section; 0 = off", min=0)
+    eval_every: int = option(0, "evaluate every N iterations (settings in eval; docs/evaluation.md); 0 = off", min=0)
     imports: list[str] = option([], "Python modules imported first (they register custom environments, "
                                     "estimators or losses)")
     dump_rollouts: Optional[int] = option(None, "write every N-th iteration's trained rows to "
@@ -336,8 +317,7 @@ class EvalConfig:
     answers: the environment's `info["answer"]` at the last step, else the last reply's text).
     """
 
-    sets: dict[str, str] = option({}, "named eval sets: name -> dataset (JSONL, Parquet, datasets directory or "
-                                      "hub id; env.fields maps their columns), logged as eval/<name>/*")
+    sets: dict[str, str] = option({}, "named eval sets: name -> dataset (as env.dataset), logged as eval/<name>/*")
     samples_per_prompt: Optional[int] = option(None, "trajectories per eval prompt; null = data.samples_per_prompt",
                                                min=1)
     temperature: Optional[float] = option(None, "eval sampling temperature (0 = greedy); null = "
@@ -361,8 +341,7 @@ class LaunchConfig:
 
     nnodes: int = option(1, "nodes running training ranks", min=1)
     nproc_per_node: int = option(1, "training ranks per node (world size = nnodes x nproc_per_node)", min=1)
-    gpus_per_node: int = option(0, "GPUs per node; 0 = CPU only. Training uses GPUs [0, nproc_per_node), "
-                                   "the rest of each training node serves rollout", min=0)
+    gpus_per_node: int = option(0, "GPUs per node; 0 = CPU only (docs/launch.md)", min=0)
     rollout_nodes: int = option(0, "extra nodes given wholly to the rollout fleet (after the training nodes)",
                                 min=0)
     master_port: Optional[int] = option(None, "torch.distributed rendezvous port; null = 29500 locally, "

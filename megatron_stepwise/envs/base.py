@@ -1,24 +1,13 @@
 """The environment protocol and the registry of environments.
 
-An environment is created fresh for every trajectory. `reset(sample)` returns the opening chat
-messages; `step(assistant_text)` receives the text the model generated this turn and returns
-`(observation_messages, reward, done, info)`. The observation messages are appended to the chat
-and so become part of the NEXT turn's prompt. Rewards of all steps of a trajectory are summed
-into its outcome reward. Methods may be plain functions or coroutines.
+An environment is created fresh for every trajectory: `reset(sample)` returns the opening
+messages; `step(assistant_text)` returns `(observation_messages, reward, done, info)`, the
+observation becoming part of the NEXT prompt; step rewards sum to the outcome reward. Methods
+may be plain functions or coroutines. An optional `tools` attribute declares function schemas
+that every prompt of the trajectory renders. Environments register with `register_env` on
+import; importing `megatron_stepwise.envs` registers the built-in ones.
 
-Tools. An environment that offers tools declares them in an optional `tools` attribute: a list of
-function schemas (OpenAI / Hugging Face shape, `envs/tool_calls.function_tool`), or a method
-returning one. The agent loop reads it once per trajectory, right after `reset` (so it may depend
-on the sample), and renders every prompt of that trajectory with
-`tokenizer.apply_chat_template(messages, tools=tools, ...)`, in both context modes. The model's
-calls arrive in `step` as text; `envs/tool_calls.parse_tool_calls` reads the Hermes / Qwen
-`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, and results go back as
-observation messages with role "tool" (`tool_message`). Messages may carry extra string keys
-(`name`, `tool_call_id`) for the template. `math_tool.py` is the example.
-
-Environments register themselves with `register_env` when their module is imported; the
-package (`megatron_stepwise.envs`) imports the built-in ones, so they are registered as soon as
-anything under `megatron_stepwise.envs` is imported.
+Tools, tool messages and extra message keys: docs/custom_envs.md, 'The environment protocol'.
 """
 
 from __future__ import annotations

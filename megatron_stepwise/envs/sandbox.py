@@ -1,28 +1,13 @@
 """Run untrusted model-written Python isolated from the trainer (guarantees: docs/security.md).
 
-Layers, each of which holds on its own (what remains without one is in docs/security.md):
+Layers, each of which holds on its own: namespaces (`unshare`, probed once), `sandbox_init.py`
+(tmpfs, capabilities, resource limits, no-new-privileges, Landlock, seccomp), and this module (a
+fresh environment, capped output, totals watched, the whole process tree SIGKILLed at the end
+and the call's directory removed). Only the code and an empty working directory reach the
+sandbox: no environment variable, file or argument carries the trainer's state or an answer.
 
-- namespaces (`unshare`, probed once): a new user namespace (no root needed), PID namespace
-  with its own /proc (the trainer's processes are neither visible nor signalable, and every
-  process the code starts dies with it), network namespace (no interface but a down loopback),
-  IPC and UTS namespaces, and a mount namespace holding the call's own size-limited tmpfs. As
-  root without user namespaces, the same minus the user namespace;
-- `sandbox_init.py`, the first code inside: the tmpfs, every capability dropped, resource limits
-  (memory, CPU, file size, processes, open files), no-new-privileges and Landlock (the private
-  temp dir is the only writable place and the standard library the only readable code; TCP and
-  signals out of the sandbox denied);
-- this module: a fresh environment, stdin closed, a new session (`start_new_session`, done by
-  `subprocess` itself: no `preexec_fn`, which Python documents as unsafe with threads, and the
-  agent loop calls this from a thread pool), stdout/stderr read incrementally and capped (the
-  process is killed at the cap, so a flood costs the trainer at most the cap), the call's totals
-  watched between reads (`sandbox_watch.py`: memory of its process tree, and its directory's
-  size where it has no tmpfs; the call is stopped past one), and on timeout
-  or at the end the PID namespace's init and then the whole process group are SIGKILLed, each
-  process reaped by its own parent (no zombie is left to an orphan reaper); the call's directory
-  is then removed by `remove_tree`, which nothing the code built can make fail.
-
-Only the code and an empty working directory reach the sandbox: no environment variable, file
-or argument carries the trainer's state or a dataset's answer.
+What each layer does and why (no `preexec_fn`, reaping, output caps): docs/security.md,
+'The sandbox' and 'The sandbox's layers'.
 """
 
 from __future__ import annotations

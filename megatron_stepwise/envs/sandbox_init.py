@@ -1,34 +1,13 @@
 """The first code that runs inside the sandbox: confine this process, then run the model's code.
 
-Started by `sandbox.py` as `python -I -S -B -c <this file> CONFIG_JSON`, already inside the
-namespaces `unshare` made (when there are any; without a PID namespace it first forks a
-supervisor that kills whatever the code leaves behind, see `supervise`). It runs as a script with only the standard
-library (`-I` puts nothing of the project on sys.path), so it is self-contained on purpose.
+Started by `sandbox.py` as `python -I -S -B -c <this file> CONFIG_JSON` inside the namespaces
+`unshare` made; standard library only, so self-contained on purpose. Before one byte of model
+code runs it mounts the tmpfs and drops capabilities, sets resource limits, sets no-new-privileges,
+applies Landlock and seccomp, then executes the code as `__main__`. Exit code 120 means the
+sandbox could not be set up; the status pipe (`status_fd`) tells the parent which it was, and is
+closed before the code runs so the code cannot forge a setup failure.
 
-In order, before one byte of model code runs:
-
-0. with a mount namespace, a tmpfs of the call's disk quota over its directory (the process
-   starts as its user namespace's root for that), then every capability dropped for good;
-1. resource limits (address space, CPU seconds, file size, processes, open files, no core dumps);
-   children inherit them;
-2. `PR_SET_NO_NEW_PRIVS` (no setuid binary can raise privileges again; Landlock requires it);
-3. Landlock (an unprivileged Linux LSM, kernel >= 5.13), when the kernel has it: the file system
-   becomes read/execute-only on the interpreter's standard library and the system binary/library
-   directories, read-write only in the private working directory, and nothing else at all (the
-   project, the datasets, /proc, /home, /etc are unreadable); TCP bind/connect is denied
-   (ABI >= 4); signals to and abstract unix sockets of processes outside the sandbox are denied
-   (ABI >= 6). Landlock also forbids ptrace-like access (/proc/<pid>/mem, environ) to processes
-   outside the sandbox, whatever the uid;
-4. a fresh anonymous session keyring (the trainer's keys are no longer this process's), then
-   seccomp: socket() (any family), io_uring and the key syscalls (add_key, request_key, keyctl)
-   are denied (x86_64 and aarch64; elsewhere this layer is skipped);
-5. the code is compiled and executed as `__main__`; its exceptions print a traceback to stderr.
-
-Exit code 120 means the sandbox itself could not be set up (the message is on stderr): the
-parent reports that as an error rather than running the code unconfined. It learns which it was
-from the status pipe (`status_fd`): "ok" once confined, or the failure, and the pipe is closed
-before the model's code runs, so the code cannot forge a setup failure (which would raise in the
-trainer) by printing the message and exiting 120.
+Each layer in detail: docs/security.md, 'Inside the sandbox: the setup order'.
 """
 
 import ctypes

@@ -1,31 +1,14 @@
 """Tool calls as chat models write them: schemas for `tools=`, a parser, tool-result messages.
 
-An environment that offers tools declares them as function schemas (the OpenAI / Hugging Face
-shape `{"type": "function", "function": {"name", "description", "parameters"}}`, built by
-`function_tool`); the agent loop passes them to the chat template as `tools=` (envs/base.py).
-The model calls a tool by writing, anywhere in its turn, one or several blocks
-
-    <tool_call>
-    {"name": "python", "arguments": {"code": "print(6 * 7)"}}
-    </tool_call>
-
-`parse_tool_calls(text, tools)` returns every block in order, each a `ToolCall` (name and
-arguments) or a `ToolCallError` whose `message` is written for the model (invalid JSON with its
-position, no name, arguments that are not an object, an unknown tool, a missing required
-argument, an unterminated block), so the environment can answer a malformed call with a useful
-tool message (`tool_message`) instead of failing the trajectory. JSON strings may hold raw
-newlines and tabs (models write code that way); `arguments` may also be a JSON-encoded object
-(OpenAI's shape). Arguments are checked against the schema only at the top level (required
-names, JSON types, `additionalProperties: false`).
-
-`format` picks how the model writes calls (`TOOL_CALL_FORMATS`): `hermes` (above; a block may
-also hold Qwen3-Coder / Qwen3.5's `<function=NAME><parameter=KEY>value</parameter></function>`),
-`glm` (GLM-4.5/4.6: `<tool_call>NAME<arg_key>KEY</arg_key><arg_value>value</arg_value></tool_call>`,
-values JSON when they parse, else strings) and `llama3_json` (Llama 3.1/3.2 custom tools: the
-whole turn is `{"name": ..., "parameters": {...}}`, optionally after `<|python_tag|>`, several
-separated by `;`). None of them raises on model output.
-
+`function_tool` builds the OpenAI / Hugging Face function schemas an environment passes as
+`tools=`; `parse_tool_calls(text, tools)` returns every call block of a turn in order, each a
+`ToolCall` or a `ToolCallError` whose message is written for the model, so a malformed call can
+be answered with a `tool_message` instead of failing the trajectory. `format` picks the syntax
+(`TOOL_CALL_FORMATS`: `hermes`, `glm`, `llama3_json`); none raises on model output.
 No Megatron, torch or Ray imports: environments import this in their own processes.
+
+The formats and what the parser checks: docs/custom_envs.md, 'Tools: `tools=`, `<tool_call>` and
+`model.chat_template`' and 'Tool-call formats and parsing'.
 """
 
 from __future__ import annotations

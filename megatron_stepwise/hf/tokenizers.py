@@ -1,28 +1,14 @@
 """Tokenizers: `load_tokenizer` (a shipped tiny tokenizer by name, a local directory or a hub id).
 
-Three tiny tokenizers ship with the package (no hub download): word-level, char-level and a
-byte-level BPE. All use ChatML-like turns with a chat template, `<|im_end|>` as EOS and `<pad>`
-as padding:
-- `tiny_word`: the words of the `echo` task (roles, digits, a few words); ~20 tokens.
-- `tiny_char`: printable ASCII + newline, one token per character; for text tasks (math, search)
-  driven by a tiny model.
-- `tiny_bpe`: a byte-level BPE (GPT-2/Qwen style: bytes, merges, special tokens split off first),
-  trained deterministically on a small built-in corpus; 384 tokens. Unlike the two above, the
-  text of sampled ids often re-encodes to other ids (a merge the model did not sample, invalid
-  UTF-8), as with real LLM tokenizers: the tokenizer the re-tokenisation drift is measured with.
+Three tiny tokenizers ship with the package (no hub download), all ChatML-like with
+`<|im_end|>` as EOS: `tiny_word` (the echo task's words), `tiny_char` (printable ASCII) and
+`tiny_bpe` (a byte-level BPE whose sampled ids often re-encode differently, as with real
+tokenizers). `tiny_char` and `tiny_bpe` use `TOOLS_CHAT_TEMPLATE`, which also renders tools;
+`model.chat_template` replaces any tokenizer's template. `build_tokenizer_files` wrote the files
+in `hf/data/`; regenerate them with `python -m megatron_stepwise.hf.tokenizers`.
 
-`tiny_char` and `tiny_bpe` use `TOOLS_CHAT_TEMPLATE`: ChatML that also renders `tools=` (a system
-turn listing the function schemas as JSON and the Hermes/Qwen `<tool_call>` format), role "tool"
-messages as `<tool_response>` turns and assistant `tool_calls` fields as `<tool_call>` blocks;
-without tools and tool messages it renders exactly as plain ChatML. Everything it adds is ASCII,
-so `tiny_char` tokenises it (keep tool descriptions ASCII for `tiny_char`: other characters become
-`<unk>`). `tiny_word` keeps the plain template (its vocabulary is the echo task's words).
-`model.chat_template` replaces any tokenizer's template (`load_tokenizer(chat_template=...)`,
-`hf/chat_templates.py`).
-
-`build_tokenizer_files(name, out_dir)` writes `tokenizer.json` + `tokenizer_config.json`; the
-files in `hf/data/` were produced by it (a test checks they still match); regenerate them with
-`python -m megatron_stepwise.hf.tokenizers`.
+Each tokenizer and the tools template in detail: docs/chat_conformance.md,
+'The shipped tiny tokenizers'.
 """
 
 from __future__ import annotations

@@ -1,24 +1,42 @@
 """Builders that turn an `ExperimentConfig` into the trainer's parts.
 
 Each function builds one thing from its config section, so a user with their own Megatron loop
-can take the pieces they need (model, optimizer, plugin, fleet) without the `Trainer`.
+can take the pieces they need (model, optimizer, plugin, fleet) without the `Trainer`. The types
+in the signatures are imported for type checkers only: each builder imports its module when it
+runs, so importing this file stays light.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from megatron_stepwise.config import ExperimentConfig
 
+if TYPE_CHECKING:
+    import asyncio
+
+    from megatron.core.optimizer import MegatronOptimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from torch.distributed import ProcessGroup
+    from transformers import PreTrainedTokenizerBase
+
+    from megatron_stepwise.data.prompts import PromptDataset
+    from megatron_stepwise.envs.base import EnvSpec
+    from megatron_stepwise.mcore.runtime.runtime import ParallelLayout
+    from megatron_stepwise.mcore.train.plugin import StepwisePlugin
+    from megatron_stepwise.mcore.weights.sync import WeightSync
+    from megatron_stepwise.rollout.agent_loop import AgentLoop, Generator
+    from megatron_stepwise.rollout.fleet import RolloutFleet
+
 log = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------------------ runtime
-def init_runtime(cfg: ExperimentConfig):
+def init_runtime(cfg: ExperimentConfig) -> ParallelLayout:
     from megatron_stepwise.mcore.runtime.runtime import init_distributed
 
     p = cfg.parallel
@@ -34,7 +52,7 @@ def data_parallel() -> tuple[int, int]:
     return layout.dp_rank, layout.dp
 
 
-def cpu_group(cfg: ExperimentConfig):
+def cpu_group(cfg: ExperimentConfig) -> ProcessGroup:
     """A gloo group of all ranks for objects (rollouts, decisions) with the configured timeout:
     torch's `new_group` otherwise gives gloo its own 30-minute default, whatever the world has."""
     from datetime import timedelta
@@ -57,7 +75,7 @@ def tokenizer_name(cfg: ExperimentConfig) -> str:
     return spec.tokenizer
 
 
-def load_tokenizer(cfg: ExperimentConfig):
+def load_tokenizer(cfg: ExperimentConfig) -> PreTrainedTokenizerBase:
     from megatron_stepwise.hf.tokenizers import load_tokenizer as load
 
     m = cfg.model
@@ -66,7 +84,7 @@ def load_tokenizer(cfg: ExperimentConfig):
     return load(tokenizer_name(cfg), key=key, chat_template=m.chat_template)
 
 
-def model_config(cfg: ExperimentConfig, tokenizer) -> dict[str, Any]:
+def model_config(cfg: ExperimentConfig, tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
     """The HF config dict of the policy; presets take the tokenizer's vocabulary size."""
     from megatron_stepwise.hf.arch import arch_from_hf, validate_parallel
     from megatron_stepwise.hf.presets import resolve_hf_config
@@ -77,12 +95,12 @@ def model_config(cfg: ExperimentConfig, tokenizer) -> dict[str, Any]:
     return hf
 
 
-def _use_te(cfg: ExperimentConfig):
+def _use_te(cfg: ExperimentConfig) -> Optional[bool]:
     """model.transformer_impl: te / local, or None = TE when importable."""
     return {"auto": None, "te": True, "local": False}[cfg.model.transformer_impl]
 
 
-def build_policy(cfg: ExperimentConfig, hf_config: dict) -> list:
+def build_policy(cfg: ExperimentConfig, hf_config: dict[str, Any]) -> list[torch.nn.Module]:
     from megatron_stepwise.mcore.train.model import build_model_chunks
 
     init = None
@@ -93,20 +111,21 @@ def build_policy(cfg: ExperimentConfig, hf_config: dict) -> list:
         # A local directory, the cached hub snapshot, or a download of its weights; before the model is built.
         hf_dir = resolve_model_dir(cfg.model.hf_checkpoint, key="model.hf_checkpoint", files=CHECKPOINT_FILES)
 
-        def init(chunks):
+        def init(chunks: list[torch.nn.Module]) -> None:
             import_hf(chunks, hf_dir)
 
     return build_model_chunks(hf_config, use_distributed_optimizer=cfg.parallel.use_distributed_optimizer, init=init,
                               use_te=_use_te(cfg), config_overrides=_model_overrides(cfg))
 
 
-def build_reference(cfg: ExperimentConfig, hf_config: dict, policy_chunks: list) -> list:
+def build_reference(cfg: ExperimentConfig, hf_config: dict[str, Any],
+                    policy_chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
     """A frozen copy of the initial policy for the KL term (same sharding as the policy)."""
     from megatron_stepwise.mcore.train.model import build_model_chunks, unwrap
 
     state = [copy.deepcopy(unwrap(c).state_dict()) for c in policy_chunks]
 
-    def init(chunks):
+    def init(chunks: list[torch.nn.Module]) -> None:
         for chunk, sd in zip(chunks, state):
             chunk.load_state_dict(sd)
 
@@ -134,7 +153,7 @@ def _model_overrides(cfg: ExperimentConfig) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------ optimizer
-def build_optimizer(cfg: ExperimentConfig, chunks: list):
+def build_optimizer(cfg: ExperimentConfig, chunks: list[torch.nn.Module]) -> MegatronOptimizer:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     o = cfg.optim
@@ -146,7 +165,7 @@ def build_optimizer(cfg: ExperimentConfig, chunks: list):
     return get_megatron_optimizer(config, chunks)
 
 
-def build_scheduler(cfg: ExperimentConfig, optimizer):
+def build_scheduler(cfg: ExperimentConfig, optimizer: MegatronOptimizer) -> OptimizerParamScheduler:
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     o = cfg.optim
@@ -157,7 +176,7 @@ def build_scheduler(cfg: ExperimentConfig, optimizer):
                                    wd_incr_steps=steps, wd_incr_style="constant")
 
 
-def build_plugin(cfg: ExperimentConfig, tokenizer):
+def build_plugin(cfg: ExperimentConfig, tokenizer: PreTrainedTokenizerBase) -> StepwisePlugin:
     from megatron_stepwise.mcore.train.plugin import StepwisePlugin
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -167,14 +186,14 @@ def build_plugin(cfg: ExperimentConfig, tokenizer):
 
 
 # ------------------------------------------------------------------------ data
-def env_spec(cfg: ExperimentConfig):
+def env_spec(cfg: ExperimentConfig) -> EnvSpec:
     """The environment: env.reward_fn, else env.name (registered, or a module:Name dotted path)."""
     from megatron_stepwise.envs.custom import resolve_env_spec
 
     return resolve_env_spec(cfg.env.name, cfg.env.reward_fn)
 
 
-def build_dataset(cfg: ExperimentConfig):
+def build_dataset(cfg: ExperimentConfig) -> PromptDataset:
     from megatron_stepwise.data.prompts import PromptDataset
     from megatron_stepwise.data.files import open_samples, with_prompt_ids
 
@@ -185,7 +204,7 @@ def build_dataset(cfg: ExperimentConfig):
     return PromptDataset(samples, seed=cfg.data_seed, shuffle=cfg.data.shuffle)
 
 
-def eval_samples(cfg: ExperimentConfig, dataset) -> list[dict]:
+def eval_samples(cfg: ExperimentConfig, dataset: PromptDataset) -> list[dict[str, Any]]:
     """env.eval_dataset, or a fixed set of training prompts (the same at every evaluation)."""
     from megatron_stepwise.data.files import open_samples
 
@@ -197,7 +216,7 @@ def eval_samples(cfg: ExperimentConfig, dataset) -> list[dict]:
 
 
 # ------------------------------------------------------------------------ rollout
-def build_fleet(cfg: ExperimentConfig, hf_config: dict, tokenizer):
+def build_fleet(cfg: ExperimentConfig, hf_config: dict[str, Any], tokenizer: PreTrainedTokenizerBase) -> RolloutFleet:
     from megatron_stepwise.hf.arch import arch_from_hf
     from megatron_stepwise.rollout.fleet import EngineSpec, RolloutFleet
     from megatron_stepwise.rollout.sglang import SGLangServerConfig
@@ -234,7 +253,7 @@ def build_fleet(cfg: ExperimentConfig, hf_config: dict, tokenizer):
                         colocate=cfg.rollout.colocate)
 
 
-def build_agent_loop(cfg: ExperimentConfig, fleet, tokenizer):
+def build_agent_loop(cfg: ExperimentConfig, fleet: Generator, tokenizer: PreTrainedTokenizerBase) -> AgentLoop:
     """The agent loop of `cfg` driving `fleet` (any generator: a fleet, an engine, a client)."""
     from megatron_stepwise.hf.end_of_turn import end_of_turn
     from megatron_stepwise.rollout.agent_loop import AgentLoop, AgentLoopConfig
@@ -251,7 +270,8 @@ def build_agent_loop(cfg: ExperimentConfig, fleet, tokenizer):
 
 
 # ------------------------------------------------------------------------ weights
-def build_weight_sync(cfg: ExperimentConfig, fleet, hf_config: dict, loop):
+def build_weight_sync(cfg: ExperimentConfig, fleet: Optional[RolloutFleet], hf_config: dict[str, Any],
+                      loop: Optional[asyncio.AbstractEventLoop]) -> WeightSync:
     """Pushes the policy to the fleet after each update (weight_sync.mode: disk | tensor | distributed)."""
     from megatron_stepwise.mcore.weights.sync import WeightSync
 
@@ -259,7 +279,8 @@ def build_weight_sync(cfg: ExperimentConfig, fleet, hf_config: dict, loop):
     return WeightSync(fleet, w.mode, hf_config, loop=loop, bucket_mb=w.bucket_mb, sync_dir=cfg.weight_sync_dir)
 
 
-def export_hf(cfg: ExperimentConfig, chunks: list, hf_config: dict, tokenizer) -> str:
+def export_hf(cfg: ExperimentConfig, chunks: list[torch.nn.Module], hf_config: dict[str, Any],
+              tokenizer: PreTrainedTokenizerBase) -> str:
     """An HF directory (safetensors + config + tokenizer) of the final policy, under the run dir."""
     import os
 

@@ -1,24 +1,13 @@
 """The RL loop: one training loop fed by a mini-batch source.
 
-Every training rank runs `Trainer.run()`. Global rank 0 also drives the rollout fleet. Each
-iteration is `source.rounds_per_iteration` rounds of:
+Every training rank runs `Trainer.run()`; global rank 0 also drives the rollout fleet. Each
+iteration is `source.rounds_per_iteration` rounds of: take prompt mini-batches from the source,
+prepare them and hand each rank its shard, compute old / reference log-probs when needed, one
+optimizer step per mini-batch and epoch, push the new weights to the fleet. Then one JSON line
+of metrics, and rollout dumps and checkpoints at their intervals.
 
-1. `source.take`: rank 0 rolls out (sync) or takes finished prompt groups (async), validates
-   them and splits them into prompt mini-batches (each one optimizer step);
-2. rank 0 `prepare`s each mini-batch (optional prefix merge, outcome advantages, the columnar
-   batch) and the plugin plans every data-parallel rank's micro-batches; each rank receives only
-   its own shard (`Handoff.to_ranks`);
-3. old-policy log-probs when the policy moves before a mini-batch is trained (several
-   mini-batches or epochs in one round), reference log-probs when the loss has a KL term;
-4. one optimizer step per mini-batch and epoch (`StepwisePlugin.train_minibatch`);
-5. push the new weights to the fleet (a new weight version).
-
-The synchronous source makes one round per iteration with the fleet idle (so one push after the
-iteration's last optimizer step); the async source one round per optimizer step while the
-fleet keeps rolling out. With `rollout.colocate` (synchronous only) the engines release their
-memory for steps 2-4 and take it back around step 5 (`colocate.py`). Then one JSON line of
-metrics (with the iteration's time budget, `time_budget.py`), every `trainer.dump_rollouts` a
-rollout dump (`dumps.py`) and, every `checkpoint.every`, a checkpoint.
+The rounds step by step, sync vs async sources and colocation: docs/architecture.md,
+'The training loop's rounds'.
 """
 
 from __future__ import annotations

@@ -1,47 +1,14 @@
 """The step-wise multi-turn agent loop: one `Step` per assistant turn.
 
-Per trajectory: build the step's prompt, check its length (on the prompt about to be sent),
-generate, append the assistant text, step the environment, append its observation messages
-(they reach the model in the NEXT prompt), repeat until the environment is done, the turn budget
-is spent or the prompt no longer fits. How the prompt is built is `AgentLoopConfig.context`
-(`rollout/context.py`): `retokenize` renders the chat with the chat template and re-tokenises it
-every turn; `tokens` extends the previous prompt with the ids the engine sampled and the
-tokenised template delta (observation, closing and generation prompt), so every prompt is the
-previous prompt + response + delta exactly. Every step after which a next prompt is built
-records `metadata["retokenize_drift"]`: whether re-tokenising the chat after that turn lost its
-sampled ids (`rollout/retokenize_drift_rate`); in `tokens` mode only the steps of the
-`drift_sample_rate` share of trajectories do (measuring costs that mode a whole render and
-tokenisation per turn; `retokenize` gets it for free). An environment's tool schemas (its
-optional `tools`, read once after `reset`; envs/base.py) are passed as `tools=` to every render
-of the trajectory, in both modes. Invariants (docs/architecture.md, 1-3 and 12):
+Per trajectory: build the turn's prompt (`rollout/context.py`: `retokenize` or `tokens`), check
+it fits, generate, append the response, step the environment (through `EnvCaller`,
+`rollout/env_calls.py`) and append its observation to the NEXT prompt, until the environment is
+done, the turn budget is spent or the prompt no longer fits. A failing environment ends only its
+own trajectory. Output: trajectories and prompt groups contiguous, in sample order.
 
-- `response_ids` are only the tokens sampled this turn; `rollout_logprobs` align with them 1:1.
-- loss_mask is 1 on sampled tokens and 0 on an EOS appended after the fact (when the turn ended
-  on a stop string or the length limit, so the trained sequence closes like the chat template).
-- In `tokens` mode, step t+1's prompt starts with step t's prompt + response (prefix merge holds).
-- No prompt sent or emitted exceeds `max_input_length`. A trajectory that outgrows it ends with
-  its last emitted step marked last (stop_reason "context_limit"). A trajectory whose FIRST prompt
-  is already too long still emits one step (prompt cut to `max_input_length`, no response, so no
-  trainable tokens, reward `context_limit_reward`, stop_reason "context_limit"): its prompt group
-  keeps its size and the group statistics stay unbiased in count.
-- The trajectory reward (sum of the environment's step rewards) sits on the last step; earlier
-  steps carry 0. Every step carries its own environment reward in `turn_reward` (and, as
-  before, in `metadata["env_reward"]`).
-- Environment exceptions (BaseException included) and timeouts end only that trajectory
-  (stop_reason "env_error", reward `env_error_reward`, the error in `metadata["error"]`); so do
-  a non-finite reward, an info that is not a picklable dict and malformed messages, checked at
-  the boundary. Calls run through `EnvCaller` (`rollout/env_calls.py`), a pool of
-  `env_concurrency` reused workers: a hung call is abandoned at `env_timeout_s` and its worker
-  replaced. A rollout with env_error trajectories logs one warning: how many, the commonest
-  errors and one sample traceback (file:line, in `metadata["error_traceback"]`), louder when most
-  trajectories failed; `AgentLoop.env_stats()` has the counters.
-
-Stop reasons per step: "stop" (the turn ended on EOS / a stop token or string), "length"
-(max_new_tokens), "max_turns", "context_limit", "env_error", and "abort" (the engine aborted the
-request, e.g. a pause with abort mode; the trajectory ends).
-
-Output: trajectories contiguous, prompt groups contiguous, in the order of the given samples
-then sample index.
+The invariants it keeps (sampled ids and log-probs 1:1, loss mask, prompt lengths, where rewards
+sit, env errors), the drift measurement and the stop reasons: docs/architecture.md,
+'The agent loop'.
 """
 
 from __future__ import annotations
@@ -103,14 +70,12 @@ class AgentLoopConfig:
     max_concurrency: int = option(64, "trajectories in flight at once across the fleet", min=1)
     max_turns: int = option(4, "assistant turns per trajectory at most", min=1)
     context: str = option(
-        "retokenize", "how each turn's prompt is built: retokenize (render and tokenise the chat every turn) or "
-                      "tokens (previous prompt + sampled ids + tokenised template delta)", choices=CONTEXT_MODES)
+        "retokenize", "how each turn's prompt is built: retokenize the chat or extend the tokens "
+                      "(docs/chat_conformance.md)", choices=CONTEXT_MODES)
     max_input_length: int = option(2048, "longest prompt (the chat history, as sent) a turn may send", min=1)
     env_error_reward: float = option(0.0, "reward given to a trajectory ended by an environment error")
     drift_sample_rate: float = option(
-        0.125, "context=tokens: fraction of trajectories (picked by a hash of their id, so a resumed run measures "
-               "the same ones) whose turns measure rollout/retokenize_drift_rate, at the cost of rendering and "
-               "tokenising the whole chat once more per turn; context=retokenize measures every turn for free",
+        0.125, "context=tokens: share of trajectories measuring rollout/retokenize_drift_rate (costs a render)",
         min=0.0, max=1.0)
     env_concurrency: int = option(32, "environment calls running at once per agent loop (worker threads of its "
                                       "pool; a hung call's worker is replaced)", min=1)

@@ -1,40 +1,13 @@
 """How the agent loop builds each turn's prompt: `retokenize` the chat, or extend the `tokens`.
 
-`retokenize` renders the whole chat with the chat template and tokenises the text every turn.
-Each step is self-consistent, but the text of a sampled response need not re-encode to the ids
-the engine sampled (a BPE merge the model did not sample, invalid UTF-8, whitespace, special
-tokens), so the next prompt may not extend the previous one: the prefix merge cannot merge
-there, an engine's prefix cache misses, and turn t+1 is trained on a history the model never
-produced.
+`retokenize` renders the whole chat with the chat template and tokenises it every turn;
+`tokens` builds turn t+1's prompt from ids only, `prompt[t+1] = prompt[t] + response[t] +
+delta[t]`, where `delta[t]` is the tokenised template text between the sampled response and the
+next generation (`template_delta`). `retokenize_drifted` measures whether re-tokenising after a
+turn loses its sampled ids (`rollout/retokenize_drift_rate`).
 
-`tokens` (token-in, token-out) builds turn t+1's prompt from ids only:
-
-    prompt[t+1] = prompt[t] + response[t] + delta[t]
-
-`response[t]` is what the step holds: the sampled ids exactly as generated, plus the EOS the
-loop appends (loss_mask 0) when the turn did not end on one. `delta[t]` is the tokenised
-chat-template text that closes the assistant turn, adds the observation messages and opens the
-next generation: the template is rendered with and without the new messages and only the
-suffix is tokenised (`template_delta`), less a leading end-of-turn token the response already
-ends with.
-
-Templates that rewrite history (e.g. drop the reasoning of earlier assistant turns, strip or
-re-format their content) cannot be followed incrementally: rendering with the new messages no
-longer extends the rendering without them. Token mode then keeps every earlier turn exactly as
-sampled (reasoning included) and takes the delta from the same messages rendered after a
-neutral one-turn history, where nothing is rewritten (only what follows the reply is taken, so a
-template that wraps the reply itself differently once a user message follows, as Qwen3's does
-with the reasoning block, still extends). The messages the environment sees are the
-same in both modes (decoded text).
-
-Tool schemas (`tools`, an environment's `tools` attribute, envs/base.py) go to every render of a
-trajectory, the deltas' included: the template renders them (usually in the system turn) the
-same way each time, so token mode extends exactly as without them.
-
-`retokenize_drifted` is the measurement behind `rollout/retokenize_drift_rate`: whether the
-re-tokenised chat after a turn still begins with the re-tokenised chat before it plus that
-turn's response ids. It is the same question in both modes (re-tokenising depends only on the
-text), and in `retokenize` mode it is exactly where the prefix merge breaks.
+Why token mode exists, how it follows templates that rewrite history, and tool schemas:
+docs/chat_conformance.md, 'Building a turn's prompt'.
 """
 
 from __future__ import annotations

@@ -91,8 +91,9 @@ class SamplingConfig:
     # section's text in docs/config.md), next to the per-request `SamplingParams` it builds
     # (`params`). Stricter than a request: training refuses greedy sampling (it divides by T).
 
-    temperature: float = option(1.0, "sampling temperature T (>= 1e-4: below, logits / T overflows); the trainer scores tokens as log_softmax(logits / T), as the engine reports them",
-                                min=MIN_TEMPERATURE)
+    temperature: float = option(
+        1.0, "sampling temperature T; the trainer scores tokens as log_softmax(logits / T), as the engine does",
+        min=MIN_TEMPERATURE)
     top_p: float = option(1.0, "nucleus sampling mass", gt=0.0, max=1.0)
     top_k: int = option(-1, "top-k sampling; -1 = off")
     stop: list[str] = option([], "strings that end a turn (besides the tokenizer's EOS)")

@@ -1,23 +1,13 @@
 """Environment calls with deadlines: a hung or hostile environment ends only its trajectory.
 
-Environments are user code: `step` may block forever (a dead service, a deadlock), raise
-`SystemExit`, or return garbage. The agent loop calls them through `EnvCaller`:
+Environments are user code: `step` may block forever, raise `SystemExit` or return garbage. The
+agent loop calls them through `EnvCaller`: blocking calls run on a reused pool of daemon
+threads, and at the deadline the call fails with `EnvTimeout` and its worker is replaced;
+whatever a call raises (`BaseException` included) comes back as `EnvError`; coroutine methods
+run on the event loop with the same deadline. Counters: `stats()`.
 
-- a blocking call runs on a worker of the caller's pool of daemon threads; at most `threads`
-  run at once. Workers wait for the next call and are reused (starting a thread per call cost
-  more host time than a cheap `step` itself). At the deadline the call fails with `EnvTimeout`
-  and its worker is abandoned and replaced at once, so hung calls never use up the capacity (a
-  fixed pool did: once all its threads were stuck every later call timed out too). The
-  abandoned worker is asked to stop with an asynchronous exception, which ends any hang that
-  runs Python code (a polling loop, a retry loop); one blocked inside a C call (a socket read,
-  `time.sleep`) cannot be interrupted by Python and stays parked as a daemon thread (named
-  `env-stuck-...`) until that call returns, then exits. `stuck` counts those; beyond
-  `max_stuck` new calls are refused (an error for that trajectory) instead of piling up threads;
-- whatever the call raises, `BaseException` included (`SystemExit` from an environment must
-  not end the run), comes back as `EnvError` naming the exception;
-- coroutine methods run on the event loop with the same deadline (cancelled at it).
-
-Counters (`stats()`): calls, errors, timeouts, stuck threads now.
+Why the pool replaces hung workers, and what happens to threads stuck in C calls:
+docs/security.md, 'Environment calls with deadlines'.
 """
 
 from __future__ import annotations

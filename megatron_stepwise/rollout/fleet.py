@@ -1,29 +1,14 @@
 """A rollout fleet: N engine actors on Ray behind one `generate` with routing and fault handling.
 
-- Engines: `EngineSpec(kind="local")` builds the embedded CPU engine inside the actor;
-  `kind="sglang"` launches `sglang.launch_server` on the actor's node (loopback) and talks to it
-  over HTTP; `kind="http"` connects to a server that is already running (SGLang, an
-  `sglang_router` for generation, or `megatron-stepwise serve`).
-- Routing: a session's turns go back to the engine that served its previous turn (prefix-cache
-  reuse); new sessions go to the engine with the fewest outstanding requests. At most
-  `max_concurrency` requests are in flight over the whole fleet.
-- Weight updates: new requests wait at a gate, in-flight ones drain, then every engine is
-  paused -> updated -> flushed -> resumed, and the gate reopens. With `partial_rollouts` (async
-  training) in-flight requests do not drain: they are paused mid-turn and continue with the new
-  weights. Every generation reports the version that produced it (`GenerateResult.weight_version`,
-  per token in `token_weight_versions`).
-- Faults: a request whose engine dies, errors or times out is retried from scratch on another
-  engine (at most `max_retries` times); the late result of a timed-out request is dropped and the
-  request aborted on its engine. A dead engine is restarted from its spec and brought to the
-  current weights by replaying the last disk/tensor update (or removed if that fails, or if
-  weights came over a distributed group it cannot rejoin), at most `max_restarts` times per engine.
-  A request that finds no live engine waits for the restarts in progress; when every engine is
-  gone it fails with `FleetLost`, one line naming each engine's last failure. Each turn resolves
-  exactly once, so no trajectory is lost or duplicated. Counters are in `metrics()`.
-- Colocated mode: `release_memory_occupation(tags)` waits for in-flight requests to finish and
-  has every engine free that memory; `resume_memory_occupation(tags)` takes it back. While the
-  weights or the KV cache are released, `generate` fails at once (`EngineReleasedError`), and an
-  engine restarted meanwhile is released like the others once it has its weights.
+Engines are embedded (`local`), launched SGLang servers (`sglang`) or running servers (`http`).
+A session's turns stick to one engine (prefix-cache reuse), new sessions go to the least busy.
+Weight updates pause, update, flush and resume every engine behind a gate (in-flight requests
+continue with `partial_rollouts`); every generation reports its weight version. A failed request
+is retried on another engine and a dead engine restarted at the current weights, so each turn
+resolves exactly once. Colocated mode releases and resumes engine memory.
+
+Routing, updates, faults and colocated mode in detail: docs/scale.md,
+'Fleet routing, updates and faults'.
 """
 
 from __future__ import annotations

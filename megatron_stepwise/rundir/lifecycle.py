@@ -1,23 +1,14 @@
 """A run's processes live and die together (stdlib only; Linux, other POSIX degrade gracefully).
 
-- `RunLock`: one trainer per run directory. Global rank 0 holds an exclusive `flock` on
-  `<run_dir>/trainer.lock` for the whole run; the file records the owner (pid, host, start
-  time, command line). A second trainer on the same directory gets `RunDirLocked`, which
-  names the owner. The kernel drops the lock when its holder dies however it dies, so a
-  lock left by a dead process is simply taken over. The descriptor is close-on-exec, so
-  processes the trainer starts (Ray's raylet and workers) never inherit it. `run_locks` adds
-  the same lock on the checkpoint directory when it lies elsewhere (two runs that share one
-  `checkpoint.dir` would resume from and prune each other's checkpoints).
-- `die_with_launcher`: a training rank's parent is torchrun's agent, which starts every rank
-  in a session of its own (`start_new_session`), so a signal to the launcher's process group
-  never reaches the ranks. Each rank asks the kernel for SIGKILL when its parent dies
-  (`prctl(PR_SET_PDEATHSIG)`), and, when the launcher exported its pid in
-  `MEGATRON_STEPWISE_LAUNCHER_PID` (the `train` command and the launch scripts do), a daemon
-  thread also kills the rank once that process is gone (a `bash` script above torchrun
-  killed alone).
-- `tagged_ray_instance`: around rank 0's local `ray.init`. Ray sets the parent-death signal on
-  raylet and GCS and its workers exit with their raylet, but its agents can linger; a reaper
-  process kills everything the driver started once the driver is gone (see below).
+- `RunLock`: one trainer per run directory (an `flock` held by global rank 0; a second trainer
+  gets `RunDirLocked` naming the owner). `run_locks` also locks an outside checkpoint directory.
+- `die_with_launcher`: each rank dies when its launcher dies (parent-death signal, and a watcher
+  thread on `MEGATRON_STEPWISE_LAUNCHER_PID`).
+- `tagged_ray_instance`: around rank 0's local `ray.init`; a reaper kills whatever the driver
+  started once the driver is gone.
+
+Why each is needed (torchrun's sessions, Ray's lingering agents): docs/launch.md,
+'One trainer per run directory; the run dies with its launcher'.
 """
 
 from __future__ import annotations

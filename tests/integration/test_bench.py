@@ -60,7 +60,7 @@ def test_quick_suite_subset_writes_json_and_markdown(tmp_path):
     targeted = [f for f in figures if f["target"] != "-"]
     assert targeted and all(f["value"] is not None and f["met"] in (True, False) for f in targeted)
     md = out.with_suffix(".md").read_text()
-    assert "| Benchmark | Figure | Measured | Target (issue 7) | Met |" in md
+    assert "| Benchmark | Figure | Measured | Target | Met |" in md
     assert md.count("\n| merge |") == sum(f["benchmark"] == "merge" for f in figures)
 
 

@@ -1,33 +1,14 @@
 """Run megatron-core 0.16 on CPU (gloo) by redirecting its hard-coded CUDA uses.
 
-megatron-core assumes a GPU in a handful of places that have nothing to do with the maths:
-scalar buffers allocated with ``device="cuda"``, ``torch.cuda.current_device()`` used as a
-device argument, ``torch.cuda.synchronize()`` guards, the CUDA RNG tracker, and
-``tensor.type() == 'torch.cuda.FloatTensor'`` dtype checks in the optimizers. With the
-patches below the real code paths run unchanged on CPU: the pipeline schedules (1F1B),
-the tensor-parallel layers and mappings, DDP and the (distributed) optimizer.
+megatron-core assumes a GPU in a handful of places that have nothing to do with the maths
+(scalar buffers on "cuda", `current_device()`, `synchronize()`, the CUDA RNG tracker, dtype
+checks by type name). With these patches the real code paths (1F1B schedules, TP layers, DDP,
+the distributed optimizer) run unchanged on CPU; every patch changes only where a tensor lives
+or what a device query answers, never the arithmetic. Use `cpu_compat()` as a context manager
+or `CpuCompat.enable()` / `disable()`; it is inert when CUDA is available.
 
-Every patch only changes *where* a tensor lives or what a device query answers; no
-arithmetic is touched, so numerics are those of the CPU kernels.
-
-| patch                                           | why (which megatron-core code needs it)                  |
-|-------------------------------------------------|----------------------------------------------------------|
-| ``device='cuda'`` / ``.cuda()`` / ``.to('cuda')`` | schedules' token counter, default causal mask,          |
-|   -> CPU (a TorchFunctionMode)                  | clip_grads / optimizer scalars, local l2-norm fallback   |
-| ``Tensor.type()`` reports ``torch.cuda.*``      | dtype asserts in Float16/Distributed optimizer, clip_grads|
-| ``torch.cuda.current_device()`` -> ``cpu``      | p2p shape exchange + receive buffers, TP gather buffers,  |
-|                                                 | DDP grad buffers, rotary embedding device                 |
-| ``torch.cuda.synchronize/empty_cache`` no-ops   | p2p race guard after batch_isend_irecv, DDP buffer frees  |
-| CUDA RNG get/set/seed -> CPU generator          | ``model_parallel_cuda_manual_seed`` and the RNG tracker's |
-|                                                 | ``fork()`` (dropout, initialisation regions)              |
-| inert ``torch.cuda.Stream`` / ``current_stream``| the MoE all-to-all dispatcher's device-to-host side      |
-|   / ``stream`` (no kernels are queued on CPU)   | stream and its events                                     |
-| the dispatcher's split sizes as numpy, as the   | it converts them only when moving them off a GPU; gloo's  |
-|   device-to-host copy gives them on GPU         | ``all_to_all_single`` refuses tensors as split sizes      |
-
-Use :func:`cpu_compat` as a context manager, or :class:`CpuCompat` ``enable()`` /
-``disable()`` to bracket a process's distributed lifetime (``runtime.init_distributed``
-does this). It is inert when CUDA is available, and everything is restored on exit.
+Each patch and the megatron-core code that needs it: docs/megatron.md, 'CPU compatibility
+layer' and 'The CPU patches, one by one'.
 """
 
 from __future__ import annotations

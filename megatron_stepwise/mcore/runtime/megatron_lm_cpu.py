@@ -1,23 +1,12 @@
 """Run Megatron-LM's own training loop (`megatron.training.pretrain`) on CPU and gloo.
 
 For tests and trials on machines without a GPU; on a GPU machine `enable_megatron_lm_cpu()` does
-nothing. On top of `cpu_compat` (megatron-core's hard-coded CUDA uses), Megatron-LM's training
-package needs:
+nothing. On top of `cpu_compat`, it stubs `triton`, lets `initialize_megatron` run without CUDA,
+skips the helper builds and answers the device queries. Only start-up checks and device queries
+change; the loop, schedules and reductions run as written. Megatron-LM's source is not installed
+by this package: put its directory on `sys.path` after site-packages.
 
-| patch                                              | why                                                   |
-|----------------------------------------------------|-------------------------------------------------------|
-| a stub `triton` module                             | imported at start-up through megatron-core's          |
-|                                                    | batch-invariant kernels, never called on this path    |
-| `initialize_megatron(allow_no_cuda=True)`          | it asserts CUDA unless told otherwise                 |
-| `compile_helpers`, `fused_kernels.load` no-ops     | they run `make` / `nvcc` for the GPU dataset helpers  |
-| `get_device_arch_version()` answers 9              | argument checks ask for the GPU architecture          |
-| `torch.cuda.memory_*` queries answer 0             | memory reports in the training log                    |
-| `torch.cuda.device_count()` answers 1, `set_device`| model-parallel groups and seeds are set up only when  |
-|   is a no-op                                       | a device is counted                                   |
-
-Only start-up checks and device queries change; the loop, schedules and reductions run as written.
-Megatron-LM's source is not installed by this package: put its directory on `sys.path` after
-site-packages (`megatron.core` keeps coming from the megatron-core wheel).
+Each patch and why: docs/megatron.md, "Megatron-LM's `pretrain` on CPU: the patches".
 """
 
 from __future__ import annotations

@@ -1,30 +1,14 @@
 """`StepwisePlugin`: step-wise RL training inside a megatron-core training loop.
 
-It gives an existing loop the two things megatron-core's schedules need,
-`forward_step(data_iterator, model) -> (output_tensor, loss_func)` for
-`get_forward_backward_func()` (the same signature Megatron-LM's `pretrain` takes), and a data
-iterator of packed micro-batches, plus two drivers built from them:
+It gives an existing loop the `forward_step(data_iterator, model) -> (output_tensor, loss_func)`
+that megatron-core's schedules take, a data iterator of packed micro-batches, and two drivers:
+`train_minibatch` (one optimizer step on one mini-batch) and `compute_logprobs` (forward-only
+log-probs). Token weights are computed once per mini-batch and the loss function undoes
+megatron-core's one rescaling, so the gradient is the same under any TP/PP/DP/CP/micro-batch
+split. All input errors are raised before any collective.
 
-- `train_minibatch(model_chunks, optimizer, batch)`: one optimizer step on one mini-batch;
-- `compute_logprobs(model_chunks, batch)`: forward-only log-probs (old / reference policy).
-
-Loss normalisation. Token weights are computed once per mini-batch (`loss_token_weights`
-divides by the global denominator of the chosen reduction), so the mini-batch loss is the sum
-over micro-batches and DP ranks of each micro-batch's `sum_t w_t * l_t`. megatron-core then
-rescales exactly once, and the loss function undoes it:
-- `calculate_per_token_loss=False` (default): the schedule divides each micro-batch loss by
-  the number of micro-batches M (and multiplies it by the CP size) and DDP averages gradients
-  over DP x CP, so the loss function returns `partial * M * dp`;
-- `calculate_per_token_loss=True`: the loss function returns `(partial * N, n_mb, ...)` where
-  n_mb is the micro-batch's trained-token count (this CP rank's share) and N their total over
-  the mini-batch; `finalize_model_grads` divides the DP x CP-summed gradients by sum(n_mb) = N.
-Either way the gradient is d(mini-batch loss)/d(theta), whatever TP/PP/DP/CP/micro-batch split.
-Under context parallelism each micro-batch is split over the CP ranks
-(`packing.split_for_context_parallel`) and each rank scores the trained tokens it holds.
-
-Every rank receives the same mini-batch, or only its own `MinibatchShard` when one process
-decided every DP rank's part (`plan_shards`, as the trainer's rank 0 does); all input errors
-are raised before any collective, so a bad batch never leaves other ranks waiting.
+How each `calculate_per_token_loss` setting is undone, and sharded inputs: docs/megatron.md,
+'Loss normalisation: exactly once' and 'The plugin's loss scaling'.
 """
 
 from __future__ import annotations

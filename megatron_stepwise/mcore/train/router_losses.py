@@ -1,30 +1,14 @@
 """MoE router losses in the step-wise loss: load balancing and z-loss, invariant to every split.
 
-megatron-core's own router losses are computed per micro-batch: its balance term multiplies the
-micro-batch's fraction of tokens per expert by its mean router probability, so the loss (and the
-gradient) changes when the same steps are packed, or spread over DP/CP ranks, differently. Here
-both terms are functions of each step's own tokens, summed with mini-batch-wide normalisers
-fixed before the schedule runs, so micro-batching, DP, CP, TP/SP, EP and PP leave them unchanged:
+megatron-core's router losses are per micro-batch, so they change with packing and DP/CP
+splits. Here both terms are functions of each step's own tokens, summed with mini-batch-wide
+normalisers fixed before the schedule runs: balance (`algo.loss.router_aux_coef`, per row like
+DeepSeek-V3's sequence-wise loss) and z-loss (`algo.loss.router_z_coef`, ST-MoE). The gradient
+enters through `MoEAuxLossAutoScaler`, weighted like the policy loss. Statistics are reduced
+once per mini-batch into `moe/aux_loss`, `moe/z_loss`, `moe/expert_load_max|min`.
 
-- balance (`algo.loss.router_aux_coef`), per step (row) like DeepSeek-V3's sequence-wise loss:
-  `aux_s = E / (k T_s^2) * sum_e c_se * P_se`, with `c_se` the tokens of row s routed to expert e
-  (top-k, as dispatched), `P_se` the sum over the row's tokens of softmax(router logits)_e, and
-  T_s the row's real tokens (1 when perfectly balanced). Loss: coef x the mean over the
-  mini-batch's rows.
-- z-loss (`algo.loss.router_z_coef`, ST-MoE): coef x the mean over the mini-batch's real tokens of
-  logsumexp(router logits)^2.
-
-Both are summed over MoE layers (megatron's convention). Padding tokens never count. A row split
-over CP ranks (or over TP ranks by sequence parallelism) has its counts `c_se` summed over those
-ranks; the gradient of each rank's own tokens needs nothing else, the loss being linear in P.
-The gradient enters through megatron's `MoEAuxLossAutoScaler`, whose scale the schedule sets to
-what the main loss gets (1/micro-batches, CP, fp16 loss scale), times the micro-batch's
-`loss_scale` as for the policy loss, so the two are weighted alike.
-
-The routers' statistics (balance and z values, tokens per expert) are kept per layer and reduced
-once per mini-batch: `moe/aux_loss`, `moe/z_loss` (means over MoE layers, without coefficients),
-`moe/expert_load_max` and `moe/expert_load_min` (the worst layer's max and min tokens per expert
-over the mean; 1 is perfect balance).
+Formulas, split invariance and metrics: docs/megatron.md, 'Router losses and expert-load metrics';
+the auto-scaler's scale: 'Router loss formulas'.
 """
 
 from __future__ import annotations

@@ -1,34 +1,14 @@
 """Rollout routing replay (R3) for MoE RL: the trainer's routers use the engine's experts.
 
-A MoE router's top-k is discontinuous: the engine (bf16 kernels, another batch shape, another
-TP/EP layout) and the trainer can choose different experts for the same token with the same
-weights, and one flipped expert changes that token's hidden state and every later one, so the
-engine-vs-trainer log-prob gap of MoE models is far larger than of dense ones. Replay removes
-that source: the engine reports, per token and MoE layer, the experts it chose
-(`GenerateResult.routed_experts`; SGLang's `return_routed_experts`), the steps carry them
-(`Step.routed_experts`, int16 [tokens, layers, topk], -1 = unknown), packing moves them with
-the tokens (`PackedMicroBatch.routed_experts`, CP chunks included), and with
-`algo.routing_replay: true` (model config `moe_enable_routing_replay`) each router of the
-trainer takes those experts instead of its own top-k at every position where they are known.
-The gating weights are still the trainer's: `softmax` of its own logits gathered at the
-replayed experts, so the router keeps its gradient.
+The engine reports, per token and MoE layer, the experts it chose; the steps and packed
+micro-batches carry them (`routed_experts`, -1 = unknown), and with `algo.routing_replay: true`
+each TopKRouter takes those experts instead of its own top-k wherever they are known, while the
+gating weights stay the trainer's (so the router keeps its gradient). `install` gives each router
+a `KnownPositionsReplay`; `replaying` sets its targets for exactly one forward pass.
 
-Which positions: every position the engine reported, prompt and response alike: the trainer
-then runs the forward pass the engine ran, and a trained token's log-prob depends on the
-routing of every position before it. Positions without a report (the last sampled token,
-which the engine never runs through the model, padding, steps of an engine that reports
-none) are routed by the trainer as usual. Merged rows keep, per position, the earliest merged
-step's experts (`algo.merge`).
-
-Mechanics: megatron-core 0.16 routes through `RouterReplay.get_replay_topk` when a router has a
-`router_replay`; `install` gives every TopKRouter of a model chunk a `KnownPositionsReplay`
-(a RouterReplay subclass, not registered in megatron's global list), and `replaying` sets each
-router's targets for exactly one forward pass (one micro-batch of one model chunk) and clears
-them after, so nothing accumulates across steps (megatron's own `set_target_indices` appends to
-a backward-replay list on every call). Routers re-run by activation recomputation would read
-the wrong micro-batch: `check_config` refuses those layouts (and megatron's fused router). Under sequence parallelism
-TP rank r routes the r-th of tp slices of its (CP-local) packed tokens; the targets are sliced
-the same way.
+Why (top-k is discontinuous), which positions are replayed, and how it hooks megatron-core 0.16:
+docs/megatron.md, 'Rollout routing replay (R3)'; why not megatron's own replay API: 'Routing
+replay mechanics'.
 """
 
 from __future__ import annotations

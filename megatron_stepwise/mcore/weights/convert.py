@@ -1,23 +1,13 @@
 """Hugging Face checkpoints in and out of megatron model chunks, at any TP / PP, in buckets.
 
-- `iter_stage_buckets`: this pipeline stage's weights as HF tensors, one parameter gathered over
-  TP at a time, grouped into buckets of at most `bucket_mb` (a larger tensor is a bucket alone).
-- `stream_hf_buckets`: every bucket of the whole model, delivered on global rank 0 (the rank that
-  talks to the rollout fleet): stage 0's own, then each later stage's, sent point-to-point by that
-  stage's first rank. No rank ever holds more than one bucket of another stage.
-- `export_hf`: an HF directory (`config.json`, safetensors shards + index, tokenizer) that
-  `transformers.AutoModelForCausalLM.from_pretrained` and SGLang load. Each stage's first rank
-  writes its own shards in parallel; rank 0 writes the index and config, then renames the
-  directory into place so a reader never sees a half-written export.
-- `import_hf`: load an HF directory into the chunks (each rank reads only its own stage's
-  tensors, lazily) to start training from a pretrained model.
+`iter_stage_buckets` (this stage's weights as HF tensors, in buckets), `stream_hf_buckets`
+(every bucket, delivered on global rank 0), `export_hf` (an HF directory that transformers and
+SGLang load, renamed into place when complete) and `import_hf` (start from a pretrained model).
+Every rank must call (and, for the iterators, exhaust) them: they are collective. The name and
+layout mapping itself is in `weights/hf_mapping.py` (pure functions, re-exported here).
 
-Ownership: within a data-parallel replica the TP ranks of a stage gather together; only the
-replica with DP rank 0 and CP rank 0 does the work (the others hold identical weights), and of
-its TP ranks only TP rank 0 keeps the result. Every rank must call (and, for the iterators,
-exhaust) these functions: they are collective.
-
-The name and layout mapping itself is in `weights/hf_mapping.py` (pure functions, re-exported here).
+Each entry point and which ranks do the work: docs/weights.md, 'Hugging Face checkpoints' and
+'Conversion entry points and ownership'.
 """
 
 from __future__ import annotations

@@ -1,42 +1,14 @@
 """Checkpoint and resume with megatron-core `dist_checkpointing` (torch_dist format).
 
-A checkpoint `CKPT_DIR/iter_0000042/` holds:
-- the model chunks (`sharded_state_dict()` of the bare GPTModels, Megatron-LM's key names) and
-  the optimizer (`optimizer.sharded_state_dict`). The model, and a non-distributed optimizer,
-  reload into another TP/PP/DP layout (tested TP2 -> TP1 x DP2); the distributed optimizer's
-  state into the same layout (see `sharded_metadata`);
-- the LR scheduler state and the caller's *trainer state* (a JSON-able dict: iteration, data
-  position, fleet weight version, config hash...), also in `trainer_state.json` for humans;
-- every rank's RNG states (python, numpy, torch, CUDA, megatron's model-parallel tracker),
-  restored only when the layout is unchanged.
+A checkpoint `CKPT_DIR/iter_0000042/` holds the model chunks, the optimizer, the LR scheduler,
+the caller's trainer state and every rank's RNG states. Saves are atomic (`.tmp` directory,
+barrier, rename, `latest` pointer) and verified (a `manifest.json` of sizes and hashes checked
+before loading; a damaged latest falls back to the previous good one). A resume refuses a
+checkpoint written by another run.
 
-Atomic: everything is written to `iter_0000042.tmp/`, all ranks meet at a barrier, then rank 0
-renames the directory and replaces the `latest` pointer file (write + fsync + rename). A crash
-at any point leaves `latest` naming the previous complete checkpoint; stale `.tmp` directories
-are removed by the next save. The newest `keep_last` checkpoints are kept.
-
-Verified: rank 0 writes `manifest.json` (every file's size and sha256 hash) into the `.tmp`
-directory last, atomically, before the rename that commits the save. Loading checks it first
-(sizes, then hashes); a latest checkpoint with a missing, truncated or altered file is skipped
-with a one-line warning naming the file (expected vs got) and the previous good one is loaded;
-when none is good the load stops with one `CheckpointError` naming the checkpoint directory.
-A checkpoint without a manifest (saved before manifests existed, or its manifest lost) is
-unverified: skipped like a damaged one unless the caller accepts it (`accept_unverified`,
-`checkpoint.accept_unverified`). A chosen checkpoint that then fails to load on any rank is
-skipped the same way and the previous one is tried: a damaged latest never blocks a resume
-while a good one is left.
-
-Runs: each save records the run's `run_id` (and run directory); resuming from the latest of a
-directory refuses a checkpoint written by another run, naming both (two runs sharing one
-`checkpoint.dir`); naming the checkpoint explicitly (`path`) starts from it deliberately.
-
-What megatron-core 0.16 needs on CPU / gloo (all handled here, nothing patched globally):
-- its torch_dist writer reports results through a queue made by a *spawned*
-  `multiprocessing.Manager` (a new Python process per rank that re-imports the main module and
-  outlives a SIGKILLed trainer). Saves here are synchronous, so `_in_process_results_queue`
-  pre-sets megatron's queue cache to a plain `queue.Queue`. The writer needs `psutil`;
-- without Apex/TE the distributed optimizer keeps Adam's `step` per parameter, which its
-  loader mishandles: `_materialize_optimizer_state` and `_restore_adam_steps` fix it up.
+What each part holds and when it reloads into another layout: docs/weights.md, 'Checkpoints';
+the two megatron-core 0.16 quirks on CPU / gloo handled here: 'Checkpoints: pruning and
+megatron-core on CPU'.
 """
 
 from __future__ import annotations

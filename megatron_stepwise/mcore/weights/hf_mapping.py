@@ -1,38 +1,12 @@
 """Megatron <-> Hugging Face weights for the Llama / Qwen2 / Qwen3 family, Qwen3-MoE and Mixtral.
 
-The Megatron side is the *canonical* full tensor of `weights/full_views.py` (TP shards concatenated, layer
-index global, SwiGLU fc1 as `[gate; up]`). The mapping, per decoder layer `i`:
+The Megatron side is the canonical full tensor of `weights/full_views.py` (TP shards
+concatenated, layer index global, SwiGLU fc1 as `[gate; up]`). Everything here is exact
+(slicing, reshaping, concatenation), so HF -> Megatron -> HF is bit-identical; vocabulary padding
+rows are dropped on export and zero-filled on import. Pure functions, no torch.distributed: the
+TP/PP-aware streaming, export and import built on them are in `weights/convert.py`.
 
-| megatron canonical (`decoder.layers.i.` ...)          | Hugging Face (`model.layers.i.` ...)            |
-|-------------------------------------------------------|-------------------------------------------------|
-| `input_layernorm.weight` (local spec) or              | `input_layernorm.weight`                        |
-|   `self_attention.linear_qkv.layer_norm_weight` (TE)  |                                                 |
-| `self_attention.linear_qkv.{weight,bias}`             | `self_attn.{q,k,v}_proj.{weight,bias}`          |
-|   rows grouped per query group: [q heads of the group, k, v]                                            |
-| `self_attention.linear_proj.weight`                   | `self_attn.o_proj.weight`                       |
-| `pre_mlp_layernorm.weight` (local) or                 | `post_attention_layernorm.weight`               |
-|   `mlp.linear_fc1.layer_norm_weight` (TE)             |                                                 |
-| `mlp.linear_fc1.weight` = [gate; up]                  | `mlp.gate_proj.weight`, `mlp.up_proj.weight`    |
-| `mlp.linear_fc2.weight`                               | `mlp.down_proj.weight`                          |
-| `self_attention.{q,k}_layernorm.weight` (Qwen3)       | `self_attn.{q,k}_norm.weight`                   |
-| MoE (Qwen3-MoE), expert `e` by its global index:      |                                                 |
-| `mlp.router.weight`                                   | `mlp.gate.weight`                               |
-| `mlp.experts.local_experts.e.linear_fc1.weight`       | `mlp.experts.e.gate_proj.weight`, `...up_proj`  |
-| `mlp.experts.local_experts.e.linear_fc2.weight`       | `mlp.experts.e.down_proj.weight`                |
-| MoE (Mixtral, the hub checkpoint names):              |                                                 |
-| `mlp.router.weight`                                   | `block_sparse_moe.gate.weight`                  |
-| `mlp.experts.local_experts.e.linear_fc1.weight`       | `block_sparse_moe.experts.e.w1.weight` (gate),  |
-|                                                       |   `...w3.weight` (up)                           |
-| `mlp.experts.local_experts.e.linear_fc2.weight`       | `block_sparse_moe.experts.e.w2.weight` (down)   |
-
-plus `embedding.word_embeddings.weight` <-> `model.embed_tokens.weight`,
-`decoder.final_layernorm.weight` <-> `model.norm.weight` and (untied only)
-`output_layer.weight` <-> `lm_head.weight`. Megatron may pad the vocabulary: the padding rows are
-dropped on export and zero-filled on import.
-
-Everything here is exact (slicing, reshaping, concatenation), so HF -> Megatron -> HF is
-bit-identical. Pure functions, no torch.distributed: the TP/PP-aware streaming, export and
-import built on them are in `weights/convert.py`.
+The per-layer name table: docs/weights.md, 'The Megatron <-> Hugging Face name mapping'.
 """
 
 from __future__ import annotations

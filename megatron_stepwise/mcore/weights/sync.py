@@ -1,23 +1,12 @@
 """Push the policy's weights to the rollout fleet after an optimizer step.
 
-Three transports, chosen by `weight_sync.mode`; in every one the trainer ranks convert their own
-weights to HF names (`weights/convert.py`: TP gathers inside each stage, later stages' buckets sent to
-global rank 0) and only global rank 0 talks to the fleet:
+Three transports, chosen by `weight_sync.mode` (`disk`, `tensor`, `distributed`); in every one
+the trainer ranks convert their own weights to HF names (`weights/convert.py`) and only global
+rank 0 talks to the fleet. `WeightSync` keeps what lives across pushes (the event loop driving
+the fleet, the distributed group).
 
-- `disk`: `export_hf` into `<dir>/v000042` (each stage writes its own shards, renamed into
-  place when complete), then `fleet.update_weights_from_disk(path, version)`. The newest
-  `keep_versions` directories stay (an engine restarted by the fleet reloads the last one).
-- `tensor`: the HF tensors reach rank 0 bucket by bucket and go to the fleet through Ray with
-  `fleet.update_weights_from_tensors(named, version)`. By default in ONE call per version: the
-  fleet switches versions atomically and replays only its last update to an engine it
-  restarts, so an update must be a whole model (`atomic=False` sends one call per bucket).
-- `distributed`: a gloo group between rank 0 and the engines is opened once
-  (`fleet.init_weights_update_group`); per version, rank 0 announces every tensor's name, dtype
-  and shape in one `fleet.update_weights_from_distributed` call and broadcasts the tensors to
-  the engines as the buckets stream in, so rank 0 never holds more than one bucket.
-
-`WeightSync` keeps what lives across pushes (the event loop driving the fleet, the
-distributed group).
+How each transport moves the buckets: docs/weights.md, 'Weight sync to the fleet' and
+'The three sync transports'.
 """
 
 from __future__ import annotations

@@ -1,33 +1,14 @@
 """The embedded CPU engine: a Hugging Face causal LM behind the `Engine` protocol.
 
-Concurrent `generate` calls are batched: pending requests are taken together (up to
-`max_batch_size`), left-padded, prefilled once, then decoded step by step with the HF KV cache
-(`past_key_values`); a request's future resolves as soon as it finishes. Model work runs on one
-worker thread so the event loop (HTTP server, Ray actor) stays responsive, and between two decode
-steps the engine can be paused, aborted or have its weights replaced.
+Concurrent `generate` calls are batched (left-padded, prefilled once, decoded with the HF KV
+cache) on one worker thread, so the event loop stays responsive; between two decode steps the
+engine can be paused, aborted or have its weights replaced. Requests in flight across a weight
+update continue with the new weights (their KV cache rebuilt first). A load refuses non-finite
+weights; a model-thread failure makes the engine unhealthy until the next good load.
+Colocated mode follows SGLang's release / resume semantics.
 
-Partial rollouts: requests in flight during a weight update continue, not restart. Their KV cache
-was computed by the old weights, so it is rebuilt (prompt + tokens generated so far) with the new
-ones before the next token: each token is sampled from, and reports the log-prob and weight
-version of, the weights that were loaded when it was drawn (SGLang's "retract" pause behaves
-the same way; "in_place" would keep the stale cache).
-
-There is no cross-request prefix cache, so `flush_cache` has nothing to drop.
-
-Faults: a load refuses non-finite weights (naming the tensor) and leaves the model as it was.
-A failure in the model thread fails the requests in flight and makes the engine unhealthy
-until the next good weight load, which restarts the scheduler (the fleet restarts it sooner).
-
-Colocated mode (`release_memory_occupation` / `resume_memory_occupation`, SGLang's semantics):
-releasing "weights" frees the storage of every parameter (shapes, dtypes and the module tree
-stay, so nothing has to be rebuilt); resuming allocates it again, zero-filled: like SGLang
-without `--enable-weights-cpu-backup`, the values are gone and the engine refuses to generate
-until a weight update has loaded new ones (the colocated loop pushes the whole model right after
-resuming). "kv_cache" holds nothing between batches here (KV caches live for one batch and
-release needs an idle engine), so releasing it only marks it; "cuda_graph" has no CPU meaning.
-While "weights" or "kv_cache" is released `generate` fails with `EngineReleasedError`, and while
-"weights" is a weight update fails the same way: SGLang's order is resume "weights" -> update ->
-resume "kv_cache".
+Partial rollouts, faults and colocated mode in detail: docs/architecture.md,
+'The embedded CPU engine'.
 """
 
 from __future__ import annotations
