@@ -195,10 +195,10 @@ def test_flops_model_by_hand(tools_on_path):
 
 
 def test_cli_bench_subcommand_takes_the_suite_options(capsys):
-    from megatron_stepwise.cli import main as cli
+    from megatron_stepwise.cli import main
 
     with pytest.raises(SystemExit) as e:
-        cli.main(["bench", "--help"])
+        main(["bench", "--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert all(opt in out for opt in ("--suite", "--quick", "--only", "--out", "--machine"))
