@@ -11,7 +11,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-SUITE = Path(__file__).resolve().parents[1] / "tools" / "bench.py"
+SUITE = Path(__file__).resolve().parents[2] / "tools" / "bench.py"
 
 
 def _load_suite():

@@ -54,7 +54,7 @@ def write_run_record(run_dir: str, config_yaml: str, argv: Optional[list[str]] =
     """Write config.yaml and append this start to run.json; returns the entry."""
     os.makedirs(run_dir, exist_ok=True)
     _atomic_write(os.path.join(run_dir, "config.yaml"), config_yaml)
-    source = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    source = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
     entry = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "argv": list(argv or sys.argv),
              "cwd": os.getcwd(), "host": socket.gethostname(), "git": git_commit(source),
              "versions": package_versions()}
