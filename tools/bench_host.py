@@ -5,7 +5,7 @@ Workload: 512 prompts x 8 samples, 1-8 turns, the Search-R1 shape of `megatron_s
 (~67M step tokens). Phases, calling what training runs in its order (`trainer_pipeline` of
 `tools/bench_pipeline.py`), on ONE core (`torch.set_num_threads(1)`): validate (`validate_steps`
 on the rollout, as the mini-batch sources do) -> minibatch (`prompt_minibatches`) -> prepare
-(the trainer's `loop.prepare.prepare` per mini-batch: prefix merge, GRPO advantages, the
+(the trainer's `loop.training_batch.prepare` per mini-batch: prefix merge, GRPO advantages, the
 columnar StepBatch with its advantages field that the plugin gets) -> plan (the plugin's host
 planning of each prepared batch: `packed_lengths` -> `plan_microbatches`, DP 8, 32k-token
 micro-batches aligned to 128). Reported: the first run (cold: memory is page-faulted in) and the

@@ -6,7 +6,7 @@ Workload: the issue's synthetic agent batch (512 prompts x 8 samples, 1-8 turns,
 The timed pipeline is what a training iteration runs on the host, in the same order
 (`trainer_pipeline`, shared with `tools/bench_host.py`):
 validate (`validate_steps` on the rollout, as both mini-batch sources do) -> minibatch
-(`prompt_minibatches`) -> prepare (`loop.prepare.prepare` per mini-batch, as the trainer calls
+(`prompt_minibatches`) -> prepare (`loop.training_batch.prepare` per mini-batch, as the trainer calls
 it: prefix merge, GRPO advantages, the columnar StepBatch) -> plan (what the plugin's
 `prepare_minibatch` does on the host before packing: `packed_lengths` of each prepared batch,
 then `plan_microbatches` with the micro-batch alignment). Group filters (config-dependent) and

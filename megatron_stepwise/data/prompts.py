@@ -1,6 +1,6 @@
 """Prompt dataset: samples drawn in order, reshuffled each epoch, with a resumable position.
 
-The samples come from `sample_sources.open_samples` (files) or an environment's shipped set."""
+The samples come from `data.files.open_samples` (files) or an environment's shipped set."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ class PromptDataset:
             ids = [str(s.get("prompt_id", "")) for s in samples]
             if len(set(ids)) != len(ids) or not all(ids):
                 raise ValueError("every sample needs a unique, non-empty 'prompt_id'")
-        # Any other Sequence (sample_sources: Arrow columns, indexed JSONL) checked its ids
+        # Any other Sequence (data.files: Arrow columns, indexed JSONL) checked its ids
         # when it was opened and is kept as is: samples become dicts only when drawn.
         self.samples = samples
         self.seed = seed
