@@ -8,7 +8,7 @@ import torch
 
 from megatron_stepwise import LossConfig, LossInputs, policy_loss
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: runs on a GPU machine with `pytest -m gpu` (tools/gpu_check.sh)")]
 
 LOSS_CONFIGS = [
     LossConfig(policy_loss="ppo", clip_c=3.0),
