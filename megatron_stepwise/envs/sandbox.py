@@ -30,14 +30,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 try:
-    from .sandbox_watch import Watch
+    from .sandbox_watch import Watch, children_by_parent
 except ImportError:  # loaded by path (tests/sandbox_corpus.py, run by an unprivileged user): the sibling file
     import importlib.util as _util
 
     _spec = _util.spec_from_file_location("sandbox_watch", Path(__file__).with_name("sandbox_watch.py"))
     _watch = _util.module_from_spec(_spec)
     _spec.loader.exec_module(_watch)
-    Watch = _watch.Watch
+    Watch, children_by_parent = _watch.Watch, _watch.children_by_parent
 
 log = logging.getLogger(__name__)
 
@@ -452,19 +452,7 @@ def _kill_all(proc: subprocess.Popen, supervised: bool) -> None:
 
 
 def _children(pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(b")") + 2:].split()  # after "pid (comm) ": state, ppid, ...
-        if len(fields) > 1 and int(fields[1]) == pid:
-            found.append(int(entry))
-    return found
+    return children_by_parent().get(pid, [])
 
 
 def _signal(send) -> None:

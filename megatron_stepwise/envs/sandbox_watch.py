@@ -23,8 +23,8 @@ import time
 SLOW, FAST = 0.05, 0.005  # seconds between checks: normally, and past half of a limit
 
 
-def process_tree(root: int) -> list[int]:
-    """`root` and its descendants (one pass over /proc)."""
+def children_by_parent() -> dict[int, list[int]]:
+    """Every process's children, by parent pid (one pass over /proc)."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -37,6 +37,12 @@ def process_tree(root: int) -> list[int]:
         fields = stat[stat.rfind(b")") + 2:].split()  # after "pid (comm) ": state, ppid, ...
         if len(fields) > 1:
             children.setdefault(int(fields[1]), []).append(int(entry))
+    return children
+
+
+def process_tree(root: int) -> list[int]:
+    """`root` and its descendants."""
+    children = children_by_parent()
     tree, todo = [], [root]
     while todo:
         pid = todo.pop()
