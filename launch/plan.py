@@ -31,7 +31,9 @@ LOCAL_MASTER_PORT = 29500
 # Recent Ray turns token authentication on for `ray start` (a token in ~/.ray/auth_token), but its
 # clients (wait-ray, the trainer's ray.init) send the token only when asked to: without this,
 # every client of a cluster the plan starts is refused (InvalidAuthToken). Older Ray ignores it.
-RAY_AUTH = ['export RAY_AUTH_MODE="${RAY_AUTH_MODE:-token}"']
+# `ray start` runs its workers at niceness 15, where any busy process on the node (a training
+# rank spinning on the GPU, a data loader) starves the engines and agent workers: run them at 0.
+RAY_ENV = ['export RAY_AUTH_MODE="${RAY_AUTH_MODE:-token}"', 'export RAY_worker_niceness="${RAY_worker_niceness:-0}"']
 
 
 class PlanError(Exception):
@@ -136,7 +138,7 @@ def plan_local(job: Job) -> list[str]:
             first = 0 if ro.colocate else nproc
             rollout = gpu_list(first, launch.gpus_per_node)
             lines += [
-                *RAY_AUTH,
+                *RAY_ENV,
                 f"# rollout: Ray head on GPUs {rollout or '(none)'} for {ro.num_engines} {ro.engine} engine(s)"
                 + (" colocated with training" if ro.colocate else ""),
                 sh("env", f"CUDA_VISIBLE_DEVICES={rollout}", "ray", "start", "--head",
@@ -236,7 +238,7 @@ def _ray_cluster(launch, train_nodes: list[str], rollout_nodes: list[str], step:
     (every GPU when colocated)."""
     gpus, nproc = launch.gpus_per_node, launch.nproc_per_node
     head_ip = sh(*step, '-w', train_nodes[0], 'hostname', '--ip-address')
-    lines = [*RAY_AUTH, f"HEAD_IP=$({head_ip} | awk '{{print $1}}')", "trap 'kill $(jobs -p) 2>/dev/null || true' EXIT"]
+    lines = [*RAY_ENV, f"HEAD_IP=$({head_ip} | awk '{{print $1}}')", "trap 'kill $(jobs -p) 2>/dev/null || true' EXIT"]
     ray_nodes = train_nodes + rollout_nodes
     for i, node in enumerate(ray_nodes):
         first_free = nproc if node in train_nodes and not colocate else 0  # training keeps [0, nproc)

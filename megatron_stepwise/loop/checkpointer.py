@@ -126,7 +126,10 @@ class Checkpointer:
         self.cfg = cfg
         self.config_hash = config_hash(cfg)
         self.run_dir = os.path.abspath(cfg.run_dir)
-        self.run_id = run_id(cfg.run_dir) if dist.get_rank() == 0 else None  # rank 0 decides and saves
+        # rank 0 makes the id; every rank holds it, so the checkpoint's common state agrees across ranks
+        shared = [run_id(cfg.run_dir) if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(shared, src=0)
+        self.run_id = shared[0]
         self.chunks, self.optimizer, self.scheduler = chunks, optimizer, scheduler
         self.parts = dict(parts)
 

@@ -159,6 +159,12 @@ def ensure_ray(address: Optional[str] = None, num_cpus: Optional[int] = None) ->
         # A new local instance: never join a cluster someone else started on this machine (a
         # bare ray.init() connects to the one `ray start` recorded in /tmp/ray).
         kwargs.update(address="local", num_cpus=num_cpus or 4)
+        # Ray runs its workers at niceness 15 by default; ours (engines, agent workers) are the
+        # run's critical path, and at 15 any busy process on the node (a rank, a data loader)
+        # starves them: with two busy loops a rollout crawled at ~2% of a core.
+        # No idle workers prestarted for the first driver: engines and agent workers start their
+        # own, and on a small machine those imports only compete with the ranks' start.
+        kwargs["_system_config"] = {"worker_niceness": 0, "prestart_worker_first_driver": False}
         # Recent Ray turns token auth on for a new local instance and warns about it on every start;
         # for this private instance (loopback, ours alone) that is the right default, not news.
         quiet_ray_token_notice()

@@ -6,6 +6,7 @@ or engine killed, then the outcome is checked; nothing depends on how fast the m
 """
 
 import asyncio
+import os
 import time
 
 import pytest
@@ -67,6 +68,11 @@ def test_workers_roll_out_exactly_what_the_in_process_loop_does(setup):
         assert fleet.metrics()["requests"] - requests_before == len(steps)
         with pytest.raises(ValueError, match="duplicate prompt_id"):
             loop.run_until_complete(workers.rollout([samples[0], samples[0]]))
+        # at this process's priority: Ray's default worker niceness (15) starves them behind any busy process
+        import ray
+
+        for w in workers.workers:
+            assert os.getpriority(os.PRIO_PROCESS, ray.get(w.handle.pid.remote())) == os.getpriority(os.PRIO_PROCESS, 0)
     finally:
         workers.close()
 

@@ -100,6 +100,8 @@ def test_slurm_plan_for_four_nodes():
     # Ray must be up on all 4 nodes before training starts
     text = "\n".join(lines)
     assert text.index("wait-ray \"$HEAD_IP:6379\" 4") < text.index("torchrun")
+    # every `ray start` runs its workers at niceness 0, not Ray's 15 (busy ranks would starve them)
+    assert text.index('export RAY_worker_niceness="${RAY_worker_niceness:-0}"') < text.index("ray start --head")
 
 
 def test_slurm_plan_shares_one_node_between_training_and_rollout():
