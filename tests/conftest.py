@@ -17,8 +17,8 @@ import pytest
 
 @pytest.fixture(scope="session")
 def ray_session():
-    """One Ray for the whole test session: the first fleet starts it (`ensure_ray`), every later
-    module that asks for it shares it, and it shuts down at the end. Starting one per module made
+    """One Ray for the whole test session (per xdist worker): the first fleet starts it
+    (`ensure_ray`), every later module that asks for it shares it, and it shuts down at the end. Starting one per module made
     the suite wait on a raylet's start deadline once per module (the one a busy machine misses).
     Modules use it with `pytestmark = [..., pytest.mark.usefixtures("ray_session")]` and shut
     their own fleets and workers down, so the next module finds every CPU free."""
