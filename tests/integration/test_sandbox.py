@@ -49,7 +49,8 @@ def _python_for_nobody():
 @pytest.mark.parametrize("mode", [[], ["--no-namespaces"]], ids=["namespaces", "no-namespaces"])
 def test_hostile_corpus_is_blocked_as_non_root(mode):
     if mode and sandbox.isolation().landlock_abi < 6:
-        pytest.skip("without namespaces the corpus needs Landlock ABI >= 6 (signal scoping; Linux 6.12+)")
+        pytest.skip("without namespaces the corpus needs Landlock ABI >= 6 (signal scoping); this case runs on "
+                    "kernels with Landlock ABI >= 6 (Linux 6.12+)")
     command = _python_for_nobody()
     if command is None:
         pytest.skip("no interpreter that uid 65534 can run with setpriv here (needs setpriv and a python3 readable "
@@ -219,7 +220,8 @@ def test_a_fork_bomb_does_not_stop_a_concurrent_call_without_namespaces(monkeypa
     nobody, a call holding 16 processes would leave a concurrent one unable to start any."""
     if not sandbox.isolation().run_as:
         pytest.skip("the trainer is not root here: every call runs as the trainer's uid, and docs/security.md "
-                    "says what holds then (the uid pool needs root)")
+                    "says what holds then (the uid pool needs root); this test runs when the suite runs as root, "
+                    "as in CI")
     monkeypatch.setattr(sandbox, "isolation", sandbox.isolation)  # restored after the test
     without_namespaces(sandbox)
     uids = set(sandbox.UID_POOL)
