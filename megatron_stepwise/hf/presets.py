@@ -9,7 +9,7 @@ import json
 import os
 from typing import Any, Optional
 
-from megatron_stepwise.hf.hub import ModelSourceError, resolve_model_dir
+from megatron_stepwise.hf.hub import ModelSourceError, is_gguf_source, resolve_model_dir
 
 # HF model class of each supported model_type (a config.json's `architectures`).
 ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -81,7 +81,7 @@ def resolve_hf_config(name_or_path: str, *, vocab_size: Optional[int] = None,
         if vocab_size is not None:
             cfg["vocab_size"] = int(vocab_size)
         return cfg
-    if os.path.isfile(name_or_path):  # a config.json by any name
+    if os.path.isfile(name_or_path) and not is_gguf_source(name_or_path):  # a config.json by any name
         path = name_or_path
     else:
         path = os.path.join(resolve_model_dir(name_or_path, key=key, also_tried=f"a preset ({', '.join(PRESETS)})"),

