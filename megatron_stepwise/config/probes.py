@@ -1,7 +1,8 @@
 """What validation needs to know about the machine: installed extras, model configs, registries.
 
 Kept apart from the checks so tests can substitute a fake `Probes` (no real sglang, no hub).
-Everything here is cheap: nothing imports megatron-core, torch or transformers, nothing downloads.
+Everything here is cheap (nothing imports megatron-core, torch or transformers, nothing downloads),
+except the one-time conversion of a GGUF model source (hf/gguf.py).
 """
 
 from __future__ import annotations
@@ -79,8 +80,32 @@ class Probes:
         """Names in a plugin registry (None would mean the registry is not available)."""
         return set(REGISTRIES[kind]())
 
+    def gguf_problem(self, value: str, key: str) -> str | None:
+        """What stops a GGUF source from being used (file, extra, architecture); None = usable."""
+        from megatron_stepwise.hf import gguf
+
+        try:
+            path = gguf.gguf_file(value, key=key)
+            if gguf.locate_converted(value) is None:
+                missing = gguf.missing_dependencies()
+                if missing:
+                    return f"{value!r}: converting a GGUF file needs {', '.join(missing)}: {gguf.EXTRA_HINT}"
+                gguf.read_architecture(path, key=key)
+        except gguf.GGUFError as e:
+            return str(e).removeprefix(f"{key}=")
+        return None
+
     def model_config(self, hf_config: str) -> tuple[Mapping, str] | None:
-        """The HF config dict of `model.hf_config` and where it was read, when it can be read offline."""
+        """The HF config dict of a model source and where it was read, when it can be read offline.
+        A GGUF source is converted here on first use (once; hf/gguf.py), so its architecture is checked."""
+        if hub.is_gguf_source(hf_config):
+            from megatron_stepwise.hf import gguf
+
+            try:
+                directory = gguf.materialize(hf_config)
+            except gguf.GGUFError:
+                return None  # reported by the model checks
+            return _read_json(directory / "config.json", f"{hf_config} ({directory / 'config.json'})")
         path = Path(hf_config).expanduser()
         if path.is_dir():
             path = path / "config.json"

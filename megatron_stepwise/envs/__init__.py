@@ -2,6 +2,7 @@
 
 - base.py            the `Environment` protocol and the registry (`register_env`, `make_env`)
 - custom.py          users' environments by dotted path (`module:Name`) and reward-function-only ones
+- calculator.py      `calculator`: word problems with a <calc> tag, for small pretrained chat models
 - echo.py            `echo`: "say D" over several turns, learnable by a tiny model on CPU
 - math_tool.py       `math_tool`: arithmetic word problems solved with a sandboxed Python tool
 - tool_calls.py      tool schemas (`tools=`), the Hermes/Qwen `<tool_call>` parser, tool-result messages
@@ -14,7 +15,7 @@ The built-in environments register themselves on import; importing this package 
 (The shipped tokenizers they name live in `megatron_stepwise.hf.tokenizers`.)
 """
 
-from megatron_stepwise.envs import echo, math_tool, search  # noqa: F401  (register the built-ins)
+from megatron_stepwise.envs import calculator, echo, math_tool, search  # noqa: F401  (register the built-ins)
 from megatron_stepwise.envs.base import EnvSpec, Environment, get_env_spec, list_envs, make_env, register_env
 from megatron_stepwise.envs.custom import RewardFnEnv, resolve_env_spec
 

@@ -40,7 +40,9 @@ class EnvSpec:
 
     `factory(**kwargs)` returns a new environment; `dataset(**kwargs)` returns the samples (each
     a dict with a unique "prompt_id"); `tokenizer` names the shipped tokenizer that suits it;
-    `required_fields` are the sample fields `reset` reads (validation checks a dataset has them).
+    `required_fields` are the sample fields `reset` reads (validation checks a dataset has them);
+    `eval_dataset(**kwargs)`, when given, returns the environment's own held-out samples, evaluated
+    when `env.eval_dataset` names no file (else evaluation uses a fixed set of training prompts).
     """
 
     name: str
@@ -49,6 +51,7 @@ class EnvSpec:
     tokenizer: Optional[str] = None
     description: str = ""
     required_fields: tuple[str, ...] = ()
+    eval_dataset: Optional[Callable[..., list[dict[str, Any]]]] = None
 
 
 _REGISTRY: dict[str, EnvSpec] = {}

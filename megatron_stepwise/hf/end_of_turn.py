@@ -72,3 +72,19 @@ def end_of_turn(tokenizer: Any, model_dir: Optional[str] = None) -> EndOfTurn:
                          "the model's generation_config.json must list eos_token_id")
     # A template that closes turns with plain text (no special token) gets the first EOS, as before.
     return EndOfTurn(closing if closing is not None else (ids[0] if closes else None), tuple(ids))
+
+
+def write_generation_config(directory: str | os.PathLike, hf_config: Any, tokenizer: Any) -> None:
+    """Write `generation_config.json` (bos, every end-of-turn id as eos, pad) unless the directory
+    has one: engines and transformers' `generate` stop on what it lists."""
+    path = os.path.join(directory, "generation_config.json")
+    if os.path.isfile(path):
+        return
+    get = hf_config.get if isinstance(hf_config, dict) else lambda k: getattr(hf_config, k, None)
+    ids = list(end_of_turn(tokenizer, model_dir=str(directory)).ids)
+    pad = get("pad_token_id")
+    generation = {"bos_token_id": get("bos_token_id"), "eos_token_id": ids[0] if len(ids) == 1 else ids,
+                  "pad_token_id": pad if pad is not None else ids[0]}
+    with open(path, "w") as f:
+        json.dump(generation, f, indent=2)
+        f.write("\n")

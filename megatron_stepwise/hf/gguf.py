@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from megatron_stepwise.hf.end_of_turn import write_generation_config
 from megatron_stepwise.hf.hub import ModelSourceError, is_gguf_source  # noqa: F401 (re-exported)
 
 # GGUF `general.architecture` -> HF model_type, for the families the trainer builds.
@@ -160,7 +161,7 @@ def _convert(path: Path, directory: Path) -> None:
         config["dtype"] = "float32"
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         tokenizer.save_pretrained(str(tmp))
-        _write_generation_config(tmp, model.config, tokenizer)
+        write_generation_config(tmp, model.config, tokenizer)
         (tmp / "source.json").write_text(json.dumps({"gguf": str(path), "size": path.stat().st_size}) + "\n")
         (tmp / COMPLETE).write_text("")
         tmp.chmod(0o755)  # mkdtemp makes it private; every rank and engine user reads it
@@ -172,14 +173,3 @@ def _convert(path: Path, directory: Path) -> None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-
-
-def _write_generation_config(directory: Path, config, tokenizer) -> None:
-    """End-of-turn ids for the engines: the config's EOS and the tokenizer's (e.g. `<|im_end|>`)."""
-    eos = config.eos_token_id
-    ids = list(eos) if isinstance(eos, (list, tuple)) else [eos] if eos is not None else []
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
-        ids.append(tokenizer.eos_token_id)
-    generation = {"bos_token_id": config.bos_token_id, "eos_token_id": ids[0] if len(ids) == 1 else ids,
-                  "pad_token_id": config.pad_token_id if config.pad_token_id is not None else ids[0]}
-    (directory / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")

@@ -89,10 +89,18 @@ def model_config(cfg: ExperimentConfig, tokenizer: PreTrainedTokenizerBase) -> d
     from megatron_stepwise.hf.arch import arch_from_hf, validate_parallel
     from megatron_stepwise.hf.presets import resolve_hf_config
 
-    key = "model.hf_checkpoint" if cfg.model.hf_checkpoint else "model.hf_config"
-    hf = resolve_hf_config(cfg.model.hf_checkpoint or cfg.model.hf_config, vocab_size=len(tokenizer), key=key)
+    source, key = cfg.model.architecture()
+    hf = resolve_hf_config(source, vocab_size=len(tokenizer), key=key)
     validate_parallel(arch_from_hf(hf), tp=cfg.parallel.tensor, pp=cfg.parallel.pipeline, tokenizer_vocab_size=len(tokenizer))
     return hf
+
+
+def sglang_model_path(cfg: ExperimentConfig) -> str:
+    """What SGLang servers load: the checkpoint (a GGUF source as its converted directory), else the config."""
+    from megatron_stepwise.hf.hub import is_gguf_source, resolve_model_dir
+
+    path = cfg.model.hf_checkpoint or cfg.model.architecture()[0]
+    return str(resolve_model_dir(path, key="model.hf_checkpoint")) if is_gguf_source(path) else path
 
 
 def _use_te(cfg: ExperimentConfig) -> Optional[bool]:
@@ -205,13 +213,19 @@ def build_dataset(cfg: ExperimentConfig) -> PromptDataset:
 
 
 def eval_samples(cfg: ExperimentConfig, dataset: PromptDataset) -> list[dict[str, Any]]:
-    """env.eval_dataset, or a fixed set of training prompts (the same at every evaluation)."""
+    """env.eval_dataset, else the environment's held-out set, else a fixed set of training prompts
+    (the same at every evaluation)."""
     from megatron_stepwise.data.files import open_samples
 
     if cfg.env.eval_dataset:
         source = open_samples(cfg.env.eval_dataset, fields=cfg.env.fields, split=cfg.env.eval_split,
                               key="env.eval_dataset")
         return source[:]  # evaluated whole at every evaluation
+    held_out = env_spec(cfg).eval_dataset
+    if held_out is not None:  # the environment's own held-out set
+        from megatron_stepwise.data.files import with_prompt_ids
+
+        return with_prompt_ids(held_out(**cfg.env.dataset_options))
     return dataset.samples[: cfg.data.prompts_per_iteration]
 
 
@@ -242,7 +256,7 @@ def build_fleet(cfg: ExperimentConfig, hf_config: dict[str, Any], tokenizer: Pre
             if r.colocate and "--enable-memory-saver" not in extra:
                 extra.append("--enable-memory-saver")  # else release_memory_occupation frees nothing
             server = SGLangServerConfig(
-                model_path=cfg.model.hf_checkpoint or cfg.model.hf_config, host=r.sglang.host,
+                model_path=sglang_model_path(cfg), host=r.sglang.host,
                 port=r.sglang.base_port + i, tp_size=r.engine_tp, extra_args=extra,
             )
             specs.append(EngineSpec(kind="sglang", sglang=server, tp_size=r.engine_tp, num_cpus=1, num_gpus=r.engine_tp,

@@ -37,6 +37,7 @@ from megatron_stepwise.loop.evaluation import Evaluator
 from megatron_stepwise.loop.handoff import Handoff
 from megatron_stepwise.loop.training_batch import add_counts
 from megatron_stepwise.loop.sources import Driver, SyncRollouts, rollout_seed
+from megatron_stepwise.metrics.collapse import EntropyWatch
 from megatron_stepwise.metrics.core import (MetricsLogger, iteration_line, mean_metrics, read_metrics, summarize_run,
                                        write_eval)
 from megatron_stepwise.time_budget import ActivityClock, TimeBudget, budget_line
@@ -96,6 +97,7 @@ class Trainer:
         self.driver: Optional[Driver] = None
         self.evaluator: Optional[Evaluator] = None
         self.logger = None
+        self.entropy_watch = EntropyWatch()  # warns when the policy collapses (metrics/collapse.py)
         self.activity = ActivityClock()  # generation and environment time of the in-process agent loop
         self.devices = dist.get_world_size() + (0 if cfg.rollout.colocate else rollout_devices(cfg))
         if self.is_driver:
@@ -150,6 +152,7 @@ class Trainer:
                         self.checkpoints.save()
                 history.append(metrics)
                 if self.is_driver:
+                    self.entropy_watch.observe(self.state.iteration - 1, metrics)
                     self.logger.log(self.state.iteration - 1, metrics)
                     if progress is not None:
                         progress.update(1)

@@ -75,6 +75,7 @@ _T = [  # (pattern, unit, over, meaning)
         ("train/pg_loss", "loss", "mini-batch", "policy-gradient loss"),
         ("train/kl", "nats", "token", "KL estimate to the reference policy (algo.loss.kl_coef > 0)"),
         ("train/entropy", "nats", "token", "policy entropy at trained positions"),
+        ("train/entropy_ratio", "ratio", "iteration", "train/entropy over the run's first (< 0.3 warns: collapse)"),
         ("train/clipfrac_low", "fraction", "token", "trained tokens whose ratio was clipped below"),
         ("train/clipfrac_high", "fraction", "token", "trained tokens whose ratio was clipped above"),
         ("train/clipfrac_dual", "fraction", "token", "trained tokens hit by the dual clip"),

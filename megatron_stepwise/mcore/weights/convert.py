@@ -41,6 +41,7 @@ from megatron_stepwise.mcore.weights.hf_mapping import (  # noqa: F401  (re-expo
     to_hf,
 )
 from megatron_stepwise.hf.presets import ARCHITECTURES
+from megatron_stepwise.hf.end_of_turn import write_generation_config
 
 Bucket = list[tuple[str, torch.Tensor]]
 INDEX_FILE = "model.safetensors.index.json"
@@ -316,6 +317,8 @@ def export_hf(chunks: list, out_dir: Union[str, os.PathLike], hf_config: Any, to
             hf_config_object(hf_config, dtype).save_pretrained(str(partial))
             if tokenizer is not None:
                 save_tokenizer(tokenizer, partial)
+                if hasattr(tokenizer, "apply_chat_template"):  # the end-of-turn ids engines stop on
+                    write_generation_config(partial, hf_config, tokenizer)
             if out.exists():
                 shutil.rmtree(out)
             os.replace(partial, out)
