@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import importlib
 import inspect
 from typing import Any, Callable
@@ -59,11 +61,11 @@ def spec_from_path(path: str) -> EnvSpec:
     """The EnvSpec of `env.name: module:Name`."""
     obj = load_object(path, key="env.name")
     if isinstance(obj, EnvSpec):
-        return obj if obj.name == path else EnvSpec(path, obj.factory, obj.dataset, obj.tokenizer,
-                                                     obj.description, obj.required_fields)
+        return obj if obj.name == path else dataclasses.replace(obj, name=path)
     if not callable(obj):
         raise EnvPathError(f"env.name={path!r} is a {type(obj).__name__}, not an Environment class or factory")
     dataset = getattr(obj, "dataset", None)
+    eval_dataset = getattr(obj, "eval_dataset", None)
     tokenizer = getattr(obj, "tokenizer", None)
     return EnvSpec(
         name=path,
@@ -72,6 +74,7 @@ def spec_from_path(path: str) -> EnvSpec:
         tokenizer=tokenizer if isinstance(tokenizer, str) else None,
         description=(inspect.getdoc(obj) or "").split("\n")[0],
         required_fields=tuple(getattr(obj, "required_fields", ()) or ()),
+        eval_dataset=eval_dataset if callable(eval_dataset) else None,
     )
 
 

