@@ -14,7 +14,8 @@ make them), the same in every configuration. Side by side in one process, each a
   with sessions (a trajectory's turns go to its previous engine: the fleet's routing).
 
 Reported per configuration: wall seconds, generated tokens/s, all tokens (prompt + generated)
-/s, the prefix-hit rate (prompt tokens served from a cache / prompt tokens) and the share of
+/s, generated tokens per CPU second of this process (the figure to compare on a shared
+machine, where other processes take cores), the prefix-hit rate (prompt tokens served from a cache / prompt tokens) and the share of
 trajectories whose tokens equal the cache-off run's. Engines run in this process, one torch
 thread each (`--threads`).
 
@@ -131,14 +132,14 @@ async def measure(router: EngineRouter, sessions: bool, args: argparse.Namespace
             ids = ids + r.output_ids + (obs[j][turn] if turn + 1 < args.turns else [])
         return ids, prompt, cached, generated, moves
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     out = await asyncio.gather(*(trajectory(j) for j in range(len(firsts))))
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     prompt, cached = sum(o[1] for o in out), sum(o[2] for o in out)
     generated = sum(o[3] for o in out)
     return {"seconds": seconds, "generated_tokens": generated, "prompt_tokens": prompt, "cached_tokens": cached,
             "gen_tokens_per_s": generated / seconds, "tokens_per_s": (generated + prompt) / seconds,
-            "prefill_tokens_per_s": prompt / seconds, "hit_rate": cached / prompt,
+            "prefill_tokens_per_s": prompt / seconds, "cpu_seconds": cpu, "gen_tokens_per_cpu_s": generated / cpu, "hit_rate": cached / prompt,
             "moved_turns": sum(o[4] for o in out) / (len(out) * max(1, args.turns - 1)),
             "streams": [o[0] for o in out]}
 
@@ -192,16 +193,18 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
     print(f"\nprefix cache: {model_name}; {trajs} trajectories x {args.turns} turns ({args.prompts} prompts x "
           f"{args.samples} samples), prompt {args.system_tokens}+{args.task_tokens} tokens, {args.new_tokens} new "
           f"+ {args.obs_tokens} observation tokens per turn; {machine}")
-    print(f"{'configuration':<36}{'seconds':>9}{'gen tok/s':>11}{'all tok/s':>11}{'hit rate':>10}{'moved turns':>13}"
-          f"{'same tokens':>13}")
+    print(f"{'configuration':<36}{'seconds':>9}{'gen tok/s':>11}{'all tok/s':>11}{'CPU s':>8}{'gen tok/CPU s':>15}"
+          f"{'hit rate':>10}{'moved turns':>13}{'same tokens':>13}")
     for name, r in results.items():
         print(f"{name:<36}{r['seconds']:>9.1f}{r['gen_tokens_per_s']:>11.1f}{r['tokens_per_s']:>11.1f}"
+              f"{r['cpu_seconds']:>8.1f}{r['gen_tokens_per_cpu_s']:>15.1f}"
               f"{r['hit_rate']:>10.3f}{r['moved_turns']:>13.3f}{r['same_tokens_as_cache_off']:>13.3f}")
     on, off = results["1 engine, cache on"], results["1 engine, cache off"]
     speedup = on["tokens_per_s"] / off["tokens_per_s"]
-    print(f"cache on / off (1 engine): {speedup:.2f}x tokens/s")
+    cpu_speedup = on["gen_tokens_per_cpu_s"] / off["gen_tokens_per_cpu_s"]
+    print(f"cache on / off (1 engine): {speedup:.2f}x tokens/s, {cpu_speedup:.2f}x tokens per CPU second")
     return {"model": model_name, "machine": machine, "config": config(args), "results": results,
-            "cache_speedup_1_engine": speedup,
+            "cache_speedup_1_engine": speedup, "cache_cpu_speedup_1_engine": cpu_speedup,
             "hit_rate_round_robin": results["2 engines, round robin"]["hit_rate"],
             "hit_rate_least_busy": results["2 engines, least busy, no sessions"]["hit_rate"],
             "hit_rate_sessions": results["2 engines, sessions (affinity)"]["hit_rate"]}

@@ -2,12 +2,13 @@
 
 Concurrent `generate` calls are batched (left-padded, prefilled once, decoded with the HF KV
 cache) on one worker thread, so the event loop stays responsive; between two decode steps the
-engine can be paused, aborted or have its weights replaced. Requests in flight across a weight
+engine can be paused, aborted or have its weights replaced. A finished request's KV stays in a
+prefix cache (`prefix_cache.py`): a later request sharing its prefix prefills only the rest. Requests in flight across a weight
 update continue with the new weights (their KV cache rebuilt first). A load refuses non-finite
 weights; a model-thread failure makes the engine unhealthy until the next good load.
 Colocated mode follows SGLang's release / resume semantics.
 
-Partial rollouts, faults and colocated mode in detail: docs/architecture.md,
+The prefix cache, partial rollouts, faults and colocated mode in detail: docs/architecture.md,
 'The embedded CPU engine'.
 """
 
