@@ -113,6 +113,8 @@ _T = [  # (pattern, unit, over, meaning)
         ("fleet/weight_version", "version", "iteration", "weight version the fleet reports"),
         ("fleet/requests", "count", "run", "generation requests so far"),
         ("fleet/generated_tokens", "tokens", "run", "tokens generated so far"),
+        ("fleet/prompt_tokens", "tokens", "run", "prompt tokens sent so far"),
+        ("fleet/cached_tokens", "tokens", "run", "prompt tokens the engines' prefix caches served so far"),
         ("fleet/retries", "count", "run", "turns retried on another engine"),
         ("fleet/timeouts", "count", "run", "turns that timed out"),
         ("fleet/engine_failures", "count", "run", "engine failures seen"),

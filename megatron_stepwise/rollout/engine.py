@@ -235,6 +235,7 @@ class GenerateResult:
     engine's `record_routed_experts`): int16 [positions, num_hidden_layers, topk], the experts
     each layer's router chose for positions 0, 1, ... of `input_ids + output_ids`, as far as
     the engine ran them (SGLang: all but the last token); -1 where a layer has no router.
+    `cached_tokens`: prompt tokens the engine's prefix cache served (SGLang's meta_info field).
     """
 
     output_ids: list[int]
@@ -246,6 +247,7 @@ class GenerateResult:
     text: Optional[str] = None
     engine: Optional[str] = None
     routed_experts: Optional[torch.Tensor] = None
+    cached_tokens: int = 0
 
     def __post_init__(self) -> None:
         if len(self.output_ids) != len(self.logprobs):

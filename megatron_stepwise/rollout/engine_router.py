@@ -1,8 +1,10 @@
 """One request to one of several engine actors: sticky sessions, least outstanding, retries.
 
 The fleet on the driver and every agent worker route the same way through `EngineRouter`: a
-session's turns go back to the engine that served its previous turn (prefix-cache reuse); a new
-session goes to the engine with the fewest outstanding requests; a request whose engine dies,
+session's turns go back to the engine that served its previous turn (prefix-cache reuse) while it
+is alive and has at most `sticky_slack` more outstanding requests than the least busy engine; a
+new session, or one whose engine is dead or that much busier, goes to the engine with the fewest
+outstanding requests; a request whose engine dies,
 errors or times out is retried from scratch on another engine (at most `max_retries` times),
 its late result dropped and the request aborted on its engine. What a death means is the
 owner's `on_dead(slot, incarnation)`: the fleet restarts the engine, an agent worker stops
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -26,6 +29,8 @@ log = logging.getLogger(__name__)
 class RequestCounters:
     requests: int = 0
     generated_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the engines' prefix caches served
     retries: int = 0
     timeouts: int = 0
 
@@ -42,18 +47,26 @@ class EngineSlot:
 
 
 class EngineRouter:
+    """`handle.generate.remote(...)` and `handle.call.remote(...)` are awaited (Ray actor handles).
+    `sticky_slack`: how many more outstanding requests than the least busy engine a session's
+    engine may have and still get its next turn; `max_sessions`: sessions remembered (the least
+    recently served are forgotten first)."""
+
     def __init__(self, slots: list[EngineSlot], *, max_retries: int, request_timeout_s: float,
-                 on_dead: Callable[[EngineSlot, int], None], counters: Optional[RequestCounters] = None):
+                 on_dead: Callable[[EngineSlot, int], None], counters: Optional[RequestCounters] = None,
+                 sticky_slack: int = 16, max_sessions: int = 1 << 16):
         self.slots = slots
         self.max_retries = max_retries
         self.request_timeout_s = request_timeout_s
         self.on_dead = on_dead
         self.counters = counters or RequestCounters()
-        self.sticky: dict[str, int] = {}
+        self.sticky_slack = sticky_slack
+        self.max_sessions = max_sessions
+        self.sticky: OrderedDict[str, int] = OrderedDict()
 
     def forget(self, index: int) -> None:
         """Sessions of a dead engine start afresh elsewhere."""
-        self.sticky = {k: v for k, v in self.sticky.items() if v != index}
+        self.sticky = OrderedDict((k, v) for k, v in self.sticky.items() if v != index)
 
     def pick(self, session: Optional[str], exclude: set[int]) -> EngineSlot:
         candidates = [s for s in self.slots if s.alive and s.index not in exclude]
@@ -61,11 +74,19 @@ class EngineRouter:
             candidates = [s for s in self.slots if s.alive]
         if not candidates:
             raise NoLiveEngine("no live engine in the fleet")
-        if session is not None and session in self.sticky:
-            sticky = self.slots[self.sticky[session]]
-            if sticky in candidates:
+        least = min(candidates, key=lambda s: (s.outstanding, s.index))
+        index = self.sticky.get(session) if session is not None else None
+        if index is not None:
+            sticky = next((s for s in candidates if s.index == index), None)
+            if sticky is not None and sticky.outstanding <= least.outstanding + self.sticky_slack:
                 return sticky
-        return min(candidates, key=lambda s: (s.outstanding, s.index))
+        return least
+
+    def remember(self, session: str, index: int) -> None:
+        self.sticky[session] = index
+        self.sticky.move_to_end(session)
+        while len(self.sticky) > self.max_sessions:
+            self.sticky.popitem(last=False)
 
     async def generate(self, input_ids: list[int], sampling: SamplingParams, rid: Optional[str] = None,
                        session: Optional[str] = None) -> GenerateResult:
@@ -97,9 +118,11 @@ class EngineRouter:
                 await self.check_engine(slot, incarnation)
             else:
                 if session is not None:
-                    self.sticky[session] = slot.index
+                    self.remember(session, slot.index)
                 self.counters.requests += 1
                 self.counters.generated_tokens += len(result.output_ids)
+                self.counters.prompt_tokens += len(input_ids)
+                self.counters.cached_tokens += result.cached_tokens
                 return result
             finally:
                 slot.outstanding -= 1

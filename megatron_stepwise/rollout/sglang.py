@@ -79,6 +79,7 @@ def parse_generate_response(data: dict, routed_experts: Optional[tuple[int, int]
         matched=reason.get("matched") if isinstance(reason, dict) else None,
         text=data.get("text"),
         routed_experts=_routed_experts(meta, routed_experts),
+        cached_tokens=int(meta.get("cached_tokens") or 0),
     )
 
 

@@ -254,3 +254,22 @@ def test_scale_benchmark_runs_the_real_host_path_at_small_size(tools_on_path, ca
         assert max(held[f"dp{dp}"]["bytes_fetched_per_rank"]) < most * fetched
     assert max(held["dp1"]["manifest_bytes"]) < 0.2 * fetched  # no token data through rank 0
     assert "2 workers vs 1" in capsys.readouterr().out
+
+
+def test_prefix_cache_benchmark_on_the_tiny_preset(tools_on_path, capsys):
+    """tools/bench_prefix_cache.py --model tiny --quick: every configuration generates the same
+    tokens; the cache serves the earlier turns, and sessions keep each trajectory on one engine."""
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        r = _load("bench_prefix_cache").run(quick=True, model="tiny")
+    finally:
+        torch.set_num_threads(threads)  # the benchmark pins one thread
+    rows = r["results"]
+    assert len(rows) == 5 and all(row["same_tokens_as_cache_off"] == 1.0 for row in rows.values())
+    assert len({row["generated_tokens"] for row in rows.values()}) == 1
+    assert rows["1 engine, cache off"]["hit_rate"] == 0 < rows["1 engine, cache on"]["hit_rate"]
+    assert rows["2 engines, sessions (affinity)"]["moved_turns"] == 0
+    assert r["hit_rate_sessions"] == rows["1 engine, cache on"]["hit_rate"] >= r["hit_rate_round_robin"]
+    assert "cache on / off" in capsys.readouterr().out

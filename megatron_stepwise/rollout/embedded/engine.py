@@ -2,12 +2,13 @@
 
 Concurrent `generate` calls are batched (left-padded, prefilled once, decoded with the HF KV
 cache) on one worker thread, so the event loop stays responsive; between two decode steps the
-engine can be paused, aborted or have its weights replaced. Requests in flight across a weight
+engine can be paused, aborted or have its weights replaced. A finished request's KV stays in a
+prefix cache (`prefix_cache.py`): a later request sharing its prefix prefills only the rest. Requests in flight across a weight
 update continue with the new weights (their KV cache rebuilt first). A load refuses non-finite
 weights; a model-thread failure makes the engine unhealthy until the next good load.
 Colocated mode follows SGLang's release / resume semantics.
 
-Partial rollouts, faults and colocated mode in detail: docs/architecture.md,
+The prefix cache, partial rollouts, faults and colocated mode in detail: docs/architecture.md,
 'The embedded CPU engine'.
 """
 
@@ -28,6 +29,7 @@ from megatron_stepwise.rollout.embedded import hf_model
 from megatron_stepwise.rollout import routing
 from megatron_stepwise.rollout.engine import (EngineError, EngineReleasedError, GenerateResult, NamedTensors,
                                                SamplingParams, memory_tags)
+from megatron_stepwise.rollout.embedded.prefix_cache import PrefixCache
 from megatron_stepwise.rollout.embedded.sampling import sample_next
 
 log = logging.getLogger(__name__)
@@ -51,6 +53,7 @@ class _Request:
     # one per prefill and per decode step, concatenated once when the request finishes
     routed: Optional[list[torch.Tensor]] = None
     routed_len: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 class _Batch:
@@ -64,26 +67,76 @@ class _Batch:
     def __init__(self, engine: "LocalEngine", requests: list[_Request]):
         self.engine = engine
         self.requests = requests
+        self.weights_epoch: Optional[int] = None  # the weights the cache was computed with
         self.prefill()
 
     def prefill(self) -> None:
+        """Run every row's sequence (prompt + tokens generated so far) but the prefix the prefix
+        cache holds: row i is [pad][cached c_i][pad][new s_i], the cached KV left-padded to the
+        longest hit, the new tokens to the longest suffix, the pads masked out."""
         eng = self.engine
+        first = self.weights_epoch is None  # not a rebuild after a weight load
         self.weights_epoch = eng._weights_epoch
         seqs = [r.input_ids + r.output_ids for r in self.requests]
         lengths = [len(s) for s in seqs]
-        width = max(lengths)
-        ids = torch.tensor([[eng.pad_token_id] * (width - n) + s for s, n in zip(seqs, lengths)])
-        self.mask = torch.tensor([[0] * (width - n) + [1] * n for n in lengths])
+        store = eng._prefix_cache if eng._prefix_cache.enabled and first else None
+        # at least one token runs: its logits give the first sample
+        hits = [store.lookup(s, n - 1) if store else (None, 0) for s, n in zip(seqs, lengths)]
+        cached = [c for _, c in hits]
+        C, S = max(cached), max(n - c for n, c in zip(lengths, cached))
+        ids = torch.tensor([[eng.pad_token_id] * (S - n + c) + s[c:] for s, n, c in zip(seqs, lengths, cached)])
+        self.mask = torch.tensor([[0] * (C - c) + [1] * c + [0] * (S - n + c) + [1] * (n - c)
+                                  for n, c in zip(lengths, cached)])
         self.next_pos = torch.tensor(lengths)
-        positions = (self.mask.cumsum(-1) - 1).clamp(min=0)
+        positions = (self.mask.cumsum(-1) - 1).clamp(min=0)[:, C:]
+        cache = self._hit_cache(hits, C) if C else None
         with torch.no_grad():
-            out = eng.model(input_ids=ids, attention_mask=self.mask, position_ids=positions, use_cache=True)
+            out = eng.model(input_ids=ids, attention_mask=self.mask, position_ids=positions,
+                            **{eng.cache_name: cache}, use_cache=True)
         self.cache = getattr(out, eng.cache_name)
         self.last_logits = out.logits[:, -1, :].float()
-        if eng._router_recorder is not None:  # each row's positions are its last `length` columns
-            routed = eng._router_recorder.take(ids.numel()).reshape(len(seqs), width, *eng._routed_shape)
-            for r, row, n in zip(self.requests, routed, lengths):
-                r.routed, r.routed_len = [row[width - n:].clone()], n
+        if first:
+            for r, n, c in zip(self.requests, lengths, cached):
+                r.cached_tokens = c
+                eng._prefix_cache.count(n, c)
+        if eng._router_recorder is not None:  # each row's new positions are its last `n - c` columns
+            routed = eng._router_recorder.take(ids.numel()).reshape(len(seqs), S, *eng._routed_shape)
+            for r, row, n, (e, c) in zip(self.requests, routed, lengths, hits):
+                r.routed = ([e.routed[:c]] if c else []) + [row[S - n + c:].clone()]
+                r.routed_len = n
+
+    def _hit_cache(self, hits: list, width: int):
+        """A batch cache (`DynamicCache`) of `width` positions holding each hit's KV, right-aligned."""
+        from transformers.cache_utils import DynamicCache
+
+        layers = []
+        for layer, (k0, v0) in enumerate(next(e for e, _ in hits if e is not None).kv):
+            keys = k0.new_zeros(len(hits), k0.shape[0], width, k0.shape[2])
+            values = torch.zeros_like(keys)
+            for i, (e, c) in enumerate(hits):
+                if c:
+                    keys[i, :, width - c:] = e.kv[layer][0][:, :c]
+                    values[i, :, width - c:] = e.kv[layer][1][:, :c]
+            layers.append((keys, values))
+        return DynamicCache(layers)
+
+    def _keep(self, i: int, r: _Request) -> None:
+        """Store finished row i's KV (every token it ran: prompt + output but the last) in the
+        prefix cache, before the next decode step feeds it a token past its end."""
+        from transformers.cache_utils import DynamicLayer
+
+        eng = self.engine
+        layers = self.cache.layers
+        if not all(type(layer) is DynamicLayer for layer in layers):  # sliding windows etc.: not cached
+            log.info("embedded engine %s: prefix cache off (cache layers %s)", eng.name,
+                     sorted({type(layer).__name__ for layer in layers}))
+            eng._prefix_cache = PrefixCache(0)
+            return
+        cols = self.mask[i].nonzero().squeeze(1)
+        tokens = (r.input_ids + r.output_ids)[: len(cols)]
+        kv = [(layer.keys[i][:, cols], layer.values[i][:, cols]) for layer in layers]  # copies
+        routed = torch.cat(r.routed)[: len(cols)] if r.routed else None
+        eng._prefix_cache.insert(tokens, kv, routed)
 
     @property
     def active(self) -> list[_Request]:
@@ -101,6 +154,8 @@ class _Batch:
                 r.logprobs.append(lp)
                 r.versions.append(version)
                 eng._check_finished(r)
+                if r.finish_reason is not None and eng._prefix_cache.enabled:
+                    self._keep(i, r)
             feed.append(r.output_ids[-1] if r.output_ids else eng.pad_token_id)
         if not self.active:
             return
@@ -138,13 +193,17 @@ class LocalEngine:
         record_routed_experts: return each request's routed experts (`GenerateResult.routed_experts`,
             MoE models only: routing replay). None: on for MoE models.
         router_noise, router_noise_mode: test hook: perturb the routers slightly (`rollout.routing`).
+        prefix_cache_tokens: token budget of the prefix cache (`prefix_cache.py`: finished requests'
+            KV, reused by a later request sharing their prefix; 0 turns it off). Each token costs
+            2 x layers x kv_heads x head_dim x 4 bytes (fp32): 46 KB for SmolLM2-135M, so the
+            default 32768 tokens is about 1.5 GB there.
     """
 
     def __init__(self, model_config: hf_model.ModelConfigLike, weights: Optional[Union[str, os.PathLike]] = None,
                  tokenizer: Any = None, eos_token_ids: Optional[list[int]] = None, max_batch_size: int = 16,
                  seed: int = 0, torch_threads: Optional[int] = None, name: str = "local",
                  record_routed_experts: Optional[bool] = None, router_noise: float = 0.0,
-                 router_noise_mode: str = "select"):
+                 router_noise_mode: str = "select", prefix_cache_tokens: int = 32768):
         if torch_threads is not None:
             torch.set_num_threads(torch_threads)
         self.model = hf_model.build_causal_lm(model_config, weights=weights, seed=seed)
@@ -168,6 +227,7 @@ class LocalEngine:
         self.max_batch_size = max_batch_size
         self.name = name
         self.generator = torch.Generator().manual_seed(seed)
+        self._prefix_cache = PrefixCache(prefix_cache_tokens)
         self._weight_version = 0
         self._weights_epoch = 0  # bumped by every weight load; in-flight batches compare it
         self._pending: list[_Request] = []
@@ -303,6 +363,7 @@ class LocalEngine:
                 text=text,
                 engine=self.name,
                 routed_experts=torch.cat(r.routed) if self._return_routed and r.routed else None,
+                cached_tokens=r.cached_tokens,
             )
         )
 
@@ -389,6 +450,7 @@ class LocalEngine:
             self._failure = None
         self._needs_weights = False
         self._weights_epoch += 1
+        self._prefix_cache.clear()  # its KV was computed by the old weights
         self._weight_version = self._weight_version + 1 if weight_version is None else int(weight_version)
         return self._weight_version
 
@@ -426,7 +488,15 @@ class LocalEngine:
         return None if r is None else r.decoded
 
     async def flush_cache(self) -> None:
-        """Nothing to flush: KV caches live only for the duration of one batch."""
+        """Drop the prefix cache (requests in flight keep their own KV)."""
+        self._ensure_started()
+        async with self._model_lock:
+            self._prefix_cache.clear()
+
+    def cache_stats(self) -> dict:
+        """The prefix cache: its budget and contents, prompt tokens prefilled so far and how many
+        of them it served (`hit_rate` = cached / prompt tokens)."""
+        return self._prefix_cache.stats()
 
     async def abort(self, rid: Optional[str] = None) -> None:
         """Finish the request(s) now with reason "abort", keeping the tokens generated so far."""
@@ -479,6 +549,8 @@ class LocalEngine:
         async with self._model_lock:
             if "weights" in tags:
                 await self._run(self._free_weights)
+            if "kv_cache" in tags:
+                self._prefix_cache.clear()
             self._released.update(tags)
 
     async def resume_memory_occupation(self, tags: Optional[list[str]] = None) -> None:
@@ -526,6 +598,7 @@ class LocalEngine:
             "model_type": getattr(self.config, "model_type", None),
             "architectures": getattr(self.config, "architectures", None),
             "vocab_size": int(self.config.vocab_size),
+            "prefix_cache": self.cache_stats(),
         }
 
     async def close(self) -> None:

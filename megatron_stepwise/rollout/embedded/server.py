@@ -103,7 +103,7 @@ def generate_response(rid: str, prompt_len: int, result: GenerateResult, return_
         "finish_reason": finish_reason_json(result),
         "weight_version": str(result.weight_version),
         "weight_versions": version_spans(result.token_weight_versions or []),
-        "cached_tokens": 0,
+        "cached_tokens": result.cached_tokens,
     }
     if return_logprob:
         text = token_text or (lambda t: None)  # return_text_in_logprobs: each token's text
