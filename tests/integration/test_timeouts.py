@@ -5,9 +5,9 @@ for (a child says "ready" before the timer starts), never slept for."""
 
 from __future__ import annotations
 
+import os
 import re
 import sys
-from pathlib import Path
 
 import psutil
 
@@ -17,7 +17,6 @@ CHILD = "import threading; print('ready', flush=True); threading.Event().wait()"
 
 HUNG_TESTS = f'''
 import subprocess, sys, threading
-from pathlib import Path
 
 import psutil
 import pytest
@@ -75,7 +74,7 @@ def test_a_hung_test_fails_alone_with_every_stack_and_no_process_left(tmp_path):
     (tmp_path / "conftest.py").write_text(
         "from timeouts import pytest_fixture_setup, pytest_runtest_protocol, pytest_timeout_set_timer  # noqa: F401\n")
     (tmp_path / "test_hung.py").write_text(HUNG_TESTS)
-    env = dict(psutil.Process().environ(), PYTHONPATH=f"{TESTS}:{TESTS.parent}")
+    env = dict(os.environ, PYTHONPATH=f"{TESTS}:{TESTS.parent}")
     out = run_launch([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", "-o", "timeout_method=signal",
                       "-q", "-rA", "--rootdir", str(tmp_path), str(tmp_path / "test_hung.py")],
                      env=env, cwd=tmp_path, timeout=300)
