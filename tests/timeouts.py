@@ -33,7 +33,7 @@ import pytest_timeout
 
 os.environ.setdefault("PYTHONFAULTHANDLER", "1")  # children dump their threads on SIGABRT (and on a crash)
 
-GRACE_S = 60.0  # after the timeout, for a main thread that SIGALRM cannot interrupt
+GRACE_S = float(os.environ.get("STEPWISE_TIMEOUT_GRACE_S", 60))  # after the timeout, for a main thread SIGALRM cannot reach
 DUMP_WAIT_S = 10.0  # for the children to finish writing their faulthandler dumps
 _STATE = pytest.StashKey[dict]()
 _RUNNER_FRAME = re.compile(r"/_pytest/|/pluggy/|/pytest/__main__\.py$|^<frozen runpy>$")  # left out of the stacks

@@ -17,6 +17,7 @@ CHILD = "import threading; print('ready', flush=True); threading.Event().wait()"
 
 HUNG_TESTS = f'''
 import subprocess, sys, threading
+from pathlib import Path
 
 import psutil
 import pytest
@@ -93,3 +94,33 @@ def test_a_hung_test_fails_alone_with_every_stack_and_no_process_left(tmp_path):
     worker = re.search(r"^worker (\d+)$", text, re.M)
     assert worker, text
     assert not psutil.pid_exists(int(worker.group(1))), text
+
+
+STUCK_IN_C = """
+import ctypes
+
+import pytest
+
+
+@pytest.mark.timeout(1)
+def test_stuck_in_c():
+    # a mutex locked twice by one thread: pthread_mutex_lock never returns, and no signal handler runs
+    mutex = ctypes.create_string_buffer(64)  # zeroed: PTHREAD_MUTEX_INITIALIZER on glibc
+    libc = ctypes.CDLL(None)
+    libc.pthread_mutex_lock(mutex)
+    libc.pthread_mutex_lock(mutex)  # STUCK-IN-C-HERE
+"""
+
+
+def test_a_test_stuck_in_c_code_ends_its_process_instead_of_hanging(tmp_path):
+    """SIGALRM cannot interrupt a main thread inside C code: the watchdog dumps and ends the process."""
+    (tmp_path / "conftest.py").write_text(
+        "from timeouts import pytest_fixture_setup, pytest_runtest_protocol, pytest_timeout_set_timer  # noqa: F401\n")
+    (tmp_path / "test_stuck.py").write_text(STUCK_IN_C)
+    env = dict(os.environ, PYTHONPATH=f"{TESTS}:{TESTS.parent}", STEPWISE_TIMEOUT_GRACE_S="1")
+    out = run_launch([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", "-o", "timeout_method=signal",
+                      "-q", "--rootdir", str(tmp_path), str(tmp_path / "test_stuck.py")],
+                     env=env, cwd=tmp_path, timeout=300)
+    text = out.stdout + out.stderr
+    assert out.returncode == 1, text  # os._exit(1), not a hang
+    assert "Timeout >1.0s in test_stuck.py::test_stuck_in_c" in text and "STUCK-IN-C-HERE" in text, text
