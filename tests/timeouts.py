@@ -115,7 +115,8 @@ def _children_report(before: set) -> str:
     dumping = []
     for p in own:
         try:
-            if "PYTHONFAULTHANDLER" in p.environ() and p.status() != psutil.STATUS_ZOMBIE:
+            python = "python" in p.name().lower() or "python" in os.path.basename(p.exe()).lower()
+            if python and "PYTHONFAULTHANDLER" in p.environ() and p.status() != psutil.STATUS_ZOMBIE:
                 p.send_signal(signal.SIGABRT)
                 dumping.append(p)
         except psutil.Error:
