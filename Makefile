@@ -17,8 +17,10 @@ TEST_WORKERS ?= 2
 test: setup
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=20 tests
 
+# Before every commit: tests/unit without the tests that start processes (about a minute on 2 cores);
+# STEPWISE_NO_LAUNCH=1 fails any other test there that starts one (tests/conftest.py).
 test-fast: setup
-	$(PY) -m pytest -q tests -m "not distributed and not slow"
+	STEPWISE_NO_LAUNCH=1 $(PY) -m pytest -q tests/unit -m "not distributed and not slow and not launches" --durations=15
 
 bench: setup
 	$(PY) tools/bench.py

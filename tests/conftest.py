@@ -12,7 +12,61 @@ launch functions), `tiny_lm` and `load_script`.
 
 from __future__ import annotations
 
+import os
+import sys
+import threading
+
 import pytest
+
+# Every test has a timeout (pyproject: `timeout`, or `@pytest.mark.timeout(N)` with the reason): on expiry
+# tests/timeouts.py dumps every thread and child process, kills the test's children and fails the test alone.
+from timeouts import pytest_fixture_setup, pytest_runtest_protocol, pytest_timeout_set_timer  # noqa: F401
+
+# `make test-fast` (STEPWISE_NO_LAUNCH=1) runs tests/unit without the tests marked `launches`; any other test
+# that starts a process fails, naming the launch. Audit events catch subprocess, fork and exec;
+# multiprocessing's spawn start method goes through util.spawnv_passfds, wrapped below.
+_NO_LAUNCH = os.environ.get("STEPWISE_NO_LAUNCH") == "1"
+_LAUNCH_EVENTS = {"subprocess.Popen", "os.fork", "os.forkpty", "os.posix_spawn", "os.exec", "os.spawn", "os.system",
+                  "multiprocessing.spawn"}
+_launches: list[str] | None = None  # while a test runs under STEPWISE_NO_LAUNCH=1: launches from other threads
+
+
+def _refuse_launch(event: str, args) -> None:
+    if _launches is None or event not in _LAUNCH_EVENTS:
+        return
+    what = f"test-fast runs no processes, and this test started one ({event} {str(args)[:200]}): " \
+           "mark it `launches` or move it to tests/integration"
+    if threading.current_thread() is threading.main_thread():
+        pytest.fail(what)  # a BaseException: `except Exception` in the code under test does not hide it
+    _launches.append(what)  # failed at the test's teardown
+
+
+if _NO_LAUNCH:
+    import multiprocessing.util
+
+    sys.addaudithook(_refuse_launch)
+    _spawnv_passfds = multiprocessing.util.spawnv_passfds
+
+    def _spawnv_passfds_checked(path, args, passfds):
+        _refuse_launch("multiprocessing.spawn", args)
+        return _spawnv_passfds(path, args, passfds)
+
+    multiprocessing.util.spawnv_passfds = _spawnv_passfds_checked
+
+
+@pytest.fixture(autouse=True)
+def _no_process_launches():
+    global _launches
+    if not _NO_LAUNCH:
+        yield
+        return
+    _launches = []
+    try:
+        yield
+    finally:
+        tried, _launches = _launches, None
+    if tried:
+        pytest.fail("\n".join(tried))
 
 
 @pytest.fixture(scope="session")

@@ -3,6 +3,8 @@
 import time, from module-level data builders and from hypothesis strategies.
 
 - `make_step`: the one Step factory of the tests.
+- `run_launch`: `subprocess.run` for the tests' launches: the command gets its own session, and on a
+  timeout (its own or the test's) its whole process tree is killed and its output printed.
 - `run_torchrun` / `check_ok`: the one way the tests launch tests/workers/*_worker.py under torchrun.
 - `tiny_lm`: a tiny tokenizer and the Qwen2 config sized to it, for the embedded engine.
 - `load_script`: import a script of tools/ or launch/ by path, without touching sys.path.
@@ -64,6 +66,67 @@ def make_step(
     )
 
 
+# ---- launches ---------------------------------------------------------------------------------
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL the launch's process group and every descendant (torchrun starts its workers in
+    sessions of their own, which the group signal does not reach)."""
+    import signal
+
+    import psutil
+
+    try:
+        tree = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        tree = []
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # start_new_session: the group id is the launch's pid
+    except OSError:
+        pass
+    for p in tree:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(tree, timeout=10)
+
+
+def run_launch(cmd: Sequence[str], *, timeout: float, input: Optional[str] = None, check: bool = False,
+               capture_output: bool = True, text: bool = True, **popen_kwargs) -> subprocess.CompletedProcess:
+    """`subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, ...)` for a launch that may hang.
+
+    The command starts in a session (and process group) of its own. If it outlives `timeout`, or the
+    test's own timeout (tests/timeouts.py) or anything else interrupts the wait, the group and every
+    descendant are killed, what the command wrote is printed to stderr (the test's captured output:
+    with the stack dumps the test's timeout made its Python processes write) and the exception goes on
+    (subprocess.TimeoutExpired for `timeout`). No process of it outlives the call.
+    """
+    if capture_output:
+        popen_kwargs.setdefault("stdout", subprocess.PIPE)
+        popen_kwargs.setdefault("stderr", subprocess.PIPE)
+    if input is not None:
+        popen_kwargs["stdin"] = subprocess.PIPE
+    proc = subprocess.Popen(list(cmd), text=text, start_new_session=True, **popen_kwargs)
+    try:
+        out, err = proc.communicate(input, timeout=timeout)
+    except BaseException as e:
+        _kill_tree(proc)
+        try:
+            out, err = proc.communicate(timeout=10)
+        except BaseException:  # a pipe held open by a process that left the tree: give up on the output
+            out = err = None
+        print(f"[run_launch] killed after {type(e).__name__}: {' '.join(map(str, cmd))[:500]}\n"
+              f"--- its stdout (tail) ---\n{(out or '')[-8000:]}\n--- its stderr (tail) ---\n{(err or '')[-16000:]}",
+              file=sys.stderr)
+        if isinstance(e, subprocess.TimeoutExpired):
+            raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err) from None
+        raise
+    done = subprocess.CompletedProcess(list(cmd), proc.returncode, out, err)
+    if check:
+        done.check_returncode()
+    return done
+
+
 # ---- torchrun ---------------------------------------------------------------------------------
 
 def run_torchrun(
@@ -85,7 +148,7 @@ def run_torchrun(
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
         str(TESTS / "workers" / script), *args,
     ]
-    return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    return run_launch(cmd, env=full_env, timeout=timeout, cwd=REPO)
 
 
 def check_ok(proc: subprocess.CompletedProcess, what: str = "torchrun") -> None:

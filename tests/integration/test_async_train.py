@@ -8,11 +8,12 @@ weights within the cap, every started group accounted for, and the reward rising
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from helpers import run_launch
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -26,7 +27,7 @@ def test_tiny_async_experiment_keeps_the_bound_and_learns(tmp_path):
     cmd = [sys.executable, "-m", "megatron_stepwise.cli", "train", str(REPO / "configs/tiny_cpu_async.yaml"),
            f"trainer.iterations={ITERATIONS}", f"logging.run_dir={run_dir}", "logging.progress=false",
            "checkpoint.every=0", "checkpoint.resume=never"]
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=480)
+    proc = run_launch(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=480)
     # On failure show what rank 0 (the driver) said: the other rank's traceback would bury it.
     assert proc.returncode == 0, "\n".join(line for line in proc.stderr.splitlines()
                                             if not line.startswith("[rank1]"))[-4000:]
@@ -68,7 +69,7 @@ def test_async_training_with_agent_workers_keeps_the_bound(tmp_path):
     cmd = [sys.executable, "-m", "megatron_stepwise.cli", "train", str(REPO / "configs/tiny_cpu_async.yaml"),
            "trainer.iterations=5", f"logging.run_dir={run_dir}", "logging.progress=false",
            "checkpoint.every=0", "checkpoint.resume=never", "rollout.agent_workers=2"]
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=480)
+    proc = run_launch(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=480)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == list(range(5))

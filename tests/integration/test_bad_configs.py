@@ -16,6 +16,7 @@ import yaml
 from config_fakes import FakeProbes
 
 from megatron_stepwise.config import ConfigError, config_from_dict
+from helpers import run_launch
 
 REPO = Path(__file__).resolve().parents[2]
 GPU_NODE = {"launch": {"gpus_per_node": 8, "nproc_per_node": 4}}  # 4 GPUs left to rollout
@@ -267,7 +268,7 @@ def validate_cli(tmp_path: Path, text: str | None, *overrides: str) -> subproces
         path.write_text(text)
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
-    return subprocess.run([sys.executable, "-m", "megatron_stepwise.cli", "validate", str(path), *overrides],
+    return run_launch([sys.executable, "-m", "megatron_stepwise.cli", "validate", str(path), *overrides],
                           capture_output=True, text=True, env=env, timeout=120)
 
 

@@ -3,13 +3,12 @@ accounting, missing benchmarks); it never checks speed."""
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from helpers import load_script
+from helpers import load_script, run_launch
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOLS = ROOT / "tools"
@@ -35,7 +34,7 @@ def test_quick_suite_subset_writes_json_and_markdown(tmp_path):
     out = tmp_path / "bench.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, str(TOOLS / "bench.py"), "--quick", "--only", "merge", "--out", str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    proc = run_launch(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     report = json.loads(out.read_text())
     assert report["suite"] == "cpu" and report["quick"] is True
@@ -209,13 +208,13 @@ def test_gpu_benchmark_skips_without_cuda_and_runs_its_code_on_cpu(tmp_path):
     the same code path (bf16 model, packed micro-batches, timing, FLOPs accounting) on the CPU."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     script = str(TOOLS / "bench_gpu.py")
-    proc = subprocess.run([sys.executable, script, "--quick"], env=env, capture_output=True, text=True, timeout=120)
+    proc = run_launch([sys.executable, script, "--quick"], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "skipped: no CUDA GPU" in proc.stdout, proc.stdout + proc.stderr[-2000:]
 
     out = tmp_path / "gpu.json"
     cmd = [sys.executable, script, "--device", "cpu", "--model", "tiny", "--quick", "--prompts", "2", "--samples", "4",
            "--micro-tokens", "4096", "--out", str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_launch(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     r = json.loads(out.read_text())
     assert r["device"].startswith("CPU") and r["transformer_engine"] is False

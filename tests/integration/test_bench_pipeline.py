@@ -3,9 +3,10 @@ never for speed."""
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
+
+from helpers import run_launch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -15,7 +16,7 @@ def test_bench_pipeline_tiny_run(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, str(ROOT / "tools" / "bench_pipeline.py"), "--prompts", "4", "--samples", "2",
            "--prompts-per-minibatch", "2", "--dp", "2", "--repeats", "1", "--out", str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    proc = run_launch(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     res = json.loads(out.read_text())
     assert set(res["time_s"]["cold"]) == {"validate", "minibatch", "prepare", "plan", "total"}

@@ -12,12 +12,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
-from helpers import REPO, TESTS, tiny_lm
+from helpers import REPO, TESTS, run_launch, tiny_lm
 from megatron_stepwise.rollout.engine import EngineReleasedError, SamplingParams, memory_tags
 from megatron_stepwise.rollout.embedded.hf_model import checkpoint_state
 from megatron_stepwise.rollout.embedded.engine import LocalEngine
@@ -144,7 +143,7 @@ def colocated_runs(tmp_path_factory):
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", MASTER_PORT=str(_free_port()))
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(var, None)
-    proc = subprocess.run([sys.executable, str(TESTS / "workers" / "colocate_worker.py"), str(out), str(root)], env=env,
+    proc = run_launch([sys.executable, str(TESTS / "workers" / "colocate_worker.py"), str(out), str(root)], env=env,
                           cwd=str(REPO), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())

@@ -20,6 +20,7 @@ from megatron_stepwise.config import ConfigError, ExperimentConfig, config_from_
 from megatron_stepwise.config.docs import render_markdown, render_text, sections
 from megatron_stepwise.config.fields import all_keys
 from megatron_stepwise.hf.presets import tiny_config
+from helpers import run_launch
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs"
@@ -415,7 +416,7 @@ def test_recipes_report_missing_sglang_on_this_machine():
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
-    return subprocess.run([sys.executable, "-m", "megatron_stepwise.cli", *args], capture_output=True, text=True,
+    return run_launch([sys.executable, "-m", "megatron_stepwise.cli", *args], capture_output=True, text=True,
                           env=env, cwd=REPO, timeout=120)
 
 

@@ -53,9 +53,11 @@ def _worker(rank: int, store_path: str, results) -> None:
 
 @pytest.mark.distributed
 def test_rank0_result_position_and_unpicklable_error_reach_every_rank():
-    with tempfile.TemporaryDirectory() as tmp:
-        results = mp.Manager().dict()
+    # the Manager's server is spawned: forked from this process (Ray's threads may run in it) it can deadlock
+    with tempfile.TemporaryDirectory() as tmp, mp.get_context("spawn").Manager() as manager:
+        results = manager.dict()
         mp.spawn(_worker, args=(os.path.join(tmp, "store"), results), nprocs=2, join=True)
+        results = dict(results)
     for rank in (0, 1):
         r = results[rank]
         assert r["result"] == ["steps of rank 0"] and r["position"] == 7  # rank 0's data position
@@ -96,10 +98,10 @@ def test_a_frozen_driver_fails_the_other_ranks_after_the_configured_timeout():
     (torch's new_group ignores the world's timeout)."""
     from datetime import timedelta
 
-    with tempfile.TemporaryDirectory() as tmp:
-        manager = mp.Manager()
+    with tempfile.TemporaryDirectory() as tmp, mp.get_context("spawn").Manager() as manager:  # spawned, never forked
         results, unfreeze = manager.dict(), manager.Event()
         mp.spawn(_frozen_driver_worker, args=(os.path.join(tmp, "store"), results, unfreeze), nprocs=2, join=True)
+        results = dict(results)
     assert results[0]["timeout"] == results[1]["timeout"] == timedelta(seconds=3)
     # Rank 1 gave up while rank 0 was still frozen (rank 0 is released only by rank 1's failure),
     # and not before the configured 3 s (a timeout cannot fire early, however busy the machine).
@@ -139,9 +141,11 @@ def _sharded_worker(rank: int, store_path: str, results) -> None:
 
 @pytest.mark.distributed
 def test_each_rank_receives_only_its_data_parallel_shard():
-    with tempfile.TemporaryDirectory() as tmp:
-        results = mp.Manager().dict()
+    # the Manager's server is spawned: forked from this process (Ray's threads may run in it) it can deadlock
+    with tempfile.TemporaryDirectory() as tmp, mp.get_context("spawn").Manager() as manager:
+        results = manager.dict()
         mp.spawn(_sharded_worker, args=(os.path.join(tmp, "store"), results), nprocs=4, join=True)
+        results = dict(results)
     for dp in (1, 2, 4):
         shards = _rollout_shards(dp)
         for rank in range(4):

@@ -9,20 +9,23 @@ on a 2-core machine).
 import itertools
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import yaml
 
 from megatron_stepwise.metrics.keys import describe, render_markdown
+from helpers import run_launch
+
+# Longer than the suite's 600 s: the module's training run (its launch allowed 900 s) before a test's own evaluation.
+pytestmark = pytest.mark.timeout(1200)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _cli(*args, timeout=900):
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "megatron_stepwise.cli", *args], env=env, cwd=ROOT,
+    return run_launch([sys.executable, "-m", "megatron_stepwise.cli", *args], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -149,7 +152,7 @@ def test_rollout_preview_prints_trajectories_turn_by_turn_with_an_env_errors_tra
         "            raise KeyError('no such target')\n"
         "        return [{'role': 'user', 'content': 'again'}], 0.5, False, {}\n")
     env = dict(os.environ, PYTHONPATH=f"{ROOT}:{tmp_path}", OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-m", "megatron_stepwise.cli", "rollout", "configs/tiny_cpu.yaml",
+    out = run_launch([sys.executable, "-m", "megatron_stepwise.cli", "rollout", "configs/tiny_cpu.yaml",
                           "env.name=guess_env:Guess", "env.dataset_options={}", "data.shuffle=false",
                           "rollout.max_turns=2", "-n", "2"],
                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)

@@ -22,6 +22,7 @@ from megatron_stepwise.hf.tokenizers import load_tokenizer, tokenizer_dir
 from megatron_stepwise.hf.hub import (CHECKPOINT_FILES, TOKENIZER_FILES, ModelSourceError, locate_offline,
                                    resolve_model_dir)
 from megatron_stepwise.hf.presets import resolve_hf_config, tiny_config
+from helpers import run_launch
 
 REPO = Path(__file__).resolve().parents[2]
 REPO_ID = "Org/Name"
@@ -179,7 +180,7 @@ def test_cli_validate_exits_2_for_an_unresolvable_hub_id(hf_cache, tmp_path):
     path = write_config(tmp_path, {"hf_config": "Org/Absent"})
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # HF_HOME, HF_HUB_CACHE, HF_HUB_OFFLINE=1 from the fixture
     env.pop("WORLD_SIZE", None)
-    result = subprocess.run([str(REPO / ".venv/bin/megatron-stepwise"), "validate", str(path)], capture_output=True,
+    result = run_launch([str(REPO / ".venv/bin/megatron-stepwise"), "validate", str(path)], capture_output=True,
                             text=True, env=env, cwd=REPO, timeout=120)
     assert result.returncode == 2, result.stderr
     assert "- model.hf_config: 'Org/Absent' is neither a local path nor in the Hugging Face cache" in result.stderr

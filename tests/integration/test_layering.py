@@ -7,19 +7,20 @@ connected components.
 """
 
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import grimp
 import networkx
 
+from helpers import run_launch
+
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_import_contracts_are_kept():
     exe = shutil.which("lint-imports", path=str(Path(sys.executable).parent)) or "lint-imports"
-    result = subprocess.run([exe, "--no-cache"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    result = run_launch([exe, "--no-cache"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert "0 broken" in result.stdout
 

@@ -32,7 +32,8 @@ import megatron_cases as cases  # noqa: E402
 from helpers import check_ok, run_torchrun  # noqa: E402
 from megatron_stepwise.mcore.train.model import tiny_config  # noqa: E402
 
-pytestmark = pytest.mark.distributed
+# Longer than the suite's 600 s: a comparison runs up to three torchrun layouts, each allowed 900 s on a busy machine.
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(1200)]
 
 RTOL = 1e-5
 

@@ -3,15 +3,16 @@ forward, and the error names the fix (mcore/train/model_contract.py, docs/megatr
 
 import json
 import os
-import subprocess
 import sys
+
+from helpers import run_launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_a_local_spec_model_gets_the_contract_error_before_its_first_forward():
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "workers", "contract_worker.py")], env=env, cwd=ROOT,
+    out = run_launch([sys.executable, os.path.join(ROOT, "tests", "workers", "contract_worker.py")], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])

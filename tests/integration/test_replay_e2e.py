@@ -4,17 +4,18 @@ with no engines, at the run's layout (bit-identical) and at TP2 and PP2 (fp32 ro
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+
+from helpers import run_launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
 
 
 def _cli(*args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "megatron_stepwise.cli", *args], env=ENV, cwd=ROOT,
+    return run_launch([sys.executable, "-m", "megatron_stepwise.cli", *args], env=ENV, cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megatron_stepwise import weight_transport
-from helpers import tiny_lm
+from helpers import run_launch, tiny_lm
 from megatron_stepwise.envs.echo import EchoEnv, echo_dataset
 from megatron_stepwise.rollout.agent_loop import AgentLoop, AgentLoopConfig
 from megatron_stepwise.rollout.engine import SamplingParams
@@ -260,7 +260,7 @@ def test_serving_beyond_loopback_needs_a_key_or_an_explicit_opt_out(monkeypatch)
     with pytest.raises(ValueError, match="beyond loopback\\) needs an API key: set MEGATRON_STEPWISE_API_KEY"):
         asyncio.run(start_server(engine, "0.0.0.0", 0))
     env = {k: v for k, v in os.environ.items() if k != "MEGATRON_STEPWISE_API_KEY"}
-    out = subprocess.run([sys.executable, "-m", "megatron_stepwise.cli", "serve", "--model-config", "tiny_word",
+    out = run_launch([sys.executable, "-m", "megatron_stepwise.cli", "serve", "--model-config", "tiny_word",
                           "--host", "0.0.0.0", "--port", "0"], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 2 and "needs an API key" in out.stderr and "Traceback" not in out.stderr
     asyncio.run(engine.close())

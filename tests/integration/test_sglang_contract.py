@@ -14,7 +14,6 @@ from __future__ import annotations
 import ast
 import asyncio
 import os
-import subprocess
 import sys
 import zipfile
 from pathlib import Path
@@ -27,6 +26,10 @@ from megatron_stepwise.rollout.engine import MEMORY_TAGS, GenerateResult, Sampli
 from megatron_stepwise.rollout.embedded import generate_fields
 from megatron_stepwise.rollout.embedded.server import EngineServer, generate_response
 from megatron_stepwise.rollout.sglang import SGLANG_VERSION, SGLangClient, TensorHandles, serialize_tensors_sglang
+from helpers import run_launch
+
+# Longer than the suite's 600 s: fetching the pinned sglang wheel is allowed 900 s.
+pytestmark = pytest.mark.timeout(1200)
 
 CACHE = Path(os.environ.get("MEGATRON_STEPWISE_CACHE", "~/.cache/megatron-stepwise")).expanduser() / "sglang-wheel"
 FILES = {
@@ -53,7 +56,7 @@ def _download_wheel() -> Path:
     ]
     errors = []
     for cmd in attempts:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        proc = run_launch(cmd, capture_output=True, text=True, timeout=900)
         found = sorted(CACHE.glob(f"sglang-{SGLANG_VERSION}-*.whl"))
         if found:
             return found[0]

@@ -20,6 +20,8 @@ import urllib.request
 
 import pytest
 
+from helpers import run_launch
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytest.importorskip("sglang_router", reason="pip install -e .[test] installs sglang-router (runs in CI)")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "NO_COLOR": "1"}
@@ -154,7 +156,7 @@ def test_three_iterations_train_through_the_router(router, tmp_path):
            "checkpoint.every=0", "launch.nproc_per_node=1", "data.prompts_per_iteration=4",
            "data.prompts_per_minibatch=2", "rollout.engine=sglang", "rollout.agent_workers=0",
            f"rollout.sglang.servers=[{','.join(servers)}]", f"rollout.sglang.router_url={url}"]
-    out = subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    out = run_launch(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     metrics = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     assert [m["iteration"] for m in metrics] == [0, 1, 2]

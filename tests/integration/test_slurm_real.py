@@ -24,7 +24,8 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tools" / "local_slurm.sh"
 EXIT_CANNOT_INSTALL = 3
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")]
+# Longer than the suite's 600 s: starting the local SLURM cluster is allowed 900 s, a job as long again.
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash"), pytest.mark.timeout(1200)]
 
 
 @pytest.fixture(scope="module")

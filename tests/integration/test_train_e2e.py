@@ -11,6 +11,11 @@ import sys
 
 import pytest
 
+from helpers import run_launch
+
+# Longer than the suite's 600 s: a test may wait on the module's reference run and then train again, each launch allowed 900 s.
+pytestmark = pytest.mark.timeout(1200)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -18,7 +23,7 @@ def _train(run_dir, *overrides, timeout=900):
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "megatron_stepwise.cli", "train", os.path.join(ROOT, "configs/tiny_cpu.yaml"),
            f"logging.run_dir={run_dir}", "logging.progress=false", *overrides]
-    return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return run_launch(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
 def _metrics(run_dir):

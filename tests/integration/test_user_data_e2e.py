@@ -20,6 +20,10 @@ from pathlib import Path
 import pytest
 
 from test_loggers import assert_loggers_match_jsonl
+from helpers import run_launch
+
+# Longer than the suite's 600 s: the module's data set-up and a training launch, each allowed up to 900 s on a busy machine.
+pytestmark = pytest.mark.timeout(1200)
 
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "custom_envs.md"
@@ -61,7 +65,7 @@ def _run(user_dir: Path, argv: list[str], run_dir: Path, *extra: str):
                WANDB_MODE="offline", WANDB_SILENT="true")
     cmd = [sys.executable, "-m", "megatron_stepwise.cli", "train", config, *overrides,
            f"logging.run_dir={run_dir}", *SHORT, *extra]
-    return subprocess.run(cmd, cwd=user_dir, env=env, capture_output=True, text=True, timeout=900)
+    return run_launch(cmd, cwd=user_dir, env=env, capture_output=True, text=True, timeout=900)
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -101,11 +105,11 @@ def test_a_user_module_that_does_not_import_fails_validate_naming_it(user_dir):
     env = dict(os.environ, PYTHONPATH=f"{user_dir}{os.pathsep}{REPO}")
     cmd = [sys.executable, "-m", "megatron_stepwise.cli", "validate", str(REPO / "configs/tiny_cpu.yaml"),
            "env.name=my_envs.digit_env:SayDigits", "env.dataset=digits_hf"]
-    out = subprocess.run(cmd, cwd=user_dir, env=env, capture_output=True, text=True, timeout=300)
+    out = run_launch(cmd, cwd=user_dir, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "env.name" in out.stderr and "has no 'SayDigits'" in out.stderr
     # the same with the right name, but a column the environment needs left unmapped
     cmd[-2] = "env.name=my_envs.digit_env:SayDigit"
-    out = subprocess.run([*cmd, "env.fields.prompt=question"], cwd=user_dir, env=env, capture_output=True,
+    out = run_launch([*cmd, "env.fields.prompt=question"], cwd=user_dir, env=env, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 2 and "has no field 'target'" in out.stderr and "digits_hf" in out.stderr

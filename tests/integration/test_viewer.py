@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from helpers import make_step
+from helpers import make_step, run_launch
 from megatron_stepwise.config import load_config
 from megatron_stepwise.loop.dumps import DumpRecorder, dump_path, write_dump
 from megatron_stepwise.loop.training_batch import PrepareOptions
@@ -92,14 +92,14 @@ def _chromium():
 @pytest.mark.skipif(_chromium() is None, reason="needs Debian's chromium (apt-get install chromium; .ci/run installs "
                                                 "it where apt-get can): runs in CI and on the dev VM")
 def test_the_page_renders_in_headless_chromium_with_every_trajectory_and_a_screenshot(run_dir, tmp_path):
-    out = subprocess.run([sys.executable, "-m", "megatron_stepwise.cli", "view", str(run_dir), "--out",
+    out = run_launch([sys.executable, "-m", "megatron_stepwise.cli", "view", str(run_dir), "--out",
                           str(tmp_path / "page.html")], env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     page = (tmp_path / "page.html").as_uri()
     flags = ["--headless", "--no-sandbox", "--disable-gpu", "--window-size=1400,900",
              f"--user-data-dir={tmp_path / 'profile'}"]
-    dom = subprocess.run([_chromium(), *flags, "--dump-dom", page], capture_output=True, text=True, timeout=120)
+    dom = run_launch([_chromium(), *flags, "--dump-dom", page], capture_output=True, text=True, timeout=120)
     assert dom.returncode == 0, dom.stderr[-2000:]
     html = dom.stdout
     # rendered by the page's script (the file itself holds only JSON): 8 trajectories, 17 turns
@@ -110,7 +110,7 @@ def test_the_page_renders_in_headless_chromium_with_every_trajectory_and_a_scree
     assert "env error: TimeoutError" in html and html.count("<svg") == 2
     # the filters, set from the link: only the trajectory whose environment failed, then rewards >= 1
     for fragment, shown in (("err=yes", 1), ("rmin=1", 4), ("stop=env_error&err=no", 0)):
-        dom = subprocess.run([_chromium(), *flags, "--dump-dom", f"{page}#{fragment}"], capture_output=True, text=True,
+        dom = run_launch([_chromium(), *flags, "--dump-dom", f"{page}#{fragment}"], capture_output=True, text=True,
                              timeout=120)
         assert re.search(rf'id="shown">{shown}<', dom.stdout), fragment
         assert len(re.findall(r'<details class="traj" [^>]*style="display: none;"', dom.stdout)) == 8 - shown
@@ -121,6 +121,6 @@ def test_the_page_renders_in_headless_chromium_with_every_trajectory_and_a_scree
 
 
 def test_view_without_a_dump_is_one_clear_error(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "megatron_stepwise.cli", "view", str(tmp_path)],
+    out = run_launch([sys.executable, "-m", "megatron_stepwise.cli", "view", str(tmp_path)],
                          env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "trainer.dump_rollouts" in out.stderr and "Traceback" not in out.stderr

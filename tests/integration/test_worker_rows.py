@@ -169,9 +169,11 @@ def _resolve_worker(rank: int, store_path: str, results) -> None:
 
 @pytest.mark.distributed
 def test_a_replica_leader_resolves_for_its_replica_and_a_failure_reaches_every_rank():
-    with tempfile.TemporaryDirectory() as tmp:
-        results = mp.Manager().dict()
+    # the Manager's server is spawned: forked from this process (Ray's threads may run in it) it can deadlock
+    with tempfile.TemporaryDirectory() as tmp, mp.get_context("spawn").Manager() as manager:
+        results = manager.dict()
         mp.spawn(_resolve_worker, args=(os.path.join(tmp, "store"), results), nprocs=4, join=True)
+        results = dict(results)
     # the leaders (ranks 0 and 2) resolve; their replica peers get the leader's result
     assert [results[r]["ok"] for r in range(4)] == [["a", 0], ["a", 0], ["b", 2], ["b", 2]]
     for rank in range(4):

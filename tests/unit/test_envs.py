@@ -42,6 +42,7 @@ def test_echo_partial_credit_sums_to_the_mean_turn_score():
         env.reset({"prompt_id": "bad", "digits": [12]})
 
 
+@pytest.mark.launches  # the sandbox runs the code in a child process
 def test_sandbox_runs_code_with_limits(tmp_path):
     assert run_python("print(6 * 7)").stdout == "42\n"
     assert run_python("1/0").as_observation().startswith("ZeroDivisionError")
@@ -66,6 +67,7 @@ def call(code):
     return f'<tool_call>\n{json.dumps({"name": "python", "arguments": {"code": code}})}\n</tool_call>'
 
 
+@pytest.mark.launches  # the python tool runs in the sandbox's child process
 def test_math_tool_env_episode():
     spec = get_env_spec("math_tool")
     sample = spec.dataset(2)[1]  # "A crate holds 17 bottles. How many bottles are in 46 crates?"
@@ -85,6 +87,7 @@ def test_math_tool_env_episode():
         assert str(int(row["answer"])) == row["answer"]
 
 
+@pytest.mark.launches  # the python tool runs in the sandbox's child process
 def test_math_tool_answers_every_call_in_order_and_malformed_ones_with_an_error():
     env = make_env("math_tool")
     env.reset({"prompt_id": "p", "question": "What is 2 + 3?", "answer": "5"})

@@ -49,6 +49,7 @@ def assert_loggers_match_jsonl(run_dir: str) -> int:
     return compared
 
 
+@pytest.mark.launches  # wandb starts its service process
 def test_tensorboard_and_offline_wandb_equal_metrics_jsonl(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")

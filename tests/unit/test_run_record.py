@@ -9,6 +9,7 @@ from megatron_stepwise.config import config_from_dict
 from megatron_stepwise.rundir.record import config_diff, git_commit, write_run_record
 
 
+@pytest.mark.launches  # the record asks git for the commit
 def test_write_run_record_keeps_the_config_and_one_entry_per_start(tmp_path):
     run_dir = str(tmp_path / "run")
     write_run_record(run_dir, "name: a\n", ["megatron-stepwise", "train", "a.yaml"])

@@ -239,6 +239,7 @@ def test_tools_may_be_a_method_sync_or_async_and_bad_tools_end_only_the_trajecto
     assert "env.tools" in steps[0].metadata["error"] and "tools[0] has no function name" in steps[0].metadata["error"]
 
 
+@pytest.mark.launches  # the python tool runs in the sandbox's child process
 def test_math_tool_runs_in_the_agent_loop_with_its_python_tool():
     tok, _ = tiny_lm("tiny_char")
     code = block({"name": "python", "arguments": {"code": "print(17 * 46)"}})
