@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup run test test-fast bench
+.PHONY: setup run test test-fast lint bench
 
 setup:
 	@bash tools/setup_env.sh
@@ -21,6 +21,15 @@ test: setup
 # STEPWISE_NO_LAUNCH=1 fails any other test there that starts one (tests/conftest.py).
 test-fast: setup
 	STEPWISE_NO_LAUNCH=1 $(PY) -m pytest -q tests/unit -m "not distributed and not slow and not launches" --durations=15
+
+# Formatting and import order are the tool's (ruff, configured in pyproject.toml): `make format` applies them.
+lint: setup
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+
+format: setup
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
 
 bench: setup
 	$(PY) tools/bench.py

@@ -51,7 +51,7 @@ def _expand_item(item: str, text: str) -> list[str]:
         if "[" in item or "]" in item:
             raise ValueError(f"bad host list entry {item!r} in {text!r}")
         return [item]
-    head, tail = item[: match.start()], item[match.end():]
+    head, tail = item[: match.start()], item[match.end() :]
     return [head + value + rest for value in _expand_range(match.group(1), text) for rest in _expand_item(tail, text)]
 
 

@@ -67,8 +67,16 @@ class Job:
 
     def train_command(self, torchrun_args: list[object], ray_address: object | None) -> list[object]:
         extra = [Raw(f"rollout.ray_address={ray_address}")] if ray_address else []
-        return ["torchrun", *torchrun_args, "-m", "megatron_stepwise.cli", "train", self.config_path,
-                *self.overrides, *extra]
+        return [
+            "torchrun",
+            *torchrun_args,
+            "-m",
+            "megatron_stepwise.cli",
+            "train",
+            self.config_path,
+            *self.overrides,
+            *extra,
+        ]
 
 
 def load_job(config_path: str, overrides: list[str], skip_local_checks: bool = False) -> Job:
@@ -100,11 +108,15 @@ def _prelude(lines: list[str], job: Job, script: str) -> list[str]:
     bindir = Path(sys.executable).parent
     workdir = str(Path.cwd().resolve())
     command = json.dumps([script, job.config_path, *job.overrides])  # recorded in <run_dir>/run.json
-    return ["set -euo pipefail",
-            f"# working directory: {workdir} (relative paths in the config and arguments resolve here)",
-            f"cd {shlex.quote(workdir)}", f"export MEGATRON_STEPWISE_COMMAND={shlex.quote(command)}",
-            f'export PATH={shlex.quote(str(bindir))}:"$PATH"',
-            f'export PYTHONPATH={shlex.quote(str(REPO))}${{PYTHONPATH:+:$PYTHONPATH}}', *lines]
+    return [
+        "set -euo pipefail",
+        f"# working directory: {workdir} (relative paths in the config and arguments resolve here)",
+        f"cd {shlex.quote(workdir)}",
+        f"export MEGATRON_STEPWISE_COMMAND={shlex.quote(command)}",
+        f'export PATH={shlex.quote(str(bindir))}:"$PATH"',
+        f"export PYTHONPATH={shlex.quote(str(REPO))}${{PYTHONPATH:+:$PYTHONPATH}}",
+        *lines,
+    ]
 
 
 def _wait_ray(address: object, nodes: int) -> str:
@@ -115,19 +127,27 @@ def plan_local(job: Job) -> list[str]:
     """One node: torchrun for the training ranks, plus a Ray head holding the rollout GPUs."""
     launch, ro = job.cfg.launch, job.cfg.rollout
     if launch.nnodes > 1 or launch.rollout_nodes > 0:
-        raise PlanError([f"launch.nnodes: {launch.nnodes} training nodes and launch.rollout_nodes "
-                         f"{launch.rollout_nodes}: a multi-node layout, use launch/train_slurm.sbatch"])
+        raise PlanError(
+            [
+                f"launch.nnodes: {launch.nnodes} training nodes and launch.rollout_nodes "
+                f"{launch.rollout_nodes}: a multi-node layout, use launch/train_slurm.sbatch"
+            ]
+        )
     nproc = launch.nproc_per_node
     if launch.master_port is None:
         rdzv = ["--standalone"]  # a free port on loopback, so concurrent runs do not collide
     else:
         rdzv = ["--rdzv-backend=static", f"--rdzv-endpoint=127.0.0.1:{launch.master_port}", "--node-rank=0"]
     torchrun = [*rdzv, "--nnodes=1", f"--nproc-per-node={nproc}"]
-    lines = [f"# megatron-stepwise local launch of {job.cfg.name}: {nproc} training rank(s) on "
-             f"{'GPUs ' + gpu_list(0, nproc) if launch.gpus_per_node else 'CPU'}"]
+    lines = [
+        f"# megatron-stepwise local launch of {job.cfg.name}: {nproc} training rank(s) on "
+        f"{'GPUs ' + gpu_list(0, nproc) if launch.gpus_per_node else 'CPU'}"
+    ]
     # The ranks die with this script (megatron_stepwise/rundir/lifecycle.py): `$$` is the bash that runs the plan.
-    lines += ["export MEGATRON_STEPWISE_LAUNCHER_PID=$$",
-              f"export MEGATRON_STEPWISE_RUN_DIR={shlex.quote(str(Path.cwd().resolve() / job.cfg.run_dir))}"]
+    lines += [
+        "export MEGATRON_STEPWISE_LAUNCHER_PID=$$",
+        f"export MEGATRON_STEPWISE_RUN_DIR={shlex.quote(str(Path.cwd().resolve() / job.cfg.run_dir))}",
+    ]
     ray_address = None
     if launch.gpus_per_node:
         env: list[object] = ["env", f"CUDA_VISIBLE_DEVICES={gpu_list(0, nproc)}"]
@@ -141,17 +161,28 @@ def plan_local(job: Job) -> list[str]:
                 *RAY_ENV,
                 f"# rollout: Ray head on GPUs {rollout or '(none)'} for {ro.num_engines} {ro.engine} engine(s)"
                 + (" colocated with training" if ro.colocate else ""),
-                sh("env", f"CUDA_VISIBLE_DEVICES={rollout}", "ray", "start", "--head",
-                   "--node-ip-address=127.0.0.1", f"--port={launch.ray_port}",
-                   f"--num-gpus={launch.gpus_per_node - first}", "--block") + " &",
+                sh(
+                    "env",
+                    f"CUDA_VISIBLE_DEVICES={rollout}",
+                    "ray",
+                    "start",
+                    "--head",
+                    "--node-ip-address=127.0.0.1",
+                    f"--port={launch.ray_port}",
+                    f"--num-gpus={launch.gpus_per_node - first}",
+                    "--block",
+                )
+                + " &",
                 "RAY_PID=$!",
                 "trap 'kill $RAY_PID 2>/dev/null || true' EXIT",
                 _wait_ray(ray_address, 1),
             ]
     else:
         env = ["env", "OMP_NUM_THREADS=1"]  # CPU: ranks and engines share the cores
-        lines.append(f"# rollout: {ro.num_engines} {ro.engine} engine(s) on "
-                     f"{'Ray at ' + ro.ray_address if ro.ray_address else 'a local Ray instance rank 0 starts'}")
+        lines.append(
+            f"# rollout: {ro.num_engines} {ro.engine} engine(s) on "
+            f"{'Ray at ' + ro.ray_address if ro.ray_address else 'a local Ray instance rank 0 starts'}"
+        )
     lines.append(sh(*env, *job.train_command(torchrun, ray_address)))
     return _prelude(lines, job, "launch/train_local.sh")
 
@@ -194,14 +225,19 @@ def plan_slurm(job: Job, environ: dict[str, str]) -> list[str]:
     alloc = read_allocation(environ)
     need = launch.nnodes + launch.rollout_nodes
     if len(alloc.nodes) < need:
-        raise PlanError([f"launch.nnodes: the config needs launch.nnodes {launch.nnodes} + launch.rollout_nodes "
-                         f"{launch.rollout_nodes} = {need} nodes, the allocation has {len(alloc.nodes)} "
-                         f"({','.join(alloc.nodes)}); sbatch --nodes={need}"])
+        raise PlanError(
+            [
+                f"launch.nnodes: the config needs launch.nnodes {launch.nnodes} + launch.rollout_nodes "
+                f"{launch.rollout_nodes} = {need} nodes, the allocation has {len(alloc.nodes)} "
+                f"({','.join(alloc.nodes)}); sbatch --nodes={need}"
+            ]
+        )
     if alloc.gpus_on_node is not None and alloc.gpus_on_node != launch.gpus_per_node:
-        raise PlanError([f"launch.gpus_per_node: is {launch.gpus_per_node} but SLURM_GPUS_ON_NODE is "
-                         f"{alloc.gpus_on_node}"])
+        raise PlanError(
+            [f"launch.gpus_per_node: is {launch.gpus_per_node} but SLURM_GPUS_ON_NODE is {alloc.gpus_on_node}"]
+        )
     train_nodes = alloc.nodes[: launch.nnodes]
-    rollout_nodes = alloc.nodes[launch.nnodes: need]
+    rollout_nodes = alloc.nodes[launch.nnodes : need]
     head, port, gpus, nproc = train_nodes[0], master_port(job, alloc), launch.gpus_per_node, launch.nproc_per_node
     ray_address = Raw(f"$HEAD_IP:{launch.ray_port}")
     step = ["srun", "--overlap", "--nodes=1", "--ntasks=1"]
@@ -222,31 +258,39 @@ def plan_slurm(job: Job, environ: dict[str, str]) -> list[str]:
     lines.append("TRAIN_PIDS=()")
     for rank, node in enumerate(train_nodes):
         env = ["env", f"CUDA_VISIBLE_DEVICES={gpu_list(0, nproc)}"] if gpus else ["env", "OMP_NUM_THREADS=1"]
-        torchrun = [f"--nnodes={launch.nnodes}", f"--nproc-per-node={nproc}", f"--node-rank={rank}",
-                    "--rdzv-backend=static", f"--rdzv-endpoint={head}:{port}"]
-        lines += [sh(*step, "-w", node, *env, *job.train_command(torchrun, ray_address)) + " &",
-                  'TRAIN_PIDS+=("$!")']
-    lines += ["status=0",
-              'for pid in "${TRAIN_PIDS[@]}"; do wait "$pid" || status=$?; done',
-              'exit "$status"']
+        torchrun = [
+            f"--nnodes={launch.nnodes}",
+            f"--nproc-per-node={nproc}",
+            f"--node-rank={rank}",
+            "--rdzv-backend=static",
+            f"--rdzv-endpoint={head}:{port}",
+        ]
+        lines += [sh(*step, "-w", node, *env, *job.train_command(torchrun, ray_address)) + " &", 'TRAIN_PIDS+=("$!")']
+    lines += ["status=0", 'for pid in "${TRAIN_PIDS[@]}"; do wait "$pid" || status=$?; done', 'exit "$status"']
     return _prelude(lines, job, "launch/train_slurm.sbatch")
 
 
-def _ray_cluster(launch, train_nodes: list[str], rollout_nodes: list[str], step: list[str],
-                 ray_address: Raw, colocate: bool = False) -> list[str]:
+def _ray_cluster(
+    launch, train_nodes: list[str], rollout_nodes: list[str], step: list[str], ray_address: Raw, colocate: bool = False
+) -> list[str]:
     """Ray head on the first node, a worker on every other node; each sees only its rollout GPUs
     (every GPU when colocated)."""
     gpus, nproc = launch.gpus_per_node, launch.nproc_per_node
-    head_ip = sh(*step, '-w', train_nodes[0], 'hostname', '--ip-address')
+    head_ip = sh(*step, "-w", train_nodes[0], "hostname", "--ip-address")
     lines = [*RAY_ENV, f"HEAD_IP=$({head_ip} | awk '{{print $1}}')", "trap 'kill $(jobs -p) 2>/dev/null || true' EXIT"]
     ray_nodes = train_nodes + rollout_nodes
     for i, node in enumerate(ray_nodes):
         first_free = nproc if node in train_nodes and not colocate else 0  # training keeps [0, nproc)
         env = ["env", f"CUDA_VISIBLE_DEVICES={gpu_list(first_free, gpus)}"] if gpus else []
-        role = ["--head", Raw("--node-ip-address=$HEAD_IP"), f"--port={launch.ray_port}"] if i == 0 else \
-               [Raw(f"--address=$HEAD_IP:{launch.ray_port}")]
-        lines.append(sh(*step, "-w", node, *env, "ray", "start", *role, f"--num-gpus={max(gpus - first_free, 0)}",
-                        "--block") + " &")
+        role = (
+            ["--head", Raw("--node-ip-address=$HEAD_IP"), f"--port={launch.ray_port}"]
+            if i == 0
+            else [Raw(f"--address=$HEAD_IP:{launch.ray_port}")]
+        )
+        lines.append(
+            sh(*step, "-w", node, *env, "ray", "start", *role, f"--num-gpus={max(gpus - first_free, 0)}", "--block")
+            + " &"
+        )
         if i == 0 or i == len(ray_nodes) - 1:  # workers need the head up; training needs every node
             lines.append(_wait_ray(ray_address, i + 1))
     return lines
@@ -274,15 +318,19 @@ def wait_ray(address: str, nodes: int, timeout_s: float) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="launch/plan.py", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="launch/plan.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="mode", required=True)
     for mode in ("local", "slurm"):
         p = sub.add_parser(mode)
         p.add_argument("config")
         p.add_argument("overrides", nargs="*")
-        p.add_argument("--skip-local-checks", action="store_true",
-                       help="validate for the cluster's nodes, not this machine (a dry run from a login node)")
+        p.add_argument(
+            "--skip-local-checks",
+            action="store_true",
+            help="validate for the cluster's nodes, not this machine (a dry run from a login node)",
+        )
     w = sub.add_parser("wait-ray")
     w.add_argument("address")
     w.add_argument("nodes", type=int)

@@ -11,17 +11,39 @@ flow and the step-wise invariants: docs/architecture.md.
 # line's `--help` stay fast (torch is a few seconds of imports), `from megatron_stepwise import Step`
 # works as before.
 _EXPORTS = {
-    "megatron_stepwise.algo.advantages": ("compute_advantages", "get_estimator", "list_estimators",
-                                          "register_estimator"),
-    "megatron_stepwise.algo.losses": ("LossConfig", "LossInputs", "check_loss_compatibility",
-                                      "combine_metric_partials", "get_policy_loss", "list_policy_losses",
-                                      "loss_token_weights", "policy_loss", "register_policy_loss"),
-    "megatron_stepwise.algo.batching": ("pad_for_data_parallel", "plan_microbatches", "prompt_minibatches",
-                                        "validate_steps"),
+    "megatron_stepwise.algo.advantages": (
+        "compute_advantages",
+        "get_estimator",
+        "list_estimators",
+        "register_estimator",
+    ),
+    "megatron_stepwise.algo.losses": (
+        "LossConfig",
+        "LossInputs",
+        "check_loss_compatibility",
+        "combine_metric_partials",
+        "get_policy_loss",
+        "list_policy_losses",
+        "loss_token_weights",
+        "policy_loss",
+        "register_policy_loss",
+    ),
+    "megatron_stepwise.algo.batching": (
+        "pad_for_data_parallel",
+        "plan_microbatches",
+        "prompt_minibatches",
+        "validate_steps",
+    ),
     "megatron_stepwise.algo.merge": ("MergeStats", "merge_steps", "merge_with_advantages"),
     "megatron_stepwise.algo.rows": ("RowTable",),
-    "megatron_stepwise.steps": ("PAD_PROMPT_PREFIX", "Step", "StepBatch", "StepwiseBatchError", "TrajectoryID",
-                                "make_padding_step"),
+    "megatron_stepwise.steps": (
+        "PAD_PROMPT_PREFIX",
+        "Step",
+        "StepBatch",
+        "StepwiseBatchError",
+        "TrajectoryID",
+        "make_padding_step",
+    ),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 

@@ -35,9 +35,17 @@ Choices = Union[Sequence[Any], Callable[[], Sequence[Any]]]
 _UNCHECKED: contextvars.ContextVar[bool] = contextvars.ContextVar("megatron_stepwise_unchecked", default=False)
 
 
-def option(default: Any, help: str, *, key: str | None = None, min: float | None = None,
-           max: float | None = None, gt: float | None = None, lt: float | None = None,
-           choices: Choices | None = None) -> Any:
+def option(
+    default: Any,
+    help: str,
+    *,
+    key: str | None = None,
+    min: float | None = None,
+    max: float | None = None,
+    gt: float | None = None,
+    lt: float | None = None,
+    choices: Choices | None = None,
+) -> Any:
     """A key: its default, one-line help, optional YAML name, numeric bounds and allowed values."""
     if choices is not None and not callable(choices):
         choices = tuple(choices)

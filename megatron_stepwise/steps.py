@@ -288,9 +288,11 @@ class StepBatch:
         token_fields = {
             "loss_mask": spread(lambda s: s.loss_mask, torch.long),
             "rollout_logprobs": spread(
-                lambda s: s.rollout_logprobs
-                if s.rollout_logprobs is not None
-                else torch.zeros(s.response_ids.numel(), dtype=torch.float32),
+                lambda s: (
+                    s.rollout_logprobs
+                    if s.rollout_logprobs is not None
+                    else torch.zeros(s.response_ids.numel(), dtype=torch.float32)
+                ),
                 torch.float32,
             ),
             "rollout_logprobs_known": spread(
@@ -335,7 +337,9 @@ class StepBatch:
         torch.cumsum((~self.rollout_logprobs_known()).long(), 0, out=unknown[1:])
         unknown = unknown.tolist()
         rewards, lasts = self.row_fields["reward"].tolist(), self.row_fields["is_last"].tolist()
-        turn_rewards = self.row_fields["turn_reward"].tolist() if "turn_reward" in self.row_fields else [0.0] * self.num_rows
+        turn_rewards = (
+            self.row_fields["turn_reward"].tolist() if "turn_reward" in self.row_fields else [0.0] * self.num_rows
+        )
         paddings = self.row_fields["is_padding"].tolist()
         steps = []
         for r in range(self.num_rows):
@@ -383,13 +387,20 @@ class StepBatch:
         offsets = torch.zeros(lengths.numel() + 1, dtype=torch.long)
         torch.cumsum(lengths, 0, out=offsets[1:])
         names = set.intersection(*(set(b.token_fields) for b in batches))
-        token_fields = {k: torch.cat([b.token_fields[k] for b in batches]) for k in batches[0].token_fields if k in names}
+        token_fields = {
+            k: torch.cat([b.token_fields[k] for b in batches]) for k in batches[0].token_fields if k in names
+        }
         routed = [b.token_fields.get("routed_experts") for b in batches]
         shape = next((tuple(r.shape[1:]) for r in routed if r is not None), None)
         if shape is not None:
-            token_fields["routed_experts"] = torch.cat([
-                r if r is not None else torch.full((b.tokens.numel(), *shape), UNKNOWN_EXPERT, dtype=ROUTED_EXPERTS_DTYPE)
-                for r, b in zip(routed, batches)])
+            token_fields["routed_experts"] = torch.cat(
+                [
+                    r
+                    if r is not None
+                    else torch.full((b.tokens.numel(), *shape), UNKNOWN_EXPERT, dtype=ROUTED_EXPERTS_DTYPE)
+                    for r, b in zip(routed, batches)
+                ]
+            )
         row_fields = {k: torch.cat([b.row_fields[k] for b in batches]) for k in batches[0].row_fields}
         for key in ("traj_index", "group_index"):
             parts, base = [], 0
@@ -401,10 +412,16 @@ class StepBatch:
         metadata = None
         if all(b.metadata is not None for b in batches):
             metadata = [m for b in batches for m in b.metadata]
-        return cls(tokens=torch.cat([b.tokens for b in batches]), offsets=offsets,
-                   prompt_lens=torch.cat([b.prompt_lens for b in batches]), token_fields=token_fields,
-                   row_fields=row_fields, trajectory_ids=[t for b in batches for t in b.trajectory_ids],
-                   stop_reasons=[r for b in batches for r in b.stop_reasons], metadata=metadata)
+        return cls(
+            tokens=torch.cat([b.tokens for b in batches]),
+            offsets=offsets,
+            prompt_lens=torch.cat([b.prompt_lens for b in batches]),
+            token_fields=token_fields,
+            row_fields=row_fields,
+            trajectory_ids=[t for b in batches for t in b.trajectory_ids],
+            stop_reasons=[r for b in batches for r in b.stop_reasons],
+            metadata=metadata,
+        )
 
     def select(self, rows: Iterable[int]) -> "StepBatch":
         """A new batch holding the given rows, in the given order."""
@@ -439,11 +456,14 @@ def _routed_experts_field(steps: Sequence[Step]) -> Optional[torch.Tensor]:
     if len(shapes) != 1:
         raise StepwiseBatchError(f"field 'routed_experts': steps disagree on [layers, topk]: {sorted(shapes)}")
     shape = shapes.pop()
-    return torch.cat([
-        s.routed_experts if s.routed_experts is not None
-        else torch.full((s.num_tokens, *shape), UNKNOWN_EXPERT, dtype=ROUTED_EXPERTS_DTYPE)
-        for s in steps
-    ])
+    return torch.cat(
+        [
+            s.routed_experts
+            if s.routed_experts is not None
+            else torch.full((s.num_tokens, *shape), UNKNOWN_EXPERT, dtype=ROUTED_EXPERTS_DTYPE)
+            for s in steps
+        ]
+    )
 
 
 def _dense_ids(steps: Sequence[Step]) -> tuple[torch.Tensor, torch.Tensor]:

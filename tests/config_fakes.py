@@ -36,8 +36,10 @@ class FakeProbes(Probes):
             heads, kv, layers, *experts = self.shapes[hf_config]  # (heads, KV heads, layers[, experts])
             moe = {"model_type": "qwen3_moe", "num_experts": experts[0]} if experts else {}
             # a real model's context window (the recipes' lengths are checked against it)
-            return (tiny_config(num_heads=heads, num_kv_heads=kv, num_layers=layers, max_position_embeddings=32768,
-                                **moe), f"fake {hf_config}")
+            return (
+                tiny_config(num_heads=heads, num_kv_heads=kv, num_layers=layers, max_position_embeddings=32768, **moe),
+                f"fake {hf_config}",
+            )
         return super().model_config(hf_config)  # local config.json files are read for real
 
     def locate_model(self, value, files=("config.json",)):

@@ -26,16 +26,26 @@ from timeouts import pytest_fixture_setup, pytest_runtest_protocol, pytest_timeo
 # that starts a process fails, naming the launch. Audit events catch subprocess, fork and exec;
 # multiprocessing's spawn start method goes through util.spawnv_passfds, wrapped below.
 _NO_LAUNCH = os.environ.get("STEPWISE_NO_LAUNCH") == "1"
-_LAUNCH_EVENTS = {"subprocess.Popen", "os.fork", "os.forkpty", "os.posix_spawn", "os.exec", "os.spawn", "os.system",
-                  "multiprocessing.spawn"}
+_LAUNCH_EVENTS = {
+    "subprocess.Popen",
+    "os.fork",
+    "os.forkpty",
+    "os.posix_spawn",
+    "os.exec",
+    "os.spawn",
+    "os.system",
+    "multiprocessing.spawn",
+}
 _launches: list[str] | None = None  # while a test runs under STEPWISE_NO_LAUNCH=1: launches from other threads
 
 
 def _refuse_launch(event: str, args) -> None:
     if _launches is None or event not in _LAUNCH_EVENTS:
         return
-    what = f"test-fast runs no processes, and this test started one ({event} {str(args)[:200]}): " \
-           "mark it `launches` or move it to tests/integration"
+    what = (
+        f"test-fast runs no processes, and this test started one ({event} {str(args)[:200]}): "
+        "mark it `launches` or move it to tests/integration"
+    )
     if threading.current_thread() is threading.main_thread():
         pytest.fail(what)  # a BaseException: `except Exception` in the code under test does not hide it
     _launches.append(what)  # failed at the test's teardown

@@ -27,6 +27,7 @@ TESTS = REPO / "tests"
 
 # ---- steps ------------------------------------------------------------------------------------
 
+
 def make_step(
     pid: str,
     k: int,
@@ -68,6 +69,7 @@ def make_step(
 
 # ---- launches ---------------------------------------------------------------------------------
 
+
 def _kill_tree(proc: subprocess.Popen) -> None:
     """SIGKILL the launch's process group and every descendant (torchrun starts its workers in
     sessions of their own, which the group signal does not reach)."""
@@ -91,8 +93,16 @@ def _kill_tree(proc: subprocess.Popen) -> None:
     psutil.wait_procs(tree, timeout=10)
 
 
-def run_launch(cmd: Sequence[str], *, timeout: float, input: Optional[str] = None, check: bool = False,
-               capture_output: bool = True, text: bool = True, **popen_kwargs) -> subprocess.CompletedProcess:
+def run_launch(
+    cmd: Sequence[str],
+    *,
+    timeout: float,
+    input: Optional[str] = None,
+    check: bool = False,
+    capture_output: bool = True,
+    text: bool = True,
+    **popen_kwargs,
+) -> subprocess.CompletedProcess:
     """`subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, ...)` for a launch that may hang.
 
     The command starts in a session (and process group) of its own. If it outlives `timeout`, or the
@@ -115,9 +125,11 @@ def run_launch(cmd: Sequence[str], *, timeout: float, input: Optional[str] = Non
             out, err = proc.communicate(timeout=10)
         except BaseException:  # a pipe held open by a process that left the tree: give up on the output
             out = err = None
-        print(f"[run_launch] killed after {type(e).__name__}: {' '.join(map(str, cmd))[:500]}\n"
-              f"--- its stdout (tail) ---\n{(out or '')[-8000:]}\n--- its stderr (tail) ---\n{(err or '')[-16000:]}",
-              file=sys.stderr)
+        print(
+            f"[run_launch] killed after {type(e).__name__}: {' '.join(map(str, cmd))[:500]}\n"
+            f"--- its stdout (tail) ---\n{(out or '')[-8000:]}\n--- its stderr (tail) ---\n{(err or '')[-16000:]}",
+            file=sys.stderr,
+        )
         if isinstance(e, subprocess.TimeoutExpired):
             raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err) from None
         raise
@@ -128,6 +140,7 @@ def run_launch(cmd: Sequence[str], *, timeout: float, input: Optional[str] = Non
 
 
 # ---- torchrun ---------------------------------------------------------------------------------
+
 
 def run_torchrun(
     script: str, nproc: int, args: Sequence[str], timeout: float = 300, env: Optional[dict[str, str]] = None
@@ -145,8 +158,13 @@ def run_torchrun(
     # --standalone: torchrun binds its own free port (a port picked here could be taken by
     # another job on a shared machine before torchrun listens on it).
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-        str(TESTS / "workers" / script), *args,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        str(TESTS / "workers" / script),
+        *args,
     ]
     return run_launch(cmd, env=full_env, timeout=timeout, cwd=REPO)
 
@@ -160,6 +178,7 @@ def check_ok(proc: subprocess.CompletedProcess, what: str = "torchrun") -> None:
 
 # ---- tiny models ------------------------------------------------------------------------------
 
+
 def tiny_lm(tokenizer: str = "tiny_word") -> tuple[Any, dict]:
     """(tokenizer, config): a shipped tiny tokenizer ("tiny_word", "tiny_char", "tiny_bpe"; loaded
     once per process, shared) and a fresh tiny Qwen2 config dict sized to its vocabulary."""
@@ -171,6 +190,7 @@ def tiny_lm(tokenizer: str = "tiny_word") -> tuple[Any, dict]:
 
 
 # ---- scripts ----------------------------------------------------------------------------------
+
 
 def load_script(path: Path, name: Optional[str] = None):
     """Import the script at `path` as module `name` (default: its stem) and register it in

@@ -23,7 +23,6 @@ _FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
 def tensorboard_scalars(run_dir: str) -> dict[str, dict[int, float]]:
     """tag -> {step: value} of every scalar in the run's TensorBoard events."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     from tensorboard.util import tensor_util
 
     # The logger writes float64 tensor summaries of the scalars plugin (new_style=True).
@@ -47,8 +46,8 @@ def _wandb_records(path: str):
         if left_in_block < _HEADER:  # block trailer: zero padding
             pos += left_in_block
             continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + _HEADER])
-        chunk = data[pos + _HEADER:pos + _HEADER + length]
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + _HEADER])
+        chunk = data[pos + _HEADER : pos + _HEADER + length]
         pos += _HEADER + length
         parts.append(chunk)
         if kind in (_FULL, _LAST):

@@ -15,6 +15,7 @@ import torch
 from megatron_stepwise.algo.advantages import compute_advantages
 from megatron_stepwise.steps import Step, StepBatch, TrajectoryID, make_padding_step
 
+
 def make_steps(vocab: int = 256, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
 

@@ -69,9 +69,16 @@ class Trainer:
         self.signalled = True
 
     def fields(self) -> dict:
-        return {"ppid": os.getpid(), "addr": id(self.secret), "marker": self.marker, "data": str(DATASET),
-                "tcp": self.tcp.getsockname()[1], "udp": self.udp.getsockname()[1], "unix": self.unix_path,
-                "token": self.token}
+        return {
+            "ppid": os.getpid(),
+            "addr": id(self.secret),
+            "marker": self.marker,
+            "data": str(DATASET),
+            "tcp": self.tcp.getsockname()[1],
+            "udp": self.udp.getsockname()[1],
+            "unix": self.unix_path,
+            "token": self.token,
+        }
 
     def connected(self, sock) -> bool:
         try:
@@ -113,33 +120,42 @@ def _failed(r) -> bool:
 CORPUS = {
     "read_parent_environ": (
         "print(open('/proc/{ppid}/environ', 'rb').read()[:200])",
-        lambda r, t: _failed(r) and "PATH" not in r.stdout),
+        lambda r, t: _failed(r) and "PATH" not in r.stdout,
+    ),
     "read_ppid_environ": (  # the parent as the code sees it
         "import os; print(open(f'/proc/{{os.getppid()}}/environ', 'rb').read()[:200])",
-        lambda r, t: _failed(r) and "PATH" not in r.stdout),
+        lambda r, t: _failed(r) and "PATH" not in r.stdout,
+    ),
     "read_parent_memory": (
         "f = open('/proc/{ppid}/mem', 'rb'); f.seek({addr}); print(f.read(4096))",
-        lambda r, t: _failed(r) and t.token not in r.stdout),
+        lambda r, t: _failed(r) and t.token not in r.stdout,
+    ),
     "signal_parent": (
         "import os, signal; os.kill({ppid}, signal.SIGUSR1); print('signalled')",
-        lambda r, t: _failed(r) and "signalled" not in r.stdout and not t.signalled),
+        lambda r, t: _failed(r) and "signalled" not in r.stdout and not t.signalled,
+    ),
     "kill_parent_group": (  # the pgid of the trainer; a no-op or EPERM, never delivered
         "import os, signal; os.killpg(os.getpgid({ppid}), signal.SIGUSR1); print('signalled')",
-        lambda r, t: _failed(r) and not t.signalled),
+        lambda r, t: _failed(r) and not t.signalled,
+    ),
     "write_outside_tempdir": (
         "open({marker!r}, 'w').write('x'); print('wrote')",
-        lambda r, t: _failed(r) and not os.path.exists(t.marker)),
+        lambda r, t: _failed(r) and not os.path.exists(t.marker),
+    ),
     "write_tmp": (
         "open('/tmp/escaped-{token}', 'w').write('x'); print('wrote')",
-        lambda r, t: _failed(r) and not os.path.exists(f"/tmp/escaped-{t.token}")),
+        lambda r, t: _failed(r) and not os.path.exists(f"/tmp/escaped-{t.token}"),
+    ),
     "read_dataset_answers": (
         "print(open({data!r}).read()[:300])",
-        lambda r, t: _failed(r) and '"answer"' not in r.stdout),
+        lambda r, t: _failed(r) and '"answer"' not in r.stdout,
+    ),
     "find_dataset": (
         "import os\n"
         "for root, dirs, files in os.walk('/'):\n"
         "    if 'math_problems.jsonl' in files: print('found', root)",
-        lambda r, t: "found" not in r.stdout),
+        lambda r, t: "found" not in r.stdout,
+    ),
     "leave_children_running": (  # a new session and a double fork: out of any process group
         "import os, subprocess, sys\n"
         "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)', '{token}'], start_new_session=True)\n"
@@ -149,67 +165,81 @@ CORPUS = {
         "        os.execv('/bin/sleep', ['sleep', '600', '{token}'])\n"
         "    os._exit(0)\n"
         "print('spawned')",
-        lambda r, t: _wait_for(lambda: not t.leftovers())),
+        lambda r, t: _wait_for(lambda: not t.leftovers()),
+    ),
     "tcp_via__socket": (
         "import _socket; s = _socket.socket(); s.settimeout(5); s.connect(('127.0.0.1', {tcp})); print('connected')",
-        lambda r, t: _failed(r) and "connected" not in r.stdout and not t.connected(t.tcp)),
+        lambda r, t: _failed(r) and "connected" not in r.stdout and not t.connected(t.tcp),
+    ),
     "tcp_internet": (
         "import _socket; s = _socket.socket(); s.settimeout(3); s.connect(('1.1.1.1', 53)); print('connected')",
-        lambda r, t: _failed(r) and "connected" not in r.stdout),
+        lambda r, t: _failed(r) and "connected" not in r.stdout,
+    ),
     "udp_via__socket": (
         "import _socket; s = _socket.socket(2, 2); s.sendto(b'x', ('127.0.0.1', {udp})); print('sent')",
-        lambda r, t: not t.received()),
+        lambda r, t: not t.received(),
+    ),
     "unix_socket": (
         "import _socket; s = _socket.socket(1, 1); s.connect({unix!r}); print('connected')",
-        lambda r, t: _failed(r) and not t.connected(t.unix)),
+        lambda r, t: _failed(r) and not t.connected(t.unix),
+    ),
     "rejoin_host_network": (  # setns into the init's namespace: the root escape of the old sandbox
         "import ctypes, os; fd = os.open('/proc/1/ns/net', os.O_RDONLY)\n"
         "libc = ctypes.CDLL(None, use_errno=True); print('setns', libc.setns(fd, 0x40000000))\n"
         "import _socket; s = _socket.socket(); s.settimeout(3); s.connect(('127.0.0.1', {tcp})); print('connected')",
-        lambda r, t: "connected" not in r.stdout and not t.connected(t.tcp)),
+        lambda r, t: "connected" not in r.stdout and not t.connected(t.tcp),
+    ),
     "unmount_proc": (
         "import ctypes, os; libc = ctypes.CDLL(None, use_errno=True); print(libc.umount2(b'/proc', 2))\n"
         "print(open('/proc/{ppid}/environ', 'rb').read()[:100])",
-        lambda r, t: "PATH" not in r.stdout),
+        lambda r, t: "PATH" not in r.stdout,
+    ),
     "stdout_flood": (
         "import sys\nwhile True: sys.stdout.write('x' * 65536)",
-        lambda r, t: r.output_truncated and len(r.stdout) <= 64 << 10),
+        lambda r, t: r.output_truncated and len(r.stdout) <= 64 << 10,
+    ),
     "stderr_flood": (
         "import sys\nwhile True: sys.stderr.write('x' * 65536)",
-        lambda r, t: r.output_truncated and len(r.stderr) <= 64 << 10),
+        lambda r, t: r.output_truncated and len(r.stderr) <= 64 << 10,
+    ),
     "fork_bomb": (
         "import os, time\nn = 0\ntry:\n    for _ in range(200):\n        if os.fork() == 0:\n"
         "            time.sleep(600)\n        n += 1\nexcept OSError as e:\n    print('stopped at', n)",
-        lambda r, t: "stopped at" in r.stdout and int(r.stdout.split()[-1]) < 200),
+        lambda r, t: "stopped at" in r.stdout and int(r.stdout.split()[-1]) < 200,
+    ),
     "memory_hog": (
         "b = bytearray(4 << 30); print('allocated')",
-        lambda r, t: _failed(r) and "allocated" not in r.stdout),
+        lambda r, t: _failed(r) and "allocated" not in r.stdout,
+    ),
     "disk_fill": (
         "f = open('big', 'wb')\nfor _ in range(64): f.write(b'x' * (1 << 20))\nprint('wrote 64 MiB')",
-        lambda r, t: _failed(r) and "wrote" not in r.stdout),
+        lambda r, t: _failed(r) and "wrote" not in r.stdout,
+    ),
     "disk_fill_many_files": (  # each file within RLIMIT_FSIZE, 3000 MiB in all
         "n = 0\ntry:\n    for i in range(3000):\n        open(f'f{{i}}', 'wb').write(b'x' * (1 << 20)); n += 1\n"
         "        print(n, flush=True)\nexcept OSError as e:\n    print('stopped', e)",
-        lambda r, t: _written_mib(r) <= 2 * DISK_MB and ("No space left" in r.stdout or "wrote" in r.limit)),
+        lambda r, t: _written_mib(r) <= 2 * DISK_MB and ("No space left" in r.stdout or "wrote" in r.limit),
+    ),
     "memory_many_processes": (  # 16 processes of ~400 MiB each: within RLIMIT_AS one by one
         "import os, time\nfor _ in range(15):\n    try:\n        if os.fork() == 0:\n"
         "            b = b'x' * (400 << 20); time.sleep(600)\n    except OSError:\n        pass\n"
         "b = b'x' * (400 << 20); time.sleep(600)",
-        lambda r, t: "memory" in r.limit and _held_mib(r) <= 2 * MEMORY_MB and not r.timed_out),
+        lambda r, t: "memory" in r.limit and _held_mib(r) <= 2 * MEMORY_MB and not r.timed_out,
+    ),
     "memory_shared_mappings": (  # the same in shared memory (mmap(-1, n) is MAP_SHARED: not anonymous)
         "import mmap, os, time\nchunk = b'x' * (1 << 20)\nfor _ in range(15):\n    try:\n"
         "        if os.fork() == 0:\n            break\n    except OSError:\n        pass\n"
         "m = mmap.mmap(-1, 400 << 20)\nfor i in range(400):\n    m[i << 20:(i + 1) << 20] = chunk\ntime.sleep(600)",
-        lambda r, t: "memory" in r.limit and _held_mib(r) <= 2 * MEMORY_MB and not r.timed_out),
+        lambda r, t: "memory" in r.limit and _held_mib(r) <= 2 * MEMORY_MB and not r.timed_out,
+    ),
     "regain_capabilities": (  # the code starts as its user namespace's root to mount its tmpfs
         "import ctypes; libc = ctypes.CDLL(None, use_errno=True)\n"
         "hdr = (ctypes.c_uint32 * 2)(0x20080522, 0); data = (ctypes.c_uint32 * 6)(); libc.capget(hdr, data)\n"
         "print('effective', data[0], data[3], 'permitted', data[1], data[4])\n"
         "print('mount', libc.mount(b'tmpfs', b'.', b'tmpfs', 0, b'size=1g'))",
-        lambda r, t: "effective 0 0 permitted 0 0" in r.stdout and "mount -1" in r.stdout),
-    "endless_loop": (
-        "while True: pass",
-        lambda r, t: r.timed_out),
+        lambda r, t: "effective 0 0 permitted 0 0" in r.stdout and "mount -1" in r.stdout,
+    ),
+    "endless_loop": ("while True: pass", lambda r, t: r.timed_out),
     "key_syscalls": (  # the trainer's session keyring: add a key to it, read its id
         "import ctypes, os; libc = ctypes.CDLL(None, use_errno=True)\n"
         "add_key, keyctl = {{'x86_64': (248, 250), 'aarch64': (217, 219)}}[os.uname().machine]\n"
@@ -217,14 +247,16 @@ CORPUS = {
         "print('added' if r >= 0 else 'add denied', ctypes.get_errno())\n"
         "r = libc.syscall(keyctl, 0, -3, 0)\n"
         "print('read' if r >= 0 else 'read denied', ctypes.get_errno())",
-        lambda r, t: "add denied 13" in r.stdout and "read denied 13" in r.stdout),
+        lambda r, t: "add denied 13" in r.stdout and "read denied 13" in r.stdout,
+    ),
     "undeletable_tree": (  # a directory chain deeper than rmtree recurses, and chmod 0 directories
         "import os; print(os.getcwd(), flush=True)\n"
         "os.makedirs('locked/inner'); open('locked/inner/f', 'w').write('x')\n"
         "os.chmod('locked/inner', 0); os.chmod('locked', 0)\n"
         "for _ in range(1500): os.mkdir('d'); os.chdir('d')\n"
         "open('leaf', 'w').write('x'); print('built')",
-        lambda r, t: "built" in r.stdout and not os.path.exists(r.stdout.split()[0])),
+        lambda r, t: "built" in r.stdout and not os.path.exists(r.stdout.split()[0]),
+    ),
 }
 
 
@@ -260,9 +292,14 @@ def run_corpus(sandbox=None, timeout_s: float = 10.0) -> dict:
     try:
         for name, (template, judge) in CORPUS.items():
             # The endless loop needs a short deadline to end; every other case ends by itself.
-            r = sandbox.run_python(template.format(**trainer.fields()), timeout_s=2.0 if name == "endless_loop" else timeout_s)
-            out[name] = {"blocked": bool(judge(r, trainer)), "detail": r.as_observation(160),
-                         "returncode": r.returncode}
+            r = sandbox.run_python(
+                template.format(**trainer.fields()), timeout_s=2.0 if name == "endless_loop" else timeout_s
+            )
+            out[name] = {
+                "blocked": bool(judge(r, trainer)),
+                "detail": r.as_observation(160),
+                "returncode": r.returncode,
+            }
     finally:
         trainer.close()
     return {"isolation": sandbox.isolation().describe(), "euid": os.geteuid(), "cases": out}
@@ -275,11 +312,16 @@ def flood_memory(caps=(64 << 10, 4 << 20)) -> dict:
     out = {}
     for cap in caps:
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        r = sandbox.run_python("import sys\nwhile True: sys.stdout.write('x' * 65536)", timeout_s=30,
-                               max_output_bytes=cap)
+        r = sandbox.run_python(
+            "import sys\nwhile True: sys.stdout.write('x' * 65536)", timeout_s=30, max_output_bytes=cap
+        )
         after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        out[str(cap)] = {"growth_kib": after - before, "baseline_kib": before, "kept_bytes": len(r.stdout),
-                         "truncated": r.output_truncated}
+        out[str(cap)] = {
+            "growth_kib": after - before,
+            "baseline_kib": before,
+            "kept_bytes": len(r.stdout),
+            "truncated": r.output_truncated,
+        }
     return out
 
 

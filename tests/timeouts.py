@@ -33,7 +33,9 @@ import pytest_timeout
 
 os.environ.setdefault("PYTHONFAULTHANDLER", "1")  # children dump their threads on SIGABRT (and on a crash)
 
-GRACE_S = float(os.environ.get("STEPWISE_TIMEOUT_GRACE_S", 60))  # after the timeout, for a main thread SIGALRM cannot reach
+GRACE_S = float(
+    os.environ.get("STEPWISE_TIMEOUT_GRACE_S", 60)
+)  # after the timeout, for a main thread SIGALRM cannot reach
 DUMP_WAIT_S = 10.0  # for the children to finish writing their faulthandler dumps
 _STATE = pytest.StashKey[dict]()
 _RUNNER_FRAME = re.compile(r"/_pytest/|/pluggy/|/pytest/__main__\.py$|^<frozen runpy>$")  # left out of the stacks
@@ -83,7 +85,9 @@ def _thread_stacks(frame=None) -> str:
         elif ident == me:
             continue
         frames = [fr for fr in traceback.extract_stack(f) if not _RUNNER_FRAME.search(fr.filename)]
-        out.append(f"--- thread {names.get(ident, '<unknown>')} ({ident}) ---\n" + "".join(traceback.format_list(frames)))
+        out.append(
+            f"--- thread {names.get(ident, '<unknown>')} ({ident}) ---\n" + "".join(traceback.format_list(frames))
+        )
     return "\n".join(out)
 
 
@@ -106,8 +110,10 @@ def _children_report(before: set) -> str:
             with p.oneshot():
                 new = _key(p) not in before
                 tag = "ray (kept)" if p.pid in ray_pids else ("test's" if new else "older (kept)")
-                lines.append(f"  pid {p.pid} ppid {p.ppid()} {p.status()} wchan={_wchan(p.pid)} [{tag}] "
-                             f"{' '.join(p.cmdline())[:300]}")
+                lines.append(
+                    f"  pid {p.pid} ppid {p.ppid()} {p.status()} wchan={_wchan(p.pid)} [{tag}] "
+                    f"{' '.join(p.cmdline())[:300]}"
+                )
             if new and p.pid not in ray_pids:
                 own.append(p)
         except psutil.Error:
@@ -129,14 +135,18 @@ def _children_report(before: set) -> str:
         except psutil.Error:
             pass
     psutil.wait_procs(own, timeout=DUMP_WAIT_S)
-    return ("child processes (the test's own: Python ones dumped their threads' stacks to their stderr on SIGABRT, "
-            f"pids {[p.pid for p in dumping]}; then all of the test's own were killed):\n" + "\n".join(lines))
+    return (
+        "child processes (the test's own: Python ones dumped their threads' stacks to their stderr on SIGABRT, "
+        f"pids {[p.pid for p in dumping]}; then all of the test's own were killed):\n" + "\n".join(lines)
+    )
 
 
 def _report(item, settings, before: set, frame=None) -> str:
-    return (f"Timeout >{settings.timeout}s in {item.nodeid} (pid {os.getpid()})\n"
-            f"stacks of every thread of the test process:\n{_thread_stacks(frame)}\n"
-            f"{_children_report(before)}")
+    return (
+        f"Timeout >{settings.timeout}s in {item.nodeid} (pid {os.getpid()})\n"
+        f"stacks of every thread of the test process:\n{_thread_stacks(frame)}\n"
+        f"{_children_report(before)}"
+    )
 
 
 _current: dict | None = None  # the running test's state: {"before": the processes it does not own}

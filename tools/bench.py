@@ -56,21 +56,25 @@ class Benchmark:
     starts_ray: bool = False  # a Ray cluster per run: ~1-1.5 min of start-up on a busy 2-core machine
 
 
-BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in [
-    Benchmark("padding", "bench_pipeline", "1, 6", "padding efficiency, layouts, DP balance"),
-    Benchmark("merge", "bench_merge", "2", "merge savings as turns grow"),
-    Benchmark("context", "bench_context", "2", "token-in/token-out vs re-tokenised context, BPE agent loop"),
-    Benchmark("logprobs", "bench_logprobs", "3", "trained-positions-only log-probs vs full logits"),
-    Benchmark("trainer_step", "bench_trainer_step", "4", "trainer step on CPU, packed vs padded"),
-    Benchmark("host_pipeline", "bench_host", "5", "host pipeline overhead"),
-    Benchmark("rollout", "bench_rollout", "7", "rollout fleet throughput, 1 vs 2 engines", starts_ray=True),
-    Benchmark("weight_sync", "bench_weight_sync", "8", "weight sync Megatron -> HF", starts_ray=True),
-    Benchmark("turn_cost", "bench_turn_cost", "-", "agent-loop host CPU per turn, both context modes"),
-    Benchmark("env_calls", "bench_env_calls", "-", "sandboxed tool calls per second vs env concurrency"),
-    Benchmark("scale", "bench_scale", "-", "rollout side at 512x8x5: agent workers, sharded hand-off",
-              starts_ray=True),
-    Benchmark("gpu", "bench_gpu", "9", "GPU training step tokens/s and MFU", device="gpu"),
-]}
+BENCHMARKS: dict[str, Benchmark] = {
+    b.name: b
+    for b in [
+        Benchmark("padding", "bench_pipeline", "1, 6", "padding efficiency, layouts, DP balance"),
+        Benchmark("merge", "bench_merge", "2", "merge savings as turns grow"),
+        Benchmark("context", "bench_context", "2", "token-in/token-out vs re-tokenised context, BPE agent loop"),
+        Benchmark("logprobs", "bench_logprobs", "3", "trained-positions-only log-probs vs full logits"),
+        Benchmark("trainer_step", "bench_trainer_step", "4", "trainer step on CPU, packed vs padded"),
+        Benchmark("host_pipeline", "bench_host", "5", "host pipeline overhead"),
+        Benchmark("rollout", "bench_rollout", "7", "rollout fleet throughput, 1 vs 2 engines", starts_ray=True),
+        Benchmark("weight_sync", "bench_weight_sync", "8", "weight sync Megatron -> HF", starts_ray=True),
+        Benchmark("turn_cost", "bench_turn_cost", "-", "agent-loop host CPU per turn, both context modes"),
+        Benchmark("env_calls", "bench_env_calls", "-", "sandboxed tool calls per second vs env concurrency"),
+        Benchmark(
+            "scale", "bench_scale", "-", "rollout side at 512x8x5: agent workers, sharded hand-off", starts_ray=True
+        ),
+        Benchmark("gpu", "bench_gpu", "9", "GPU training step tokens/s and MFU", device="gpu"),
+    ]
+}
 
 SUITES: dict[str, list[str]] = {
     "cpu": list(BENCHMARKS),  # the GPU benchmark skips itself (with a message) without a GPU
@@ -128,8 +132,16 @@ def child_env(bench: Benchmark) -> dict[str, str]:
 def stream(cmd: list[str], env: dict[str, str], timeout_s: float) -> tuple[int, str, bool]:
     """Run `cmd`, echoing its output live; (return code, output, timed out). On timeout the
     child's whole process group (it runs in a session of its own) is killed."""
-    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            bufsize=1, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
+        start_new_session=True,
+    )
     timed_out = threading.Event()
 
     def kill() -> None:
@@ -167,8 +179,9 @@ def run_benchmark(bench: Benchmark, *, quick: bool, timeout_s: float, skip: Opti
     if not path.exists():
         return not_run("missing", f"tools/{path.name} is not in this checkout yet; nothing measured")
     if bench.device == "gpu" and not gpu_visible():
-        return not_run("skipped",
-                       "no GPU on this machine (no nvidia-smi, /dev/nvidiactl or /dev/kfd); nothing measured")
+        return not_run(
+            "skipped", "no GPU on this machine (no nvidia-smi, /dev/nvidiactl or /dev/kfd); nothing measured"
+        )
     t0 = time.perf_counter()
     env = child_env(bench)
     with tempfile.TemporaryDirectory(prefix="bench_") as tmp:
@@ -193,8 +206,9 @@ def run_benchmark(bench: Benchmark, *, quick: bool, timeout_s: float, skip: Opti
             else:
                 entry.update(status="ok", result=result)
         else:  # a script without run(): its printed tables are the result
-            entry.update(status="ok", message="no run() function: figures in the stored output only",
-                         result={"stdout": output})
+            entry.update(
+                status="ok", message="no run() function: figures in the stored output only", result={"stdout": output}
+            )
     print(f"[{bench.name}] {entry['status']} in {entry['seconds']:.1f} s", flush=True)
     return entry
 
@@ -209,9 +223,15 @@ def _version(dist: str) -> Optional[str]:
 def machine_info(label: Optional[str]) -> dict[str, Any]:
     torch_version = _version("torch")
     auto = f"{os.cpu_count()}-core CPU, torch {torch_version}"
-    return {"label": label or auto, "platform": platform.platform(), "processor": platform.processor(),
-            "cpu_count": os.cpu_count(), "python": platform.python_version(), "torch": torch_version,
-            "megatron_core": _version("megatron-core")}
+    return {
+        "label": label or auto,
+        "platform": platform.platform(),
+        "processor": platform.processor(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch_version,
+        "megatron_core": _version("megatron-core"),
+    }
 
 
 def select(suite: str, only: Optional[str]) -> list[Benchmark]:
@@ -229,8 +249,10 @@ def quick_skip(bench: Benchmark, args: argparse.Namespace) -> Optional[str]:
     """Why --quick leaves `bench` out (None: it runs). Naming it in --only always runs it."""
     named = args.only and bench.name in [n.strip() for n in args.only.split(",")]
     if args.quick and bench.starts_ray and not named:
-        return (f"--quick leaves out benchmarks that start a Ray cluster (1-1.5 min of start-up each on a busy "
-                f"2-core machine); run it with --quick --only {bench.name}")
+        return (
+            f"--quick leaves out benchmarks that start a Ray cluster (1-1.5 min of start-up each on a busy "
+            f"2-core machine); run it with --quick --only {bench.name}"
+        )
     return None
 
 
@@ -244,8 +266,7 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
     previous = previous_report(args)
     started = datetime.datetime.now(datetime.timezone.utc)
     t0 = time.perf_counter()
-    fresh = {b.name: run_benchmark(b, quick=args.quick, timeout_s=timeout_s, skip=quick_skip(b, args))
-             for b in benches}
+    fresh = {b.name: run_benchmark(b, quick=args.quick, timeout_s=timeout_s, skip=quick_skip(b, args)) for b in benches}
     total = time.perf_counter() - t0
     kept = previous.get("benchmarks", {})
     results = {name: fresh.get(name, kept.get(name)) for name in BENCHMARKS if name in fresh or name in kept}
@@ -257,14 +278,27 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
     for name, entry in results.items():
         if entry["status"] != "ok":
             print(f"  {name}: {entry['status']}: {entry.get('message', '')}")
-    report = {"suite": args.suite, "quick": args.quick, "started_utc": started.isoformat(timespec="seconds"),
-              "total_seconds": total, "machine": machine, "figures": rows, "benchmarks": results}
+    report = {
+        "suite": args.suite,
+        "quick": args.quick,
+        "started_utc": started.isoformat(timespec="seconds"),
+        "total_seconds": total,
+        "machine": machine,
+        "figures": rows,
+        "benchmarks": results,
+    }
     if previous:  # the whole-suite run stays the reference; what was re-run is listed
-        update = {"benchmarks": list(fresh), "quick": args.quick, "total_seconds": total,
-                  "started_utc": report["started_utc"], "machine": machine}
+        update = {
+            "benchmarks": list(fresh),
+            "quick": args.quick,
+            "total_seconds": total,
+            "started_utc": report["started_utc"],
+            "machine": machine,
+        }
         updates = previous.get("updates", []) + [update]
-        report.update({k: previous[k] for k in ("suite", "quick", "started_utc", "total_seconds", "machine")},
-                      updates=updates)
+        report.update(
+            {k: previous[k] for k in ("suite", "quick", "started_utc", "total_seconds", "machine")}, updates=updates
+        )
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -272,8 +306,11 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
         md = out.with_suffix(".md")
         preamble = describe_runs(report)
         report_mode = "quick" if report["quick"] else "full"
-        md.write_text(bench_report.markdown(rows, results, title=f"Benchmarks ({report['suite']} suite, {report_mode})",
-                                            preamble=preamble))
+        md.write_text(
+            bench_report.markdown(
+                rows, results, title=f"Benchmarks ({report['suite']} suite, {report_mode})", preamble=preamble
+            )
+        )
         print(f"\nwrote {out} and {md}")
     return report
 
@@ -283,9 +320,11 @@ def describe_runs(report: dict[str, Any]) -> str:
     machine = report["machine"]
     started = datetime.datetime.fromisoformat(report["started_utc"])
     command = f"python tools/bench.py --suite {report['suite']}{' --quick' if report['quick'] else ''}"
-    text = (f"Measured with `{command}` on {machine['label']} (megatron-core {machine['megatron_core']}, Python "
-            f"{machine['python']}), {started:%Y-%m-%d}, {report['total_seconds']:.0f} s in all. Ratios are measured "
-            f"side by side in the same run.")
+    text = (
+        f"Measured with `{command}` on {machine['label']} (megatron-core {machine['megatron_core']}, Python "
+        f"{machine['python']}), {started:%Y-%m-%d}, {report['total_seconds']:.0f} s in all. Ratios are measured "
+        f"side by side in the same run."
+    )
     for u in report.get("updates", []):
         when = datetime.datetime.fromisoformat(u["started_utc"])
         flags = f"--only {','.join(u['benchmarks'])}{' --quick' if u.get('quick') else ''} --update"
@@ -304,15 +343,22 @@ def previous_report(args: argparse.Namespace) -> dict[str, Any]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--suite", choices=sorted(SUITES), default="cpu", help="which benchmarks to run (default: cpu)")
-    p.add_argument("--quick", action="store_true",
-                   help="smaller workloads; benchmarks that start Ray run only if named in --only (under 2 minutes)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="smaller workloads; benchmarks that start Ray run only if named in --only (under 2 minutes)",
+    )
     p.add_argument("--only", help=f"comma-separated subset of: {', '.join(BENCHMARKS)}")
     p.add_argument("--out", default="results/bench.json", help="JSON results (and a .md table next to it)")
     p.add_argument("--machine", help="machine description for the tables (default: CPU count and torch version)")
-    p.add_argument("--update", action="store_true",
-                   help="re-run only the selected benchmarks and keep the others' results already in --out")
-    p.add_argument("--timeout", type=float,
-                   help=f"seconds per benchmark (default {TIMEOUT_S[False]}, quick {TIMEOUT_S[True]})")
+    p.add_argument(
+        "--update",
+        action="store_true",
+        help="re-run only the selected benchmarks and keep the others' results already in --out",
+    )
+    p.add_argument(
+        "--timeout", type=float, help=f"seconds per benchmark (default {TIMEOUT_S[False]}, quick {TIMEOUT_S[True]})"
+    )
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 
 import torch
-
 from bench_cli import median_time
+
 from megatron_stepwise import (
     LossConfig,
     LossInputs,

@@ -33,9 +33,19 @@ MODES = {"sync": "configs/tiny_cpu.yaml", "async": "configs/tiny_cpu_async.yaml"
 def run_mode(mode: str, config: str, iterations: int, out: Path, extra: list[str]) -> dict:
     run_dir = out / mode
     shutil.rmtree(run_dir, ignore_errors=True)
-    cmd = [sys.executable, "-m", "megatron_stepwise.cli", "train", str(REPO / config),
-           f"trainer.iterations={iterations}", f"logging.run_dir={run_dir}", "logging.progress=false",
-           "checkpoint.every=0", "checkpoint.resume=never", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_stepwise.cli",
+        "train",
+        str(REPO / config),
+        f"trainer.iterations={iterations}",
+        f"logging.run_dir={run_dir}",
+        "logging.progress=false",
+        "checkpoint.every=0",
+        "checkpoint.resume=never",
+        *extra,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     print(f"[{mode}] {' '.join(cmd[2:])}", flush=True)
     start = time.perf_counter()
@@ -55,7 +65,7 @@ def summarise(result: dict) -> dict:
     fifth = max(1, n // 5)
     rewards = [r["reward/mean"] for r in rows]
     it_times = [r["time/iteration"] for r in rows[1:]] or [rows[0]["time/iteration"]]  # skip the warm-up
-    windows = [statistics.mean(rewards[i:i + 5]) for i in range(max(1, n - 4))]
+    windows = [statistics.mean(rewards[i : i + 5]) for i in range(max(1, n - 4))]
     s = {
         "iterations": n,
         "s/iteration (mean)": statistics.mean(it_times),
@@ -108,16 +118,20 @@ def main() -> int:
     width = max(len(k) for k in keys)
     print("\n" + " " * width + "".join(f"{m:>12}" for m in summaries))
     for k in keys:
-        cells = "".join(f"{summaries[m][k]:>12.3f}" if isinstance(summaries[m].get(k), float) else
-                        f"{summaries[m].get(k, '-'):>12}" for m in summaries)
+        cells = "".join(
+            f"{summaries[m][k]:>12.3f}" if isinstance(summaries[m].get(k), float) else f"{summaries[m].get(k, '-'):>12}"
+            for m in summaries
+        )
         print(f"{k:<{width}}{cells}")
     for m, r in results.items():
         print(f"\n{m} reward curve: {curve(r['rows'])}")
     if {"sync", "async"} <= set(summaries):
         a, s = summaries["async"], summaries["sync"]
-        print(f"\nasync / sync seconds per iteration: {a['s/iteration (mean)']:.3f} / {s['s/iteration (mean)']:.3f}"
-              f" = {a['s/iteration (mean)'] / s['s/iteration (mean)']:.2f}x"
-              f"  (speed-up {s['s/iteration (mean)'] / a['s/iteration (mean)']:.2f}x)")
+        print(
+            f"\nasync / sync seconds per iteration: {a['s/iteration (mean)']:.3f} / {s['s/iteration (mean)']:.3f}"
+            f" = {a['s/iteration (mean)'] / s['s/iteration (mean)']:.2f}x"
+            f"  (speed-up {s['s/iteration (mean)'] / a['s/iteration (mean)']:.2f}x)"
+        )
     return 0
 
 

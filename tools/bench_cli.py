@@ -25,8 +25,9 @@ def add_seed_and_out(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="write the results as JSON here")
 
 
-def run_args(parse_args: Callable[[list[str]], argparse.Namespace], quick: bool,
-             options: dict[str, Any]) -> argparse.Namespace:
+def run_args(
+    parse_args: Callable[[list[str]], argparse.Namespace], quick: bool, options: dict[str, Any]
+) -> argparse.Namespace:
     """The CLI's defaults (or `--quick`), with `run(quick, **options)`'s keyword overrides."""
     args = parse_args(["--quick"] if quick else [])
     for key, value in options.items():

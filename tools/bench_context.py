@@ -29,17 +29,17 @@ from typing import Any, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-
 from bench_cli import add_seed_and_out, bench_parser, config, run_args, script_main  # noqa: E402
+
 from megatron_stepwise.algo.merge import merge_steps  # noqa: E402
 from megatron_stepwise.envs.echo import EchoEnv, echo_dataset  # noqa: E402
 from megatron_stepwise.hf.tokenizers import load_tokenizer  # noqa: E402
 from megatron_stepwise.metrics.core import rollout_metrics  # noqa: E402
 from megatron_stepwise.rollout.agent_loop import AgentLoop, AgentLoopConfig  # noqa: E402
 from megatron_stepwise.rollout.context import CONTEXT_MODES  # noqa: E402
-from megatron_stepwise.rollout.engine import SamplingParams  # noqa: E402
-from megatron_stepwise.rollout.embedded.hf_model import tiny_qwen2_config  # noqa: E402
 from megatron_stepwise.rollout.embedded.engine import LocalEngine  # noqa: E402
+from megatron_stepwise.rollout.embedded.hf_model import tiny_qwen2_config  # noqa: E402
+from megatron_stepwise.rollout.engine import SamplingParams  # noqa: E402
 
 TOKENIZER = "tiny_bpe"
 
@@ -59,15 +59,22 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 def rollout(mode: str, turns: int, args: argparse.Namespace, tokenizer) -> list:
     """One rollout of `prompts x samples` echo trajectories of exactly `turns` turns."""
+
     async def go() -> list:
         engine = LocalEngine(tiny_qwen2_config(len(tokenizer)), tokenizer=tokenizer, seed=args.seed)
-        cfg = AgentLoopConfig(max_turns=turns, max_input_length=1_000_000, n_samples_per_prompt=args.samples,
-                              sampling=SamplingParams(max_new_tokens=args.new_tokens), context=mode,
-                              drift_sample_rate=1.0)  # the drift of every trajectory, in both modes
+        cfg = AgentLoopConfig(
+            max_turns=turns,
+            max_input_length=1_000_000,
+            n_samples_per_prompt=args.samples,
+            sampling=SamplingParams(max_new_tokens=args.new_tokens),
+            context=mode,
+            drift_sample_rate=1.0,
+        )  # the drift of every trajectory, in both modes
         loop = AgentLoop(engine, tokenizer, EchoEnv, cfg)
         try:
-            return await loop.rollout(echo_dataset(args.prompts, num_turns=turns, seed=args.seed + turns),
-                                      seed=args.seed)
+            return await loop.rollout(
+                echo_dataset(args.prompts, num_turns=turns, seed=args.seed + turns), seed=args.seed
+            )
         finally:
             loop.close()
             await engine.close()
@@ -104,31 +111,40 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
     turn_counts = [int(t) for t in str(args.turns).split(",")]
     rows = [measure(mode, t, args, tokenizer) for t in turn_counts for mode in CONTEXT_MODES]
 
-    print(f"context modes: {args.prompts * args.samples} echo trajectories of exactly T turns per mode, "
-          f"{TOKENIZER} tokenizer ({len(tokenizer)} tokens), random tiny Qwen2, <= {args.new_tokens} new tokens/turn")
-    print(f"{'T':>3}{'mode':>12}{'unmerged tok/traj':>19}{'merged tok/traj':>17}{'unique tok/traj':>17}"
-          f"{'merged/unique':>15}{'rows/traj':>11}{'broken prefixes':>17}{'drift rate':>12}")
+    print(
+        f"context modes: {args.prompts * args.samples} echo trajectories of exactly T turns per mode, "
+        f"{TOKENIZER} tokenizer ({len(tokenizer)} tokens), random tiny Qwen2, <= {args.new_tokens} new tokens/turn"
+    )
+    print(
+        f"{'T':>3}{'mode':>12}{'unmerged tok/traj':>19}{'merged tok/traj':>17}{'unique tok/traj':>17}"
+        f"{'merged/unique':>15}{'rows/traj':>11}{'broken prefixes':>17}{'drift rate':>12}"
+    )
     for r in rows:
-        print(f"{r['turns']:>3}{r['mode']:>12}{r['unmerged_tokens_per_traj']:>19,.1f}"
-              f"{r['merged_tokens_per_traj']:>17,.1f}{r['unique_tokens_per_traj']:>17,.1f}{r['merged_over_unique']:>15.3f}{r['rows_per_traj_merged']:>11.2f}"
-              f"{r['broken_prefixes']:>17}{r['drift_rate']:>12.3f}")
+        print(
+            f"{r['turns']:>3}{r['mode']:>12}{r['unmerged_tokens_per_traj']:>19,.1f}"
+            f"{r['merged_tokens_per_traj']:>17,.1f}{r['unique_tokens_per_traj']:>17,.1f}{r['merged_over_unique']:>15.3f}{r['rows_per_traj_merged']:>11.2f}"
+            f"{r['broken_prefixes']:>17}{r['drift_rate']:>12.3f}"
+        )
     by = {(r["mode"], r["turns"]): r for r in rows}
     figures: dict[str, float] = {}
     for t in turn_counts:
         for mode in CONTEXT_MODES:
             figures[f"merged_tokens_per_traj_{mode}_T{t}"] = by[(mode, t)]["merged_tokens_per_traj"]
-        figures[f"retokenize_over_tokens_T{t}"] = (by[("retokenize", t)]["merged_tokens_per_traj"]
-                                                   / by[("tokens", t)]["merged_tokens_per_traj"])
+        figures[f"retokenize_over_tokens_T{t}"] = (
+            by[("retokenize", t)]["merged_tokens_per_traj"] / by[("tokens", t)]["merged_tokens_per_traj"]
+        )
     figures["tokens_merged_over_unique_max"] = max(r["merged_over_unique"] for r in rows if r["mode"] == "tokens")
     figures["retokenize_merged_over_unique_max_turns"] = by[("retokenize", turn_counts[-1])]["merged_over_unique"]
     retok = [r for r in rows if r["mode"] == "retokenize"]
     figures["retokenize_drift_rate"] = sum(r["drift_rate"] for r in retok) / len(retok)
     last = turn_counts[-1]
-    print(f"\nat T={last}: merged tokens per trajectory, retokenize / tokens = "
-          f"{figures[f'retokenize_over_tokens_T{last}']:.2f}x; "
-          f"merged / unique: tokens {by[('tokens', last)]['merged_over_unique']:.3f}, "
-          f"retokenize {by[('retokenize', last)]['merged_over_unique']:.3f}; "
-          f"drift rate (retokenize, mean over T) {figures['retokenize_drift_rate']:.3f}")
+    print(
+        f"\nat T={last}: merged tokens per trajectory, retokenize / tokens = "
+        f"{figures[f'retokenize_over_tokens_T{last}']:.2f}x; "
+        f"merged / unique: tokens {by[('tokens', last)]['merged_over_unique']:.3f}, "
+        f"retokenize {by[('retokenize', last)]['merged_over_unique']:.3f}; "
+        f"drift rate (retokenize, mean over T) {figures['retokenize_drift_rate']:.3f}"
+    )
     return {"config": config(args), "rows": rows, "figures": figures}
 
 

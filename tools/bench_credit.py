@@ -90,26 +90,48 @@ def measure_bias(groups: int = 5000, group_size: int = 4) -> None:
     exact = exact_gradient(task, theta, lambda a, lengths, r: r.sum(1))
     print(f"key-turn task (3 turns), {groups} groups x {group_size}; exact gradient norm {float(exact.norm()):.4f}")
     print(f"{'estimator':<28} {'max |z|':>8} {'|bias|/|grad|':>14} {'cosine':>7} {'mean SE':>8}")
-    cases = [(name, bound(name)) for name in ("rloo", "grpo", "dr_grpo", "turn_rloo", "turn_dr_grpo", "turn_grpo",
-                                              "turn_state_rloo")]
-    cases += [("turn_rloo gamma 0.8", lambda r, lengths, g, states: get_estimator("turn_rloo")(r, lengths, g, eps=EPS, gamma=0.8)),
-              ("turn_discount gamma 0.8", lambda r, lengths, g, states: get_estimator("turn_discount")(r, lengths, g, eps=EPS, gamma=0.8)),
-              ("per-turn-index (naive)", _naive)]
+    cases = [
+        (name, bound(name))
+        for name in ("rloo", "grpo", "dr_grpo", "turn_rloo", "turn_dr_grpo", "turn_grpo", "turn_state_rloo")
+    ]
+    cases += [
+        (
+            "turn_rloo gamma 0.8",
+            lambda r, lengths, g, states: get_estimator("turn_rloo")(r, lengths, g, eps=EPS, gamma=0.8),
+        ),
+        (
+            "turn_discount gamma 0.8",
+            lambda r, lengths, g, states: get_estimator("turn_discount")(r, lengths, g, eps=EPS, gamma=0.8),
+        ),
+        ("per-turn-index (naive)", _naive),
+    ]
     for name, est in cases:
         per_group = sampled_gradients(task, theta, est, groups, group_size, torch.Generator().manual_seed(0))
-        mean, se = per_group.mean(0), per_group.std(0) / groups ** 0.5
+        mean, se = per_group.mean(0), per_group.std(0) / groups**0.5
         cos = float((mean * exact).sum() / (mean.norm() * exact.norm()))
-        print(f"{name:<28} {float(((mean - exact) / se).abs().max()):>8.1f} "
-              f"{float((mean - exact).norm() / exact.norm()):>14.3f} {cos:>7.3f} {float(se.mean()):>8.4f}")
+        print(
+            f"{name:<28} {float(((mean - exact) / se).abs().max()):>8.1f} "
+            f"{float((mean - exact).norm() / exact.norm()):>14.3f} {cos:>7.3f} {float(se.mean()):>8.4f}"
+        )
 
 
 def echo_run(estimator: str, seed: int, args, root: str) -> list[float]:
     """One tiny CPU training run; its per-iteration mean trajectory reward."""
     run_dir = os.path.join(root, f"{estimator}_{seed}")
     repo = Path(__file__).resolve().parent.parent
-    cmd = [sys.executable, "-m", "megatron_stepwise.cli", "train", str(repo / "configs/tiny_cpu.yaml"),
-           f"algo.estimator={estimator}", f"trainer.seed={seed}", f"trainer.iterations={args.echo_iterations}",
-           f"logging.run_dir={run_dir}", "checkpoint.resume=never", "checkpoint.every=100000"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_stepwise.cli",
+        "train",
+        str(repo / "configs/tiny_cpu.yaml"),
+        f"algo.estimator={estimator}",
+        f"trainer.seed={seed}",
+        f"trainer.iterations={args.echo_iterations}",
+        f"logging.run_dir={run_dir}",
+        "checkpoint.resume=never",
+        "checkpoint.every=100000",
+    ]
     env = {**os.environ, "PYTHONPATH": str(repo)}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode:
@@ -120,18 +142,22 @@ def echo_run(estimator: str, seed: int, args, root: str) -> list[float]:
 
 def compare_on_echo(args) -> None:
     window = 5
-    print(f"tiny CPU runs (configs/tiny_cpu.yaml), {args.echo_iterations} iterations; first iteration whose "
-          f"{window}-iteration mean reward >= {args.echo_threshold}")
+    print(
+        f"tiny CPU runs (configs/tiny_cpu.yaml), {args.echo_iterations} iterations; first iteration whose "
+        f"{window}-iteration mean reward >= {args.echo_threshold}"
+    )
     print(f"{'estimator':<12} {'seed':>5} {'iteration':>10} {'reward first 5 -> last 5':>26}")
     with tempfile.TemporaryDirectory() as root:
         for estimator in args.echo_estimators.split(","):
             for seed in range(1, args.seeds + 1):
                 rewards = echo_run(estimator, seed, args, root)
-                means = [statistics.mean(rewards[i - window + 1: i + 1]) for i in range(window - 1, len(rewards))]
+                means = [statistics.mean(rewards[i - window + 1 : i + 1]) for i in range(window - 1, len(rewards))]
                 hit = next((i + window - 1 for i, m in enumerate(means) if m >= args.echo_threshold), None)
-                print(f"{estimator:<12} {seed:>5} {hit if hit is not None else '>' + str(len(rewards) - 1):>10} "
-                      f"{statistics.mean(rewards[:window]):>12.3f} -> {statistics.mean(rewards[-window:]):.3f}",
-                      flush=True)
+                print(
+                    f"{estimator:<12} {seed:>5} {hit if hit is not None else '>' + str(len(rewards) - 1):>10} "
+                    f"{statistics.mean(rewards[:window]):>12.3f} -> {statistics.mean(rewards[-window:]):.3f}",
+                    flush=True,
+                )
 
 
 def main(argv=None) -> None:
@@ -142,8 +168,9 @@ def main(argv=None) -> None:
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--lr", type=float, default=0.5)
     p.add_argument("--threshold", type=float, default=0.9, help="share of the best achievable total reward")
-    p.add_argument("--pairs", default="rloo:turn_rloo,grpo:turn_grpo", help="outcome:turn estimator pairs "
-                                                                            "(turn_state_rloo too)")
+    p.add_argument(
+        "--pairs", default="rloo:turn_rloo,grpo:turn_grpo", help="outcome:turn estimator pairs (turn_state_rloo too)"
+    )
     p.add_argument("--bias", action="store_true", help="measure each estimator's bias instead of learning")
     p.add_argument("--echo", action="store_true", help="compare on the tiny CPU system instead")
     p.add_argument("--echo-estimators", default="rloo,turn_rloo")
@@ -154,14 +181,20 @@ def main(argv=None) -> None:
         return measure_bias()
     if args.echo:
         return compare_on_echo(args)
-    tasks = {"3 turns, key at turn 1": KeyTurnTask(3, 1, 1.0, 0.2),
-             "6 turns, key at turn 2": KeyTurnTask(6, 2, 1.0, 0.2),
-             "6 turns, key at turn 2, turn rewards +-1 noise": KeyTurnTask(6, 2, 1.0, 0.2, reward_noise=1.0)}
-    print(f"{args.groups} groups x {args.group_size} trajectories per iteration, lr {args.lr}, "
-          f"threshold {args.threshold:.0%} of the best total reward, seeds 0..{args.seeds - 1}")
+    tasks = {
+        "3 turns, key at turn 1": KeyTurnTask(3, 1, 1.0, 0.2),
+        "6 turns, key at turn 2": KeyTurnTask(6, 2, 1.0, 0.2),
+        "6 turns, key at turn 2, turn rewards +-1 noise": KeyTurnTask(6, 2, 1.0, 0.2, reward_noise=1.0),
+    }
+    print(
+        f"{args.groups} groups x {args.group_size} trajectories per iteration, lr {args.lr}, "
+        f"threshold {args.threshold:.0%} of the best total reward, seeds 0..{args.seeds - 1}"
+    )
     for title, task in tasks.items():
-        print(f"\n{title} (best total reward {best_reward(task):.2f}, uniform policy "
-              f"{expected_reward(task, torch.zeros(task.max_turns, 3)):.3f})")
+        print(
+            f"\n{title} (best total reward {best_reward(task):.2f}, uniform policy "
+            f"{expected_reward(task, torch.zeros(task.max_turns, 3)):.3f})"
+        )
         print(f"{'estimator':<14} {'iterations to threshold per seed':<36} {'median':>7} {'final reward per seed'}")
         for pair in args.pairs.split(","):
             for name in pair.split(":"):

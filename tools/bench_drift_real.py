@@ -25,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import chat_families  # noqa: E402
+
 from megatron_stepwise.hf.end_of_turn import end_of_turn  # noqa: E402
 from megatron_stepwise.hf.tokenizers import load_tokenizer  # noqa: E402
 
@@ -45,8 +46,12 @@ def measure(tok, fam, share: float, n: int, seed: int) -> dict:
                 noncanonical += 1
             else:
                 template += 1
-    return {"boundaries": boundaries, "drift_rate": flagged / max(1, boundaries),
-            "noncanonical": noncanonical / max(1, boundaries), "template": template / max(1, boundaries)}
+    return {
+        "boundaries": boundaries,
+        "drift_rate": flagged / max(1, boundaries),
+        "noncanonical": noncanonical / max(1, boundaries),
+        "template": template / max(1, boundaries),
+    }
 
 
 def main(argv=None) -> int:
@@ -61,15 +66,20 @@ def main(argv=None) -> int:
         print("error: set STEPWISE_TOKENIZERS_SRC to the extracted llama.cpp-tokenizers folder", file=sys.stderr)
         return 2
     shares = [float(s) for s in args.shares.split(",")]
-    print(f"{'family':26s} {'split share':>11s} {'boundaries':>10s} {'drift rate':>10s} "
-          f"{'non-canonical':>13s} {'template':>8s}")
+    print(
+        f"{'family':26s} {'split share':>11s} {'boundaries':>10s} {'drift rate':>10s} "
+        f"{'non-canonical':>13s} {'template':>8s}"
+    )
     with tempfile.TemporaryDirectory() as out:
         for name in args.families.split(","):
             tok = load_tokenizer(str(chat_families.build_family(name, src, out)))
             for share in shares:
                 r = measure(tok, chat_families.FAMILIES[name], share, args.trajectories, args.seed)
-                print(f"{name:26s} {share:11.2f} {r['boundaries']:10d} {r['drift_rate']:10.3f} "
-                      f"{r['noncanonical']:13.3f} {r['template']:8.3f}", flush=True)
+                print(
+                    f"{name:26s} {share:11.2f} {r['boundaries']:10d} {r['drift_rate']:10.3f} "
+                    f"{r['noncanonical']:13.3f} {r['template']:8.3f}",
+                    flush=True,
+                )
     return 0
 
 

@@ -33,8 +33,8 @@ from bench_cli import add_seed_and_out, bench_parser, config, run_args, script_m
 from flops import QWEN2_CONFIGS  # noqa: E402
 
 from megatron_stepwise.algo.losses import LossConfig  # noqa: E402
-from megatron_stepwise.hf.presets import tiny_config  # noqa: E402
 from megatron_stepwise.data.synthetic import AgentWorkload, make_agent_steps  # noqa: E402
+from megatron_stepwise.hf.presets import tiny_config  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -63,7 +63,7 @@ def engine_logprobs(model, batch, device: str) -> torch.Tensor:
             ids = batch.tokens[start:end].to(device)
             logits = model(input_ids=ids[None]).logits[0].float()
             logp = torch.log_softmax(logits[:-1], dim=-1).gather(-1, ids[1:, None])[:, 0]
-            flat[start + 1:end] = logp.cpu()
+            flat[start + 1 : end] = logp.cpu()
     return flat
 
 
@@ -76,23 +76,32 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
     from megatron_stepwise.mcore.runtime.runtime import destroy_distributed, silence_megatron_noise
 
     silence_megatron_noise()
+    from bench_trainer_step import start_world_of_one
     from transformers import AutoModelForCausalLM
 
-    from bench_trainer_step import start_world_of_one
-    from megatron_stepwise.mcore.weights.convert import export_hf, import_hf
     from megatron_stepwise.mcore.train.model import build_model_chunks, te_available
     from megatron_stepwise.mcore.train.plugin import StepwisePlugin
+    from megatron_stepwise.mcore.weights.convert import export_hf, import_hf
     from megatron_stepwise.steps import StepBatch
 
     hf = tiny_config() if args.model == "tiny" else QWEN2_CONFIGS[args.model]
-    w = AgentWorkload(num_prompts=args.prompts, samples_per_prompt=args.samples, turns=(1, 3),
-                      prompt_len=(100, 600), obs_len=(50, 1000), response_len=(20, 400),
-                      vocab_size=hf["vocab_size"], success_prob=0.5, seed=args.seed)
+    w = AgentWorkload(
+        num_prompts=args.prompts,
+        samples_per_prompt=args.samples,
+        turns=(1, 3),
+        prompt_len=(100, 600),
+        obs_len=(50, 1000),
+        response_len=(20, 400),
+        vocab_size=hf["vocab_size"],
+        success_prob=0.5,
+        seed=args.seed,
+    )
     steps = make_agent_steps(w)
     batch = StepBatch.from_steps(steps)
     trained = batch.token_fields["loss_mask"] != 0
-    plugin = StepwisePlugin(LossConfig(policy_loss="ppo", reduction="token_mean"),
-                            max_tokens_per_microbatch=args.micro_tokens)
+    plugin = StepwisePlugin(
+        LossConfig(policy_loss="ppo", reduction="token_mean"), max_tokens_per_microbatch=args.micro_tokens
+    )
     device = args.device
     results: dict[str, Any] = {}
     start_world_of_one()
@@ -110,8 +119,11 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
                 trainer = plugin.compute_logprobs_flat(chunks, batch)
                 trainer_s = time.perf_counter() - t
                 del chunks
-                model = AutoModelForCausalLM.from_pretrained(str(export_dir), dtype=dtype,
-                                                             attn_implementation="sdpa").to(device).eval()
+                model = (
+                    AutoModelForCausalLM.from_pretrained(str(export_dir), dtype=dtype, attn_implementation="sdpa")
+                    .to(device)
+                    .eval()
+                )
                 t = time.perf_counter()
                 engine = engine_logprobs(model, batch, device)
                 engine_s = time.perf_counter() - t
@@ -120,11 +132,14 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
                     torch.cuda.empty_cache()
                 diff = (trainer - engine)[trained].abs()
                 results[name] = {
-                    "max_abs_diff": float(diff.max()), "mean_abs_diff": float(diff.mean()),
+                    "max_abs_diff": float(diff.max()),
+                    "mean_abs_diff": float(diff.mean()),
                     "p99_abs_diff": float(diff.quantile(0.99)) if diff.numel() else 0.0,
-                    "logprob_mean": float(engine[trained].mean()), "logprob_std": float(engine[trained].std()),
+                    "logprob_mean": float(engine[trained].mean()),
+                    "logprob_std": float(engine[trained].std()),
                     "finite": bool(torch.isfinite(trainer[trained]).all()),
-                    "trainer_s": trainer_s, "engine_s": engine_s,
+                    "trainer_s": trainer_s,
+                    "engine_s": engine_s,
                 }
     finally:
         destroy_distributed()
@@ -132,16 +147,29 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
     where = torch.cuda.get_device_name() if device == "cuda" else "CPU (smoke run)"
     spec = "Transformer Engine" if te_available() else "local"
     n_trained = int(trained.sum())
-    print(f"Engine (HF transformers, one unpadded forward per row, sdpa) vs trainer (megatron-core, {spec} spec, "
-          f"THD-packed micro-batches of <= {args.micro_tokens} tokens): {where}, {args.model} random init, "
-          f"{len(steps)} step rows, {batch.tokens.numel():,} tokens, {n_trained:,} trained")
-    print(f"  {'dtype':<6}{'max |dlogp|':>13}{'p99':>11}{'mean':>11}{'logp mean':>11}{'logp std':>10}"
-          f"{'trainer s':>11}{'engine s':>10}")
+    print(
+        f"Engine (HF transformers, one unpadded forward per row, sdpa) vs trainer (megatron-core, {spec} spec, "
+        f"THD-packed micro-batches of <= {args.micro_tokens} tokens): {where}, {args.model} random init, "
+        f"{len(steps)} step rows, {batch.tokens.numel():,} tokens, {n_trained:,} trained"
+    )
+    print(
+        f"  {'dtype':<6}{'max |dlogp|':>13}{'p99':>11}{'mean':>11}{'logp mean':>11}{'logp std':>10}"
+        f"{'trainer s':>11}{'engine s':>10}"
+    )
     for name, r in results.items():
-        print(f"  {name:<6}{r['max_abs_diff']:>13.2e}{r['p99_abs_diff']:>11.2e}{r['mean_abs_diff']:>11.2e}"
-              f"{r['logprob_mean']:>11.3f}{r['logprob_std']:>10.3f}{r['trainer_s']:>11.2f}{r['engine_s']:>10.2f}")
-    return {"config": config(args), "device": where, "transformer_engine": te_available(),
-            "rows": len(steps), "tokens": int(batch.tokens.numel()), "trained_tokens": n_trained, "dtypes": results}
+        print(
+            f"  {name:<6}{r['max_abs_diff']:>13.2e}{r['p99_abs_diff']:>11.2e}{r['mean_abs_diff']:>11.2e}"
+            f"{r['logprob_mean']:>11.3f}{r['logprob_std']:>10.3f}{r['trainer_s']:>11.2f}{r['engine_s']:>10.2f}"
+        )
+    return {
+        "config": config(args),
+        "device": where,
+        "transformer_engine": te_available(),
+        "rows": len(steps),
+        "tokens": int(batch.tokens.numel()),
+        "trained_tokens": n_trained,
+        "dtypes": results,
+    }
 
 
 if __name__ == "__main__":

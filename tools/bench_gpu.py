@@ -41,8 +41,8 @@ from flops import QWEN2_CONFIGS, ModelShape, training_flops  # noqa: E402
 
 from megatron_stepwise.algo.advantages import compute_advantages  # noqa: E402
 from megatron_stepwise.algo.losses import LossConfig  # noqa: E402
-from megatron_stepwise.hf.presets import tiny_config  # noqa: E402
 from megatron_stepwise.data.synthetic import AgentWorkload, make_agent_steps  # noqa: E402
+from megatron_stepwise.hf.presets import tiny_config  # noqa: E402
 
 MICRO_TOKENS = 4096
 MODELS = {k: v for k, v in QWEN2_CONFIGS.items() if not k.endswith("7b")}
@@ -57,9 +57,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--profile", help="after timing, profile one more step (torch.profiler) and write its "
-                   "top operators by host and by device time to this file (slow: on an H200 the 0.5B run "
-                   "with it did not finish within 130 s; use --prompts 2)")
+    p.add_argument(
+        "--profile",
+        help="after timing, profile one more step (torch.profiler) and write its "
+        "top operators by host and by device time to this file (slow: on an H200 the 0.5B run "
+        "with it did not finish within 130 s; use --prompts 2)",
+    )
     add_seed_and_out(p)
     args = p.parse_args(argv)
     if args.quick:
@@ -96,9 +99,17 @@ def gpu_minibatch(args: argparse.Namespace, vocab_size: int):
     """Agent-shaped step rows that fit a 4096-token micro-batch, with GRPO advantages."""
     from megatron_stepwise.steps import StepBatch
 
-    w = AgentWorkload(num_prompts=args.prompts, samples_per_prompt=args.samples, turns=(1, 3),
-                      prompt_len=(100, 600), obs_len=(50, 1000), response_len=(20, 400),
-                      vocab_size=vocab_size, success_prob=0.5, seed=args.seed)
+    w = AgentWorkload(
+        num_prompts=args.prompts,
+        samples_per_prompt=args.samples,
+        turns=(1, 3),
+        prompt_len=(100, 600),
+        obs_len=(50, 1000),
+        response_len=(20, 400),
+        vocab_size=vocab_size,
+        success_prob=0.5,
+        seed=args.seed,
+    )
     steps = make_agent_steps(w)
     batch = StepBatch.from_steps(steps)
     batch.set_response_field("advantages", compute_advantages(steps, "grpo"))
@@ -137,9 +148,9 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
     from megatron_stepwise.mcore.runtime.runtime import destroy_distributed, silence_megatron_noise
 
     silence_megatron_noise()
+    from bench_trainer_step import start_world_of_one
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from bench_trainer_step import start_world_of_one
     from megatron_stepwise.mcore.train.model import build_model_chunks, te_available
     from megatron_stepwise.mcore.train.plugin import StepwisePlugin
 
@@ -156,10 +167,15 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
     start_world_of_one()
     try:
         chunks = build_model_chunks(hf, config_overrides={"dtype": torch.bfloat16})
-        opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-6, weight_decay=0.0, clip_grad=1.0,
-                                                     bf16=True, params_dtype=torch.bfloat16), chunks)
-        plugin = StepwisePlugin(LossConfig(policy_loss="ppo", reduction="token_mean"),
-                                max_tokens_per_microbatch=args.micro_tokens)
+        opt = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam", lr=1e-6, weight_decay=0.0, clip_grad=1.0, bf16=True, params_dtype=torch.bfloat16
+            ),
+            chunks,
+        )
+        plugin = StepwisePlugin(
+            LossConfig(policy_loss="ppo", reduction="token_mean"), max_tokens_per_microbatch=args.micro_tokens
+        )
         times = []
         for i in range(args.warmup + args.repeats):
             synchronize(args.device)
@@ -179,16 +195,25 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
     achieved = flops["total"] / sec / 1e12
     mfu = achieved / peak_tflops
     memory = f"{memory_gib:>14.1f}" if memory_gib is not None else f"{'n/a':>14}"
-    print(f"Training step: {device_name(args.device)}, {args.model} ({shape.total_params / 1e9:.3g}B params, "
-          f"random init, bf16), {'Transformer Engine' if te_available() else 'local'} spec; mini-batch of "
-          f"{len(steps)} step rows, {tokens:,} tokens ({trained:,} trained), "
-          f"{int(metrics['num_microbatches'])} packed micro-batches of <= {args.micro_tokens} tokens; median of {len(times)}")
-    print("  bf16 matmul peak (measured): " + ", ".join(f"n={n}: {v:.3g}" for n, v in peak.items())
-          + f" TFLOP/s -> {peak_tflops:.3g}")
-    print(f"  {'step s':>8}{'tokens/s':>12}{'model TFLOP/step':>18}{'achieved TFLOP/s':>18}{'MFU':>8}{'peak mem GiB':>14}")
+    print(
+        f"Training step: {device_name(args.device)}, {args.model} ({shape.total_params / 1e9:.3g}B params, "
+        f"random init, bf16), {'Transformer Engine' if te_available() else 'local'} spec; mini-batch of "
+        f"{len(steps)} step rows, {tokens:,} tokens ({trained:,} trained), "
+        f"{int(metrics['num_microbatches'])} packed micro-batches of <= {args.micro_tokens} tokens; median of {len(times)}"
+    )
+    print(
+        "  bf16 matmul peak (measured): "
+        + ", ".join(f"n={n}: {v:.3g}" for n, v in peak.items())
+        + f" TFLOP/s -> {peak_tflops:.3g}"
+    )
+    print(
+        f"  {'step s':>8}{'tokens/s':>12}{'model TFLOP/step':>18}{'achieved TFLOP/s':>18}{'MFU':>8}{'peak mem GiB':>14}"
+    )
     print(f"  {sec:>8.3f}{tokens / sec:>12,.0f}{flops['total'] / 1e12:>18.1f}{achieved:>18.1f}{mfu:>8.1%}{memory}")
-    print(f"  FLOPs split: dense {flops['dense'] / flops['total']:.0%}, attention {flops['attention'] / flops['total']:.0%}, "
-          f"output layer (trained positions) {flops['output'] / flops['total']:.0%}")
+    print(
+        f"  FLOPs split: dense {flops['dense'] / flops['total']:.0%}, attention {flops['attention'] / flops['total']:.0%}, "
+        f"output layer (trained positions) {flops['output'] / flops['total']:.0%}"
+    )
     return {
         "config": config(args),
         "device": device_name(args.device),

@@ -32,8 +32,11 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args()
     help_cmd = [sys.executable, "-m", "megatron_stepwise.cli", "--help"]
-    other = ((help_cmd, args.baseline, f"--help of {args.baseline}") if args.baseline else
-             ([sys.executable, "-c", "import torch"], ROOT, "import torch"))
+    other = (
+        (help_cmd, args.baseline, f"--help of {args.baseline}")
+        if args.baseline
+        else ([sys.executable, "-c", "import torch"], ROOT, "import torch")
+    )
     ours, theirs = [], []
     for _ in range(args.repeats):
         ours.append(wall(help_cmd, ROOT))

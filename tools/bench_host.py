@@ -31,13 +31,21 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_cli import (PhaseTimer, add_seed_and_out, bench_parser, config, repeat_runs, run_args,  # noqa: E402
-                       script_main, warm_median)
+from bench_cli import (  # noqa: E402
+    PhaseTimer,
+    add_seed_and_out,
+    bench_parser,
+    config,
+    repeat_runs,
+    run_args,
+    script_main,
+    warm_median,
+)
+from bench_pipeline import trainer_pipeline  # noqa: E402
 from flops import QWEN2_CONFIGS, ModelShape, training_flops  # noqa: E402
 
-from bench_pipeline import trainer_pipeline  # noqa: E402
-from megatron_stepwise.loop.training_batch import PrepareOptions  # noqa: E402
 from megatron_stepwise.data.synthetic import AgentWorkload, make_agent_steps  # noqa: E402
+from megatron_stepwise.loop.training_batch import PrepareOptions  # noqa: E402
 
 PHASES = ("validate", "minibatch", "prepare", "plan")
 
@@ -64,9 +72,15 @@ def run_once(steps, args) -> tuple[dict[str, float], dict[str, float], Any]:
     """Wall and CPU seconds per phase, and the prepared batches (what the plugin trains on)."""
     phase = PhaseTimer()
     _, _, batches, _ = trainer_pipeline(
-        steps, phase, vocab_size=32000, prompts_per_minibatch=args.prompts_per_minibatch,
-        options=PrepareOptions(merge_steps=True, max_tokens=args.max_tokens), dp=args.dp,
-        max_tokens=args.max_tokens, micro_align=128)
+        steps,
+        phase,
+        vocab_size=32000,
+        prompts_per_minibatch=args.prompts_per_minibatch,
+        options=PrepareOptions(merge_steps=True, max_tokens=args.max_tokens),
+        dp=args.dp,
+        max_tokens=args.max_tokens,
+        micro_align=128,
+    )
     return phase.wall, phase.cpu, batches
 
 
@@ -76,44 +90,68 @@ def reference_gpu_seconds(batches) -> dict[str, Any]:
     trained = sum(int(b.token_fields["loss_mask"].sum()) for b in batches)
     flops = training_flops(shape, lengths, trained_tokens=trained)
     rate = REFERENCE["gpus"] * REFERENCE["peak_tflops_per_gpu"] * 1e12 * REFERENCE["mfu"]
-    return {**REFERENCE, "params": shape.total_params, "tokens": sum(lengths), "flops": flops,
-            "seconds": flops["total"] / rate}
+    return {
+        **REFERENCE,
+        "params": shape.total_params,
+        "tokens": sum(lengths),
+        "flops": flops,
+        "seconds": flops["total"] / rate,
+    }
 
 
 def run(quick: bool = False, **options: Any) -> dict[str, Any]:
     """Prints the table, returns the figures (what `tools/bench.py` collects)."""
     args = run_args(parse_args, quick, options)
     torch.set_num_threads(1)
-    w = AgentWorkload(num_prompts=args.prompts, samples_per_prompt=args.samples, turns=(1, args.max_turns),
-                      seed=args.seed)
+    w = AgentWorkload(
+        num_prompts=args.prompts, samples_per_prompt=args.samples, turns=(1, args.max_turns), seed=args.seed
+    )
     steps = make_agent_steps(w)
     n_tokens = sum(s.num_tokens for s in steps)
     walls, cpus, batches = repeat_runs(lambda: run_once(steps, args), args.repeats)
-    summary = {"cold_wall": walls[0], "cold_cpu": cpus[0], "warm_wall": warm_median(walls),
-               "warm_cpu": warm_median(cpus)}
+    summary = {
+        "cold_wall": walls[0],
+        "cold_cpu": cpus[0],
+        "warm_wall": warm_median(walls),
+        "warm_cpu": warm_median(cpus),
+    }
     for v in summary.values():
         v["total"] = sum(v[k] for k in PHASES)
     ref = reference_gpu_seconds(batches)
     merged_rows = sum(b.num_rows for b in batches)
 
-    print(f"host pipeline: {w.num_prompts} prompts x {w.samples_per_prompt} samples, 1-{args.max_turns} turns: "
-          f"{len(steps):,} steps, {n_tokens:,} tokens -> {merged_rows:,} merged rows; dp={args.dp}, "
-          f"max_tokens={args.max_tokens:,}, {args.prompts_per_minibatch} prompts per mini-batch, 1 thread")
-    print(f"{'phase':<22}{'cold wall':>11}{'cold cpu':>11}{'warm wall':>11}{'warm cpu':>11}"
-          f"   (median of {len(walls[1:] or walls)})")
+    print(
+        f"host pipeline: {w.num_prompts} prompts x {w.samples_per_prompt} samples, 1-{args.max_turns} turns: "
+        f"{len(steps):,} steps, {n_tokens:,} tokens -> {merged_rows:,} merged rows; dp={args.dp}, "
+        f"max_tokens={args.max_tokens:,}, {args.prompts_per_minibatch} prompts per mini-batch, 1 thread"
+    )
+    print(
+        f"{'phase':<22}{'cold wall':>11}{'cold cpu':>11}{'warm wall':>11}{'warm cpu':>11}"
+        f"   (median of {len(walls[1:] or walls)})"
+    )
     for k in list(PHASES) + ["total"]:
-        print(f"{k:<22}" + "".join(f"{summary[c][k]:>10.3f}s" for c in ("cold_wall", "cold_cpu", "warm_wall", "warm_cpu")))
+        print(
+            f"{k:<22}" + "".join(f"{summary[c][k]:>10.3f}s" for c in ("cold_wall", "cold_cpu", "warm_wall", "warm_cpu"))
+        )
     total = summary["warm_wall"]["total"]
-    print(f"\nassumption: the GPU time of training this iteration's rows ({ref['tokens']:,} tokens, merged and packed) "
-          f"with {ref['model']} ({ref['params'] / 1e9:.2f}B params) on {ref['gpus']} x {ref['gpu']} at {ref['mfu']:.0%} MFU "
-          f"of {ref['peak_tflops_per_gpu']:.0f} dense bf16 TFLOP/s per GPU: {ref['flops']['total']:.3g} model FLOPs "
-          f"(tools/flops.py) -> {ref['seconds']:.1f} s")
-    print(f"host pipeline (warm wall) / reference GPU time = {total:.3f} s / {ref['seconds']:.1f} s = "
-          f"{total / ref['seconds']:.2%}")
+    print(
+        f"\nassumption: the GPU time of training this iteration's rows ({ref['tokens']:,} tokens, merged and packed) "
+        f"with {ref['model']} ({ref['params'] / 1e9:.2f}B params) on {ref['gpus']} x {ref['gpu']} at {ref['mfu']:.0%} MFU "
+        f"of {ref['peak_tflops_per_gpu']:.0f} dense bf16 TFLOP/s per GPU: {ref['flops']['total']:.3g} model FLOPs "
+        f"(tools/flops.py) -> {ref['seconds']:.1f} s"
+    )
+    print(
+        f"host pipeline (warm wall) / reference GPU time = {total:.3f} s / {ref['seconds']:.1f} s = "
+        f"{total / ref['seconds']:.2%}"
+    )
     return {
         "config": config(args),
-        "workload": {"steps": len(steps), "tokens": n_tokens, "merged_rows": merged_rows,
-                     "tokens_after_merge": ref["tokens"]},
+        "workload": {
+            "steps": len(steps),
+            "tokens": n_tokens,
+            "merged_rows": merged_rows,
+            "tokens_after_merge": ref["tokens"],
+        },
         "time_s": summary,
         "reference_gpu": ref,
         "seconds": total,

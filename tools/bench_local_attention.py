@@ -40,19 +40,32 @@ def per_sequence(q, k, v, lengths, scale):
     from megatron_stepwise.mcore.train.local_layers import PackedCausalAttention
 
     nh, ng, d = q.size(1), k.size(1), q.size(2)
-    cfg = TransformerConfig(num_layers=1, hidden_size=nh * d, num_attention_heads=nh, num_query_groups=ng,
-                            kv_channels=d, attention_dropout=0.0)
+    cfg = TransformerConfig(
+        num_layers=1,
+        hidden_size=nh * d,
+        num_attention_heads=nh,
+        num_query_groups=ng,
+        kv_channels=d,
+        attention_dropout=0.0,
+    )
     attn = PackedCausalAttention(cfg, 1, AttnMaskType.causal, "self", softmax_scale=scale)
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(lengths), 0)
-    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lengths),
-                          max_seqlen_kv=max(lengths))
+    psp = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths)
+    )
     return attn(q, k, v, None, packed_seq_params=psp).reshape(q.size(0), nh, d)
 
 
 def sdpa_mask(q, k, v, mask, scale):
-    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                         attn_mask=mask, scale=scale, enable_gqa=True)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=True,
+    )
     return out[0].transpose(0, 1)
 
 
@@ -60,7 +73,9 @@ def megatron_mask(q, k, v, mask, scale):
     rep = q.size(1) // k.size(1)
     k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [nh, T, d]
-    scores = torch.baddbmm(torch.empty(qh.size(0), qh.size(1), kh.size(1)), qh, kh.transpose(1, 2), beta=0.0, alpha=scale)
+    scores = torch.baddbmm(
+        torch.empty(qh.size(0), qh.size(1), kh.size(1)), qh, kh.transpose(1, 2), beta=0.0, alpha=scale
+    )
     probs = torch.softmax(scores.masked_fill(~mask, -10000.0), dim=-1)
     return torch.bmm(probs, vh).transpose(0, 1)
 
@@ -99,21 +114,31 @@ def main() -> None:
         "sdpa_mask": lambda q, k, v: sdpa_mask(q, k, v, mask, scale),
         "megatron_mask": lambda q, k, v: megatron_mask(q, k, v, mask, scale),
     }
-    print(f"CPU, {args.threads} threads: {len(args.lengths)} packed sequences, T={t}, {args.heads} heads "
-          f"({args.kv_heads} KV), head_dim {args.head_dim}, fp32, forward+backward (best of {args.reps})")
+    print(
+        f"CPU, {args.threads} threads: {len(args.lengths)} packed sequences, T={t}, {args.heads} heads "
+        f"({args.kv_heads} KV), head_dim {args.head_dim}, fp32, forward+backward (best of {args.reps})"
+    )
     results = {name: timed(fn, q, k, v, args.reps) for name, fn in variants.items()}
     ref = results["sdpa_mask"][1]
     base = results["per_sequence"][0]
     for name, (sec, out) in results.items():
-        print(f"  {name:<14} {sec * 1e3:9.1f} ms   {sec / base:5.2f}x per_sequence   "
-              f"max |diff| vs sdpa_mask {float((out - ref).abs().max()):.1e}")
+        print(
+            f"  {name:<14} {sec * 1e3:9.1f} ms   {sec / base:5.2f}x per_sequence   "
+            f"max |diff| vs sdpa_mask {float((out - ref).abs().max()):.1e}"
+        )
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
         seg = torch.repeat_interleave(torch.arange(len(args.lengths)), torch.tensor(args.lengths))
         bm = create_block_mask(lambda b, h, qi, ki: (seg[qi] == seg[ki]) & (ki <= qi), None, None, t, t, device="cpu")
-        out = flex_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                             block_mask=bm, scale=scale, enable_gqa=True)
+        out = flex_attention(
+            q.transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
+            block_mask=bm,
+            scale=scale,
+            enable_gqa=True,
+        )
         out.sum().backward()
         print("  flex_attention: forward+backward ran on CPU")
     except Exception as e:  # torch 2.13: "FlexAttention does not support backward on CPU"

@@ -29,7 +29,6 @@ import sys
 import time
 
 import torch
-
 from bench_cli import bench_parser
 
 
@@ -155,12 +154,18 @@ def run(quick: bool = False) -> dict:
 def report(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     where = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {args.threads} threads"
-    how = "in-process peak of torch.cuda.max_memory_allocated" if args.device == "cuda" else "a separate process per path"
-    print(f"{where}: T={args.tokens} tokens per micro-batch, hidden {args.hidden}, "
-          f"vocab {args.vocab}, {args.dtype}; forward+backward of log-probs and entropy at the trained positions "
-          f"(best of {args.reps}, paths alternated; peak memory from {how})")
-    header = f"{'masked':>7} {'trained':>8} | {'full s':>8} {'trained s':>10} {'speed-up':>9} | " \
-             f"{'full MiB':>9} {'trained MiB':>12} {'mem ratio':>10} | {'max |dlogp|':>11}"
+    how = (
+        "in-process peak of torch.cuda.max_memory_allocated" if args.device == "cuda" else "a separate process per path"
+    )
+    print(
+        f"{where}: T={args.tokens} tokens per micro-batch, hidden {args.hidden}, "
+        f"vocab {args.vocab}, {args.dtype}; forward+backward of log-probs and entropy at the trained positions "
+        f"(best of {args.reps}, paths alternated; peak memory from {how})"
+    )
+    header = (
+        f"{'masked':>7} {'trained':>8} | {'full s':>8} {'trained s':>10} {'speed-up':>9} | "
+        f"{'full MiB':>9} {'trained MiB':>12} {'mem ratio':>10} | {'max |dlogp|':>11}"
+    )
     print(header)
     print("-" * len(header))
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
@@ -171,18 +176,45 @@ def report(args: argparse.Namespace) -> dict:
             if args.device == "cuda":
                 peak[path] = cuda_peak_mib(path, masked, args)
                 continue
-            cmd = [sys.executable, __file__, "--_child", path, str(masked), "--tokens", str(args.tokens),
-                   "--hidden", str(args.hidden), "--vocab", str(args.vocab), "--chunk", str(args.chunk),
-                   "--threads", str(args.threads), "--dtype", args.dtype]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--_child",
+                path,
+                str(masked),
+                "--tokens",
+                str(args.tokens),
+                "--hidden",
+                str(args.hidden),
+                "--vocab",
+                str(args.vocab),
+                "--chunk",
+                str(args.chunk),
+                "--threads",
+                str(args.threads),
+                "--dtype",
+                args.dtype,
+            ]
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
             peak[path] = json.loads(proc.stdout.strip().splitlines()[-1])["peak_mib"]
         t_full, t_trained, diff, n = timings(masked, args)
-        print(f"{masked:>7.0%} {n:>8d} | {t_full:>8.3f} {t_trained:>10.3f} {t_full / t_trained:>8.2f}x | "
-              f"{peak['full']:>9.0f} {peak['trained']:>12.0f} {peak['full'] / max(peak['trained'], 1e-9):>9.2f}x | "
-              f"{diff:>11.2e}")
-        rows.append({"masked": masked, "trained_tokens": n, "full_s": t_full, "trained_s": t_trained,
-                     "speedup": t_full / t_trained, "full_peak_mib": peak["full"], "trained_peak_mib": peak["trained"],
-                     "max_abs_logprob_diff": diff})
+        print(
+            f"{masked:>7.0%} {n:>8d} | {t_full:>8.3f} {t_trained:>10.3f} {t_full / t_trained:>8.2f}x | "
+            f"{peak['full']:>9.0f} {peak['trained']:>12.0f} {peak['full'] / max(peak['trained'], 1e-9):>9.2f}x | "
+            f"{diff:>11.2e}"
+        )
+        rows.append(
+            {
+                "masked": masked,
+                "trained_tokens": n,
+                "full_s": t_full,
+                "trained_s": t_trained,
+                "speedup": t_full / t_trained,
+                "full_peak_mib": peak["full"],
+                "trained_peak_mib": peak["trained"],
+                "max_abs_logprob_diff": diff,
+            }
+        )
     figures = {}
     for r in rows:
         pct = round(100 * r["masked"])

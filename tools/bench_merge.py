@@ -32,6 +32,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_cli import add_seed_and_out, bench_parser, config, run_args, script_main  # noqa: E402
+
 from megatron_stepwise.algo.merge import merge_steps  # noqa: E402
 from megatron_stepwise.data.synthetic import AgentWorkload, make_agent_steps  # noqa: E402
 
@@ -57,8 +58,14 @@ def growth_exponent(turns: Sequence[int], tokens: Sequence[float]) -> float:
 
 
 def _workload(turns: int, args: argparse.Namespace, drift: float) -> AgentWorkload:
-    return AgentWorkload(num_prompts=args.prompts, samples_per_prompt=args.samples, turns=(turns, turns),
-                         with_logprobs=False, drift_prob=drift, seed=args.seed + turns)
+    return AgentWorkload(
+        num_prompts=args.prompts,
+        samples_per_prompt=args.samples,
+        turns=(turns, turns),
+        with_logprobs=False,
+        drift_prob=drift,
+        seed=args.seed + turns,
+    )
 
 
 def _unique_tokens(steps) -> int:
@@ -97,16 +104,22 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
     args = run_args(parse_args, quick, options)
     rows = [measure_turns(t, args) for t in range(1, args.max_turns + 1)]
 
-    print(f"merge savings: {args.prompts * args.samples} prefix-consistent trajectories per turn count, "
-          f"merged rows capped at max_tokens={args.max_tokens:,}")
-    print(f"{'turns':>5}{'unmerged tok/traj':>19}{'merged tok/traj':>17}{'unique tok/traj':>17}"
-          f"{'unmerged/merged':>17}{'merged/unique':>15}{'rows/traj':>11}{'trained/traj':>14}"
-          f"{'merged/unique, drift ' + format(args.drift, '.0%'):>26}")
+    print(
+        f"merge savings: {args.prompts * args.samples} prefix-consistent trajectories per turn count, "
+        f"merged rows capped at max_tokens={args.max_tokens:,}"
+    )
+    print(
+        f"{'turns':>5}{'unmerged tok/traj':>19}{'merged tok/traj':>17}{'unique tok/traj':>17}"
+        f"{'unmerged/merged':>17}{'merged/unique':>15}{'rows/traj':>11}{'trained/traj':>14}"
+        f"{'merged/unique, drift ' + format(args.drift, '.0%'):>26}"
+    )
     for r in rows:
-        print(f"{r['turns']:>5}{r['unmerged_tokens_per_traj']:>19,.0f}{r['merged_tokens_per_traj']:>17,.0f}"
-              f"{r['unique_tokens_per_traj']:>17,.0f}{r['unmerged_over_merged']:>16.2f}x"
-              f"{r['merged_over_unique']:>15.3f}{r['rows_per_traj_merged']:>11.2f}{r['trained_tokens_per_traj']:>14,.0f}"
-              f"{r['merged_over_unique_with_drift']:>26.3f}")
+        print(
+            f"{r['turns']:>5}{r['unmerged_tokens_per_traj']:>19,.0f}{r['merged_tokens_per_traj']:>17,.0f}"
+            f"{r['unique_tokens_per_traj']:>17,.0f}{r['unmerged_over_merged']:>16.2f}x"
+            f"{r['merged_over_unique']:>15.3f}{r['rows_per_traj_merged']:>11.2f}{r['trained_tokens_per_traj']:>14,.0f}"
+            f"{r['merged_over_unique_with_drift']:>26.3f}"
+        )
 
     turns = [r["turns"] for r in rows]
     upper = [i for i, t in enumerate(turns) if t >= (args.max_turns + 1) // 2] or list(range(len(turns)))
@@ -122,9 +135,11 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
     for layout, k in exponents.items():
         print(f"  {layout:<29}{k['all']:>10.2f}{k['upper_half']:>10.2f}")
     last = rows[-1]
-    print(f"  at T={last['turns']}: unmerged / merged = {last['unmerged_over_merged']:.2f}x, merged / unique = "
-          f"{last['merged_over_unique']:.3f} (worst over T: {max(r['merged_over_unique'] for r in rows):.3f}); "
-          f"trained tokens equal in both layouts: {all(r['trained_tokens_equal'] for r in rows)}")
+    print(
+        f"  at T={last['turns']}: unmerged / merged = {last['unmerged_over_merged']:.2f}x, merged / unique = "
+        f"{last['merged_over_unique']:.3f} (worst over T: {max(r['merged_over_unique'] for r in rows):.3f}); "
+        f"trained tokens equal in both layouts: {all(r['trained_tokens_equal'] for r in rows)}"
+    )
     return {
         "config": config(args),
         "by_turns": rows,

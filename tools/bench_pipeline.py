@@ -45,14 +45,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_cli import (PhaseTimer, add_seed_and_out, bench_parser, repeat_runs, run_args,  # noqa: E402
-                       warm_median, write_json)
+from bench_cli import PhaseTimer, add_seed_and_out, bench_parser, repeat_runs, run_args, warm_median, write_json  # noqa: E402
+
 from megatron_stepwise.algo import planner  # noqa: E402
 from megatron_stepwise.algo.batching import prompt_minibatches, validate_steps  # noqa: E402
 from megatron_stepwise.algo.merge import merge_steps  # noqa: E402
+from megatron_stepwise.data.synthetic import AgentWorkload, make_agent_steps  # noqa: E402
 from megatron_stepwise.loop.training_batch import PrepareOptions, add_counts, prepare  # noqa: E402
 from megatron_stepwise.mcore.train.packing import packed_lengths  # noqa: E402  (torch only, no megatron-core)
-from megatron_stepwise.data.synthetic import AgentWorkload, make_agent_steps  # noqa: E402
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -62,8 +62,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--dp", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=32768, help="token budget per micro-batch")
     p.add_argument("--prompts-per-minibatch", type=int, default=64)
-    p.add_argument("--seq-align", type=int, default=1,
-                   help="per-row alignment: 1, or 2*CP with context parallelism (rows packed as `packed_lengths`)")
+    p.add_argument(
+        "--seq-align",
+        type=int,
+        default=1,
+        help="per-row alignment: 1, or 2*CP with context parallelism (rows packed as `packed_lengths`)",
+    )
     p.add_argument("--micro-align", type=int, default=128, help="alignment of a packed micro-batch (TP x 128)")
     p.add_argument("--drift", type=float, default=0.0, help="re-tokenisation drift probability per turn")
     p.add_argument("--repeats", type=int, default=5, help="warm runs after the cold one")
@@ -90,9 +94,18 @@ def context_parallel(seq_align: int) -> int:
 # ------------------------------------------------------------------------------- timing
 
 
-def trainer_pipeline(steps, phase: PhaseTimer, *, vocab_size: int, prompts_per_minibatch: int,
-                     options: PrepareOptions, dp: int, max_tokens: int, micro_align: int = 1,
-                     cp: int = 1) -> tuple[list, list, list, list]:
+def trainer_pipeline(
+    steps,
+    phase: PhaseTimer,
+    *,
+    vocab_size: int,
+    prompts_per_minibatch: int,
+    options: PrepareOptions,
+    dp: int,
+    max_tokens: int,
+    micro_align: int = 1,
+    cp: int = 1,
+) -> tuple[list, list, list, list]:
     """One iteration's host work, each phase timed by `phase`, calling what runs in training:
     the sources' `validate_steps` and `prompt_minibatches` (loop/sources.py, loop/async_source.py),
     the trainer's `prepare` per mini-batch (loop/trainer.py; a mini-batch without a trained token
@@ -103,9 +116,15 @@ def trainer_pipeline(steps, phase: PhaseTimer, *, vocab_size: int, prompts_per_m
     mbs = phase("minibatch", lambda: prompt_minibatches(steps, prompts_per_minibatch) if steps else [])
     prepared = phase("prepare", lambda: [prepare(mb, options) for mb in mbs])
     batches = [b for b, _ in prepared if b is not None]
-    plans = phase("plan", lambda: [planner.plan_microbatches(
-        packed_lengths(b.lengths, cp).tolist(), dp_size=dp, max_tokens=max_tokens, micro_align=micro_align)
-        for b in batches])
+    plans = phase(
+        "plan",
+        lambda: [
+            planner.plan_microbatches(
+                packed_lengths(b.lengths, cp).tolist(), dp_size=dp, max_tokens=max_tokens, micro_align=micro_align
+            )
+            for b in batches
+        ],
+    )
     return mbs, prepared, batches, plans
 
 
@@ -116,9 +135,17 @@ def prepare_options(args) -> PrepareOptions:
 def run_pipeline(steps, args) -> tuple[dict[str, float], dict[str, float], Any]:
     """Wall-clock and CPU seconds of each phase."""
     phase = PhaseTimer()
-    result = trainer_pipeline(steps, phase, vocab_size=32000, prompts_per_minibatch=args.prompts_per_minibatch,
-                              options=prepare_options(args), dp=args.dp, max_tokens=args.max_tokens,
-                              micro_align=args.micro_align, cp=context_parallel(args.seq_align))
+    result = trainer_pipeline(
+        steps,
+        phase,
+        vocab_size=32000,
+        prompts_per_minibatch=args.prompts_per_minibatch,
+        options=prepare_options(args),
+        dp=args.dp,
+        max_tokens=args.max_tokens,
+        micro_align=args.micro_align,
+        cp=context_parallel(args.seq_align),
+    )
     times, cpu = phase.wall, phase.cpu
     times["total"] = sum(times.values())
     cpu["total"] = sum(cpu.values())
@@ -174,8 +201,9 @@ def layout_report(minibatch_lengths: list[list[int]], args) -> dict[str, Any]:
     real = packed = padded = best_padded = micro = 0
     balance, longest = [], 0
     for lengths in minibatch_lengths:
-        plan = planner.plan_microbatches(lengths, dp_size=args.dp, max_tokens=args.max_tokens,
-                                         seq_align=args.seq_align, micro_align=args.micro_align)
+        plan = planner.plan_microbatches(
+            lengths, dp_size=args.dp, max_tokens=args.max_tokens, seq_align=args.seq_align, micro_align=args.micro_align
+        )
         st = planner.plan_stats(lengths, plan, seq_align=args.seq_align, micro_align=args.micro_align)
         real += st.real_tokens
         packed += st.packed_tokens
@@ -251,13 +279,17 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     steps = make_agent_steps(w)
     gen_s = time.perf_counter() - t
     n_tokens = sum(s.num_tokens for s in steps)
-    print(f"workload: {w.num_prompts} prompts x {w.samples_per_prompt} samples, turns {w.turns}, obs {w.obs_len}, "
-          f"response {w.response_len}, prompt {w.prompt_len}, drift {w.drift_prob}: {len(steps):,} steps, "
-          f"{n_tokens:,} tokens (built in {gen_s:.1f} s)")
+    print(
+        f"workload: {w.num_prompts} prompts x {w.samples_per_prompt} samples, turns {w.turns}, obs {w.obs_len}, "
+        f"response {w.response_len}, prompt {w.prompt_len}, drift {w.drift_prob}: {len(steps):,} steps, "
+        f"{n_tokens:,} tokens (built in {gen_s:.1f} s)"
+    )
     opts = prepare_options(args)
-    print(f"config: dp={args.dp}, max_tokens={args.max_tokens:,}, {args.prompts_per_minibatch} prompts per "
-          f"mini-batch, seq_align={args.seq_align}, micro_align={args.micro_align}, prepare(merge_steps="
-          f"{opts.merge_steps}, estimator={opts.estimator}), 1 thread\n")
+    print(
+        f"config: dp={args.dp}, max_tokens={args.max_tokens:,}, {args.prompts_per_minibatch} prompts per "
+        f"mini-batch, seq_align={args.seq_align}, micro_align={args.micro_align}, prepare(merge_steps="
+        f"{opts.merge_steps}, estimator={opts.estimator}), 1 thread\n"
+    )
 
     runs, cpu_runs, (mbs, prepared, batches, _) = repeat_runs(lambda: run_pipeline(steps, args), args.repeats)
     cold, cold_cpu = runs[0], cpu_runs[0]
@@ -265,18 +297,24 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     print(f"{'':12}{'cold (1st run)':>22}{'warm (median of ' + str(len(runs[1:] or runs)) + ')':>24}")
     print(f"{'phase':<12}{'wall':>11}{'cpu':>11}{'wall':>12}{'cpu':>12}")
     for k in cold:
-        print(f"{k:<12}{cold[k] * 1e3:>8.1f} ms{cold_cpu[k] * 1e3:>8.1f} ms"
-              f"{warm[k] * 1e3:>9.1f} ms{warm_cpu[k] * 1e3:>9.1f} ms")
-    print("  cold = first run in the process (fresh memory is page-faulted in); warm = later runs, each after\n"
-          "  the previous run's batch was freed, as in a training loop. cpu = CPU time of this process\n"
-          "  (one thread), robust to other processes sharing the cores; wall includes waiting for a core.")
+        print(
+            f"{k:<12}{cold[k] * 1e3:>8.1f} ms{cold_cpu[k] * 1e3:>8.1f} ms"
+            f"{warm[k] * 1e3:>9.1f} ms{warm_cpu[k] * 1e3:>9.1f} ms"
+        )
+    print(
+        "  cold = first run in the process (fresh memory is page-faulted in); warm = later runs, each after\n"
+        "  the previous run's batch was freed, as in a training loop. cpu = CPU time of this process\n"
+        "  (one thread), robust to other processes sharing the cores; wall includes waiting for a core."
+    )
 
     merge = merge_report(mbs, prepared, batches, args)
-    print(f"\nmerge (prepare's counts over {len(mbs)} mini-batches): rows {merge['rows_before']:,} -> "
-          f"{merge['rows_after']:,}, tokens {merge['tokens_before']:,} -> {merge['tokens_after']:,} "
-          f"({merge['token_ratio']:.2f}x fewer), trainable {merge['trainable_tokens']:,}, "
-          f"broken prefixes {merge['broken_prefixes']}, mini-batches skipped (nothing to train) "
-          f"{merge['skipped_minibatches']}")
+    print(
+        f"\nmerge (prepare's counts over {len(mbs)} mini-batches): rows {merge['rows_before']:,} -> "
+        f"{merge['rows_after']:,}, tokens {merge['tokens_before']:,} -> {merge['tokens_after']:,} "
+        f"({merge['token_ratio']:.2f}x fewer), trainable {merge['trainable_tokens']:,}, "
+        f"broken prefixes {merge['broken_prefixes']}, mini-batches skipped (nothing to train) "
+        f"{merge['skipped_minibatches']}"
+    )
 
     # Layouts of the same rollouts, each split into the same prompt mini-batches: ours are the
     # rows of the prepared batches (what the plugin plans and packs), the others the steps.
@@ -288,17 +326,23 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     }
     reports = {name: layout_report(lengths, args) for name, lengths in layouts.items()}
     base = reports["ours_merged"]["packed_tokens"]
-    print(f"\n{'layout':<20}{'rows':>7}{'real tok':>13}{'packed':>13}{'eff':>7}{'pad same mb':>14}{'eff':>7}"
-          f"{'pad sorted':>13}{'eff':>7}{'longest':>9}{'micro/rank':>11}{'packed vs ours':>15}{'pad sorted vs ours':>19}")
+    print(
+        f"\n{'layout':<20}{'rows':>7}{'real tok':>13}{'packed':>13}{'eff':>7}{'pad same mb':>14}{'eff':>7}"
+        f"{'pad sorted':>13}{'eff':>7}{'longest':>9}{'micro/rank':>11}{'packed vs ours':>15}{'pad sorted vs ours':>19}"
+    )
     for name, r in reports.items():
-        print(f"{name:<20}{r['rows']:>7,}{r['real_tokens']:>13,}{r['packed_tokens']:>13,}"
-              f"{r['packed_efficiency']:>7.3f}{r['padded_same_micro_tokens']:>14,}"
-              f"{r['padded_same_micro_efficiency']:>7.3f}{r['padded_sorted_tokens']:>13,}"
-              f"{r['padded_sorted_efficiency']:>7.3f}{r['longest_padded_row']:>9,}"
-              f"{r['micro_batches_per_rank']:>11}{r['packed_tokens'] / base:>14.2f}x"
-              f"{r['padded_sorted_tokens'] / base:>18.2f}x")
-    print("  eff = real / computed tokens; 'vs ours' = computed tokens relative to ours_merged packed;"
-          "\n  micro/rank summed over mini-batches; longest = longest row (the padded sequence length)")
+        print(
+            f"{name:<20}{r['rows']:>7,}{r['real_tokens']:>13,}{r['packed_tokens']:>13,}"
+            f"{r['packed_efficiency']:>7.3f}{r['padded_same_micro_tokens']:>14,}"
+            f"{r['padded_same_micro_efficiency']:>7.3f}{r['padded_sorted_tokens']:>13,}"
+            f"{r['padded_sorted_efficiency']:>7.3f}{r['longest_padded_row']:>9,}"
+            f"{r['micro_batches_per_rank']:>11}{r['packed_tokens'] / base:>14.2f}x"
+            f"{r['padded_sorted_tokens'] / base:>18.2f}x"
+        )
+    print(
+        "  eff = real / computed tokens; 'vs ours' = computed tokens relative to ours_merged packed;"
+        "\n  micro/rank summed over mini-batches; longest = longest row (the padded sequence length)"
+    )
 
     # Balance gets harder with fewer rows per rank: also show 4x the DP size on the same mini-batches.
     balance = {}
@@ -306,17 +350,24 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         dp_args = argparse.Namespace(**{**vars(args), "dp": dp})
         for name in ("ours_merged", "stepwise_unmerged"):
             balance[f"{name} dp={dp}"] = balance_report(layouts[name], dp_args)
-    print(f"\nDP balance, max/mean rank cost (cost = tokens + tokens^2/24576), worst | mean over "
-          f"{len(mbs)} mini-batches, and micro-batches per rank (summed)")
+    print(
+        f"\nDP balance, max/mean rank cost (cost = tokens + tokens^2/24576), worst | mean over "
+        f"{len(mbs)} mini-batches, and micro-batches per rank (summed)"
+    )
     for layout, rows in balance.items():
         print(f"  {layout}")
         for name, b in rows.items():
             print(f"    {name:<26}{b['worst']:>9.4f} | {b['mean']:.4f}   micro/rank {b['micro_batches_per_rank']}")
 
-    return {"config": vars(args), "workload": {"steps": len(steps), "tokens": n_tokens},
-            "time_s": {"cold": cold, "warm_median": warm, "all_runs": runs},
-            "cpu_s": {"cold": cold_cpu, "warm_median": warm_cpu, "all_runs": cpu_runs},
-            "merge": merge, "layouts": reports, "dp_balance": balance}
+    return {
+        "config": vars(args),
+        "workload": {"steps": len(steps), "tokens": n_tokens},
+        "time_s": {"cold": cold, "warm_median": warm, "all_runs": runs},
+        "cpu_s": {"cold": cold_cpu, "warm_median": warm_cpu, "all_runs": cpu_runs},
+        "merge": merge,
+        "layouts": reports,
+        "dp_balance": balance,
+    }
 
 
 if __name__ == "__main__":

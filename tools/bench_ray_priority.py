@@ -52,8 +52,13 @@ def child(niceness: int) -> dict:
     """In a fresh process: Ray at `niceness`, one actor, its fixed work timed (busy loops already run)."""
     import ray
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             _system_config={"worker_niceness": niceness, "prestart_worker_first_driver": False})
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        _system_config={"worker_niceness": niceness, "prestart_worker_first_driver": False},
+    )
 
     @ray.remote(num_cpus=0.5)
     class Worker:
@@ -82,12 +87,19 @@ def run(quick: bool = False, **options) -> dict:
                 cmd = [sys.executable, __file__, "--child", str(niceness)]
                 try:
                     out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-                    r = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else {"error": out.stderr[-500:]}
+                    r = (
+                        json.loads(out.stdout.strip().splitlines()[-1])
+                        if out.returncode == 0
+                        else {"error": out.stderr[-500:]}
+                    )
                 except subprocess.TimeoutExpired:
                     r = {"error": f"not done within {args.timeout:.0f} s"}
                 results[niceness].append(r)
-                print(f"niceness {niceness:>2}: " + (f"{r['wall_s']:.2f} s wall for {r['cpu_s']:.2f} s of CPU"
-                                                     if "wall_s" in r else r["error"]), flush=True)
+                print(
+                    f"niceness {niceness:>2}: "
+                    + (f"{r['wall_s']:.2f} s wall for {r['cpu_s']:.2f} s of CPU" if "wall_s" in r else r["error"]),
+                    flush=True,
+                )
     finally:
         for p in busy:
             p.kill()
@@ -97,9 +109,11 @@ def run(quick: bool = False, **options) -> dict:
     if walls[15] and walls[0]:
         summary["median_wall_s"] = {str(k): statistics.median(v) for k, v in walls.items()}
         summary["slowdown_at_15"] = statistics.median(walls[15]) / statistics.median(walls[0])
-        print(f"\n{args.busy} busy loops: the same actor work takes {summary['slowdown_at_15']:.1f}x as long at "
-              f"Ray's default niceness 15 as at 0 (median {summary['median_wall_s']['15']:.2f} s vs "
-              f"{summary['median_wall_s']['0']:.2f} s)")
+        print(
+            f"\n{args.busy} busy loops: the same actor work takes {summary['slowdown_at_15']:.1f}x as long at "
+            f"Ray's default niceness 15 as at 0 (median {summary['median_wall_s']['15']:.2f} s vs "
+            f"{summary['median_wall_s']['0']:.2f} s)"
+        )
     return summary
 
 

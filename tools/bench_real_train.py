@@ -73,11 +73,20 @@ def make_batch(args: argparse.Namespace, vocab: int):
         trained = max(1, int(n * args.trained_share))
         prompt = [rng.randrange(vocab) for _ in range(n - trained)]
         response = [rng.randrange(vocab) for _ in range(trained)]
-        steps.append(Step(TrajectoryID(f"p{r // 8}", r % 8), prompt, response, [1] * trained,
-                          reward=float(r % 2), is_last_step=True))
+        steps.append(
+            Step(
+                TrajectoryID(f"p{r // 8}", r % 8),
+                prompt,
+                response,
+                [1] * trained,
+                reward=float(r % 2),
+                is_last_step=True,
+            )
+        )
     batch = StepBatch.from_steps(steps)
-    batch.set_response_field("advantages", [torch.full((len(s.response_ids),), 1.0 if s.reward else -1.0)
-                                            for s in steps])
+    batch.set_response_field(
+        "advantages", [torch.full((len(s.response_ids),), 1.0 if s.reward else -1.0) for s in steps]
+    )
     return batch
 
 
@@ -136,18 +145,30 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
     step_s = statistics.median(times)
     flops = train_flops_per_token(hf, tokens / args.rows, args.trained_share) * tokens
     achieved = flops / step_s / 1e9
-    print(f"SmolLM2-135M real weights, megatron-core local spec, CPU, 1 thread: one mini-batch of {args.rows} rows, "
-          f"{tokens:,} tokens ({int(batch.token_fields['loss_mask'].sum()):,} trained), median of {args.repeats}")
+    print(
+        f"SmolLM2-135M real weights, megatron-core local spec, CPU, 1 thread: one mini-batch of {args.rows} rows, "
+        f"{tokens:,} tokens ({int(batch.token_fields['loss_mask'].sum()):,} trained), median of {args.repeats}"
+    )
     print(f"  step {step_s:.2f} s = {tokens / step_s:,.0f} tokens/s = {achieved:.1f} GFLOP/s of model arithmetic")
-    print(f"  fp32 matmul peak measured in this run (1 thread, the model's GEMM shapes): {peak:.1f} GFLOP/s "
-          f"-> {achieved / peak:.0%} of peak")
+    print(
+        f"  fp32 matmul peak measured in this run (1 thread, the model's GEMM shapes): {peak:.1f} GFLOP/s "
+        f"-> {achieved / peak:.0%} of peak"
+    )
     print(f"  profiled step: matmuls {matmul_us / total_us:.0%} of self CPU time; top operators:")
     for e in top:
         print(f"    {e.key:<40}{e.self_cpu_time_total / 1e3:>10.1f} ms  {e.self_cpu_time_total / total_us:>5.1%}")
-    return {"rows": args.rows, "tokens": tokens, "step_s": step_s, "all_step_s": times,
-            "tokens_per_s": tokens / step_s, "model_gflops_per_s": achieved, "matmul_peak_gflops_per_s": peak,
-            "share_of_peak": achieved / peak, "matmul_share_of_cpu_time": matmul_us / total_us,
-            "top_ops_ms": {e.key: e.self_cpu_time_total / 1e3 for e in top}}
+    return {
+        "rows": args.rows,
+        "tokens": tokens,
+        "step_s": step_s,
+        "all_step_s": times,
+        "tokens_per_s": tokens / step_s,
+        "model_gflops_per_s": achieved,
+        "matmul_peak_gflops_per_s": peak,
+        "share_of_peak": achieved / peak,
+        "matmul_share_of_cpu_time": matmul_us / total_us,
+        "top_ops_ms": {e.key: e.self_cpu_time_total / 1e3 for e in top},
+    }
 
 
 if __name__ == "__main__":

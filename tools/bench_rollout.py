@@ -22,13 +22,14 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("PYTHONPATH", str(Path(__file__).resolve().parents[1]))
 
 from bench_cli import bench_parser  # noqa: E402
+
 from megatron_stepwise.envs.echo import echo_dataset  # noqa: E402
 from megatron_stepwise.hf.tokenizers import load_tokenizer  # noqa: E402
 from megatron_stepwise.rollout.agent_loop import AgentLoop, AgentLoopConfig  # noqa: E402
+from megatron_stepwise.rollout.embedded.engine import LocalEngine  # noqa: E402
+from megatron_stepwise.rollout.embedded.hf_model import tiny_qwen2_config  # noqa: E402
 from megatron_stepwise.rollout.engine import SamplingParams  # noqa: E402
 from megatron_stepwise.rollout.fleet import EngineSpec, RolloutFleet  # noqa: E402
-from megatron_stepwise.rollout.embedded.hf_model import tiny_qwen2_config  # noqa: E402
-from megatron_stepwise.rollout.embedded.engine import LocalEngine  # noqa: E402
 
 
 async def measure(generator, tok, samples, cfg) -> dict:
@@ -42,23 +43,34 @@ async def measure(generator, tok, samples, cfg) -> dict:
         loop.close()
     trajectories = sum(s.is_last_step for s in steps)
     tokens = sum(int(s.loss_mask.sum()) for s in steps)
-    return {"trajectories/s": trajectories / elapsed, "gen tokens/s": tokens / elapsed,
-            "steps": len(steps), "seconds": elapsed}
+    return {
+        "trajectories/s": trajectories / elapsed,
+        "gen tokens/s": tokens / elapsed,
+        "steps": len(steps),
+        "seconds": elapsed,
+    }
 
 
 async def bench(args) -> dict[str, dict]:
     tok = load_tokenizer("tiny_word")
     config = tiny_qwen2_config(len(tok))
     samples = echo_dataset(args.prompts, num_turns=3, seed=0)
-    cfg = AgentLoopConfig(max_turns=3, max_input_length=256, n_samples_per_prompt=args.samples,
-                          max_concurrency=args.concurrency, sampling=SamplingParams(max_new_tokens=args.new_tokens))
+    cfg = AgentLoopConfig(
+        max_turns=3,
+        max_input_length=256,
+        n_samples_per_prompt=args.samples,
+        max_concurrency=args.concurrency,
+        sampling=SamplingParams(max_new_tokens=args.new_tokens),
+    )
     results = {}
     engine = LocalEngine(config, tokenizer=tok, seed=0, max_batch_size=args.batch)
     results["in-process x1"] = await measure(engine, tok, samples, cfg)
     await engine.close()
     for n in (1, 2):
-        specs = [EngineSpec(model_config=config, tokenizer="tiny_word", seed=i, num_cpus=0.5,
-                            max_batch_size=args.batch) for i in range(n)]
+        specs = [
+            EngineSpec(model_config=config, tokenizer="tiny_word", seed=i, num_cpus=0.5, max_batch_size=args.batch)
+            for i in range(n)
+        ]
         fleet = RolloutFleet(specs, max_concurrency=args.concurrency)
         await fleet.wait_ready()
         results[f"fleet x{n}"] = await measure(fleet, tok, samples, cfg)
@@ -90,8 +102,10 @@ def report(args: argparse.Namespace) -> dict:
 
     ray.shutdown()
     names = list(results)
-    print(f"\nrollout throughput, echo task, {args.prompts} prompts x {args.samples} samples, 3 turns, "
-          f"max {args.new_tokens} new tokens, {os.cpu_count()} CPU cores")
+    print(
+        f"\nrollout throughput, echo task, {args.prompts} prompts x {args.samples} samples, 3 turns, "
+        f"max {args.new_tokens} new tokens, {os.cpu_count()} CPU cores"
+    )
     print(f"{'':>16}" + "".join(f"{n:>16}" for n in names))
     for metric in ("trajectories/s", "gen tokens/s", "steps", "seconds"):
         print(f"{metric:>16}" + "".join(f"{results[n][metric]:>16.2f}" for n in names))

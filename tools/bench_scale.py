@@ -79,14 +79,25 @@ class _NoFleet:
 def _config(args):
     from megatron_stepwise.config import load_config
 
-    return load_config(Path(__file__).resolve().parents[1] / "configs/tiny_cpu.yaml", [
-        "model.tokenizer=tiny_bpe", f"rollout.max_turns={args.turns}", f"rollout.max_new_tokens={REPLY_TOKENS}",
-        "rollout.max_input_length=4096", f"rollout.context={args.context}", f"data.samples_per_prompt={args.samples}",
-        f"data.prompts_per_iteration={args.prompts}", f"data.prompts_per_minibatch={args.prompts_per_minibatch}",
-        f"rollout.max_concurrency={args.concurrency}", "data.max_tokens_per_microbatch=16384",
-        f"env.dataset_options.num_turns={args.turns}", f"env.dataset_options.num_prompts={args.prompts}",
-        "rollout.agent_worker_cpus=0.5",
-    ], world_size=1)
+    return load_config(
+        Path(__file__).resolve().parents[1] / "configs/tiny_cpu.yaml",
+        [
+            "model.tokenizer=tiny_bpe",
+            f"rollout.max_turns={args.turns}",
+            f"rollout.max_new_tokens={REPLY_TOKENS}",
+            "rollout.max_input_length=4096",
+            f"rollout.context={args.context}",
+            f"data.samples_per_prompt={args.samples}",
+            f"data.prompts_per_iteration={args.prompts}",
+            f"data.prompts_per_minibatch={args.prompts_per_minibatch}",
+            f"rollout.max_concurrency={args.concurrency}",
+            "data.max_tokens_per_microbatch=16384",
+            f"env.dataset_options.num_turns={args.turns}",
+            f"env.dataset_options.num_prompts={args.prompts}",
+            "rollout.agent_worker_cpus=0.5",
+        ],
+        world_size=1,
+    )
 
 
 def _samples(cfg, args) -> list[dict]:
@@ -124,8 +135,13 @@ def _workers(cfg, samples, n: int, held: Optional[Callable] = None) -> dict[str,
     env = {"env_vars": {"PYTHONPATH": os.environ["PYTHONPATH"]}}
 
     def spawn(cfg, index, concurrency, name):
-        return worker_cls.options(num_cpus=cfg.rollout.agent_worker_cpus, max_concurrency=1000, name=name,
-                                  namespace=NAMESPACE, runtime_env=env).remote(cfg, concurrency, name)
+        return worker_cls.options(
+            num_cpus=cfg.rollout.agent_worker_cpus,
+            max_concurrency=1000,
+            name=name,
+            namespace=NAMESPACE,
+            runtime_env=env,
+        ).remote(cfg, concurrency, name)
 
     hold = HoldRequest(1, PrepareOptions.from_config(cfg), cfg_vocab(cfg)) if held else None
     loop = asyncio.new_event_loop()
@@ -142,8 +158,13 @@ def _workers(cfg, samples, n: int, held: Optional[Callable] = None) -> dict[str,
     finally:
         workers.close()
         loop.close()
-    return {"groups": groups, "wall": wall, "driver_cpu": driver_cpu, "held": decided,
-            "worker_cpu": [b - a for a, b in zip(before, after)]}
+    return {
+        "groups": groups,
+        "wall": wall,
+        "driver_cpu": driver_cpu,
+        "held": decided,
+        "worker_cpu": [b - a for a, b in zip(before, after)],
+    }
 
 
 def _decide(rows, dp: int, max_tokens: int) -> list:
@@ -159,10 +180,23 @@ def _decide(rows, dp: int, max_tokens: int) -> list:
     for rank, micros in enumerate(plan):
         mine, local = shard_rows(micros)
         index = torch.as_tensor(mine, dtype=torch.long)
-        out.append(ShardDecision(local, mine, rank, dp, trained_tokens=int(rows.trained.sum()), data_rows=0,
-                                 data_tokens=0, tokens=0, rollout_logprobs=True, rollout_logprobs_complete=True,
-                                 traj_index=rows.traj_index[index], group_index=rows.group_index[index],
-                                 denominators=denominators[index]))
+        out.append(
+            ShardDecision(
+                local,
+                mine,
+                rank,
+                dp,
+                trained_tokens=int(rows.trained.sum()),
+                data_rows=0,
+                data_tokens=0,
+                tokens=0,
+                rollout_logprobs=True,
+                rollout_logprobs_complete=True,
+                traj_index=rows.traj_index[index],
+                group_index=rows.group_index[index],
+                denominators=denominators[index],
+            )
+        )
     return out
 
 
@@ -180,7 +214,7 @@ def _held_handoff(cfg, dp_sizes=(1, 2, 4)) -> Callable:
         t = time.process_time()
         rollout_metrics(groups)
         k = cfg.data.prompts_per_minibatch
-        minibatches = [groups[i:i + k] for i in range(0, len(groups), k)]
+        minibatches = [groups[i : i + k] for i in range(0, len(groups), k)]
         out["split_cpu"] = time.process_time() - t
         address = ray.get_runtime_context().gcs_address
         for dp in dp_sizes:
@@ -199,8 +233,13 @@ def _held_handoff(cfg, dp_sizes=(1, 2, 4)) -> Callable:
                     fetcher.fetch(shard)
                 fetch_wall.append(time.perf_counter() - t)
                 fetched.append(fetcher.bytes_fetched)
-            out[f"dp{dp}"] = {"decision_cpu": decision, "send_cpu": send, "manifest_bytes": [len(b) for b in blobs],
-                              "bytes_fetched_per_rank": fetched, "fetch_wall_per_rank": fetch_wall}
+            out[f"dp{dp}"] = {
+                "decision_cpu": decision,
+                "send_cpu": send,
+                "manifest_bytes": [len(b) for b in blobs],
+                "bytes_fetched_per_rank": fetched,
+                "fetch_wall_per_rank": fetch_wall,
+            }
         return out
 
     return run
@@ -218,7 +257,7 @@ def _group_transfer(steps, groups_per_reply: int = 8) -> dict[str, Any]:
     from megatron_stepwise.algo.groups import groups_of, pack_groups, unpack_groups
 
     groups = groups_of(steps)
-    replies = [groups[i:i + groups_per_reply] for i in range(0, len(groups), groups_per_reply)]
+    replies = [groups[i : i + groups_per_reply] for i in range(0, len(groups), groups_per_reply)]
 
     def cpu(fn) -> float:
         t = time.process_time()
@@ -269,8 +308,21 @@ def _shard(batch, dp: int, max_tokens: int) -> list:
     shards = []
     for rank, micros in enumerate(plan):
         rows, local = shard_rows(micros)
-        shards.append(MinibatchShard(batch.select(rows), local, rows, rank, dp, trained_tokens=0, data_rows=0,
-                                     data_tokens=0, tokens=0, rollout_logprobs=True, rollout_logprobs_complete=True))
+        shards.append(
+            MinibatchShard(
+                batch.select(rows),
+                local,
+                rows,
+                rank,
+                dp,
+                trained_tokens=0,
+                data_rows=0,
+                data_tokens=0,
+                tokens=0,
+                rollout_logprobs=True,
+                rollout_logprobs_complete=True,
+            )
+        )
     return shards
 
 
@@ -302,8 +354,12 @@ def _new_handoff(steps, cfg, dp_sizes=(1, 2, 4)) -> dict[str, Any]:
         t = time.process_time()
         pickle.loads(blobs[-1])
         receive = time.process_time() - t
-        out[f"dp{dp}"] = {"plan_cpu": plan, "send_cpu": send, "receive_cpu": receive,
-                          "bytes_per_rank": [len(b) for b in blobs]}
+        out[f"dp{dp}"] = {
+            "plan_cpu": plan,
+            "send_cpu": send,
+            "receive_cpu": receive,
+            "bytes_per_rank": [len(b) for b in blobs],
+        }
     return out
 
 
@@ -313,14 +369,20 @@ def run(quick: bool = False, **options) -> dict[str, Any]:
     args = run_args(parse_args, quick, options)
     cfg = _config(args)
     samples = _samples(cfg, args)
-    print(f"workload: {args.prompts} prompts x {args.samples} samples x {args.turns} turns, "
-          f"{REPLY_TOKENS}-token replies, context={args.context}, tiny_bpe, echo")
+    print(
+        f"workload: {args.prompts} prompts x {args.samples} samples x {args.turns} turns, "
+        f"{REPLY_TOKENS}-token replies, context={args.context}, tiny_bpe, echo"
+    )
 
     steps, wall, cpu = _in_process(cfg, samples)
     turns = len(steps)
     result: dict[str, Any] = {"config": config(args), "turns": turns}
-    result["in_process"] = {"wall_s": wall, "cpu_s": cpu, "cpu_ms_per_turn": 1e3 * cpu / turns,
-                            "turns_per_s": turns / wall}
+    result["in_process"] = {
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "cpu_ms_per_turn": 1e3 * cpu / turns,
+        "turns_per_s": turns / wall,
+    }
     print(f"\nin the driver process: {turns} turns in {wall:.2f} s wall, {1e3 * cpu / turns:.3f} ms CPU per turn")
 
     # the agent workers import this file's worker class and the instant engine
@@ -330,58 +392,92 @@ def run(quick: bool = False, **options) -> dict[str, Any]:
         w = _workers(cfg, samples, n)
         w["steps"] = flat_steps(w["groups"])
         assert len(w["steps"]) == turns
-        result[f"workers{n}"] = {"wall_s": w["wall"], "turns_per_s": turns / w["wall"],
-                                 "driver_cpu_ms_per_turn": 1e3 * w["driver_cpu"] / turns,
-                                 "worker_cpu_ms_per_turn": 1e3 * sum(w["worker_cpu"]) / turns}
-        print(f"{n} agent worker(s): {turns / w['wall']:.0f} turns/s, worker CPU "
-              f"{1e3 * sum(w['worker_cpu']) / turns:.3f} ms per turn, driver CPU "
-              f"{1e3 * w['driver_cpu'] / turns:.3f} ms per turn")
+        result[f"workers{n}"] = {
+            "wall_s": w["wall"],
+            "turns_per_s": turns / w["wall"],
+            "driver_cpu_ms_per_turn": 1e3 * w["driver_cpu"] / turns,
+            "worker_cpu_ms_per_turn": 1e3 * sum(w["worker_cpu"]) / turns,
+        }
+        print(
+            f"{n} agent worker(s): {turns / w['wall']:.0f} turns/s, worker CPU "
+            f"{1e3 * sum(w['worker_cpu']) / turns:.3f} ms per turn, driver CPU "
+            f"{1e3 * w['driver_cpu'] / turns:.3f} ms per turn"
+        )
     result["workers_2_vs_1"] = result["workers2"]["turns_per_s"] / result["workers1"]["turns_per_s"]
     print(f"2 workers vs 1: {result['workers_2_vs_1']:.2f}x turns per second ({os.cpu_count()} cores)")
 
     result["group_transfer"] = g = _group_transfer(steps)
-    print(f"groups worker -> driver, pickle + unpickle: one batch per group {g['per_group_ms_per_step']:.4f} ms/step, "
-          f"a reply's groups packed {g['packed_ms_per_step']:.4f} ms/step ({g['groups_per_reply']} groups a reply)")
+    print(
+        f"groups worker -> driver, pickle + unpickle: one batch per group {g['per_group_ms_per_step']:.4f} ms/step, "
+        f"a reply's groups packed {g['packed_ms_per_step']:.4f} ms/step ({g['groups_per_reply']} groups a reply)"
+    )
 
     old, new = _old_handoff(steps, cfg), _new_handoff(steps, cfg)
     result["handoff_before"], result["handoff_after"] = old, new
     print(f"\nhand-off of {turns} steps")
-    print(f"  before: pickle every Step {1e3 * old['send_cpu'] / turns:.3f} ms/step, {old['bytes_per_rank'] / 1e6:.1f} MB "
-          f"to every rank, each rank unpickles ({1e3 * old['receive_cpu'] / turns:.3f} ms/step) and validates + "
-          f"prepares all ({old['every_rank_cpu']:.2f} s)")
-    print(f"  after: rank 0 validates + splits {new['validate_split_cpu']:.2f} s, prepares {new['prepare_cpu']:.2f} s once")
+    print(
+        f"  before: pickle every Step {1e3 * old['send_cpu'] / turns:.3f} ms/step, {old['bytes_per_rank'] / 1e6:.1f} MB "
+        f"to every rank, each rank unpickles ({1e3 * old['receive_cpu'] / turns:.3f} ms/step) and validates + "
+        f"prepares all ({old['every_rank_cpu']:.2f} s)"
+    )
+    print(
+        f"  after: rank 0 validates + splits {new['validate_split_cpu']:.2f} s, prepares {new['prepare_cpu']:.2f} s once"
+    )
     for dp in (1, 2, 4):
         d = new[f"dp{dp}"]
         per_rank = d["bytes_per_rank"]
-        print(f"    DP{dp}: plan + shards {d['plan_cpu']:.2f} s, send {1e3 * d['send_cpu'] / turns:.4f} ms/step, "
-              f"bytes per rank {min(per_rank) / 1e6:.2f}-{max(per_rank) / 1e6:.2f} MB "
-              f"({sum(per_rank) / dp / per_rank_whole(new) :.3f} of DP1)")
+        print(
+            f"    DP{dp}: plan + shards {d['plan_cpu']:.2f} s, send {1e3 * d['send_cpu'] / turns:.4f} ms/step, "
+            f"bytes per rank {min(per_rank) / 1e6:.2f}-{max(per_rank) / 1e6:.2f} MB "
+            f"({sum(per_rank) / dp / per_rank_whole(new):.3f} of DP1)"
+        )
 
     w = _workers(cfg, samples, 2, held=_held_handoff(cfg))
     held = w["held"]
-    result["held"] = {"wall_s": w["wall"], "driver_cpu_ms_per_turn": 1e3 * w["driver_cpu"] / turns,
-                      "worker_cpu_ms_per_turn": 1e3 * sum(w["worker_cpu"]) / turns, **held}
-    print(f"  rows left in the workers (rollout.handoff=workers): 2 workers roll out, validate and prepare: "
-          f"{turns / w['wall']:.0f} turns/s, driver CPU {1e3 * w['driver_cpu'] / turns:.3f} ms per turn "
-          f"(summaries and row tables in, no token); metrics + split {held['split_cpu']:.2f} s")
+    result["held"] = {
+        "wall_s": w["wall"],
+        "driver_cpu_ms_per_turn": 1e3 * w["driver_cpu"] / turns,
+        "worker_cpu_ms_per_turn": 1e3 * sum(w["worker_cpu"]) / turns,
+        **held,
+    }
+    print(
+        f"  rows left in the workers (rollout.handoff=workers): 2 workers roll out, validate and prepare: "
+        f"{turns / w['wall']:.0f} turns/s, driver CPU {1e3 * w['driver_cpu'] / turns:.3f} ms per turn "
+        f"(summaries and row tables in, no token); metrics + split {held['split_cpu']:.2f} s"
+    )
     for dp in (1, 2, 4):
         d = held[f"dp{dp}"]
         fetched = d["bytes_fetched_per_rank"]
-        print(f"    DP{dp}: decision {d['decision_cpu']:.2f} s, manifests {1e3 * d['send_cpu'] / turns:.4f} ms/step, "
-              f"{max(d['manifest_bytes']) / 1e3:.0f} kB per rank from rank 0; each rank fetches "
-              f"{min(fetched) / 1e6:.2f}-{max(fetched) / 1e6:.2f} MB from the workers "
-              f"({sum(fetched) / dp / sum(held['dp1']['bytes_fetched_per_rank']):.3f} of DP1) in "
-              f"{max(d['fetch_wall_per_rank']):.2f} s")
-    result["host_seconds_held"] = held_s = w["wall"] + held["split_cpu"] + held["dp4"]["decision_cpu"] \
-        + held["dp4"]["send_cpu"] + max(held["dp4"]["fetch_wall_per_rank"])
+        print(
+            f"    DP{dp}: decision {d['decision_cpu']:.2f} s, manifests {1e3 * d['send_cpu'] / turns:.4f} ms/step, "
+            f"{max(d['manifest_bytes']) / 1e3:.0f} kB per rank from rank 0; each rank fetches "
+            f"{min(fetched) / 1e6:.2f}-{max(fetched) / 1e6:.2f} MB from the workers "
+            f"({sum(fetched) / dp / sum(held['dp1']['bytes_fetched_per_rank']):.3f} of DP1) in "
+            f"{max(d['fetch_wall_per_rank']):.2f} s"
+        )
+    result["host_seconds_held"] = held_s = (
+        w["wall"]
+        + held["split_cpu"]
+        + held["dp4"]["decision_cpu"]
+        + held["dp4"]["send_cpu"]
+        + max(held["dp4"]["fetch_wall_per_rank"])
+    )
 
     before = wall + old["send_cpu"] + old["receive_cpu"] + old["every_rank_cpu"]
-    after = result["workers2"]["wall_s"] + new["validate_split_cpu"] + new["prepare_cpu"] + new["dp4"]["plan_cpu"] \
-        + new["dp4"]["send_cpu"] + new["dp4"]["receive_cpu"]
+    after = (
+        result["workers2"]["wall_s"]
+        + new["validate_split_cpu"]
+        + new["prepare_cpu"]
+        + new["dp4"]["plan_cpu"]
+        + new["dp4"]["send_cpu"]
+        + new["dp4"]["receive_cpu"]
+    )
     result["host_seconds_before"], result["host_seconds_after"] = before, after
-    print(f"\nhost seconds per iteration (rollout + hand-off + prepare/plan), DP4: before {before:.1f} s "
-          f"(in-process loop, pickled Steps), after {after:.1f} s (2 agent workers, shards through rank 0), "
-          f"{held_s:.1f} s (2 agent workers, rows fetched from the workers; the DP ranks fetch in parallel)")
+    print(
+        f"\nhost seconds per iteration (rollout + hand-off + prepare/plan), DP4: before {before:.1f} s "
+        f"(in-process loop, pickled Steps), after {after:.1f} s (2 agent workers, shards through rank 0), "
+        f"{held_s:.1f} s (2 agent workers, rows fetched from the workers; the DP ranks fetch in parallel)"
+    )
     return result
 
 

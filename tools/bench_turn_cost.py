@@ -28,9 +28,9 @@ from typing import Any, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-
 from bench_cli import add_seed_and_out, bench_parser, config, run_args, script_main  # noqa: E402
 from instant_engine import InstantEngine  # noqa: E402
+
 from megatron_stepwise.envs.echo import EchoEnv, echo_dataset  # noqa: E402
 from megatron_stepwise.hf.tokenizers import load_tokenizer  # noqa: E402
 from megatron_stepwise.rollout.agent_loop import AgentLoop, AgentLoopConfig  # noqa: E402
@@ -56,8 +56,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 def loop_for(mode: str, args: argparse.Namespace, tokenizer) -> AgentLoop:
     """The loop with the experiment defaults but these turns, samples and context mode."""
-    cfg = AgentLoopConfig(max_turns=args.turns, max_input_length=1_000_000, n_samples_per_prompt=args.samples,
-                          context=mode)
+    cfg = AgentLoopConfig(
+        max_turns=args.turns, max_input_length=1_000_000, n_samples_per_prompt=args.samples, context=mode
+    )
     return AgentLoop(InstantEngine(tokenizer, args.new_tokens), tokenizer, EchoEnv, cfg)
 
 
@@ -89,19 +90,29 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
         try:
             cpu_ms_per_step(loop, samples, args.seed)  # warm-up: imports, template compilation, threads
             runs = [cpu_ms_per_step(loop, samples, args.seed) for _ in range(args.repeats)]
-            rows.append({"mode": mode, "cpu_ms_per_step": statistics.median(r[0] for r in runs),
-                         "runs_ms": [r[0] for r in runs], "steps": runs[0][1]})
+            rows.append(
+                {
+                    "mode": mode,
+                    "cpu_ms_per_step": statistics.median(r[0] for r in runs),
+                    "runs_ms": [r[0] for r in runs],
+                    "steps": runs[0][1],
+                }
+            )
             if args.profile:
                 print(f"--- cProfile, context={mode}, one rollout of {runs[0][1]} steps ---")
                 print(profile_top(loop, samples, args.seed))
         finally:
             loop.close()
-    print(f"agent loop host cost: {args.prompts} echo prompts x {args.samples} samples x {args.turns} turns, "
-          f"{args.new_tokens} new tokens/turn, {TOKENIZER}, instant engine; median of {args.repeats}")
+    print(
+        f"agent loop host cost: {args.prompts} echo prompts x {args.samples} samples x {args.turns} turns, "
+        f"{args.new_tokens} new tokens/turn, {TOKENIZER}, instant engine; median of {args.repeats}"
+    )
     print(f"{'mode':>12}{'steps':>8}{'CPU ms/step':>13}   runs")
     for r in rows:
-        print(f"{r['mode']:>12}{r['steps']:>8}{r['cpu_ms_per_step']:>13.3f}   "
-              + " ".join(f"{x:.3f}" for x in r["runs_ms"]))
+        print(
+            f"{r['mode']:>12}{r['steps']:>8}{r['cpu_ms_per_step']:>13.3f}   "
+            + " ".join(f"{x:.3f}" for x in r["runs_ms"])
+        )
     figures = {f"cpu_ms_per_step_{r['mode']}": r["cpu_ms_per_step"] for r in rows}
     return {"config": config(args), "rows": rows, "figures": figures}
 

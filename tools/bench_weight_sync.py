@@ -22,19 +22,20 @@ import tempfile
 from pathlib import Path
 
 import torch
-
 from bench_cli import bench_parser, free_port, median_time
-from megatron_stepwise.mcore.weights import convert
-from megatron_stepwise.mcore.train import model as M
+
 from megatron_stepwise.mcore.runtime import runtime
+from megatron_stepwise.mcore.train import model as M
+from megatron_stepwise.mcore.weights import convert
 from megatron_stepwise.mcore.weights import full_views as W
 from megatron_stepwise.mcore.weights.sync import WeightSync
 
 MODELS = {
     "tiny": M.tiny_config(),
     # ~100M parameters: 2 x 24.6M embeddings + 8 layers x 6.3M.
-    "qwen2-100m": M.tiny_config(vocab_size=32000, hidden_size=768, num_layers=8, num_heads=12, num_kv_heads=4,
-                                ffn_hidden_size=2048),
+    "qwen2-100m": M.tiny_config(
+        vocab_size=32000, hidden_size=768, num_layers=8, num_heads=12, num_kv_heads=4, ffn_hidden_size=2048
+    ),
 }
 
 
@@ -46,7 +47,9 @@ def bench_model(name: str, cfg: dict, repeat: int, bucket_mb: float, workdir: Pa
     nbytes = sum(t.numel() * t.element_size() for b in convert.stream_hf_buckets(chunks, cfg) for _, t in b)
 
     row = {"model": name, "params_M": n_params / 1e6, "MB": nbytes / 2**20}
-    row["convert"] = median_time(lambda: [None for _ in convert.stream_hf_buckets(chunks, cfg, bucket_mb=bucket_mb)], repeat)
+    row["convert"] = median_time(
+        lambda: [None for _ in convert.stream_hf_buckets(chunks, cfg, bucket_mb=bucket_mb)], repeat
+    )
     counter = iter(range(10**6))
     row["export"] = median_time(
         lambda: convert.export_hf(chunks, workdir / f"{name}-export-{next(counter)}", cfg, bucket_mb=bucket_mb), repeat
@@ -98,8 +101,12 @@ def report(args: argparse.Namespace) -> dict:
     for r in rows:
         cells = "".join(f"{r[ph]:>15.3f}{r['MB'] / r[ph]:>8.1f}" for ph in phases)
         print(f"{r['model']:<12}{r['params_M']:>8.1f}M{r['MB']:>8.1f}{cells}")
-    print("ratios to convert (time):", "; ".join(
-        f"{r['model']}: " + ", ".join(f"{ph} {r[ph] / r['convert']:.1f}x" for ph in phases[1:]) for r in rows))
+    print(
+        "ratios to convert (time):",
+        "; ".join(
+            f"{r['model']}: " + ", ".join(f"{ph} {r[ph] / r['convert']:.1f}x" for ph in phases[1:]) for r in rows
+        ),
+    )
     figures = {f"{ph}_MB_per_s_{r['model']}": r["MB"] / r[ph] for r in rows for ph in phases}
     return {"config": {**vars(args), "repeat": repeat}, "rows": rows, "figures": figures}
 

@@ -32,31 +32,68 @@ from megatron_stepwise.rollout.agent_loop import AgentLoop, AgentLoopConfig
 from megatron_stepwise.rollout.engine import GenerateResult, SamplingParams
 
 QWEN25_ADDED = {  # Qwen2.5's tokenizer_config (id: (token, special))
-    151646: ("<|object_ref_start|>", True), 151647: ("<|object_ref_end|>", True), 151648: ("<|box_start|>", True),
-    151649: ("<|box_end|>", True), 151650: ("<|quad_start|>", True), 151651: ("<|quad_end|>", True),
-    151652: ("<|vision_start|>", True), 151653: ("<|vision_end|>", True), 151654: ("<|vision_pad|>", True),
-    151655: ("<|image_pad|>", True), 151656: ("<|video_pad|>", True), 151657: ("<tool_call>", False),
-    151658: ("</tool_call>", False), 151659: ("<|fim_prefix|>", False), 151660: ("<|fim_middle|>", False),
-    151661: ("<|fim_suffix|>", False), 151662: ("<|fim_pad|>", False), 151663: ("<|repo_name|>", False),
+    151646: ("<|object_ref_start|>", True),
+    151647: ("<|object_ref_end|>", True),
+    151648: ("<|box_start|>", True),
+    151649: ("<|box_end|>", True),
+    151650: ("<|quad_start|>", True),
+    151651: ("<|quad_end|>", True),
+    151652: ("<|vision_start|>", True),
+    151653: ("<|vision_end|>", True),
+    151654: ("<|vision_pad|>", True),
+    151655: ("<|image_pad|>", True),
+    151656: ("<|video_pad|>", True),
+    151657: ("<tool_call>", False),
+    151658: ("</tool_call>", False),
+    151659: ("<|fim_prefix|>", False),
+    151660: ("<|fim_middle|>", False),
+    151661: ("<|fim_suffix|>", False),
+    151662: ("<|fim_pad|>", False),
+    151663: ("<|repo_name|>", False),
     151664: ("<|file_sep|>", False),
 }
-QWEN3_ADDED = {**QWEN25_ADDED, 151665: ("<tool_response>", False), 151666: ("</tool_response>", False),
-               151667: ("<think>", False), 151668: ("</think>", False)}
+QWEN3_ADDED = {
+    **QWEN25_ADDED,
+    151665: ("<tool_response>", False),
+    151666: ("</tool_response>", False),
+    151667: ("<think>", False),
+    151668: ("</think>", False),
+}
 DEEPSEEK_ADDED = {  # DeepSeek-R1-Distill-Qwen renames Qwen's first special tokens
-    151643: ("<｜end▁of▁sentence｜>", True), 151644: ("<｜User｜>", False), 151645: ("<｜Assistant｜>", False),
-    151646: ("<｜begin▁of▁sentence｜>", True), 151647: ("<|EOT|>", False), 151648: ("<think>", False),
-    151649: ("</think>", False), 151657: ("<｜tool▁calls▁begin｜>", False), 151658: ("<｜tool▁calls▁end｜>", False),
-    151659: ("<｜tool▁call▁begin｜>", False), 151660: ("<｜tool▁call▁end｜>", False),
-    151661: ("<｜tool▁outputs▁begin｜>", False), 151662: ("<｜tool▁outputs▁end｜>", False),
-    151663: ("<｜tool▁output▁begin｜>", False), 151664: ("<｜tool▁output▁end｜>", False),
+    151643: ("<｜end▁of▁sentence｜>", True),
+    151644: ("<｜User｜>", False),
+    151645: ("<｜Assistant｜>", False),
+    151646: ("<｜begin▁of▁sentence｜>", True),
+    151647: ("<|EOT|>", False),
+    151648: ("<think>", False),
+    151649: ("</think>", False),
+    151657: ("<｜tool▁calls▁begin｜>", False),
+    151658: ("<｜tool▁calls▁end｜>", False),
+    151659: ("<｜tool▁call▁begin｜>", False),
+    151660: ("<｜tool▁call▁end｜>", False),
+    151661: ("<｜tool▁outputs▁begin｜>", False),
+    151662: ("<｜tool▁outputs▁end｜>", False),
+    151663: ("<｜tool▁output▁begin｜>", False),
+    151664: ("<｜tool▁output▁end｜>", False),
     151665: ("<｜tool▁sep｜>", False),
 }
 GLM_ADDED = {  # GLM-4.6's special tokens, on Qwen2's free slots
-    151646: ("[gMASK]", True), 151647: ("<sop>", True), 151648: ("<|system|>", True), 151649: ("<|user|>", True),
-    151650: ("<|assistant|>", True), 151651: ("<|observation|>", True), 151652: ("<think>", False),
-    151653: ("</think>", False), 151654: ("<tool_call>", False), 151655: ("</tool_call>", False),
-    151656: ("<arg_key>", False), 151657: ("</arg_key>", False), 151658: ("<arg_value>", False),
-    151659: ("</arg_value>", False), 151660: ("<tool_response>", False), 151661: ("</tool_response>", False),
+    151646: ("[gMASK]", True),
+    151647: ("<sop>", True),
+    151648: ("<|system|>", True),
+    151649: ("<|user|>", True),
+    151650: ("<|assistant|>", True),
+    151651: ("<|observation|>", True),
+    151652: ("<think>", False),
+    151653: ("</think>", False),
+    151654: ("<tool_call>", False),
+    151655: ("</tool_call>", False),
+    151656: ("<arg_key>", False),
+    151657: ("</arg_key>", False),
+    151658: ("<arg_value>", False),
+    151659: ("</arg_value>", False),
+    151660: ("<tool_response>", False),
+    151661: ("</tool_response>", False),
 }
 LLAMA31_ADDED = {128008: ("<|eom_id|>", True), 128010: ("<|python_tag|>", True)}
 
@@ -76,22 +113,83 @@ class Family:
     always_thinks: bool = False  # every reply opens with the block (GLM: an empty one without reasoning)
 
 
-FAMILIES = {f.name: f for f in [
-    Family("qwen2.5-instruct", "Qwen-Qwen2.5-7B-Instruct.jinja", "qwen2", QWEN25_ADDED, "<|im_end|>",
-           generation_eos=(151645, 151643)),
-    Family("qwen3", "Qwen-Qwen3-0.6B.jinja", "qwen2", QWEN3_ADDED, "<|im_end|>", generation_eos=(151645, 151643),
-           thinks=True),
-    Family("qwen3.5", "Qwen3.5-4B.jinja", "qwen2", QWEN3_ADDED, "<|im_end|>", generation_eos=(151645, 151643),
-           tool_format="qwen_xml", thinks=True),
-    Family("llama-3.1-instruct", "meta-llama-Llama-3.1-8B-Instruct.jinja", "llama-bpe", LLAMA31_ADDED, "<|eot_id|>",
-           "<|begin_of_text|>", (128001, 128008, 128009), tool_format="llama_json"),
-    Family("deepseek-r1-distill-qwen", "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja", "qwen2", DEEPSEEK_ADDED,
-           "<｜end▁of▁sentence｜>", "<｜begin▁of▁sentence｜>", (151643,), tool_format="hermes", thinks=True),
-    Family("deepseek-v3.1", "deepseek-ai-DeepSeek-V3.1.jinja", "qwen2", DEEPSEEK_ADDED, "<｜end▁of▁sentence｜>",
-           "<｜begin▁of▁sentence｜>", (151643,), tool_format="deepseek", thinks=True),
-    Family("glm-4.6", "GLM-4.6.jinja", "qwen2", GLM_ADDED, "<|endoftext|>", None, (151643, 151649, 151651),
-           tool_format="glm", thinks=True, think_block="\n<think>{}</think>\n", always_thinks=True),
-]}
+FAMILIES = {
+    f.name: f
+    for f in [
+        Family(
+            "qwen2.5-instruct",
+            "Qwen-Qwen2.5-7B-Instruct.jinja",
+            "qwen2",
+            QWEN25_ADDED,
+            "<|im_end|>",
+            generation_eos=(151645, 151643),
+        ),
+        Family(
+            "qwen3",
+            "Qwen-Qwen3-0.6B.jinja",
+            "qwen2",
+            QWEN3_ADDED,
+            "<|im_end|>",
+            generation_eos=(151645, 151643),
+            thinks=True,
+        ),
+        Family(
+            "qwen3.5",
+            "Qwen3.5-4B.jinja",
+            "qwen2",
+            QWEN3_ADDED,
+            "<|im_end|>",
+            generation_eos=(151645, 151643),
+            tool_format="qwen_xml",
+            thinks=True,
+        ),
+        Family(
+            "llama-3.1-instruct",
+            "meta-llama-Llama-3.1-8B-Instruct.jinja",
+            "llama-bpe",
+            LLAMA31_ADDED,
+            "<|eot_id|>",
+            "<|begin_of_text|>",
+            (128001, 128008, 128009),
+            tool_format="llama_json",
+        ),
+        Family(
+            "deepseek-r1-distill-qwen",
+            "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja",
+            "qwen2",
+            DEEPSEEK_ADDED,
+            "<｜end▁of▁sentence｜>",
+            "<｜begin▁of▁sentence｜>",
+            (151643,),
+            tool_format="hermes",
+            thinks=True,
+        ),
+        Family(
+            "deepseek-v3.1",
+            "deepseek-ai-DeepSeek-V3.1.jinja",
+            "qwen2",
+            DEEPSEEK_ADDED,
+            "<｜end▁of▁sentence｜>",
+            "<｜begin▁of▁sentence｜>",
+            (151643,),
+            tool_format="deepseek",
+            thinks=True,
+        ),
+        Family(
+            "glm-4.6",
+            "GLM-4.6.jinja",
+            "qwen2",
+            GLM_ADDED,
+            "<|endoftext|>",
+            None,
+            (151643, 151649, 151651),
+            tool_format="glm",
+            thinks=True,
+            think_block="\n<think>{}</think>\n",
+            always_thinks=True,
+        ),
+    ]
+}
 
 
 def build_family(name: str, src: str | os.PathLike, out: str | os.PathLike) -> Path:
@@ -108,9 +206,15 @@ def build_family(name: str, src: str | os.PathLike, out: str | os.PathLike) -> P
         vocab[content] = i
         entry.update(content=content, special=special)
     (out / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False), encoding="utf-8")
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": fam.eos_token, "bos_token": fam.bos_token,
-              "pad_token": None, "clean_up_tokenization_spaces": False, "model_max_length": 131072,
-              "chat_template": (src / "templates" / fam.template).read_text(encoding="utf-8")}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": fam.eos_token,
+        "bos_token": fam.bos_token,
+        "pad_token": None,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 131072,
+        "chat_template": (src / "templates" / fam.template).read_text(encoding="utf-8"),
+    }
     (out / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=1), encoding="utf-8")
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": list(fam.generation_eos)}))
     return out
@@ -118,8 +222,10 @@ def build_family(name: str, src: str | os.PathLike, out: str | os.PathLike) -> P
 
 # ---- scripted trajectories ------------------------------------------------------------------
 
-WORDS = ("the answer is 42 let me check the weather in Paris first compute sum of squares "
-         "données café naïve 東京 😀 x=3.5 def f(): return [1, 2] ok done").split()
+WORDS = (
+    "the answer is 42 let me check the weather in Paris first compute sum of squares "
+    "données café naïve 東京 😀 x=3.5 def f(): return [1, 2] ok done"
+).split()
 TOOLS = ["search", "python", "get_weather"]
 
 
@@ -161,11 +267,12 @@ def generation_prompt_thinks(tokenizer: Any) -> Optional[bool]:
     return True if prompt.endswith("<think>") else False if prompt.endswith("</think>") else None
 
 
-def trajectory(fam: Family, rng: random.Random, noncanonical_share: float = 0.3,
-               prompt_thinks: Optional[bool] = None) -> tuple[list[dict], list[Turn]]:
+def trajectory(
+    fam: Family, rng: random.Random, noncanonical_share: float = 0.3, prompt_thinks: Optional[bool] = None
+) -> tuple[list[dict], list[Turn]]:
     """(the first messages, the scripted turns) of one trajectory; `prompt_thinks` as
     `generation_prompt_thinks` (a model whose prompt opens the reasoning block writes its end)."""
-    messages = ([{"role": "system", "content": "You are a helpful agent."}] if rng.random() < 0.5 else [])
+    messages = [{"role": "system", "content": "You are a helpful agent."}] if rng.random() < 0.5 else []
     messages.append({"role": "user", "content": _phrase(rng, rng.randint(3, 12))})
     turns = []
     n = rng.randint(1, 4)
@@ -178,8 +285,11 @@ def trajectory(fam: Family, rng: random.Random, noncanonical_share: float = 0.3,
         else:
             think = ""
         calls = k + 1 < n and rng.random() < 0.7
-        body = tool_call_text(fam, rng.choice(TOOLS), {"q": _phrase(rng, rng.randint(1, 4))}) if calls else \
-            _phrase(rng, rng.randint(1, 15))
+        body = (
+            tool_call_text(fam, rng.choice(TOOLS), {"q": _phrase(rng, rng.randint(1, 4))})
+            if calls
+            else _phrase(rng, rng.randint(1, 15))
+        )
         if calls and rng.random() < 0.3:
             body = _phrase(rng, 3) + "\n" + body
         ending = rng.choices(["eot", "stop_string", "length"], weights=[6, 2, 2])[0]
@@ -190,8 +300,10 @@ def trajectory(fam: Family, rng: random.Random, noncanonical_share: float = 0.3,
         observation: list = []
         if k + 1 < n:
             if calls or rng.random() < 0.5:
-                observation = [{"role": "tool", "content": "" if rng.random() < 0.2 else _phrase(rng, rng.randint(1, 8))}
-                               for _ in range(rng.choice([1, 1, 2, 3]))]
+                observation = [
+                    {"role": "tool", "content": "" if rng.random() < 0.2 else _phrase(rng, rng.randint(1, 8))}
+                    for _ in range(rng.choice([1, 1, 2, 3]))
+                ]
             else:
                 observation = [{"role": "user", "content": _phrase(rng, rng.randint(1, 6))}]
         turns.append(Turn(think + body, ending, rng.random() < noncanonical_share, observation, stop))
@@ -216,8 +328,10 @@ _VOCABS: dict[int, tuple[dict, set]] = {}
 def _vocab(tokenizer: Any) -> tuple[dict, set]:
     """(token -> id, the added and special ids), once per tokenizer (get_vocab takes ~0.5 s)."""
     if id(tokenizer) not in _VOCABS:
-        _VOCABS[id(tokenizer)] = (tokenizer.get_vocab(),
-                                  set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder))
+        _VOCABS[id(tokenizer)] = (
+            tokenizer.get_vocab(),
+            set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder),
+        )
     return _VOCABS[id(tokenizer)]
 
 
@@ -233,7 +347,7 @@ def split_one_token(tokenizer: Any, ids: list[int], rng: random.Random) -> list[
         for cut in range(1, len(piece)):
             a, b = piece[:cut], piece[cut:]
             if a in vocab and b in vocab:
-                return ids[:i] + [vocab[a], vocab[b]] + ids[i + 1:]
+                return ids[:i] + [vocab[a], vocab[b]] + ids[i + 1 :]
     return ids
 
 
@@ -280,9 +394,16 @@ def _where(rid: str) -> tuple[int, int]:
 
 def run_loop(tokenizer, script, eot, context):
     """Steps of every scripted trajectory through the real AgentLoop, by trajectory index."""
-    cfg = AgentLoopConfig(max_turns=4, context=context, max_input_length=1 << 20, drift_sample_rate=1.0,
-                          n_samples_per_prompt=1, sampling=SamplingParams(max_new_tokens=4096),
-                          append_eos=eot.append is not None, env_timeout_s=120.0)
+    cfg = AgentLoopConfig(
+        max_turns=4,
+        context=context,
+        max_input_length=1 << 20,
+        drift_sample_rate=1.0,
+        n_samples_per_prompt=1,
+        sampling=SamplingParams(max_new_tokens=4096),
+        append_eos=eot.append is not None,
+        env_timeout_s=120.0,
+    )
     ids = list(eot.ids) if eot.append is None else [eot.append] + [i for i in eot.ids if i != eot.append]
     loop = AgentLoop(script, tokenizer, script.env, cfg, eos_token_ids=ids)
     try:
@@ -298,6 +419,8 @@ def run_loop(tokenizer, script, eot, context):
 if __name__ == "__main__":
     src = os.environ.get("STEPWISE_TOKENIZERS_SRC")
     if len(sys.argv) != 2 or not src:
-        sys.exit("usage: STEPWISE_TOKENIZERS_SRC=<extracted llama.cpp-tokenizers> python tools/chat_families.py OUT_DIR")
+        sys.exit(
+            "usage: STEPWISE_TOKENIZERS_SRC=<extracted llama.cpp-tokenizers> python tools/chat_families.py OUT_DIR"
+        )
     for family in FAMILIES:
         print(build_family(family, src, sys.argv[1]))

@@ -22,17 +22,25 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_stepwise.algo.advantages import compute_advantages
 from megatron_stepwise.algo.losses import LossConfig
+from megatron_stepwise.data.synthetic import AgentWorkload, make_agent_steps
 from megatron_stepwise.mcore.runtime import runtime
 from megatron_stepwise.mcore.train.model import build_gpt_model, tiny_config, wrap_ddp
 from megatron_stepwise.mcore.train.plugin import StepwisePlugin
-from megatron_stepwise.data.synthetic import AgentWorkload, make_agent_steps
 from megatron_stepwise.steps import StepBatch
 
 
 def rollout(iteration: int, vocab: int) -> list:
     """Stand-in for the rollout fleet: 4 prompts x 4 samples, 1-3 turns each."""
-    w = AgentWorkload(num_prompts=4, samples_per_prompt=4, turns=(1, 3), prompt_len=(8, 24), obs_len=(4, 12),
-                      response_len=(4, 16), vocab_size=vocab, seed=iteration)
+    w = AgentWorkload(
+        num_prompts=4,
+        samples_per_prompt=4,
+        turns=(1, 3),
+        prompt_len=(8, 24),
+        obs_len=(4, 12),
+        response_len=(4, 16),
+        vocab_size=vocab,
+        seed=iteration,
+    )
     return make_agent_steps(w)
 
 

@@ -22,19 +22,46 @@ from typing import Any, Iterable, Mapping
 
 # Published shapes (HF config.json keys) used for stated assumptions and GPU runs; no download.
 QWEN2_CONFIGS: dict[str, dict[str, Any]] = {
-    "qwen2.5-0.5b": {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
-                     "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,
-                     "tie_word_embeddings": True},
-    "qwen2.5-1.5b": {"hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
-                     "num_attention_heads": 12, "num_key_value_heads": 2, "vocab_size": 151936,
-                     "tie_word_embeddings": True},
-    "qwen2.5-7b": {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
-                   "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064,
-                   "tie_word_embeddings": False},
+    "qwen2.5-0.5b": {
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+        "tie_word_embeddings": True,
+    },
+    "qwen2.5-1.5b": {
+        "hidden_size": 1536,
+        "intermediate_size": 8960,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+        "tie_word_embeddings": True,
+    },
+    "qwen2.5-7b": {
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "vocab_size": 152064,
+        "tie_word_embeddings": False,
+    },
 }
 for _cfg in QWEN2_CONFIGS.values():
-    _cfg.update({"model_type": "qwen2", "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-                 "max_position_embeddings": 32768, "initializer_range": 0.02, "attention_dropout": 0.0})
+    _cfg.update(
+        {
+            "model_type": "qwen2",
+            "hidden_act": "silu",
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000.0,
+            "max_position_embeddings": 32768,
+            "initializer_range": 0.02,
+            "attention_dropout": 0.0,
+        }
+    )
 
 
 @dataclass(frozen=True)
@@ -52,10 +79,16 @@ class ModelShape:
     def from_hf(cls, cfg: Mapping[str, Any]) -> "ModelShape":
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
-        return cls(hidden=hidden, ffn=int(cfg["intermediate_size"]), layers=int(cfg["num_hidden_layers"]),
-                   heads=heads, kv_heads=int(cfg.get("num_key_value_heads") or heads),
-                   head_dim=int(cfg.get("head_dim") or hidden // heads), vocab=int(cfg["vocab_size"]),
-                   tied=bool(cfg.get("tie_word_embeddings", False)))
+        return cls(
+            hidden=hidden,
+            ffn=int(cfg["intermediate_size"]),
+            layers=int(cfg["num_hidden_layers"]),
+            heads=heads,
+            kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            vocab=int(cfg["vocab_size"]),
+            tied=bool(cfg.get("tie_word_embeddings", False)),
+        )
 
     @property
     def layer_matmul_params(self) -> int:

@@ -15,5 +15,6 @@ class InstantEngine:
         self.ids = [t for t in ids if t != eos][:new_tokens]
 
     async def generate(self, input_ids, sampling, rid=None, session=None) -> GenerateResult:
-        return GenerateResult(output_ids=list(self.ids), logprobs=[-0.5] * len(self.ids), finish_reason="length",
-                              engine="instant")
+        return GenerateResult(
+            output_ids=list(self.ids), logprobs=[-0.5] * len(self.ids), finish_reason="length", engine="instant"
+        )

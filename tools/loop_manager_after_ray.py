@@ -26,7 +26,7 @@ MANAGER_TESTS = [
     "tests/integration/test_driver_handoff.py::test_each_rank_receives_only_its_data_parallel_shard",
     "tests/integration/test_worker_rows.py::test_a_replica_leader_resolves_for_its_replica_and_a_failure_reaches_every_rank",
 ]
-RAY_FIRST = '''
+RAY_FIRST = """
 import ray
 
 from megatron_stepwise.rollout.fleet import ensure_ray
@@ -41,16 +41,31 @@ class Echo:
 def test_ray_runs_in_this_process():
     ensure_ray(num_cpus=2)  # as the fleets start it; it stays up for the rest of the session, as ray_session leaves it
     assert ray.get(Echo.remote().ping.remote(7)) == 7
-'''
+"""
 
 
 def run_round(ray_module: Path, timeout: float) -> dict:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "--rootdir", str(REPO),
-           "-c", str(REPO / "pyproject.toml"), str(ray_module), *MANAGER_TESTS]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "no:xdist",
+        "--rootdir",
+        str(REPO),
+        "-c",
+        str(REPO / "pyproject.toml"),
+        str(ray_module),
+        *MANAGER_TESTS,
+    ]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p))
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
         hung = False
@@ -59,8 +74,13 @@ def run_round(ray_module: Path, timeout: float) -> dict:
         out, _ = proc.communicate()
         hung = True
     tail = out.strip().splitlines()[-1] if out.strip() else ""
-    return {"seconds": round(time.monotonic() - start, 1), "hung": hung, "exit": proc.returncode, "summary": tail,
-            "output": out if (hung or proc.returncode) else ""}
+    return {
+        "seconds": round(time.monotonic() - start, 1),
+        "hung": hung,
+        "exit": proc.returncode,
+        "summary": tail,
+        "output": out if (hung or proc.returncode) else "",
+    }
 
 
 def main(argv=None) -> int:
@@ -76,14 +96,18 @@ def main(argv=None) -> int:
         for i in range(args.rounds):
             r = run_round(ray_module, args.round_timeout)
             rounds.append(r)
-            print(f"round {i + 1}/{args.rounds}: {r['seconds']} s, exit {r['exit']}, hung {r['hung']}: {r['summary']}",
-                  flush=True)
+            print(
+                f"round {i + 1}/{args.rounds}: {r['seconds']} s, exit {r['exit']}, hung {r['hung']}: {r['summary']}",
+                flush=True,
+            )
             if r["output"]:
                 print(r["output"][-6000:], flush=True)
     ok = sum(1 for r in rounds if r["exit"] == 0 and not r["hung"])
     hung = sum(r["hung"] for r in rounds)
-    print(f"{ok}/{len(rounds)} rounds passed, {hung} hung; "
-          f"seconds per round min {min(r['seconds'] for r in rounds)} max {max(r['seconds'] for r in rounds)}")
+    print(
+        f"{ok}/{len(rounds)} rounds passed, {hung} hung; "
+        f"seconds per round min {min(r['seconds'] for r in rounds)} max {max(r['seconds'] for r in rounds)}"
+    )
     if args.json:
         args.json.write_text(json.dumps({"rounds": rounds, "passed": ok, "hung": hung}, indent=1))
     return 0 if ok == len(rounds) else 1

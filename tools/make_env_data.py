@@ -38,12 +38,17 @@ def math_problems(rng: random.Random, n: int = 50) -> list[dict]:
 
     def p5():
         a, b, c = rng.randint(40, 140), rng.randint(3, 12), rng.randint(15, 95)
-        return f"A train travels {a} km per hour for {b} hours and then {c} km more. How many km did it travel?", a * b + c
+        return (
+            f"A train travels {a} km per hour for {b} hours and then {c} km more. How many km did it travel?",
+            a * b + c,
+        )
 
     def p6():
         a, b, c = rng.randint(12, 60), rng.randint(7, 30), rng.randint(100, 400)
-        return (f"A shop sells {a} lamps a day for {b} days, then receives {c} returned lamps. "
-                f"What is the net number of lamps sold?"), a * b - c
+        return (
+            f"A shop sells {a} lamps a day for {b} days, then receives {c} returned lamps. "
+            f"What is the net number of lamps sold?"
+        ), a * b - c
 
     makers = [p1, p2, p3, p4, p5, p6]
     out = []
@@ -76,8 +81,11 @@ def search_world(rng: random.Random, countries: int = 25) -> tuple[list[dict], l
         year = rng.randint(1100, 1900)
         animal = rng.choice(ANIMALS)
         facts = [
-            ("capital", f"{country} is a small nation in the northern hills. Its capital city is {capital}, "
-                        f"known for its stone bridges."),
+            (
+                "capital",
+                f"{country} is a small nation in the northern hills. Its capital city is {capital}, "
+                f"known for its stone bridges.",
+            ),
             ("river", f"The {river} river rises in the mountains and flows through {country} before reaching the sea."),
             ("founder", f"{country} was founded in the year {year} by {founder}, who united the valley clans."),
             ("animal", f"The national animal of {country} is the {animal}, which appears on its flag."),
@@ -92,8 +100,14 @@ def search_world(rng: random.Random, countries: int = 25) -> tuple[list[dict], l
         }
         for kind in rng.sample(sorted(qa), 2):
             q, a = qa[kind]
-            questions.append({"id": f"search-{len(questions)}", "question": q, "answer": a,
-                              "doc_id": f"doc-{len(docs) - 4 + ['capital', 'river', 'founder', 'animal'].index(kind)}"})
+            questions.append(
+                {
+                    "id": f"search-{len(questions)}",
+                    "question": q,
+                    "answer": a,
+                    "doc_id": f"doc-{len(docs) - 4 + ['capital', 'river', 'founder', 'animal'].index(kind)}",
+                }
+            )
     return docs, questions
 
 

@@ -40,9 +40,9 @@ import torch
 
 from megatron_stepwise.algo.advantages import compute_advantages
 from megatron_stepwise.algo.losses import LossConfig
+from megatron_stepwise.data.synthetic import AgentWorkload, make_agent_steps
 from megatron_stepwise.mcore.train.model import build_gpt_model, tiny_config
 from megatron_stepwise.mcore.train.plugin import StepwisePlugin
-from megatron_stepwise.data.synthetic import AgentWorkload, make_agent_steps
 from megatron_stepwise.steps import StepBatch
 
 HF_CONFIG = tiny_config(num_layers=4)
@@ -63,26 +63,85 @@ def default_flags(world_size: int, args: list[str]) -> list[str]:
     dp = world_size // (tp * pp * cp)
     flags = [
         # the model (must describe what the provider builds: Megatron-LM checks and reports it)
-        "--num-layers", cfg["num_hidden_layers"], "--hidden-size", cfg["hidden_size"],
-        "--ffn-hidden-size", cfg["intermediate_size"], "--num-attention-heads", cfg["num_attention_heads"],
-        "--group-query-attention", "--num-query-groups", cfg["num_key_value_heads"],
-        "--max-position-embeddings", cfg["max_position_embeddings"], "--position-embedding-type", "rope",
-        "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
-        "--tokenizer-type", "NullTokenizer", "--vocab-size", cfg["vocab_size"] - 1,  # + the end-of-document id
-        "--make-vocab-size-divisible-by", 1, "--transformer-impl", "local",
+        "--num-layers",
+        cfg["num_hidden_layers"],
+        "--hidden-size",
+        cfg["hidden_size"],
+        "--ffn-hidden-size",
+        cfg["intermediate_size"],
+        "--num-attention-heads",
+        cfg["num_attention_heads"],
+        "--group-query-attention",
+        "--num-query-groups",
+        cfg["num_key_value_heads"],
+        "--max-position-embeddings",
+        cfg["max_position_embeddings"],
+        "--position-embedding-type",
+        "rope",
+        "--normalization",
+        "RMSNorm",
+        "--swiglu",
+        "--disable-bias-linear",
+        "--untie-embeddings-and-output-weights",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        cfg["vocab_size"] - 1,  # + the end-of-document id
+        "--make-vocab-size-divisible-by",
+        1,
+        "--transformer-impl",
+        "local",
         # the step-wise data path (points 1-3 of the module docstring)
-        "--dataloader-type", "external", "--micro-batch-size", 1, "--global-batch-size", MICROBATCHES * dp,
-        "--seq-length", MAX_TOKENS,
+        "--dataloader-type",
+        "external",
+        "--micro-batch-size",
+        1,
+        "--global-batch-size",
+        MICROBATCHES * dp,
+        "--seq-length",
+        MAX_TOKENS,
         # optimisation
-        "--train-iters", 3, "--lr", 1e-3, "--min-lr", 1e-3, "--lr-decay-style", "constant", "--weight-decay", 0.0,
-        "--clip-grad", 1.0, "--adam-eps", 1e-4, "--seed", 1234, "--init-method-std", 0.02,
-        "--attention-dropout", 0.0, "--hidden-dropout", 0.0,
+        "--train-iters",
+        3,
+        "--lr",
+        1e-3,
+        "--min-lr",
+        1e-3,
+        "--lr-decay-style",
+        "constant",
+        "--weight-decay",
+        0.0,
+        "--clip-grad",
+        1.0,
+        "--adam-eps",
+        1e-4,
+        "--seed",
+        1234,
+        "--init-method-std",
+        0.02,
+        "--attention-dropout",
+        0.0,
+        "--hidden-dropout",
+        0.0,
         # logging: every step; no evaluation (validation is a separate rollout concern)
-        "--log-interval", 1, "--eval-iters", 0, "--eval-interval", 1000,
+        "--log-interval",
+        1,
+        "--eval-iters",
+        0,
+        "--eval-interval",
+        1000,
     ]
     if not torch.cuda.is_available():
-        flags += ["--distributed-backend", "gloo", "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
-                  "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-persist-layer-norm"]
+        flags += [
+            "--distributed-backend",
+            "gloo",
+            "--no-gradient-accumulation-fusion",
+            "--no-masked-softmax-fusion",
+            "--no-bias-swiglu-fusion",
+            "--no-bias-dropout-fusion",
+            "--no-rope-fusion",
+            "--no-persist-layer-norm",
+        ]
     return [str(f) for f in flags] + args
 
 
@@ -96,8 +155,16 @@ def rollout_batches(seed: int = 0) -> Iterator[StepBatch]:
     each, identical on every rank."""
     iteration = 0
     while True:
-        w = AgentWorkload(num_prompts=4, samples_per_prompt=4, turns=(1, 3), prompt_len=(8, 24), obs_len=(4, 12),
-                          response_len=(4, 16), vocab_size=HF_CONFIG["vocab_size"], seed=seed + iteration)
+        w = AgentWorkload(
+            num_prompts=4,
+            samples_per_prompt=4,
+            turns=(1, 3),
+            prompt_len=(8, 24),
+            obs_len=(4, 12),
+            response_len=(4, 16),
+            vocab_size=HF_CONFIG["vocab_size"],
+            seed=seed + iteration,
+        )
         steps = make_agent_steps(w)
         batch = StepBatch.from_steps(steps)
         batch.set_response_field("advantages", compute_advantages(steps, "grpo"))
@@ -115,8 +182,9 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
         "sequence_parallel": args.sequence_parallel,
         "dtype": args.params_dtype,
     }
-    return build_gpt_model(HF_CONFIG, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
-                           config_overrides=overrides)
+    return build_gpt_model(
+        HF_CONFIG, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage, config_overrides=overrides
+    )
 
 
 def datasets_provider(plugin: StepwisePlugin, train_val_test_num_samples, vp_stage=None, _streams={}):

@@ -151,8 +151,9 @@ def gae(steps: Sequence[Step], *, eps: float, **_) -> list[torch.Tensor]:
 # ----------------------------------------------------------------------------- step-wise driver
 
 
-def compute_advantages(steps: Sequence[Step], estimator: str = "grpo", *, eps: float = 1e-6,
-                       metrics: Optional[dict] = None, **options) -> list[torch.Tensor]:
+def compute_advantages(
+    steps: Sequence[Step], estimator: str = "grpo", *, eps: float = 1e-6, metrics: Optional[dict] = None, **options
+) -> list[torch.Tensor]:
     """One float32 tensor per step (its response length): the trajectory's scalar times the step's mask.
 
     `metrics`, if given, is filled with counts: num_trajectories, num_groups, singleton_groups,
@@ -205,9 +206,17 @@ def _times_own_mask(per_step: list[float], steps: Sequence[Step]) -> list[torch.
     ]
 
 
-def _turn_scalars(estimate: Callable, name: str, steps: Sequence[Step], traj_of_step: torch.Tensor,
-                  real_trajs: list[int], outcomes: torch.Tensor, group: torch.Tensor, eps: float,
-                  options: dict) -> list[float]:
+def _turn_scalars(
+    estimate: Callable,
+    name: str,
+    steps: Sequence[Step],
+    traj_of_step: torch.Tensor,
+    real_trajs: list[int],
+    outcomes: torch.Tensor,
+    group: torch.Tensor,
+    eps: float,
+    options: dict,
+) -> list[float]:
     """One advantage per step from a turn estimator: the per-turn reward matrix of the real
     trajectories (the last turn's reward is the outcome minus the earlier turns' own rewards),
     the estimator on the groups of 2 or more, and each step's entry at its own turn."""
@@ -279,8 +288,9 @@ def _trajectories(steps: Sequence[Step]) -> tuple[torch.Tensor, list[int]]:
     return torch.tensor(traj_of_step, dtype=torch.long), [int(i) for i in last]  # type: ignore[arg-type]
 
 
-def _state_ids(steps: Sequence[Step], traj_of_step: torch.Tensor, row_of_traj: dict, turn_of_step: list[int],
-               shape: tuple) -> torch.Tensor:
+def _state_ids(
+    steps: Sequence[Step], traj_of_step: torch.Tensor, row_of_traj: dict, turn_of_step: list[int], shape: tuple
+) -> torch.Tensor:
     """long [n_traj, turns]: equal ids for turns at the same state, -1 past a trajectory's length.
     A step's state is its `metadata["state_key"]` when the environment or caller set one, else
     its prompt (the whole history the policy saw)."""

@@ -57,13 +57,16 @@ class RolloutGroup:
         last = [t[-1] for t in self.trajectories]
         steps = self.steps
         return GroupSummary(
-            prompt_id=self.prompt_id, rewards=self.rewards, turns=[len(t) for t in self.trajectories],
+            prompt_id=self.prompt_id,
+            rewards=self.rewards,
+            turns=[len(t) for t in self.trajectories],
             stop_reasons=[s.stop_reason for s in last],
             envs=[str(s.metadata["env"]) if "env" in s.metadata else None for s in last],
             prompt_lens=[int(s.prompt_ids.numel()) for s in steps],
             response_lens=[int(s.response_ids.numel()) for s in steps],
             trainable=[s.num_trainable for s in steps],
-            drift=[bool(s.metadata["retokenize_drift"]) if "retokenize_drift" in s.metadata else None for s in steps])
+            drift=[bool(s.metadata["retokenize_drift"]) if "retokenize_drift" in s.metadata else None for s in steps],
+        )
 
     # Columnar on the wire (see `pack_groups`).
     def __getstate__(self) -> dict:
@@ -120,9 +123,11 @@ class GroupSummary:
 def pack_groups(groups: Sequence[RolloutGroup]) -> dict:
     """Groups as one StepBatch plus their prompt ids and trajectory lengths: what travels, so
     several groups cost one set of tensors, not one per step (nor one per group)."""
-    return {"batch": StepBatch.from_steps(flat_steps(groups), keep_metadata=True),
-            "prompt_ids": [g.prompt_id for g in groups],
-            "lengths": [[len(t) for t in g.trajectories] for g in groups]}
+    return {
+        "batch": StepBatch.from_steps(flat_steps(groups), keep_metadata=True),
+        "prompt_ids": [g.prompt_id for g in groups],
+        "lengths": [[len(t) for t in g.trajectories] for g in groups],
+    }
 
 
 def unpack_groups(state: dict) -> list[RolloutGroup]:
@@ -131,7 +136,7 @@ def unpack_groups(state: dict) -> list[RolloutGroup]:
     for prompt_id, lengths in zip(state["prompt_ids"], state["lengths"]):
         trajectories = []
         for n in lengths:
-            trajectories.append(steps[start:start + n])
+            trajectories.append(steps[start : start + n])
             start += n
         group = RolloutGroup.__new__(RolloutGroup)  # checked where it was made
         group.prompt_id, group.trajectories = prompt_id, trajectories
@@ -157,6 +162,8 @@ def groups_of(steps: Sequence[Step]) -> list[RolloutGroup]:
             groups.setdefault(s.trajectory_id.prompt_id, []).append(current)
             current = []
     if current:
-        raise StepwiseBatchError(f"trajectory {current[-1].trajectory_id}: field 'is_last_step' is False on its "
-                                 "final step (the rollout ends inside it)")
+        raise StepwiseBatchError(
+            f"trajectory {current[-1].trajectory_id}: field 'is_last_step' is False on its "
+            "final step (the rollout ends inside it)"
+        )
     return [RolloutGroup(pid, trajectories) for pid, trajectories in groups.items()]

@@ -81,29 +81,38 @@ class LossConfig:
     # The one declaration of the `algo.loss` config section: YAML configs build this class (the
     # config package reads these options for types, checks and docs/config.md) and Python code
     # constructs it directly; both check the same bounds and choices and name `algo.loss.<key>`.
-    policy_loss: str = option("ppo", "ppo (clip, dual-clip), gspo, cispo, or a registered loss",
-                              choices=list_policy_losses)
+    policy_loss: str = option(
+        "ppo", "ppo (clip, dual-clip), gspo, cispo, or a registered loss", choices=list_policy_losses
+    )
     clip_low: float = option(0.2, "lower clip: ratios below 1 - clip_low are clipped", min=0.0, lt=1.0)
     clip_high: float = option(0.2, "upper clip: ratios above 1 + clip_high are clipped", min=0.0)
-    clip_c: Optional[float] = option(None, "dual-clip constant for negative advantages: their loss stops "
-                                           "growing at ratio clip_c; null = off", gt=1.0)
+    clip_c: Optional[float] = option(
+        None, "dual-clip constant for negative advantages: their loss stops growing at ratio clip_c; null = off", gt=1.0
+    )
     reduction: str = option("token_mean", "how token losses are averaged over a mini-batch", choices=REDUCTIONS)
-    max_response_len: Optional[int] = option(None, "the constant normaliser of seq_mean_token_sum_norm "
-                                                   "(Dr.GRPO); required by that reduction", min=1)
+    max_response_len: Optional[int] = option(
+        None, "the constant normaliser of seq_mean_token_sum_norm (Dr.GRPO); required by that reduction", min=1
+    )
     kl_coef: float = option(0.0, "weight of the KL-to-reference term; 0 = no reference model", min=0.0)
     kl_estimator: str = option("k3", "KL estimator (Schulman's k1, k2, k3)", choices=KL_ESTIMATORS)
     entropy_coef: float = option(0.0, "weight of the entropy bonus", min=0.0)
-    tis: str = option("none", "truncated importance sampling between trainer and rollout log-probs",
-                      choices=TIS_MODES)
+    tis: str = option("none", "truncated importance sampling between trainer and rollout log-probs", choices=TIS_MODES)
     tis_cap: float = option(2.0, "upper cap of the truncated importance weight", gt=0.0)
-    icepop_low: Optional[float] = option(None, "mask tokens whose train/rollout ratio is below this; null = off",
-                                         min=0.0, lt=1.0)
-    icepop_high: Optional[float] = option(None, "mask tokens whose train/rollout ratio is above this; null = off",
-                                          gt=1.0)
-    icepop_level: str = option("token", "IcePop masks tokens, or whole steps by their geometric-mean ratio",
-                               choices=ICEPOP_LEVELS)
-    router_aux_coef: float = option(0.0, "MoE only: weight of the per-step router load-balancing loss "
-                                         "(sequence-wise, invariant to every split; 0 = off)", min=0.0)
+    icepop_low: Optional[float] = option(
+        None, "mask tokens whose train/rollout ratio is below this; null = off", min=0.0, lt=1.0
+    )
+    icepop_high: Optional[float] = option(
+        None, "mask tokens whose train/rollout ratio is above this; null = off", gt=1.0
+    )
+    icepop_level: str = option(
+        "token", "IcePop masks tokens, or whole steps by their geometric-mean ratio", choices=ICEPOP_LEVELS
+    )
+    router_aux_coef: float = option(
+        0.0,
+        "MoE only: weight of the per-step router load-balancing loss "
+        "(sequence-wise, invariant to every split; 0 = off)",
+        min=0.0,
+    )
     router_z_coef: float = option(0.0, "MoE only: weight of the router z-loss (docs/megatron.md); 0 = off", min=0.0)
     options: dict[str, Any] = option({}, "keyword settings for a registered custom loss (free mapping)")
 
@@ -117,8 +126,12 @@ class LossConfig:
         """
         out = option_problems(self)
         if self.reduction == "seq_mean_token_sum_norm" and self.max_response_len is None:
-            out.append(("max_response_len", "must be set for reduction 'seq_mean_token_sum_norm', its constant "
-                                            "normaliser (got None)"))
+            out.append(
+                (
+                    "max_response_len",
+                    "must be set for reduction 'seq_mean_token_sum_norm', its constant normaliser (got None)",
+                )
+            )
         return out
 
     @property

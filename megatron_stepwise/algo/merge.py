@@ -72,8 +72,9 @@ def merge_steps(steps: Sequence[Step], *, max_tokens: Optional[int] = None) -> t
     return out, stats
 
 
-def merge_with_advantages(steps: Sequence[Step], advantages: Sequence[torch.Tensor], *,
-                          max_tokens: Optional[int] = None) -> tuple[list[Step], list[torch.Tensor], MergeStats]:
+def merge_with_advantages(
+    steps: Sequence[Step], advantages: Sequence[torch.Tensor], *, max_tokens: Optional[int] = None
+) -> tuple[list[Step], list[torch.Tensor], MergeStats]:
     """`merge_steps`, carrying per-step response-aligned `advantages` along: a merged row's
     advantages are each turn's own at that turn's response positions, 0 at obs_delta."""
     if len(advantages) != len(steps):

@@ -60,9 +60,15 @@ def _as_lengths(lengths: Any) -> np.ndarray:
     return arr
 
 
-def plan_microbatches(lengths: Any, *, dp_size: int, max_tokens: int,
-                      attention_weight: float = DEFAULT_ATTENTION_WEIGHT, seq_align: int = 1,
-                      micro_align: int = 1) -> Plan:
+def plan_microbatches(
+    lengths: Any,
+    *,
+    dp_size: int,
+    max_tokens: int,
+    attention_weight: float = DEFAULT_ATTENTION_WEIGHT,
+    seq_align: int = 1,
+    micro_align: int = 1,
+) -> Plan:
     """Assign rows to DP ranks and token-budget micro-batches: `plan[rank][micro] -> [row indices]`.
 
     Every row index appears exactly once; every micro-batch's aligned token sum is
@@ -154,8 +160,9 @@ def _exchange_refine(cost: np.ndarray, rank_of: np.ndarray, dp: int, max_rounds:
             return  # no partner can take load off the heaviest rank
 
 
-def _best_exchange(cost: np.ndarray, rank_of: np.ndarray, heavy: int, light: int, gap: float,
-                   tol: float) -> Optional[tuple[int, int]]:
+def _best_exchange(
+    cost: np.ndarray, rank_of: np.ndarray, heavy: int, light: int, gap: float, tol: float
+) -> Optional[tuple[int, int]]:
     """(row from heavy, row from light or -1 for a plain move) whose cost difference is
     closest to gap/2, among those that strictly lower the heavier of the two loads."""
     a_idx = np.flatnonzero(rank_of == heavy)
@@ -277,8 +284,14 @@ class PlanStats:
         return max(self.rank_costs) / mean if mean > 0 else 1.0
 
 
-def plan_stats(lengths: Any, plan: Plan, *, seq_align: int = 1, micro_align: int = 1,
-               attention_weight: float = DEFAULT_ATTENTION_WEIGHT) -> PlanStats:
+def plan_stats(
+    lengths: Any,
+    plan: Plan,
+    *,
+    seq_align: int = 1,
+    micro_align: int = 1,
+    attention_weight: float = DEFAULT_ATTENTION_WEIGHT,
+) -> PlanStats:
     lens = _as_lengths(lengths)
     aligned = pad_to_multiple(lens, seq_align)
     cost = row_cost(aligned, attention_weight)

@@ -38,8 +38,15 @@ class RowTable:
         mask = batch.token_fields["loss_mask"]
         known = batch.rollout_logprobs_known() & (mask != 0)
         per_row = lambda values: torch.zeros(batch.num_rows, dtype=torch.long).index_add_(0, row, values.long())
-        return cls(batch.lengths.clone(), per_row(mask), per_row(known), batch.row_fields["traj_index"].clone(),
-                   batch.row_fields["group_index"].clone(), batch.row_fields["is_padding"].clone(), list(batch.trajectory_ids))
+        return cls(
+            batch.lengths.clone(),
+            per_row(mask),
+            per_row(known),
+            batch.row_fields["traj_index"].clone(),
+            batch.row_fields["group_index"].clone(),
+            batch.row_fields["is_padding"].clone(),
+            list(batch.trajectory_ids),
+        )
 
     @classmethod
     def concat(cls, tables: Sequence["RowTable"]) -> "RowTable":
@@ -52,14 +59,28 @@ class RowTable:
             t0 += _size(table.traj_index)
             g0 += _size(table.group_index)
         cat = lambda name: torch.cat([getattr(t, name) for t in tables])
-        return cls(cat("lengths"), cat("trained"), cat("trained_known"), torch.cat(traj), torch.cat(group),
-                   cat("is_padding"), [i for t in tables for i in t.trajectory_ids])
+        return cls(
+            cat("lengths"),
+            cat("trained"),
+            cat("trained_known"),
+            torch.cat(traj),
+            torch.cat(group),
+            cat("is_padding"),
+            [i for t in tables for i in t.trajectory_ids],
+        )
 
     def select(self, rows: Sequence[int]) -> "RowTable":
         rows = list(rows)
         index = torch.as_tensor(rows, dtype=torch.long)
-        return RowTable(self.lengths[index], self.trained[index], self.trained_known[index], self.traj_index[index],
-                        self.group_index[index], self.is_padding[index], [self.trajectory_ids[r] for r in rows])
+        return RowTable(
+            self.lengths[index],
+            self.trained[index],
+            self.trained_known[index],
+            self.traj_index[index],
+            self.group_index[index],
+            self.is_padding[index],
+            [self.trajectory_ids[r] for r in rows],
+        )
 
     def first_row_missing_logprobs(self) -> int | None:
         """The first row with a trained token that has no engine log-prob, or None."""

@@ -56,8 +56,9 @@ def _per_turn_column(base):
     """A turn estimator applying the outcome estimator `base` to each turn index's column of
     held returns-to-go (the same group ids, so n is the group size in every column)."""
 
-    def estimate(rewards: torch.Tensor, lengths: torch.Tensor, group: torch.Tensor, *, eps: float,
-                 gamma: float = 1.0, **_) -> torch.Tensor:
+    def estimate(
+        rewards: torch.Tensor, lengths: torch.Tensor, group: torch.Tensor, *, eps: float, gamma: float = 1.0, **_
+    ) -> torch.Tensor:
         held = held_returns(returns_to_go(rewards, check_gamma(gamma)), lengths)
         return torch.stack([base(held[:, t], group, eps=eps) for t in range(held.size(1))], dim=1)
 
@@ -71,8 +72,16 @@ register_estimator("turn_grpo", turn=True)(_per_turn_column(grpo))
 
 
 @register_estimator("turn_discount", turn=True)
-def turn_discount(rewards: torch.Tensor, lengths: torch.Tensor, group: torch.Tensor, *, eps: float,
-                  gamma: float = 0.9, base: str = "rloo", **options) -> torch.Tensor:
+def turn_discount(
+    rewards: torch.Tensor,
+    lengths: torch.Tensor,
+    group: torch.Tensor,
+    *,
+    eps: float,
+    gamma: float = 0.9,
+    base: str = "rloo",
+    **options,
+) -> torch.Tensor:
     """AReaL-style: the outcome discounted by gamma per extra turn, gamma^(T - 1) * R, then the
     outcome estimator `base`; every turn of a trajectory gets its scalar."""
     gamma = check_gamma(gamma)
@@ -91,19 +100,31 @@ def check_turn_options(estimator: str, options: dict) -> list[tuple[str, str]]:
     problems = []
     known = (GAMMA, "base") if estimator == "turn_discount" else (GAMMA,)
     for key in sorted(set(options) - set(known)):
-        problems.append((f"algo.estimator_options.{key}", f"is not an option of {estimator} (known: {', '.join(known)})"))
+        problems.append(
+            (f"algo.estimator_options.{key}", f"is not an option of {estimator} (known: {', '.join(known)})")
+        )
     try:
         check_gamma(options.get(GAMMA, 1.0))
     except StepwiseBatchError as e:
         problems.append((f"algo.estimator_options.{GAMMA}", str(e).split("=", 1)[1]))
     if estimator == "turn_discount" and options.get("base", "rloo") not in DISCOUNT_BASES:
-        problems.append(("algo.estimator_options.base", f"{options['base']!r} must be one of {', '.join(DISCOUNT_BASES)}"))
+        problems.append(
+            ("algo.estimator_options.base", f"{options['base']!r} must be one of {', '.join(DISCOUNT_BASES)}")
+        )
     return problems
 
 
 @register_estimator("turn_state_rloo", turn=True)
-def turn_state_rloo(rewards: torch.Tensor, lengths: torch.Tensor, group: torch.Tensor, *, eps: float,
-                    states: torch.Tensor, gamma: float = 1.0, **_) -> torch.Tensor:
+def turn_state_rloo(
+    rewards: torch.Tensor,
+    lengths: torch.Tensor,
+    group: torch.Tensor,
+    *,
+    eps: float,
+    states: torch.Tensor,
+    gamma: float = 1.0,
+    **_,
+) -> torch.Tensor:
     """GiGPO-style step groups, kept unbiased: G_t minus the mean G of the OTHER trajectories'
     turns at the same state (`states`: long [n, turns], equal ids = equal states, -1 past the
     length); where no other trajectory reached that state, `turn_rloo`'s baseline."""
@@ -112,10 +133,12 @@ def turn_state_rloo(rewards: torch.Tensor, lengths: torch.Tensor, group: torch.T
     alive = torch.arange(rewards.size(1))[None, :] < lengths[:, None]
     n = rewards.size(0)
     # Dense ids of (group, state) and of (trajectory, state) over the alive turns.
-    key = torch.unique(torch.stack([group[:, None].expand_as(states)[alive], states[alive]], 1), dim=0,
-                       return_inverse=True)[1]
-    own = torch.unique(torch.stack([torch.arange(n)[:, None].expand_as(states)[alive], key], 1), dim=0,
-                       return_inverse=True)[1]
+    key = torch.unique(
+        torch.stack([group[:, None].expand_as(states)[alive], states[alive]], 1), dim=0, return_inverse=True
+    )[1]
+    own = torch.unique(
+        torch.stack([torch.arange(n)[:, None].expand_as(states)[alive], key], 1), dim=0, return_inverse=True
+    )[1]
     g = returns[alive]
     sums = torch.zeros(int(key.max()) + 1 if key.numel() else 0, dtype=g.dtype).index_add_(0, key, g)
     counts = torch.zeros_like(sums).index_add_(0, key, torch.ones_like(g))

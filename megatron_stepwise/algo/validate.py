@@ -99,7 +99,9 @@ def _last_step_not_final(steps: Sequence[Step], i: int) -> StepwiseBatchError:
             )
         j += 1
     return _fail(
-        i, steps[i], "is_last_step",
+        i,
+        steps[i],
+        "is_last_step",
         f"is True but step {i + 1} continues the trajectory (the last step must be its final row)",
     )
 
@@ -118,8 +120,12 @@ def _check_lengths(i: int, s: Step) -> None:
         if value is not None and value.numel() != n:
             raise _fail(i, s, field, f"has length {value.numel()} but response_ids has length {n}")
     if s.routed_experts is not None and s.routed_experts.size(0) != s.num_tokens:
-        raise _fail(i, s, "routed_experts", f"has {s.routed_experts.size(0)} positions but the step has "
-                                            f"{s.num_tokens} tokens (prompt + response)")
+        raise _fail(
+            i,
+            s,
+            "routed_experts",
+            f"has {s.routed_experts.size(0)} positions but the step has {s.num_tokens} tokens (prompt + response)",
+        )
 
 
 # Response-side fields are checked over the concatenation of this many steps at a time:
@@ -174,8 +180,9 @@ def _check_response_chunk(steps: Sequence[Step], first: int, end: int, vocab_siz
                 raise _fail(i, steps[i], "rollout_logprobs", f"has non-finite value {float(lp[k])} at position {k}")
 
 
-def _check_id_range(i: int, s: Step, field: str, ids: torch.Tensor, lo: int, hi: int,
-                    vocab_size: Optional[int]) -> None:
+def _check_id_range(
+    i: int, s: Step, field: str, ids: torch.Tensor, lo: int, hi: int, vocab_size: Optional[int]
+) -> None:
     if lo < 0:
         k = int((ids < 0).nonzero()[0])
         raise _fail(i, s, field, f"has negative token id {int(ids[k])} at position {k}")

@@ -25,8 +25,12 @@ def _load_suite():
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="run the benchmark suite (tools/bench.py): tables, JSON and a markdown summary",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "bench",
+        help="run the benchmark suite (tools/bench.py): tables, JSON and a markdown summary",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     if SUITE.exists():
         _load_suite().add_arguments(p)
     p.set_defaults(func=_main)
@@ -34,8 +38,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _main(args: argparse.Namespace) -> int:
     if not SUITE.exists():
-        print(f"error: the benchmark suite is not here ({SUITE}): `megatron-stepwise bench` needs a source "
-              "checkout of megatron-stepwise (the benchmarks live in its tools/ directory)", file=sys.stderr)
+        print(
+            f"error: the benchmark suite is not here ({SUITE}): `megatron-stepwise bench` needs a source "
+            "checkout of megatron-stepwise (the benchmarks live in its tools/ directory)",
+            file=sys.stderr,
+        )
         return 2
     suite = _load_suite()
     suite.run_suite(args)

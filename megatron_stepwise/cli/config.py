@@ -16,14 +16,25 @@ EXIT_BAD_CONFIG = 2
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """CONFIG, KEY=VALUE overrides and --world-size: shared by every subcommand that reads a config."""
     parser.add_argument("config", help="experiment YAML file")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                        help="overrides such as optim.lr=1e-6 or rollout.sampling.stop='[\"</answer>\"]'")
-    parser.add_argument("--world-size", type=int, default=None,
-                        help="check the parallel layout for this many ranks (default: $WORLD_SIZE, "
-                             "else launch.nnodes x launch.nproc_per_node)")
-    parser.add_argument("--skip-local-checks", action="store_true",
-                        help="skip this machine's checks (installed sglang/TE, HF cache, HF_HUB_OFFLINE): "
-                             "for a GPU recipe on a CPU login node")
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="overrides such as optim.lr=1e-6 or rollout.sampling.stop='[\"</answer>\"]'",
+    )
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="check the parallel layout for this many ranks (default: $WORLD_SIZE, "
+        "else launch.nnodes x launch.nproc_per_node)",
+    )
+    parser.add_argument(
+        "--skip-local-checks",
+        action="store_true",
+        help="skip this machine's checks (installed sglang/TE, HF cache, HF_HUB_OFFLINE): "
+        "for a GPU recipe on a CPU login node",
+    )
 
 
 def load_or_report(args: argparse.Namespace) -> ExperimentConfig | None:
@@ -42,12 +53,14 @@ def summary(cfg: ExperimentConfig, world_size: int) -> str:
     """One line saying what the config will run."""
     par, data, ro = cfg.parallel, cfg.data, cfg.rollout
     steps = data.optimizer_steps_per_iteration
-    return (f"{cfg.name}: model {cfg.model.architecture()[0]}, {world_size} ranks = TP{par.tensor} x PP{par.pipeline} "
-            f"x CP{par.context} x DP{par.data_parallel_size(world_size)}"
-            f"{f' (experts over EP{par.expert})' if par.expert > 1 else ''}, {ro.num_engines} {ro.engine} "
-            f"engine(s), env {cfg.env.name}, estimator {cfg.algo.estimator}, {cfg.trainer.iterations} "
-            f"iterations x {steps} optimizer steps of {data.prompts_per_minibatch} prompts x "
-            f"{data.samples_per_prompt} samples")
+    return (
+        f"{cfg.name}: model {cfg.model.architecture()[0]}, {world_size} ranks = TP{par.tensor} x PP{par.pipeline} "
+        f"x CP{par.context} x DP{par.data_parallel_size(world_size)}"
+        f"{f' (experts over EP{par.expert})' if par.expert > 1 else ''}, {ro.num_engines} {ro.engine} "
+        f"engine(s), env {cfg.env.name}, estimator {cfg.algo.estimator}, {cfg.trainer.iterations} "
+        f"iterations x {steps} optimizer steps of {data.prompts_per_minibatch} prompts x "
+        f"{data.samples_per_prompt} samples"
+    )
 
 
 def _validate(args: argparse.Namespace) -> int:
@@ -82,9 +95,12 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def register_validate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("validate", help="check an experiment config without running anything",
-                       description="Exit 0 with a one-line summary if the config can run, else exit 2 "
-                                   "listing every problem with the key it is about.")
+    p = sub.add_parser(
+        "validate",
+        help="check an experiment config without running anything",
+        description="Exit 0 with a one-line summary if the config can run, else exit 2 "
+        "listing every problem with the key it is about.",
+    )
     add_config_arguments(p)
     p.set_defaults(func=_validate)
 
@@ -92,8 +108,12 @@ def register_validate(sub: argparse._SubParsersAction) -> None:
 def register_config(sub: argparse._SubParsersAction) -> None:
     from megatron_stepwise.config.docs import render_text
 
-    p = sub.add_parser("config", help="config key reference (config docs) and resolved configs (config show)",
-                       epilog=render_text(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "config",
+        help="config key reference (config docs) and resolved configs (config show)",
+        epilog=render_text(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     csub = p.add_subparsers(dest="config_command", required=True)
     docs = csub.add_parser("docs", help="print the reference of every key (type, default, help)")
     docs.add_argument("--markdown", action="store_true", help="Markdown, as in docs/config.md")

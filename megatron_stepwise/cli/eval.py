@@ -45,8 +45,9 @@ def _main(args: argparse.Namespace) -> int:
     out = args.out or os.path.join(cfg.run_dir, "eval", f"{source}.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
-        json.dump({"source": source, "iteration": iteration, **metrics, "outcomes": outcomes}, f, indent=1,
-                  sort_keys=True)
+        json.dump(
+            {"source": source, "iteration": iteration, **metrics, "outcomes": outcomes}, f, indent=1, sort_keys=True
+        )
     for key in sorted(metrics):
         print(f"{key:40s} {metrics[key]:.4f}")
     print(f"metrics: {out}")
@@ -54,9 +55,17 @@ def _main(args: argparse.Namespace) -> int:
 
 
 def _single_process_layout() -> list[str]:
-    return ["parallel.tensor=1", "parallel.pipeline=1", "parallel.context=1", "parallel.expert=1",
-            "parallel.sequence_parallel=false", "parallel.use_distributed_optimizer=false",
-            "launch.nnodes=1", "launch.nproc_per_node=1", "rollout.num_engines=1"]
+    return [
+        "parallel.tensor=1",
+        "parallel.pipeline=1",
+        "parallel.context=1",
+        "parallel.expert=1",
+        "parallel.sequence_parallel=false",
+        "parallel.use_distributed_optimizer=false",
+        "launch.nnodes=1",
+        "launch.nproc_per_node=1",
+        "rollout.num_engines=1",
+    ]
 
 
 def evaluate(cfg, *, checkpoint: str | None = None, hf: str | None = None) -> tuple[dict, str, int, dict]:
@@ -96,8 +105,8 @@ def _checkpoint_as_hf(cfg, checkpoint: str, hf_config: dict, tokenizer) -> tuple
     import torch.distributed as dist
 
     from megatron_stepwise.loop import components
-    from megatron_stepwise.mcore.weights.dist_checkpoint import load_checkpoint
     from megatron_stepwise.mcore.weights.convert import export_hf
+    from megatron_stepwise.mcore.weights.dist_checkpoint import load_checkpoint
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
@@ -106,8 +115,13 @@ def _checkpoint_as_hf(cfg, checkpoint: str, hf_config: dict, tokenizer) -> tuple
     try:
         chunks = components.build_policy(cfg, hf_config)
         latest = os.path.basename(os.path.normpath(checkpoint)).startswith("iter_")
-        state = load_checkpoint(chunks, ckpt_dir=None if latest else checkpoint, path=checkpoint if latest else None,
-                                load_optimizer=False, load_rng=False)
+        state = load_checkpoint(
+            chunks,
+            ckpt_dir=None if latest else checkpoint,
+            path=checkpoint if latest else None,
+            load_optimizer=False,
+            load_rng=False,
+        )
         if state is None:
             raise FileNotFoundError(f"--checkpoint {checkpoint}: no checkpoint there")
         source = f"iter_{int(state['iteration']):07d}"

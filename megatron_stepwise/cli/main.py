@@ -12,16 +12,22 @@ COMMANDS = {
     "train": ("megatron_stepwise.cli.train:register", "run an RL experiment (self-launches torchrun when needed)"),
     "eval": ("megatron_stepwise.cli.eval:register", "evaluate a checkpoint or an HF directory on the eval sets"),
     "rollout": ("megatron_stepwise.cli.rollout:register", "print a few trajectories turn by turn (no training)"),
-    "validate": ("megatron_stepwise.cli.config:register_validate",
-                 "check an experiment config without running anything"),
-    "config": ("megatron_stepwise.cli.config:register_config",
-               "config key reference, metrics reference and resolved configs"),
+    "validate": (
+        "megatron_stepwise.cli.config:register_validate",
+        "check an experiment config without running anything",
+    ),
+    "config": (
+        "megatron_stepwise.cli.config:register_config",
+        "config key reference, metrics reference and resolved configs",
+    ),
     "demo": ("megatron_stepwise.cli.demo:register", "run the step-wise batch pipeline on a synthetic agent batch"),
     "plot": ("megatron_stepwise.cli.plot:register", "render reward, eval, length and timing curves of a run to PNG"),
     "serve": ("megatron_stepwise.cli.serve:register", "serve the embedded CPU engine over SGLang's HTTP API"),
     "bench": ("megatron_stepwise.cli.bench:register", "run the benchmark suite (tools/bench.py)"),
-    "replay": ("megatron_stepwise.cli.replay:register",
-               "re-run a dumped iteration's optimizer steps from its checkpoint, at any layout"),
+    "replay": (
+        "megatron_stepwise.cli.replay:register",
+        "re-run a dumped iteration's optimizer steps from its checkpoint, at any layout",
+    ),
     "view": ("megatron_stepwise.cli.view:register", "write an HTML page of a dumped iteration's trajectories"),
 }
 

@@ -49,7 +49,7 @@ def plot_run(run_dir: str, out: str | None = None) -> str:
         records = [*records, final]
     out = out or os.path.join(run_dir, "curves.png")
     fig, axes = plt.subplots(2, 4, figsize=(20, 8))
-    for ax in axes.flat[len(PANELS):]:
+    for ax in axes.flat[len(PANELS) :]:
         ax.set_visible(False)
     for ax, (title, keys) in zip(axes.flat, PANELS):
         for key in eval_keys(records) if keys == "eval" else keys:

@@ -20,11 +20,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("replay", help="re-run a dumped iteration's optimizer steps from its checkpoint, at any layout")
     p.add_argument("run_dir", help="the run directory (holds rollouts/ and checkpoints/)")
     p.add_argument("--iteration", type=int, required=True, help="the dumped iteration to replay")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                   help="config overrides, e.g. parallel.tensor=2 (right after RUN_DIR)")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="config overrides, e.g. parallel.tensor=2 (right after RUN_DIR)",
+    )
     p.add_argument("--out", default=None, help="report path (default RUN_DIR/replay/iter_K.json)")
-    p.add_argument("--check-tol", type=float, default=None,
-                   help="exit 1 unless loss, grad norm and parameters match within this absolute tolerance")
+    p.add_argument(
+        "--check-tol",
+        type=float,
+        default=None,
+        help="exit 1 unless loss, grad norm and parameters match within this absolute tolerance",
+    )
     p.set_defaults(func=_main)
 
 
@@ -46,8 +54,17 @@ def _main(args: argparse.Namespace) -> int:
         return 2
     nproc = cfg.launch.nproc_per_node * cfg.launch.nnodes
     if not under_launcher and nproc > 1:
-        argv = ["--standalone", f"--nproc-per-node={nproc}", "-m", "megatron_stepwise.cli", "replay", args.run_dir,
-                *args.overrides, "--iteration", str(args.iteration)]
+        argv = [
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            "-m",
+            "megatron_stepwise.cli",
+            "replay",
+            args.run_dir,
+            *args.overrides,
+            "--iteration",
+            str(args.iteration),
+        ]
         argv += [f"--out={args.out}"] if args.out else []
         argv += [f"--check-tol={args.check_tol}"] if args.check_tol is not None else []
         os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -59,10 +76,9 @@ def _main(args: argparse.Namespace) -> int:
 
 def _user_errors() -> tuple[type, ...]:
     """Errors that mean "fix the run directory or the overrides": one line, exit 2."""
-    from megatron_stepwise.mcore.weights.dist_checkpoint import CheckpointError
     from megatron_stepwise.mcore.train.model import ModelConfigError
     from megatron_stepwise.mcore.train.plugin import UnsupportedLayoutError
-
+    from megatron_stepwise.mcore.weights.dist_checkpoint import CheckpointError
     from megatron_stepwise.steps import StepwiseBatchError
 
     return CheckpointError, ModelConfigError, UnsupportedLayoutError, StepwiseBatchError
@@ -99,12 +115,18 @@ def within(report: dict, tol: float) -> bool:
 
 
 def render(report: dict) -> str:
-    lines = [f"replay of iteration {report['iteration']} at {report['layout']} (recorded at {report['recorded_layout']})"]
+    lines = [
+        f"replay of iteration {report['iteration']} at {report['layout']} (recorded at {report['recorded_layout']})"
+    ]
     for i, s in enumerate(report["steps"]):
-        lines.append(f"  step {i}: loss {s['loss']!r} (recorded {s['recorded_loss']!r}), grad_norm {s['grad_norm']!r} "
-                     f"(recorded {s['recorded_grad_norm']!r})")
+        lines.append(
+            f"  step {i}: loss {s['loss']!r} (recorded {s['recorded_loss']!r}), grad_norm {s['grad_norm']!r} "
+            f"(recorded {s['recorded_grad_norm']!r})"
+        )
     d = report["max_abs_diff"]
     params = report["params_max_abs_diff"]
-    lines.append(f"  max |diff|: loss {d['loss']!r}, grad_norm {d['grad_norm']!r}, parameters vs "
-                 f"{report['params_checkpoint'] or '(no next checkpoint)'} {params!r}")
+    lines.append(
+        f"  max |diff|: loss {d['loss']!r}, grad_norm {d['grad_norm']!r}, parameters vs "
+        f"{report['params_checkpoint'] or '(no next checkpoint)'} {params!r}"
+    )
     return "\n".join(lines)

@@ -49,8 +49,9 @@ def _main(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     r = cfg.rollout
-    loop_cfg = AgentLoopConfig.from_section(r, n_samples_per_prompt=args.samples,
-                                            sampling=r.sampling.params(r.max_new_tokens))
+    loop_cfg = AgentLoopConfig.from_section(
+        r, n_samples_per_prompt=args.samples, sampling=r.sampling.params(r.max_new_tokens)
+    )
     spec = components.env_spec(cfg)
     agent = AgentLoop(engine, tokenizer, lambda: spec.factory(**cfg.env.options), loop_cfg)
     try:
@@ -63,6 +64,7 @@ def _main(args: argparse.Namespace) -> int:
 
 def render_trajectories(steps, tokenizer) -> str:
     """Each trajectory as text: first prompt, then reply / reward / observation per turn."""
+
     def text(ids) -> str:
         return tokenizer.decode(list(ids), skip_special_tokens=False)
 
@@ -75,13 +77,18 @@ def render_trajectories(steps, tokenizer) -> str:
             head = prev.prompt_ids.numel() + prev.response_ids.numel()
             ids = step.prompt_ids.tolist()
             extends = ids[:head] == prev.prompt_ids.tolist() + prev.response_ids.tolist()
-            label = (f"[observation, {len(ids) - head} tokens]" if extends else
-                     f"[next prompt, re-tokenised (it does not extend the last one), {len(ids)} tokens]")
+            label = (
+                f"[observation, {len(ids) - head} tokens]"
+                if extends
+                else f"[next prompt, re-tokenised (it does not extend the last one), {len(ids)} tokens]"
+            )
             out.append(f"{label}\n{text(ids[head:] if extends else ids)}")
         turn = step.metadata.get("turn", "?")
         reward = step.metadata.get("env_reward")
-        out.append(f"[turn {turn} reply, {step.response_ids.numel()} tokens"
-                   f"{'' if reward is None else f', env reward {reward:g}'}]\n{text(step.response_ids.tolist())}")
+        out.append(
+            f"[turn {turn} reply, {step.response_ids.numel()} tokens"
+            f"{'' if reward is None else f', env reward {reward:g}'}]\n{text(step.response_ids.tolist())}"
+        )
         if step.is_last_step:
             out.append(f"--> reward {step.reward:g}, stop_reason {step.stop_reason}")
             if step.metadata.get("error"):

@@ -1,6 +1,6 @@
 """`serve`: the embedded CPU engine behind SGLang's native HTTP API (rollout/embedded/server.py).
 
-    megatron-stepwise serve --model-config tiny_word --host 127.0.0.1 --port 30000
+megatron-stepwise serve --model-config tiny_word --host 127.0.0.1 --port 30000
 """
 
 from __future__ import annotations
@@ -26,22 +26,35 @@ def build_engine_from_args(args: argparse.Namespace) -> LocalEngine:
         tokenizer = tokenizer or load_tokenizer(model_config)
         model_config = tiny_qwen2_config(len(tokenizer))
     return LocalEngine(
-        model_config, weights=args.weights, tokenizer=tokenizer, max_batch_size=args.max_batch_size,
-        seed=args.seed, torch_threads=args.torch_threads,
+        model_config,
+        weights=args.weights,
+        tokenizer=tokenizer,
+        max_batch_size=args.max_batch_size,
+        seed=args.seed,
+        torch_threads=args.torch_threads,
     )
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("serve", help="serve the embedded CPU engine over SGLang's HTTP API")
-    p.add_argument("--model-config", required=True,
-                   help="HF config.json / model dir, or a shipped tokenizer's name (tiny_word, tiny_char, "
-                        "tiny_bpe) for a tiny model and tokenizer")
+    p.add_argument(
+        "--model-config",
+        required=True,
+        help="HF config.json / model dir, or a shipped tokenizer's name (tiny_word, tiny_char, "
+        "tiny_bpe) for a tiny model and tokenizer",
+    )
     p.add_argument("--weights", default=None, help="directory of HF-named safetensors to load")
     p.add_argument("--tokenizer", default=None, help="tokenizer dir or shipped name (for stop strings and text)")
-    p.add_argument("--host", default="127.0.0.1",
-                   help=f"interface to bind; beyond loopback the server needs ${API_KEY_ENV} (Bearer key)")
-    p.add_argument("--allow-unauthenticated", action="store_true",
-                   help=f"serve beyond loopback without ${API_KEY_ENV} (only on a network you trust)")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help=f"interface to bind; beyond loopback the server needs ${API_KEY_ENV} (Bearer key)",
+    )
+    p.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        help=f"serve beyond loopback without ${API_KEY_ENV} (only on a network you trust)",
+    )
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--max-batch-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
@@ -54,8 +67,9 @@ def _serve_main(args: argparse.Namespace) -> int:
 
     async def run() -> None:
         engine = build_engine_from_args(args)
-        runner, port = await start_server(engine, args.host, args.port, api_key=api_key_from_env(),
-                                          allow_unauthenticated=args.allow_unauthenticated)
+        runner, port = await start_server(
+            engine, args.host, args.port, api_key=api_key_from_env(), allow_unauthenticated=args.allow_unauthenticated
+        )
         print(f"serving the embedded engine on http://{args.host}:{port}", flush=True)
         try:
             await asyncio.Event().wait()

@@ -37,11 +37,20 @@ def _main(args: argparse.Namespace) -> int:
     nproc = cfg.launch.nproc_per_node * cfg.launch.nnodes
     if not _under_launcher() and nproc > 1:
         if cfg.launch.nnodes > 1:
-            print("error: launch.nnodes > 1: start the job with launch/train_slurm.sbatch (or torchrun on each node)",
-                  file=sys.stderr)
+            print(
+                "error: launch.nnodes > 1: start the job with launch/train_slurm.sbatch (or torchrun on each node)",
+                file=sys.stderr,
+            )
             return 2
-        from megatron_stepwise.rundir.lifecycle import (LAUNCHER_PID_ENV, LOCK_WAIT_S, RUN_DIR_ENV, HeldLocks, RunDirLocked,
-                                                 run_locks, run_torchrun)
+        from megatron_stepwise.rundir.lifecycle import (
+            LAUNCHER_PID_ENV,
+            LOCK_WAIT_S,
+            RUN_DIR_ENV,
+            HeldLocks,
+            RunDirLocked,
+            run_locks,
+            run_torchrun,
+        )
 
         try:  # refuse before torchrun starts; rank 0 takes the locks itself
             HeldLocks(run_locks(cfg.run_dir, cfg.checkpoint_dir)).probe(LOCK_WAIT_S)
@@ -51,11 +60,21 @@ def _main(args: argparse.Namespace) -> int:
         os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # the ranks die with this process
         os.environ.setdefault("MEGATRON_STEPWISE_COMMAND", json.dumps(sys.argv))  # recorded in run.json
         os.environ[RUN_DIR_ENV] = os.path.abspath(cfg.run_dir)
-        torchrun = ["--standalone", f"--nproc-per-node={nproc}", "-m", "megatron_stepwise.cli", "train",
-                    args.config, *args.overrides]
+        torchrun = [
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            "-m",
+            "megatron_stepwise.cli",
+            "train",
+            args.config,
+            *args.overrides,
+        ]
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-        print(f"launching: torchrun {' '.join(torchrun)}\n(working directory: {os.getcwd()}; relative paths in the "
-              "config resolve here, as with launch/train_local.sh)", flush=True)
+        print(
+            f"launching: torchrun {' '.join(torchrun)}\n(working directory: {os.getcwd()}; relative paths in the "
+            "config resolve here, as with launch/train_local.sh)",
+            flush=True,
+        )
         return run_torchrun(torchrun)
     return _train(cfg)
 
@@ -68,23 +87,38 @@ def _command_line() -> list[str]:
 
 def _user_errors() -> tuple[type, ...]:
     """Errors that mean "fix the config, data or checkpoint", not a bug: one line, exit 2."""
+    from megatron_stepwise.data.files import DatasetError
     from megatron_stepwise.loop.agent_workers import AgentWorkersNotStarted
     from megatron_stepwise.loop.divergence import RunDiverged
-    from megatron_stepwise.mcore.weights.dist_checkpoint import CheckpointError
-    from megatron_stepwise.mcore.weights.hf_mapping import WeightConversionError
     from megatron_stepwise.mcore.train.model import ModelConfigError
     from megatron_stepwise.mcore.train.plugin import UnsupportedLayoutError
-    from megatron_stepwise.data.files import DatasetError
+    from megatron_stepwise.mcore.weights.dist_checkpoint import CheckpointError
+    from megatron_stepwise.mcore.weights.hf_mapping import WeightConversionError
     from megatron_stepwise.steps import StepwiseBatchError
 
-    return (CheckpointError, WeightConversionError, ModelConfigError, UnsupportedLayoutError, StepwiseBatchError,
-            AgentWorkersNotStarted, DatasetError, RunDiverged)
+    return (
+        CheckpointError,
+        WeightConversionError,
+        ModelConfigError,
+        UnsupportedLayoutError,
+        StepwiseBatchError,
+        AgentWorkersNotStarted,
+        DatasetError,
+        RunDiverged,
+    )
 
 
 def _train(cfg) -> int:
     import logging
 
-    from megatron_stepwise.rundir.lifecycle import LOCK_WAIT_S, RUN_DIR_ENV, HeldLocks, RunDirLocked, die_with_launcher, run_locks
+    from megatron_stepwise.rundir.lifecycle import (
+        LOCK_WAIT_S,
+        RUN_DIR_ENV,
+        HeldLocks,
+        RunDirLocked,
+        die_with_launcher,
+        run_locks,
+    )
 
     if _under_launcher():
         die_with_launcher()

@@ -48,8 +48,13 @@ from megatron_stepwise.config.schema import (
 from megatron_stepwise.config.validate import validate
 
 
-def load_config(path: str | os.PathLike, overrides: Iterable[str] = (), *, world_size: int | None = None,
-                probes: Probes | None = None) -> ExperimentConfig:
+def load_config(
+    path: str | os.PathLike,
+    overrides: Iterable[str] = (),
+    *,
+    world_size: int | None = None,
+    probes: Probes | None = None,
+) -> ExperimentConfig:
     """Read, merge, override, type-check and validate an experiment YAML file.
 
     `world_size` defaults to $WORLD_SIZE (set by torchrun), else launch.nnodes x launch.nproc_per_node.
@@ -61,8 +66,9 @@ def load_config(path: str | os.PathLike, overrides: Iterable[str] = (), *, world
     return _finish(data, origins, overrides, world_size, probes, source=str(path))
 
 
-def config_from_dict(data: dict, overrides: Iterable[str] = (), *, world_size: int | None = None,
-                     probes: Probes | None = None) -> ExperimentConfig:
+def config_from_dict(
+    data: dict, overrides: Iterable[str] = (), *, world_size: int | None = None, probes: Probes | None = None
+) -> ExperimentConfig:
     """Like `load_config` for an already-parsed mapping (no `defaults:` resolution)."""
     data = copy.deepcopy(data)
     if "defaults" in data:
@@ -80,8 +86,14 @@ def effective_world_size(cfg: ExperimentConfig, world_size: int | None = None) -
     return world_size or _env_world_size() or cfg.launch.world_size()
 
 
-def _finish(data: dict, origins: dict[str, str], overrides: Iterable[str], world_size: int | None,
-            probes: Probes | None, source: str | None) -> ExperimentConfig:
+def _finish(
+    data: dict,
+    origins: dict[str, str],
+    overrides: Iterable[str],
+    world_size: int | None,
+    probes: Probes | None,
+    source: str | None,
+) -> ExperimentConfig:
     problems: list[ConfigProblem] = []
     apply_overrides(data, overrides, origins, problems, schema=ExperimentConfig)
     bad_keys: set[str] = {p.key for p in problems}
@@ -91,8 +103,9 @@ def _finish(data: dict, origins: dict[str, str], overrides: Iterable[str], world
         ws_source = "given world size"
     elif _env_world_size() is not None:
         world_size, ws_source = _env_world_size(), "$WORLD_SIZE"
-    problems += validate(cfg, world_size=world_size, world_size_source=ws_source, bad_keys=bad_keys,
-                         origins=origins, probes=probes)
+    problems += validate(
+        cfg, world_size=world_size, world_size_source=ws_source, bad_keys=bad_keys, origins=origins, probes=probes
+    )
     if problems:
         raise ConfigError(problems, source=source)
     return cfg

@@ -172,8 +172,16 @@ def suggest_key(root: type, path: str) -> str | None:
     return close[0] if close else None
 
 
-def build(cls: type, data: Any, problems: list[ConfigProblem], *, root: type | None = None,
-          prefix: str = "", origins: dict[str, str] | None = None, bad_keys: set[str] | None = None) -> Any:
+def build(
+    cls: type,
+    data: Any,
+    problems: list[ConfigProblem],
+    *,
+    root: type | None = None,
+    prefix: str = "",
+    origins: dict[str, str] | None = None,
+    bad_keys: set[str] | None = None,
+) -> Any:
     """Build `cls` from a nested dict, appending a problem per unknown key or wrong type.
 
     A key with a wrong value keeps its default (and is added to `bad_keys`) so the rest of the
@@ -205,8 +213,9 @@ def build(cls: type, data: Any, problems: list[ConfigProblem], *, root: type | N
             continue
         path, value = prefix + name, data[name]
         if is_config_class(tp):
-            kwargs[f.name] = build(tp, value, problems, root=root, prefix=path + ".", origins=origins,
-                                   bad_keys=bad_keys)
+            kwargs[f.name] = build(
+                tp, value, problems, root=root, prefix=path + ".", origins=origins, bad_keys=bad_keys
+            )
             continue
         try:
             value = coerce(value, tp)

@@ -101,7 +101,9 @@ def _read_yaml(path: Path, problems: list[ConfigProblem]) -> dict | None:
         problems.append(ConfigProblem("<file>", f"cannot read {path}: {e.strerror or e}"))
         return None
     if len(raw) > MAX_CONFIG_BYTES:
-        problems.append(ConfigProblem("<file>", f"{path} is over {MAX_CONFIG_BYTES >> 20} MiB: not an experiment config"))
+        problems.append(
+            ConfigProblem("<file>", f"{path} is over {MAX_CONFIG_BYTES >> 20} MiB: not an experiment config")
+        )
         return None
     try:
         text = raw.decode("utf-8")
@@ -111,8 +113,11 @@ def _read_yaml(path: Path, problems: list[ConfigProblem]) -> dict | None:
     try:
         data = _load_yaml(text)
     except _TooDeep:
-        problems.append(ConfigProblem("<yaml>", f"{path}: nested more than {MAX_CONFIG_DEPTH} levels deep: "
-                                                "not an experiment config"))
+        problems.append(
+            ConfigProblem(
+                "<yaml>", f"{path}: nested more than {MAX_CONFIG_DEPTH} levels deep: not an experiment config"
+            )
+        )
         return None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
@@ -123,14 +128,22 @@ def _read_yaml(path: Path, problems: list[ConfigProblem]) -> dict | None:
     if data is None:
         return {}
     if not _expanded_size_ok(data):
-        problems.append(ConfigProblem("<yaml>", f"{path}: YAML aliases expand to more than {MAX_CONFIG_NODES} values "
-                                                "(or refer to themselves): not an experiment config"))
+        problems.append(
+            ConfigProblem(
+                "<yaml>",
+                f"{path}: YAML aliases expand to more than {MAX_CONFIG_NODES} values "
+                "(or refer to themselves): not an experiment config",
+            )
+        )
         return None
     try:
         _check_depth(data)
     except _TooDeep:
-        problems.append(ConfigProblem("<yaml>", f"{path}: nested more than {MAX_CONFIG_DEPTH} levels deep: "
-                                                "not an experiment config"))
+        problems.append(
+            ConfigProblem(
+                "<yaml>", f"{path}: nested more than {MAX_CONFIG_DEPTH} levels deep: not an experiment config"
+            )
+        )
         return None
     if not isinstance(data, dict):
         problems.append(ConfigProblem("<root>", f"{path}: expected a mapping of sections, got {type(data).__name__}"))
@@ -215,8 +228,13 @@ def _walks_into_value(schema: type | None, parts: list[str]) -> str | None:
     return None
 
 
-def apply_overrides(data: dict, overrides: Iterable[str], origins: dict[str, str],
-                    problems: list[ConfigProblem], schema: type | None = None) -> dict:
+def apply_overrides(
+    data: dict,
+    overrides: Iterable[str],
+    origins: dict[str, str],
+    problems: list[ConfigProblem],
+    schema: type | None = None,
+) -> dict:
     """Set each `a.b.c=value` in the nested dict (creating sections as needed)."""
     for text in overrides:
         try:
@@ -236,8 +254,7 @@ def apply_overrides(data: dict, overrides: Iterable[str], origins: dict[str, str
                 child = node[part] = {}
             if not isinstance(child, dict):
                 prefix = ".".join(parts[: i + 1])
-                problems.append(ConfigProblem(key, f"{prefix} holds a value ({child!r}), not a section",
-                                              COMMAND_LINE))
+                problems.append(ConfigProblem(key, f"{prefix} holds a value ({child!r}), not a section", COMMAND_LINE))
                 break
             node = child
         else:

@@ -13,12 +13,11 @@ import json
 from collections.abc import Mapping
 from pathlib import Path
 
+from megatron_stepwise.data.files import DatasetFacts
 from megatron_stepwise.envs import EnvSpec, list_envs, resolve_env_spec
 from megatron_stepwise.hf import hub
 from megatron_stepwise.hf.hub import looks_like_path
 from megatron_stepwise.hf.presets import PRESETS
-from megatron_stepwise.data.files import DatasetFacts
-
 
 # Registries of pluggable names that config validation checks itself (a function returning the
 # names registered so far). Estimators and policy losses are checked by

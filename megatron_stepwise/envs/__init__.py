@@ -16,8 +16,16 @@ The built-in environments register themselves on import; importing this package 
 """
 
 from megatron_stepwise.envs import calculator, echo, math_tool, search  # noqa: F401  (register the built-ins)
-from megatron_stepwise.envs.base import EnvSpec, Environment, get_env_spec, list_envs, make_env, register_env
+from megatron_stepwise.envs.base import Environment, EnvSpec, get_env_spec, list_envs, make_env, register_env
 from megatron_stepwise.envs.custom import RewardFnEnv, resolve_env_spec
 
-__all__ = ["EnvSpec", "Environment", "get_env_spec", "list_envs", "make_env", "register_env", "resolve_env_spec",
-           "RewardFnEnv"]
+__all__ = [
+    "EnvSpec",
+    "Environment",
+    "get_env_spec",
+    "list_envs",
+    "make_env",
+    "register_env",
+    "resolve_env_spec",
+    "RewardFnEnv",
+]

@@ -23,8 +23,10 @@ from typing import Any
 
 from megatron_stepwise.envs.base import EnvSpec, Message, StepOutput, register_env
 
-SYSTEM_PROMPT = ("Solve the problem. To compute, write <calc>expression</calc> and you will get the result. "
-                 "Then give the final answer as <answer>number</answer>.")
+SYSTEM_PROMPT = (
+    "Solve the problem. To compute, write <calc>expression</calc> and you will get the result. "
+    "Then give the final answer as <answer>number</answer>."
+)
 EXAMPLE: list[Message] = [
     {"role": "user", "content": "A box holds 12 eggs. How many eggs are in 7 boxes?"},
     {"role": "assistant", "content": "<calc>12 * 7</calc>"},
@@ -36,7 +38,6 @@ _CALC = re.compile(r"<calc>(.*?)</calc>", re.DOTALL)
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
 MAX_EXPRESSION_CHARS = 200
-
 
 
 def _apples(r: random.Random) -> tuple[str, int]:
@@ -111,8 +112,7 @@ class CalculatorEnv:
             raise ValueError(f"calculator sample {sample.get('prompt_id')!r} needs 'question' and 'answer'")
         self.answer, self.calls = float(sample["answer"]), 0
         example = EXAMPLE if self.worked_example else []
-        return [{"role": "system", "content": SYSTEM_PROMPT}, *example,
-                {"role": "user", "content": sample["question"]}]
+        return [{"role": "system", "content": SYSTEM_PROMPT}, *example, {"role": "user", "content": sample["question"]}]
 
     def step(self, assistant_text: str) -> StepOutput:
         answer = _ANSWER.search(assistant_text)

@@ -31,8 +31,9 @@ class KeyTurnTask:
     filler_reward: float = 0.2
     reward_noise: float = 0.0
 
-    def turn_rewards(self, actions: torch.Tensor, lengths: torch.Tensor,
-                     generator: torch.Generator | None = None) -> torch.Tensor:
+    def turn_rewards(
+        self, actions: torch.Tensor, lengths: torch.Tensor, generator: torch.Generator | None = None
+    ) -> torch.Tensor:
         """float64 [n, max_turns]: each turn's reward (0 past the length), the key bonus on the last
         turn; the noise is drawn only with a `generator` (sampling), never in the enumeration."""
         alive = torch.arange(self.max_turns)[None, :] < lengths[:, None]
@@ -52,8 +53,10 @@ class KeyTurnTask:
     def sample(self, theta: torch.Tensor, n: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         """(actions long [n, max_turns] (entries past the length are unused), lengths long [n])."""
         probs = torch.softmax(theta.double(), -1)
-        actions = torch.stack([torch.multinomial(probs[t], n, replacement=True, generator=generator)
-                               for t in range(self.max_turns)], dim=1)
+        actions = torch.stack(
+            [torch.multinomial(probs[t], n, replacement=True, generator=generator) for t in range(self.max_turns)],
+            dim=1,
+        )
         return actions, self.lengths(actions)
 
     def enumerate(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,7 +95,9 @@ def exact_gradient(task: KeyTurnTask, theta: torch.Tensor, value_of) -> torch.Te
     """d/dtheta of E[value_of(actions, lengths, rewards)] by enumeration (value_of returns float64 [m])."""
     actions, lengths = task.enumerate()
     theta = theta.detach().double().requires_grad_(True)
-    objective = (trajectory_probs(theta, actions, lengths) * value_of(actions, lengths, task.turn_rewards(actions, lengths))).sum()
+    objective = (
+        trajectory_probs(theta, actions, lengths) * value_of(actions, lengths, task.turn_rewards(actions, lengths))
+    ).sum()
     (grad,) = torch.autograd.grad(objective, theta)
     return grad
 
@@ -115,8 +120,9 @@ def history_states(actions: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor
     return torch.where(torch.arange(turns)[None, :] < lengths[:, None], before, -1)
 
 
-def sampled_gradients(task: KeyTurnTask, theta: torch.Tensor, estimator, groups: int, group_size: int,
-                      generator: torch.Generator) -> torch.Tensor:
+def sampled_gradients(
+    task: KeyTurnTask, theta: torch.Tensor, estimator, groups: int, group_size: int, generator: torch.Generator
+) -> torch.Tensor:
     """One policy-gradient estimate per group, float64 [groups, turns, actions]: the mean over the
     group's trajectories of sum_t A[i, t] grad log pi(a_t). `estimator(rewards, lengths, group,
     states=...)` returns the advantages [n, turns] (a registered turn estimator with its options

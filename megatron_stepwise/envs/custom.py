@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import dataclasses
-
 import importlib
 import inspect
 from typing import Any, Callable
@@ -40,8 +39,9 @@ def load_object(path: str, *, key: str) -> Any:
     try:
         obj = importlib.import_module(module_name)
     except Exception as e:  # the user's module: report any failure to import it, not just ImportError
-        raise EnvPathError(f"{key}={path!r}: cannot import {module_name!r} ({type(e).__name__}: {e}); "
-                           "is its directory on PYTHONPATH?") from e
+        raise EnvPathError(
+            f"{key}={path!r}: cannot import {module_name!r} ({type(e).__name__}: {e}); is its directory on PYTHONPATH?"
+        ) from e
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise EnvPathError(f"{key}={path!r}: module {module_name!r} has no {attr!r}")
@@ -98,8 +98,10 @@ class RewardFnEnv:
             return [{"role": "user", "content": prompt}]
         if isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "role" in m for m in prompt):
             return [dict(m) for m in prompt]
-        raise ValueError(f"sample {sample.get('prompt_id')!r}: 'prompt' must be a string or a list of chat "
-                         f"messages (got {type(prompt).__name__}); map a column to it with env.fields.prompt")
+        raise ValueError(
+            f"sample {sample.get('prompt_id')!r}: 'prompt' must be a string or a list of chat "
+            f"messages (got {type(prompt).__name__}); map a column to it with env.fields.prompt"
+        )
 
     def step(self, assistant_text: str) -> StepOutput:
         kwargs = {"turn": self.turn} if self._pass_turn else {}
@@ -116,9 +118,13 @@ def reward_fn_spec(path: str) -> EnvSpec:
     fn = load_object(path, key="env.reward_fn")
     if not callable(fn):
         raise EnvPathError(f"env.reward_fn={path!r} is a {type(fn).__name__}, not a function")
-    return EnvSpec(name=f"reward_fn:{path}", factory=lambda: RewardFnEnv(fn, path),
-                   dataset=_needs_dataset(f"env.reward_fn={path}"), required_fields=("prompt",),
-                   description=f"prompts scored by {path}")
+    return EnvSpec(
+        name=f"reward_fn:{path}",
+        factory=lambda: RewardFnEnv(fn, path),
+        dataset=_needs_dataset(f"env.reward_fn={path}"),
+        required_fields=("prompt",),
+        description=f"prompts scored by {path}",
+    )
 
 
 def resolve_env_spec(name: str, reward_fn: str | None = None) -> EnvSpec:

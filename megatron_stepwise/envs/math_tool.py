@@ -24,10 +24,14 @@ from megatron_stepwise.envs.tool_calls import ToolCall, function_tool, parse_too
 
 DATA = Path(__file__).parent / "data" / "math_problems.jsonl"
 PYTHON_TOOL = function_tool(
-    "python", "Run a Python 3 program in a sandbox and return what it prints (stdout, then any error).",
-    {"type": "object",
-     "properties": {"code": {"type": "string", "description": "the program; print the values you need"}},
-     "required": ["code"], "additionalProperties": False},
+    "python",
+    "Run a Python 3 program in a sandbox and return what it prints (stdout, then any error).",
+    {
+        "type": "object",
+        "properties": {"code": {"type": "string", "description": "the program; print the values you need"}},
+        "required": ["code"],
+        "additionalProperties": False,
+    },
 )
 CALL_EXAMPLE = '<tool_call>\n{"name": "python", "arguments": {"code": "print(12 * 7)"}}\n</tool_call>'
 SYSTEM_PROMPT = (
@@ -77,9 +81,12 @@ class MathToolEnv:
         observation = [self._answer_call(b) for b in blocks[:MAX_CALLS_PER_TURN]]
         if len(blocks) > MAX_CALLS_PER_TURN:
             self.tool_errors += 1
-            observation.append(tool_message(
-                f"Error: at most {MAX_CALLS_PER_TURN} tool calls per turn; the other "
-                f"{len(blocks) - MAX_CALLS_PER_TURN} were not run"))
+            observation.append(
+                tool_message(
+                    f"Error: at most {MAX_CALLS_PER_TURN} tool calls per turn; the other "
+                    f"{len(blocks) - MAX_CALLS_PER_TURN} were not run"
+                )
+            )
         return observation, 0.0, False, self._counts()
 
     def _answer_call(self, block) -> Message:

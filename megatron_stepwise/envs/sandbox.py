@@ -117,8 +117,10 @@ class Isolation:
         if self.run_as:
             who = f"uid {SANDBOX_UID}" if self.namespaces != "none" else f"one of uids {UID_POOL.start}.."
         disk = "tmpfs" if self.tmpfs else "watched"
-        return (f"{ns[self.namespaces]}, Landlock ABI {self.landlock_abi or 'unavailable'}, runs as {who}, "
-                f"disk quota {disk}")
+        return (
+            f"{ns[self.namespaces]}, Landlock ABI {self.landlock_abi or 'unavailable'}, runs as {who}, "
+            f"disk quota {disk}"
+        )
 
 
 def _probe(cmd: list[str]) -> subprocess.CompletedProcess | None:
@@ -140,11 +142,17 @@ def isolation() -> Isolation:
         # Root is exempt from RLIMIT_NPROC and owns most files: the code runs as nobody instead.
         drop = (setpriv, f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}", "--clear-groups")
     # A venv's bin/python links to its base interpreter; the venv (site-packages) stays unreadable.
-    pythons = dict.fromkeys(p for p in (os.path.realpath(sys.executable),
-                                        os.path.realpath(getattr(sys, "_base_executable", sys.executable)),
-                                        shutil.which("python3", path="/usr/bin:/bin")) if p)
+    pythons = dict.fromkeys(
+        p
+        for p in (
+            os.path.realpath(sys.executable),
+            os.path.realpath(getattr(sys, "_base_executable", sys.executable)),
+            shutil.which("python3", path="/usr/bin:/bin"),
+        )
+        if p
+    )
     unshare = shutil.which("unshare")
-    for run_as in ((drop, ()) if drop else ((),)):
+    for run_as in (drop, ()) if drop else ((),):
         namespaces, prefix = "none", []
         for level, flags in (("user", _UNSHARE_USERNS), ("root", _NS)):
             if unshare is None or (level == "root" and (os.geteuid() != 0 or run_as)):
@@ -158,12 +166,17 @@ def isolation() -> Isolation:
             if done is None or done.returncode != 0:
                 continue
             facts = json.loads(done.stdout)
-            found = Isolation(namespaces, int(facts["landlock_abi"]), tuple(run_as), python, tuple(facts["stdlib"]),
-                              tuple(prefix), bool(facts["tmpfs"]))
-            if (namespaces != "user" or found.landlock_abi < 6 or not found.tmpfs
-                    or (os.geteuid() == 0 and not run_as)):
-                log.warning("sandbox degraded: %s; see docs/security.md for what holds without them",
-                            found.describe())
+            found = Isolation(
+                namespaces,
+                int(facts["landlock_abi"]),
+                tuple(run_as),
+                python,
+                tuple(facts["stdlib"]),
+                tuple(prefix),
+                bool(facts["tmpfs"]),
+            )
+            if namespaces != "user" or found.landlock_abi < 6 or not found.tmpfs or (os.geteuid() == 0 and not run_as):
+                log.warning("sandbox degraded: %s; see docs/security.md for what holds without them", found.describe())
             return found
     raise SandboxError(f"sandbox: none of the interpreters {list(pythons)} can run a probe script")
 
@@ -202,9 +215,16 @@ def _grants(path: str, depth: int) -> list[str]:
     return [path] if parts == children else parts
 
 
-def run_python(code: str, timeout_s: float = 5.0, memory_mb: int = 512, max_output_bytes: int = 64 << 10,
-               max_processes: int = 16, max_file_bytes: int = 1 << 20, disk_mb: int = 64,
-               max_files: int = 4096) -> SandboxResult:
+def run_python(
+    code: str,
+    timeout_s: float = 5.0,
+    memory_mb: int = 512,
+    max_output_bytes: int = 64 << 10,
+    max_processes: int = 16,
+    max_file_bytes: int = 1 << 20,
+    disk_mb: int = 64,
+    max_files: int = 4096,
+) -> SandboxResult:
     """Execute `code` in the sandbox; stdout/stderr are each kept up to `max_output_bytes`.
 
     `memory_mb` bounds the call's processes together (and each one's address space), `disk_mb`
@@ -223,23 +243,42 @@ def run_python(code: str, timeout_s: float = 5.0, memory_mb: int = 512, max_outp
                 os.chown(workdir, uid, uid)  # its only writable place
                 run_as = (iso.run_as[0], f"--reuid={uid}", f"--regid={uid}", "--clear-groups")
             cfg = {
-                "code_path": code_path, "memory_bytes": memory_mb << 20, "cpu_seconds": max(1, int(timeout_s) + 1),
-                "file_bytes": max_file_bytes, "processes": max_processes, "open_files": 64,
-                "read_only": readable_paths(iso), "read_write": [workdir], "require_landlock": iso.landlock_abi > 0,
-                "supervise": iso.namespaces == "none", "timeout_s": timeout_s,
-                "tmpfs_bytes": (disk_mb << 20) if iso.tmpfs else 0, "tmpfs_inodes": max_files,
+                "code_path": code_path,
+                "memory_bytes": memory_mb << 20,
+                "cpu_seconds": max(1, int(timeout_s) + 1),
+                "file_bytes": max_file_bytes,
+                "processes": max_processes,
+                "open_files": 64,
+                "read_only": readable_paths(iso),
+                "read_write": [workdir],
+                "require_landlock": iso.landlock_abi > 0,
+                "supervise": iso.namespaces == "none",
+                "timeout_s": timeout_s,
+                "tmpfs_bytes": (disk_mb << 20) if iso.tmpfs else 0,
+                "tmpfs_inodes": max_files,
             }
             # setup's own report ("ok" or why not), closed before the code runs: the code cannot forge it
             status_r, status_w = os.pipe()
             cfg["status_fd"] = status_w
-            env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
-                   "OMP_NUM_THREADS": "1"}
+            env = {
+                "PATH": "/usr/bin:/bin",
+                "HOME": workdir,
+                "TMPDIR": workdir,
+                "LANG": "C.UTF-8",
+                "OMP_NUM_THREADS": "1",
+            }
             # The init script goes in as -c text: nothing of the project needs to be readable inside.
             try:
                 proc = subprocess.Popen(
                     [*run_as, *iso.unshare, iso.python, "-I", "-S", "-B", "-c", _init_source(), json.dumps(cfg)],
-                    cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                    start_new_session=True, close_fds=True, pass_fds=(status_w,),
+                    cwd=workdir,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    start_new_session=True,
+                    close_fds=True,
+                    pass_fds=(status_w,),
                 )
             finally:
                 os.close(status_w)
@@ -367,8 +406,9 @@ def _init_source() -> str:
     return INIT.read_text()
 
 
-def _collect(proc: subprocess.Popen, deadline: float, cap: int,
-             watch: Watch) -> tuple[bytes, bytes, bool, bool, str | None]:
+def _collect(
+    proc: subprocess.Popen, deadline: float, cap: int, watch: Watch
+) -> tuple[bytes, bytes, bool, bool, str | None]:
     """Read both pipes as data arrives until the code ends, the deadline, a pipe passing `cap`
     bytes or a per-call total broken (`watch`, checked between reads).
 

@@ -33,8 +33,11 @@ FILE_ONLY = FS_EXECUTE | FS_WRITE_FILE | FS_READ_FILE | FS_TRUNCATE | FS_IOCTL_D
 
 
 class _RulesetAttr(ctypes.Structure):
-    _fields_ = [("handled_access_fs", ctypes.c_uint64), ("handled_access_net", ctypes.c_uint64),
-                ("scoped", ctypes.c_uint64)]
+    _fields_ = [
+        ("handled_access_fs", ctypes.c_uint64),
+        ("handled_access_net", ctypes.c_uint64),
+        ("scoped", ctypes.c_uint64),
+    ]
 
 
 class _PathBeneathAttr(ctypes.Structure):
@@ -64,7 +67,12 @@ def apply_landlock(read_only: list, read_write: list) -> int:
     if abi == 0:
         return 0
     libc = _libc()
-    fs = FS_ALL_ABI1 | (FS_REFER if abi >= 2 else 0) | (FS_TRUNCATE if abi >= 3 else 0) | (FS_IOCTL_DEV if abi >= 5 else 0)
+    fs = (
+        FS_ALL_ABI1
+        | (FS_REFER if abi >= 2 else 0)
+        | (FS_TRUNCATE if abi >= 3 else 0)
+        | (FS_IOCTL_DEV if abi >= 5 else 0)
+    )
     net = (NET_BIND_TCP | NET_CONNECT_TCP) if abi >= 4 else 0
     scoped = (SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL) if abi >= 6 else 0
     attr = _RulesetAttr(fs, net, scoped)
@@ -147,12 +155,17 @@ def deny_sockets() -> bool:
     if x32 is not None:
         prog.append((_JGE_K, x32, "deny", None))
     prog += [(_JEQ_K, key_nr, "deny", None) for key_nr in _KEY_SYSCALLS[os.uname().machine]]
-    prog += [(_JEQ_K, io_uring_nr, "deny", None), (_JEQ_K, socket_nr, "deny", "allow"),
-             (_RET_K, _RET_ALLOW, None, None), (_RET_K, _RET_EACCES, None, None)]
+    prog += [
+        (_JEQ_K, io_uring_nr, "deny", None),
+        (_JEQ_K, socket_nr, "deny", "allow"),
+        (_RET_K, _RET_ALLOW, None, None),
+        (_RET_K, _RET_EACCES, None, None),
+    ]
     where = {"allow": len(prog) - 2, "deny": len(prog) - 1}
     rel = lambda i, label: 0 if label is None else where[label] - i - 1  # noqa: E731
-    insns = (_SockFilter * len(prog))(*(_SockFilter(code, rel(i, jt), rel(i, jf), k)
-                                         for i, (code, k, jt, jf) in enumerate(prog)))
+    insns = (_SockFilter * len(prog))(
+        *(_SockFilter(code, rel(i, jt), rel(i, jf), k) for i, (code, k, jt, jf) in enumerate(prog))
+    )
     fprog = _SockFprog(len(prog), insns)
     libc = _libc()
     if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0):
@@ -221,9 +234,14 @@ def drop_capabilities() -> None:
 
 
 def set_limits(cfg: dict) -> None:
-    for name, value in (("RLIMIT_AS", cfg["memory_bytes"]), ("RLIMIT_CPU", cfg["cpu_seconds"]),
-                        ("RLIMIT_FSIZE", cfg["file_bytes"]), ("RLIMIT_NPROC", cfg["processes"]),
-                        ("RLIMIT_NOFILE", cfg["open_files"]), ("RLIMIT_CORE", 0)):
+    for name, value in (
+        ("RLIMIT_AS", cfg["memory_bytes"]),
+        ("RLIMIT_CPU", cfg["cpu_seconds"]),
+        ("RLIMIT_FSIZE", cfg["file_bytes"]),
+        ("RLIMIT_NPROC", cfg["processes"]),
+        ("RLIMIT_NOFILE", cfg["open_files"]),
+        ("RLIMIT_CORE", 0),
+    ):
         resource.setrlimit(getattr(resource, name), (value, value))
 
 
@@ -288,7 +306,7 @@ def _children_of(parent: int) -> list:
                     stat = f.read()
             except OSError:
                 continue
-            fields = stat[stat.rfind(b")") + 2:].split()
+            fields = stat[stat.rfind(b")") + 2 :].split()
             if len(fields) > 1 and int(fields[1]) == parent:
                 found.append(int(entry))
     return found

@@ -34,7 +34,7 @@ def children_by_parent() -> dict[int, list[int]]:
                 stat = f.read()
         except OSError:
             continue
-        fields = stat[stat.rfind(b")") + 2:].split()  # after "pid (comm) ": state, ppid, ...
+        fields = stat[stat.rfind(b")") + 2 :].split()  # after "pid (comm) ": state, ppid, ...
         if len(fields) > 1:
             children.setdefault(int(fields[1]), []).append(int(entry))
     return children
@@ -165,8 +165,10 @@ class Watch:
         self.peak_memory = max(self.peak_memory, memory)
         share = memory / self.memory_bytes
         if memory > self.memory_bytes:
-            return (f"the call's processes held {memory >> 20} MiB of memory together "
-                    f"(limit {self.memory_bytes >> 20} MiB for all of them)")
+            return (
+                f"the call's processes held {memory >> 20} MiB of memory together "
+                f"(limit {self.memory_bytes >> 20} MiB for all of them)"
+            )
         if self.disk is not None:
             root, limit, max_entries = self.disk
             used, entries = disk_usage(root, max_entries, self.events and self.events.add)

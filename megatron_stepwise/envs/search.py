@@ -67,7 +67,12 @@ class SearchEnv:
             self.searches += 1
             hits = search(query.group(1), self.top_k)
             body = "\n".join(f"Doc {i + 1}(Title: {d['title']}) {d['text']}" for i, d in enumerate(hits))
-            return [{"role": "user", "content": f"<information>{body}</information>"}], 0.0, False, {"searches": self.searches}
+            return (
+                [{"role": "user", "content": f"<information>{body}</information>"}],
+                0.0,
+                False,
+                {"searches": self.searches},
+            )
         hint = "Use <search>query</search> to search or <answer>...</answer> to answer."
         return [{"role": "user", "content": hint}], 0.0, False, {"format_error": True}
 

@@ -23,8 +23,13 @@ TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
 _TAG = re.compile(re.escape(TOOL_CALL_OPEN) + "|" + re.escape(TOOL_CALL_CLOSE))
 _JSON_TYPES: dict[str, tuple[type, ...]] = {
-    "string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,),
-    "array": (list,), "object": (dict,), "null": (type(None),),
+    "string": (str,),
+    "integer": (int,),
+    "number": (int, float),
+    "boolean": (bool,),
+    "array": (list,),
+    "object": (dict,),
+    "null": (type(None),),
 }
 _SHOWN = 200  # characters of a bad block quoted back in its error
 
@@ -66,10 +71,14 @@ class ParsedTurn:
 
 def function_tool(name: str, description: str, parameters: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """A function schema for `tools=` (`parameters` is a JSON schema of an object)."""
-    return {"type": "function", "function": {
-        "name": name, "description": description,
-        "parameters": parameters if parameters is not None else {"type": "object", "properties": {}},
-    }}
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description,
+            "parameters": parameters if parameters is not None else {"type": "object", "properties": {}},
+        },
+    }
 
 
 def tool_function(tool: dict[str, Any]) -> dict[str, Any]:
@@ -115,8 +124,10 @@ def check_tools(tools: Any) -> Optional[list[dict[str, Any]]]:
     for i, tool in enumerate(plain):
         name = tool_function(tool).get("name")
         if not isinstance(name, str) or not name:
-            raise ValueError(f"tools[{i}] has no function name (expected {{'type': 'function', 'function': "
-                             f"{{'name': ..., 'parameters': ...}}}})")
+            raise ValueError(
+                f"tools[{i}] has no function name (expected {{'type': 'function', 'function': "
+                f"{{'name': ..., 'parameters': ...}}}})"
+            )
         names.append(name)
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
@@ -124,8 +135,7 @@ def check_tools(tools: Any) -> Optional[list[dict[str, Any]]]:
     return plain
 
 
-def parse_tool_calls(text: str, tools: Optional[Sequence[dict[str, Any]]] = None,
-                     format: str = "hermes") -> ParsedTurn:
+def parse_tool_calls(text: str, tools: Optional[Sequence[dict[str, Any]]] = None, format: str = "hermes") -> ParsedTurn:
     """Every tool call of `text`, in order, written in `format` (see the module docstring).
 
     With `tools`, a call must name one of them and its arguments must fit its parameters.
@@ -143,12 +153,12 @@ def parse_tool_calls(text: str, tools: Optional[Sequence[dict[str, Any]]] = None
     for tag in _TAG.finditer(text):
         if tag.group() == TOOL_CALL_OPEN:
             if open_at is not None:  # a new block opens before the last one closed
-                blocks.append(_unterminated(len(blocks), text[open_at:tag.start()], reopened=True))
+                blocks.append(_unterminated(len(blocks), text[open_at : tag.start()], reopened=True))
             else:
-                outside.append(text[pos:tag.start()])
+                outside.append(text[pos : tag.start()])
             open_at = tag.end()
         elif open_at is not None:
-            blocks.append(_parse_block(len(blocks), text[open_at:tag.start()], by_name, format))
+            blocks.append(_parse_block(len(blocks), text[open_at : tag.start()], by_name, format))
             open_at, pos = None, tag.end()
     if open_at is not None:
         blocks.append(_unterminated(len(blocks), text[open_at:], reopened=False))
@@ -159,11 +169,14 @@ def parse_tool_calls(text: str, tools: Optional[Sequence[dict[str, Any]]] = None
 
 def _unterminated(index: int, body: str, *, reopened: bool) -> ToolCallError:
     where = "before the next <tool_call>" if reopened else "(the turn may have hit its token limit)"
-    return ToolCallError(index, f"tool call {index + 1}: <tool_call> is not closed by </tool_call> {where}",
-                         body.strip()[:_SHOWN])
+    return ToolCallError(
+        index, f"tool call {index + 1}: <tool_call> is not closed by </tool_call> {where}", body.strip()[:_SHOWN]
+    )
 
 
-def _parse_block(index: int, body: str, by_name: Optional[dict], format: str = "hermes") -> Union[ToolCall, ToolCallError]:
+def _parse_block(
+    index: int, body: str, by_name: Optional[dict], format: str = "hermes"
+) -> Union[ToolCall, ToolCallError]:
     body = body.strip()  # error positions count from the JSON's first character
     shown = body[:_SHOWN]
 
@@ -202,8 +215,9 @@ def _parse_block(index: int, body: str, by_name: Optional[dict], format: str = "
     return _checked(index, name, arguments, None, by_name, error)
 
 
-def _checked(index: int, name: Optional[str], arguments: dict, problem: Optional[str], by_name: Optional[dict],
-             error) -> Union[ToolCall, ToolCallError]:
+def _checked(
+    index: int, name: Optional[str], arguments: dict, problem: Optional[str], by_name: Optional[dict], error
+) -> Union[ToolCall, ToolCallError]:
     """The call, or the error of a parse `problem`, an unknown tool or arguments that do not fit."""
     if problem:
         return error(problem, name)
@@ -253,7 +267,7 @@ def _parse_llama3_json(text: str, by_name: Optional[dict]) -> ParsedTurn:
     """Llama 3.x custom tool calls: the turn is the call(s) `{"name", "parameters"}`, else text."""
     body = text.strip()
     if body.startswith("<|python_tag|>"):
-        body = body[len("<|python_tag|>"):].strip()
+        body = body[len("<|python_tag|>") :].strip()
     if not body.startswith("{"):
         return ParsedTurn([], text.strip())
     blocks: list[Union[ToolCall, ToolCallError]] = []

@@ -135,8 +135,10 @@ def _moe_fields(cfg: Any) -> dict:
     if model_type == "mixtral":
         # Mixtral's attention may be windowed (Mistral style); megatron's here is full causal.
         if _get(cfg, "sliding_window") is not None:
-            raise ModelConfigError(f"sliding_window={_get(cfg, 'sliding_window')} is not supported "
-                                   "(Mixtral with full causal attention only: sliding_window must be null)")
+            raise ModelConfigError(
+                f"sliding_window={_get(cfg, 'sliding_window')} is not supported "
+                "(Mixtral with full causal attention only: sliding_window must be null)"
+            )
         # HF multiplies the MoE input by U(1 - eps, 1 + eps) noise when training; nothing here does.
         jitter = _get(cfg, "router_jitter_noise", 0.0)
         if float(jitter or 0.0) != 0.0:
@@ -144,12 +146,22 @@ def _moe_fields(cfg: Any) -> dict:
         # output_router_logits / router_aux_loss_coef only add HF's load-balancing loss to a
         # forward given labels; the step-wise loss owns router losses, so they are ignored.
         # The expert width is intermediate_size; the top-k probabilities are always renormalised.
-        return dict(num_experts=experts, moe_topk=topk, moe_ffn_hidden_size=int(_get(cfg, "intermediate_size")),
-                    moe_norm_topk=True)
+        return dict(
+            num_experts=experts,
+            moe_topk=topk,
+            moe_ffn_hidden_size=int(_get(cfg, "intermediate_size")),
+            moe_norm_topk=True,
+        )
     if int(_get(cfg, "decoder_sparse_step", 1) or 1) != 1 or _get(cfg, "mlp_only_layers"):
-        raise ModelConfigError("decoder_sparse_step != 1 / mlp_only_layers (dense layers in a MoE model) are not supported")
-    return dict(num_experts=experts, moe_topk=topk, moe_ffn_hidden_size=int(_get(cfg, "moe_intermediate_size")),
-                moe_norm_topk=bool(_get(cfg, "norm_topk_prob", True)))
+        raise ModelConfigError(
+            "decoder_sparse_step != 1 / mlp_only_layers (dense layers in a MoE model) are not supported"
+        )
+    return dict(
+        num_experts=experts,
+        moe_topk=topk,
+        moe_ffn_hidden_size=int(_get(cfg, "moe_intermediate_size")),
+        moe_norm_topk=bool(_get(cfg, "norm_topk_prob", True)),
+    )
 
 
 def padded_vocab_size(vocab_size: int, tp: int) -> int:
@@ -162,13 +174,16 @@ def padded_vocab_size(vocab_size: int, tp: int) -> int:
 def split_problems(arch: GPTArch, *, tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1) -> list[tuple[str, str]]:
     """(parallel size, why) for each way a layout cannot split `arch`; the size is "tensor",
     "pipeline" or "expert". Config validation names its key, the builder raises the first."""
-    checks = [("tensor", "num_attention_heads", arch.num_heads, tp, "tensor_parallel"),
-              ("tensor", "num_key_value_heads", arch.num_kv_heads, tp, "tensor_parallel"),
-              ("tensor", "intermediate_size", arch.ffn_hidden_size, tp, "tensor_parallel"),
-              ("pipeline", "num_hidden_layers", arch.num_layers, pp, "pipeline_parallel")]
+    checks = [
+        ("tensor", "num_attention_heads", arch.num_heads, tp, "tensor_parallel"),
+        ("tensor", "num_key_value_heads", arch.num_kv_heads, tp, "tensor_parallel"),
+        ("tensor", "intermediate_size", arch.ffn_hidden_size, tp, "tensor_parallel"),
+        ("pipeline", "num_hidden_layers", arch.num_layers, pp, "pipeline_parallel"),
+    ]
     if vpp > 1:
-        checks.append(("pipeline", "num_hidden_layers", arch.num_layers, pp * vpp,
-                       "pipeline_parallel x virtual_pipeline"))
+        checks.append(
+            ("pipeline", "num_hidden_layers", arch.num_layers, pp * vpp, "pipeline_parallel x virtual_pipeline")
+        )
     out = [(size, f"{what}={n} does not divide {key}={value}") for size, key, value, n, what in checks if value % n]
     if padded_vocab_size(arch.vocab_size, tp) // tp * (tp - 1) >= arch.vocab_size:
         out.append(("tensor", f"vocab_size={arch.vocab_size} is too small to split over tensor_parallel={tp}"))
@@ -179,15 +194,18 @@ def split_problems(arch: GPTArch, *, tp: int = 1, pp: int = 1, vpp: int = 1, ep:
     return out
 
 
-def validate_parallel(arch: GPTArch, *, tp: int, pp: int, tokenizer_vocab_size: Optional[int] = None,
-                      vpp: int = 1, ep: int = 1) -> None:
+def validate_parallel(
+    arch: GPTArch, *, tp: int, pp: int, tokenizer_vocab_size: Optional[int] = None, vpp: int = 1, ep: int = 1
+) -> None:
     """Clear errors for layouts the model cannot be split into, and vocab mismatches."""
     problems = split_problems(arch, tp=tp, pp=pp, vpp=vpp, ep=ep)
     if problems:
         raise ModelConfigError(problems[0][1])
     if arch.num_heads % arch.num_kv_heads:
-        raise ModelConfigError(f"num_key_value_heads={arch.num_kv_heads} does not divide "
-                               f"num_attention_heads={arch.num_heads}")
+        raise ModelConfigError(
+            f"num_key_value_heads={arch.num_kv_heads} does not divide num_attention_heads={arch.num_heads}"
+        )
     if tokenizer_vocab_size is not None and tokenizer_vocab_size > arch.vocab_size:
-        raise ModelConfigError(f"tokenizer has {tokenizer_vocab_size} tokens but the model's vocab_size "
-                               f"is {arch.vocab_size}")
+        raise ModelConfigError(
+            f"tokenizer has {tokenizer_vocab_size} tokens but the model's vocab_size is {arch.vocab_size}"
+        )

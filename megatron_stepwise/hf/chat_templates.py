@@ -41,8 +41,11 @@ def read_chat_template(value: str, *, key: str = KEY) -> str:
     else:
         path = Path(value).expanduser()
         if not path.is_file():
-            raise ChatTemplateSourceError(key, f"no such file: {value} (give a .jinja file, or the Jinja "
-                                               "template itself inline: a value with {{ or {% in it)")
+            raise ChatTemplateSourceError(
+                key,
+                f"no such file: {value} (give a .jinja file, or the Jinja "
+                "template itself inline: a value with {{ or {% in it)",
+            )
         try:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
@@ -52,8 +55,9 @@ def read_chat_template(value: str, *, key: str = KEY) -> str:
             try:
                 text = json.loads(text)["chat_template"]
             except (ValueError, KeyError, TypeError):
-                raise ChatTemplateSourceError(key, f"{value} is not a chat_template.json "
-                                                   '({"chat_template": "<template>"})') from None
+                raise ChatTemplateSourceError(
+                    key, f'{value} is not a chat_template.json ({{"chat_template": "<template>"}})'
+                ) from None
             if not isinstance(text, str):
                 raise ChatTemplateSourceError(key, f'{value}: "chat_template" must be a string')
     if not text.strip():
@@ -80,8 +84,9 @@ def compile_problem(text: str) -> Optional[str]:
     except ImportError:  # another transformers layout: plain sandboxed Jinja (no `generation` tag)
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
         env.filters.setdefault("tojson", lambda x, **kw: json.dumps(x, ensure_ascii=False, **kw))
         compile_template = env.from_string
     try:

@@ -39,7 +39,7 @@ def template_closing(tokenizer: Any) -> tuple[Optional[int], bool]:
     at = text.rfind(_MARK)
     if at < 0:  # the template does not render replies verbatim: it closes them somehow
         return None, True
-    after = tokenizer(text[at + len(_MARK):], add_special_tokens=False)["input_ids"]
+    after = tokenizer(text[at + len(_MARK) :], add_special_tokens=False)["input_ids"]
     special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
     return (int(after[0]) if after and after[0] in special else None), bool(after)
 
@@ -68,8 +68,10 @@ def end_of_turn(tokenizer: Any, model_dir: Optional[str] = None) -> EndOfTurn:
         if i not in ids:
             ids.append(i)
     if not ids:
-        raise ValueError("the tokenizer has no eos_token and its chat template closes no turn: "
-                         "the model's generation_config.json must list eos_token_id")
+        raise ValueError(
+            "the tokenizer has no eos_token and its chat template closes no turn: "
+            "the model's generation_config.json must list eos_token_id"
+        )
     # A template that closes turns with plain text (no special token) gets the first EOS, as before.
     return EndOfTurn(closing if closing is not None else (ids[0] if closes else None), tuple(ids))
 
@@ -83,8 +85,11 @@ def write_generation_config(directory: str | os.PathLike, hf_config: Any, tokeni
     get = hf_config.get if isinstance(hf_config, dict) else lambda k: getattr(hf_config, k, None)
     ids = list(end_of_turn(tokenizer, model_dir=str(directory)).ids)
     pad = get("pad_token_id")
-    generation = {"bos_token_id": get("bos_token_id"), "eos_token_id": ids[0] if len(ids) == 1 else ids,
-                  "pad_token_id": pad if pad is not None else ids[0]}
+    generation = {
+        "bos_token_id": get("bos_token_id"),
+        "eos_token_id": ids[0] if len(ids) == 1 else ids,
+        "pad_token_id": pad if pad is not None else ids[0],
+    }
     with open(path, "w") as f:
         json.dump(generation, f, indent=2)
         f.write("\n")

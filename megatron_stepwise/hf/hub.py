@@ -15,8 +15,18 @@ from typing import Sequence
 # allow_patterns of what one use of a repository needs. The FIRST pattern must match a file for a
 # cached snapshot to count as present (a snapshot may hold only the files of an earlier use).
 CONFIG_FILES = ("config.json",)
-TOKENIZER_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt",
-                   "*.model", "*.tiktoken", "chat_template.*", "config.json", "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.*",
+    "merges.txt",
+    "*.model",
+    "*.tiktoken",
+    "chat_template.*",
+    "config.json",
+    "generation_config.json",
+)
 CHECKPOINT_FILES = ("*.safetensors", "*.json")  # import_hf reads safetensors; *.json: config, index
 
 _TRUE = {"1", "ON", "YES", "TRUE"}
@@ -70,8 +80,7 @@ def _from_cache(repo_id: str, files: Sequence[str]) -> Path | None:
     try:
         from huggingface_hub import snapshot_download
 
-        found = snapshot_download(repo_id, cache_dir=hub_cache_dir(), local_files_only=True,
-                                  allow_patterns=list(files))
+        found = snapshot_download(repo_id, cache_dir=hub_cache_dir(), local_files_only=True, allow_patterns=list(files))
     except Exception:  # not cached, incomplete, malformed id, no huggingface_hub: all mean "not here"
         return None
     path = Path(found)
@@ -111,15 +120,19 @@ def resolve_model_dir(value: str, *, key: str, files: Sequence[str] = CONFIG_FIL
         raise ModelSourceError(f"{where}no such file or directory")
     cache = f"{hub_cache_dir()}, set by HF_HOME / HF_HUB_CACHE"
     if hub_offline():
-        raise ModelSourceError(f"{where}not a local path, and not in the Hugging Face cache ({cache}) while "
-                               "HF_HUB_OFFLINE=1; download it first or unset HF_HUB_OFFLINE")
+        raise ModelSourceError(
+            f"{where}not a local path, and not in the Hugging Face cache ({cache}) while "
+            "HF_HUB_OFFLINE=1; download it first or unset HF_HUB_OFFLINE"
+        )
     try:
         from huggingface_hub import snapshot_download
 
         path = Path(snapshot_download(value, cache_dir=hub_cache_dir(), allow_patterns=list(files)))
     except Exception as e:  # unknown or gated repo, bad id, no network: say which key failed and why
-        raise ModelSourceError(f"{where}not a local path, not in the Hugging Face cache ({cache}), and "
-                               f"downloading it failed: {type(e).__name__}: {e}") from e
+        raise ModelSourceError(
+            f"{where}not a local path, not in the Hugging Face cache ({cache}), and "
+            f"downloading it failed: {type(e).__name__}: {e}"
+        ) from e
     if not _has_first(path, files):
         raise ModelSourceError(f"{key}={value!r}: the hub repository has no {files[0]} file")
     return path

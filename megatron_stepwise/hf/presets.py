@@ -12,14 +12,28 @@ from typing import Any, Optional
 from megatron_stepwise.hf.hub import ModelSourceError, is_gguf_source, resolve_model_dir
 
 # HF model class of each supported model_type (a config.json's `architectures`).
-ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+ARCHITECTURES = {
+    "qwen2": "Qwen2ForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+}
 
 
-def tiny_config(*, model_type: str = "qwen2", vocab_size: int = 256, hidden_size: int = 64, num_layers: int = 2,
-                num_heads: int = 4, num_kv_heads: int = 2, ffn_hidden_size: Optional[int] = None,
-                tie_word_embeddings: bool = False, max_position_embeddings: int = 1024,
-                **overrides: Any) -> dict[str, Any]:
+def tiny_config(
+    *,
+    model_type: str = "qwen2",
+    vocab_size: int = 256,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    ffn_hidden_size: Optional[int] = None,
+    tie_word_embeddings: bool = False,
+    max_position_embeddings: int = 1024,
+    **overrides: Any,
+) -> dict[str, Any]:
     """A tiny Llama/Qwen2/Qwen3/Qwen3-MoE/Mixtral config in HF keys (CPU-fast): the `tiny` preset,
     tests and tools.
 
@@ -47,11 +61,24 @@ def tiny_config(*, model_type: str = "qwen2", vocab_size: int = 256, hidden_size
     if model_type in ("qwen3", "qwen3_moe"):  # Qwen3 configs name head_dim explicitly (the HF default is 128)
         cfg.update(head_dim=hidden_size // num_heads, attention_bias=False)
     if model_type == "qwen3_moe":  # 4 experts of half the dense width, 2 per token, every layer MoE
-        cfg.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden_size, norm_topk_prob=True,
-                   decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.0)
+        cfg.update(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=hidden_size,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            router_aux_loss_coef=0.0,
+        )
     if model_type == "mixtral":  # 4 experts of the dense width (intermediate_size), 2 per token, renormalised
-        cfg.update(num_local_experts=4, num_experts_per_tok=2, sliding_window=None, router_jitter_noise=0.0,
-                   output_router_logits=False, router_aux_loss_coef=0.0)
+        cfg.update(
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=None,
+            router_jitter_noise=0.0,
+            output_router_logits=False,
+            router_aux_loss_coef=0.0,
+        )
     cfg.update(overrides)
     return cfg
 
@@ -68,8 +95,9 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def resolve_hf_config(name_or_path: str, *, vocab_size: Optional[int] = None,
-                      key: str = "model.hf_config") -> dict[str, Any]:
+def resolve_hf_config(
+    name_or_path: str, *, vocab_size: Optional[int] = None, key: str = "model.hf_config"
+) -> dict[str, Any]:
     """An HF config dict from a preset name, a config.json, a model directory, or a hub id.
 
     For presets, `vocab_size` (the tokenizer's) replaces the preset's so model and tokenizer agree.
@@ -84,8 +112,9 @@ def resolve_hf_config(name_or_path: str, *, vocab_size: Optional[int] = None,
     if os.path.isfile(name_or_path) and not is_gguf_source(name_or_path):  # a config.json by any name
         path = name_or_path
     else:
-        path = os.path.join(resolve_model_dir(name_or_path, key=key, also_tried=f"a preset ({', '.join(PRESETS)})"),
-                            "config.json")
+        path = os.path.join(
+            resolve_model_dir(name_or_path, key=key, also_tried=f"a preset ({', '.join(PRESETS)})"), "config.json"
+        )
         if not os.path.isfile(path):
             raise ModelSourceError(f"{key}={name_or_path!r}: the directory has no config.json")
     with open(path) as f:

@@ -47,7 +47,7 @@ TOOLS_CHAT_TEMPLATE = (
     "# Tools\n\nThese functions are available, as JSON schemas inside <tools></tools>:\n<tools>\n"
     "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools>\n\n"
     "To call a function, write a JSON object with its name and arguments between <tool_call> tags, "
-    "one block per call:\n<tool_call>\n{\"name\": <function name>, \"arguments\": <arguments object>}\n"
+    'one block per call:\n<tool_call>\n{"name": <function name>, "arguments": <arguments object>}\n'
     "</tool_call><|im_end|>\n{% endif %}"
     "{% for m in messages %}"
     "{% if not (tools and loop.first and m['role'] == 'system') %}"
@@ -89,8 +89,13 @@ def _train_bpe():
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=384, min_frequency=2, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=384,
+        min_frequency=2,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(_bpe_corpus(), trainer=trainer)  # deterministic (a test rebuilds the shipped file)
     tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIAL_TOKENS])
     return tok
@@ -158,8 +163,12 @@ def load_tokenizer(name_or_path: str, *, key: str = "model.tokenizer", chat_temp
     if name_or_path in TOKENIZER_NAMES:
         path = tokenizer_dir(name_or_path)
     else:
-        path = resolve_model_dir(name_or_path, key=key, files=TOKENIZER_FILES,
-                                 also_tried=f"a shipped tokenizer ({', '.join(TOKENIZER_NAMES)})")
+        path = resolve_model_dir(
+            name_or_path,
+            key=key,
+            files=TOKENIZER_FILES,
+            also_tried=f"a shipped tokenizer ({', '.join(TOKENIZER_NAMES)})",
+        )
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     if chat_template:
         from megatron_stepwise.hf.chat_templates import read_chat_template

@@ -94,8 +94,14 @@ class AgentWorker:
     def pid(self) -> int:
         return os.getpid()
 
-    async def rollout(self, samples: list[dict], seed: Optional[int], request_tag: str,
-                      engines: list[EngineSlot], hold: Optional[HoldRequest] = None) -> WorkerReply:
+    async def rollout(
+        self,
+        samples: list[dict],
+        seed: Optional[int],
+        request_tag: str,
+        engines: list[EngineSlot],
+        hold: Optional[HoldRequest] = None,
+    ) -> WorkerReply:
         self.engines.refresh(engines)
         groups = await self.agent.rollout_groups(samples, seed=seed, request_tag=request_tag)
         dead, requests = self.engines.take_report()
@@ -117,8 +123,13 @@ def _spawn_worker(cfg, index: int, max_concurrency: int, name: str):
     import ray
 
     actor = ray.remote(AgentWorker).options(
-        num_cpus=cfg.rollout.agent_worker_cpus, scheduling_strategy="SPREAD", max_restarts=0,
-        max_concurrency=1000, name=name, namespace=NAMESPACE)
+        num_cpus=cfg.rollout.agent_worker_cpus,
+        scheduling_strategy="SPREAD",
+        max_restarts=0,
+        max_concurrency=1000,
+        name=name,
+        namespace=NAMESPACE,
+    )
     return actor.remote(cfg, max_concurrency, name)
 
 
@@ -158,18 +169,28 @@ class AgentWorkers:
             raise AgentWorkersNotStarted(
                 f"{len(self.workers)} agent workers did not start within {timeout_s:.0f} s: Ray may not have "
                 f"{len(self.workers)} x {cpus:g} free CPUs besides the engines' (rollout.agent_workers, "
-                f"rollout.agent_worker_cpus; `ray status` shows what is pending)") from None
+                f"rollout.agent_worker_cpus; `ray status` shows what is pending)"
+            ) from None
 
     # ---- the AgentLoop surface --------------------------------------------------------------
 
-    async def rollout(self, samples: Sequence[dict[str, Any]], seed: Optional[int] = None,
-                      on_trajectory_done: Optional[Callable[[list[Step]], None]] = None,
-                      request_tag: str = "") -> list[Step]:
+    async def rollout(
+        self,
+        samples: Sequence[dict[str, Any]],
+        seed: Optional[int] = None,
+        on_trajectory_done: Optional[Callable[[list[Step]], None]] = None,
+        request_tag: str = "",
+    ) -> list[Step]:
         return flat_steps(await self.rollout_groups(samples, seed, on_trajectory_done, request_tag))
 
-    async def rollout_groups(self, samples: Sequence[dict[str, Any]], seed: Optional[int] = None,
-                             on_trajectory_done: Optional[Callable[[list[Step]], None]] = None,
-                             request_tag: str = "", hold: Optional[HoldRequest] = None) -> list:
+    async def rollout_groups(
+        self,
+        samples: Sequence[dict[str, Any]],
+        seed: Optional[int] = None,
+        on_trajectory_done: Optional[Callable[[list[Step]], None]] = None,
+        request_tag: str = "",
+        hold: Optional[HoldRequest] = None,
+    ) -> list:
         """One group per sample, in the order of the samples (as `AgentLoop.rollout_groups`); with
         `hold`, the workers keep each group's prepared rows and return `HeldGroup`s."""
         checked_prompt_ids(samples)
@@ -178,11 +199,12 @@ class AgentWorkers:
         # a worker's groups, so its next call starts while the last one's stragglers finish.
         most = max(1, self.groups_per_worker // 2)
         size = max(1, min(most, len(samples) // (CHUNKS_PER_WORKER * len(self.workers))))
-        chunks = [[dict(s) for s in samples[i:i + size]] for i in range(0, len(samples), size)]
+        chunks = [[dict(s) for s in samples[i : i + size]] for i in range(0, len(samples), size)]
         try:
             async with asyncio.TaskGroup() as tg:
-                tasks = [tg.create_task(self._chunk(chunk, seed, request_tag, on_trajectory_done, hold))
-                         for chunk in chunks]
+                tasks = [
+                    tg.create_task(self._chunk(chunk, seed, request_tag, on_trajectory_done, hold)) for chunk in chunks
+                ]
         except BaseExceptionGroup as group:  # the fleet lost every engine: one error, not one per chunk
             lost = engine_loss(group)
             if lost is not None:
@@ -205,8 +227,11 @@ class AgentWorkers:
             w.handle.release.remote(key)
 
     def metrics(self) -> dict[str, float]:
-        return {"agents/workers": float(len(self.workers)), "agents/worker_restarts": float(self.worker_restarts),
-                "agents/reissued_groups": float(self.reissued_groups)}
+        return {
+            "agents/workers": float(len(self.workers)),
+            "agents/worker_restarts": float(self.worker_restarts),
+            "agents/reissued_groups": float(self.reissued_groups),
+        }
 
     def close(self) -> None:
         import ray
@@ -234,9 +259,14 @@ class AgentWorkers:
             worker.busy -= groups
             self._free.notify_all()
 
-    async def _chunk(self, samples: list[dict], seed: Optional[int], tag: str,
-                     on_trajectory_done: Optional[Callable[[list[Step]], None]],
-                     hold: Optional[HoldRequest] = None) -> list:
+    async def _chunk(
+        self,
+        samples: list[dict],
+        seed: Optional[int],
+        tag: str,
+        on_trajectory_done: Optional[Callable[[list[Step]], None]],
+        hold: Optional[HoldRequest] = None,
+    ) -> list:
         """Prompt groups rolled out by one worker in one call; re-issued whole if it dies."""
         import ray
 
@@ -248,8 +278,10 @@ class AgentWorkers:
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
                 self._restart(worker, incarnation, e)
                 if attempt == self.max_reissues:
-                    raise RuntimeError(f"prompt groups {[s.get('prompt_id') for s in samples][:4]}: their agent "
-                                       f"worker died {attempt + 1} times") from e
+                    raise RuntimeError(
+                        f"prompt groups {[s.get('prompt_id') for s in samples][:4]}: their agent "
+                        f"worker died {attempt + 1} times"
+                    ) from e
                 self.reissued_groups += len(samples)
                 continue
             except ray.exceptions.RayTaskError as e:  # the agent loop's own error, as in-process
@@ -283,4 +315,3 @@ class AgentWorkers:
         worker.incarnation += 1
         worker.handle = self._new_actor(worker.index, worker.incarnation)
         self.worker_restarts += 1
-

@@ -23,8 +23,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import operator
 import logging
+import operator
 import threading
 from typing import Any, Callable, Optional
 
@@ -33,8 +33,8 @@ import torch
 from megatron_stepwise.algo.groups import flat_steps
 from megatron_stepwise.algo.validate import validate_steps
 from megatron_stepwise.loop.group_buffer import GroupBuffer, trained_token_staleness, trajectory_version_spread
-from megatron_stepwise.loop.training_batch import PrepareOptions
 from megatron_stepwise.loop.sources import Driver, Round, rollout_seed, split_round
+from megatron_stepwise.loop.training_batch import PrepareOptions
 from megatron_stepwise.metrics.core import rollout_metrics
 
 log = logging.getLogger(__name__)
@@ -67,19 +67,32 @@ class AsyncRollouts:
     resumed run rolls out first, so no drawn prompt is skipped.
     """
 
-    def __init__(self, cfg, *, dataset, handoff, vocab_size: int, version: Callable[[], int],
-                 shard: Callable[[Any], list[Any]], dp_size: int, recorder: Any = None):
+    def __init__(
+        self,
+        cfg,
+        *,
+        dataset,
+        handoff,
+        vocab_size: int,
+        version: Callable[[], int],
+        shard: Callable[[Any], list[Any]],
+        dp_size: int,
+        recorder: Any = None,
+    ):
         self.prompts_per_minibatch = cfg.data.prompts_per_minibatch
         self.rounds_per_iteration = cfg.data.minibatches_per_iteration
         self.seed = cfg.trainer.seed
         self.success_threshold = cfg.eval_.success_threshold
         self.dataset, self.handoff, self.vocab_size, self.version = dataset, handoff, vocab_size, version
         self.dp_size = dp_size
-        self.split = functools.partial(split_round, options=PrepareOptions.from_config(cfg), shard=shard,
-                                       dp_size=dp_size, recorder=recorder)
+        self.split = functools.partial(
+            split_round, options=PrepareOptions.from_config(cfg), shard=shard, dp_size=dp_size, recorder=recorder
+        )
         filters = cfg.algo.filters
         self._buffer_args = (self.prompts_per_minibatch, cfg.async_)
-        self._keep_group = operator.attrgetter("has_reward_variance") if (filters.zero_variance or filters.dynamic_sampling) else None
+        self._keep_group = (
+            operator.attrgetter("has_reward_variance") if (filters.zero_variance or filters.dynamic_sampling) else None
+        )
         # Filters may discard this many groups while one optimizer step waits before it is skipped
         # (the synchronous source's dynamic sampling gives up after as many rollout rounds).
         self.starve_limit = filters.max_sampling_rounds * cfg.data.prompts_per_iteration
@@ -142,8 +155,9 @@ class AsyncRollouts:
     async def _rollout(self, group) -> None:
         try:
             # A per-group seed: reproducible sampling per turn whichever engine serves it.
-            (rollout,) = await self.driver.agent.rollout_groups([group.rollout_sample()],
-                                                                seed=rollout_seed(self.seed, group.serial))
+            (rollout,) = await self.driver.agent.rollout_groups(
+                [group.rollout_sample()], seed=rollout_seed(self.seed, group.serial)
+            )
             self.buffer.finish(group.serial, rollout, self.version())
         except asyncio.CancelledError:
             raise
@@ -175,8 +189,12 @@ class AsyncRollouts:
         one shard per DP rank while the fleet keeps rolling out."""
         groups = self.driver.loop.run_until_complete(self.next_groups())
         if groups is None:
-            log.warning("iteration %d: group filters discarded %d groups without %d informative ones; "
-                        "optimizer step skipped", iteration, self.starve_limit, self.prompts_per_minibatch)
+            log.warning(
+                "iteration %d: group filters discarded %d groups without %d informative ones; optimizer step skipped",
+                iteration,
+                self.starve_limit,
+                self.prompts_per_minibatch,
+            )
             return [None] * self.dp_size
         steps = flat_steps(g.rollout for g in groups)
         validate_steps(steps, vocab_size=self.vocab_size)
@@ -201,8 +219,14 @@ class AsyncRollouts:
         return loop_in_thread(self.driver.loop if self.driver is not None else None)
 
     def reset_metrics(self) -> None:
-        self._iteration = {"steps": [], "groups": [], "staleness": [], "group_staleness_max": [],
-                           "group_staleness_mean": [], "requeued": []}
+        self._iteration = {
+            "steps": [],
+            "groups": [],
+            "staleness": [],
+            "group_staleness_max": [],
+            "group_staleness_mean": [],
+            "requeued": [],
+        }
 
     def iteration_metrics(self) -> dict[str, Any]:
         """Trajectory metrics of what was trained, staleness, and the buffer's counters."""

@@ -109,7 +109,8 @@ def check_same_config(saved_state: dict[str, Any], cfg, current_hash: str, where
         f"{keys}\n"
         + (f"(also changed, which a resume may change: {'; '.join(free)})\n" if free else "")
         + f"Either resume with the saved values ({restore}), or start a new run: checkpoint.resume=never "
-          "(here, replacing this run's checkpoints) or another logging.run_dir")
+        "(here, replacing this run's checkpoints) or another logging.run_dir"
+    )
 
 
 class Checkpointer:
@@ -139,7 +140,9 @@ class Checkpointer:
         if mode == "never":
             return False
         state = load_checkpoint(
-            self.chunks, self.optimizer, self.scheduler,
+            self.chunks,
+            self.optimizer,
+            self.scheduler,
             ckpt_dir=self.ckpt_dir if mode == "auto" else None,
             path=None if mode == "auto" else mode,
             load_optimizer=self.ckpt.load_optimizer,

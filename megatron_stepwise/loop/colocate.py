@@ -44,8 +44,8 @@ class Colocation:
         if self.enabled:
             # Every rank waits for rank 0's release: training must not allocate before it is done.
             times["time/engine_release"] += self.handoff.from_driver(
-                lambda: self._fleet("release_memory_occupation", RELEASED), "releasing the engines' memory",
-                iteration)
+                lambda: self._fleet("release_memory_occupation", RELEASED), "releasing the engines' memory", iteration
+            )
         yield
 
     @contextlib.contextmanager

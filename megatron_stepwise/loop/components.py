@@ -40,8 +40,14 @@ def init_runtime(cfg: ExperimentConfig) -> ParallelLayout:
     from megatron_stepwise.mcore.runtime.runtime import init_distributed
 
     p = cfg.parallel
-    return init_distributed(p.tensor, p.pipeline, p.context, expert_parallel=p.expert, seed=cfg.trainer.seed,
-                            timeout_minutes=p.timeout_minutes)
+    return init_distributed(
+        p.tensor,
+        p.pipeline,
+        p.context,
+        expert_parallel=p.expert,
+        seed=cfg.trainer.seed,
+        timeout_minutes=p.timeout_minutes,
+    )
 
 
 def data_parallel() -> tuple[int, int]:
@@ -91,7 +97,9 @@ def model_config(cfg: ExperimentConfig, tokenizer: PreTrainedTokenizerBase) -> d
 
     source, key = cfg.model.architecture()
     hf = resolve_hf_config(source, vocab_size=len(tokenizer), key=key)
-    validate_parallel(arch_from_hf(hf), tp=cfg.parallel.tensor, pp=cfg.parallel.pipeline, tokenizer_vocab_size=len(tokenizer))
+    validate_parallel(
+        arch_from_hf(hf), tp=cfg.parallel.tensor, pp=cfg.parallel.pipeline, tokenizer_vocab_size=len(tokenizer)
+    )
     return hf
 
 
@@ -122,12 +130,18 @@ def build_policy(cfg: ExperimentConfig, hf_config: dict[str, Any]) -> list[torch
         def init(chunks: list[torch.nn.Module]) -> None:
             import_hf(chunks, hf_dir)
 
-    return build_model_chunks(hf_config, use_distributed_optimizer=cfg.parallel.use_distributed_optimizer, init=init,
-                              use_te=_use_te(cfg), config_overrides=_model_overrides(cfg))
+    return build_model_chunks(
+        hf_config,
+        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+        init=init,
+        use_te=_use_te(cfg),
+        config_overrides=_model_overrides(cfg),
+    )
 
 
-def build_reference(cfg: ExperimentConfig, hf_config: dict[str, Any],
-                    policy_chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
+def build_reference(
+    cfg: ExperimentConfig, hf_config: dict[str, Any], policy_chunks: list[torch.nn.Module]
+) -> list[torch.nn.Module]:
     """A frozen copy of the initial policy for the KL term (same sharding as the policy)."""
     from megatron_stepwise.mcore.train.model import build_model_chunks, unwrap
 
@@ -137,7 +151,9 @@ def build_reference(cfg: ExperimentConfig, hf_config: dict[str, Any],
         for chunk, sd in zip(chunks, state):
             chunk.load_state_dict(sd)
 
-    ref = build_model_chunks(hf_config, wrap=False, init=init, use_te=_use_te(cfg), config_overrides=_model_overrides(cfg))
+    ref = build_model_chunks(
+        hf_config, wrap=False, init=init, use_te=_use_te(cfg), config_overrides=_model_overrides(cfg)
+    )
     for chunk in ref:
         chunk.requires_grad_(False)
         chunk.eval()
@@ -166,10 +182,19 @@ def build_optimizer(cfg: ExperimentConfig, chunks: list[torch.nn.Module]) -> Meg
 
     o = cfg.optim
     bf16 = use_bf16(cfg)
-    config = OptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
-                             adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.eps, clip_grad=o.clip_grad,
-                             bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
-                             use_distributed_optimizer=cfg.parallel.use_distributed_optimizer)
+    config = OptimizerConfig(
+        optimizer="adam",
+        lr=o.lr,
+        min_lr=o.min_lr,
+        weight_decay=o.weight_decay,
+        adam_beta1=o.adam_beta1,
+        adam_beta2=o.adam_beta2,
+        adam_eps=o.eps,
+        clip_grad=o.clip_grad,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+    )
     return get_megatron_optimizer(config, chunks)
 
 
@@ -178,10 +203,19 @@ def build_scheduler(cfg: ExperimentConfig, optimizer: MegatronOptimizer) -> Opti
 
     o = cfg.optim
     steps = max(cfg.total_optimizer_steps, 1)
-    return OptimizerParamScheduler(optimizer, init_lr=0.0 if o.warmup_steps else o.lr, max_lr=o.lr, min_lr=o.min_lr,
-                                   lr_warmup_steps=o.warmup_steps, lr_decay_steps=max(steps, o.warmup_steps + 1),
-                                   lr_decay_style=o.scheduler, start_wd=o.weight_decay, end_wd=o.weight_decay,
-                                   wd_incr_steps=steps, wd_incr_style="constant")
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if o.warmup_steps else o.lr,
+        max_lr=o.lr,
+        min_lr=o.min_lr,
+        lr_warmup_steps=o.warmup_steps,
+        lr_decay_steps=max(steps, o.warmup_steps + 1),
+        lr_decay_style=o.scheduler,
+        start_wd=o.weight_decay,
+        end_wd=o.weight_decay,
+        wd_incr_steps=steps,
+        wd_incr_style="constant",
+    )
 
 
 def build_plugin(cfg: ExperimentConfig, tokenizer: PreTrainedTokenizerBase) -> StepwisePlugin:
@@ -189,8 +223,12 @@ def build_plugin(cfg: ExperimentConfig, tokenizer: PreTrainedTokenizerBase) -> S
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     # temperature: score what the engine sampled
-    return StepwisePlugin(cfg.algo.loss, max_tokens_per_microbatch=cfg.data.max_tokens_per_microbatch,
-                          pad_token_id=pad, temperature=cfg.rollout.sampling.temperature)
+    return StepwisePlugin(
+        cfg.algo.loss,
+        max_tokens_per_microbatch=cfg.data.max_tokens_per_microbatch,
+        pad_token_id=pad,
+        temperature=cfg.rollout.sampling.temperature,
+    )
 
 
 # ------------------------------------------------------------------------ data
@@ -202,8 +240,8 @@ def env_spec(cfg: ExperimentConfig) -> EnvSpec:
 
 
 def build_dataset(cfg: ExperimentConfig) -> PromptDataset:
-    from megatron_stepwise.data.prompts import PromptDataset
     from megatron_stepwise.data.files import open_samples, with_prompt_ids
+    from megatron_stepwise.data.prompts import PromptDataset
 
     if cfg.env.dataset:  # JSONL, Parquet or a datasets directory / hub id, read lazily
         samples = open_samples(cfg.env.dataset, fields=cfg.env.fields, split=cfg.env.dataset_split)
@@ -218,8 +256,9 @@ def eval_samples(cfg: ExperimentConfig, dataset: PromptDataset) -> list[dict[str
     from megatron_stepwise.data.files import open_samples
 
     if cfg.env.eval_dataset:
-        source = open_samples(cfg.env.eval_dataset, fields=cfg.env.fields, split=cfg.env.eval_split,
-                              key="env.eval_dataset")
+        source = open_samples(
+            cfg.env.eval_dataset, fields=cfg.env.fields, split=cfg.env.eval_split, key="env.eval_dataset"
+        )
         return source[:]  # evaluated whole at every evaluation
     held_out = env_spec(cfg).eval_dataset
     if held_out is not None:  # the environment's own held-out set
@@ -242,13 +281,28 @@ def build_fleet(cfg: ExperimentConfig, hf_config: dict[str, Any], tokenizer: Pre
     routed = (arch.num_layers, arch.moe_topk) if cfg.algo.routing_replay else None
     for i in range(r.num_engines):
         if r.engine == "embedded":
-            specs.append(EngineSpec(kind="local", model_config=hf_config, tokenizer=tokenizer_name(cfg),
-                                    seed=cfg.trainer.seed + 1000 + i, torch_threads=1, num_cpus=0.5,
-                                    routed_experts=routed))
+            specs.append(
+                EngineSpec(
+                    kind="local",
+                    model_config=hf_config,
+                    tokenizer=tokenizer_name(cfg),
+                    seed=cfg.trainer.seed + 1000 + i,
+                    torch_threads=1,
+                    num_cpus=0.5,
+                    routed_experts=routed,
+                )
+            )
         elif r.sglang.servers:
             url = r.sglang.servers[i % len(r.sglang.servers)]
-            specs.append(EngineSpec(kind="http", url=url if "://" in url else f"http://{url}", tp_size=r.engine_tp,
-                                    routed_experts=routed, generate_url=r.sglang.router_url))
+            specs.append(
+                EngineSpec(
+                    kind="http",
+                    url=url if "://" in url else f"http://{url}",
+                    tp_size=r.engine_tp,
+                    routed_experts=routed,
+                    generate_url=r.sglang.router_url,
+                )
+            )
         else:
             extra = list(r.sglang.extra_args)
             if routed and "--enable-return-routed-experts" not in extra:
@@ -256,15 +310,32 @@ def build_fleet(cfg: ExperimentConfig, hf_config: dict[str, Any], tokenizer: Pre
             if r.colocate and "--enable-memory-saver" not in extra:
                 extra.append("--enable-memory-saver")  # else release_memory_occupation frees nothing
             server = SGLangServerConfig(
-                model_path=sglang_model_path(cfg), host=r.sglang.host,
-                port=r.sglang.base_port + i, tp_size=r.engine_tp, extra_args=extra,
+                model_path=sglang_model_path(cfg),
+                host=r.sglang.host,
+                port=r.sglang.base_port + i,
+                tp_size=r.engine_tp,
+                extra_args=extra,
             )
-            specs.append(EngineSpec(kind="sglang", sglang=server, tp_size=r.engine_tp, num_cpus=1, num_gpus=r.engine_tp,
-                                    routed_experts=routed))
-    return RolloutFleet(specs, max_concurrency=r.max_concurrency, max_retries=r.max_retries,
-                        max_restarts=r.max_restarts, request_timeout_s=r.timeout_s, ray_address=r.ray_address,
-                        partial_rollouts=cfg.async_.enabled,  # async: updates pause turns mid-way
-                        colocate=cfg.rollout.colocate)
+            specs.append(
+                EngineSpec(
+                    kind="sglang",
+                    sglang=server,
+                    tp_size=r.engine_tp,
+                    num_cpus=1,
+                    num_gpus=r.engine_tp,
+                    routed_experts=routed,
+                )
+            )
+    return RolloutFleet(
+        specs,
+        max_concurrency=r.max_concurrency,
+        max_retries=r.max_retries,
+        max_restarts=r.max_restarts,
+        request_timeout_s=r.timeout_s,
+        ray_address=r.ray_address,
+        partial_rollouts=cfg.async_.enabled,  # async: updates pause turns mid-way
+        colocate=cfg.rollout.colocate,
+    )
 
 
 def build_agent_loop(cfg: ExperimentConfig, fleet: Generator, tokenizer: PreTrainedTokenizerBase) -> AgentLoop:
@@ -274,9 +345,12 @@ def build_agent_loop(cfg: ExperimentConfig, fleet: Generator, tokenizer: PreTrai
 
     r = cfg.rollout
     eot = end_of_turn(tokenizer)  # from the chat template and the model's generation_config.json
-    loop_cfg = AgentLoopConfig.from_section(r, n_samples_per_prompt=cfg.data.samples_per_prompt,
-                                            sampling=r.sampling.params(r.max_new_tokens),
-                                            append_eos=eot.append is not None)
+    loop_cfg = AgentLoopConfig.from_section(
+        r,
+        n_samples_per_prompt=cfg.data.samples_per_prompt,
+        sampling=r.sampling.params(r.max_new_tokens),
+        append_eos=eot.append is not None,
+    )
     spec = env_spec(cfg)
     options = dict(cfg.env.options)
     ids = list(eot.ids) if eot.append is None else [eot.append] + [i for i in eot.ids if i != eot.append]
@@ -284,8 +358,12 @@ def build_agent_loop(cfg: ExperimentConfig, fleet: Generator, tokenizer: PreTrai
 
 
 # ------------------------------------------------------------------------ weights
-def build_weight_sync(cfg: ExperimentConfig, fleet: Optional[RolloutFleet], hf_config: dict[str, Any],
-                      loop: Optional[asyncio.AbstractEventLoop]) -> WeightSync:
+def build_weight_sync(
+    cfg: ExperimentConfig,
+    fleet: Optional[RolloutFleet],
+    hf_config: dict[str, Any],
+    loop: Optional[asyncio.AbstractEventLoop],
+) -> WeightSync:
     """Pushes the policy to the fleet after each update (weight_sync.mode: disk | tensor | distributed)."""
     from megatron_stepwise.mcore.weights.sync import WeightSync
 
@@ -293,8 +371,9 @@ def build_weight_sync(cfg: ExperimentConfig, fleet: Optional[RolloutFleet], hf_c
     return WeightSync(fleet, w.mode, hf_config, loop=loop, bucket_mb=w.bucket_mb, sync_dir=cfg.weight_sync_dir)
 
 
-def export_hf(cfg: ExperimentConfig, chunks: list[torch.nn.Module], hf_config: dict[str, Any],
-              tokenizer: PreTrainedTokenizerBase) -> str:
+def export_hf(
+    cfg: ExperimentConfig, chunks: list[torch.nn.Module], hf_config: dict[str, Any], tokenizer: PreTrainedTokenizerBase
+) -> str:
     """An HF directory (safetensors + config + tokenizer) of the final policy, under the run dir."""
     import os
 

@@ -35,4 +35,5 @@ def check_finite(metrics: dict[str, Any], *, iteration: int, clip_grad: float) -
             continue
         raise RunDiverged(
             f"the run diverged: train/{name} is {value} at iteration {iteration}; "
-            "stopped before pushing these weights (lower optim.lr, or resume from the last checkpoint)")
+            "stopped before pushing these weights (lower optim.lr, or resume from the last checkpoint)"
+        )

@@ -25,9 +25,13 @@ DUMP_DIR = "rollouts"
 META_KEY = b"megatron_stepwise.dump"
 FORMAT_VERSION = 1
 # Token fields a prepared mini-batch carries; all but routed_experts are 0 at prompt positions.
-RESPONSE_FIELDS = {"loss_mask": torch.long, "rollout_logprobs": torch.float32,
-                   "rollout_logprobs_known": torch.bool, "advantages": torch.float32,
-                   "weight_versions": torch.long}
+RESPONSE_FIELDS = {
+    "loss_mask": torch.long,
+    "rollout_logprobs": torch.float32,
+    "rollout_logprobs_known": torch.bool,
+    "advantages": torch.float32,
+    "weight_versions": torch.long,
+}
 
 
 class DumpError(ValueError):
@@ -66,8 +70,12 @@ class DumpRecorder:
 
     def capture(self, batch: StepBatch, metadata: Sequence[dict[str, Any]]) -> None:
         if self.active:  # a copy of the dict: the plugin adds fields to shards, never to this batch
-            self.minibatches.append(Captured(StepBatch(**{**batch.__dict__, "token_fields": dict(batch.token_fields),
-                                                          "metadata": None}), list(metadata)))
+            self.minibatches.append(
+                Captured(
+                    StepBatch(**{**batch.__dict__, "token_fields": dict(batch.token_fields), "metadata": None}),
+                    list(metadata),
+                )
+            )
 
 
 def _jsonable(value: Any) -> Any:
@@ -77,16 +85,45 @@ def _jsonable(value: Any) -> Any:
         return str(value)
 
 
-def write_dump(path: str | Path, minibatches: Sequence[Captured], *, iteration: int, weight_version: int,
-               config: dict, train_metrics: Sequence[dict[str, float]], epochs: int = 1) -> Path:
+def write_dump(
+    path: str | Path,
+    minibatches: Sequence[Captured],
+    *,
+    iteration: int,
+    weight_version: int,
+    config: dict,
+    train_metrics: Sequence[dict[str, float]],
+    epochs: int = 1,
+) -> Path:
     """One Parquet file, one row per trained row of every mini-batch (atomic: temp file + rename)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    cols: dict[str, list] = {k: [] for k in (
-        "minibatch", "row", "prompt_id", "sample_index", "traj_index", "group_index", "turn", "is_last",
-        "is_padding", "reward", "turn_reward", "outcome_reward", "stop_reason", "env_error", "prompt_ids", "response_ids",
-        *RESPONSE_FIELDS, "trainer_logprobs", "routed_experts", "info")}
+    cols: dict[str, list] = {
+        k: []
+        for k in (
+            "minibatch",
+            "row",
+            "prompt_id",
+            "sample_index",
+            "traj_index",
+            "group_index",
+            "turn",
+            "is_last",
+            "is_padding",
+            "reward",
+            "turn_reward",
+            "outcome_reward",
+            "stop_reason",
+            "env_error",
+            "prompt_ids",
+            "response_ids",
+            *RESPONSE_FIELDS,
+            "trainer_logprobs",
+            "routed_experts",
+            "info",
+        )
+    }
     experts_shape = None
     for m, cap in enumerate(minibatches):
         b = cap.batch
@@ -121,18 +158,43 @@ def write_dump(path: str | Path, minibatches: Sequence[Captured], *, iteration: 
             cols["trainer_logprobs"].append(None if lp is None else lp[resp].tolist())
             cols["routed_experts"].append(None if routed is None else routed[row].reshape(-1).tolist())
             cols["info"].append(json.dumps(_jsonable(meta)))
-    types = {"minibatch": pa.int32(), "row": pa.int32(), "sample_index": pa.int64(), "traj_index": pa.int64(),
-             "group_index": pa.int64(), "turn": pa.int32(), "reward": pa.float64(), "turn_reward": pa.float64(), "outcome_reward": pa.float64(),
-             "prompt_ids": pa.list_(pa.int64()), "response_ids": pa.list_(pa.int64()),
-             "loss_mask": pa.list_(pa.int8()), "rollout_logprobs": pa.list_(pa.float32()),
-             "rollout_logprobs_known": pa.list_(pa.bool_()), "advantages": pa.list_(pa.float32()),
-             "weight_versions": pa.list_(pa.int64()), "trainer_logprobs": pa.list_(pa.float32()),
-             "routed_experts": pa.list_(pa.int16()), "env_error": pa.string(), "stop_reason": pa.string(),
-             "prompt_id": pa.string(), "info": pa.string(), "is_last": pa.bool_(), "is_padding": pa.bool_()}
+    types = {
+        "minibatch": pa.int32(),
+        "row": pa.int32(),
+        "sample_index": pa.int64(),
+        "traj_index": pa.int64(),
+        "group_index": pa.int64(),
+        "turn": pa.int32(),
+        "reward": pa.float64(),
+        "turn_reward": pa.float64(),
+        "outcome_reward": pa.float64(),
+        "prompt_ids": pa.list_(pa.int64()),
+        "response_ids": pa.list_(pa.int64()),
+        "loss_mask": pa.list_(pa.int8()),
+        "rollout_logprobs": pa.list_(pa.float32()),
+        "rollout_logprobs_known": pa.list_(pa.bool_()),
+        "advantages": pa.list_(pa.float32()),
+        "weight_versions": pa.list_(pa.int64()),
+        "trainer_logprobs": pa.list_(pa.float32()),
+        "routed_experts": pa.list_(pa.int16()),
+        "env_error": pa.string(),
+        "stop_reason": pa.string(),
+        "prompt_id": pa.string(),
+        "info": pa.string(),
+        "is_last": pa.bool_(),
+        "is_padding": pa.bool_(),
+    }
     table = pa.table({k: pa.array(v, type=types[k]) for k, v in cols.items()})
-    meta = {"version": FORMAT_VERSION, "iteration": iteration, "weight_version": weight_version, "epochs": epochs,
-            "minibatches": len(minibatches), "routed_experts_shape": experts_shape,
-            "train_metrics": list(train_metrics), "config": _jsonable(config)}
+    meta = {
+        "version": FORMAT_VERSION,
+        "iteration": iteration,
+        "weight_version": weight_version,
+        "epochs": epochs,
+        "minibatches": len(minibatches),
+        "routed_experts_shape": experts_shape,
+        "train_metrics": list(train_metrics),
+        "config": _jsonable(config),
+    }
     table = table.replace_schema_metadata({META_KEY: json.dumps(meta).encode()})
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -144,9 +206,13 @@ def write_dump(path: str | Path, minibatches: Sequence[Captured], *, iteration: 
 
 def _outcome_rewards(b: StepBatch) -> list[float]:
     """Each row's trajectory outcome: the reward of the trajectory's last step in this batch."""
-    last = {int(t): float(r) for t, r, is_last in zip(b.row_fields["traj_index"].tolist(),
-                                                      b.row_fields["reward"].tolist(),
-                                                      b.row_fields["is_last"].tolist()) if is_last}
+    last = {
+        int(t): float(r)
+        for t, r, is_last in zip(
+            b.row_fields["traj_index"].tolist(), b.row_fields["reward"].tolist(), b.row_fields["is_last"].tolist()
+        )
+        if is_last
+    }
     return [last.get(int(t), float("nan")) for t in b.row_fields["traj_index"].tolist()]
 
 
@@ -175,8 +241,10 @@ def read_dump(run_dir: str | Path, iteration: Optional[int] = None) -> Dump:
         iteration = available[-1]
     path = dump_path(run_dir, iteration)
     if not path.is_file():
-        raise DumpError(f"no dump of iteration {iteration} in {path.parent}: dumped iterations are "
-                        f"{available or 'none'} (trainer.dump_rollouts=N dumps every N-th)")
+        raise DumpError(
+            f"no dump of iteration {iteration} in {path.parent}: dumped iterations are "
+            f"{available or 'none'} (trainer.dump_rollouts=N dumps every N-th)"
+        )
     table = pq.read_table(path)
     raw = (table.schema.metadata or {}).get(META_KEY)
     if raw is None:
@@ -205,7 +273,7 @@ def _rebuild(cols: dict[str, list], rows: list[int], experts_shape) -> tuple[Ste
         out = torch.zeros(int(offsets[-1]), dtype=dtype)
         for k, i in enumerate(rows):
             start = int(offsets[k] + prompt_lens[k])
-            out[start:int(offsets[k + 1])] = torch.tensor(cols[name][i], dtype=dtype)
+            out[start : int(offsets[k + 1])] = torch.tensor(cols[name][i], dtype=dtype)
         return out
 
     token_fields = {name: t for name, dtype in RESPONSE_FIELDS.items() if (t := spread(name, dtype)) is not None}
@@ -220,18 +288,25 @@ def _rebuild(cols: dict[str, list], rows: list[int], experts_shape) -> tuple[Ste
         "turn_reward": torch.tensor([cols["turn_reward"][i] for i in rows], dtype=torch.float64),
         "is_padding": torch.tensor([cols["is_padding"][i] for i in rows], dtype=torch.bool),
     }
-    batch = StepBatch(tokens=tokens, offsets=offsets, prompt_lens=prompt_lens, token_fields=token_fields,
-                      row_fields=row_fields,
-                      trajectory_ids=[TrajectoryID(cols["prompt_id"][i], int(cols["sample_index"][i])) for i in rows],
-                      stop_reasons=[cols["stop_reason"][i] for i in rows])
+    batch = StepBatch(
+        tokens=tokens,
+        offsets=offsets,
+        prompt_lens=prompt_lens,
+        token_fields=token_fields,
+        row_fields=row_fields,
+        trajectory_ids=[TrajectoryID(cols["prompt_id"][i], int(cols["sample_index"][i])) for i in rows],
+        stop_reasons=[cols["stop_reason"][i] for i in rows],
+    )
     return batch, spread("trainer_logprobs", torch.float32)
 
 
-def assemble_logprobs(minibatch: StepBatch, pieces: Sequence[tuple[list[int], torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+def assemble_logprobs(
+    minibatch: StepBatch, pieces: Sequence[tuple[list[int], torch.Tensor, torch.Tensor]]
+) -> torch.Tensor:
     """Each DP shard's flat log-probs (its rows in the mini-batch, its own row offsets, its flat
     [T]) -> the mini-batch's flat [T]."""
     out = torch.zeros(minibatch.tokens.numel(), dtype=torch.float32)
     for rows, offsets, flat in pieces:
         for k, r in enumerate(rows):
-            out[minibatch.row_slice(r)] = flat[int(offsets[k]):int(offsets[k + 1])]
+            out[minibatch.row_slice(r)] = flat[int(offsets[k]) : int(offsets[k + 1])]
     return out

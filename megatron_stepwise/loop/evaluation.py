@@ -61,8 +61,11 @@ def eval_metrics(steps: Sequence[Step], tokenizer, success_threshold: float) -> 
         if math.comb(n, k) > MAJ_MAX_SUBSETS:
             continue
         out[f"reward/maj@{k}"] = sum(
-            majority_at_k([answer_of(s, tokenizer) for s in g], [s.reward >= success_threshold for s in g], k,
-                          MAJ_MAX_SUBSETS) for g in groups) / len(groups)
+            majority_at_k(
+                [answer_of(s, tokenizer) for s in g], [s.reward >= success_threshold for s in g], k, MAJ_MAX_SUBSETS
+            )
+            for g in groups
+        ) / len(groups)
     out["prompts"] = float(len(groups))
     return out
 
@@ -75,8 +78,9 @@ def eval_agent_loop(cfg: ExperimentConfig, generator, tokenizer):
     sampling = r.sampling.params(r.max_new_tokens)
     if e.temperature is not None:
         sampling.temperature = e.temperature
-    loop_cfg = AgentLoopConfig.from_section(r, n_samples_per_prompt=e.samples_per_prompt or cfg.data.samples_per_prompt,
-                                            sampling=sampling)
+    loop_cfg = AgentLoopConfig.from_section(
+        r, n_samples_per_prompt=e.samples_per_prompt or cfg.data.samples_per_prompt, sampling=sampling
+    )
     spec = components.env_spec(cfg)
     options = dict(cfg.env.options)
     return AgentLoop(generator, tokenizer, lambda: spec.factory(**options), loop_cfg)
@@ -99,8 +103,12 @@ class Evaluator:
             # Its own request ids: async training may have groups of the same prompts in flight.
             steps = await self.agent.rollout(s.samples, seed=seed, request_tag=s.prefix)
             self.outcomes[s.name] = {pid: [st.reward for st in g] for pid, g in group_outcomes(steps).items()}
-            out.update({s.prefix + k: v for k, v in eval_metrics(steps, self.tokenizer,
-                                                                 self.cfg.eval_.success_threshold).items()})
+            out.update(
+                {
+                    s.prefix + k: v
+                    for k, v in eval_metrics(steps, self.tokenizer, self.cfg.eval_.success_threshold).items()
+                }
+            )
         out["time/eval"] = time.perf_counter() - start
         return out
 
@@ -114,9 +122,11 @@ def standalone_engine(cfg: ExperimentConfig, tokenizer, hf_config: dict, weights
     from megatron_stepwise.rollout.embedded.engine import LocalEngine
 
     if cfg.rollout.engine != "embedded":
-        raise ValueError("rollout.engine=sglang: evaluating without training runs the embedded engine in this "
-                         "process; pass rollout.engine=embedded (a small model, on CPU) or evaluate during "
-                         "training (trainer.eval_every)")
+        raise ValueError(
+            "rollout.engine=sglang: evaluating without training runs the embedded engine in this "
+            "process; pass rollout.engine=embedded (a small model, on CPU) or evaluate during "
+            "training (trainer.eval_every)"
+        )
     if weights is None and cfg.model.hf_checkpoint:
         from megatron_stepwise.hf.hub import CHECKPOINT_FILES, resolve_model_dir
 

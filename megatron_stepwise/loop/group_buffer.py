@@ -50,8 +50,13 @@ class BufferCounters:
 class GroupBuffer:
     """See the module docstring. All methods are called from one thread (rank 0's event loop)."""
 
-    def __init__(self, prompts_per_minibatch: int, staleness: "AsyncConfig",
-                 keep_group: Optional[Callable[[Any], bool]] = None, base_version: int = 0):
+    def __init__(
+        self,
+        prompts_per_minibatch: int,
+        staleness: "AsyncConfig",
+        keep_group: Optional[Callable[[Any], bool]] = None,
+        base_version: int = 0,
+    ):
         # Both come from config sections that checked their bounds (data.prompts_per_minibatch, async).
         self.prompts_per_minibatch = prompts_per_minibatch
         self.max_staleness = staleness.max_staleness
@@ -186,7 +191,6 @@ class GroupBuffer:
 
     def requeue_samples(self, samples: list[dict[str, Any]]) -> None:
         self._requeued.extend((dict(s), 0) for s in samples)
-
 
 
 def trained_token_staleness(steps: list, version: int):

@@ -46,8 +46,13 @@ class Handoff:
         dist.broadcast_object_list(payload, src=0, group=self.group)
         return self._open(payload[0], error, what, iteration)
 
-    def to_ranks(self, produce: Callable[[], list[Any]], what: str, iteration: int,
-                 resolve: Optional[Callable[[Any], Any]] = None) -> Any:
+    def to_ranks(
+        self,
+        produce: Callable[[], list[Any]],
+        what: str,
+        iteration: int,
+        resolve: Optional[Callable[[Any], Any]] = None,
+    ) -> Any:
         """Run `produce` on rank 0; it returns one payload per data-parallel rank, and every rank
         returns its own DP rank's. Rank 0 pickles each payload once and sends it to one rank of
         that DP rank's model replica, which broadcasts it to the others. `resolve`, when given,
@@ -63,16 +68,22 @@ class Handoff:
             if kind == "ok" and len(result) != len(leaders):
                 kind, result = "error", f"{what} produced {len(result)} payloads for {len(leaders)} DP ranks"
             per_dp = result if kind == "ok" else [result] * len(leaders)
-            blobs = {d: bytearray(pickle.dumps((kind, per_dp[d], state), protocol=5))
-                     for d in range(len(leaders)) if leaders[d] != 0 or (groups[d] is not None and resolve is None)}
+            blobs = {
+                d: bytearray(pickle.dumps((kind, per_dp[d], state), protocol=5))
+                for d in range(len(leaders))
+                if leaders[d] != 0 or (groups[d] is not None and resolve is None)
+            }
             for d, b in blobs.items():
                 sizes[d] = len(b)
             mine = (kind, per_dp[dp], state)
         if dist.get_world_size() > 1:
             dist.broadcast(sizes, src=0, group=self.group)
         if self.is_driver:
-            sends = [dist.isend(torch.frombuffer(blobs[d], dtype=torch.uint8), dst=leaders[d], group=self.group)
-                     for d in range(len(leaders)) if leaders[d] != 0]
+            sends = [
+                dist.isend(torch.frombuffer(blobs[d], dtype=torch.uint8), dst=leaders[d], group=self.group)
+                for d in range(len(leaders))
+                if leaders[d] != 0
+            ]
             for work in sends:
                 work.wait()
             self.bytes_sent += sum(len(blobs[d]) for d in range(len(leaders)) if leaders[d] != 0)
@@ -138,8 +149,7 @@ class Handoff:
             dist.all_gather_object(dp_of, self.dp_rank, group=self.group)
             members = [[r for r, d in enumerate(dp_of) if d == k] for k in range(max(dp_of) + 1)]
             # every rank creates every group, in the same order (torch.distributed requires it)
-            groups = [dist.new_group(m, backend="gloo", timeout=self.timeout) if len(m) > 1 else None
-                      for m in members]
+            groups = [dist.new_group(m, backend="gloo", timeout=self.timeout) if len(m) > 1 else None for m in members]
             self._replica_info = (dp_of, [m[0] for m in members], groups)
         return self._replica_info
 

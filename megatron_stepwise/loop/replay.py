@@ -51,8 +51,10 @@ def replay(cfg, dump: Dump) -> dict[str, Any]:
     if start.is_dir():
         load_checkpoint(chunks, optimizer, scheduler, path=start)
     elif k != 0:  # iteration 0 starts from the seeded initialisation the trainer built
-        raise CheckpointError(f"replay of iteration {k} needs the checkpoint saved before it, {start}, which does not "
-                              f"exist (train with checkpoint.every dividing {k} and a checkpoint.keep_last that keeps it)")
+        raise CheckpointError(
+            f"replay of iteration {k} needs the checkpoint saved before it, {start}, which does not "
+            f"exist (train with checkpoint.every dividing {k} and a checkpoint.keep_last that keeps it)"
+        )
     dp_rank, _ = components.data_parallel()
     shards = [plugin.plan_shards(chunks, batch, only=dp_rank)[0] for batch in dump.minibatches]
     # The rounds the trainer made: one per iteration synchronously, one per mini-batch async.
@@ -72,11 +74,15 @@ def replay(cfg, dump: Dump) -> dict[str, Any]:
         "iteration": k,
         "layout": _layout_name(cfg),
         "recorded_layout": _layout_name_of(dump.meta.get("config") or {}),
-        "steps": [{**{f"{key}": m.get(key) for key in COMPARED},
-                   **{f"recorded_{key}": r.get(key) for key in COMPARED}} for m, r in zip(steps, recorded + [{}] * len(steps))],
+        "steps": [
+            {**{f"{key}": m.get(key) for key in COMPARED}, **{f"recorded_{key}": r.get(key) for key in COMPARED}}
+            for m, r in zip(steps, recorded + [{}] * len(steps))
+        ],
     }
-    report["max_abs_diff"] = {key: _max_diff([s[key] for s in report["steps"]],
-                                             [s[f"recorded_{key}"] for s in report["steps"]]) for key in COMPARED}
+    report["max_abs_diff"] = {
+        key: _max_diff([s[key] for s in report["steps"]], [s[f"recorded_{key}"] for s in report["steps"]])
+        for key in COMPARED
+    }
     after = checkpoint_path(cfg, k + 1)
     report["params_checkpoint"] = str(after) if after.is_dir() else None
     report["params_max_abs_diff"] = _param_diff(cfg, hf_config, chunks, after) if after.is_dir() else None
@@ -105,8 +111,8 @@ def _max_diff(got: list, want: list) -> Optional[float]:
 
 def _param_diff(cfg, hf_config: dict, chunks: list, path: Path) -> float:
     """Largest |replayed - saved| parameter over every rank, the saved ones loaded at this layout."""
-    from megatron_stepwise.mcore.weights.dist_checkpoint import load_checkpoint
     from megatron_stepwise.mcore.train.model import unwrap
+    from megatron_stepwise.mcore.weights.dist_checkpoint import load_checkpoint
 
     saved = components.build_policy(cfg, hf_config)
     load_checkpoint(saved, path=path, load_optimizer=False, load_rng=False)

@@ -26,7 +26,7 @@ from megatron_stepwise.algo.groups import RolloutGroup, flat_steps
 from megatron_stepwise.algo.validate import validate_steps
 from megatron_stepwise.loop.dumps import DumpRecorder
 from megatron_stepwise.loop.training_batch import PrepareOptions, prepare
-from megatron_stepwise.loop.worker_rows import HeldGroup, HoldRequest, RowFetcher, split_held_round
+from megatron_stepwise.loop.worker_rows import HoldRequest, RowFetcher, split_held_round
 from megatron_stepwise.metrics.core import rollout_metrics
 from megatron_stepwise.steps import Step, StepBatch
 
@@ -70,9 +70,15 @@ class Round:
     skipped: int = 0
 
 
-def split_round(minibatches: list[list[Step]], metrics: dict[str, Any], *, options: PrepareOptions,
-                shard: Callable[[StepBatch], list[Any]], dp_size: int,
-                recorder: Optional[DumpRecorder] = None) -> list[Round]:
+def split_round(
+    minibatches: list[list[Step]],
+    metrics: dict[str, Any],
+    *,
+    options: PrepareOptions,
+    shard: Callable[[StepBatch], list[Any]],
+    dp_size: int,
+    recorder: Optional[DumpRecorder] = None,
+) -> list[Round]:
     """Rank 0: prepare each mini-batch and cut it into one shard per DP rank; one `Round` per DP
     rank. A `recorder` of a dumped iteration keeps each prepared mini-batch."""
     t = time.perf_counter()
@@ -106,14 +112,25 @@ class SyncRollouts:
 
     rounds_per_iteration = 1
 
-    def __init__(self, cfg, *, dataset, handoff, vocab_size: int, shard: Callable[[StepBatch], list[Any]],
-                 dp_size: int, progress: Optional[Callable] = None, recorder: Optional[DumpRecorder] = None,
-                 decide: Optional[Callable] = None):
+    def __init__(
+        self,
+        cfg,
+        *,
+        dataset,
+        handoff,
+        vocab_size: int,
+        shard: Callable[[StepBatch], list[Any]],
+        dp_size: int,
+        progress: Optional[Callable] = None,
+        recorder: Optional[DumpRecorder] = None,
+        decide: Optional[Callable] = None,
+    ):
         self.cfg = cfg
         self.dataset, self.handoff, self.vocab_size = dataset, handoff, vocab_size
         self.options = PrepareOptions.from_config(cfg)
-        self.split = functools.partial(split_round, options=self.options, shard=shard,
-                                       dp_size=dp_size, recorder=recorder)
+        self.split = functools.partial(
+            split_round, options=self.options, shard=shard, dp_size=dp_size, recorder=recorder
+        )
         self.dp_size, self.recorder = dp_size, recorder
         # Rows left in the agent workers: rank 0 decides from their tables (`decide`, the plugin's
         # decide_shards) and each replica fetches its own (`fetcher`).
@@ -144,7 +161,7 @@ class SyncRollouts:
         groups, filtered = self._filter_groups(groups, iteration)
         metrics.update(filtered)
         k = self.cfg.data.prompts_per_minibatch
-        minibatches = [groups[i:i + k] for i in range(0, len(groups), k)]
+        minibatches = [groups[i : i + k] for i in range(0, len(groups), k)]
         if hold is None:
             if self.fetcher is not None:
                 metrics["agents/rows_held"] = 0.0
@@ -152,8 +169,9 @@ class SyncRollouts:
         import ray
 
         t = time.perf_counter()
-        shards, counts, skipped = split_held_round(minibatches, decide=self.decide, key=hold.key,
-                                                   ray_address=ray.get_runtime_context().gcs_address)
+        shards, counts, skipped = split_held_round(
+            minibatches, decide=self.decide, key=hold.key, ray_address=ray.get_runtime_context().gcs_address
+        )
         metrics = {**metrics, "time/prepare": time.perf_counter() - t, "agents/rows_held": 1.0}
         return [Round([s[dp] for s in shards], metrics, counts, skipped) for dp in range(self.dp_size)]
 
@@ -170,15 +188,22 @@ class SyncRollouts:
         t = time.perf_counter()
         samples = self.dataset.next(cfg.data.prompts_per_iteration)
         held = {"hold": hold} if hold is not None else {}
-        progress = self.progress(len(samples) * cfg.data.samples_per_prompt) if self.progress else contextlib.nullcontext()
+        progress = (
+            self.progress(len(samples) * cfg.data.samples_per_prompt) if self.progress else contextlib.nullcontext()
+        )
         with progress as done:
-            groups = driver.run(driver.agent.rollout_groups(samples, seed=rollout_seed(cfg.trainer.seed, iteration, 0),
-                                                            on_trajectory_done=done, **held))
+            groups = driver.run(
+                driver.agent.rollout_groups(
+                    samples, seed=rollout_seed(cfg.trainer.seed, iteration, 0), on_trajectory_done=done, **held
+                )
+            )
         rounds = 1
         if cfg.algo.filters.dynamic_sampling:
             # Keep rolling out fresh prompts until enough groups carry a learning signal.
-            while (sum(g.has_reward_variance for g in groups) < cfg.data.prompts_per_iteration
-                   and rounds < cfg.algo.filters.max_sampling_rounds):
+            while (
+                sum(g.has_reward_variance for g in groups) < cfg.data.prompts_per_iteration
+                and rounds < cfg.algo.filters.max_sampling_rounds
+            ):
                 seen = {g.prompt_id for g in groups}
                 more = [m for m in self.dataset.next(cfg.data.prompts_per_iteration) if m["prompt_id"] not in seen]
                 if more:

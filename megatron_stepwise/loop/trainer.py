@@ -35,11 +35,17 @@ from megatron_stepwise.loop.divergence import check_finite
 from megatron_stepwise.loop.dumps import DumpRecorder, assemble_logprobs, dump_path, write_dump
 from megatron_stepwise.loop.evaluation import Evaluator
 from megatron_stepwise.loop.handoff import Handoff
-from megatron_stepwise.loop.training_batch import add_counts
 from megatron_stepwise.loop.sources import Driver, SyncRollouts, rollout_seed
+from megatron_stepwise.loop.training_batch import add_counts
 from megatron_stepwise.metrics.collapse import EntropyWatch
-from megatron_stepwise.metrics.core import (MetricsLogger, iteration_line, mean_metrics, read_metrics, summarize_run,
-                                       write_eval)
+from megatron_stepwise.metrics.core import (
+    MetricsLogger,
+    iteration_line,
+    mean_metrics,
+    read_metrics,
+    summarize_run,
+    write_eval,
+)
 from megatron_stepwise.time_budget import ActivityClock, TimeBudget, budget_line
 
 log = logging.getLogger(__name__)
@@ -69,7 +75,9 @@ class Trainer:
         self.tokenizer = components.load_tokenizer(cfg)
         self.hf_config = components.model_config(cfg, self.tokenizer)
         self.chunks = components.build_policy(cfg, self.hf_config)
-        self.ref_chunks = components.build_reference(cfg, self.hf_config, self.chunks) if cfg.algo.loss.kl_coef > 0 else None
+        self.ref_chunks = (
+            components.build_reference(cfg, self.hf_config, self.chunks) if cfg.algo.loss.kl_coef > 0 else None
+        )
         self.optimizer = components.build_optimizer(cfg, self.chunks)
         self.scheduler = components.build_scheduler(cfg, self.optimizer)
         self.plugin = components.build_plugin(cfg, self.tokenizer)
@@ -78,20 +86,38 @@ class Trainer:
         # Rollouts and small decisions travel between ranks as objects on a CPU group, whatever
         # the training backend is, and with the configured timeout (a frozen rank 0 fails the job then).
         dp_rank, dp_size = components.data_parallel()
-        self.handoff = handoff = Handoff(self.dataset, components.cpu_group(cfg), dp_rank=dp_rank,
-                                         timeout=timedelta(minutes=cfg.parallel.timeout_minutes))
+        self.handoff = handoff = Handoff(
+            self.dataset,
+            components.cpu_group(cfg),
+            dp_rank=dp_rank,
+            timeout=timedelta(minutes=cfg.parallel.timeout_minutes),
+        )
         # rank 0 decides every DP rank's shard of each mini-batch (the layout is the same everywhere)
         self.recorder = DumpRecorder(cfg.trainer.dump_rollouts or 0)
-        sources = dict(dataset=self.dataset, handoff=handoff, vocab_size=self.hf_config["vocab_size"],
-                       shard=functools.partial(self.plugin.plan_shards, self.chunks), dp_size=dp_size,
-                       recorder=self.recorder)
+        sources = dict(
+            dataset=self.dataset,
+            handoff=handoff,
+            vocab_size=self.hf_config["vocab_size"],
+            shard=functools.partial(self.plugin.plan_shards, self.chunks),
+            dp_size=dp_size,
+            recorder=self.recorder,
+        )
         if cfg.async_.enabled:
             self.source = AsyncRollouts(cfg, version=lambda: self.state.weight_version, **sources)
         else:
-            self.source = SyncRollouts(cfg, progress=self._rollout_progress if cfg.logging.progress and sys.stderr.isatty() else None,
-                                       decide=functools.partial(self.plugin.decide_shards, self.chunks), **sources)
-        self.checkpoints = Checkpointer(cfg, chunks=self.chunks, optimizer=self.optimizer, scheduler=self.scheduler,
-                                        parts={"trainer": self.state, "dataset": self.dataset, "rollouts": self.source})
+            self.source = SyncRollouts(
+                cfg,
+                progress=self._rollout_progress if cfg.logging.progress and sys.stderr.isatty() else None,
+                decide=functools.partial(self.plugin.decide_shards, self.chunks),
+                **sources,
+            )
+        self.checkpoints = Checkpointer(
+            cfg,
+            chunks=self.chunks,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            parts={"trainer": self.state, "dataset": self.dataset, "rollouts": self.source},
+        )
         self.checkpoints.resume()
 
         self.driver: Optional[Driver] = None
@@ -107,12 +133,16 @@ class Trainer:
             self.driver = Driver(loop, fleet, self._agents(fleet, loop))
             self.evaluator = Evaluator(cfg, fleet, self.tokenizer, self.dataset) if cfg.trainer.eval_every else None
             self.logger = MetricsLogger(
-                cfg.run_dir, tensorboard=cfg.logging.tensorboard, wandb_project=cfg.logging.wandb.project,
-                wandb_name=cfg.logging.wandb.name or cfg.name, config=cfg.to_dict(),
+                cfg.run_dir,
+                tensorboard=cfg.logging.tensorboard,
+                wandb_project=cfg.logging.wandb.project,
+                wandb_name=cfg.logging.wandb.name or cfg.name,
+                config=cfg.to_dict(),
                 resume_iteration=self.state.iteration,
             )
-        self.weight_sync = components.build_weight_sync(cfg, self.driver and self.driver.fleet, self.hf_config,
-                                                        self.driver and self.driver.loop)
+        self.weight_sync = components.build_weight_sync(
+            cfg, self.driver and self.driver.fleet, self.hf_config, self.driver and self.driver.loop
+        )
         if cfg.rollout.colocate and cfg.async_.enabled:  # validation says so too, naming the keys
             raise ValueError("rollout.colocate=true needs async.enabled=false: released engines cannot roll out")
         self.colocation = Colocation(cfg.rollout.colocate, self.driver, handoff)
@@ -137,9 +167,12 @@ class Trainer:
         cfg = self.cfg
         history = []
         if self.state.iteration >= cfg.trainer.iterations and self.is_driver:
-            log.info("nothing to do: the checkpoint in %s is at iteration %d = trainer.iterations "
-                     "(raise trainer.iterations to continue, or checkpoint.resume=never to start over)",
-                     cfg.checkpoint_dir, self.state.iteration)
+            log.info(
+                "nothing to do: the checkpoint in %s is at iteration %d = trainer.iterations "
+                "(raise trainer.iterations to continue, or checkpoint.resume=never to start over)",
+                cfg.checkpoint_dir,
+                self.state.iteration,
+            )
         progress = self._progress()
         try:
             while self.state.iteration < cfg.trainer.iterations:
@@ -255,13 +288,20 @@ class Trainer:
             return
         captured = self.recorder.minibatches
         for m, cap in enumerate(captured):
-            by_dp = {p[0]: p[1:] for rank_pieces in gathered for p in rank_pieces[m:m + 1]}
+            by_dp = {p[0]: p[1:] for rank_pieces in gathered for p in rank_pieces[m : m + 1]}
             cap.trainer_logprobs = assemble_logprobs(cap.batch, list(by_dp.values()))
         iteration = self.state.iteration - 1
         path = dump_path(self.cfg.run_dir, iteration)
         try:
-            write_dump(path, captured, iteration=iteration, weight_version=weight_version,
-                       config=self.cfg.to_dict(), train_metrics=train_metrics, epochs=self.cfg.data.epochs)
+            write_dump(
+                path,
+                captured,
+                iteration=iteration,
+                weight_version=weight_version,
+                config=self.cfg.to_dict(),
+                train_metrics=train_metrics,
+                epochs=self.cfg.data.epochs,
+            )
         except OSError as e:  # a dump is for looking at: training goes on without it
             log.warning("iteration %d: could not write the rollout dump %s: %s", iteration, path, e)
 

@@ -28,12 +28,17 @@ class PrepareOptions:
 
     @classmethod
     def from_config(cls, cfg) -> "PrepareOptions":
-        return cls(cfg.algo.estimator, dict(cfg.algo.estimator_options), cfg.data.merge_steps,
-                   cfg.data.max_tokens_per_microbatch)
+        return cls(
+            cfg.algo.estimator,
+            dict(cfg.algo.estimator_options),
+            cfg.data.merge_steps,
+            cfg.data.max_tokens_per_microbatch,
+        )
 
 
-def prepare(steps: Sequence[Step], options: PrepareOptions = PrepareOptions(), *,
-            keep_metadata: bool = False) -> tuple[Optional[StepBatch], dict]:
+def prepare(
+    steps: Sequence[Step], options: PrepareOptions = PrepareOptions(), *, keep_metadata: bool = False
+) -> tuple[Optional[StepBatch], dict]:
     """Advantages, merge (optionally, carrying each turn's advantage), columnar batch with the
     `advantages` field.
 
@@ -49,8 +54,9 @@ def prepare(steps: Sequence[Step], options: PrepareOptions = PrepareOptions(), *
     return batch, metrics
 
 
-def prepare_rows(steps: Sequence[Step], options: PrepareOptions = PrepareOptions(), *,
-                 keep_metadata: bool = False) -> tuple[StepBatch, dict]:
+def prepare_rows(
+    steps: Sequence[Step], options: PrepareOptions = PrepareOptions(), *, keep_metadata: bool = False
+) -> tuple[StepBatch, dict]:
     """`prepare`, keeping a batch with no trained token: whole groups prepared one at a time
     (an agent worker prepares each group it made) concatenate to the mini-batch's batch."""
     steps = list(steps)

@@ -106,8 +106,9 @@ class RemoteShard:
         return len(self.order)
 
 
-def split_held_round(minibatches: list[list[HeldGroup]], *, decide: Callable[[RowTable], list[Any]],
-                     key: int, ray_address: str) -> tuple[list[list[RemoteShard]], list[dict], int]:
+def split_held_round(
+    minibatches: list[list[HeldGroup]], *, decide: Callable[[RowTable], list[Any]], key: int, ray_address: str
+) -> tuple[list[list[RemoteShard]], list[dict], int]:
     """Rank 0: every mini-batch's decision per DP rank, from the groups' row tables. Returns (per
     mini-batch, one RemoteShard per DP rank), `prepare`'s counts per mini-batch, and how many
     mini-batches had no trained token (no optimizer step)."""

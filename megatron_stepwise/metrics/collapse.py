@@ -34,7 +34,12 @@ class EntropyWatch:
         metrics["train/entropy_ratio"] = ratio
         if ratio < self.floor and not self.warned:
             self.warned = True
-            log.warning("iteration %d: policy entropy fell to %.3f nats, %.0f%% of the first iteration's %.3f: "
-                        "the policy may be collapsing (a learning rate too large for this model?); a rising "
-                        "reward alone does not show it learns (compare eval/*)", iteration, entropy,
-                        100 * ratio, self.initial)
+            log.warning(
+                "iteration %d: policy entropy fell to %.3f nats, %.0f%% of the first iteration's %.3f: "
+                "the policy may be collapsing (a learning rate too large for this model?); a rising "
+                "reward alone does not show it learns (compare eval/*)",
+                iteration,
+                entropy,
+                100 * ratio,
+                self.initial,
+            )

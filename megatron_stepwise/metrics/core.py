@@ -66,12 +66,16 @@ def pass_metrics(groups: Sequence[Sequence[float]], success_threshold: float, pr
     """Unbiased pass@k for the k of `pass_ks` of the smallest group (a trajectory succeeds when
     its reward >= `success_threshold`), averaged over groups."""
     n = min(len(g) for g in groups)
-    return {f"{prefix}pass@{k}": sum(pass_at_k(len(g), sum(r >= success_threshold for r in g), k) for g in groups)
-            / len(groups) for k in pass_ks(n)}
+    return {
+        f"{prefix}pass@{k}": sum(pass_at_k(len(g), sum(r >= success_threshold for r in g), k) for g in groups)
+        / len(groups)
+        for k in pass_ks(n)
+    }
 
 
-def rollout_metrics(rollout: Sequence[RolloutGroup] | Sequence[GroupSummary] | Sequence[Step], *,
-                    success_threshold: float = 1.0) -> dict[str, float]:
+def rollout_metrics(
+    rollout: Sequence[RolloutGroup] | Sequence[GroupSummary] | Sequence[Step], *, success_threshold: float = 1.0
+) -> dict[str, float]:
     """Trajectory-level reward, pass@k, turns, lengths and stop reasons of one rollout, given as
     its prompt groups (or their summaries) or as its flat steps (padding rows ignored)."""
     if rollout and isinstance(rollout[0], Step):
@@ -137,8 +141,16 @@ def mean_metrics(items: Sequence[dict[str, Any]], prefix: str = "") -> dict[str,
 class MetricsLogger:
     """One JSON line per iteration in `<run_dir>/metrics.jsonl`; optional TensorBoard and W&B."""
 
-    def __init__(self, run_dir: str, *, tensorboard: bool = False, wandb_project: Optional[str] = None,
-                 wandb_name: Optional[str] = None, config: Optional[dict] = None, resume_iteration: int = 0):
+    def __init__(
+        self,
+        run_dir: str,
+        *,
+        tensorboard: bool = False,
+        wandb_project: Optional[str] = None,
+        wandb_name: Optional[str] = None,
+        config: Optional[dict] = None,
+        resume_iteration: int = 0,
+    ):
         os.makedirs(run_dir, exist_ok=True)
         self.path = os.path.join(run_dir, "metrics.jsonl")
         _truncate_after(self.path, resume_iteration)
@@ -149,17 +161,20 @@ class MetricsLogger:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as e:
-                raise RuntimeError("logging.tensorboard=true needs the tensorboard package (pip install tensorboard)") from e
+                raise RuntimeError(
+                    "logging.tensorboard=true needs the tensorboard package (pip install tensorboard)"
+                ) from e
             self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
         if wandb_project:
             try:
                 import wandb
             except ImportError as e:
-                raise RuntimeError("logging.wandb.project is set but the wandb package is missing (pip install wandb)") from e
+                raise RuntimeError(
+                    "logging.wandb.project is set but the wandb package is missing (pip install wandb)"
+                ) from e
             # The run's files go under the run directory (<run_dir>/wandb/...), next to metrics.jsonl;
             # WANDB_MODE=offline keeps them there for `wandb sync`.
-            self._wandb = wandb.init(project=wandb_project, name=wandb_name, config=config, resume="allow",
-                                     dir=run_dir)
+            self._wandb = wandb.init(project=wandb_project, name=wandb_name, config=config, resume="allow", dir=run_dir)
 
     def log(self, iteration: int, metrics: dict[str, Any]) -> None:
         values = {k: _number(v) for k, v in metrics.items()}
@@ -226,25 +241,32 @@ def summarize_run(records: Sequence[dict[str, Any]], run_dir: str, *, window: in
         return sum(values) / len(values) if values else float("nan")
 
     k = max(1, min(window, len(records) // 2))
-    lines = [f"done: {len(records)} iterations; reward/mean {mean_over(records[:k], 'reward/mean'):.3f} -> "
-             f"{mean_over(records[-k:], 'reward/mean'):.3f} (mean of the first / last {k})"]
+    lines = [
+        f"done: {len(records)} iterations; reward/mean {mean_over(records[:k], 'reward/mean'):.3f} -> "
+        f"{mean_over(records[-k:], 'reward/mean'):.3f} (mean of the first / last {k})"
+    ]
     if evals:
         first, last = evals[0], evals[-1]
-        lines.append(f"eval/reward/mean {first['eval/reward/mean']:.3f} (iteration {first['iteration']}) -> "
-                     f"{last['eval/reward/mean']:.3f} (iteration {last['iteration']})")
+        lines.append(
+            f"eval/reward/mean {first['eval/reward/mean']:.3f} (iteration {first['iteration']}) -> "
+            f"{last['eval/reward/mean']:.3f} (iteration {last['iteration']})"
+        )
     lines.append(f"metrics: {os.path.join(run_dir, 'metrics.jsonl')} (curves: megatron-stepwise plot {run_dir})")
     return "\n".join(lines)
 
 
 def iteration_line(done: int, total: int, metrics: dict[str, Any]) -> str:
     """The one line a run prints per iteration when it shows no progress bar."""
+
     def num(key: str, fmt: str = ".3f") -> str:
         v = metrics.get(key)
         return format(v, fmt) if isinstance(v, (int, float)) else "-"
 
-    line = (f"iteration {done}/{total}: reward {num('reward/mean')} pass@1 {num('reward/pass@1')} "
-            f"response_len {num('rollout/response_len_mean', '.1f')} loss {num('train/pg_loss', '.4f')} "
-            f"{num('time/iteration', '.1f')} s")
+    line = (
+        f"iteration {done}/{total}: reward {num('reward/mean')} pass@1 {num('reward/pass@1')} "
+        f"response_len {num('rollout/response_len_mean', '.1f')} loss {num('train/pg_loss', '.4f')} "
+        f"{num('time/iteration', '.1f')} s"
+    )
     if isinstance(metrics.get("eval/reward/mean"), (int, float)):
         line += f" | eval reward {num('eval/reward/mean')}"
     return line

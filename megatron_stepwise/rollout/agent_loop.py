@@ -31,6 +31,7 @@ import torch
 from megatron_stepwise.algo.groups import RolloutGroup, flat_steps
 from megatron_stepwise.envs.base import Environment, make_env
 from megatron_stepwise.envs.tool_calls import check_tools
+from megatron_stepwise.options import check_options, option, option_problems
 from megatron_stepwise.rollout.context import (
     CONTEXT_MODES,
     extend_context,
@@ -38,12 +39,11 @@ from megatron_stepwise.rollout.context import (
     retokenize_drifted,
     turn_delta,
 )
-from megatron_stepwise.options import check_options, option, option_problems
 from megatron_stepwise.rollout.engine import GenerateResult, SamplingParams, engine_loss
 from megatron_stepwise.rollout.env_calls import EnvCaller, EnvError
 from megatron_stepwise.rollout.routing import pad_to_tokens
-from megatron_stepwise.time_budget import GENERATION, NO_ACTIVITY
 from megatron_stepwise.steps import Step, TrajectoryID
+from megatron_stepwise.time_budget import GENERATION, NO_ACTIVITY
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +59,15 @@ class Generator(Protocol):
 # The keys AgentLoopConfig shares with the `rollout` config section (same names there):
 # declared here once; config/schema.py's RolloutConfig takes their declarations (`option_of`;
 # a name added here joins the section by itself) and `from_section` reads them back.
-ROLLOUT_KEYS = ("max_concurrency", "max_turns", "context", "max_input_length", "env_error_reward",
-                "drift_sample_rate", "env_concurrency")
+ROLLOUT_KEYS = (
+    "max_concurrency",
+    "max_turns",
+    "context",
+    "max_input_length",
+    "env_error_reward",
+    "drift_sample_rate",
+    "env_concurrency",
+)
 
 
 @dataclass
@@ -70,21 +77,31 @@ class AgentLoopConfig:
     max_concurrency: int = option(64, "trajectories in flight at once across the fleet", min=1)
     max_turns: int = option(4, "assistant turns per trajectory at most", min=1)
     context: str = option(
-        "retokenize", "how each turn's prompt is built: retokenize the chat or extend the tokens "
-                      "(docs/chat_conformance.md)", choices=CONTEXT_MODES)
+        "retokenize",
+        "how each turn's prompt is built: retokenize the chat or extend the tokens (docs/chat_conformance.md)",
+        choices=CONTEXT_MODES,
+    )
     max_input_length: int = option(2048, "longest prompt (the chat history, as sent) a turn may send", min=1)
     env_error_reward: float = option(0.0, "reward given to a trajectory ended by an environment error")
     drift_sample_rate: float = option(
-        0.125, "context=tokens: share of trajectories measuring rollout/retokenize_drift_rate (costs a render)",
-        min=0.0, max=1.0)
-    env_concurrency: int = option(32, "environment calls running at once per agent loop (worker threads of its "
-                                      "pool; a hung call's worker is replaced)", min=1)
+        0.125,
+        "context=tokens: share of trajectories measuring rollout/retokenize_drift_rate (costs a render)",
+        min=0.0,
+        max=1.0,
+    )
+    env_concurrency: int = option(
+        32,
+        "environment calls running at once per agent loop (worker threads of its "
+        "pool; a hung call's worker is replaced)",
+        min=1,
+    )
     # Python-only settings (an experiment sets them from other keys, or leaves the defaults).
     # data.samples_per_prompt's declaration (the schema takes it under that name)
     n_samples_per_prompt: int = option(4, "trajectories per prompt (the group size of the estimator)", min=1)
     sampling: SamplingParams = field(default_factory=SamplingParams)  # rollout.sampling + max_new_tokens
-    max_model_length: Optional[int] = option(None, "max_new_tokens is clamped so prompt + response fits this "
-                                                   "context; null = no clamp", min=1)
+    max_model_length: Optional[int] = option(
+        None, "max_new_tokens is clamped so prompt + response fits this context; null = no clamp", min=1
+    )
     append_eos: bool = option(True, "append the EOS (loss_mask 0) to a turn that did not end on one")
     env_timeout_s: float = option(30.0, "seconds one environment call may take", gt=0.0)
     context_limit_reward: float = option(0.0, "reward of a trajectory whose first prompt is already too long")
@@ -94,8 +111,10 @@ class AgentLoopConfig:
 
     def problems(self) -> list[tuple[str, str]]:
         """(key, why) per bad setting: `rollout.<key>` for the experiment's keys, the field otherwise."""
-        return [(f"rollout.{key}" if key in ROLLOUT_KEYS else f"AgentLoopConfig.{key}", why)
-                for key, why in option_problems(self)]
+        return [
+            (f"rollout.{key}" if key in ROLLOUT_KEYS else f"AgentLoopConfig.{key}", why)
+            for key, why in option_problems(self)
+        ]
 
     @classmethod
     def from_section(cls, rollout: Any, **settings: Any) -> "AgentLoopConfig":
@@ -106,8 +125,14 @@ class AgentLoopConfig:
 class AgentLoop:
     """Runs trajectories against a generator (an `Engine` or a fleet) and environments."""
 
-    def __init__(self, generator: Generator, tokenizer: Any, env_factory: Union[str, Callable[[], Environment]],
-                 config: AgentLoopConfig, eos_token_ids: Optional[Sequence[int]] = None):
+    def __init__(
+        self,
+        generator: Generator,
+        tokenizer: Any,
+        env_factory: Union[str, Callable[[], Environment]],
+        config: AgentLoopConfig,
+        eos_token_ids: Optional[Sequence[int]] = None,
+    ):
         self.generator = generator
         self.tokenizer = tokenizer
         self.env_factory = (lambda: make_env(env_factory)) if isinstance(env_factory, str) else env_factory
@@ -123,15 +148,23 @@ class AgentLoop:
 
     # ---- public ---------------------------------------------------------------------------
 
-    async def rollout(self, samples: Sequence[dict[str, Any]], seed: Optional[int] = None,
-                      on_trajectory_done: Optional[Callable[[list[Step]], None]] = None,
-                      request_tag: str = "") -> list[Step]:
+    async def rollout(
+        self,
+        samples: Sequence[dict[str, Any]],
+        seed: Optional[int] = None,
+        on_trajectory_done: Optional[Callable[[list[Step]], None]] = None,
+        request_tag: str = "",
+    ) -> list[Step]:
         """`rollout_groups` as one flat list of steps, group after group."""
         return flat_steps(await self.rollout_groups(samples, seed, on_trajectory_done, request_tag))
 
-    async def rollout_groups(self, samples: Sequence[dict[str, Any]], seed: Optional[int] = None,
-                             on_trajectory_done: Optional[Callable[[list[Step]], None]] = None,
-                             request_tag: str = "") -> list[RolloutGroup]:
+    async def rollout_groups(
+        self,
+        samples: Sequence[dict[str, Any]],
+        seed: Optional[int] = None,
+        on_trajectory_done: Optional[Callable[[list[Step]], None]] = None,
+        request_tag: str = "",
+    ) -> list[RolloutGroup]:
         """One `RolloutGroup` per sample: its `n_samples_per_prompt` trajectories, in sample order.
 
         With `seed`, every turn's request carries a `sampling_seed` derived from (seed,
@@ -164,12 +197,15 @@ class AgentLoop:
                 raise lost from None
             raise
         n = self.config.n_samples_per_prompt
-        groups = [RolloutGroup(pid, [t.result() for t in tasks[i * n:(i + 1) * n]]) for i, pid in enumerate(prompt_ids)]
+        groups = [
+            RolloutGroup(pid, [t.result() for t in tasks[i * n : (i + 1) * n]]) for i, pid in enumerate(prompt_ids)
+        ]
         _warn_if_env_errors_dominate(flat_steps(groups), self._env.stats())
         return groups
 
-    async def run_trajectory(self, sample: dict[str, Any], traj_id: TrajectoryID, seed: Optional[int] = None,
-                             request_tag: str = "") -> list[Step]:
+    async def run_trajectory(
+        self, sample: dict[str, Any], traj_id: TrajectoryID, seed: Optional[int] = None, request_tag: str = ""
+    ) -> list[Step]:
         cfg = self.config
         try:
             env = await self._env.call(self.env_factory, name="environment factory")
@@ -187,14 +223,24 @@ class AgentLoop:
         for turn in range(cfg.max_turns):
             if len(prompt) > cfg.max_input_length:
                 if not steps:
-                    return [self._placeholder(traj_id, prompt[: cfg.max_input_length], "context_limit",
-                                              cfg.context_limit_reward, None, prompt_len=len(prompt))]
+                    return [
+                        self._placeholder(
+                            traj_id,
+                            prompt[: cfg.max_input_length],
+                            "context_limit",
+                            cfg.context_limit_reward,
+                            None,
+                            prompt_len=len(prompt),
+                        )
+                    ]
                 steps[-1].stop_reason = "context_limit"
                 break
             with self.activity.active(GENERATION):
                 result = await self.generator.generate(
-                    prompt, self._sampling_for(len(prompt), _turn_seed(seed, traj_id, turn)),
-                    rid=f"{request_tag}{traj_id}/turn{turn}", session=f"{request_tag}{traj_id}"
+                    prompt,
+                    self._sampling_for(len(prompt), _turn_seed(seed, traj_id, turn)),
+                    rid=f"{request_tag}{traj_id}/turn{turn}",
+                    session=f"{request_tag}{traj_id}",
                 )
             step, response = self._make_step(traj_id, turn, prompt, result)
             steps.append(step)
@@ -202,8 +248,9 @@ class AgentLoop:
                 break
             text = self.tokenizer.decode(result.output_ids, skip_special_tokens=True)
             try:
-                observation, reward, done, info = await self._checked_call(env.step, text, check=_check_step_output,
-                                                                           name="env.step")
+                observation, reward, done, info = await self._checked_call(
+                    env.step, text, check=_check_step_output, name="env.step"
+                )
             except EnvError as e:
                 step.stop_reason = "env_error"
                 step.metadata["error"] = f"{type(e).__name__}: {e}"
@@ -266,16 +313,25 @@ class AgentLoop:
             return True
         return rate > 0.0 and _unit_hash(traj_id) < rate
 
-    def _next_prompt(self, step: Step, prompt: list[int], response: list[int], ctx: "_Context",
-                     messages: list[dict], text: str, observation: list[dict],
-                     tools: Optional[list[dict]] = None) -> list[int]:
+    def _next_prompt(
+        self,
+        step: Step,
+        prompt: list[int],
+        response: list[int],
+        ctx: "_Context",
+        messages: list[dict],
+        text: str,
+        observation: list[dict],
+        tools: Optional[list[dict]] = None,
+    ) -> list[int]:
         """The next turn's prompt in this loop's context mode (`response`: `step`'s response ids as
         a list). A trajectory that measures drift records it on `step` (the same measurement in
         both modes)."""
         after = None
         if ctx.retokenized is not None or self.config.context == "retokenize":
-            after = render_prompt(self.tokenizer, messages + [{"role": "assistant", "content": text}] + observation,
-                                  tools)
+            after = render_prompt(
+                self.tokenizer, messages + [{"role": "assistant", "content": text}] + observation, tools
+            )
         if ctx.retokenized is not None:
             step.metadata["retokenize_drift"] = retokenize_drifted(ctx.retokenized, response, after)
             ctx.retokenized = after
@@ -301,8 +357,9 @@ class AgentLoop:
         params.__dict__.update(changes)
         return params
 
-    def _make_step(self, traj_id: TrajectoryID, turn: int, prompt: list[int],
-                   result: GenerateResult) -> tuple[Step, list[int]]:
+    def _make_step(
+        self, traj_id: TrajectoryID, turn: int, prompt: list[int], result: GenerateResult
+    ) -> tuple[Step, list[int]]:
         """The turn's step, and its response ids as a list (the next prompt extends them)."""
         response = list(result.output_ids)
         logprobs = list(result.logprobs)
@@ -344,8 +401,16 @@ class AgentLoop:
         if prompt_len is not None:
             metadata["untruncated_prompt_len"] = prompt_len
         return Step(
-            trajectory_id=traj_id, prompt_ids=prompt, response_ids=[], loss_mask=[], rollout_logprobs=[],
-            reward=reward, is_last_step=True, stop_reason=stop_reason, weight_versions=[], metadata=metadata,
+            trajectory_id=traj_id,
+            prompt_ids=prompt,
+            response_ids=[],
+            loss_mask=[],
+            rollout_logprobs=[],
+            reward=reward,
+            is_last_step=True,
+            stop_reason=stop_reason,
+            weight_versions=[],
+            metadata=metadata,
         )
 
 
@@ -365,7 +430,9 @@ def _check_messages(messages: Any, where: str) -> list[dict]:
     if not isinstance(messages, list) or not all(
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
     ):
-        raise EnvError(f"env.{where} must return a list of {{'role': str, 'content': str}} messages, got {messages!r:.200}")
+        raise EnvError(
+            f"env.{where} must return a list of {{'role': str, 'content': str}} messages, got {messages!r:.200}"
+        )
     return messages
 
 
@@ -410,7 +477,9 @@ def _turn_seed(seed: Optional[int], traj_id: TrajectoryID, turn: int) -> Optiona
     """A stable 63-bit seed per (rollout seed, trajectory, turn)."""
     if seed is None:
         return None
-    digest = hashlib.blake2b(f"{seed}/{traj_id.prompt_id}/{traj_id.sample_index}/{turn}".encode(), digest_size=8).digest()
+    digest = hashlib.blake2b(
+        f"{seed}/{traj_id.prompt_id}/{traj_id.sample_index}/{turn}".encode(), digest_size=8
+    ).digest()
     return int.from_bytes(digest, "little") >> 1
 
 
@@ -440,8 +509,9 @@ def _check_step_output(out: Any) -> tuple[list[dict], float, bool, dict]:
     try:
         pickle.dumps(info)
     except Exception as e:  # noqa: BLE001 - any pickling failure is the env's bug
-        raise EnvError(f"env.step info must be picklable (it travels to every training rank): "
-                       f"{type(e).__name__}: {e}") from e
+        raise EnvError(
+            f"env.step info must be picklable (it travels to every training rank): {type(e).__name__}: {e}"
+        ) from e
     return _check_messages(list(observation or []), "step"), reward, bool(done), info
 
 
@@ -466,13 +536,26 @@ def _warn_if_env_errors_dominate(steps: list[Step], stats: dict[str, int]) -> No
     sample = next((s for s in failed if s.metadata.get("error_traceback")), failed[0])
     where = sample.metadata.get("error_traceback") or "(no traceback: a timeout or a result rejected at the boundary)"
     loud = "most trajectories fail, nothing to learn from: " if 2 * len(failed) > len(last) else ""
-    log.warning("rollout: %s%d of %d trajectories ended in env_error (env calls so far: %s); most common: %s\n"
-                "sample (trajectory %s):\n%s", loud, len(failed), len(last), stats,
-                "; ".join(f"{n}x {e}" for e, n in common), sample.trajectory_id, where.rstrip())
+    log.warning(
+        "rollout: %s%d of %d trajectories ended in env_error (env calls so far: %s); most common: %s\n"
+        "sample (trajectory %s):\n%s",
+        loud,
+        len(failed),
+        len(last),
+        stats,
+        "; ".join(f"{n}x {e}" for e, n in common),
+        sample.trajectory_id,
+        where.rstrip(),
+    )
 
 
-async def rollout(generator: Generator, tokenizer: Any, env: Union[str, Callable[[], Environment]],
-                  samples: Sequence[dict[str, Any]], config: AgentLoopConfig) -> list[Step]:
+async def rollout(
+    generator: Generator,
+    tokenizer: Any,
+    env: Union[str, Callable[[], Environment]],
+    samples: Sequence[dict[str, Any]],
+    config: AgentLoopConfig,
+) -> list[Step]:
     """One-shot convenience: run every sample's trajectories and return their steps."""
     loop = AgentLoop(generator, tokenizer, env, config)
     try:

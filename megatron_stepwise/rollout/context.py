@@ -26,8 +26,9 @@ class ChatTemplateError(ValueError):
     """The chat template cannot be extended turn by turn (token mode)."""
 
 
-def render_text(tokenizer: Any, messages: list[dict], *, generation_prompt: bool,
-                tools: Optional[list[dict]] = None) -> str:
+def render_text(
+    tokenizer: Any, messages: list[dict], *, generation_prompt: bool, tools: Optional[list[dict]] = None
+) -> str:
     """The chat template's text; `tools` (function schemas) is passed as `tools=` when given."""
     extra = {"tools": tools} if tools else {}
     return tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False, **extra)
@@ -42,15 +43,22 @@ def render_prompt(tokenizer: Any, messages: list[dict], tools: Optional[list[dic
     return encode(tokenizer, render_text(tokenizer, messages, generation_prompt=True, tools=tools))
 
 
-def template_delta(tokenizer: Any, history: list[dict], reply: str, observation: list[dict],
-                   tools: Optional[list[dict]] = None) -> str:
+def template_delta(
+    tokenizer: Any, history: list[dict], reply: str, observation: list[dict], tools: Optional[list[dict]] = None
+) -> str:
     """The text the template puts after an assistant turn's content `reply`: the turn's closing,
     the `observation` messages and the next generation prompt (rendered with the same `tools`)."""
     return turn_delta(tokenizer, history, reply, observation, tools)[0]
 
 
-def turn_delta(tokenizer: Any, history: list[dict], reply: str, observation: list[dict],
-               tools: Optional[list[dict]] = None, head: Optional[str] = None) -> tuple[str, str]:
+def turn_delta(
+    tokenizer: Any,
+    history: list[dict],
+    reply: str,
+    observation: list[dict],
+    tools: Optional[list[dict]] = None,
+    head: Optional[str] = None,
+) -> tuple[str, str]:
     """`template_delta`, and the rendering of the chat after the turn with the generation prompt:
     the next turn's `head`. `head` is this turn's (the rendering of `history` with the generation
     prompt) when the caller kept it from the previous turn, which saves rendering it again."""
@@ -61,13 +69,21 @@ def turn_delta(tokenizer: Any, history: list[dict], reply: str, observation: lis
         raise ChatTemplateError(
             "rollout.context=tokens: the chat template does not extend the chat when messages are added, even "
             "after a one-turn history (rendering with the new messages does not begin with the rendering "
-            "without them); use rollout.context=retokenize with this template")
+            "without them); use rollout.context=retokenize with this template"
+        )
     return delta, extended
 
 
-def _delta_after(tokenizer: Any, history: list[dict], reply: str, observation: list[dict],
-                 tools: Optional[list[dict]], *, find_reply: bool,
-                 head: Optional[str] = None) -> tuple[Optional[str], str]:
+def _delta_after(
+    tokenizer: Any,
+    history: list[dict],
+    reply: str,
+    observation: list[dict],
+    tools: Optional[list[dict]],
+    *,
+    find_reply: bool,
+    head: Optional[str] = None,
+) -> tuple[Optional[str], str]:
     """(the delta, or None when the template does not extend here; the extended rendering)."""
     turn = [{"role": "assistant", "content": reply}]
     extended = render_text(tokenizer, history + turn + observation, generation_prompt=True, tools=tools)
@@ -78,7 +94,7 @@ def _delta_after(tokenizer: Any, history: list[dict], reply: str, observation: l
         # before the assistant turn render unchanged.
         at = extended.rfind(reply)
         before = render_text(tokenizer, history, generation_prompt=False, tools=tools)
-        return (None if at < 0 or not extended.startswith(before) else extended[at + len(reply):]), extended
+        return (None if at < 0 or not extended.startswith(before) else extended[at + len(reply) :]), extended
     closed = render_text(tokenizer, history + turn, generation_prompt=False, tools=tools)
     if not extended.startswith(closed):
         return None, extended
@@ -88,11 +104,12 @@ def _delta_after(tokenizer: Any, history: list[dict], reply: str, observation: l
     head += reply
     if not closed.startswith(head):
         return None, extended
-    return extended[len(head):], extended
+    return extended[len(head) :], extended
 
 
-def extend_context(tokenizer: Any, prompt: Sequence[int], response: Sequence[int], delta: str,
-                   eos_token_ids: Sequence[int]) -> list[int]:
+def extend_context(
+    tokenizer: Any, prompt: Sequence[int], response: Sequence[int], delta: str, eos_token_ids: Sequence[int]
+) -> list[int]:
     """`prompt + response + tokens(delta)`, without a leading end-of-turn token of the delta that
     the response already ends with (sampled, or appended by the loop)."""
     delta_ids = encode(tokenizer, delta)
@@ -101,8 +118,9 @@ def extend_context(tokenizer: Any, prompt: Sequence[int], response: Sequence[int
     return list(prompt) + list(response) + delta_ids
 
 
-def retokenize_drifted(retokenized_before: Sequence[int], response: Sequence[int],
-                       retokenized_after: Sequence[int]) -> bool:
+def retokenize_drifted(
+    retokenized_before: Sequence[int], response: Sequence[int], retokenized_after: Sequence[int]
+) -> bool:
     """Whether re-tokenising the chat after a turn lost the ids of that turn (or of its history)."""
     expected = list(retokenized_before) + list(response)
     return list(retokenized_after[: len(expected)]) != expected

@@ -92,8 +92,10 @@ class SamplingConfig:
     # (`params`). Stricter than a request: training refuses greedy sampling (it divides by T).
 
     temperature: float = option(
-        1.0, "sampling temperature T; the trainer scores tokens as log_softmax(logits / T), as the engine does",
-        min=MIN_TEMPERATURE)
+        1.0,
+        "sampling temperature T; the trainer scores tokens as log_softmax(logits / T), as the engine does",
+        min=MIN_TEMPERATURE,
+    )
     top_p: float = option(1.0, "nucleus sampling mass", gt=0.0, max=1.0)
     top_k: int = option(-1, "top-k sampling; -1 = off")
     stop: list[str] = option([], "strings that end a turn (besides the tokenizer's EOS)")
@@ -110,8 +112,13 @@ class SamplingConfig:
 
     def params(self, max_new_tokens: int) -> "SamplingParams":
         """Every turn's request settings (`rollout.max_new_tokens` gives `max_new_tokens`)."""
-        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                              max_new_tokens=max_new_tokens, stop=list(self.stop))
+        return SamplingParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            max_new_tokens=max_new_tokens,
+            stop=list(self.stop),
+        )
 
 
 @dataclass
@@ -169,8 +176,10 @@ class SamplingParams:
         values come from HTTP requests, and one that reached the engine's batched sampler would
         fail every request batched with it, not just its own.
         """
-        for key, why in (("temperature", temperature_problem(self.temperature, greedy=True)),
-                         ("top_k", top_k_problem(self.top_k))):
+        for key, why in (
+            ("temperature", temperature_problem(self.temperature, greedy=True)),
+            ("top_k", top_k_problem(self.top_k)),
+        ):
             if why:
                 raise ValueError(f"sampling_params.{key} {why}")
         why = problem_of(SamplingConfig, "top_p", self.top_p) if _is_number(self.top_p) else "must be a number"
@@ -251,9 +260,7 @@ class GenerateResult:
 
     def __post_init__(self) -> None:
         if len(self.output_ids) != len(self.logprobs):
-            raise EngineError(
-                f"engine returned {len(self.output_ids)} tokens but {len(self.logprobs)} log-probs"
-            )
+            raise EngineError(f"engine returned {len(self.output_ids)} tokens but {len(self.logprobs)} log-probs")
         if self.token_weight_versions is None:
             self.token_weight_versions = [self.weight_version] * len(self.output_ids)
         elif len(self.token_weight_versions) != len(self.output_ids):
@@ -268,25 +275,39 @@ class GenerateResult:
 class Engine(Protocol):
     """One inference engine. All methods are coroutines so they can sit behind HTTP or Ray."""
 
-    async def generate(self, input_ids: list[int], sampling: SamplingParams, rid: Optional[str] = None,
-                       session: Optional[str] = None) -> GenerateResult:
+    async def generate(
+        self, input_ids: list[int], sampling: SamplingParams, rid: Optional[str] = None, session: Optional[str] = None
+    ) -> GenerateResult:
         """`rid` names the request (for abort); `session` names the conversation it belongs to
         (a fleet routes a session's turns to the same engine for prefix-cache reuse)."""
 
     async def update_weights_from_disk(self, path: str, weight_version: Optional[int] = None) -> int:
         """Load HF-named safetensors from `path`; returns the new weight version."""
 
-    async def update_weights_from_tensors(self, named_tensors: NamedTensors,
-                                          weight_version: Optional[int] = None) -> int:
+    async def update_weights_from_tensors(
+        self, named_tensors: NamedTensors, weight_version: Optional[int] = None
+    ) -> int:
         """Load tensors keyed by HF parameter names; returns the new weight version."""
 
-    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                                        group_name: str = "weight_update_group", backend: str = "gloo") -> None:
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "gloo",
+    ) -> None:
         """Join a process group whose rank 0 (the trainer) broadcasts weights."""
 
-    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                              group_name: str = "weight_update_group",
-                                              weight_version: Optional[int] = None) -> int:
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str = "weight_update_group",
+        weight_version: Optional[int] = None,
+    ) -> int:
         """Receive the named tensors by broadcast from rank 0 of the group; returns the new version."""
 
     async def pause(self) -> None:

@@ -19,7 +19,13 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from megatron_stepwise.rollout.engine import EngineError, EngineReleasedError, GenerateResult, NoLiveEngine, SamplingParams
+from megatron_stepwise.rollout.engine import (
+    EngineError,
+    EngineReleasedError,
+    GenerateResult,
+    NoLiveEngine,
+    SamplingParams,
+)
 from megatron_stepwise.rollout.sglang import EngineRequestError
 
 log = logging.getLogger(__name__)
@@ -52,9 +58,17 @@ class EngineRouter:
     engine may have and still get its next turn; `max_sessions`: sessions remembered (the least
     recently served are forgotten first)."""
 
-    def __init__(self, slots: list[EngineSlot], *, max_retries: int, request_timeout_s: float,
-                 on_dead: Callable[[EngineSlot, int], None], counters: Optional[RequestCounters] = None,
-                 sticky_slack: int = 16, max_sessions: int = 1 << 16):
+    def __init__(
+        self,
+        slots: list[EngineSlot],
+        *,
+        max_retries: int,
+        request_timeout_s: float,
+        on_dead: Callable[[EngineSlot, int], None],
+        counters: Optional[RequestCounters] = None,
+        sticky_slack: int = 16,
+        max_sessions: int = 1 << 16,
+    ):
         self.slots = slots
         self.max_retries = max_retries
         self.request_timeout_s = request_timeout_s
@@ -88,8 +102,9 @@ class EngineRouter:
         while len(self.sticky) > self.max_sessions:
             self.sticky.popitem(last=False)
 
-    async def generate(self, input_ids: list[int], sampling: SamplingParams, rid: Optional[str] = None,
-                       session: Optional[str] = None) -> GenerateResult:
+    async def generate(
+        self, input_ids: list[int], sampling: SamplingParams, rid: Optional[str] = None, session: Optional[str] = None
+    ) -> GenerateResult:
         import ray
 
         tried: set[int] = set()
@@ -152,8 +167,7 @@ class EngineView:
     """
 
     def __init__(self, *, max_retries: int, request_timeout_s: float):
-        self.router = EngineRouter([], max_retries=max_retries, request_timeout_s=request_timeout_s,
-                                   on_dead=self._dead)
+        self.router = EngineRouter([], max_retries=max_retries, request_timeout_s=request_timeout_s, on_dead=self._dead)
         self._deaths: list[tuple[int, int]] = []
 
     def refresh(self, table: list[EngineSlot]) -> None:
@@ -174,8 +188,9 @@ class EngineView:
             self.router.forget(slot.index)
             self._deaths.append((slot.index, incarnation))
 
-    async def generate(self, input_ids: list[int], sampling: SamplingParams, rid: Optional[str] = None,
-                       session: Optional[str] = None) -> GenerateResult:
+    async def generate(
+        self, input_ids: list[int], sampling: SamplingParams, rid: Optional[str] = None, session: Optional[str] = None
+    ) -> GenerateResult:
         return await self.router.generate(input_ids, sampling, rid, session)
 
     def take_report(self) -> tuple[list[tuple[int, int]], RequestCounters]:

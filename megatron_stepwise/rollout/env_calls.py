@@ -121,8 +121,10 @@ class EnvCaller:
 
     async def _call_thread(self, fn, args, name):
         if self._abandoned and self.stuck() >= self.max_stuck:
-            raise EnvError(f"environment {name} not called: {self.stuck()} earlier calls are still stuck "
-                           f"(the environment hangs in a blocking call)")
+            raise EnvError(
+                f"environment {name} not called: {self.stuck()} earlier calls are still stuck "
+                f"(the environment hangs in a blocking call)"
+            )
         loop = asyncio.get_running_loop()
         if self._slots is None or self._slots_loop is not loop:  # one semaphore per event loop
             self._slots, self._slots_loop = asyncio.Semaphore(self.threads), loop
@@ -147,8 +149,9 @@ class EnvCaller:
             if grow:
                 pool.workers += 1
         if grow:
-            threading.Thread(target=self._work, args=(pool,), name=f"env-worker-{next(self._names)}",
-                             daemon=True).start()
+            threading.Thread(
+                target=self._work, args=(pool,), name=f"env-worker-{next(self._names)}", daemon=True
+            ).start()
         job.pool = pool
         pool.jobs.put(job)
 

@@ -20,12 +20,20 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any, Awaitable, Callable, Optional
 
-from megatron_stepwise.rundir.lifecycle import tagged_ray_instance
 from megatron_stepwise.rollout.agent_loop import AgentLoopConfig
-from megatron_stepwise.rollout.engine import (EngineError, EngineReleasedError, FleetLost, GenerateResult,
-                                               NamedTensors, RetryConfig, SamplingParams, memory_tags)
+from megatron_stepwise.rollout.engine import (
+    EngineError,
+    EngineReleasedError,
+    FleetLost,
+    GenerateResult,
+    NamedTensors,
+    RetryConfig,
+    SamplingParams,
+    memory_tags,
+)
 from megatron_stepwise.rollout.engine_router import EngineRouter, EngineSlot, RequestCounters
 from megatron_stepwise.rollout.sglang import SGLangServerConfig, TensorHandles, serialize_tensors_sglang
+from megatron_stepwise.rundir.lifecycle import tagged_ray_instance
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +73,7 @@ class EngineSpec:
         if self.kind == "sglang" and self.sglang.tp_size != self.tp_size:
             # The client sends one tensor payload per TP rank and the weight-update group counts
             # every rank: both need the size the server was launched with.
-            raise ValueError(
-                f"EngineSpec.tp_size ({self.tp_size}) must equal sglang.tp_size ({self.sglang.tp_size})"
-            )
+            raise ValueError(f"EngineSpec.tp_size ({self.tp_size}) must equal sglang.tp_size ({self.sglang.tp_size})")
 
     @property
     def group_ranks(self) -> int:
@@ -99,8 +105,13 @@ class EngineActor:
 
             tokenizer = load_tokenizer(spec.tokenizer) if spec.tokenizer else None
             self.engine = LocalEngine(
-                spec.model_config, weights=spec.weights, tokenizer=tokenizer, max_batch_size=spec.max_batch_size,
-                seed=spec.seed, torch_threads=spec.torch_threads, name=name,
+                spec.model_config,
+                weights=spec.weights,
+                tokenizer=tokenizer,
+                max_batch_size=spec.max_batch_size,
+                seed=spec.seed,
+                torch_threads=spec.torch_threads,
+                name=name,
                 record_routed_experts=spec.routed_experts is not None,
             )
         else:
@@ -110,8 +121,9 @@ class EngineActor:
             if spec.kind == "sglang":
                 self.proc = launch_sglang_server(spec.sglang)
                 url = spec.sglang.url
-            self.engine = SGLangClient(url, tp_size=spec.tp_size, routed_experts=spec.routed_experts,
-                                       generate_url=spec.generate_url)
+            self.engine = SGLangClient(
+                url, tp_size=spec.tp_size, routed_experts=spec.routed_experts, generate_url=spec.generate_url
+            )
 
     async def generate(self, input_ids, sampling, rid=None, session=None) -> GenerateResult:
         return await self.engine.generate(input_ids, sampling, rid=rid, session=session)
@@ -199,11 +211,20 @@ def _spawn_actor(spec: EngineSpec, index: int, incarnation: int):
 class RolloutFleet:
     """N engine actors behind one `generate` (see module docstring)."""
 
-    def __init__(self, specs: list[EngineSpec], max_concurrency: int = AgentLoopConfig.max_concurrency,
-                 max_retries: int = RetryConfig.max_retries, request_timeout_s: float = RetryConfig.timeout_s,
-                 restart_dead: bool = True, max_restarts: int = RetryConfig.max_restarts, ray_address: Optional[str] = None,
-                 ray_num_cpus: Optional[int] = None, partial_rollouts: bool = False, colocate: bool = False,
-                 spawn: Optional[Callable[[EngineSpec, int, int], Any]] = None):
+    def __init__(
+        self,
+        specs: list[EngineSpec],
+        max_concurrency: int = AgentLoopConfig.max_concurrency,
+        max_retries: int = RetryConfig.max_retries,
+        request_timeout_s: float = RetryConfig.timeout_s,
+        restart_dead: bool = True,
+        max_restarts: int = RetryConfig.max_restarts,
+        ray_address: Optional[str] = None,
+        ray_num_cpus: Optional[int] = None,
+        partial_rollouts: bool = False,
+        colocate: bool = False,
+        spawn: Optional[Callable[[EngineSpec, int, int], Any]] = None,
+    ):
         """`spawn(spec, index, incarnation)` starts an engine and returns its handle (whose
         `call.remote(method, ...)` reaches any `Engine` method); default: a Ray actor, Ray started
         on demand. Tests pass their own handles."""
@@ -225,8 +246,13 @@ class RolloutFleet:
         self._metrics = FleetMetrics()
         self._limit = asyncio.Semaphore(max_concurrency)
         self._slots = [_Slot(i, self._spawn(spec, i, 0), spec=spec) for i, spec in enumerate(specs)]
-        self._router = EngineRouter(self._slots, max_retries=max_retries, request_timeout_s=request_timeout_s,
-                                    on_dead=self._mark_dead, counters=self._metrics)
+        self._router = EngineRouter(
+            self._slots,
+            max_retries=max_retries,
+            request_timeout_s=request_timeout_s,
+            on_dead=self._mark_dead,
+            counters=self._metrics,
+        )
         self._gate = asyncio.Event()
         self._gate.set()
         self._inflight = 0
@@ -308,12 +334,15 @@ class RolloutFleet:
 
     # ---- generation -------------------------------------------------------------------------
 
-    async def generate(self, input_ids: list[int], sampling: SamplingParams, rid: Optional[str] = None,
-                       session: Optional[str] = None) -> GenerateResult:
+    async def generate(
+        self, input_ids: list[int], sampling: SamplingParams, rid: Optional[str] = None, session: Optional[str] = None
+    ) -> GenerateResult:
         blocking = sorted(self._released & {"weights", "kv_cache"})
         if blocking:
-            raise EngineReleasedError(f"the fleet's engines have released their {' and '.join(blocking)} memory "
-                                      "(colocated mode): resume_memory_occupation before generating")
+            raise EngineReleasedError(
+                f"the fleet's engines have released their {' and '.join(blocking)} memory "
+                "(colocated mode): resume_memory_occupation before generating"
+            )
         async with self._limit:
             while not self._gate.is_set():  # a weight update is in progress
                 await self._gate.wait()
@@ -362,8 +391,11 @@ class RolloutFleet:
             self._restarts.add(task)
             task.add_done_callback(self._restarts.discard)
         else:
-            slot.cause = "died (not restartable: weights came over a distributed group)" if self.restart_dead \
+            slot.cause = (
+                "died (not restartable: weights came over a distributed group)"
+                if self.restart_dead
                 else "died (restarts are off)"
+            )
             self._metrics.removed_engines += 1
 
     async def _restart(self, slot: _Slot) -> None:
@@ -431,8 +463,9 @@ class RolloutFleet:
 
     async def _update(self, call: Callable[[Any, int], Awaitable], weight_version: Optional[int], replay) -> int:
         if "weights" in self._released:
-            raise EngineReleasedError("weight update while the engines' weights are released: "
-                                      "resume_memory_occupation(['weights']) first")
+            raise EngineReleasedError(
+                "weight update while the engines' weights are released: resume_memory_occupation(['weights']) first"
+            )
         async with self._update_lock:
             self._gate.clear()
             try:
@@ -466,7 +499,9 @@ class RolloutFleet:
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
             self._mark_dead(slot, incarnation)
 
-    async def update_weights_from_tensors(self, named_tensors: NamedTensors, weight_version: Optional[int] = None) -> int:
+    async def update_weights_from_tensors(
+        self, named_tensors: NamedTensors, weight_version: Optional[int] = None
+    ) -> int:
         """Broadcast HF-named tensors to every engine (stored once in Ray's object store)."""
         import ray
 
@@ -498,8 +533,9 @@ class RolloutFleet:
         """World size of the group `init_weights_update_group` would open now (trainer + engine ranks)."""
         return weight_update_ranks([s.spec for s in self._slots if s.alive])[1]
 
-    async def init_weights_update_group(self, master_address: str, master_port: int,
-                                        group_name: str = "weight_update_group", backend: str = "gloo") -> int:
+    async def init_weights_update_group(
+        self, master_address: str, master_port: int, group_name: str = "weight_update_group", backend: str = "gloo"
+    ) -> int:
         """Every live engine joins one group with the trainer as rank 0, an SGLang engine with one
         rank per TP rank from its `rank_offset` (`weight_update_ranks`); returns the world size.
 
@@ -508,16 +544,24 @@ class RolloutFleet:
         """
         live = [s for s in self._slots if s.alive]
         ranks, world_size = weight_update_ranks([s.spec for s in live])
-        await asyncio.gather(*(
-            s.handle.call.remote("init_weights_update_group", master_address, master_port, r, world_size,
-                                 group_name, backend)
-            for s, r in zip(live, ranks)
-        ))
+        await asyncio.gather(
+            *(
+                s.handle.call.remote(
+                    "init_weights_update_group", master_address, master_port, r, world_size, group_name, backend
+                )
+                for s, r in zip(live, ranks)
+            )
+        )
         return world_size
 
-    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                              group_name: str = "weight_update_group",
-                                              weight_version: Optional[int] = None) -> int:
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str = "weight_update_group",
+        weight_version: Optional[int] = None,
+    ) -> int:
         """Engines receive by broadcast; run concurrently with the trainer's `weight_sync.broadcast`."""
 
         async def call(s, v):

@@ -44,8 +44,9 @@ def moe_gates(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
 class RouterRecorder:
     """Forward hooks on a model's routers that keep the experts of the last forward."""
 
-    def __init__(self, model: torch.nn.Module, router_noise: float = 0.0, seed: int = 0,
-                 router_noise_mode: str = "select"):
+    def __init__(
+        self, model: torch.nn.Module, router_noise: float = 0.0, seed: int = 0, router_noise_mode: str = "select"
+    ):
         if router_noise_mode not in ("select", "weights"):
             raise ValueError(f"router_noise_mode must be 'select' or 'weights', got {router_noise_mode!r}")
         self.noise_mode = router_noise_mode
@@ -117,8 +118,9 @@ def decode(blob: str, num_layers: int, topk: int) -> torch.Tensor:
 
     flat = torch.from_numpy(np.frombuffer(base64.b64decode(blob), dtype=np.int32).copy())
     if flat.numel() % (num_layers * topk):
-        raise ValueError(f"routed_experts: {flat.numel()} ids are not a multiple of layers x topk = "
-                         f"{num_layers} x {topk}")
+        raise ValueError(
+            f"routed_experts: {flat.numel()} ids are not a multiple of layers x topk = {num_layers} x {topk}"
+        )
     return flat.reshape(-1, num_layers, topk).to(torch.int16)
 
 
@@ -130,5 +132,5 @@ def pad_to_tokens(routed: Optional[torch.Tensor], num_tokens: int, start: int = 
         return None
     out = torch.full((num_tokens, *routed.shape[1:]), -1, dtype=torch.int16)
     n = max(0, min(routed.size(0), num_tokens - start))
-    out[start:start + n] = routed[:n].to(torch.int16)
+    out[start : start + n] = routed[:n].to(torch.int16)
     return out

@@ -110,8 +110,9 @@ def serialize_tensors_sglang(named_tensors: NamedTensors) -> str:
     """SGLang's own format (MultiprocessingSerializer): base64 of a ForkingPickler dump of
     [(name, tensor)]. For CUDA tensors this carries IPC handles, so the server must share the
     GPU (colocated training and rollout), exactly as with SGLang's own callers."""
-    import torch.multiprocessing  # noqa: F401  registers the tensor reductions
     from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401  registers the tensor reductions
 
     items = list(named_tensors.items()) if hasattr(named_tensors, "items") else list(named_tensors)
     buf = io.BytesIO()
@@ -149,8 +150,15 @@ class SGLangClient:
             servers); everything else (weights, pause, abort, health) still goes to `base_url`.
     """
 
-    def __init__(self, base_url: str, timeout_s: float = 600.0, tp_size: int = 1, api_key: Optional[str] = None,
-                 routed_experts: Optional[tuple[int, int]] = None, generate_url: Optional[str] = None):
+    def __init__(
+        self,
+        base_url: str,
+        timeout_s: float = 600.0,
+        tp_size: int = 1,
+        api_key: Optional[str] = None,
+        routed_experts: Optional[tuple[int, int]] = None,
+        generate_url: Optional[str] = None,
+    ):
         self.base_url = base_url.rstrip("/")
         self.generate_url = (generate_url or base_url).rstrip("/")
         self.timeout_s = timeout_s
@@ -163,12 +171,14 @@ class SGLangClient:
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s),
-                                                  headers=auth_headers(self.api_key))
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s), headers=auth_headers(self.api_key)
+            )
         return self._session
 
-    async def _request(self, method: str, path: str, json: Any = None, params: Any = None,
-                       base_url: Optional[str] = None) -> Any:
+    async def _request(
+        self, method: str, path: str, json: Any = None, params: Any = None, base_url: Optional[str] = None
+    ) -> Any:
         url = (base_url or self.base_url) + path
         try:
             async with self._http().request(method, url, json=json, params=params) as resp:
@@ -184,8 +194,9 @@ class SGLangClient:
         except asyncio.TimeoutError as e:
             raise EngineError(f"{method} {url} timed out after {self.timeout_s}s") from e
 
-    async def generate(self, input_ids: list[int], sampling: SamplingParams, rid: Optional[str] = None,
-                       session: Optional[str] = None) -> GenerateResult:
+    async def generate(
+        self, input_ids: list[int], sampling: SamplingParams, rid: Optional[str] = None, session: Optional[str] = None
+    ) -> GenerateResult:
         payload: dict[str, Any] = {
             "input_ids": [int(t) for t in input_ids],
             "sampling_params": sampling.to_dict(),
@@ -213,7 +224,9 @@ class SGLangClient:
         await self._request("POST", "/update_weights_from_disk", json=payload)
         return await self.weight_version()
 
-    async def update_weights_from_tensors(self, named_tensors: NamedTensors, weight_version: Optional[int] = None) -> int:
+    async def update_weights_from_tensors(
+        self, named_tensors: NamedTensors, weight_version: Optional[int] = None
+    ) -> int:
         if isinstance(named_tensors, TensorHandles):  # serialized by the trainer (colocated GPU push)
             if await self._is_embedded():
                 raise EngineRequestError("the embedded engine takes tensors, not CUDA IPC handles")
@@ -230,8 +243,15 @@ class SGLangClient:
         await self._request("POST", "/update_weights_from_tensor", json=payload)
         return await self.weight_version()
 
-    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                                        group_name: str = "weight_update_group", backend: str = "gloo") -> None:
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "gloo",
+    ) -> None:
         await self._request(
             "POST",
             "/init_weights_update_group",
@@ -245,9 +265,14 @@ class SGLangClient:
             },
         )
 
-    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                              group_name: str = "weight_update_group",
-                                              weight_version: Optional[int] = None) -> int:
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str = "weight_update_group",
+        weight_version: Optional[int] = None,
+    ) -> int:
         payload: dict[str, Any] = {
             "names": list(names),
             "dtypes": [d if isinstance(d, str) else dtype_name(d) for d in dtypes],
@@ -328,11 +353,17 @@ class SGLangServerConfig:
 
     def command(self) -> list[str]:
         cmd = [
-            sys.executable, "-m", "sglang.launch_server",
-            "--model-path", self.model_path,
-            "--host", self.host,
-            "--port", str(self.port),
-            "--tp-size", str(self.tp_size),
+            sys.executable,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            self.model_path,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--tp-size",
+            str(self.tp_size),
         ]
         if self.mem_fraction_static is not None:
             cmd += ["--mem-fraction-static", str(self.mem_fraction_static)]
@@ -350,7 +381,10 @@ def launch_sglang_server(config: SGLangServerConfig, log_path: Optional[str] = N
     """Start the server process and block until /health answers 200 (or fail with its log tail)."""
     log = open(log_path, "ab") if log_path else subprocess.DEVNULL
     proc = subprocess.Popen(
-        config.command(), env={**os.environ, **config.env}, stdout=log, stderr=subprocess.STDOUT,
+        config.command(),
+        env={**os.environ, **config.env},
+        stdout=log,
+        stderr=subprocess.STDOUT,
         start_new_session=True,
     )
     try:

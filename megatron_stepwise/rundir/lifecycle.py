@@ -81,7 +81,8 @@ class RunLock:
             raise RunDirLocked(
                 f"{self.what} {os.path.abspath(self.run_dir)} is in use by another trainer: "
                 f"{_describe(self.read_owner())} (lock {self.path}); stop that run first, or set "
-                f"{self.key} to another directory") from None
+                f"{self.key} to another directory"
+            ) from None
         if record:
             owner = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), "argv": sys.argv}
             os.ftruncate(fd, 0)
@@ -176,8 +177,11 @@ def watch_pid(pid: int, interval: float = 1.0) -> threading.Thread:
     def run() -> None:
         while _alive(pid):
             time.sleep(interval)
-        print(f"launcher (pid {pid}) is gone: training rank {os.environ.get('RANK', '?')} exits",
-              file=sys.stderr, flush=True)
+        print(
+            f"launcher (pid {pid}) is gone: training rank {os.environ.get('RANK', '?')} exits",
+            file=sys.stderr,
+            flush=True,
+        )
         os.kill(os.getpid(), signal.SIGKILL)
 
     t = threading.Thread(target=run, name="launcher-watch", daemon=True)
@@ -270,8 +274,13 @@ def tagged_ray_instance():
 
         _ray_tag = f"{os.getpid()}:{uuid.uuid4().hex}"
         env = {k: v for k, v in os.environ.items() if k != RAY_OWNER_ENV}
-        subprocess.Popen([sys.executable, "-I", "-S", "-c", _REAPER, str(os.getpid()), f"{RAY_OWNER_ENV}={_ray_tag}"],
-                         env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
+        subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _REAPER, str(os.getpid()), f"{RAY_OWNER_ENV}={_ray_tag}"],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            start_new_session=True,
+        )
     previous = os.environ.get(RAY_OWNER_ENV)
     os.environ[RAY_OWNER_ENV] = _ray_tag
     try:
@@ -293,8 +302,11 @@ def run_torchrun(argv: list[str]) -> int:
         run(parse_args(argv))
     except ChildFailedError as e:
         rank, failure = first_failure(e.failures)
-        print(f"error: {len(e.failures)} training rank(s) failed (first: rank {rank}, exit code "
-              f"{failure.exitcode}); see their messages above", file=sys.stderr)
+        print(
+            f"error: {len(e.failures)} training rank(s) failed (first: rank {rank}, exit code "
+            f"{failure.exitcode}); see their messages above",
+            file=sys.stderr,
+        )
         return failure.exitcode if failure.exitcode > 0 else 1
     return 0
 

@@ -21,8 +21,16 @@ import time
 from importlib import metadata
 from typing import Any, Optional
 
-PACKAGES = ("megatron-stepwise", "torch", "megatron-core", "transformers", "ray", "sglang", "transformer-engine",
-            "numpy")
+PACKAGES = (
+    "megatron-stepwise",
+    "torch",
+    "megatron-core",
+    "transformers",
+    "ray",
+    "sglang",
+    "transformer-engine",
+    "numpy",
+)
 LOG_NAME = "train.log"
 
 
@@ -43,8 +51,12 @@ def git_commit(path: str) -> Optional[dict[str, Any]]:
         sha = subprocess.run(["git", "-C", path, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
         if sha.returncode != 0:
             return None
-        status = subprocess.run(["git", "-C", path, "status", "--porcelain", "--untracked-files=no"],
-                                capture_output=True, text=True, timeout=10)
+        status = subprocess.run(
+            ["git", "-C", path, "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return {"sha": sha.stdout.strip(), "dirty": bool(status.stdout.strip())}
@@ -55,9 +67,14 @@ def write_run_record(run_dir: str, config_yaml: str, argv: Optional[list[str]] =
     os.makedirs(run_dir, exist_ok=True)
     _atomic_write(os.path.join(run_dir, "config.yaml"), config_yaml)
     source = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
-    entry = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "argv": list(argv or sys.argv),
-             "cwd": os.getcwd(), "host": socket.gethostname(), "git": git_commit(source),
-             "versions": package_versions()}
+    entry = {
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "argv": list(argv or sys.argv),
+        "cwd": os.getcwd(),
+        "host": socket.gethostname(),
+        "git": git_commit(source),
+        "versions": package_versions(),
+    }
     path = os.path.join(run_dir, "run.json")
     starts = []
     try:

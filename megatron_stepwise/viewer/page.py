@@ -17,8 +17,12 @@ log = logging.getLogger(__name__)
 # roles of a token: prompt or observation (context), trained, an EOS appended with loss 0,
 # and context inside a merged row's response (observations and chat glue between turns)
 PROMPT, TRAINED, APPENDED_EOS, CONTEXT = "p", "t", "e", "o"
-CURVES = {"reward": "reward/mean", "eval reward": "eval/reward/mean", "response length": "rollout/response_len_mean",
-          "turns": "rollout/turns_mean"}
+CURVES = {
+    "reward": "reward/mean",
+    "eval reward": "eval/reward/mean",
+    "response length": "rollout/response_len_mean",
+    "turns": "rollout/turns_mean",
+}
 
 
 def _decoder(config: dict) -> tuple[Callable[[int], str], set[int]]:
@@ -58,7 +62,7 @@ def _response_roles(ids: list[int], mask: list[int], eos: set[int]) -> list[str]
             roles.append(TRAINED)
         elif i in eos and k > 0 and mask[k - 1]:  # right after sampled tokens: the EOS added after the fact
             roles.append(APPENDED_EOS)
-        elif i in eos and k == len(ids) - 1 and not any(mask[k + 1:]):
+        elif i in eos and k == len(ids) - 1 and not any(mask[k + 1 :]):
             roles.append(APPENDED_EOS)
         else:
             roles.append(CONTEXT)
@@ -94,28 +98,58 @@ def build_data(run_dir: str | Path, iteration: Optional[int] = None) -> dict[str
                 gap = abs(lp - tlps[k]) if role == TRAINED and lp is not None and tlps[k] is not None else None
                 if gap is not None:
                     gaps.append(gap)
-                response.append([decode(resp[k]), role, resp[k], _round(advs[k]), _round(lp), _round(tlps[k]),
-                                 None if gap is None else float(f"{gap:.3g}")])
-            turns.append({
-                "turn": r["turn"], "reward": r["reward"], "stop_reason": r["stop_reason"], "env_error": r["env_error"],
-                # a context that does not extend the previous turn's (re-tokenised history) starts earlier
-                "history_kept": start == len(previous), "delta_from": start,
-                "delta": [[decode(i), PROMPT, i] for i in prompt[start:]], "response": response,
-            })
+                response.append(
+                    [
+                        decode(resp[k]),
+                        role,
+                        resp[k],
+                        _round(advs[k]),
+                        _round(lp),
+                        _round(tlps[k]),
+                        None if gap is None else float(f"{gap:.3g}"),
+                    ]
+                )
+            turns.append(
+                {
+                    "turn": r["turn"],
+                    "reward": r["reward"],
+                    "stop_reason": r["stop_reason"],
+                    "env_error": r["env_error"],
+                    # a context that does not extend the previous turn's (re-tokenised history) starts earlier
+                    "history_kept": start == len(previous),
+                    "delta_from": start,
+                    "delta": [[decode(i), PROMPT, i] for i in prompt[start:]],
+                    "response": response,
+                }
+            )
             previous = prompt + resp
         last = turns_rows[-1]
-        trajectories.append({
-            "id": f"{pid}#{sample}", "prompt_id": pid, "outcome_reward": last["outcome_reward"],
-            "stop_reason": last["stop_reason"], "env_error": next((t["env_error"] for t in turns if t["env_error"]), None),
-            "length": sum(len(r["response_ids"]) for r in turns_rows), "turns": turns,
-            "max_gap": max(gaps) if gaps else None,
-        })
+        trajectories.append(
+            {
+                "id": f"{pid}#{sample}",
+                "prompt_id": pid,
+                "outcome_reward": last["outcome_reward"],
+                "stop_reason": last["stop_reason"],
+                "env_error": next((t["env_error"] for t in turns if t["env_error"]), None),
+                "length": sum(len(r["response_ids"]) for r in turns_rows),
+                "turns": turns,
+                "max_gap": max(gaps) if gaps else None,
+            }
+        )
     metrics = read_metrics(str(run_dir)) if (Path(run_dir) / "metrics.jsonl").is_file() else []
-    curves = {name: [[m["iteration"], m[key]] for m in metrics if isinstance(m.get(key), (int, float))]
-              for name, key in CURVES.items()}
-    return {"run_dir": str(run_dir), "iteration": dump.iteration, "weight_version": dump.meta.get("weight_version"),
-            "name": (dump.meta.get("config") or {}).get("name"), "trajectories": trajectories,
-            "curves": {k: v for k, v in curves.items() if v}, "train_metrics": dump.meta.get("train_metrics") or []}
+    curves = {
+        name: [[m["iteration"], m[key]] for m in metrics if isinstance(m.get(key), (int, float))]
+        for name, key in CURVES.items()
+    }
+    return {
+        "run_dir": str(run_dir),
+        "iteration": dump.iteration,
+        "weight_version": dump.meta.get("weight_version"),
+        "name": (dump.meta.get("config") or {}).get("name"),
+        "trajectories": trajectories,
+        "curves": {k: v for k, v in curves.items() if v},
+        "train_metrics": dump.meta.get("train_metrics") or [],
+    }
 
 
 def _finite(value: Any) -> Any:

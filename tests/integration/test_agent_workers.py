@@ -169,6 +169,9 @@ def test_workers_that_cannot_start_are_a_clear_error_naming_the_keys():
 
     cfg = _config("rollout.agent_worker_cpus=3")
     workers = AgentWorkers(cfg, fleet=None, n=2, spawn=lambda cfg, index, concurrency, name: Pending())
-    with pytest.raises(AgentWorkersNotStarted, match=r"2 agent workers did not start within 0 s.*2 x 3 free CPUs.*"
-                                           r"rollout.agent_workers, rollout.agent_worker_cpus"):
+    with pytest.raises(
+        AgentWorkersNotStarted,
+        match=r"2 agent workers did not start within 0 s.*2 x 3 free CPUs.*"
+        r"rollout.agent_workers, rollout.agent_worker_cpus",
+    ):
         asyncio.run(workers.wait_ready(timeout_s=0.2))

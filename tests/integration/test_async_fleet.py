@@ -7,11 +7,11 @@ Marked slow: starting Ray and an engine actor takes ~20 s on a 2-core machine.
 import asyncio
 
 import pytest
-
 from helpers import tiny_lm
+
+from megatron_stepwise.rollout.embedded.hf_model import build_causal_lm
 from megatron_stepwise.rollout.engine import SamplingParams
 from megatron_stepwise.rollout.fleet import EngineSpec, RolloutFleet
-from megatron_stepwise.rollout.embedded.hf_model import build_causal_lm
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session")]
 

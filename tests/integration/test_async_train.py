@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers import run_launch
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -24,13 +23,23 @@ ITERATIONS = 24
 def test_tiny_async_experiment_keeps_the_bound_and_learns(tmp_path):
     run_dir = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "megatron_stepwise.cli", "train", str(REPO / "configs/tiny_cpu_async.yaml"),
-           f"trainer.iterations={ITERATIONS}", f"logging.run_dir={run_dir}", "logging.progress=false",
-           "checkpoint.every=0", "checkpoint.resume=never"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_stepwise.cli",
+        "train",
+        str(REPO / "configs/tiny_cpu_async.yaml"),
+        f"trainer.iterations={ITERATIONS}",
+        f"logging.run_dir={run_dir}",
+        "logging.progress=false",
+        "checkpoint.every=0",
+        "checkpoint.resume=never",
+    ]
     proc = run_launch(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=480)
     # On failure show what rank 0 (the driver) said: the other rank's traceback would bury it.
-    assert proc.returncode == 0, "\n".join(line for line in proc.stderr.splitlines()
-                                            if not line.startswith("[rank1]"))[-4000:]
+    assert proc.returncode == 0, "\n".join(line for line in proc.stderr.splitlines() if not line.startswith("[rank1]"))[
+        -4000:
+    ]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == list(range(ITERATIONS))
 
@@ -43,8 +52,10 @@ def test_tiny_async_experiment_keeps_the_bound_and_learns(tmp_path):
         assert 0 <= r["async/token_staleness_min"] <= r["async/token_staleness_max"] <= 1
         assert r["train/tis_weight_max"] <= 2.0 + 1e-6  # algo.loss.tis_cap
         # every started group is trained, dropped, re-queued, filtered or still outstanding
-        accounted = sum(r[f"async/groups_{k}"] for k in
-                        ("trained", "stale_dropped", "stale_requeued", "filtered", "in_flight", "ready"))
+        accounted = sum(
+            r[f"async/groups_{k}"]
+            for k in ("trained", "stale_dropped", "stale_requeued", "filtered", "in_flight", "ready")
+        )
         assert accounted == r["async/groups_started"]
     assert rows[-1]["async/groups_trained"] == 4 * 2 * ITERATIONS
     assert rows[-1]["weight_version"] == 2 * ITERATIONS == rows[-1]["fleet/weight_version"]
@@ -66,9 +77,19 @@ def test_async_training_with_agent_workers_keeps_the_bound(tmp_path):
     """Groups rolled out by 2 agent workers while the trainer trains: the same bound and accounting."""
     run_dir = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "megatron_stepwise.cli", "train", str(REPO / "configs/tiny_cpu_async.yaml"),
-           "trainer.iterations=5", f"logging.run_dir={run_dir}", "logging.progress=false",
-           "checkpoint.every=0", "checkpoint.resume=never", "rollout.agent_workers=2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_stepwise.cli",
+        "train",
+        str(REPO / "configs/tiny_cpu_async.yaml"),
+        "trainer.iterations=5",
+        f"logging.run_dir={run_dir}",
+        "logging.progress=false",
+        "checkpoint.every=0",
+        "checkpoint.resume=never",
+        "rollout.agent_workers=2",
+    ]
     proc = run_launch(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=480)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -76,7 +97,9 @@ def test_async_training_with_agent_workers_keeps_the_bound(tmp_path):
     for r in rows:
         assert r["agents/workers"] == 2 and r["train/optimizer_steps"] == 2
         assert 0 <= r["async/token_staleness_min"] <= r["async/token_staleness_max"] <= 1
-        accounted = sum(r[f"async/groups_{k}"] for k in
-                        ("trained", "stale_dropped", "stale_requeued", "filtered", "in_flight", "ready"))
+        accounted = sum(
+            r[f"async/groups_{k}"]
+            for k in ("trained", "stale_dropped", "stale_requeued", "filtered", "in_flight", "ready")
+        )
         assert accounted == r["async/groups_started"]
     assert rows[-1]["weight_version"] == 10 == rows[-1]["fleet/weight_version"]

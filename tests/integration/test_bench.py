@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers import load_script, run_launch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -110,15 +109,23 @@ def test_update_reruns_the_selected_benchmarks_and_keeps_the_others(suite, tmp_p
     import argparse
 
     out = tmp_path / "bench.json"
-    first = {"suite": "cpu", "quick": False, "started_utc": "2026-01-02T03:04:05+00:00", "total_seconds": 100.0,
-             "machine": {"label": "VM", "megatron_core": "0.16.1", "python": "3.11"},
-             "benchmarks": {"merge": {"status": "ok", "result": {"merged_over_unique_max": 1.0}},
-                            "context": {"status": "ok", "result": {"figures": {"retokenize_drift_rate": 0.5}}}}}
+    first = {
+        "suite": "cpu",
+        "quick": False,
+        "started_utc": "2026-01-02T03:04:05+00:00",
+        "total_seconds": 100.0,
+        "machine": {"label": "VM", "megatron_core": "0.16.1", "python": "3.11"},
+        "benchmarks": {
+            "merge": {"status": "ok", "result": {"merged_over_unique_max": 1.0}},
+            "context": {"status": "ok", "result": {"figures": {"retokenize_drift_rate": 0.5}}},
+        },
+    }
     out.write_text(json.dumps(first))
     fresh = {"status": "ok", "result": {"figures": {"retokenize_drift_rate": 0.25}}}
     monkeypatch.setattr(suite, "run_benchmark", lambda bench, **kw: fresh)
-    args = argparse.Namespace(suite="cpu", only="context", quick=True, timeout=None, machine="other", out=str(out),
-                              update=True)
+    args = argparse.Namespace(
+        suite="cpu", only="context", quick=True, timeout=None, machine="other", out=str(out), update=True
+    )
     report = suite.run_suite(args)
     assert report["benchmarks"] == {"merge": first["benchmarks"]["merge"], "context": fresh}
     assert report["started_utc"] == first["started_utc"] and report["quick"] is False
@@ -169,8 +176,9 @@ def test_unknown_benchmark_name_is_rejected(suite):
 
 def test_unmeasured_figures_have_no_verdict(tools_on_path):
     report = _load("bench_report")
-    rows = report.evaluate({"logprobs": {"status": "missing"},
-                            "merge": {"status": "ok", "result": {"merged_over_unique_max": 1.2}}})
+    rows = report.evaluate(
+        {"logprobs": {"status": "missing"}, "merge": {"status": "ok", "result": {"merged_over_unique_max": 1.2}}}
+    )
     by_label = {r["figure"]: r for r in rows}
     lp = next(r for r in rows if r["benchmark"] == "logprobs")
     assert lp["value"] is None and lp["met"] is None and lp["display"] == "not measured"
@@ -212,8 +220,23 @@ def test_gpu_benchmark_skips_without_cuda_and_runs_its_code_on_cpu(tmp_path):
     assert proc.returncode == 0 and "skipped: no CUDA GPU" in proc.stdout, proc.stdout + proc.stderr[-2000:]
 
     out = tmp_path / "gpu.json"
-    cmd = [sys.executable, script, "--device", "cpu", "--model", "tiny", "--quick", "--prompts", "2", "--samples", "4",
-           "--micro-tokens", "4096", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        script,
+        "--device",
+        "cpu",
+        "--model",
+        "tiny",
+        "--quick",
+        "--prompts",
+        "2",
+        "--samples",
+        "4",
+        "--micro-tokens",
+        "4096",
+        "--out",
+        str(out),
+    ]
     proc = run_launch(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     r = json.loads(out.read_text())

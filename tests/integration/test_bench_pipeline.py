@@ -14,8 +14,22 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_bench_pipeline_tiny_run(tmp_path):
     out = tmp_path / "results.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, str(ROOT / "tools" / "bench_pipeline.py"), "--prompts", "4", "--samples", "2",
-           "--prompts-per-minibatch", "2", "--dp", "2", "--repeats", "1", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        str(ROOT / "tools" / "bench_pipeline.py"),
+        "--prompts",
+        "4",
+        "--samples",
+        "2",
+        "--prompts-per-minibatch",
+        "2",
+        "--dp",
+        "2",
+        "--repeats",
+        "1",
+        "--out",
+        str(out),
+    ]
     proc = run_launch(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     res = json.loads(out.read_text())

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import check_ok, run_torchrun
+
 from megatron_stepwise.mcore.weights import dist_checkpoint as C
 
 
@@ -98,8 +98,11 @@ def test_a_corrupt_latest_falls_back_and_none_good_is_one_clear_error(tmp_path):
     ]
     (tmp_path / "iter_0000002" / C.MANIFEST).unlink()  # an older checkpoint without a manifest
     assert C.choose_checkpoint(tmp_path, accept_unverified=True) == (tmp_path / "iter_0000002", False, warnings)
-    with pytest.raises(C.CheckpointError, match=r"iter_0000002 \(no manifest.json, so unverified "
-                                                r"\(checkpoint.accept_unverified=true loads it\)\)"):
+    with pytest.raises(
+        C.CheckpointError,
+        match=r"iter_0000002 \(no manifest.json, so unverified "
+        r"\(checkpoint.accept_unverified=true loads it\)\)",
+    ):
         C.choose_checkpoint(tmp_path)  # refused by default
     C.write_manifest(tmp_path / "iter_0000002")
     (tmp_path / "iter_0000002" / "metadata.json").write_text("{}  ")
@@ -160,8 +163,11 @@ def test_a_checkpoint_that_fails_to_load_falls_back_to_the_previous_one(tmp_path
     assert tried == ["iter_0000006", "iter_0000004"]
     # every one fails: one error naming each
     monkeypatch.setattr(C, "_load", lambda target, *a, **k: (_ for _ in ()).throw(OSError("bad")))
-    with pytest.raises(C.CheckpointError, match=r"no good checkpoint in .*iter_0000006 \(failed to load "
-                                                r"\(OSError: bad\)\); iter_0000004 .*; iter_0000002 "):
+    with pytest.raises(
+        C.CheckpointError,
+        match=r"no good checkpoint in .*iter_0000006 \(failed to load "
+        r"\(OSError: bad\)\); iter_0000004 .*; iter_0000002 ",
+    ):
         C.load_checkpoint([], ckpt_dir=ckpts)
 
 
@@ -172,8 +178,11 @@ def test_a_second_trainer_on_the_same_checkpoint_dir_is_refused(tmp_path):
     first = HeldLocks(run_locks(str(tmp_path / "run_a"), str(shared))).acquire()
     try:
         second = HeldLocks(run_locks(str(tmp_path / "run_b"), str(shared)))
-        with pytest.raises(RunDirLocked, match=rf"checkpoint directory {shared} is in use by another trainer: "
-                                               r"pid \d+ .*set checkpoint.dir to another directory"):
+        with pytest.raises(
+            RunDirLocked,
+            match=rf"checkpoint directory {shared} is in use by another trainer: "
+            r"pid \d+ .*set checkpoint.dir to another directory",
+        ):
             second.acquire()
         assert not second.locks[0].held  # its own run directory's lock is not kept either
     finally:

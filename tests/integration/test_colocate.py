@@ -15,11 +15,11 @@ import os
 import sys
 
 import pytest
-
 from helpers import REPO, TESTS, run_launch, tiny_lm
-from megatron_stepwise.rollout.engine import EngineReleasedError, SamplingParams, memory_tags
-from megatron_stepwise.rollout.embedded.hf_model import checkpoint_state
+
 from megatron_stepwise.rollout.embedded.engine import LocalEngine
+from megatron_stepwise.rollout.embedded.hf_model import checkpoint_state
+from megatron_stepwise.rollout.engine import EngineReleasedError, SamplingParams, memory_tags
 
 TOK, CONFIG = tiny_lm("tiny_char")
 PROMPT = [1, 30, 31, 32]
@@ -71,6 +71,7 @@ def test_engine_release_frees_the_weights_and_takes_them_back_in_sglang_order():
 
 def test_resumed_weights_without_an_update_refuse_to_generate():
     """Like SGLang without --enable-weights-cpu-backup, resumed weights hold no values."""
+
     async def scenario():
         engine = LocalEngine(CONFIG, eos_token_ids=[], seed=0)
         await engine.release_memory_occupation()  # no tags = all
@@ -143,8 +144,14 @@ def colocated_runs(tmp_path_factory):
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", MASTER_PORT=str(_free_port()))
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(var, None)
-    proc = run_launch([sys.executable, str(TESTS / "workers" / "colocate_worker.py"), str(out), str(root)], env=env,
-                          cwd=str(REPO), capture_output=True, text=True, timeout=300)
+    proc = run_launch(
+        [sys.executable, str(TESTS / "workers" / "colocate_worker.py"), str(out), str(root)],
+        env=env,
+        cwd=str(REPO),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -161,8 +168,15 @@ def test_colocated_trainer_releases_trains_resumes_updates_in_order(colocated_ru
     log = colocated_runs["colocated"]["log"]
     # The initial push (nothing released yet), then per iteration: rollout, release, the two
     # optimizer steps, weights back, the push, KV cache back; the next rollout follows.
-    iteration = ["generate", "release(kv_cache,weights)", "train", "train", "resume(weights)", "update",
-                 "resume(kv_cache)"]
+    iteration = [
+        "generate",
+        "release(kv_cache,weights)",
+        "train",
+        "train",
+        "resume(weights)",
+        "update",
+        "resume(kv_cache)",
+    ]
     assert log == ["update"] + iteration * 3
     assert colocated_runs["separate"]["log"] == ["update"] + ["generate", "train", "train", "update"] * 3
     for m in colocated_runs["colocated"]["metrics"]:
@@ -184,15 +198,18 @@ def test_colocation_changes_no_result(colocated_runs):
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_session")
 def test_fleet_fans_out_and_refuses_generation_while_released():
-    from megatron_stepwise.rollout.fleet import EngineSpec, RolloutFleet
     from megatron_stepwise.rollout.embedded.hf_model import build_causal_lm
+    from megatron_stepwise.rollout.fleet import EngineSpec, RolloutFleet
 
     target = checkpoint_state(build_causal_lm(CONFIG, seed=4))
     greedy = SamplingParams(temperature=0, max_new_tokens=4)
 
     async def scenario():
-        fleet = RolloutFleet([EngineSpec(model_config=CONFIG, seed=i, num_cpus=0.5) for i in range(2)],
-                             max_retries=2, request_timeout_s=60)
+        fleet = RolloutFleet(
+            [EngineSpec(model_config=CONFIG, seed=i, num_cpus=0.5) for i in range(2)],
+            max_retries=2,
+            request_timeout_s=60,
+        )
         await fleet.wait_ready()
         try:
             await fleet.release_memory_occupation(["weights", "kv_cache"])

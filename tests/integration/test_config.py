@@ -10,17 +10,16 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from megatron_stepwise.envs.base import get_env_spec, register_env
-from megatron_stepwise.envs.echo import EchoEnv
 import yaml
 from config_fakes import FakeProbes
+from helpers import run_launch
 
 from megatron_stepwise.config import ConfigError, ExperimentConfig, config_from_dict, load_config
 from megatron_stepwise.config.docs import render_markdown, render_text, sections
 from megatron_stepwise.config.fields import all_keys
+from megatron_stepwise.envs.base import get_env_spec, register_env
+from megatron_stepwise.envs.echo import EchoEnv
 from megatron_stepwise.hf.presets import tiny_config
-from helpers import run_launch
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs"
@@ -39,20 +38,23 @@ def _no_torchrun_world(monkeypatch):
 
 # ---- defaults inheritance -------------------------------------------------------------------
 
+
 def test_defaults_merge_depth_first_later_wins(tmp_path):
     write(tmp_path / "parts/root.yaml", "name: root\ndata: {epochs: 2, seed: 7}\noptim: {lr: 0.5}\n")
     # mid inherits root with a path relative to mid's own directory
-    write(tmp_path / "parts/mid.yaml", "defaults: root.yaml\nname: mid\ndata: {epochs: 3}\n"
-                                       "rollout: {sampling: {stop: [a, b]}}\n")
+    write(
+        tmp_path / "parts/mid.yaml",
+        "defaults: root.yaml\nname: mid\ndata: {epochs: 3}\nrollout: {sampling: {stop: [a, b]}}\n",
+    )
     write(tmp_path / "other.yaml", "optim: {lr: 0.25}\nrollout: {sampling: {stop: [c]}}\n")
     top = write(tmp_path / "top.yaml", "defaults: [parts/mid.yaml, other.yaml]\ndata: {samples_per_prompt: 2}\n")
     cfg = load_config(top)
-    assert cfg.name == "mid"                       # from mid, not overridden later
-    assert cfg.data.epochs == 3                    # mid beats root
-    assert cfg.data.seed == 7                      # root's sibling key survives the mapping merge
-    assert cfg.data.samples_per_prompt == 2        # the file itself is merged last
-    assert cfg.optim.lr == 0.25                    # a later default beats an earlier one
-    assert cfg.rollout.sampling.stop == ["c"]      # lists are replaced, not concatenated
+    assert cfg.name == "mid"  # from mid, not overridden later
+    assert cfg.data.epochs == 3  # mid beats root
+    assert cfg.data.seed == 7  # root's sibling key survives the mapping merge
+    assert cfg.data.samples_per_prompt == 2  # the file itself is merged last
+    assert cfg.optim.lr == 0.25  # a later default beats an earlier one
+    assert cfg.rollout.sampling.stop == ["c"]  # lists are replaced, not concatenated
     assert cfg.data.prompts_per_minibatch == ExperimentConfig().data.prompts_per_minibatch
 
 
@@ -86,6 +88,7 @@ def test_yaml_syntax_error_names_the_line(tmp_path):
 
 # ---- overrides and types --------------------------------------------------------------------
 
+
 class AnyOptionsEcho(EchoEnv):
     """An environment taking any options: `env.options` is a free mapping for it."""
 
@@ -98,17 +101,22 @@ register_env(dataclasses.replace(get_env_spec("echo"), name="any_options_echo", 
 
 
 def test_overrides_nested_lists_null_and_free_dicts(tmp_path):
-    path = write(tmp_path / "x.yaml", "model: {hf_checkpoint: /tmp}\nenv: {name: any_options_echo, "
-                                      "options: {level: 1, keep: true}}\n")
-    cfg = load_config(path, [
-        "rollout.sampling.temperature=0.7",
-        "rollout.sampling.stop=['</answer>', \"\\n\"]",
-        "model.hf_checkpoint=null",
-        "env.options.level=3",
-        "env.options.extra.depth=2",
-        "data.merge_steps=true",
-        "name=demo",
-    ])
+    path = write(
+        tmp_path / "x.yaml",
+        "model: {hf_checkpoint: /tmp}\nenv: {name: any_options_echo, options: {level: 1, keep: true}}\n",
+    )
+    cfg = load_config(
+        path,
+        [
+            "rollout.sampling.temperature=0.7",
+            "rollout.sampling.stop=['</answer>', \"\\n\"]",
+            "model.hf_checkpoint=null",
+            "env.options.level=3",
+            "env.options.extra.depth=2",
+            "data.merge_steps=true",
+            "name=demo",
+        ],
+    )
     assert cfg.rollout.sampling.temperature == 0.7
     assert cfg.rollout.sampling.stop == ["</answer>", "\n"]
     assert cfg.model.hf_checkpoint is None
@@ -155,14 +163,16 @@ def test_every_problem_is_reported_at_once():
     }
     with pytest.raises(ConfigError) as e:
         config_from_dict(data)
-    assert sorted(e.value.keys) == sorted(["modle", "parallel.tensor", "optim.lr", "data.prompts_per_minibatch",
-                                           "algo.loss.max_response_len"])
+    assert sorted(e.value.keys) == sorted(
+        ["modle", "parallel.tensor", "optim.lr", "data.prompts_per_minibatch", "algo.loss.max_response_len"]
+    )
     assert "did you mean 'model'" in str(e.value)
 
 
 def test_to_yaml_round_trips(tmp_path):
-    cfg = load_config(CONFIGS / "tiny_cpu.yaml", ["env.name=any_options_echo", "env.options.k=[1, 2]",
-                                                  "async.max_staleness=3"])
+    cfg = load_config(
+        CONFIGS / "tiny_cpu.yaml", ["env.name=any_options_echo", "env.options.k=[1, 2]", "async.max_staleness=3"]
+    )
     text = cfg.to_yaml()
     assert "async:" in text and "async_" not in text  # the YAML name of the section
     again = load_config(write(tmp_path / "resolved.yaml", text))
@@ -190,9 +200,12 @@ def test_an_unsupported_model_config_is_reported_by_validation(tmp_path):
 
 
 def test_custom_estimators_register_through_trainer_imports(tmp_path, monkeypatch):
-    write(tmp_path / "my_rl_plugin.py", "from megatron_stepwise import register_estimator\n"
-                                        "@register_estimator('test_plugin_adv')\n"
-                                        "def adv(rewards, groups, **options):\n    return rewards\n")
+    write(
+        tmp_path / "my_rl_plugin.py",
+        "from megatron_stepwise import register_estimator\n"
+        "@register_estimator('test_plugin_adv')\n"
+        "def adv(rewards, groups, **options):\n    return rewards\n",
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ConfigError) as e:  # not imported: unknown
         config_from_dict({"algo": {"estimator": "test_plugin_adv"}})
@@ -202,13 +215,21 @@ def test_custom_estimators_register_through_trainer_imports(tmp_path, monkeypatc
 
 
 def test_env_registry_and_presets_are_consulted_when_available():
-    probes = FakeProbes(registries={"env": ["echo", "math_tool"]},
-                        presets={"tiny": tiny_config(num_heads=4, num_layers=2)})
+    probes = FakeProbes(
+        registries={"env": ["echo", "math_tool"]}, presets={"tiny": tiny_config(num_heads=4, num_layers=2)}
+    )
     cfg = config_from_dict({"env": {"name": "math_tool"}}, probes=probes)
     assert cfg.env.name == "math_tool"
     with pytest.raises(ConfigError) as e:
-        config_from_dict({"env": {"name": "math_tol"}, "model": {"hf_config": "tinny"},
-                          "parallel": {"tensor": 8}, "launch": {"nproc_per_node": 8}}, probes=probes)
+        config_from_dict(
+            {
+                "env": {"name": "math_tol"},
+                "model": {"hf_config": "tinny"},
+                "parallel": {"tensor": 8},
+                "launch": {"nproc_per_node": 8},
+            },
+            probes=probes,
+        )
     text = str(e.value)
     assert e.value.keys == ["model.hf_config", "env.name"]  # tensor 8 vs tiny's 4 heads not checked: unknown preset
     assert "did you mean 'math_tool'" in text and "did you mean 'tiny'" in text
@@ -222,8 +243,9 @@ def test_loss_section_is_the_algo_loss_config():
     from megatron_stepwise.config.schema import LossConfig as SchemaLossConfig
 
     assert SchemaLossConfig is AlgoLossConfig  # declared once, in algo/losses.py
-    cfg = config_from_dict({"algo": {"loss": {"policy_loss": "cispo", "clip_high": 0.28, "tis": "token",
-                                              "options": {"x": [1]}}}})
+    cfg = config_from_dict(
+        {"algo": {"loss": {"policy_loss": "cispo", "clip_high": 0.28, "tis": "token", "options": {"x": [1]}}}}
+    )
     loss = cfg.algo.loss
     assert type(loss) is AlgoLossConfig
     assert (loss.policy_loss, loss.clip_high, loss.tis, loss.options) == ("cispo", 0.28, "token", {"x": [1]})
@@ -236,18 +258,23 @@ def test_loss_bounds_are_declared_once():
     from megatron_stepwise.algo.losses import LossConfig
     from megatron_stepwise.options import OptionError
 
-    cases = [({"clip_low": -0.1}, "algo.loss.clip_low", ">= 0.0"), ({"clip_low": 1.0}, "algo.loss.clip_low", "< 1.0"),
-             ({"clip_high": -0.1}, "algo.loss.clip_high", ">= 0.0"), ({"clip_c": 1.0}, "algo.loss.clip_c", "> 1.0"),
-             ({"tis_cap": 0.0}, "algo.loss.tis_cap", "> 0.0"), ({"icepop_low": -0.5}, "algo.loss.icepop_low", ">= 0.0"),
-             ({"icepop_low": 1.5}, "algo.loss.icepop_low", "< 1.0"),
-             ({"icepop_high": 0.9}, "algo.loss.icepop_high", "> 1.0"),
-             ({"max_response_len": 0}, "algo.loss.max_response_len", ">= 1"),
-             ({"reduction": "sum"}, "algo.loss.reduction", "token_mean, step_mean"),
-             ({"kl_estimator": "k4"}, "algo.loss.kl_estimator", "k1, k2, k3"),
-             ({"tis": "step"}, "algo.loss.tis", "none, token, sequence"),
-             ({"icepop_level": "row"}, "algo.loss.icepop_level", "token, sequence"),
-             ({"policy_loss": "cipso"}, "algo.loss.policy_loss", "did you mean 'cispo'"),
-             ({"reduction": "seq_mean_token_sum_norm"}, "algo.loss.max_response_len", "must be set")]
+    cases = [
+        ({"clip_low": -0.1}, "algo.loss.clip_low", ">= 0.0"),
+        ({"clip_low": 1.0}, "algo.loss.clip_low", "< 1.0"),
+        ({"clip_high": -0.1}, "algo.loss.clip_high", ">= 0.0"),
+        ({"clip_c": 1.0}, "algo.loss.clip_c", "> 1.0"),
+        ({"tis_cap": 0.0}, "algo.loss.tis_cap", "> 0.0"),
+        ({"icepop_low": -0.5}, "algo.loss.icepop_low", ">= 0.0"),
+        ({"icepop_low": 1.5}, "algo.loss.icepop_low", "< 1.0"),
+        ({"icepop_high": 0.9}, "algo.loss.icepop_high", "> 1.0"),
+        ({"max_response_len": 0}, "algo.loss.max_response_len", ">= 1"),
+        ({"reduction": "sum"}, "algo.loss.reduction", "token_mean, step_mean"),
+        ({"kl_estimator": "k4"}, "algo.loss.kl_estimator", "k1, k2, k3"),
+        ({"tis": "step"}, "algo.loss.tis", "none, token, sequence"),
+        ({"icepop_level": "row"}, "algo.loss.icepop_level", "token, sequence"),
+        ({"policy_loss": "cipso"}, "algo.loss.policy_loss", "did you mean 'cispo'"),
+        ({"reduction": "seq_mean_token_sum_norm"}, "algo.loss.max_response_len", "must be set"),
+    ]
     for values, key, fragment in cases:
         with pytest.raises(ConfigError) as from_yaml:
             config_from_dict({"algo": {"loss": values}})
@@ -259,8 +286,15 @@ def test_loss_bounds_are_declared_once():
         # The loader may add advice (where custom names come from), never a different verdict.
         assert f"{problem.key}: {problem.message}".startswith(str(from_python.value)), values
     # The values just inside the bounds pass both ways.
-    ok = {"clip_low": 0.0, "clip_high": 0.0, "icepop_low": 0.0, "icepop_high": 1.01, "clip_c": 1.01,
-          "reduction": "seq_mean_token_sum_norm", "max_response_len": 1}
+    ok = {
+        "clip_low": 0.0,
+        "clip_high": 0.0,
+        "icepop_low": 0.0,
+        "icepop_high": 1.01,
+        "clip_c": 1.01,
+        "reduction": "seq_mean_token_sum_norm",
+        "max_response_len": 1,
+    }
     assert config_from_dict({"algo": {"loss": ok}}).algo.loss == LossConfig(**ok)
 
 
@@ -274,9 +308,15 @@ def test_rollout_keys_are_declared_once_where_they_are_read():
     defaults, loop_defaults = ExperimentConfig().rollout, AgentLoopConfig()
     assert all(getattr(defaults, k) == getattr(loop_defaults, k) for k in ROLLOUT_KEYS)
     assert (defaults.drift_sample_rate, defaults.env_concurrency) == (0.125, 32)
-    cases = [("max_turns", 0, ">= 1"), ("context", "token", "retokenize, tokens"), ("max_input_length", 0, ">= 1"),
-             ("drift_sample_rate", 1.5, "<= 1.0"), ("drift_sample_rate", -0.1, ">= 0.0"),
-             ("env_concurrency", 0, ">= 1"), ("max_concurrency", 0, ">= 1")]
+    cases = [
+        ("max_turns", 0, ">= 1"),
+        ("context", "token", "retokenize, tokens"),
+        ("max_input_length", 0, ">= 1"),
+        ("drift_sample_rate", 1.5, "<= 1.0"),
+        ("drift_sample_rate", -0.1, ">= 0.0"),
+        ("env_concurrency", 0, ">= 1"),
+        ("max_concurrency", 0, ">= 1"),
+    ]
     for key, value, fragment in cases:
         with pytest.raises(ConfigError) as from_yaml:
             config_from_dict({"rollout": {key: value}})
@@ -284,8 +324,11 @@ def test_rollout_keys_are_declared_once_where_they_are_read():
             AgentLoopConfig(**{key: value})
         assert from_yaml.value.keys == [f"rollout.{key}"] == [from_python.value.key], key
         assert fragment in from_yaml.value.problems[0].message and fragment in str(from_python.value), key
-    for values, fragment in [({"top_k": 0}, "-1 (off) or >= 1"), ({"top_p": 0.0}, "> 0.0"),
-                             ({"temperature": 0.0}, ">= 0.0001")]:
+    for values, fragment in [
+        ({"top_k": 0}, "-1 (off) or >= 1"),
+        ({"top_p": 0.0}, "> 0.0"),
+        ({"temperature": 0.0}, ">= 0.0001"),
+    ]:
         with pytest.raises(ConfigError) as from_yaml:
             config_from_dict({"rollout": {"sampling": values}})
         with pytest.raises(OptionError) as from_python:
@@ -298,15 +341,31 @@ def test_rollout_keys_are_declared_once_where_they_are_read():
 def test_the_agent_loop_is_built_from_the_rollout_section():
     from megatron_stepwise.loop.components import build_agent_loop
 
-    cfg = config_from_dict({"rollout": {"max_turns": 3, "context": "tokens", "max_new_tokens": 17,
-                                        "drift_sample_rate": 0.5, "env_concurrency": 5, "env_error_reward": -1.0,
-                                        "sampling": {"temperature": 0.7, "top_k": 4, "stop": ["</a>"]}},
-                            "data": {"samples_per_prompt": 6}})
+    cfg = config_from_dict(
+        {
+            "rollout": {
+                "max_turns": 3,
+                "context": "tokens",
+                "max_new_tokens": 17,
+                "drift_sample_rate": 0.5,
+                "env_concurrency": 5,
+                "env_error_reward": -1.0,
+                "sampling": {"temperature": 0.7, "top_k": 4, "stop": ["</a>"]},
+            },
+            "data": {"samples_per_prompt": 6},
+        }
+    )
     loop = build_agent_loop(cfg, fleet=None, tokenizer=type("Tok", (), {"eos_token_id": 0})())
     try:
         c = loop.config
-        assert (c.max_turns, c.context, c.drift_sample_rate, c.env_concurrency, c.env_error_reward,
-                c.n_samples_per_prompt) == (3, "tokens", 0.5, 5, -1.0, 6)
+        assert (
+            c.max_turns,
+            c.context,
+            c.drift_sample_rate,
+            c.env_concurrency,
+            c.env_error_reward,
+            c.n_samples_per_prompt,
+        ) == (3, "tokens", 0.5, 5, -1.0, 6)
         s = c.sampling
         assert (s.max_new_tokens, s.temperature, s.top_k, s.stop) == (17, 0.7, 4, ["</a>"])
     finally:
@@ -321,12 +380,14 @@ def test_registered_custom_policy_loss_is_accepted_by_yaml_and_python(tmp_path, 
         "from megatron_stepwise import register_policy_loss\n"
         "@register_policy_loss('my_test_plugin_loss')\n"
         "def loss(inputs, cfg, segments):\n"
-        "    return -inputs.advantages * inputs.logprobs, {}\n")
+        "    return -inputs.advantages * inputs.logprobs, {}\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ValueError, match=r"algo\.loss\.policy_loss: 'my_test_plugin_loss' is not registered"):
         LossConfig(policy_loss="my_test_plugin_loss")
-    cfg = config_from_dict({"trainer": {"imports": ["my_test_loss_plugin"]},
-                            "algo": {"loss": {"policy_loss": "my_test_plugin_loss"}}})
+    cfg = config_from_dict(
+        {"trainer": {"imports": ["my_test_loss_plugin"]}, "algo": {"loss": {"policy_loss": "my_test_plugin_loss"}}}
+    )
     assert cfg.algo.loss.policy_loss == "my_test_plugin_loss"
     assert LossConfig(policy_loss="my_test_plugin_loss").policy_loss == "my_test_plugin_loss"
 
@@ -340,6 +401,7 @@ def test_trainer_imports_are_imported_and_failures_reported():
 
 
 # ---- docs -----------------------------------------------------------------------------------
+
 
 def test_every_key_is_documented_with_type_default_and_help():
     leaves = [leaf for _, _, ls in sections() for leaf in ls]
@@ -362,6 +424,7 @@ def test_docs_config_md_is_up_to_date():
 
 # ---- shipped configs --------------------------------------------------------------------------
 
+
 def shipped_configs() -> list[Path]:
     """Every experiment in configs/ (files starting with `_` are partials merged by recipes)."""
     return sorted(p for p in CONFIGS.rglob("*.yaml") if not p.name.startswith("_"))
@@ -379,8 +442,13 @@ def test_shipped_config_validates(path):
 
 def test_recipes_use_real_layouts():
     by_name = {p.stem: load_config(p, probes=FakeProbes()) for p in shipped_configs()}
-    assert {"tiny_cpu", "qwen2.5-1.5b_math_tool_1x8", "qwen2.5-1.5b_retrieval_1x8",
-            "qwen2.5-3b_math_tool_4x8", "qwen2.5-3b_retrieval_4x8"} <= set(by_name)
+    assert {
+        "tiny_cpu",
+        "qwen2.5-1.5b_math_tool_1x8",
+        "qwen2.5-1.5b_retrieval_1x8",
+        "qwen2.5-3b_math_tool_4x8",
+        "qwen2.5-3b_retrieval_4x8",
+    } <= set(by_name)
     tiny = by_name["tiny_cpu"]
     assert tiny.launch.gpus_per_node == 0 and tiny.launch.world_size() == 2 and tiny.rollout.engine == "embedded"
     # Qwen2.5 1.5B/3B have 2 KV heads, Qwen3-30B-A3B 4 (and 128 experts): TP must divide them.
@@ -413,11 +481,18 @@ def test_recipes_report_missing_sglang_on_this_machine():
 
 # ---- CLI --------------------------------------------------------------------------------------
 
+
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
-    return run_launch([sys.executable, "-m", "megatron_stepwise.cli", *args], capture_output=True, text=True,
-                          env=env, cwd=REPO, timeout=120)
+    return run_launch(
+        [sys.executable, "-m", "megatron_stepwise.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=120,
+    )
 
 
 def test_cli_validate_show_and_docs():

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import check_ok, run_torchrun
-from megatron_stepwise.mcore.train.model import tiny_config
 from weights_helpers import hf_model, load_json, make_hf_dir, make_tokenizer_dir, read_hf_dir
+
+from megatron_stepwise.mcore.train.model import tiny_config
 
 pytestmark = pytest.mark.distributed
 
@@ -28,7 +28,9 @@ CHECKPOINTS = {
 LAYOUTS = ["tp2pp1", "tp1pp2"]
 # every checkpoint at every layout, and the MoE ones with their experts split over 2 EP ranks
 CASES = [(name, layout) for name in CHECKPOINTS for layout in LAYOUTS] + [
-    ("qwen3moe-untied", "tp1pp1ep2"), ("mixtral-untied", "tp1pp1ep2")]
+    ("qwen3moe-untied", "tp1pp1ep2"),
+    ("mixtral-untied", "tp1pp1ep2"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +41,8 @@ def run(tmp_path_factory):
     make_tokenizer_dir(root / "tokenizer", vocab_size=256)
     (root / "out").mkdir()
     proc = run_torchrun(
-        "weights_worker.py", 2,
+        "weights_worker.py",
+        2,
         ["--hf-root", str(root / "hf"), "--out", str(root / "out"), "--tokenizer", str(root / "tokenizer")],
     )
     check_ok(proc)
@@ -77,7 +80,6 @@ def test_streamed_buckets_reach_rank0_complete(run, name, layout):
 @pytest.mark.parametrize("name", list(CHECKPOINTS))
 def test_export_loads_in_transformers_with_megatron_logits(run, name):
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from weights_worker import SEQUENCE
 
     exported = run / "out" / f"{name}-tp2pp1"

@@ -61,8 +61,9 @@ def test_rank0_result_position_and_unpicklable_error_reach_every_rank():
     for rank in (0, 1):
         r = results[rank]
         assert r["result"] == ["steps of rank 0"] and r["position"] == 7  # rank 0's data position
-        assert r["error"] == ("rollout failed on rank 0 at iteration 3: "
-                              "_UnpicklableError: engine 1 closed the connection")
+        assert r["error"] == (
+            "rollout failed on rank 0 at iteration 3: _UnpicklableError: engine 1 closed the connection"
+        )
 
 
 def _frozen_driver_worker(rank: int, store_path: str, results, unfreeze) -> None:
@@ -73,8 +74,9 @@ def _frozen_driver_worker(rank: int, store_path: str, results, unfreeze) -> None
     from megatron_stepwise.loop.components import cpu_group
 
     # The world keeps a long timeout: only the trainer's CPU group's own must apply.
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2,
-                            timeout=timedelta(minutes=10))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store_path}", rank=rank, world_size=2, timeout=timedelta(minutes=10)
+    )
     group = cpu_group(SimpleNamespace(parallel=SimpleNamespace(timeout_minutes=0.05)))  # 3 s
     out = {"timeout": group._get_backend(torch.device("cpu")).options._timeout}
     if rank == 0:
@@ -128,8 +130,13 @@ def _sharded_worker(rank: int, store_path: str, results) -> None:
         # model-parallel peers (here: 4 // dp ranks in a row) share a data-parallel rank
         handoff = Handoff(position, dp_rank=rank // (4 // dp))
         got = handoff.to_ranks(lambda: _rollout_shards(dp), "rollout", iteration=1)
-        out[dp] = {"rows": got.trajectory_ids, "tokens": int(got.tokens.numel()), "position": position.value,
-                   "bytes": handoff.bytes_received, "sent": handoff.bytes_sent}
+        out[dp] = {
+            "rows": got.trajectory_ids,
+            "tokens": int(got.tokens.numel()),
+            "position": position.value,
+            "bytes": handoff.bytes_received,
+            "sent": handoff.bytes_sent,
+        }
     try:
         handoff.to_ranks(lambda: 1 / 0, "rollout", iteration=2)
     except RuntimeError as e:
@@ -162,5 +169,7 @@ def test_each_rank_receives_only_its_data_parallel_shard():
     shards = [results[rank][2]["bytes"] for rank in (1, 2)]
     assert results[0][2]["sent"] == sum(shards) and results[2][2]["sent"] == results[3][2]["bytes"]
     assert results[0][4]["sent"] == sum(results[rank][4]["bytes"] for rank in (1, 2, 3))
-    assert all(results[rank]["error"] == "rollout failed on rank 0 at iteration 2: ZeroDivisionError: division by zero"
-               for rank in range(4))
+    assert all(
+        results[rank]["error"] == "rollout failed on rank 0 at iteration 2: ZeroDivisionError: division by zero"
+        for rank in range(4)
+    )

@@ -13,9 +13,9 @@ import sys
 
 import pytest
 import yaml
+from helpers import run_launch
 
 from megatron_stepwise.metrics.keys import describe, render_markdown
-from helpers import run_launch
 
 # Longer than the suite's 600 s: the module's training run (its launch allowed 900 s) before a test's own evaluation.
 pytestmark = pytest.mark.timeout(1200)
@@ -25,8 +25,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def _cli(*args, timeout=900):
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    return run_launch([sys.executable, "-m", "megatron_stepwise.cli", *args], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+    return run_launch(
+        [sys.executable, "-m", "megatron_stepwise.cli", *args],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +42,16 @@ def run(tmp_path_factory):
     extra = base / "extra.jsonl"
     extra.write_text("".join(json.dumps({"prompt_id": f"x{i}", "digits": [i % 4, 3 - i % 4]}) + "\n" for i in range(4)))
     run_dir = str(base / "run")
-    overrides = [f"logging.run_dir={run_dir}", "logging.progress=false", "trainer.iterations=2", "trainer.eval_every=1",
-                 "checkpoint.every=0", f"eval.sets.extra={extra}", "eval.samples_per_prompt=4", "eval.temperature=0.7"]
+    overrides = [
+        f"logging.run_dir={run_dir}",
+        "logging.progress=false",
+        "trainer.iterations=2",
+        "trainer.eval_every=1",
+        "checkpoint.every=0",
+        f"eval.sets.extra={extra}",
+        "eval.samples_per_prompt=4",
+        "eval.temperature=0.7",
+    ]
     out = _cli("train", "configs/tiny_cpu.yaml", *overrides)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return run_dir, overrides, out
@@ -55,8 +69,12 @@ def test_training_evaluates_every_named_set_and_the_final_policy(run):
     assert [r["iteration"] for r in lines] == [0, 1]  # one line per iteration, as before
     for r in lines:
         for prefix in ("eval/", "eval/extra/"):
-            assert {f"{prefix}reward/mean", f"{prefix}reward/pass@1", f"{prefix}reward/pass@4",
-                    f"{prefix}reward/maj@4"} <= set(r), sorted(r)
+            assert {
+                f"{prefix}reward/mean",
+                f"{prefix}reward/pass@1",
+                f"{prefix}reward/pass@4",
+                f"{prefix}reward/maj@4",
+            } <= set(r), sorted(r)
             assert f"{prefix}reward/pass@8" not in r  # eval.samples_per_prompt=4, not training's 8
     with open(os.path.join(run_dir, "eval", "final.json")) as f:
         final = json.load(f)
@@ -85,8 +103,11 @@ def test_eval_command_on_the_final_checkpoint_repeats_training_final_evaluation(
         groups = list(result["outcomes"][name].values())
         assert all(len(g) == 4 for g in groups)
         for k in (1, 2, 4):
-            brute = sum(sum(any(r >= threshold for r in sub) for sub in itertools.combinations(g, k))
-                        / len(list(itertools.combinations(g, k))) for g in groups) / len(groups)
+            brute = sum(
+                sum(any(r >= threshold for r in sub) for sub in itertools.combinations(g, k))
+                / len(list(itertools.combinations(g, k)))
+                for g in groups
+            ) / len(groups)
             assert result[f"{prefix}reward/pass@{k}"] == pytest.approx(brute)
         assert result[f"{prefix}reward/mean"] == pytest.approx(sum(map(sum, groups)) / (4 * len(groups)))
 
@@ -110,8 +131,9 @@ def test_the_run_directory_explains_itself(run):
 @pytest.mark.slow
 def test_resume_with_another_config_names_the_keys_and_the_remedies(run):
     run_dir, overrides, _ = run
-    out = _cli("train", "configs/tiny_cpu.yaml", *overrides, "trainer.iterations=3", "algo.loss.clip_high=0.3",
-               "optim.lr=1e-3")
+    out = _cli(
+        "train", "configs/tiny_cpu.yaml", *overrides, "trainer.iterations=3", "algo.loss.clip_high=0.3", "optim.lr=1e-3"
+    )
     assert out.returncode == 2, out.stderr[-3000:]
     assert "algo.loss.clip_high: 0.2 in the checkpoint, 0.3 now" in out.stderr
     assert "optim.lr: 0.002 -> 0.001" in out.stderr  # named too, as a key a resume may change
@@ -131,7 +153,9 @@ def test_every_key_of_a_real_run_is_in_the_generated_metrics_reference(run):
 
 def test_metrics_reference_is_generated_and_a_new_key_is_undocumented():
     with open(os.path.join(ROOT, "docs", "metrics.md")) as f:
-        assert f.read() == render_markdown(), "regenerate: megatron-stepwise config metrics --markdown > docs/metrics.md"
+        assert f.read() == render_markdown(), (
+            "regenerate: megatron-stepwise config metrics --markdown > docs/metrics.md"
+        )
     assert describe("reward/pass@16").pattern == "reward/pass@<k>"
     assert describe("eval/hard_set/reward/maj@4").pattern == "eval/[<set>/]reward/maj@<k>"
     assert describe("train/some_new_loss_term") is None and describe("reward/pass@best") is None
@@ -150,12 +174,29 @@ def test_rollout_preview_prints_trajectories_turn_by_turn_with_an_env_errors_tra
         "    def step(self, text):\n"
         "        if self.target == 1:\n"
         "            raise KeyError('no such target')\n"
-        "        return [{'role': 'user', 'content': 'again'}], 0.5, False, {}\n")
+        "        return [{'role': 'user', 'content': 'again'}], 0.5, False, {}\n"
+    )
     env = dict(os.environ, PYTHONPATH=f"{ROOT}:{tmp_path}", OMP_NUM_THREADS="1")
-    out = run_launch([sys.executable, "-m", "megatron_stepwise.cli", "rollout", "configs/tiny_cpu.yaml",
-                          "env.name=guess_env:Guess", "env.dataset_options={}", "data.shuffle=false",
-                          "rollout.max_turns=2", "-n", "2"],
-                         env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = run_launch(
+        [
+            sys.executable,
+            "-m",
+            "megatron_stepwise.cli",
+            "rollout",
+            "configs/tiny_cpu.yaml",
+            "env.name=guess_env:Guess",
+            "env.dataset_options={}",
+            "data.shuffle=false",
+            "rollout.max_turns=2",
+            "-n",
+            "2",
+        ],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout
     assert text.count("=== trajectory") == 2 and "=== trajectory row0#0 ===" in text

@@ -9,13 +9,13 @@ import collections
 
 import pytest
 import torch
-
 from helpers import tiny_lm
+
 from megatron_stepwise.envs.echo import echo_dataset
 from megatron_stepwise.rollout.agent_loop import AgentLoop, AgentLoopConfig
+from megatron_stepwise.rollout.embedded.hf_model import build_causal_lm
 from megatron_stepwise.rollout.engine import SamplingParams
 from megatron_stepwise.rollout.fleet import EngineSpec, RolloutFleet
-from megatron_stepwise.rollout.embedded.hf_model import build_causal_lm
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session")]
 
@@ -33,8 +33,14 @@ def test_killing_an_engine_mid_rollout_loses_and_duplicates_nothing():
     async def scenario():
         fleet = RolloutFleet(specs(3), max_concurrency=48, max_retries=2, request_timeout_s=60)
         await fleet.wait_ready()
-        loop = AgentLoop(fleet, TOK, "echo", AgentLoopConfig(
-            max_turns=3, max_input_length=100, n_samples_per_prompt=n, sampling=SamplingParams(max_new_tokens=16)))
+        loop = AgentLoop(
+            fleet,
+            TOK,
+            "echo",
+            AgentLoopConfig(
+                max_turns=3, max_input_length=100, n_samples_per_prompt=n, sampling=SamplingParams(max_new_tokens=16)
+            ),
+        )
         task = asyncio.create_task(loop.rollout(samples))
         # Kill engine 1 while it has turns in flight (so they must be retried elsewhere).
         deadline = asyncio.get_running_loop().time() + 120

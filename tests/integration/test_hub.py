@@ -14,21 +14,27 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from helpers import run_launch
 
-from megatron_stepwise.hf import hub
 from megatron_stepwise.cli import main as cli_main
 from megatron_stepwise.config import ConfigError, config_from_dict
-from megatron_stepwise.hf.tokenizers import load_tokenizer, tokenizer_dir
-from megatron_stepwise.hf.hub import (CHECKPOINT_FILES, TOKENIZER_FILES, ModelSourceError, locate_offline,
-                                   resolve_model_dir)
+from megatron_stepwise.hf import hub
+from megatron_stepwise.hf.hub import (
+    CHECKPOINT_FILES,
+    TOKENIZER_FILES,
+    ModelSourceError,
+    locate_offline,
+    resolve_model_dir,
+)
 from megatron_stepwise.hf.presets import resolve_hf_config, tiny_config
-from helpers import run_launch
+from megatron_stepwise.hf.tokenizers import load_tokenizer, tokenizer_dir
 
 REPO = Path(__file__).resolve().parents[2]
 REPO_ID = "Org/Name"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
-CONFIG = tiny_config(vocab_size=len(json.loads((tokenizer_dir("tiny_word") / "tokenizer.json").read_text())
-                                    ["model"]["vocab"]))
+CONFIG = tiny_config(
+    vocab_size=len(json.loads((tokenizer_dir("tiny_word") / "tokenizer.json").read_text())["model"]["vocab"])
+)
 
 
 def add_to_cache(cache: Path, repo_id: str, files: dict[str, str]) -> Path:
@@ -96,7 +102,9 @@ def test_absent_ids_raise_naming_the_key(hf_cache):
     with pytest.raises(ModelSourceError) as e:
         resolve_hf_config("Org/Absent")
     text = str(e.value)
-    assert text.startswith("model.hf_config='Org/Absent': not a preset (tiny, tiny_qwen3, tiny_qwen3_moe, tiny_mixtral), not a local path")
+    assert text.startswith(
+        "model.hf_config='Org/Absent': not a preset (tiny, tiny_qwen3, tiny_qwen3_moe, tiny_mixtral), not a local path"
+    )
     assert "HF_HUB_OFFLINE=1" in text and str(hf_cache) in text
     with pytest.raises(ModelSourceError, match=r"^model.hf_checkpoint='Org/Absent': not a preset"):
         resolve_hf_config("Org/Absent", key="model.hf_checkpoint")
@@ -140,8 +148,12 @@ def test_download_when_online_fetches_only_the_files_needed(hf_cache, monkeypatc
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
     assert resolve_hf_config("Org/New") == CONFIG
     assert resolve_model_dir("Org/New", key="model.hf_checkpoint", files=CHECKPOINT_FILES).is_dir()
-    assert calls == [("Org/New", True, ("config.json",)), ("Org/New", False, ("config.json",)),
-                     ("Org/New", True, CHECKPOINT_FILES), ("Org/New", False, CHECKPOINT_FILES)]
+    assert calls == [
+        ("Org/New", True, ("config.json",)),
+        ("Org/New", False, ("config.json",)),
+        ("Org/New", True, CHECKPOINT_FILES),
+        ("Org/New", False, CHECKPOINT_FILES),
+    ]
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # offline: no download attempt, a clear error
     calls.clear()
     with pytest.raises(ModelSourceError, match="HF_HUB_OFFLINE=1"):
@@ -151,6 +163,7 @@ def test_download_when_online_fetches_only_the_files_needed(hf_cache, monkeypatc
 
 # ---- validation ---------------------------------------------------------------------------------
 
+
 def test_validation_checks_hub_ids_against_the_cache(hf_cache, monkeypatch):
     config_from_dict({"model": {"hf_config": REPO_ID, "tokenizer": REPO_ID}})
     with pytest.raises(ConfigError) as e:
@@ -159,13 +172,14 @@ def test_validation_checks_hub_ids_against_the_cache(hf_cache, monkeypatch):
     assert "looked for *.safetensors" in str(e.value) and "model.allow_download=true" in str(e.value)
     # the parallel layout is checked against the cached config (4 heads, 2 KV heads)
     with pytest.raises(ConfigError) as e:
-        config_from_dict({"model": {"hf_config": REPO_ID}, "parallel": {"tensor": 4},
-                          "launch": {"nproc_per_node": 4}})
+        config_from_dict({"model": {"hf_config": REPO_ID}, "parallel": {"tensor": 4}, "launch": {"nproc_per_node": 4}})
     assert e.value.keys == ["parallel.tensor"] and "Org/Name" in str(e.value)
     allowed = {"model": {"hf_config": "Org/Absent", "hf_checkpoint": "Org/Absent", "allow_download": True}}
     with pytest.raises(ConfigError) as e:  # offline (the fixture): a download could never happen
         config_from_dict(allowed)
-    assert e.value.keys == ["model.allow_download"] and "HF_HUB_OFFLINE=1 forbids downloading 'Org/Absent'" in str(e.value)
+    assert e.value.keys == ["model.allow_download"] and "HF_HUB_OFFLINE=1 forbids downloading 'Org/Absent'" in str(
+        e.value
+    )
     monkeypatch.delenv("HF_HUB_OFFLINE")
     config_from_dict(allowed)
 
@@ -180,8 +194,14 @@ def test_cli_validate_exits_2_for_an_unresolvable_hub_id(hf_cache, tmp_path):
     path = write_config(tmp_path, {"hf_config": "Org/Absent"})
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # HF_HOME, HF_HUB_CACHE, HF_HUB_OFFLINE=1 from the fixture
     env.pop("WORLD_SIZE", None)
-    result = run_launch([str(REPO / ".venv/bin/megatron-stepwise"), "validate", str(path)], capture_output=True,
-                            text=True, env=env, cwd=REPO, timeout=120)
+    result = run_launch(
+        [str(REPO / ".venv/bin/megatron-stepwise"), "validate", str(path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=120,
+    )
     assert result.returncode == 2, result.stderr
     assert "- model.hf_config: 'Org/Absent' is neither a local path nor in the Hugging Face cache" in result.stderr
     assert "Traceback" not in result.stderr
@@ -203,8 +223,10 @@ def test_cli_validate_passes_a_cached_id_or_allowed_download(hf_cache, tmp_path,
 
 def test_hub_module_is_megatron_free():
     # (the package's __init__ imports torch; hub.py itself adds no heavy import)
-    code = ("import sys, megatron_stepwise.hf.hub; "
-            "bad = [m for m in sys.modules if m.split('.')[0] in ('megatron', 'ray', 'transformers', "
-            "'huggingface_hub')]; assert not bad, bad")
+    code = (
+        "import sys, megatron_stepwise.hf.hub; "
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('megatron', 'ray', 'transformers', "
+        "'huggingface_hub')]; assert not bad, bad"
+    )
     subprocess.run([str(REPO / ".venv/bin/python"), "-c", code], check=True, cwd=REPO, timeout=60)
     assert hub.looks_like_path("./x") and not hub.looks_like_path("Org/Name")

@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from config_fakes import FakeProbes
 from helpers import load_script
+
 from megatron_stepwise.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -26,15 +26,19 @@ RECIPE_4X8 = "configs/recipes/qwen2.5-3b_retrieval_4x8.yaml"
 
 # ---- node lists -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("text,hosts", [
-    ("node01", ["node01"]),
-    ("node[01-04]", ["node01", "node02", "node03", "node04"]),
-    ("a[01-04,07],b3", ["a01", "a02", "a03", "a04", "a07", "b3"]),
-    ("gpu[8-11]", ["gpu8", "gpu9", "gpu10", "gpu11"]),
-    ("x[098-101]", ["x098", "x099", "x100", "x101"]),
-    ("rack[1-2]-n[1,3]", ["rack1-n1", "rack1-n3", "rack2-n1", "rack2-n3"]),
-    ("c1, c2 ,d[5]", ["c1", "c2", "d5"]),
-])
+
+@pytest.mark.parametrize(
+    "text,hosts",
+    [
+        ("node01", ["node01"]),
+        ("node[01-04]", ["node01", "node02", "node03", "node04"]),
+        ("a[01-04,07],b3", ["a01", "a02", "a03", "a04", "a07", "b3"]),
+        ("gpu[8-11]", ["gpu8", "gpu9", "gpu10", "gpu11"]),
+        ("x[098-101]", ["x098", "x099", "x100", "x101"]),
+        ("rack[1-2]-n[1,3]", ["rack1-n1", "rack1-n3", "rack2-n1", "rack2-n3"]),
+        ("c1, c2 ,d[5]", ["c1", "c2", "d5"]),
+    ],
+)
 def test_expand_nodelist(text, hosts):
     assert expand_nodelist(text) == hosts
 
@@ -46,6 +50,7 @@ def test_expand_nodelist_rejects_malformed_lists(text):
 
 
 # ---- plans through the API (recipes need sglang, which this machine lacks: fake probes) ---------
+
 
 def job(config: str, *overrides: str) -> plan.Job:
     cfg = load_config(REPO / config, overrides, probes=FakeProbes())
@@ -94,12 +99,12 @@ def test_slurm_plan_for_four_nodes():
         assert opt(w, "--nnodes") == "2" and opt(w, "--nproc-per-node") == "8"
         assert opt(w, "--rdzv-endpoint") == f"node01:{port}" and opt(w, "--rdzv-backend") == "static"
         assert opt(w, "CUDA_VISIBLE_DEVICES") == "0,1,2,3,4,5,6,7"
-        tail = w[w.index("-m"):]
+        tail = w[w.index("-m") :]
         assert tail[:4] == ["-m", "megatron_stepwise.cli", "train", RECIPE_4X8]
         assert tail[-1] == "rollout.ray_address=$HEAD_IP:6379"
     # Ray must be up on all 4 nodes before training starts
     text = "\n".join(lines)
-    assert text.index("wait-ray \"$HEAD_IP:6379\" 4") < text.index("torchrun")
+    assert text.index('wait-ray "$HEAD_IP:6379" 4') < text.index("torchrun")
     # every `ray start` runs its workers at niceness 0, not Ray's 15 (busy ranks would starve them)
     assert text.index('export RAY_worker_niceness="${RAY_worker_niceness:-0}"') < text.index("ray start --head")
 
@@ -126,8 +131,10 @@ def test_slurm_plan_rejects_allocations_that_do_not_fit():
 
 
 def test_slurm_plan_joins_an_existing_ray_cluster_and_notes_unused_nodes():
-    lines = plan.plan_slurm(job("configs/tiny_cpu.yaml", "rollout.ray_address=10.0.0.5:6379"),
-                            slurm_env("cpu[1-3]", 3, job_id="77", gpus=None))
+    lines = plan.plan_slurm(
+        job("configs/tiny_cpu.yaml", "rollout.ray_address=10.0.0.5:6379"),
+        slurm_env("cpu[1-3]", 3, job_id="77", gpus=None),
+    )
     assert commands(lines, "ray") == [] and "# note: nodes not used by this layout: cpu2,cpu3" in lines
     (train,) = commands(lines, "torchrun")
     assert opt(train, "--rdzv-endpoint") == "cpu1:20077" and opt(train, "OMP_NUM_THREADS") == "1"
@@ -156,12 +163,14 @@ def test_colocated_plans_give_ray_the_training_gpus_too():
 
 # ---- the scripts' dry runs, as a user runs them ----------------------------------------------
 
+
 def run_script(script: str, *args: str, extra_env: dict[str, str] | None = None, cwd: Path = REPO):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     env.update({"PYTHON": sys.executable, "OMP_NUM_THREADS": "1", **(extra_env or {})})
     env.pop("WORLD_SIZE", None)
-    return subprocess.run(["bash", str(REPO / "launch" / script), *args], capture_output=True, text=True, env=env,
-                          cwd=cwd, timeout=120)
+    return subprocess.run(
+        ["bash", str(REPO / "launch" / script), *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=120
+    )
 
 
 def test_train_local_dry_run_for_the_tiny_experiment(tmp_path):
@@ -170,12 +179,23 @@ def test_train_local_dry_run_for_the_tiny_experiment(tmp_path):
     lines = result.stdout.splitlines()
     (train,) = commands(lines, "torchrun")
     assert train[:2] == ["env", "OMP_NUM_THREADS=1"]
-    assert train[2:] == ["torchrun", "--standalone", "--nnodes=1", "--nproc-per-node=2", "-m", "megatron_stepwise.cli",
-                         "train", "configs/tiny_cpu.yaml", "trainer.iterations=3"]
+    assert train[2:] == [
+        "torchrun",
+        "--standalone",
+        "--nnodes=1",
+        "--nproc-per-node=2",
+        "-m",
+        "megatron_stepwise.cli",
+        "train",
+        "configs/tiny_cpu.yaml",
+        "trainer.iterations=3",
+    ]
     assert commands(lines, "ray") == []  # on CPU rank 0 starts its own Ray instance
     assert f"cd {REPO}" in lines  # the directory it was started from, as `megatron-stepwise train`
-    assert ("export MEGATRON_STEPWISE_COMMAND='[\"launch/train_local.sh\", \"configs/tiny_cpu.yaml\", "
-            "\"trainer.iterations=3\"]'") in lines  # what run.json records
+    assert (
+        'export MEGATRON_STEPWISE_COMMAND=\'["launch/train_local.sh", "configs/tiny_cpu.yaml", '
+        '"trainer.iterations=3"]\''
+    ) in lines  # what run.json records
     # run from another directory: the plan runs there (relative paths resolve there), the config by its path
     elsewhere = run_script("train_local.sh", "--dry-run", str(REPO / "configs/tiny_cpu.yaml"), cwd=tmp_path)
     assert f"cd {tmp_path}" in elsewhere.stdout.splitlines()
@@ -187,9 +207,20 @@ def test_train_local_dry_run_for_the_tiny_experiment(tmp_path):
 def test_train_slurm_dry_run_under_a_simulated_allocation():
     servers = "rollout.sglang.servers=[" + ",".join(f"h{i}:30000" for i in range(16)) + "]"  # no sglang here
     # The recipe's hub ids are not in this machine's cache: the nodes will download them.
-    result = run_script("train_slurm.sbatch", "--dry-run", RECIPE_4X8, servers, "model.allow_download=true",
-                        extra_env={"SLURM_JOB_NODELIST": "node[01-04]", "SLURM_NNODES": "4", "SLURM_JOB_ID": "9",
-                                   "SLURM_GPUS_ON_NODE": "8", "SLURM_SUBMIT_DIR": str(REPO)})
+    result = run_script(
+        "train_slurm.sbatch",
+        "--dry-run",
+        RECIPE_4X8,
+        servers,
+        "model.allow_download=true",
+        extra_env={
+            "SLURM_JOB_NODELIST": "node[01-04]",
+            "SLURM_NNODES": "4",
+            "SLURM_JOB_ID": "9",
+            "SLURM_GPUS_ON_NODE": "8",
+            "SLURM_SUBMIT_DIR": str(REPO),
+        },
+    )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     trains = commands(lines, "torchrun")
@@ -203,8 +234,13 @@ def test_train_slurm_dry_run_under_a_simulated_allocation():
 def test_dry_runs_report_bad_configs_and_allocations_with_exit_2():
     bad = run_script("train_local.sh", "--dry-run", "configs/tiny_cpu.yaml", "parallel.tensor=3")
     assert bad.returncode == 2 and "- parallel: world size 2" in bad.stderr and "Traceback" not in bad.stderr
-    small = run_script("train_slurm.sbatch", "--dry-run", "configs/tiny_cpu.yaml", "launch.nnodes=2",
-                       extra_env={"SLURM_JOB_NODELIST": "n1", "SLURM_NNODES": "1"})
+    small = run_script(
+        "train_slurm.sbatch",
+        "--dry-run",
+        "configs/tiny_cpu.yaml",
+        "launch.nnodes=2",
+        extra_env={"SLURM_JOB_NODELIST": "n1", "SLURM_NNODES": "1"},
+    )
     assert small.returncode == 2 and "launch.nnodes" in small.stderr and small.stdout == ""
     outside = run_script("train_slurm.sbatch", "--dry-run", "configs/tiny_cpu.yaml")
     assert outside.returncode == 2 and "SLURM_JOB_NODELIST: not set" in outside.stderr
@@ -234,8 +270,13 @@ def test_help_prints_usage_and_runs_nothing(script, tmp_path):
     # No python on PATH either: --help must not need it (it used to exit 127 looking for one).
     bare = {"PATH": "/usr/bin:/bin", "PYTHON": str(tmp_path / "must-not-run")}
     for flag in ("--help", "-h"):
-        out = subprocess.run(["bash", str(REPO / "launch" / script), flag, "configs/tiny_cpu.yaml"], env=bare,
-                             capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            ["bash", str(REPO / "launch" / script), flag, "configs/tiny_cpu.yaml"],
+            env=bare,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert out.returncode == 0 and out.stderr == "", out.stderr
         assert "CONFIG [KEY=VALUE ...]" in out.stdout and "--dry-run" in out.stdout
         assert "#SBATCH" not in out.stdout and "set -euo" not in out.stdout
@@ -244,15 +285,25 @@ def test_help_prints_usage_and_runs_nothing(script, tmp_path):
 def test_a_launch_without_python_on_path_says_how_to_activate_the_environment():
     # As with no activated environment: the interpreter the script would use is not on PATH.
     env = {"PATH": os.environ["PATH"], "PYTHON": "no-such-python-for-this-test"}
-    out = subprocess.run(["bash", str(REPO / "launch" / "train_local.sh"), "configs/tiny_cpu.yaml"], env=env,
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        ["bash", str(REPO / "launch" / "train_local.sh"), "configs/tiny_cpu.yaml"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2 and "source .venv/bin/activate" in out.stderr
 
 
 def test_gpu_recipe_dry_run_from_a_cpu_login_node_with_skip_local_checks():
     """No sglang here and no servers listed: refused as this machine, planned for the nodes."""
-    env = {"SLURM_JOB_NODELIST": "node[01-04]", "SLURM_NNODES": "4", "SLURM_JOB_ID": "9", "SLURM_GPUS_ON_NODE": "8",
-           "SLURM_SUBMIT_DIR": str(REPO)}
+    env = {
+        "SLURM_JOB_NODELIST": "node[01-04]",
+        "SLURM_NNODES": "4",
+        "SLURM_JOB_ID": "9",
+        "SLURM_GPUS_ON_NODE": "8",
+        "SLURM_SUBMIT_DIR": str(REPO),
+    }
     if importlib.util.find_spec("sglang") is None:  # this machine cannot launch SGLang servers itself
         here = run_script("train_slurm.sbatch", "--dry-run", RECIPE_4X8, "model.allow_download=true", extra_env=env)
         assert here.returncode == 2 and "sglang" in here.stderr

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import grimp
 import networkx
-
 from helpers import run_launch
 
 REPO = Path(__file__).resolve().parents[2]

@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from helpers import run_launch
 
 from megatron_stepwise import (
     LossConfig,
@@ -15,7 +16,6 @@ from megatron_stepwise import (
     register_policy_loss,
 )
 from megatron_stepwise.algo.losses import kl_estimate
-from helpers import run_launch
 
 D = 1e-3  # "just inside / just outside" a bound, relative
 
@@ -279,9 +279,11 @@ def test_loss_config_is_declared_without_the_config_package():
     """algo/ sits below config/: LossConfig's options come from the pure-Python base module."""
     import sys
 
-    code = ("import sys, megatron_stepwise.algo.losses as L; L.LossConfig(); "
-            "print([m for m in sys.modules if m.startswith('megatron_stepwise.config') "
-            "or m.split('.')[0] in ('megatron', 'ray', 'yaml')])")
+    code = (
+        "import sys, megatron_stepwise.algo.losses as L; L.LossConfig(); "
+        "print([m for m in sys.modules if m.startswith('megatron_stepwise.config') "
+        "or m.split('.')[0] in ('megatron', 'ray', 'yaml')])"
+    )
     out = run_launch([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == "[]"
 

@@ -14,14 +14,15 @@ import re
 
 import pytest
 import torch
-
 from helpers import REPO, run_torchrun
 
 pytestmark = [
     pytest.mark.distributed,
-    pytest.mark.skipif(not os.environ.get("MEGATRON_LM_SRC"),
-                       reason="MEGATRON_LM_SRC is not set: Megatron-LM's training source (tag core_v0.16.1) is needed; "
-                              ".ci/run sets it where the third-party copy exists"),
+    pytest.mark.skipif(
+        not os.environ.get("MEGATRON_LM_SRC"),
+        reason="MEGATRON_LM_SRC is not set: Megatron-LM's training source (tag core_v0.16.1) is needed; "
+        ".ci/run sets it where the third-party copy exists",
+    ),
 ]
 
 ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "1", "CUDA_VISIBLE_DEVICES": ""}
@@ -50,8 +51,13 @@ def printed_metrics(stdout: str) -> dict[int, dict[str, float]]:
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_pretrain_matches_train_minibatch(tmp_path, layout):
-    proc = run_torchrun(str(REPO / "tests" / "workers" / "megatron_lm_worker.py"), 2, [str(tmp_path)] + LAYOUTS[layout],
-                        timeout=600, env=ENV)
+    proc = run_torchrun(
+        str(REPO / "tests" / "workers" / "megatron_lm_worker.py"),
+        2,
+        [str(tmp_path)] + LAYOUTS[layout],
+        timeout=600,
+        env=ENV,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     r = torch.load(tmp_path / "result.pt", weights_only=False)
     logged, reference = r["logged"], r["reference"]
@@ -68,7 +74,9 @@ def test_pretrain_matches_train_minibatch(tmp_path, layout):
         assert {"loss", "pg_loss", "entropy", "tokens/trained", "logprob_gap/train_vs_rollout"} <= set(got["loss_dict"])
         assert not any(k.endswith("_max") or k.startswith("_") for k in got["loss_dict"])
         for key, value in got["loss_dict"].items():
-            assert abs(value - want[key]) <= 1e-6 * max(abs(want[key]), 1e-3), f"step {step} {key}: {value} vs {want[key]}"
+            assert abs(value - want[key]) <= 1e-6 * max(abs(want[key]), 1e-3), (
+                f"step {step} {key}: {value} vs {want[key]}"
+            )
 
     # The console: a value averaged over the iterations since the last print (Megatron-LM does not
     # reset after the first iteration) and printed only when positive.
@@ -88,8 +96,9 @@ def test_pretrain_matches_train_minibatch(tmp_path, layout):
 def test_a_global_batch_too_small_for_the_mini_batch_is_an_error(tmp_path):
     """Megatron-LM runs global_batch / (micro_batch x DP) micro-batches per step; a mini-batch that
     needs more stops the run with both numbers named instead of straddling optimizer steps."""
-    proc = run_torchrun(str(REPO / "tools" / "megatron_lm_pretrain.py"), 1, ["--global-batch-size", "4"],
-                        timeout=600, env=ENV)
+    proc = run_torchrun(
+        str(REPO / "tools" / "megatron_lm_pretrain.py"), 1, ["--global-batch-size", "4"], timeout=600, env=ENV
+    )
     assert proc.returncode != 0
     out = proc.stdout + proc.stderr
     assert "HostLoopMismatchError: this mini-batch needs 6 micro-batches of <= 256 tokens per DP rank" in out

@@ -30,6 +30,7 @@ pytest.importorskip("megatron.core")
 
 import megatron_cases as cases  # noqa: E402
 from helpers import check_ok, run_torchrun  # noqa: E402
+
 from megatron_stepwise.mcore.train.model import tiny_config  # noqa: E402
 
 # Longer than the suite's 600 s: a comparison runs up to three torchrun layouts, each allowed 900 s on a busy machine.
@@ -176,8 +177,9 @@ def assert_metrics_close(got: dict, want: dict, what: str, rtol: float = RTOL, f
         assert abs(a - b) <= rtol * max(abs(b), floor), f"{what} {key}: {a!r} vs baseline {b!r}"
 
 
-def assert_logprobs_match_reference(result: dict, tied: bool, atol: float = 1e-5, vocab: int = 256,
-                                    moe: bool = False) -> None:
+def assert_logprobs_match_reference(
+    result: dict, tied: bool, atol: float = 1e-5, vocab: int = 256, moe: bool = False
+) -> None:
     for merged, key in ((False, "logprobs"), (True, "merged_logprobs")):
         ref = reference_logprobs(result, tied, merged, vocab, moe)
         err = float((result[key] - ref).abs().max())
@@ -247,15 +249,24 @@ def test_bf16_layout_matches_fp32_baseline(results, layout):
     # Same weights up to bf16 rounding; the full-logits reference runs in fp32 at the bf16 weights.
     assert_tensors_close_l2(res["init_params"], base["init_params"], 2**-8, "initial weights")
     assert_logprobs_match_reference(res, tied="tied=1" in options, atol=BF16_TOL["logprobs_abs"])
-    assert_metrics_close(res["metrics"], base["metrics"], "metrics", rtol=BF16_TOL["metrics_rel"],
-                         floor=BF16_METRIC_FLOOR)
-    assert_metrics_close(res["merged_metrics"], base["merged_metrics"], "merged-batch metrics",
-                         rtol=BF16_TOL["metrics_rel"], floor=BF16_METRIC_FLOOR)
+    assert_metrics_close(
+        res["metrics"], base["metrics"], "metrics", rtol=BF16_TOL["metrics_rel"], floor=BF16_METRIC_FLOOR
+    )
+    assert_metrics_close(
+        res["merged_metrics"],
+        base["merged_metrics"],
+        "merged-batch metrics",
+        rtol=BF16_TOL["metrics_rel"],
+        floor=BF16_METRIC_FLOOR,
+    )
     if "grads" in res:
         assert_tensors_close_l2(res["grads"], base["grads"], BF16_TOL["grads_rel"], "gradients")
-        assert_tensors_close_l2(res["merged_grads"], base["merged_grads"], BF16_TOL["grads_rel"], "merged-batch gradients")
-    assert_tensors_close_l2(res["params_after_step"], base["params_after_step"], BF16_TOL["params_rel"],
-                            "parameters after one step")
+        assert_tensors_close_l2(
+            res["merged_grads"], base["merged_grads"], BF16_TOL["grads_rel"], "merged-batch gradients"
+        )
+    assert_tensors_close_l2(
+        res["params_after_step"], base["params_after_step"], BF16_TOL["params_rel"], "parameters after one step"
+    )
     assert res["bad_inputs"]["alive_ranks"] == nproc
 
 
@@ -301,10 +312,12 @@ def test_bad_inputs_raise_clear_errors_on_every_rank(results):
     assert bad["alive_ranks"] == 2  # both ranks got past every error and met in a collective
     # a fixed micro-batch count (Megatron-LM's pretrain): padded with empty micro-batches, or refused
     assert bad["fixed_count_padded"] == [4, 2]
-    assert bad["fixed_count_too_few"].startswith("this mini-batch needs 2 micro-batches of <= 64 tokens per DP rank, "
-                                                 "but the host loop runs num_microbatches=1")
-    assert bad["host_count_mismatch"].startswith("the training loop runs get_num_microbatches()=3 micro-batches per "
-                                                 "step, but the plugin planned 2")
+    assert bad["fixed_count_too_few"].startswith(
+        "this mini-batch needs 2 micro-batches of <= 64 tokens per DP rank, but the host loop runs num_microbatches=1"
+    )
+    assert bad["host_count_mismatch"].startswith(
+        "the training loop runs get_num_microbatches()=3 micro-batches per step, but the plugin planned 2"
+    )
     assert bad["forward_step_count"] == bad["host_count_mismatch"]
     assert bad["host_count_match"] == 3
     assert "return_schedule_plan=True" in bad["schedule_plan"]
@@ -317,7 +330,8 @@ def test_virtual_pipeline_plans_whole_groups_of_pipeline_stages(results):
     assert res["metrics"]["num_microbatches"] % 2 == 0
     assert res["bad_inputs"]["vpp_count_not_multiple"] == (
         "num_microbatches=3 is not a multiple of the pipeline-parallel size 2, which the interleaved (virtual "
-        "pipeline) schedule needs")
+        "pipeline) schedule needs"
+    )
 
 
 def test_pipeline_parallel_needs_variable_sequence_lengths(results):

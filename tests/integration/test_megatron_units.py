@@ -114,8 +114,15 @@ def test_context_parallel_split_partitions_tokens_and_trained_positions(cp, tp, 
     steps = []
     for i in range(7):
         p, r = int(torch.randint(1, 9, (1,), generator=gen)), int(torch.randint(1, 7, (1,), generator=gen))
-        steps.append(Step(tid, torch.randint(1, 50, (p,), generator=gen), torch.randint(1, 50, (r,), generator=gen),
-                          torch.randint(0, 2, (r,), generator=gen), is_last_step=i == 6))
+        steps.append(
+            Step(
+                tid,
+                torch.randint(1, 50, (p,), generator=gen),
+                torch.randint(1, 50, (r,), generator=gen),
+                torch.randint(0, 2, (r,), generator=gen),
+                is_last_step=i == 6,
+            )
+        )
     b = StepBatch.from_steps(steps)
     b.token_fields["advantages"] = torch.arange(b.tokens.numel(), dtype=torch.float32)
     mb = pack_rows(b, [3, 0, 6, 2], align=alignment_for(tp, sp, cp), cp=cp, gather_fields=["advantages"])
@@ -235,18 +242,43 @@ def test_arch_from_transformers_configs():
     from transformers import LlamaConfig, MixtralConfig, Qwen2Config
 
     llama = M.arch_from_hf(
-        LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                    num_attention_heads=8, num_key_value_heads=2, rope_theta=500000.0, tie_word_embeddings=True)
+        LlamaConfig(
+            vocab_size=300,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            rope_theta=500000.0,
+            tie_word_embeddings=True,
+        )
     )
     assert (llama.num_heads, llama.num_kv_heads, llama.head_dim) == (8, 2, 8)
     assert llama.rope_theta == 500000.0 and llama.rope_scaling_factor is None
     assert not llama.qkv_bias and llama.tie_word_embeddings
-    qwen = M.arch_from_hf(Qwen2Config(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=4))
+    qwen = M.arch_from_hf(
+        Qwen2Config(
+            vocab_size=300,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+        )
+    )
     assert qwen.qkv_bias and qwen.model_type == "qwen2"
     mixtral = M.arch_from_hf(
-        MixtralConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
-                      num_key_value_heads=2, num_local_experts=6, num_experts_per_tok=2, output_router_logits=True)
+        MixtralConfig(
+            vocab_size=300,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            num_local_experts=6,
+            num_experts_per_tok=2,
+            output_router_logits=True,
+        )
     )
     # The expert width is intermediate_size; top-k renormalised; Llama attention; theta 1e6.
     assert (mixtral.num_experts, mixtral.moe_topk, mixtral.moe_ffn_hidden_size) == (6, 2, 96)
@@ -257,8 +289,10 @@ def test_arch_from_transformers_configs():
     assert M.arch_from_hf(hub).num_experts == 8 and M.arch_from_hf(hub).rope_theta == 1e6
 
 
-@pytest.mark.parametrize("key, value", [("sliding_window", 4096), ("router_jitter_noise", 0.01),
-                                        ("num_local_experts", 0), ("num_experts_per_tok", 5)])
+@pytest.mark.parametrize(
+    "key, value",
+    [("sliding_window", 4096), ("router_jitter_noise", 0.01), ("num_local_experts", 0), ("num_experts_per_tok", 5)],
+)
 def test_mixtral_configs_this_builder_cannot_match_are_refused_by_name(key, value):
     with pytest.raises(M.ModelConfigError, match=f"{key}={value}"):
         M.arch_from_hf({**M.tiny_config(model_type="mixtral"), key: value})
@@ -266,8 +300,13 @@ def test_mixtral_configs_this_builder_cannot_match_are_refused_by_name(key, valu
 
 def test_llama3_rope_scaling_and_unsupported_configs():
     cfg = M.tiny_config(model_type="llama")
-    cfg["rope_scaling"] = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    cfg["rope_scaling"] = {
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     assert M.arch_from_hf(cfg).rope_scaling_factor == 32.0
     cfg["rope_scaling"]["low_freq_factor"] = 2.0
     with pytest.raises(M.ModelConfigError, match="low_freq_factor"):
@@ -315,8 +354,15 @@ def test_launch_env_from_torchrun_slurm_and_alone():
 
     tr = launch_env({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "n1", "MASTER_PORT": "1234"})
     assert (tr.rank, tr.world_size, tr.local_rank, tr.master_addr, tr.master_port) == (3, 4, 1, "n1", 1234)
-    sl = launch_env({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
-                     "SLURM_LAUNCH_NODE_IPADDR": "10.0.0.7", "SLURM_JOB_ID": "123456"})
+    sl = launch_env(
+        {
+            "SLURM_PROCID": "5",
+            "SLURM_NTASKS": "8",
+            "SLURM_LOCALID": "1",
+            "SLURM_LAUNCH_NODE_IPADDR": "10.0.0.7",
+            "SLURM_JOB_ID": "123456",
+        }
+    )
     assert (sl.rank, sl.world_size, sl.local_rank, sl.master_addr) == (5, 8, 1, "10.0.0.7")
     assert sl.master_port == 20000 + 123456 % 20000
     alone = launch_env({})

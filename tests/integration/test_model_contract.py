@@ -12,8 +12,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def test_a_local_spec_model_gets_the_contract_error_before_its_first_forward():
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    out = run_launch([sys.executable, os.path.join(ROOT, "tests", "workers", "contract_worker.py")], env=env, cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)
+    out = run_launch(
+        [sys.executable, os.path.join(ROOT, "tests", "workers", "contract_worker.py")],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["forwards_before_error"] == 0

@@ -16,7 +16,6 @@ import os
 
 import pytest
 import torch
-
 from helpers import check_ok, run_torchrun
 
 # Two launches of ~1-2 minutes each on an idle 2-core machine (900 s apiece allowed under load).
@@ -68,9 +67,12 @@ def megatron_run(hf_dir, chat, tmp_path_factory):
     out = tmp_path_factory.mktemp("real_model")
     prompt, response = chat
     (out / "case.json").write_text(json.dumps({"prompt": prompt, "response": response}))
-    proc = run_torchrun("real_model_worker.py", 3,
-                        ["--hf-dir", str(hf_dir), "--case", str(out / "case.json"), "--out", str(out)],
-                        timeout=900)
+    proc = run_torchrun(
+        "real_model_worker.py",
+        3,
+        ["--hf-dir", str(hf_dir), "--case", str(out / "case.json"), "--out", str(out)],
+        timeout=900,
+    )
     check_ok(proc)
     return out
 
@@ -97,7 +99,8 @@ def test_gguf_converts_to_a_cached_hf_directory(hf_dir):
     tok = AutoTokenizer.from_pretrained(str(hf_dir))
     assert tok.convert_ids_to_tokens(generation["eos_token_id"]) == "<|im_end|>"
     assert "<|im_start|>assistant" in tok.apply_chat_template(
-        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
     mtime = (hf_dir / "model.safetensors").stat().st_mtime_ns
     assert materialize(SOURCE) == hf_dir == locate_converted(SOURCE)  # reused, not converted again
     assert (hf_dir / "model.safetensors").stat().st_mtime_ns == mtime
@@ -130,6 +133,7 @@ def test_export_reloads_in_transformers_with_megatrons_logits(megatron_run, chat
 
 
 # ---- validation against the checkpoint ---------------------------------------------------------
+
 
 def problems_of(overrides: list[str]) -> str:
     from megatron_stepwise.config import ConfigError, load_config
@@ -175,6 +179,7 @@ def test_a_bad_gguf_source_is_named(tmp_path, hf_dir):
 
 # ---- two training iterations on the real weights ------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def trained_run(hf_dir, tmp_path_factory):
     """`megatron-stepwise train` of the laptop recipe, cut to 2 small iterations: 2 DP ranks, one
@@ -185,14 +190,36 @@ def trained_run(hf_dir, tmp_path_factory):
 
     run_dir = tmp_path_factory.mktemp("smollm2_train")
     root = REPO_CONFIGS.parent
-    overrides = ["trainer.iterations=2", "trainer.eval_every=0", "checkpoint.every=0", "checkpoint.export_hf=true",
-                 "trainer.dump_rollouts=1", "data.prompts_per_iteration=2", "data.samples_per_prompt=2",
-                 "data.prompts_per_minibatch=1", "rollout.num_engines=1", "rollout.max_new_tokens=6",
-                 "rollout.max_turns=2", "data.merge_steps=false", f"logging.run_dir={run_dir}",
-                 "logging.progress=false"]
+    overrides = [
+        "trainer.iterations=2",
+        "trainer.eval_every=0",
+        "checkpoint.every=0",
+        "checkpoint.export_hf=true",
+        "trainer.dump_rollouts=1",
+        "data.prompts_per_iteration=2",
+        "data.samples_per_prompt=2",
+        "data.prompts_per_minibatch=1",
+        "rollout.num_engines=1",
+        "rollout.max_new_tokens=6",
+        "rollout.max_turns=2",
+        "data.merge_steps=false",
+        f"logging.run_dir={run_dir}",
+        "logging.progress=false",
+    ]
     env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
-    out = run_launch([sys.executable, "-m", "megatron_stepwise.cli", "train",
-                      str(REPO_CONFIGS / "smollm2_math_cpu.yaml"), *overrides], env=env, cwd=root, timeout=900)
+    out = run_launch(
+        [
+            sys.executable,
+            "-m",
+            "megatron_stepwise.cli",
+            "train",
+            str(REPO_CONFIGS / "smollm2_math_cpu.yaml"),
+            *overrides,
+        ],
+        env=env,
+        cwd=root,
+        timeout=900,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     return run_dir
 

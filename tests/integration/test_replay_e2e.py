@@ -7,7 +7,6 @@ import os
 import sys
 
 import pytest
-
 from helpers import run_launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -15,16 +14,30 @@ ENV = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
 
 
 def _cli(*args, timeout=600):
-    return run_launch([sys.executable, "-m", "megatron_stepwise.cli", *args], env=ENV, cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+    return run_launch(
+        [sys.executable, "-m", "megatron_stepwise.cli", *args],
+        env=ENV,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="module")
 def dumped_run(tmp_path_factory):
     run_dir = str(tmp_path_factory.mktemp("dumped"))
-    out = _cli("train", os.path.join(ROOT, "configs/tiny_cpu.yaml"), f"logging.run_dir={run_dir}",
-               "logging.progress=false", "trainer.iterations=3", "trainer.eval_every=0", "checkpoint.every=1",
-               "checkpoint.keep_last=4", "trainer.dump_rollouts=2")
+    out = _cli(
+        "train",
+        os.path.join(ROOT, "configs/tiny_cpu.yaml"),
+        f"logging.run_dir={run_dir}",
+        "logging.progress=false",
+        "trainer.iterations=3",
+        "trainer.eval_every=0",
+        "checkpoint.every=1",
+        "checkpoint.keep_last=4",
+        "trainer.dump_rollouts=2",
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return run_dir, [json.loads(line) for line in f]
@@ -43,8 +56,9 @@ def test_every_second_iteration_is_dumped_with_what_was_trained(dumped_run):
     steps = dump.meta["train_metrics"]
     assert sum(s["loss"] for s in steps) / len(steps) == pytest.approx(metrics[2]["train/loss"], rel=1e-12)
     # the trainer's log-probs of sampled tokens with the weights that sampled them: the engine's, to fp32
-    gaps = [abs(a - b) for r in rows for a, b, m in zip(r["trainer_logprobs"], r["rollout_logprobs"], r["loss_mask"])
-            if m]
+    gaps = [
+        abs(a - b) for r in rows for a, b, m in zip(r["trainer_logprobs"], r["rollout_logprobs"], r["loss_mask"]) if m
+    ]
     assert gaps and max(gaps) < 1e-4
     assert {r["weight_versions"][0] for r in rows} == {2}
 
@@ -81,8 +95,9 @@ def test_replay_at_the_same_layout_is_bit_identical(dumped_run, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout,name", [("parallel.tensor=2", "TP2 PP1 CP1 DP1"),
-                                         ("parallel.pipeline=2", "TP1 PP2 CP1 DP1")])
+@pytest.mark.parametrize(
+    "layout,name", [("parallel.tensor=2", "TP2 PP1 CP1 DP1"), ("parallel.pipeline=2", "TP1 PP2 CP1 DP1")]
+)
 def test_replay_at_another_layout_matches_within_1e_5(dumped_run, tmp_path, layout, name):
     run_dir, _ = dumped_run
     report_path = str(tmp_path / "other.json")
@@ -98,8 +113,7 @@ def test_replay_at_another_layout_matches_within_1e_5(dumped_run, tmp_path, layo
 @pytest.mark.slow
 def test_replay_without_the_checkpoint_before_is_one_clear_error(dumped_run, tmp_path):
     run_dir, _ = dumped_run
-    out = _replay(run_dir, "checkpoint.dir=" + str(tmp_path / "none"), "launch.nproc_per_node=1",
-                  "--iteration", "2")
+    out = _replay(run_dir, "checkpoint.dir=" + str(tmp_path / "none"), "launch.nproc_per_node=1", "--iteration", "2")
     assert out.returncode == 2, out.stdout[-3000:] + out.stderr[-3000:]
     assert "needs the checkpoint saved before it" in out.stderr and "Traceback" not in out.stderr
     out = _replay(run_dir, "--iteration", "1")

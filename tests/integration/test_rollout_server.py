@@ -1,8 +1,8 @@
 """The embedded engine over real HTTP on 127.0.0.1 (ephemeral ports), driven by SGLangClient."""
 
 import asyncio
-import logging
 import json
+import logging
 import os
 import re
 import subprocess
@@ -12,15 +12,15 @@ import threading
 import aiohttp
 import pytest
 import torch
+from helpers import run_launch, tiny_lm
 
 from megatron_stepwise import weight_transport
-from helpers import run_launch, tiny_lm
 from megatron_stepwise.envs.echo import EchoEnv, echo_dataset
 from megatron_stepwise.rollout.agent_loop import AgentLoop, AgentLoopConfig
-from megatron_stepwise.rollout.engine import SamplingParams
-from megatron_stepwise.rollout.embedded.hf_model import build_causal_lm, save_safetensors_dir
 from megatron_stepwise.rollout.embedded.engine import LocalEngine
+from megatron_stepwise.rollout.embedded.hf_model import build_causal_lm, save_safetensors_dir
 from megatron_stepwise.rollout.embedded.server import start_server
+from megatron_stepwise.rollout.engine import SamplingParams
 from megatron_stepwise.rollout.sglang import EngineRequestError, SGLangClient
 
 TOK, CONFIG = tiny_lm("tiny_word")
@@ -51,29 +51,43 @@ def test_generate_over_http_matches_the_model():
         torch.testing.assert_close(torch.tensor(r.logprobs), expected, atol=1e-4, rtol=0)
         # A raw SGLang-style request: batch input, response shape as SGLang's.
         async with aiohttp.ClientSession() as http:
-            async with http.post(f"http://127.0.0.1:{port}/generate", json={
-                "input_ids": [prompt, prompt[:3]], "return_logprob": True,
-                "sampling_params": {"temperature": 0, "max_new_tokens": 3}}) as resp:
+            async with http.post(
+                f"http://127.0.0.1:{port}/generate",
+                json={
+                    "input_ids": [prompt, prompt[:3]],
+                    "return_logprob": True,
+                    "sampling_params": {"temperature": 0, "max_new_tokens": 3},
+                },
+            ) as resp:
                 data = await resp.json()
             assert isinstance(data, list) and len(data) == 2
             meta = data[0]["meta_info"]
             assert meta["finish_reason"]["type"] in ("stop", "length") and meta["weight_version"] == "0"
             assert [e[1] for e in meta["output_token_logprobs"]] == data[0]["output_ids"]
-            async with http.post(f"http://127.0.0.1:{port}/generate", json={
-                    "input_ids": prompt, "sampling_params": {"temperature": 1, "min_p": 0.1}}) as resp:
+            async with http.post(
+                f"http://127.0.0.1:{port}/generate",
+                json={"input_ids": prompt, "sampling_params": {"temperature": 1, "min_p": 0.1}},
+            ) as resp:
                 assert resp.status == 400 and "min_p" in (await resp.json())["error"]["message"]
-            async with http.post(f"http://127.0.0.1:{port}/generate", json={
-                    "input_ids": prompt, "return_hidden_states": True}) as resp:
+            async with http.post(
+                f"http://127.0.0.1:{port}/generate", json={"input_ids": prompt, "return_hidden_states": True}
+            ) as resp:
                 assert resp.status == 400 and "return_hidden_states" in await resp.text()
 
     asyncio.run(serving(scenario))
 
 
-@pytest.mark.parametrize("bad", [
-    {"temperature": 1e-300},  # logits / T overflows: NaN probabilities in the batched sampler
-    {"top_k": 2.0},  # a float slice index in the sampler
-    {"temperature": "0.7"}, {"top_p": float("nan")}, {"max_new_tokens": 2.5}, {"no_stop_trim": "yes"},
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"temperature": 1e-300},  # logits / T overflows: NaN probabilities in the batched sampler
+        {"top_k": 2.0},  # a float slice index in the sampler
+        {"temperature": "0.7"},
+        {"top_p": float("nan")},
+        {"max_new_tokens": 2.5},
+        {"no_stop_trim": "yes"},
+    ],
+)
 def test_bad_sampling_params_get_a_400_and_the_engine_keeps_serving(bad):
     """Once, one such request failed the engine's batch loop and left the engine unhealthy for good."""
     prompt = [1, 5, 8, 17, 2, 1, 6]
@@ -83,8 +97,9 @@ def test_bad_sampling_params_get_a_400_and_the_engine_keeps_serving(bad):
             sp = {"temperature": 0.7, "max_new_tokens": 4, **bad}
             # allow_nan: the JSON a hostile client can send (NaN is not strict JSON, Python reads it)
             body = {"input_ids": prompt, "sampling_params": sp}
-            async with http.post(f"http://127.0.0.1:{port}/generate", data=json.dumps(body),
-                                 headers={"Content-Type": "application/json"}) as resp:
+            async with http.post(
+                f"http://127.0.0.1:{port}/generate", data=json.dumps(body), headers={"Content-Type": "application/json"}
+            ) as resp:
                 message = (await resp.json())["error"]["message"]
                 assert resp.status == 400, message
                 assert f"sampling_params.{next(iter(bad))}" in message
@@ -127,7 +142,8 @@ def test_weight_updates_over_http(tmp_path):
         thread.start()
         await client.init_weights_update_group("127.0.0.1", mport, 1, 2, backend="gloo")
         v = await client.update_weights_from_distributed(
-            names, ["float32"] * len(names), [list(state[n].shape) for n in names], weight_version=6)
+            names, ["float32"] * len(names), [list(state[n].shape) for n in names], weight_version=6
+        )
         thread.join(60)
         assert v == 6 and (await client.generate(prompt, greedy)).output_ids == want
         await client.pause()
@@ -143,9 +159,14 @@ def test_weight_updates_over_http(tmp_path):
 
 def test_agent_loop_drives_the_http_server():
     async def scenario(engine, client, port):
-        loop = AgentLoop(client, TOK, EchoEnv, AgentLoopConfig(max_turns=3, max_input_length=100,
-                                                              n_samples_per_prompt=2,
-                                                              sampling=SamplingParams(max_new_tokens=4)))
+        loop = AgentLoop(
+            client,
+            TOK,
+            EchoEnv,
+            AgentLoopConfig(
+                max_turns=3, max_input_length=100, n_samples_per_prompt=2, sampling=SamplingParams(max_new_tokens=4)
+            ),
+        )
         steps = await loop.rollout(echo_dataset(3, seed=1))
         loop.close()
         return steps
@@ -159,7 +180,10 @@ def test_serve_cli_binds_loopback_and_answers():
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
     proc = subprocess.Popen(
         [sys.executable, "-m", "megatron_stepwise.cli", "serve", "--model-config", "tiny_word", "--port", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
     )
     try:
         line = ""
@@ -202,9 +226,12 @@ def test_an_api_key_guards_every_endpoint_but_health(monkeypatch):
             async with aiohttp.ClientSession() as http:
                 async with http.get(url + "/health") as resp:
                     assert resp.status == 200  # probes need no key
-                for path, body in [("/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}),
-                                   ("/update_weights_from_disk", {"model_path": "/tmp"}),
-                                   ("/abort_request", {"rid": "x"}), ("/pause_generation", {})]:
+                for path, body in [
+                    ("/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}),
+                    ("/update_weights_from_disk", {"model_path": "/tmp"}),
+                    ("/abort_request", {"rid": "x"}),
+                    ("/pause_generation", {}),
+                ]:
                     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
                         async with http.post(url + path, json=body, headers=headers) as resp:
                             assert resp.status == 401, (path, headers)
@@ -260,8 +287,24 @@ def test_serving_beyond_loopback_needs_a_key_or_an_explicit_opt_out(monkeypatch)
     with pytest.raises(ValueError, match="beyond loopback\\) needs an API key: set MEGATRON_STEPWISE_API_KEY"):
         asyncio.run(start_server(engine, "0.0.0.0", 0))
     env = {k: v for k, v in os.environ.items() if k != "MEGATRON_STEPWISE_API_KEY"}
-    out = run_launch([sys.executable, "-m", "megatron_stepwise.cli", "serve", "--model-config", "tiny_word",
-                          "--host", "0.0.0.0", "--port", "0"], capture_output=True, text=True, timeout=300, env=env)
+    out = run_launch(
+        [
+            sys.executable,
+            "-m",
+            "megatron_stepwise.cli",
+            "serve",
+            "--model-config",
+            "tiny_word",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert out.returncode == 2 and "needs an API key" in out.stderr and "Traceback" not in out.stderr
     asyncio.run(engine.close())
 
@@ -277,22 +320,43 @@ def test_launched_sglang_servers_get_the_key(monkeypatch):
 
 
 # What sglang-router 0.3.2 adds to every /generate it forwards (SGLang's defaults, plus `model`).
-ROUTER_FIELDS = {"model": "default", "background": False, "log_metrics": True, "no_logs": False,
-                 "return_bytes": False, "return_entropy": False, "return_hidden_states": False,
-                 "return_text_in_logprobs": False}
+ROUTER_FIELDS = {
+    "model": "default",
+    "background": False,
+    "log_metrics": True,
+    "no_logs": False,
+    "return_bytes": False,
+    "return_entropy": False,
+    "return_hidden_states": False,
+    "return_text_in_logprobs": False,
+}
 
 
-@pytest.mark.parametrize("extra, status, fragment", [
-    (ROUTER_FIELDS, 200, None),
-    ({"session_id": "s1", "priority": 3, "routing_key": "k", "custom_labels": {"a": "b"}, "lora_path": None,
-      "image_data": [], "top_logprobs_num": 0}, 200, None),  # hints, and unsupported ones left at the default
-    ({"return_text_in_logprobs": True}, 200, None),
-    ({"log_metrics": "yes"}, 400, "log_metrics must be bool"),
-    ({"priority": 1.5}, 400, "priority must be int"),
-    ({"top_logprobs_num": 5}, 400, "top_logprobs_num=5 is not supported"),
-    ({"lora_path": "/adapters/a"}, 400, "lora_path="),
-    ({"return_logprobs": True}, 400, "unknown field(s) ['return_logprobs']"),
-])
+@pytest.mark.parametrize(
+    "extra, status, fragment",
+    [
+        (ROUTER_FIELDS, 200, None),
+        (
+            {
+                "session_id": "s1",
+                "priority": 3,
+                "routing_key": "k",
+                "custom_labels": {"a": "b"},
+                "lora_path": None,
+                "image_data": [],
+                "top_logprobs_num": 0,
+            },
+            200,
+            None,
+        ),  # hints, and unsupported ones left at the default
+        ({"return_text_in_logprobs": True}, 200, None),
+        ({"log_metrics": "yes"}, 400, "log_metrics must be bool"),
+        ({"priority": 1.5}, 400, "priority must be int"),
+        ({"top_logprobs_num": 5}, 400, "top_logprobs_num=5 is not supported"),
+        ({"lora_path": "/adapters/a"}, 400, "lora_path="),
+        ({"return_logprobs": True}, 400, "unknown field(s) ['return_logprobs']"),
+    ],
+)
 def test_generate_takes_sglangs_fields(extra, status, fragment):
     """Every GenerateReqInput field is accepted (hints ignored); a malformed value, a feature the
     engine lacks, or a field SGLang does not have is a 400 naming it."""
@@ -309,8 +373,9 @@ def test_generate_takes_sglangs_fields(extra, status, fragment):
     if fragment:
         assert fragment in data["error"]["message"]
     elif extra.get("return_text_in_logprobs"):
-        assert [e[2] for e in data["meta_info"]["output_token_logprobs"]] == \
-            [TOK.decode([t]) for t in data["output_ids"]]
+        assert [e[2] for e in data["meta_info"]["output_token_logprobs"]] == [
+            TOK.decode([t]) for t in data["output_ids"]
+        ]
 
 
 P = [1, 5, 8]
@@ -344,25 +409,49 @@ BAD_REQUESTS = [
     (*_gen(sampling_params={"stop_token_ids": "1"}), "sampling_params.stop_token_ids must be a list"),
     (*_gen(sampling_params={"stop": {"a": 1}}), "sampling_params.stop must be a list"),
     ("/update_weights_from_disk", {"model_path": 5}, "model_path must be a string"),
-    ("/update_weights_from_disk", {"model_path": "/nonexistent", "weight_version": 1.9},
-     "weight_version must be an integer or a string of digits, got 1.9"),
-    ("/update_weights_from_disk", {"model_path": "/nonexistent", "abort_all_requests": "no"},
-     "abort_all_requests must be true or false"),
-    ("/update_weights_from_tensor", {"load_format": "safetensors", "serialized_named_tensors": ["aGVsbG8="]},
-     "serialized_named_tensors[0] is not a safetensors blob"),
-    ("/update_weights_from_tensor", {"load_format": "safetensors", "serialized_named_tensors": ["!!!"]},
-     "serialized_named_tensors[0] is not base64"),
-    ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": [1], "rank_offset": 1,
-                                    "world_size": 2}, "master_port must be an integer"),
-    ("/init_weights_update_group", {"master_address": 5, "master_port": 1, "rank_offset": 1, "world_size": 2,
-                                    "backend": "nccl"}, "master_address must be a string"),
-    ("/update_weights_from_distributed", {"names": ["a"], "dtypes": ["float32"], "shapes": [[2]],
-                                         "group_name": ["x"]}, "group_name must be a string"),
+    (
+        "/update_weights_from_disk",
+        {"model_path": "/nonexistent", "weight_version": 1.9},
+        "weight_version must be an integer or a string of digits, got 1.9",
+    ),
+    (
+        "/update_weights_from_disk",
+        {"model_path": "/nonexistent", "abort_all_requests": "no"},
+        "abort_all_requests must be true or false",
+    ),
+    (
+        "/update_weights_from_tensor",
+        {"load_format": "safetensors", "serialized_named_tensors": ["aGVsbG8="]},
+        "serialized_named_tensors[0] is not a safetensors blob",
+    ),
+    (
+        "/update_weights_from_tensor",
+        {"load_format": "safetensors", "serialized_named_tensors": ["!!!"]},
+        "serialized_named_tensors[0] is not base64",
+    ),
+    (
+        "/init_weights_update_group",
+        {"master_address": "127.0.0.1", "master_port": [1], "rank_offset": 1, "world_size": 2},
+        "master_port must be an integer",
+    ),
+    (
+        "/init_weights_update_group",
+        {"master_address": 5, "master_port": 1, "rank_offset": 1, "world_size": 2, "backend": "nccl"},
+        "master_address must be a string",
+    ),
+    (
+        "/update_weights_from_distributed",
+        {"names": ["a"], "dtypes": ["float32"], "shapes": [[2]], "group_name": ["x"]},
+        "group_name must be a string",
+    ),
     ("/destroy_weights_update_group", {"group_name": ["x"]}, "group_name must be a string"),
     ("/update_weight_version", {"new_version": 2.5}, "new_version must be an integer or a string of digits"),
     ("/update_weight_version", {"new_version": True}, "new_version must be an integer or a string of digits"),
-    ("/update_weight_version", {"new_version": "3", "abort_all_requests": "no"},
-     "abort_all_requests must be true or false"),
+    (
+        "/update_weight_version",
+        {"new_version": "3", "abort_all_requests": "no"},
+        "abort_all_requests must be true or false",
+    ),
     ("/pause_generation", {"mode": ["abort"]}, "mode must be a string"),
     ("/abort_request", {"abort_all": "no"}, "abort_all must be true or false"),
     ("/abort_request", {"rid": 5}, "rid must be a string"),
@@ -373,13 +462,15 @@ BAD_REQUESTS = [
 
 def test_every_bad_request_value_is_a_400_naming_the_field():
     """No coercion (a float, a string or a bool where an integer or flag is meant), no 500."""
+
     async def scenario(engine, client, port):
         wrong = []
         async with aiohttp.ClientSession() as http:
             for path, body, fragment in BAD_REQUESTS:
                 data = body if isinstance(body, str) else json.dumps(body)
-                async with http.post(f"http://127.0.0.1:{port}{path}", data=data,
-                                     headers={"Content-Type": "application/json"}) as resp:
+                async with http.post(
+                    f"http://127.0.0.1:{port}{path}", data=data, headers={"Content-Type": "application/json"}
+                ) as resp:
                     text = await resp.text()
                 if resp.status != 400 or fragment not in text:
                     wrong.append((path, data[:80], resp.status, text[:200]))

@@ -15,6 +15,7 @@ import torch
 pytest.importorskip("megatron.core")
 
 from helpers import check_ok, run_torchrun  # noqa: E402
+
 from megatron_stepwise.algo.losses import LossConfig  # noqa: E402
 from megatron_stepwise.mcore.train.router_losses import check_recompute  # noqa: E402
 
@@ -25,8 +26,15 @@ pytestmark = pytest.mark.distributed
 def result(tmp_path_factory):
     out = tmp_path_factory.mktemp("router_losses")
     # budget 40: several micro-batches, so the loss is summed over them
-    check_ok(run_torchrun("router_loss_worker.py", 1, ["--out", str(out), "--budget", "40"], timeout=600,
-                          env={"CUDA_VISIBLE_DEVICES": ""}))
+    check_ok(
+        run_torchrun(
+            "router_loss_worker.py",
+            1,
+            ["--out", str(out), "--budget", "40"],
+            timeout=600,
+            env={"CUDA_VISIBLE_DEVICES": ""},
+        )
+    )
     return torch.load(out / "router_losses.pt", weights_only=False)
 
 

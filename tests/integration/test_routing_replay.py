@@ -18,8 +18,8 @@ import zipfile
 
 import pytest
 import torch
-
 from helpers import check_ok, run_torchrun
+
 from megatron_stepwise.algo.merge import merge_steps
 from megatron_stepwise.algo.validate import validate_steps
 from megatron_stepwise.mcore.train.packing import pack_rows, split_for_context_parallel
@@ -42,9 +42,15 @@ def step(tid, prompt, response, *, last=False, unknown_tail=1, carry=True) -> St
     routed = experts_of(tokens)
     if unknown_tail:
         routed[-unknown_tail:] = -1  # the engine never ran the last sampled token
-    return Step(trajectory_id=TrajectoryID(tid, 0), prompt_ids=prompt, response_ids=response,
-                loss_mask=[1] * len(response), rollout_logprobs=[-0.5] * len(response), is_last_step=last,
-                routed_experts=routed if carry else None)
+    return Step(
+        trajectory_id=TrajectoryID(tid, 0),
+        prompt_ids=prompt,
+        response_ids=response,
+        loss_mask=[1] * len(response),
+        rollout_logprobs=[-0.5] * len(response),
+        is_last_step=last,
+        routed_experts=routed if carry else None,
+    )
 
 
 def check_aligned(tokens: torch.Tensor, routed: torch.Tensor) -> int:
@@ -61,8 +67,13 @@ def test_step_field_is_compact_and_checked():
     s = step("a", [1, 2, 3], [4, 5])
     assert s.routed_experts.dtype == torch.int16 and s.routed_experts.shape == (5, L, K)
     with pytest.raises(StepwiseBatchError, match="routed_experts"):
-        Step(trajectory_id=TrajectoryID("a", 0), prompt_ids=[1], response_ids=[2], loss_mask=[1],
-             routed_experts=torch.zeros(2, L))
+        Step(
+            trajectory_id=TrajectoryID("a", 0),
+            prompt_ids=[1],
+            response_ids=[2],
+            loss_mask=[1],
+            routed_experts=torch.zeros(2, L),
+        )
     bad = step("a", [1, 2, 3], [4, 5])
     bad.routed_experts = bad.routed_experts[:4]
     with pytest.raises(StepwiseBatchError, match=r"step 0 .*'routed_experts' has 4 positions but the step has 5"):
@@ -70,8 +81,12 @@ def test_step_field_is_compact_and_checked():
 
 
 def test_batch_select_and_round_trip_keep_alignment():
-    steps = [step("a", [1, 2, 3], [4, 5]), step("b", [7, 8], [9, 10, 11], last=True),
-             step("c", [12], [13], carry=False, last=True), make_padding_step(0, [14, 15])]
+    steps = [
+        step("a", [1, 2, 3], [4, 5]),
+        step("b", [7, 8], [9, 10, 11], last=True),
+        step("c", [12], [13], carry=False, last=True),
+        make_padding_step(0, [14, 15]),
+    ]
     batch = StepBatch.from_steps(steps)
     routed = batch.token_fields["routed_experts"]
     assert routed.shape == (batch.tokens.numel(), L, K)
@@ -105,8 +120,11 @@ def test_merge_keeps_each_position_of_the_earliest_step_that_reported_it():
 
 @pytest.mark.parametrize("cp", [1, 2])
 def test_packing_and_context_parallel_split_carry_the_experts(cp):
-    steps = [step("a", [1, 2, 3], [4, 5], unknown_tail=0), step("b", [7, 8, 9, 10], [11, 12, 13], unknown_tail=0),
-             make_padding_step(0, [14, 15, 16])]
+    steps = [
+        step("a", [1, 2, 3], [4, 5], unknown_tail=0),
+        step("b", [7, 8, 9, 10], [11, 12, 13], unknown_tail=0),
+        make_padding_step(0, [14, 15, 16]),
+    ]
     batch = StepBatch.from_steps(steps)
     mb = pack_rows(batch, [1, 0, 2], align=4 if cp == 2 else 3, cp=cp)
     assert mb.routed_experts.shape == (mb.seq_len, L, K)
@@ -133,7 +151,7 @@ def test_sequence_parallel_slice_follows_the_tokens(monkeypatch):
     routed = experts_of(torch.arange(8))
     for rank in range(2):
         monkeypatch.setattr(ps, "get_tensor_model_parallel_rank", lambda: rank)
-        assert torch.equal(local_tokens(routed, Cfg), routed[4 * rank:4 * rank + 4])
+        assert torch.equal(local_tokens(routed, Cfg), routed[4 * rank : 4 * rank + 4])
     Cfg.sequence_parallel = False
     assert local_tokens(routed, Cfg) is routed
 
@@ -194,8 +212,9 @@ def test_embedded_engine_reports_the_experts_of_every_position_it_ran(model_type
     async def run():
         engine = LocalEngine(cfg, seed=1, eos_token_ids=[])
         prompts = [[1, 2], [3, 4, 5, 6], [7]]
-        batched = await asyncio.gather(*(engine.generate(p, SamplingParams(max_new_tokens=4 + i, sampling_seed=i))
-                                         for i, p in enumerate(prompts)))
+        batched = await asyncio.gather(
+            *(engine.generate(p, SamplingParams(max_new_tokens=4 + i, sampling_seed=i)) for i, p in enumerate(prompts))
+        )
         alone = await engine.generate(prompts[0], SamplingParams(max_new_tokens=4, sampling_seed=0))
         await engine.close()
         return prompts, batched, alone
@@ -247,8 +266,9 @@ def test_agent_loop_steps_carry_the_engines_experts_and_merge_aligned():
     from megatron_stepwise.rollout.embedded.engine import LocalEngine
 
     tok, _ = tiny_lm("tiny_word")
-    engine = LocalEngine(tiny_config(model_type="qwen3_moe", vocab_size=len(tok)), tokenizer=tok, seed=2,
-                         record_routed_experts=True)
+    engine = LocalEngine(
+        tiny_config(model_type="qwen3_moe", vocab_size=len(tok)), tokenizer=tok, seed=2, record_routed_experts=True
+    )
     served = []
 
     class Recording:
@@ -257,8 +277,13 @@ def test_agent_loop_steps_carry_the_engines_experts_and_merge_aligned():
             served.append((list(input_ids), result))
             return result
 
-    config = AgentLoopConfig(max_turns=3, max_input_length=300, n_samples_per_prompt=2, context="tokens",
-                             sampling=SamplingParams(max_new_tokens=3))
+    config = AgentLoopConfig(
+        max_turns=3,
+        max_input_length=300,
+        n_samples_per_prompt=2,
+        context="tokens",
+        sampling=SamplingParams(max_new_tokens=3),
+    )
     loop = AgentLoop(Recording(), tok, "echo", config)
     try:
         steps = asyncio.run(loop.rollout(echo_dataset(2, num_turns=3, seed=1)))
@@ -266,8 +291,11 @@ def test_agent_loop_steps_carry_the_engines_experts_and_merge_aligned():
         loop.close()
         asyncio.run(engine.close())
     for s in steps:
-        result = next(r for p, r in served if p == s.prompt_ids.tolist()
-                      and r.output_ids == s.response_ids.tolist()[:len(r.output_ids)])
+        result = next(
+            r
+            for p, r in served
+            if p == s.prompt_ids.tolist() and r.output_ids == s.response_ids.tolist()[: len(r.output_ids)]
+        )
         n = result.routed_experts.size(0)
         assert s.routed_experts.size(0) == s.num_tokens and torch.equal(s.routed_experts[:n], result.routed_experts)
         assert bool((s.routed_experts[n:] == -1).all())
@@ -277,12 +305,12 @@ def test_agent_loop_steps_carry_the_engines_experts_and_merge_aligned():
     # each position of a merged row has the experts of the earliest of its steps that knew them
     i = 0
     for r, row in enumerate(merged):
-        own = steps[i:i + row.metadata["merged_steps"]]
+        own = steps[i : i + row.metadata["merged_steps"]]
         i += len(own)
         want = torch.full((row.num_tokens, 2, 2), -1, dtype=torch.int16)
         for st in own:
-            fill = (want[:st.num_tokens] < 0).all(-1).all(-1) & (st.routed_experts >= 0).all(-1).all(-1)
-            want[:st.num_tokens][fill] = st.routed_experts[fill]
+            fill = (want[: st.num_tokens] < 0).all(-1).all(-1) & (st.routed_experts >= 0).all(-1).all(-1)
+            want[: st.num_tokens][fill] = st.routed_experts[fill]
         assert torch.equal(merged_batch.token_fields["routed_experts"][merged_batch.row_slice(r)], want)
         for st in own:  # every response token its own turn ran keeps that turn's experts
             resp = slice(st.prompt_ids.numel(), st.num_tokens)
@@ -327,8 +355,13 @@ def test_sglang_declares_what_the_client_uses():
     class Client(SGLangClient):
         async def _request(self, method, path, json=None, params=None, base_url=None):
             captured.update(json)
-            return {"meta_info": {"output_token_logprobs": [], "finish_reason": {"type": "length"},
-                                  "routed_experts": routing.encode(torch.zeros(2, 2, 2))}}
+            return {
+                "meta_info": {
+                    "output_token_logprobs": [],
+                    "finish_reason": {"type": "length"},
+                    "routed_experts": routing.encode(torch.zeros(2, 2, 2)),
+                }
+            }
 
     result = asyncio.run(Client("http://x", routed_experts=(2, 2)).generate([1, 2, 3], SamplingParams()))
     assert captured["return_routed_experts"] is True and result.routed_experts.shape == (2, 2, 2)
@@ -343,8 +376,9 @@ def test_config_refuses_replay_for_a_dense_model(monkeypatch):
     with pytest.raises(ConfigError) as e:
         config_from_dict({"algo": {"routing_replay": True}}, [], probes=FakeProbes(shapes={"tiny": (4, 4, 2)}))
     assert e.value.keys == ["algo.routing_replay"] and "needs a mixture-of-experts model" in str(e.value)
-    moe = config_from_dict({"algo": {"routing_replay": True}, "model": {"hf_config": "tiny_qwen3_moe"}}, [],
-                           probes=FakeProbes())
+    moe = config_from_dict(
+        {"algo": {"routing_replay": True}, "model": {"hf_config": "tiny_qwen3_moe"}}, [], probes=FakeProbes()
+    )
     assert moe.algo.routing_replay
 
 
@@ -364,8 +398,9 @@ def test_mixtral_configs_count_their_experts_for_validation(tmp_path, monkeypatc
     assert arch_from_hf(Probes().model_config("tiny_mixtral")[0]).num_experts == 4
     (tmp_path / "config.json").write_text(json.dumps({**tiny_config(model_type="mixtral"), "num_local_experts": 8}))
     assert arch_from_hf(Probes().model_config(str(tmp_path))[0]).num_experts == 8
-    cfg = config_from_dict({"algo": {"routing_replay": True}, "model": {"hf_config": str(tmp_path)}}, [],
-                           probes=FakeProbes())
+    cfg = config_from_dict(
+        {"algo": {"routing_replay": True}, "model": {"hf_config": str(tmp_path)}}, [], probes=FakeProbes()
+    )
     assert cfg.algo.routing_replay
     with pytest.raises(ConfigError) as e:
         config_from_dict({"model": {"hf_config": str(tmp_path)}, "parallel": {"expert": 3}}, [], probes=FakeProbes())
@@ -373,31 +408,42 @@ def test_mixtral_configs_count_their_experts_for_validation(tmp_path, monkeypatc
 
 
 def test_the_trainer_turns_replay_on_in_the_model_and_the_engines():
+    from config_fakes import FakeProbes
+
     from megatron_stepwise.config import config_from_dict
     from megatron_stepwise.loop import components as C
 
-    from config_fakes import FakeProbes
-
-    cfg = config_from_dict({"algo": {"routing_replay": True}, "model": {"hf_config": "tiny_qwen3_moe"}}, [],
-                           probes=FakeProbes())
+    cfg = config_from_dict(
+        {"algo": {"routing_replay": True}, "model": {"hf_config": "tiny_qwen3_moe"}}, [], probes=FakeProbes()
+    )
     assert C._model_overrides(cfg)["moe_enable_routing_replay"] is True
 
 
 # ---- end to end --------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=[
-    pytest.param(("ep1", 1, []), id="ep1"),
-    pytest.param(("ep2", 2, ["--ep", "2"]), id="ep2", marks=pytest.mark.slow),
-    pytest.param(("tp2_sp", 2, ["--tp", "2"]), id="tp2_sp", marks=pytest.mark.slow),
-    pytest.param(("cp2", 2, ["--cp", "2"]), id="cp2", marks=pytest.mark.slow),
-    pytest.param(("pp2", 2, ["--pp", "2"]), id="pp2", marks=pytest.mark.slow),
-])
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param(("ep1", 1, []), id="ep1"),
+        pytest.param(("ep2", 2, ["--ep", "2"]), id="ep2", marks=pytest.mark.slow),
+        pytest.param(("tp2_sp", 2, ["--tp", "2"]), id="tp2_sp", marks=pytest.mark.slow),
+        pytest.param(("cp2", 2, ["--cp", "2"]), id="cp2", marks=pytest.mark.slow),
+        pytest.param(("pp2", 2, ["--pp", "2"]), id="pp2", marks=pytest.mark.slow),
+    ],
+)
 def replay_run(request, tmp_path_factory):
     name, nproc, extra = request.param
     out = tmp_path_factory.mktemp(f"routing_replay_{name}")
-    check_ok(run_torchrun("routing_replay_worker.py", nproc, ["--out", str(out), *extra], timeout=600,
-                          env={"CUDA_VISIBLE_DEVICES": ""}))
+    check_ok(
+        run_torchrun(
+            "routing_replay_worker.py",
+            nproc,
+            ["--out", str(out), *extra],
+            timeout=600,
+            env={"CUDA_VISIBLE_DEVICES": ""},
+        )
+    )
     return json.loads((out / "routing_replay.json").read_text())
 
 

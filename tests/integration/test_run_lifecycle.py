@@ -77,8 +77,8 @@ def test_a_live_lock_is_refused_naming_its_owner_and_a_dead_ones_is_taken_over(t
 
 
 def test_train_rank_zero_refuses_a_locked_run_dir_with_exit_2(tmp_path, capsys, monkeypatch):
-    from megatron_stepwise.config import load_config
     from megatron_stepwise.cli.train import _train
+    from megatron_stepwise.config import load_config
 
     run_dir = str(tmp_path / "run")
     monkeypatch.delenv("RANK", raising=False)
@@ -205,19 +205,33 @@ def test_second_trainer_refused_and_killing_the_launcher_leaves_nothing(tmp_path
     `script`: launch/train_local.sh (bash) -> torchrun -> ranks. kill `group`: SIGKILL to the
     launcher's process group; `top`: SIGKILL to the top process alone."""
     run_dir = str(tmp_path / "run")
-    args = [os.path.join(ROOT, "configs/tiny_cpu.yaml"), f"logging.run_dir={run_dir}", "logging.progress=false",
-            "trainer.iterations=100000", "checkpoint.every=0"]
+    args = [
+        os.path.join(ROOT, "configs/tiny_cpu.yaml"),
+        f"logging.run_dir={run_dir}",
+        "logging.progress=false",
+        "trainer.iterations=100000",
+        "checkpoint.every=0",
+    ]
     cmd = [sys.executable, "-m", "megatron_stepwise.cli", "train", *args]
     first = cmd if launch == "cli" else [os.path.join(ROOT, "launch/train_local.sh"), *args]
     log = open(tmp_path / "launcher.log", "w")
-    launcher = subprocess.Popen(first, env=dict(ENV, PYTHON=sys.executable), cwd=ROOT, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+    launcher = subprocess.Popen(
+        first,
+        env=dict(ENV, PYTHON=sys.executable),
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     metrics = os.path.join(run_dir, "metrics.jsonl")
     before = set()
     try:
         # Training is under way (ranks, Ray and its engines all up) once an iteration is logged.
-        started = wait_for(lambda: os.path.exists(metrics) and os.path.getsize(metrics) > 0
-                           or launcher.poll() is not None, timeout=600, interval=1)
+        started = wait_for(
+            lambda: os.path.exists(metrics) and os.path.getsize(metrics) > 0 or launcher.poll() is not None,
+            timeout=600,
+            interval=1,
+        )
         assert started and launcher.poll() is None, open(tmp_path / "launcher.log").read()[-3000:]
         with open(os.path.join(run_dir, LOCK_NAME)) as f:
             owner = json.load(f)
@@ -240,9 +254,12 @@ def test_second_trainer_refused_and_killing_the_launcher_leaves_nothing(tmp_path
         survivors = wait_for(lambda: not _run_processes(run_dir, before), timeout=30, interval=0.2)
         elapsed = time.monotonic() - t0
         left = _run_processes(run_dir, before)
-        print(f"{len(before)} processes of the run ({', '.join(sorted(names.values()))}); "
-              f"none left {elapsed:.1f} s after the kill" if not left
-              else f"survivors after 30 s: {left}")
+        print(
+            f"{len(before)} processes of the run ({', '.join(sorted(names.values()))}); "
+            f"none left {elapsed:.1f} s after the kill"
+            if not left
+            else f"survivors after 30 s: {left}"
+        )
         assert survivors and not left, {pid: open(f"/proc/{pid}/cmdline").read() for pid in left}
         lock = RunLock(run_dir).acquire()  # and the run directory is free again
         lock.release()

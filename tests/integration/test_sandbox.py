@@ -15,12 +15,12 @@ import time
 from pathlib import Path
 
 import pytest
+from sandbox_corpus import CORPUS, run_corpus, without_namespaces
 
 from megatron_stepwise.envs import sandbox
 from megatron_stepwise.envs.math_tool import DATA
-from sandbox_corpus import CORPUS, run_corpus, without_namespaces
 
-CORPUS_SCRIPT = (Path(__file__).parents[1] / "sandbox_corpus.py")
+CORPUS_SCRIPT = Path(__file__).parents[1] / "sandbox_corpus.py"
 NOBODY = 65534
 
 
@@ -37,25 +37,46 @@ def test_hostile_corpus_is_blocked():
 def _python_for_nobody():
     setpriv = shutil.which("setpriv")
     for python in (os.path.realpath(sys.executable), shutil.which("python3", path="/usr/bin:/bin")):
-        if setpriv and python and subprocess.run(
-                [setpriv, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", python, "-I", "-c",
-                 f"open({str(CORPUS_SCRIPT)!r}).close()"], capture_output=True, cwd="/").returncode == 0:
+        if (
+            setpriv
+            and python
+            and subprocess.run(
+                [
+                    setpriv,
+                    f"--reuid={NOBODY}",
+                    f"--regid={NOBODY}",
+                    "--clear-groups",
+                    python,
+                    "-I",
+                    "-c",
+                    f"open({str(CORPUS_SCRIPT)!r}).close()",
+                ],
+                capture_output=True,
+                cwd="/",
+            ).returncode
+            == 0
+        ):
             return [setpriv, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", python]
     return None
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="the suite already runs as non-root: test_hostile_corpus_is_blocked "
-                                                "is the non-root run")
+@pytest.mark.skipif(
+    os.geteuid() != 0, reason="the suite already runs as non-root: test_hostile_corpus_is_blocked is the non-root run"
+)
 @pytest.mark.parametrize("mode", [[], ["--no-namespaces"]], ids=["namespaces", "no-namespaces"])
 def test_hostile_corpus_is_blocked_as_non_root(mode):
     if mode and sandbox.isolation().landlock_abi < 6:
-        pytest.skip("without namespaces the corpus needs Landlock ABI >= 6 (signal scoping); this case runs on "
-                    "kernels with Landlock ABI >= 6 (Linux 6.12+)")
+        pytest.skip(
+            "without namespaces the corpus needs Landlock ABI >= 6 (signal scoping); this case runs on "
+            "kernels with Landlock ABI >= 6 (Linux 6.12+)"
+        )
     command = _python_for_nobody()
     if command is None:
-        pytest.skip("no interpreter that uid 65534 can run with setpriv here (needs setpriv and a python3 readable "
-                    "by nobody, as on Debian: /usr/bin/python3); the non-root run then happens when the suite "
-                    "itself runs as a non-root user (test_hostile_corpus_is_blocked)")
+        pytest.skip(
+            "no interpreter that uid 65534 can run with setpriv here (needs setpriv and a python3 readable "
+            "by nobody, as on Debian: /usr/bin/python3); the non-root run then happens when the suite "
+            "itself runs as a non-root user (test_hostile_corpus_is_blocked)"
+        )
     done = subprocess.run([*command, str(CORPUS_SCRIPT), *mode], capture_output=True, text=True, cwd="/", timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout)
@@ -66,9 +87,11 @@ def test_hostile_corpus_is_blocked_as_non_root(mode):
 def test_hostile_corpus_is_blocked_without_namespaces(monkeypatch):
     """The degraded mode (no user namespaces): Landlock, seccomp, limits and the supervisor."""
     if sandbox.isolation().landlock_abi < 6:
-        pytest.skip(f"the kernel's Landlock ABI is {sandbox.isolation().landlock_abi} (< 6: no signal scoping); "
-                    "docs/security.md lists what does not hold then; this test runs on kernels with Landlock ABI "
-                    ">= 6 (Linux 6.12+)")
+        pytest.skip(
+            f"the kernel's Landlock ABI is {sandbox.isolation().landlock_abi} (< 6: no signal scoping); "
+            "docs/security.md lists what does not hold then; this test runs on kernels with Landlock ABI "
+            ">= 6 (Linux 6.12+)"
+        )
     real = sandbox.isolation
     monkeypatch.setattr(sandbox, "isolation", real)  # restored after the test
     report = run_corpus(without_namespaces(sandbox))
@@ -78,8 +101,7 @@ def test_hostile_corpus_is_blocked_without_namespaces(monkeypatch):
 
 def test_a_stdout_flood_costs_the_parent_at_most_about_twice_the_cap():
     """Measured in a fresh process (this one's peak RSS is already far above the numbers)."""
-    done = subprocess.run([sys.executable, str(CORPUS_SCRIPT), "--flood"], capture_output=True, text=True,
-                          timeout=600)
+    done = subprocess.run([sys.executable, str(CORPUS_SCRIPT), "--flood"], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     for cap, m in json.loads(done.stdout).items():
         cap = int(cap)
@@ -133,8 +155,13 @@ print(json.dumps({"timed_out": calls[0].timed_out, "truncated": calls[1].output_
 def test_the_sandbox_reaps_what_it_starts_leaving_no_orphan_to_a_reaper():
     """Where PID 1 never reaps (a container whose entrypoint is the trainer), every orphan
     re-parented to it would stay a zombie: a subreaper here sees what would reach PID 1."""
-    done = subprocess.run([sys.executable, "-c", REAPER, str(Path(__file__).parents[1])], capture_output=True,
-                          text=True, timeout=600, cwd="/")
+    done = subprocess.run(
+        [sys.executable, "-c", REAPER, str(Path(__file__).parents[1])],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd="/",
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout.splitlines()[-1])
     assert report["timed_out"] and report["truncated"]
@@ -180,8 +207,11 @@ def test_read_grants_never_cover_a_package_directory(tmp_path):
     import site
     import sysconfig
 
-    packages = {Path(p).resolve() for p in [*site.getsitepackages(), sysconfig.get_paths()["purelib"],
-                                            "/usr/lib/python3/dist-packages"] if os.path.isdir(p)}
+    packages = {
+        Path(p).resolve()
+        for p in [*site.getsitepackages(), sysconfig.get_paths()["purelib"], "/usr/lib/python3/dist-packages"]
+        if os.path.isdir(p)
+    }
     for path in sandbox.readable_paths(sandbox.isolation()):
         assert not any(pkg.is_relative_to(Path(path).resolve()) for pkg in packages), (path, packages)
 
@@ -191,16 +221,20 @@ def test_the_code_cannot_forge_a_setup_failure_but_a_real_one_still_raises(monke
     SandboxError in the trainer); a failure of setup itself is still an error, never run unconfined."""
     forged = sandbox.run_python("import sys\nsys.stderr.write('sandbox setup failed: forged\\n')\nsys.exit(120)")
     assert forged.returncode == 120 and "forged" in forged.stderr and not forged.timed_out
-    broken = sandbox._init_source().replace("def set_limits(cfg: dict) -> None:\n",
-                                            "def set_limits(cfg: dict) -> None:\n    raise OSError('limits refused')\n")
+    broken = sandbox._init_source().replace(
+        "def set_limits(cfg: dict) -> None:\n",
+        "def set_limits(cfg: dict) -> None:\n    raise OSError('limits refused')\n",
+    )
     assert broken != sandbox._init_source()
     monkeypatch.setattr(sandbox, "_init_source", lambda: broken)
     with pytest.raises(sandbox.SandboxError, match=r"^sandbox setup failed: OSError: limits refused$"):
         sandbox.run_python("print('never runs')")
 
 
-BOMB = ("import os, time\nfor _ in range(64):\n    try:\n        if os.fork() == 0:\n            time.sleep(600)\n"
-        "    except OSError:\n        pass\ntime.sleep(600)")
+BOMB = (
+    "import os, time\nfor _ in range(64):\n    try:\n        if os.fork() == 0:\n            time.sleep(600)\n"
+    "    except OSError:\n        pass\ntime.sleep(600)"
+)
 
 
 def _processes_of(uids) -> int:
@@ -219,9 +253,11 @@ def test_a_fork_bomb_does_not_stop_a_concurrent_call_without_namespaces(monkeypa
     """Without namespaces RLIMIT_NPROC counts a uid's processes machine-wide: were every call
     nobody, a call holding 16 processes would leave a concurrent one unable to start any."""
     if not sandbox.isolation().run_as:
-        pytest.skip("the trainer is not root here: every call runs as the trainer's uid, and docs/security.md "
-                    "says what holds then (the uid pool needs root); this test runs when the suite runs as root, "
-                    "as in CI")
+        pytest.skip(
+            "the trainer is not root here: every call runs as the trainer's uid, and docs/security.md "
+            "says what holds then (the uid pool needs root); this test runs when the suite runs as root, "
+            "as in CI"
+        )
     monkeypatch.setattr(sandbox, "isolation", sandbox.isolation)  # restored after the test
     without_namespaces(sandbox)
     uids = set(sandbox.UID_POOL)
@@ -231,8 +267,9 @@ def test_a_fork_bomb_does_not_stop_a_concurrent_call_without_namespaces(monkeypa
         while _processes_of(uids) < 16 and not bomb.done():
             assert time.monotonic() < deadline, "the fork bomb never reached its process limit"
             time.sleep(0.05)
-        other = sandbox.run_python("import os\nif os.fork() == 0:\n    os._exit(0)\nos.wait(); print('forked')",
-                                   timeout_s=30)
+        other = sandbox.run_python(
+            "import os\nif os.fork() == 0:\n    os._exit(0)\nos.wait(); print('forked')", timeout_s=30
+        )
         assert other.stdout == "forked\n", other
         assert not bomb.done()  # it still held its processes while the other call forked
     assert bomb.result().timed_out

@@ -21,12 +21,12 @@ from pathlib import Path
 import pytest
 import torch
 from aiohttp import web
+from helpers import run_launch
 
-from megatron_stepwise.rollout.engine import MEMORY_TAGS, GenerateResult, SamplingParams
 from megatron_stepwise.rollout.embedded import generate_fields
 from megatron_stepwise.rollout.embedded.server import EngineServer, generate_response
+from megatron_stepwise.rollout.engine import MEMORY_TAGS, GenerateResult, SamplingParams
 from megatron_stepwise.rollout.sglang import SGLANG_VERSION, SGLangClient, TensorHandles, serialize_tensors_sglang
-from helpers import run_launch
 
 # Longer than the suite's 600 s: fetching the pinned sglang wheel is allowed 900 s.
 pytestmark = pytest.mark.timeout(1200)
@@ -51,8 +51,16 @@ def _download_wheel() -> Path:
     attempts = [
         base + [f"sglang=={SGLANG_VERSION}"],
         # The wheel is CPython-3.11/manylinux specific: ask for that one explicitly from other interpreters.
-        base + ["--python-version", "3.11", "--implementation", "cp", "--platform", "manylinux_2_34_x86_64",
-                f"sglang=={SGLANG_VERSION}"],
+        base
+        + [
+            "--python-version",
+            "3.11",
+            "--implementation",
+            "cp",
+            "--platform",
+            "manylinux_2_34_x86_64",
+            f"sglang=={SGLANG_VERSION}",
+        ],
     ]
     errors = []
     for cmd in attempts:
@@ -115,9 +123,13 @@ def routes(tree: ast.Module) -> dict[str, dict]:
             if isinstance(ann, ast.Name) and (ann.id.endswith("ReqInput") or ann.id.endswith("Req")):
                 body_cls = ann.id
         for dec in fn.decorator_list:
-            if not (isinstance(dec, ast.Call) and isinstance(dec.func, ast.Attribute)
-                    and ast.unparse(dec.func.value) == "app" and dec.args
-                    and isinstance(dec.args[0], ast.Constant)):
+            if not (
+                isinstance(dec, ast.Call)
+                and isinstance(dec.func, ast.Attribute)
+                and ast.unparse(dec.func.value) == "app"
+                and dec.args
+                and isinstance(dec.args[0], ast.Constant)
+            ):
                 continue
             kind = dec.func.attr
             if kind == "api_route":
@@ -126,8 +138,9 @@ def routes(tree: ast.Module) -> dict[str, dict]:
                 methods = [kind.upper()]
             else:
                 continue
-            entry = out.setdefault(dec.args[0].value, {"methods": set(), "body": body_cls,
-                                                       "params": {a.arg for a in fn.args.args}})
+            entry = out.setdefault(
+                dec.args[0].value, {"methods": set(), "body": body_cls, "params": {a.arg for a in fn.args.args}}
+            )
             entry["methods"].update(m.upper() for m in methods)
     return out
 
@@ -147,12 +160,19 @@ async def capture_client_requests() -> list[dict]:
         body = await request.json() if request.can_read_body else None
         captured.append({"method": request.method, "path": request.path, "query": dict(request.query), "body": body})
         if request.path == "/generate":
-            return web.json_response({
-                "text": "ab", "output_ids": [5, 6],
-                "meta_info": {"id": "x", "finish_reason": {"type": "stop", "matched": 6},
-                              "output_token_logprobs": [[-0.5, 5, None], [-0.25, 6, None]],
-                              "weight_version": "3", "weight_versions": [{"version": "3", "start": 0, "end": 2}]},
-            })
+            return web.json_response(
+                {
+                    "text": "ab",
+                    "output_ids": [5, 6],
+                    "meta_info": {
+                        "id": "x",
+                        "finish_reason": {"type": "stop", "matched": 6},
+                        "output_token_logprobs": [[-0.5, 5, None], [-0.25, 6, None]],
+                        "weight_version": "3",
+                        "weight_versions": [{"version": "3", "start": 0, "end": 2}],
+                    },
+                }
+            )
         if request.path == "/get_model_info":
             return web.json_response({"model_path": "m", "weight_version": "3"})
         if request.path == "/health":
@@ -168,8 +188,16 @@ async def capture_client_requests() -> list[dict]:
     port = runner.addresses[0][1]
     client = SGLangClient(f"http://127.0.0.1:{port}", tp_size=2)
     try:
-        sampling = SamplingParams(temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=16, stop=["</search>"],
-                                  stop_token_ids=[2], no_stop_trim=True, skip_special_tokens=False)
+        sampling = SamplingParams(
+            temperature=0.7,
+            top_p=0.9,
+            top_k=20,
+            max_new_tokens=16,
+            stop=["</search>"],
+            stop_token_ids=[2],
+            no_stop_trim=True,
+            skip_special_tokens=False,
+        )
         result = await client.generate([1, 2, 3], sampling, rid="traj#0/turn0", session="traj#0")
         assert result.output_ids == [5, 6] and result.logprobs == [-0.5, -0.25]
         assert result.finish_reason == "stop" and result.weight_version == 3 and result.token_weight_versions == [3, 3]
@@ -211,10 +239,20 @@ def test_every_endpoint_and_method_exists(sglang, captured):
     table = routes(sglang["http_server"])
     used = {(c["method"], c["path"]) for c in captured}
     assert {p for _, p in used} == {
-        "/generate", "/update_weights_from_disk", "/update_weights_from_tensor", "/init_weights_update_group",
-        "/update_weights_from_distributed", "/destroy_weights_update_group", "/pause_generation",
-        "/continue_generation", "/flush_cache", "/abort_request", "/health", "/get_model_info",
-        "/release_memory_occupation", "/resume_memory_occupation",
+        "/generate",
+        "/update_weights_from_disk",
+        "/update_weights_from_tensor",
+        "/init_weights_update_group",
+        "/update_weights_from_distributed",
+        "/destroy_weights_update_group",
+        "/pause_generation",
+        "/continue_generation",
+        "/flush_cache",
+        "/abort_request",
+        "/health",
+        "/get_model_info",
+        "/release_memory_occupation",
+        "/resume_memory_occupation",
     }
     for method, path in sorted(used):
         assert path in table, f"SGLang {SGLANG_VERSION} has no endpoint {path}"
@@ -251,10 +289,19 @@ def test_every_body_field_exists_in_the_request_class(sglang, captured):
         missing = {f for f, has_default in fields.items() if not has_default} - set(body)
         assert not missing, f"{c['path']}: required fields {sorted(missing)} of {cls} were not sent"
         checked.add(cls)
-    assert {"GenerateReqInput", "UpdateWeightFromDiskReqInput", "UpdateWeightsFromTensorReqInput",
-            "InitWeightsUpdateGroupReqInput", "UpdateWeightsFromDistributedReqInput",
-            "DestroyWeightsUpdateGroupReqInput", "PauseGenerationReqInput", "ContinueGenerationReqInput",
-            "AbortReq", "ReleaseMemoryOccupationReqInput", "ResumeMemoryOccupationReqInput"} <= checked
+    assert {
+        "GenerateReqInput",
+        "UpdateWeightFromDiskReqInput",
+        "UpdateWeightsFromTensorReqInput",
+        "InitWeightsUpdateGroupReqInput",
+        "UpdateWeightsFromDistributedReqInput",
+        "DestroyWeightsUpdateGroupReqInput",
+        "PauseGenerationReqInput",
+        "ContinueGenerationReqInput",
+        "AbortReq",
+        "ReleaseMemoryOccupationReqInput",
+        "ResumeMemoryOccupationReqInput",
+    } <= checked
 
 
 def test_memory_occupation_requests_match_sglang(sglang, captured):
@@ -265,15 +312,21 @@ def test_memory_occupation_requests_match_sglang(sglang, captured):
     table = routes(sglang["http_server"])
     assert table["/release_memory_occupation"]["body"] == "ReleaseMemoryOccupationReqInput"
     assert table["/resume_memory_occupation"]["body"] == "ResumeMemoryOccupationReqInput"
-    consts = {n.targets[0].id: n.value for n in sglang["constants"].body
-              if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name)}
+    consts = {
+        n.targets[0].id: n.value
+        for n in sglang["constants"].body
+        if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name)
+    }
     all_types = [ast.literal_eval(consts[e.id]) for e in consts["GPU_MEMORY_ALL_TYPES"].elts]
     assert set(all_types) == set(MEMORY_TAGS)
     bodies = [(c["path"], c["body"]) for c in captured if c["path"].endswith("_memory_occupation")]
-    assert bodies == [("/release_memory_occupation", {"tags": ["weights", "kv_cache"]}),
-                      ("/resume_memory_occupation", {"tags": ["weights"]}),
-                      ("/resume_memory_occupation", {"tags": ["kv_cache"]}),
-                      ("/release_memory_occupation", {}), ("/resume_memory_occupation", {})]
+    assert bodies == [
+        ("/release_memory_occupation", {"tags": ["weights", "kv_cache"]}),
+        ("/resume_memory_occupation", {"tags": ["weights"]}),
+        ("/resume_memory_occupation", {"tags": ["kv_cache"]}),
+        ("/release_memory_occupation", {}),
+        ("/resume_memory_occupation", {}),
+    ]
     server_options = set(class_fields(sglang["exec_args"], "ExecFeatures"))
     assert {"enable_memory_saver", "enable_weights_cpu_backup"} <= server_options
 
@@ -285,8 +338,17 @@ def test_generate_payload_passes_the_json_contract(sglang, captured):
     assert set(gen) <= set(class_fields(sglang["api_types"], "GenerateRequest"))
     assert gen["input_ids"] == [1, 2, 3] and gen["return_logprob"] is True
     sp = gen["sampling_params"]
-    assert set(sp) == {"temperature", "top_p", "top_k", "max_new_tokens", "stop", "stop_token_ids",
-                       "no_stop_trim", "skip_special_tokens", "sampling_seed"}
+    assert set(sp) == {
+        "temperature",
+        "top_p",
+        "top_k",
+        "max_new_tokens",
+        "stop",
+        "stop_token_ids",
+        "no_stop_trim",
+        "skip_special_tokens",
+        "sampling_seed",
+    }
     assert set(sp) <= set(class_fields(sglang["api_types"], "SamplingParams"))
     assert set(sp) <= set(class_fields(sglang["sampling_params"], "SamplingParams"))
 

@@ -19,7 +19,6 @@ import urllib.error
 import urllib.request
 
 import pytest
-
 from helpers import run_launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -71,9 +70,24 @@ def _serve(tmp_path, name: str) -> tuple[subprocess.Popen, str]:
     config = tmp_path / "config.json"  # the `tiny` preset as the trainer sizes it for tiny_word
     config.write_text(json.dumps(resolve_hf_config("tiny", vocab_size=len(load_tokenizer("tiny_word")))))
     log = open(tmp_path / f"{name}.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "megatron_stepwise.cli", "serve", "--model-config", str(config),
-                             "--tokenizer", "tiny_word", "--port", "0"], stdout=log, stderr=subprocess.STDOUT,
-                            env=ENV, cwd=ROOT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "megatron_stepwise.cli",
+            "serve",
+            "--model-config",
+            str(config),
+            "--tokenizer",
+            "tiny_word",
+            "--port",
+            "0",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=ENV,
+        cwd=ROOT,
+    )
     found: list[str] = []
 
     def announced():
@@ -98,10 +112,28 @@ def router(tmp_path_factory):
             servers.append(url)
         port = _free_port()
         log_path = tmp / "router.log"
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-             "--worker-urls", *servers, "--policy", "round_robin", "--log-level", "info"],
-            stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=ENV))
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "sglang_router.launch_router",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "--worker-urls",
+                    *servers,
+                    "--policy",
+                    "round_robin",
+                    "--log-level",
+                    "info",
+                ],
+                stdout=open(log_path, "w"),
+                stderr=subprocess.STDOUT,
+                env=ENV,
+            )
+        )
         url = f"http://127.0.0.1:{port}"
 
         def both_workers_healthy():
@@ -129,8 +161,15 @@ def _forwarded_generates(log_path) -> list[int]:
 def test_requests_forwarded_by_the_router_are_accepted(router):
     url, servers, _ = router
     for i in range(4):  # round robin: both engines answer
-        status, data = _post(url + "/generate", {"input_ids": [1, 5, 8, 2], "rid": f"r{i}", "return_logprob": True,
-                                                 "sampling_params": {"max_new_tokens": 3, "temperature": 1.0}})
+        status, data = _post(
+            url + "/generate",
+            {
+                "input_ids": [1, 5, 8, 2],
+                "rid": f"r{i}",
+                "return_logprob": True,
+                "sampling_params": {"max_new_tokens": 3, "temperature": 1.0},
+            },
+        )
         assert status == 200, data
         assert [e[1] for e in data["meta_info"]["output_token_logprobs"]] == data["output_ids"]
 
@@ -139,8 +178,12 @@ def test_the_router_drops_return_routed_experts(router):
     """A dense engine refuses return_routed_experts (400); behind the router the same request
     succeeds, so the router did not forward it: routing replay cannot go through the router."""
     url, servers, _ = router
-    body = {"input_ids": [1, 5, 8], "return_logprob": True, "return_routed_experts": True,
-            "sampling_params": {"max_new_tokens": 2}}
+    body = {
+        "input_ids": [1, 5, 8],
+        "return_logprob": True,
+        "return_routed_experts": True,
+        "sampling_params": {"max_new_tokens": 2},
+    }
     status, text = _post(servers[0] + "/generate", body)
     assert status == 400 and "return_routed_experts" in text
     status, data = _post(url + "/generate", body)
@@ -151,11 +194,25 @@ def test_three_iterations_train_through_the_router(router, tmp_path):
     url, servers, log_path = router
     before = len(_forwarded_generates(log_path))
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "megatron_stepwise.cli", "train", os.path.join(ROOT, "configs/tiny_cpu.yaml"),
-           f"logging.run_dir={run_dir}", "logging.progress=false", "trainer.iterations=3", "trainer.eval_every=0",
-           "checkpoint.every=0", "launch.nproc_per_node=1", "data.prompts_per_iteration=4",
-           "data.prompts_per_minibatch=2", "rollout.engine=sglang", "rollout.agent_workers=0",
-           f"rollout.sglang.servers=[{','.join(servers)}]", f"rollout.sglang.router_url={url}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_stepwise.cli",
+        "train",
+        os.path.join(ROOT, "configs/tiny_cpu.yaml"),
+        f"logging.run_dir={run_dir}",
+        "logging.progress=false",
+        "trainer.iterations=3",
+        "trainer.eval_every=0",
+        "checkpoint.every=0",
+        "launch.nproc_per_node=1",
+        "data.prompts_per_iteration=4",
+        "data.prompts_per_minibatch=2",
+        "rollout.engine=sglang",
+        "rollout.agent_workers=0",
+        f"rollout.sglang.servers=[{','.join(servers)}]",
+        f"rollout.sglang.router_url={url}",
+    ]
     out = run_launch(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     metrics = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]

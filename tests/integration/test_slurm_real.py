@@ -25,7 +25,11 @@ SCRIPT = REPO / "tools" / "local_slurm.sh"
 EXIT_CANNOT_INSTALL = 3
 
 # Longer than the suite's 600 s: starting the local SLURM cluster is allowed 900 s, a job as long again.
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash"), pytest.mark.timeout(1200)]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash"),
+    pytest.mark.timeout(1200),
+]
 
 
 @pytest.fixture(scope="module")
@@ -33,11 +37,14 @@ def slurm(tmp_path_factory):
     state = tmp_path_factory.mktemp("slurm")
     # Ports of its own: another cluster on this machine (a second test session) keeps working.
     ports = dict(os.environ, LOCAL_SLURM_CTLD_PORT=str(_free_port()), LOCAL_SLURM_D_PORT=str(_free_port()))
-    out = subprocess.run(["bash", str(SCRIPT), "start", str(state)], env=ports, capture_output=True, text=True,
-                         timeout=900)
+    out = subprocess.run(
+        ["bash", str(SCRIPT), "start", str(state)], env=ports, capture_output=True, text=True, timeout=900
+    )
     if out.returncode == EXIT_CANNOT_INSTALL:
-        pytest.skip(f"no SLURM here and it cannot be installed: {out.stderr.strip()}; this test runs where "
-                    "slurm-wlm and munge are installed, or as root with apt-get (as in CI)")
+        pytest.skip(
+            f"no SLURM here and it cannot be installed: {out.stderr.strip()}; this test runs where "
+            "slurm-wlm and munge are installed, or as root with apt-get (as in CI)"
+        )
     assert out.returncode == 0, out.stdout + out.stderr
     env = dict(os.environ, SLURM_CONF=str(state / "slurm.conf"), PYTHON=sys.executable)
     env.pop("WORLD_SIZE", None)
@@ -53,10 +60,20 @@ def _free_port() -> int:
 
 
 def _submit(env, run_dir: Path, iterations: int, ray_port: int) -> str:
-    cmd = ["sbatch", "--parsable", "--gpus-per-node=0", f"--output={run_dir}.slurm-%j.out",
-           str(REPO / "launch" / "train_slurm.sbatch"), "configs/tiny_cpu.yaml",
-           f"trainer.iterations={iterations}", "checkpoint.every=1", "trainer.eval_every=0", "logging.progress=false",
-           f"logging.run_dir={run_dir}", f"launch.ray_port={ray_port}"]
+    cmd = [
+        "sbatch",
+        "--parsable",
+        "--gpus-per-node=0",
+        f"--output={run_dir}.slurm-%j.out",
+        str(REPO / "launch" / "train_slurm.sbatch"),
+        "configs/tiny_cpu.yaml",
+        f"trainer.iterations={iterations}",
+        "checkpoint.every=1",
+        "trainer.eval_every=0",
+        "logging.progress=false",
+        f"logging.run_dir={run_dir}",
+        f"launch.ray_port={ray_port}",
+    ]
     out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     return out.stdout.strip().split(";")[0]

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import check_ok, run_torchrun
+from weights_helpers import load_json
+
 from megatron_stepwise.algo.losses import LossConfig, LossInputs, policy_loss
 from megatron_stepwise.mcore.weights import sync as S
-from weights_helpers import load_json
 
 LAYOUTS = ["tp2", "pp2", "tp1"]
 MODES = ["tensor", "disk", "distributed"]
@@ -36,19 +36,25 @@ def test_prune_versions_keeps_the_newest(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v000001.partial", "v000010", "v000012"]
 
 
-@pytest.fixture(scope="module", params=[
-    pytest.param(("qwen2", 0), id="untied"),
-    pytest.param(("qwen2", 1), id="tied", marks=pytest.mark.slow),
-    pytest.param(("qwen3", 0), id="qwen3", marks=pytest.mark.slow),  # QK norm, explicit head_dim
-    pytest.param(("qwen3_moe", 0), id="qwen3moe", marks=pytest.mark.slow),  # 4 experts, top-2 (EP1)
-    # 4 experts, top-2 renormalised; pushed under Mixtral's hub names (block_sparse_moe...w1/w2/w3)
-    pytest.param(("mixtral", 0), id="mixtral", marks=pytest.mark.slow),
-])
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param(("qwen2", 0), id="untied"),
+        pytest.param(("qwen2", 1), id="tied", marks=pytest.mark.slow),
+        pytest.param(("qwen3", 0), id="qwen3", marks=pytest.mark.slow),  # QK norm, explicit head_dim
+        pytest.param(("qwen3_moe", 0), id="qwen3moe", marks=pytest.mark.slow),  # 4 experts, top-2 (EP1)
+        # 4 experts, top-2 renormalised; pushed under Mixtral's hub names (block_sparse_moe...w1/w2/w3)
+        pytest.param(("mixtral", 0), id="mixtral", marks=pytest.mark.slow),
+    ],
+)
 def results(request, tmp_path_factory):
     out = tmp_path_factory.mktemp("sync")
     model_type, tied = request.param
-    check_ok(run_torchrun("sync_worker.py", 2, ["--out", str(out), "--tied", str(tied), "--model-type", model_type],
-                          timeout=600))
+    check_ok(
+        run_torchrun(
+            "sync_worker.py", 2, ["--out", str(out), "--tied", str(tied), "--model-type", model_type], timeout=600
+        )
+    )
     return load_json(out / "results.json"), load_json(out / "weights_listing.json")
 
 
@@ -82,8 +88,14 @@ def test_sampled_logprobs_at_temperature_match_and_tis_weights_are_one(results, 
     # On-policy, the TIS weight old/rollout is 1 on every token.
     ones = torch.ones(n, dtype=torch.float64)
     _, metrics = policy_loss(
-        LossInputs(logprobs=ours, old_logprobs=ours, advantages=ones, weights=ones / n,
-                   segment_ids=torch.zeros(n, dtype=torch.long), rollout_logprobs=engine),
+        LossInputs(
+            logprobs=ours,
+            old_logprobs=ours,
+            advantages=ones,
+            weights=ones / n,
+            segment_ids=torch.zeros(n, dtype=torch.long),
+            rollout_logprobs=engine,
+        ),
         LossConfig(tis="token", tis_cap=2.0),
     )
     assert abs(float(metrics["tis_weight_mean"]) - 1.0) <= 1e-4

@@ -10,12 +10,11 @@ import re
 import sys
 
 import psutil
-
 from helpers import TESTS, run_launch
 
 CHILD = "import threading; print('ready', flush=True); threading.Event().wait()"
 
-HUNG_TESTS = f'''
+HUNG_TESTS = f"""
 import subprocess, sys, threading
 from pathlib import Path
 
@@ -68,17 +67,36 @@ def test_next_runs_and_the_module_child_is_kept(module_child):
     assert module_child.poll() is None
     pid = int((HERE / "own_child.pid").read_text())
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-'''
+"""
 
 
 def test_a_hung_test_fails_alone_with_every_stack_and_no_process_left(tmp_path):
     (tmp_path / "conftest.py").write_text(
-        "from timeouts import pytest_fixture_setup, pytest_runtest_protocol, pytest_timeout_set_timer  # noqa: F401\n")
+        "from timeouts import pytest_fixture_setup, pytest_runtest_protocol, pytest_timeout_set_timer  # noqa: F401\n"
+    )
     (tmp_path / "test_hung.py").write_text(HUNG_TESTS)
     env = dict(os.environ, PYTHONPATH=f"{TESTS}:{TESTS.parent}")
-    out = run_launch([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", "-o", "timeout_method=signal",
-                      "-q", "-rA", "--rootdir", str(tmp_path), str(tmp_path / "test_hung.py")],
-                     env=env, cwd=tmp_path, timeout=300)
+    out = run_launch(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:xdist",
+            "-o",
+            "timeout_method=signal",
+            "-q",
+            "-rA",
+            "--rootdir",
+            str(tmp_path),
+            str(tmp_path / "test_hung.py"),
+        ],
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
     text = out.stdout + out.stderr
     assert out.returncode == 1, text
     assert re.search(r"2 failed, 1 passed", text), text
@@ -86,7 +104,9 @@ def test_a_hung_test_fails_alone_with_every_stack_and_no_process_left(tmp_path):
     assert "Timeout >2.0s in test_hung.py::test_hangs" in text, text
     assert "MAIN-THREAD-WAITS-HERE" in text and "--- thread helper-thread-waits" in text, text
     # its children: the own one listed and dumped (faulthandler, on SIGABRT) then killed, the module's kept
-    assert re.search(r"\[test's\] \S+ -c .* own-child", text) and re.search(r"\[older \(kept\)\] \S+ -c .* module-child", text), text
+    assert re.search(r"\[test's\] \S+ -c .* own-child", text) and re.search(
+        r"\[older \(kept\)\] \S+ -c .* module-child", text
+    ), text
     assert "Fatal Python error: Aborted" in text and 'File "<string>", line 1 in <module>' in text, text
     # the launch helper: the launcher and its worker in another session both killed, the output printed
     assert "Timeout >3.0s in test_hung.py::test_launch_hangs" in text, text
@@ -115,12 +135,30 @@ def test_stuck_in_c():
 def test_a_test_stuck_in_c_code_ends_its_process_instead_of_hanging(tmp_path):
     """SIGALRM cannot interrupt a main thread inside C code: the watchdog dumps and ends the process."""
     (tmp_path / "conftest.py").write_text(
-        "from timeouts import pytest_fixture_setup, pytest_runtest_protocol, pytest_timeout_set_timer  # noqa: F401\n")
+        "from timeouts import pytest_fixture_setup, pytest_runtest_protocol, pytest_timeout_set_timer  # noqa: F401\n"
+    )
     (tmp_path / "test_stuck.py").write_text(STUCK_IN_C)
     env = dict(os.environ, PYTHONPATH=f"{TESTS}:{TESTS.parent}", STEPWISE_TIMEOUT_GRACE_S="1")
-    out = run_launch([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", "-o", "timeout_method=signal",
-                      "-q", "--rootdir", str(tmp_path), str(tmp_path / "test_stuck.py")],
-                     env=env, cwd=tmp_path, timeout=300)
+    out = run_launch(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:xdist",
+            "-o",
+            "timeout_method=signal",
+            "-q",
+            "--rootdir",
+            str(tmp_path),
+            str(tmp_path / "test_stuck.py"),
+        ],
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
     text = out.stdout + out.stderr
     assert out.returncode == 1, text  # os._exit(1), not a hang
     assert "Timeout >1.0s in test_stuck.py::test_stuck_in_c" in text and "STUCK-IN-C-HERE" in text, text

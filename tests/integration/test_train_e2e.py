@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-
 from helpers import run_launch
 
 # Longer than the suite's 600 s: a test may wait on the module's reference run and then train again, each launch allowed 900 s.
@@ -21,8 +20,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def _train(run_dir, *overrides, timeout=900):
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "megatron_stepwise.cli", "train", os.path.join(ROOT, "configs/tiny_cpu.yaml"),
-           f"logging.run_dir={run_dir}", "logging.progress=false", *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_stepwise.cli",
+        "train",
+        os.path.join(ROOT, "configs/tiny_cpu.yaml"),
+        f"logging.run_dir={run_dir}",
+        "logging.progress=false",
+        *overrides,
+    ]
     return run_launch(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
@@ -128,10 +135,19 @@ def test_sigkill_then_same_command_resumes_and_repeats_the_uninterrupted_run(tmp
 
     run_dir = str(tmp_path / "killed")
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "megatron_stepwise.cli", "train", os.path.join(ROOT, "configs/tiny_cpu.yaml"),
-           f"logging.run_dir={run_dir}", "logging.progress=false", *overrides]
-    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_stepwise.cli",
+        "train",
+        os.path.join(ROOT, "configs/tiny_cpu.yaml"),
+        f"logging.run_dir={run_dir}",
+        "logging.progress=false",
+        *overrides,
+    ]
+    proc = subprocess.Popen(
+        cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     deadline = time.time() + 600
     while (_latest_iteration(run_dir) or 0) < 2 and proc.poll() is None and time.time() < deadline:
         time.sleep(0.2)
@@ -202,8 +218,10 @@ def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, sh
     for key in ("train/loss", "train/grad_norm", "train/entropy"):
         assert r[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-7), key
     assert _latest_iteration(run_dir) == 7  # saved again, good this time
-    print(f"\n{damage.__name__}: {warning[0].split(': ', 1)[-1]}; iteration 6 reward "
-          f"{r['reward/mean']} (reference {ref['reward/mean']}), loss {r['train/loss']} (reference {ref['train/loss']})")
+    print(
+        f"\n{damage.__name__}: {warning[0].split(': ', 1)[-1]}; iteration 6 reward "
+        f"{r['reward/mean']} (reference {ref['reward/mean']}), loss {r['train/loss']} (reference {ref['train/loss']})"
+    )
 
 
 @pytest.mark.slow
@@ -240,8 +258,9 @@ def test_a_run_refuses_another_runs_checkpoints_naming_both(tmp_path, short_refe
     assert len(errors) == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
     with open(os.path.join(run_dir, "run_id")) as f:
         second = f.read().strip()
-    assert f"was written by another run (run_id {first} in {os.path.abspath(ref_dir)}), this is run {second}" \
-        in errors[0]
+    assert (
+        f"was written by another run (run_id {first} in {os.path.abspath(ref_dir)}), this is run {second}" in errors[0]
+    )
     assert not os.path.exists(os.path.join(run_dir, "metrics.jsonl"))  # nothing trained
 
 
@@ -280,8 +299,15 @@ def test_bpe_tokenizer_trains_in_both_context_modes(tmp_path, context):
     BPE drifts, and Megatron scores every trained token as the engine sampled it. Re-tokenise
     mode: the measured drift breaks rows, and each step is still trained on the prompt it was sent."""
     run_dir = str(tmp_path / context)
-    out = _train(run_dir, "trainer.iterations=2", "checkpoint.every=0", "trainer.eval_every=0",
-                 "model.tokenizer=tiny_bpe", f"rollout.context={context}", "data.merge_steps=true")
+    out = _train(
+        run_dir,
+        "trainer.iterations=2",
+        "checkpoint.every=0",
+        "trainer.eval_every=0",
+        "model.tokenizer=tiny_bpe",
+        f"rollout.context={context}",
+        "data.merge_steps=true",
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     m = _metrics(run_dir)
     assert [r["iteration"] for r in m] == [0, 1]
@@ -292,7 +318,9 @@ def test_bpe_tokenizer_trains_in_both_context_modes(tmp_path, context):
             assert r["batch/broken_prefixes"] == 0 and r["batch/rows_after_merge"] == r["rollout/trajectories"] == 64
         else:
             assert r["batch/broken_prefixes"] > 0 and r["batch/rows_after_merge"] > r["rollout/trajectories"]
-    print(f"\n{context}: drift rate {[round(r['rollout/retokenize_drift_rate'], 3) for r in m]}, rows after merge "
-          f"{[r['batch/rows_after_merge'] for r in m]}, tokens before/after merge "
-          f"{[(r['batch/tokens_before_merge'], r['batch/tokens_after_merge']) for r in m]}, "
-          f"gap {max(r['train/logprob_gap_max'] for r in m):.2e}")
+    print(
+        f"\n{context}: drift rate {[round(r['rollout/retokenize_drift_rate'], 3) for r in m]}, rows after merge "
+        f"{[r['batch/rows_after_merge'] for r in m]}, tokens before/after merge "
+        f"{[(r['batch/tokens_before_merge'], r['batch/tokens_after_merge']) for r in m]}, "
+        f"gap {max(r['train/logprob_gap_max'] for r in m):.2e}"
+    )

@@ -18,9 +18,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from test_loggers import assert_loggers_match_jsonl
 from helpers import run_launch
+from test_loggers import assert_loggers_match_jsonl
 
 # Longer than the suite's 600 s: the module's data set-up and a training launch, each allowed up to 900 s on a busy machine.
 pytestmark = pytest.mark.timeout(1200)
@@ -61,10 +60,24 @@ def _run(user_dir: Path, argv: list[str], run_dir: Path, *extra: str):
     config = str(REPO / argv[2])  # the doc's path is relative to the repository
     overrides = [a for a in argv[3:] if not a.startswith("logging.run_dir=")]
     # The user's package is found through PYTHONPATH only (the repo is importable as installed).
-    env = dict(os.environ, PYTHONPATH=f"{user_dir}{os.pathsep}{REPO}", OMP_NUM_THREADS="1",
-               WANDB_MODE="offline", WANDB_SILENT="true")
-    cmd = [sys.executable, "-m", "megatron_stepwise.cli", "train", config, *overrides,
-           f"logging.run_dir={run_dir}", *SHORT, *extra]
+    env = dict(
+        os.environ,
+        PYTHONPATH=f"{user_dir}{os.pathsep}{REPO}",
+        OMP_NUM_THREADS="1",
+        WANDB_MODE="offline",
+        WANDB_SILENT="true",
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_stepwise.cli",
+        "train",
+        config,
+        *overrides,
+        f"logging.run_dir={run_dir}",
+        *SHORT,
+        *extra,
+    ]
     return run_launch(cmd, cwd=user_dir, env=env, capture_output=True, text=True, timeout=900)
 
 
@@ -103,13 +116,21 @@ def test_reward_function_only_trains_on_a_parquet_file(user_dir, tmp_path):
 
 def test_a_user_module_that_does_not_import_fails_validate_naming_it(user_dir):
     env = dict(os.environ, PYTHONPATH=f"{user_dir}{os.pathsep}{REPO}")
-    cmd = [sys.executable, "-m", "megatron_stepwise.cli", "validate", str(REPO / "configs/tiny_cpu.yaml"),
-           "env.name=my_envs.digit_env:SayDigits", "env.dataset=digits_hf"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_stepwise.cli",
+        "validate",
+        str(REPO / "configs/tiny_cpu.yaml"),
+        "env.name=my_envs.digit_env:SayDigits",
+        "env.dataset=digits_hf",
+    ]
     out = run_launch(cmd, cwd=user_dir, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "env.name" in out.stderr and "has no 'SayDigits'" in out.stderr
     # the same with the right name, but a column the environment needs left unmapped
     cmd[-2] = "env.name=my_envs.digit_env:SayDigit"
-    out = run_launch([*cmd, "env.fields.prompt=question"], cwd=user_dir, env=env, capture_output=True,
-                         text=True, timeout=300)
+    out = run_launch(
+        [*cmd, "env.fields.prompt=question"], cwd=user_dir, env=env, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 2 and "has no field 'target'" in out.stderr and "digits_hf" in out.stderr

@@ -9,12 +9,12 @@ import subprocess
 import sys
 
 import pytest
-
 from helpers import make_step, run_launch
+
 from megatron_stepwise.config import load_config
 from megatron_stepwise.loop.dumps import DumpRecorder, dump_path, write_dump
-from megatron_stepwise.loop.training_batch import PrepareOptions
 from megatron_stepwise.loop.sources import split_round
+from megatron_stepwise.loop.training_batch import PrepareOptions
 from megatron_stepwise.viewer.page import APPENDED_EOS, PROMPT, TRAINED, build_data, render
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -28,9 +28,19 @@ def _trajectory(pid, k, reward, *, turns=2, error=False):
     for t in range(turns):
         last = t == turns - 1
         resp, mask = ([ZERO, EOS], [1, 1]) if last else ([ONE, ONE, EOS], [1, 1, 0])
-        step = make_step(pid, k, prompt=history, resp=resp, mask=mask, last=last, reward=reward if last else 0.0,
-                         lp=[-0.5] * len(resp), versions=[4] * len(resp), meta={"turn": t},
-                         stop=("env_error" if error else "stop") if last else "length")
+        step = make_step(
+            pid,
+            k,
+            prompt=history,
+            resp=resp,
+            mask=mask,
+            last=last,
+            reward=reward if last else 0.0,
+            lp=[-0.5] * len(resp),
+            versions=[4] * len(resp),
+            meta={"turn": t},
+            stop=("env_error" if error else "stop") if last else "length",
+        )
         if error and last:
             step.metadata["error"] = "TimeoutError: env call took too long"
         steps.append(step)
@@ -47,16 +57,25 @@ def run_dir(tmp_path):
             steps += _trajectory(pid, k, reward=float(k), turns=3 if (g, k) == (0, 0) else 2, error=(g, k) == (3, 1))
     recorder = DumpRecorder(every=1)
     recorder.begin(4)
-    split_round([steps[:9], steps[9:]], {}, options=PrepareOptions(), dp_size=1, shard=lambda b: [b],
-                recorder=recorder)
+    split_round([steps[:9], steps[9:]], {}, options=PrepareOptions(), dp_size=1, shard=lambda b: [b], recorder=recorder)
     for cap in recorder.minibatches:  # a trainer that disagrees with the engine by 1e-3 on trained tokens
-        cap.trainer_logprobs = cap.batch.token_fields["rollout_logprobs"] + 1e-3 * (cap.batch.token_fields["loss_mask"] != 0)
+        cap.trainer_logprobs = cap.batch.token_fields["rollout_logprobs"] + 1e-3 * (
+            cap.batch.token_fields["loss_mask"] != 0
+        )
     config = load_config(os.path.join(ROOT, "configs/tiny_cpu.yaml")).to_dict()
-    write_dump(dump_path(tmp_path, 4), recorder.minibatches, iteration=4, weight_version=4, config=config,
-               train_metrics=[{"loss": 0.25, "grad_norm": 1.5}] * 2)
+    write_dump(
+        dump_path(tmp_path, 4),
+        recorder.minibatches,
+        iteration=4,
+        weight_version=4,
+        config=config,
+        train_metrics=[{"loss": 0.25, "grad_norm": 1.5}] * 2,
+    )
     with open(tmp_path / "metrics.jsonl", "w") as f:
         for i in range(5):
-            f.write(json.dumps({"iteration": i, "reward/mean": 0.1 * i, "rollout/response_len_mean": 3.0 - 0.1 * i}) + "\n")
+            f.write(
+                json.dumps({"iteration": i, "reward/mean": 0.1 * i, "rollout/response_len_mean": 3.0 - 0.1 * i}) + "\n"
+            )
     return tmp_path
 
 
@@ -89,16 +108,28 @@ def _chromium():
     return None
 
 
-@pytest.mark.skipif(_chromium() is None, reason="needs Debian's chromium (apt-get install chromium; .ci/run installs "
-                                                "it where apt-get can): runs in CI and on the dev VM")
+@pytest.mark.skipif(
+    _chromium() is None,
+    reason="needs Debian's chromium (apt-get install chromium; .ci/run installs "
+    "it where apt-get can): runs in CI and on the dev VM",
+)
 def test_the_page_renders_in_headless_chromium_with_every_trajectory_and_a_screenshot(run_dir, tmp_path):
-    out = run_launch([sys.executable, "-m", "megatron_stepwise.cli", "view", str(run_dir), "--out",
-                          str(tmp_path / "page.html")], env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True,
-                         text=True, timeout=120)
+    out = run_launch(
+        [sys.executable, "-m", "megatron_stepwise.cli", "view", str(run_dir), "--out", str(tmp_path / "page.html")],
+        env=dict(os.environ, PYTHONPATH=ROOT),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     page = (tmp_path / "page.html").as_uri()
-    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--window-size=1400,900",
-             f"--user-data-dir={tmp_path / 'profile'}"]
+    flags = [
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--window-size=1400,900",
+        f"--user-data-dir={tmp_path / 'profile'}",
+    ]
     dom = run_launch([_chromium(), *flags, "--dump-dom", page], capture_output=True, text=True, timeout=120)
     assert dom.returncode == 0, dom.stderr[-2000:]
     html = dom.stdout
@@ -110,8 +141,9 @@ def test_the_page_renders_in_headless_chromium_with_every_trajectory_and_a_scree
     assert "env error: TimeoutError" in html and html.count("<svg") == 2
     # the filters, set from the link: only the trajectory whose environment failed, then rewards >= 1
     for fragment, shown in (("err=yes", 1), ("rmin=1", 4), ("stop=env_error&err=no", 0)):
-        dom = run_launch([_chromium(), *flags, "--dump-dom", f"{page}#{fragment}"], capture_output=True, text=True,
-                             timeout=120)
+        dom = run_launch(
+            [_chromium(), *flags, "--dump-dom", f"{page}#{fragment}"], capture_output=True, text=True, timeout=120
+        )
         assert re.search(rf'id="shown">{shown}<', dom.stdout), fragment
         assert len(re.findall(r'<details class="traj" [^>]*style="display: none;"', dom.stdout)) == 8 - shown
     shot = tmp_path / "viewer.png"
@@ -121,6 +153,11 @@ def test_the_page_renders_in_headless_chromium_with_every_trajectory_and_a_scree
 
 
 def test_view_without_a_dump_is_one_clear_error(tmp_path):
-    out = run_launch([sys.executable, "-m", "megatron_stepwise.cli", "view", str(tmp_path)],
-                         env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=120)
+    out = run_launch(
+        [sys.executable, "-m", "megatron_stepwise.cli", "view", str(tmp_path)],
+        env=dict(os.environ, PYTHONPATH=ROOT),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2 and "trainer.dump_rollouts" in out.stderr and "Traceback" not in out.stderr

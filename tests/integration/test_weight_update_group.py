@@ -65,10 +65,14 @@ class FakeEngineHandle:
 
     async def _join(self, address, port, rank_offset, world_size):
         loop = asyncio.get_running_loop()
-        self.groups = await asyncio.gather(*(
-            loop.run_in_executor(None, weight_transport.join_group, address, port, rank_offset + tp_rank, world_size, 60)
-            for tp_rank in range(self.ranks)
-        ))
+        self.groups = await asyncio.gather(
+            *(
+                loop.run_in_executor(
+                    None, weight_transport.join_group, address, port, rank_offset + tp_rank, world_size, 60
+                )
+                for tp_rank in range(self.ranks)
+            )
+        )
 
 
 def fake_fleet(specs: list[EngineSpec], dead: tuple[int, ...] = ()) -> RolloutFleet:

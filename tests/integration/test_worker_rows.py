@@ -15,12 +15,12 @@ from megatron_stepwise.algo.groups import groups_of
 from megatron_stepwise.algo.planner import plan_microbatches
 from megatron_stepwise.algo.reductions import REDUCTIONS, loss_token_weights, row_denominators
 from megatron_stepwise.algo.rows import RowTable
+from megatron_stepwise.data.synthetic import AgentWorkload, make_agent_steps
 from megatron_stepwise.loop.handoff import Handoff
 from megatron_stepwise.loop.training_batch import PrepareOptions, add_counts, prepare, prepare_rows
 from megatron_stepwise.loop.worker_rows import HeldRows, HoldRequest, RemoteShard, RowFetcher, split_held_round
 from megatron_stepwise.mcore.train.plugin import ShardDecision, shard_rows
 from megatron_stepwise.metrics.core import rollout_metrics
-from megatron_stepwise.data.synthetic import AgentWorkload, make_agent_steps
 from megatron_stepwise.steps import StepBatch
 
 
@@ -66,8 +66,23 @@ def _decide(rows: RowTable, dp: int, reduction: str):
     for rank, micros in enumerate(plan):
         mine, local = shard_rows(micros)
         index = torch.as_tensor(mine, dtype=torch.long)
-        out.append(ShardDecision(local, mine, rank, dp, int(rows.trained.sum()), 0, 0, 0, False, False,
-                                 rows.traj_index[index], rows.group_index[index], denominators[index]))
+        out.append(
+            ShardDecision(
+                local,
+                mine,
+                rank,
+                dp,
+                int(rows.trained.sum()),
+                0,
+                0,
+                0,
+                False,
+                False,
+                rows.traj_index[index],
+                rows.group_index[index],
+                denominators[index],
+            )
+        )
     return out
 
 
@@ -108,8 +123,9 @@ def test_fetched_rows_make_the_shard_of_the_whole_minibatch(monkeypatch, reducti
     holders = {"w0": HeldRows(), "w1": HeldRows()}
     held = [holders[f"w{i % 2}"].keep(g, request, f"w{i % 2}") for i, g in enumerate(groups)]
     minibatches = [held[:5], held[5:]]  # a mini-batch's groups on both workers
-    shards, counts, skipped = split_held_round(minibatches, decide=lambda rows: _decide(rows, dp, reduction),
-                                               key=4, ray_address="unused")
+    shards, counts, skipped = split_held_round(
+        minibatches, decide=lambda rows: _decide(rows, dp, reduction), key=4, ray_address="unused"
+    )
     assert skipped == 0 and len(shards) == 2 and all(len(s) == dp for s in shards)
     fetcher = _LocalFetcher(holders)
     for groups_of_mb, remote in zip([groups[:5], groups[5:]], shards):
@@ -117,9 +133,9 @@ def test_fetched_rows_make_the_shard_of_the_whole_minibatch(monkeypatch, reducti
         weights = loss_token_weights(whole, reduction)
         for shard in (fetcher.fetch(r) for r in remote):
             expected = whole.select(shard.rows)
-            expected.token_fields["weights"] = weights[torch.cat([torch.arange(int(whole.offsets[r]),
-                                                                               int(whole.offsets[r + 1]))
-                                                                  for r in shard.rows])]
+            expected.token_fields["weights"] = weights[
+                torch.cat([torch.arange(int(whole.offsets[r]), int(whole.offsets[r + 1])) for r in shard.rows])
+            ]
             _same_batch(shard.batch, expected)
     assert counts[0] == prepare([s for g in groups[:5] for s in g.steps], options)[1]
     assert fetcher.bytes_fetched > 0
@@ -177,5 +193,7 @@ def test_a_replica_leader_resolves_for_its_replica_and_a_failure_reaches_every_r
     # the leaders (ranks 0 and 2) resolve; their replica peers get the leader's result
     assert [results[r]["ok"] for r in range(4)] == [["a", 0], ["a", 0], ["b", 2], ["b", 2]]
     for rank in range(4):
-        assert results[rank]["error"] == ("rollout at iteration 2: fetching the rows failed on DP rank 1 (global "
-                                          "rank 2): ConnectionError: agent worker agent-x-1.0 is gone"), rank
+        assert results[rank]["error"] == (
+            "rollout at iteration 2: fetching the rows failed on DP rank 1 (global "
+            "rank 2): ConnectionError: agent worker agent-x-1.0 is gone"
+        ), rank

@@ -4,8 +4,8 @@ import math
 
 import pytest
 import torch
-
 from helpers import make_step
+
 from megatron_stepwise import StepwiseBatchError, compute_advantages, make_padding_step
 from megatron_stepwise.algo.advantages import get_estimator, list_estimators, register_estimator
 

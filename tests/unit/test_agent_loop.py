@@ -5,13 +5,13 @@ import threading
 
 import pytest
 import torch
-
 from helpers import tiny_lm
+
 from megatron_stepwise.envs.custom import RewardFnEnv
 from megatron_stepwise.envs.echo import EchoEnv, echo_dataset
 from megatron_stepwise.rollout.agent_loop import AgentLoop, AgentLoopConfig, render_prompt
-from megatron_stepwise.rollout.engine import SamplingParams
 from megatron_stepwise.rollout.embedded.engine import LocalEngine
+from megatron_stepwise.rollout.engine import SamplingParams
 from megatron_stepwise.steps import StepBatch, TrajectoryID
 
 TOK, CONFIG = tiny_lm("tiny_word")
@@ -93,16 +93,23 @@ def test_observations_go_to_the_next_prompt_not_the_response():
             # The env's observation for this turn, tokenised, sits in the next prompt after this
             # prompt (which the next one extends), and never in this turn's response.
             feedback = "good" if prev.metadata["env_info"]["turn_score"] == 1.0 else "no"
-            obs = TOK(f"{feedback} say {digits[tid.prompt_id][prev.metadata['turn'] + 1]}",
-                      add_special_tokens=False)["input_ids"]
+            obs = TOK(f"{feedback} say {digits[tid.prompt_id][prev.metadata['turn'] + 1]}", add_special_tokens=False)[
+                "input_ids"
+            ]
             assert q[: len(p)] == p
-            assert _contains(q[len(p):], obs)
+            assert _contains(q[len(p) :], obs)
             assert not _contains(r, obs)
 
 
 def test_trajectory_reward_on_last_step_and_stop_reasons():
-    steps = run_loop(make_engine(), EchoEnv, echo_dataset(5, num_turns=3, seed=3), max_turns=3,
-                     max_input_length=200, n_samples_per_prompt=2)
+    steps = run_loop(
+        make_engine(),
+        EchoEnv,
+        echo_dataset(5, num_turns=3, seed=3),
+        max_turns=3,
+        max_input_length=200,
+        n_samples_per_prompt=2,
+    )
     for traj in by_trajectory(steps).values():
         assert [s.is_last_step for s in traj] == [False] * (len(traj) - 1) + [True]
         assert all(s.reward == 0.0 for s in traj[:-1])
@@ -113,8 +120,14 @@ def test_trajectory_reward_on_last_step_and_stop_reasons():
         for s in traj:
             assert s.stop_reason == ("stop" if s.metadata["finish_reason"] == "stop" else "length")
     # Running out of turns before the env is done is recorded on the last step.
-    steps = run_loop(make_engine(), EchoEnv, echo_dataset(2, num_turns=3, seed=3), max_turns=2,
-                     max_input_length=200, n_samples_per_prompt=2)
+    steps = run_loop(
+        make_engine(),
+        EchoEnv,
+        echo_dataset(2, num_turns=3, seed=3),
+        max_turns=2,
+        max_input_length=200,
+        n_samples_per_prompt=2,
+    )
     for traj in by_trajectory(steps).values():
         assert len(traj) == 2 and traj[-1].stop_reason == "max_turns" and traj[-1].is_last_step
 
@@ -137,8 +150,15 @@ def test_first_prompt_too_long_keeps_the_group_size():
     samples = echo_dataset(3, num_turns=2, seed=5)
     first_len = len(render_prompt(TOK, EchoEnv().reset(samples[0])))
     rec = RecordingEngine(make_engine())
-    steps = run_loop(rec, EchoEnv, samples, max_turns=2, max_input_length=first_len - 1,
-                     n_samples_per_prompt=4, context_limit_reward=-1.0)
+    steps = run_loop(
+        rec,
+        EchoEnv,
+        samples,
+        max_turns=2,
+        max_input_length=first_len - 1,
+        n_samples_per_prompt=4,
+        context_limit_reward=-1.0,
+    )
     assert rec.calls == {}  # nothing was sent to the engine
     assert [s.trajectory_id for s in steps] == [TrajectoryID(p["prompt_id"], k) for p in samples for k in range(4)]
     for s in steps:
@@ -175,8 +195,16 @@ def test_env_errors_and_timeouts_end_only_that_trajectory():
     FlakyEnv.release.clear()
     try:
         # The timeout is generous for the other env calls (microseconds each, even on a loaded machine).
-        steps = run_loop(make_engine(), FlakyEnv, samples, max_turns=3, max_input_length=200,
-                         n_samples_per_prompt=2, env_timeout_s=2.0, env_error_reward=-0.5)
+        steps = run_loop(
+            make_engine(),
+            FlakyEnv,
+            samples,
+            max_turns=3,
+            max_input_length=200,
+            n_samples_per_prompt=2,
+            env_timeout_s=2.0,
+            env_error_reward=-0.5,
+        )
     finally:
         FlakyEnv.release.set()  # frees the env threads still blocked in reset
     trajs = by_trajectory(steps)
@@ -197,9 +225,18 @@ def test_output_order_contiguity_and_weight_versions():
 
     async def go():
         await engine.update_weights_from_tensors({}, weight_version=4)
-        loop = AgentLoop(engine, TOK, "echo", AgentLoopConfig(max_turns=3, max_input_length=200,
-                                                             n_samples_per_prompt=3, max_concurrency=4,
-                                                             sampling=SamplingParams(max_new_tokens=4)))
+        loop = AgentLoop(
+            engine,
+            TOK,
+            "echo",
+            AgentLoopConfig(
+                max_turns=3,
+                max_input_length=200,
+                n_samples_per_prompt=3,
+                max_concurrency=4,
+                sampling=SamplingParams(max_new_tokens=4),
+            ),
+        )
         return await loop.rollout(samples)
 
     steps = asyncio.run(go())
@@ -228,8 +265,14 @@ def test_a_tagged_rollout_runs_beside_one_of_the_same_prompts_and_samples_the_sa
     # engine's request ids apart, and the sampling seeds (hence the tokens) are unchanged.
     rec = RecordingEngine(make_engine())
     samples = echo_dataset(num_prompts=3, num_turns=2, seed=4)
-    loop = AgentLoop(rec, TOK, EchoEnv, AgentLoopConfig(max_turns=2, max_input_length=200, n_samples_per_prompt=2,
-                                                        sampling=SamplingParams(max_new_tokens=4)))
+    loop = AgentLoop(
+        rec,
+        TOK,
+        EchoEnv,
+        AgentLoopConfig(
+            max_turns=2, max_input_length=200, n_samples_per_prompt=2, sampling=SamplingParams(max_new_tokens=4)
+        ),
+    )
 
     async def both():
         return await asyncio.gather(loop.rollout(samples, seed=11), loop.rollout(samples, seed=11, request_tag="eval/"))
@@ -247,8 +290,14 @@ def test_a_multi_turn_reward_functions_per_turn_rewards_land_on_each_step():
     def score(response, sample, turn):
         return (0.25 * (turn + 1), "again") if turn < 2 else (1.0, None)
 
-    steps = run_loop(make_engine(), lambda: RewardFnEnv(score), [{"prompt_id": "r", "prompt": "say 3"}],
-                     max_turns=5, max_input_length=200, n_samples_per_prompt=2)
+    steps = run_loop(
+        make_engine(),
+        lambda: RewardFnEnv(score),
+        [{"prompt_id": "r", "prompt": "say 3"}],
+        max_turns=5,
+        max_input_length=200,
+        n_samples_per_prompt=2,
+    )
     for traj in by_trajectory(steps).values():
         assert [s.turn_reward for s in traj] == [0.25, 0.5, 1.0]
         assert traj[-1].reward == 1.75 and traj[-1].is_last_step

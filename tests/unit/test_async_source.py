@@ -47,8 +47,17 @@ class FakeAgent:
         for k, turns in enumerate((1, 2)):
             for t in range(turns):
                 last = t == turns - 1
-                steps.append(Step(TrajectoryID(pid, k), [1, 2], [3, 4], [1, 1], weight_versions=[v, v],
-                                  reward=self.rewards[k] if last else 0.0, is_last_step=last))
+                steps.append(
+                    Step(
+                        TrajectoryID(pid, k),
+                        [1, 2],
+                        [3, 4],
+                        [1, 1],
+                        weight_versions=[v, v],
+                        reward=self.rewards[k] if last else 0.0,
+                        is_last_step=last,
+                    )
+                )
         return groups_of(steps)
 
 
@@ -72,8 +81,15 @@ def make_driver(groups_per_step=2, zero_variance=False, pending=None, **agent_kw
     cfg.algo.filters.zero_variance = zero_variance
     fleet = SimpleNamespace(weight_version=0, metrics=dict)
     ctx = SimpleNamespace(loop=asyncio.new_event_loop(), fleet=fleet, agent=FakeAgent(fleet, **agent_kw), version=0)
-    source = AsyncRollouts(cfg, dataset=FakeDataset(), handoff=None, vocab_size=256, version=lambda: ctx.version,
-                           shard=lambda batch: [batch], dp_size=1)
+    source = AsyncRollouts(
+        cfg,
+        dataset=FakeDataset(),
+        handoff=None,
+        vocab_size=256,
+        version=lambda: ctx.version,
+        shard=lambda batch: [batch],
+        dp_size=1,
+    )
     if pending is not None:  # as a checkpoint restores it
         source.load_state_dict({"pending": pending})
     source.start(Driver(ctx.loop, fleet, ctx.agent))
@@ -97,8 +113,11 @@ def test_take_hands_out_whole_groups_with_distinct_ids():
     assert len(set(ids)) == 2
     for g in groups:
         # all 3 rows (2 trajectories: 1 + 2 turns) of the group, carrying the group's id
-        assert [(s.trajectory_id.prompt_id, s.trajectory_id.sample_index) for s in g.rollout.steps] == \
-            [(g.group_id, 0), (g.group_id, 1), (g.group_id, 1)]
+        assert [(s.trajectory_id.prompt_id, s.trajectory_id.sample_index) for s in g.rollout.steps] == [
+            (g.group_id, 0),
+            (g.group_id, 1),
+            (g.group_id, 1),
+        ]
     close(driver, trainer)
 
 

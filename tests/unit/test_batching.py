@@ -7,8 +7,8 @@ import re
 import numpy as np
 import pytest
 import torch
-
 from helpers import make_step
+
 from megatron_stepwise import (
     StepwiseBatchError,
     make_padding_step,
@@ -108,7 +108,9 @@ def test_prompt_groups_not_contiguous():
 def test_loss_mask_values_other_than_zero_one():
     steps = _valid_batch()
     steps[3].loss_mask = torch.tensor([1, 2])
-    with pytest.raises(StepwiseBatchError, match=r"step 3 \(trajectory b#0\): field 'loss_mask' has value 2 at position 1"):
+    with pytest.raises(
+        StepwiseBatchError, match=r"step 3 \(trajectory b#0\): field 'loss_mask' has value 2 at position 1"
+    ):
         validate_steps(steps)
     steps[3].loss_mask = torch.tensor([-1, 0])
     _expect(steps, 3, "b#0", "loss_mask")
@@ -118,7 +120,10 @@ def test_empty_response_with_trainable_mask():
     steps = _valid_batch()
     steps[2].response_ids = torch.zeros(0, dtype=torch.long)
     steps[2].rollout_logprobs = None
-    with pytest.raises(StepwiseBatchError, match=r"step 2 \(trajectory a#1\): field 'loss_mask' has 1 entries equal to 1 but response_ids is empty"):
+    with pytest.raises(
+        StepwiseBatchError,
+        match=r"step 2 \(trajectory a#1\): field 'loss_mask' has 1 entries equal to 1 but response_ids is empty",
+    ):
         validate_steps(steps)
 
 
@@ -131,7 +136,10 @@ def test_empty_response_without_mask_is_allowed():
 def test_negative_token_ids():
     steps = _valid_batch()
     steps[1].prompt_ids = torch.tensor([1, 2, 3, -4, 9])
-    with pytest.raises(StepwiseBatchError, match=r"step 1 \(trajectory a#0\): field 'prompt_ids' has negative token id -4 at position 3"):
+    with pytest.raises(
+        StepwiseBatchError,
+        match=r"step 1 \(trajectory a#0\): field 'prompt_ids' has negative token id -4 at position 3",
+    ):
         validate_steps(steps)
     steps = _valid_batch()
     steps[3].response_ids = torch.tensor([8, -1])
@@ -142,7 +150,10 @@ def test_out_of_vocabulary_ids_only_with_vocab_size():
     steps = _valid_batch()
     steps[3].response_ids = torch.tensor([8, 10])
     validate_steps(steps)
-    with pytest.raises(StepwiseBatchError, match=r"step 3 \(trajectory b#0\): field 'response_ids' has token id 10 at position 1, outside the vocabulary \(size 10\)"):
+    with pytest.raises(
+        StepwiseBatchError,
+        match=r"step 3 \(trajectory b#0\): field 'response_ids' has token id 10 at position 1, outside the vocabulary \(size 10\)",
+    ):
         validate_steps(steps, vocab_size=10)
     steps = _valid_batch()
     steps[2].prompt_ids = torch.tensor([1, 12])
@@ -155,7 +166,10 @@ def test_non_finite_logprobs_and_reward():
     _expect(steps, 1, "a#0", "rollout_logprobs")
     steps = _valid_batch()
     steps[0].rollout_logprobs = torch.tensor([-0.1, -math.inf])
-    with pytest.raises(StepwiseBatchError, match=r"step 0 \(trajectory a#0\): field 'rollout_logprobs' has non-finite value -inf at position 1"):
+    with pytest.raises(
+        StepwiseBatchError,
+        match=r"step 0 \(trajectory a#0\): field 'rollout_logprobs' has non-finite value -inf at position 1",
+    ):
         validate_steps(steps)
     steps = _valid_batch()
     steps[3].reward = float("inf")
@@ -296,7 +310,9 @@ def test_plan_equal_micro_counts_with_empty_micro_batches():
 def test_plan_row_over_budget_names_row_and_numbers():
     with pytest.raises(StepwiseBatchError, match=r"row 1 has 7 tokens, more than max_tokens=6"):
         plan_microbatches([3, 7], dp_size=1, max_tokens=6)
-    with pytest.raises(StepwiseBatchError, match=r"row 0 has 5 tokens \(8 after aligning to 4\), more than max_tokens=7"):
+    with pytest.raises(
+        StepwiseBatchError, match=r"row 0 has 5 tokens \(8 after aligning to 4\), more than max_tokens=7"
+    ):
         plan_microbatches([5, 3], dp_size=1, max_tokens=7, seq_align=4)
 
 

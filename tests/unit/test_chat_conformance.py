@@ -21,15 +21,17 @@ import os
 from pathlib import Path
 
 import pytest
-
 from helpers import REPO, load_script
+
 from megatron_stepwise.hf.end_of_turn import end_of_turn
 from megatron_stepwise.hf.tokenizers import load_tokenizer
 
 SRC = os.environ.get("STEPWISE_TOKENIZERS_SRC")
 pytestmark = pytest.mark.skipif(
-    not SRC, reason="STEPWISE_TOKENIZERS_SRC is not set: llama.cpp's vocabularies and chat templates are needed; "
-                    ".ci/run sets it where the third-party copy exists")
+    not SRC,
+    reason="STEPWISE_TOKENIZERS_SRC is not set: llama.cpp's vocabularies and chat templates are needed; "
+    ".ci/run sets it where the third-party copy exists",
+)
 families = load_script(Path(REPO) / "tools" / "chat_families.py")
 TRAJECTORIES = int(os.environ.get("STEPWISE_CONFORMANCE_TRAJECTORIES", "300"))
 SEED = 28
@@ -52,12 +54,12 @@ def _expected_delta(tok, history, text, observation):
     turn = history + [{"role": "assistant", "content": text}]
     closed, extended = _render(tok, turn, False), _render(tok, turn + observation, True)
     if closed.startswith(head) and extended.startswith(closed):
-        return extended[len(head):], False
+        return extended[len(head) :], False
     mark = "<<<reply>>>"
     neutral = [{"role": "user", "content": "hi"}]
     extended = _render(tok, neutral + [{"role": "assistant", "content": mark}] + observation, True)
     assert extended.startswith(_render(tok, neutral, False))
-    return extended[extended.rfind(mark) + len(mark):], True
+    return extended[extended.rfind(mark) + len(mark) :], True
 
 
 FAMILY_NAMES = list(families.FAMILIES)
@@ -71,8 +73,10 @@ def test_token_mode_extends_exactly_with_the_templates_delta(name, model_dirs):
     eot = end_of_turn(tok)
     script = families.Scripted(tok, fam, eot, TRAJECTORIES, seed=SEED)
     runs = families.run_loop(tok, script, eot, "tokens")
-    tally = TALLY.setdefault(name, {"trajectories": 0, "turns": 0, "boundaries": 0, "appended": 0, "rewrites": 0,
-                                    "tool->": 0, "noncanonical": 0})
+    tally = TALLY.setdefault(
+        name,
+        {"trajectories": 0, "turns": 0, "boundaries": 0, "appended": 0, "rewrites": 0, "tool->": 0, "noncanonical": 0},
+    )
     for i, steps in runs.items():
         turns, history = script.turns[i], list(script.first[i])
         tally["trajectories"] += 1
@@ -87,8 +91,9 @@ def test_token_mode_extends_exactly_with_the_templates_delta(name, model_dirs):
             if sampled and sampled[-1] in eot.ids or eot.append is None:
                 assert response == sampled and all(mask), f"{at}: response is not the sampled ids"
             else:  # ended without it: the family's end-of-turn token, never trained on
-                assert response == sampled + [eot.append] and mask == [1] * len(sampled) + [0], \
+                assert response == sampled + [eot.append] and mask == [1] * len(sampled) + [0], (
                     f"{at}: expected {tok.convert_ids_to_tokens(eot.append)} appended with loss_mask 0"
+                )
                 tally["appended"] += 1
             text = tok.decode(sampled, skip_special_tokens=True)
             if k + 1 == len(steps):
@@ -96,11 +101,11 @@ def test_token_mode_extends_exactly_with_the_templates_delta(name, model_dirs):
             nxt = steps[k + 1].prompt_ids.tolist()
             prefix = step.prompt_ids.tolist() + response
             assert nxt[: len(prefix)] == prefix, f"{at}: the next prompt does not extend prompt + response"
-            delta = nxt[len(prefix):]
+            delta = nxt[len(prefix) :]
             expected, rewrote = _expected_delta(tok, history, text, turns[k].observation)
             closing = tok.decode([response[-1]])
             if response[-1] in eot.ids and expected.startswith(closing):  # the response already closes the turn
-                expected = expected[len(closing):]
+                expected = expected[len(closing) :]
             assert tok.decode(delta) == expected, f"{at}: delta {tok.decode(delta)!r} != template {expected!r}"
             assert delta == tok(expected, add_special_tokens=False)["input_ids"], f"{at}: delta ids not canonical"
             tally["boundaries"] += 1
@@ -126,12 +131,14 @@ def test_retokenize_mode_flags_every_rewrite(name, model_dirs):
             # Re-tokenising changes the turn when its ids are not its text's own encoding, or the
             # template renders the chat after it otherwise than the chat before it + the reply.
             noncanonical = tok(tok.decode(sampled), add_special_tokens=False)["input_ids"] != sampled
-            rewritten = not _render(tok, after, True).startswith(_render(tok, history, True)
-                                                                 + tok.decode(step.response_ids.tolist()))
+            rewritten = not _render(tok, after, True).startswith(
+                _render(tok, history, True) + tok.decode(step.response_ids.tolist())
+            )
             expected = noncanonical or rewritten
-            assert step.metadata["retokenize_drift"] == expected, \
-                f"{name}: trajectory {i}, turn {k}: drift {step.metadata['retokenize_drift']}, expected {expected} " \
+            assert step.metadata["retokenize_drift"] == expected, (
+                f"{name}: trajectory {i}, turn {k}: drift {step.metadata['retokenize_drift']}, expected {expected} "
                 f"(noncanonical ids {noncanonical}, template rewrote {rewritten})"
+            )
             flagged += step.metadata["retokenize_drift"]
             truth += expected
             history = after
@@ -139,15 +146,18 @@ def test_retokenize_mode_flags_every_rewrite(name, model_dirs):
     assert truth > 0  # the script does produce rewrites
 
 
-@pytest.mark.parametrize("name, closing, also", [
-    ("qwen2.5-instruct", "<|im_end|>", ["<|endoftext|>"]),
-    ("qwen3", "<|im_end|>", ["<|endoftext|>"]),
-    ("qwen3.5", "<|im_end|>", ["<|endoftext|>"]),
-    ("llama-3.1-instruct", "<|eot_id|>", ["<|end_of_text|>", "<|eom_id|>"]),
-    ("deepseek-r1-distill-qwen", "<｜end▁of▁sentence｜>", []),
-    ("deepseek-v3.1", "<｜end▁of▁sentence｜>", []),
-    ("glm-4.6", None, ["<|endoftext|>", "<|user|>", "<|observation|>"]),  # GLM closes no turn
-])
+@pytest.mark.parametrize(
+    "name, closing, also",
+    [
+        ("qwen2.5-instruct", "<|im_end|>", ["<|endoftext|>"]),
+        ("qwen3", "<|im_end|>", ["<|endoftext|>"]),
+        ("qwen3.5", "<|im_end|>", ["<|endoftext|>"]),
+        ("llama-3.1-instruct", "<|eot_id|>", ["<|end_of_text|>", "<|eom_id|>"]),
+        ("deepseek-r1-distill-qwen", "<｜end▁of▁sentence｜>", []),
+        ("deepseek-v3.1", "<｜end▁of▁sentence｜>", []),
+        ("glm-4.6", None, ["<|endoftext|>", "<|user|>", "<|observation|>"]),  # GLM closes no turn
+    ],
+)
 def test_end_of_turn_comes_from_the_models_own_files(name, closing, also, model_dirs):
     """The appended token is the one the chat template closes a reply with; every
     generation_config.json eos_token_id also ends a turn (none of this is per-family code)."""

@@ -10,17 +10,17 @@ import asyncio
 
 import pytest
 import torch
+from helpers import tiny_lm
 from transformers import AutoTokenizer
 
-from helpers import tiny_lm
 from megatron_stepwise.algo.merge import merge_steps
 from megatron_stepwise.envs.echo import EchoEnv, echo_dataset
 from megatron_stepwise.hf.tokenizers import tokenizer_dir
 from megatron_stepwise.metrics.core import rollout_metrics
 from megatron_stepwise.rollout.agent_loop import AgentLoop, AgentLoopConfig
 from megatron_stepwise.rollout.context import ChatTemplateError, extend_context, template_delta
-from megatron_stepwise.rollout.engine import GenerateResult, SamplingParams
 from megatron_stepwise.rollout.embedded.engine import LocalEngine
+from megatron_stepwise.rollout.engine import GenerateResult, SamplingParams
 from megatron_stepwise.steps import TrajectoryID
 
 TOK, CONFIG = tiny_lm("tiny_bpe")
@@ -109,8 +109,10 @@ def test_token_mode_prompts_extend_exactly_and_merge_to_one_row(engine, samples)
             # The response ends with an end-of-turn token (sampled, or appended with loss_mask 0):
             # the delta is what ChatML adds after it, tokenised on its own.
             assert prev.response_ids[-1] == EOS
-            delta = encode(f"\n<|im_start|>user\n{echo_observation(by_prompt[tid.prompt_id], prev)}<|im_end|>\n"
-                           "<|im_start|>assistant\n")
+            delta = encode(
+                f"\n<|im_start|>user\n{echo_observation(by_prompt[tid.prompt_id], prev)}<|im_end|>\n"
+                "<|im_start|>assistant\n"
+            )
             assert nxt.prompt_ids.tolist() == prev.prompt_ids.tolist() + prev.response_ids.tolist() + delta
         for s in traj:  # each step holds the prompt the engine was sent
             assert s.prompt_ids.tolist() == rec.prompts[f"{tid}/turn{s.metadata['turn']}"]
@@ -153,14 +155,17 @@ def test_retokenize_mode_drift_is_measured_and_is_where_the_merge_breaks(engine,
     boundaries = len(steps) - len(trajectories(steps))
     assert stats.broken_prefixes == drifted and rate == pytest.approx(drifted / boundaries)
     assert drifted > 0 and ratio > 1.0
-    print(f"\nretokenize mode, tiny_bpe, random tiny policy, T={TURNS}: drift rate {rate:.3f}, "
-          f"merged / unique tokens {ratio:.3f}")
+    print(
+        f"\nretokenize mode, tiny_bpe, random tiny policy, T={TURNS}: drift rate {rate:.3f}, "
+        f"merged / unique tokens {ratio:.3f}"
+    )
 
 
 def test_token_mode_measures_drift_on_a_stable_share_of_trajectories(engine, samples):
     """rollout.drift_sample_rate: the measured trajectories are picked by their id (the same in
     a new loop, as in a resumed run), measure every turn boundary, and the measurement changes
     nothing else; unmeasured steps carry no drift, and the rate averages measured ones only."""
+
     def measured(steps):
         return {tid for tid, traj in trajectories(steps).items() if "retokenize_drift" in traj[0].metadata}
 
@@ -179,7 +184,8 @@ def test_token_mode_measures_drift_on_a_stable_share_of_trajectories(engine, sam
             assert "retokenize_drift" not in s.metadata
     kept = [s for s in full if s.trajectory_id in measured(half) and not s.is_last_step]
     assert rollout_metrics(half)["rollout/retokenize_drift_rate"] == pytest.approx(
-        sum(s.metadata["retokenize_drift"] for s in kept) / len(kept))
+        sum(s.metadata["retokenize_drift"] for s in kept) / len(kept)
+    )
     none = run(engine, samples, n_samples_per_prompt=2, max_turns=3, context="tokens", drift_sample_rate=0.0)
     assert not measured(none) and "rollout/retokenize_drift_rate" not in rollout_metrics(none)
     # Re-tokenising measures every boundary whatever the rate: the next prompt IS the re-rendered chat.
@@ -188,8 +194,11 @@ def test_token_mode_measures_drift_on_a_stable_share_of_trajectories(engine, sam
 
 
 def first_prompt(sample):
-    return encode(TOK.apply_chat_template([{"role": "user", "content": f"say {sample['digits'][0]}"}],
-                                          add_generation_prompt=True, tokenize=False))
+    return encode(
+        TOK.apply_chat_template(
+            [{"role": "user", "content": f"say {sample['digits'][0]}"}], add_generation_prompt=True, tokenize=False
+        )
+    )
 
 
 def test_both_modes_send_the_same_first_prompt_and_check_length_on_what_is_sent(engine, samples):
@@ -217,8 +226,14 @@ class Scripted:
 
 def test_an_end_of_turn_the_model_did_not_sample_stays_untrained_in_token_mode(samples):
     for append_eos in (True, False):
-        steps = run(Scripted("3 3", no_eos=True), samples[:1], n_samples_per_prompt=1, max_turns=3,
-                    context="tokens", append_eos=append_eos)
+        steps = run(
+            Scripted("3 3", no_eos=True),
+            samples[:1],
+            n_samples_per_prompt=1,
+            max_turns=3,
+            context="tokens",
+            append_eos=append_eos,
+        )
         prev, nxt = steps[0], steps[1]
         obs = f"\n<|im_start|>user\n{echo_observation(samples[0], prev)}<|im_end|>\n<|im_start|>assistant\n"
         if append_eos:  # appended to the response, loss_mask 0; the delta starts after it
@@ -254,8 +269,15 @@ def test_token_mode_keeps_reasoning_a_history_rewriting_template_drops(samples):
     reply = "<think>the user wants a digit</think>3"
     kept = encode(reply)
     for context in ("tokens", "retokenize"):
-        steps = run(Scripted(reply), samples[:1], tokenizer=tok, n_samples_per_prompt=1, max_turns=3, context=context,
-                    drift_sample_rate=1.0)
+        steps = run(
+            Scripted(reply),
+            samples[:1],
+            tokenizer=tok,
+            n_samples_per_prompt=1,
+            max_turns=3,
+            context=context,
+            drift_sample_rate=1.0,
+        )
         for prev, nxt in zip(steps, steps[1:]):
             head = prev.prompt_ids.tolist() + prev.response_ids.tolist()
             assert prev.metadata["retokenize_drift"]  # re-rendering drops the reasoning just sampled

@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_stepwise.mcore.weights import hf_mapping as H
 from megatron_stepwise.mcore.train.model import arch_from_hf, tiny_config
+from megatron_stepwise.mcore.weights import hf_mapping as H
 
 
 def hf_state(cfg: dict, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -77,9 +77,12 @@ def test_mixtral_experts_take_the_hub_names_w1_gate_w3_up_w2_down(tmp_path):
     names = H.hf_names(arch)
     assert "model.layers.0.block_sparse_moe.gate.weight" in names
     assert H.hf_names_for("decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight", arch) == (
-        "model.layers.0.block_sparse_moe.experts.3.w1.weight", "model.layers.0.block_sparse_moe.experts.3.w3.weight")
+        "model.layers.0.block_sparse_moe.experts.3.w1.weight",
+        "model.layers.0.block_sparse_moe.experts.3.w3.weight",
+    )
     assert H.hf_names_for("decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.weight", arch) == (
-        "model.layers.0.block_sparse_moe.experts.3.w2.weight",)
+        "model.layers.0.block_sparse_moe.experts.3.w2.weight",
+    )
     # ... which are the names transformers itself writes (and reads back into its fused experts).
     fields = dict(cfg)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(fields.pop("model_type"), **fields))

@@ -3,14 +3,26 @@ to the outcome estimators, and merged rows carrying each turn's own advantage (d
 
 import pytest
 import torch
-
 from helpers import make_step
-from megatron_stepwise import StepwiseBatchError, compute_advantages, make_padding_step, merge_steps, merge_with_advantages
+from oracles import per_turn_index_normalised
+
+from megatron_stepwise import (
+    StepwiseBatchError,
+    compute_advantages,
+    make_padding_step,
+    merge_steps,
+    merge_with_advantages,
+)
 from megatron_stepwise.algo.advantages import get_estimator, rloo
 from megatron_stepwise.algo.turn_credit import DISCOUNT_BASES, returns_to_go
-from megatron_stepwise.envs.credit_task import KeyTurnTask, exact_gradient, expected_update, sampled_gradients, trajectory_probs
+from megatron_stepwise.envs.credit_task import (
+    KeyTurnTask,
+    exact_gradient,
+    expected_update,
+    sampled_gradients,
+    trajectory_probs,
+)
 from megatron_stepwise.loop.training_batch import PrepareOptions, prepare
-from oracles import per_turn_index_normalised
 
 TASK = KeyTurnTask(max_turns=3, key_turn=1, key_bonus=1.0, filler_reward=0.2)
 # A fixed policy that stops, takes the key action and fillers with clearly different odds per turn.
@@ -39,19 +51,25 @@ UNBIASED = {
     "rloo (outcome broadcast)": (_outcome_rloo, lambda: exact_gradient(TASK, THETA, _total)),
     "turn_rloo": (_turn("turn_rloo"), lambda: exact_gradient(TASK, THETA, _total)),
     "turn_state_rloo": (_turn("turn_state_rloo"), lambda: exact_gradient(TASK, THETA, _total)),
-    "turn_dr_grpo": (_turn("turn_dr_grpo"),
-                     lambda: exact_gradient(TASK, THETA, _total) * (GROUP_SIZE - 1) / GROUP_SIZE),
-    "turn_rloo gamma 0.8": (_turn("turn_rloo", gamma=0.8),
-                            lambda: expected_update(TASK, THETA, lambda r, lengths: returns_to_go(r, 0.8))),
-    "turn_discount gamma 0.8": (_turn("turn_discount", gamma=0.8, base="rloo"),
-                                lambda: exact_gradient(TASK, THETA, lambda a, lengths, r: r.sum(1) * 0.8 ** (lengths - 1.0))),
+    "turn_dr_grpo": (
+        _turn("turn_dr_grpo"),
+        lambda: exact_gradient(TASK, THETA, _total) * (GROUP_SIZE - 1) / GROUP_SIZE,
+    ),
+    "turn_rloo gamma 0.8": (
+        _turn("turn_rloo", gamma=0.8),
+        lambda: expected_update(TASK, THETA, lambda r, lengths: returns_to_go(r, 0.8)),
+    ),
+    "turn_discount gamma 0.8": (
+        _turn("turn_discount", gamma=0.8, base="rloo"),
+        lambda: exact_gradient(TASK, THETA, lambda a, lengths, r: r.sum(1) * 0.8 ** (lengths - 1.0)),
+    ),
 }
 
 
 def _z_scores(estimator, target, seed=0):
     """(mean - target) / standard error, per parameter, over GROUPS independent group estimates."""
     per_group = sampled_gradients(TASK, THETA, estimator, GROUPS, GROUP_SIZE, torch.Generator().manual_seed(seed))
-    se = per_group.std(0) / GROUPS ** 0.5
+    se = per_group.std(0) / GROUPS**0.5
     return (per_group.mean(0) - target) / se
 
 
@@ -76,8 +94,9 @@ def test_documented_unbiased_estimators_match_the_exact_gradient(name):
 def test_per_turn_index_normalisation_is_biased_when_the_policy_stops():
     """The naive oracle fails the same test, and by far: each extra turn costs the intermediate
     rewards' group mean, a hidden penalty on continuing."""
-    z = _z_scores(lambda r, lengths, g, states: per_turn_index_normalised(r, lengths, g),
-                  exact_gradient(TASK, THETA, _total))
+    z = _z_scores(
+        lambda r, lengths, g, states: per_turn_index_normalised(r, lengths, g), exact_gradient(TASK, THETA, _total)
+    )
     assert float(z.abs().max()) > 10, f"z-scores per parameter {z}"
 
 
@@ -116,9 +135,11 @@ def test_turn_discount_reduces_bit_exactly_at_gamma_1(base):
 def test_turn_rloo_hand_computed():
     """Group of three: rewards per turn [0.5, 1] / [2] / [0.5, 0.5, 0]; outcome = their sum."""
     steps = [
-        make_step("g", 0, mask=[1], last=False), make_step("g", 0, mask=[1, 1], last=True, reward=1.5),
+        make_step("g", 0, mask=[1], last=False),
+        make_step("g", 0, mask=[1, 1], last=True, reward=1.5),
         make_step("g", 1, mask=[1], last=True, reward=2.0),
-        make_step("g", 2, mask=[1], last=False), make_step("g", 2, mask=[1], last=False),
+        make_step("g", 2, mask=[1], last=False),
+        make_step("g", 2, mask=[1], last=False),
         make_step("g", 2, mask=[1], last=True, reward=1.0),
     ]
     for i, r in [(0, 0.5), (3, 0.5), (4, 0.5)]:
@@ -142,8 +163,11 @@ def _prefix_trajectory(pid, k, turn_rewards, outcome):
 
 
 def test_merged_rows_carry_each_turns_own_advantage():
-    steps = (_prefix_trajectory("p", 0, [0.5, 0.4, 0.0], 1.7) + _prefix_trajectory("p", 1, [0.0, 1.0], 1.0)
-             + _prefix_trajectory("p", 2, [0.3, 0.0, 0.0], 0.3))
+    steps = (
+        _prefix_trajectory("p", 0, [0.5, 0.4, 0.0], 1.7)
+        + _prefix_trajectory("p", 1, [0.0, 1.0], 1.0)
+        + _prefix_trajectory("p", 2, [0.3, 0.0, 0.0], 0.3)
+    )
     per_step = compute_advantages(steps, "turn_rloo")
     rows, merged, stats = merge_with_advantages(steps, per_step)
     assert stats.rows_after == 3
@@ -160,20 +184,31 @@ def test_merged_rows_carry_each_turns_own_advantage():
     # Outcome estimators: advantages before merging equal advantages of the merged rows (the old order).
     rows, _ = merge_steps(steps)
     batch, _ = prepare(steps, PrepareOptions("grpo", merge_steps=True))
-    assert torch.equal(batch.token_fields["advantages"],
-                       torch.cat([x for r, a in zip(rows, compute_advantages(rows, "grpo"))
-                                  for x in (torch.zeros(r.prompt_ids.numel()), a)]))
+    assert torch.equal(
+        batch.token_fields["advantages"],
+        torch.cat(
+            [x for r, a in zip(rows, compute_advantages(rows, "grpo")) for x in (torch.zeros(r.prompt_ids.numel()), a)]
+        ),
+    )
 
 
 def test_turn_estimators_refuse_merged_rows_naming_the_step():
-    rows, _ = merge_with_advantages(_prefix_trajectory("p", 0, [0.5, 0.0], 1.0)
-                                    + _prefix_trajectory("p", 1, [0.0, 0.0], 0.0), [torch.zeros(2)] * 4)[::2]
+    rows, _ = merge_with_advantages(
+        _prefix_trajectory("p", 0, [0.5, 0.0], 1.0) + _prefix_trajectory("p", 1, [0.0, 0.0], 0.0), [torch.zeros(2)] * 4
+    )[::2]
     with pytest.raises(StepwiseBatchError, match=r"step 0: field 'metadata.merged_steps'.*turn_rloo.*before merge"):
         compute_advantages(rows, "turn_rloo")
 
 
-@pytest.mark.parametrize("options, key", [({"gamma": 0.0}, "gamma"), ({"gamma": 1.5}, "gamma"), ({"gamma": "high"}, "gamma"),
-                                          ({"base": "reinforce++"}, "base")])
+@pytest.mark.parametrize(
+    "options, key",
+    [
+        ({"gamma": 0.0}, "gamma"),
+        ({"gamma": 1.5}, "gamma"),
+        ({"gamma": "high"}, "gamma"),
+        ({"base": "reinforce++"}, "base"),
+    ],
+)
 def test_bad_turn_options_are_one_clear_error(options, key):
     steps = _variable_length_groups(intermediate=0.0)
     with pytest.raises(StepwiseBatchError, match=rf"algo.estimator_options.{key}="):
@@ -196,8 +231,8 @@ def test_turn_state_rloo_baselines_a_turn_with_other_trajectories_at_the_same_st
     At a shared state the baseline is the others' return there; elsewhere turn_rloo's."""
     t0 = _prefix_trajectory("g", 0, [0.5, 0.0], 2.5)  # G = [2.5, 2.0]
     t1 = _prefix_trajectory("g", 1, [0.5, 0.0], 1.5)  # same prompts as t0: G = [1.5, 1.0]
-    t2 = _prefix_trajectory("g", 2, [0.0], 0.25)      # one turn: G = [0.25]
-    t2[0].prompt_ids = torch.tensor([1, 3])           # another first state
+    t2 = _prefix_trajectory("g", 2, [0.0], 0.25)  # one turn: G = [0.25]
+    t2[0].prompt_ids = torch.tensor([1, 3])  # another first state
     got = [float(a[0]) for a in compute_advantages(t0 + t1 + t2, "turn_state_rloo")]
     # turn 0: t0 and t1 share a state: 2.5 - 1.5 and 1.5 - 2.5; t2 alone: turn_rloo's 0.25 - (2.5 + 1.5) / 2
     # turn 1: t0 and t1 share a state: 2.0 - 1.0 and 1.0 - 2.0

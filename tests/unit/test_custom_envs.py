@@ -39,7 +39,8 @@ def test_a_sample_without_a_usable_prompt_is_named():
 
 
 def test_dotted_path_reads_the_optional_class_attributes(tmp_path, monkeypatch):
-    (tmp_path / "user_envs_probe.py").write_text(textwrap.dedent('''
+    (tmp_path / "user_envs_probe.py").write_text(
+        textwrap.dedent('''
         class Counting:
             """Counts."""
             tokenizer = "tiny_char"
@@ -56,7 +57,8 @@ def test_dotted_path_reads_the_optional_class_attributes(tmp_path, monkeypatch):
                 return [], 0.0, True, {}
 
         NOT_CALLABLE = 3
-    '''))
+    ''')
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     spec = resolve_env_spec("user_envs_probe:Counting")
     assert (spec.tokenizer, spec.required_fields, spec.description) == ("tiny_char", ("prompt", "n"), "Counts.")
@@ -83,7 +85,8 @@ def test_validate_and_the_trainer_dataset_accept_a_callable_without_prompt_ids(t
     from megatron_stepwise.config import config_from_dict
     from megatron_stepwise.loop.components import build_dataset
 
-    (tmp_path / "user_guess_env.py").write_text(textwrap.dedent('''
+    (tmp_path / "user_guess_env.py").write_text(
+        textwrap.dedent("""
         class Guess:
             tokenizer = "tiny_char"
 
@@ -96,7 +99,8 @@ def test_validate_and_the_trainer_dataset_accept_a_callable_without_prompt_ids(t
 
             def step(self, text):
                 return [], 0.0, True, {}
-    '''))
+    """)
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     cfg = config_from_dict({"env": {"name": "user_guess_env:Guess"}})

@@ -13,8 +13,9 @@ def test_finite_steps_pass():
     check_finite(GOOD, iteration=3, clip_grad=1.0)
 
 
-@pytest.mark.parametrize("name,value", [("loss", math.nan), ("pg_loss", math.inf), ("grad_norm", math.nan),
-                                        ("grad_norm", -math.inf)])
+@pytest.mark.parametrize(
+    "name,value", [("loss", math.nan), ("pg_loss", math.inf), ("grad_norm", math.nan), ("grad_norm", -math.inf)]
+)
 def test_a_non_finite_loss_or_grad_norm_is_one_error_naming_it(name, value):
     with pytest.raises(RunDiverged, match=rf"train/{name} is {value} at iteration 7;.*optim.lr") as e:
         check_finite({**GOOD, name: value}, iteration=7, clip_grad=1.0)
@@ -32,7 +33,8 @@ def test_not_computed_grad_norms_and_skipped_steps_are_not_divergence():
     with pytest.raises(RunDiverged):
         check_finite({**GOOD, "grad_norm": math.inf}, iteration=0, clip_grad=0.0)
     # fp16 loss scaling skipped the step: no weight changed
-    check_finite({**GOOD, "loss": math.inf, "grad_norm": math.nan, "update_successful": 0.0}, iteration=0,
-                 clip_grad=1.0)
+    check_finite(
+        {**GOOD, "loss": math.inf, "grad_norm": math.nan, "update_successful": 0.0}, iteration=0, clip_grad=1.0
+    )
     # other metrics are not watched (a max-type metric may legitimately be inf)
     check_finite({**GOOD, "logprob_gap_max": math.inf}, iteration=0, clip_grad=1.0)

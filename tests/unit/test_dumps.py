@@ -2,24 +2,42 @@
 
 import pytest
 import torch
-
 from helpers import make_step
-from megatron_stepwise.loop.dumps import (DumpError, DumpRecorder, assemble_logprobs, dump_path, read_dump,
-                                          write_dump)
-from megatron_stepwise.loop.training_batch import PrepareOptions
+
+from megatron_stepwise.loop.dumps import DumpError, DumpRecorder, assemble_logprobs, dump_path, read_dump, write_dump
 from megatron_stepwise.loop.sources import split_round
+from megatron_stepwise.loop.training_batch import PrepareOptions
 
 
 def _group(pid, rewards, *, routed=False, merged_history=False):
     """A prompt group of two-turn trajectories (the second prompt extends the first turn)."""
     steps = []
     for k, reward in enumerate(rewards):
-        first = make_step(pid, k, prompt=[1, 2, 3], resp=[4 + k, 5, 2], mask=[1, 1, 0], last=False,
-                          lp=[-0.5, -0.25, 0.0], versions=[3, 3, 3], meta={"turn": 0, "env_info": {"x": k}},
-                          stop="length")
-        second = make_step(pid, k, prompt=[1, 2, 3, 4 + k, 5, 2, 9], resp=[6, 2], mask=[1, 1], last=True,
-                           reward=reward, lp=[-1.5, -0.125], versions=[3, 4], meta={"turn": 1},
-                           stop="env_error" if reward < 0 else "stop")
+        first = make_step(
+            pid,
+            k,
+            prompt=[1, 2, 3],
+            resp=[4 + k, 5, 2],
+            mask=[1, 1, 0],
+            last=False,
+            lp=[-0.5, -0.25, 0.0],
+            versions=[3, 3, 3],
+            meta={"turn": 0, "env_info": {"x": k}},
+            stop="length",
+        )
+        second = make_step(
+            pid,
+            k,
+            prompt=[1, 2, 3, 4 + k, 5, 2, 9],
+            resp=[6, 2],
+            mask=[1, 1],
+            last=True,
+            reward=reward,
+            lp=[-1.5, -0.125],
+            versions=[3, 4],
+            meta={"turn": 1},
+            stop="env_error" if reward < 0 else "stop",
+        )
         if reward < 0:
             second.metadata["error"] = "ValueError: bad tool call"
         if routed:
@@ -34,9 +52,14 @@ def _round(steps, merge=False, dp=2, recorder=None):
         recorder = DumpRecorder(every=1)
         recorder.begin(0)
     options = PrepareOptions(merge_steps=merge)
-    rounds = split_round([steps[: len(steps) // 2], steps[len(steps) // 2:]], {}, options=options,
-                         shard=lambda b: [b.select(range(i, b.num_rows, dp)) for i in range(dp)], dp_size=dp,
-                         recorder=recorder)
+    rounds = split_round(
+        [steps[: len(steps) // 2], steps[len(steps) // 2 :]],
+        {},
+        options=options,
+        shard=lambda b: [b.select(range(i, b.num_rows, dp)) for i in range(dp)],
+        dp_size=dp,
+        recorder=recorder,
+    )
     return recorder, rounds
 
 
@@ -56,16 +79,25 @@ def _same_batch(a, b):
 @pytest.mark.parametrize("merge", [False, True])
 @pytest.mark.parametrize("routed", [False, True])
 def test_a_dump_rebuilds_every_trained_minibatch_bit_for_bit(tmp_path, merge, routed):
-    steps = _group("a", [1.0, 0.0]) + _group("b", [0.5, -1.0]) if not routed else \
-        _group("a", [1.0, 0.0], routed=True) + _group("b", [0.5, -1.0], routed=True)
+    steps = (
+        _group("a", [1.0, 0.0]) + _group("b", [0.5, -1.0])
+        if not routed
+        else _group("a", [1.0, 0.0], routed=True) + _group("b", [0.5, -1.0], routed=True)
+    )
     recorder, rounds = _round(steps, merge=merge)
     assert len(recorder.minibatches) == 2
     # the shards travel without the step metadata the dump keeps
     assert all(s.metadata is None for r in rounds for s in r.minibatches)
     for cap in recorder.minibatches:
         cap.trainer_logprobs = torch.randn(cap.batch.tokens.numel())
-    path = write_dump(dump_path(tmp_path, 3), recorder.minibatches, iteration=3, weight_version=7,
-                      config={"name": "x"}, train_metrics=[{"loss": 0.5, "grad_norm": 1.25}] * 2)
+    path = write_dump(
+        dump_path(tmp_path, 3),
+        recorder.minibatches,
+        iteration=3,
+        weight_version=7,
+        config={"name": "x"},
+        train_metrics=[{"loss": 0.5, "grad_norm": 1.25}] * 2,
+    )
     assert path.name == "iter_0000003.parquet"
     dump = read_dump(tmp_path, 3)
     assert dump.iteration == 3 and dump.meta["weight_version"] == 7 and dump.meta["config"] == {"name": "x"}
@@ -113,8 +145,7 @@ def test_a_missing_dump_is_one_error_naming_the_iteration_and_the_key(tmp_path):
     with pytest.raises(DumpError, match="trainer.dump_rollouts"):
         read_dump(tmp_path)
     recorder, _ = _round(_group("a", [1.0, 0.0]) + _group("b", [0.0, 1.0]))
-    write_dump(dump_path(tmp_path, 4), recorder.minibatches, iteration=4, weight_version=4, config={},
-               train_metrics=[])
+    write_dump(dump_path(tmp_path, 4), recorder.minibatches, iteration=4, weight_version=4, config={}, train_metrics=[])
     with pytest.raises(DumpError, match=r"no dump of iteration 5 .*\[4\]"):
         read_dump(tmp_path, 5)
     assert read_dump(tmp_path).iteration == 4  # the last one by default

@@ -10,13 +10,13 @@ import threading
 import time
 
 import pytest
-
 from helpers import tiny_lm
+
 from megatron_stepwise.envs.echo import EchoEnv
 from megatron_stepwise.rollout.agent_loop import AgentLoop, AgentLoopConfig
+from megatron_stepwise.rollout.embedded.engine import LocalEngine
 from megatron_stepwise.rollout.engine import SamplingParams
 from megatron_stepwise.rollout.env_calls import EnvCaller, EnvError
-from megatron_stepwise.rollout.embedded.engine import LocalEngine
 from megatron_stepwise.steps import TrajectoryID
 
 TOK, CONFIG = tiny_lm("tiny_word")
@@ -65,8 +65,16 @@ def rollout(loop, samples):
 
 
 def make_loop(**cfg):
-    cfg = {"sampling": SamplingParams(max_new_tokens=4), "max_turns": 2, "max_input_length": 200,
-           "n_samples_per_prompt": 1, "env_concurrency": HUNG, "env_timeout_s": 5.0, "env_error_reward": -1.0, **cfg}
+    cfg = {
+        "sampling": SamplingParams(max_new_tokens=4),
+        "max_turns": 2,
+        "max_input_length": 200,
+        "n_samples_per_prompt": 1,
+        "env_concurrency": HUNG,
+        "env_timeout_s": 5.0,
+        "env_error_reward": -1.0,
+        **cfg,
+    }
     return AgentLoop(LocalEngine(CONFIG, tokenizer=TOK, seed=0), TOK, FaultyEnv, AgentLoopConfig(**cfg))
 
 
@@ -105,6 +113,7 @@ def test_hung_env_calls_end_as_env_error_and_their_workers_are_reclaimed():
     assert stats["timeouts"] == HUNG
     # The spinning threads unwind (asynchronous exception); the C-blocked ones stay parked, as daemons.
     assert wait_until(lambda: loop.env_stats()["stuck_threads"] == len(blocks)), loop.env_stats()
+
     def env_threads(kind="env-"):
         return [t for t in threading.enumerate() if t.name.startswith(kind)]
 
@@ -120,15 +129,18 @@ def test_hung_env_calls_end_as_env_error_and_their_workers_are_reclaimed():
     assert wait_until(lambda: loop.env_stats()["stuck_threads"] == 0)
 
 
-@pytest.mark.parametrize("kind,fragment", [
-    ("nan", "non-finite reward (nan)"),
-    ("inf", "non-finite reward (inf)"),
-    ("unpicklable", "info must be picklable"),
-    ("exit", "raised SystemExit: 3"),
-    ("keyboard", "raised KeyboardInterrupt"),
-    ("hostile_float", "raised SystemExit"),
-    ("reset_base_exception", "raised BaseException: reset gave up"),
-])
+@pytest.mark.parametrize(
+    "kind,fragment",
+    [
+        ("nan", "non-finite reward (nan)"),
+        ("inf", "non-finite reward (inf)"),
+        ("unpicklable", "info must be picklable"),
+        ("exit", "raised SystemExit: 3"),
+        ("keyboard", "raised KeyboardInterrupt"),
+        ("hostile_float", "raised SystemExit"),
+        ("reset_base_exception", "raised BaseException: reset gave up"),
+    ],
+)
 def test_a_bad_env_result_ends_only_its_trajectory(kind, fragment):
     loop = make_loop()
     steps = rollout(loop, [sample("bad", kind), sample("good", "ok")])

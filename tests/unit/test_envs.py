@@ -5,8 +5,8 @@ import socket
 from pathlib import Path
 
 import pytest
-
 from helpers import load_script
+
 from megatron_stepwise.envs import get_env_spec, list_envs, make_env
 from megatron_stepwise.envs.bm25 import BM25
 from megatron_stepwise.envs.sandbox import run_python
@@ -64,7 +64,7 @@ def test_sandbox_runs_code_with_limits(tmp_path):
 
 
 def call(code):
-    return f'<tool_call>\n{json.dumps({"name": "python", "arguments": {"code": code}})}\n</tool_call>'
+    return f"<tool_call>\n{json.dumps({'name': 'python', 'arguments': {'code': code}})}\n</tool_call>"
 
 
 @pytest.mark.launches  # the python tool runs in the sandbox's child process
@@ -91,10 +91,14 @@ def test_math_tool_env_episode():
 def test_math_tool_answers_every_call_in_order_and_malformed_ones_with_an_error():
     env = make_env("math_tool")
     env.reset({"prompt_id": "p", "question": "What is 2 + 3?", "answer": "5"})
-    text = (call("print(2 + 3)") + "<tool_call>{\"name\": \"python\", \"arguments\": {\"code\": 1}}</tool_call>"
-            + "<tool_call>{\"name\": \"calc\", \"arguments\": {}}</tool_call>"
-            + "<tool_call>{\"name\": \"python\", \"arguments\": [1]}</tool_call>"
-            + "<tool_call>{name: python}</tool_call>" + call("print('x'  * 3)"))
+    text = (
+        call("print(2 + 3)")
+        + '<tool_call>{"name": "python", "arguments": {"code": 1}}</tool_call>'
+        + '<tool_call>{"name": "calc", "arguments": {}}</tool_call>'
+        + '<tool_call>{"name": "python", "arguments": [1]}</tool_call>'
+        + "<tool_call>{name: python}</tool_call>"
+        + call("print('x'  * 3)")
+    )
     obs, reward, done, info = env.step(text)
     assert [m["role"] for m in obs] == ["tool"] * 5 and reward == 0 and not done
     assert obs[0]["content"] == "5"
@@ -104,8 +108,13 @@ def test_math_tool_answers_every_call_in_order_and_malformed_ones_with_an_error(
     assert "at most 4 tool calls per turn; the other 2 were not run" in obs[4]["content"]
     assert info == {"tool_calls": 1, "tool_errors": 4}
     obs, _, _, info = env.step("<tool_call>{name: python}</tool_call>")  # never crashes the trajectory
-    assert obs == [{"role": "tool", "content": "Error: tool call 1: invalid JSON (Expecting property name "
-                                                "enclosed in double quotes at line 1 column 2)"}]
+    assert obs == [
+        {
+            "role": "tool",
+            "content": "Error: tool call 1: invalid JSON (Expecting property name "
+            "enclosed in double quotes at line 1 column 2)",
+        }
+    ]
     # Code with raw newlines inside the JSON string (as models write it) runs.
     code = '{"name": "python", "arguments": {"code": "x = 6\nprint(x * 7)"}}'
     obs, _, _, _ = env.step(f"<tool_call>\n{code}\n</tool_call>")

@@ -8,7 +8,13 @@ import torch
 
 from megatron_stepwise import LossConfig, LossInputs, policy_loss
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: runs on a GPU machine with `pytest -m gpu` (tools/gpu_check.sh)")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available(),
+        reason="needs a CUDA GPU: runs on a GPU machine with `pytest -m gpu` (tools/gpu_check.sh)",
+    ),
+]
 
 LOSS_CONFIGS = [
     LossConfig(policy_loss="ppo", clip_c=3.0),
@@ -23,10 +29,15 @@ def _inputs(device: str, n: int = 64) -> LossInputs:
     g = torch.Generator().manual_seed(0)
     r = lambda scale=0.1: (scale * torch.randn(n, generator=g, dtype=torch.float64)).to(device)  # noqa: E731
     return LossInputs(
-        logprobs=(r() - 1.0).requires_grad_(True), old_logprobs=r() - 1.0, advantages=r(1.0),
+        logprobs=(r() - 1.0).requires_grad_(True),
+        old_logprobs=r() - 1.0,
+        advantages=r(1.0),
         weights=torch.full((n,), 1.0 / n, dtype=torch.float64, device=device),
-        segment_ids=(torch.arange(n) // 8).to(device), rollout_logprobs=r() - 1.0, ref_logprobs=r() - 1.0,
-        entropy=r(1.0).abs().requires_grad_(True))
+        segment_ids=(torch.arange(n) // 8).to(device),
+        rollout_logprobs=r() - 1.0,
+        ref_logprobs=r() - 1.0,
+        entropy=r(1.0).abs().requires_grad_(True),
+    )
 
 
 @pytest.mark.parametrize("cfg", LOSS_CONFIGS, ids=lambda c: f"{c.policy_loss}-tis_{c.tis}-icepop_{c.uses_icepop}")
@@ -36,7 +47,11 @@ def test_policy_losses_on_cuda_equal_cpu(cfg):
         inputs = _inputs(device)
         loss, metrics = policy_loss(inputs, cfg)
         loss.backward()
-        out[device] = (loss.detach().cpu(), inputs.logprobs.grad.cpu(), {k: v.detach().cpu() for k, v in metrics.items()})
+        out[device] = (
+            loss.detach().cpu(),
+            inputs.logprobs.grad.cpu(),
+            {k: v.detach().cpu() for k, v in metrics.items()},
+        )
     (l_cpu, g_cpu, m_cpu), (l_gpu, g_gpu, m_gpu) = out["cpu"], out["cuda"]
     torch.testing.assert_close(l_gpu, l_cpu)
     torch.testing.assert_close(g_gpu, g_cpu)

@@ -13,8 +13,8 @@ import random
 from dataclasses import dataclass
 
 import pytest
-
 from helpers import make_step
+
 from megatron_stepwise.algo.groups import groups_of
 from megatron_stepwise.config.schema import AsyncConfig
 from megatron_stepwise.loop.group_buffer import GroupBuffer
@@ -180,8 +180,9 @@ def simulate(sc: Scenario, seed: int, train_steps: int = 40, max_events: int = 2
     """Producer and trainer around one GroupBuffer on a simulated clock; returns a trace."""
     rng = random.Random(seed)
     keep = (lambda rows: rows[0][2]) if sc.filter_prob else None
-    buf = GroupBuffer(sc.groups_per_step, AsyncConfig(max_staleness=sc.max_staleness, stale_policy=sc.policy),
-                      keep_group=keep)
+    buf = GroupBuffer(
+        sc.groups_per_step, AsyncConfig(max_staleness=sc.max_staleness, stale_policy=sc.policy), keep_group=keep
+    )
     uid = itertools.count()
     # a small dataset, so the same prompt is often in flight twice
     draw = lambda: (lambda i: {"prompt_id": f"p{i % 7}", "uid": i})(next(uid))  # noqa: E731

@@ -5,8 +5,8 @@ import pickle
 
 import pytest
 import torch
-
 from helpers import make_step
+
 from megatron_stepwise.algo.groups import RolloutGroup, flat_steps, groups_of, pack_groups, unpack_groups
 from megatron_stepwise.steps import StepBatch, StepwiseBatchError, make_padding_step
 
@@ -14,9 +14,21 @@ from megatron_stepwise.steps import StepBatch, StepwiseBatchError, make_padding_
 def _group(pid="p", rewards=(0.0, 1.0), turns=(2, 1)):
     trajectories = []
     for k, (n, r) in enumerate(zip(turns, rewards)):
-        trajectories.append([make_step(pid, k, resp=[3 + t, 4], last=t == n - 1, reward=r if t == n - 1 else 0.0,
-                                       lp=[-0.5, -1.5], versions=[1, 2], meta={"turn": t})
-                             for t in range(n)])
+        trajectories.append(
+            [
+                make_step(
+                    pid,
+                    k,
+                    resp=[3 + t, 4],
+                    last=t == n - 1,
+                    reward=r if t == n - 1 else 0.0,
+                    lp=[-0.5, -1.5],
+                    versions=[1, 2],
+                    meta={"turn": t},
+                )
+                for t in range(n)
+            ]
+        )
     return RolloutGroup(pid, trajectories)
 
 
@@ -53,18 +65,23 @@ def test_several_groups_pack_into_one_batch_and_back():
 
 def test_pickle_is_columnar_not_one_tensor_per_step():
     small, large = _group(turns=(1, 1)), _group(turns=(40, 40))
+
     # Per-step tensors would pickle 5 tensors per step; a StepBatch a fixed number in all.
     def tensors(g):
         return pickle.dumps(g).count(b"torch._utils\n_rebuild_tensor")
+
     assert tensors(large) == tensors(small)
 
 
-@pytest.mark.parametrize("bad, field", [
-    (lambda: RolloutGroup("p", [[make_step("p", 0, resp=[1], last=False)]]), "is_last_step"),
-    (lambda: RolloutGroup("p", [[make_step("p", 0, resp=[1]), make_step("p", 0, resp=[1])]]), "is_last_step"),
-    (lambda: RolloutGroup("p", [[make_step("q", 0, resp=[1])]]), "another prompt"),
-    (lambda: RolloutGroup("p", [[]]), "no steps"),
-])
+@pytest.mark.parametrize(
+    "bad, field",
+    [
+        (lambda: RolloutGroup("p", [[make_step("p", 0, resp=[1], last=False)]]), "is_last_step"),
+        (lambda: RolloutGroup("p", [[make_step("p", 0, resp=[1]), make_step("p", 0, resp=[1])]]), "is_last_step"),
+        (lambda: RolloutGroup("p", [[make_step("q", 0, resp=[1])]]), "another prompt"),
+        (lambda: RolloutGroup("p", [[]]), "no steps"),
+    ],
+)
 def test_structure_errors_name_the_group_and_trajectory(bad, field):
     with pytest.raises(StepwiseBatchError, match=f"prompt group 'p', trajectory 0: .*{field}"):
         bad()

@@ -11,8 +11,8 @@ import math
 
 import pytest
 import torch
-
 from logger_readers import tensorboard_scalars, wandb_offline_history
+
 from megatron_stepwise.metrics.core import MetricsLogger, read_metrics
 
 pytest.importorskip("tensorboard", reason="the tensorboard package (test extra) is not installed")
@@ -56,9 +56,17 @@ def test_tensorboard_and_offline_wandb_equal_metrics_jsonl(tmp_path, monkeypatch
     run_dir = str(tmp_path)
     log = MetricsLogger(run_dir, tensorboard=True, wandb_project="stepwise-test", wandb_name="t")
     for it in range(4):
-        log.log(it, {"reward/mean": 0.25 * it, "rollout/trajectories": 64, "train/loss": torch.tensor(1.5 - it),
-                     "train/grad_norm": float("nan") if it == 2 else 0.1 * it, "weight_version": it + 1,
-                     "timing/rollout_s": 1.0 / 3.0})
+        log.log(
+            it,
+            {
+                "reward/mean": 0.25 * it,
+                "rollout/trajectories": 64,
+                "train/loss": torch.tensor(1.5 - it),
+                "train/grad_norm": float("nan") if it == 2 else 0.1 * it,
+                "weight_version": it + 1,
+                "timing/rollout_s": 1.0 / 3.0,
+            },
+        )
     log.close()
     assert assert_loggers_match_jsonl(run_dir) == 4 * 6
     assert read_metrics(run_dir)[2]["train/grad_norm"] == "nan"  # JSON has no NaN; the loggers keep the float

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from helpers import make_step
+
 from megatron_stepwise import MergeStats, TrajectoryID, make_padding_step, merge_steps, validate_steps
 
 
@@ -13,8 +13,18 @@ def _three_turns():
         # obs_delta [9, 9]
         make_step("a", 0, [1, 2, 3, 4, 9, 9], [5], [1], last=False, lp=[-0.3], stop="tool_call", meta={"turn": 1}),
         # obs_delta [7]; the final EOS was appended after the fact (mask 0, log-prob 0)
-        make_step("a", 0, [1, 2, 3, 4, 9, 9, 5, 7], [6, 0], [1, 0], lp=[-0.4, 0.0], last=True, reward=1.0,
-                  stop="stop", meta={"turn": 2}),
+        make_step(
+            "a",
+            0,
+            [1, 2, 3, 4, 9, 9, 5, 7],
+            [6, 0],
+            [1, 0],
+            lp=[-0.4, 0.0],
+            last=True,
+            reward=1.0,
+            stop="stop",
+            meta={"turn": 2},
+        ),
     ]
 
 

@@ -3,10 +3,10 @@ import json
 import pytest
 
 from megatron_stepwise import Step, TrajectoryID, make_padding_step
-from megatron_stepwise.data.prompts import PromptDataset
-from megatron_stepwise.data.files import open_samples
-from megatron_stepwise.metrics.core import MetricsLogger, read_metrics, rollout_metrics, summarize_run
 from megatron_stepwise.cli.plot import plot_run
+from megatron_stepwise.data.files import open_samples
+from megatron_stepwise.data.prompts import PromptDataset
+from megatron_stepwise.metrics.core import MetricsLogger, read_metrics, rollout_metrics, summarize_run
 
 
 def _traj(pid, k, rewards_last, turns, resp_len=2):
@@ -14,9 +14,17 @@ def _traj(pid, k, rewards_last, turns, resp_len=2):
     prompt = [1, 2]
     for t in range(turns):
         last = t == turns - 1
-        steps.append(Step(TrajectoryID(pid, k), list(prompt), [5] * resp_len, [1] * resp_len,
-                          reward=rewards_last if last else 0.0, is_last_step=last,
-                          stop_reason="stop" if last else "stop"))
+        steps.append(
+            Step(
+                TrajectoryID(pid, k),
+                list(prompt),
+                [5] * resp_len,
+                [1] * resp_len,
+                reward=rewards_last if last else 0.0,
+                is_last_step=last,
+                stop_reason="stop" if last else "stop",
+            )
+        )
         prompt = prompt + [5] * resp_len + [9, 9, 9]  # 3 observation tokens per turn
     return steps
 
@@ -101,6 +109,7 @@ def test_run_summary_averages_first_and_last_iterations_and_names_outputs():
 
 def _brute_pass_at_k(successes, k):
     import itertools
+
     subsets = list(itertools.combinations(successes, k))
     return sum(any(s) for s in subsets) / len(subsets)
 
@@ -164,11 +173,24 @@ def test_majority_at_k_matches_a_brute_force_vote_over_every_subset():
 def test_plot_has_an_eval_panel_with_every_sets_reward_and_largest_pass_at_k(tmp_path):
     from megatron_stepwise.cli.plot import eval_keys
 
-    records = [{"iteration": 0, "reward/mean": 0.1, "eval/reward/mean": 0.2, "eval/reward/pass@1": 0.2,
-                "eval/reward/pass@4": 0.5, "eval/hard/reward/mean": 0.0, "eval/hard/reward/pass@8": 0.1},
-               {"iteration": 1, "eval/reward/mean": 0.4}]
-    assert eval_keys(records) == ["eval/hard/reward/mean", "eval/reward/mean", "eval/hard/reward/pass@8",
-                                  "eval/reward/pass@4"]
+    records = [
+        {
+            "iteration": 0,
+            "reward/mean": 0.1,
+            "eval/reward/mean": 0.2,
+            "eval/reward/pass@1": 0.2,
+            "eval/reward/pass@4": 0.5,
+            "eval/hard/reward/mean": 0.0,
+            "eval/hard/reward/pass@8": 0.1,
+        },
+        {"iteration": 1, "eval/reward/mean": 0.4},
+    ]
+    assert eval_keys(records) == [
+        "eval/hard/reward/mean",
+        "eval/reward/mean",
+        "eval/hard/reward/pass@8",
+        "eval/reward/pass@4",
+    ]
     log = MetricsLogger(str(tmp_path))
     for r in records:
         log.log(r["iteration"], {k: v for k, v in r.items() if k != "iteration"})

@@ -78,15 +78,20 @@ def default_context_uses(source: str, filename: str = "<source>") -> list[str]:
             if what:
                 found.append(f"{filename}:{node.lineno}: {what}() uses the default (fork) context")
             elif attr == "get_context" and (head in modules or names.get("get_context") == "get_context" and not head):
-                method = node.args[0] if node.args else next((k.value for k in node.keywords if k.arg == "method"), None)
+                method = (
+                    node.args[0] if node.args else next((k.value for k in node.keywords if k.arg == "method"), None)
+                )
                 if not (isinstance(method, ast.Constant) and method.value in SAFE_METHODS):
-                    found.append(f"{filename}:{node.lineno}: {dotted}() without \"spawn\" or \"forkserver\"")
+                    found.append(f'{filename}:{node.lineno}: {dotted}() without "spawn" or "forkserver"')
             elif attr == "set_start_method" and head in modules:
                 method = node.args[0] if node.args else None
                 if not (isinstance(method, ast.Constant) and method.value in SAFE_METHODS):
                     found.append(f"{filename}:{node.lineno}: {dotted}() to a method other than spawn or forkserver")
-            elif (attr == "ProcessPoolExecutor" and (head.endswith("futures") or names.get(attr) == attr)
-                  and not any(k.arg == "mp_context" for k in node.keywords)):
+            elif (
+                attr == "ProcessPoolExecutor"
+                and (head.endswith("futures") or names.get(attr) == attr)
+                and not any(k.arg == "mp_context" for k in node.keywords)
+            ):
                 found.append(f"{filename}:{node.lineno}: {dotted}() without mp_context uses the default (fork) context")
         elif isinstance(node, ast.ClassDef):
             for base in node.bases:
@@ -134,4 +139,4 @@ def test_no_manager_pool_or_process_uses_the_default_context():
     for top in SCANNED:
         for path in sorted((REPO / top).rglob("*.py")):
             found += default_context_uses(path.read_text(), str(path.relative_to(REPO)))
-    assert not found, "fork after threads can deadlock; use multiprocessing.get_context(\"spawn\"):\n" + "\n".join(found)
+    assert not found, 'fork after threads can deadlock; use multiprocessing.get_context("spawn"):\n' + "\n".join(found)

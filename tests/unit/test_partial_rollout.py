@@ -11,12 +11,12 @@ import copy
 
 import pytest
 import torch
-
 from helpers import tiny_lm
-from megatron_stepwise.rollout.engine import SamplingParams
-from megatron_stepwise.rollout.embedded.hf_model import build_causal_lm
-from megatron_stepwise.rollout.embedded.engine import LocalEngine
 from oracles import teacher_forced_logprobs
+
+from megatron_stepwise.rollout.embedded.engine import LocalEngine
+from megatron_stepwise.rollout.embedded.hf_model import build_causal_lm
+from megatron_stepwise.rollout.engine import SamplingParams
 
 _, CONFIG = tiny_lm("tiny_char")
 PROMPTS = [[1, 30, 31, 32], [1, 40, 41], [1, 50, 51, 52, 53, 54, 55]]
@@ -114,5 +114,6 @@ def test_two_updates_in_one_turn_give_three_version_runs():
     assert r.token_weight_versions == [0] * c1 + [1] * (c2 - c1) + [2] * (NEW_TOKENS - c2)
     got = torch.tensor(r.logprobs)
     for model, (a, b) in zip(models, ((c1, c2), (c2, NEW_TOKENS))):
-        torch.testing.assert_close(got[a:b], teacher_forced_logprobs(model, PROMPTS[0], r.output_ids)[a:b],
-                                   atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            got[a:b], teacher_forced_logprobs(model, PROMPTS[0], r.output_ids)[a:b], atol=1e-4, rtol=0
+        )

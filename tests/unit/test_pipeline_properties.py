@@ -45,8 +45,15 @@ def agent_batches(draw):
                 mask = draw(st.lists(st.integers(0, 1), min_size=len(resp), max_size=len(resp)))
                 lp = [-0.125 * draw(st.integers(0, 16)) for _ in resp] if with_lp else None
                 steps.append(
-                    Step(tid, list(history), resp, mask, rollout_logprobs=lp, is_last_step=t == turns - 1,
-                         reward=float(t))
+                    Step(
+                        tid,
+                        list(history),
+                        resp,
+                        mask,
+                        rollout_logprobs=lp,
+                        is_last_step=t == turns - 1,
+                        reward=float(t),
+                    )
                 )
                 history = history + resp
     return steps, num_prompts

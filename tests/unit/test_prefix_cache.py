@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from helpers import tiny_lm
+
 from megatron_stepwise.hf.presets import tiny_config
 from megatron_stepwise.rollout.embedded.engine import LocalEngine
 from megatron_stepwise.rollout.embedded.hf_model import build_causal_lm

@@ -6,8 +6,9 @@ import logging
 import warnings
 
 from helpers import tiny_lm
-from megatron_stepwise.rollout.engine import SamplingParams
+
 from megatron_stepwise.rollout.embedded.engine import LocalEngine
+from megatron_stepwise.rollout.engine import SamplingParams
 
 TOK, CONFIG = tiny_lm("tiny_char")
 

@@ -17,8 +17,10 @@ from megatron_stepwise.hf.tokenizers import load_tokenizer
 
 SRC = os.environ.get("STEPWISE_TOKENIZERS_SRC")
 pytestmark = pytest.mark.skipif(
-    not SRC, reason="STEPWISE_TOKENIZERS_SRC is not set: llama.cpp's vocabularies and test vectors are needed; "
-                    ".ci/run sets it where the third-party copy exists")
+    not SRC,
+    reason="STEPWISE_TOKENIZERS_SRC is not set: llama.cpp's vocabularies and test vectors are needed; "
+    ".ci/run sets it where the third-party copy exists",
+)
 
 # Where Hugging Face's tokenizer and llama.cpp's disagree (the archive's README counts it: 45/46):
 # llama.cpp's Llama 3 pre-tokenizer splits this Vietnamese text differently.

@@ -11,8 +11,9 @@ from config_fakes import FakeProbes
 from megatron_stepwise.config import ConfigError, load_config
 
 REPO = Path(__file__).resolve().parents[2]
-CONFIGS = sorted(p for p in [*REPO.glob("configs/*.yaml"), *REPO.glob("configs/recipes/*.yaml")]
-                 if not p.name.startswith("_"))  # _*.yaml are fragments merged by `defaults:`
+CONFIGS = sorted(
+    p for p in [*REPO.glob("configs/*.yaml"), *REPO.glob("configs/recipes/*.yaml")] if not p.name.startswith("_")
+)  # _*.yaml are fragments merged by `defaults:`
 
 
 def _probes():

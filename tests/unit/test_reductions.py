@@ -3,10 +3,10 @@ into micro-batches / DP shards, and under prefix merging (for the merge-invarian
 
 import pytest
 import torch
+from helpers import make_step
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import make_step
 from megatron_stepwise import (
     LossConfig,
     LossInputs,
@@ -103,8 +103,14 @@ def stepwise_batches(draw):
         if draw(st.booleans()):
             steps.append(make_padding_step(len(steps)))
     batch = StepBatch.from_steps(steps)
-    adv = compute_advantages(steps, draw(st.sampled_from(["grpo", "dr_grpo", "rloo", "maxrl", "turn_rloo",
-                                                          "turn_grpo", "turn_state_rloo", "turn_discount"])))
+    adv = compute_advantages(
+        steps,
+        draw(
+            st.sampled_from(
+                ["grpo", "dr_grpo", "rloo", "maxrl", "turn_rloo", "turn_grpo", "turn_state_rloo", "turn_discount"]
+            )
+        ),
+    )
     zeros = [torch.zeros(s.prompt_ids.numel()) for s in steps]
     batch.token_fields["adv"] = torch.cat([x for z, a in zip(zeros, adv) for x in (z, a)])
     # Per-token policy values; only trained positions matter. uid names each trained token.

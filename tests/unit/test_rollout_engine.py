@@ -6,14 +6,14 @@ import threading
 
 import pytest
 import torch
-
 from helpers import tiny_lm
-from megatron_stepwise import weight_transport
-from megatron_stepwise.rollout.engine import GenerateResult, SamplingParams
-from megatron_stepwise.rollout.embedded.hf_model import build_causal_lm, save_safetensors_dir
-from megatron_stepwise.rollout.embedded.engine import LocalEngine
-from megatron_stepwise.rollout.embedded.sampling import _truncate
 from oracles import teacher_forced_logprobs
+
+from megatron_stepwise import weight_transport
+from megatron_stepwise.rollout.embedded.engine import LocalEngine
+from megatron_stepwise.rollout.embedded.hf_model import build_causal_lm, save_safetensors_dir
+from megatron_stepwise.rollout.embedded.sampling import _truncate
+from megatron_stepwise.rollout.engine import GenerateResult, SamplingParams
 
 TOK, CONFIG = tiny_lm("tiny_char")
 
@@ -98,7 +98,9 @@ def test_stop_token_and_stop_string_and_length():
     r = run(engine.generate(PROMPTS[2], SamplingParams(temperature=0, max_new_tokens=16, stop=[stop])))
     assert r.finish_reason == "stop" and r.matched == stop
     assert TOK.decode(r.output_ids, skip_special_tokens=True) == text[:end] and r.text == text[: end - 2]
-    r = run(engine.generate(PROMPTS[2], SamplingParams(temperature=0, max_new_tokens=16, stop=[stop], no_stop_trim=True)))
+    r = run(
+        engine.generate(PROMPTS[2], SamplingParams(temperature=0, max_new_tokens=16, stop=[stop], no_stop_trim=True))
+    )
     assert r.text == text[:end]
     r = run(engine.generate(PROMPTS[2], SamplingParams(max_new_tokens=0)))
     assert r.output_ids == [] and r.finish_reason == "length"
@@ -273,8 +275,10 @@ def test_moe_weights_are_saved_and_loaded_under_the_hub_names(tmp_path, model_ty
     if model_type == "mixtral":
         assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in names["ours"]
     want = source.state_dict()
-    for loaded in (build_causal_lm(cfg, weights=tmp_path / "ours", seed=9),
-                   AutoModelForCausalLM.from_pretrained(str(tmp_path / "ours"), dtype=torch.float32)):
+    for loaded in (
+        build_causal_lm(cfg, weights=tmp_path / "ours", seed=9),
+        AutoModelForCausalLM.from_pretrained(str(tmp_path / "ours"), dtype=torch.float32),
+    ):
         got = loaded.state_dict()
         assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
     assert sorted(checkpoint_state(source)) == names["ours"]
@@ -291,6 +295,7 @@ def test_non_finite_weights_are_refused_naming_the_tensor(tmp_path):
     bad["model.norm.weight"][1] = float("inf")
     save_safetensors_dir(build_causal_lm(CONFIG, seed=3), tmp_path / "w")
     from safetensors.torch import save_file
+
     save_file({"model.norm.weight": bad["model.norm.weight"]}, str(tmp_path / "w" / "zz-bad.safetensors"))
     with pytest.raises(ValueError, match=r"'model.norm.weight' holds non-finite"):
         run(engine.update_weights_from_disk(str(tmp_path / "w")))

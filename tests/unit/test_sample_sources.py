@@ -9,8 +9,8 @@ import tracemalloc
 import pytest
 
 from megatron_stepwise.config import ConfigError, config_from_dict
-from megatron_stepwise.data.prompts import PromptDataset
 from megatron_stepwise.data.files import DatasetError, dataset_facts, open_samples
+from megatron_stepwise.data.prompts import PromptDataset
 
 pa = pytest.importorskip("pyarrow", reason="pyarrow (test extra) is not installed")
 pq = pytest.importorskip("pyarrow.parquet", reason="pyarrow (test extra) is not installed")
@@ -27,8 +27,9 @@ def write_all(tmp_path, rows=ROWS):
     parquet = tmp_path / "rows.parquet"
     pq.write_table(pa.Table.from_pylist(rows), parquet)
     hf_dir = tmp_path / "rows_hf"
-    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows),
-                          "test": datasets.Dataset.from_list(rows[:3])}).save_to_disk(str(hf_dir))
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(rows), "test": datasets.Dataset.from_list(rows[:3])}
+    ).save_to_disk(str(hf_dir))
     return {"jsonl": str(jsonl), "parquet": str(parquet), "hf_dir": str(hf_dir)}
 
 
@@ -68,8 +69,12 @@ def test_validation_names_a_missing_field_and_the_file(tmp_path, kind, monkeypat
     assert e.value.keys == ["env.fields.digits"] and "column 'numbers' is not in" in str(e.value)
     # 12 rows cannot fill an iteration of 16 prompts
     with pytest.raises(ConfigError) as e:
-        config_from_dict({"env": {"name": "echo", "dataset": path, "fields": {"digits": "level"}},
-                          "data": {"prompts_per_iteration": 16}})
+        config_from_dict(
+            {
+                "env": {"name": "echo", "dataset": path, "fields": {"digits": "level"}},
+                "data": {"prompts_per_iteration": 16},
+            }
+        )
     assert e.value.keys == ["data.prompts_per_iteration"] and "has 12" in str(e.value)
 
 
@@ -95,8 +100,9 @@ def test_large_files_are_not_read_into_python_objects(tmp_path):
         for r in rows:
             f.write(json.dumps(r) + "\n")
     parquet = tmp_path / "big.parquet"
-    pq.write_table(pa.Table.from_pylist([{"prompt": "x" * 80 + str(i), "answer": str(i)} for i in range(200_000)]),
-                   parquet)
+    pq.write_table(
+        pa.Table.from_pylist([{"prompt": "x" * 80 + str(i), "answer": str(i)} for i in range(200_000)]), parquet
+    )
     hf_dir = tmp_path / "big_hf"
     datasets.Dataset(pq.read_table(parquet)).save_to_disk(str(hf_dir))
     size = jsonl.stat().st_size  # ~20 MB
@@ -128,15 +134,21 @@ def test_a_hub_dataset_in_the_hub_cache_trains_offline(tmp_path, monkeypatch):
     snapshot = tmp_path / "hub" / "datasets--acme--sums" / "snapshots" / "abc123"
     (snapshot / "data").mkdir(parents=True)
     (snapshot / "data" / "train.jsonl").write_text(
-        "".join(json.dumps({"q": f"{i}+{i}", "a": str(2 * i)}) + "\n" for i in range(5)))
+        "".join(json.dumps({"q": f"{i}+{i}", "a": str(2 * i)}) + "\n" for i in range(5))
+    )
     (tmp_path / "hub" / "datasets--acme--sums" / "refs").mkdir()
     (tmp_path / "hub" / "datasets--acme--sums" / "refs" / "main").write_text("abc123")
-    for name, value in (("HF_HUB_CACHE", tmp_path / "hub"), ("HF_HOME", tmp_path / "home"),
-                        ("HF_DATASETS_CACHE", tmp_path / "datasets"), ("HF_HUB_OFFLINE", "1"),
-                        ("HF_DATASETS_OFFLINE", "1")):
+    for name, value in (
+        ("HF_HUB_CACHE", tmp_path / "hub"),
+        ("HF_HOME", tmp_path / "home"),
+        ("HF_DATASETS_CACHE", tmp_path / "datasets"),
+        ("HF_HUB_OFFLINE", "1"),
+        ("HF_DATASETS_OFFLINE", "1"),
+    ):
         monkeypatch.setenv(name, str(value))
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     source = open_samples("acme/sums", fields={"question": "q", "answer": "a"})
     assert len(source) == 5 and (source[3]["question"], source[3]["answer"]) == ("3+3", "6")
-    config_from_dict({"env": {"name": "math_tool", "dataset": "acme/sums",
-                              "fields": {"question": "q", "answer": "a"}}})  # validation accepts it
+    config_from_dict(
+        {"env": {"name": "math_tool", "dataset": "acme/sums", "fields": {"question": "q", "answer": "a"}}}
+    )  # validation accepts it

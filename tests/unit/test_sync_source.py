@@ -5,6 +5,7 @@ import asyncio
 from types import SimpleNamespace
 
 from helpers import make_step
+
 from megatron_stepwise.algo.groups import RolloutGroup
 from megatron_stepwise.config.schema import ExperimentConfig
 from megatron_stepwise.loop.sources import Driver, SyncRollouts
@@ -23,7 +24,9 @@ class ScriptedAgent:
         for s in samples:
             pid = s["prompt_id"]
             rewards = (0.0, 1.0) if int(pid[1:]) in self.informative else (1.0, 1.0)
-            groups.append(RolloutGroup(pid, [[make_step(pid, k, resp=[5, 6], reward=r)] for k, r in enumerate(rewards)]))
+            groups.append(
+                RolloutGroup(pid, [[make_step(pid, k, resp=[5, 6], reward=r)] for k, r in enumerate(rewards)])
+            )
         return groups
 
 
@@ -44,8 +47,9 @@ def decide(informative, *, per_iteration=4, per_minibatch=2, zero_variance=False
     cfg.algo.filters.zero_variance, cfg.algo.filters.dynamic_sampling = zero_variance, dynamic
     cfg.algo.filters.max_sampling_rounds = rounds
     agent = ScriptedAgent(informative)
-    source = SyncRollouts(cfg, dataset=CountingDataset(), handoff=None, vocab_size=64, shard=lambda batch: [batch],
-                          dp_size=1)
+    source = SyncRollouts(
+        cfg, dataset=CountingDataset(), handoff=None, vocab_size=64, shard=lambda batch: [batch], dp_size=1
+    )
     loop = asyncio.new_event_loop()
     source.start(Driver(loop, SimpleNamespace(metrics=dict), agent))
     try:
@@ -67,8 +71,11 @@ def test_zero_variance_drops_flat_groups_and_keeps_a_multiple_of_the_minibatch()
     prompts, metrics, _ = decide(informative=[0, 2, 3], zero_variance=True)
     # three informative groups, mini-batches of two: one mini-batch, the first two kept
     assert prompts == [["p0", "p2"]]
-    assert (metrics["filter/groups_in"], metrics["filter/groups_dropped_zero_variance"],
-            metrics["filter/groups_trained"]) == (4, 1, 2)
+    assert (
+        metrics["filter/groups_in"],
+        metrics["filter/groups_dropped_zero_variance"],
+        metrics["filter/groups_trained"],
+    ) == (4, 1, 2)
 
 
 def test_dynamic_sampling_rolls_out_fresh_prompts_until_enough_groups_vary():

@@ -7,8 +7,16 @@ from megatron_stepwise.data.synthetic import AgentWorkload, make_agent_steps
 
 
 def test_workload_shape_and_prefix_consistency():
-    w = AgentWorkload(num_prompts=3, samples_per_prompt=2, turns=(2, 4), obs_len=(5, 9), response_len=(2, 6),
-                      prompt_len=(3, 4), vocab_size=50, seed=7)
+    w = AgentWorkload(
+        num_prompts=3,
+        samples_per_prompt=2,
+        turns=(2, 4),
+        obs_len=(5, 9),
+        response_len=(2, 6),
+        prompt_len=(3, 4),
+        vocab_size=50,
+        seed=7,
+    )
     steps = make_agent_steps(w)
     validate_steps(steps, vocab_size=50)
     assert len({s.trajectory_id for s in steps}) == 6
@@ -23,13 +31,25 @@ def test_workload_shape_and_prefix_consistency():
         assert 5 <= cur.prompt_ids.numel() - p - r <= 9  # the observation
         assert cur.prompt_ids.data_ptr() != prev.prompt_ids.data_ptr()  # steps own their tensors
     again = make_agent_steps(w)
-    assert all(torch.equal(a.prompt_ids, b.prompt_ids) and torch.equal(a.response_ids, b.response_ids)
-               for a, b in zip(steps, again))
+    assert all(
+        torch.equal(a.prompt_ids, b.prompt_ids) and torch.equal(a.response_ids, b.response_ids)
+        for a, b in zip(steps, again)
+    )
 
 
 def test_drift_breaks_the_prefix_at_the_previous_response():
-    steps = make_agent_steps(AgentWorkload(num_prompts=2, samples_per_prompt=2, turns=(3, 3), drift_prob=1.0,
-                                           obs_len=(1, 2), response_len=(2, 3), prompt_len=(2, 2), seed=1))
+    steps = make_agent_steps(
+        AgentWorkload(
+            num_prompts=2,
+            samples_per_prompt=2,
+            turns=(3, 3),
+            drift_prob=1.0,
+            obs_len=(1, 2),
+            response_len=(2, 3),
+            prompt_len=(2, 2),
+            seed=1,
+        )
+    )
     for prev, cur in zip(steps, steps[1:]):
         if prev.trajectory_id == cur.trajectory_id:
             p, r = prev.prompt_ids.numel(), prev.response_ids.numel()

@@ -22,20 +22,20 @@ def test_overlapping_generation_and_environment_calls_are_counted_once_by_priori
     clock = Clock()
     act = ActivityClock(clock)
     a, b, e1, e2 = (act.active(k) for k in ("generation", "generation", "environment", "environment"))
-    a.__enter__()             # t=0 trajectory A generates
+    a.__enter__()  # t=0 trajectory A generates
     clock.to(1)
-    b.__enter__()             # t=1 B generates too
+    b.__enter__()  # t=1 B generates too
     clock.to(3)
     a.__exit__(None, None, None)
-    e1.__enter__()            # t=3 A's environment step, B still generating
+    e1.__enter__()  # t=3 A's environment step, B still generating
     clock.to(3.5)
     e1.__exit__(None, None, None)
     clock.to(4)
     b.__exit__(None, None, None)
-    e2.__enter__()            # t=4 only B's environment step
+    e2.__enter__()  # t=4 only B's environment step
     clock.to(5)
     e2.__exit__(None, None, None)
-    clock.to(6)               # nothing in flight: host work
+    clock.to(6)  # nothing in flight: host work
     assert act.snapshot() == {"generation": 4.0, "environment": 1.0}
 
 
@@ -43,26 +43,33 @@ def test_the_parts_add_up_to_the_iteration_wall_time():
     clock = Clock()
     act = ActivityClock(clock)
     produced = [0.0]
-    budget = TimeBudget(clock, act)           # t=0 the iteration starts
-    clock.to(0.2)                             # 0.2 s before the take: idle
+    budget = TimeBudget(clock, act)  # t=0 the iteration starts
+    clock.to(0.2)  # 0.2 s before the take: idle
     with budget.rollout(lambda: produced[0]):
-        with act.active("generation"):        # rank 0 produces from 0.2 to 6.2
+        with act.active("generation"):  # rank 0 produces from 0.2 to 6.2
             clock.to(3.2)
         with act.active("environment"):
             clock.to(4.2)
-        clock.to(6.2)                         # 2 s tokenising, validating, preparing
+        clock.to(6.2)  # 2 s tokenising, validating, preparing
         produced[0] += 6.0
-        clock.to(6.7)                         # 0.5 s sending the shards
+        clock.to(6.7)  # 0.5 s sending the shards
     with budget.part("train"):
         clock.to(8.7)
     with budget.part("weight_push"):
         clock.to(9.7)
-    with budget.part("host"):                 # the dump
+    with budget.part("host"):  # the dump
         clock.to(9.9)
-    clock.to(10.0)                            # metrics: idle
+    clock.to(10.0)  # metrics: idle
     out = budget.finish(tokens=5000, devices=4)
-    expected = {"generation": 3.0, "environment": 1.0, "host": 2.2, "handoff": 0.5, "train": 2.0,
-                "weight_push": 1.0, "idle": 0.3}
+    expected = {
+        "generation": 3.0,
+        "environment": 1.0,
+        "host": 2.2,
+        "handoff": 0.5,
+        "train": 2.0,
+        "weight_push": 1.0,
+        "idle": 0.3,
+    }
     for k, v in expected.items():
         assert out[f"budget/{k}"] == pytest.approx(v), k
     assert out["budget/wall"] == pytest.approx(10.0)
@@ -88,10 +95,11 @@ def test_the_agent_loop_reports_its_engine_and_environment_calls():
     import asyncio
 
     from helpers import tiny_lm
+
     from megatron_stepwise.envs.echo import EchoEnv, echo_dataset
     from megatron_stepwise.rollout.agent_loop import AgentLoop, AgentLoopConfig
-    from megatron_stepwise.rollout.engine import SamplingParams
     from megatron_stepwise.rollout.embedded.engine import LocalEngine
+    from megatron_stepwise.rollout.engine import SamplingParams
 
     tok, config = tiny_lm("tiny_word")
     clock = Clock()
@@ -108,9 +116,18 @@ def test_the_agent_loop_reports_its_engine_and_environment_calls():
             clock.to(clock.now - 100.0 + 0.5)
             return super().step(text)
 
-    loop = AgentLoop(SlowEngine(), tok, SlowEnv, AgentLoopConfig(
-        max_turns=3, max_input_length=200, n_samples_per_prompt=1, max_concurrency=1,
-        sampling=SamplingParams(max_new_tokens=2)))
+    loop = AgentLoop(
+        SlowEngine(),
+        tok,
+        SlowEnv,
+        AgentLoopConfig(
+            max_turns=3,
+            max_input_length=200,
+            n_samples_per_prompt=1,
+            max_concurrency=1,
+            sampling=SamplingParams(max_new_tokens=2),
+        ),
+    )
     act = ActivityClock(clock)
     loop.track(act)
     try:

@@ -6,9 +6,9 @@ import json
 
 import pytest
 from config_fakes import FakeProbes
+from helpers import tiny_lm
 from transformers import AutoTokenizer
 
-from helpers import tiny_lm
 from megatron_stepwise.config import ConfigError, config_from_dict
 from megatron_stepwise.envs.tool_calls import (
     ToolCall,
@@ -25,9 +25,16 @@ from megatron_stepwise.rollout.agent_loop import AgentLoop, AgentLoopConfig
 from megatron_stepwise.rollout.engine import GenerateResult, SamplingParams
 from megatron_stepwise.steps import TrajectoryID
 
-ADD = function_tool("add", "Add two integers.", {
-    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-    "required": ["a", "b"], "additionalProperties": False})
+ADD = function_tool(
+    "add",
+    "Add two integers.",
+    {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        "required": ["a", "b"],
+        "additionalProperties": False,
+    },
+)
 NOTE = {"name": "note", "description": "Take a note.", "parameters": {"type": "object", "properties": {}}}  # flat shape
 
 
@@ -37,9 +44,15 @@ def block(obj):
 
 # ---- the parser ------------------------------------------------------------------------------
 
+
 def test_parses_one_or_several_calls_in_order_with_the_text_around_them():
-    text = ("Let me add. " + block({"name": "add", "arguments": {"a": 1, "b": 2}}) + " and "
-            + block({"name": "note", "arguments": {}}) + " done")
+    text = (
+        "Let me add. "
+        + block({"name": "add", "arguments": {"a": 1, "b": 2}})
+        + " and "
+        + block({"name": "note", "arguments": {}})
+        + " done"
+    )
     parsed = parse_tool_calls(text, [ADD, NOTE])
     assert parsed.calls == [ToolCall(0, "add", {"a": 1, "b": 2}), ToolCall(1, "note", {})]
     assert parsed.errors == [] and parsed.text == "Let me add.  and  done"
@@ -49,26 +62,30 @@ def test_parses_one_or_several_calls_in_order_with_the_text_around_them():
     assert loose.calls == [ToolCall(0, "anything", {}), ToolCall(1, "x", {"k": [1]})]
     # Raw newlines inside strings (code, as models write it) are accepted.
     assert parse_tool_calls(block('{"name": "py", "arguments": {"code": "a = 1\nprint(a)"}}')).calls[0].arguments == {
-        "code": "a = 1\nprint(a)"}
+        "code": "a = 1\nprint(a)"
+    }
 
 
-@pytest.mark.parametrize("body,fragment", [
-    ('{"name": "add", "arguments": {"a": 1, "b": 2}', "invalid JSON (Expecting ',' delimiter at line 1 column"),
-    ("{'name': 'add'}", "invalid JSON (Expecting property name enclosed in double quotes at line 1 column 2)"),
-    ('{"name": "add"} {"name": "add"}', "invalid JSON (Extra data"),
-    ("", "empty; write"),
-    ('["add", {"a": 1}]', "must be a JSON object {\"name\": ..., \"arguments\": {...}}, got an array"),
-    ('{"arguments": {"a": 1, "b": 2}}', 'has no "name"'),
-    ('{"name": 3, "arguments": {}}', '"name" must be a non-empty string, got 3'),
-    ('{"name": "add", "arguments": [1, 2]}', '"arguments" must be a JSON object, got an array'),
-    ('{"name": "add", "arguments": "a=1"}', '"arguments" is a string that is not valid JSON'),
-    ('{"name": "add", "arguments": null}', '"arguments" must be a JSON object, got a null'),
-    ('{"name": "mul", "arguments": {}}', "unknown tool 'mul' (available: add, note)"),
-    ('{"name": "add", "arguments": {"a": 1}}', "add: missing required argument 'b'"),
-    ('{"name": "add", "arguments": {"a": 1, "b": 2, "c": 3}}', "add: unexpected argument 'c'"),
-    ('{"name": "add", "arguments": {"a": 1, "b": "2"}}', "add: argument 'b' must be integer, got a string"),
-    ('{"name": "add", "arguments": {"a": true, "b": 2}}', "add: argument 'a' must be integer, got a boolean"),
-])
+@pytest.mark.parametrize(
+    "body,fragment",
+    [
+        ('{"name": "add", "arguments": {"a": 1, "b": 2}', "invalid JSON (Expecting ',' delimiter at line 1 column"),
+        ("{'name': 'add'}", "invalid JSON (Expecting property name enclosed in double quotes at line 1 column 2)"),
+        ('{"name": "add"} {"name": "add"}', "invalid JSON (Extra data"),
+        ("", "empty; write"),
+        ('["add", {"a": 1}]', 'must be a JSON object {"name": ..., "arguments": {...}}, got an array'),
+        ('{"arguments": {"a": 1, "b": 2}}', 'has no "name"'),
+        ('{"name": 3, "arguments": {}}', '"name" must be a non-empty string, got 3'),
+        ('{"name": "add", "arguments": [1, 2]}', '"arguments" must be a JSON object, got an array'),
+        ('{"name": "add", "arguments": "a=1"}', '"arguments" is a string that is not valid JSON'),
+        ('{"name": "add", "arguments": null}', '"arguments" must be a JSON object, got a null'),
+        ('{"name": "mul", "arguments": {}}', "unknown tool 'mul' (available: add, note)"),
+        ('{"name": "add", "arguments": {"a": 1}}', "add: missing required argument 'b'"),
+        ('{"name": "add", "arguments": {"a": 1, "b": 2, "c": 3}}', "add: unexpected argument 'c'"),
+        ('{"name": "add", "arguments": {"a": 1, "b": "2"}}', "add: argument 'b' must be integer, got a string"),
+        ('{"name": "add", "arguments": {"a": true, "b": 2}}', "add: argument 'a' must be integer, got a boolean"),
+    ],
+)
 def test_a_malformed_call_is_an_error_for_the_model_not_an_exception(body, fragment):
     parsed = parse_tool_calls("before " + block(body) + block({"name": "note", "arguments": {}}), [ADD, NOTE])
     error, call = parsed.blocks
@@ -78,7 +95,7 @@ def test_a_malformed_call_is_an_error_for_the_model_not_an_exception(body, fragm
 
 
 def test_unterminated_blocks_are_errors_and_a_stray_closing_tag_is_text():
-    parsed = parse_tool_calls('<tool_call>{"name": "add"' + block({"name": "note"}) + "<tool_call>{\"name\": \"n")
+    parsed = parse_tool_calls('<tool_call>{"name": "add"' + block({"name": "note"}) + '<tool_call>{"name": "n')
     first, second, third = parsed.blocks
     assert isinstance(first, ToolCallError)
     assert "not closed by </tool_call> before the next <tool_call>" in first.message
@@ -93,9 +110,13 @@ def test_tool_schemas_are_checked_and_messages_built():
     assert check_tools(None) is None and check_tools([]) is None
     copy = check_tools((ADD,))
     assert copy == [ADD] and copy[0] is not ADD
-    for bad, fragment in [({"name": "x"}, "must be a list"), (["x"], "tools[0] must be a function schema"),
-                          ([{"type": "function", "function": {}}], "tools[0] has no function name"),
-                          ([ADD, ADD], "'add' more than once"), ([{"name": "x", "f": object()}], "JSON-serialisable")]:
+    for bad, fragment in [
+        ({"name": "x"}, "must be a list"),
+        (["x"], "tools[0] must be a function schema"),
+        ([{"type": "function", "function": {}}], "tools[0] has no function name"),
+        ([ADD, ADD], "'add' more than once"),
+        ([{"name": "x", "f": object()}], "JSON-serialisable"),
+    ]:
         with pytest.raises(ValueError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
             check_tools(bad)
     assert tool_message("5", name="add") == {"role": "tool", "content": "5", "name": "add"}
@@ -104,15 +125,19 @@ def test_tool_schemas_are_checked_and_messages_built():
 
 # ---- the tiny tokenizers' tool-aware template ------------------------------------------------
 
+
 @pytest.mark.parametrize("name", ["tiny_char", "tiny_bpe"])
 def test_the_tiny_template_renders_tools_and_tool_messages_and_nothing_else_changes(name):
     tok = load_tokenizer(name)
-    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1 + 2?"},
-            {"role": "assistant", "content": block({"name": "add", "arguments": {"a": 1, "b": 2}})},
-            {"role": "tool", "name": "add", "content": "3"}]
+    chat = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "1 + 2?"},
+        {"role": "assistant", "content": block({"name": "add", "arguments": {"a": 1, "b": 2}})},
+        {"role": "tool", "name": "add", "content": "3"},
+    ]
     text = tok.apply_chat_template(chat, tools=[ADD], add_generation_prompt=True, tokenize=False)
     assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n") and text.count("Be brief.") == 1
-    assert json.dumps(ADD) in text and "<tool_call>\n{\"name\": <function name>" in text
+    assert json.dumps(ADD) in text and '<tool_call>\n{"name": <function name>' in text
     assert text.endswith("<|im_start|>tool\n<tool_response>\n3\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
     ids = tok(text, add_special_tokens=False)["input_ids"]
     assert tok.unk_token_id not in ids and tok.decode(ids) == text  # the tiny vocabulary covers it
@@ -120,14 +145,30 @@ def test_the_tiny_template_renders_tools_and_tool_messages_and_nothing_else_chan
     plain.chat_template = CHAR_CHAT_TEMPLATE
     for messages in (chat[:3], chat[1:3]):  # no tools: exactly the plain ChatML of before
         assert tok.apply_chat_template(messages, tokenize=False) == plain.apply_chat_template(messages, tokenize=False)
-    structured = tok.apply_chat_template([{"role": "assistant", "content": None, "tool_calls": [
-        {"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}},
-        {"type": "function", "function": {"name": "note", "arguments": "{}"}}]}], tokenize=False)
-    assert structured == ("<|im_start|>assistant\n" + block({"name": "add", "arguments": {"a": 1, "b": 2}}) + "\n"
-                          + block('{"name": "note", "arguments": {}}') + "<|im_end|>\n")
+    structured = tok.apply_chat_template(
+        [
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}},
+                    {"type": "function", "function": {"name": "note", "arguments": "{}"}},
+                ],
+            }
+        ],
+        tokenize=False,
+    )
+    assert structured == (
+        "<|im_start|>assistant\n"
+        + block({"name": "add", "arguments": {"a": 1, "b": 2}})
+        + "\n"
+        + block('{"name": "note", "arguments": {}}')
+        + "<|im_end|>\n"
+    )
 
 
 # ---- tools= in the agent loop ----------------------------------------------------------------
+
 
 class AddEnv:
     """Asks for a sum; answers `add` calls with role "tool" messages; ends on a bare number."""
@@ -143,8 +184,17 @@ class AddEnv:
         parsed = parse_tool_calls(text, [ADD])
         if not parsed.blocks:
             return [], float(text.strip() == "3"), True, {}
-        return [tool_message(str(sum(b.arguments.values())) if isinstance(b, ToolCall) else f"Error: {b.message}",
-                             name="add") for b in parsed.blocks], 0.0, False, {}
+        return (
+            [
+                tool_message(
+                    str(sum(b.arguments.values())) if isinstance(b, ToolCall) else f"Error: {b.message}", name="add"
+                )
+                for b in parsed.blocks
+            ],
+            0.0,
+            False,
+            {},
+        )
 
 
 class Scripted:
@@ -155,20 +205,29 @@ class Scripted:
 
     async def generate(self, input_ids, sampling, rid=None, session=None):
         self.prompts.append(list(input_ids))
-        ids = self.tok(self.replies[min(len(self.prompts) - 1, len(self.replies) - 1)],
-                       add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
+        ids = self.tok(self.replies[min(len(self.prompts) - 1, len(self.replies) - 1)], add_special_tokens=False)[
+            "input_ids"
+        ] + [self.tok.eos_token_id]
         return GenerateResult(output_ids=ids, logprobs=[-0.5] * len(ids), finish_reason="stop")
 
 
-REPLIES = ["I will add. " + block({"name": "add", "arguments": {"a": 1, "b": 2}}),
-           block('{"name": "add", "arguments": {"a": 1}}') + block({"name": "add", "arguments": {"a": 2, "b": 2}}),
-           "3"]
+REPLIES = [
+    "I will add. " + block({"name": "add", "arguments": {"a": 1, "b": 2}}),
+    block('{"name": "add", "arguments": {"a": 1}}') + block({"name": "add", "arguments": {"a": 2, "b": 2}}),
+    "3",
+]
 
 
 def run_one(tok, env, context, replies=REPLIES, sample=None):
     gen = Scripted(tok, replies)
-    loop = AgentLoop(gen, tok, env, AgentLoopConfig(max_turns=4, context=context, max_input_length=8192,
-                                                    sampling=SamplingParams(max_new_tokens=64)))
+    loop = AgentLoop(
+        gen,
+        tok,
+        env,
+        AgentLoopConfig(
+            max_turns=4, context=context, max_input_length=8192, sampling=SamplingParams(max_new_tokens=64)
+        ),
+    )
     try:
         steps = asyncio.run(loop.run_trajectory(sample or {"prompt_id": "p"}, TrajectoryID("p", 0)))
     finally:
@@ -181,12 +240,21 @@ def test_every_prompt_of_a_tool_env_is_rendered_with_its_tools_in_both_context_m
     tok = load_tokenizer(name)
     encode = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     chat = AddEnv().reset({})
-    for reply, obs in zip(REPLIES, [[tool_message("3", name="add")],
-                                    [tool_message("Error: tool call 1: add: missing required argument 'b'",
-                                                  name="add"), tool_message("4", name="add")]]):
+    for reply, obs in zip(
+        REPLIES,
+        [
+            [tool_message("3", name="add")],
+            [
+                tool_message("Error: tool call 1: add: missing required argument 'b'", name="add"),
+                tool_message("4", name="add"),
+            ],
+        ],
+    ):
         chat = chat + [{"role": "assistant", "content": reply}] + obs
-    expected = [encode(tok.apply_chat_template(chat[:n], tools=[ADD], add_generation_prompt=True, tokenize=False))
-                for n in (2, 4, 7)]  # the chat before each of the three turns
+    expected = [
+        encode(tok.apply_chat_template(chat[:n], tools=[ADD], add_generation_prompt=True, tokenize=False))
+        for n in (2, 4, 7)
+    ]  # the chat before each of the three turns
     assert b"# Tools" in tok.decode(expected[0]).encode() and json.dumps(ADD) in tok.decode(expected[0])
     for context in ("retokenize", "tokens"):
         steps, prompts = run_one(tok, AddEnv, context)
@@ -196,12 +264,17 @@ def test_every_prompt_of_a_tool_env_is_rendered_with_its_tools_in_both_context_m
         else:  # the BPE drifts: token mode keeps the sampled ids, the text is the same
             assert prompts[0] == expected[0] and tok.decode(prompts[-1]) == tok.decode(expected[-1])
         if context == "tokens":  # prompt + response + the template's delta (tool turns, generation prompt)
-            deltas = [tool_turn("3"), tool_turn("Error: tool call 1: add: missing required argument 'b'")
-                      + tool_turn("4")]
+            deltas = [
+                tool_turn("3"),
+                tool_turn("Error: tool call 1: add: missing required argument 'b'") + tool_turn("4"),
+            ]
             for prev, nxt, delta in zip(steps, steps[1:], deltas):
                 assert prev.response_ids.tolist()[-1] == tok.eos_token_id
-                assert nxt.prompt_ids.tolist() == (prev.prompt_ids.tolist() + prev.response_ids.tolist()
-                                                   + encode("\n" + delta + "<|im_start|>assistant\n"))
+                assert nxt.prompt_ids.tolist() == (
+                    prev.prompt_ids.tolist()
+                    + prev.response_ids.tolist()
+                    + encode("\n" + delta + "<|im_start|>assistant\n")
+                )
 
 
 def tool_turn(content):
@@ -248,7 +321,8 @@ def test_math_tool_runs_in_the_agent_loop_with_its_python_tool():
     first = tok.decode(prompts[0])
     assert '"name": "python"' in first and first.count("<tool_call>") >= 2  # the schema, the format, the example
     assert tok.decode(prompts[1]).endswith(
-        "<|im_start|>tool\n<tool_response>\n782\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+        "<|im_start|>tool\n<tool_response>\n782\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
     assert [s.metadata["env_info"]["tool_calls"] for s in steps] == [1, 1] and steps[-1].reward == 1.0
 
 
@@ -262,7 +336,8 @@ def test_the_override_replaces_the_template_inline_or_from_a_file(tmp_path):
     tok = load_tokenizer("tiny_char", chat_template=UPPER)
     assert tok is not shared and tok.chat_template == UPPER and shared.chat_template != UPPER
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tools=[ADD], tokenize=False) == (
-        "[user] hi\ntools!")
+        "[user] hi\ntools!"
+    )
     (tmp_path / "t.jinja").write_text(UPPER)
     (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": UPPER}))
     for path in ("t.jinja", "chat_template.json"):
@@ -270,11 +345,14 @@ def test_the_override_replaces_the_template_inline_or_from_a_file(tmp_path):
         assert load_tokenizer("tiny_char", chat_template=str(tmp_path / path)).chat_template == UPPER
 
 
-@pytest.mark.parametrize("value,fragment", [
-    ("/no/such/template.jinja", "no such file: /no/such/template.jinja"),
-    ("{% for m in messages %}{{ m['content'] }}", "the inline template does not compile: TemplateSyntaxError"),
-    ("{{ messages | nosuchfilter }}", "does not compile: TemplateAssertionError"),
-])
+@pytest.mark.parametrize(
+    "value,fragment",
+    [
+        ("/no/such/template.jinja", "no such file: /no/such/template.jinja"),
+        ("{% for m in messages %}{{ m['content'] }}", "the inline template does not compile: TemplateSyntaxError"),
+        ("{{ messages | nosuchfilter }}", "does not compile: TemplateAssertionError"),
+    ],
+)
 def test_a_bad_override_fails_validation_naming_the_key(value, fragment, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(ConfigError) as e:
@@ -310,14 +388,18 @@ def test_the_trainer_loads_its_tokenizer_with_the_override(monkeypatch):
 
 # ---- the other formats --------------------------------------------------------------------------
 
-SEARCH = function_tool("search", "Search.", {"type": "object", "properties": {"q": {"type": "string"},
-                                                                             "n": {"type": "integer"}},
-                                             "required": ["q"]})
+SEARCH = function_tool(
+    "search",
+    "Search.",
+    {"type": "object", "properties": {"q": {"type": "string"}, "n": {"type": "integer"}}, "required": ["q"]},
+)
 
 
 def test_qwen3_coder_xml_calls_inside_tool_call_blocks():
-    text = ("let me look\n<tool_call>\n<function=search>\n<parameter=q>\nparis weather\n</parameter>\n"
-            "<parameter=n>\n3\n</parameter>\n</function>\n</tool_call>")
+    text = (
+        "let me look\n<tool_call>\n<function=search>\n<parameter=q>\nparis weather\n</parameter>\n"
+        "<parameter=n>\n3\n</parameter>\n</function>\n</tool_call>"
+    )
     turn = parse_tool_calls(text, [SEARCH])
     assert turn.calls == [ToolCall(0, "search", {"q": "paris weather", "n": 3})] and turn.text == "let me look"
     bad = parse_tool_calls("<tool_call>\n<function=>\n</function>\n</tool_call>", [SEARCH])
@@ -337,7 +419,9 @@ def test_llama3_json_calls():
     two = '{"name": "search", "parameters": {"q": "a"}}; {"name": "search", "parameters": {"q": 1}}'
     turn = parse_tool_calls(two, [SEARCH], format="llama3_json")
     assert turn.calls == [ToolCall(0, "search", {"q": "a"})] and "must be string" in turn.errors[0].message
-    tagged = parse_tool_calls('<|python_tag|>{"name": "search", "parameters": {"q": "a"', [SEARCH], format="llama3_json")
+    tagged = parse_tool_calls(
+        '<|python_tag|>{"name": "search", "parameters": {"q": "a"', [SEARCH], format="llama3_json"
+    )
     assert "invalid JSON" in tagged.errors[0].message
     plain = parse_tool_calls("The answer is 4.", [SEARCH], format="llama3_json")
     assert plain.blocks == [] and plain.text == "The answer is 4."
@@ -350,10 +434,37 @@ def test_no_model_output_makes_a_parser_raise(format):
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    pieces = st.sampled_from(["<tool_call>", "</tool_call>", "<function=", "<parameter=q>", "</parameter>",
-                              "</function>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "{", "}",
-                              "[", "]", '"name"', ":", '"search"', '"parameters"', '"arguments"', ",", ";", "\n",
-                              "<|python_tag|>", "1", "null", '"q"', "x"])
+    pieces = st.sampled_from(
+        [
+            "<tool_call>",
+            "</tool_call>",
+            "<function=",
+            "<parameter=q>",
+            "</parameter>",
+            "</function>",
+            "<arg_key>",
+            "</arg_key>",
+            "<arg_value>",
+            "</arg_value>",
+            "{",
+            "}",
+            "[",
+            "]",
+            '"name"',
+            ":",
+            '"search"',
+            '"parameters"',
+            '"arguments"',
+            ",",
+            ";",
+            "\n",
+            "<|python_tag|>",
+            "1",
+            "null",
+            '"q"',
+            "x",
+        ]
+    )
 
     @settings(max_examples=300, deadline=None, derandomize=True)
     @given(st.lists(pieces | st.text(max_size=5), max_size=30))
@@ -362,5 +473,9 @@ def test_no_model_output_makes_a_parser_raise(format):
 
     check()
     deep = "[" * 100_000  # deeper than Python's JSON decoder recurses
-    for text in (f"<tool_call>{deep}</tool_call>", deep.replace("[", "{\"a\":"), f"<tool_call>x\n<arg_key>a</arg_key><arg_value>{deep}</arg_value></tool_call>"):
+    for text in (
+        f"<tool_call>{deep}</tool_call>",
+        deep.replace("[", '{"a":'),
+        f"<tool_call>x\n<arg_key>a</arg_key><arg_value>{deep}</arg_value></tool_call>",
+    ):
         parse_tool_calls(text, [SEARCH], format=format)

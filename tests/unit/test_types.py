@@ -1,7 +1,7 @@
 import pytest
 import torch
-
 from helpers import make_step
+
 from megatron_stepwise import Step, StepBatch, StepwiseBatchError, TrajectoryID, make_padding_step
 
 
@@ -76,8 +76,13 @@ def test_unknown_rollout_logprobs_are_marked_unknown_not_zero():
 
 def test_response_fields_are_set_and_read_per_step_response():
     tid = TrajectoryID("p", 0)
-    batch = StepBatch.from_steps([Step(tid, [5, 6], [7, 8, 9], [1, 1, 0]), Step(tid, [1], [2, 3], [0, 1]),
-                                  Step(tid, [4, 4, 4], [], [], is_last_step=True)])
+    batch = StepBatch.from_steps(
+        [
+            Step(tid, [5, 6], [7, 8, 9], [1, 1, 0]),
+            Step(tid, [1], [2, 3], [0, 1]),
+            Step(tid, [4, 4, 4], [], [], is_last_step=True),
+        ]
+    )
     batch.set_response_field("advantages", [torch.tensor([0.5, 0.5, 0.0]), torch.tensor([0.0, -1.0]), torch.zeros(0)])
     adv = batch.token_fields["advantages"]
     assert adv.dtype == torch.float32

@@ -22,12 +22,12 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-
-from megatron_stepwise.mcore.weights import dist_checkpoint as C
-from megatron_stepwise.mcore.train import model as M
-from megatron_stepwise.mcore.runtime import runtime
-from megatron_stepwise.mcore.weights import full_views as W
 from worker_entry import run_worker
+
+from megatron_stepwise.mcore.runtime import runtime
+from megatron_stepwise.mcore.train import model as M
+from megatron_stepwise.mcore.weights import dist_checkpoint as C
+from megatron_stepwise.mcore.weights import full_views as W
 
 
 def build(tp: int, init_seed: int, distopt: bool = False):
@@ -36,17 +36,31 @@ def build(tp: int, init_seed: int, distopt: bool = False):
 
     runtime.init_distributed(tp, 1, seed=5)
     chunks = M.build_model_chunks(
-        M.tiny_config(num_layers=2), use_distributed_optimizer=distopt,
+        M.tiny_config(num_layers=2),
+        use_distributed_optimizer=distopt,
         init=lambda c: W.init_deterministic(c, seed=init_seed),
     )
     config = OptimizerConfig(
-        optimizer="adam", lr=1e-2, min_lr=1e-3, weight_decay=0.01, params_dtype=torch.float32,
+        optimizer="adam",
+        lr=1e-2,
+        min_lr=1e-3,
+        weight_decay=0.01,
+        params_dtype=torch.float32,
         use_distributed_optimizer=distopt,
     )
     optimizer = get_megatron_optimizer(config, chunks)
     scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=1e-2, min_lr=1e-3, lr_warmup_steps=2, lr_decay_steps=10,
-        lr_decay_style="cosine", start_wd=0.01, end_wd=0.01, wd_incr_steps=10, wd_incr_style="constant",
+        optimizer,
+        init_lr=0.0,
+        max_lr=1e-2,
+        min_lr=1e-3,
+        lr_warmup_steps=2,
+        lr_decay_steps=10,
+        lr_decay_style="cosine",
+        start_wd=0.01,
+        end_wd=0.01,
+        wd_incr_steps=10,
+        wd_incr_style="constant",
     )
     return chunks, optimizer, scheduler
 
@@ -170,9 +184,7 @@ def main() -> None:
     # groups. A distributed optimizer's dp_reshardable state cannot follow a TP change: model only.
     other_tp = 1 if args.tp == 2 else 2
     chunks, optimizer, scheduler = build(other_tp, init_seed=3, distopt=bool(args.distopt))
-    ts = C.load_checkpoint(
-        chunks, optimizer, scheduler, path=ckpt / "iter_0000003", load_optimizer=not args.distopt
-    )
+    ts = C.load_checkpoint(chunks, optimizer, scheduler, path=ckpt / "iter_0000003", load_optimizer=not args.distopt)
     record["resharded"] = {"trainer_state": ts, "params": W.full_state(chunks), "torch": torch.rand(3)}
     torch.save(record, out / f"loaded-rank{rank}.pt")
     (out / f"loaded-rank{rank}.json").write_text(json.dumps(record["trainer_state"]))

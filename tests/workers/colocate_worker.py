@@ -62,21 +62,34 @@ def run_mode(colocate: bool, run_dir: str) -> dict:
     from megatron_stepwise.hf.tokenizers import load_tokenizer
     from megatron_stepwise.loop import components
     from megatron_stepwise.loop.trainer import Trainer
-    from megatron_stepwise.rollout.embedded.hf_model import checkpoint_state
     from megatron_stepwise.rollout.embedded.engine import LocalEngine
+    from megatron_stepwise.rollout.embedded.hf_model import checkpoint_state
 
-    cfg = load_config(os.path.join(REPO, "configs/tiny_cpu.yaml"), [
-        f"logging.run_dir={run_dir}", "logging.progress=false", f"trainer.iterations={ITERATIONS}",
-        "trainer.eval_every=0", "checkpoint.every=0", "checkpoint.resume=never", "launch.nproc_per_node=1",
-        "rollout.num_engines=1", "data.prompts_per_iteration=4", "data.samples_per_prompt=4",
-        "data.prompts_per_minibatch=2", f"rollout.colocate={str(colocate).lower()}",
-    ], world_size=1)
+    cfg = load_config(
+        os.path.join(REPO, "configs/tiny_cpu.yaml"),
+        [
+            f"logging.run_dir={run_dir}",
+            "logging.progress=false",
+            f"trainer.iterations={ITERATIONS}",
+            "trainer.eval_every=0",
+            "checkpoint.every=0",
+            "checkpoint.resume=never",
+            "launch.nproc_per_node=1",
+            "rollout.num_engines=1",
+            "data.prompts_per_iteration=4",
+            "data.samples_per_prompt=4",
+            "data.prompts_per_minibatch=2",
+            f"rollout.colocate={str(colocate).lower()}",
+        ],
+        world_size=1,
+    )
     log: list[str] = []
     engines = []
 
     def build_fleet(cfg, hf_config, tokenizer):
-        engine = LocalEngine(hf_config, tokenizer=load_tokenizer(components.tokenizer_name(cfg)), seed=7,
-                             torch_threads=1)
+        engine = LocalEngine(
+            hf_config, tokenizer=load_tokenizer(components.tokenizer_name(cfg)), seed=7, torch_threads=1
+        )
         engines.append(engine)
         return RecordingFleet(engine, log)
 
@@ -95,8 +108,15 @@ def run_mode(colocate: bool, run_dir: str) -> dict:
         weights = {k: v.tolist() for k, v in checkpoint_state(engine.model).items()}
     finally:
         trainer.close()
-    keep = ("reward/mean", "train/loss", "train/grad_norm", "weight_version", "time/engine_release",
-            "time/engine_resume", "train/logprob_gap_max")
+    keep = (
+        "reward/mean",
+        "train/loss",
+        "train/grad_norm",
+        "weight_version",
+        "time/engine_release",
+        "time/engine_resume",
+        "train/logprob_gap_max",
+    )
     return {"log": log, "metrics": [{k: m[k] for k in keep if k in m} for m in history], "weights": weights}
 
 

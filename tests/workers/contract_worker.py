@@ -17,10 +17,10 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  #
 
 from megatron_stepwise import LossConfig, Step, StepBatch, TrajectoryID  # noqa: E402
 from megatron_stepwise.mcore import layer_spec, transformer_config  # noqa: E402
+from megatron_stepwise.mcore.runtime.runtime import init_distributed  # noqa: E402
 from megatron_stepwise.mcore.train.model import arch_from_hf, tiny_config  # noqa: E402
 from megatron_stepwise.mcore.train.model_contract import ModelContractError  # noqa: E402
 from megatron_stepwise.mcore.train.plugin import StepwisePlugin  # noqa: E402
-from megatron_stepwise.mcore.runtime.runtime import init_distributed  # noqa: E402
 
 init_distributed(1, 1, 1)
 arch = arch_from_hf(tiny_config(num_layers=2))
@@ -28,8 +28,13 @@ config = transformer_config(arch, use_te=False)
 
 
 def model(spec):
-    gpt = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=arch.vocab_size,
-                   max_sequence_length=arch.max_position_embeddings, position_embedding_type="rope")
+    gpt = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=arch.vocab_size,
+        max_sequence_length=arch.max_position_embeddings,
+        position_embedding_type="rope",
+    )
     calls = []
     gpt.register_forward_pre_hook(lambda *_: calls.append(1))
     return gpt, calls

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
 from helpers import load_script
-from megatron_stepwise.mcore.weights import full_views as W
-from megatron_stepwise.mcore.train.plugin import StepwisePlugin
 from worker_entry import run_worker
+
+from megatron_stepwise.mcore.train.plugin import StepwisePlugin
+from megatron_stepwise.mcore.weights import full_views as W
 
 example = load_script(Path(__file__).resolve().parents[2] / "tools" / "megatron_lm_pretrain.py")
 SEED = 7
@@ -55,8 +55,12 @@ def main() -> None:
 
     def training_log(*args, **kwargs):
         arguments = inspect.signature(log).bind(*args, **kwargs).arguments
-        logged.append({"loss_dict": {k: float(v) for k, v in arguments["loss_dict"].items()},
-                       "grad_norm": float(arguments["grad_norm"])})
+        logged.append(
+            {
+                "loss_dict": {k: float(v) for k, v in arguments["loss_dict"].items()},
+                "grad_norm": float(arguments["grad_norm"]),
+            }
+        )
         return log(*args, **kwargs)
 
     def setup_model_and_optimizer(*args, **kwargs):
@@ -75,15 +79,30 @@ def main() -> None:
     # NaN checks of gradients are Megatron-LM's train_step business (its rerun state machine).
     get_rerun_state_machine().set_mode(RerunMode.DISABLED)
     config.grad_scale_func, config.finalize_model_grads_func = optimizer.scale_loss, training.finalize_model_grads
-    reference = StepwisePlugin(plugin.loss_config, max_tokens_per_microbatch=plugin.max_tokens,
-                               vocab_size=plugin.vocab_size, num_microbatches=get_num_microbatches())
+    reference = StepwisePlugin(
+        plugin.loss_config,
+        max_tokens_per_microbatch=plugin.max_tokens,
+        vocab_size=plugin.vocab_size,
+        num_microbatches=get_num_microbatches(),
+    )
     iterations = get_args().train_iters
-    ref_metrics = [reference.train_minibatch(model, optimizer, batch)
-                   for batch in itertools.islice(example.rollout_batches(), iterations)]
-    result = {"logged": logged, "reference": ref_metrics, "pretrain_params": pretrain_params,
-              "reference_params": W.full_state(model), "num_microbatches": get_num_microbatches()}
-    if ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_data_parallel_rank() == 0 \
-            and ps.get_tensor_model_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0:
+    ref_metrics = [
+        reference.train_minibatch(model, optimizer, batch)
+        for batch in itertools.islice(example.rollout_batches(), iterations)
+    ]
+    result = {
+        "logged": logged,
+        "reference": ref_metrics,
+        "pretrain_params": pretrain_params,
+        "reference_params": W.full_state(model),
+        "num_microbatches": get_num_microbatches(),
+    }
+    if (
+        ps.is_pipeline_last_stage(ignore_virtual=True)
+        and ps.get_data_parallel_rank() == 0
+        and ps.get_tensor_model_parallel_rank() == 0
+        and ps.get_context_parallel_rank() == 0
+    ):
         out_dir.mkdir(parents=True, exist_ok=True)
         torch.save(result, out_dir / "result.pt")
     dist.barrier()

@@ -14,24 +14,38 @@ import dataclasses
 import json
 import os
 
-import torch
-import torch.distributed as dist
-
 # Siblings by bare name: Python puts this script's directory (tests/) on sys.path.
 import megatron_cases as cases
-from megatron_stepwise.algo.losses import LossConfig
-from megatron_stepwise.mcore.train import model as M
-from megatron_stepwise.mcore.runtime import runtime
-from megatron_stepwise.mcore.weights import full_views as W
-from megatron_stepwise.mcore.train.plugin import HostLoopMismatchError, StepwisePlugin, UnsupportedLayoutError
-from megatron_stepwise.steps import Step, StepwiseBatchError, TrajectoryID
+import torch
+import torch.distributed as dist
 from oracles import megatron_lm_logged_metrics
 from worker_entry import run_worker
+
+from megatron_stepwise.algo.losses import LossConfig
+from megatron_stepwise.mcore.runtime import runtime
+from megatron_stepwise.mcore.train import model as M
+from megatron_stepwise.mcore.train.plugin import HostLoopMismatchError, StepwisePlugin, UnsupportedLayoutError
+from megatron_stepwise.mcore.weights import full_views as W
+from megatron_stepwise.steps import Step, StepwiseBatchError, TrajectoryID
 
 SEED = 7
 
 
-RUN_DEFAULTS = {"tp": 1, "pp": 1, "vpp": 1, "cp": 1, "ep": 1, "moe": 0, "budget": 64, "sp": 1, "distopt": 0, "per_token_loss": 0, "tied": 0, "bf16": 0, "vocab": 256}
+RUN_DEFAULTS = {
+    "tp": 1,
+    "pp": 1,
+    "vpp": 1,
+    "cp": 1,
+    "ep": 1,
+    "moe": 0,
+    "budget": 64,
+    "sp": 1,
+    "distopt": 0,
+    "per_token_loss": 0,
+    "tied": 0,
+    "bf16": 0,
+    "vocab": 256,
+}
 
 
 def parse():
@@ -105,7 +119,9 @@ def megatron_full_logits_logprobs(chunks, batch):
     with torch.no_grad():
         for r in range(batch.num_rows):
             mb = pack_rows(batch, [r], align=align)
-            logits = model(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params(torch.device("cpu")))
+            logits = model(
+                mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params(torch.device("cpu"))
+            )
             logits = gather_from_tensor_model_parallel_region(logits)[0]  # [S, V padded]
             logits = logits[:, : M.unwrap(model).unpadded_vocab_size]  # the real vocabulary
             logp = torch.log_softmax(logits.float(), dim=-1)
@@ -141,14 +157,21 @@ def run_bad_inputs(args, chunks, optimizer, layout):
         Step(tid, [1, 2, 3, 4, 5, 9], [6], [0], is_last_step=True),
     ]
     expect("no_trainable", lambda: plugin.train_minibatch(chunks, optimizer, batch_of(untrained)), StepwiseBatchError)
-    oov = [Step(tid, [1, 2, 3], [4, 5], [1, 1], is_last_step=False), Step(tid, [1, 2], [300, 5], [1, 1], is_last_step=True)]
+    oov = [
+        Step(tid, [1, 2, 3], [4, 5], [1, 1], is_last_step=False),
+        Step(tid, [1, 2], [300, 5], [1, 1], is_last_step=True),
+    ]
     expect("token_out_of_vocab", lambda: plugin.train_minibatch(chunks, optimizer, batch_of(oov)), StepwiseBatchError)
     # LOSS has tis='token': the engine's log-prob of every trained token is needed, and step 1 has none.
     no_logprobs = [
         Step(tid, [1, 2, 3], [4, 5], [1, 1], rollout_logprobs=[-0.5, -1.0], is_last_step=False),
         Step(tid, [1, 2, 3, 4, 5, 9], [6, 7], [1, 1], is_last_step=True),
     ]
-    expect("no_rollout_logprobs", lambda: plugin.train_minibatch(chunks, optimizer, batch_of(no_logprobs)), StepwiseBatchError)
+    expect(
+        "no_rollout_logprobs",
+        lambda: plugin.train_minibatch(chunks, optimizer, batch_of(no_logprobs)),
+        StepwiseBatchError,
+    )
     stage = 0 if args.vpp > 1 else None  # under virtual pipeline parallelism a chunk names its stage
     expect(
         "tokenizer_vocab",
@@ -157,8 +180,9 @@ def run_bad_inputs(args, chunks, optimizer, layout):
     )
     expect(
         "heads_not_divisible",
-        lambda: M.build_gpt_model(M.tiny_config(hidden_size=48, num_heads=3, num_kv_heads=3, ffn_hidden_size=128),
-                                  vp_stage=stage),
+        lambda: M.build_gpt_model(
+            M.tiny_config(hidden_size=48, num_heads=3, num_kv_heads=3, ffn_hidden_size=128), vp_stage=stage
+        ),
         M.ModelConfigError,
     )
     run_fixed_count_checks(args, chunks, plugin, batch_of, expect, msgs)
@@ -172,27 +196,48 @@ def run_bad_inputs(args, chunks, optimizer, layout):
 def run_fixed_count_checks(args, chunks, plugin, batch_of, expect, msgs):
     """Host loops that run a fixed number of micro-batches (Megatron-LM's pretrain)."""
     from megatron.core import parallel_state as ps
-    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator, unset_num_microbatches_calculator
+    from megatron.core.num_microbatches_calculator import (
+        init_num_microbatches_calculator,
+        unset_num_microbatches_calculator,
+    )
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     dp = ps.get_data_parallel_world_size()
     # 2 x dp rows, each filling most of a micro-batch: 2 micro-batches per DP rank.
-    long_rows = [Step(TrajectoryID(f"f{i}", 0), list(range(1, args.budget // 2 + 4)), [5, 6, 7], [1, 1, 1],
-                      rollout_logprobs=[-0.5] * 3, is_last_step=True) for i in range(2 * dp)]
+    long_rows = [
+        Step(
+            TrajectoryID(f"f{i}", 0),
+            list(range(1, args.budget // 2 + 4)),
+            [5, 6, 7],
+            [1, 1, 1],
+            rollout_logprobs=[-0.5] * 3,
+            is_last_step=True,
+        )
+        for i in range(2 * dp)
+    ]
     batch = batch_of(long_rows)
-    expect("fixed_count_too_few", lambda: plugin.prepare_minibatch(chunks, batch, num_microbatches=1),
-           HostLoopMismatchError)
+    expect(
+        "fixed_count_too_few",
+        lambda: plugin.prepare_minibatch(chunks, batch, num_microbatches=1),
+        HostLoopMismatchError,
+    )
     padded = plugin.prepare_minibatch(chunks, batch, num_microbatches=4)
     msgs["fixed_count_padded"] = [padded.num_microbatches, sum(len(mb.rows) == 0 for mb in padded.microbatches)]
-    expect("schedule_plan", lambda: plugin.forward_step(padded.data_iterator(), chunks[0], return_schedule_plan=True),
-           UnsupportedLayoutError)
+    expect(
+        "schedule_plan",
+        lambda: plugin.forward_step(padded.data_iterator(), chunks[0], return_schedule_plan=True),
+        UnsupportedLayoutError,
+    )
     # megatron's calculator says 3 micro-batches per step (Megatron-LM sets it from the global batch size).
     init_num_microbatches_calculator(dist.get_rank(), None, 3 * dp, 1, dp)
     try:
         expect("host_count_mismatch", lambda: plugin.prepare_minibatch(chunks, batch), HostLoopMismatchError)
         if args.vpp > 1:  # the interleaved schedule runs micro-batches in groups of PP
-            expect("vpp_count_not_multiple", lambda: plugin.prepare_minibatch(chunks, batch, num_microbatches=3),
-                   HostLoopMismatchError)
+            expect(
+                "vpp_count_not_multiple",
+                lambda: plugin.prepare_minibatch(chunks, batch, num_microbatches=3),
+                HostLoopMismatchError,
+            )
         else:
             msgs["host_count_match"] = plugin.prepare_minibatch(chunks, batch, num_microbatches=3).num_microbatches
         if ps.get_pipeline_model_parallel_world_size() == 1:
@@ -201,8 +246,14 @@ def run_fixed_count_checks(args, chunks, plugin, batch_of, expect, msgs):
 
             def run():
                 get_forward_backward_func()(
-                    forward_step_func=plugin.forward_step, data_iterator=inputs.data_iterator(), model=chunks,
-                    num_microbatches=3, seq_length=inputs.seq_length, micro_batch_size=1, forward_only=False)
+                    forward_step_func=plugin.forward_step,
+                    data_iterator=inputs.data_iterator(),
+                    model=chunks,
+                    num_microbatches=3,
+                    seq_length=inputs.seq_length,
+                    micro_batch_size=1,
+                    forward_only=False,
+                )
 
             expect("forward_step_count", run, HostLoopMismatchError)
     finally:
@@ -241,8 +292,9 @@ def megatron_loop_backward(plugin, chunks, optimizer, batch):
 
 
 def run_layout(args, out_dir):
-    layout = runtime.init_distributed(args.tp, args.pp, args.cp, virtual_pipeline=args.vpp, expert_parallel=args.ep,
-                                      seed=SEED)
+    layout = runtime.init_distributed(
+        args.tp, args.pp, args.cp, virtual_pipeline=args.vpp, expert_parallel=args.ep, seed=SEED
+    )
     moe = {"model_type": "qwen3_moe"} if args.moe else {}  # 4 experts, top-2, QK norm
     cfg = M.tiny_config(tie_word_embeddings=bool(args.tied), vocab_size=args.vocab, **moe)
     dtype = torch.bfloat16 if args.bf16 else torch.float32
@@ -279,8 +331,11 @@ def run_layout(args, out_dir):
     result = {"init_params": W.full_state(chunks)}
     # What the bf16 layouts must really run: bf16 weights, fp32 gradient buffers and main params.
     param = next(M.unwrap(chunks[0]).parameters())
-    result["dtypes"] = {"param": str(param.dtype), "main_grad": str(param.main_grad.dtype),
-                        "optimizers": sorted({type(o).__name__ for o in getattr(optimizer, "chained_optimizers", [optimizer])})}
+    result["dtypes"] = {
+        "param": str(param.dtype),
+        "main_grad": str(param.main_grad.dtype),
+        "optimizers": sorted({type(o).__name__ for o in getattr(optimizer, "chained_optimizers", [optimizer])}),
+    }
 
     result["logprobs"] = attach_old_and_ref(plugin, chunks, batch)
     result["merged_logprobs"] = attach_old_and_ref(plugin, chunks, merged)
@@ -303,7 +358,9 @@ def run_layout(args, out_dir):
     result["params_after_step"] = W.full_state(chunks)
 
     # The merged batch at the initial weights, through the low-level megatron-loop API.
-    _, result["merged_metrics"], result["merged_megatron_lm_logged"] = megatron_loop_backward(plugin, chunks, optimizer, merged)
+    _, result["merged_metrics"], result["merged_megatron_lm_logged"] = megatron_loop_backward(
+        plugin, chunks, optimizer, merged
+    )
     if not args.distopt:
         result["merged_grads"] = W.full_state(chunks, grads=True)
 
@@ -313,7 +370,9 @@ def run_layout(args, out_dir):
     def plan_with_empty(lengths, **kw):
         return [micro + [[]] for micro in plan_microbatches(lengths, **kw)]
 
-    padded_plugin = StepwisePlugin(loss_of(args), max_tokens_per_microbatch=args.budget, plan_microbatches=plan_with_empty)
+    padded_plugin = StepwisePlugin(
+        loss_of(args), max_tokens_per_microbatch=args.budget, plan_microbatches=plan_with_empty
+    )
     inputs, result["empty_mb_metrics"], _ = megatron_loop_backward(padded_plugin, chunks, optimizer, batch)
     assert inputs.microbatches[-1].num_trained == 0
     result["empty_mb_count"] = inputs.num_microbatches

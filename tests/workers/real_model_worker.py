@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from worker_entry import run_worker
 
 from megatron_stepwise.algo.losses import LossConfig
 from megatron_stepwise.mcore.runtime import runtime
@@ -23,7 +24,6 @@ from megatron_stepwise.mcore.train import model as M
 from megatron_stepwise.mcore.train.plugin import StepwisePlugin
 from megatron_stepwise.mcore.weights import convert
 from megatron_stepwise.steps import Step, TrajectoryID
-from worker_entry import run_worker
 
 LAYOUTS = [(1, 1), (3, 1), (1, 3)]
 
@@ -37,8 +37,7 @@ def main() -> None:
     out, hf_dir = Path(args.out), Path(args.hf_dir)
     case = json.loads(Path(args.case).read_text())
     cfg = json.loads((hf_dir / "config.json").read_text())
-    step = Step(TrajectoryID("p0", 0), case["prompt"], case["response"], [1] * len(case["response"]),
-                is_last_step=True)
+    step = Step(TrajectoryID("p0", 0), case["prompt"], case["response"], [1] * len(case["response"]), is_last_step=True)
     plugin = StepwisePlugin(LossConfig(), max_tokens_per_microbatch=4096)
     for tp, pp in LAYOUTS:
         layout = runtime.init_distributed(tp, pp, seed=1)

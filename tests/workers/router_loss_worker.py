@@ -14,18 +14,18 @@ import argparse
 import dataclasses
 import os
 
+import megatron_cases as cases
+import megatron_worker as mw
 import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.moe.router import TopKRouter
+from worker_entry import run_worker
 
-import megatron_cases as cases
-import megatron_worker as mw
-from megatron_stepwise.mcore.train import model as M
 from megatron_stepwise.mcore.runtime import runtime
-from megatron_stepwise.mcore.weights import full_views as W
+from megatron_stepwise.mcore.train import model as M
 from megatron_stepwise.mcore.train.packing import pack_rows
 from megatron_stepwise.mcore.train.plugin import StepwisePlugin
-from worker_entry import run_worker
+from megatron_stepwise.mcore.weights import full_views as W
 
 AUX, Z = 0.1, 0.01
 
@@ -33,14 +33,21 @@ AUX, Z = 0.1, 0.01
 def plugin_grads(chunks, batch, aux, z, budget):
     """Forward and backward through the plugin and megatron's schedule; the summed gradients and
     the router metrics."""
-    plugin = StepwisePlugin(dataclasses.replace(mw.LOSS, router_aux_coef=aux, router_z_coef=z),
-                            max_tokens_per_microbatch=budget)
+    plugin = StepwisePlugin(
+        dataclasses.replace(mw.LOSS, router_aux_coef=aux, router_z_coef=z), max_tokens_per_microbatch=budget
+    )
     inputs = plugin.prepare_minibatch(chunks, batch)
     for chunk in chunks:
         chunk.zero_grad_buffer()
-    get_forward_backward_func()(forward_step_func=plugin.forward_step, data_iterator=inputs.data_iterator(),
-                                model=chunks, num_microbatches=inputs.num_microbatches,
-                                seq_length=inputs.seq_length, micro_batch_size=1, forward_only=False)
+    get_forward_backward_func()(
+        forward_step_func=plugin.forward_step,
+        data_iterator=inputs.data_iterator(),
+        model=chunks,
+        num_microbatches=inputs.num_microbatches,
+        seq_length=inputs.seq_length,
+        micro_batch_size=1,
+        forward_only=False,
+    )
     return W.full_state(chunks, grads=True), plugin.router_losses.reduce(M.unwrap(chunks[0]).config)
 
 
@@ -48,8 +55,11 @@ def direct_router_losses(chunks, batch):
     """Gradient (into the grad buffers) and values of the router losses, row by row."""
     gpt = M.unwrap(chunks[0])
     captured = []
-    hooks = [m.register_forward_hook(lambda mod, inp, out: captured.append((mod, mod.gating(inp[0]), out[1])))
-             for m in gpt.modules() if isinstance(m, TopKRouter)]
+    hooks = [
+        m.register_forward_hook(lambda mod, inp, out: captured.append((mod, mod.gating(inp[0]), out[1])))
+        for m in gpt.modules()
+        if isinstance(m, TopKRouter)
+    ]
     rows = [r for r in range(batch.num_rows) if not batch.row_fields["is_padding"][r]]
     n_tokens = int(batch.lengths[rows].sum())
     for chunk in chunks:
@@ -76,8 +86,12 @@ def direct_router_losses(chunks, batch):
     for h in hooks:
         h.remove()
     ratios = torch.stack([c / c.mean() for c in load.values()])
-    values = {"moe/aux_loss": sum(balance.values()) / len(balance), "moe/z_loss": sum(zloss.values()) / len(zloss),
-              "moe/expert_load_max": float(ratios.max()), "moe/expert_load_min": float(ratios.min())}
+    values = {
+        "moe/aux_loss": sum(balance.values()) / len(balance),
+        "moe/z_loss": sum(zloss.values()) / len(zloss),
+        "moe/expert_load_max": float(ratios.max()),
+        "moe/expert_load_min": float(ratios.min()),
+    }
     return W.full_state(chunks, grads=True), values
 
 
@@ -96,9 +110,16 @@ def main():
     without, metrics_off = plugin_grads(chunks, batch, 0.0, 0.0, args.budget)
     direct, values = direct_router_losses(chunks, batch)
     os.makedirs(args.out, exist_ok=True)
-    torch.save({"added": {k: with_losses[k] - without[k] for k in with_losses}, "direct": direct,
-                "metrics": metrics, "metrics_without_coefficients": metrics_off, "direct_values": values},
-               os.path.join(args.out, "router_losses.pt"))
+    torch.save(
+        {
+            "added": {k: with_losses[k] - without[k] for k in with_losses},
+            "direct": direct,
+            "metrics": metrics,
+            "metrics_without_coefficients": metrics_off,
+            "direct_values": values,
+        },
+        os.path.join(args.out, "router_losses.pt"),
+    )
     runtime.destroy_distributed()
 
 

@@ -11,29 +11,29 @@ Every rank builds the same engine and the same steps; rank 0 writes the results.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import asyncio
+import dataclasses
 import json
 import os
 
+import megatron_worker as mw
 import torch
 import torch.distributed as dist
+from worker_entry import run_worker
 
-import megatron_worker as mw
 from megatron_stepwise.algo.merge import merge_steps
+from megatron_stepwise.mcore.runtime import runtime
 from megatron_stepwise.mcore.train import model as M
 from megatron_stepwise.mcore.train import routing_replay
-from megatron_stepwise.mcore.runtime import runtime
-from megatron_stepwise.mcore.weights import full_views as W
-from megatron_stepwise.mcore.weights.hf_mapping import canonical_to_hf
 from megatron_stepwise.mcore.train.plugin import LOGPROBS, StepwisePlugin
 from megatron_stepwise.mcore.train.routers import local_tokens
-from megatron_stepwise.rollout.engine import SamplingParams
-from megatron_stepwise.rollout.embedded.hf_model import load_named_tensors
+from megatron_stepwise.mcore.weights import full_views as W
+from megatron_stepwise.mcore.weights.hf_mapping import canonical_to_hf
 from megatron_stepwise.rollout.embedded.engine import LocalEngine
+from megatron_stepwise.rollout.embedded.hf_model import load_named_tensors
+from megatron_stepwise.rollout.engine import SamplingParams
 from megatron_stepwise.rollout.routing import pad_to_tokens
 from megatron_stepwise.steps import Step, StepBatch, TrajectoryID
-from worker_entry import run_worker
 
 PROMPTS = [[5, 17, 33, 2, 9], [41, 7, 7, 120, 64, 3, 88], [200, 13]]
 OBSERVATIONS = [[11, 12, 13], [99, 98], [150, 151, 152, 153]]
@@ -57,11 +57,17 @@ def rollout(cfg: dict, state: dict, noise: float, mode: str = "select") -> list[
     for t in range(3):
         for turn, (prompts, results) in enumerate(turns):
             prompt, res = prompts[t], results[t]
-            steps.append(Step(
-                trajectory_id=TrajectoryID(f"p{t}", 0), prompt_ids=prompt, response_ids=res.output_ids,
-                loss_mask=[1] * len(res.output_ids), rollout_logprobs=res.logprobs, is_last_step=turn == 1,
-                routed_experts=pad_to_tokens(res.routed_experts, len(prompt) + len(res.output_ids)),
-            ))
+            steps.append(
+                Step(
+                    trajectory_id=TrajectoryID(f"p{t}", 0),
+                    prompt_ids=prompt,
+                    response_ids=res.output_ids,
+                    loss_mask=[1] * len(res.output_ids),
+                    rollout_logprobs=res.logprobs,
+                    is_last_step=turn == 1,
+                    routed_experts=pad_to_tokens(res.routed_experts, len(prompt) + len(res.output_ids)),
+                )
+            )
     return steps
 
 
@@ -82,15 +88,22 @@ def train_gap(plugin, chunks, batch: StepBatch) -> dict:
     for chunk in chunks:
         chunk.zero_grad_buffer()
     losses = get_forward_backward_func()(
-        forward_step_func=plugin.forward_step, data_iterator=inputs.data_iterator(), model=chunks,
-        num_microbatches=inputs.num_microbatches, seq_length=inputs.seq_length, micro_batch_size=1,
-        forward_only=False)
+        forward_step_func=plugin.forward_step,
+        data_iterator=inputs.data_iterator(),
+        model=chunks,
+        num_microbatches=inputs.num_microbatches,
+        seq_length=inputs.seq_length,
+        micro_batch_size=1,
+        forward_only=False,
+    )
     metrics = plugin.reduce_metrics(losses)
     plugin.router_losses.clear()
     grads = W.full_state(chunks, grads=True)
     router = torch.stack([g.abs().sum() for k, g in grads.items() if k.endswith("mlp.router.weight")])
-    return {"gap": metrics["logprob_gap/train_vs_rollout"], "router_grad_ok": bool(torch.isfinite(router).all())
-            and bool((router > 0).all())}
+    return {
+        "gap": metrics["logprob_gap/train_vs_rollout"],
+        "router_grad_ok": bool(torch.isfinite(router).all()) and bool((router > 0).all()),
+    }
 
 
 def chosen_experts(plugin, chunks, batch: StepBatch) -> dict:
@@ -101,8 +114,10 @@ def chosen_experts(plugin, chunks, batch: StepBatch) -> dict:
     for chunk in chunks:
         routers += routing_replay.record_routing(M.unwrap(chunk))
     seen = []  # (router, the experts it used) for every router forward, in order
-    hooks = [r.register_forward_hook(lambda mod, inp, out: seen.append((mod, mod.router_replay.recorded_topk_idx)))
-             for r in routers]
+    hooks = [
+        r.register_forward_hook(lambda mod, inp, out: seen.append((mod, mod.router_replay.recorded_topk_idx)))
+        for r in routers
+    ]
     inputs = plugin.prepare_minibatch(chunks, batch, mode=LOGPROBS)
     with torch.no_grad():
         plugin._run_schedule(chunks, inputs, forward_only=True)
@@ -167,9 +182,12 @@ def main() -> None:
     steps = rollout(cfg, state, args.noise)
     merged, stats = merge_steps(steps)
     results["merged_rows"] = stats.rows_after
-    batches = {"unmerged": StepBatch.from_steps(steps), "merged": StepBatch.from_steps(merged),
-               # the gate weight perturbed for the gating values too: replay removes only the flips
-               "weights_noise": StepBatch.from_steps(rollout(cfg, state, args.noise, "weights"))}
+    batches = {
+        "unmerged": StepBatch.from_steps(steps),
+        "merged": StepBatch.from_steps(merged),
+        # the gate weight perturbed for the gating values too: replay removes only the flips
+        "weights_noise": StepBatch.from_steps(rollout(cfg, state, args.noise, "weights")),
+    }
     for name, batch in batches.items():
         for replay in (True, False):
             gpt.config.moe_enable_routing_replay = replay
@@ -180,8 +198,10 @@ def main() -> None:
     # Control: an unperturbed engine agrees with the trainer without replay.
     gpt.config.moe_enable_routing_replay = False
     exact = StepBatch.from_steps(rollout(cfg, state, 0.0))
-    results["unperturbed/no_replay"] = {"gap": gap(plugin, chunks, exact),
-                                        "experts": chosen_experts(plugin, chunks, exact)}
+    results["unperturbed/no_replay"] = {
+        "gap": gap(plugin, chunks, exact),
+        "experts": chosen_experts(plugin, chunks, exact),
+    }
     if dist.get_rank() == 0:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "routing_replay.json"), "w") as f:

@@ -19,15 +19,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from worker_entry import run_worker
 
 from megatron_stepwise.algo.losses import LossConfig
-from megatron_stepwise.mcore.train import model as M
 from megatron_stepwise.mcore.runtime import runtime
-from megatron_stepwise.mcore.weights import full_views as W
+from megatron_stepwise.mcore.train import model as M
 from megatron_stepwise.mcore.train.plugin import StepwisePlugin
+from megatron_stepwise.mcore.weights import full_views as W
 from megatron_stepwise.mcore.weights.sync import WeightSync
 from megatron_stepwise.steps import Step, TrajectoryID
-from worker_entry import run_worker
 
 PROMPT = [5, 17, 42, 99, 3, 250, 64]
 LAYOUTS = [("tp2", 2, 1), ("pp2", 1, 2), ("tp1", 1, 1)]
@@ -81,8 +81,10 @@ def main() -> None:
         loop.run_until_complete(fleet.wait_ready())
 
     plugin = StepwisePlugin(LossConfig(), max_tokens_per_microbatch=256)
-    plugins = {"megatron_t": StepwisePlugin(LossConfig(), max_tokens_per_microbatch=256, temperature=TEMPERATURE),
-               "megatron_t1": plugin}
+    plugins = {
+        "megatron_t": StepwisePlugin(LossConfig(), max_tokens_per_microbatch=256, temperature=TEMPERATURE),
+        "megatron_t1": plugin,
+    }
     results: dict = {}
     syncers: dict = {}
     version = 0

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-from megatron_stepwise.mcore.weights import convert
-from megatron_stepwise.mcore.train import model as M
-from megatron_stepwise.mcore.runtime import runtime
 from worker_entry import run_worker
+
+from megatron_stepwise.mcore.runtime import runtime
+from megatron_stepwise.mcore.train import model as M
+from megatron_stepwise.mcore.weights import convert
 
 SEQUENCE = [3, 17, 42, 7, 99, 128, 5, 250, 11, 64, 1, 200]
 
@@ -45,7 +45,9 @@ def bad_inputs(hf_root: Path, out: Path) -> dict:
     except convert.WeightConversionError as e:
         errors["import_mismatch"] = str(e)
     try:
-        convert.export_hf(qwen, hf_root / "qwen2-untied", json.loads((hf_root / "qwen2-untied" / "config.json").read_text()))
+        convert.export_hf(
+            qwen, hf_root / "qwen2-untied", json.loads((hf_root / "qwen2-untied" / "config.json").read_text())
+        )
     except convert.WeightConversionError as e:
         errors["export_non_empty"] = str(e)
     alive = torch.ones(1)

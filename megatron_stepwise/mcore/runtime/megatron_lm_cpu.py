@@ -27,7 +27,7 @@ def _stub_triton() -> None:
     language = types.ModuleType("triton.language")
     triton.language = language
     triton.jit = lambda fn=None, **_: fn if fn is not None else (lambda f: f)
-    triton.autotune = lambda *_a, **_k: (lambda f: f)
+    triton.autotune = lambda *_a, **_k: lambda f: f
     triton.Config = lambda *_a, **_k: None
     language.constexpr = int
     sys.modules["triton"], sys.modules["triton.language"] = triton, language

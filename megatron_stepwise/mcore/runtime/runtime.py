@@ -25,14 +25,18 @@ def comm_device() -> torch.device:
     """Where collective buffers live: NCCL reduces CUDA tensors only, gloo CPU ones."""
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
+
 # What megatron-core says that is noise to us: at import, that Transformer Engine / Apex are
 # missing (it falls back to torch, as intended on CPU), a deprecated default of its own
 # TransformerConfig, and torch's deprecation of APIs it still calls (ShardedTensor and
 # load_state_dict in dist_checkpointing, the *_tensor collectives in the distributed optimizer).
 _NOISE = (
     (UserWarning, ".*(Transformer Engine and Apex are not installed|Apex is not installed|full scope is deprecated)"),
-    (FutureWarning, ".*(deprecating ShardedTensor|`load_state_dict` is deprecated"
-                    "|`torch.distributed.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated)"),
+    (
+        FutureWarning,
+        ".*(deprecating ShardedTensor|`load_state_dict` is deprecated"
+        "|`torch.distributed.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated)",
+    ),
 )
 
 
@@ -104,9 +108,17 @@ def launch_env(environ: Optional[dict] = None) -> LaunchEnv:
     return LaunchEnv(rank, world, local, addr, port)
 
 
-def init_distributed(tensor_parallel: int = 1, pipeline_parallel: int = 1, context_parallel: int = 1, *,
-                     virtual_pipeline: Optional[int] = None, expert_parallel: int = 1, seed: int = 1234,
-                     backend: Optional[str] = None, timeout_minutes: int = 10) -> ParallelLayout:
+def init_distributed(
+    tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
+    context_parallel: int = 1,
+    *,
+    virtual_pipeline: Optional[int] = None,
+    expert_parallel: int = 1,
+    seed: int = 1234,
+    backend: Optional[str] = None,
+    timeout_minutes: int = 10,
+) -> ParallelLayout:
     """Start torch.distributed and megatron-core's parallel state; returns this rank's layout.
 
     The data-parallel size is what remains: world / (tp * pp * cp). `virtual_pipeline`: model
@@ -140,16 +152,23 @@ def init_distributed(tensor_parallel: int = 1, pipeline_parallel: int = 1, conte
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", env.master_addr)
         os.environ.setdefault("MASTER_PORT", str(env.master_port))
-        dist.init_process_group(backend=backend or ("nccl" if use_cuda else "gloo"), rank=env.rank,
-                                world_size=env.world_size, timeout=timedelta(minutes=timeout_minutes))
+        dist.init_process_group(
+            backend=backend or ("nccl" if use_cuda else "gloo"),
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=timedelta(minutes=timeout_minutes),
+        )
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(
-        tensor_model_parallel_size=tensor_parallel, pipeline_model_parallel_size=pipeline_parallel,
+        tensor_model_parallel_size=tensor_parallel,
+        pipeline_model_parallel_size=pipeline_parallel,
         context_parallel_size=context_parallel,
         virtual_pipeline_model_parallel_size=virtual_pipeline if (virtual_pipeline or 1) > 1 else None,
-        expert_model_parallel_size=expert_parallel, expert_tensor_parallel_size=1,
-        distributed_timeout_minutes=timeout_minutes)
+        expert_model_parallel_size=expert_parallel,
+        expert_tensor_parallel_size=1,
+        distributed_timeout_minutes=timeout_minutes,
+    )
     layout = current_layout(local_rank=env.local_rank)
     # Seeded as Megatron-LM does: offset per pipeline stage, then the model-parallel RNG tracker
     # (TP ranks get distinct streams for their shards).

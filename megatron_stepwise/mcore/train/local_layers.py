@@ -79,10 +79,17 @@ def _concat(outs: list, query: torch.Tensor) -> torch.Tensor:  # per-sequence [s
 class PackedCausalAttention(MegatronModule):
     """Core attention for THD packed sequences (and plain [s, b] batches) on any device."""
 
-    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
-                 attention_type: str, attention_dropout: Optional[float] = None,
-                 softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None,
-                 pg_collection=None):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection=None,
+    ):
         super().__init__(config=config)
         self.cp_group = getattr(pg_collection, "cp", None)
         if self.cp_group is None and config.context_parallel_size > 1:
@@ -96,17 +103,28 @@ class PackedCausalAttention(MegatronModule):
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torch.Tensor:
         # q [b, np, s, hn], k/v [b, ng, s, hn]; GQA handled by SDPA. Causal, or `mask`.
         p = self.dropout_p if self.training else 0.0
-        kwargs = dict(is_causal=mask is None, attn_mask=mask, scale=self.softmax_scale, dropout_p=p,
-                      enable_gqa=q.size(1) != k.size(1))
+        kwargs = dict(
+            is_causal=mask is None,
+            attn_mask=mask,
+            scale=self.softmax_scale,
+            dropout_p=p,
+            enable_gqa=q.size(1) != k.size(1),
+        )
         if p > 0.0:
             with tensor_parallel.get_cuda_rng_tracker().fork():
                 return F.scaled_dot_product_attention(q, k, v, **kwargs)
         return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                attention_mask: Optional[torch.Tensor], attn_mask_type: Optional[AttnMaskType] = None,
-                attention_bias: Optional[torch.Tensor] = None,
-                packed_seq_params: Optional[PackedSeqParams] = None) -> torch.Tensor:
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[torch.Tensor] = None,
+        packed_seq_params: Optional[PackedSeqParams] = None,
+    ) -> torch.Tensor:
         if attention_bias is not None:
             raise ValueError("PackedCausalAttention does not support attention_bias")
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
@@ -148,8 +166,10 @@ class PackedCausalAttention(MegatronModule):
             local = slice(start // cp, start // cp + 2 * c)
             # Full sequence: chunks 0..cp-1 are the ranks' first halves in rank order, chunks
             # cp..2cp-1 their second halves in reverse rank order.
-            k_seq, v_seq = (torch.cat([t[:, local][:, :c].flatten(0, 1), t[:, local][:, c:].flip(0).flatten(0, 1)])
-                            for t in (keys, values))
+            k_seq, v_seq = (
+                torch.cat([t[:, local][:, :c].flatten(0, 1), t[:, local][:, c:].flip(0).flatten(0, 1)])
+                for t in (keys, values)
+            )
             q_local = query[local]
             for half, chunk_index in ((q_local[:c], rank), (q_local[c:], 2 * cp - 1 - rank)):
                 seen = (chunk_index + 1) * c  # keys up to the end of this chunk

@@ -53,8 +53,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, vocab_start, group, chunk, with_entropy, inv_temperature):
         n, v_local = hidden.size(0), weight.size(0)
-        logprobs, entropy, lse, mean_z = (torch.empty(n, dtype=torch.float32, device=hidden.device)
-                                          for _ in range(4))
+        logprobs, entropy, lse, mean_z = (torch.empty(n, dtype=torch.float32, device=hidden.device) for _ in range(4))
         local_t = targets - vocab_start
         in_shard = (local_t >= 0) & (local_t < v_local)
         local_t = local_t.clamp(0, v_local - 1)
@@ -116,10 +115,17 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
-def vocab_parallel_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
-                            vocab_start: int = 0, group: Optional[dist.ProcessGroup] = None,
-                            chunk_tokens: Optional[int] = None, with_entropy: bool = True,
-                            temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def vocab_parallel_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    vocab_start: int = 0,
+    group: Optional[dist.ProcessGroup] = None,
+    chunk_tokens: Optional[int] = None,
+    with_entropy: bool = True,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(log p(target), entropy) per row of `hidden` [N, h], both fp32 [N], of softmax(logits / T).
 
     `weight` is this rank's vocab shard [V/tp, h] covering ids [vocab_start, vocab_start + V/tp);
@@ -132,16 +138,19 @@ def vocab_parallel_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets:
     if targets.shape != (hidden.size(0),):
         raise ValueError(f"targets {tuple(targets.shape)} must be [N={hidden.size(0)}]")
     chunk = _chunk_tokens(weight.size(0), chunk_tokens)
-    return _VocabParallelLogProbs.apply(hidden, weight, targets, vocab_start, group, chunk, with_entropy,
-                                        1.0 / float(temperature))
+    return _VocabParallelLogProbs.apply(
+        hidden, weight, targets, vocab_start, group, chunk, with_entropy, 1.0 / float(temperature)
+    )
 
 
 def check_temperature(temperature: float) -> None:
     """Training scores sampled tokens; greedy decoding (T = 0) has no distribution to score."""
     why = temperature_problem(temperature, greedy=False)
     if why:
-        raise ValueError(f"temperature {why}: log-probs are scored as log_softmax(logits / T) at the rollout's "
-                         "sampling temperature (greedy decoding cannot be trained on)")
+        raise ValueError(
+            f"temperature {why}: log-probs are scored as log_softmax(logits / T) at the rollout's "
+            "sampling temperature (greedy decoding cannot be trained on)"
+        )
 
 
 def output_weight(gpt_model) -> torch.Tensor:
@@ -151,10 +160,17 @@ def output_weight(gpt_model) -> torch.Tensor:
     return gpt_model.output_layer.weight
 
 
-def trained_position_logprobs(hidden: torch.Tensor, pred_index: torch.Tensor, targets: torch.Tensor,
-                              gpt_model, *, chunk_tokens: Optional[int] = None, with_entropy: bool = True,
-                              vocab_size: Optional[int] = None,
-                              temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def trained_position_logprobs(
+    hidden: torch.Tensor,
+    pred_index: torch.Tensor,
+    targets: torch.Tensor,
+    gpt_model,
+    *,
+    chunk_tokens: Optional[int] = None,
+    with_entropy: bool = True,
+    vocab_size: Optional[int] = None,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs/entropy of softmax(logits / temperature) at `pred_index` of a last stage's final
     hidden states.
 
@@ -163,8 +179,10 @@ def trained_position_logprobs(hidden: torch.Tensor, pred_index: torch.Tensor, ta
     vocabulary when the model's is padded; padding rows are left out of the softmax.
     """
     from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
-                                                        gather_from_sequence_parallel_region)
+    from megatron.core.tensor_parallel.mappings import (
+        copy_to_tensor_model_parallel_region,
+        gather_from_sequence_parallel_region,
+    )
 
     h = hidden.squeeze(0) if hidden.dim() == 3 else hidden  # [S_local, h]
     if gpt_model.config.sequence_parallel:
@@ -183,6 +201,13 @@ def trained_position_logprobs(hidden: torch.Tensor, pred_index: torch.Tensor, ta
             )
         weight = weight[:real_rows]  # a view: padding rows get no logits and no gradient
     selected = h.index_select(0, pred_index.to(h.device))
-    return vocab_parallel_logprobs(selected, weight, targets.to(h.device), vocab_start=vocab_start,
-                                   group=ps.get_tensor_model_parallel_group(), chunk_tokens=chunk_tokens,
-                                   with_entropy=with_entropy, temperature=temperature)
+    return vocab_parallel_logprobs(
+        selected,
+        weight,
+        targets.to(h.device),
+        vocab_start=vocab_start,
+        group=ps.get_tensor_model_parallel_group(),
+        chunk_tokens=chunk_tokens,
+        with_entropy=with_entropy,
+        temperature=temperature,
+    )

@@ -18,10 +18,17 @@ import torch
 import torch.nn.functional as F
 
 from megatron_stepwise.hf import presets
+
 # The architecture is parsed in hf/arch.py (config validation reads it too); re-exported here.
 from megatron_stepwise.hf.arch import (  # noqa: F401
-    MOE_MODEL_TYPES, SUPPORTED_MODEL_TYPES, GPTArch, ModelConfigError, arch_from_hf, padded_vocab_size,
-    validate_parallel)
+    MOE_MODEL_TYPES,
+    SUPPORTED_MODEL_TYPES,
+    GPTArch,
+    ModelConfigError,
+    arch_from_hf,
+    padded_vocab_size,
+    validate_parallel,
+)
 
 
 def tiny_config(*, num_layers: int = 4, **kwargs: Any) -> dict:
@@ -38,9 +45,17 @@ def te_available() -> bool:
     return True
 
 
-def transformer_config(arch: GPTArch, *, tp: int = 1, pp: int = 1, cp: int = 1,
-                       sequence_parallel: Optional[bool] = None, dtype: Optional[torch.dtype] = None,
-                       use_te: Optional[bool] = None, **overrides: Any):
+def transformer_config(
+    arch: GPTArch,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    sequence_parallel: Optional[bool] = None,
+    dtype: Optional[torch.dtype] = None,
+    use_te: Optional[bool] = None,
+    **overrides: Any,
+):
     """The megatron `TransformerConfig` for `arch` at this layout (overrides win)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -48,22 +63,42 @@ def transformer_config(arch: GPTArch, *, tp: int = 1, pp: int = 1, cp: int = 1,
     use_te = te_available() if use_te is None else use_te
     dtype = dtype or (torch.bfloat16 if on_gpu else torch.float32)
     fields = dict(
-        num_layers=arch.num_layers, hidden_size=arch.hidden_size, ffn_hidden_size=arch.ffn_hidden_size,
-        num_attention_heads=arch.num_heads, num_query_groups=arch.num_kv_heads, kv_channels=arch.head_dim,
-        normalization="RMSNorm", layernorm_epsilon=arch.rms_norm_eps, gated_linear_unit=True,
-        activation_func=F.silu, add_bias_linear=False, add_qkv_bias=arch.qkv_bias, qk_layernorm=arch.qk_norm,
-        hidden_dropout=0.0, attention_dropout=arch.attention_dropout, init_method_std=arch.init_std,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        num_attention_heads=arch.num_heads,
+        num_query_groups=arch.num_kv_heads,
+        kv_channels=arch.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=arch.attention_dropout,
+        init_method_std=arch.init_std,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
         sequence_parallel=(tp > 1 if sequence_parallel is None else sequence_parallel) and tp > 1,
-        params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
         # Micro-batches are packed to different lengths: PP must exchange shapes.
         variable_seq_lengths=True,
         # allgather (the default) refuses variable_seq_lengths, even for a dense model.
         moe_token_dispatcher_type="alltoall",
         # Fusions that need CUDA kernels stay off unless TE provides them.
-        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        apply_rope_fusion=bool(use_te and on_gpu), persist_layer_norm=False,
-        gradient_accumulation_fusion=False, use_cpu_initialization=not on_gpu,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=bool(use_te and on_gpu),
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        use_cpu_initialization=not on_gpu,
         # gloo matches a batch's sends and receives by peer and order: with PP=2 both neighbours
         # are one rank, and the interleaved schedule's batched activation and gradient exchange
         # would swap them. The unbatched path sends each direction on its own group.
@@ -71,13 +106,17 @@ def transformer_config(arch: GPTArch, *, tp: int = 1, pp: int = 1, cp: int = 1,
     )
     if arch.num_experts:
         fields.update(
-            num_moe_experts=arch.num_experts, moe_router_topk=arch.moe_topk,
+            num_moe_experts=arch.num_experts,
+            moe_router_topk=arch.moe_topk,
             moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
             # HF: softmax over all experts, top-k, renormalised (norm_topk_prob) or not. Megatron:
             # softmax over the top-k logits (the same renormalised probabilities), or pre-softmax.
-            moe_router_pre_softmax=not arch.moe_norm_topk, moe_router_score_function="softmax",
+            moe_router_pre_softmax=not arch.moe_norm_topk,
+            moe_router_score_function="softmax",
             moe_router_load_balancing_type="none",  # router losses are the step-wise loss's business
-            moe_aux_loss_coeff=0.0, moe_grouped_gemm=False, moe_router_dtype="fp32",
+            moe_aux_loss_coeff=0.0,
+            moe_grouped_gemm=False,
+            moe_router_dtype="fp32",
             expert_tensor_parallel_size=1,  # experts are split over EP, not TP
         )
     fields.update(overrides)
@@ -97,14 +136,23 @@ def layer_spec(config, *, use_te: bool, vp_stage: Optional[int] = None):
         _patch_router_gemm()
     from megatron_stepwise.mcore.train.local_layers import LocalRMSNorm, PackedCausalAttention
 
-    base = specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm,
-                                          num_experts=config.num_moe_experts, moe_grouped_gemm=False)
+    base = specs.get_gpt_layer_local_spec(
+        normalization="RMSNorm",
+        qk_layernorm=config.qk_layernorm,
+        num_experts=config.num_moe_experts,
+        moe_grouped_gemm=False,
+    )
     attn = base.submodules.self_attention
     qk_norm = LocalRMSNorm if config.qk_layernorm else None
-    attn_sub = dataclasses.replace(attn.submodules, core_attention=PackedCausalAttention,
-                                   q_layernorm=qk_norm, k_layernorm=qk_norm)
-    sub = dataclasses.replace(base.submodules, input_layernorm=LocalRMSNorm, pre_mlp_layernorm=LocalRMSNorm,
-                              self_attention=dataclasses.replace(attn, submodules=attn_sub))
+    attn_sub = dataclasses.replace(
+        attn.submodules, core_attention=PackedCausalAttention, q_layernorm=qk_norm, k_layernorm=qk_norm
+    )
+    sub = dataclasses.replace(
+        base.submodules,
+        input_layernorm=LocalRMSNorm,
+        pre_mlp_layernorm=LocalRMSNorm,
+        self_attention=dataclasses.replace(attn, submodules=attn_sub),
+    )
     layer = dataclasses.replace(base, submodules=sub)
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=LocalRMSNorm)
@@ -119,10 +167,16 @@ def _patch_router_gemm() -> None:
         moe_utils.te_general_gemm = None
 
 
-def build_gpt_model(hf_config: Any, *, pre_process: Optional[bool] = None,
-                    post_process: Optional[bool] = None, use_te: Optional[bool] = None,
-                    config_overrides: Optional[dict] = None,
-                    tokenizer_vocab_size: Optional[int] = None, vp_stage: Optional[int] = None):
+def build_gpt_model(
+    hf_config: Any,
+    *,
+    pre_process: Optional[bool] = None,
+    post_process: Optional[bool] = None,
+    use_te: Optional[bool] = None,
+    config_overrides: Optional[dict] = None,
+    tokenizer_vocab_size: Optional[int] = None,
+    vp_stage: Optional[int] = None,
+):
     """One GPTModel chunk for this rank's pipeline stage (parallel state must be initialised)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -150,13 +204,19 @@ def build_gpt_model(hf_config: Any, *, pre_process: Optional[bool] = None,
     if post_process is None:
         post_process = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     model = GPTModel(
-        config=config, transformer_layer_spec=layer_spec(config, use_te=use_te, vp_stage=vp_stage),
-        vocab_size=padded_vocab_size(arch.vocab_size, tp), max_sequence_length=arch.max_position_embeddings,
-        pre_process=pre_process, post_process=post_process, parallel_output=True,
-        share_embeddings_and_output_weights=arch.tie_word_embeddings, position_embedding_type="rope",
+        config=config,
+        transformer_layer_spec=layer_spec(config, use_te=use_te, vp_stage=vp_stage),
+        vocab_size=padded_vocab_size(arch.vocab_size, tp),
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        position_embedding_type="rope",
         rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
         rope_scaling=arch.rope_scaling_factor is not None,
-        rope_scaling_factor=arch.rope_scaling_factor or 8.0, vp_stage=vp_stage,
+        rope_scaling_factor=arch.rope_scaling_factor or 8.0,
+        vp_stage=vp_stage,
     )
     model.unpadded_vocab_size = arch.vocab_size  # what the plugin scores over (see padded_vocab_size)
     return model
@@ -166,13 +226,22 @@ def model_provider(hf_config: Any, **kwargs: Any) -> Callable[..., Any]:
     """A Megatron-LM style `model_provider(pre_process, post_process, vp_stage=None)`."""
 
     def provide(pre_process: bool = True, post_process: bool = True, vp_stage: Optional[int] = None, **_):
-        return build_gpt_model(hf_config, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage, **kwargs)
+        return build_gpt_model(
+            hf_config, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage, **kwargs
+        )
 
     return provide
 
 
-def wrap_ddp(model, *, use_distributed_optimizer: bool = False, grad_reduce_in_fp32: bool = True,
-             overlap_grad_reduce: bool = False, disable_bucketing: bool = False, **ddp_kwargs: Any):
+def wrap_ddp(
+    model,
+    *,
+    use_distributed_optimizer: bool = False,
+    grad_reduce_in_fp32: bool = True,
+    overlap_grad_reduce: bool = False,
+    disable_bucketing: bool = False,
+    **ddp_kwargs: Any,
+):
     """Wrap a built chunk in megatron's DDP (and Float16Module for bf16/fp16 on GPU)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
@@ -183,14 +252,24 @@ def wrap_ddp(model, *, use_distributed_optimizer: bool = False, grad_reduce_in_f
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=grad_reduce_in_fp32, overlap_grad_reduce=overlap_grad_reduce,
-        use_distributed_optimizer=use_distributed_optimizer, **ddp_kwargs)
-    return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model,
-                                   disable_bucketing=disable_bucketing)
+        grad_reduce_in_fp32=grad_reduce_in_fp32,
+        overlap_grad_reduce=overlap_grad_reduce,
+        use_distributed_optimizer=use_distributed_optimizer,
+        **ddp_kwargs,
+    )
+    return DistributedDataParallel(
+        config=config, ddp_config=ddp_config, module=model, disable_bucketing=disable_bucketing
+    )
 
 
-def build_model_chunks(hf_config: Any, *, wrap: bool = True, use_distributed_optimizer: bool = False,
-                       init: Optional[Callable[[list], None]] = None, **build_kwargs: Any) -> list:
+def build_model_chunks(
+    hf_config: Any,
+    *,
+    wrap: bool = True,
+    use_distributed_optimizer: bool = False,
+    init: Optional[Callable[[list], None]] = None,
+    **build_kwargs: Any,
+) -> list:
     """This rank's model chunks, one per virtual pipeline stage (one without virtual pipeline
     parallelism), built and DDP-wrapped.
 
@@ -209,8 +288,10 @@ def build_model_chunks(hf_config: Any, *, wrap: bool = True, use_distributed_opt
     if not wrap:
         return bare
     # As Megatron-LM does: only the first chunk's gradients are bucketed for overlap.
-    chunks = [wrap_ddp(chunk, use_distributed_optimizer=use_distributed_optimizer, disable_bucketing=i > 0)
-              for i, chunk in enumerate(bare)]
+    chunks = [
+        wrap_ddp(chunk, use_distributed_optimizer=use_distributed_optimizer, disable_bucketing=i > 0)
+        for i, chunk in enumerate(bare)
+    ]
     # What Megatron-LM's setup does: the schedules call these to reduce gradients over DP
     # (and SP norms, tied embeddings across PP) and to skip grad sync between micro-batches.
     no_sync = chunks[0].no_sync if len(chunks) == 1 else [c.no_sync for c in chunks]
@@ -225,4 +306,3 @@ def unwrap(model):
     from megatron.core.utils import get_attr_wrapped_model
 
     return get_attr_wrapped_model(model, "decoder", return_model_obj=True)
-

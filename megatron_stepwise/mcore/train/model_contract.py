@@ -15,8 +15,10 @@ class ModelContractError(StepwiseBatchError):
     """A host-built model the plugin cannot drive; the message names the fix."""
 
 
-LAYER_SPEC_FIX = ("build the decoder with megatron_stepwise.mcore.layer_spec(config, use_te=False) (local: "
-                  "packed causal attention) or use_te=True (Transformer Engine)")
+LAYER_SPEC_FIX = (
+    "build the decoder with megatron_stepwise.mcore.layer_spec(config, use_te=False) (local: "
+    "packed causal attention) or use_te=True (Transformer Engine)"
+)
 
 
 def check_model_contract(gpt) -> None:
@@ -25,8 +27,10 @@ def check_model_contract(gpt) -> None:
         return
     for attr in ("decoder", "config", "vocab_size"):
         if not hasattr(gpt, attr):
-            raise ModelContractError(f"the model has no {attr!r}: the plugin drives megatron-core's GPTModel "
-                                     "(megatron.core.models.gpt.GPTModel), unwrapped from DDP/Float16Module")
+            raise ModelContractError(
+                f"the model has no {attr!r}: the plugin drives megatron-core's GPTModel "
+                "(megatron.core.models.gpt.GPTModel), unwrapped from DDP/Float16Module"
+            )
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     for i, layer in enumerate(getattr(gpt.decoder, "layers", [])):
@@ -34,5 +38,6 @@ def check_model_contract(gpt) -> None:
         if type(core) is DotProductAttention:
             raise ModelContractError(
                 f"decoder layer {i}: core attention is megatron-core's local DotProductAttention, which refuses "
-                f"packed sequences (the plugin packs every micro-batch's rows); {LAYER_SPEC_FIX}")
+                f"packed sequences (the plugin packs every micro-batch's rows); {LAYER_SPEC_FIX}"
+            )
     gpt._stepwise_contract_ok = True

@@ -70,9 +70,15 @@ class PackedMicroBatch:
 
         cu = self.cu_seqlens.to(device=device, dtype=torch.int32)
         padded = None if self.cu_seqlens_padded is None else self.cu_seqlens_padded.to(device=device, dtype=torch.int32)
-        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                                 cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded,
-                                 max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen)
+        params = PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=cu,
+            cu_seqlens_kv=cu,
+            cu_seqlens_q_padded=padded,
+            cu_seqlens_kv_padded=padded,
+            max_seqlen_q=self.max_seqlen,
+            max_seqlen_kv=self.max_seqlen,
+        )
         # The (padded) segment bounds as host integers, read by `PackedCausalAttention` so that on
         # a GPU no layer has to copy them back from the device (a synchronisation per layer).
         host = self.cu_seqlens if self.cu_seqlens_padded is None else self.cu_seqlens_padded
@@ -106,9 +112,17 @@ def _ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     )
 
 
-def pack_rows(batch: StepBatch, rows: Sequence[int], *, align: int = 1, pad_token_id: int = 0,
-              gather_fields: Sequence[str] = (), max_tokens: Optional[int] = None, cp: int = 1,
-              pad_to: Optional[int] = None) -> PackedMicroBatch:
+def pack_rows(
+    batch: StepBatch,
+    rows: Sequence[int],
+    *,
+    align: int = 1,
+    pad_token_id: int = 0,
+    gather_fields: Sequence[str] = (),
+    max_tokens: Optional[int] = None,
+    cp: int = 1,
+    pad_to: Optional[int] = None,
+) -> PackedMicroBatch:
     """Pack `rows` of `batch` into one THD sequence; gather `gather_fields` at trained tokens.
 
     With `cp` > 1 each row is padded to a multiple of 2 * cp first (`align` must be a multiple
@@ -173,12 +187,20 @@ def pack_rows(batch: StepBatch, rows: Sequence[int], *, align: int = 1, pad_toke
     pos = torch.nonzero(trained).flatten()
     token_index = flat[pos]
     return PackedMicroBatch(
-        tokens=tokens.unsqueeze(0), position_ids=positions.unsqueeze(0), cu_seqlens=cu,
-        cu_seqlens_padded=cu_padded, max_seqlen=int(seg_plens.max()) if seg_plens.numel() else 0, rows=rows,
-        pred_index=packed_pos[pos] - 1, targets=batch.tokens[token_index], token_index=token_index,
-        row_ids=row_of[pos], num_real_tokens=total,
+        tokens=tokens.unsqueeze(0),
+        position_ids=positions.unsqueeze(0),
+        cu_seqlens=cu,
+        cu_seqlens_padded=cu_padded,
+        max_seqlen=int(seg_plens.max()) if seg_plens.numel() else 0,
+        rows=rows,
+        pred_index=packed_pos[pos] - 1,
+        targets=batch.tokens[token_index],
+        token_index=token_index,
+        row_ids=row_of[pos],
+        num_real_tokens=total,
         fields={name: batch.token_fields[name][token_index] for name in gather_fields},
-        token_segment=token_segment, routed_experts=routed,
+        token_segment=token_segment,
+        routed_experts=routed,
     )
 
 
@@ -199,10 +221,15 @@ def split_for_context_parallel(mb: PackedMicroBatch, cp: int, cp_rank: int) -> P
     real = torch.zeros(mb.seq_len, dtype=torch.bool)
     real[_ranges(cu[:n], (mb.cu_seqlens[1 : n + 1] - mb.cu_seqlens[:n]).long())] = True
     return dataclasses.replace(
-        mb, tokens=mb.tokens[:, local], position_ids=mb.position_ids[:, local],
-        pred_index=where[mb.pred_index[keep]], targets=mb.targets[keep], token_index=mb.token_index[keep],
+        mb,
+        tokens=mb.tokens[:, local],
+        position_ids=mb.position_ids[:, local],
+        pred_index=where[mb.pred_index[keep]],
+        targets=mb.targets[keep],
+        token_index=mb.token_index[keep],
         row_ids=mb.row_ids[keep],
-        num_real_tokens=int(real[local].sum()), fields={k: v[keep] for k, v in mb.fields.items()},
+        num_real_tokens=int(real[local].sum()),
+        fields={k: v[keep] for k, v in mb.fields.items()},
         metric_share=0.0,  # the plugin gives it to one CP rank's micro-batch
         token_segment=None if mb.token_segment is None else mb.token_segment[local],
         routed_experts=None if mb.routed_experts is None else mb.routed_experts[local],

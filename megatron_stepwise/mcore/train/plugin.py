@@ -26,12 +26,10 @@ import torch.distributed as dist
 from megatron_stepwise.algo.losses import combine_metric_partials
 from megatron_stepwise.algo.reductions import row_denominators, weights_from_denominators
 from megatron_stepwise.algo.rows import RowTable
+from megatron_stepwise.mcore.runtime.runtime import ParallelLayout, comm_device, current_layout
 from megatron_stepwise.mcore.train.logprobs import check_temperature, trained_position_logprobs
 from megatron_stepwise.mcore.train.model import unwrap
 from megatron_stepwise.mcore.train.model_contract import check_model_contract
-from megatron_stepwise.mcore.train.router_losses import RoutedMicroBatch, RouterLosses, check_recompute
-from megatron_stepwise.mcore.train.router_losses import install as install_router_hooks
-from megatron_stepwise.mcore.runtime.runtime import ParallelLayout, comm_device, current_layout
 from megatron_stepwise.mcore.train.packing import (
     PackedMicroBatch,
     alignment_for,
@@ -39,6 +37,8 @@ from megatron_stepwise.mcore.train.packing import (
     packed_lengths,
     split_for_context_parallel,
 )
+from megatron_stepwise.mcore.train.router_losses import RoutedMicroBatch, RouterLosses, check_recompute
+from megatron_stepwise.mcore.train.router_losses import install as install_router_hooks
 from megatron_stepwise.steps import Step, StepBatch, StepwiseBatchError
 
 TRAIN, LOGPROBS = "train", "logprobs"
@@ -126,15 +126,19 @@ class ShardDecision:
     def cut(self, batch: StepBatch) -> MinibatchShard:
         """This rank's shard from `batch`, which holds exactly its rows, in `rows` order."""
         if batch.num_rows != len(self.rows):
-            raise StepwiseBatchError(f"DP rank {self.dp_rank}: got {batch.num_rows} rows for a decision of "
-                                     f"{len(self.rows)}")
+            raise StepwiseBatchError(
+                f"DP rank {self.dp_rank}: got {batch.num_rows} rows for a decision of {len(self.rows)}"
+            )
         row_fields = {**batch.row_fields, "traj_index": self.traj_index, "group_index": self.group_index}
         token_fields = batch.token_fields
         if self.denominators is not None:
             token_fields = {**token_fields, "weights": weights_from_denominators(batch, self.denominators)}
         batch = dataclasses.replace(batch, token_fields=token_fields, row_fields=row_fields)
-        totals = {f.name: getattr(self, f.name) for f in dataclasses.fields(MinibatchShard)
-                  if f.name not in ("batch", "plan", "rows", "pad_to")}
+        totals = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(MinibatchShard)
+            if f.name not in ("batch", "plan", "rows", "pad_to")
+        }
         return MinibatchShard(batch=batch, plan=self.plan, rows=self.rows, pad_to=self.pad_to, **totals)
 
 
@@ -235,11 +239,21 @@ class StepwisePlugin:
     `loss_inputs(**fields)` (the `LossInputs` constructor).
     """
 
-    def __init__(self, loss_config: Any, *, max_tokens_per_microbatch: int,
-                 logprob_chunk_tokens: Optional[int] = None, pad_token_id: int = 0, temperature: float = 1.0,
-                 num_microbatches: Optional[int] = None, vocab_size: Optional[int] = None,
-                 policy_loss: Optional[Callable] = None, token_weights: Optional[Callable] = None,
-                 plan_microbatches: Optional[Callable] = None, loss_inputs: Optional[Callable] = None):
+    def __init__(
+        self,
+        loss_config: Any,
+        *,
+        max_tokens_per_microbatch: int,
+        logprob_chunk_tokens: Optional[int] = None,
+        pad_token_id: int = 0,
+        temperature: float = 1.0,
+        num_microbatches: Optional[int] = None,
+        vocab_size: Optional[int] = None,
+        policy_loss: Optional[Callable] = None,
+        token_weights: Optional[Callable] = None,
+        plan_microbatches: Optional[Callable] = None,
+        loss_inputs: Optional[Callable] = None,
+    ):
         if max_tokens_per_microbatch < 1:
             raise ValueError(f"max_tokens_per_microbatch must be >= 1, got {max_tokens_per_microbatch}")
         check_temperature(temperature)
@@ -255,8 +269,9 @@ class StepwisePlugin:
         self._plan_takes_alignment = False  # the package planner also packs to the layout's alignment
         self._in_own_schedule = False  # train_minibatch / compute_logprobs pass the plan's count themselves
         # MoE router balance / z losses (algo.loss.router_aux_coef / router_z_coef) and expert-load metrics.
-        self.router_losses = RouterLosses(aux_coef=getattr(loss_config, "router_aux_coef", 0.0),
-                                          z_coef=getattr(loss_config, "router_z_coef", 0.0))
+        self.router_losses = RouterLosses(
+            aux_coef=getattr(loss_config, "router_aux_coef", 0.0), z_coef=getattr(loss_config, "router_z_coef", 0.0)
+        )
 
     # ----------------------------------------------------------------- algorithm hooks
     def _algo(self):
@@ -324,8 +339,14 @@ class StepwisePlugin:
             )
         return layout
 
-    def prepare_minibatch(self, model_chunks: list, steps_or_batch: Union[StepBatch, Sequence[Step]], *,
-                          mode: str = TRAIN, num_microbatches: Optional[int] = None) -> MinibatchInputs:
+    def prepare_minibatch(
+        self,
+        model_chunks: list,
+        steps_or_batch: Union[StepBatch, Sequence[Step]],
+        *,
+        mode: str = TRAIN,
+        num_microbatches: Optional[int] = None,
+    ) -> MinibatchInputs:
         """Validate, weight (once per mini-batch), plan and pack this DP rank's micro-batches, for a
         host loop that runs the schedule itself.
 
@@ -344,15 +365,27 @@ class StepwisePlugin:
             if num_microbatches is not None and planned != num_microbatches:
                 raise HostLoopMismatchError(
                     f"this shard was planned as {planned} micro-batches but the host loop runs num_microbatches="
-                    f"{num_microbatches}: pass the same num_microbatches to plan_shards")
+                    f"{num_microbatches}: pass the same num_microbatches to plan_shards"
+                )
             return self._pack(model_chunks, steps_or_batch, mode=mode)
-        shard = self.plan_shards(model_chunks, steps_or_batch, mode=mode, num_microbatches=num_microbatches,
-                                 only=self._layout(model_chunks).dp_rank)[0]
+        shard = self.plan_shards(
+            model_chunks,
+            steps_or_batch,
+            mode=mode,
+            num_microbatches=num_microbatches,
+            only=self._layout(model_chunks).dp_rank,
+        )[0]
         return self._pack(model_chunks, shard, mode=mode)
 
-    def plan_shards(self, model_chunks: list, steps_or_batch: Union[StepBatch, Sequence[Step]], *,
-                    mode: str = TRAIN, num_microbatches: Optional[int] = None,
-                    only: Optional[int] = None) -> list["MinibatchShard"]:
+    def plan_shards(
+        self,
+        model_chunks: list,
+        steps_or_batch: Union[StepBatch, Sequence[Step]],
+        *,
+        mode: str = TRAIN,
+        num_microbatches: Optional[int] = None,
+        only: Optional[int] = None,
+    ) -> list["MinibatchShard"]:
         """Decide a mini-batch for every data-parallel rank at once: validate it, weight its tokens
         (once, over the whole mini-batch), plan every rank's micro-batches, and cut one
         `MinibatchShard` per DP rank (or only rank `only`'s). The decision depends on the layout,
@@ -360,20 +393,34 @@ class StepwisePlugin:
         rank trains its shard with `train_minibatch(chunks, optimizer, shard)`."""
         self._algo()
         batch = self.as_batch(steps_or_batch)
-        self._check_tokens(batch, unwrap(model_chunks[0]), need=("loss_mask", "advantages") if mode == TRAIN
-                           else ("loss_mask",))
+        self._check_tokens(
+            batch, unwrap(model_chunks[0]), need=("loss_mask", "advantages") if mode == TRAIN else ("loss_mask",)
+        )
         custom_weights = mode == TRAIN and not self._default_weights
         if custom_weights:  # a user's weighting sees the whole mini-batch
             max_len = getattr(self.loss_config, "max_response_len", None)
             weights = self._token_weights(batch, self.loss_config.reduction, max_response_len=max_len).float()
             batch = dataclasses.replace(batch, token_fields={**batch.token_fields, "weights": weights})
-        decisions = self.decide_shards(model_chunks, RowTable.of(batch), mode=mode, num_microbatches=num_microbatches,
-                                       only=only, weigh=not custom_weights)
+        decisions = self.decide_shards(
+            model_chunks,
+            RowTable.of(batch),
+            mode=mode,
+            num_microbatches=num_microbatches,
+            only=only,
+            weigh=not custom_weights,
+        )
         return [d.cut(batch.select(d.rows)) for d in decisions]
 
-    def decide_shards(self, model_chunks: list, rows: RowTable, *, mode: str = TRAIN,
-                      num_microbatches: Optional[int] = None, only: Optional[int] = None,
-                      weigh: bool = True) -> list["ShardDecision"]:
+    def decide_shards(
+        self,
+        model_chunks: list,
+        rows: RowTable,
+        *,
+        mode: str = TRAIN,
+        num_microbatches: Optional[int] = None,
+        only: Optional[int] = None,
+        weigh: bool = True,
+    ) -> list["ShardDecision"]:
         """`plan_shards` from the rows' lengths and counts alone (no token): every DP rank's rows,
         micro-batches, totals and loss denominators. Whoever holds a rank's rows (in `rows` order)
         turns its decision into a `MinibatchShard` with `ShardDecision.cut`, so the process that
@@ -381,8 +428,10 @@ class StepwisePlugin:
         holder's: the trainer's agent workers validate the steps they produce."""
         self._algo()
         if weigh and mode == TRAIN and not self._default_weights:
-            raise UnsupportedLayoutError("decide_shards weighs tokens with the built-in loss reductions; a custom "
-                                         "token_weights hook needs the whole mini-batch (use plan_shards)")
+            raise UnsupportedLayoutError(
+                "decide_shards weighs tokens with the built-in loss reductions; a custom "
+                "token_weights hook needs the whole mini-batch (use plan_shards)"
+            )
         gpt = unwrap(model_chunks[0])
         layout = self._layout(model_chunks)
         dp, cp, chunks = layout.dp, layout.cp, layout.vpp
@@ -432,9 +481,15 @@ class StepwisePlugin:
                 denominators = row_denominators(rows, self.loss_config.reduction, max_response_len=max_len)
             rollout_logprobs, complete = self._check_rollout_logprobs(rows)
         data = ~rows.is_padding
-        totals = dict(dp_size=dp, trained_tokens=n_trained, data_rows=int(data.sum()),
-                      data_tokens=int(rows.lengths[data].sum()), tokens=int(rows.lengths.sum()),
-                      rollout_logprobs=rollout_logprobs, rollout_logprobs_complete=complete)
+        totals = dict(
+            dp_size=dp,
+            trained_tokens=n_trained,
+            data_rows=int(data.sum()),
+            data_tokens=int(rows.lengths[data].sum()),
+            tokens=int(rows.lengths.sum()),
+            rollout_logprobs=rollout_logprobs,
+            rollout_logprobs_complete=complete,
+        )
         decisions = []
         for rank in range(dp) if only is None else [only]:
             mine, local = shard_rows(plan[rank])
@@ -447,10 +502,18 @@ class StepwisePlugin:
                 sizes = [int(lengths[micro].sum()) if micro else 0 for micro in plan[rank]]
                 pad_to = max(max(align, size + (-size) % align) for size in sizes)
             index = torch.as_tensor(mine, dtype=torch.long)
-            decisions.append(ShardDecision(
-                plan=local, rows=mine, dp_rank=rank, pad_to=pad_to,
-                denominators=None if denominators is None else denominators[index],
-                traj_index=rows.traj_index[index], group_index=rows.group_index[index], **totals))
+            decisions.append(
+                ShardDecision(
+                    plan=local,
+                    rows=mine,
+                    dp_rank=rank,
+                    pad_to=pad_to,
+                    denominators=None if denominators is None else denominators[index],
+                    traj_index=rows.traj_index[index],
+                    group_index=rows.group_index[index],
+                    **totals,
+                )
+            )
         return decisions
 
     def _pack(self, model_chunks: list, shard: "MinibatchShard", *, mode: str) -> MinibatchInputs:
@@ -460,8 +523,9 @@ class StepwisePlugin:
         layout = self._layout(model_chunks)
         dp, dp_rank, cp, cp_rank, chunks = layout.dp, layout.dp_rank, layout.cp, layout.cp_rank, layout.vpp
         if (shard.dp_size, shard.dp_rank) != (dp, dp_rank):
-            raise HostLoopMismatchError(f"a shard for data-parallel rank {shard.dp_rank} of {shard.dp_size} reached "
-                                        f"rank {dp_rank} of {dp}")
+            raise HostLoopMismatchError(
+                f"a shard for data-parallel rank {shard.dp_rank} of {shard.dp_size} reached rank {dp_rank} of {dp}"
+            )
         cfg, batch = gpt.config, shard.batch
         align = alignment_for(cfg.tensor_model_parallel_size, cfg.sequence_parallel, cp)
         fields = {}
@@ -474,20 +538,31 @@ class StepwisePlugin:
                 fields["rollout_logprobs_known"] = batch.rollout_logprobs_known()
         mbs = []
         for i, rows in enumerate(shard.plan):
-            mb = pack_rows(batch, rows, align=align, pad_token_id=self.pad_token_id, max_tokens=self.max_tokens, cp=cp,
-                           pad_to=shard.pad_to)
+            mb = pack_rows(
+                batch,
+                rows,
+                align=align,
+                pad_token_id=self.pad_token_id,
+                max_tokens=self.max_tokens,
+                cp=cp,
+                pad_to=shard.pad_to,
+            )
             mb.fields = {k: v[mb.token_index] for k, v in fields.items()}
             mb.mode, mb.rollout_logprobs_complete = mode, mode == TRAIN and shard.rollout_logprobs_complete
             mb = split_for_context_parallel(mb, cp, cp_rank) if cp > 1 else mb
             mb.metric_share = 1.0 if (i, dp_rank, cp_rank) == (0, 0, 0) else 0.0
-            mb.minibatch_rows, mb.minibatch_tokens = shard.data_rows, shard.data_tokens  # the router losses' normalisers
+            mb.minibatch_rows, mb.minibatch_tokens = (
+                shard.data_rows,
+                shard.data_tokens,
+            )  # the router losses' normalisers
             mbs.append(mb)
         num_mb = len(mbs)
         for mb in mbs:
             mb.loss_scale = float(shard.trained_tokens) if cfg.calculate_per_token_loss else float(num_mb * dp)
             mb.plan_size = num_mb
-        return MinibatchInputs(mbs, num_mb, shard.pad_to or max(mb.seq_len for mb in mbs), num_chunks=chunks,
-                               shard=shard)
+        return MinibatchInputs(
+            mbs, num_mb, shard.pad_to or max(mb.seq_len for mb in mbs), num_chunks=chunks, shard=shard
+        )
 
     def _fixed_count(self, plan: list, count: Optional[int]) -> list:
         """Pad every rank's micro-batches to `count` with empty (loss-neutral) ones."""
@@ -546,8 +621,9 @@ class StepwisePlugin:
         return itertools.tee(self.microbatch_stream(minibatches), num_chunks)
 
     # ----------------------------------------------------------------- megatron hooks
-    def forward_step(self, data_iterator, model, checkpoint_activations_microbatch=None, *,
-                     return_schedule_plan: bool = False):
+    def forward_step(
+        self, data_iterator, model, checkpoint_activations_microbatch=None, *, return_schedule_plan: bool = False
+    ):
         """megatron-core forward step: packed micro-batch -> (output tensor, loss function).
 
         `checkpoint_activations_microbatch` (passed by megatron's schedules) is left to the model
@@ -569,8 +645,9 @@ class StepwisePlugin:
 
         # Routing replay (algo.routing_replay): this chunk's routers take the engine's experts.
         with bypass, self.router_losses.running(self._routed(mb, gpt)), routing_replay.for_microbatch(gpt, mb):
-            output = model(mb.tokens.to(device), mb.position_ids.to(device), None,
-                           packed_seq_params=mb.packed_seq_params(device))
+            output = model(
+                mb.tokens.to(device), mb.position_ids.to(device), None, packed_seq_params=mb.packed_seq_params(device)
+            )
         return output, functools.partial(self._loss_func, mb, gpt)
 
     def _routed(self, mb: PackedMicroBatch, gpt) -> Optional[RoutedMicroBatch]:
@@ -583,13 +660,24 @@ class StepwisePlugin:
             check_recompute(gpt.config)
         n = len(mb.rows)
         return RoutedMicroBatch(
-            token_segment=mb.token_segment, row_tokens=(mb.cu_seqlens[1:n + 1] - mb.cu_seqlens[:n]).long(),
-            minibatch_rows=mb.minibatch_rows, minibatch_tokens=mb.minibatch_tokens, loss_scale=mb.loss_scale)
+            token_segment=mb.token_segment,
+            row_tokens=(mb.cu_seqlens[1 : n + 1] - mb.cu_seqlens[:n]).long(),
+            minibatch_rows=mb.minibatch_rows,
+            minibatch_tokens=mb.minibatch_tokens,
+            loss_scale=mb.loss_scale,
+        )
 
     def _loss_func(self, mb: PackedMicroBatch, gpt, output_tensor, non_loss_data: bool = False):
         logprobs, entropy = trained_position_logprobs(
-            output_tensor, mb.pred_index, mb.targets, gpt, chunk_tokens=self.chunk_tokens,
-            with_entropy=mb.mode == TRAIN, vocab_size=self._vocab_size(gpt), temperature=self.temperature)
+            output_tensor,
+            mb.pred_index,
+            mb.targets,
+            gpt,
+            chunk_tokens=self.chunk_tokens,
+            with_entropy=mb.mode == TRAIN,
+            vocab_size=self._vocab_size(gpt),
+            temperature=self.temperature,
+        )
         if mb.mode == LOGPROBS:
             data = {"token_index": mb.token_index, "logprobs": logprobs.detach().cpu()}
             return data if non_loss_data else (output_tensor.reshape(-1)[:0].sum(), data)
@@ -600,10 +688,15 @@ class StepwisePlugin:
         f = {k: v.to(device) for k, v in mb.fields.items()}
         old = f.get("old_logprobs")
         inputs = self._loss_inputs(
-            logprobs=logprobs, old_logprobs=old if old is not None else logprobs.detach(),
-            advantages=f["advantages"], weights=f["weights"], segment_ids=mb.row_ids.to(device),
+            logprobs=logprobs,
+            old_logprobs=old if old is not None else logprobs.detach(),
+            advantages=f["advantages"],
+            weights=f["weights"],
+            segment_ids=mb.row_ids.to(device),
             rollout_logprobs=f.get("rollout_logprobs") if mb.rollout_logprobs_complete else None,
-            ref_logprobs=f.get("ref_logprobs"), entropy=entropy)
+            ref_logprobs=f.get("ref_logprobs"),
+            entropy=entropy,
+        )
         partial, metrics = self._policy_loss(inputs, self.loss_config)
         # Exactly 0 with a zero gradient, but it keeps the graph connected to the model output
         # for micro-batches without trained tokens (PP needs a backward through every stage).
@@ -650,8 +743,9 @@ class StepwisePlugin:
 
         if ps.is_pipeline_last_stage(ignore_virtual=True):
             # This rank's micro-batches (pairs summed, maxima maxed), in float64.
-            local = combine_metric_partials([{k: v.detach().double().cpu().reshape(-1) for k, v in item.items()}
-                                             for item in losses])
+            local = combine_metric_partials(
+                [{k: v.detach().double().cpu().reshape(-1) for k, v in item.items()} for item in losses]
+            )
             combined = {}
             for is_max in (False, True):
                 names = sorted(k for k in local if (local[k].numel() == 1) == is_max)
@@ -672,8 +766,9 @@ class StepwisePlugin:
         else:
             payload = [None]
         if ps.get_pipeline_model_parallel_world_size() > 1:
-            dist.broadcast_object_list(payload, src=ps.get_pipeline_model_parallel_last_rank(),
-                                       group=ps.get_pipeline_model_parallel_group())
+            dist.broadcast_object_list(
+                payload, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()
+            )
         return payload[0]
 
     # ----------------------------------------------------------------- drivers
@@ -690,14 +785,21 @@ class StepwisePlugin:
         self._in_own_schedule = True
         try:
             return get_forward_backward_func()(
-                forward_step_func=self.forward_step, data_iterator=inputs.data_iterator(), model=model_chunks,
-                num_microbatches=inputs.num_microbatches, seq_length=inputs.seq_length, micro_batch_size=1,
-                forward_only=forward_only, collect_non_loss_data=forward_only)
+                forward_step_func=self.forward_step,
+                data_iterator=inputs.data_iterator(),
+                model=model_chunks,
+                num_microbatches=inputs.num_microbatches,
+                seq_length=inputs.seq_length,
+                micro_batch_size=1,
+                forward_only=forward_only,
+                collect_non_loss_data=forward_only,
+            )
         finally:
             self._in_own_schedule = False
 
-    def train_minibatch(self, model_chunks: list, optimizer, steps_or_batch: Union[StepBatch, Sequence[Step]],
-                        *, lr_scheduler=None) -> dict[str, float]:
+    def train_minibatch(
+        self, model_chunks: list, optimizer, steps_or_batch: Union[StepBatch, Sequence[Step]], *, lr_scheduler=None
+    ) -> dict[str, float]:
         """One optimizer step on one mini-batch; returns metrics identical on every rank."""
         if unwrap(model_chunks[0]).config.finalize_model_grads_func is None:
             raise RuntimeError(
@@ -724,8 +826,9 @@ class StepwisePlugin:
         return metrics
 
     @torch.no_grad()
-    def compute_logprobs_flat(self, model_chunks: list,
-                              steps_or_batch: Union[StepBatch, Sequence[Step], MinibatchShard]) -> torch.Tensor:
+    def compute_logprobs_flat(
+        self, model_chunks: list, steps_or_batch: Union[StepBatch, Sequence[Step], MinibatchShard]
+    ) -> torch.Tensor:
         """Forward-only log-probs of every trained token, as a flat [T] float32 tensor aligned
         with the batch's tokens (0 where loss_mask is 0): the whole mini-batch's on every rank,
         or, given this rank's `MinibatchShard`, the shard's on every rank of its model replica."""
@@ -745,11 +848,18 @@ class StepwisePlugin:
         # the world for a whole mini-batch, over the replica (TP x CP, then PP) for a shard.
         if ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0:
             for item in outputs:
-                index = item["token_index"] if shard is not None else inputs.shard.minibatch_token_index(item["token_index"], batch)
+                index = (
+                    item["token_index"]
+                    if shard is not None
+                    else inputs.shard.minibatch_token_index(item["token_index"], batch)
+                )
                 flat[index] = item["logprobs"].float()
         if dist.is_initialized() and dist.get_world_size() > 1:
-            groups = ([ps.get_tensor_and_context_parallel_group(), ps.get_pipeline_model_parallel_group()]
-                      if shard is not None else [None])
+            groups = (
+                [ps.get_tensor_and_context_parallel_group(), ps.get_pipeline_model_parallel_group()]
+                if shard is not None
+                else [None]
+            )
             buf = flat.to(comm_device())
             for group in groups:
                 if group is None or dist.get_world_size(group) > 1:
@@ -757,7 +867,9 @@ class StepwisePlugin:
             flat = buf.cpu()
         return flat
 
-    def compute_logprobs(self, model_chunks: list, steps_or_batch: Union[StepBatch, Sequence[Step]]) -> list[torch.Tensor]:
+    def compute_logprobs(
+        self, model_chunks: list, steps_or_batch: Union[StepBatch, Sequence[Step]]
+    ) -> list[torch.Tensor]:
         """Per-step response-aligned log-probs (0 where loss_mask is 0), e.g. old or reference
         policy log-probs; store them with `batch.set_response_field('old_logprobs', ...)` or
         directly as `batch.token_fields['old_logprobs'] = compute_logprobs_flat(...)`."""

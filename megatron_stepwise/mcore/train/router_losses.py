@@ -22,8 +22,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_stepwise.mcore.train.routers import local_tokens, moe_routers, recomputation
 from megatron_stepwise.mcore.runtime.runtime import comm_device
+from megatron_stepwise.mcore.train.routers import local_tokens, moe_routers, recomputation
 
 
 @dataclass
@@ -53,7 +53,8 @@ def check_recompute(config) -> None:
     if recomputed:
         raise ValueError(
             f"algo.loss.router_aux_coef / router_z_coef with activation recomputation of MoE layers ({recomputed}) "
-            "is not supported: recompute other modules, or set the router coefficients to 0")
+            "is not supported: recompute other modules, or set the router coefficients to 0"
+        )
 
 
 # The micro-batch whose forward is running, and the RouterLosses that set it. The routers are
@@ -90,8 +91,9 @@ class RouterLosses:
         self._stats = {}
 
     # ----------------------------------------------------------------- the wrapped routing
-    def add_losses(self, router, mb: RoutedMicroBatch, logits: torch.Tensor, probs: torch.Tensor,
-                   routing_map: torch.Tensor) -> torch.Tensor:
+    def add_losses(
+        self, router, mb: RoutedMicroBatch, logits: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor
+    ) -> torch.Tensor:
         """This micro-batch's router losses for one layer, attached to `probs`; statistics kept."""
         experts = router.config.num_moe_experts
         logits = logits.reshape(-1, experts).float()

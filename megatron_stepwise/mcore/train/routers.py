@@ -25,7 +25,7 @@ def local_tokens(per_token: torch.Tensor, config) -> torch.Tensor:
         return per_token
     size = per_token.size(0) // tp
     rank = ps.get_tensor_model_parallel_rank()
-    return per_token[rank * size:(rank + 1) * size]
+    return per_token[rank * size : (rank + 1) * size]
 
 
 def recomputation(config) -> Optional[str]:

@@ -17,7 +17,6 @@ import contextlib
 from typing import Callable, Optional
 
 import torch
-
 from megatron.core.transformer.moe.router_replay import RouterReplay
 
 from megatron_stepwise.mcore.train.routers import local_tokens, moe_routers, recomputation
@@ -48,8 +47,14 @@ class KnownPositionsReplay(RouterReplay):
         else:
             self.target_topk_idx, self.known = targets.clamp(min=0).long(), (targets >= 0).all(-1)
 
-    def get_replay_topk(self, scores: torch.Tensor, topk: int, num_groups: Optional[int] = None,
-                        group_topk: Optional[int] = None, default_compute_topk: Optional[Callable] = None):
+    def get_replay_topk(
+        self,
+        scores: torch.Tensor,
+        topk: int,
+        num_groups: Optional[int] = None,
+        group_topk: Optional[int] = None,
+        default_compute_topk: Optional[Callable] = None,
+    ):
         probs, indices = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
         if self.target_topk_idx is not None:
             target = self.target_topk_idx.to(indices.device)

@@ -23,8 +23,10 @@ from typing import Any, Iterable, Iterator, Optional, Union
 import torch
 import torch.distributed as dist
 
-from megatron_stepwise.mcore.weights import full_views as W
+from megatron_stepwise.hf.end_of_turn import write_generation_config
+from megatron_stepwise.hf.presets import ARCHITECTURES
 from megatron_stepwise.mcore.runtime.runtime import comm_device, current_layout
+from megatron_stepwise.mcore.weights import full_views as W
 from megatron_stepwise.mcore.weights.fileops import fsync_dir, make_staging_dir, raise_together
 from megatron_stepwise.mcore.weights.hf_mapping import (  # noqa: F401  (re-exported API)
     EMBED,
@@ -40,14 +42,20 @@ from megatron_stepwise.mcore.weights.hf_mapping import (  # noqa: F401  (re-expo
     hf_to_canonical,
     to_hf,
 )
-from megatron_stepwise.hf.presets import ARCHITECTURES
-from megatron_stepwise.hf.end_of_turn import write_generation_config
 
 Bucket = list[tuple[str, torch.Tensor]]
 INDEX_FILE = "model.safetensors.index.json"
 _TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-    "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json", "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
 )
 
 
@@ -83,8 +91,12 @@ def check_model_matches(chunks: list, arch: Any) -> None:
         ("num_key_value_heads", arch.num_kv_heads, "num_query_groups", cfg.num_query_groups or cfg.num_attention_heads),
         ("head_dim", arch.head_dim, "kv_channels", cfg.kv_channels),
         ("qkv bias (qwen2 / attention_bias)", arch.qkv_bias, "add_qkv_bias", bool(cfg.add_qkv_bias)),
-        ("tie_word_embeddings", arch.tie_word_embeddings, "share_embeddings_and_output_weights",
-         bool(model.share_embeddings_and_output_weights)),
+        (
+            "tie_word_embeddings",
+            arch.tie_word_embeddings,
+            "share_embeddings_and_output_weights",
+            bool(model.share_embeddings_and_output_weights),
+        ),
     ]
     for hf_key, hf_value, mcore_key, mcore_value in pairs:
         if hf_value != mcore_value:
@@ -100,8 +112,9 @@ def check_model_matches(chunks: list, arch: Any) -> None:
 # ----------------------------------------------------------------------------- streaming
 
 
-def _stage_canonical(chunks: list, dtype: Optional[torch.dtype], *, worker: bool = True
-                     ) -> Iterator[tuple[str, Optional[torch.Tensor]]]:
+def _stage_canonical(
+    chunks: list, dtype: Optional[torch.dtype], *, worker: bool = True
+) -> Iterator[tuple[str, Optional[torch.Tensor]]]:
     """(canonical name, full tensor) for this stage; the tensor only on a worker's TP rank 0 (else
     None). Experts split over EP come from every EP rank (a collective over the EP group, which
     EP peers outside the converting replica, `worker=False`, join for the experts only)."""
@@ -151,8 +164,9 @@ def bucketize(pairs: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> I
         yield bucket
 
 
-def iter_stage_buckets(chunks: list, hf_config: Any, *, bucket_mb: float = 512,
-                       dtype: Optional[torch.dtype] = None) -> Iterator[Bucket]:
+def iter_stage_buckets(
+    chunks: list, hf_config: Any, *, bucket_mb: float = 512, dtype: Optional[torch.dtype] = None
+) -> Iterator[Bucket]:
     """This pipeline stage's HF tensors in buckets. Yields on the stage owner (DP 0, CP 0, TP 0);
     the stage's other TP ranks run the gathers and yield nothing; other replicas return at once."""
     arch = as_arch(hf_config)
@@ -168,8 +182,9 @@ def iter_stage_buckets(chunks: list, hf_config: Any, *, bucket_mb: float = 512,
     yield from bucketize(pairs, int(bucket_mb * 2**20))
 
 
-def stream_hf_buckets(chunks: list, hf_config: Any, *, bucket_mb: float = 512,
-                      dtype: Optional[torch.dtype] = None) -> Iterator[Bucket]:
+def stream_hf_buckets(
+    chunks: list, hf_config: Any, *, bucket_mb: float = 512, dtype: Optional[torch.dtype] = None
+) -> Iterator[Bucket]:
     """Every HF bucket of the whole model, yielded on global rank 0 only (stage order).
 
     Collective: every rank must iterate it to the end (the other ranks yield nothing).
@@ -273,8 +288,16 @@ def save_tokenizer(tokenizer: Any, out_dir: Union[str, os.PathLike]) -> None:
         shutil.copy2(src / f, Path(out_dir) / f)
 
 
-def export_hf(chunks: list, out_dir: Union[str, os.PathLike], hf_config: Any, tokenizer: Any = None, *,
-              bucket_mb: float = 1024, dtype: Optional[torch.dtype] = None, overwrite: bool = False) -> Path:
+def export_hf(
+    chunks: list,
+    out_dir: Union[str, os.PathLike],
+    hf_config: Any,
+    tokenizer: Any = None,
+    *,
+    bucket_mb: float = 1024,
+    dtype: Optional[torch.dtype] = None,
+    overwrite: bool = False,
+) -> Path:
     """Write the model as an HF directory; collective over all ranks; returns `out_dir`.
 
     hf_config: the HF config (object or dict) the model was built from; `dtype` (default: the
@@ -311,8 +334,10 @@ def export_hf(chunks: list, out_dir: Union[str, os.PathLike], hf_config: Any, to
         try:
             full_map = {name: f for part, _ in gathered for name, f in part.items()}
             check_hf_names(full_map, arch)
-            index = {"metadata": {"total_size": sum(size for _, size in gathered)},
-                     "weight_map": dict(sorted(full_map.items()))}
+            index = {
+                "metadata": {"total_size": sum(size for _, size in gathered)},
+                "weight_map": dict(sorted(full_map.items())),
+            }
             (partial / INDEX_FILE).write_text(json.dumps(index, indent=2))
             hf_config_object(hf_config, dtype).save_pretrained(str(partial))
             if tokenizer is not None:

@@ -29,8 +29,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_stepwise.mcore.weights.fileops import fsync_dir, make_staging_dir, raise_together, write_atomic
 from megatron_stepwise.mcore.runtime.runtime import current_layout
+from megatron_stepwise.mcore.weights.fileops import fsync_dir, make_staging_dir, raise_together, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -147,8 +147,9 @@ def verify_checkpoint(path: PathLike) -> tuple[Optional[str], bool]:
 UNVERIFIED = f"no {MANIFEST}, so unverified (checkpoint.accept_unverified=true loads it)"
 
 
-def choose_checkpoint(ckpt_dir: PathLike, *, accept_unverified: bool = False,
-                      failed: Optional[dict[str, str]] = None) -> tuple[Optional[Path], bool, list[str]]:
+def choose_checkpoint(
+    ckpt_dir: PathLike, *, accept_unverified: bool = False, failed: Optional[dict[str, str]] = None
+) -> tuple[Optional[Path], bool, list[str]]:
     """(checkpoint, verified, warnings): the newest good checkpoint of `ckpt_dir` (the one
     `latest` names first), whether its manifest checked it, and one line per newer one skipped
     as corrupt, incomplete, unverified (without `accept_unverified`) or in `failed` (name ->
@@ -329,8 +330,9 @@ def _sharded_state_dict(chunks, optimizer, metadata: dict, *, is_loading: bool, 
         # As Megatron-LM: the optimizer finds its params' sharded tensors anywhere in `sd`.
         sd["optimizer"] = optimizer.sharded_state_dict(dict(sd), is_loading=is_loading, metadata=dict(metadata))
     if with_rng:  # one object per global rank: rank r writes slot r; only a placeholder when loading
-        sd["rng_state"] = ShardedObject("rng_state", rng_state(), (dist.get_world_size(),), (dist.get_rank(),),
-                                        replica_id=0)
+        sd["rng_state"] = ShardedObject(
+            "rng_state", rng_state(), (dist.get_world_size(),), (dist.get_rank(),), replica_id=0
+        )
     return sd
 
 
@@ -354,8 +356,9 @@ def _save_strategy():
 # ----------------------------------------------------------------------------- save / load
 
 
-def save_checkpoint(chunks: list, optimizer: Any, scheduler: Any, trainer_state: dict, ckpt_dir: PathLike,
-                    keep_last: int) -> Path:
+def save_checkpoint(
+    chunks: list, optimizer: Any, scheduler: Any, trainer_state: dict, ckpt_dir: PathLike, keep_last: int
+) -> Path:
     """Save everything needed to resume; collective over all ranks; returns the checkpoint path.
 
     trainer_state: JSON-serialisable dict with at least an int `iteration` (it names the
@@ -400,8 +403,14 @@ def save_checkpoint(chunks: list, optimizer: Any, scheduler: Any, trainer_state:
     return final
 
 
-def _decide(ckpt_dir: Optional[PathLike], path: Optional[PathLike], *, accept_unverified: bool = False,
-            run_id: Optional[str] = None, failed: Optional[dict[str, str]] = None) -> tuple[str, Optional[str]]:
+def _decide(
+    ckpt_dir: Optional[PathLike],
+    path: Optional[PathLike],
+    *,
+    accept_unverified: bool = False,
+    run_id: Optional[str] = None,
+    failed: Optional[dict[str, str]] = None,
+) -> tuple[str, Optional[str]]:
     """Rank 0: ("path", checkpoint or None) or ("error", message); warns about what it skips."""
     try:
         if path is not None:  # asked for by name: no fallback
@@ -413,8 +422,7 @@ def _decide(ckpt_dir: Optional[PathLike], path: Optional[PathLike], *, accept_un
             if problem is not None:
                 return "error", f"checkpoint {target} is corrupt, incomplete or unverified: {problem}"
         else:
-            target, verified, warnings = choose_checkpoint(ckpt_dir, accept_unverified=accept_unverified,
-                                                           failed=failed)
+            target, verified, warnings = choose_checkpoint(ckpt_dir, accept_unverified=accept_unverified, failed=failed)
             clash = _other_run(target, run_id)
             if clash:
                 return "error", clash
@@ -426,8 +434,9 @@ def _decide(ckpt_dir: Optional[PathLike], path: Optional[PathLike], *, accept_un
         if warnings:  # one line: what was wrong, and what is loaded instead
             log.warning("%s; falling back to %s", "; ".join(warnings), target)
         if not verified:
-            log.warning("checkpoint %s has no %s: loading it unverified (checkpoint.accept_unverified)",
-                        target, MANIFEST)
+            log.warning(
+                "checkpoint %s has no %s: loading it unverified (checkpoint.accept_unverified)", target, MANIFEST
+            )
     return "path", None if target is None else str(target)
 
 
@@ -443,15 +452,27 @@ def _other_run(target: Optional[Path], run_id: Optional[str]) -> Optional[str]:
     if theirs is None or theirs == run_id:
         return None  # saved before run ids were recorded, or ours
     where = f" in {saved['run_dir']}" if saved.get("run_dir") else ""
-    return (f"checkpoint {target} was written by another run (run_id {theirs}{where}), this is run {run_id}: "
-            "two runs share one checkpoint directory. Give this run its own checkpoint.dir, or start "
-            "from that checkpoint deliberately with checkpoint.resume=<its path>")
+    return (
+        f"checkpoint {target} was written by another run (run_id {theirs}{where}), this is run {run_id}: "
+        "two runs share one checkpoint directory. Give this run its own checkpoint.dir, or start "
+        "from that checkpoint deliberately with checkpoint.resume=<its path>"
+    )
 
 
-def load_checkpoint(chunks: list, optimizer: Any = None, scheduler: Any = None, ckpt_dir: Optional[PathLike] = None,
-                    *, path: Optional[PathLike] = None, load_optimizer: bool = True, load_rng: bool = True,
-                    config_hash: Optional[str] = None, strict: bool = True, accept_unverified: bool = False,
-                    run_id: Optional[str] = None) -> Optional[dict]:
+def load_checkpoint(
+    chunks: list,
+    optimizer: Any = None,
+    scheduler: Any = None,
+    ckpt_dir: Optional[PathLike] = None,
+    *,
+    path: Optional[PathLike] = None,
+    load_optimizer: bool = True,
+    load_rng: bool = True,
+    config_hash: Optional[str] = None,
+    strict: bool = True,
+    accept_unverified: bool = False,
+    run_id: Optional[str] = None,
+) -> Optional[dict]:
     """Restore the newest checkpoint of `ckpt_dir` (or `path`); returns its trainer state, or
     None when there is nothing to resume from. Collective over all ranks.
 
@@ -477,8 +498,16 @@ def load_checkpoint(chunks: list, optimizer: Any = None, scheduler: Any = None, 
         target = Path(value)
         error, state = None, None
         try:
-            state = _load(target, chunks, optimizer, scheduler, load_optimizer=load_optimizer, load_rng=load_rng,
-                          config_hash=config_hash, strict=strict)
+            state = _load(
+                target,
+                chunks,
+                optimizer,
+                scheduler,
+                load_optimizer=load_optimizer,
+                load_rng=load_rng,
+                config_hash=config_hash,
+                strict=strict,
+            )
         except CheckpointError:
             raise  # it loads, but not into this run (config, layout): the previous one would not either
         except Exception as e:  # noqa: BLE001 - damaged in a way the manifest did not see
@@ -492,8 +521,17 @@ def load_checkpoint(chunks: list, optimizer: Any = None, scheduler: Any = None, 
         log.warning("checkpoint %s %s; trying the previous one", target, problems[0])
 
 
-def _load(target: Path, chunks: list, optimizer: Any, scheduler: Any, *, load_optimizer: bool, load_rng: bool,
-          config_hash: Optional[str], strict: bool) -> dict:
+def _load(
+    target: Path,
+    chunks: list,
+    optimizer: Any,
+    scheduler: Any,
+    *,
+    load_optimizer: bool,
+    load_rng: bool,
+    config_hash: Optional[str],
+    strict: bool,
+) -> dict:
     from megatron.core import dist_checkpointing
 
     from megatron_stepwise.mcore.train.model import unwrap
@@ -508,7 +546,11 @@ def _load(target: Path, chunks: list, optimizer: Any, scheduler: Any, *, load_op
     saved_layout, layout = common.get("layout") or {}, current_layout().sizes()
     same_layout = saved_layout == layout
     if optimizer is not None and load_optimizer and _distributed_optimizers(optimizer):
-        moved = [f"{k} {saved_layout.get(k)} -> {layout[k]}" for k in ("tp", "pp", "cp") if saved_layout.get(k, 1) != layout[k]]
+        moved = [
+            f"{k} {saved_layout.get(k)} -> {layout[k]}"
+            for k in ("tp", "pp", "cp")
+            if saved_layout.get(k, 1) != layout[k]
+        ]
         if moved:
             # megatron-core's dp_reshardable optimizer state follows DP changes only; without this
             # check its loader fails with a KeyError on the first missing bucket.

@@ -44,8 +44,11 @@ def expert_parallel():
     """(EP size, EP rank, EP group); experts are split over EP, never over TP (ETP = 1)."""
     from megatron.core import parallel_state as ps
 
-    return (ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank(),
-            ps.get_expert_model_parallel_group())
+    return (
+        ps.get_expert_model_parallel_world_size(),
+        ps.get_expert_model_parallel_rank(),
+        ps.get_expert_model_parallel_group(),
+    )
 
 
 def canonical_params(chunk) -> Iterator[tuple[str, torch.nn.Parameter]]:
@@ -63,10 +66,10 @@ def canonical_params(chunk) -> Iterator[tuple[str, torch.nn.Parameter]]:
     for name, param in model.named_parameters():
         m = _LAYER.match(name)
         if m:
-            name = f"decoder.layers.{int(m.group(1)) + offset}." + name[m.end():]
+            name = f"decoder.layers.{int(m.group(1)) + offset}." + name[m.end() :]
             e = _EXPERT_INDEX.search(name)
             if e:
-                name = f"{name[:e.start(1)]}{int(e.group(1)) + first_expert}{name[e.end(1):]}"
+                name = f"{name[: e.start(1)]}{int(e.group(1)) + first_expert}{name[e.end(1) :]}"
         if tied_copy and name == "output_layer.weight":
             # The last stage's copy of the tied word embeddings (kept equal by megatron).
             name = "embedding.word_embeddings.weight"
@@ -133,8 +136,10 @@ def full_state(chunks: list, *, grads: bool = False) -> dict[str, torch.Tensor]:
         for name, param in canonical_params(chunk):
             local = param.data
             if grads:  # megatron DDP accumulates into main_grad
-                local = next((g for g in (getattr(param, "main_grad", None), param.grad) if g is not None),
-                             torch.zeros_like(param))
+                local = next(
+                    (g for g in (getattr(param, "main_grad", None), param.grad) if g is not None),
+                    torch.zeros_like(param),
+                )
             full = gather_full(local.float(), param, name, model)
             out.update({n: t.cpu() for n, t in all_experts(name, full, model)})
     return out
@@ -149,7 +154,7 @@ def expert_names(name: str, model) -> list[str]:
     per_rank = model.config.num_moe_experts // ep
     e = _EXPERT_INDEX.search(name)
     local = int(e.group(1)) - rank * per_rank
-    return [f"{name[:e.start(1)]}{r * per_rank + local}{name[e.end(1):]}" for r in range(ep)]
+    return [f"{name[: e.start(1)]}{r * per_rank + local}{name[e.end(1) :]}" for r in range(ep)]
 
 
 def all_experts(name: str, full: torch.Tensor, model) -> list[tuple[str, torch.Tensor]]:
@@ -186,4 +191,3 @@ def init_deterministic(chunks: list, seed: int = 0, std: float = 0.02) -> None:
         for name, param in canonical_params(chunk):
             full = deterministic_full_tensor(name, full_shape(param, name), seed, std)
             param.data.copy_(shard_full(full, param, name, model).to(param.dtype))
-

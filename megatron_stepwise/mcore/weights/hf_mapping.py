@@ -46,7 +46,11 @@ _MOE_PREFIX = {"qwen3_moe": "mlp", "mixtral": "block_sparse_moe"}
 ROUTER = "mlp.router.weight"
 # One fused megatron tensor <-> several HF tensors (in this order).
 _LAYER_FUSED = {
-    "self_attention.linear_qkv.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "self_attention.linear_qkv.weight": (
+        "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight",
+        "self_attn.v_proj.weight",
+    ),
     "self_attention.linear_qkv.bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
     "mlp.linear_fc1.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
 }
@@ -116,8 +120,10 @@ def canonical_names(arch: Any, *, te_spec: bool = False) -> list[str]:
         if arch.num_experts:
             layer += [mlp_norm, "mlp.router.weight"]
             for e in range(arch.num_experts):
-                layer += [f"mlp.experts.local_experts.{e}.linear_fc1.weight",
-                          f"mlp.experts.local_experts.{e}.linear_fc2.weight"]
+                layer += [
+                    f"mlp.experts.local_experts.{e}.linear_fc1.weight",
+                    f"mlp.experts.local_experts.{e}.linear_fc2.weight",
+                ]
         else:
             layer += [mlp_norm, "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
         names += [f"decoder.layers.{i}.{suffix}" for suffix in layer]
@@ -149,16 +155,20 @@ def _qkv_rows(arch) -> tuple[int, int, int]:
 def _check_shape(name: str, tensor: torch.Tensor, dim0: int, rest: tuple[int, ...], what: str) -> None:
     if tensor.dim() != 1 + len(rest) or tensor.shape[0] != dim0 or tuple(tensor.shape[1:]) != rest:
         raise WeightConversionError(
-            f"{name}: shape {tuple(tensor.shape)} does not match the model config "
-            f"(expected {(dim0, *rest)} for {what})"
+            f"{name}: shape {tuple(tensor.shape)} does not match the model config (expected {(dim0, *rest)} for {what})"
         )
 
 
 def _split_qkv(name: str, qkv: torch.Tensor, arch) -> list[torch.Tensor]:
     groups, q_per_group, head_dim = _qkv_rows(arch)
     rest = tuple(qkv.shape[1:])
-    _check_shape(name, qkv, groups * (q_per_group + 2) * head_dim, rest,
-                 f"{arch.num_heads} query heads in {groups} groups of head_dim {head_dim}")
+    _check_shape(
+        name,
+        qkv,
+        groups * (q_per_group + 2) * head_dim,
+        rest,
+        f"{arch.num_heads} query heads in {groups} groups of head_dim {head_dim}",
+    )
     grouped = qkv.reshape(groups, q_per_group + 2, head_dim, *rest)
     q = grouped[:, :q_per_group].reshape(arch.num_heads * head_dim, *rest)
     k = grouped[:, q_per_group].reshape(groups * head_dim, *rest)
@@ -212,8 +222,9 @@ def to_hf(name: str, tensor: torch.Tensor, arch: Any) -> list[tuple[str, torch.T
     return [(hf, part.clone(memory_format=torch.contiguous_format)) for hf, part in zip(names, parts)]
 
 
-def from_hf(name: str, hf_tensors: Mapping[str, torch.Tensor], arch: Any, *,
-            vocab_rows: Optional[int] = None) -> torch.Tensor:
+def from_hf(
+    name: str, hf_tensors: Mapping[str, torch.Tensor], arch: Any, *, vocab_rows: Optional[int] = None
+) -> torch.Tensor:
     """The canonical megatron tensor `name` from the HF tensors it maps to.
 
     vocab_rows: megatron's (padded) vocabulary size for the embedding / output layer; padding
@@ -255,15 +266,15 @@ def canonical_to_hf(state: Mapping[str, torch.Tensor], arch: Any) -> dict[str, t
     """A whole canonical megatron state (e.g. `weights.full_state`) -> an HF state dict."""
     arch = as_arch(arch)
     if arch.tie_word_embeddings and OUTPUT in state:
-        raise WeightConversionError(
-            f"tie_word_embeddings=True but the megatron state has a separate {OUTPUT!r}"
-        )
+        raise WeightConversionError(f"tie_word_embeddings=True but the megatron state has a separate {OUTPUT!r}")
     out: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
         out.update(to_hf(name, tensor, arch))
     missing = sorted(set(hf_names(arch)) - set(out))
     if missing:
-        raise WeightConversionError(f"the megatron state lacks tensors for HF {missing[:6]}{' ...' if len(missing) > 6 else ''}")
+        raise WeightConversionError(
+            f"the megatron state lacks tensors for HF {missing[:6]}{' ...' if len(missing) > 6 else ''}"
+        )
     return out
 
 
@@ -286,12 +297,12 @@ def check_hf_names(names: Iterable[str], arch: Any) -> None:
         raise WeightConversionError("HF checkpoint does not match the model config: " + "; ".join(problems))
 
 
-def hf_to_canonical(hf_state: Mapping[str, torch.Tensor], arch: Any, *, te_spec: bool = False,
-                    vocab_rows: Optional[int] = None) -> dict[str, torch.Tensor]:
+def hf_to_canonical(
+    hf_state: Mapping[str, torch.Tensor], arch: Any, *, te_spec: bool = False, vocab_rows: Optional[int] = None
+) -> dict[str, torch.Tensor]:
     """An HF state dict -> the whole canonical megatron state (local or TE norm names)."""
     arch = as_arch(arch)
     check_hf_names(hf_state.keys(), arch)
     return {
-        name: from_hf(name, hf_state, arch, vocab_rows=vocab_rows)
-        for name in canonical_names(arch, te_spec=te_spec)
+        name: from_hf(name, hf_state, arch, vocab_rows=vocab_rows) for name in canonical_names(arch, te_spec=te_spec)
     }

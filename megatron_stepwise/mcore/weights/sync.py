@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections import deque
 import shutil
 import socket
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any, Optional
 
@@ -40,8 +40,9 @@ def version_dir(root: Any, version: int) -> Path:
 
 def prune_versions(root: Any, keep: int) -> list[Path]:
     """Delete all but the newest `keep` version directories under `root`; returns what went."""
-    found = sorted((p for p in Path(root).iterdir() if p.is_dir() and _VERSION_DIR.match(p.name)),
-                   key=lambda p: int(p.name[1:]))
+    found = sorted(
+        (p for p in Path(root).iterdir() if p.is_dir() and _VERSION_DIR.match(p.name)), key=lambda p: int(p.name[1:])
+    )
     removed = found[:-keep] if keep > 0 else found
     for p in removed:
         shutil.rmtree(p, ignore_errors=True)
@@ -64,10 +65,21 @@ class WeightSync:
     dtype: dtype sent to the engines (default: the parameters' own).
     """
 
-    def __init__(self, fleet: Any, mode: str, hf_config: Any, *, loop: Optional[asyncio.AbstractEventLoop] = None,
-                 bucket_mb: float = 512, sync_dir: Optional[Any] = None, keep_versions: int = 2,
-                 dtype: Optional[torch.dtype] = None, atomic: bool = True, master_address: str = "127.0.0.1",
-                 master_port: Optional[int] = None):
+    def __init__(
+        self,
+        fleet: Any,
+        mode: str,
+        hf_config: Any,
+        *,
+        loop: Optional[asyncio.AbstractEventLoop] = None,
+        bucket_mb: float = 512,
+        sync_dir: Optional[Any] = None,
+        keep_versions: int = 2,
+        dtype: Optional[torch.dtype] = None,
+        atomic: bool = True,
+        master_address: str = "127.0.0.1",
+        master_port: Optional[int] = None,
+    ):
         if mode not in MODES:
             raise WeightSyncError(f"weight_sync.mode must be one of {MODES}, got {mode!r}")
         if mode == "disk" and sync_dir is None:
@@ -154,7 +166,7 @@ class WeightSync:
             # Runs in a worker thread: the loop must stay free to drive the engines' receives.
             sent = 0
             for bucket in stream:
-                for (name, tensor), expected in zip(bucket, names[sent: sent + len(bucket)]):
+                for (name, tensor), expected in zip(bucket, names[sent : sent + len(bucket)]):
                     if name != expected:
                         raise WeightSyncError(f"stream order changed: got {name!r}, announced {expected!r}")
                 weight_transport.broadcast(group, [t for _, t in bucket])

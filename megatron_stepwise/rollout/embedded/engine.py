@@ -25,12 +25,18 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from megatron_stepwise import weight_transport
-from megatron_stepwise.rollout.embedded import hf_model
 from megatron_stepwise.rollout import routing
-from megatron_stepwise.rollout.engine import (EngineError, EngineReleasedError, GenerateResult, NamedTensors,
-                                               SamplingParams, memory_tags)
+from megatron_stepwise.rollout.embedded import hf_model
 from megatron_stepwise.rollout.embedded.prefix_cache import PrefixCache
 from megatron_stepwise.rollout.embedded.sampling import sample_next
+from megatron_stepwise.rollout.engine import (
+    EngineError,
+    EngineReleasedError,
+    GenerateResult,
+    NamedTensors,
+    SamplingParams,
+    memory_tags,
+)
 
 log = logging.getLogger(__name__)
 
@@ -85,14 +91,20 @@ class _Batch:
         cached = [c for _, c in hits]
         C, S = max(cached), max(n - c for n, c in zip(lengths, cached))
         ids = torch.tensor([[eng.pad_token_id] * (S - n + c) + s[c:] for s, n, c in zip(seqs, lengths, cached)])
-        self.mask = torch.tensor([[0] * (C - c) + [1] * c + [0] * (S - n + c) + [1] * (n - c)
-                                  for n, c in zip(lengths, cached)])
+        self.mask = torch.tensor(
+            [[0] * (C - c) + [1] * c + [0] * (S - n + c) + [1] * (n - c) for n, c in zip(lengths, cached)]
+        )
         self.next_pos = torch.tensor(lengths)
         positions = (self.mask.cumsum(-1) - 1).clamp(min=0)[:, C:]
         cache = self._hit_cache(hits, C) if C else None
         with torch.no_grad():
-            out = eng.model(input_ids=ids, attention_mask=self.mask, position_ids=positions,
-                            **{eng.cache_name: cache}, use_cache=True)
+            out = eng.model(
+                input_ids=ids,
+                attention_mask=self.mask,
+                position_ids=positions,
+                **{eng.cache_name: cache},
+                use_cache=True,
+            )
         self.cache = getattr(out, eng.cache_name)
         self.last_logits = out.logits[:, -1, :].float()
         if first:
@@ -102,7 +114,7 @@ class _Batch:
         if eng._router_recorder is not None:  # each row's new positions are its last `n - c` columns
             routed = eng._router_recorder.take(ids.numel()).reshape(len(seqs), S, *eng._routed_shape)
             for r, row, n, (e, c) in zip(self.requests, routed, lengths, hits):
-                r.routed = ([e.routed[:c]] if c else []) + [row[S - n + c:].clone()]
+                r.routed = ([e.routed[:c]] if c else []) + [row[S - n + c :].clone()]
                 r.routed_len = n
 
     def _hit_cache(self, hits: list, width: int):
@@ -115,8 +127,8 @@ class _Batch:
             values = torch.zeros_like(keys)
             for i, (e, c) in enumerate(hits):
                 if c:
-                    keys[i, :, width - c:] = e.kv[layer][0][:, :c]
-                    values[i, :, width - c:] = e.kv[layer][1][:, :c]
+                    keys[i, :, width - c :] = e.kv[layer][0][:, :c]
+                    values[i, :, width - c :] = e.kv[layer][1][:, :c]
             layers.append((keys, values))
         return DynamicCache(layers)
 
@@ -128,8 +140,11 @@ class _Batch:
         eng = self.engine
         layers = self.cache.layers
         if not all(type(layer) is DynamicLayer for layer in layers):  # sliding windows etc.: not cached
-            log.info("embedded engine %s: prefix cache off (cache layers %s)", eng.name,
-                     sorted({type(layer).__name__ for layer in layers}))
+            log.info(
+                "embedded engine %s: prefix cache off (cache layers %s)",
+                eng.name,
+                sorted({type(layer).__name__ for layer in layers}),
+            )
             eng._prefix_cache = PrefixCache(0)
             return
         cols = self.mask[i].nonzero().squeeze(1)
@@ -199,11 +214,21 @@ class LocalEngine:
             default 32768 tokens is about 1.5 GB there.
     """
 
-    def __init__(self, model_config: hf_model.ModelConfigLike, weights: Optional[Union[str, os.PathLike]] = None,
-                 tokenizer: Any = None, eos_token_ids: Optional[list[int]] = None, max_batch_size: int = 16,
-                 seed: int = 0, torch_threads: Optional[int] = None, name: str = "local",
-                 record_routed_experts: Optional[bool] = None, router_noise: float = 0.0,
-                 router_noise_mode: str = "select", prefix_cache_tokens: int = 32768):
+    def __init__(
+        self,
+        model_config: hf_model.ModelConfigLike,
+        weights: Optional[Union[str, os.PathLike]] = None,
+        tokenizer: Any = None,
+        eos_token_ids: Optional[list[int]] = None,
+        max_batch_size: int = 16,
+        seed: int = 0,
+        torch_threads: Optional[int] = None,
+        name: str = "local",
+        record_routed_experts: Optional[bool] = None,
+        router_noise: float = 0.0,
+        router_noise_mode: str = "select",
+        prefix_cache_tokens: int = 32768,
+    ):
         if torch_threads is not None:
             torch.set_num_threads(torch_threads)
         self.model = hf_model.build_causal_lm(model_config, weights=weights, seed=seed)
@@ -212,8 +237,9 @@ class LocalEngine:
         self.cache_name = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         self._router_recorder = None
         if record_routed_experts or (record_routed_experts is None and routing.moe_gates(self.model)) or router_noise:
-            self._router_recorder = routing.RouterRecorder(self.model, router_noise=router_noise, seed=seed,
-                                                          router_noise_mode=router_noise_mode)
+            self._router_recorder = routing.RouterRecorder(
+                self.model, router_noise=router_noise, seed=seed, router_noise_mode=router_noise_mode
+            )
             self._routed_shape = (self._router_recorder.num_layers, self._router_recorder.topk)
         self._return_routed = bool(record_routed_experts or (record_routed_experts is None and self._router_recorder))
         self.tokenizer = tokenizer
@@ -369,8 +395,9 @@ class LocalEngine:
 
     # ---- Engine protocol ----------------------------------------------------------------------
 
-    async def generate(self, input_ids: list[int], sampling: SamplingParams, rid: Optional[str] = None,
-                       session: Optional[str] = None) -> GenerateResult:
+    async def generate(
+        self, input_ids: list[int], sampling: SamplingParams, rid: Optional[str] = None, session: Optional[str] = None
+    ) -> GenerateResult:
         if self._failure is not None:
             raise EngineError(f"engine {self.name} is unhealthy: {self._failure!r}")
         self._check_can_generate()
@@ -400,8 +427,12 @@ class LocalEngine:
         self._wakeup.set()
         return await req.future
 
-    async def update_weights_from_tensors(self, named_tensors: NamedTensors, weight_version: Optional[int] = None) -> int:
-        return await self._load("update_weights_from_tensors", hf_model.load_named_tensors, named_tensors, weight_version)
+    async def update_weights_from_tensors(
+        self, named_tensors: NamedTensors, weight_version: Optional[int] = None
+    ) -> int:
+        return await self._load(
+            "update_weights_from_tensors", hf_model.load_named_tensors, named_tensors, weight_version
+        )
 
     async def update_weights_from_disk(self, path: str, weight_version: Optional[int] = None) -> int:
         return await self._load("update_weights_from_disk", hf_model.load_safetensors_dir, path, weight_version)
@@ -414,8 +445,15 @@ class LocalEngine:
             await self._run(load, self.model, source)
             return self._bump_version(weight_version)
 
-    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                                        group_name: str = "weight_update_group", backend: str = "gloo") -> None:
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "gloo",
+    ) -> None:
         if backend != "gloo":
             raise ValueError(f"the embedded CPU engine joins weight-update groups over gloo, not {backend!r}")
         # This engine is one rank (no tensor parallelism): rank = rank_offset.
@@ -424,9 +462,14 @@ class LocalEngine:
         )
         self._weight_groups[group_name] = group
 
-    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                              group_name: str = "weight_update_group",
-                                              weight_version: Optional[int] = None) -> int:
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str = "weight_update_group",
+        weight_version: Optional[int] = None,
+    ) -> int:
         group = self._weight_groups.get(group_name)
         if group is None:
             raise ValueError(f"no weight-update group {group_name!r}: call init_weights_update_group first")
@@ -445,8 +488,9 @@ class LocalEngine:
 
     def _bump_version(self, weight_version: Optional[int]) -> int:
         if self._failure is not None:  # the model thread failed on the old weights; the new ones get a chance
-            log.warning("embedded engine %s: healthy again after a weight load (it had failed: %r)",
-                        self.name, self._failure)
+            log.warning(
+                "embedded engine %s: healthy again after a weight load (it had failed: %r)", self.name, self._failure
+            )
             self._failure = None
         self._needs_weights = False
         self._weights_epoch += 1
@@ -520,17 +564,20 @@ class LocalEngine:
         if blocking:
             raise EngineReleasedError(
                 f"engine {self.name}: cannot generate while its {' and '.join(blocking)} memory is released "
-                f"(colocated mode); call resume_memory_occupation first")
+                f"(colocated mode); call resume_memory_occupation first"
+            )
         if self._needs_weights:
             raise EngineReleasedError(
                 f"engine {self.name}: its weights were resumed after a release and hold no values yet; "
-                "load weights (update_weights_from_*) before generating")
+                "load weights (update_weights_from_*) before generating"
+            )
 
     def _check_weights_resident(self, what: str) -> None:
         if "weights" in self._released:
             raise EngineReleasedError(
                 f"engine {self.name}: {what} while the weights' memory is released; the order is "
-                "resume_memory_occupation(['weights']) -> update -> resume_memory_occupation(['kv_cache'])")
+                "resume_memory_occupation(['weights']) -> update -> resume_memory_occupation(['kv_cache'])"
+            )
 
     async def released_memory(self) -> list[str]:
         """The memory tags released now."""
@@ -543,8 +590,10 @@ class LocalEngine:
         if again:
             raise ValueError(f"memory {again} of engine {self.name} is already released")
         if self._inflight:  # SGLang asserts the same: releasing under a running batch would crash it
-            raise ValueError(f"engine {self.name}: release_memory_occupation needs an idle engine, "
-                             f"{len(self._inflight)} request(s) in flight")
+            raise ValueError(
+                f"engine {self.name}: release_memory_occupation needs an idle engine, "
+                f"{len(self._inflight)} request(s) in flight"
+            )
         self._ensure_started()
         async with self._model_lock:
             if "weights" in tags:

@@ -42,13 +42,19 @@ def load_config(model_config: ModelConfigLike):
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
-        raise FileNotFoundError(f"model config not found: {model_config} (expected a config.json or a directory with one)")
+        raise FileNotFoundError(
+            f"model config not found: {model_config} (expected a config.json or a directory with one)"
+        )
     with open(path) as f:
         return load_config(json.load(f))
 
 
-def build_causal_lm(model_config: ModelConfigLike, weights: Optional[Union[str, os.PathLike]] = None, seed: int = 0,
-                    dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def build_causal_lm(
+    model_config: ModelConfigLike,
+    weights: Optional[Union[str, os.PathLike]] = None,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> torch.nn.Module:
     """An eval-mode causal LM: random init from `seed`, then `weights` (safetensors dir) if given."""
     from transformers import AutoModelForCausalLM
 
@@ -104,7 +110,8 @@ def checkpoint_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's state in checkpoint names (fused experts split per expert, under the hub
     names of the model's family), detached copies."""
     block, (gate_name, up_name, down_name) = _HUB_EXPERT_NAMES.get(
-        getattr(getattr(model, "config", None), "model_type", None), _DEFAULT_EXPERT_NAMES)
+        getattr(getattr(model, "config", None), "model_type", None), _DEFAULT_EXPERT_NAMES
+    )
     out = {}
     for name, tensor in model.state_dict().items():
         if name.endswith(".mlp.experts.gate_up_proj"):

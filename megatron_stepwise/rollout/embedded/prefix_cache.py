@@ -70,8 +70,9 @@ class PrefixCache:
         self.entries.move_to_end(best_key)
         return self.entries[best_key], best
 
-    def insert(self, tokens: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]],
-               routed: Optional[torch.Tensor] = None) -> None:
+    def insert(
+        self, tokens: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]], routed: Optional[torch.Tensor] = None
+    ) -> None:
         n = len(tokens)
         if not self.enabled or n == 0 or n > self.max_tokens:
             return

@@ -9,8 +9,9 @@ import torch
 from megatron_stepwise.rollout.engine import SamplingParams
 
 
-def sample_next(logits: torch.Tensor, params: SamplingParams,
-                generator: Optional[torch.Generator] = None) -> tuple[int, float]:
+def sample_next(
+    logits: torch.Tensor, params: SamplingParams, generator: Optional[torch.Generator] = None
+) -> tuple[int, float]:
     """Sample one token from `logits` [V]; returns (token, log-prob).
 
     The log-prob is `log_softmax(logits / T)[token]` over the full vocabulary (raw

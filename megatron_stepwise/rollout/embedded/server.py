@@ -28,11 +28,16 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_server import Server
 
+from megatron_stepwise.rollout.auth import (
+    API_KEY_ENV,
+    bearer_matches,
+    is_loopback,
+    redact_bearer_tokens,
+)
 from megatron_stepwise.rollout.embedded import request_fields as F
-from megatron_stepwise.rollout.auth import API_KEY_ENV, api_key_from_env, bearer_matches, is_loopback, redact_bearer_tokens
-from megatron_stepwise.rollout.engine import EngineReleasedError, GenerateResult, SamplingParams
-from megatron_stepwise.rollout.embedded.generate_fields import check_generate_fields
 from megatron_stepwise.rollout.embedded.engine import LocalEngine
+from megatron_stepwise.rollout.embedded.generate_fields import check_generate_fields
+from megatron_stepwise.rollout.engine import EngineReleasedError, GenerateResult, SamplingParams
 from megatron_stepwise.rollout.routing import encode as encode_routed
 
 log = logging.getLogger(__name__)
@@ -94,8 +99,14 @@ def version_spans(versions: list[int]) -> list[dict[str, Any]]:
     return spans
 
 
-def generate_response(rid: str, prompt_len: int, result: GenerateResult, return_logprob: bool,
-                      return_routed_experts: bool = False, token_text=None) -> dict:
+def generate_response(
+    rid: str,
+    prompt_len: int,
+    result: GenerateResult,
+    return_logprob: bool,
+    return_routed_experts: bool = False,
+    token_text=None,
+) -> dict:
     meta: dict[str, Any] = {
         "id": rid,
         "prompt_tokens": prompt_len,
@@ -151,10 +162,14 @@ class EngineServer:
     @web.middleware
     async def _auth(self, request: web.Request, handler):
         # As SGLang with --api-key: every endpoint but health checks needs the key.
-        if self.api_key and not request.path.startswith("/health") and \
-                not bearer_matches(request.headers.get("Authorization"), self.api_key):
-            return web.json_response({"error": {"message": "missing or wrong API key (Authorization: Bearer ...)"}},
-                                     status=401)
+        if (
+            self.api_key
+            and not request.path.startswith("/health")
+            and not bearer_matches(request.headers.get("Authorization"), self.api_key)
+        ):
+            return web.json_response(
+                {"error": {"message": "missing or wrong API key (Authorization: Bearer ...)"}}, status=401
+            )
         return await handler(request)
 
     @web.middleware
@@ -192,14 +207,24 @@ class EngineServer:
         if not isinstance(input_ids, list) or not input_ids:
             raise BadRequest("/generate: 'input_ids' must be a non-empty list of token ids (or a list of them)")
         batched = isinstance(input_ids[0], list)
-        prompts = ([F.token_ids(p, where, f"input_ids[{i}]") for i, p in enumerate(input_ids)] if batched
-                   else [F.token_ids(input_ids, where)])
+        prompts = (
+            [F.token_ids(p, where, f"input_ids[{i}]") for i, p in enumerate(input_ids)]
+            if batched
+            else [F.token_ids(input_ids, where)]
+        )
         n = len(prompts)
-        sps = F.one_or_each(body.get("sampling_params"), n, lambda v: v is None or isinstance(v, dict),
-                            "a JSON object", where, "sampling_params")
+        sps = F.one_or_each(
+            body.get("sampling_params"),
+            n,
+            lambda v: v is None or isinstance(v, dict),
+            "a JSON object",
+            where,
+            "sampling_params",
+        )
         lp = body.get("return_logprob")
-        lps = F.one_or_each(False if lp is None else lp, n, lambda v: isinstance(v, bool), "true or false", where,
-                            "return_logprob")
+        lps = F.one_or_each(
+            False if lp is None else lp, n, lambda v: isinstance(v, bool), "true or false", where, "return_logprob"
+        )
         rids = body.get("rid")
         if rids is None:
             rids = [self._new_rid() for _ in range(n)]
@@ -211,14 +236,14 @@ class EngineServer:
             params = [SamplingParams.from_dict(s) for s in sps]
         except TypeError as e:
             raise BadRequest(f"sampling_params: {e}") from None
-        results = await asyncio.gather(
-            *(self.engine.generate(p, s, rid=r) for p, s, r in zip(prompts, params, rids))
-        )
+        results = await asyncio.gather(*(self.engine.generate(p, s, rid=r) for p, s, r in zip(prompts, params, rids)))
         token_text = None
         if text_in_logprobs and self.engine.tokenizer is not None:
             token_text = lambda t: self.engine.tokenizer.decode([t])  # noqa: E731
-        out = [generate_response(r, len(p), res, flag, routed, token_text)
-               for r, p, res, flag in zip(rids, prompts, results, lps)]
+        out = [
+            generate_response(r, len(p), res, flag, routed, token_text)
+            for r, p, res, flag in zip(rids, prompts, results, lps)
+        ]
         return web.json_response(out if batched else out[0])
 
     def _encode(self, texts: Any) -> list:
@@ -291,14 +316,21 @@ class EngineServer:
         where = "/init_weights_update_group"
         body = await self._body(request)
         address = F.text(body, "master_address", where)
-        port, rank_offset, world_size = (F.integer(body, k, where)
-                                         for k in ("master_port", "rank_offset", "world_size"))
+        port, rank_offset, world_size = (
+            F.integer(body, k, where) for k in ("master_port", "rank_offset", "world_size")
+        )
         if not 0 < port < 65536 or not 0 <= rank_offset < world_size:
-            raise BadRequest(f"{where}: need 0 < master_port < 65536 and 0 <= rank_offset < world_size, got "
-                             f"master_port={port}, rank_offset={rank_offset}, world_size={world_size}")
+            raise BadRequest(
+                f"{where}: need 0 < master_port < 65536 and 0 <= rank_offset < world_size, got "
+                f"master_port={port}, rank_offset={rank_offset}, world_size={world_size}"
+            )
         await self.engine.init_weights_update_group(
-            address, port, rank_offset, world_size,
-            F.text(body, "group_name", where, "weight_update_group"), F.text(body, "backend", where, "gloo"),
+            address,
+            port,
+            rank_offset,
+            world_size,
+            F.text(body, "group_name", where, "weight_update_group"),
+            F.text(body, "backend", where, "gloo"),
         )
         return web.json_response({"success": True, "message": "joined"})
 
@@ -311,7 +343,8 @@ class EngineServer:
         names, dtypes = F.text_list(body, "names", where), F.text_list(body, "dtypes", where)
         shapes = body["shapes"]
         if not isinstance(shapes, list) or not all(
-                isinstance(s, list) and all(F.is_int(d) and d >= 0 for d in s) for s in shapes):
+            isinstance(s, list) and all(F.is_int(d) and d >= 0 for d in s) for s in shapes
+        ):
             raise BadRequest(f"{where}: shapes must be a list of lists of integers >= 0, got {shapes!r}"[:500])
         group = F.text(body, "group_name", where, "weight_update_group")
         version = F.version(body.get("weight_version"), where)
@@ -323,7 +356,8 @@ class EngineServer:
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
         body = await self._body(request)
         await self.engine.destroy_weights_update_group(
-            F.text(body, "group_name", "/destroy_weights_update_group", "weight_update_group"))
+            F.text(body, "group_name", "/destroy_weights_update_group", "weight_update_group")
+        )
         return web.json_response({"success": True, "message": "destroyed"})
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
@@ -374,15 +408,23 @@ class EngineServer:
         return web.Response(status=200)
 
 
-async def start_server(engine: LocalEngine, host: str = "127.0.0.1", port: int = 0, *, api_key: Optional[str] = None,
-                       allow_unauthenticated: bool = False) -> tuple[web.AppRunner, int]:
+async def start_server(
+    engine: LocalEngine,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    api_key: Optional[str] = None,
+    allow_unauthenticated: bool = False,
+) -> tuple[web.AppRunner, int]:
     """Start serving in the running event loop; returns (runner, bound port). `port=0` picks one.
 
     Anything that can reach the port can replace the weights or abort requests: beyond loopback a
     server needs an `api_key` unless `allow_unauthenticated` (a network you trust)."""
     if not is_loopback(host) and not api_key and not allow_unauthenticated:
-        raise ValueError(f"serving on {host} (beyond loopback) needs an API key: set {API_KEY_ENV}, or pass "
-                         "--allow-unauthenticated on a network you trust")
+        raise ValueError(
+            f"serving on {host} (beyond loopback) needs an API key: set {API_KEY_ENV}, or pass "
+            "--allow-unauthenticated on a network you trust"
+        )
     redact_bearer_tokens()  # aiohttp logs an unparsable request with its header line
     logging.getLogger("aiohttp.server").addFilter(_QuietGrpcProbe())
     runner = _Runner(EngineServer(engine, api_key).app(), access_log=None)
