@@ -3,7 +3,9 @@
 Reward can rise while the policy collapses (a learning rate too large for a pretrained model
 makes it answer one token to everything: entropy falls to a third in two steps). `EntropyWatch`
 compares each iteration's `train/entropy` with the first one the run saw, logs the ratio as
-`train/entropy_ratio`, and warns once when it falls below `floor`.
+`train/entropy_ratio`, and warns once when it falls below `floor`. A policy that learns a format
+also loses entropy (the laptop recipe: to 28% by iteration 9 while held-out accuracy rose), so the
+warning points at `eval/*` to tell the two apart.
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ class EntropyWatch:
             self.warned = True
             log.warning(
                 "iteration %d: policy entropy fell to %.3f nats, %.0f%% of the first iteration's %.3f: "
-                "the policy may be collapsing (a learning rate too large for this model?); a rising "
-                "reward alone does not show it learns (compare eval/*)",
+                "the policy is converging or collapsing; if eval/* (held-out prompts) does not rise with the "
+                "training reward, suspect a collapse (a learning rate too large for this model?)",
                 iteration,
                 entropy,
                 100 * ratio,

@@ -17,7 +17,9 @@ def test_a_collapse_warns_once_and_learning_does_not(caplog):
             seen.append(metrics["train/entropy_ratio"])
     assert seen[0] == 1.0 and abs(seen[3] - 0.9 / 3.2) < 1e-12
     warnings = [r.getMessage() for r in caplog.records]
-    assert len(warnings) == 1 and "iteration 3" in warnings[0] and "collapsing" in warnings[0]
+    assert (
+        len(warnings) == 1 and "iteration 3" in warnings[0] and "collapsing" in warnings[0] and "eval/*" in warnings[0]
+    )
 
 
 def test_no_entropy_no_ratio():
