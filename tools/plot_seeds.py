@@ -44,7 +44,9 @@ def main() -> None:
     print(f"{'run':<20}{'iterations':>11}{'held-out acc start':>20}{'end':>8}{'gain':>8}{'wall (min)':>12}")
     for r in runs:
         start, end = r["evals"][0][1], r["evals"][-1][1]
-        print(f"{r['name']:<20}{r['iterations']:>11}{start:>20.3f}{end:>8.3f}{end - start:>+8.3f}{r['wall_s'] / 60:>12.1f}")
+        print(
+            f"{r['name']:<20}{r['iterations']:>11}{start:>20.3f}{end:>8.3f}{end - start:>+8.3f}{r['wall_s'] / 60:>12.1f}"
+        )
 
     import matplotlib
 
