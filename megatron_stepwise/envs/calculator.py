@@ -19,6 +19,7 @@ import ast
 import operator
 import random
 import re
+import zlib
 from typing import Any
 
 from megatron_stepwise.envs.base import EnvSpec, Message, StepOutput, register_env
@@ -32,6 +33,22 @@ EXAMPLE: list[Message] = [
     {"role": "assistant", "content": "<calc>12 * 7</calc>"},
     {"role": "user", "content": "Result: 84"},
     {"role": "assistant", "content": "<answer>84</answer>"},
+]
+# `vary_example`: the worked example is one of these, by the question, so no operation is the example's.
+EXAMPLES: list[list[Message]] = [
+    EXAMPLE,
+    [
+        {"role": "user", "content": "Sam has 45 stamps and gets 28 more. How many stamps does he have?"},
+        {"role": "assistant", "content": "<calc>45 + 28</calc>"},
+        {"role": "user", "content": "Result: 73"},
+        {"role": "assistant", "content": "<answer>73</answer>"},
+    ],
+    [
+        {"role": "user", "content": "A tank holds 90 liters. 34 liters are used. How many liters are left?"},
+        {"role": "assistant", "content": "<calc>90 - 34</calc>"},
+        {"role": "user", "content": "Result: 56"},
+        {"role": "assistant", "content": "<answer>56</answer>"},
+    ],
 ]
 HINT = "Write <calc>expression</calc> to compute, or give the final answer as <answer>number</answer>."
 _CALC = re.compile(r"<calc>(.*?)</calc>", re.DOTALL)
@@ -102,8 +119,9 @@ def _format(v: float) -> str:
 
 
 class CalculatorEnv:
-    def __init__(self, worked_example: bool = True):
+    def __init__(self, worked_example: bool = True, vary_example: bool = False):
         self.worked_example = worked_example
+        self.vary_example = vary_example
         self.answer = 0.0
         self.calls = 0
 
@@ -112,6 +130,8 @@ class CalculatorEnv:
             raise ValueError(f"calculator sample {sample.get('prompt_id')!r} needs 'question' and 'answer'")
         self.answer, self.calls = float(sample["answer"]), 0
         example = EXAMPLE if self.worked_example else []
+        if self.worked_example and self.vary_example:  # the same example for a question every time
+            example = EXAMPLES[zlib.crc32(sample["question"].encode()) % len(EXAMPLES)]
         return [{"role": "system", "content": SYSTEM_PROMPT}, *example, {"role": "user", "content": sample["question"]}]
 
     def step(self, assistant_text: str) -> StepOutput:

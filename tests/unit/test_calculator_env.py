@@ -51,3 +51,13 @@ def test_training_sets_are_deterministic_and_never_hold_a_held_out_question():
     assert calculator_eval_dataset() == calculator_eval_dataset()
     assert all(isinstance(p["answer"], int) and p["answer"] >= 0 for p in calculator_eval_dataset())
     assert get_env_spec("calculator").eval_dataset is calculator_eval_dataset
+
+
+def test_varied_worked_examples_are_stable_per_question_and_cover_three_operations():
+    env = make_env("calculator", vary_example=True)
+    calls = set()
+    for p in calculator_eval_dataset():
+        first = env.reset(p)
+        assert env.reset(p) == first
+        calls.add(first[2]["content"])
+    assert {c[c.index(" ") + 1] for c in calls} == {"*", "+", "-"}, calls
