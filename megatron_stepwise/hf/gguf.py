@@ -22,13 +22,18 @@ from pathlib import Path
 from typing import Iterator
 
 from megatron_stepwise.hf.end_of_turn import write_generation_config
-from megatron_stepwise.hf.hub import ModelSourceError, is_gguf_source  # noqa: F401 (re-exported)
+from megatron_stepwise.hf.errors import ModelSourceError
 
 # GGUF `general.architecture` -> HF model_type, for the families the trainer builds.
 SUPPORTED_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
 EXTRA_HINT = "pip install 'megatron-stepwise[gguf]' (the gguf and accelerate packages)"
 PYPI_PREFIX = "pypi:"
 COMPLETE = ".complete"
+
+
+def is_gguf_source(value: str | None) -> bool:
+    """A GGUF file or `pypi:<package>` shipping one (checked by name, nothing read)."""
+    return bool(value) and (value.startswith(PYPI_PREFIX) or value.lower().endswith(".gguf"))
 
 
 class GGUFError(ModelSourceError):

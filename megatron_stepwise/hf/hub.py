@@ -12,6 +12,9 @@ import os
 from pathlib import Path
 from typing import Sequence
 
+from megatron_stepwise.hf.errors import ModelSourceError  # noqa: F401 (re-exported)
+from megatron_stepwise.hf.gguf import is_gguf_source, locate_converted, materialize
+
 # allow_patterns of what one use of a repository needs. The FIRST pattern must match a file for a
 # cached snapshot to count as present (a snapshot may hold only the files of an earlier use).
 CONFIG_FILES = ("config.json",)
@@ -32,10 +35,6 @@ CHECKPOINT_FILES = ("*.safetensors", "*.json")  # import_hf reads safetensors; *
 _TRUE = {"1", "ON", "YES", "TRUE"}
 
 
-class ModelSourceError(ValueError):
-    """A model config, tokenizer or checkpoint that cannot be found; the message names the config key."""
-
-
 def hub_cache_dir() -> Path:
     """The hub cache, from the environment now (huggingface_hub.constants freezes it at import)."""
     explicit = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
@@ -54,11 +53,6 @@ def hub_offline() -> bool:
 def looks_like_path(value: str) -> bool:
     """True for values meant as local paths (a hub id like Qwen/Qwen2.5-3B is not one)."""
     return value.startswith(("/", "./", "../", "~")) or value.endswith((".json", ".yaml", ".jsonl"))
-
-
-def is_gguf_source(value: str | None) -> bool:
-    """A GGUF file or `pypi:<package>` shipping one (hf/gguf.py), checked without importing it."""
-    return bool(value) and (value.startswith("pypi:") or value.lower().endswith(".gguf"))
 
 
 def _local(value: str) -> Path | None:
@@ -92,8 +86,6 @@ def locate_offline(value: str, files: Sequence[str] = CONFIG_FILES) -> Path | No
     if not value:  # Path("") is the working directory
         return None
     if is_gguf_source(value):
-        from megatron_stepwise.hf.gguf import locate_converted
-
         return locate_converted(value)
     local = _local(value)
     if local is not None:
@@ -108,8 +100,6 @@ def resolve_model_dir(value: str, *, key: str, files: Sequence[str] = CONFIG_FIL
     Raises ModelSourceError when nothing is found, or when the download is impossible or fails.
     """
     if is_gguf_source(value):  # converted once into a cached HF directory (hf/gguf.py)
-        from megatron_stepwise.hf.gguf import materialize
-
         return materialize(value, key=key)
     found = locate_offline(value, files)
     if found is not None:
