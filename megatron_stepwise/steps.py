@@ -20,6 +20,9 @@ FloatSeq = Union[Sequence[float], torch.Tensor]
 
 PAD_PROMPT_PREFIX = "__pad__"
 
+#: `Step.metadata` key of an invalid trajectory's last step: why it is invalid (see `Step`).
+INVALID = "invalid"
+
 # The smallest non-zero sampling temperature: below it `logits / T` overflows (1e-300 gives inf,
 # then NaN probabilities). SGLang itself treats T < 1e-6 as greedy.
 MIN_TEMPERATURE = 1e-4
@@ -112,6 +115,11 @@ class Step:
       the last sampled token, which the engine never runs through the model).
     - `is_padding`: a loss-neutral row that fills a batch to a DP multiple (`make_padding_step`);
       it never enters advantages, metrics or loss denominators.
+    - `metadata["invalid"]` (on the last step): why the trajectory is invalid, an infrastructure
+      failure rather than a wrong answer (an environment crash or timeout, an aborted request, an
+      environment's own `info["invalid"]`). Its reward means nothing: it is never trained and
+      stays out of group means and stds, reward metrics and pass@k, but it is kept, counted and
+      dumped (`invalid_reason`).
     """
 
     trajectory_id: TrajectoryID
@@ -127,6 +135,12 @@ class Step:
     metadata: dict[str, Any] = field(default_factory=dict)
     routed_experts: Optional[torch.Tensor] = None
     is_padding: bool = False
+
+    @property
+    def invalid_reason(self) -> Optional[str]:
+        """Why this (last) step's trajectory is invalid, or None when it is valid."""
+        reason = self.metadata.get(INVALID)
+        return str(reason) if reason else None
 
     def __post_init__(self) -> None:
         if not isinstance(self.trajectory_id, TrajectoryID):

@@ -156,15 +156,21 @@ def compute_advantages(
 ) -> list[torch.Tensor]:
     """One float32 tensor per step (its response length): the trajectory's scalar times the step's mask.
 
+    Invalid trajectories (`Step.invalid_reason`: an infrastructure failure, not an outcome) are
+    left out like padding: zero advantage, and no part of their group's mean or std.
+
     `metrics`, if given, is filled with counts: num_trajectories, num_groups, singleton_groups,
-    zero_variance_groups (groups of 2+ whose rewards are all equal: no signal).
+    zero_variance_groups (groups of 2+ whose rewards are all equal: no signal), invalid_trajectories.
     """
     estimate, kind = _ESTIMATORS.lookup(estimator)
     traj_of_step, last_step_of_traj = _trajectories(steps)
-    real_trajs = [t for t, i in enumerate(last_step_of_traj) if not steps[i].is_padding]
+    last_steps = [steps[i] for i in last_step_of_traj]
+    real_trajs = [t for t, s in enumerate(last_steps) if not s.is_padding and s.invalid_reason is None]
     rewards = torch.tensor([steps[last_step_of_traj[t]].reward for t in real_trajs], dtype=torch.float64)
     group = _dense([steps[last_step_of_traj[t]].trajectory_id.prompt_id for t in real_trajs])
     _fill_metrics(metrics, real_trajs, rewards, group)
+    if metrics is not None:
+        metrics["invalid_trajectories"] = sum(not s.is_padding and s.invalid_reason is not None for s in last_steps)
 
     if kind == TURN:
         per_step = _turn_scalars(estimate, estimator, steps, traj_of_step, real_trajs, rewards, group, eps, options)
@@ -180,8 +186,13 @@ def compute_advantages(
                     "it assigns credit along one token sequence, but step-wise training splits a trajectory "
                     "into one sequence per turn with only an outcome reward; use grpo, dr_grpo, rloo or maxrl"
                 )
-        out = estimate(steps, eps=eps, **options)
-        return [torch.zeros_like(o) if s.is_padding else o for o, s in zip(out, steps)]
+        # Padding and invalid steps take no part in the estimate's batch statistics.
+        real = set(real_trajs)
+        keep = [i for i, t in enumerate(traj_of_step.tolist()) if t in real]
+        out = [torch.zeros(s.response_ids.numel(), dtype=torch.float32) for s in steps]
+        for i, o in zip(keep, estimate([steps[i] for i in keep], eps=eps, **options)):
+            out[i] = o
+        return out
 
     scalars = torch.zeros(len(real_trajs), dtype=torch.float64)
     if real_trajs:

@@ -41,9 +41,14 @@ class RolloutGroup:
         return [t[-1].reward for t in self.trajectories]
 
     @property
+    def invalid(self) -> list[Optional[str]]:
+        """Per trajectory: why it is invalid (an infrastructure failure), or None (`Step`)."""
+        return [t[-1].invalid_reason for t in self.trajectories]
+
+    @property
     def has_reward_variance(self) -> bool:
-        """Not every trajectory got the same reward: the group carries a learning signal."""
-        return len(set(self.rewards)) > 1
+        """Not every valid trajectory got the same reward: the group carries a learning signal."""
+        return has_variance(self.rewards, self.invalid)
 
     @property
     def num_steps(self) -> int:
@@ -59,6 +64,7 @@ class RolloutGroup:
         return GroupSummary(
             prompt_id=self.prompt_id,
             rewards=self.rewards,
+            invalid=self.invalid,
             turns=[len(t) for t in self.trajectories],
             stop_reasons=[s.stop_reason for s in last],
             envs=[str(s.metadata["env"]) if "env" in s.metadata else None for s in last],
@@ -87,6 +93,7 @@ class GroupSummary:
 
     prompt_id: str
     rewards: list[float]
+    invalid: list[Optional[str]]
     turns: list[int]
     stop_reasons: list[str]
     envs: list[Optional[str]]
@@ -97,7 +104,11 @@ class GroupSummary:
 
     @property
     def has_reward_variance(self) -> bool:
-        return len(set(self.rewards)) > 1
+        return has_variance(self.rewards, self.invalid)
+
+    @property
+    def valid_rewards(self) -> list[float]:
+        return [r for r, bad in zip(self.rewards, self.invalid) if bad is None]
 
     @property
     def num_steps(self) -> int:
@@ -118,6 +129,11 @@ class GroupSummary:
 
     def summary(self) -> "GroupSummary":
         return self
+
+
+def has_variance(rewards: Sequence[float], invalid: Sequence[Optional[str]]) -> bool:
+    """Two valid trajectories with different rewards: an invalid one's reward is no outcome."""
+    return len({r for r, bad in zip(rewards, invalid) if bad is None}) > 1
 
 
 def pack_groups(groups: Sequence[RolloutGroup]) -> dict:

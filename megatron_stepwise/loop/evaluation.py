@@ -54,8 +54,15 @@ def answer_of(step: Step, tokenizer) -> Optional[str]:
 def eval_metrics(steps: Sequence[Step], tokenizer, success_threshold: float) -> dict[str, float]:
     """Reward, pass@k, maj@k, turns and stop reasons of one eval rollout (keys without a prefix)."""
     base = rollout_metrics(steps, success_threshold=success_threshold)
-    out = {k: v for k, v in base.items() if k.startswith(("reward/", "rollout/turns", "stop_reason/"))}
-    groups = list(group_outcomes(steps).values())
+    out = {
+        k: v
+        for k, v in base.items()
+        if k.startswith(("reward/", "rollout/turns", "stop_reason/")) or k == "rollout/invalid_share"
+    }
+    groups = list(group_outcomes(steps).values())  # valid trajectories only
+    out["prompts"] = float(len(groups))
+    if not groups:
+        return out
     n = min(len(g) for g in groups)
     for k in pass_ks(n):
         if math.comb(n, k) > MAJ_MAX_SUBSETS:
@@ -66,7 +73,6 @@ def eval_metrics(steps: Sequence[Step], tokenizer, success_threshold: float) -> 
             )
             for g in groups
         ) / len(groups)
-    out["prompts"] = float(len(groups))
     return out
 
 

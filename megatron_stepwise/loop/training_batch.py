@@ -8,9 +8,12 @@ advantages give the same result whether one prepares a mini-batch or the iterati
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional, Sequence
+
+import torch
 
 from megatron_stepwise.algo.advantages import compute_advantages
 from megatron_stepwise.algo.merge import merge_with_advantages
@@ -59,7 +62,7 @@ def prepare_rows(
 ) -> tuple[StepBatch, dict]:
     """`prepare`, keeping a batch with no trained token: whole groups prepared one at a time
     (an agent worker prepares each group it made) concatenate to the mini-batch's batch."""
-    steps = list(steps)
+    steps = untrained_if_invalid(steps)
     metrics: dict[str, Any] = {
         "batch/rows_before_merge": len(steps),
         "batch/tokens_before_merge": sum(s.num_tokens for s in steps),
@@ -76,6 +79,18 @@ def prepare_rows(
     batch = StepBatch.from_steps(steps, keep_metadata=keep_metadata)
     batch.set_response_field("advantages", advantages)
     return batch, metrics
+
+
+def untrained_if_invalid(steps: Sequence[Step]) -> list[Step]:
+    """The steps, those of invalid trajectories (`Step.invalid_reason`) with no trained token: their
+    rows stay where the mini-batch plan put them (and in dumps), but nothing of them is learned."""
+    invalid = {s.trajectory_id for s in steps if s.is_last_step and s.invalid_reason is not None}
+    if not invalid:
+        return list(steps)
+    return [
+        dataclasses.replace(s, loss_mask=torch.zeros_like(s.loss_mask)) if s.trajectory_id in invalid else s
+        for s in steps
+    ]
 
 
 def add_counts(items: Iterable[Mapping[str, Any]]) -> dict[str, Any]:

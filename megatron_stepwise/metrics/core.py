@@ -54,10 +54,10 @@ def pass_ks(n: int) -> list[int]:
 
 
 def group_outcomes(steps: Sequence[Step]) -> dict[str, list[Step]]:
-    """{prompt_id: last steps of its trajectories} of the real trajectories."""
+    """{prompt_id: last steps of its trajectories} of the real, valid trajectories."""
     groups: dict[str, list[Step]] = defaultdict(list)
     for s in steps:
-        if s.is_last_step and not s.is_padding:
+        if s.is_last_step and not s.is_padding and s.invalid_reason is None:
             groups[s.trajectory_id.prompt_id].append(s)
     return groups
 
@@ -73,33 +73,49 @@ def pass_metrics(groups: Sequence[Sequence[float]], success_threshold: float, pr
     }
 
 
-def rollout_metrics(
-    rollout: Sequence[RolloutGroup] | Sequence[GroupSummary] | Sequence[Step], *, success_threshold: float = 1.0
-) -> dict[str, float]:
-    """Trajectory-level reward, pass@k, turns, lengths and stop reasons of one rollout, given as
-    its prompt groups (or their summaries) or as its flat steps (padding rows ignored)."""
-    if rollout and isinstance(rollout[0], Step):
-        rollout = groups_of(rollout)
-    groups = [g.summary() for g in rollout]
-    values = [r for g in groups for r in g.rewards]
+def reward_metrics(groups: Sequence[GroupSummary], success_threshold: float) -> dict[str, float]:
+    """Mean/std/max/min of the valid trajectories' rewards, pass@k over the groups that have a
+    valid trajectory, the share of groups without a signal; {} when none is valid."""
+    valid = [g.valid_rewards for g in groups if g.valid_rewards]
+    values = [r for rs in valid for r in rs]
     if not values:
         return {}
-    turns = [n for g in groups for n in g.turns]
     mean = sum(values) / len(values)
-    out: dict[str, float] = {
+    return {
         "reward/mean": mean,
         "reward/std": math.sqrt(sum((r - mean) ** 2 for r in values) / len(values)),
         "reward/max": max(values),
         "reward/min": min(values),
-        **pass_metrics([g.rewards for g in groups], success_threshold),
+        **pass_metrics(valid, success_threshold),
         "reward/zero_variance_groups": sum(not g.has_reward_variance for g in groups) / len(groups),
-        "rollout/trajectories": float(len(values)),
+    }
+
+
+def rollout_metrics(
+    rollout: Sequence[RolloutGroup] | Sequence[GroupSummary] | Sequence[Step], *, success_threshold: float = 1.0
+) -> dict[str, float]:
+    """Trajectory-level reward, pass@k, turns, lengths and stop reasons of one rollout, given as
+    its prompt groups (or their summaries) or as its flat steps (padding rows ignored).
+    Reward figures and pass@k are over valid trajectories only; `rollout/invalid_share` counts
+    the others (an infrastructure failure's reward is no outcome)."""
+    if rollout and isinstance(rollout[0], Step):
+        rollout = groups_of(rollout)
+    groups = [g.summary() for g in rollout]
+    n_trajectories = sum(len(g.rewards) for g in groups)
+    if not n_trajectories:
+        return {}
+    invalid = [bad for g in groups for bad in g.invalid if bad is not None]
+    turns = [n for g in groups for n in g.turns]
+    out: dict[str, float] = {
+        "rollout/invalid_share": len(invalid) / n_trajectories,
+        "rollout/trajectories": float(n_trajectories),
         "rollout/steps": float(sum(g.num_steps for g in groups)),
         "rollout/turns_mean": sum(turns) / len(turns),
         "rollout/turns_max": float(max(turns)),
     }
     resp = [n for g in groups for n in g.response_lens]
     prompt = [n for g in groups for n in g.prompt_lens]
+    out.update(reward_metrics(groups, success_threshold))
     out["rollout/response_len_mean"] = sum(resp) / len(resp)
     out["rollout/response_len_max"] = float(max(resp))
     out["rollout/prompt_len_mean"] = sum(prompt) / len(prompt)
@@ -120,8 +136,8 @@ def rollout_metrics(
         out[f"stop_reason/{reason}"] = n / len(stops)
     by_env: dict[str, list[float]] = defaultdict(list)
     for g in groups:
-        for env, r in zip(g.envs, g.rewards):
-            if env is not None:
+        for env, r, bad in zip(g.envs, g.rewards, g.invalid):
+            if env is not None and bad is None:
                 by_env[env].append(r)
     for env, rs in by_env.items():
         out[f"reward/env/{env}"] = sum(rs) / len(rs)

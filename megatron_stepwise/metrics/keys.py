@@ -62,6 +62,13 @@ _T = [  # (pattern, unit, over, meaning)
         "Rollout",
         [
             ("rollout/trajectories", "count", "iteration", "trajectories rolled out"),
+            (
+                "rollout/invalid_share",
+                "fraction",
+                "trajectory",
+                "trajectories marked invalid (env error, aborted request, env's info['invalid']): never "
+                "trained, outside reward/* and pass@k",
+            ),
             ("rollout/steps", "count", "iteration", "steps (turns) rolled out"),
             ("rollout/turns_mean", "turns", "trajectory", "mean turns per trajectory"),
             ("rollout/turns_max", "turns", "trajectory", "most turns of a trajectory"),
@@ -98,6 +105,12 @@ _T = [  # (pattern, unit, over, meaning)
             ("advantages/num_groups", "count", "iteration", "prompt groups given advantages"),
             ("advantages/singleton_groups", "count", "iteration", "groups of one trajectory (no group baseline)"),
             ("advantages/zero_variance_groups", "count", "iteration", "groups of 2+ whose rewards are all equal"),
+            (
+                "advantages/invalid_trajectories",
+                "count",
+                "iteration",
+                "invalid trajectories left out of group statistics (zero advantage, no trained token)",
+            ),
             ("filter/groups_in", "count", "iteration", "groups before the group filters"),
             ("filter/groups_trained", "count", "iteration", "groups after the group filters"),
             (
@@ -256,7 +269,8 @@ _T = [  # (pattern, unit, over, meaning)
             ("eval/[<set>/]rollout/turns_mean", "turns", "trajectory", "mean turns of an eval trajectory"),
             ("eval/[<set>/]rollout/turns_max", "turns", "trajectory", "most turns of an eval trajectory"),
             ("eval/[<set>/]stop_reason/<reason>", "fraction", "trajectory", "how eval trajectories ended"),
-            ("eval/[<set>/]prompts", "count", "group", "eval prompts"),
+            ("eval/[<set>/]prompts", "count", "group", "eval prompts with a valid trajectory"),
+            ("eval/[<set>/]rollout/invalid_share", "fraction", "trajectory", "eval trajectories marked invalid"),
         ],
     ),
     (

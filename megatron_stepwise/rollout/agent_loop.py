@@ -42,7 +42,7 @@ from megatron_stepwise.rollout.context import (
 from megatron_stepwise.rollout.engine import GenerateResult, SamplingParams, engine_loss
 from megatron_stepwise.rollout.env_calls import EnvCaller, EnvError
 from megatron_stepwise.rollout.routing import pad_to_tokens
-from megatron_stepwise.steps import Step, TrajectoryID
+from megatron_stepwise.steps import INVALID, Step, TrajectoryID
 from megatron_stepwise.time_budget import GENERATION, NO_ACTIVITY
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,7 @@ ROLLOUT_KEYS = (
     "context",
     "max_input_length",
     "env_error_reward",
+    "score_env_errors",
     "drift_sample_rate",
     "env_concurrency",
 )
@@ -83,6 +84,11 @@ class AgentLoopConfig:
     )
     max_input_length: int = option(2048, "longest prompt (the chat history, as sent) a turn may send", min=1)
     env_error_reward: float = option(0.0, "reward given to a trajectory ended by an environment error")
+    score_env_errors: bool = option(
+        False,
+        "train on trajectories ended by an environment error, scored env_error_reward; false: they are "
+        "invalid (never trained, outside group statistics and pass@k, counted in rollout/invalid_share)",
+    )
     drift_sample_rate: float = option(
         0.125,
         "context=tokens: share of trajectories measuring rollout/retokenize_drift_rate (costs a render)",
@@ -212,7 +218,9 @@ class AgentLoop:
             messages = await self._checked_call(env.reset, sample, check=_check_reset_output, name="env.reset")
             tools = await self._env_tools(env)
         except EnvError as e:  # any env failure ends only this trajectory
-            return [self._placeholder(traj_id, [self.eos_token_ids[0]], "env_error", cfg.env_error_reward, e)]
+            step = self._placeholder(traj_id, [self.eos_token_ids[0]], "env_error", cfg.env_error_reward, e)
+            self._mark_env_error(step)
+            return [step]
 
         steps: list[Step] = []
         total_reward = 0.0
@@ -244,7 +252,8 @@ class AgentLoop:
                 )
             step, response = self._make_step(traj_id, turn, prompt, result)
             steps.append(step)
-            if result.finish_reason == "abort":
+            if result.finish_reason == "abort":  # the engine dropped the request: no answer to score
+                step.metadata[INVALID] = "abort"
                 break
             text = self.tokenizer.decode(result.output_ids, skip_special_tokens=True)
             try:
@@ -256,6 +265,11 @@ class AgentLoop:
                 step.metadata["error"] = f"{type(e).__name__}: {e}"
                 step.metadata["error_traceback"] = error_traceback(e)
                 total_reward = cfg.env_error_reward
+                self._mark_env_error(step)
+                break
+            if info.get(INVALID):  # the environment's own verdict: its reward is no outcome
+                step.metadata[INVALID] = f"env: {info[INVALID]}"
+                total_reward += reward
                 break
             total_reward += reward
             step.turn_reward = reward
@@ -271,6 +285,11 @@ class AgentLoop:
         steps[-1].is_last_step = True
         steps[-1].reward = total_reward
         return steps
+
+    def _mark_env_error(self, step: Step) -> None:
+        """An environment failure is infrastructure, not a wrong answer: invalid unless configured to score it."""
+        if not self.config.score_env_errors:
+            step.metadata[INVALID] = "env_error"
 
     def close(self) -> None:
         """Ends the environment call pool's idle workers (a later rollout starts new ones)."""

@@ -65,7 +65,13 @@ def test_outcome_estimators_broadcast_each_steps_own_mask(estimator):
         assert got.dtype == torch.float32
         assert got.shape == (len(want),), f"step {i}"
         assert torch.allclose(got, torch.tensor(want, dtype=torch.float32), atol=1e-6), f"step {i}: {got} != {want}"
-    assert metrics == {"num_trajectories": 4, "num_groups": 2, "singleton_groups": 1, "zero_variance_groups": 0}
+    assert metrics == {
+        "num_trajectories": 4,
+        "num_groups": 2,
+        "singleton_groups": 1,
+        "zero_variance_groups": 0,
+        "invalid_trajectories": 0,
+    }
 
 
 def test_broadcast_uses_own_mask_not_last_steps_mask():
