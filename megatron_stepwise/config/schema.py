@@ -304,7 +304,11 @@ class AsyncConfig:
 
     enabled: bool = option(False, "overlap rollout and training")
     max_staleness: int = option(1, "train only on trajectories started at most this many weight versions ago", min=0)
-    stale_policy: Literal["drop", "requeue"] = option("drop", "what happens to a too-stale trajectory")
+    stale_policy: Literal["drop", "requeue", "pace"] = option(
+        "drop",
+        "too-stale groups: drop or requeue them when they finish, or pace (the trainer waits for an old "
+        "group in flight instead, so long trajectories are not under-trained)",
+    )
 
     def __post_init__(self) -> None:  # read by loop/group_buffer.py, which trusts these bounds
         check_options(self, "async.")

@@ -241,6 +241,8 @@ class AsyncRollouts:
             metrics["async/token_staleness_min"] = int(tokens.min())
             metrics["async/token_staleness_max"] = int(tokens.max())
             metrics["async/token_staleness_mean"] = float(tokens.double().mean())
+            for k, n in enumerate(torch.bincount(tokens.clamp(min=0)).tolist()):  # the histogram
+                metrics[f"async/token_staleness/{k}"] = n / tokens.numel()
         spread = trajectory_version_spread(it["steps"])
         if spread:
             # trajectories that a weight update reached mid-way (partial rollouts)

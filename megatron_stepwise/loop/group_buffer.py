@@ -12,7 +12,7 @@ simulated clock (tests/unit/test_group_buffer.py). The design, rule by rule: doc
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -45,6 +45,7 @@ class BufferCounters:
     filtered: int = 0
     stale_dropped: int = 0
     stale_requeued: int = 0
+    paced_waits: int = 0  # takes that waited for an old group in flight (stale_policy=pace)
 
 
 class GroupBuffer:
@@ -69,6 +70,9 @@ class GroupBuffer:
         self._ready: list[Group] = []
         self._requeued: deque[tuple[dict[str, Any], int]] = deque()
         self._filtered_since_take = 0
+        # trajectories per length bucket: finished by the fleet, and trained (fairness, see `metrics`)
+        self.generated_by_length: Counter[str] = Counter()
+        self.trained_by_length: Counter[str] = Counter()
 
     # ---- views ------------------------------------------------------------------------------
     @property
@@ -92,6 +96,10 @@ class GroupBuffer:
 
     # ---- producer side ------------------------------------------------------------------------
     def can_start(self, version: int) -> bool:
+        if self.stale_policy == "pace" and self.outstanding >= (self.max_staleness + 1) * self.prompts_per_minibatch:
+            # Every outstanding group must be trained within max_staleness + 1 steps of n groups;
+            # filtered groups free the capacity below without freeing those steps.
+            return False
         return self.counters.trained + self.outstanding < self.capacity(version)
 
     def start(self, version: int, draw: Callable[[], dict[str, Any]]) -> Group:
@@ -122,6 +130,7 @@ class GroupBuffer:
         group.rollout = rollout
         group.finish_order = self.counters.finished
         self.counters.finished += 1
+        self.generated_by_length.update(length_buckets(rollout))
         if self.is_stale(group, version):
             return self._evict(group)
         if self.keep_group is not None and not self.keep_group(group.rollout):
@@ -135,7 +144,16 @@ class GroupBuffer:
     # ---- trainer side -------------------------------------------------------------------------
     def take(self, n: int, version: int) -> Optional[list[Group]]:
         """Exactly `n` ready groups fresh enough for the trainer at `version`, oldest first; or
-        None (nothing removed but the stale) when fewer are ready."""
+        None (nothing removed but the stale) when fewer are ready.
+
+        stale_policy=pace: also None while a group in flight would be too stale after this step
+        (started at or before `version - max_staleness`): the trainer waits for it rather than
+        drop it later, so long trajectories are trained as often as they are generated."""
+        if self.stale_policy == "pace" and any(
+            version + 1 - g.start_version > self.max_staleness for g in self._in_flight.values()
+        ):
+            self.counters.paced_waits += 1
+            return None
         fresh = []
         for group in self._ready:
             if self.is_stale(group, version):
@@ -149,6 +167,7 @@ class GroupBuffer:
         out, self._ready = fresh[:n], fresh[n:]
         for group in out:
             self.ledger[group.serial] = "trained"
+            self.trained_by_length.update(length_buckets(group.rollout))
         self.counters.trained += n
         self._filtered_since_take = 0
         return out
@@ -162,7 +181,9 @@ class GroupBuffer:
         self._filtered_since_take = 0
 
     def _evict(self, group: Group) -> str:
-        if self.stale_policy == "requeue":
+        # pace gets here only in corner cases (a start during a weight sync at max_staleness 0, or
+        # group filters that freed admission slots early): rolled out again, never lost.
+        if self.stale_policy in ("requeue", "pace"):
             self._requeued.append((group.sample, group.attempt + 1))
             self.counters.stale_requeued += 1
             outcome = "requeued"
@@ -178,6 +199,12 @@ class GroupBuffer:
         out["async/groups_in_flight"] = float(self.in_flight)
         out["async/groups_ready"] = float(self.ready)
         out["async/groups_requeue_waiting"] = float(len(self._requeued))
+        # Fairness: each length bucket's share of the trajectories trained vs generated so far.
+        # Dropping stale groups under-trains the long bucket (trained share below generated).
+        for name, counts in (("generated_share", self.generated_by_length), ("trained_share", self.trained_by_length)):
+            total = sum(counts.values())
+            for bucket, n in counts.items():
+                out[f"async/{name}/{bucket}"] = n / total
         return out
 
     def outstanding_groups(self) -> list[Group]:
@@ -191,6 +218,13 @@ class GroupBuffer:
 
     def requeue_samples(self, samples: list[dict[str, Any]]) -> None:
         self._requeued.extend((dict(s), 0) for s in samples)
+
+
+def length_buckets(rollout: Any) -> list[str]:
+    """Each trajectory's length bucket by turns (`turns_1` ... `turns_8`, `turns_9+`); none for a
+    rollout without trajectories."""
+    trajectories = getattr(rollout, "trajectories", None) or []
+    return [f"turns_{len(t)}" if len(t) <= 8 else "turns_9+" for t in trajectories]
 
 
 def trained_token_staleness(steps: list, version: int):

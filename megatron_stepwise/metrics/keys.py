@@ -238,6 +238,25 @@ _T = [  # (pattern, unit, over, meaning)
                 "run",
                 "groups re-queued as too stale (async.stale_policy=requeue)",
             ),
+            (
+                "async/groups_paced_waits",
+                "count",
+                "run",
+                "takes that waited for an old group in flight (async.stale_policy=pace)",
+            ),
+            (
+                "async/generated_share/turns_<n>",
+                "fraction",
+                "trajectory",
+                "share of the trajectories generated so far with n turns (9+ in one bucket)",
+            ),
+            (
+                "async/trained_share/turns_<n>",
+                "fraction",
+                "trajectory",
+                "share of the trajectories trained so far with n turns: below generated_share = under-trained",
+            ),
+            ("async/token_staleness/<k>", "fraction", "token", "share of the trained tokens k versions stale"),
         ],
     ),
     (

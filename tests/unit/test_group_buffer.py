@@ -10,6 +10,7 @@ import heapq
 import itertools
 import operator
 import random
+from collections import Counter
 from dataclasses import dataclass
 
 import pytest
@@ -162,6 +163,11 @@ class Scenario:
     filter_prob: float = 0.0
 
 
+@dataclass
+class Rollout:
+    trajectories: list  # each a list of turns: what the buffer's length buckets count
+
+
 def _duration(kind, rng):
     if kind == "const":
         return 1.0
@@ -195,11 +201,17 @@ def simulate(sc: Scenario, seed: int, train_steps: int = 40, max_events: int = 2
     def produce():
         while buf.can_start(fleet_v):
             g = buf.start(fleet_v, draw)
-            keep_it = rng.random() >= sc.filter_prob
-            rows = [(g.serial, r, keep_it) for r in range(rng.randint(1, 12))]  # trajectories x turns
+            if sc.gen == "bimodal":  # half the groups are long agent sessions: 6 turns, 6x the time
+                turns = 6 if rng.random() < 0.5 else 1
+                rows = Rollout([[(g.serial, k, t) for t in range(turns)] for k in range(4)])
+                duration = turns * rng.uniform(0.4, 0.6)
+            else:
+                keep_it = rng.random() >= sc.filter_prob
+                rows = [(g.serial, r, keep_it) for r in range(rng.randint(1, 12))]  # trajectories x turns
+                duration = _duration(sc.gen, rng)
             generated[g.serial] = rows
             trace["starts"].append((g.serial, g.sample["uid"], fleet_v))
-            heapq.heappush(events, (clock + _duration(sc.gen, rng), next(seq), "finish", g.serial))
+            heapq.heappush(events, (clock + duration, next(seq), "finish", g.serial))
             assert buf.counters.trained + buf.outstanding <= buf.capacity(fleet_v)
 
     def try_train():
@@ -243,6 +255,10 @@ SCENARIOS = {
     "heavy-tail-eta3-requeue": Scenario(2, 3, "requeue", "heavy", "fast"),
     "filters-eta1": Scenario(4, 1, "requeue", "heavy", "uniform", filter_prob=0.5),
     "mostly-filtered": Scenario(2, 1, "drop", "uniform", "fast", filter_prob=0.95),
+    "heavy-tail-eta1-pace": Scenario(4, 1, "pace", "heavy", "uniform"),
+    "slow-eta0-pace": Scenario(2, 0, "pace", "slow", "uniform"),
+    "filters-eta2-pace": Scenario(3, 2, "pace", "heavy", "fast", filter_prob=0.5),
+    "bimodal-eta1-pace": Scenario(4, 1, "pace", "bimodal", "uniform"),
 }
 
 
@@ -293,8 +309,10 @@ def test_randomised_schedules_keep_the_bound_and_lose_or_duplicate_nothing(name)
     # the schedules were not vacuous: the trainer made progress...
     assert totals["trained"] >= 150 * (5 if name == "mostly-filtered" else 40)
     # ...and the stale path was exercised where stragglers exist, never with constant speeds
-    if sc.gen == "heavy":
+    if sc.gen == "heavy" and sc.policy != "pace":
         assert totals["evicted"] > 0
+    if sc.policy == "pace" and sc.max_staleness > 0 and not sc.filter_prob:
+        assert totals["evicted"] == 0  # the trainer waited instead: nothing generated is thrown away
     if name == "const-eta1":
         assert totals["evicted"] == 0
 
@@ -317,3 +335,23 @@ def test_trajectory_version_spread_sees_updates_inside_a_trajectory():
         Step(TrajectoryID("p", 1), [1], [5], [1], weight_versions=[4]),
     ]
     assert trajectory_version_spread(steps) == [2, 0]
+
+
+def length_shares(policy: str, seeds: int = 30) -> dict[str, tuple[float, float]]:
+    """{bucket: (trained share, generated share)} over many bimodal schedules."""
+    generated, trained = Counter(), Counter()
+    for seed in range(seeds):
+        buf = simulate(Scenario(4, 1, policy, "bimodal", "uniform"), seed)["buf"]
+        generated.update(buf.generated_by_length)
+        trained.update(buf.trained_by_length)
+    return {b: (trained[b] / sum(trained.values()), generated[b] / sum(generated.values())) for b in generated}
+
+
+def test_pacing_trains_long_trajectories_as_often_as_they_are_generated():
+    # Long multi-turn groups take ~6x longer; with max_staleness 1 they finish too stale.
+    drop, pace = length_shares("drop"), length_shares("pace")
+    print(f"bimodal lengths, (trained, generated) share per bucket: drop {drop}, pace {pace}")
+    trained, generated = pace["turns_6"]
+    assert abs(trained - generated) <= 0.05  # pacing: the long bucket is trained in proportion
+    trained, generated = drop["turns_6"]
+    assert generated - trained >= 0.08  # discarding: the long bucket is measurably under-trained
