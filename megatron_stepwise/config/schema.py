@@ -309,6 +309,12 @@ class AsyncConfig:
         "too-stale groups: drop or requeue them when they finish, or pace (the trainer waits for an old "
         "group in flight instead, so long trajectories are not under-trained)",
     )
+    stall_timeout_s: float = option(
+        1800.0,
+        "the trainer stops with an error naming the groups in flight when none finished for this long "
+        "(a warning every minute before that)",
+        gt=0.0,
+    )
 
     def __post_init__(self) -> None:  # read by loop/group_buffer.py, which trusts these bounds
         check_options(self, "async.")

@@ -26,6 +26,7 @@ import functools
 import logging
 import operator
 import threading
+import time
 from typing import Any, Callable, Optional
 
 import torch
@@ -96,6 +97,7 @@ class AsyncRollouts:
         # Filters may discard this many groups while one optimizer step waits before it is skipped
         # (the synchronous source's dynamic sampling gives up after as many rollout rounds).
         self.starve_limit = filters.max_sampling_rounds * cfg.data.prompts_per_iteration
+        self.stall_timeout_s = cfg.async_.stall_timeout_s
         self.driver: Optional[Driver] = None
         self.buffer: Optional[GroupBuffer] = None
         self._pending: list[dict[str, Any]] = []
@@ -112,6 +114,7 @@ class AsyncRollouts:
         self.buffer.requeue_samples(self._pending)
         self._waiters: list[asyncio.Future] = []
         self._tasks: set[asyncio.Task] = set()
+        self._started_at: dict[int, float] = {}  # serial -> when its rollout started (stall messages)
         self._error: Optional[BaseException] = None
         self._producer = driver.loop.create_task(self._produce())
 
@@ -137,16 +140,24 @@ class AsyncRollouts:
                 f.set_result(None)
         self._waiters.clear()
 
-    async def _changed(self) -> None:
-        f = asyncio.get_running_loop().create_future()
+    async def _changed(self, timeout: Optional[float] = None) -> bool:
+        """Wait for the next `_notify`; False when `timeout` seconds passed first."""
+        loop = asyncio.get_running_loop()
+        f = loop.create_future()
         self._waiters.append(f)
-        await f
+        timer = loop.call_later(timeout, lambda: f.done() or f.set_result(False)) if timeout is not None else None
+        try:
+            return await f is not False
+        finally:
+            if timer is not None:
+                timer.cancel()
 
     async def _produce(self) -> None:
         fleet = self.driver.fleet
         while True:
             while self._error is None and self.buffer.can_start(fleet.weight_version):
                 group = self.buffer.start(fleet.weight_version, draw=lambda: self.dataset.next(1)[0])
+                self._started_at[group.serial] = time.monotonic()
                 task = asyncio.get_running_loop().create_task(self._rollout(group))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
@@ -158,6 +169,7 @@ class AsyncRollouts:
             (rollout,) = await self.driver.agent.rollout_groups(
                 [group.rollout_sample()], seed=rollout_seed(self.seed, group.serial)
             )
+            self._started_at.pop(group.serial, None)
             self.buffer.finish(group.serial, rollout, self.version())
         except asyncio.CancelledError:
             raise
@@ -170,6 +182,7 @@ class AsyncRollouts:
     async def next_groups(self) -> Optional[list]:
         """Rank 0: this optimizer step's groups, waiting for them; None when filters starve it."""
         self._notify()  # the version may have moved: the producer may start more groups
+        progress, finished = time.monotonic(), self.buffer.counters.finished
         while True:
             if self._error is not None:
                 raise self._error
@@ -182,7 +195,32 @@ class AsyncRollouts:
             if self.buffer.starved(self.starve_limit):
                 self.buffer.skip_step()
                 return None
-            await self._changed()
+            if self.buffer.counters.finished != finished:
+                progress, finished = time.monotonic(), self.buffer.counters.finished
+            waited = time.monotonic() - progress
+            if waited >= self.stall_timeout_s:
+                raise RuntimeError(f"{self._waiting_for(waited)}; async.stall_timeout_s={self.stall_timeout_s:g}")
+            heartbeat = min(60.0, self.stall_timeout_s / 4)
+            if not await self._changed(timeout=min(heartbeat, self.stall_timeout_s - waited)):
+                if time.monotonic() - progress >= heartbeat:
+                    log.warning("%s (still waiting)", self._waiting_for(time.monotonic() - progress))
+
+    def _waiting_for(self, waited: float) -> str:
+        """What the trainer is waiting for, for a stall warning or error."""
+        buf, now = self.buffer, time.monotonic()
+        in_flight = buf.outstanding_groups()
+        oldest = next((g for g in in_flight if g.rollout is None), None)
+        text = (
+            f"async training: no prompt group finished for {waited:.0f} s; a mini-batch needs "
+            f"{self.prompts_per_minibatch} groups, {buf.ready} ready, {buf.in_flight} in flight"
+        )
+        if oldest is not None:
+            age = now - self._started_at.get(oldest.serial, now)
+            text += (
+                f" (oldest: group {oldest.group_id!r}, started at weight version {oldest.start_version}, "
+                f"{age:.0f} s ago: an environment or engine call that does not return?)"
+            )
+        return text
 
     def _decide(self, iteration: int) -> list[Optional[Round]]:
         """Rank 0: this step's groups, validated, recorded for the metrics, prepared and cut into

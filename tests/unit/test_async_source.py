@@ -174,3 +174,18 @@ def test_a_resumed_driver_rolls_out_the_checkpointed_pending_prompts_first():
     assert sorted(g.group_id for g in groups) == ["q1", "q2"]
     assert [s["prompt_id"] for s in driver.state_dict()["pending"]] == ["p0", "p1"]  # drawn after them
     close(driver, trainer)
+
+
+def test_a_stall_ends_in_one_error_naming_the_groups_in_flight(caplog):
+    # Every rollout hangs (an environment or engine call that never returns): the trainer warns
+    # while it waits, then stops with an error instead of waiting forever.
+    driver, trainer = make_driver(groups_per_step=2, hang=True)
+    driver.stall_timeout_s = 2.0
+    with caplog.at_level("WARNING"), pytest.raises(RuntimeError) as e:
+        take(driver, trainer)
+    message = str(e.value)
+    assert "no prompt group finished for 2 s" in message and "2 groups, 0 ready, 4 in flight" in message
+    assert "oldest: group 'p0', started at weight version 0" in message
+    assert "async.stall_timeout_s=2" in message
+    assert any("still waiting" in r.getMessage() for r in caplog.records)
+    close(driver, trainer)
