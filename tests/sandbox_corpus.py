@@ -215,6 +215,11 @@ CORPUS = {
         "f = open('big', 'wb')\nfor _ in range(64): f.write(b'x' * (1 << 20))\nprint('wrote 64 MiB')",
         lambda r, t: _failed(r) and "wrote" not in r.stdout,
     ),
+    "outrun_the_watch": (  # the code runs below its watcher's priority and cannot climb back
+        "import os\nprint('nice', os.getpriority(os.PRIO_PROCESS, 0))\ntry:\n"
+        "    os.setpriority(os.PRIO_PROCESS, 0, 0); print('raised')\nexcept OSError:\n    print('refused')",
+        lambda r, t: _niceness(r) >= min(19, os.getpriority(os.PRIO_PROCESS, 0) + 10) and "refused" in r.stdout,
+    ),
     "disk_fill_many_files": (  # each file within RLIMIT_FSIZE, 3000 MiB in all
         "n = 0\ntry:\n    for i in range(3000):\n        open(f'f{{i}}', 'wb').write(b'x' * (1 << 20)); n += 1\n"
         "        print(n, flush=True)\nexcept OSError as e:\n    print('stopped', e)",
@@ -261,6 +266,11 @@ CORPUS = {
 
 
 DISK_MB, MEMORY_MB = 64, 512  # run_python's defaults, which the corpus runs with
+
+
+def _niceness(r) -> int:
+    words = r.stdout.split()
+    return int(words[1]) if len(words) > 1 and words[0] == "nice" else -100
 
 
 def _written_mib(r) -> int:
