@@ -28,8 +28,10 @@ from typing import Any, Iterator, Optional, Union
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_stepwise.mcore.runtime.runtime import current_layout
+from megatron_stepwise.mcore.weights.checkpoint_errors import CheckpointError, UnsafeCheckpointError
 from megatron_stepwise.mcore.weights.fileops import fsync_dir, make_staging_dir, raise_together, write_atomic
 
 log = logging.getLogger(__name__)
@@ -41,10 +43,6 @@ MANIFEST = "manifest.json"
 _HASH = "sha256"  # hardware-accelerated on current x86 and ARM: ~1.3 GB/s here, blake2b ~0.7
 _CKPT = re.compile(r"^iter_(\d{7,})$")
 _COMPLETE_MARKERS = ("metadata.json", TRAINER_STATE)
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be saved or loaded as asked (named in the message)."""
 
 
 def checkpoint_name(iteration: int) -> str:
@@ -508,17 +506,35 @@ def load_checkpoint(
                 config_hash=config_hash,
                 strict=strict,
             )
+        except UnsafeCheckpointError as e:
+            error = (True, str(e))
         except CheckpointError:
             raise  # it loads, but not into this run (config, layout): the previous one would not either
-        except Exception as e:  # noqa: BLE001 - damaged in a way the manifest did not see
-            error = f"failed to load ({type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]})"
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - damaged in a way the manifest did not see
+            cause = _first_failure(e)
+            if isinstance(cause, UnsafeCheckpointError):
+                error = (True, str(cause))
+            else:
+                first_line = (str(cause).strip().splitlines() or [""])[0][:200]
+                error = (False, f"failed to load ({type(cause).__name__}: {first_line})")
         errors: list = [None] * dist.get_world_size()
         dist.all_gather_object(errors, error)  # every rank moves on together, even those that loaded
-        problems = [e for e in errors if e]
+        unsafe = [e[1] for e in errors if e and e[0]]
+        if unsafe:  # code posing as a checkpoint: stop, on every rank, rather than look for an older one
+            raise UnsafeCheckpointError(unsafe[0])
+        problems = [e[1] for e in errors if e]
         if not problems:
             return state
         failed[target.name] = problems[0]
         log.warning("checkpoint %s %s; trying the previous one", target, problems[0])
+
+
+def _first_failure(e: BaseException) -> BaseException:
+    """The error itself, or for torch.distributed.checkpoint's CheckpointException (which gathers
+    every rank's failure) the first rank's."""
+    if isinstance(e, CheckpointException) and e.failures:
+        return next(iter(e.failures.values()))[0]
+    return e
 
 
 def _load(
@@ -535,8 +551,10 @@ def _load(
     from megatron.core import dist_checkpointing
 
     from megatron_stepwise.mcore.train.model import unwrap
+    from megatron_stepwise.mcore.weights.safe_dist_load import load_strategies
 
-    common = dist_checkpointing.load_common_state_dict(str(target))
+    strategies = load_strategies()  # every pickle in the checkpoint read as data, never run as code
+    common = strategies["common_strategy"].load_common(str(target))
     trainer_state = common["trainer_state"]
     if config_hash is not None and trainer_state.get("config_hash") != config_hash:
         raise CheckpointError(
@@ -566,7 +584,7 @@ def _load(
     sd = _sharded_state_dict(
         chunks, optimizer if load_optimizer else None, metadata, is_loading=True, with_rng=load_rng and same_layout
     )
-    loaded = dist_checkpointing.load(sd, str(target))
+    loaded = dist_checkpointing.load(sd, str(target), **strategies)
     for i, chunk in enumerate(chunks):
         unwrap(chunk).load_state_dict(loaded[_model_key(i, len(chunks))], strict=strict)
     if optimizer is not None and load_optimizer:
