@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import builtins
+import errno
 import json
 import os
 import pickle
@@ -101,16 +102,28 @@ def diskfull(args, rank: int) -> dict:
     chunks, optimizer, scheduler = build(1, init_seed=1, distopt=True)
     fake_step(chunks, optimizer, scheduler, 1)
     C.save_checkpoint(chunks, optimizer, scheduler, trainer_state(1), ckpt, keep_last=2)
-    one = sum(f.stat().st_size for f in (ckpt / "iter_0000001").rglob("*") if f.is_file())
-    if rank == 0:  # leave room for a third of a checkpoint
-        free = os.statvfs(ckpt).f_bavail * os.statvfs(ckpt).f_frsize
-        with open(ckpt.parent / "filler", "wb") as f:
-            f.write(b"\0" * max(0, free - one // 3))
-    dist.barrier()
     fake_step(chunks, optimizer, scheduler, 2)
-    record = {"save": attempt(lambda: str(C.save_checkpoint(chunks, optimizer, scheduler, trainer_state(2), ckpt, 2)))}
-    dist.barrier()
-    record["listing"] = sorted(p.name for p in ckpt.iterdir())
+    save = lambda it: str(C.save_checkpoint(chunks, optimizer, scheduler, trainer_state(it), ckpt, 2))  # noqa: E731
+    # Injected: rank 0 alone meets ENOSPC writing trainer_state.json (the others have finished).
+    real_write = Path.write_text
+    if rank == 0:
+        Path.write_text = lambda self, *a, **k: (
+            (_ for _ in ()).throw(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self)))
+            if self.name == C.TRAINER_STATE
+            else real_write(self, *a, **k)
+        )
+    record = {"injected": attempt(lambda: save(2))}
+    Path.write_text = real_write
+    record["injected_listing"] = sorted(p.name for p in ckpt.iterdir())
+    if args.fill:  # a real full disk: --ckpt is on a small tmpfs; leave room for a third of a checkpoint
+        one = sum(f.stat().st_size for f in (ckpt / "iter_0000001").rglob("*") if f.is_file())
+        if rank == 0:
+            free = os.statvfs(ckpt).f_bavail * os.statvfs(ckpt).f_frsize
+            with open(ckpt.parent / "filler", "wb") as f:
+                f.write(b"\0" * max(0, free - one // 3))
+        dist.barrier()
+        record["full"] = attempt(lambda: save(2))
+        record["full_listing"] = sorted(p.name for p in ckpt.iterdir())
     record["latest"] = (ckpt / C.LATEST).read_text().strip()
     fresh, fresh_opt, fresh_sched = build(1, init_seed=2, distopt=True)
     record["resume"] = attempt(lambda: C.load_checkpoint(fresh, fresh_opt, fresh_sched, ckpt))
@@ -123,6 +136,7 @@ def main() -> None:
     p.add_argument("--ckpt", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--marker", default="")
+    p.add_argument("--fill", type=int, default=0, help="diskfull: fill the disk of --ckpt (a small tmpfs)")
     args = p.parse_args()
     rank = int(os.environ["RANK"])
     record = poison(args, rank) if args.mode == "poison" else diskfull(args, rank)

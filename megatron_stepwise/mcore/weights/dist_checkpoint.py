@@ -13,6 +13,7 @@ megatron-core on CPU'.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -383,22 +384,51 @@ def save_checkpoint(
     sd["trainer_state"] = json.loads(state_json)
     sd["scheduler"] = scheduler.state_dict() if scheduler is not None else None
     sd["layout"] = current_layout().sizes()
-    with _in_process_results_queue():
-        dist_checkpointing.save(sd, str(tmp), sharded_strategy=_save_strategy())
-    if rank == 0:
-        (tmp / TRAINER_STATE).write_text(state_json)
-    dist.barrier()  # every rank's files are on disk
-
     error = None
-    if rank == 0:
+    try:
+        with _in_process_results_queue():
+            dist_checkpointing.save(sd, str(tmp), sharded_strategy=_save_strategy())
+        if rank == 0:
+            (tmp / TRAINER_STATE).write_text(state_json)
+    except (OSError, CheckpointException) as e:  # a full or failing disk, seen by every rank or rank 0 alone
+        error = _save_failure(e, final)
+    errors: list = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)  # every rank's files are on disk, or every rank knows why not
+    error = next((e for e in errors if e), None)
+    if error is None and rank == 0:
         try:
             write_manifest(tmp)  # the last file of the save: it commits with the rename below
             _publish(tmp, final)
             prune(root, keep_last, protect=final)
         except OSError as e:
-            error = f"could not publish checkpoint {final}: {e}"
+            error = _save_failure(e, final)
+    if error is not None and rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # the half-written save: its space back, `latest` untouched
     raise_together(error, CheckpointError)
     return final
+
+
+def _save_failure(e: BaseException, final: Path) -> str:
+    """One line for a save that failed: which iteration, where, why, and what is kept."""
+    # megatron-core's writer re-raises an OSError as RuntimeError("Worker failure: [Errno 28] ..."),
+    # and torch.save on a full disk as a zip-writer error: the text is what survives.
+    no_space = getattr(e, "errno", None) == errno.ENOSPC or os.strerror(errno.ENOSPC) in str(e)
+    cause = _first_failure(e)
+    first_line = (str(cause).strip().splitlines() or [""])[0][:200]
+    why = os.strerror(errno.ENOSPC) if no_space else f"{type(cause).__name__}: {first_line}"
+    previous = find_latest(final.parent)
+    kept = (
+        f"the latest checkpoint is still {previous.name}" if previous is not None else "there is no earlier checkpoint"
+    )
+    remedy = (
+        "free space there or set checkpoint.dir to a larger disk, then resume"
+        if no_space
+        else "fix the directory, then resume"
+    )
+    return (
+        f"could not save checkpoint {final.name} (iteration {int(_iteration(final))}) in checkpoint.dir "
+        f"{final.parent}: {why}. Its partial files were removed and {kept}; {remedy}"
+    )
 
 
 def _decide(
