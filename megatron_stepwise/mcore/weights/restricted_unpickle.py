@@ -44,6 +44,7 @@ _INDEX_CLASSES = {
     "torch.serialization": {"_get_layout"},  # a name -> torch.layout lookup
     "builtins": {"set", "frozenset", "bytearray", "slice", "complex"},
     "collections": {"OrderedDict"},
+    "pathlib": {"PosixPath", "PurePosixPath"},  # StorageMeta.checkpoint_id as torch's own writer records it
 }
 # An RNG state saved by numpy (np.random.get_state()): an array of uint32 and its dtype.
 _NUMPY_GLOBALS = [np.ndarray, np.dtype, type(np.dtype(np.uint32))]
