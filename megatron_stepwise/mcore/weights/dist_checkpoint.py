@@ -3,8 +3,10 @@
 A checkpoint `CKPT_DIR/iter_0000042/` holds the model chunks, the optimizer, the LR scheduler,
 the caller's trainer state and every rank's RNG states. Saves are atomic (`.tmp` directory,
 barrier, rename, `latest` pointer) and verified (a `manifest.json` of sizes and hashes checked
-before loading; a damaged latest falls back to the previous good one). A resume refuses a
-checkpoint written by another run.
+before loading; a damaged latest falls back to the previous good one; a save that fails, e.g. on
+a full disk, removes its partial files and leaves `latest` where it was). A resume refuses a
+checkpoint written by another run. Loading never runs code from a checkpoint: its pickles are read
+as data (safe_dist_load.py; docs/weights.md, 'What a checkpoint from elsewhere can and cannot do').
 
 What each part holds and when it reloads into another layout: docs/weights.md, 'Checkpoints';
 the two megatron-core 0.16 quirks on CPU / gloo handled here: 'Checkpoints: pruning and
