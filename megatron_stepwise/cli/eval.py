@@ -37,9 +37,11 @@ def _main(args: argparse.Namespace) -> int:
     cfg = load_or_report(args)
     if cfg is None:
         return 2
+    from megatron_stepwise.mcore.weights.checkpoint_errors import CheckpointError
+
     try:
         metrics, source, iteration, outcomes = evaluate(cfg, checkpoint=args.checkpoint, hf=args.hf)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out = args.out or os.path.join(cfg.run_dir, "eval", f"{source}.json")

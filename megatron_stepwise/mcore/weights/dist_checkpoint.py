@@ -3,8 +3,10 @@
 A checkpoint `CKPT_DIR/iter_0000042/` holds the model chunks, the optimizer, the LR scheduler,
 the caller's trainer state and every rank's RNG states. Saves are atomic (`.tmp` directory,
 barrier, rename, `latest` pointer) and verified (a `manifest.json` of sizes and hashes checked
-before loading; a damaged latest falls back to the previous good one). A resume refuses a
-checkpoint written by another run.
+before loading; a damaged latest falls back to the previous good one; a save that fails, e.g. on
+a full disk, removes its partial files and leaves `latest` where it was). A resume refuses a
+checkpoint written by another run. Loading never runs code from a checkpoint: its pickles are read
+as data (safe_dist_load.py; docs/weights.md, 'What a checkpoint from elsewhere can and cannot do').
 
 What each part holds and when it reloads into another layout: docs/weights.md, 'Checkpoints';
 the two megatron-core 0.16 quirks on CPU / gloo handled here: 'Checkpoints: pruning and
@@ -13,6 +15,7 @@ megatron-core on CPU'.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -28,8 +31,10 @@ from typing import Any, Iterator, Optional, Union
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_stepwise.mcore.runtime.runtime import current_layout
+from megatron_stepwise.mcore.weights.checkpoint_errors import CheckpointError, UnsafeCheckpointError
 from megatron_stepwise.mcore.weights.fileops import fsync_dir, make_staging_dir, raise_together, write_atomic
 
 log = logging.getLogger(__name__)
@@ -41,10 +46,6 @@ MANIFEST = "manifest.json"
 _HASH = "sha256"  # hardware-accelerated on current x86 and ARM: ~1.3 GB/s here, blake2b ~0.7
 _CKPT = re.compile(r"^iter_(\d{7,})$")
 _COMPLETE_MARKERS = ("metadata.json", TRAINER_STATE)
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be saved or loaded as asked (named in the message)."""
 
 
 def checkpoint_name(iteration: int) -> str:
@@ -385,22 +386,51 @@ def save_checkpoint(
     sd["trainer_state"] = json.loads(state_json)
     sd["scheduler"] = scheduler.state_dict() if scheduler is not None else None
     sd["layout"] = current_layout().sizes()
-    with _in_process_results_queue():
-        dist_checkpointing.save(sd, str(tmp), sharded_strategy=_save_strategy())
-    if rank == 0:
-        (tmp / TRAINER_STATE).write_text(state_json)
-    dist.barrier()  # every rank's files are on disk
-
     error = None
-    if rank == 0:
+    try:
+        with _in_process_results_queue():
+            dist_checkpointing.save(sd, str(tmp), sharded_strategy=_save_strategy())
+        if rank == 0:
+            (tmp / TRAINER_STATE).write_text(state_json)
+    except (OSError, CheckpointException) as e:  # a full or failing disk, seen by every rank or rank 0 alone
+        error = _save_failure(e, final)
+    errors: list = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)  # every rank's files are on disk, or every rank knows why not
+    error = next((e for e in errors if e), None)
+    if error is None and rank == 0:
         try:
             write_manifest(tmp)  # the last file of the save: it commits with the rename below
             _publish(tmp, final)
             prune(root, keep_last, protect=final)
         except OSError as e:
-            error = f"could not publish checkpoint {final}: {e}"
+            error = _save_failure(e, final)
+    if error is not None and rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # the half-written save: its space back, `latest` untouched
     raise_together(error, CheckpointError)
     return final
+
+
+def _save_failure(e: BaseException, final: Path) -> str:
+    """One line for a save that failed: which iteration, where, why, and what is kept."""
+    # megatron-core's writer re-raises an OSError as RuntimeError("Worker failure: [Errno 28] ..."),
+    # and torch.save on a full disk as a zip-writer error: the text is what survives.
+    no_space = getattr(e, "errno", None) == errno.ENOSPC or os.strerror(errno.ENOSPC) in str(e)
+    cause = _first_failure(e)
+    first_line = (str(cause).strip().splitlines() or [""])[0][:200]
+    why = os.strerror(errno.ENOSPC) if no_space else f"{type(cause).__name__}: {first_line}"
+    previous = find_latest(final.parent)
+    kept = (
+        f"the latest checkpoint is still {previous.name}" if previous is not None else "there is no earlier checkpoint"
+    )
+    remedy = (
+        "free space there or set checkpoint.dir to a larger disk, then resume"
+        if no_space
+        else "fix the directory, then resume"
+    )
+    return (
+        f"could not save checkpoint {final.name} (iteration {int(_iteration(final))}) in checkpoint.dir "
+        f"{final.parent}: {why}. Its partial files were removed and {kept}; {remedy}"
+    )
 
 
 def _decide(
@@ -508,17 +538,35 @@ def load_checkpoint(
                 config_hash=config_hash,
                 strict=strict,
             )
+        except UnsafeCheckpointError as e:
+            error = (True, str(e))
         except CheckpointError:
             raise  # it loads, but not into this run (config, layout): the previous one would not either
-        except Exception as e:  # noqa: BLE001 - damaged in a way the manifest did not see
-            error = f"failed to load ({type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]})"
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - damaged in a way the manifest did not see
+            cause = _first_failure(e)
+            if isinstance(cause, UnsafeCheckpointError):
+                error = (True, str(cause))
+            else:
+                first_line = (str(cause).strip().splitlines() or [""])[0][:200]
+                error = (False, f"failed to load ({type(cause).__name__}: {first_line})")
         errors: list = [None] * dist.get_world_size()
         dist.all_gather_object(errors, error)  # every rank moves on together, even those that loaded
-        problems = [e for e in errors if e]
+        unsafe = [e[1] for e in errors if e and e[0]]
+        if unsafe:  # code posing as a checkpoint: stop, on every rank, rather than look for an older one
+            raise UnsafeCheckpointError(unsafe[0])
+        problems = [e[1] for e in errors if e]
         if not problems:
             return state
         failed[target.name] = problems[0]
         log.warning("checkpoint %s %s; trying the previous one", target, problems[0])
+
+
+def _first_failure(e: BaseException) -> BaseException:
+    """The error itself, or for torch.distributed.checkpoint's CheckpointException (which gathers
+    every rank's failure) the first rank's."""
+    if isinstance(e, CheckpointException) and e.failures:
+        return next(iter(e.failures.values()))[0]
+    return e
 
 
 def _load(
@@ -535,8 +583,10 @@ def _load(
     from megatron.core import dist_checkpointing
 
     from megatron_stepwise.mcore.train.model import unwrap
+    from megatron_stepwise.mcore.weights.safe_dist_load import load_strategies
 
-    common = dist_checkpointing.load_common_state_dict(str(target))
+    strategies = load_strategies()  # every pickle in the checkpoint read as data, never run as code
+    common = strategies["common_strategy"].load_common(str(target))
     trainer_state = common["trainer_state"]
     if config_hash is not None and trainer_state.get("config_hash") != config_hash:
         raise CheckpointError(
@@ -566,7 +616,7 @@ def _load(
     sd = _sharded_state_dict(
         chunks, optimizer if load_optimizer else None, metadata, is_loading=True, with_rng=load_rng and same_layout
     )
-    loaded = dist_checkpointing.load(sd, str(target))
+    loaded = dist_checkpointing.load(sd, str(target), **strategies)
     for i, chunk in enumerate(chunks):
         unwrap(chunk).load_state_dict(loaded[_model_key(i, len(chunks))], strict=strict)
     if optimizer is not None and load_optimizer:

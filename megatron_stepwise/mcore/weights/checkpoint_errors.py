@@ -1,0 +1,11 @@
+"""The errors of checkpoint saving and loading (one line each, naming the file or directory)."""
+
+from __future__ import annotations
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be saved or loaded as asked (named in the message)."""
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint file whose pickle asks for a class a checkpoint never holds (code, not data)."""
