@@ -28,6 +28,10 @@ from nodelist import expand_nodelist  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 EXIT_BAD_CONFIG = 2
 LOCAL_MASTER_PORT = 29500
+# torchrun with the `bound-static` rendezvous (megatron_stepwise/rundir/torchrun.py): its store
+# listens on the endpoint's address only (loopback on one node, the head's cluster address on
+# SLURM), where torchrun's own store listens on every interface, unauthenticated.
+TORCHRUN = ["python", "-m", "megatron_stepwise.rundir.torchrun", "--rdzv-backend=bound-static"]
 # Recent Ray turns token authentication on for `ray start` (a token in ~/.ray/auth_token), but its
 # clients (wait-ray, the trainer's ray.init) send the token only when asked to: without this,
 # every client of a cluster the plan starts is refused (InvalidAuthToken). Older Ray ignores it.
@@ -68,7 +72,7 @@ class Job:
     def train_command(self, torchrun_args: list[object], ray_address: object | None) -> list[object]:
         extra = [Raw(f"rollout.ray_address={ray_address}")] if ray_address else []
         return [
-            "torchrun",
+            *TORCHRUN,
             *torchrun_args,
             "-m",
             "megatron_stepwise.cli",
@@ -134,11 +138,8 @@ def plan_local(job: Job) -> list[str]:
             ]
         )
     nproc = launch.nproc_per_node
-    if launch.master_port is None:
-        rdzv = ["--standalone"]  # a free port on loopback, so concurrent runs do not collide
-    else:
-        rdzv = ["--rdzv-backend=static", f"--rdzv-endpoint=127.0.0.1:{launch.master_port}", "--node-rank=0"]
-    torchrun = [*rdzv, "--nnodes=1", f"--nproc-per-node={nproc}"]
+    # port 0: a free port on loopback, so concurrent runs do not collide
+    torchrun = [f"--rdzv-endpoint=127.0.0.1:{launch.master_port or 0}", "--nnodes=1", f"--nproc-per-node={nproc}"]
     lines = [
         f"# megatron-stepwise local launch of {job.cfg.name}: {nproc} training rank(s) on "
         f"{'GPUs ' + gpu_list(0, nproc) if launch.gpus_per_node else 'CPU'}"
@@ -249,6 +250,8 @@ def plan_slurm(job: Job, environ: dict[str, str]) -> list[str]:
     unused = alloc.nodes[need:]
     if unused:
         lines.append(f"# note: nodes not used by this layout: {','.join(unused)}")
+    # The head's cluster address (Ray's too): the rendezvous store listens there only.
+    lines.append(f"HEAD_IP=$({sh(*step, '-w', head, 'hostname', '--ip-address')} | awk '{{print $1}}')")
     if ro.ray_address:
         ray_address = None  # an existing Ray cluster: the fleet joins it, nothing to start
         lines.append(f"# rollout: {ro.num_engines} {ro.engine} engine(s) on the Ray cluster at {ro.ray_address}")
@@ -261,9 +264,8 @@ def plan_slurm(job: Job, environ: dict[str, str]) -> list[str]:
         torchrun = [
             f"--nnodes={launch.nnodes}",
             f"--nproc-per-node={nproc}",
-            f"--node-rank={rank}",
-            "--rdzv-backend=static",
-            f"--rdzv-endpoint={head}:{port}",
+            f"--rdzv-conf=rank={rank}",
+            Raw(f"--rdzv-endpoint=$HEAD_IP:{port}"),
         ]
         lines += [sh(*step, "-w", node, *env, *job.train_command(torchrun, ray_address)) + " &", 'TRAIN_PIDS+=("$!")']
     lines += ["status=0", 'for pid in "${TRAIN_PIDS[@]}"; do wait "$pid" || status=$?; done', 'exit "$status"']
@@ -276,8 +278,7 @@ def _ray_cluster(
     """Ray head on the first node, a worker on every other node; each sees only its rollout GPUs
     (every GPU when colocated)."""
     gpus, nproc = launch.gpus_per_node, launch.nproc_per_node
-    head_ip = sh(*step, "-w", train_nodes[0], "hostname", "--ip-address")
-    lines = [*RAY_ENV, f"HEAD_IP=$({head_ip} | awk '{{print $1}}')", "trap 'kill $(jobs -p) 2>/dev/null || true' EXIT"]
+    lines = [*RAY_ENV, "trap 'kill $(jobs -p) 2>/dev/null || true' EXIT"]
     ray_nodes = train_nodes + rollout_nodes
     for i, node in enumerate(ray_nodes):
         first_free = nproc if node in train_nodes and not colocate else 0  # training keeps [0, nproc)

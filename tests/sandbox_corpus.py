@@ -237,6 +237,17 @@ CORPUS = {
         "m = mmap.mmap(-1, 400 << 20)\nfor i in range(400):\n    m[i << 20:(i + 1) << 20] = chunk\ntime.sleep(600)",
         lambda r, t: "memory" in r.limit and _held_mib(r) <= 2 * MEMORY_MB and not r.timed_out,
     ),
+    "memory_memfd": (  # 900 MiB in unmapped memfds (1 MiB each: RLIMIT_FSIZE), 60 in each of 15 processes
+        "import os, time\nchunk = b'x' * (1 << 20)\nkept = []\nfor _ in range(14):\n    try:\n"
+        "        if os.fork() == 0:\n            break\n    except OSError:\n        pass\n"
+        "try:\n    for i in range(60):\n        fd = os.memfd_create(f'm{{i}}')\n"
+        "        os.ftruncate(fd, 1 << 20); os.write(fd, chunk); kept.append(fd)\n"
+        "except OSError as e:\n    print('refused', e, flush=True)\nprint('held', len(kept), flush=True)\nif kept:\n    time.sleep(600)",
+        lambda r, t: (
+            ("refused" in r.stdout and "held 60" not in r.stdout)
+            or ("memory" in r.limit and _held_mib(r) <= 2 * MEMORY_MB)
+        ),
+    ),
     "regain_capabilities": (  # the code starts as its user namespace's root to mount its tmpfs
         "import ctypes; libc = ctypes.CDLL(None, use_errno=True)\n"
         "hdr = (ctypes.c_uint32 * 2)(0x20080522, 0); data = (ctypes.c_uint32 * 6)(); libc.capget(hdr, data)\n"

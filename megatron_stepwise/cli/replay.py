@@ -54,8 +54,10 @@ def _main(args: argparse.Namespace) -> int:
         return 2
     nproc = cfg.launch.nproc_per_node * cfg.launch.nnodes
     if not under_launcher and nproc > 1:
+        from megatron_stepwise.rundir.torchrun import single_node_args
+
         argv = [
-            "--standalone",
+            *single_node_args(),  # the rendezvous store on loopback only
             f"--nproc-per-node={nproc}",
             "-m",
             "megatron_stepwise.cli",

@@ -51,6 +51,7 @@ def _main(args: argparse.Namespace) -> int:
             run_locks,
             run_torchrun,
         )
+        from megatron_stepwise.rundir.torchrun import single_node_args
 
         try:  # refuse before torchrun starts; rank 0 takes the locks itself
             HeldLocks(run_locks(cfg.run_dir, cfg.checkpoint_dir)).probe(LOCK_WAIT_S)
@@ -61,7 +62,7 @@ def _main(args: argparse.Namespace) -> int:
         os.environ.setdefault("MEGATRON_STEPWISE_COMMAND", json.dumps(sys.argv))  # recorded in run.json
         os.environ[RUN_DIR_ENV] = os.path.abspath(cfg.run_dir)
         torchrun = [
-            "--standalone",
+            *single_node_args(),  # the rendezvous store on loopback only
             f"--nproc-per-node={nproc}",
             "-m",
             "megatron_stepwise.cli",

@@ -150,6 +150,12 @@ class RolloutConfig:
         None, "Ray actors running the agent loop; 0 = the driver; null = 0 when embedded, else 2 per node", min=0
     )
     agent_worker_cpus: float = option(1.0, "CPUs Ray reserves for each agent worker", gt=0.0)
+    agent_worker_timeout_s: float = option(
+        300.0,
+        "seconds an agent worker may leave a liveness ping or a row fetch unanswered before it is treated "
+        "as dead (killed, restarted, its groups rolled out again)",
+        gt=0.0,
+    )
     handoff: Literal["workers", "driver"] = option(
         "workers", "where sync rollout rows go with agent workers: workers (each DP replica fetches) or driver"
     )

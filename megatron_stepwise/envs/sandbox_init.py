@@ -114,6 +114,8 @@ _ARCHES = {  # machine -> (AUDIT_ARCH, socket, io_uring_setup, first x32 syscall
     "aarch64": (0xC00000B7, 198, 425, None),
 }
 _KEY_SYSCALLS = {"x86_64": (248, 249, 250), "aarch64": (217, 218, 219)}  # add_key, request_key, keyctl
+# memfd_create, memfd_secret, shmget: memory no process needs to map, so no RSS the watch can sum
+_UNMAPPED_MEMORY_SYSCALLS = {"x86_64": (319, 447, 29), "aarch64": (279, 447, 194)}
 _KEYCTL_JOIN_SESSION_KEYRING = 1
 
 
@@ -136,15 +138,17 @@ class _SockFprog(ctypes.Structure):
 
 
 def deny_sockets() -> bool:
-    """Seccomp: socket(), io_uring_setup and the key syscalls fail with EACCES; False if
-    unsupported here.
+    """Seccomp: socket(), io_uring_setup, the key syscalls and memfd_create, memfd_secret and
+    shmget fail with EACCES; False if unsupported here.
 
     Model code has no use for sockets, and each other layer leaves some open: a network namespace
     does not cover pathname unix sockets (the trainer's Ray sockets, when it is not root), Landlock
     (ABI <= 7) covers neither those nor UDP, and either may be missing. socketpair() stays allowed
     (an unconnected pair, used by the standard library). io_uring is denied because it creates
     sockets without the socket() syscall; on x86_64 the 32-bit and x32 entry points are denied
-    wholesale, since their syscall numbers differ.
+    wholesale, since their syscall numbers differ. A memfd or SysV segment holds memory without
+    being mapped (write() fills it), where the trainer's memory watch, which sums resident
+    memory, sees none of it; the standard library needs neither (files go to the call's tmpfs).
     """
     arch = _ARCHES.get(os.uname().machine)
     if arch is None:
@@ -154,7 +158,8 @@ def deny_sockets() -> bool:
     prog = [(_LD_W_ABS, 4, None, None), (_JEQ_K, audit_arch, None, "deny"), (_LD_W_ABS, 0, None, None)]
     if x32 is not None:
         prog.append((_JGE_K, x32, "deny", None))
-    prog += [(_JEQ_K, key_nr, "deny", None) for key_nr in _KEY_SYSCALLS[os.uname().machine]]
+    denied = _KEY_SYSCALLS[os.uname().machine] + _UNMAPPED_MEMORY_SYSCALLS[os.uname().machine]
+    prog += [(_JEQ_K, nr, "deny", None) for nr in denied]
     prog += [
         (_JEQ_K, io_uring_nr, "deny", None),
         (_JEQ_K, socket_nr, "deny", "allow"),

@@ -9,7 +9,10 @@ back `RolloutGroup`s (columnar on the wire, no per-step tensor pickling), with t
 worker found dead (the fleet restarts them) and its request counts (the fleet's metrics). A worker that dies is restarted and its unfinished
 groups are re-issued to a live one, counted in `agents/worker_restarts` and
 `agents/reissued_groups`; sampling seeds depend only on the trajectory and turn, so a re-issued
-group samples as it would have.
+group samples as it would have. A worker that answers no liveness ping for
+`rollout.agent_worker_timeout_s` (frozen: SIGSTOP, a hung event loop) is killed and treated the
+same. Groups whose rows died with a worker are rolled out again by the synchronous source
+(`replace`, `holders`; `agents/regenerated_groups`).
 """
 
 from __future__ import annotations
@@ -34,10 +37,15 @@ from megatron_stepwise.steps import Step
 log = logging.getLogger(__name__)
 
 CHUNKS_PER_WORKER = 4  # a synchronous rollout's groups go out in at least this many calls per worker
+START_TIMEOUT_S = 300.0  # a worker's first answer (imports, tokenizer) may take this long on a loaded node
 
 
 class AgentWorkersNotStarted(TimeoutError):
     """The agent workers' actors never started (Ray had no room for them): a resource setting to fix."""
+
+
+class WorkerUnresponsive(TimeoutError):
+    """An agent worker answered no liveness ping within `rollout.agent_worker_timeout_s`."""
 
 
 def resolve_agent_workers(cfg, ray_nodes: Optional[int] = None) -> int:
@@ -94,6 +102,10 @@ class AgentWorker:
     def pid(self) -> int:
         return os.getpid()
 
+    def held_groups(self) -> int:
+        """How many groups' rows this worker keeps (all rounds not yet released)."""
+        return len(self.held.batches)
+
     async def rollout(
         self,
         samples: list[dict],
@@ -139,6 +151,7 @@ class _Worker:
     handle: Any
     busy: int = 0  # groups in flight on it
     incarnation: int = 0
+    started: bool = False  # it has answered once: from then on a ping gets timeout_s, not START_TIMEOUT_S
 
 
 class AgentWorkers:
@@ -153,6 +166,7 @@ class AgentWorkers:
         per_worker = max(1, math.ceil(cfg.rollout.max_concurrency / n))
         self.groups_per_worker = max(1, per_worker // self.samples_per_prompt)
         self.max_reissues = cfg.rollout.max_retries + 1
+        self.timeout_s = cfg.rollout.agent_worker_timeout_s
         self._concurrency = max(per_worker, self.samples_per_prompt)
         self._spawn = spawn or _spawn_worker
         self._token = uuid.uuid4().hex[:12]  # names this driver's workers apart from any other run's
@@ -160,10 +174,13 @@ class AgentWorkers:
         self._free = asyncio.Condition()
         self.worker_restarts = 0
         self.reissued_groups = 0
+        self.regenerated_groups = 0  # counted by the source that rolls them out again
 
-    async def wait_ready(self, timeout_s: float = 300.0) -> None:
+    async def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
         try:
             await asyncio.wait_for(asyncio.gather(*(w.handle.ready.remote() for w in self.workers)), timeout_s)
+            for w in self.workers:
+                w.started = True
         except asyncio.TimeoutError:
             cpus = self.cfg.rollout.agent_worker_cpus
             raise AgentWorkersNotStarted(
@@ -216,7 +233,12 @@ class AgentWorkers:
         import ray
 
         total: dict[str, int] = {}
-        for stats in ray.get([w.handle.env_stats.remote() for w in self.workers]):
+        try:
+            replies = ray.get([w.handle.env_stats.remote() for w in self.workers], timeout=self.timeout_s)
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError) as e:
+            log.warning("environment statistics of the agent workers left out: %s", type(e).__name__)
+            return total
+        for stats in replies:
             for k, v in stats.items():
                 total[k] = total.get(k, 0) + v
         return total
@@ -231,7 +253,19 @@ class AgentWorkers:
             "agents/workers": float(len(self.workers)),
             "agents/worker_restarts": float(self.worker_restarts),
             "agents/reissued_groups": float(self.reissued_groups),
+            "agents/regenerated_groups": float(self.regenerated_groups),
         }
+
+    def holders(self) -> set[str]:
+        """The names of the workers alive now: a held group whose holder is not among them lost its rows."""
+        return {self._name(w.index, w.incarnation) for w in self.workers}
+
+    def replace(self, names: set[str], why: str) -> None:
+        """Restart the workers of these names that still serve (their rows are lost: a fetch found
+        them dead or unanswering); names of workers already replaced are ignored."""
+        for w in self.workers:
+            if self._name(w.index, w.incarnation) in names:
+                self._restart(w, w.incarnation, why)
 
     def close(self) -> None:
         import ray
@@ -273,10 +307,12 @@ class AgentWorkers:
         for attempt in range(self.max_reissues + 1):
             worker = await self._acquire(len(samples))
             incarnation = worker.incarnation
+            call = worker.handle.rollout.remote(samples, seed, tag, self.fleet.engine_table(), hold)
+            what = f"rolling out prompt groups {[s.get('prompt_id') for s in samples][:4]}"
             try:
-                reply = await worker.handle.rollout.remote(samples, seed, tag, self.fleet.engine_table(), hold)
-            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
-                self._restart(worker, incarnation, e)
+                reply = await self._answer(worker, call, what)
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, WorkerUnresponsive) as e:
+                self._restart(worker, incarnation, str(e) if isinstance(e, WorkerUnresponsive) else type(e).__name__)
                 if attempt == self.max_reissues:
                     raise RuntimeError(
                         f"prompt groups {[s.get('prompt_id') for s in samples][:4]}: their agent "
@@ -298,20 +334,47 @@ class AgentWorkers:
             return reply.groups
         raise AssertionError("unreachable")
 
-    def _new_actor(self, index: int, incarnation: int):
-        return self._spawn(self.cfg, index, self._concurrency, f"agent-{self._token}-{index}.{incarnation}")
+    async def _answer(self, worker: _Worker, call, what: str):
+        """The worker's reply to `call`, however long the work takes while the worker answers
+        liveness pings; WorkerUnresponsive once a ping goes unanswered for `timeout_s`."""
+        reply = asyncio.ensure_future(call)
+        try:
+            while True:
+                done, _ = await asyncio.wait({reply}, timeout=self.timeout_s)
+                if done:
+                    worker.started = True
+                    return reply.result()
+                bound = self.timeout_s if worker.started else max(self.timeout_s, START_TIMEOUT_S)
+                try:
+                    await asyncio.wait_for(worker.handle.ready.remote(), bound)
+                except asyncio.TimeoutError:
+                    name = self._name(worker.index, worker.incarnation)
+                    raise WorkerUnresponsive(
+                        f"agent worker {name} answered no liveness ping for {bound:g} s while {what} "
+                        "(rollout.agent_worker_timeout_s): treated as dead"
+                    ) from None
+                worker.started = True
+        finally:
+            reply.cancel()
 
-    def _restart(self, worker: _Worker, incarnation: int, error: BaseException) -> None:
-        """Replace a dead worker once (the other groups it held see the same death)."""
+    def _name(self, index: int, incarnation: int) -> str:
+        return f"agent-{self._token}-{index}.{incarnation}"
+
+    def _new_actor(self, index: int, incarnation: int):
+        return self._spawn(self.cfg, index, self._concurrency, self._name(index, incarnation))
+
+    def _restart(self, worker: _Worker, incarnation: int, why: str) -> None:
+        """Replace a dead (or frozen) worker once (the other groups it held see the same death)."""
         if worker.incarnation != incarnation:
             return
         import ray
 
-        log.warning("agent worker %d died (%s); restarting it", worker.index, type(error).__name__)
+        log.warning("agent worker %s lost (%s); restarting it", self._name(worker.index, incarnation), why)
         try:
             ray.kill(worker.handle, no_restart=True)
         except Exception:  # noqa: BLE001 - it is dead already
             pass
         worker.incarnation += 1
+        worker.started = False
         worker.handle = self._new_actor(worker.index, worker.incarnation)
         self.worker_restarts += 1

@@ -22,6 +22,16 @@ import torch
 import torch.distributed as dist
 
 
+class ResolveFailed(RuntimeError):
+    """A rank could not resolve its payload (raised on every rank alike). `lost`: what the failing
+    ranks found gone (their errors' `lost` attribute, e.g. dead agent workers), which rank 0 may
+    make again before handing the round off anew; empty when no rank said."""
+
+    def __init__(self, message: str, lost: list[str]):
+        super().__init__(message)
+        self.lost = lost
+
+
 class Handoff:
     """`dataset`: has state_dict()/load_state_dict(); `group`: a CPU (gloo) process group of every
     rank; `dp_rank`: this rank's data-parallel rank (for `to_ranks`); `timeout`: of the groups
@@ -104,8 +114,9 @@ class Handoff:
             try:
                 mine = ("ok", resolve(mine[1]), mine[2])
             except Exception as e:  # every rank must leave the agreement below, then all raise
-                failure = f"DP rank {dp} (global rank {dist.get_rank()}): {type(e).__name__}: {e}"
-                mine = ("error", failure, None)
+                text = f"DP rank {dp} (global rank {dist.get_rank()}): {type(e).__name__}: {e}"
+                failure = (text, list(getattr(e, "lost", ())))
+                mine = ("error", text, None)
         if groups[dp] is not None:
             mine = self._share(mine if leader else None, None, groups[dp], leaders[dp])
         self._agree(failure, what, iteration)
@@ -130,16 +141,17 @@ class Handoff:
         self.bytes_received += buf.numel()
         return pickle.loads(memoryview(buf.numpy()))
 
-    def _agree(self, failure: Optional[str], what: str, iteration: int) -> None:
-        """Every rank raises when any rank failed to resolve its payload."""
+    def _agree(self, failure: Optional[tuple[str, list[str]]], what: str, iteration: int) -> None:
+        """Every rank raises the same ResolveFailed when any rank failed to resolve its payload."""
         if dist.get_world_size() == 1:
             failures = [failure]
         else:
             failures = [None] * dist.get_world_size()
             dist.all_gather_object(failures, failure, group=self.group)
-        first = next((f for f in failures if f is not None), None)
-        if first is not None:
-            raise RuntimeError(f"{what} at iteration {iteration}: fetching the rows failed on {first}")
+        failed = [f for f in failures if f is not None]
+        if failed:
+            lost = sorted({name for _, names in failed for name in names})
+            raise ResolveFailed(f"{what} at iteration {iteration}: fetching the rows failed on {failed[0][0]}", lost)
 
     def _replicas(self) -> tuple[list[int], list[int], list[Any]]:
         """(each rank's DP rank, each DP rank's leader: its lowest global rank, each DP rank's

@@ -10,6 +10,8 @@ optimizer step while the fleet keeps going. Both have the same surface: `rounds_
 Rank 0 decides everything once (`split_round`): it validates and filters the rollout, splits it
 into prompt mini-batches, prepares each (merge, advantages) and cuts it into one shard per
 data-parallel rank (the plugin's `plan_shards`); each rank then receives only its own shards.
+With rows held by agent workers, a worker that dies (or freezes) holding some is replaced, its
+groups are rolled out again with their own seeds, and the round is decided and handed off anew.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from megatron_stepwise.algo.advantages import is_temporal_estimator
 from megatron_stepwise.algo.groups import RolloutGroup, flat_steps
 from megatron_stepwise.algo.validate import validate_steps
 from megatron_stepwise.loop.dumps import DumpRecorder
+from megatron_stepwise.loop.handoff import ResolveFailed
 from megatron_stepwise.loop.training_batch import PrepareOptions, prepare
 from megatron_stepwise.loop.worker_rows import HoldRequest, RowFetcher, split_held_round
 from megatron_stepwise.metrics.core import rollout_metrics
@@ -135,7 +138,11 @@ class SyncRollouts:
         # Rows left in the agent workers: rank 0 decides from their tables (`decide`, the plugin's
         # decide_shards) and each replica fetches its own (`fetcher`).
         self.decide = decide
-        self.fetcher = RowFetcher() if decide is not None and holds_rows(cfg) else None
+        self.fetcher = (
+            RowFetcher(timeout_s=cfg.rollout.agent_worker_timeout_s) if decide is not None and holds_rows(cfg) else None
+        )
+        self._held: Optional[tuple] = None  # rank 0: the last held round, (mini-batches, metrics, hold request)
+        self._origins: dict[str, tuple[dict, int]] = {}  # rank 0: prompt id -> (sample, seed) of this iteration
         self.progress = progress  # progress(num_trajectories) -> context manager yielding a per-trajectory callback
         self.driver: Optional[Driver] = None
 
@@ -145,8 +152,17 @@ class SyncRollouts:
     def take(self, iteration: int) -> Optional[Round]:
         """This rank's round: rank 0 rolls out the iteration's prompts and decides it."""
         resolve = self.fetcher.resolve if self.fetcher is not None else None
+        produce = functools.partial(self._decide, iteration)
         try:
-            return self.handoff.to_ranks(lambda: self._decide(iteration), "rollout", iteration, resolve=resolve)
+            for attempt in range(self.cfg.rollout.max_retries + 2):
+                try:
+                    return self.handoff.to_ranks(produce, "rollout", iteration, resolve=resolve)
+                except ResolveFailed as e:  # the same on every rank: all retry, or all raise
+                    if not e.lost or attempt > self.cfg.rollout.max_retries:
+                        raise
+                    log.warning("%s; rolling their groups out again", e)
+                    produce = functools.partial(self._redo, iteration, set(e.lost))
+            raise AssertionError("unreachable")
         finally:
             if resolve is not None and self.driver is not None:
                 self.driver.agent.release(iteration)  # every replica has its rows (or failed): drop them
@@ -166,13 +182,46 @@ class SyncRollouts:
             if self.fetcher is not None:
                 metrics["agents/rows_held"] = 0.0
             return self.split([flat_steps(m) for m in minibatches], metrics)
+        self._held = (minibatches, metrics, hold)
+        return self._split_held()
+
+    def _redo(self, iteration: int, lost: set[str]) -> list[Round]:
+        """Rank 0, after a replica found holders gone: replace them and decide the round again."""
+        assert self._held is not None and self._held[2].key == iteration, "no held round to redo"
+        self.driver.agent.replace(lost, "its rows could not be fetched")
+        return self._split_held()
+
+    def _split_held(self) -> list[Round]:
+        """Rank 0: the held round's decision, once every group's holder is alive (lost ones rolled
+        out again, with their own samples and seeds: they sample as before)."""
         import ray
 
+        minibatches, metrics, hold = self._held
+        agent = self.driver.agent
+        for _ in range(self.cfg.rollout.max_retries + 2):
+            alive = agent.holders()
+            stale = [(i, j) for i, mb in enumerate(minibatches) for j, g in enumerate(mb) if g.holder not in alive]
+            if not stale:
+                break
+            by_seed: dict[int, list[tuple[int, int]]] = {}
+            for i, j in stale:
+                by_seed.setdefault(self._origins[minibatches[i][j].prompt_id][1], []).append((i, j))
+            for seed, where in by_seed.items():
+                samples = [self._origins[minibatches[i][j].prompt_id][0] for i, j in where]
+                again = self.driver.run(agent.rollout_groups(samples, seed=seed, hold=hold))
+                for (i, j), group in zip(where, again):
+                    minibatches[i][j] = group
+            agent.regenerated_groups += len(stale)
         t = time.perf_counter()
         shards, counts, skipped = split_held_round(
             minibatches, decide=self.decide, key=hold.key, ray_address=ray.get_runtime_context().gcs_address
         )
-        metrics = {**metrics, "time/prepare": time.perf_counter() - t, "agents/rows_held": 1.0}
+        metrics = {
+            **metrics,
+            **self.driver.fleet_metrics(),
+            "time/prepare": time.perf_counter() - t,
+            "agents/rows_held": 1.0,
+        }
         return [Round([s[dp] for s in shards], metrics, counts, skipped) for dp in range(self.dp_size)]
 
     def _hold_request(self, iteration: int) -> Optional[HoldRequest]:
@@ -187,16 +236,14 @@ class SyncRollouts:
         cfg, driver = self.cfg, self.driver
         t = time.perf_counter()
         samples = self.dataset.next(cfg.data.prompts_per_iteration)
+        seed = rollout_seed(cfg.trainer.seed, iteration, 0)
+        self._origins = {s["prompt_id"]: (s, seed) for s in samples}
         held = {"hold": hold} if hold is not None else {}
         progress = (
             self.progress(len(samples) * cfg.data.samples_per_prompt) if self.progress else contextlib.nullcontext()
         )
         with progress as done:
-            groups = driver.run(
-                driver.agent.rollout_groups(
-                    samples, seed=rollout_seed(cfg.trainer.seed, iteration, 0), on_trajectory_done=done, **held
-                )
-            )
+            groups = driver.run(driver.agent.rollout_groups(samples, seed=seed, on_trajectory_done=done, **held))
         rounds = 1
         if cfg.algo.filters.dynamic_sampling:
             # Keep rolling out fresh prompts until enough groups carry a learning signal.
@@ -208,6 +255,7 @@ class SyncRollouts:
                 more = [m for m in self.dataset.next(cfg.data.prompts_per_iteration) if m["prompt_id"] not in seen]
                 if more:
                     seed = rollout_seed(cfg.trainer.seed, iteration, rounds)
+                    self._origins.update({m["prompt_id"]: (m, seed) for m in more})
                     groups = groups + driver.run(driver.agent.rollout_groups(more, seed=seed, **held))
                 rounds += 1
         elapsed = time.perf_counter() - t

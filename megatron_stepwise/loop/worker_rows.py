@@ -6,7 +6,9 @@ gets a `HeldGroup`: the group's summary (filters, metrics), its `RowTable` (leng
 no token) and the name of the worker holding it. Rank 0 decides the mini-batches and every DP
 rank's rows from those alone (`split_held_round`) and sends each replica a `RemoteShard`: its
 decision plus which rows to fetch from which worker. The replica's lowest rank fetches them
-through Ray (`RowFetcher`) and cuts its shard; the rows travel worker -> rank, once.
+through Ray (`RowFetcher`) and cuts its shard; the rows travel worker -> rank, once. A holder
+that died, or answers nothing within `rollout.agent_worker_timeout_s`, is `RowsLost`: the
+synchronous source then rolls its groups out again and the round is handed off anew.
 """
 
 from __future__ import annotations
@@ -24,6 +26,14 @@ from megatron_stepwise.loop.training_batch import PrepareOptions, add_counts, pr
 from megatron_stepwise.steps import StepBatch
 
 NAMESPACE = "megatron_stepwise"  # the Ray namespace the agent workers are named in
+
+
+class RowsLost(RuntimeError):
+    """Rows a replica must fetch are gone: `lost` names the workers that held them."""
+
+    def __init__(self, message: str, lost: list[str]):
+        super().__init__(message)
+        self.lost = lost
 
 
 @dataclass(frozen=True)
@@ -157,6 +167,7 @@ def _runs(rows: list[tuple[str, int]]) -> list[tuple[str, list[int]]]:
 class RowFetcher:
     """A training rank's side: fetch a RemoteShard's rows from the workers that hold them."""
 
+    timeout_s: float = 300.0  # rollout.agent_worker_timeout_s: the longest a fetch waits on a worker
     bytes_fetched: int = 0
     seconds: float = 0.0
     _actors: dict[str, Any] = field(default_factory=dict)
@@ -170,16 +181,42 @@ class RowFetcher:
         return payload
 
     def fetch(self, remote: RemoteShard):
-        import ray
 
         start = time.perf_counter()
         self._connect(remote.ray_address, remote.ray_auth_mode)
-        refs = [self._actor(holder).take.remote(remote.key, runs) for holder, runs in remote.pieces]
-        parts = ray.get(refs)
+        holders = [holder for holder, _ in remote.pieces]
+        try:
+            refs = [self._actor(holder).take.remote(remote.key, runs) for holder, runs in remote.pieces]
+        except ValueError as e:  # ray.get_actor: no actor of that name (it died and Ray forgot it)
+            raise RowsLost(f"the rows of round {remote.key}: {e}", holders) from None
+        parts = self._gather(holders, refs, remote.key)
         self.bytes_fetched += sum(_nbytes(p) for p in parts)
         batch = StepBatch.concat([p.from_wire() for p in parts]).select(remote.order)
         self.seconds += time.perf_counter() - start
         return remote.decision.cut(batch)
+
+    def _gather(self, holders: list[str], refs: list, key: int) -> list:
+        """Every worker's piece, waiting at most `timeout_s` in all; RowsLost names the workers
+        that are dead or did not answer in time (a frozen worker answers nothing, ever)."""
+        import ray
+
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s)
+        ready_set = set(ready)
+        parts, lost, why = [], [], []
+        for holder, ref in zip(holders, refs):
+            if ref not in ready_set:
+                lost.append(holder)
+                why.append(f"agent worker {holder} did not answer within {self.timeout_s:g} s")
+                continue
+            try:
+                parts.append(ray.get(ref))
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+                lost.append(holder)
+                why.append(f"agent worker {holder} died ({type(e).__name__})")
+        if lost:
+            self._actors = {k: v for k, v in self._actors.items() if k not in lost}
+            raise RowsLost(f"fetching the rows of round {key}: {'; '.join(why)} (rollout.agent_worker_timeout_s)", lost)
+        return parts
 
     def _connect(self, address: str, auth_mode: Optional[str]) -> None:
         import ray

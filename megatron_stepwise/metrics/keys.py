@@ -195,6 +195,12 @@ _T = [  # (pattern, unit, over, meaning)
             ("agents/worker_restarts", "count", "run", "agent workers restarted"),
             ("agents/reissued_groups", "count", "run", "prompt groups re-issued after a worker died"),
             (
+                "agents/regenerated_groups",
+                "count",
+                "run",
+                "prompt groups rolled out again because the worker holding their rows died or froze",
+            ),
+            (
                 "agents/rows_held",
                 "flag",
                 "iteration",

@@ -298,6 +298,9 @@ def run_torchrun(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    from megatron_stepwise.rundir.torchrun import register
+
+    register()  # the bound-static rendezvous (rundir/torchrun.py) the self-launchers use
     try:
         run(parse_args(argv))
     except ChildFailedError as e:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shlex
 import subprocess
@@ -11,9 +12,10 @@ from pathlib import Path
 
 import pytest
 from config_fakes import FakeProbes
-from helpers import load_script
+from helpers import TESTS, check_ok, load_script, run_launch
 
 from megatron_stepwise.config import load_config
+from megatron_stepwise.rundir import torchrun as bound_torchrun
 
 REPO = Path(__file__).resolve().parents[2]
 # The launch scripts are not a package: load them by path (nodelist first: plan imports it).
@@ -22,6 +24,7 @@ plan = load_script(REPO / "launch" / "plan.py")
 
 RECIPE_1X8 = "configs/recipes/qwen2.5-1.5b_math_tool_1x8.yaml"
 RECIPE_4X8 = "configs/recipes/qwen2.5-3b_retrieval_4x8.yaml"
+TORCHRUN = "megatron_stepwise.rundir.torchrun"  # torchrun with the rendezvous store bound to one address
 
 
 # ---- node lists -------------------------------------------------------------------------------
@@ -92,14 +95,16 @@ def test_slurm_plan_for_four_nodes():
     # training nodes 1-2 use all 8 GPUs for training; rollout nodes 3-4 give all 8 to Ray
     assert [opt(w, "--num-gpus") for w in rays] == ["0", "0", "8", "8"]
     assert opt(rays[2], "CUDA_VISIBLE_DEVICES") == "0,1,2,3,4,5,6,7"
-    trains = commands(lines, "torchrun")
+    trains = commands(lines, TORCHRUN)
     assert [w[w.index("-w") + 1] for w in trains] == ["node01", "node02"]
-    assert [opt(w, "--node-rank") for w in trains] == ["0", "1"]
+    assert [opt(w, "--rdzv-conf") for w in trains] == ["rank=0", "rank=1"]
+    # the store listens on the head's cluster address (Ray's), never on every interface
+    assert "HEAD_IP=$(srun --overlap --nodes=1 --ntasks=1 -w node01 hostname --ip-address | awk '{print $1}')" in lines
     for w in trains:
         assert opt(w, "--nnodes") == "2" and opt(w, "--nproc-per-node") == "8"
-        assert opt(w, "--rdzv-endpoint") == f"node01:{port}" and opt(w, "--rdzv-backend") == "static"
+        assert opt(w, "--rdzv-endpoint") == f"$HEAD_IP:{port}" and opt(w, "--rdzv-backend") == "bound-static"
         assert opt(w, "CUDA_VISIBLE_DEVICES") == "0,1,2,3,4,5,6,7"
-        tail = w[w.index("-m") :]
+        tail = w[w.index("megatron_stepwise.cli") - 1 :]
         assert tail[:4] == ["-m", "megatron_stepwise.cli", "train", RECIPE_4X8]
         assert tail[-1] == "rollout.ray_address=$HEAD_IP:6379"
     # Ray must be up on all 4 nodes before training starts
@@ -113,9 +118,9 @@ def test_slurm_plan_shares_one_node_between_training_and_rollout():
     lines = plan.plan_slurm(job(RECIPE_1X8, "launch.master_port=23456"), slurm_env("gpu7", 1))
     (ray,) = commands(lines, "ray")
     assert opt(ray, "CUDA_VISIBLE_DEVICES") == "4,5,6,7" and opt(ray, "--num-gpus") == "4"
-    (train,) = commands(lines, "torchrun")
+    (train,) = commands(lines, TORCHRUN)
     assert opt(train, "CUDA_VISIBLE_DEVICES") == "0,1,2,3" and opt(train, "--nproc-per-node") == "4"
-    assert opt(train, "--rdzv-endpoint") == "gpu7:23456" and opt(train, "--node-rank") == "0"
+    assert opt(train, "--rdzv-endpoint") == "$HEAD_IP:23456" and opt(train, "--rdzv-conf") == "rank=0"
     assert "launch.master_port=23456" in train  # user overrides reach the training ranks
 
 
@@ -136,8 +141,9 @@ def test_slurm_plan_joins_an_existing_ray_cluster_and_notes_unused_nodes():
         slurm_env("cpu[1-3]", 3, job_id="77", gpus=None),
     )
     assert commands(lines, "ray") == [] and "# note: nodes not used by this layout: cpu2,cpu3" in lines
-    (train,) = commands(lines, "torchrun")
-    assert opt(train, "--rdzv-endpoint") == "cpu1:20077" and opt(train, "OMP_NUM_THREADS") == "1"
+    (train,) = commands(lines, TORCHRUN)
+    assert opt(train, "--rdzv-endpoint") == "$HEAD_IP:20077" and opt(train, "OMP_NUM_THREADS") == "1"
+    assert any(line.startswith("HEAD_IP=$(") for line in lines)  # computed without a Ray cluster to start too
     assert not any(w.startswith("rollout.ray_address=$") for w in train)
 
 
@@ -145,8 +151,8 @@ def test_local_plan_on_gpus_starts_a_ray_head_on_the_rollout_gpus():
     lines = plan.plan_local(job(RECIPE_1X8))
     (ray,) = commands(lines, "ray")
     assert opt(ray, "CUDA_VISIBLE_DEVICES") == "4,5,6,7" and opt(ray, "--num-gpus") == "4"
-    (train,) = commands(lines, "torchrun")
-    assert "--standalone" in train and opt(train, "CUDA_VISIBLE_DEVICES") == "0,1,2,3"
+    (train,) = commands(lines, TORCHRUN)
+    assert opt(train, "--rdzv-endpoint") == "127.0.0.1:0" and opt(train, "CUDA_VISIBLE_DEVICES") == "0,1,2,3"
     assert train[-1] == "rollout.ray_address=127.0.0.1:6379"
     with pytest.raises(plan.PlanError, match="use launch/train_slurm.sbatch"):
         plan.plan_local(job(RECIPE_4X8))
@@ -159,6 +165,37 @@ def test_colocated_plans_give_ray_the_training_gpus_too():
     assert opt(ray, "CUDA_VISIBLE_DEVICES") == "0,1,2,3,4,5,6,7" and opt(ray, "--num-gpus") == "8"
     (ray,) = commands(plan.plan_slurm(job(RECIPE_1X8, *colocated), slurm_env("gpu7", 1)), "ray")
     assert opt(ray, "CUDA_VISIBLE_DEVICES") == "0,1,2,3,4,5,6,7" and opt(ray, "--num-gpus") == "8"
+
+
+# ---- where the rendezvous store listens ------------------------------------------------------
+
+
+def test_a_one_node_launch_listens_on_loopback_only():
+    """The self-launcher's and train_local.sh's rendezvous, a real 2-rank CPU launch: the store
+    (torchrun's agent) and gloo listen on 127.0.0.1 only (torchrun's own store: every interface)."""
+    pythonpath = os.pathsep.join([str(REPO), str(TESTS)])
+    cmd = [sys.executable, "-m", TORCHRUN, *bound_torchrun.single_node_args(), "--nproc-per-node=2"]
+    proc = run_launch(
+        [*cmd, str(TESTS / "workers" / "listen_worker.py")],
+        env=dict(os.environ, PYTHONPATH=pythonpath, OMP_NUM_THREADS="1"),
+        timeout=300,
+        cwd=REPO,
+    )
+    check_ok(proc)
+    (line,) = [x for x in proc.stdout.splitlines() if x.startswith("LISTENING ")]
+    report = json.loads(line.removeprefix("LISTENING "))
+    assert report["agent"] and report["master_addr"] == "127.0.0.1", report
+    sockets = report["agent"] + [a for rank in report["ranks"] for a in rank]
+    assert all(a.rsplit(":", 1)[0] == "127.0.0.1" for a in sockets), report
+
+
+def test_a_multi_node_bound_rendezvous_needs_a_rank_and_a_fixed_port():
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    for endpoint, conf in (("10.0.0.1:29500", {}), ("10.0.0.1:0", {"rank": "1"})):
+        params = RendezvousParameters(bound_torchrun.BACKEND, endpoint, "run", 2, 2, **conf)
+        with pytest.raises(ValueError, match=r"--rdzv-endpoint=10.0.0.1:\d+: 2 nodes need --rdzv-conf=rank=N"):
+            bound_torchrun.create_handler(params)
 
 
 # ---- the scripts' dry runs, as a user runs them ----------------------------------------------
@@ -177,11 +214,14 @@ def test_train_local_dry_run_for_the_tiny_experiment(tmp_path):
     result = run_script("train_local.sh", "--dry-run", "configs/tiny_cpu.yaml", "trainer.iterations=3")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    (train,) = commands(lines, "torchrun")
+    (train,) = commands(lines, TORCHRUN)
     assert train[:2] == ["env", "OMP_NUM_THREADS=1"]
     assert train[2:] == [
-        "torchrun",
-        "--standalone",
+        "python",
+        "-m",
+        TORCHRUN,
+        "--rdzv-backend=bound-static",
+        "--rdzv-endpoint=127.0.0.1:0",  # loopback only, a free port
         "--nnodes=1",
         "--nproc-per-node=2",
         "-m",
@@ -223,9 +263,12 @@ def test_train_slurm_dry_run_under_a_simulated_allocation():
     )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    trains = commands(lines, "torchrun")
-    assert [(w[w.index("-w") + 1], opt(w, "--node-rank")) for w in trains] == [("node01", "0"), ("node02", "1")]
-    assert {opt(w, "--rdzv-endpoint") for w in trains} == {"node01:20009"}
+    trains = commands(lines, TORCHRUN)
+    assert [(w[w.index("-w") + 1], opt(w, "--rdzv-conf")) for w in trains] == [
+        ("node01", "rank=0"),
+        ("node02", "rank=1"),
+    ]
+    assert {opt(w, "--rdzv-endpoint") for w in trains} == {"$HEAD_IP:20009"}
     assert [w[w.index("-w") + 1] for w in commands(lines, "ray")] == ["node01", "node02", "node03", "node04"]
     # the plan is valid bash
     assert subprocess.run(["bash", "-n"], input=result.stdout, text=True).returncode == 0
@@ -309,4 +352,4 @@ def test_gpu_recipe_dry_run_from_a_cpu_login_node_with_skip_local_checks():
         assert here.returncode == 2 and "sglang" in here.stderr
     nodes = run_script("train_slurm.sbatch", "--dry-run", "--skip-local-checks", RECIPE_4X8, extra_env=env)
     assert nodes.returncode == 0, nodes.stderr
-    assert len(commands(nodes.stdout.splitlines(), "torchrun")) == 2
+    assert len(commands(nodes.stdout.splitlines(), TORCHRUN)) == 2

@@ -99,6 +99,14 @@ def test_hostile_corpus_is_blocked_without_namespaces(monkeypatch):
     assert_all_blocked(report)
 
 
+def test_memfds_do_not_escape_the_memory_total():
+    """900 MiB in memfds nobody maps (RssShmem never sees them) against a 512 MiB total: refused."""
+    code, judge = CORPUS["memory_memfd"]
+    r = sandbox.run_python(code.format(), timeout_s=10.0)
+    assert judge(r, None), r.as_observation(400)
+    assert "held 0" in r.stdout or "memory" in r.limit, r.as_observation(400)
+
+
 def test_a_stdout_flood_costs_the_parent_at_most_about_twice_the_cap():
     """Measured in a fresh process (this one's peak RSS is already far above the numbers)."""
     done = subprocess.run([sys.executable, str(CORPUS_SCRIPT), "--flood"], capture_output=True, text=True, timeout=600)

@@ -116,7 +116,8 @@ class _Ready:
 def test_fetched_rows_make_the_shard_of_the_whole_minibatch(monkeypatch, reduction, dp):
     import ray
 
-    monkeypatch.setattr(ray, "get", lambda refs: [r.value for r in refs])
+    monkeypatch.setattr(ray, "wait", lambda refs, num_returns, timeout: (list(refs), []))
+    monkeypatch.setattr(ray, "get", lambda ref: ref.value)
     groups = _groups(prompts=8)
     options = PrepareOptions("grpo", {}, True, 16384)
     request = HoldRequest(4, options, vocab_size=None)
