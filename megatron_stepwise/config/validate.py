@@ -153,7 +153,10 @@ def _check_parallel(
         return
     _check_against_checkpoint(cfg, check, probes, arch, source)
     longest = cfg.rollout.max_input_length + cfg.rollout.max_new_tokens
-    if cfg.model.hf_checkpoint and longest > arch.max_position_embeddings:  # pretrained: a real window
+    # A real model's window (pretrained, or a real config trained from scratch); a preset's is nominal.
+    presets = probes.presets()
+    real_window = cfg.model.hf_checkpoint or presets is None or value not in presets
+    if real_window and longest > arch.max_position_embeddings:
         check.fail(
             "rollout.max_input_length",
             f"+ rollout.max_new_tokens = {longest} tokens exceed the model's "
@@ -569,6 +572,16 @@ def _check_outputs(cfg: ExperimentConfig, check: _Checker, probes: Probes) -> No
     resume = cfg.checkpoint.resume
     if resume not in ("auto", "never") and not Path(resume).expanduser().exists():
         check.fail("checkpoint.resume", f"is neither auto, never nor an existing checkpoint path: {resume!r}")
+    # The directories the run writes, checked before anything starts (not a traceback at the first write).
+    outputs = {"logging.run_dir": cfg.run_dir}
+    if cfg.checkpoint.dir:
+        outputs["checkpoint.dir"] = cfg.checkpoint.dir
+    if cfg.weight_sync.mode == "disk" and cfg.weight_sync.dir:
+        outputs["weight_sync.dir"] = cfg.weight_sync.dir
+    for key, directory in outputs.items():
+        problem = probes.output_dir_problem(directory)
+        if problem:
+            check.fail(key, problem)
     if cfg.logging.tensorboard and not probes.has_module("tensorboard"):
         check.fail("logging.tensorboard", "needs the tensorboard package (pip install tensorboard)")
     if cfg.logging.wandb.project and not probes.has_module("wandb"):
