@@ -94,6 +94,7 @@ def _user_errors() -> tuple[type, ...]:
     from megatron_stepwise.mcore.train.plugin import UnsupportedLayoutError
     from megatron_stepwise.mcore.weights.dist_checkpoint import CheckpointError
     from megatron_stepwise.mcore.weights.hf_mapping import WeightConversionError
+    from megatron_stepwise.metrics.starvation import NothingTrained
     from megatron_stepwise.steps import StepwiseBatchError
 
     return (
@@ -105,6 +106,7 @@ def _user_errors() -> tuple[type, ...]:
         AgentWorkersNotStarted,
         DatasetError,
         RunDiverged,
+        NothingTrained,
     )
 
 
