@@ -99,3 +99,30 @@ def test_validate_cli_exits_2_with_one_line_per_problem(tmp_path, capsys):
     assert cli_main(["validate", str(path)]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and "duplicate key 'optim'" in err and len(err.splitlines()) == 2
+
+
+IMPOSSIBLE_SIZES = {
+    "sglang_ports_past_65535": (
+        ["rollout.engine=sglang", "rollout.sglang.base_port=65530", "rollout.num_engines=8", "launch.gpus_per_node=16"],
+        "rollout.sglang.base_port",
+        "past 65535",
+    ),
+    "weight_bucket_past_memory": (["weight_sync.bucket_mb=1099511627776"], "weight_sync.bucket_mb", "in memory"),
+    "sequence_past_int32": (
+        ["rollout.max_input_length=4294967296", f"data.max_tokens_per_microbatch={2**33}"],
+        "rollout.max_input_length",
+        "positions",
+    ),
+    "microbatch_past_int32": ([f"data.max_tokens_per_microbatch={2**40}"], "data.max_tokens_per_microbatch", "index"),
+    "trajectories_past_int32": (
+        ["data.prompts_per_iteration=4194304", "data.prompts_per_minibatch=4194304", "data.samples_per_prompt=1048576"],
+        "data.prompts_per_iteration",
+        "trajectories per iteration",
+    ),
+}
+
+
+@pytest.mark.parametrize("overrides,key,words", IMPOSSIBLE_SIZES.values(), ids=IMPOSSIBLE_SIZES.keys())
+def test_impossible_sizes_are_named(tmp_path, overrides, key, words):
+    problems = _problems(_write(tmp_path, "c.yaml", f"logging:\n  run_dir: {tmp_path / 'run'}\n"), overrides)
+    assert any(p.startswith(f"{key}:") and words in p for p in problems), problems
