@@ -43,7 +43,11 @@ def main(argv: list[str] | None = None) -> int:
         else:  # listed with its help; its module is imported only when it runs
             sub.add_parser(name, help=help_text)
     args = parser.parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:  # Ctrl-C outside a training rank (which names its checkpoint itself)
+        print(f"interrupted: megatron-stepwise {args.command} stopped", file=sys.stderr)
+        return 130
 
 
 def _load(target: str):

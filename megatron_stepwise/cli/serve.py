@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
+import socket
 import sys
 from typing import Any
 
@@ -35,6 +37,32 @@ def build_engine_from_args(args: argparse.Namespace) -> LocalEngine:
     )
 
 
+class BindError(Exception):
+    """The server could not listen where it was asked to (the message names host, port and why)."""
+
+
+def bind_problem(host: str, port: int, error: OSError) -> str:
+    reason = error.strerror or str(error)
+    if error.errno == errno.EADDRINUSE:
+        hint = "another process listens there: choose another --port"
+    elif error.errno == errno.EADDRNOTAVAIL or isinstance(error, socket.gaierror):
+        hint = "--host must be an address of this machine (or 0.0.0.0 for all of them)"
+    else:
+        hint = "check --host and --port"
+    return f"cannot serve on {host}:{port}: {reason}; {hint}"
+
+
+def _port(text: str) -> int:
+    """--port: 0 (any free port) to 65535, or an argparse error naming the value."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port number (0-65535)")
+    return value
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser("serve", help="serve the embedded CPU engine over SGLang's HTTP API")
     p.add_argument(
@@ -55,7 +83,7 @@ def register(subparsers) -> None:
         action="store_true",
         help=f"serve beyond loopback without ${API_KEY_ENV} (only on a network you trust)",
     )
-    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--port", type=_port, default=30000, help="port to listen on (0 = any free port)")
     p.add_argument("--max-batch-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--torch-threads", type=int, default=None)
@@ -67,9 +95,17 @@ def _serve_main(args: argparse.Namespace) -> int:
 
     async def run() -> None:
         engine = build_engine_from_args(args)
-        runner, port = await start_server(
-            engine, args.host, args.port, api_key=api_key_from_env(), allow_unauthenticated=args.allow_unauthenticated
-        )
+        try:
+            runner, port = await start_server(
+                engine,
+                args.host,
+                args.port,
+                api_key=api_key_from_env(),
+                allow_unauthenticated=args.allow_unauthenticated,
+            )
+        except OSError as e:  # the port is taken, or the host is not an address of this machine
+            await engine.close()
+            raise BindError(bind_problem(args.host, args.port, e)) from None
         print(f"serving the embedded engine on http://{args.host}:{port}", flush=True)
         try:
             await asyncio.Event().wait()
@@ -81,7 +117,7 @@ def _serve_main(args: argparse.Namespace) -> int:
         asyncio.run(run())
     except KeyboardInterrupt:
         pass
-    except ValueError as e:  # a refused configuration (e.g. exposed without a key): no traceback
+    except (ValueError, BindError) as e:  # a refused configuration (e.g. exposed without a key): no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 
 
@@ -95,6 +96,7 @@ def _user_errors() -> tuple[type, ...]:
     from megatron_stepwise.mcore.train.plugin import UnsupportedLayoutError
     from megatron_stepwise.mcore.weights.dist_checkpoint import CheckpointError
     from megatron_stepwise.mcore.weights.hf_mapping import WeightConversionError
+    from megatron_stepwise.metrics.starvation import NothingTrained
     from megatron_stepwise.steps import StepwiseBatchError
 
     return (
@@ -106,7 +108,25 @@ def _user_errors() -> tuple[type, ...]:
         AgentWorkersNotStarted,
         DatasetError,
         RunDiverged,
+        NothingTrained,
     )
+
+
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
+
+
+def interrupted_line(cfg) -> str:
+    """The one line an interrupted run ends with: the checkpoint the same command resumes from."""
+    from megatron_stepwise.mcore.weights.dist_checkpoint import find_latest
+
+    latest = find_latest(cfg.checkpoint_dir)
+    if cfg.checkpoint.resume == "never":
+        where = "checkpoint.resume=never: rerunning starts over"
+    elif latest is None:
+        where = f"no checkpoint in {cfg.checkpoint_dir} yet: rerunning starts from iteration 0"
+    else:
+        where = f"rerun the same command to resume from {latest}"
+    return f"interrupted: {where}"
 
 
 def _train(cfg) -> int:
@@ -152,6 +172,12 @@ def _train(cfg) -> int:
 
             write_run_record(cfg.run_dir, cfg.to_yaml(), _command_line())
         trainer.run()
+    except KeyboardInterrupt:  # Ctrl-C: one line saying where a rerun resumes, not every thread's traceback
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # torchrun forwards the signal again: let cleanup finish
+        if rank == 0:
+            sys.stderr.write(interrupted_line(cfg) + "\n")
+            sys.stderr.flush()
+        return EXIT_INTERRUPTED
     except _user_errors() as e:
         # One write with its newline: the ranks share stderr, and print's two writes interleave.
         sys.stderr.write((f"error: {e}" if rank == 0 else f"error (rank {rank}): {e}") + "\n")

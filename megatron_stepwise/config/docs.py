@@ -21,7 +21,9 @@ hand (a test checks it is up to date).
 
 An experiment is one YAML file. It may start with `defaults:` (a path or a list of paths,
 relative to the file) merged first, depth-first, later files winning; mappings merge key by
-key, other values (lists included) are replaced. Any key can be overridden on the command
+key, other values (lists included) are replaced, and so is a mapping given as an explicit `{}`
+(`env.dataset_options: {}` in a child file clears the inherited options). A key written twice
+in one mapping (two `optim:` sections) is an error. Any key can be overridden on the command
 line as `section.key=value` (the value is read as YAML: `data.epochs=2`,
 `rollout.sampling.stop='["</answer>"]'`, `model.hf_checkpoint=null`).
 `megatron-stepwise validate CONFIG [overrides]` checks a config without running it, and

@@ -139,6 +139,8 @@ def coerce(value: Any, tp: Any) -> Any:
         raise _Mismatch(f"expected true or false, got {_show(value)}")
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
+            if not -(2**63) <= value < 2**63:  # torch, numpy and the launchers take 64-bit integers
+                raise _Mismatch(f"{_show(value)} is out of range (a 64-bit integer)")
             return value
         raise _Mismatch(f"expected an integer, got {_show(value)}")
     if tp is float:
@@ -157,12 +159,19 @@ def coerce(value: Any, tp: Any) -> Any:
     raise TypeError(f"unsupported config type {tp!r}")  # a bug in a schema, not a user error
 
 
+def _initials(name: str) -> str:
+    return "".join(word[:1] for word in name.split("_") if word)
+
+
 def suggest_key(root: type, path: str) -> str | None:
-    """The valid dotted key closest to an unknown one: a sibling first, then anywhere."""
+    """The valid dotted key closest to an unknown one: a sibling first (by spelling, then by
+    abbreviation: `learning_rate` -> `lr`), then anywhere."""
     keys = all_keys(root)
     parent, _, leaf = path.rpartition(".")
     siblings = [k.rpartition(".")[2] for k in keys if k.rpartition(".")[0] == parent]
     close = difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.6)
+    if not close and "_" in leaf:  # the long name of an abbreviated key (other trainers spell it out)
+        close = [s for s in siblings if s == _initials(leaf)]
     if close:
         return f"{parent}.{close[0]}" if parent else close[0]
     same_leaf = [k for k in keys if k.rpartition(".")[2] == leaf]

@@ -1,8 +1,9 @@
 """Reading experiment YAML: `defaults:` inheritance, `a.b.c=value` overrides, provenance of keys.
 
 Merge rules: a file's `defaults:` (a path or a list of paths relative to that file) are merged
-depth-first in order, then the file's own keys; later wins. Mappings merge key by key; any
-other value (lists included) replaces the earlier one.
+depth-first in order, then the file's own keys; later wins. Mappings merge key by key; an
+explicit empty mapping (`{}`) and any other value (lists included) replace the earlier one.
+A key written twice in one mapping is an error (YAML would silently keep the last one).
 """
 
 from __future__ import annotations
@@ -39,9 +40,10 @@ def _record(origins: dict[str, str], data: Any, label: str, prefix: str = "") ->
 
 
 def deep_merge(base: dict, top: dict) -> dict:
-    """Merge `top` into `base` in place (mappings recursively, everything else replaced)."""
+    """Merge `top` into `base` in place (mappings recursively, everything else replaced). An
+    empty mapping replaces too: it is how a child file clears an inherited one."""
     for k, v in top.items():
-        if isinstance(v, dict) and isinstance(base.get(k), dict):
+        if isinstance(v, dict) and v and isinstance(base.get(k), dict):
             deep_merge(base[k], v)
         else:
             base[k] = v
@@ -57,10 +59,48 @@ class _TooDeep(Exception):
     pass
 
 
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """`yaml.SafeLoader` that refuses what it would otherwise accept silently or crash on: a key
+    written twice in one mapping (the last one would win unseen: two `optim:` sections), and an
+    integer too long for Python to convert (a ValueError, not a YAML error)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            first: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == _MERGE_TAG or not isinstance(key_node, yaml.ScalarNode):
+                    continue  # `<<:` merges are meant to be overridden by the keys beside them
+                key = self.construct_object(key_node)
+                if key in first:
+                    raise yaml.constructor.ConstructorError(
+                        None,
+                        None,
+                        f"duplicate key {key!r} (first at line {first[key] + 1}): YAML would silently keep only the last one",
+                        key_node.start_mark,
+                    )
+                first[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep)
+
+    def construct_yaml_int(self, node):
+        try:
+            return super().construct_yaml_int(node)
+        except ValueError:
+            digits = sum(c.isdigit() for c in str(node.value))
+            raise yaml.constructor.ConstructorError(
+                None, None, f"integer of {digits} digits is too large for any key", node.start_mark
+            ) from None
+
+
+_StrictLoader.add_constructor("tag:yaml.org,2002:int", _StrictLoader.construct_yaml_int)
+
+
 def _load_yaml(text: str) -> Any:
-    """`yaml.safe_load`, with nesting the parser cannot recurse through as `_TooDeep`."""
+    """`yaml.safe_load` (with `_StrictLoader`), nesting the parser cannot recurse through as `_TooDeep`."""
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 (a SafeLoader)
     except RecursionError:
         raise _TooDeep from None
 
@@ -198,9 +238,10 @@ def parse_override(text: str) -> tuple[str, Any]:
     except _TooDeep:
         raise ValueError(f"override {key}=...: nested more than {MAX_CONFIG_DEPTH} levels deep") from None
     except yaml.YAMLError as e:
-        if raw.lstrip()[:1] in ("[", "{"):
+        if raw.lstrip()[:1] in ("[", "{") or "too large" in str(getattr(e, "problem", "")):
             reason = getattr(e, "problem", e)
-            raise ValueError(f"override {text!r}: cannot parse the value as YAML ({reason})") from None
+            shown = text if len(text) <= 80 else text[:60] + "..."  # a 5,000-digit value is not echoed
+            raise ValueError(f"override {shown!r}: cannot parse the value as YAML ({reason})") from None
         value = raw  # e.g. `a=b: c`, which YAML reads as a mapping error: keep it as text
     if not _expanded_size_ok(value):
         raise ValueError(f"override {key}=...: its YAML aliases expand to more than {MAX_CONFIG_NODES} values")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -132,6 +133,25 @@ class Probes:
         """HF_HUB_OFFLINE=1 here: nothing may be downloaded."""
         return hub.hub_offline()
 
+    def output_dir_problem(self, directory: str) -> str | None:
+        """Why the run could not create or write `directory` (a file is in the way, a parent is
+        read-only); None = it can. Nothing is created."""
+        path = Path(directory).expanduser().absolute()
+        if path.exists() and not path.is_dir():
+            return f"{directory} is a file, not a directory"
+        probe = path
+        while not probe.exists():
+            probe = probe.parent
+        if not probe.is_dir():
+            return f"{directory} cannot be created: {probe} is a file"
+        try:  # a real write: permission bits do not tell root, read-only mounts or /proc
+            with tempfile.TemporaryFile(dir=probe):
+                pass
+        except OSError as e:
+            where = "is not writable" if probe == path else f"cannot be created: {probe} is not writable"
+            return f"{directory} {where} ({e.strerror or e})"
+        return None
+
 
 def _read_json(path: Path, source: str) -> tuple[Mapping, str] | None:
     try:
@@ -153,3 +173,6 @@ class ClusterProbes(Probes):
 
     def hub_offline(self) -> bool:
         return False
+
+    def output_dir_problem(self, directory: str) -> str | None:
+        return None  # the run's directories are on the nodes' file systems, not this one's

@@ -241,6 +241,11 @@ def _scan_jsonl(path: str):
             yield start, sample
 
 
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    """What changes when a file is rewritten or replaced: device, inode, size, modification time."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
 class JsonlSamples(Sequence):
     """A JSONL file scanned once (parsed and checked line by line) and read back by byte offset."""
 
@@ -263,7 +268,11 @@ class JsonlSamples(Sequence):
             self.offsets.append(start)
         if not self.offsets:
             raise DatasetError(f"{key}: {path}: no samples")
-        self._file = None
+        self.key = key
+        # Held open from here: a file replaced by a rename is still read as scanned. The identity
+        # tells a file rewritten in place (or reopened elsewhere after a replace) from the scanned one.
+        self._file = open(self.path, "rb")
+        self._identity = _identity(os.fstat(self._file.fileno()))
 
     def __len__(self) -> int:
         return len(self.offsets)
@@ -273,6 +282,12 @@ class JsonlSamples(Sequence):
             return [self[j] for j in range(*i.indices(len(self)))]
         if self._file is None:
             self._file = open(self.path, "rb")
+        if _identity(os.fstat(self._file.fileno())) != self._identity:
+            raise DatasetError(
+                f"{self.key}: {self.path} changed while the run was reading it (samples are read back by "
+                "byte offset): leave it unchanged during a run (write a new file and point "
+                f"{self.key} at it); the run resumes from its last checkpoint"
+            )
         self._file.seek(self.offsets[i])
         return _mapped(json.loads(self._file.readline()), self.fields, i)
 

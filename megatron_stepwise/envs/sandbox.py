@@ -215,6 +215,16 @@ def _grants(path: str, depth: int) -> list[str]:
     return [path] if parts == children else parts
 
 
+def write_code(workdir: str, code: str) -> str:
+    """`workdir/main.py` holding `code` as UTF-8. Text the model wrote may hold a lone surrogate
+    (a JSON "\\ud800" escape in a tool call): it is written as that escape, so the code fails in
+    the sandbox like any other bad code instead of raising UnicodeEncodeError in the trainer."""
+    path = os.path.join(workdir, "main.py")
+    with open(path, "w", encoding="utf-8", errors="backslashreplace") as f:
+        f.write(code)
+    return path
+
+
 def run_python(
     code: str,
     timeout_s: float = 5.0,
@@ -234,9 +244,7 @@ def run_python(
     workdir = tempfile.mkdtemp(prefix="sandbox-")
     status_r = None
     try:
-        code_path = os.path.join(workdir, "main.py")
-        with open(code_path, "w") as f:
-            f.write(code)
+        code_path = write_code(workdir, code)
         with _sandbox_uid(iso) as uid:
             run_as = iso.run_as
             if uid is not None:

@@ -46,6 +46,7 @@ from megatron_stepwise.metrics.core import (
     summarize_run,
     write_eval,
 )
+from megatron_stepwise.metrics.starvation import StarvationWatch
 from megatron_stepwise.time_budget import ActivityClock, TimeBudget, budget_line
 
 log = logging.getLogger(__name__)
@@ -124,6 +125,8 @@ class Trainer:
         self.evaluator: Optional[Evaluator] = None
         self.logger = None
         self.entropy_watch = EntropyWatch()  # warns when the policy collapses (metrics/collapse.py)
+        # stops a run whose iterations train nothing (metrics/starvation.py); every rank decides alike
+        self.starvation = StarvationWatch(max_input_length=cfg.rollout.max_input_length, speak=self.is_driver)
         self.activity = ActivityClock()  # generation and environment time of the in-process agent loop
         self.devices = dist.get_world_size() + (0 if cfg.rollout.colocate else rollout_devices(cfg))
         if self.is_driver:
@@ -192,6 +195,7 @@ class Trainer:
                         progress.set_postfix(reward=f"{metrics.get('reward/mean', float('nan')):.3f}")
                     else:  # no bar (logging.progress=false, or output to a file): one line per iteration
                         log.info("%s", iteration_line(self.state.iteration, cfg.trainer.iterations, metrics))
+                self.starvation.observe(self.state.iteration - 1, metrics)  # after its line is written
             if history and self.is_driver and cfg.trainer.eval_every and cfg.eval_.at_end:
                 # the final policy, in <run_dir>/eval/final.json (metrics.jsonl stays one line per iteration)
                 write_eval(cfg.run_dir, "final", self.state.iteration, self.evaluate(force=True))

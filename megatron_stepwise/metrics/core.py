@@ -15,6 +15,7 @@ from collections import Counter, defaultdict
 from typing import Any, Optional, Sequence
 
 from megatron_stepwise.algo.groups import GroupSummary, RolloutGroup, groups_of
+from megatron_stepwise.metrics.jsonl import read_jsonl_records
 from megatron_stepwise.steps import Step
 
 
@@ -216,11 +217,11 @@ class MetricsLogger:
 
 
 def read_metrics(run_dir: str) -> list[dict[str, Any]]:
+    """The records of a run's metrics.jsonl; a torn line (a crash mid-write) is dropped with one warning."""
     path = os.path.join(run_dir, "metrics.jsonl") if os.path.isdir(run_dir) else run_dir
     if not os.path.exists(path):
         raise FileNotFoundError(f"no metrics.jsonl in {run_dir!r}: is it a run directory?")
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return [record for _, record in read_jsonl_records(path)]
 
 
 def write_eval(run_dir: str, name: str, iteration: int, metrics: dict[str, Any]) -> str:
@@ -289,14 +290,14 @@ def iteration_line(done: int, total: int, metrics: dict[str, Any]) -> str:
 
 
 def _truncate_after(path: str, iteration: int) -> None:
-    """On resume, drop lines of iterations that will be re-run (written after the checkpoint)."""
+    """On resume, drop lines of iterations that will be re-run (written after the checkpoint) and
+    any torn line; every kept line ends with its newline, so the next record starts on its own."""
     if not os.path.exists(path):
         return
-    with open(path) as f:
-        keep = [line for line in f if line.strip() and json.loads(line).get("iteration", 0) < iteration]
+    keep = [line for line, record in read_jsonl_records(path) if record.get("iteration", 0) < iteration]
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        f.writelines(keep)
+        f.writelines(line + "\n" for line in keep)
     os.replace(tmp, path)
 
 

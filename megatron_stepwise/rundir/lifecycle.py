@@ -295,6 +295,7 @@ def tagged_ray_instance():
 def run_torchrun(argv: list[str]) -> int:
     """torchrun in this process (the `train` and `replay` self-launchers); when a rank fails, its exit
     code and one line instead of torchrun's own traceback (the rank has already said why)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -303,8 +304,13 @@ def run_torchrun(argv: list[str]) -> int:
     register()  # the bound-static rendezvous (rundir/torchrun.py) the self-launchers use
     try:
         run(parse_args(argv))
+    except (SignalException, KeyboardInterrupt) as e:  # Ctrl-C: the ranks said where the run resumes
+        sig = getattr(e, "sigval", signal.SIGINT)
+        return 128 + int(sig)
     except ChildFailedError as e:
         rank, failure = first_failure(e.failures)
+        if failure.exitcode == 128 + signal.SIGINT:  # the ranks were interrupted and said so
+            return failure.exitcode
         print(
             f"error: {len(e.failures)} training rank(s) failed (first: rank {rank}, exit code "
             f"{failure.exitcode}); see their messages above",

@@ -88,12 +88,25 @@ def write_run_record(run_dir: str, config_yaml: str, argv: Optional[list[str]] =
 
 def log_to_run_dir(run_dir: str, logger_name: str = "megatron_stepwise") -> logging.Handler:
     """Append `logger_name`'s records (and warnings) to <run_dir>/train.log too."""
-    handler = logging.FileHandler(os.path.join(run_dir, LOG_NAME))
+    path = os.path.join(run_dir, LOG_NAME)
+    end_torn_line(path)
+    handler = logging.FileHandler(path)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     for name in (logger_name, "py.warnings"):
         logging.getLogger(name).addHandler(handler)
     logging.captureWarnings(True)
     return handler
+
+
+def end_torn_line(path: str) -> None:
+    """Before appending to a file a crash may have cut mid-line: end that line, so the first new
+    record starts on a line of its own instead of being glued onto the torn one."""
+    try:
+        with open(path, "rb+") as f:
+            if f.seek(0, os.SEEK_END) and (f.seek(-1, os.SEEK_END), f.read(1))[1] != b"\n":
+                f.write(b"\n")
+    except FileNotFoundError:
+        pass
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

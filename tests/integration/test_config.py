@@ -182,7 +182,12 @@ def test_to_yaml_round_trips(tmp_path):
 
 def test_heads_and_layers_checked_against_a_local_hf_config(tmp_path):
     model = tmp_path / "model"
-    write(model / "config.json", json.dumps(tiny_config(hidden_size=96, num_heads=12, num_kv_heads=2, num_layers=6)))
+    write(
+        model / "config.json",
+        json.dumps(
+            tiny_config(hidden_size=96, num_heads=12, num_kv_heads=2, num_layers=6, max_position_embeddings=4096)
+        ),
+    )
     base = {"model": {"hf_config": str(model)}, "launch": {"nproc_per_node": 8}}
     cfg = config_from_dict(base, ["parallel.tensor=2", "parallel.pipeline=2"])
     assert cfg.parallel.data_parallel_size(8) == 2

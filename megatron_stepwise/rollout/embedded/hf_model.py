@@ -149,6 +149,11 @@ def load_named_tensors(model: torch.nn.Module, named_tensors: NamedTensors) -> i
             raise ValueError(
                 f"weight {name!r}: shape {tuple(tensor.shape)} does not match the model's {tuple(target.shape)}"
             )
+        if target.is_floating_point() and not tensor.is_floating_point():  # int64 ids, bools: not weights
+            raise ValueError(
+                f"weight {name!r}: dtype {str(tensor.dtype).removeprefix('torch.')} is not a floating-point "
+                f"dtype (the model's is {str(target.dtype).removeprefix('torch.')}); refusing to cast it"
+            )
         # A NaN or inf weight would fail the next sampled token in the model thread, not here.
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             raise ValueError(f"weight {name!r} holds non-finite values (NaN or inf); the model keeps its weights")

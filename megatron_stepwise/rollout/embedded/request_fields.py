@@ -90,15 +90,18 @@ def token_ids(value: Any, where: str, name: str = "input_ids") -> list[int]:
 _VERSION = re.compile(r"-?[0-9]+")
 
 
+MAX_VERSION = 2**63 - 1  # versions count optimizer steps; the trainer and checkpoints keep them as int64
+
+
 def version(value: Any, where: str, name: str = "weight_version") -> Optional[int]:
-    """SGLang sends weight versions as strings; this engine counts them as integers."""
+    """SGLang sends weight versions as strings; this engine counts them as integers (0 and up)."""
     if value is None:
         return None
-    if is_int(value):
+    if isinstance(value, str) and _VERSION.fullmatch(value) and len(value) <= 20:
+        value = int(value)
+    if is_int(value) and 0 <= value <= MAX_VERSION:
         return value
-    if isinstance(value, str) and _VERSION.fullmatch(value):
-        return int(value)
-    raise _field(where, name, "an integer or a string of digits", value)
+    raise _field(where, name, f"an integer from 0 to {MAX_VERSION} (or a string of its digits)", value)
 
 
 def one_or_each(value: Any, n: int, check, kind: str, where: str, name: str) -> list:
