@@ -378,6 +378,12 @@ class TrainerConfig:
         "write every N-th iteration's trained rows to <run_dir>/rollouts/ (Parquet, docs/inspect.md); null or 0 = off",
         min=0,
     )
+    max_idle_iterations: int = option(
+        3,
+        "stop with an error naming the cause after this many iterations in a row that took no optimizer "
+        "step (every prompt too long, every group filtered); 0 = never stop",
+        min=0,
+    )
 
 
 @dataclass

@@ -126,7 +126,11 @@ class Trainer:
         self.logger = None
         self.entropy_watch = EntropyWatch()  # warns when the policy collapses (metrics/collapse.py)
         # stops a run whose iterations train nothing (metrics/starvation.py); every rank decides alike
-        self.starvation = StarvationWatch(max_input_length=cfg.rollout.max_input_length, speak=self.is_driver)
+        self.starvation = StarvationWatch(
+            max_input_length=cfg.rollout.max_input_length,
+            patience=cfg.trainer.max_idle_iterations,
+            speak=self.is_driver,
+        )
         self.activity = ActivityClock()  # generation and environment time of the in-process agent loop
         self.devices = dist.get_world_size() + (0 if cfg.rollout.colocate else rollout_devices(cfg))
         if self.is_driver:

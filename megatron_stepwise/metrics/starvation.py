@@ -5,8 +5,8 @@ trajectory `context_limit` before a token is sampled; a filter that drops every 
 mask that hides every response, leaves no trainable token. Either way the iteration takes no
 optimizer step. `StarvationWatch` sees each iteration's metrics (the same on every rank: the
 round's metrics and the number of optimizer steps), warns at the first such iteration and
-raises `NothingTrained` on every rank after `patience` in a row, naming the cause and the key
-to change. The iteration's metrics line (and checkpoint) is already written when it raises.
+raises `NothingTrained` on every rank after `patience` in a row (`trainer.max_idle_iterations`;
+0 never raises), naming the cause and the key to change. The iteration's metrics line (and checkpoint) is already written when it raises.
 """
 
 from __future__ import annotations
@@ -46,10 +46,10 @@ class StarvationWatch:
             self.idle = []
             return
         self.idle.append(iteration)
-        if len(self.idle) >= self.patience:
+        if self.patience and len(self.idle) >= self.patience:
             raise NothingTrained(
                 f"nothing trained in iterations {self.idle[0]}-{self.idle[-1]}: {cause}; stopped "
-                f"after {len(self.idle)} iterations in a row that took no optimizer step"
+                f"after {len(self.idle)} iterations in a row that took no optimizer step (trainer.max_idle_iterations)"
             )
         if self.speak and len(self.idle) == 1:
             log.warning("iteration %d trained nothing: %s", iteration, cause)

@@ -45,3 +45,12 @@ def test_the_trainer_consults_the_watch_and_train_exits_2_on_it():
 
     assert "self.starvation.observe(" in inspect.getsource(Trainer.run)
     assert NothingTrained in train._user_errors()
+
+
+def test_max_idle_iterations_zero_never_stops_the_run(caplog):
+    watch = StarvationWatch(max_input_length=16, patience=0)  # trainer.max_idle_iterations=0
+    with caplog.at_level(logging.WARNING):
+        for it in range(10):
+            watch.observe(it, dict(FILTERED))
+    assert len(watch.idle) == 10
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
