@@ -155,9 +155,19 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
     return out
 
 
+def check_dumps(run_dirs: list[str]) -> None:
+    """Before any replay: every `--dumps` directory holds rollout dumps (else one line, exit 2)."""
+    from megatron_stepwise.loop.dumps import DumpError, dumped_iterations
+
+    for run_dir in run_dirs:
+        if not dumped_iterations(run_dir):
+            raise DumpError(f"--dumps {run_dir}: no rollouts/iter_*.parquet there (train with trainer.dump_rollouts=N)")
+
+
 def main() -> None:
     args = parse_args()
     try:
+        check_dumps(args.dumps)
         result = run(**config(args))
     except ValueError as e:  # a bad dump directory or option: one line, exit 2
         print(f"replay_routing: {e}", file=sys.stderr)

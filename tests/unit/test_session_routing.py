@@ -181,3 +181,15 @@ def test_replay_reads_a_runs_rollout_dumps_as_sessions(tmp_path, harness):
     assert sim.cache_ceiling(trace) > 0.5
     r = sim.replay(trace, make_policy("sticky"), sim.SimConfig(engines=2, cache_tokens=1000))
     assert r["requests"] == 8 and r["hit_rate"] > 0.5 and r["repins"] == 0
+
+
+def test_replay_refuses_a_dump_directory_without_dumps_before_replaying_anything(
+    tmp_path, harness, monkeypatch, capsys
+):
+    out = tmp_path / "out.json"
+    monkeypatch.setattr("sys.argv", ["replay_routing.py", "--quick", "--dumps", str(tmp_path), "--out", str(out)])
+    with pytest.raises(SystemExit) as e:
+        harness.main()
+    assert e.value.code == 2 and not out.exists()
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"replay_routing: --dumps {tmp_path}: no rollouts/iter_*.parquet") and "\n" not in err
