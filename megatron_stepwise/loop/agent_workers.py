@@ -93,7 +93,11 @@ class AgentWorker:
         for module in cfg.trainer.imports:  # user environments register themselves on import
             importlib.import_module(module)
         cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, max_concurrency=max_concurrency))
-        self.engines = EngineView(max_retries=cfg.rollout.max_retries, request_timeout_s=cfg.rollout.timeout_s)
+        self.engines = EngineView(
+            max_retries=cfg.rollout.max_retries,
+            request_timeout_s=cfg.rollout.timeout_s,
+            policy=components.routing_policy(cfg),
+        )
         self.agent = components.build_agent_loop(cfg, self.engines, components.load_tokenizer(cfg))
 
     def ready(self) -> bool:

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from megatron_stepwise.mcore.weights.sync import WeightSync
     from megatron_stepwise.rollout.agent_loop import AgentLoop, Generator
     from megatron_stepwise.rollout.fleet import RolloutFleet
+    from megatron_stepwise.rollout.session_routing import RoutingPolicy
 
 log = logging.getLogger(__name__)
 
@@ -335,7 +336,16 @@ def build_fleet(cfg: ExperimentConfig, hf_config: dict[str, Any], tokenizer: Pre
         ray_address=r.ray_address,
         partial_rollouts=cfg.async_.enabled,  # async: updates pause turns mid-way
         colocate=cfg.rollout.colocate,
+        routing=routing_policy(cfg),
     )
+
+
+def routing_policy(cfg: ExperimentConfig) -> RoutingPolicy:
+    """The router policy `rollout.routing` names (the fleet's and every agent worker's)."""
+    from megatron_stepwise.rollout.session_routing import make_policy
+
+    r = cfg.rollout
+    return make_policy(r.routing, r.sticky_slack, r.routing_token_budget)
 
 
 def build_agent_loop(cfg: ExperimentConfig, fleet: Generator, tokenizer: PreTrainedTokenizerBase) -> AgentLoop:

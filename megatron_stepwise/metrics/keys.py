@@ -190,6 +190,7 @@ _T = [  # (pattern, unit, over, meaning)
             ("fleet/engine_failures", "count", "run", "engine failures seen"),
             ("fleet/restarts", "count", "run", "engines restarted"),
             ("fleet/removed_engines", "count", "run", "engines given up on"),
+            ("fleet/repins", "count", "run", "turns of a session served on another engine than its previous turn"),
             ("fleet/weight_updates", "count", "run", "weight updates applied"),
             ("agents/workers", "count", "iteration", "agent worker actors (rollout.agent_workers)"),
             ("agents/worker_restarts", "count", "run", "agent workers restarted"),

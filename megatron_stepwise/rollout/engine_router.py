@@ -1,10 +1,12 @@
 """One request to one of several engine actors: sticky sessions, least outstanding, retries.
 
-The fleet on the driver and every agent worker route the same way through `EngineRouter`: a
-session's turns go back to the engine that served its previous turn (prefix-cache reuse) while it
-is alive and has at most `sticky_slack` more outstanding requests than the least busy engine; a
-new session, or one whose engine is dead or that much busier, goes to the engine with the fewest
-outstanding requests; a request whose engine dies,
+The fleet on the driver and every agent worker route the same way through `EngineRouter`: its
+policy (rollout/session_routing.py, `rollout.routing`) picks the engine of each turn from the live
+ones; by default a session's turns go back to the engine that served its previous turn
+(prefix-cache reuse) while it is alive and has at most `sticky_slack` more outstanding requests
+than the least busy engine; a new session, or one whose engine is dead or that much busier, goes
+to the engine with the fewest outstanding requests. A session served elsewhere than its previous
+turn counts as a re-pin (`repins`). A request whose engine dies,
 errors or times out is retried from scratch on another engine (at most `max_retries` times),
 its late result dropped and the request aborted on its engine. What a death means is the
 owner's `on_dead(slot, incarnation)`: the fleet restarts the engine, an agent worker stops
@@ -26,9 +28,11 @@ from megatron_stepwise.rollout.engine import (
     NoLiveEngine,
     SamplingParams,
 )
+from megatron_stepwise.rollout.session_routing import RoutingPolicy, Sticky
 from megatron_stepwise.rollout.sglang import EngineRequestError
 
 log = logging.getLogger(__name__)
+ORPHAN = -1  # the engine a session remembers after its own died: none
 
 
 @dataclass
@@ -39,6 +43,7 @@ class RequestCounters:
     cached_tokens: int = 0  # prompt tokens the engines' prefix caches served
     retries: int = 0
     timeouts: int = 0
+    repins: int = 0  # turns of a session served on another engine than its previous turn
 
 
 @dataclass
@@ -50,13 +55,15 @@ class EngineSlot:
     incarnation: int = 0
     alive: bool = True
     outstanding: int = 0
+    outstanding_tokens: int = 0  # prompt + max_new_tokens of the requests in flight
 
 
 class EngineRouter:
     """`handle.generate.remote(...)` and `handle.call.remote(...)` are awaited (Ray actor handles).
-    `sticky_slack`: how many more outstanding requests than the least busy engine a session's
-    engine may have and still get its next turn; `max_sessions`: sessions remembered (the least
-    recently served are forgotten first)."""
+    `policy` picks each turn's engine (default: `Sticky(sticky_slack)`, where `sticky_slack` is how
+    many more outstanding requests than the least busy engine a session's engine may have and
+    still get its next turn); `max_sessions`: sessions remembered (the least recently served are
+    forgotten first)."""
 
     def __init__(
         self,
@@ -68,35 +75,39 @@ class EngineRouter:
         counters: Optional[RequestCounters] = None,
         sticky_slack: int = 16,
         max_sessions: int = 1 << 16,
+        policy: Optional[RoutingPolicy] = None,
     ):
         self.slots = slots
         self.max_retries = max_retries
         self.request_timeout_s = request_timeout_s
         self.on_dead = on_dead
         self.counters = counters or RequestCounters()
-        self.sticky_slack = sticky_slack
         self.max_sessions = max_sessions
+        self.policy = policy or Sticky(sticky_slack)
         self.sticky: OrderedDict[str, int] = OrderedDict()
 
     def forget(self, index: int) -> None:
-        """Sessions of a dead engine start afresh elsewhere."""
-        self.sticky = OrderedDict((k, v) for k, v in self.sticky.items() if v != index)
+        """Sessions of a dead engine start afresh elsewhere: they stay remembered as orphans
+        (`ORPHAN`), so that serving their next turn counts as a re-pin."""
+        for session in [k for k, v in self.sticky.items() if v == index]:
+            self.sticky[session] = ORPHAN
 
-    def pick(self, session: Optional[str], exclude: set[int]) -> EngineSlot:
+    def pick(self, session: Optional[str], exclude: set[int], cost: int = 0) -> EngineSlot:
+        """The engine for a request of `cost` tokens: never a dead one, nor one in `exclude`
+        (tried already for this request) while another is alive."""
         candidates = [s for s in self.slots if s.alive and s.index not in exclude]
         if not candidates:
             candidates = [s for s in self.slots if s.alive]
         if not candidates:
             raise NoLiveEngine("no live engine in the fleet")
-        least = min(candidates, key=lambda s: (s.outstanding, s.index))
         index = self.sticky.get(session) if session is not None else None
-        if index is not None:
-            sticky = next((s for s in candidates if s.index == index), None)
-            if sticky is not None and sticky.outstanding <= least.outstanding + self.sticky_slack:
-                return sticky
-        return least
+        pinned = next((s for s in candidates if s.index == index), None) if index is not None else None
+        return self.policy.choose(pinned, candidates, cost)
 
     def remember(self, session: str, index: int) -> None:
+        """`session`'s turn was served by engine `index`: its next turn starts there."""
+        if self.sticky.get(session, index) != index:
+            self.counters.repins += 1
         self.sticky[session] = index
         self.sticky.move_to_end(session)
         while len(self.sticky) > self.max_sessions:
@@ -108,10 +119,12 @@ class EngineRouter:
         import ray
 
         tried: set[int] = set()
+        cost = len(input_ids) + sampling.max_new_tokens
         for attempt in range(self.max_retries + 1):
-            slot = self.pick(session, tried)
+            slot = self.pick(session, tried, cost)
             tried.add(slot.index)
             slot.outstanding += 1
+            slot.outstanding_tokens += cost
             incarnation = slot.incarnation
             try:
                 ref = slot.handle.generate.remote(input_ids, sampling, rid, session)
@@ -141,6 +154,7 @@ class EngineRouter:
                 return result
             finally:
                 slot.outstanding -= 1
+                slot.outstanding_tokens -= cost
             if attempt < self.max_retries:
                 self.counters.retries += 1
                 log.warning("request %s failed on engine %d (%r); retrying", rid, slot.index, error)
@@ -166,8 +180,10 @@ class EngineView:
     using and reports (`take_report`), and the fleet restarts it, so the next table has it back.
     """
 
-    def __init__(self, *, max_retries: int, request_timeout_s: float):
-        self.router = EngineRouter([], max_retries=max_retries, request_timeout_s=request_timeout_s, on_dead=self._dead)
+    def __init__(self, *, max_retries: int, request_timeout_s: float, policy: Optional[RoutingPolicy] = None):
+        self.router = EngineRouter(
+            [], max_retries=max_retries, request_timeout_s=request_timeout_s, on_dead=self._dead, policy=policy
+        )
         self._deaths: list[tuple[int, int]] = []
 
     def refresh(self, table: list[EngineSlot]) -> None:

@@ -32,6 +32,7 @@ from megatron_stepwise.rollout.engine import (
     memory_tags,
 )
 from megatron_stepwise.rollout.engine_router import EngineRouter, EngineSlot, RequestCounters
+from megatron_stepwise.rollout.session_routing import RoutingPolicy
 from megatron_stepwise.rollout.sglang import SGLangServerConfig, TensorHandles, serialize_tensors_sglang
 from megatron_stepwise.rundir.lifecycle import tagged_ray_instance
 
@@ -224,10 +225,11 @@ class RolloutFleet:
         partial_rollouts: bool = False,
         colocate: bool = False,
         spawn: Optional[Callable[[EngineSpec, int, int], Any]] = None,
+        routing: Optional[RoutingPolicy] = None,
     ):
         """`spawn(spec, index, incarnation)` starts an engine and returns its handle (whose
         `call.remote(method, ...)` reaches any `Engine` method); default: a Ray actor, Ray started
-        on demand. Tests pass their own handles."""
+        on demand. Tests pass their own handles. `routing`: the router's policy (default sticky)."""
         if not specs:
             raise ValueError("a fleet needs at least one EngineSpec")
         if spawn is None:
@@ -252,6 +254,7 @@ class RolloutFleet:
             request_timeout_s=request_timeout_s,
             on_dead=self._mark_dead,
             counters=self._metrics,
+            policy=routing,
         )
         self._gate = asyncio.Event()
         self._gate.set()
