@@ -115,7 +115,13 @@ def load_tokenizer(source: str, *, trusted: bool, key: str = "model.tokenizer"):
                 f"{key}={source!r} is neither a shipped tokenizer, a local directory nor in the Hugging Face "
                 f"cache, and downloading is off by default: download it first, or pass {TRUST_FLAG}"
             )
-    return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False, local_files_only=not trusted)
+    try:
+        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False, local_files_only=not trusted)
+    except Exception as e:  # e.g. a tokenizer_config.json whose auto_map names code of its own
+        raise DumpError(
+            f"{key}={source!r} ({path}) does not load without running code of its own, which view and replay "
+            f"never run: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        ) from e
 
 
 def _accepts_anything(*_: Any, **__: Any) -> None:
