@@ -62,10 +62,15 @@ def synthetic_dump(run_dir: Path, response_tokens: int) -> None:
 def measure(response_tokens: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench_viewer_") as tmp:
         run_dir = Path(tmp)
-        synthetic_dump(run_dir, response_tokens)
+        env = dict(os.environ, PYTHONPATH=str(REPO))
+        # the dump is made in a process of its own: a child forked from a large parent would
+        # report the parent's size as its peak RSS (Linux keeps ru_maxrss across exec)
+        subprocess.run(
+            [sys.executable, __file__, "--make-dump", str(run_dir), str(response_tokens)], env=env, check=True
+        )
         cmd = [sys.executable, "-m", "megatron_stepwise.cli", "view", str(run_dir)]
         start = time.perf_counter()
-        proc = subprocess.Popen(cmd, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE)
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE)
         _, status, usage = os.wait4(proc.pid, 0)
         wall = time.perf_counter() - start
         out = proc.stdout.read().decode()
@@ -89,7 +94,10 @@ def measure(response_tokens: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[40_000, 400_000])
+    ap.add_argument("--make-dump", nargs=2, metavar=("RUN_DIR", "TOKENS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.make_dump:
+        return synthetic_dump(Path(args.make_dump[0]), int(args.make_dump[1]))
     rows = [measure(n) for n in args.tokens]
     keys = list(rows[0])
     print(" | ".join(keys))

@@ -233,8 +233,11 @@ class Dump:
         return int(self.meta["iteration"])
 
 
-def read_dump_table(run_dir: str | Path, iteration: Optional[int] = None) -> tuple[dict[str, Any], Any]:
-    """The metadata and rows (pyarrow Table) of `iteration`'s dump (default: the last one dumped)."""
+def read_dump_table(
+    run_dir: str | Path, iteration: Optional[int] = None, columns: Optional[Sequence[str]] = None
+) -> tuple[dict[str, Any], Any]:
+    """The metadata and rows (pyarrow Table; only `columns` when given) of `iteration`'s dump
+    (default: the last one dumped)."""
     import pyarrow.parquet as pq
 
     available = dumped_iterations(run_dir)
@@ -249,7 +252,7 @@ def read_dump_table(run_dir: str | Path, iteration: Optional[int] = None) -> tup
             f"{available or 'none'} (trainer.dump_rollouts=N dumps every N-th)"
         )
     try:
-        table = pq.read_table(path)
+        table = pq.read_table(path, columns=list(columns) if columns is not None else None)
     except (OSError, ValueError) as e:  # pyarrow's errors derive from these
         raise DumpError(f"{path} is not a readable Parquet file: {e}") from e
     raw = (table.schema.metadata or {}).get(META_KEY)

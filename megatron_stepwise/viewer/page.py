@@ -143,6 +143,13 @@ class _Turn:
 class _Rows:
     """The dump's rows grouped into trajectories, each read turn by turn from the columns."""
 
+    COLUMNS = (
+        *("minibatch", "row", "prompt_id", "sample_index", "turn", "is_padding"),
+        *("reward", "outcome_reward", "stop_reason", "env_error"),
+        *("prompt_ids", "response_ids", "loss_mask", "rollout_logprobs", "rollout_logprobs_known"),
+        *("advantages", "trainer_logprobs"),
+    )
+
     def __init__(self, table, eos: frozenset[int]):
         self.eos = eos
         small = table.select(
@@ -351,7 +358,7 @@ def write_pages(
     (loop/run_files.py)."""
     from megatron_stepwise.loop.run_files import write_path
 
-    meta, table = read_dump_table(run_dir, iteration)
+    meta, table = read_dump_table(run_dir, iteration, columns=_Rows.COLUMNS)  # not routed experts, info
     decoder = load_decoder(meta, trusted=trusted)
     header = _header(run_dir, meta)
     index = Path(out) if out else default_path(run_dir, int(meta["iteration"]))
