@@ -17,6 +17,8 @@ import json
 import os
 import sys
 
+from megatron_stepwise.cli.view import TRUST_FLAG, TRUST_HELP
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("replay", help="re-run a dumped iteration's optimizer steps from its checkpoint, at any layout")
@@ -29,7 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="config overrides, e.g. parallel.tensor=2 (right after RUN_DIR)",
     )
     p.add_argument("--out", default=None, help="report path (default RUN_DIR/replay/iter_K.json)")
-    p.add_argument("--trust-dump-code", dest="trust_dump_code", action="store_true", help=_trust_help())
+    p.add_argument(TRUST_FLAG, dest="trust_dump_code", action="store_true", help=TRUST_HELP)
     p.add_argument(
         "--check-tol",
         type=float,
@@ -37,12 +39,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="exit 1 unless loss, grad norm and parameters match within this absolute tolerance",
     )
     p.set_defaults(func=_main)
-
-
-def _trust_help() -> str:
-    from megatron_stepwise.loop.dump_trust import TRUST_HELP
-
-    return TRUST_HELP
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -85,7 +81,7 @@ def _main(args: argparse.Namespace) -> int:
         ]
         argv += [f"--out={args.out}"] if args.out else []
         argv += [f"--check-tol={args.check_tol}"] if args.check_tol is not None else []
-        argv += ["--trust-dump-code"] if args.trust_dump_code else []
+        argv += [TRUST_FLAG] if args.trust_dump_code else []
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         from megatron_stepwise.rundir.lifecycle import run_torchrun
 

@@ -14,10 +14,15 @@ from __future__ import annotations
 import argparse
 import sys
 
+# loop/dump_trust.py's TRUST_FLAG, spelled here so that building the parser imports nothing heavy
+TRUST_FLAG = "--trust-dump-code"
+TRUST_HELP = (
+    "import the modules the dump's config names (trainer.imports, env.name / env.reward_fn module paths) "
+    "and allow hub downloads; only for a run directory you trust (tokenizer code never runs)"
+)
+
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from megatron_stepwise.loop.dump_trust import TRUST_FLAG, TRUST_HELP
-
     p = sub.add_parser("view", help="write HTML pages of a dumped iteration's trajectories")
     p.add_argument("run_dir", help="the run directory (holds rollouts/ and metrics.jsonl)")
     p.add_argument("--iteration", type=int, default=None, help="the dumped iteration (default: the last one)")

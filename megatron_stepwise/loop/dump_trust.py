@@ -19,11 +19,7 @@ from megatron_stepwise.config.probes import Probes
 from megatron_stepwise.envs import EnvSpec
 from megatron_stepwise.loop.dumps import DumpError
 
-TRUST_FLAG = "--trust-dump-code"
-TRUST_HELP = (
-    "import the modules the dump's config names (trainer.imports, env.name / env.reward_fn module paths) "
-    "and allow hub downloads; only for a run directory you trust (tokenizer code never runs)"
-)
+TRUST_FLAG = "--trust-dump-code"  # the flag of `view` and `replay` (cli/view.py spells it too)
 
 
 class NeedsTrustError(DumpError):
