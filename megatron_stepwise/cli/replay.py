@@ -4,8 +4,10 @@ Reads the run's config from the dump (`trainer.dump_rollouts`), applies the over
 `parallel.tensor=2` for another layout), launches itself under torchrun with
 `launch.nproc_per_node` ranks when needed, and runs `loop/replay.py`. Prints each optimizer
 step's loss and grad norm beside the recorded ones and writes the report as JSON
-(`RUN_DIR/replay/iter_K.json`, or `--out`). Exit 0 when it ran; 2 for a missing dump or
-checkpoint, or a bad override; with `--check-tol` a mismatch exits 1.
+(`RUN_DIR/replay/iter_K.json`, or `--out`; never through a link planted in RUN_DIR). Exit 0 when
+it ran; 2 for a missing dump or checkpoint, or a bad override; with `--check-tol` a mismatch exits 1.
+The dump is not trusted: the modules its config names are not imported, nothing is downloaded and
+no tokenizer code runs, unless `--trust-dump-code` (loop/dump_trust.py).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import argparse
 import json
 import os
 import sys
+
+from megatron_stepwise.cli.view import TRUST_FLAG, TRUST_HELP
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -27,6 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="config overrides, e.g. parallel.tensor=2 (right after RUN_DIR)",
     )
     p.add_argument("--out", default=None, help="report path (default RUN_DIR/replay/iter_K.json)")
+    p.add_argument(TRUST_FLAG, dest="trust_dump_code", action="store_true", help=TRUST_HELP)
     p.add_argument(
         "--check-tol",
         type=float,
@@ -37,20 +42,29 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
+    from megatron_stepwise.loop.dump_trust import stay_offline
+
+    if not args.trust_dump_code:
+        stay_offline()  # before anything imports huggingface_hub; torchrun's ranks inherit it
     from megatron_stepwise.config import ConfigError, config_from_dict
+    from megatron_stepwise.loop.dump_trust import DumpProbes, needs_trust_hint, tokenizer_source
     from megatron_stepwise.loop.dumps import DumpError, read_dump
 
     try:
         dump = read_dump(args.run_dir, args.iteration)
+        config, probes = _untrusted_config(dump.meta, tokenizer_source, DumpProbes, args.trust_dump_code)
     except DumpError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     overrides = [f"logging.run_dir={os.path.abspath(args.run_dir)}", *args.overrides]
     under_launcher = "RANK" in os.environ
     try:
-        cfg = config_from_dict(dump.meta["config"], overrides)
+        cfg = config_from_dict(config, overrides, probes=probes)
     except ConfigError as e:
         print(e.render(), file=sys.stderr)
+        hint = "" if args.trust_dump_code else needs_trust_hint(config)
+        if hint:
+            print(f"note: {hint}", file=sys.stderr)
         return 2
     nproc = cfg.launch.nproc_per_node * cfg.launch.nnodes
     if not under_launcher and nproc > 1:
@@ -69,6 +83,7 @@ def _main(args: argparse.Namespace) -> int:
         ]
         argv += [f"--out={args.out}"] if args.out else []
         argv += [f"--check-tol={args.check_tol}"] if args.check_tol is not None else []
+        argv += [TRUST_FLAG] if args.trust_dump_code else []
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         from megatron_stepwise.rundir.lifecycle import run_torchrun
 
@@ -76,14 +91,42 @@ def _main(args: argparse.Namespace) -> int:
     return _replay(cfg, dump, args)
 
 
+def _untrusted_config(meta: dict, tokenizer_source, probes_class, trusted: bool) -> tuple[dict, object]:
+    """The dump's config as replay uses it, and the validation probes: untrusted, with the
+    tokenizer pinned to the one the dump records (finding it needs no environment module), no
+    download allowed, and probes that import and read nothing the config names."""
+    import copy
+
+    config = copy.deepcopy(meta.get("config") or {})
+    if trusted:
+        return config, None
+    source = tokenizer_source(meta, trusted=False)
+    model = config.setdefault("model", {})
+    if not model.get("tokenizer") and not model.get("hf_checkpoint"):
+        model["tokenizer"] = source
+    model["allow_download"] = False
+    return config, probes_class(tokenizer=source)
+
+
 def _user_errors() -> tuple[type, ...]:
     """Errors that mean "fix the run directory or the overrides": one line, exit 2."""
+    from megatron_stepwise.hf.errors import ModelSourceError
+    from megatron_stepwise.loop.dumps import DumpError
+    from megatron_stepwise.loop.run_files import UnsafePathError
     from megatron_stepwise.mcore.train.model import ModelConfigError
     from megatron_stepwise.mcore.train.plugin import UnsupportedLayoutError
     from megatron_stepwise.mcore.weights.dist_checkpoint import CheckpointError
     from megatron_stepwise.steps import StepwiseBatchError
 
-    return CheckpointError, ModelConfigError, UnsupportedLayoutError, StepwiseBatchError
+    return (
+        CheckpointError,
+        ModelConfigError,
+        UnsupportedLayoutError,
+        StepwiseBatchError,
+        DumpError,
+        ModelSourceError,
+        UnsafePathError,
+    )
 
 
 def _replay(cfg, dump, args) -> int:
@@ -93,22 +136,29 @@ def _replay(cfg, dump, args) -> int:
     silence_megatron_noise()
     rank = int(os.environ.get("RANK", "0"))
     try:
-        report = replay(cfg, dump)
+        report = replay(cfg, dump, trusted=args.trust_dump_code)
+        if rank == 0:
+            out = write_report(args.run_dir, args.out, report)
     except _user_errors() as e:
         sys.stderr.write((f"error: {e}" if rank == 0 else f"error (rank {rank}): {e}") + "\n")
         return 2
     if rank != 0:
         return 0
-    out = args.out or os.path.join(args.run_dir, "replay", f"iter_{dump.iteration:07d}.json")
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(report, f, indent=2)
     print(render(report))
     print(f"report: {out}")
     if args.check_tol is not None and not within(report, args.check_tol):
         print(f"error: the replay differs from the recorded run by more than {args.check_tol}", file=sys.stderr)
         return 1
     return 0
+
+
+def write_report(run_dir: str, out: str | None, report: dict) -> str:
+    """The report as JSON at `out` (default RUN_DIR/replay/iter_K.json), never through a link in RUN_DIR."""
+    from megatron_stepwise.loop.run_files import write_path
+
+    out = out or os.path.join(run_dir, "replay", f"iter_{report['iteration']:07d}.json")
+    write_path(out, json.dumps(report, indent=2).encode(), base=run_dir)
+    return out
 
 
 def within(report: dict, tol: float) -> bool:

@@ -94,6 +94,7 @@ def write_dump(
     config: dict,
     train_metrics: Sequence[dict[str, float]],
     epochs: int = 1,
+    tokenizer: Optional[str] = None,
 ) -> Path:
     """One Parquet file, one row per trained row of every mini-batch (atomic: temp file + rename)."""
     import pyarrow as pa
@@ -194,6 +195,8 @@ def write_dump(
         "routed_experts_shape": experts_shape,
         "train_metrics": list(train_metrics),
         "config": _jsonable(config),
+        # what the token ids decode with, so `view` needs no module the config names (loop/dump_trust.py)
+        "tokenizer": tokenizer,
     }
     table = table.replace_schema_metadata({META_KEY: json.dumps(meta).encode()})
     path = Path(path)
@@ -230,8 +233,11 @@ class Dump:
         return int(self.meta["iteration"])
 
 
-def read_dump(run_dir: str | Path, iteration: Optional[int] = None) -> Dump:
-    """The dump of `iteration` (default: the last one dumped), its mini-batches rebuilt exactly."""
+def read_dump_table(
+    run_dir: str | Path, iteration: Optional[int] = None, columns: Optional[Sequence[str]] = None
+) -> tuple[dict[str, Any], Any]:
+    """The metadata and rows (pyarrow Table; only `columns` when given) of `iteration`'s dump
+    (default: the last one dumped)."""
     import pyarrow.parquet as pq
 
     available = dumped_iterations(run_dir)
@@ -245,11 +251,25 @@ def read_dump(run_dir: str | Path, iteration: Optional[int] = None) -> Dump:
             f"no dump of iteration {iteration} in {path.parent}: dumped iterations are "
             f"{available or 'none'} (trainer.dump_rollouts=N dumps every N-th)"
         )
-    table = pq.read_table(path)
+    try:
+        table = pq.read_table(path, columns=list(columns) if columns is not None else None)
+    except (OSError, ValueError) as e:  # pyarrow's errors derive from these
+        raise DumpError(f"{path} is not a readable Parquet file: {e}") from e
     raw = (table.schema.metadata or {}).get(META_KEY)
     if raw is None:
         raise DumpError(f"{path} is not a megatron-stepwise rollout dump (no {META_KEY.decode()} metadata)")
-    meta = json.loads(raw)
+    try:
+        meta = json.loads(raw)
+    except ValueError as e:
+        raise DumpError(f"{path}: its {META_KEY.decode()} metadata is not JSON: {e}") from e
+    if not isinstance(meta, dict) or not isinstance(meta.get("iteration"), int):
+        raise DumpError(f"{path}: its {META_KEY.decode()} metadata has no integer 'iteration'")
+    return meta, table
+
+
+def read_dump(run_dir: str | Path, iteration: Optional[int] = None) -> Dump:
+    """The dump of `iteration` (default: the last one dumped), its mini-batches rebuilt exactly."""
+    meta, table = read_dump_table(run_dir, iteration)
     cols = table.to_pydict()
     batches, logprobs = [], []
     for m in range(int(meta["minibatches"])):

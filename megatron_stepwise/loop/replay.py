@@ -34,13 +34,18 @@ def checkpoint_path(cfg, iteration: int) -> Path:
     return Path(cfg.checkpoint_dir) / checkpoint_name(iteration)
 
 
-def replay(cfg, dump: Dump) -> dict[str, Any]:
-    """Collective over every rank of `cfg`'s layout; returns the report (the same on every rank)."""
+def replay(cfg, dump: Dump, *, trusted: bool = False) -> dict[str, Any]:
+    """Collective over every rank of `cfg`'s layout; returns the report (the same on every rank).
+
+    The tokenizer loads without running its own code, and without a download unless `trusted`
+    (loop/dump_trust.py)."""
+    from megatron_stepwise.loop.dump_trust import load_tokenizer
     from megatron_stepwise.mcore.weights.dist_checkpoint import CheckpointError, load_checkpoint
 
     k = dump.iteration
     components.init_runtime(cfg)
-    tokenizer = components.load_tokenizer(cfg)
+    key = "model.tokenizer" if cfg.model.tokenizer else "model.hf_checkpoint" if cfg.model.hf_checkpoint else "env.name"
+    tokenizer = load_tokenizer(components.tokenizer_name(cfg), trusted=trusted, key=key)
     hf_config = components.model_config(cfg, tokenizer)
     chunks = components.build_policy(cfg, hf_config)
     ref = components.build_reference(cfg, hf_config, chunks) if cfg.algo.loss.kl_coef > 0 else None

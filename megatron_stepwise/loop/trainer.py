@@ -309,6 +309,7 @@ class Trainer:
                 config=self.cfg.to_dict(),
                 train_metrics=train_metrics,
                 epochs=self.cfg.data.epochs,
+                tokenizer=components.tokenizer_name(self.cfg),
             )
         except OSError as e:  # a dump is for looking at: training goes on without it
             log.warning("iteration %d: could not write the rollout dump %s: %s", iteration, path, e)

@@ -1,8 +1,9 @@
-"""The trajectory viewer: one self-contained HTML page of a dumped iteration (`megatron-stepwise view`).
+"""The trajectory viewer: self-contained HTML pages of a dumped iteration (`megatron-stepwise view`).
 
-`page.build_data` turns a rollout dump (loop/dumps.py) and the run's metrics.jsonl into plain
-JSON: trajectories, their turns (prompt delta and response), every token with its role
-(trained, appended EOS, observation/prompt), advantage and engine-vs-trainer log-prob gap, and
-the run's reward and length curves. `page.render` inlines that JSON and `template.html` (CSS and
-JavaScript, no external resource) into one file that opens from disk without a server.
+`page.paginate` walks a rollout dump (loop/dumps.py) one trajectory at a time into pages of at
+most `page.PAGE_TOKENS` tokens: trajectories, their turns (prompt delta and response), every
+token with its role (trained, appended EOS, observation/prompt), advantage and engine-vs-trainer
+log-prob gap. `page.write_pages` adds the run's reward and length curves and writes one file, or an
+index and numbered pages, each `template.html` (CSS and JavaScript, no external resource) with the
+data inlined, opening from disk without a server.
 """

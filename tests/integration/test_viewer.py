@@ -1,5 +1,6 @@
-"""The trajectory viewer (viewer/, `megatron-stepwise view`): its data, and the page in a real
-headless Chromium (Debian's `chromium`; .ci/run installs it where apt-get can)."""
+"""The trajectory viewer (viewer/, `megatron-stepwise view`): its data, and the pages in a real
+headless Chromium (Debian's `chromium`; .ci/run installs it where apt-get can): a small iteration,
+and one large enough to be paged whose texts try to break out of the page's script."""
 
 import json
 import os
@@ -12,10 +13,10 @@ import pytest
 from helpers import make_step, run_launch
 
 from megatron_stepwise.config import load_config
-from megatron_stepwise.loop.dumps import DumpRecorder, dump_path, write_dump
+from megatron_stepwise.loop.dumps import DumpRecorder, dump_path, read_dump_table, write_dump
 from megatron_stepwise.loop.sources import split_round
 from megatron_stepwise.loop.training_batch import PrepareOptions
-from megatron_stepwise.viewer.page import APPENDED_EOS, PROMPT, TRAINED, build_data, render
+from megatron_stepwise.viewer.page import APPENDED_EOS, PROMPT, TRAINED, load_decoder, paginate, render
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EOS = 2  # <|im_end|> of the echo environment's tiny_word vocabulary
@@ -79,26 +80,62 @@ def run_dir(tmp_path):
     return tmp_path
 
 
+def _tokens(piece: dict, vocab: dict) -> list[tuple]:
+    """A turn piece of the page data as (text, role, id, advantage, engine lp, trainer lp, gap) per token."""
+    out = []
+    for k, i in enumerate(piece["ids"]):
+        r = piece["from"] + k - max(piece["from"], piece["n_delta"])
+        fields = (None,) * 4 if r < 0 else (piece["adv"][r], piece["lp"][r], piece["tlp"][r], piece["gap"][r])
+        out.append((vocab.get(str(i)), piece["roles"][k], i, *fields))
+    return out
+
+
+def _one_page(run_dir, page_tokens=50_000):
+    meta, table = read_dump_table(run_dir)
+    decoder = load_decoder(meta)
+    pages = [list(page) for _, page in paginate(table, decoder, page_tokens)]
+    return meta, decoder, pages
+
+
 def test_the_page_data_has_every_trajectory_turn_and_token_role(run_dir):
-    data = build_data(run_dir)
-    assert data["iteration"] == 4 and len(data["trajectories"]) == 8
-    assert sum(len(t["turns"]) for t in data["trajectories"]) == 17
-    first = data["trajectories"][0]
+    meta, decoder, pages = _one_page(run_dir)
+    assert meta["iteration"] == 4 and len(pages) == 1 and len(pages[0]) == 8
+    trajectories = pages[0]
+    assert sum(len(t["turns"]) for t in trajectories) == 17
+    first = trajectories[0]
     assert first["id"] == "p0#0" and len(first["turns"]) == 3 and first["outcome_reward"] == 0.0
-    t0, t1 = first["turns"][:2]
+    vocab = {str(i): decoder.text(i) for i in range(20)}
+    t0, t1, t2 = (_tokens(u, vocab) for u in first["turns"])
     # turn 0's delta is its whole prompt; turn 1's only the observation that follows turn 0's response
-    assert [tok[2] for tok in t0["delta"]] == [1, 5, SAY, ZERO, EOS, 1, 6]
-    assert [tok[2] for tok in t1["delta"]] == [1, 5, 10, SAY, ZERO, EOS, 1, 6] and t1["history_kept"]
-    assert {tok[1] for tok in t1["delta"]} == {PROMPT}
-    assert [tok[1] for tok in t0["response"]] == [TRAINED, TRAINED, APPENDED_EOS]
-    assert [tok[1] for tok in first["turns"][2]["response"]] == [TRAINED, TRAINED]  # a sampled EOS is trained
-    assert t0["response"][0][0] == "1"  # decoded with the run's tokenizer
-    assert t0["response"][0][6] == pytest.approx(1e-3, rel=1e-3) and t0["response"][2][6] is None
-    failed = [t for t in data["trajectories"] if t["env_error"]]
+    assert [tok[2] for tok in t0 if tok[1] == PROMPT] == [1, 5, SAY, ZERO, EOS, 1, 6]
+    assert [tok[2] for tok in t1 if tok[1] == PROMPT] == [1, 5, 10, SAY, ZERO, EOS, 1, 6]
+    assert first["turns"][1]["history_kept"]
+    assert [tok[1] for tok in t0 if tok[1] != PROMPT] == [TRAINED, TRAINED, APPENDED_EOS]
+    assert [tok[1] for tok in t2 if tok[1] != PROMPT] == [TRAINED, TRAINED]  # a sampled EOS is trained
+    response = [tok for tok in t0 if tok[1] != PROMPT]
+    assert response[0][0] == "1"  # decoded with the run's tokenizer
+    assert response[0][6] == pytest.approx(1e-3, rel=1e-3) and response[2][6] is None
+    failed = [t for t in trajectories if t["env_error"]]
     assert [t["id"] for t in failed] == ["p3#1"] and failed[0]["stop_reason"] == "env_error"
-    assert data["curves"]["reward"][-1] == [4, pytest.approx(0.4)]
+    # a smaller page: the same tokens, cut over pages of at most 30, trajectory 0 continued on page 2
+    _, _, small = _one_page(run_dir, page_tokens=30)
+    assert all(sum(len(u["ids"]) for t in page for u in t["turns"]) <= 30 for page in small)
+    ids = lambda pages, tid: [i for p in pages for t in p if t["id"] == tid for u in t["turns"] for i in u["ids"]]  # noqa: E731
+    assert ids(small, "p0#0") == ids(pages, "p0#0") and ids(small, "p3#1") == ids(pages, "p3#1")
+    assert small[1][0]["id"] == "p0#0" and small[1][0]["turns"][0]["from"] > 0
+
+
+HOSTILE = "a <!--<script> b </script> c \u2028 d \u2029 e \x00 f </SCRIPT x> g <!-- h"
+
+
+def test_text_that_tries_to_leave_the_script_element_stays_json():
+    data = {"iteration": 1, "name": "run \ud800 lone", "trajectories": [{"env_error": HOSTILE}]}
     html = render(data)
-    assert "http://" not in html.replace("http://www.w3.org/2000/svg", "") and "https://" not in html
+    payload = html[html.index('<script id="data" type="application/json">') :].split(">", 1)[1]
+    payload = payload[: payload.index("</script>")]
+    assert "<" not in payload and ">" not in payload and payload.isascii()
+    back = json.loads(payload)  # what the browser's JSON.parse reads
+    assert back["trajectories"] == data["trajectories"] and back["name"] == "run \ufffd lone"
 
 
 def _chromium():
@@ -133,6 +170,7 @@ def test_the_page_renders_in_headless_chromium_with_every_trajectory_and_a_scree
     dom = run_launch([_chromium(), *flags, "--dump-dom", page], capture_output=True, text=True, timeout=120)
     assert dom.returncode == 0, dom.stderr[-2000:]
     html = dom.stdout
+    assert 'data-status="rendered"' in html  # the script ran to its end
     # rendered by the page's script (the file itself holds only JSON): 8 trajectories, 17 turns
     assert len(re.findall(r'<details class="traj"', html)) == 8
     assert len(re.findall(r'<div class="turn"', html)) == 17
@@ -161,3 +199,67 @@ def test_view_without_a_dump_is_one_clear_error(tmp_path):
         timeout=120,
     )
     assert out.returncode == 2 and "trainer.dump_rollouts" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.fixture
+def big_run_dir(tmp_path):
+    """An iteration of 180k response tokens (7 trajectories, the last one's turn 60k long: more
+    than a browser's call stack takes as spread arguments) whose last trajectory's id and
+    environment error hold text that tries to end the page's script."""
+    steps = []
+    for g in range(6):
+        history = [1, 5, SAY, ZERO, EOS, 1, 6]
+        for t in range(2):
+            resp = [ONE] * 9999 + [EOS]
+            steps.append(
+                make_step(f"p{g}", 0, prompt=history, resp=resp, last=t == 1, reward=float(g % 2), meta={"turn": t})
+            )
+            history = history + resp + [1, 5, 10, EOS, 1, 6]
+    resp = [ZERO] * 59_998 + [9, 10]  # ends "good no"
+    hostile = make_step("p<!--<script>6", 0, prompt=[1, 5, SAY, EOS, 1, 6], resp=resp, reward=1.0, meta={"turn": 0})
+    hostile.metadata["error"] = HOSTILE
+    steps.append(hostile)
+    recorder = DumpRecorder(every=1)
+    recorder.begin(2)
+    split_round([steps], {}, options=PrepareOptions(), dp_size=1, shard=lambda b: [b], recorder=recorder)
+    config = load_config(os.path.join(ROOT, "configs/tiny_cpu.yaml")).to_dict()
+    config["name"] = "run \ud800 </script><!--<script>"  # a lone surrogate survives the dump's JSON metadata
+    write_dump(
+        dump_path(tmp_path, 2), recorder.minibatches, iteration=2, weight_version=2, config=config, train_metrics=[]
+    )
+    return tmp_path
+
+
+def _dom(page, tmp_path):
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={tmp_path / 'profile'}"]
+    dom = run_launch([_chromium(), *flags, "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=180)
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    return dom.stdout
+
+
+@pytest.mark.skipif(_chromium() is None, reason="needs Debian's chromium (apt-get install chromium)")
+def test_a_large_hostile_iteration_is_paged_and_every_page_renders_in_headless_chromium(big_run_dir, tmp_path):
+    out = run_launch(
+        [sys.executable, "-m", "megatron_stepwise.cli", "view", str(big_run_dir)],
+        env=dict(os.environ, PYTHONPATH=ROOT),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert out.returncode == 0, out.stderr
+    index = big_run_dir / "view" / "iter_0000002.html"
+    pages = sorted((big_run_dir / "view" / "iter_0000002_pages").glob("*.html"))
+    assert f"wrote {index} (an index of {len(pages)} pages)" in out.stdout and len(pages) == 5
+    assert max(p.stat().st_size for p in [index, *pages]) < 4_000_000  # a page holds at most 50k tokens
+    html = _dom(index, tmp_path)
+    assert 'data-status="rendered"' in html and re.search(r'id="total">7<', html)
+    assert len(re.findall(r'<details class="traj"', html)) == 7 and "env error: a &lt;!--&lt;script&gt; b" in html
+    assert "run \ufffd &lt;/script&gt;&lt;!--&lt;script&gt;: iteration 2" in html  # the name as text
+    # the last page: the rest of the long turn, its environment error as text, the last tokens
+    html = _dom(pages[-1], tmp_path)
+    assert 'data-status="rendered"' in html and '<div class="panel" id="status"></div>' in html
+    last = html[html.index('id="t6"') :]
+    assert "p&lt;!--&lt;script&gt;6#0" in last and "continued from token" in last
+    assert "env error: a &lt;!--&lt;script&gt; b &lt;/script&gt; c \u2028 d \u2029 e" in last
+    assert "f &lt;/SCRIPT x&gt; g &lt;!-- h" in last
+    assert re.search(r">good</span><span [^>]*>no</span></div>", last)
