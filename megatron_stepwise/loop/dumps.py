@@ -19,7 +19,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from megatron_stepwise.steps import ROUTED_EXPERTS_DTYPE, StepBatch, TrajectoryID
+from megatron_stepwise.steps import INVALID, ROUTED_EXPERTS_DTYPE, StepBatch, TrajectoryID
 
 DUMP_DIR = "rollouts"
 META_KEY = b"megatron_stepwise.dump"
@@ -117,6 +117,7 @@ def write_dump(
             "outcome_reward",
             "stop_reason",
             "env_error",
+            "invalid",
             "prompt_ids",
             "response_ids",
             *RESPONSE_FIELDS,
@@ -150,6 +151,7 @@ def write_dump(
             cols["outcome_reward"].append(outcome[r])
             cols["stop_reason"].append(b.stop_reasons[r])
             cols["env_error"].append(meta.get("error"))
+            cols["invalid"].append(str(meta[INVALID]) if meta.get(INVALID) else None)  # never trained (Step)
             cols["prompt_ids"].append(b.tokens[row][: int(b.prompt_lens[r])].tolist())
             cols["response_ids"].append(b.tokens[resp].tolist())
             for name in RESPONSE_FIELDS:
@@ -179,6 +181,7 @@ def write_dump(
         "trainer_logprobs": pa.list_(pa.float32()),
         "routed_experts": pa.list_(pa.int16()),
         "env_error": pa.string(),
+        "invalid": pa.string(),
         "stop_reason": pa.string(),
         "prompt_id": pa.string(),
         "info": pa.string(),

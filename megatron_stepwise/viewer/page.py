@@ -155,7 +155,9 @@ class _Rows:
         small = table.select(
             ["minibatch", "row", "prompt_id", "sample_index", "turn", "is_padding"]
             + ["reward", "outcome_reward", "stop_reason", "env_error"]
+            + (["invalid"] if "invalid" in table.column_names else [])  # dumps before it have none
         ).to_pydict()
+        small.setdefault("invalid", [None] * len(small["row"]))
         self.small = small
         self.lists = {
             name: _ListColumn(table, name)
@@ -212,6 +214,7 @@ class _Rows:
                 "reward": s["reward"][i],
                 "stop_reason": s["stop_reason"][i],
                 "env_error": s["env_error"][i],
+                "invalid": s["invalid"][i],
                 # a context that does not extend the previous turn's (re-tokenised history) starts earlier
                 "history_kept": start == len(previous),
                 "delta_from": start,
@@ -238,6 +241,7 @@ class _Rows:
             "outcome_reward": s["outcome_reward"][last],
             "stop_reason": s["stop_reason"][last],
             "env_error": next((t.info["env_error"] for t in turns if t.info["env_error"]), None),
+            "invalid": s["invalid"][last],  # an infrastructure failure: never trained
             "length": length,
             "turn_count": len(turns),
             "max_gap": max_gap,
