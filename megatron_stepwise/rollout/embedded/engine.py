@@ -1,7 +1,8 @@
 """The embedded CPU engine: a Hugging Face causal LM behind the `Engine` protocol.
 
-Concurrent `generate` calls are batched (left-padded, prefilled once, decoded with the HF KV
-cache) on one worker thread, so the event loop stays responsive; between two decode steps the
+Concurrent `generate` calls are batched continuously on one worker thread, so the event loop
+stays responsive: between two decode steps (HF KV cache, left-padded rows) newly arrived
+requests are prefilled and join the running batch, finished or cancelled ones leave it, and the
 engine can be paused, aborted or have its weights replaced. A finished request's KV stays in a
 prefix cache (`prefix_cache.py`): a later request sharing its prefix prefills only the rest. Requests in flight across a weight
 update continue with the new weights (their KV cache rebuilt first). A load refuses non-finite
