@@ -422,7 +422,8 @@ class LocalEngine:
             for r in batch.requests:
                 if r.cancelled and r.finish_reason is None:
                     r.finish_reason, r.matched = "abort", None
-            if batch.weights_epoch != self._weights_epoch:  # weights changed since the cache was built
+            active = any(r.finish_reason is None for r in batch.requests)
+            if active and batch.weights_epoch != self._weights_epoch:  # weights changed since the cache was built
                 await self._run(batch.rebuild)
         joinable = batch is None or (self.continuous_batching and batch.mergeable)
         slots = self.max_batch_size - (len(batch.requests) if batch is not None else 0)
