@@ -34,6 +34,7 @@ def build_engine_from_args(args: argparse.Namespace) -> LocalEngine:
         max_batch_size=args.max_batch_size,
         seed=args.seed,
         torch_threads=args.torch_threads,
+        prefix_cache_tokens=args.prefix_cache_tokens,
     )
 
 
@@ -63,6 +64,20 @@ def _port(text: str) -> int:
     return value
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _not_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser("serve", help="serve the embedded CPU engine over SGLang's HTTP API")
     p.add_argument(
@@ -87,6 +102,19 @@ def register(subparsers) -> None:
     p.add_argument("--max-batch-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--torch-threads", type=int, default=None)
+    p.add_argument(
+        "--prefix-cache-tokens",
+        type=_not_negative,
+        default=32768,
+        help="token budget of the prefix cache (finished requests' KV; 0 turns it off)",
+    )
+    p.add_argument(
+        "--max-request-bytes",
+        type=_positive,
+        default=None,
+        help="refuse larger request bodies with 413 (default: max-batch-size prompts filling the "
+        "context window, 32 bytes a token, + 1 MiB; weight uploads have their own limit)",
+    )
     p.set_defaults(func=_serve_main)
 
 
@@ -102,6 +130,7 @@ def _serve_main(args: argparse.Namespace) -> int:
                 args.port,
                 api_key=api_key_from_env(),
                 allow_unauthenticated=args.allow_unauthenticated,
+                max_request_bytes=args.max_request_bytes,
             )
         except OSError as e:  # the port is taken, or the host is not an address of this machine
             await engine.close()

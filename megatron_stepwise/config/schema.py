@@ -141,6 +141,12 @@ class RolloutConfig:
     )
     num_engines: int = option(1, "number of engines in the fleet", min=1)
     engine_tp: int = option(1, "tensor-parallel size (GPUs) of each SGLang engine", min=1)
+    embedded_cache_tokens: int = option(
+        32768,
+        "prefix-cache budget of each embedded engine in tokens (finished requests' KV, reused by later "
+        "turns; 2 x layers x kv_heads x head_dim x 4 bytes a token, 46 KB on SmolLM2-135M); 0 = off",
+        min=0,
+    )
     sglang: SGLangConfig = section(SGLangConfig, "SGLang servers")
     # Declared where they are read: `rollout.sampling` and max_new_tokens in rollout/engine.py, the
     # agent loop's keys in rollout/agent_loop.py, `RetryConfig` in rollout/engine.py too,

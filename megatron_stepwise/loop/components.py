@@ -291,6 +291,7 @@ def build_fleet(cfg: ExperimentConfig, hf_config: dict[str, Any], tokenizer: Pre
                     torch_threads=1,
                     num_cpus=0.5,
                     routed_experts=routed,
+                    prefix_cache_tokens=r.embedded_cache_tokens,
                 )
             )
         elif r.sglang.servers:

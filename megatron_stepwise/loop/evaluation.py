@@ -137,4 +137,10 @@ def standalone_engine(cfg: ExperimentConfig, tokenizer, hf_config: dict, weights
         from megatron_stepwise.hf.hub import CHECKPOINT_FILES, resolve_model_dir
 
         weights = str(resolve_model_dir(cfg.model.hf_checkpoint, key="model.hf_checkpoint", files=CHECKPOINT_FILES))
-    return LocalEngine(hf_config, weights=weights, tokenizer=tokenizer, seed=cfg.trainer.seed + 1000)
+    return LocalEngine(
+        hf_config,
+        weights=weights,
+        tokenizer=tokenizer,
+        seed=cfg.trainer.seed + 1000,
+        prefix_cache_tokens=cfg.rollout.embedded_cache_tokens,
+    )

@@ -51,6 +51,7 @@ class EngineSpec:
     seed: int = 0
     max_batch_size: int = 16
     torch_threads: int = 1
+    prefix_cache_tokens: int = 32768  # `rollout.embedded_cache_tokens`
     # sglang (launched by the actor) / http (already running)
     sglang: Optional[SGLangServerConfig] = None
     url: Optional[str] = None
@@ -114,6 +115,7 @@ class EngineActor:
                 torch_threads=spec.torch_threads,
                 name=name,
                 record_routed_experts=spec.routed_experts is not None,
+                prefix_cache_tokens=spec.prefix_cache_tokens,
             )
         else:
             from megatron_stepwise.rollout.sglang import SGLangClient, launch_sglang_server

@@ -295,3 +295,20 @@ def test_prefix_cache_benchmark_on_the_tiny_preset(tools_on_path, capsys):
     assert rows["2 engines, sessions (affinity)"]["moved_turns"] == 0
     assert r["hit_rate_sessions"] == rows["1 engine, cache on"]["hit_rate"] >= r["hit_rate_round_robin"]
     assert "cache on / off" in capsys.readouterr().out
+
+
+def test_continuous_batching_benchmark_on_the_tiny_preset(tools_on_path, capsys):
+    """tools/bench_continuous_batching.py --quick: both configurations generate the same tokens,
+    and only continuous batching lets arrivals join a running batch."""
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        r = _load("bench_continuous_batching").run(quick=True, gap_s=0.0)  # later turns join the slow one
+    finally:
+        torch.set_num_threads(threads)  # the benchmark pins one thread
+    rows = r["results"]
+    assert all(row["same_tokens_as_static"] == 1.0 for row in rows.values())
+    assert rows["static batches"]["generated_tokens"] == rows["continuous batching"]["generated_tokens"]
+    assert rows["static batches"]["joined_running_batch"] == 0 < rows["continuous batching"]["joined_running_batch"]
+    assert r["latency_mean_ratio"] > 0 and "continuous / static" in capsys.readouterr().out

@@ -157,3 +157,20 @@ def test_a_session_sticks_to_its_engine_while_alive_and_not_much_busier():
     for s in ("x", "y", "z"):
         small.remember(s, 1)
     assert list(small.sticky) == ["y", "z"]  # the least recently served session is forgotten
+
+
+def test_the_cache_budget_is_the_config_key_rollout_embedded_cache_tokens(monkeypatch):
+    from megatron_stepwise.config import ConfigError, load_config
+    from megatron_stepwise.loop import components
+    from megatron_stepwise.rollout import fleet
+
+    with pytest.raises(ConfigError, match="rollout.embedded_cache_tokens"):
+        load_config("configs/tiny_cpu.yaml", ["rollout.embedded_cache_tokens=-1"], world_size=1)
+    cfg = load_config("configs/tiny_cpu.yaml", ["rollout.embedded_cache_tokens=123"], world_size=1)
+    specs = []
+    monkeypatch.setattr(fleet, "RolloutFleet", lambda s, **kw: specs.extend(s))  # no Ray: the specs only
+    tok = components.load_tokenizer(cfg)
+    components.build_fleet(cfg, components.model_config(cfg, tok), tok)
+    assert specs and {s.prefix_cache_tokens for s in specs} == {123}
+    actor = fleet.EngineActor(fleet.EngineSpec(kind="local", model_config=CONFIG, prefix_cache_tokens=123), "e0")
+    assert actor.engine.cache_stats()["max_tokens"] == 123

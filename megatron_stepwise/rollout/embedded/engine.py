@@ -1,7 +1,8 @@
 """The embedded CPU engine: a Hugging Face causal LM behind the `Engine` protocol.
 
-Concurrent `generate` calls are batched (left-padded, prefilled once, decoded with the HF KV
-cache) on one worker thread, so the event loop stays responsive; between two decode steps the
+Concurrent `generate` calls are batched continuously on one worker thread, so the event loop
+stays responsive: between two decode steps (HF KV cache, left-padded rows) newly arrived
+requests are prefilled and join the running batch, finished or cancelled ones leave it, and the
 engine can be paused, aborted or have its weights replaced. A finished request's KV stays in a
 prefix cache (`prefix_cache.py`): a later request sharing its prefix prefills only the rest. Requests in flight across a weight
 update continue with the new weights (their KV cache rebuilt first). A load refuses non-finite
@@ -60,62 +61,90 @@ class _Request:
     routed: Optional[list[torch.Tensor]] = None
     routed_len: int = 0
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    cancelled: bool = False  # its caller went away (set on the event loop; acted on between steps)
+    left: bool = False  # reported finished by the batch (set on the model thread)
+    resolved: bool = False
 
 
 class _Batch:
-    """One static batch: left-padded prefill, then one token per active row per `step()`.
+    """The running batch: one row per request, left-padded, one token per row per `step()`.
 
-    After a weight swap in the middle of the batch, `prefill()` runs again over each row's prompt
+    Rows join (`admit`: prefilled on their own, then merged in) and leave (finished, aborted or
+    cancelled) between two decode steps, each with its own KV, mask and position: a short request
+    arriving while a long one decodes starts at the next step instead of after the batch.
+
+    After a weight swap in the middle of the batch, `rebuild()` runs again over each row's prompt
     plus the tokens it has generated so far: generation continues (nothing is discarded) and
     every later token is sampled from the new weights' distribution, with their exact log-prob.
     """
 
     def __init__(self, engine: "LocalEngine", requests: list[_Request]):
         self.engine = engine
-        self.requests = requests
-        self.weights_epoch: Optional[int] = None  # the weights the cache was computed with
-        self.prefill()
+        self.requests: list[_Request] = []
+        self.weights_epoch = engine._weights_epoch  # the weights the cache was computed with
+        self.cache = self.mask = self.next_pos = self.last_logits = None
+        self.admit(requests)
 
-    def prefill(self) -> None:
+    def admit(self, requests: list[_Request]) -> None:
+        """Prefill `requests` (prefix-cache hits reused) and add them as rows of this batch."""
+        rows = self._prefill(requests, first=True)
+        if self.requests:
+            rows = _merge(self._rows(), rows)
+        self.requests = self.requests + requests
+        self.cache, self.mask, self.next_pos, self.last_logits = rows
+
+    def rebuild(self) -> None:
+        """Recompute every row's KV (prompt + tokens so far) with the weights loaded now."""
+        self.weights_epoch = self.engine._weights_epoch
+        self.cache, self.mask, self.next_pos, self.last_logits = self._prefill(self.requests, first=False)
+
+    @property
+    def mergeable(self) -> bool:
+        """Rows can join: every cache layer is a plain `DynamicLayer` (a sliding window's is not)."""
+        from transformers.cache_utils import DynamicLayer
+
+        return all(type(layer) is DynamicLayer for layer in self.cache.layers)
+
+    def _rows(self) -> tuple:
+        return self.cache, self.mask, self.next_pos, self.last_logits
+
+    def _prefill(self, requests: list[_Request], first: bool) -> tuple:
         """Run every row's sequence (prompt + tokens generated so far) but the prefix the prefix
-        cache holds: row i is [pad][cached c_i][pad][new s_i], the cached KV left-padded to the
-        longest hit, the new tokens to the longest suffix, the pads masked out."""
+        cache holds (a `first` prefill; a rebuild after a weight load computes everything): row i is [pad][cached c_i][pad][new s_i], the cached KV left-padded to the
+        longest hit, the new tokens to the longest suffix, the pads masked out. Returns the rows'
+        (cache, mask, next positions, last logits)."""
         eng = self.engine
-        first = self.weights_epoch is None  # not a rebuild after a weight load
-        self.weights_epoch = eng._weights_epoch
-        seqs = [r.input_ids + r.output_ids for r in self.requests]
-        lengths = [len(s) for s in seqs]
         store = eng._prefix_cache if eng._prefix_cache.enabled and first else None
+        seqs = [r.input_ids + r.output_ids for r in requests]
+        lengths = [len(s) for s in seqs]
         # at least one token runs: its logits give the first sample
         hits = [store.lookup(s, n - 1) if store else (None, 0) for s, n in zip(seqs, lengths)]
         cached = [c for _, c in hits]
         C, S = max(cached), max(n - c for n, c in zip(lengths, cached))
         ids = torch.tensor([[eng.pad_token_id] * (S - n + c) + s[c:] for s, n, c in zip(seqs, lengths, cached)])
-        self.mask = torch.tensor(
+        mask = torch.tensor(
             [[0] * (C - c) + [1] * c + [0] * (S - n + c) + [1] * (n - c) for n, c in zip(lengths, cached)]
         )
-        self.next_pos = torch.tensor(lengths)
-        positions = (self.mask.cumsum(-1) - 1).clamp(min=0)[:, C:]
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, C:]
         cache = self._hit_cache(hits, C) if C else None
         with torch.no_grad():
             out = eng.model(
                 input_ids=ids,
-                attention_mask=self.mask,
+                attention_mask=mask,
                 position_ids=positions,
                 **{eng.cache_name: cache},
                 use_cache=True,
             )
-        self.cache = getattr(out, eng.cache_name)
-        self.last_logits = out.logits[:, -1, :].float()
         if first:
-            for r, n, c in zip(self.requests, lengths, cached):
+            for r, n, c in zip(requests, lengths, cached):
                 r.cached_tokens = c
                 eng._prefix_cache.count(n, c)
         if eng._router_recorder is not None:  # each row's new positions are its last `n - c` columns
             routed = eng._router_recorder.take(ids.numel()).reshape(len(seqs), S, *eng._routed_shape)
-            for r, row, n, (e, c) in zip(self.requests, routed, lengths, hits):
+            for r, row, n, (e, c) in zip(requests, routed, lengths, hits):
                 r.routed = ([e.routed[:c]] if c else []) + [row[S - n + c :].clone()]
                 r.routed_len = n
+        return getattr(out, eng.cache_name), mask, torch.tensor(lengths), out.logits[:, -1, :].float()
 
     def _hit_cache(self, hits: list, width: int):
         """A batch cache (`DynamicCache`) of `width` positions holding each hit's KV, right-aligned."""
@@ -135,11 +164,9 @@ class _Batch:
     def _keep(self, i: int, r: _Request) -> None:
         """Store finished row i's KV (every token it ran: prompt + output but the last) in the
         prefix cache, before the next decode step feeds it a token past its end."""
-        from transformers.cache_utils import DynamicLayer
-
         eng = self.engine
         layers = self.cache.layers
-        if not all(type(layer) is DynamicLayer for layer in layers):  # sliding windows etc.: not cached
+        if not self.mergeable:  # sliding windows etc.: not cached
             log.info(
                 "embedded engine %s: prefix cache off (cache layers %s)",
                 eng.name,
@@ -153,17 +180,30 @@ class _Batch:
         routed = torch.cat(r.routed)[: len(cols)] if r.routed else None
         eng._prefix_cache.insert(tokens, kv, routed)
 
-    @property
-    def active(self) -> list[_Request]:
-        return [r for r in self.requests if r.finish_reason is None]
+    def _retire(self, keep: list[int]) -> None:
+        """Keep only rows `keep`; drop the columns no remaining row uses (the left padding a
+        longer, finished row needed)."""
+        from transformers.cache_utils import DynamicCache
 
-    def step(self) -> None:
-        """Sample the next token of every active row, apply stop rules, run one decode forward."""
+        self.requests = [self.requests[i] for i in keep]
+        if not keep:
+            return
+        index = torch.tensor(keep)
+        mask = self.mask[index]
+        start = int(mask.any(0).nonzero()[0])
+        self.cache = DynamicCache(
+            [(layer.keys[index, :, start:], layer.values[index, :, start:]) for layer in self.cache.layers]
+        )
+        self.mask, self.next_pos, self.last_logits = mask[:, start:], self.next_pos[index], self.last_logits[index]
+
+    def step(self) -> list[_Request]:
+        """Sample the next token of every active row, apply stop rules, retire the finished rows,
+        run one decode forward over the rest. Returns the requests that finished or left."""
         eng = self.engine
         version = eng._weight_version
-        feed = []
+        keep = []
         for i, r in enumerate(self.requests):
-            if r.finish_reason is None:
+            if r.finish_reason is None:  # (aborted or cancelled rows just leave)
                 token, lp = sample_next(self.last_logits[i], r.sampling, r.generator or eng.generator)
                 r.output_ids.append(token)
                 r.logprobs.append(lp)
@@ -171,9 +211,18 @@ class _Batch:
                 eng._check_finished(r)
                 if r.finish_reason is not None and eng._prefix_cache.enabled:
                     self._keep(i, r)
-            feed.append(r.output_ids[-1] if r.output_ids else eng.pad_token_id)
-        if not self.active:
-            return
+            if r.finish_reason is None:
+                keep.append(i)
+        done = [r for r in self.requests if r.finish_reason is not None and not r.left]
+        for r in done:
+            r.left = True
+        if not keep:
+            self.requests = []
+            return done
+        if len(keep) < len(self.requests) and self.mergeable:
+            self._retire(keep)
+        # (a cache that cannot be sliced keeps its finished rows, fed a pad, until the batch ends)
+        feed = [r.output_ids[-1] if not r.left else eng.pad_token_id for r in self.requests]
         self.mask = torch.cat([self.mask, torch.ones(len(self.requests), 1, dtype=self.mask.dtype)], dim=1)
         with torch.no_grad():
             out = eng.model(
@@ -192,6 +241,34 @@ class _Batch:
                 if r.routed is not None and r.routed_len == len(r.input_ids) + len(r.output_ids) - 1:
                     r.routed.append(row[None])
                     r.routed_len += 1
+        return done
+
+
+def _merge(a: tuple, b: tuple) -> tuple:
+    """Two batches' (cache, mask, next positions, last logits) as one: the narrower one's rows
+    left-padded (masked) to the wider one's width, then stacked."""
+    from transformers.cache_utils import DynamicCache
+
+    width = max(a[1].shape[1], b[1].shape[1])
+
+    def pad(x: torch.Tensor, dim: int) -> torch.Tensor:
+        missing = width - x.shape[dim]
+        if not missing:
+            return x
+        shape = list(x.shape)
+        shape[dim] = missing
+        return torch.cat([x.new_zeros(shape), x], dim=dim)
+
+    layers = [
+        (torch.cat([pad(la.keys, 2), pad(lb.keys, 2)]), torch.cat([pad(la.values, 2), pad(lb.values, 2)]))
+        for la, lb in zip(a[0].layers, b[0].layers)
+    ]
+    return (
+        DynamicCache(layers),
+        torch.cat([pad(a[1], 1), pad(b[1], 1)]),
+        torch.cat([a[2], b[2]]),
+        torch.cat([a[3], b[3]]),
+    )
 
 
 class LocalEngine:
@@ -202,7 +279,15 @@ class LocalEngine:
         weights: optional safetensors directory with HF-named weights.
         tokenizer: needed only for stop strings (and `text` in results).
         eos_token_ids: tokens that end a generation besides per-request `stop_token_ids`.
-        max_batch_size: how many concurrent requests share one batch.
+        max_batch_size: how many requests decode together (rows of the running batch).
+        continuous_batching: queued requests join the running batch between two decode steps
+            (False: a batch runs to its end before the next one starts; for comparisons).
+        max_prefill_tokens: prompt tokens (not served by the prefix cache) prefilled between two
+            decode steps, besides the oldest queued request's, which always goes: a short prompt
+            passes long ones that do not fit, and decoding never stalls behind a long queue.
+        overload_queued_tokens: `scheduler_stats()["overloaded"]` once more prompt tokens than
+            this wait in the queue (or more than 4 x max_batch_size requests); None: 4 x
+            max_prefill_tokens.
         seed: seeds both the random init and the sampler.
         torch_threads: intra-op threads for this engine (None leaves torch's setting).
         record_routed_experts: return each request's routed experts (`GenerateResult.routed_experts`,
@@ -228,7 +313,14 @@ class LocalEngine:
         router_noise: float = 0.0,
         router_noise_mode: str = "select",
         prefix_cache_tokens: int = 32768,
+        continuous_batching: bool = True,
+        max_prefill_tokens: int = 2048,
+        overload_queued_tokens: Optional[int] = None,
     ):
+        if max_batch_size < 1 or max_prefill_tokens < 1:
+            raise ValueError(
+                f"max_batch_size and max_prefill_tokens must be >= 1, got {max_batch_size} and {max_prefill_tokens}"
+            )
         if torch_threads is not None:
             torch.set_num_threads(torch_threads)
         self.model = hf_model.build_causal_lm(model_config, weights=weights, seed=seed)
@@ -251,6 +343,14 @@ class LocalEngine:
         self.pad_token_id = int(pad if pad is not None else 0)
         self.max_positions = int(getattr(self.config, "max_position_embeddings", 1 << 30))
         self.max_batch_size = max_batch_size
+        self.continuous_batching = continuous_batching
+        self.max_prefill_tokens = max_prefill_tokens
+        self.overload_queued_tokens = (
+            4 * max_prefill_tokens if overload_queued_tokens is None else overload_queued_tokens
+        )
+        self.joined_running_batch = 0  # requests that joined a batch already decoding
+        self.cancelled_requests = 0  # requests whose caller went away before they finished
+        self._batch: Optional[_Batch] = None
         self.name = name
         self.generator = torch.Generator().manual_seed(seed)
         self._prefix_cache = PrefixCache(prefix_cache_tokens)
@@ -293,43 +393,74 @@ class LocalEngine:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     async def _schedule_loop(self) -> None:
+        self._batch = None
         try:
             while True:
-                while not self._pending:
+                while self._batch is None and not self._pending:
                     self._wakeup.clear()
                     await self._wakeup.wait()
                 await self._running.wait()
-                requests = self._pending[: self.max_batch_size]
-                del self._pending[: len(requests)]
-                await self._run_batch(requests)
+                async with self._model_lock:  # no abort or weight load in the middle of a step
+                    await self._next_step()
+                if self._batch is not None and not self._batch.requests:
+                    self._batch = None
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # a model failure makes the engine unhealthy; callers see it
             log.exception("embedded engine %s failed", self.name)
             self._failure = e
+            self._batch = None
             for r in list(self._inflight.values()):
                 if not r.future.done():
                     r.future.set_exception(EngineError(f"engine {self.name} failed: {e!r}"))
 
-    async def _run_batch(self, requests: list[_Request]) -> None:
-        live = [r for r in requests if not self._finish_early(r)]
-        if not live:
+    async def _next_step(self) -> None:
+        """Between two decode steps: cancelled rows leave, the KV is rebuilt after a weight load,
+        queued requests join (continuous batching), then one decode step."""
+        batch = self._batch
+        if batch is not None:
+            for r in batch.requests:
+                if r.cancelled and r.finish_reason is None:
+                    r.finish_reason, r.matched = "abort", None
+            active = any(r.finish_reason is None for r in batch.requests)
+            if active and batch.weights_epoch != self._weights_epoch:  # weights changed since the cache was built
+                await self._run(batch.rebuild)
+        joinable = batch is None or (self.continuous_batching and batch.mergeable)
+        slots = self.max_batch_size - (len(batch.requests) if batch is not None else 0)
+        admitted = self._take_admissible(slots) if joinable else []
+        if admitted:
+            if batch is None:
+                self._batch = batch = await self._run(_Batch, self, admitted)
+            else:
+                await self._run(batch.admit, admitted)
+                self.joined_running_batch += len(admitted)
+        if batch is None:
             return
-        async with self._model_lock:
-            batch = await self._run(_Batch, self, live)
-        while batch.active:
-            await self._running.wait()
-            async with self._model_lock:
-                if batch.weights_epoch != self._weights_epoch:  # weights changed since the cache was built
-                    await self._run(batch.prefill)
-                await self._run(batch.step)
-            self._after_step(live)
-            for r in live:
-                if r.finish_reason is not None and not r.future.done():
-                    self._resolve(r)
-        for r in live:
-            if not r.future.done():
-                self._resolve(r)
+        done = await self._run(batch.step)
+        self._after_step(batch.requests + done)
+        for r in done:
+            self._resolve(r)
+
+    def _take_admissible(self, slots: int) -> list[_Request]:
+        """Queued requests to prefill now, in arrival order: the oldest always (nothing waits
+        forever), then each later one whose uncached prompt still fits `max_prefill_tokens`, so a
+        short prompt passes long ones that do not fit and one prefill never runs unbounded."""
+        taken: list[_Request] = []
+        budget = self.max_prefill_tokens
+        for r in list(self._pending):
+            if len(taken) >= slots or budget <= 0:
+                break
+            if r.cancelled or self._finish_early(r):
+                self._pending.remove(r)
+                continue
+            cost = len(r.input_ids) - self._prefix_cache.match_length(r.input_ids, len(r.input_ids) - 1)
+            if taken and cost > budget:
+                continue
+            if taken:
+                budget -= cost
+            taken.append(r)
+            self._pending.remove(r)
+        return taken
 
     def _after_step(self, requests: list[_Request]) -> None:
         # Runs on the event loop right after a decode step, before the next one can start: a
@@ -343,7 +474,7 @@ class LocalEngine:
                 self._running.clear()
 
     def _finish_early(self, r: _Request) -> bool:
-        """Requests that need no forward pass: aborted while queued, or nothing to generate."""
+        """Requests that need no forward pass: nothing to generate."""
         if r.sampling.max_new_tokens == 0 or len(r.input_ids) >= self.max_positions:
             r.finish_reason, r.matched = "length", None
         else:
@@ -371,8 +502,14 @@ class LocalEngine:
             r.finish_reason, r.matched = "length", None
 
     def _resolve(self, r: _Request) -> None:
-        self._inflight.pop(r.rid, None)
-        self._pause_points.pop(r.rid, None)
+        if r.resolved:
+            return
+        r.resolved = True
+        if self._inflight.get(r.rid) is r:
+            del self._inflight[r.rid]
+            self._pause_points.pop(r.rid, None)
+        if r.future.done():  # its caller was cancelled
+            return
         text = None
         if self.tokenizer is not None:
             text = self.tokenizer.decode(r.output_ids, skip_special_tokens=r.sampling.skip_special_tokens)
@@ -425,7 +562,38 @@ class LocalEngine:
         self._inflight[rid] = req
         self._pending.append(req)
         self._wakeup.set()
-        return await req.future
+        try:
+            return await req.future
+        except asyncio.CancelledError:  # the caller went away (an HTTP client disconnected, a timeout)
+            self._cancel(req)
+            raise
+
+    def _cancel(self, r: _Request) -> None:
+        """Stop a request nobody waits for: out of the queue now, out of the batch at the next step."""
+        if r.resolved:
+            return
+        self.cancelled_requests += 1
+        r.cancelled, r.resolved = True, True
+        if r in self._pending:
+            self._pending.remove(r)
+        if self._inflight.get(r.rid) is r:
+            del self._inflight[r.rid]
+            self._pause_points.pop(r.rid, None)
+
+    def scheduler_stats(self) -> dict:
+        """The scheduler's load: rows decoding, requests queued and their prompt tokens, whether
+        that is more than the engine works off soon (`overloaded`), and counters."""
+        queued_tokens = sum(len(r.input_ids) for r in self._pending)
+        return {
+            "running": len(self._batch.requests) if self._batch is not None else 0,
+            "queued": len(self._pending),
+            "queued_prompt_tokens": queued_tokens,
+            "overloaded": queued_tokens > self.overload_queued_tokens or len(self._pending) > 4 * self.max_batch_size,
+            "max_batch_size": self.max_batch_size,
+            "continuous_batching": self.continuous_batching,
+            "joined_running_batch": self.joined_running_batch,
+            "cancelled_requests": self.cancelled_requests,
+        }
 
     async def update_weights_from_tensors(
         self, named_tensors: NamedTensors, weight_version: Optional[int] = None
@@ -648,6 +816,7 @@ class LocalEngine:
             "architectures": getattr(self.config, "architectures", None),
             "vocab_size": int(self.config.vocab_size),
             "prefix_cache": self.cache_stats(),
+            "scheduler": self.scheduler_stats(),
         }
 
     async def close(self) -> None:

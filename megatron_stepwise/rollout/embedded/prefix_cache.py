@@ -54,6 +54,17 @@ class PrefixCache:
     def lookup(self, ids: list[int], limit: int) -> tuple[Optional[Entry], int]:
         """The entry sharing the longest prefix with `ids` and that prefix's length (at most
         `limit`); (None, 0) when none shares a token. The entry becomes the most recently used."""
+        best_key, best = self._longest(ids, limit)
+        if best_key is None:
+            return None, 0
+        self.entries.move_to_end(best_key)
+        return self.entries[best_key], best
+
+    def match_length(self, ids: list[int], limit: int) -> int:
+        """How many tokens of `ids` (at most `limit`) a lookup would serve; changes nothing."""
+        return self._longest(ids, limit)[1]
+
+    def _longest(self, ids: list[int], limit: int) -> tuple[Optional[int], int]:
         if not self.entries or limit <= 0:
             return None, 0
         query = torch.tensor(ids[:limit], dtype=torch.int64)
@@ -65,10 +76,7 @@ class PrefixCache:
             n = int((e.tokens[:m] == query[:m]).cumprod(0).sum())
             if n > best:
                 best_key, best = key, n
-        if best_key is None:
-            return None, 0
-        self.entries.move_to_end(best_key)
-        return self.entries[best_key], best
+        return best_key, best
 
     def insert(
         self, tokens: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]], routed: Optional[torch.Tensor] = None

@@ -9,6 +9,15 @@ rollout stack is exercised for real on machines without a GPU. Endpoints (SGLang
 /resume_memory_occupation (colocated mode; a request the released engine cannot serve is
 answered 400 naming why, where SGLang would fail or hang).
 
+Limits: a request body over `max_request_bytes` is refused with 413 before it is read (default
+`default_max_request_bytes`: sized from the context window; `/update_weights_from_tensor` has its
+own limit, sized from the model's weights). A `/generate` whose client disconnects is cancelled
+(the engine counts it in `scheduler.cancelled_requests`); other endpoints run to their end (a
+weight load is never left half done). `/health` answers 200 while the engine lives, with its load
+as JSON (`status` "ok" or "overloaded", queue depth, queued prompt tokens): the fleet's router
+treats a non-200 as a dead engine and restarts it, which a busy one is not. `/health_generate`
+is the readiness check: 503 with `Retry-After` while overloaded.
+
 Deviation: `/update_weights_from_tensor` takes each entry of `serialized_named_tensors` as
 base64 of a safetensors blob (`load_format="safetensors"`), not SGLang's pickled CUDA-IPC
 handles, which only work between processes sharing a GPU and should never be unpickled from a
@@ -43,6 +52,26 @@ from megatron_stepwise.rollout.routing import encode as encode_routed
 log = logging.getLogger(__name__)
 
 ENGINE_TAG = "megatron_stepwise.local"
+BYTES_PER_TOKEN = 32  # a token in a JSON body: an id and its separator, or its text (escaped), generously
+SMALL_BODY = 1 << 20  # sampling parameters, rids, weight names: what a body holds besides its prompts
+
+
+def default_max_request_bytes(engine: LocalEngine) -> int:
+    """The body limit of every endpoint but the weight upload: `max_batch_size` prompts filling
+    the context window (`max_position_embeddings`, at most 1M tokens counted) + 1 MiB."""
+    context = min(engine.max_positions, 1 << 20)
+    return SMALL_BODY + BYTES_PER_TOKEN * context * engine.max_batch_size
+
+
+def weight_upload_bytes(engine: LocalEngine) -> int:
+    """The body limit of /update_weights_from_tensor: every parameter in fp32 as base64 (4/3), twice
+    over for safetensors headers and a trainer sending more than one dtype, + 16 MiB."""
+    params = sum(p.numel() for p in engine.model.parameters())
+    return 2 * (4 * params * 4 // 3) + (16 << 20)
+
+
+class BodyTooLarge(Exception):
+    """A request body over its endpoint's limit (answered 413)."""
 
 
 BadRequest = F.BadRequest
@@ -129,13 +158,20 @@ def generate_response(
 class EngineServer:
     """aiohttp handlers around one `LocalEngine`."""
 
-    def __init__(self, engine: LocalEngine, api_key: Optional[str] = None):
+    def __init__(self, engine: LocalEngine, api_key: Optional[str] = None, max_request_bytes: Optional[int] = None):
+        if max_request_bytes is not None and max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
         self.engine = engine
         self.api_key = api_key
+        self.configured_limit = max_request_bytes is not None
+        self.max_request_bytes = default_max_request_bytes(engine) if max_request_bytes is None else max_request_bytes
+        self.weight_upload_bytes = weight_upload_bytes(engine)
         self._rid = 0
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._auth, self._errors], client_max_size=1 << 30)
+        # aiohttp's own limit only backs ours up (`_body` reads each endpoint's limit)
+        limit = max(self.max_request_bytes, self.weight_upload_bytes)
+        app = web.Application(middlewares=[self._auth, self._errors, self._uncancelled], client_max_size=limit)
         r = app.router
         r.add_route("POST", "/generate", self.generate)
         r.add_route("PUT", "/generate", self.generate)
@@ -173,11 +209,21 @@ class EngineServer:
         return await handler(request)
 
     @web.middleware
+    async def _uncancelled(self, request: web.Request, handler):
+        # The server cancels a handler whose client disconnected: wanted for /generate (nobody
+        # reads the answer), never for a weight load or an abort, which must finish what they began.
+        if request.path == "/generate":
+            return await handler(request)
+        return await asyncio.shield(handler(request))
+
+    @web.middleware
     async def _errors(self, request: web.Request, handler):
         try:
             return await handler(request)
         except web.HTTPException:
             raise
+        except BodyTooLarge as e:
+            return web.json_response({"error": {"message": str(e)}}, status=413)
         except (BadRequest, ValueError, KeyError, TypeError, FileNotFoundError, EngineReleasedError) as e:
             msg = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
             if request.path.startswith(("/update_weights", "/init_weights", "/destroy_weights")):
@@ -185,7 +231,32 @@ class EngineServer:
             return web.json_response({"error": {"message": msg}}, status=400)
 
     async def _body(self, request: web.Request) -> dict:
-        return F.parse_body(await request.read()) if request.can_read_body else {}
+        if not request.can_read_body:
+            return {}
+        weights = request.path == "/update_weights_from_tensor"
+        limit = self.weight_upload_bytes if weights else self.max_request_bytes
+        size = request.content_length
+        if size is not None and size > limit:
+            raise BodyTooLarge(self._too_large(request.path, f"{size} bytes", limit, weights))
+        data, size = bytearray(), 0
+        async for chunk in request.content.iter_chunked(1 << 16):  # (no Content-Length: count as it comes)
+            size += len(chunk)
+            if size > limit:
+                raise BodyTooLarge(self._too_large(request.path, f"more than {limit} bytes", limit, weights))
+            data += chunk
+        return F.parse_body(bytes(data))
+
+    def _too_large(self, path: str, size: str, limit: int, weights: bool) -> str:
+        if weights:
+            why = "sized from the model's weights"
+        elif self.configured_limit:
+            why = "set by max_request_bytes"
+        else:
+            why = f"sized from the context window of {self.engine.max_positions} tokens"
+        return (
+            f"{path}: request body of {size} is over the limit of {limit} bytes ({why}; "
+            f"`megatron-stepwise serve --max-request-bytes N` sets it)"
+        )
 
     async def generate(self, request: web.Request) -> web.Response:
         where = "/generate"
@@ -261,8 +332,15 @@ class EngineServer:
         return f"req-{self._rid}"
 
     async def health(self, request: web.Request) -> web.Response:
-        ok = await self.engine.health()
-        return web.Response(status=200 if ok else 503)
+        """/health: liveness (200 unless the engine failed) with the load as JSON; /health_generate:
+        readiness (503 with Retry-After while overloaded)."""
+        if not await self.engine.health():
+            return web.json_response({"status": "unhealthy"}, status=503)
+        load = self.engine.scheduler_stats()
+        body = {"status": "overloaded" if load["overloaded"] else "ok", **load}
+        if load["overloaded"] and request.path == "/health_generate":
+            return web.json_response(body, status=503, headers={"Retry-After": "1"})
+        return web.json_response(body)
 
     async def model_info(self, request: web.Request) -> web.Response:
         info = self.engine.model_info()
@@ -415,11 +493,13 @@ async def start_server(
     *,
     api_key: Optional[str] = None,
     allow_unauthenticated: bool = False,
+    max_request_bytes: Optional[int] = None,
 ) -> tuple[web.AppRunner, int]:
     """Start serving in the running event loop; returns (runner, bound port). `port=0` picks one.
 
     Anything that can reach the port can replace the weights or abort requests: beyond loopback a
-    server needs an `api_key` unless `allow_unauthenticated` (a network you trust)."""
+    server needs an `api_key` unless `allow_unauthenticated` (a network you trust).
+    `max_request_bytes`: the body limit (None: `default_max_request_bytes`)."""
     if not is_loopback(host) and not api_key and not allow_unauthenticated:
         raise ValueError(
             f"serving on {host} (beyond loopback) needs an API key: set {API_KEY_ENV}, or pass "
@@ -427,7 +507,9 @@ async def start_server(
         )
     redact_bearer_tokens()  # aiohttp logs an unparsable request with its header line
     logging.getLogger("aiohttp.server").addFilter(_QuietGrpcProbe())
-    runner = _Runner(EngineServer(engine, api_key).app(), access_log=None)
+    server = EngineServer(engine, api_key, max_request_bytes)
+    # handler_cancellation: a /generate whose client disconnected is cancelled, with its generation
+    runner = _Runner(server.app(), access_log=None, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
