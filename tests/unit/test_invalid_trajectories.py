@@ -120,3 +120,22 @@ def test_eval_of_only_invalid_trajectories_reports_them_without_failing():
     steps = [step("a", 0, 0.0, invalid="env_error"), step("b", 0, 0.0, invalid="env_error")]
     m = eval_metrics(steps, TOK, success_threshold=1.0)
     assert m["prompts"] == 0 and m["rollout/invalid_share"] == 1.0 and "reward/mean" not in m
+
+
+def test_a_dump_keeps_the_reason_and_the_untrained_mask(tmp_path):
+    from megatron_stepwise.loop.dumps import Captured, dump_path, read_dump_table, write_dump
+
+    steps = [step("p", 0, 1.0), step("p", 1, 0.0, invalid="env_error"), step("p", 2, 0.0)]
+    batch, _ = prepare_rows(steps, PrepareOptions(), keep_metadata=True)
+    write_dump(
+        dump_path(tmp_path, 3),
+        [Captured(batch, [dict(m) for m in batch.metadata])],
+        iteration=3,
+        weight_version=3,
+        config={},
+        train_metrics=[],
+    )
+    _, table = read_dump_table(tmp_path, 3, columns=["sample_index", "invalid", "loss_mask"])
+    cols = table.to_pydict()
+    assert cols["invalid"] == [None, "env_error", None]
+    assert [sum(m) for m in cols["loss_mask"]] == [3, 0, 3]
