@@ -90,3 +90,15 @@ def ray_session():
 
     yield
     ray.shutdown()
+
+
+@pytest.fixture
+def one_torch_thread():
+    """A tiny model's ops on 2 threads of a machine other jobs load can be 100x slower than on one
+    (`pytestmark = pytest.mark.usefixtures("one_torch_thread")` in modules that run one)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -13,6 +13,7 @@ from typing import Callable, TypeVar
 
 from megatron_stepwise.algo.batching import prompt_minibatches, validate_steps
 from megatron_stepwise.algo.planner import DEFAULT_ATTENTION_WEIGHT, plan_microbatches, plan_stats
+from megatron_stepwise.cli.arg_types import int_at_least
 from megatron_stepwise.data.synthetic import AgentWorkload, make_agent_steps
 from megatron_stepwise.loop.training_batch import PrepareOptions, add_counts, prepare
 from megatron_stepwise.steps import StepwiseBatchError
@@ -20,11 +21,7 @@ from megatron_stepwise.steps import StepwiseBatchError
 T = TypeVar("T")
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+_positive_int = int_at_least(1)
 
 
 def _probability(text: str) -> float:

@@ -13,6 +13,7 @@ import socket
 import sys
 from typing import Any
 
+from megatron_stepwise.cli.arg_types import int_at_least
 from megatron_stepwise.rollout.auth import API_KEY_ENV, api_key_from_env
 from megatron_stepwise.rollout.embedded.engine import LocalEngine
 from megatron_stepwise.rollout.embedded.server import start_server
@@ -64,18 +65,7 @@ def _port(text: str) -> int:
     return value
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _not_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+_positive, _not_negative = int_at_least(1), int_at_least(0)
 
 
 def register(subparsers) -> None:

@@ -8,7 +8,6 @@ the next request is queued while it is held, then decoding resumes."""
 import asyncio
 
 import pytest
-import torch
 from helpers import tiny_lm
 
 from megatron_stepwise.rollout.embedded.engine import LocalEngine
@@ -18,13 +17,7 @@ TOK, CONFIG = tiny_lm("tiny_char")
 DEADLINE_S = 120.0
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """A tiny model's ops on 2 threads of a machine other jobs load can be 100x slower than on one."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 async def until(condition, what, deadline_s=DEADLINE_S):
