@@ -43,6 +43,7 @@ class _Pool:
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.workers = 0  # live workers (an abandoned one no longer counts: it was replaced)
         self.idle = 0  # workers waiting for a job
+        self.queued = 0  # jobs put but not yet taken: each will take one of the idle workers
 
 
 class _Job:
@@ -145,9 +146,12 @@ class EnvCaller:
         pool = self._pool
         with self._lock:
             # The semaphore caps calls in flight at `threads`, so the pool grows to that at most.
-            grow = pool.idle == 0 and pool.workers < self.threads
+            # An idle worker already owed to a queued job is not free: two calls submitted before
+            # it wakes would otherwise share it, and the second waits (and times out) in the queue.
+            grow = pool.idle <= pool.queued and pool.workers < self.threads
             if grow:
                 pool.workers += 1
+            pool.queued += 1
         if grow:
             threading.Thread(
                 target=self._work, args=(pool,), name=f"env-worker-{next(self._names)}", daemon=True
@@ -165,6 +169,8 @@ class EnvCaller:
                 job = pool.jobs.get()
                 with self._lock:
                     pool.idle -= 1
+                    if job is not None:
+                        pool.queued -= 1
                     if job is None:
                         pool.workers -= 1
                         return

@@ -33,7 +33,8 @@ REPO = Path(__file__).resolve().parents[2]
 REPO_ID = "Org/Name"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 CONFIG = tiny_config(
-    vocab_size=len(json.loads((tokenizer_dir("tiny_word") / "tokenizer.json").read_text())["model"]["vocab"])
+    vocab_size=len(json.loads((tokenizer_dir("tiny_word") / "tokenizer.json").read_text())["model"]["vocab"]),
+    max_position_embeddings=4096,  # a window the default rollout lengths fit (validate checks it)
 )
 
 

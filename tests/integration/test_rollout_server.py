@@ -412,7 +412,7 @@ BAD_REQUESTS = [
     (
         "/update_weights_from_disk",
         {"model_path": "/nonexistent", "weight_version": 1.9},
-        "weight_version must be an integer or a string of digits, got 1.9",
+        "weight_version must be an integer from 0 to 9223372036854775807 (or a string of its digits), got 1.9",
     ),
     (
         "/update_weights_from_disk",
@@ -445,8 +445,8 @@ BAD_REQUESTS = [
         "group_name must be a string",
     ),
     ("/destroy_weights_update_group", {"group_name": ["x"]}, "group_name must be a string"),
-    ("/update_weight_version", {"new_version": 2.5}, "new_version must be an integer or a string of digits"),
-    ("/update_weight_version", {"new_version": True}, "new_version must be an integer or a string of digits"),
+    ("/update_weight_version", {"new_version": 2.5}, "new_version must be an integer from 0 to"),
+    ("/update_weight_version", {"new_version": True}, "new_version must be an integer from 0 to"),
     (
         "/update_weight_version",
         {"new_version": "3", "abort_all_requests": "no"},

@@ -396,7 +396,9 @@ def test_mixtral_configs_count_their_experts_for_validation(tmp_path, monkeypatc
     from megatron_stepwise.hf.arch import arch_from_hf
 
     assert arch_from_hf(Probes().model_config("tiny_mixtral")[0]).num_experts == 4
-    (tmp_path / "config.json").write_text(json.dumps({**tiny_config(model_type="mixtral"), "num_local_experts": 8}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({**tiny_config(model_type="mixtral", max_position_embeddings=4096), "num_local_experts": 8})
+    )
     assert arch_from_hf(Probes().model_config(str(tmp_path))[0]).num_experts == 8
     cfg = config_from_dict(
         {"algo": {"routing_replay": True}, "model": {"hf_config": str(tmp_path)}}, [], probes=FakeProbes()

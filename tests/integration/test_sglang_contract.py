@@ -17,6 +17,7 @@ import os
 import sys
 import zipfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -365,7 +366,9 @@ def test_embedded_server_speaks_the_same_api(sglang):
     """Every route of `megatron-stepwise serve` is an SGLang route with that method, and its
     /generate response uses only fields of SGLang's response schema."""
     table = routes(sglang["http_server"])
-    app = EngineServer(engine=None).app()
+    # only the routes are read: an engine shaped enough to size the body limits
+    sizes = SimpleNamespace(max_positions=1024, max_batch_size=4, model=torch.nn.Linear(2, 2))
+    app = EngineServer(engine=sizes).app()
     for route in app.router.routes():
         path, method = route.resource.canonical, route.method
         if method == "HEAD":

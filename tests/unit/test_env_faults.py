@@ -223,3 +223,30 @@ def test_env_caller_reuses_its_workers_and_replaces_a_hung_one():
     assert wait_until(lambda: not any(t.is_alive() for t in workers))
     assert asyncio.run(caller.call(lambda: 7)) == 7
     caller.close()
+
+
+def test_calls_submitted_together_each_get_a_worker():
+    # Two calls submitted in one event-loop tick while one worker idles: the worker is owed to the
+    # first, so the second must get a new one, not wait behind a call that may block (and time out).
+    caller = EnvCaller(threads=4, timeout_s=300.0)
+    gate = threading.Event()
+    started = [threading.Event(), threading.Event()]
+
+    def blocked(k):
+        started[k].set()
+        gate.wait(300)
+        return k
+
+    async def go():
+        await caller.call(lambda: None, name="warm-up")  # one worker, idle again
+        calls = asyncio.gather(*(caller.call(blocked, k, name=f"call{k}") for k in range(2)))
+        deadline = time.monotonic() + 120
+        while not all(e.is_set() for e in started) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        both_started = all(e.is_set() for e in started)
+        gate.set()
+        return both_started, await calls
+
+    both_started, results = asyncio.run(go())
+    caller.close()
+    assert both_started and results == [0, 1]
