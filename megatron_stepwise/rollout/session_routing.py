@@ -25,6 +25,7 @@ session's turn is served elsewhere than its previous turn.
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
 from typing import Literal, Optional, Protocol
 
@@ -61,11 +62,12 @@ class Load(Protocol):
     outstanding_tokens: int
 
 
-class RoutingPolicy:
+class RoutingPolicy(abc.ABC):
     name = ""
 
+    @abc.abstractmethod
     def choose(self, pinned: Optional[Load], candidates: list[Load], cost: int) -> Load:
-        raise NotImplementedError
+        """The engine for a turn of `cost` tokens: `pinned` is its session's engine (None: new or dead)."""
 
 
 class RoundRobin(RoutingPolicy):

@@ -103,4 +103,6 @@ def test_a_full_disk_names_the_iteration_and_dir_and_keeps_the_previous_checkpoi
         assert record["latest"] == "iter_0000001"
         assert record["resume"]["ok"]["iteration"] == 1  # a resume loads the previous one
     if not small_tmpfs:
-        pytest.skip("only the injected ENOSPC ran: mounting a tmpfs needs root")
+        pytest.skip(
+            "only the injected ENOSPC ran: the real full-disk case mounts a tmpfs, so it runs as root (as CI does)"
+        )
