@@ -60,6 +60,7 @@ def test_checkpoint_dir_under_a_file(tmp_path):
     assert problem.startswith("checkpoint.dir:") and f"{afile} is a file" in problem
 
 
+@pytest.mark.launches  # root mounts a read-only tmpfs (`mount`)
 def test_unwritable_checkpoint_dir(tmp_path):
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o500)
