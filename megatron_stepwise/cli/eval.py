@@ -107,11 +107,12 @@ def _checkpoint_as_hf(cfg, checkpoint: str, hf_config: dict, tokenizer) -> tuple
     import torch.distributed as dist
 
     from megatron_stepwise.loop import components
+    from megatron_stepwise.mcore.runtime.runtime import free_port
     from megatron_stepwise.mcore.weights.convert import export_hf
     from megatron_stepwise.mcore.weights.dist_checkpoint import load_checkpoint
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     components.init_runtime(cfg)
     try:
@@ -135,11 +136,3 @@ def _checkpoint_as_hf(cfg, checkpoint: str, hf_config: dict, tokenizer) -> tuple
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
     return out, source, int(state["iteration"])
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

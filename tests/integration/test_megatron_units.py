@@ -369,3 +369,31 @@ def test_launch_env_from_torchrun_slurm_and_alone():
     assert (alone.rank, alone.world_size, alone.master_addr) == (0, 1, "127.0.0.1")
     with pytest.raises(ValueError, match="rank 4 is outside world size 4"):
         launch_env({"RANK": "4", "WORLD_SIZE": "4"})
+
+
+_LONE_RANK = """
+import os, socket, sys
+held = socket.socket()
+try:
+    held.bind(("127.0.0.1", 29500)); held.listen()   # the default port, taken by someone else
+except OSError:
+    pass                                              # already taken: the same situation
+from megatron_stepwise.mcore.runtime.runtime import init_distributed
+layout = init_distributed()
+print("port", os.environ["MASTER_PORT"], "dp", layout.dp)
+"""
+
+
+def test_a_lone_process_starts_while_the_default_port_is_taken():
+    """Replay and eval run as a world of one; two of them (or one beside a torchrun job on 29500)
+    must not collide on the default rendezvous port."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env = {k: v for k, v in env.items() if not k.startswith("SLURM_")}
+    out = subprocess.run([sys.executable, "-c", _LONE_RANK], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    port = int(out.stdout.split()[1])
+    assert port != 29500 and out.stdout.split()[3] == "1"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import random
+import socket
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
@@ -82,6 +83,13 @@ class LaunchEnv:
     master_port: int
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port the OS reports unused on `host` right now."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
 def launch_env(environ: Optional[dict] = None) -> LaunchEnv:
     """Rank/world/master from torchrun (RANK, WORLD_SIZE, LOCAL_RANK) or SLURM (SLURM_PROCID...).
 
@@ -151,7 +159,10 @@ def init_distributed(
 
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", env.master_addr)
-        os.environ.setdefault("MASTER_PORT", str(env.master_port))
+        # A world of one rendezvouses with nobody: a free port keeps two such processes (replay,
+        # eval, a notebook) from colliding on the default 29500.
+        lone = env.world_size == 1 and "MASTER_PORT" not in os.environ
+        os.environ.setdefault("MASTER_PORT", str(free_port() if lone else env.master_port))
         dist.init_process_group(
             backend=backend or ("nccl" if use_cuda else "gloo"),
             rank=env.rank,

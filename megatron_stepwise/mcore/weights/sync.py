@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import re
 import shutil
-import socket
 import time
 from collections import deque
 from pathlib import Path
@@ -24,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_stepwise import weight_transport
+from megatron_stepwise.mcore.runtime.runtime import free_port
 from megatron_stepwise.mcore.weights import convert
 
 MODES = ("disk", "tensor", "distributed")
@@ -47,12 +47,6 @@ def prune_versions(root: Any, keep: int) -> list[Path]:
     for p in removed:
         shutil.rmtree(p, ignore_errors=True)
     return removed
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 class WeightSync:
@@ -191,7 +185,7 @@ class WeightSync:
         live engine; opened on first use (a distributed push opens it itself)."""
         if self._group is not None:
             return self._group
-        port = self.master_port or _free_port()
+        port = self.master_port or free_port("")  # engines may be remote: any interface
         world_size = self.fleet.weight_update_world_size()  # trainer + every TP rank of every engine
 
         async def both():
