@@ -153,10 +153,14 @@ class SyncRollouts:
         """This rank's round: rank 0 rolls out the iteration's prompts and decides it."""
         resolve = self.fetcher.resolve if self.fetcher is not None else None
         produce = functools.partial(self._decide, iteration)
+        fetched = self.fetcher.bytes_fetched if self.fetcher is not None else 0
         try:
             for attempt in range(self.cfg.rollout.max_retries + 2):
                 try:
-                    return self.handoff.to_ranks(produce, "rollout", iteration, resolve=resolve)
+                    round_ = self.handoff.to_ranks(produce, "rollout", iteration, resolve=resolve)
+                    if self.fetcher is not None and round_ is not None:  # this replica's share (rank 0 logs its own)
+                        round_.metrics["handoff/rows_fetched_bytes"] = self.fetcher.bytes_fetched - fetched
+                    return round_
                 except ResolveFailed as e:  # the same on every rank: all retry, or all raise
                     if not e.lost or attempt > self.cfg.rollout.max_retries:
                         raise

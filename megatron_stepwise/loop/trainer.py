@@ -35,6 +35,7 @@ from megatron_stepwise.loop.divergence import check_finite
 from megatron_stepwise.loop.dumps import DumpRecorder, assemble_logprobs, dump_path, write_dump
 from megatron_stepwise.loop.evaluation import Evaluator
 from megatron_stepwise.loop.handoff import Handoff
+from megatron_stepwise.loop.placement import log_placement
 from megatron_stepwise.loop.sources import Driver, SyncRollouts, rollout_seed
 from megatron_stepwise.loop.training_batch import add_counts
 from megatron_stepwise.metrics.collapse import EntropyWatch
@@ -156,6 +157,14 @@ class Trainer:
         # The engines start from their own random init: give them the trainer's weights.
         self.push_weights()
         self.source.start(self.driver)
+        if self.driver is not None:
+            self._log_placement()
+
+    def _log_placement(self) -> None:
+        agent = self.driver.agent
+        workers = [w.handle for w in agent.workers] if isinstance(agent, AgentWorkers) else []
+        engines = [s.handle for s in self.driver.fleet.engine_table() if s.alive]
+        log_placement({"engines": engines, "agent workers": workers})
 
     def _agents(self, fleet, loop):
         """The agent loop in this process, or `rollout.agent_workers` Ray actors."""

@@ -208,6 +208,13 @@ _T = [  # (pattern, unit, over, meaning)
                 "1 when each replica fetched its rows from the agent workers "
                 "(rollout.handoff=workers), 0 when they went through rank 0",
             ),
+            (
+                "handoff/rows_fetched_bytes",
+                "bytes",
+                "iteration",
+                "bytes of rows rank 0's replica fetched from the agent workers (its share of the round; "
+                "the other replicas fetch theirs alike)",
+            ),
         ],
     ),
     (

@@ -1,0 +1,141 @@
+"""The multi-node path on two real hosts: two network namespaces of this machine (tools/two_nodes.sh)
+with their own addresses and hostnames, sharing the filesystem as cluster nodes do.
+
+Host a runs the Ray head (no CPUs for actors) and training rank 0; host b runs a Ray worker, training
+rank 1, and so every engine and agent worker. torchrun rendezvouses across the hosts, rank 0's
+replica fetches its rows from the workers on b, and the weight pushes cross the link. The run must
+repeat the one-node run exactly. Needs root (as CI has); skips elsewhere, saying so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import run_launch
+from two_hosts import REPO, python_env, two_hosts, wait_for
+
+# Two Ray nodes and two launches (the one-node reference and the two-node run) on a 2-core machine.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+
+RUN = ("trainer.iterations=5", "checkpoint.every=0", "logging.progress=false", "rollout.agent_workers=2")
+RAY_PORT = 6379  # each host has its own ports: nothing else on this machine listens in its namespace
+RDZV_PORT = 29400
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """Two hosts with a Ray cluster across them: head on a (0 CPUs), worker on b (6 CPUs)."""
+    state = tmp_path_factory.mktemp("hosts")
+    hosts = two_hosts(state)
+    env = python_env()
+    ray = str(Path(sys.executable).parent / "ray")
+    head = f"{hosts.ip['a']}:{RAY_PORT}"
+    try:
+        # A Ray temp dir of their own: Ray records "the cluster on this machine" there, and the
+        # suite's other Ray users share /tmp with these hosts.
+        temp = f"/tmp/msw-ray-{os.getpid()}"
+        hosts.popen(
+            "a",
+            [
+                ray,
+                "start",
+                "--head",
+                f"--node-ip-address={hosts.ip['a']}",
+                f"--port={RAY_PORT}",
+                "--num-cpus=0",
+                f"--temp-dir={temp}",
+                "--block",
+            ],
+            log=state / "ray_a.log",
+            env=env,
+        )
+        up = hosts.run("a", [sys.executable, "launch/plan.py", "wait-ray", head, "1"], timeout=400, env=env)
+        assert up.returncode == 0, up.stderr + (state / "ray_a.log").read_text()[-3000:]
+        hosts.popen(
+            "b",
+            [ray, "start", f"--address={head}", f"--node-ip-address={hosts.ip['b']}", "--num-cpus=6", "--block"],
+            log=state / "ray_b.log",
+            env=env,
+        )
+        up = hosts.run("a", [sys.executable, "launch/plan.py", "wait-ray", head, "2"], timeout=400, env=env)
+        assert up.returncode == 0, up.stderr + (state / "ray_b.log").read_text()[-3000:]
+        yield hosts, head, env
+    finally:
+        hosts.close()
+
+
+@pytest.fixture(scope="module")
+def one_node_reference(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("one_node") / "run"
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_stepwise.cli",
+        "train",
+        "configs/tiny_cpu.yaml",
+        f"logging.run_dir={run_dir}",
+        *RUN,
+    ]
+    out = run_launch(cmd, env=python_env(), cwd=REPO, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return _metrics(run_dir)
+
+
+def _train_on_both(hosts, head: str, env: dict, run_dir: Path, *extra: str) -> None:
+    """torchrun on each host (one rank each), rendezvousing at host a, as on two cluster nodes."""
+    procs = []
+    for rank, host in enumerate("ab"):
+        cmd = [
+            sys.executable, "-m", "megatron_stepwise.rundir.torchrun", "--rdzv-backend=bound-static",
+            "--nnodes=2", "--nproc-per-node=1", f"--rdzv-conf=rank={rank}",
+            f"--rdzv-endpoint={hosts.ip['a']}:{RDZV_PORT}",
+            "-m", "megatron_stepwise.cli", "train", "configs/tiny_cpu.yaml", f"logging.run_dir={run_dir}",
+            "launch.nnodes=2", "launch.nproc_per_node=1", f"rollout.ray_address={head}", *RUN, *extra,
+        ]  # fmt: skip
+        procs.append(hosts.popen(host, cmd, log=run_dir.parent / f"torchrun_{host}.log", env=env))
+    for proc, host in zip(procs, "ab"):
+        wait_for(lambda p=proc: p.poll() is not None, f"the training on host {host}", timeout_s=900)
+    for proc, host in zip(procs, "ab"):
+        log = (run_dir.parent / f"torchrun_{host}.log").read_text()
+        assert proc.returncode == 0, f"host {host}:\n{log[-4000:]}"
+
+
+def test_two_node_run_repeats_the_one_node_run(cluster, one_node_reference, tmp_path):
+    hosts, head, env = cluster
+    run_dir = tmp_path / "run"
+    before = hosts.link_bytes()
+    _train_on_both(hosts, head, env, run_dir)
+    after = hosts.link_bytes()
+
+    m = _metrics(run_dir)
+    assert [r["iteration"] for r in m] == [r["iteration"] for r in one_node_reference]
+    for r, ref in zip(m, one_node_reference):
+        keys = [k for k in ref if k.startswith(("reward/", "eval/", "rollout/", "train/loss", "advantages/"))]
+        assert keys and {k: r[k] for k in keys} == {k: ref[k] for k in keys}, r["iteration"]
+        assert r["agents/rows_held"] == 1.0
+
+    # Where things ran: the driver on a; every engine and agent worker on b (a offers Ray no CPU).
+    log = (run_dir / "train.log").read_text()
+    a, b = hosts.ip["a"], hosts.ip["b"]
+    assert f"placement: driver {a}; engines {b} x2; agent workers {b} x2" in log, log[:3000]
+    assert json.loads((run_dir / "run.json").read_text())["starts"][0]["host"] == hosts.name["a"]
+
+    # The link carried rank 0's share of the rows from b to a, every iteration.
+    iterations = len(m)
+    rows = sum(r["handoff/rows_fetched_bytes"] for r in m)
+    moved = {h: {k: (after[h][k] - before[h][k]) / iterations for k in after[h]} for h in after}
+    print(
+        f"two hosts, per iteration: a received {moved['a']['received']:.0f} B, sent {moved['a']['sent']:.0f} B; "
+        f"b received {moved['b']['received']:.0f} B, sent {moved['b']['sent']:.0f} B; rows fetched by a's "
+        f"replica {rows / iterations:.0f} B; weight push {m[-1]['weight_sync/bytes']:.0f} B"
+    )
+    assert rows > 0 and moved["a"]["received"] >= rows / iterations
+    assert moved["a"]["received"] == pytest.approx(moved["b"]["sent"], rel=0.01)  # one wire, two ends

@@ -1,0 +1,114 @@
+"""Two hosts on this machine for multi-node tests (tools/two_nodes.sh): network namespaces joined
+by a veth pair, each with its own address and hostname, sharing the filesystem as cluster nodes do.
+
+`two_hosts(tmp_dir)` brings them up (skipping, with where it runs, where it cannot: it needs root,
+`ip` and `unshare`, as CI has) and tears them down with everything started on them.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import pytest
+from helpers import _kill_tree
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "tools" / "two_nodes.sh"
+EXIT_CANNOT = 3
+
+
+class TwoHosts:
+    """Hosts "a" and "b": `popen`/`run` a command on one, read the bytes its link moved, cut it."""
+
+    def __init__(self, state: Path):
+        self.state = state
+        self.env = dict(line.split("=", 1) for line in (state / "hosts.env").read_text().split())
+        self.ip = {"a": self.env["NODE_A_IP"], "b": self.env["NODE_B_IP"]}
+        self.name = {"a": self.env["NODE_A_NAME"], "b": self.env["NODE_B_NAME"]}
+        self._procs: list[subprocess.Popen] = []
+
+    def command(self, host: str, argv: Sequence[str]) -> list[str]:
+        return ["bash", str(SCRIPT), "exec", str(self.state), host, *map(str, argv)]
+
+    def popen(self, host: str, argv: Sequence[str], log: Optional[Path] = None, env=None) -> subprocess.Popen:
+        """Start `argv` on `host` in a session of its own (killed with the hosts), output to `log`."""
+        out = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115 - the child owns it
+        proc = subprocess.Popen(
+            self.command(host, argv), stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True
+        )
+        self._procs.append(proc)
+        return proc
+
+    def run(self, host: str, argv: Sequence[str], timeout: float, env=None) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            self.command(host, argv), env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout
+        )
+
+    def link_bytes(self) -> dict[str, dict[str, int]]:
+        """Bytes each host received and sent on its link to the other so far."""
+        out = {}
+        for host, ns_key in (("a", "NODE_A_NS"), ("b", "NODE_B_NS")):
+            dev = self.env["NODE_LINK"] if host == "a" else self.env["NODE_LINK"].replace("mswa", "mswb", 1)
+            stats = {}
+            for what in ("rx_bytes", "tx_bytes"):
+                got = subprocess.run(
+                    ["ip", "netns", "exec", self.env[ns_key], "cat", f"/sys/class/net/{dev}/statistics/{what}"],
+                    capture_output=True,
+                    text=True,
+                    timeout=30,
+                    check=True,
+                )
+                stats[what] = int(got.stdout)
+            out[host] = {"received": stats["rx_bytes"], "sent": stats["tx_bytes"]}
+        return out
+
+    def set_link(self, up: bool) -> None:
+        subprocess.run(["bash", str(SCRIPT), "link", str(self.state), "up" if up else "down"], check=True, timeout=30)
+
+    def close(self) -> None:
+        for proc in self._procs:
+            if proc.poll() is None:
+                _kill_tree(proc)
+        subprocess.run(["bash", str(SCRIPT), "down", str(self.state)], capture_output=True, timeout=120)
+
+
+def two_hosts(state: Path) -> TwoHosts:
+    out = subprocess.run(["bash", str(SCRIPT), "up", str(state)], capture_output=True, text=True, timeout=120)
+    if out.returncode == EXIT_CANNOT:
+        pytest.skip(
+            f"two-host tests need root with `ip netns` and `unshare` ({out.stderr.strip()}); they run as root, "
+            "as in CI (tools/two_nodes.sh)"
+        )
+    assert out.returncode == 0, out.stdout + out.stderr
+    return TwoHosts(state)
+
+
+def wait_for(condition, what: str, timeout_s: float = 300.0, proc: Optional[subprocess.Popen] = None):
+    """Poll `condition()` until truthy (returned); fail naming `what` after `timeout_s` or if `proc` exits."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = condition()
+        if got:
+            return got
+        if proc is not None and proc.poll() is not None:
+            pytest.fail(f"{what}: the process exited ({proc.returncode}) first")
+        time.sleep(0.2)
+    pytest.fail(f"{what}: not within {timeout_s:.0f} s")
+
+
+def python_env() -> dict[str, str]:
+    """The environment a host's commands need: this checkout, this venv, one torch thread each."""
+    bindir = str(Path(sys.executable).parent)
+    return dict(
+        os.environ,
+        PYTHONPATH=str(REPO),
+        PATH=f"{bindir}:{os.environ.get('PATH', '')}",
+        OMP_NUM_THREADS="1",
+        RAY_AUTH_MODE="token",
+        RAY_worker_niceness="0",
+    )
