@@ -125,11 +125,14 @@ class AgentWorker:
             groups = [self.held.keep(g, hold, self.name) for g in groups]
         return WorkerReply(groups, dead, requests)
 
-    def take(self, key: int, runs: list) -> Any:
-        return self.held.take(key, runs)
+    def take(self, runs: list) -> Any:
+        return self.held.take(runs)
 
     def release(self, key: int) -> None:
         self.held.release(key)
+
+    def drop(self, groups: list[tuple[int, str]]) -> None:
+        self.held.drop(groups)
 
     def env_stats(self) -> dict[str, int]:
         return self.agent.env_stats()
@@ -251,6 +254,17 @@ class AgentWorkers:
         """The rows of round `key` (and earlier) are fetched: the workers drop them."""
         for w in self.workers:
             w.handle.release.remote(key)
+
+    def drop(self, groups: Sequence[HeldGroup]) -> None:
+        """These held groups are trained or discarded: their live holders drop their rows (a
+        holder replaced since lost them already)."""
+        by_name = {self._name(w.index, w.incarnation): w for w in self.workers}
+        wanted: dict[str, list[tuple[int, str]]] = {}
+        for g in groups:
+            if g.holder in by_name:
+                wanted.setdefault(g.holder, []).append((g.key, g.prompt_id))
+        for name, keys in wanted.items():
+            by_name[name].handle.drop.remote(keys)
 
     def metrics(self) -> dict[str, float]:
         return {

@@ -317,24 +317,26 @@ def test_randomised_schedules_keep_the_bound_and_lose_or_duplicate_nothing(name)
         assert totals["evicted"] == 0
 
 
-def test_trained_token_staleness_counts_only_trained_tokens():
-    from megatron_stepwise.loop.group_buffer import trained_token_staleness
+def test_token_versions_count_only_trained_tokens():
+    from megatron_stepwise.loop.group_buffer import TokenVersions
 
     a = Step(TrajectoryID("p", 0), [1], [5, 6, 7], [1, 1, 0], weight_versions=[3, 4, 4])
     b = Step(TrajectoryID("p", 1), [1], [5, 6], [1, 1], weight_versions=[5, 5])
     c = Step(TrajectoryID("p", 2), [1], [5], [1])  # no versions recorded
-    assert trained_token_staleness([a, b, c], version=5).tolist() == [2, 1, 0, 0]
+    versions = TokenVersions.of([a, b, c])
+    assert versions.tokens == {3: 1, 4: 1, 5: 2}
+    assert versions.staleness(5) == {2: 1, 1: 1, 0: 2}
 
 
-def test_trajectory_version_spread_sees_updates_inside_a_trajectory():
-    from megatron_stepwise.loop.group_buffer import trajectory_version_spread
+def test_token_versions_see_updates_inside_a_trajectory():
+    from megatron_stepwise.loop.group_buffer import TokenVersions
 
     steps = [
         Step(TrajectoryID("p", 0), [1], [5, 6], [1, 1], weight_versions=[3, 3]),
         Step(TrajectoryID("p", 0), [1], [5, 6, 2], [1, 1, 0], weight_versions=[4, 5, 9]),  # 9: untrained EOS
         Step(TrajectoryID("p", 1), [1], [5], [1], weight_versions=[4]),
     ]
-    assert trajectory_version_spread(steps) == [2, 0]
+    assert TokenVersions.of(steps).spreads == [2, 0]
 
 
 def length_shares(policy: str, seeds: int = 30) -> dict[str, tuple[float, float]]:
