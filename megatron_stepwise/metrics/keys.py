@@ -208,6 +208,13 @@ _T = [  # (pattern, unit, over, meaning)
                 "1 when each replica fetched its rows from the agent workers "
                 "(rollout.handoff=workers), 0 when they went through rank 0",
             ),
+            (
+                "handoff/rank0_bytes_sent",
+                "bytes",
+                "iteration",
+                "async: bytes rank 0 sent the other ranks' replicas (their shards' rows, or manifests "
+                "when the agent workers keep the rows)",
+            ),
         ],
     ),
     (

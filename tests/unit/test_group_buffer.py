@@ -52,6 +52,27 @@ def test_admission_keeps_the_fleet_at_most_max_staleness_steps_ahead():
     assert buf.capacity(1) == 12 and buf.counters.started == 12
 
 
+def test_groups_that_leave_untrained_are_handed_to_on_discard():
+    # Rows an agent worker holds for a group can go once the group is filtered or evicted; a
+    # trained group is the trainer's to release, after its rows are fetched.
+    discarded = []
+    buf = GroupBuffer(
+        1,
+        AsyncConfig(max_staleness=0),
+        keep_group=lambda rollout: rollout != "flat",
+        on_discard=lambda g: discarded.append((g.serial, g.rollout)),
+    )
+    draw = counter_draw()
+    a = buf.start(0, draw)
+    buf.finish(a.serial, "flat", version=0)  # filtered
+    b = buf.start(0, draw)
+    buf.finish(b.serial, "ok", version=1)  # too stale when it finished: dropped
+    c = buf.start(1, draw)
+    buf.finish(c.serial, "ok", version=1)
+    assert [g.serial for g in buf.take(1, 1)] == [c.serial]
+    assert discarded == [(a.serial, "flat"), (b.serial, "ok")]
+
+
 def test_take_returns_exactly_n_oldest_start_version_first_or_none():
     buf = GroupBuffer(2, AsyncConfig(max_staleness=3))
     draw = counter_draw()
