@@ -11,8 +11,9 @@ groups are re-issued to a live one, counted in `agents/worker_restarts` and
 `agents/reissued_groups`; sampling seeds depend only on the trajectory and turn, so a re-issued
 group samples as it would have. A worker that answers no liveness ping for
 `rollout.agent_worker_timeout_s` (frozen: SIGSTOP, a hung event loop) is killed and treated the
-same. Groups whose rows died with a worker are rolled out again by the synchronous source
-(`replace`, `holders`; `agents/regenerated_groups`).
+same. Groups whose rows died with a worker are rolled out again by the source that decides on
+them, synchronous or asynchronous (`replace`, `holders`; `agents/regenerated_groups`); the
+asynchronous one drops each group's rows on its own (`drop`).
 """
 
 from __future__ import annotations
