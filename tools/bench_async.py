@@ -9,6 +9,8 @@ importance weights and the buffer's counters. No asserts: numbers are printed.
 
     python tools/bench_async.py            # 60 iterations per mode (~4 min on 2 idle cores)
     python tools/bench_async.py --quick    # 20 iterations per mode (~1.5 min)
+    python tools/bench_async.py --modes async-driver,async-workers   # async with 2 agent workers:
+        # rows through rank 0 (rollout.handoff=driver) vs kept in the workers, bytes rank 0 sends
 
 On a shared machine the two runs see different background load: run it twice before trusting
 a small difference.
@@ -27,7 +29,13 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-MODES = {"sync": "configs/tiny_cpu.yaml", "async": "configs/tiny_cpu_async.yaml"}
+MODES = {
+    "sync": ("configs/tiny_cpu.yaml", []),
+    "async": ("configs/tiny_cpu_async.yaml", []),
+    # async training with 2 agent workers, the rows through rank 0 or kept in the workers
+    "async-driver": ("configs/tiny_cpu_async.yaml", ["rollout.agent_workers=2", "rollout.handoff=driver"]),
+    "async-workers": ("configs/tiny_cpu_async.yaml", ["rollout.agent_workers=2", "rollout.handoff=workers"]),
+}
 
 
 def run_mode(mode: str, config: str, iterations: int, out: Path, extra: list[str]) -> dict:
@@ -90,6 +98,8 @@ def summarise(result: dict) -> dict:
         s["TIS capped fraction"] = statistics.mean(r["train/tis_capped_frac"] for r in rows)
         s["groups dropped stale"] = rows[-1].get("async/groups_stale_dropped", 0)
         s["groups requeued stale"] = rows[-1].get("async/groups_stale_requeued", 0)
+    if "handoff/rank0_bytes_sent" in rows[-1]:  # shards of rows, or manifests, to the other replica
+        s["rank 0 bytes sent/iteration"] = statistics.mean(r["handoff/rank0_bytes_sent"] for r in rows)
     return s
 
 
@@ -104,14 +114,15 @@ def main() -> int:
     p.add_argument("--iterations", type=int, default=60)
     p.add_argument("--quick", action="store_true", help="20 iterations per mode")
     p.add_argument("--out", default=str(REPO / "runs" / "bench_async"), help="run directories go here")
-    p.add_argument("--modes", default="sync,async", help="comma-separated subset of sync,async")
+    p.add_argument("--modes", default="sync,async", help=f"comma-separated subset of {','.join(MODES)}")
     p.add_argument("overrides", nargs="*", help="extra key=value overrides for both runs")
     args = p.parse_args()
     iterations = 20 if args.quick else args.iterations
     out = Path(args.out)
     results = {}
     for mode in args.modes.split(","):
-        results[mode] = run_mode(mode, MODES[mode], iterations, out, args.overrides)
+        config, extra = MODES[mode]
+        results[mode] = run_mode(mode, config, iterations, out, [*extra, *args.overrides])
     summaries = {m: summarise(r) for m, r in results.items()}
 
     keys = list(dict.fromkeys(k for s in summaries.values() for k in s))

@@ -17,7 +17,10 @@ Printed side by side in one run (no asserts):
 - bytes a rank receives at DP 1/2/4, and the sending side's seconds per step;
 - rows left in the workers (`rollout.handoff: workers`): the workers validate and prepare their
   groups, rank 0 decides from row tables and sends manifests, each DP rank fetches its rows from
-  the workers: rank 0's bytes and seconds, each rank's bytes.
+  the workers: rank 0's bytes and seconds, each rank's bytes;
+- asynchronous training (one group a worker call, one optimizer step per `--prompts-per-minibatch`
+  groups): bytes through rank 0 per iteration, rows through rank 0 (`rollout.handoff: driver`) vs
+  kept in the workers: the groups' replies in, and what rank 0 sends the other DP ranks.
 
     python tools/bench_scale.py                 # 512 x 8 x 5
     python tools/bench_scale.py --quick         # 64 x 8 x 5
@@ -245,6 +248,39 @@ def _held_handoff(cfg, dp_sizes=(1, 2, 4)) -> Callable:
     return run
 
 
+def _async_bytes(cfg, groups: list, held: list, dp_sizes=(1, 2, 4)) -> dict[str, Any]:
+    """Bytes through rank 0 in one asynchronous iteration, side by side: each group arrives in its
+    own worker reply (rows, or a HeldGroup's summary), and each optimizer step of
+    `prompts_per_minibatch` groups leaves rank 0 as one payload per DP rank (the shards' rows, or
+    manifests); rank 0 is DP rank 0's leader, so it sends the others'."""
+    import ray
+
+    from megatron_stepwise.loop.agent_workers import WorkerReply
+    from megatron_stepwise.loop.training_batch import PrepareOptions, prepare
+    from megatron_stepwise.loop.worker_rows import split_held_round
+    from megatron_stepwise.rollout.engine_router import RequestCounters
+
+    def reply_bytes(gs) -> int:
+        return sum(len(pickle.dumps(WorkerReply([g], [], RequestCounters()), protocol=5)) for g in gs)
+
+    k = cfg.data.prompts_per_minibatch
+    options = PrepareOptions.from_config(cfg)
+    address = ray.get_runtime_context().gcs_address if ray.is_initialized() else ""
+    out: dict[str, Any] = {"steps": len(groups) // k}
+    out["driver_in"], out["workers_in"] = reply_bytes(groups), reply_bytes(held)
+    for dp in dp_sizes:
+        driver_out = workers_out = 0
+        decide = functools.partial(_decide, dp=dp, max_tokens=cfg.data.max_tokens_per_microbatch)
+        for i in range(0, len(groups) - k + 1, k):
+            batch, _ = prepare(flat_steps(groups[i : i + k]), options)
+            shards = _shard(batch, dp, cfg.data.max_tokens_per_microbatch)
+            driver_out += sum(len(pickle.dumps(shards[r], protocol=5)) for r in range(1, dp))
+            (manifests,), _, _ = split_held_round([held[i : i + k]], decide=decide, key=1, ray_address=address)
+            workers_out += sum(len(pickle.dumps(manifests[r], protocol=5)) for r in range(1, dp))
+        out[f"dp{dp}"] = {"driver_out": driver_out, "workers_out": workers_out}
+    return out
+
+
 def flat_steps(groups):
     from megatron_stepwise.algo.groups import flat_steps as flat
 
@@ -390,6 +426,7 @@ def run(quick: bool = False, **options) -> dict[str, Any]:
     ensure_ray(num_cpus=4)
     for n in (1, 2):
         w = _workers(cfg, samples, n)
+        w2_groups = w["groups"]
         w["steps"] = flat_steps(w["groups"])
         assert len(w["steps"]) == turns
         result[f"workers{n}"] = {
@@ -454,6 +491,19 @@ def run(quick: bool = False, **options) -> dict[str, Any]:
             f"{min(fetched) / 1e6:.2f}-{max(fetched) / 1e6:.2f} MB from the workers "
             f"({sum(fetched) / dp / sum(held['dp1']['bytes_fetched_per_rank']):.3f} of DP1) in "
             f"{max(d['fetch_wall_per_rank']):.2f} s"
+        )
+    a = result["async_bytes"] = _async_bytes(cfg, w2_groups, w["groups"])
+    print(
+        f"\nasync training, bytes through rank 0 per iteration ({a['steps']} optimizer steps of "
+        f"{cfg.data.prompts_per_minibatch} groups, one group a worker reply):\n"
+        f"  {'':<26}{'rows through rank 0':>22}{'rows kept in the workers':>28}\n"
+        f"  {'in, from the workers':<26}{a['driver_in'] / 1e6:>19.2f} MB{a['workers_in'] / 1e6:>25.2f} MB"
+    )
+    for dp in (1, 2, 4):
+        d = a[f"dp{dp}"]
+        print(
+            f"  {f'out, to DP ranks 1-{dp - 1}' if dp > 1 else 'out (DP1: none)':<26}"
+            f"{d['driver_out'] / 1e6:>19.2f} MB{d['workers_out'] / 1e6:>25.3f} MB  (DP{dp})"
         )
     result["host_seconds_held"] = held_s = (
         w["wall"]

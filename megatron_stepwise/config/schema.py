@@ -165,7 +165,9 @@ class RolloutConfig:
         gt=0.0,
     )
     handoff: Literal["workers", "driver"] = option(
-        "workers", "where sync rollout rows go with agent workers: workers (each DP replica fetches) or driver"
+        "workers",
+        "where rollout rows go with agent workers, sync and async: workers (they keep them, each DP replica "
+        "fetches its own) or driver (through rank 0)",
     )
     max_turns: int = option_of(AgentLoopConfig, "max_turns")
     context: Literal["retokenize", "tokens"] = option_of(AgentLoopConfig, "context")

@@ -11,8 +11,9 @@ groups are re-issued to a live one, counted in `agents/worker_restarts` and
 `agents/reissued_groups`; sampling seeds depend only on the trajectory and turn, so a re-issued
 group samples as it would have. A worker that answers no liveness ping for
 `rollout.agent_worker_timeout_s` (frozen: SIGSTOP, a hung event loop) is killed and treated the
-same. Groups whose rows died with a worker are rolled out again by the synchronous source
-(`replace`, `holders`; `agents/regenerated_groups`).
+same. Groups whose rows died with a worker are rolled out again by the source that decides on
+them, synchronous or asynchronous (`replace`, `holders`; `agents/regenerated_groups`); the
+asynchronous one drops each group's rows on its own (`drop`).
 """
 
 from __future__ import annotations
@@ -125,11 +126,14 @@ class AgentWorker:
             groups = [self.held.keep(g, hold, self.name) for g in groups]
         return WorkerReply(groups, dead, requests)
 
-    def take(self, key: int, runs: list) -> Any:
-        return self.held.take(key, runs)
+    def take(self, runs: list) -> Any:
+        return self.held.take(runs)
 
     def release(self, key: int) -> None:
         self.held.release(key)
+
+    def drop(self, groups: list[tuple[int, str]]) -> None:
+        self.held.drop(groups)
 
     def env_stats(self) -> dict[str, int]:
         return self.agent.env_stats()
@@ -251,6 +255,17 @@ class AgentWorkers:
         """The rows of round `key` (and earlier) are fetched: the workers drop them."""
         for w in self.workers:
             w.handle.release.remote(key)
+
+    def drop(self, groups: Sequence[HeldGroup]) -> None:
+        """These held groups are trained or discarded: their live holders drop their rows (a
+        holder replaced since lost them already)."""
+        by_name = {self._name(w.index, w.incarnation): w for w in self.workers}
+        wanted: dict[str, list[tuple[int, str]]] = {}
+        for g in groups:
+            if g.holder in by_name:
+                wanted.setdefault(g.holder, []).append((g.key, g.prompt_id))
+        for name, keys in wanted.items():
+            by_name[name].handle.drop.remote(keys)
 
     def metrics(self) -> dict[str, float]:
         return {

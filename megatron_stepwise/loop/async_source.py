@@ -12,6 +12,15 @@ drop/requeue and group filters: see `group_buffer.py`). Each round is one optimi
 3. the trainer pushes the new weights with partial rollouts: turns in flight are paused, get
    the new weights and continue (each token records the weight version that produced it).
 
+With agent workers (`rollout.handoff: workers`, the default) the rows stay where they were made,
+as in synchronous training (`worker_rows.py`): each group is validated, prepared and kept by its
+worker under the group's serial, and rank 0 receives its `HeldGroup` (summary, row table and the
+staleness summary `TokenVersions`). The buffer, the filters, the metrics and the mini-batch
+decision read only those; each replica fetches its rows from the workers, and the workers drop a
+group's rows once it is trained, filtered or evicted. A worker lost while it holds a group (it
+died, or froze and a fetch found it unanswering) is replaced and the group rolled out again with
+its own seed before the step is decided again (`agents/regenerated_groups`).
+
 Off-policy correction. A mini-batch is trained once, as it arrives, so the trainer's "old"
 policy is the current one (PPO ratio 1) and the behaviour policy is the rollout's: the loss's
 truncated importance weight `min(pi_theta / pi_rollout, algo.loss.tis_cap)` per token
@@ -27,15 +36,16 @@ import logging
 import operator
 import threading
 import time
+from collections import Counter
 from typing import Any, Callable, Optional
-
-import torch
 
 from megatron_stepwise.algo.groups import flat_steps
 from megatron_stepwise.algo.validate import validate_steps
-from megatron_stepwise.loop.group_buffer import GroupBuffer, trained_token_staleness, trajectory_version_spread
-from megatron_stepwise.loop.sources import Driver, Round, rollout_seed, split_round
+from megatron_stepwise.loop.group_buffer import Group, GroupBuffer, TokenVersions
+from megatron_stepwise.loop.handoff import ResolveFailed
+from megatron_stepwise.loop.sources import Driver, Round, holds_rows, rollout_seed, split_round
 from megatron_stepwise.loop.training_batch import PrepareOptions
+from megatron_stepwise.loop.worker_rows import HoldRequest, RowFetcher, split_held_round
 from megatron_stepwise.metrics.core import rollout_metrics
 
 log = logging.getLogger(__name__)
@@ -79,6 +89,7 @@ class AsyncRollouts:
         shard: Callable[[Any], list[Any]],
         dp_size: int,
         recorder: Any = None,
+        decide: Optional[Callable] = None,
     ):
         self.prompts_per_minibatch = cfg.data.prompts_per_minibatch
         self.rounds_per_iteration = cfg.data.minibatches_per_iteration
@@ -86,9 +97,23 @@ class AsyncRollouts:
         self.success_threshold = cfg.eval_.success_threshold
         self.dataset, self.handoff, self.vocab_size, self.version = dataset, handoff, vocab_size, version
         self.dp_size = dp_size
+        self.options = PrepareOptions.from_config(cfg)
         self.split = functools.partial(
-            split_round, options=PrepareOptions.from_config(cfg), shard=shard, dp_size=dp_size, recorder=recorder
+            split_round, options=self.options, shard=shard, dp_size=dp_size, recorder=recorder
         )
+        # Rows left in the agent workers: rank 0 decides from the groups' row tables (`decide`,
+        # the plugin's decide_shards) and each replica fetches its own (`fetcher`). A dumped
+        # iteration needs the rows on rank 0, and groups are rolled out before anyone knows which
+        # iteration trains them: dumps keep the whole run on rank 0's path.
+        self.decide = decide
+        self.fetcher = (
+            RowFetcher(timeout_s=cfg.rollout.agent_worker_timeout_s)
+            if decide is not None and holds_rows(cfg) and not cfg.trainer.dump_rollouts
+            else None
+        )
+        self.max_retries = cfg.rollout.max_retries
+        self._step: Optional[list[Group]] = None  # rank 0: the groups of the step being handed off
+        self._bytes_sent = 0  # rank 0's hand-off bytes at the last iteration's metrics
         filters = cfg.algo.filters
         self._buffer_args = (self.prompts_per_minibatch, cfg.async_)
         self._keep_group = (
@@ -110,7 +135,12 @@ class AsyncRollouts:
         if driver is None:
             return
         self.driver = driver
-        self.buffer = GroupBuffer(*self._buffer_args, keep_group=self._keep_group, base_version=self.version())
+        self.buffer = GroupBuffer(
+            *self._buffer_args,
+            keep_group=self._keep_group,
+            base_version=self.version(),
+            on_discard=self._drop_rows if self.fetcher is not None else None,
+        )
         self.buffer.requeue_samples(self._pending)
         self._waiters: list[asyncio.Future] = []
         self._tasks: set[asyncio.Task] = set()
@@ -156,19 +186,48 @@ class AsyncRollouts:
         fleet = self.driver.fleet
         while True:
             while self._error is None and self.buffer.can_start(fleet.weight_version):
-                group = self.buffer.start(fleet.weight_version, draw=lambda: self.dataset.next(1)[0])
+                try:
+                    group = self.buffer.start(fleet.weight_version, draw=self._draw)
+                except Exception as e:  # noqa: BLE001 - the trainer's next take raises it, at once
+                    self._error = RuntimeError(
+                        f"async training: drawing prompt {self.buffer.counters.started + 1} from the dataset "
+                        f"failed: {type(e).__name__}: {e}"
+                    )
+                    self._error.__cause__ = e
+                    self._notify()
+                    return
                 self._started_at[group.serial] = time.monotonic()
                 task = asyncio.get_running_loop().create_task(self._rollout(group))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
             await self._changed()
 
+    def _draw(self) -> dict[str, Any]:
+        drawn = self.dataset.next(1)
+        if not drawn:
+            raise LookupError("it returned no sample (exhausted)")
+        return drawn[0]
+
+    async def _rollout_group(self, group: Group) -> Any:
+        """One group's rollout: a RolloutGroup, or a HeldGroup when its worker keeps the rows (held
+        under the group's serial). A per-group seed: reproducible sampling per turn whichever
+        engine serves it, and a group rolled out again samples with the same seed."""
+        hold = {"hold": HoldRequest(group.serial, self.options, self.vocab_size)} if self.fetcher is not None else {}
+        (rollout,) = await self.driver.agent.rollout_groups(
+            [group.rollout_sample()], seed=rollout_seed(self.seed, group.serial), **hold
+        )
+        return rollout
+
+    async def _rollout_groups(self, groups: list[Group]) -> list[Any]:
+        return await asyncio.gather(*(self._rollout_group(g) for g in groups))
+
+    def _drop_rows(self, group: Group) -> None:
+        """The buffer let a held group go untrained (filtered, evicted): its worker drops the rows."""
+        self.driver.agent.drop([group.rollout])
+
     async def _rollout(self, group) -> None:
         try:
-            # A per-group seed: reproducible sampling per turn whichever engine serves it.
-            (rollout,) = await self.driver.agent.rollout_groups(
-                [group.rollout_sample()], seed=rollout_seed(self.seed, group.serial)
-            )
+            rollout = await self._rollout_group(group)
             self._started_at.pop(group.serial, None)
             self.buffer.finish(group.serial, rollout, self.version())
         except asyncio.CancelledError:
@@ -223,8 +282,8 @@ class AsyncRollouts:
         return text
 
     def _decide(self, iteration: int) -> list[Optional[Round]]:
-        """Rank 0: this step's groups, validated, recorded for the metrics, prepared and cut into
-        one shard per DP rank while the fleet keeps rolling out."""
+        """Rank 0: this step's groups, prepared and cut into one shard per DP rank (or decided
+        from their row tables) while the fleet keeps rolling out."""
         groups = self.driver.loop.run_until_complete(self.next_groups())
         if groups is None:
             log.warning(
@@ -234,23 +293,94 @@ class AsyncRollouts:
                 self.prompts_per_minibatch,
             )
             return [None] * self.dp_size
-        steps = flat_steps(g.rollout for g in groups)
-        validate_steps(steps, vocab_size=self.vocab_size)
-        staleness = [self.version() - g.start_version for g in groups]
+        self._step = groups
+        return self._split(iteration)
+
+    def _split(self, iteration: int) -> list[Round]:
+        groups = self._step
+        if self.fetcher is None:  # the rows came to rank 0
+            steps = flat_steps(g.rollout for g in groups)
+            validate_steps(steps, vocab_size=self.vocab_size)
+            with loop_in_thread(self.driver.loop):
+                return self.split([steps], {})
+        self._regenerate_lost(groups)
+        import ray
+
+        with loop_in_thread(self.driver.loop):
+            t = time.perf_counter()
+            shards, counts, skipped = split_held_round(
+                [[g.rollout for g in groups]],
+                decide=self.decide,
+                key=iteration,
+                ray_address=ray.get_runtime_context().gcs_address,
+            )
+            metrics = {"time/prepare": time.perf_counter() - t, "agents/rows_held": 1.0}
+        return [Round([s[dp] for s in shards], metrics, counts, skipped) for dp in range(self.dp_size)]
+
+    def _regenerate_lost(self, groups: list[Group]) -> None:
+        """Rank 0: groups whose holder is gone (it died, or was replaced after a fetch found it
+        frozen) are rolled out again on the live workers, with their own seeds."""
+        agent = self.driver.agent
+        for _ in range(self.max_retries + 2):
+            alive = agent.holders()
+            lost = [g for g in groups if g.rollout.holder not in alive]
+            if not lost:
+                return
+            log.warning(
+                "async training: the agent workers holding prompt groups %s are gone; rolling them out again",
+                [g.group_id for g in lost][:4],
+            )
+            again = self.driver.run(self._rollout_groups(lost))
+            for g, rollout in zip(lost, again):
+                g.rollout = rollout
+            agent.regenerated_groups += len(lost)
+        raise RuntimeError(
+            f"async training: the agent workers holding prompt groups {[g.group_id for g in groups]} kept dying"
+        )
+
+    def _redo(self, iteration: int, lost: set[str]) -> list[Round]:
+        """Rank 0, after a replica found holders gone: replace them and decide the step again."""
+        self.driver.agent.replace(lost, "its rows could not be fetched")
+        return self._split(iteration)
+
+    def _record(self, groups: list[Group]) -> None:
+        """Rank 0: a handed-off step's groups, for the iteration's metrics (summaries only)."""
+        version = self.version()
+        staleness = [version - g.start_version for g in groups]
         it = self._iteration
-        it["steps"] += steps
-        it["groups"] += [g.rollout for g in groups]
-        it["staleness"].append(trained_token_staleness(steps, self.version()))
+        for g in groups:
+            versions = g.rollout.versions if self.fetcher is not None else TokenVersions.of(g.rollout.steps)
+            it["groups"].append(g.rollout)
+            it["staleness"].update(versions.staleness(version))
+            it["spreads"] += versions.spreads
         it["group_staleness_max"].append(max(staleness))
         it["group_staleness_mean"].append(sum(staleness) / len(staleness))
         it["requeued"].append(sum(g.attempt > 0 for g in groups))
-        with loop_in_thread(self.driver.loop):
-            return self.split([steps], {})
 
     # ------------------------------------------------------------------ every rank
     def take(self, iteration: int) -> Optional[Round]:
-        """This rank's shard of the optimizer step's mini-batch, or None when filters starve it."""
-        return self.handoff.to_ranks(lambda: self._decide(iteration), "async rollout", iteration)
+        """This rank's shard of the optimizer step's mini-batch, or None when filters starve it.
+        With rows in the workers, a fetch that found holders gone makes rank 0 replace them, roll
+        their groups out again and hand the step off anew (every rank retries alike)."""
+        resolve = self.fetcher.resolve if self.fetcher is not None else None
+        produce = functools.partial(self._decide, iteration)
+        try:
+            for attempt in range(self.max_retries + 2):
+                try:
+                    round_ = self.handoff.to_ranks(produce, "async rollout", iteration, resolve=resolve)
+                    break
+                except ResolveFailed as e:
+                    if not e.lost or attempt > self.max_retries:
+                        raise
+                    log.warning("%s; rolling their groups out again", e)
+                    produce = functools.partial(self._redo, iteration, set(e.lost))
+            if self._step is not None:
+                self._record(self._step)
+            return round_
+        finally:
+            if self._step is not None and resolve is not None:
+                self.driver.agent.drop([g.rollout for g in self._step])  # fetched (or failed for good)
+            self._step = None
 
     def overlap(self):
         """Rollouts go on while this rank prepares and trains."""
@@ -258,9 +388,9 @@ class AsyncRollouts:
 
     def reset_metrics(self) -> None:
         self._iteration = {
-            "steps": [],
+            "spreads": [],
             "groups": [],
-            "staleness": [],
+            "staleness": Counter(),
             "group_staleness_max": [],
             "group_staleness_mean": [],
             "requeued": [],
@@ -274,14 +404,18 @@ class AsyncRollouts:
             metrics["async/group_staleness_max"] = max(it["group_staleness_max"])
             metrics["async/group_staleness_mean"] = sum(it["group_staleness_mean"]) / len(it["group_staleness_mean"])
             metrics["async/requeued_groups"] = sum(it["requeued"])
-        tokens = torch.cat(it["staleness"]) if it["staleness"] else torch.zeros(0, dtype=torch.long)
-        if tokens.numel():
-            metrics["async/token_staleness_min"] = int(tokens.min())
-            metrics["async/token_staleness_max"] = int(tokens.max())
-            metrics["async/token_staleness_mean"] = float(tokens.double().mean())
-            for k, n in enumerate(torch.bincount(tokens.clamp(min=0)).tolist()):  # the histogram
-                metrics[f"async/token_staleness/{k}"] = n / tokens.numel()
-        spread = trajectory_version_spread(it["steps"])
+        tokens: Counter[int] = it["staleness"]  # trained tokens by staleness
+        total = sum(tokens.values())
+        if total:
+            metrics["async/token_staleness_min"] = min(tokens)
+            metrics["async/token_staleness_max"] = max(tokens)
+            metrics["async/token_staleness_mean"] = sum(k * n for k, n in tokens.items()) / total
+            clamped = Counter({max(k, 0): 0 for k in tokens})
+            for k, n in tokens.items():
+                clamped[max(k, 0)] += n
+            for k in range(max(clamped) + 1):  # the histogram
+                metrics[f"async/token_staleness/{k}"] = clamped[k] / total
+        spread = it["spreads"]
         if spread:
             # trajectories that a weight update reached mid-way (partial rollouts)
             metrics["async/trajectories_spanning_versions"] = sum(x > 0 for x in spread) / len(spread)
@@ -289,5 +423,10 @@ class AsyncRollouts:
         if self.buffer is not None:
             metrics.update(self.buffer.metrics())
             metrics.update(self.driver.fleet_metrics())
+            metrics["agents/rows_held"] = 1.0 if self.fetcher is not None else 0.0
+            # what rank 0 sent the other ranks: shards of rows, or manifests with rows held
+            sent = getattr(self.handoff, "bytes_sent", 0)
+            metrics["handoff/rank0_bytes_sent"] = float(sent - self._bytes_sent)
+            self._bytes_sent = sent
         self.reset_metrics()
         return metrics

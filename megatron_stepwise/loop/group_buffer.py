@@ -13,7 +13,7 @@ simulated clock (tests/unit/test_group_buffer.py). The design, rule by rule: doc
 from __future__ import annotations
 
 from collections import Counter, deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 if TYPE_CHECKING:
@@ -29,7 +29,9 @@ class Group:
     group_id: str  # the prompt_id its trajectories carry; unique among outstanding groups
     start_version: int
     attempt: int = 0  # 0 for a fresh sample, k after k stale re-queues
-    rollout: Any = None  # what the rollout produced (a RolloutGroup), once finished
+    # What the rollout produced, once finished: a RolloutGroup (rows through rank 0) or a
+    # HeldGroup (rows kept by the agent worker that made them; summary, row table, versions).
+    rollout: Any = None
     finish_order: int = -1
 
     def rollout_sample(self) -> dict[str, Any]:
@@ -57,6 +59,7 @@ class GroupBuffer:
         staleness: "AsyncConfig",
         keep_group: Optional[Callable[[Any], bool]] = None,
         base_version: int = 0,
+        on_discard: Optional[Callable[[Group], None]] = None,
     ):
         # Both come from config sections that checked their bounds (data.prompts_per_minibatch, async).
         self.prompts_per_minibatch = prompts_per_minibatch
@@ -64,6 +67,9 @@ class GroupBuffer:
         self.stale_policy = staleness.stale_policy
         self.keep_group = keep_group
         self.base_version = base_version
+        # Called with every finished group that leaves untrained (filtered, dropped, re-queued):
+        # rows a worker holds for it can go.
+        self.on_discard = on_discard
         self.counters = BufferCounters()
         self.ledger: dict[int, str] = {}  # serial -> trained | filtered | dropped | requeued
         self._in_flight: dict[int, Group] = {}
@@ -137,6 +143,7 @@ class GroupBuffer:
             self.counters.filtered += 1
             self._filtered_since_take += 1
             self.ledger[serial] = "filtered"
+            self._discard(group)
             return "filtered"
         self._ready.append(group)
         return "ready"
@@ -191,7 +198,12 @@ class GroupBuffer:
             self.counters.stale_dropped += 1
             outcome = "dropped"
         self.ledger[group.serial] = outcome
+        self._discard(group)
         return outcome
+
+    def _discard(self, group: Group) -> None:
+        if self.on_discard is not None:
+            self.on_discard(group)
 
     # ---- metrics and checkpoints --------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
@@ -222,31 +234,44 @@ class GroupBuffer:
 
 def length_buckets(rollout: Any) -> list[str]:
     """Each trajectory's length bucket by turns (`turns_1` ... `turns_8`, `turns_9+`); none for a
-    rollout without trajectories."""
-    trajectories = getattr(rollout, "trajectories", None) or []
-    return [f"turns_{len(t)}" if len(t) <= 8 else "turns_9+" for t in trajectories]
+    rollout without trajectories. A held group has no trajectories here: its summary's turns."""
+    trajectories = getattr(rollout, "trajectories", None)
+    if trajectories is not None:
+        turns = [len(t) for t in trajectories]
+    else:
+        turns = rollout.summary().turns if hasattr(rollout, "summary") else []
+    return [f"turns_{n}" if n <= 8 else "turns_9+" for n in turns]
 
 
-def trained_token_staleness(steps: list, version: int):
-    """`version - weight version that produced it` for every trained token (loss_mask 1), as one
-    long tensor; steps without recorded versions are skipped."""
-    import torch
+@dataclass
+class TokenVersions:
+    """A group's staleness summary: its trained tokens (loss_mask 1) counted by the weight
+    version that produced them, and per trajectory the newest minus the oldest of those versions.
+    What the staleness metrics need, without a token: an agent worker holding the group's rows
+    sends this instead (`HeldGroup.versions`). Steps without recorded versions are left out."""
 
-    parts = [version - s.weight_versions[s.loss_mask.bool()] for s in steps if s.weight_versions is not None]
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+    tokens: dict[int, int] = field(default_factory=dict)  # weight version -> trained tokens
+    spreads: list[int] = field(default_factory=list)  # per trajectory with versions
 
+    @classmethod
+    def of(cls, steps: list) -> "TokenVersions":
+        tokens: Counter[int] = Counter()
+        lo: dict[Any, int] = {}
+        hi: dict[Any, int] = {}
+        for s in steps:
+            if s.weight_versions is None:
+                continue
+            v = s.weight_versions[s.loss_mask.bool()]
+            tokens.update(v.tolist())
+            if v.numel():
+                tid = s.trajectory_id
+                lo[tid] = min(lo.get(tid, int(v.min())), int(v.min()))
+                hi[tid] = max(hi.get(tid, int(v.max())), int(v.max()))
+        return cls(dict(tokens), [hi[t] - lo[t] for t in lo])
 
-def trajectory_version_spread(steps: list) -> list[int]:
-    """Per trajectory, newest minus oldest weight version among its trained tokens: > 0 when a
-    weight update landed while it was being generated (a partial rollout)."""
-    lo: dict[Any, int] = {}
-    hi: dict[Any, int] = {}
-    for s in steps:
-        if s.weight_versions is None:
-            continue
-        v = s.weight_versions[s.loss_mask.bool()]
-        if v.numel():
-            tid = s.trajectory_id
-            lo[tid] = min(lo.get(tid, int(v.min())), int(v.min()))
-            hi[tid] = max(hi.get(tid, int(v.max())), int(v.max()))
-    return [hi[t] - lo[t] for t in lo]
+    def staleness(self, version: int) -> Counter[int]:
+        """Trained tokens by `version - the version that produced them`."""
+        out: Counter[int] = Counter()
+        for v, n in self.tokens.items():
+            out[version - v] += n
+        return out

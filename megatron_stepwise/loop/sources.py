@@ -99,11 +99,11 @@ def split_round(
 
 
 def holds_rows(cfg) -> bool:
-    """Whether the synchronous source leaves the rollout's rows in the agent workers (the same
-    answer on every rank, from the config alone). Temporal estimators see the whole mini-batch
-    at once, so they take the driver's path."""
+    """Whether the rollout's rows stay in the agent workers, in synchronous and asynchronous
+    training alike (the same answer on every rank, from the config alone). Temporal estimators
+    see the whole mini-batch at once, so they take the driver's path."""
     workers = cfg.rollout.agent_workers
-    if cfg.async_.enabled or cfg.rollout.handoff != "workers" or workers == 0:
+    if cfg.rollout.handoff != "workers" or workers == 0:
         return False
     if workers is None and cfg.rollout.engine == "embedded":
         return False

@@ -105,7 +105,12 @@ class Trainer:
             recorder=self.recorder,
         )
         if cfg.async_.enabled:
-            self.source = AsyncRollouts(cfg, version=lambda: self.state.weight_version, **sources)
+            self.source = AsyncRollouts(
+                cfg,
+                version=lambda: self.state.weight_version,
+                decide=functools.partial(self.plugin.decide_shards, self.chunks),
+                **sources,
+            )
         else:
             self.source = SyncRollouts(
                 cfg,

@@ -9,6 +9,11 @@ decision plus which rows to fetch from which worker. The replica's lowest rank f
 through Ray (`RowFetcher`) and cuts its shard; the rows travel worker -> rank, once. A holder
 that died, or answers nothing within `rollout.agent_worker_timeout_s`, is `RowsLost`: the
 synchronous source then rolls its groups out again and the round is handed off anew.
+
+Asynchronous training holds rows the same way, one group at a time: each group is held under its
+own key (the async group's serial), its `HeldGroup` also carries the staleness summary
+(`TokenVersions`: trained tokens per weight version), and a group's rows are dropped on their
+own (`HeldRows.drop`) once trained, filtered or evicted.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from typing import Any, Callable, Optional
 from megatron_stepwise.algo.groups import GroupSummary, RolloutGroup
 from megatron_stepwise.algo.rows import RowTable
 from megatron_stepwise.algo.validate import validate_steps
+from megatron_stepwise.loop.group_buffer import TokenVersions
 from megatron_stepwise.loop.training_batch import PrepareOptions, add_counts, prepare_rows
 from megatron_stepwise.steps import StepBatch
 
@@ -38,7 +44,8 @@ class RowsLost(RuntimeError):
 
 @dataclass(frozen=True)
 class HoldRequest:
-    """Asks a worker to prepare and keep the groups of one round (`key`)."""
+    """Asks a worker to prepare and keep the groups of one round (`key`: the iteration in
+    synchronous training, the group's serial in asynchronous training)."""
 
     key: int
     options: PrepareOptions
@@ -53,6 +60,8 @@ class HeldGroup:
     rows: RowTable
     counts: dict[str, Any]  # `prepare`'s counts of this group
     holder: str  # the worker's Ray actor name
+    key: int = 0  # the HoldRequest's key: (key, prompt id) names the rows on their holder
+    versions: TokenVersions = field(default_factory=TokenVersions)  # the staleness summary
 
     @property
     def prompt_id(self) -> str:
@@ -85,19 +94,27 @@ class HeldRows:
     def keep(self, group: RolloutGroup, request: HoldRequest, holder: str) -> HeldGroup:
         batch, counts = hold_group(group, request)
         self.batches[(request.key, group.prompt_id)] = batch
-        return HeldGroup(group.summary(), RowTable.of(batch), counts, holder)
+        versions = TokenVersions.of(group.steps)
+        return HeldGroup(group.summary(), RowTable.of(batch), counts, holder, request.key, versions)
 
-    def take(self, key: int, runs: list[tuple[str, list[int]]]) -> StepBatch:
-        """The rows asked for, in order, narrowed for the wire."""
+    def take(self, runs: list[tuple[int, str, list[int]]]) -> StepBatch:
+        """The rows asked for (runs of (key, prompt id, rows)), in order, narrowed for the wire."""
         try:
-            parts = [self.batches[(key, prompt_id)].select(rows) for prompt_id, rows in runs]
+            parts = [self.batches[(key, prompt_id)].select(rows) for key, prompt_id, rows in runs]
         except KeyError as e:
-            raise KeyError(f"this agent worker holds no rows of prompt group {e.args[0][1]!r} in round {key}") from None
+            key, prompt_id = e.args[0]
+            raise KeyError(f"this agent worker holds no rows of prompt group {prompt_id!r} in round {key}") from None
         return StepBatch.concat(parts).for_wire()
 
     def release(self, key: int) -> None:
+        """Drop every group held under `key` or an earlier one (a synchronous round)."""
         for k in [k for k in self.batches if k[0] <= key]:
             del self.batches[k]
+
+    def drop(self, groups: list[tuple[int, str]]) -> None:
+        """Drop these groups, by (key, prompt id) (asynchronous training: one group at a time)."""
+        for k in groups:
+            self.batches.pop(tuple(k), None)
 
 
 @dataclass
@@ -105,8 +122,8 @@ class RemoteShard:
     """One DP rank's decision and where its rows are: `fetch` turns it into the shard."""
 
     decision: Any  # the plugin's ShardDecision
-    key: int
-    pieces: list[tuple[str, list[tuple[str, list[int]]]]]  # (worker, runs of (prompt id, rows))
+    key: int  # the round (iteration) it belongs to, for messages
+    pieces: list[tuple[str, list[tuple[int, str, list[int]]]]]  # (worker, runs of (key, prompt id, rows))
     order: list[int]  # the decision's rows as positions in the fetched pieces, concatenated
     ray_address: str
     ray_auth_mode: Optional[str] = None  # RAY_AUTH_MODE of rank 0's Ray: a joining process must use the same
@@ -138,12 +155,12 @@ def split_held_round(
 
 
 def _remote(decision, where: list[tuple[HeldGroup, int]], key: int, ray_address: str) -> RemoteShard:
-    wanted: dict[str, list[tuple[str, int]]] = defaultdict(list)
+    wanted: dict[str, list[tuple[int, str, int]]] = defaultdict(list)
     position = []
     for r in decision.rows:
         group, j = where[r]
         position.append((group.holder, len(wanted[group.holder])))
-        wanted[group.holder].append((group.prompt_id, j))
+        wanted[group.holder].append((group.key, group.prompt_id, j))
     base, at = {}, 0
     for holder, rows in wanted.items():
         base[holder] = at
@@ -152,14 +169,14 @@ def _remote(decision, where: list[tuple[HeldGroup, int]], key: int, ray_address:
     return RemoteShard(decision, key, pieces, [base[h] + k for h, k in position], ray_address)
 
 
-def _runs(rows: list[tuple[str, int]]) -> list[tuple[str, list[int]]]:
+def _runs(rows: list[tuple[int, str, int]]) -> list[tuple[int, str, list[int]]]:
     """Consecutive rows of one group as one run: one `select` per run on the worker."""
-    runs: list[tuple[str, list[int]]] = []
-    for prompt_id, j in rows:
-        if runs and runs[-1][0] == prompt_id:
-            runs[-1][1].append(j)
+    runs: list[tuple[int, str, list[int]]] = []
+    for key, prompt_id, j in rows:
+        if runs and runs[-1][:2] == (key, prompt_id):
+            runs[-1][2].append(j)
         else:
-            runs.append((prompt_id, [j]))
+            runs.append((key, prompt_id, [j]))
     return runs
 
 
@@ -186,7 +203,7 @@ class RowFetcher:
         self._connect(remote.ray_address, remote.ray_auth_mode)
         holders = [holder for holder, _ in remote.pieces]
         try:
-            refs = [self._actor(holder).take.remote(remote.key, runs) for holder, runs in remote.pieces]
+            refs = [self._actor(holder).take.remote(runs) for holder, runs in remote.pieces]
         except ValueError as e:  # ray.get_actor: no actor of that name (it died and Ray forgot it)
             raise RowsLost(f"the rows of round {remote.key}: {e}", holders) from None
         parts = self._gather(holders, refs, remote.key)

@@ -215,6 +215,13 @@ _T = [  # (pattern, unit, over, meaning)
                 "bytes of rows rank 0's replica fetched from the agent workers (its share of the round; "
                 "the other replicas fetch theirs alike)",
             ),
+            (
+                "handoff/rank0_bytes_sent",
+                "bytes",
+                "iteration",
+                "async: bytes rank 0 sent the other ranks' replicas (their shards' rows, or manifests "
+                "when the agent workers keep the rows)",
+            ),
         ],
     ),
     (

@@ -74,7 +74,8 @@ def test_tiny_async_experiment_keeps_the_bound_and_learns(tmp_path):
 
 
 def test_async_training_with_agent_workers_keeps_the_bound(tmp_path):
-    """Groups rolled out by 2 agent workers while the trainer trains: the same bound and accounting."""
+    """Groups rolled out by 2 agent workers while the trainer trains: the same bound and accounting,
+    and the rows stay in the workers (rank 0 sends rank 1 manifests, never rows)."""
     run_dir = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     cmd = [
@@ -96,6 +97,9 @@ def test_async_training_with_agent_workers_keeps_the_bound(tmp_path):
     assert [r["iteration"] for r in rows] == list(range(5))
     for r in rows:
         assert r["agents/workers"] == 2 and r["train/optimizer_steps"] == 2
+        assert r["agents/rows_held"] == 1.0
+        # two manifests (one per optimizer step) of ~130 rows each: a few kB, against ~60 kB of rows
+        assert 0 < r["handoff/rank0_bytes_sent"] < 20_000, r["handoff/rank0_bytes_sent"]
         assert 0 <= r["async/token_staleness_min"] <= r["async/token_staleness_max"] <= 1
         accounted = sum(
             r[f"async/groups_{k}"]

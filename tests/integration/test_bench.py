@@ -275,7 +275,14 @@ def test_scale_benchmark_runs_the_real_host_path_at_small_size(tools_on_path, ca
         assert len(held[f"dp{dp}"]["bytes_fetched_per_rank"]) == dp
         assert max(held[f"dp{dp}"]["bytes_fetched_per_rank"]) < most * fetched
     assert max(held["dp1"]["manifest_bytes"]) < 0.2 * fetched  # no token data through rank 0
-    assert "2 workers vs 1" in capsys.readouterr().out
+    # async training: rank 0 receives summaries instead of rows and sends manifests instead of shards
+    a = r["async_bytes"]
+    assert a["steps"] == 4 and 0 < a["workers_in"] < 0.5 * a["driver_in"]
+    assert a["dp1"] == {"driver_out": 0, "workers_out": 0}  # DP1: rank 0 trains it all, sends nothing
+    for dp in (2, 4):
+        assert 0 < a[f"dp{dp}"]["workers_out"] < 0.5 * a[f"dp{dp}"]["driver_out"]
+    out = capsys.readouterr().out
+    assert "2 workers vs 1" in out and "async training, bytes through rank 0 per iteration" in out
 
 
 def test_prefix_cache_benchmark_on_the_tiny_preset(tools_on_path, capsys):

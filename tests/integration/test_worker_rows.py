@@ -103,7 +103,7 @@ class _LocalFetcher(RowFetcher):
             def __init__(self, fn):
                 self.remote = fn
 
-        return type("Actor", (), {"take": Method(lambda key, runs: _Ready(holder.take(key, runs)))})()
+        return type("Actor", (), {"take": Method(lambda runs: _Ready(holder.take(runs)))})()
 
 
 class _Ready:
@@ -148,11 +148,28 @@ def test_a_worker_names_what_it_does_not_hold_and_drops_released_rounds():
     holder = HeldRows()
     group = _groups(prompts=1)[0]
     holder.keep(group, HoldRequest(1, PrepareOptions(), None), "w0")
-    assert holder.take(1, [(group.prompt_id, [0])]).num_rows == 1
+    assert holder.take([(1, group.prompt_id, [0])]).num_rows == 1
     with pytest.raises(KeyError, match="no rows of prompt group 'nope' in round 1"):
-        holder.take(1, [("nope", [0])])
+        holder.take([(1, "nope", [0])])
     holder.release(1)
     assert holder.batches == {}
+
+
+def test_async_groups_are_held_and_dropped_one_at_a_time_with_their_versions():
+    # Asynchronous training holds each group under its own key (its serial); the same prompt id
+    # may be held twice (a small dataset wraps around), and dropping one group keeps the other.
+    holder = HeldRows()
+    group = _groups(prompts=1)[0]
+    for s in group.steps:
+        s.weight_versions = torch.full_like(s.response_ids, 3)
+    first = holder.keep(group, HoldRequest(7, PrepareOptions(), None), "w0")
+    second = holder.keep(group, HoldRequest(9, PrepareOptions(), None), "w0")
+    assert (first.key, second.key) == (7, 9)
+    trained = sum(int(s.loss_mask.sum()) for s in group.steps)
+    assert first.versions.tokens == {3: trained} and first.versions.staleness(4) == {1: trained}
+    holder.drop([(7, group.prompt_id)])
+    assert list(holder.batches) == [(9, group.prompt_id)]
+    assert holder.take([(9, group.prompt_id, [0])]).num_rows == 1
 
 
 def _resolve_worker(rank: int, store_path: str, results) -> None:

@@ -189,3 +189,82 @@ def test_a_stall_ends_in_one_error_naming_the_groups_in_flight(caplog):
     assert "async.stall_timeout_s=2" in message
     assert any("still waiting" in r.getMessage() for r in caplog.records)
     close(driver, trainer)
+
+
+class ExhaustedDataset(FakeDataset):
+    """Ends after `limit` draws: raises StopIteration (an iterator-backed dataset) or returns nothing."""
+
+    def __init__(self, limit, how):
+        super().__init__()
+        self.limit, self.how = limit, how
+
+    def next(self, n):
+        if self.drawn >= self.limit:
+            if self.how == "stop":
+                raise StopIteration
+            return []
+        return super().next(n)
+
+
+@pytest.mark.parametrize("how,what", [("stop", "StopIteration"), ("empty", "LookupError: it returned no sample")])
+def test_an_exhausted_dataset_ends_the_take_with_one_error_naming_it(how, what):
+    # 3 prompts, then nothing: the 4th draw fails. The trainer gets one error saying so at once,
+    # not a producer that died silently (the take waited a heartbeat or the stall bound first).
+    driver, trainer = make_driver(groups_per_step=2)
+    driver.dataset = ExhaustedDataset(3, how)
+    driver.stall_timeout_s = 3600.0
+    with pytest.raises(RuntimeError) as e:
+        trainer.loop.run_until_complete(asyncio.wait_for(driver.next_groups(), timeout=120))
+    assert str(e.value).startswith(f"async training: drawing prompt 4 from the dataset failed: {what}")
+    close(driver, trainer)
+
+
+class EchoSamples:
+    """Echo environment samples with fresh prompt ids."""
+
+    def __init__(self):
+        self.drawn = 0
+
+    def next(self, n):
+        self.drawn += n
+        return [{"prompt_id": f"e{self.drawn - n + i}", "digits": [1, 2, 3]} for i in range(n)]
+
+
+def test_a_never_returning_environment_call_ends_its_trajectory_not_the_run():
+    # A real agent loop over the embedded engine; every environment step hangs forever. The call
+    # is abandoned at rollout.env_timeout_s (the trajectory ends as env_error) and the trainer
+    # gets its groups, long before the stall bound.
+    from helpers import tiny_lm
+
+    from megatron_stepwise.envs.echo import EchoEnv
+    from megatron_stepwise.rollout.agent_loop import AgentLoop, AgentLoopConfig
+    from megatron_stepwise.rollout.embedded.engine import LocalEngine
+    from megatron_stepwise.rollout.engine import SamplingParams
+
+    class HangingEnv(EchoEnv):
+        def step(self, text):
+            while True:  # a Python-level hang: the env caller abandons it at its deadline
+                time.sleep(0.01)
+
+    tok, model = tiny_lm("tiny_word")
+    config = AgentLoopConfig(
+        sampling=SamplingParams(max_new_tokens=4),
+        max_turns=2,
+        max_input_length=200,
+        n_samples_per_prompt=2,
+        env_concurrency=4,
+        env_timeout_s=1.0,
+        env_error_reward=-1.0,
+    )
+    agent = AgentLoop(LocalEngine(model, tokenizer=tok, seed=0), tok, HangingEnv, config)
+    driver, trainer = make_driver(groups_per_step=2)
+    driver.close()
+    driver.dataset = EchoSamples()
+    driver.stall_timeout_s = 600.0
+    driver.start(Driver(trainer.loop, trainer.fleet, agent))
+    groups = trainer.loop.run_until_complete(asyncio.wait_for(driver.next_groups(), timeout=300))
+    assert len(groups) == 2
+    for g in groups:
+        last = [t[-1] for t in g.rollout.trajectories]
+        assert all(s.stop_reason == "env_error" and "timed out" in s.metadata["error"] for s in last)
+    close(driver, trainer)

@@ -52,6 +52,27 @@ def test_admission_keeps_the_fleet_at_most_max_staleness_steps_ahead():
     assert buf.capacity(1) == 12 and buf.counters.started == 12
 
 
+def test_groups_that_leave_untrained_are_handed_to_on_discard():
+    # Rows an agent worker holds for a group can go once the group is filtered or evicted; a
+    # trained group is the trainer's to release, after its rows are fetched.
+    discarded = []
+    buf = GroupBuffer(
+        1,
+        AsyncConfig(max_staleness=0),
+        keep_group=lambda rollout: rollout != "flat",
+        on_discard=lambda g: discarded.append((g.serial, g.rollout)),
+    )
+    draw = counter_draw()
+    a = buf.start(0, draw)
+    buf.finish(a.serial, "flat", version=0)  # filtered
+    b = buf.start(0, draw)
+    buf.finish(b.serial, "ok", version=1)  # too stale when it finished: dropped
+    c = buf.start(1, draw)
+    buf.finish(c.serial, "ok", version=1)
+    assert [g.serial for g in buf.take(1, 1)] == [c.serial]
+    assert discarded == [(a.serial, "flat"), (b.serial, "ok")]
+
+
 def test_take_returns_exactly_n_oldest_start_version_first_or_none():
     buf = GroupBuffer(2, AsyncConfig(max_staleness=3))
     draw = counter_draw()
@@ -317,24 +338,26 @@ def test_randomised_schedules_keep_the_bound_and_lose_or_duplicate_nothing(name)
         assert totals["evicted"] == 0
 
 
-def test_trained_token_staleness_counts_only_trained_tokens():
-    from megatron_stepwise.loop.group_buffer import trained_token_staleness
+def test_token_versions_count_only_trained_tokens():
+    from megatron_stepwise.loop.group_buffer import TokenVersions
 
     a = Step(TrajectoryID("p", 0), [1], [5, 6, 7], [1, 1, 0], weight_versions=[3, 4, 4])
     b = Step(TrajectoryID("p", 1), [1], [5, 6], [1, 1], weight_versions=[5, 5])
     c = Step(TrajectoryID("p", 2), [1], [5], [1])  # no versions recorded
-    assert trained_token_staleness([a, b, c], version=5).tolist() == [2, 1, 0, 0]
+    versions = TokenVersions.of([a, b, c])
+    assert versions.tokens == {3: 1, 4: 1, 5: 2}
+    assert versions.staleness(5) == {2: 1, 1: 1, 0: 2}
 
 
-def test_trajectory_version_spread_sees_updates_inside_a_trajectory():
-    from megatron_stepwise.loop.group_buffer import trajectory_version_spread
+def test_token_versions_see_updates_inside_a_trajectory():
+    from megatron_stepwise.loop.group_buffer import TokenVersions
 
     steps = [
         Step(TrajectoryID("p", 0), [1], [5, 6], [1, 1], weight_versions=[3, 3]),
         Step(TrajectoryID("p", 0), [1], [5, 6, 2], [1, 1, 0], weight_versions=[4, 5, 9]),  # 9: untrained EOS
         Step(TrajectoryID("p", 1), [1], [5], [1], weight_versions=[4]),
     ]
-    assert trajectory_version_spread(steps) == [2, 0]
+    assert TokenVersions.of(steps).spreads == [2, 0]
 
 
 def length_shares(policy: str, seeds: int = 30) -> dict[str, tuple[float, float]]:
