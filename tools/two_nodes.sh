@@ -42,6 +42,7 @@ up() {
   while grep -q "10\.213\.$subnet\." <<<"$taken"; do subnet=$(((subnet + 1) % 256)); done
   local ns_a="msw-$id-a" ns_b="msw-$id-b" ip_a="10.213.$subnet.1" ip_b="10.213.$subnet.2"
   ip netns add "$ns_a"
+  trap 'ip netns del "$ns_a" 2>/dev/null; ip netns del "$ns_b" 2>/dev/null; rm -rf "/etc/netns/$ns_a" "/etc/netns/$ns_b"' ERR
   ip netns add "$ns_b"
   ip link add "mswa$id" type veth peer name "mswb$id"
   ip link set "mswa$id" netns "$ns_a"
@@ -67,7 +68,9 @@ NODE_A_NAME=stepwise-a
 NODE_B_NAME=stepwise-b
 NODE_LINK=mswa$id
 EOF
-  ip -n "$ns_b" -o addr show | grep -q "$ip_b" || { echo "two_nodes: $ns_b has no $ip_b" >&2; exit 1; }
+  # (Not `ip ... | grep -q`: under pipefail, grep leaving early fails the pipe.)
+  grep -q "$ip_b" <<<"$(ip -n "$ns_b" -o addr show)" || { echo "two_nodes: $ns_b has no $ip_b" >&2; exit 1; }
+  trap - ERR
   echo "two_nodes: stepwise-a=$ip_a ($ns_a), stepwise-b=$ip_b ($ns_b)"
 }
 

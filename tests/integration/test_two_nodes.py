@@ -108,11 +108,14 @@ def _train_on_both(hosts, head: str, env: dict, run_dir: Path, *extra: str) -> N
         assert proc.returncode == 0, f"host {host}:\n{log[-4000:]}"
 
 
-def test_two_node_run_repeats_the_one_node_run(cluster, one_node_reference, tmp_path):
+@pytest.mark.parametrize("sync_mode", ["tensor", "disk", "distributed"])
+def test_two_node_run_repeats_the_one_node_run(cluster, one_node_reference, tmp_path, sync_mode):
+    """Each weight-sync mode across the hosts (the engines on b): through Ray, through the shared
+    filesystem, through a process group between rank 0 on a and the engines on b."""
     hosts, head, env = cluster
     run_dir = tmp_path / "run"
     before = hosts.link_bytes()
-    _train_on_both(hosts, head, env, run_dir)
+    _train_on_both(hosts, head, env, run_dir, f"weight_sync.mode={sync_mode}")
     after = hosts.link_bytes()
 
     m = _metrics(run_dir)
@@ -121,6 +124,7 @@ def test_two_node_run_repeats_the_one_node_run(cluster, one_node_reference, tmp_
         keys = [k for k in ref if k.startswith(("reward/", "eval/", "rollout/", "train/loss", "advantages/"))]
         assert keys and {k: r[k] for k in keys} == {k: ref[k] for k in keys}, r["iteration"]
         assert r["agents/rows_held"] == 1.0
+        assert r["train/logprob_gap_max"] < 1e-4  # the engines on b sample from the trainer's weights
 
     # Where things ran: the driver on a; every engine and agent worker on b (a offers Ray no CPU).
     log = (run_dir / "train.log").read_text()
