@@ -7,27 +7,14 @@ import logging
 from collections import Counter
 from typing import Any
 
+from megatron_stepwise.rollout.ray_nodes import actor_nodes, node_address
+
 log = logging.getLogger(__name__)
-
-
-def _node_address(_actor_instance: Any) -> str:
-    import ray
-
-    return ray.util.get_node_ip_address()
-
-
-def actor_nodes(handles: list[Any], timeout_s: float = 60.0) -> list[str]:
-    """The node address of each actor (run inside the actor: no dashboard or state API needed)."""
-    import ray
-
-    return ray.get([h.__ray_call__.remote(_node_address) for h in handles], timeout=timeout_s)
 
 
 def placement_line(roles: dict[str, list[Any]], timeout_s: float = 60.0) -> str:
     """'placement: driver 10.0.0.1; engines 10.0.0.2 x2; agent workers 10.0.0.2 x2'."""
-    import ray
-
-    parts = [f"driver {ray.util.get_node_ip_address()}"]
+    parts = [f"driver {node_address()}"]
     for role, handles in roles.items():
         if handles:
             counts = Counter(actor_nodes(handles, timeout_s))

@@ -32,6 +32,7 @@ from megatron_stepwise.rollout.engine import (
     memory_tags,
 )
 from megatron_stepwise.rollout.engine_router import EngineRouter, EngineSlot, RequestCounters
+from megatron_stepwise.rollout.ray_nodes import actor_nodes, node_address
 from megatron_stepwise.rollout.session_routing import RoutingPolicy
 from megatron_stepwise.rollout.sglang import SGLangServerConfig, TensorHandles, serialize_tensors_sglang
 from megatron_stepwise.rundir.lifecycle import tagged_ray_instance
@@ -537,6 +538,14 @@ class RolloutFleet:
     def weight_update_world_size(self) -> int:
         """World size of the group `init_weights_update_group` would open now (trainer + engine ranks)."""
         return weight_update_ranks([s.spec for s in self._slots if s.alive])[1]
+
+    def weight_group_address(self) -> str:
+        """Where the engines reach the trainer's weight-update store: loopback when every live
+        engine runs on this node (the unauthenticated store stays private), else this node's
+        cluster address (engines on other nodes cannot reach this node's loopback)."""
+        here = node_address()
+        engines = actor_nodes([s.handle for s in self._slots if s.alive])
+        return "127.0.0.1" if all(node == here for node in engines) else here
 
     async def init_weights_update_group(
         self, master_address: str, master_port: int, group_name: str = "weight_update_group", backend: str = "gloo"

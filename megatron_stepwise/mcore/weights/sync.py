@@ -71,7 +71,7 @@ class WeightSync:
         keep_versions: int = 2,
         dtype: Optional[torch.dtype] = None,
         atomic: bool = True,
-        master_address: str = "127.0.0.1",
+        master_address: Optional[str] = None,
         master_port: Optional[int] = None,
     ):
         if mode not in MODES:
@@ -187,12 +187,13 @@ class WeightSync:
             return self._group
         port = self.master_port or free_port("")  # engines may be remote: any interface
         world_size = self.fleet.weight_update_world_size()  # trainer + every TP rank of every engine
+        address = self.master_address or self.fleet.weight_group_address()
 
         async def both():
             trainer_side = asyncio.get_running_loop().run_in_executor(
-                None, weight_transport.open_group, self.master_address, port, world_size
+                None, weight_transport.open_group, address, port, world_size
             )
-            engines = await self.fleet.init_weights_update_group(self.master_address, port)
+            engines = await self.fleet.init_weights_update_group(address, port)
             group = await trainer_side
             if engines != world_size:
                 raise WeightSyncError(f"the fleet's weight-update group has {engines} ranks, expected {world_size}")
