@@ -55,7 +55,6 @@ def _main(args: argparse.Namespace) -> int:
 
     try:
         dump = read_dump(args.run_dir, args.iteration)
-        config, probes = _untrusted_config(dump.meta, tokenizer_source, DumpProbes, args.trust_dump_code)
     except DumpError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -66,6 +65,11 @@ def _main(args: argparse.Namespace) -> int:
             print("\n".join(f"  {p}" for p in problems), file=sys.stderr)
             return 1
         print(summary)
+    try:
+        config, probes = _untrusted_config(dump.meta, tokenizer_source, DumpProbes, args.trust_dump_code)
+    except DumpError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     overrides = [f"logging.run_dir={os.path.abspath(args.run_dir)}", *args.overrides]
     under_launcher = "RANK" in os.environ
     try:

@@ -403,7 +403,10 @@ class AgentLoop:
         response = list(result.output_ids)
         logprobs = list(result.logprobs)
         versions = list(result.token_weight_versions or [result.weight_version] * len(response))
-        forwards = None if result.token_forwards is None else list(result.token_forwards)
+        # provenance pairs routes with log-probs: only worth carrying with the routes (routing replay)
+        forwards = (
+            None if result.token_forwards is None or result.route_forwards is None else list(result.token_forwards)
+        )
         loss_mask = [1] * len(response)
         if (
             self.config.append_eos

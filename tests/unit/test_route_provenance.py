@@ -25,6 +25,7 @@ import asyncio
 
 import pytest
 from helpers import tiny_lm
+from in_process_fleet import in_process_fleet
 
 from megatron_stepwise.algo.merge import merge_steps
 from megatron_stepwise.algo.route_pairing import check_route_pairing
@@ -34,7 +35,6 @@ from megatron_stepwise.rollout.agent_loop import AgentLoop, AgentLoopConfig
 from megatron_stepwise.rollout.embedded.engine import LocalEngine
 from megatron_stepwise.rollout.embedded.hf_model import build_causal_lm, save_safetensors_dir
 from megatron_stepwise.rollout.engine import SamplingParams
-from megatron_stepwise.rollout.fleet import EngineSpec, RolloutFleet
 from megatron_stepwise.steps import StepBatch
 
 TOKENIZER, _ = tiny_lm("tiny_word")
@@ -43,28 +43,6 @@ NEW_TOKENS = 8
 HELD_RID, HELD_AT = "p0#0/turn1", 3  # the turn a partial-rollout update pauses, after this many tokens
 DEADLINE_S = 300.0
 SAMPLES = [{"prompt_id": f"p{i}", "digits": [i % 10, (i + 3) % 10, (i + 5) % 10]} for i in range(3)]
-
-
-class _Remote:
-    def __init__(self, fn):
-        self.fn = fn
-
-    def remote(self, *args, **kwargs):
-        return self.fn(*args, **kwargs)
-
-
-class InProcessHandle:
-    """What the fleet needs of an engine actor's handle, around an engine in this process."""
-
-    def __init__(self, engine):
-        self.generate = _Remote(engine.generate)
-        self.call = _Remote(lambda method, *args, **kwargs: getattr(engine, method)(*args, **kwargs))
-
-
-def in_process_fleet(engine, **kwargs) -> RolloutFleet:
-    return RolloutFleet(
-        [EngineSpec(kind="local", model_config=MOE)], spawn=lambda spec, i, inc: InProcessHandle(engine), **kwargs
-    )
 
 
 def new_weights(directory) -> str:
@@ -86,7 +64,7 @@ async def poll(condition, what: str, task=None):
 async def rollout_with_update(pause_mode: str, partial: bool, weights: str):
     """The rollout's steps, the fleet's metrics and the first forward id after the pause."""
     engine = LocalEngine(MOE, tokenizer=TOKENIZER, eos_token_ids=[], seed=5, max_batch_size=16)
-    fleet = in_process_fleet(engine, partial_rollouts=partial, pause_mode=pause_mode)
+    fleet = in_process_fleet(engine, MOE, partial_rollouts=partial, pause_mode=pause_mode)
     loop = AgentLoop(
         fleet,
         TOKENIZER,
@@ -116,7 +94,7 @@ async def rollout_with_update(pause_mode: str, partial: bool, weights: str):
 
 
 async def _held(engine) -> bool:
-    return await engine.decoded_tokens(HELD_RID) == HELD_AT and not engine._running.is_set()
+    return await engine.decoded_tokens(HELD_RID) == HELD_AT and engine.paused
 
 
 async def _decoded_at_least(engine, rid, n) -> bool:

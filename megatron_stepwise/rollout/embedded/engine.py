@@ -744,6 +744,11 @@ class LocalEngine:
         self._ensure_started()
         self._running.set()
 
+    @property
+    def paused(self) -> bool:
+        """Held between two decode steps (`pause`, or a `pause_after` point reached)."""
+        return self._running is not None and not self._running.is_set()
+
     async def pause_after(self, rid: str, num_tokens: int) -> None:
         """Pause the engine (as `pause()`) right after the decode step that gives request `rid`
         its `num_tokens`-th token; `resume()` continues. Returns at once: the request may not have
