@@ -123,3 +123,37 @@ def test_staleness_bound_drops_requests_by_start_version(weight_dirs):
     assert all(r.finish_reason == "length" and set(r.token_weight_versions) == {1, 2} for r in new)
     assert metrics["dropped_stale"] == CONCURRENT // 2
     assert metrics["aborted_by_update"] == 0
+
+
+# ---- the SGLang client's side (against the embedded engine's SGLang-speaking server) ----------
+
+
+@pytest.mark.parametrize("how", ["stale", "pause"])
+def test_sglang_client_names_why_an_update_ended_a_request(how, weight_dirs):
+    from megatron_stepwise.rollout.embedded.server import start_server
+    from megatron_stepwise.rollout.sglang import SGLangClient
+
+    async def scenario():
+        engine = LocalEngine(CONFIG, eos_token_ids=[], seed=3)
+        runner, port = await start_server(engine, "127.0.0.1", 0)
+        client = SGLangClient(f"http://127.0.0.1:{port}", timeout_s=120)
+        try:
+            await engine.pause_after("s0", 3)
+            tasks = [asyncio.create_task(client.generate(p, PARAMS, rid=f"s{i}")) for i, p in enumerate(prompts(4))]
+            await held(engine, "s0", 3, tasks)
+            if how == "pause":  # pause_mode abort: the pause ends them
+                await client.pause("abort")
+            else:  # sent at version 0; after the update to 2, a bound of 1 leaves them behind
+                await client.pause()
+                await client.update_weights_from_disk(weight_dirs[0], weight_version=2)
+                assert await client.abort_stale(2 - 1) == 4
+            results = await asyncio.wait_for(asyncio.gather(*tasks), DEADLINE_S)
+            await client.resume()
+            return results
+        finally:
+            await client.close()
+            await runner.cleanup()
+            await engine.close()
+
+    results = asyncio.run(scenario())
+    assert all(r.finish_reason == "abort" and r.abort_reason == how for r in results)

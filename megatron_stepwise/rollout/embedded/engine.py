@@ -721,6 +721,8 @@ class LocalEngine:
             self._failure = None
         self._needs_weights = False
         self._weights_epoch += 1
+        # how requests in flight go on: as the pause around this load says (a load outside a pause: retract)
+        self._continue_mode = self._continue_mode if self.paused else "retract"
         self._prefix_cache.clear()  # its KV was computed by the old weights
         self._weight_version = self._weight_version + 1 if weight_version is None else int(weight_version)
         return self._weight_version
