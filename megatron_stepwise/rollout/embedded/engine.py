@@ -5,7 +5,10 @@ stays responsive: between two decode steps (HF KV cache, left-padded rows) newly
 requests are prefilled and join the running batch, finished or cancelled ones leave it, and the
 engine can be paused, aborted or have its weights replaced. A finished request's KV stays in a
 prefix cache (`prefix_cache.py`): a later request sharing its prefix prefills only the rest. Requests in flight across a weight
-update continue with the new weights (their KV cache rebuilt first). A load refuses non-finite
+update continue with the new weights (their KV cache rebuilt first; or on their old KV after an
+`in_place` pause; an `abort` pause ends them). Every sampled token records the forward pass (and weights) whose logits gave it, every routed
+position the forward that computed it; a rebuild never re-records the routes of positions whose
+logits already gave a token (docs/megatron.md, 'Route provenance'). A load refuses non-finite
 weights; a model-thread failure makes the engine unhealthy until the next good load.
 Colocated mode follows SGLang's release / resume semantics.
 
