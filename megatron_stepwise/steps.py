@@ -113,6 +113,11 @@ class Step:
       num_hidden_layers, topk], the experts the engine's router chose for every token of the
       row in each decoder layer (SGLang's layout), -1 where the engine did not report them (e.g.
       the last sampled token, which the engine never runs through the model).
+    - `route_forwards` / `logprob_forwards`: provenance (optional, the embedded engine reports
+      it): per prompt + response position, the id of the engine's forward pass that computed its
+      route; per response token, the id of the forward pass whose logits gave its log-prob; -1
+      unknown (an appended EOS, a position not run). A sampled token at row position q pairs
+      with the route at q - 1: `algo/route_pairing.py` checks that they come from one forward.
     - `is_padding`: a loss-neutral row that fills a batch to a DP multiple (`make_padding_step`);
       it never enters advantages, metrics or loss denominators.
     - `metadata["invalid"]` (on the last step): why the trajectory is invalid, an infrastructure
@@ -135,6 +140,8 @@ class Step:
     metadata: dict[str, Any] = field(default_factory=dict)
     routed_experts: Optional[torch.Tensor] = None
     is_padding: bool = False
+    route_forwards: Optional[TokenSeq] = None
+    logprob_forwards: Optional[TokenSeq] = None
 
     @property
     def invalid_reason(self) -> Optional[str]:
@@ -156,6 +163,10 @@ class Step:
             self.weight_versions = _as_tensor(self.weight_versions, torch.long, "weight_versions")
         if self.routed_experts is not None:
             self.routed_experts = _as_routed_experts(self.routed_experts)
+        if self.route_forwards is not None:
+            self.route_forwards = _as_tensor(self.route_forwards, torch.long, "route_forwards")
+        if self.logprob_forwards is not None:
+            self.logprob_forwards = _as_tensor(self.logprob_forwards, torch.long, "logprob_forwards")
         self.reward = float(self.reward)
         self.turn_reward = float(self.turn_reward)
         self.is_last_step = bool(self.is_last_step)
@@ -203,7 +214,9 @@ class StepBatch:
     log-probs. Where it is False the value of rollout_logprobs means nothing (it is 0): a known
     log-prob of 0 (probability 1) and an unknown one are different things.
     Optional token fields: weight_versions (long), when every step carries them; routed_experts
-    (int16 [T, layers, topk], prompt positions included, -1 = unknown), when any step does.
+    (int16 [T, layers, topk], prompt positions included, -1 = unknown), route_forwards (long,
+    prompt positions included) and logprob_forwards (long, -1 at prompt positions), when any step
+    does (-1 = unknown in the rows of steps without them).
     row_fields always has: traj_index, group_index (long; dense ids in order of first
     appearance), is_last (bool), reward (float64), turn_reward (float64), is_padding (bool).
     `metadata` holds each step's metadata dict (turn, env info, drift...) when the batch
@@ -318,6 +331,17 @@ class StepBatch:
         routed = _routed_experts_field(steps)
         if routed is not None:
             token_fields["routed_experts"] = routed
+        if any(s.route_forwards is not None for s in steps):
+            token_fields["route_forwards"] = torch.cat(
+                [s.route_forwards if s.route_forwards is not None else _unknown(s.num_tokens) for s in steps]
+            )
+        if any(s.logprob_forwards is not None for s in steps):
+            token_fields["logprob_forwards"] = torch.cat(
+                [
+                    torch.cat([_unknown(s.prompt_ids.numel()), _response_or_unknown(s.logprob_forwards, s)])
+                    for s in steps
+                ]
+            )
 
         traj_index, group_index = _dense_ids(steps)
         row_fields = {
@@ -346,6 +370,7 @@ class StepBatch:
         offsets, plens = self.offsets.tolist(), self.prompt_lens.tolist()
         versions = self.token_fields.get("weight_versions")
         routed = self.token_fields.get("routed_experts")
+        route_fw, logprob_fw = self.token_fields.get("route_forwards"), self.token_fields.get("logprob_forwards")
         # per row: does every response token carry a known rollout log-prob?
         unknown = torch.zeros(self.tokens.numel() + 1, dtype=torch.long)
         torch.cumsum((~self.rollout_logprobs_known()).long(), 0, out=unknown[1:])
@@ -372,6 +397,8 @@ class StepBatch:
                     stop_reason=self.stop_reasons[r],
                     weight_versions=None if versions is None else own(versions[mid:end]),
                     routed_experts=None if routed is None else own(routed[start:end]),
+                    route_forwards=None if route_fw is None else own(route_fw[start:end]),
+                    logprob_forwards=None if logprob_fw is None else own(logprob_fw[mid:end]),
                     metadata=dict(self.metadata[r]) if self.metadata is not None else {},
                     is_padding=paddings[r],
                 )
@@ -404,6 +431,9 @@ class StepBatch:
         token_fields = {
             k: torch.cat([b.token_fields[k] for b in batches]) for k in batches[0].token_fields if k in names
         }
+        for key in ("route_forwards", "logprob_forwards"):  # provenance: unknown where a batch lacks it
+            if any(key in b.token_fields for b in batches):
+                token_fields[key] = torch.cat([b.token_fields.get(key, _unknown(b.tokens.numel())) for b in batches])
         routed = [b.token_fields.get("routed_experts") for b in batches]
         shape = next((tuple(r.shape[1:]) for r in routed if r is not None), None)
         if shape is not None:
@@ -478,6 +508,15 @@ def _routed_experts_field(steps: Sequence[Step]) -> Optional[torch.Tensor]:
             for s in steps
         ]
     )
+
+
+def _unknown(n: int) -> torch.Tensor:
+    """n unknown forward ids (provenance fields)."""
+    return torch.full((n,), -1, dtype=torch.long)
+
+
+def _response_or_unknown(values: Optional[torch.Tensor], step: Step) -> torch.Tensor:
+    return values if values is not None else _unknown(step.response_ids.numel())
 
 
 def _dense_ids(steps: Sequence[Step]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,10 +21,12 @@ from typing import Optional, Sequence
 
 import torch
 
-from megatron_stepwise.steps import ROUTED_EXPERTS_DTYPE, UNKNOWN_EXPERT, Step
+from megatron_stepwise.steps import UNKNOWN_EXPERT, Step
 
 #: weight_versions value for obs_delta tokens: no policy produced them (loss_mask is 0 there).
 NOT_SAMPLED_VERSION = -1
+#: logprob_forwards / route_forwards value where no forward pass is known.
+UNKNOWN_FORWARD = -1
 
 
 @dataclass
@@ -55,11 +57,12 @@ def merge_steps(steps: Sequence[Step], *, max_tokens: Optional[int] = None) -> t
     metadata, with `metadata["merged_steps"]` = how many steps it holds (1 if unmerged).
     Steps also do not merge when only one of them has rollout_logprobs or weight_versions
     (nothing is invented), or when the row would exceed `max_tokens`.
-    `routed_experts` (MoE routing replay; they cover prompt and response) give each position
-    of the merged row the experts of the earliest merged step that reported it: the forward
-    pass in which the engine first computed that position (a prefix-caching engine reuses it in
-    later turns), so every response token keeps the routing it was sampled under; -1 (unknown)
-    where no step reported it.
+    `routed_experts` (MoE routing replay; they cover prompt and response) and their
+    `route_forwards`: a position whose logits gave a step's sampled token (step i owns
+    [len(prompt_i) - 1, len(prompt_i) + len(response_i) - 1)) takes that step's route, so each
+    trained token's route and log-prob come from one forward pass; any other position takes the
+    earliest merged step that reported it (the forward pass in which the engine first computed
+    it); -1 (unknown) where no step reported it. `logprob_forwards` move with the responses.
     Padding steps pass through untouched. Input steps are not modified; output rows may
     share tensors with them. Expects a validated batch (`validate_steps`).
 
@@ -174,6 +177,9 @@ def _merge_group(group: list[Step]) -> Step:
     loss_mask = torch.zeros(n, dtype=torch.long)
     logprobs = None if first.rollout_logprobs is None else torch.zeros(n, dtype=torch.float32)
     versions = None if first.weight_versions is None else torch.full((n,), NOT_SAMPLED_VERSION, dtype=torch.long)
+    forwards = None
+    if any(s.logprob_forwards is not None for s in group):
+        forwards = torch.full((n,), UNKNOWN_FORWARD, dtype=torch.long)
     for s, a in zip(group, resp_starts):
         b = a + s.response_ids.numel()
         loss_mask[a:b] = s.loss_mask
@@ -181,9 +187,13 @@ def _merge_group(group: list[Step]) -> Step:
             logprobs[a:b] = s.rollout_logprobs
         if versions is not None:
             versions[a:b] = s.weight_versions
+        if forwards is not None and s.logprob_forwards is not None:
+            forwards[a:b] = s.logprob_forwards
 
     return Step(
-        routed_experts=_merge_routed_experts(group, start + n),
+        routed_experts=_merge_positions(group, "routed_experts", start + n),
+        route_forwards=_merge_positions(group, "route_forwards", start + n),
+        logprob_forwards=forwards,
         trajectory_id=first.trajectory_id,
         prompt_ids=first.prompt_ids,
         response_ids=response_ids,
@@ -198,13 +208,26 @@ def _merge_group(group: list[Step]) -> Step:
     )
 
 
-def _merge_routed_experts(group: list[Step], num_tokens: int) -> Optional[torch.Tensor]:
-    """The merged row's routed experts: per position, the earliest step's that is known."""
-    carried = [s.routed_experts for s in group if s.routed_experts is not None]
+def _merge_positions(group: list[Step], name: str, num_tokens: int) -> Optional[torch.Tensor]:
+    """The merged row's `name` (routed_experts or route_forwards, one entry per position): where
+    a step's sampled tokens were computed from (the positions it owns), that step's; elsewhere
+    the earliest step's that is known; unknown (-1) where none is."""
+    carried = [(s, getattr(s, name)) for s in group if getattr(s, name) is not None]
     if not carried:
         return None
-    out = torch.full((num_tokens, *carried[0].shape[1:]), UNKNOWN_EXPERT, dtype=ROUTED_EXPERTS_DTYPE)
-    for routed in reversed(carried):  # later steps first: earlier ones overwrite where they know
-        known = (routed >= 0).all(-1).all(-1)
-        out[: routed.size(0)][known] = routed[known]
+    first = carried[0][1]
+    out = torch.full((num_tokens, *first.shape[1:]), UNKNOWN_EXPERT, dtype=first.dtype)
+
+    def known(values: torch.Tensor) -> torch.Tensor:
+        return (values >= 0).reshape(values.size(0), -1).all(-1)
+
+    for _, values in reversed(carried):  # later steps first: earlier ones overwrite where they know
+        ok = known(values)
+        out[: values.size(0)][ok] = values[ok]
+    for s, values in carried:  # each step's own positions: the forward its log-probs came from
+        lo = max(s.prompt_ids.numel() - 1, 0)
+        hi = min(s.num_tokens - 1, values.size(0))
+        if hi > lo:
+            ok = known(values[lo:hi])
+            out[lo:hi][ok] = values[lo:hi][ok]
     return out

@@ -30,8 +30,9 @@ def _fail(i: int, step: Step, field: str, problem: str) -> StepwiseBatchError:
 def validate_steps(steps: Sequence[Step], *, vocab_size: Optional[int] = None) -> None:
     """Raise `StepwiseBatchError` on the first problem found in a list of steps.
 
-    Checks, per step: response_ids / loss_mask / rollout_logprobs / weight_versions have
-    the same length; routed_experts (when present) has one row per prompt + response token;
+    Checks, per step: response_ids / loss_mask / rollout_logprobs / weight_versions /
+    logprob_forwards have the same length; routed_experts and route_forwards (when present) have
+    one row per prompt + response token;
     loss_mask holds only 0 and 1; an empty response has no trainable
     entry; rollout_logprobs and reward are finite; token ids are >= 0 and, when
     `vocab_size` is given, < vocab_size. Across steps: the steps of a trajectory are
@@ -115,7 +116,7 @@ def _check_lengths(i: int, s: Step) -> None:
                 i, s, "loss_mask", f"has {int((s.loss_mask == 1).sum())} entries equal to 1 but response_ids is empty"
             )
         raise _fail(i, s, "loss_mask", f"has length {m} but response_ids has length {n}")
-    for field in ("rollout_logprobs", "weight_versions"):
+    for field in ("rollout_logprobs", "weight_versions", "logprob_forwards"):
         value = getattr(s, field)
         if value is not None and value.numel() != n:
             raise _fail(i, s, field, f"has length {value.numel()} but response_ids has length {n}")
@@ -125,6 +126,13 @@ def _check_lengths(i: int, s: Step) -> None:
             s,
             "routed_experts",
             f"has {s.routed_experts.size(0)} positions but the step has {s.num_tokens} tokens (prompt + response)",
+        )
+    if s.route_forwards is not None and s.route_forwards.numel() != s.num_tokens:
+        raise _fail(
+            i,
+            s,
+            "route_forwards",
+            f"has {s.route_forwards.numel()} positions but the step has {s.num_tokens} tokens (prompt + response)",
         )
 
 

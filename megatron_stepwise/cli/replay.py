@@ -6,6 +6,9 @@ Reads the run's config from the dump (`trainer.dump_rollouts`), applies the over
 step's loss and grad norm beside the recorded ones and writes the report as JSON
 (`RUN_DIR/replay/iter_K.json`, or `--out`; never through a link planted in RUN_DIR). Exit 0 when
 it ran; 2 for a missing dump or checkpoint, or a bad override; with `--check-tol` a mismatch exits 1.
+First it checks that every trained token's route and log-prob came from one engine forward pass
+(`algo/route_pairing.py`, when the dump carries their ids): a dump that pairs them wrongly trained
+on routes the engine never used for those tokens, so it exits 1 naming each mismatch, replaying nothing.
 The dump is not trusted: the modules its config names are not imported, nothing is downloaded and
 no tokenizer code runs, unless `--trust-dump-code` (loop/dump_trust.py).
 """
@@ -52,6 +55,17 @@ def _main(args: argparse.Namespace) -> int:
 
     try:
         dump = read_dump(args.run_dir, args.iteration)
+    except DumpError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if "RANK" not in os.environ:  # once, before any rank starts
+        problems, summary = route_pairing_problems(dump)
+        if problems:
+            print(f"error: iteration {dump.iteration}: {summary}", file=sys.stderr)
+            print("\n".join(f"  {p}" for p in problems), file=sys.stderr)
+            return 1
+        print(summary)
+    try:
         config, probes = _untrusted_config(dump.meta, tokenizer_source, DumpProbes, args.trust_dump_code)
     except DumpError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -89,6 +103,23 @@ def _main(args: argparse.Namespace) -> int:
 
         return run_torchrun(argv)
     return _replay(cfg, dump, args)
+
+
+def route_pairing_problems(dump) -> tuple[list[str], str]:
+    """(one line per route/log-prob mismatch found, a summary) over every mini-batch of `dump`."""
+    from megatron_stepwise.algo.route_pairing import check_route_pairing, describe_mismatches
+
+    problems: list[str] = []
+    checked = unknown = bad = 0
+    for m, batch in enumerate(dump.minibatches):
+        pairing = check_route_pairing(batch)
+        checked, unknown, bad = checked + pairing.checked, unknown + pairing.unknown, bad + pairing.total_mismatches
+        problems += describe_mismatches(pairing, batch, where=f"mini-batch {m}, ")
+    if bad:
+        return problems, (
+            f"{bad} of {checked} trained tokens have a route and a log-prob from different engine forward passes"
+        )
+    return [], f"route/log-prob pairing: {checked} trained tokens from one forward each, {unknown} without provenance"
 
 
 def _untrusted_config(meta: dict, tokenizer_source, probes_class, trusted: bool) -> tuple[dict, object]:

@@ -3,7 +3,8 @@
 `RUN_DIR/rollouts/iter_0000042.parquet` holds one row per trained row (step, or merged
 trajectory) of iteration 42: its mini-batch, ids, tokens, loss mask, rollout log-probs and
 their weight versions, reward, outcome reward, advantages, stop reason, environment info,
-routed experts (when present) and the trainer's own log-probs of the trained tokens with the
+routed experts and the provenance of routes and log-probs (the engine's forward-pass ids, when
+present; `replay` checks their pairing first) and the trainer's own log-probs of the trained tokens with the
 weights that trained the row. The file's metadata holds the resolved config, the weight version
 and each optimizer step's train metrics. `read_dump` rebuilds the exact `StepBatch` of every
 mini-batch (bit for bit), which is what `replay` trains on and what the viewer shows.
@@ -123,6 +124,8 @@ def write_dump(
             *RESPONSE_FIELDS,
             "trainer_logprobs",
             "routed_experts",
+            "route_forwards",
+            "logprob_forwards",
             "info",
         )
     }
@@ -131,6 +134,7 @@ def write_dump(
         b = cap.batch
         outcome = _outcome_rewards(b)
         routed = b.token_fields.get("routed_experts")
+        route_fw, logprob_fw = b.token_fields.get("route_forwards"), b.token_fields.get("logprob_forwards")
         if routed is not None:
             experts_shape = list(routed.shape[1:])
         for r in range(b.num_rows):
@@ -160,6 +164,8 @@ def write_dump(
             lp = cap.trainer_logprobs
             cols["trainer_logprobs"].append(None if lp is None else lp[resp].tolist())
             cols["routed_experts"].append(None if routed is None else routed[row].reshape(-1).tolist())
+            cols["route_forwards"].append(None if route_fw is None else route_fw[row].tolist())
+            cols["logprob_forwards"].append(None if logprob_fw is None else logprob_fw[resp].tolist())
             cols["info"].append(json.dumps(_jsonable(meta)))
     types = {
         "minibatch": pa.int32(),
@@ -180,6 +186,8 @@ def write_dump(
         "weight_versions": pa.list_(pa.int64()),
         "trainer_logprobs": pa.list_(pa.float32()),
         "routed_experts": pa.list_(pa.int16()),
+        "route_forwards": pa.list_(pa.int64()),
+        "logprob_forwards": pa.list_(pa.int64()),
         "env_error": pa.string(),
         "invalid": pa.string(),
         "stop_reason": pa.string(),
@@ -303,6 +311,15 @@ def _rebuild(cols: dict[str, list], rows: list[int], experts_shape) -> tuple[Ste
     if experts_shape and all(cols["routed_experts"][i] is not None for i in rows):
         flat = [e for i in rows for e in cols["routed_experts"][i]]
         token_fields["routed_experts"] = torch.tensor(flat, dtype=ROUTED_EXPERTS_DTYPE).reshape(-1, *experts_shape)
+    if rows and all(cols.get("route_forwards", [None] * (max(rows) + 1))[i] is not None for i in rows):
+        token_fields["route_forwards"] = torch.tensor(
+            [f for i in rows for f in cols["route_forwards"][i]], dtype=torch.long
+        )
+    if rows and all(cols.get("logprob_forwards", [None] * (max(rows) + 1))[i] is not None for i in rows):
+        token_fields["logprob_forwards"] = torch.tensor(
+            [f for i in rows for f in [-1] * len(cols["prompt_ids"][i]) + cols["logprob_forwards"][i]],
+            dtype=torch.long,
+        )
     row_fields = {
         "traj_index": torch.tensor([cols["traj_index"][i] for i in rows], dtype=torch.long),
         "group_index": torch.tensor([cols["group_index"][i] for i in rows], dtype=torch.long),

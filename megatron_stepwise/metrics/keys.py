@@ -192,6 +192,18 @@ _T = [  # (pattern, unit, over, meaning)
             ("fleet/removed_engines", "count", "run", "engines given up on"),
             ("fleet/repins", "count", "run", "turns of a session served on another engine than its previous turn"),
             ("fleet/weight_updates", "count", "run", "weight updates applied"),
+            (
+                "fleet/aborted_by_update",
+                "count",
+                "run",
+                "requests a weight update's pause ended: 0 unless the fleet pauses with mode abort (paused turns continue)",
+            ),
+            (
+                "fleet/dropped_stale",
+                "count",
+                "run",
+                "requests an update dropped because they started more than async.max_staleness versions before it",
+            ),
             ("agents/workers", "count", "iteration", "agent worker actors (rollout.agent_workers)"),
             ("agents/worker_restarts", "count", "run", "agent workers restarted"),
             ("agents/reissued_groups", "count", "run", "prompt groups re-issued after a worker died"),

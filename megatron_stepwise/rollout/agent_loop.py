@@ -39,6 +39,7 @@ from megatron_stepwise.rollout.context import (
     retokenize_drifted,
     turn_delta,
 )
+from megatron_stepwise.rollout.continuation import join_continuation
 from megatron_stepwise.rollout.engine import GenerateResult, SamplingParams, engine_loss
 from megatron_stepwise.rollout.env_calls import EnvCaller, EnvError
 from megatron_stepwise.rollout.routing import pad_to_tokens
@@ -48,6 +49,8 @@ from megatron_stepwise.time_budget import GENERATION, NO_ACTIVITY
 log = logging.getLogger(__name__)
 
 STOP_REASONS = ("stop", "length", "max_turns", "context_limit", "env_error", "abort")
+# A turn aborted by weight updates is continued at most this many times (each update aborts it once).
+MAX_CONTINUATIONS = 16
 
 
 class Generator(Protocol):
@@ -244,7 +247,7 @@ class AgentLoop:
                 steps[-1].stop_reason = "context_limit"
                 break
             with self.activity.active(GENERATION):
-                result = await self.generator.generate(
+                result = await self._generate_turn(
                     prompt,
                     self._sampling_for(len(prompt), _turn_seed(seed, traj_id, turn)),
                     rid=f"{request_tag}{traj_id}/turn{turn}",
@@ -253,7 +256,7 @@ class AgentLoop:
             step, response = self._make_step(traj_id, turn, prompt, result)
             steps.append(step)
             if result.finish_reason == "abort":  # the engine dropped the request: no answer to score
-                step.metadata[INVALID] = "abort"
+                step.metadata[INVALID] = "abort" if result.abort_reason is None else f"abort ({result.abort_reason})"
                 break
             text = self.tokenizer.decode(result.output_ids, skip_special_tokens=True)
             try:
@@ -285,6 +288,23 @@ class AgentLoop:
         steps[-1].is_last_step = True
         steps[-1].reward = total_reward
         return steps
+
+    async def _generate_turn(self, prompt: list[int], sampling: SamplingParams, rid: str, session: str):
+        """One turn's generation. A request a weight update aborted (pause_mode "abort") is sent
+        again as prompt + its tokens so far, and the answers joined (`rollout/continuation.py`):
+        the update loses no sampled token and rewrites no route."""
+        result = await self.generator.generate(prompt, sampling, rid=rid, session=session)
+        for k in range(1, MAX_CONTINUATIONS + 1):
+            room = sampling.max_new_tokens - len(result.output_ids)
+            if result.finish_reason != "abort" or result.abort_reason != "pause" or room <= 0:
+                break
+            rest_sampling = copy.copy(sampling)
+            rest_sampling.__dict__["max_new_tokens"] = room
+            rest = await self.generator.generate(
+                prompt + list(result.output_ids), rest_sampling, rid=f"{rid}+{k}", session=session
+            )
+            result = join_continuation(result, rest, len(prompt))
+        return result
 
     def _mark_env_error(self, step: Step) -> None:
         """An environment failure is infrastructure, not a wrong answer: invalid unless configured to score it."""
@@ -383,6 +403,10 @@ class AgentLoop:
         response = list(result.output_ids)
         logprobs = list(result.logprobs)
         versions = list(result.token_weight_versions or [result.weight_version] * len(response))
+        # provenance pairs routes with log-probs: only worth carrying with the routes (routing replay)
+        forwards = (
+            None if result.token_forwards is None or result.route_forwards is None else list(result.token_forwards)
+        )
         loss_mask = [1] * len(response)
         if (
             self.config.append_eos
@@ -394,6 +418,8 @@ class AgentLoop:
             loss_mask.append(0)
             logprobs.append(0.0)
             versions.append(versions[-1] if versions else result.weight_version)
+            if forwards is not None:
+                forwards.append(-1)  # no forward pass sampled it
         stop_reason = {"stop": "stop", "length": "length"}.get(result.finish_reason, "abort")
         step = Step(
             trajectory_id=traj_id,
@@ -408,6 +434,9 @@ class AgentLoop:
             metadata={"turn": turn, "finish_reason": result.finish_reason, "engine": result.engine},
             # MoE routing replay: the engine's experts for prompt + response positions (-1 unknown)
             routed_experts=pad_to_tokens(result.routed_experts, len(prompt) + len(response)),
+            # provenance: which forward pass computed each route and each log-prob (-1 unknown)
+            route_forwards=_padded_forwards(result.route_forwards, len(prompt) + len(response)),
+            logprob_forwards=None if forwards is None else _tensor(forwards, "q", torch.long),
         )
         return step, response
 
@@ -484,6 +513,16 @@ def _tensor(values: list, typecode: str, dtype: torch.dtype) -> Any:
     if not packed:
         return values
     return torch.frombuffer(packed, dtype=dtype).clone()  # a tensor owning ordinary storage
+
+
+def _padded_forwards(forwards: Optional[torch.Tensor], num_tokens: int) -> Optional[torch.Tensor]:
+    """The engine's route forward ids for the step's positions, -1 where it reported none."""
+    if forwards is None:
+        return None
+    out = torch.full((num_tokens,), -1, dtype=torch.long)
+    n = min(forwards.numel(), num_tokens)
+    out[:n] = forwards[:n]
+    return out
 
 
 def _unit_hash(traj_id: TrajectoryID) -> float:

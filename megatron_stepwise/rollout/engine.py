@@ -245,6 +245,13 @@ class GenerateResult:
     each layer's router chose for positions 0, 1, ... of `input_ids + output_ids`, as far as
     the engine ran them (SGLang: all but the last token); -1 where a layer has no router.
     `cached_tokens`: prompt tokens the engine's prefix cache served (SGLang's meta_info field).
+    Provenance (the embedded engine; None when an engine does not report it): `token_forwards[i]`
+    is the id of the forward pass whose logits gave `output_ids[i]` and its log-prob;
+    `route_forwards` (int64, beside `routed_experts`) the id of the forward pass that computed
+    each routed position. A trained token at position q pairs with the route at q - 1: both
+    come from one forward when `token_forwards` equals `route_forwards[q - 1]`.
+    `abort_reason` (finish_reason "abort" only): "pause" when a pause for a weight update ended
+    it, "stale" when the staleness bound dropped it, None otherwise.
     """
 
     output_ids: list[int]
@@ -257,6 +264,9 @@ class GenerateResult:
     engine: Optional[str] = None
     routed_experts: Optional[torch.Tensor] = None
     cached_tokens: int = 0
+    token_forwards: Optional[list[int]] = None
+    route_forwards: Optional[torch.Tensor] = None
+    abort_reason: Optional[str] = None
 
     def __post_init__(self) -> None:
         if len(self.output_ids) != len(self.logprobs):
@@ -266,6 +276,10 @@ class GenerateResult:
         elif len(self.token_weight_versions) != len(self.output_ids):
             raise EngineError(
                 f"engine returned {len(self.output_ids)} tokens but {len(self.token_weight_versions)} weight versions"
+            )
+        if self.token_forwards is not None and len(self.token_forwards) != len(self.output_ids):
+            raise EngineError(
+                f"engine returned {len(self.output_ids)} tokens but {len(self.token_forwards)} forward ids"
             )
         if self.finish_reason not in FINISH_REASONS:
             raise EngineError(f"unknown finish_reason {self.finish_reason!r}; expected one of {FINISH_REASONS}")
@@ -310,8 +324,10 @@ class Engine(Protocol):
     ) -> int:
         """Receive the named tensors by broadcast from rank 0 of the group; returns the new version."""
 
-    async def pause(self) -> None:
-        """Stop making progress on generations (in place: they continue after `resume`)."""
+    async def pause(self, mode: str = "retract") -> Optional[int]:
+        """Stop making progress on generations; after `resume` they continue ("retract": their KV
+        recomputed with the weights loaded meanwhile; "in_place": on the KV they had) or, with
+        "abort", end now (abort_reason "pause"). Returns how many it aborted, when known."""
 
     async def resume(self) -> None: ...
 

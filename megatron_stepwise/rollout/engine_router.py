@@ -44,6 +44,8 @@ class RequestCounters:
     retries: int = 0
     timeouts: int = 0
     repins: int = 0  # turns of a session served on another engine than its previous turn
+    aborted_by_update: int = 0  # requests a pause for a weight update ended (0 unless pause_mode "abort")
+    dropped_stale: int = 0  # requests ended because their start version fell past the staleness bound
 
 
 @dataclass
@@ -151,6 +153,8 @@ class EngineRouter:
                 self.counters.generated_tokens += len(result.output_ids)
                 self.counters.prompt_tokens += len(input_ids)
                 self.counters.cached_tokens += result.cached_tokens
+                self.counters.aborted_by_update += result.abort_reason == "pause"
+                self.counters.dropped_stale += result.abort_reason == "stale"
                 return result
             finally:
                 slot.outstanding -= 1

@@ -229,12 +229,21 @@ class RolloutFleet:
         colocate: bool = False,
         spawn: Optional[Callable[[EngineSpec, int, int], Any]] = None,
         routing: Optional[RoutingPolicy] = None,
+        pause_mode: str = "retract",
+        max_staleness: Optional[int] = None,
     ):
         """`spawn(spec, index, incarnation)` starts an engine and returns its handle (whose
         `call.remote(method, ...)` reaches any `Engine` method); default: a Ray actor, Ray started
-        on demand. Tests pass their own handles. `routing`: the router's policy (default sticky)."""
+        on demand. Tests pass their own handles. `routing`: the router's policy (default sticky).
+        With `partial_rollouts`, `pause_mode` is how an update pauses requests in flight
+        ("retract": they continue, KV recomputed; "in_place": embedded engines only, they continue
+        on their KV; "abort": they end, counted in `aborted_by_update`), and `max_staleness`
+        (async.max_staleness) drops those that arrived more than that many versions before the
+        new weights (`dropped_stale`): they could never be trained."""
         if not specs:
             raise ValueError("a fleet needs at least one EngineSpec")
+        if pause_mode not in ("retract", "in_place", "abort"):
+            raise ValueError(f"pause_mode must be 'retract', 'in_place' or 'abort', got {pause_mode!r}")
         if spawn is None:
             ensure_ray(ray_address, ray_num_cpus or max(4, len(specs) + 1))
         self._spawn = spawn or _spawn_actor
@@ -246,6 +255,8 @@ class RolloutFleet:
         # False: a weight update waits for in-flight requests to finish (synchronous training).
         # True: it pauses them mid-turn; they continue with the new weights (partial rollouts).
         self.partial_rollouts = partial_rollouts
+        self.pause_mode = pause_mode
+        self.max_staleness = max_staleness
         # True: engines share the trainer's GPUs (colocated mode): CUDA tensors go as IPC handles.
         self.colocate = colocate
         self._metrics = FleetMetrics()
@@ -479,12 +490,15 @@ class RolloutFleet:
                     await self._drained.wait()
                 version = self.weight_version + 1 if weight_version is None else int(weight_version)
                 live = [s for s in self._slots if s.alive]
-                for phase in (
-                    lambda s: s.handle.call.remote("pause"),
+                phases = [
+                    lambda s: s.handle.call.remote("pause", self.pause_mode),
                     lambda s: call(s, version),
                     lambda s: s.handle.call.remote("flush_cache"),
                     lambda s: s.handle.call.remote("resume"),
-                ):
+                ]
+                if self.partial_rollouts and self.max_staleness is not None:  # before they re-prefill
+                    phases.insert(2, lambda s: s.handle.call.remote("abort_stale", version - self.max_staleness))
+                for phase in phases:
                     await asyncio.gather(*(self._guarded(phase, s) for s in live))
                     live = [s for s in live if s.alive]
                 self.weight_version = version

@@ -166,6 +166,10 @@ class SGLangClient:
         self.api_key = api_key or api_key_from_env()  # sent as a Bearer header (SGLang --api-key)
         self._session: Optional[aiohttp.ClientSession] = None
         self._embedded: Optional[bool] = None
+        self._paused = False  # between pause() and resume(): an aborted result was ended by the pause
+        self._version_seen = 0  # the server's weight version as this client last read it
+        self._started: dict[str, int] = {}  # rid in flight -> the version when it was sent
+        self._stale: set[str] = set()  # rids `abort_stale` aborted
         # MoE routing replay: (num_hidden_layers, topk); requests ask for the routed experts
         self.routed_experts = None if routed_experts is None else (int(routed_experts[0]), int(routed_experts[1]))
 
@@ -204,11 +208,19 @@ class SGLangClient:
         }
         if rid is not None:
             payload["rid"] = rid
+            self._started[rid] = self._version_seen
         if self.routed_experts is not None:
             payload["return_routed_experts"] = True  # all positions: routed_experts_start_len 0
-        data = await self._request("POST", "/generate", json=payload, base_url=self.generate_url)
+        try:
+            data = await self._request("POST", "/generate", json=payload, base_url=self.generate_url)
+        finally:
+            if rid is not None:
+                self._started.pop(rid, None)
         result = parse_generate_response(data, self.routed_experts)
         result.engine = self.generate_url
+        if result.finish_reason == "abort" and (rid in self._stale or self._paused):
+            result.abort_reason = "stale" if rid in self._stale else "pause"
+        self._stale.discard(rid)
         return result
 
     async def _is_embedded(self) -> bool:
@@ -288,16 +300,18 @@ class SGLangClient:
     async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
         await self._request("POST", "/destroy_weights_update_group", json={"group_name": group_name})
 
-    async def pause(self) -> None:
+    async def pause(self, mode: str = "retract") -> None:
         # retract: running requests go back to the queue, keeping their output so far, and their
         # KV cache is rebuilt on /continue_generation, so after a weight update (partial rollouts,
         # async training) every later token comes from the new weights, like the embedded engine.
         # ("in_place" would continue on the old weights' cache, and /flush_cache would refuse to
         # run while they are paused.) With nothing running, both modes are the same.
-        await self._request("POST", "/pause_generation", json={"mode": "retract"})
+        self._paused = True
+        await self._request("POST", "/pause_generation", json={"mode": mode})
 
     async def resume(self) -> None:
         await self._request("POST", "/continue_generation", json={})
+        self._paused = False
 
     async def flush_cache(self) -> None:
         await self._request("POST", "/flush_cache")
@@ -310,6 +324,14 @@ class SGLangClient:
     async def resume_memory_occupation(self, tags: Optional[list[str]] = None) -> None:
         # Without --enable-weights-cpu-backup resumed weights hold no values: update them next.
         await self._request("POST", "/resume_memory_occupation", json=_tags_body(tags))
+
+    async def abort_stale(self, min_version: int) -> int:
+        """Abort the requests (sent with a rid) that were sent before weight version `min_version`."""
+        stale = [rid for rid, v in self._started.items() if v < int(min_version)]
+        for rid in stale:
+            self._stale.add(rid)
+            await self.abort(rid)
+        return len(stale)
 
     async def abort(self, rid: Optional[str] = None) -> None:
         body = {"abort_all": True} if rid is None else {"rid": rid}
@@ -324,7 +346,8 @@ class SGLangClient:
 
     async def weight_version(self) -> int:
         info = await self._request("GET", "/get_model_info")
-        return _version_int(info.get("weight_version") if isinstance(info, dict) else None)
+        self._version_seen = _version_int(info.get("weight_version") if isinstance(info, dict) else None)
+        return self._version_seen
 
     async def model_info(self) -> dict:
         return await self._request("GET", "/get_model_info")

@@ -5,7 +5,10 @@ stays responsive: between two decode steps (HF KV cache, left-padded rows) newly
 requests are prefilled and join the running batch, finished or cancelled ones leave it, and the
 engine can be paused, aborted or have its weights replaced. A finished request's KV stays in a
 prefix cache (`prefix_cache.py`): a later request sharing its prefix prefills only the rest. Requests in flight across a weight
-update continue with the new weights (their KV cache rebuilt first). A load refuses non-finite
+update continue with the new weights (their KV cache rebuilt first; or on their old KV after an
+`in_place` pause; an `abort` pause ends them). Every sampled token records the forward pass (and weights) whose logits gave it, every routed
+position the forward that computed it; a rebuild never re-records the routes of positions whose
+logits already gave a token (docs/megatron.md, 'Route provenance'). A load refuses non-finite
 weights; a model-thread failure makes the engine unhealthy until the next good load.
 Colocated mode follows SGLang's release / resume semantics.
 
@@ -41,6 +44,9 @@ from megatron_stepwise.rollout.engine import (
 
 log = logging.getLogger(__name__)
 
+#: How paused requests continue after a weight load (SGLang's /pause_generation modes).
+PAUSE_MODES = ("retract", "in_place", "abort")
+
 
 @dataclass
 class _Request:
@@ -60,6 +66,13 @@ class _Request:
     # one per prefill and per decode step, concatenated once when the request finishes
     routed: Optional[list[torch.Tensor]] = None
     routed_len: int = 0
+    # the id of the forward pass that computed each routed position (int64 pieces beside `routed`)
+    route_forwards: Optional[list[torch.Tensor]] = None
+    token_forwards: list[int] = field(default_factory=list)  # per output token: the forward its logits came from
+    logits_forward: int = -1  # the forward that produced this row's next-token logits, and its weights
+    logits_version: int = 0
+    start_version: int = 0  # the engine's weight version when the request arrived (staleness bound)
+    abort_reason: Optional[str] = None  # why it was aborted: "pause" (a weight update) or "stale"
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     cancelled: bool = False  # its caller went away (set on the event loop; acted on between steps)
     left: bool = False  # reported finished by the batch (set on the model thread)
@@ -82,6 +95,7 @@ class _Batch:
         self.engine = engine
         self.requests: list[_Request] = []
         self.weights_epoch = engine._weights_epoch  # the weights the cache was computed with
+        self.fresh_kv = True  # False once continued in place across a weight load: never cached
         self.cache = self.mask = self.next_pos = self.last_logits = None
         self.admit(requests)
 
@@ -94,9 +108,16 @@ class _Batch:
         self.cache, self.mask, self.next_pos, self.last_logits = rows
 
     def rebuild(self) -> None:
-        """Recompute every row's KV (prompt + tokens so far) with the weights loaded now."""
+        """Recompute every row's KV (prompt + tokens so far) with the weights loaded now. Routes
+        are append-only: only the last position's (whose logits give the next token) is replaced."""
         self.weights_epoch = self.engine._weights_epoch
         self.cache, self.mask, self.next_pos, self.last_logits = self._prefill(self.requests, first=False)
+
+    def continue_in_place(self) -> None:
+        """Keep every row's KV as the old weights computed it (SGLang's `in_place` pause): the next
+        token comes from the logits already computed, later ones from the new weights."""
+        self.weights_epoch = self.engine._weights_epoch
+        self.fresh_kv = False
 
     @property
     def mergeable(self) -> bool:
@@ -127,6 +148,7 @@ class _Batch:
         )
         positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, C:]
         cache = self._hit_cache(hits, C) if C else None
+        forward, version = eng._next_forward(), eng._weight_version
         with torch.no_grad():
             out = eng.model(
                 input_ids=ids,
@@ -135,6 +157,8 @@ class _Batch:
                 **{eng.cache_name: cache},
                 use_cache=True,
             )
+        for r in requests:
+            r.logits_forward, r.logits_version = forward, version
         if first:
             for r, n, c in zip(requests, lengths, cached):
                 r.cached_tokens = c
@@ -142,7 +166,15 @@ class _Batch:
         if eng._router_recorder is not None:  # each row's new positions are its last `n - c` columns
             routed = eng._router_recorder.take(ids.numel()).reshape(len(seqs), S, *eng._routed_shape)
             for r, row, n, (e, c) in zip(requests, routed, lengths, hits):
-                r.routed = ([e.routed[:c]] if c else []) + [row[S - n + c :].clone()]
+                new = row[S - n + c :].clone()
+                ids_new = torch.full((n - c,), forward, dtype=torch.long)
+                if first:
+                    r.routed = ([e.routed[:c]] if c else []) + [new]
+                    r.route_forwards = ([e.route_forwards[:c]] if c else []) + [ids_new]
+                else:  # a rebuild: positions whose logits already gave a sampled token keep their routes
+                    keep = min(r.routed_len, n - 1)
+                    r.routed = [torch.cat(r.routed)[:keep], new[keep:]]
+                    r.route_forwards = [torch.cat(r.route_forwards)[:keep], ids_new[keep:]]
                 r.routed_len = n
         return getattr(out, eng.cache_name), mask, torch.tensor(lengths), out.logits[:, -1, :].float()
 
@@ -178,7 +210,8 @@ class _Batch:
         tokens = (r.input_ids + r.output_ids)[: len(cols)]
         kv = [(layer.keys[i][:, cols], layer.values[i][:, cols]) for layer in layers]  # copies
         routed = torch.cat(r.routed)[: len(cols)] if r.routed else None
-        eng._prefix_cache.insert(tokens, kv, routed)
+        forwards = torch.cat(r.route_forwards)[: len(cols)] if r.route_forwards else None
+        eng._prefix_cache.insert(tokens, kv, routed, forwards)
 
     def _retire(self, keep: list[int]) -> None:
         """Keep only rows `keep`; drop the columns no remaining row uses (the left padding a
@@ -200,16 +233,18 @@ class _Batch:
         """Sample the next token of every active row, apply stop rules, retire the finished rows,
         run one decode forward over the rest. Returns the requests that finished or left."""
         eng = self.engine
-        version = eng._weight_version
         keep = []
         for i, r in enumerate(self.requests):
             if r.finish_reason is None:  # (aborted or cancelled rows just leave)
                 token, lp = sample_next(self.last_logits[i], r.sampling, r.generator or eng.generator)
                 r.output_ids.append(token)
                 r.logprobs.append(lp)
-                r.versions.append(version)
+                # the weights and forward pass that computed these logits (a row continued in
+                # place samples one token from the old weights' logits)
+                r.versions.append(r.logits_version)
+                r.token_forwards.append(r.logits_forward)
                 eng._check_finished(r)
-                if r.finish_reason is not None and eng._prefix_cache.enabled:
+                if r.finish_reason is not None and eng._prefix_cache.enabled and self.fresh_kv:
                     self._keep(i, r)
             if r.finish_reason is None:
                 keep.append(i)
@@ -224,6 +259,7 @@ class _Batch:
         # (a cache that cannot be sliced keeps its finished rows, fed a pad, until the batch ends)
         feed = [r.output_ids[-1] if not r.left else eng.pad_token_id for r in self.requests]
         self.mask = torch.cat([self.mask, torch.ones(len(self.requests), 1, dtype=self.mask.dtype)], dim=1)
+        forward, version = eng._next_forward(), eng._weight_version
         with torch.no_grad():
             out = eng.model(
                 input_ids=torch.tensor(feed).unsqueeze(1),
@@ -235,11 +271,14 @@ class _Batch:
         self.next_pos = self.next_pos + 1
         self.cache = getattr(out, eng.cache_name)
         self.last_logits = out.logits[:, -1, :].float()
+        for r in self.requests:
+            r.logits_forward, r.logits_version = forward, version
         if eng._router_recorder is not None:  # the fed token's experts, for rows that ran a new one
             routed = eng._router_recorder.take(len(feed))
             for r, row in zip(self.requests, routed):
                 if r.routed is not None and r.routed_len == len(r.input_ids) + len(r.output_ids) - 1:
                     r.routed.append(row[None])
+                    r.route_forwards.append(torch.tensor([forward]))
                     r.routed_len += 1
         return done
 
@@ -356,6 +395,13 @@ class LocalEngine:
         self._prefix_cache = PrefixCache(prefix_cache_tokens)
         self._weight_version = 0
         self._weights_epoch = 0  # bumped by every weight load; in-flight batches compare it
+        # Forward-pass ids: random high bits per engine, so ids from engines of one fleet differ
+        # (a turn continued on another engine, a prefix computed by another request).
+        self._forward_base = (int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF) << 32
+        self._forwards = 0
+        self._continue_mode = "retract"  # how requests paused by the last pause() continue
+        self.aborted_by_pause = 0  # requests a pause ("abort" mode, or an abort while paused) ended
+        self.dropped_stale = 0  # requests `abort_stale` ended
         self._pending: list[_Request] = []
         self._inflight: dict[str, _Request] = {}
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{name}-model")
@@ -371,6 +417,16 @@ class LocalEngine:
         self._released: set[str] = set()  # memory tags released (colocated mode)
         self._freed_storages: list[tuple[torch.UntypedStorage, int]] = []  # (storage, its size) while released
         self._needs_weights = False  # weights resumed without their values: a weight update must come first
+
+    def _next_forward(self) -> int:
+        self._forwards += 1
+        return self._forward_base + self._forwards
+
+    @property
+    def next_forward_id(self) -> int:
+        """The id the next forward pass will get: every route or log-prob reported with a smaller
+        id (from this engine) was computed before now."""
+        return self._forward_base + self._forwards + 1
 
     # ---- scheduling -------------------------------------------------------------------------
 
@@ -424,7 +480,7 @@ class LocalEngine:
                     r.finish_reason, r.matched = "abort", None
             active = any(r.finish_reason is None for r in batch.requests)
             if active and batch.weights_epoch != self._weights_epoch:  # weights changed since the cache was built
-                await self._run(batch.rebuild)
+                await self._run(batch.continue_in_place if self._continue_mode == "in_place" else batch.rebuild)
         joinable = batch is None or (self.continuous_batching and batch.mergeable)
         slots = self.max_batch_size - (len(batch.requests) if batch is not None else 0)
         admitted = self._take_admissible(slots) if joinable else []
@@ -522,6 +578,9 @@ class LocalEngine:
                 finish_reason=r.finish_reason,
                 weight_version=r.versions[-1] if r.versions else self._weight_version,
                 token_weight_versions=list(r.versions),
+                token_forwards=list(r.token_forwards),
+                route_forwards=torch.cat(r.route_forwards) if self._return_routed and r.route_forwards else None,
+                abort_reason=r.abort_reason if r.finish_reason == "abort" else None,
                 matched=r.matched,
                 text=text,
                 engine=self.name,
@@ -557,6 +616,7 @@ class LocalEngine:
         if rid in self._inflight:
             raise ValueError(f"request id {rid!r} is already in flight")
         req = _Request(ids, sampling, rid, asyncio.get_running_loop().create_future())
+        req.start_version = self._weight_version
         if sampling.sampling_seed is not None:
             req.generator = torch.Generator().manual_seed(sampling.sampling_seed % (1 << 63))
         self._inflight[rid] = req
@@ -593,6 +653,8 @@ class LocalEngine:
             "continuous_batching": self.continuous_batching,
             "joined_running_batch": self.joined_running_batch,
             "cancelled_requests": self.cancelled_requests,
+            "aborted_by_pause": self.aborted_by_pause,
+            "dropped_stale": self.dropped_stale,
         }
 
     async def update_weights_from_tensors(
@@ -662,6 +724,8 @@ class LocalEngine:
             self._failure = None
         self._needs_weights = False
         self._weights_epoch += 1
+        # how requests in flight go on: as the pause around this load says (a load outside a pause: retract)
+        self._continue_mode = self._continue_mode if self.paused else "retract"
         self._prefix_cache.clear()  # its KV was computed by the old weights
         self._weight_version = self._weight_version + 1 if weight_version is None else int(weight_version)
         return self._weight_version
@@ -669,13 +733,26 @@ class LocalEngine:
     async def set_weight_version(self, weight_version: int) -> None:
         self._weight_version = int(weight_version)
 
-    async def pause(self) -> None:
+    async def pause(self, mode: str = "retract") -> int:
+        """Hold every request between two decode steps. How they continue after a weight load,
+        SGLang's modes: "retract" recomputes their KV with the new weights, "in_place" keeps the
+        old weights' KV, "abort" ends them now (reason "abort", abort_reason "pause"). Returns how
+        many requests it aborted."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
         self._ensure_started()
         self._running.clear()
+        self._continue_mode = mode
+        return await self.abort() if mode == "abort" and self._inflight else 0
 
     async def resume(self) -> None:
         self._ensure_started()
         self._running.set()
+
+    @property
+    def paused(self) -> bool:
+        """Held between two decode steps (`pause`, or a `pause_after` point reached)."""
+        return self._running is not None and not self._running.is_set()
 
     async def pause_after(self, rid: str, num_tokens: int) -> None:
         """Pause the engine (as `pause()`) right after the decode step that gives request `rid`
@@ -710,20 +787,38 @@ class LocalEngine:
         of them it served (`hit_rate` = cached / prompt tokens)."""
         return self._prefix_cache.stats()
 
-    async def abort(self, rid: Optional[str] = None) -> None:
-        """Finish the request(s) now with reason "abort", keeping the tokens generated so far."""
+    async def abort(self, rid: Optional[str] = None) -> int:
+        """Finish the request(s) now with reason "abort", keeping the tokens generated so far.
+        While the engine is paused (a weight update) they count as aborted by the pause
+        (`aborted_by_pause`, their results' `abort_reason` "pause"). Returns how many it ended."""
         if rid is not None and rid not in self._inflight:
-            return
+            return 0
         targets = list(self._inflight.values()) if rid is None else [self._inflight[rid]]
         self._ensure_started()
+        reason = "pause" if not self._running.is_set() else None
+        return await self._abort(targets, reason)
+
+    async def abort_stale(self, min_version: int) -> int:
+        """Abort every request that arrived before weight version `min_version` (abort_reason
+        "stale"): its trajectory is past the staleness bound, continuing it (re-prefilled under
+        new weights) only wastes the engine. Counted in `dropped_stale`; returns how many."""
+        self._ensure_started()
+        return await self._abort([r for r in self._inflight.values() if r.start_version < int(min_version)], "stale")
+
+    async def _abort(self, targets: list[_Request], reason: Optional[str]) -> int:
+        ended = 0
         async with self._model_lock:  # no decode step is running while we finish requests
             for r in targets:
                 if r in self._pending:
                     self._pending.remove(r)
                 if r.finish_reason is None:
-                    r.finish_reason, r.matched = "abort", None
+                    r.finish_reason, r.matched, r.abort_reason = "abort", None, reason
                 if not r.future.done():
+                    ended += not r.resolved
                     self._resolve(r)
+        self.aborted_by_pause += ended if reason == "pause" else 0
+        self.dropped_stale += ended if reason == "stale" else 0
+        return ended
 
     # ---- colocated mode: memory release / resume (see the module docstring) -------------------
 

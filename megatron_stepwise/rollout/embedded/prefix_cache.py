@@ -28,6 +28,7 @@ class Entry:
     tokens: torch.Tensor  # int64 [n]
     kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), each [kv_heads, n, head_dim]
     routed: Optional[torch.Tensor] = None  # int16 [n, layers, topk] when the engine records routed experts
+    route_forwards: Optional[torch.Tensor] = None  # int64 [n]: the forward pass that computed each route
 
     def __len__(self) -> int:
         return int(self.tokens.numel())
@@ -79,7 +80,11 @@ class PrefixCache:
         return best_key, best
 
     def insert(
-        self, tokens: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]], routed: Optional[torch.Tensor] = None
+        self,
+        tokens: list[int],
+        kv: list[tuple[torch.Tensor, torch.Tensor]],
+        routed: Optional[torch.Tensor] = None,
+        route_forwards: Optional[torch.Tensor] = None,
     ) -> None:
         n = len(tokens)
         if not self.enabled or n == 0 or n > self.max_tokens:
@@ -88,7 +93,7 @@ class PrefixCache:
         for key in [k for k, e in self.entries.items() if len(e) <= n and torch.equal(e.tokens, t[: len(e)])]:
             self._drop(key)  # covered by the new entry
         self._next += 1
-        self.entries[self._next] = Entry(t, kv, routed)
+        self.entries[self._next] = Entry(t, kv, routed, route_forwards)
         self.tokens += n
         while self.tokens > self.max_tokens:
             self.evicted_tokens += len(self.entries[next(iter(self.entries))])

@@ -454,9 +454,7 @@ class EngineServer:
         mode = F.text(body, "mode", "/pause_generation", "abort")
         if mode not in ("abort", "retract", "in_place"):
             raise BadRequest(f"/pause_generation: unknown mode {mode!r}")
-        await self.engine.pause()
-        if mode == "abort":
-            await self.engine.abort()
+        await self.engine.pause(mode)
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def continue_generation(self, request: web.Request) -> web.Response:
