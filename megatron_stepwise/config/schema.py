@@ -328,6 +328,12 @@ class AsyncConfig:
         "too-stale groups: drop or requeue them when they finish, or pace (the trainer waits for an old "
         "group in flight instead, so long trajectories are not under-trained)",
     )
+    pause_mode: Literal["retract", "in_place", "abort"] = option(
+        "retract",
+        "how a weight update pauses turns in flight: retract (they continue, their KV recomputed under "
+        "the new weights; sampled tokens and their routes kept), in_place (embedded engine only: they "
+        "continue on their KV), abort (they end and the agent loop continues them as new requests)",
+    )
     stall_timeout_s: float = option(
         1800.0,
         "the trainer stops with an error naming the groups in flight when none finished for this long "

@@ -548,6 +548,13 @@ def _check_async(cfg: ExperimentConfig, check: _Checker) -> None:
             "its groups arrive; set data.epochs=1",
             "async.enabled",
         )
+    if a.pause_mode == "in_place" and cfg.rollout.engine != "embedded":
+        check.fail(
+            "async.pause_mode",
+            f"in_place keeps a paused turn's KV as computed, which only the embedded engine does; "
+            f"rollout.engine is {cfg.rollout.engine}: use retract or abort",
+            "rollout.engine",
+        )
 
 
 def _check_colocate(cfg: ExperimentConfig, check: _Checker) -> None:

@@ -399,6 +399,14 @@ CASES = [
         "data.epochs",
         "set data.epochs=1",
     ),
+    (
+        "async-in-place-pause-on-sglang",
+        merged(SGLANG, {"async": {"enabled": True, "pause_mode": "in_place"}, "algo": {"loss": {"tis": "token"}}}),
+        [],
+        {},
+        "async.pause_mode",
+        "only the embedded engine",
+    ),
     # colocated mode
     (
         "colocate-with-async",
