@@ -106,6 +106,13 @@ def _target(params: Mapping[str, torch.Tensor], name: str) -> Optional[torch.Ten
     return gate if proj == "gate_proj" else up
 
 
+def weights_by_name(model: torch.nn.Module, names: list[str]) -> dict[str, Optional[torch.Tensor]]:
+    """The tensor (or fused-expert view) each HF name loads into; None for a name the model lacks."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    params.update(dict(model.named_buffers()))
+    return {name: _target(params, name) for name in names}
+
+
 def checkpoint_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's state in checkpoint names (fused experts split per expert, under the hub
     names of the model's family), detached copies."""
