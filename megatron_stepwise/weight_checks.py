@@ -34,6 +34,31 @@ class TensorCheck:
     digest: Optional[str] = None
 
 
+class Checks(dict):
+    """{tensor name: TensorCheck} of one push. Pickled as one blob of all sampled values: Ray
+    sends the record to every engine, and (un)pickling hundreds of small tensors costs ~10 us
+    each, a blob nothing."""
+
+    def __reduce__(self):
+        names, meta, blobs = [], [], []
+        for name, c in self.items():
+            names.append(name)
+            raw = b"" if c.values is None else c.values.contiguous().view(torch.uint8).numpy().tobytes()
+            meta.append((c.shape, c.dtype, c.digest, len(raw), c.values is not None))
+            blobs.append(raw + b"\0" * (-len(raw) % 8))  # each view starts aligned for any dtype
+        return (_unpack_checks, (names, meta, b"".join(blobs)))
+
+
+def _unpack_checks(names: list, meta: list, blob: bytes) -> Checks:
+    out, offset = Checks(), 0
+    buffer = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else None
+    for name, (shape, dtype, digest, length, has_values) in zip(names, meta):
+        values = buffer[offset : offset + length].view(getattr(torch, dtype)) if has_values else None
+        out[name] = TensorCheck(shape, dtype, values, digest)
+        offset += length + (-length % 8)
+    return out
+
+
 def sample_positions(name: str, version: int, numel: int, k: int = SAMPLE_SIZE) -> torch.Tensor:
     """Flat positions checked in tensor `name` at weight `version`: all of them when `numel <= k`,
     else `k` drawn by a generator both sides seed alike (crc32 of name and version)."""
@@ -45,9 +70,9 @@ def sample_positions(name: str, version: int, numel: int, k: int = SAMPLE_SIZE) 
 
 def take(tensor: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """The elements at flat `positions`, without copying the tensor (it may be a strided view)."""
-    if tensor.dim() == 0:
-        return tensor.reshape(1)[positions]
-    return tensor[torch.unravel_index(positions, tensor.shape)].detach().cpu()
+    if tensor.is_contiguous():  # a view of its storage: 10x cheaper than unravelling
+        return tensor.detach().reshape(-1)[positions].cpu()
+    return tensor.detach()[torch.unravel_index(positions, tensor.shape)].cpu()
 
 
 def tensor_digest(tensor: torch.Tensor) -> str:
@@ -66,7 +91,7 @@ def check_of(name: str, tensor: torch.Tensor, version: int, mode: str) -> Tensor
     if mode == "full":
         check.digest = tensor_digest(tensor)
     else:
-        check.values = take(tensor, sample_positions(name, version, tensor.numel())).clone()
+        check.values = take(tensor, sample_positions(name, version, tensor.numel()))  # a fresh tensor
     return check
 
 
@@ -85,6 +110,8 @@ def compare(name: str, held: torch.Tensor, sent: TensorCheck, version: int) -> O
     theirs = sent.values.to(held.dtype)  # what the engine's load stored from what was sent
     if len(theirs) != len(ours):
         return f"{len(ours)} sampled values, the trainer sent {len(theirs)}"
+    if torch.equal(ours, theirs):
+        return None
     differ = (ours != theirs).nonzero().flatten()
     if len(differ) == 0:
         return None

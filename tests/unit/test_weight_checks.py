@@ -159,3 +159,20 @@ def test_the_record_travels_over_http_and_the_manifest_hashes_every_weight():
     assert manifest["weight_version"] == 3 and set(manifest["tensors"]) == set(tensors)
     same = C.tensor_digest(tensors["model.norm.weight"].to(torch.float32))
     assert manifest["tensors"]["model.norm.weight"]["sha256"] == same
+
+
+def test_a_record_pickles_exactly_in_every_dtype():
+    # Ray sends the record to every engine as one blob of values (mixed dtypes stay aligned).
+    import pickle
+
+    checks = C.Checks()
+    for i, dtype in enumerate((torch.bfloat16, torch.float32, torch.float16, torch.float64)):
+        checks[f"w{i}"] = C.check_of(f"w{i}", torch.randn(3 + i, 5).to(dtype), 2, "sampled")
+    checks["h"] = C.check_of("h", torch.ones(4), 2, "full")
+    back = pickle.loads(pickle.dumps(checks))
+    assert isinstance(back, C.Checks) and list(back) == list(checks)
+    for name, check in checks.items():
+        assert back[name].shape == check.shape and back[name].digest == check.digest
+        if check.values is not None:
+            assert back[name].values.dtype == check.values.dtype and torch.equal(back[name].values, check.values)
+    assert back["h"].values is None

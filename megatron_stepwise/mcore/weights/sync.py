@@ -162,7 +162,7 @@ class WeightSync:
             mine = (record.checks, record.seconds) if record.checks else None
             dist.gather_object(mine, parts, dst=0)
             if self.is_driver:
-                record.checks, record.seconds = {}, 0.0
+                record.checks, record.seconds = weight_checks.Checks(), 0.0
                 record.merge(parts)
         error = None
         metrics: dict[str, float] = {}

@@ -29,7 +29,7 @@ class PushRecord:
         if mode not in weight_checks.VERIFY_MODES or mode == "off":
             raise ValueError(f"weight_sync.verify must be 'sampled' or 'full' to record a push, got {mode!r}")
         self.version, self.mode = int(version), mode
-        self.checks: dict[str, weight_checks.TensorCheck] = {}
+        self.checks = weight_checks.Checks()
         self.seconds = 0.0
 
     def add(self, bucket: Iterable[tuple[str, torch.Tensor]]) -> None:

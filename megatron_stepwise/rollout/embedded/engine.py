@@ -371,6 +371,7 @@ class LocalEngine:
         self._released: set[str] = set()  # memory tags released (colocated mode)
         self._freed_storages: list[tuple[torch.UntypedStorage, int]] = []  # (storage, its size) while released
         self._needs_weights = False  # weights resumed without their values: a weight update must come first
+        self._params_by_name: Optional[dict] = None  # for verify_weights
 
     # ---- scheduling -------------------------------------------------------------------------
 
@@ -676,7 +677,9 @@ class LocalEngine:
         return {"engine": self.name, "weight_version": self._weight_version, "problems": problems}
 
     def _compare_weights(self, checks: Mapping[str, weight_checks.TensorCheck], version: int) -> dict:
-        held = hf_model.weights_by_name(self.model, list(checks))
+        if self._params_by_name is None:  # the parameter objects live as long as the model
+            self._params_by_name = hf_model.parameters_by_name(self.model)
+        held = hf_model.weights_by_name(self.model, list(checks), self._params_by_name)
         return weight_checks.compare_all(held, checks, version)
 
     async def weights_manifest(self) -> dict:
