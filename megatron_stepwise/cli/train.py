@@ -96,12 +96,14 @@ def _user_errors() -> tuple[type, ...]:
     from megatron_stepwise.mcore.train.plugin import UnsupportedLayoutError
     from megatron_stepwise.mcore.weights.dist_checkpoint import CheckpointError
     from megatron_stepwise.mcore.weights.hf_mapping import WeightConversionError
+    from megatron_stepwise.mcore.weights.sync_verify import WeightMismatch
     from megatron_stepwise.metrics.starvation import NothingTrained
     from megatron_stepwise.steps import StepwiseBatchError
 
     return (
         CheckpointError,
         WeightConversionError,
+        WeightMismatch,
         ModelConfigError,
         UnsupportedLayoutError,
         StepwiseBatchError,

@@ -315,6 +315,12 @@ class WeightSyncConfig:
         None, "directory for mode=disk (shared by trainer and engines); null = <run_dir>/weights"
     )
     bucket_mb: int = option(512, "size of one streamed bucket of converted weights, in MiB", min=1)
+    verify: Literal["sampled", "full", "off"] = option(
+        "sampled",
+        "after every sync each engine checks its weights against what was sent: sampled (256 seeded "
+        "values per tensor), full (sha256 of every tensor) or off; a mismatch stops the run naming "
+        "the tensor and engine",
+    )
 
 
 @dataclass

@@ -382,7 +382,9 @@ def build_weight_sync(
     from megatron_stepwise.mcore.weights.sync import WeightSync
 
     w = cfg.weight_sync
-    return WeightSync(fleet, w.mode, hf_config, loop=loop, bucket_mb=w.bucket_mb, sync_dir=cfg.weight_sync_dir)
+    return WeightSync(
+        fleet, w.mode, hf_config, loop=loop, bucket_mb=w.bucket_mb, sync_dir=cfg.weight_sync_dir, verify=w.verify
+    )
 
 
 def export_hf(

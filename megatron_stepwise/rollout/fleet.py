@@ -549,6 +549,28 @@ class RolloutFleet:
 
         return await self._update(lambda s, v: replay(s.handle, v), weight_version, replay)
 
+    async def verify_weights(self, checks: Any, weight_version: int) -> list[dict[str, Any]]:
+        """Every live engine compares the trainer's record of a push (`weight_checks`) with the
+        weights it holds: one dict per engine, {"index", "engine", "weight_version", "problems":
+        {tensor: why}}, or {"index", "unverified": True} for an engine that cannot check (SGLang)."""
+        import ray
+
+        ref = ray.put(checks) if ray.is_initialized() else checks  # stored once for every engine
+        results: dict[int, dict[str, Any]] = {}
+
+        async def one(slot: _Slot) -> None:
+            answer = await slot.handle.call.remote("verify_weights", ref, int(weight_version))
+            results[slot.index] = {"index": slot.index, **(answer if answer is not None else {"unverified": True})}
+
+        async with self._update_lock:  # never beside a weight update or a restart's replay
+            await asyncio.gather(*(self._guarded(one, s) for s in self._slots if s.alive))
+        return [results[i] for i in sorted(results)]
+
+    async def weights_manifest(self, index: int) -> dict[str, Any]:
+        """Engine `index`'s {"engine", "weight_version", "tensors": {HF name: {shape, dtype,
+        sha256}}} (the embedded engine only)."""
+        return await self._slots[index].handle.call.remote("weights_manifest")
+
     def weight_update_world_size(self) -> int:
         """World size of the group `init_weights_update_group` would open now (trainer + engine ranks)."""
         return weight_update_ranks([s.spec for s in self._slots if s.alive])[1]

@@ -31,6 +31,7 @@ from megatron_stepwise.rollout.engine import (
     SamplingParams,
     memory_tags,
 )
+from megatron_stepwise.weight_checks import to_wire
 from megatron_stepwise.weight_transport import dtype_name
 
 SGLANG_VERSION = "0.5.23"  # the version the contract test checks (and the `sglang` extra pins)
@@ -296,6 +297,22 @@ class SGLangClient:
             payload["weight_version"] = str(weight_version)
         await self._request("POST", "/update_weights_from_distributed", json=payload)
         return await self.weight_version()
+
+    async def verify_weights(self, checks: Any, weight_version: int) -> Optional[dict]:
+        """The embedded server compares the trainer's record of a push with what it holds
+        (/verify_weights). None for a real SGLang server: it offers no per-tensor check of
+        HF-named weights (`/get_weights_by_name` returns a prefix of Llama-family tensors, a test
+        helper; `/weights_checker` hashes its own fused, sharded layout), so it stays unverified."""
+        if not await self._is_embedded():
+            return None
+        body = {"weight_version": int(weight_version), "checks": to_wire(checks)}
+        return await self._request("POST", "/verify_weights", json=body)
+
+    async def weights_manifest(self) -> dict:
+        """Every weight's sha256 by HF name (/weights_manifest; the embedded server only)."""
+        if not await self._is_embedded():
+            raise EngineRequestError(f"{self.base_url}: an SGLang server lists no per-tensor weight manifest")
+        return await self._request("GET", "/weights_manifest")
 
     async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
         await self._request("POST", "/destroy_weights_update_group", json={"group_name": group_name})

@@ -3,7 +3,8 @@
 After each push (tensor, disk, distributed) at TP2, PP2 and TP1, the embedded engine's greedy
 log-probs for a sequence equal the plugin's `compute_logprobs` on the same tokens within 1e-4;
 so do log-probs of tokens sampled at T = 0.6 with top-p 0.9 and top-k 20, scored by a plugin
-told the temperature.
+told the temperature. Every push is verified on the engine (`weight_sync.verify`); a tensor of
+PP2's second stage corrupted on the engine is caught by name on both ranks; verify off checks nothing.
 """
 
 from __future__ import annotations
@@ -71,6 +72,23 @@ def test_engine_logprobs_equal_megatron_after_a_sync(results, layout, mode):
     stale_gap = max(abs(a - b) for a, b in zip(r["stale_engine"], r["stale_megatron"]))
     assert stale_gap > 1e-2
     assert r["metrics"]["weight_sync/bytes"] > 0 and r["metrics"]["weight_sync/buckets"] > 1
+    # Verified on the engine: every tensor of the model (all stages', at PP2), in every mode.
+    m = r["metrics"]
+    assert m["weight_sync/verified_engines"] == 1 and m["weight_sync/unverified_engines"] == 0
+    assert m["weight_sync/verified_tensors"] == results[0]["tp1/tensor"]["metrics"]["weight_sync/verified_tensors"] > 10
+    assert 0 < m["weight_sync/verify_s"] < m["weight_sync/seconds"]
+    assert m["weight_sync/verify_share"] == pytest.approx(m["weight_sync/verify_s"] / m["weight_sync/seconds"])
+
+
+@pytest.mark.distributed
+def test_a_corrupted_engine_tensor_stops_every_rank_by_name_and_off_skips(results):
+    case = results[0]["pp2/corrupted"]
+    assert len(case["messages"]) == 2 and case["messages"][0] == case["messages"][1]  # raised on both ranks
+    message = case["messages"][0]
+    assert message.startswith("weight sync of version 6 verified wrong: engine 0 (engine0.0) holds 1 tensor(s)")
+    assert "model.layers.1.mlp.down_proj.weight: " in message and "sampled values differ" in message
+    assert "weight_sync/seconds" in case["off_metrics"]
+    assert not any(k.startswith("weight_sync/verif") for k in case["off_metrics"])
 
 
 @pytest.mark.distributed

@@ -5,8 +5,10 @@ Rank 0 starts a Ray fleet with one embedded engine (random init of its own). For
 distributed), the policy gets new layout-independent weights, `WeightSync.push` sends them as a
 new version, the engine generates greedily from a prompt, and the plugin's `compute_logprobs`
 scores the same tokens. After the tensor-mode push the engine also samples at T = 0.6 with
-top-p 0.9 and top-k 20, scored by a plugin at T = 0.6 and, as the control, at T = 1. Rank 0 saves
-the log-prob vectors (and the sync metrics) under --out.
+top-p 0.9 and top-k 20, scored by a plugin at T = 0.6 and, as the control, at T = 1. Every push
+is verified on the engine (weight_sync.verify, its metrics saved). At PP2, one tensor of the second
+stage is then corrupted on the engine: `verify` must raise on both ranks naming it, and a push with
+verify off must record no check. Rank 0 saves the log-prob vectors (and the sync metrics) under --out.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from megatron_stepwise.mcore.train import model as M
 from megatron_stepwise.mcore.train.plugin import StepwisePlugin
 from megatron_stepwise.mcore.weights import full_views as W
 from megatron_stepwise.mcore.weights.sync import WeightSync
+from megatron_stepwise.mcore.weights.sync_verify import WeightMismatch
 from megatron_stepwise.steps import Step, TrajectoryID
 
 PROMPT = [5, 17, 42, 99, 3, 250, 64]
@@ -54,6 +57,32 @@ def sampled_case(loop, fleet, rank, plugins, chunks) -> dict:
     output_ids, engine_logprobs = box[0]
     scored = {name: megatron_logprobs(p, chunks, PROMPT, output_ids).tolist() for name, p in plugins.items()}
     return {"output_ids": output_ids, "engine": engine_logprobs, **scored}
+
+
+CORRUPTED = "model.layers.1.mlp.down_proj.weight"  # held by the second stage at PP2
+
+
+def corrupted_case(loop, fleet, rank, syncers, chunks, cfg, version) -> dict:
+    """Engine 0's copy of CORRUPTED is zeroed behind the trainer's back; the last push's record
+    must catch it on every rank. Then a push with verify off checks nothing."""
+    if rank == 0:
+        shape = syncers["distributed"]._last.checks[CORRUPTED].shape
+
+        async def corrupt():
+            await fleet.engine(0).call.remote("update_weights_from_tensors", {CORRUPTED: torch.zeros(shape)}, version)
+
+        loop.run_until_complete(corrupt())
+    try:
+        syncers["distributed"].verify()
+        message = None
+    except WeightMismatch as e:
+        message = str(e)
+    messages = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, message)
+    off = WeightSync(fleet, "tensor", cfg, loop=loop, bucket_mb=0.05, verify="off")
+    off_metrics = off.push(chunks, version)
+    off.close()
+    return {"messages": messages, "off_metrics": off_metrics}
 
 
 def megatron_logprobs(plugin, chunks, prompt, response) -> torch.Tensor:
@@ -126,6 +155,11 @@ def main() -> None:
                 case = sampled_case(loop, fleet, rank, plugins, chunks)
                 if rank == 0:
                     results[f"{tag}/sampled"] = case
+            dist.barrier()
+        if tag == "pp2":
+            case = corrupted_case(loop, fleet, rank, syncers, chunks, cfg, version)
+            if rank == 0:
+                results["pp2/corrupted"] = case
             dist.barrier()
     if rank == 0:
         (out / "results.json").write_text(json.dumps(results))

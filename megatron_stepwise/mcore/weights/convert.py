@@ -18,7 +18,7 @@ import shutil
 from collections import deque
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional, Union
+from typing import Any, Callable, Iterable, Iterator, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -297,12 +297,14 @@ def export_hf(
     bucket_mb: float = 1024,
     dtype: Optional[torch.dtype] = None,
     overwrite: bool = False,
+    on_bucket: Optional[Callable[[Bucket], None]] = None,
 ) -> Path:
     """Write the model as an HF directory; collective over all ranks; returns `out_dir`.
 
     hf_config: the HF config (object or dict) the model was built from; `dtype` (default: the
     parameters' own) is also recorded in config.json. Written to `out_dir.partial` first and
-    renamed by rank 0 once complete.
+    renamed by rank 0 once complete. `on_bucket` sees each bucket a rank writes (a weight sync
+    records what it sent).
     """
     from safetensors.torch import save_file
 
@@ -321,6 +323,8 @@ def export_hf(
     for k, bucket in enumerate(iter_stage_buckets(chunks, hf_config, bucket_mb=bucket_mb, dtype=dtype)):
         fname = f"model-pp{layout.pp_rank:03d}-{k:05d}.safetensors"
         save_file(dict(bucket), str(partial / fname), metadata={"format": "pt"})
+        if on_bucket is not None:
+            on_bucket(bucket)
         for name, tensor in bucket:
             weight_map[name] = fname
             total_bytes += tensor.numel() * tensor.element_size()

@@ -3,7 +3,9 @@
 Three transports, chosen by `weight_sync.mode` (`disk`, `tensor`, `distributed`); in every one
 the trainer ranks convert their own weights to HF names (`weights/convert.py`) and only global
 rank 0 talks to the fleet. `WeightSync` keeps what lives across pushes (the event loop driving
-the fleet, the distributed group).
+the fleet, the distributed group). After each push the engines check what they hold against the
+trainer's record of what it sent (`weight_sync.verify`, `sync_verify.py`): a mismatch stops the
+run on every rank, naming the tensor, the engine and the version.
 
 How each transport moves the buckets: docs/weights.md, 'Weight sync to the fleet' and
 'The three sync transports'.
@@ -12,6 +14,7 @@ How each transport moves the buckets: docs/weights.md, 'Weight sync to the fleet
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import shutil
 import time
@@ -22,9 +25,13 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_stepwise import weight_transport
+from megatron_stepwise import weight_checks, weight_transport
 from megatron_stepwise.mcore.runtime.runtime import free_port
 from megatron_stepwise.mcore.weights import convert
+from megatron_stepwise.mcore.weights.fileops import raise_together
+from megatron_stepwise.mcore.weights.sync_verify import PushRecord, WeightMismatch, mismatch_message
+
+log = logging.getLogger(__name__)
 
 MODES = ("disk", "tensor", "distributed")
 _VERSION_DIR = re.compile(r"^v(\d{6,})$")
@@ -57,6 +64,7 @@ class WeightSync:
     loop: the asyncio loop the fleet's coroutines run on (rank 0); a private one if None.
     sync_dir: shared directory for mode="disk" (visible to trainer ranks and engines).
     dtype: dtype sent to the engines (default: the parameters' own).
+    verify: "sampled" (default), "full" or "off": how every push is checked on the engines.
     """
 
     def __init__(
@@ -73,9 +81,12 @@ class WeightSync:
         atomic: bool = True,
         master_address: Optional[str] = None,
         master_port: Optional[int] = None,
+        verify: str = "sampled",
     ):
         if mode not in MODES:
             raise WeightSyncError(f"weight_sync.mode must be one of {MODES}, got {mode!r}")
+        if verify not in weight_checks.VERIFY_MODES:
+            raise WeightSyncError(f"weight_sync.verify must be one of {weight_checks.VERIFY_MODES}, got {verify!r}")
         if mode == "disk" and sync_dir is None:
             raise WeightSyncError("weight_sync.mode='disk' needs a shared directory (weight_sync.dir)")
         if keep_versions < 1:
@@ -92,6 +103,9 @@ class WeightSync:
         self._own_loop = self.is_driver and loop is None
         self.loop = asyncio.new_event_loop() if self._own_loop else loop
         self._group = None
+        self.verify_mode = verify
+        self._last: Optional[PushRecord] = None  # the last push's record (rank 0), for `verify`
+        self._unverified_warned = False
 
     # ------------------------------------------------------------------------------- API
     def push(self, chunks: list, version: int) -> dict[str, float]:
@@ -99,18 +113,36 @@ class WeightSync:
 
         Returns timing / volume metrics on rank 0 ({} elsewhere)."""
         start = time.perf_counter()
+        record = None if self.verify_mode == "off" else PushRecord(version, self.verify_mode)
         nbytes, buckets = {"disk": self._disk, "tensor": self._tensor, "distributed": self._distributed}[self.mode](
-            chunks, int(version)
+            chunks, int(version), record
         )
+        checked = self._check(record) if record is not None else {}
         if not self.is_driver:
             return {}
         seconds = time.perf_counter() - start
-        return {
+        metrics = {
             "weight_sync/seconds": seconds,
             "weight_sync/bytes": float(nbytes),
             "weight_sync/buckets": float(buckets),
             "weight_sync/MBps": nbytes / 2**20 / max(seconds, 1e-9),
         }
+        if checked:
+            metrics.update(checked)
+            metrics["weight_sync/verify_share"] = checked["weight_sync/verify_s"] / max(seconds, 1e-9)
+        return metrics
+
+    def verify(self) -> dict[str, float]:
+        """Check the engines again against the last push's record (collective; on demand, e.g.
+        after an engine restart). Raises `WeightMismatch` on every rank; {} when nothing to check."""
+        record = self._last if self.is_driver else None
+        has_record = [record is not None]
+        dist.broadcast_object_list(has_record, src=0)
+        if not has_record[0]:
+            return {}
+        if record is not None:
+            record.seconds = 0.0
+        return self._check(record, gathered=True)
 
     def close(self) -> None:
         self._group = None
@@ -122,9 +154,55 @@ class WeightSync:
     def _run(self, coro):
         return self.loop.run_until_complete(coro)
 
-    def _disk(self, chunks: list, version: int) -> tuple[int, int]:
+    def _check(self, record: Optional[PushRecord], gathered: bool = False) -> dict[str, float]:
+        """Rank 0 asks every engine to compare its weights with `record`; every rank raises
+        `WeightMismatch` if one differs. Collective. Returns the verification metrics on rank 0."""
+        if not gathered and self.mode == "disk":  # each stage recorded the files it wrote
+            parts = [None] * dist.get_world_size() if self.is_driver else None
+            mine = (record.checks, record.seconds) if record.checks else None
+            dist.gather_object(mine, parts, dst=0)
+            if self.is_driver:
+                record.checks, record.seconds = weight_checks.Checks(), 0.0
+                record.merge(parts)
+        error = None
+        metrics: dict[str, float] = {}
+        if self.is_driver:
+            self._last = record
+            start = time.perf_counter()
+            answers: list = []
+            try:
+                answers = self._run(self.fleet.verify_weights(record.checks, record.version))
+                error = mismatch_message(answers, record.version)
+            except Exception as e:  # noqa: BLE001 - reported on every rank below
+                error = f"weight sync of version {record.version}: verification failed ({type(e).__name__}: {e})"
+            unverified = sum(1 for a in answers if a.get("unverified"))
+            if unverified and not self._unverified_warned:
+                self._unverified_warned = True
+                log.warning(
+                    "weight_sync.verify: %d engine(s) cannot check their weights (SGLang has no per-tensor check "
+                    "of HF-named weights); their syncs are not verified (docs/weights.md)",
+                    unverified,
+                )
+            metrics = {
+                "weight_sync/verify_s": record.seconds + time.perf_counter() - start,
+                "weight_sync/verified_tensors": float(len(record.checks)),
+                "weight_sync/verified_engines": float(len(answers) - unverified),
+                "weight_sync/unverified_engines": float(unverified),
+            }
+        raise_together(error, WeightMismatch)
+        return metrics
+
+    def _disk(self, chunks: list, version: int, record: Optional[PushRecord]) -> tuple[int, int]:
         path = version_dir(self.sync_dir, version)
-        convert.export_hf(chunks, path, self.hf_config, bucket_mb=self.bucket_mb, dtype=self.dtype, overwrite=True)
+        convert.export_hf(
+            chunks,
+            path,
+            self.hf_config,
+            bucket_mb=self.bucket_mb,
+            dtype=self.dtype,
+            overwrite=True,
+            on_bucket=record.add if record is not None else None,
+        )
         if not self.is_driver:
             return 0, 0
         index = convert.load_hf_index(path)
@@ -132,10 +210,12 @@ class WeightSync:
         prune_versions(self.sync_dir, self.keep_versions)
         return index["metadata"]["total_size"], len(set(index["weight_map"].values()))
 
-    def _tensor(self, chunks: list, version: int) -> tuple[int, int]:
+    def _tensor(self, chunks: list, version: int, record: Optional[PushRecord]) -> tuple[int, int]:
         nbytes = buckets = 0
         pending: list = []
         for bucket in convert.stream_hf_buckets(chunks, self.hf_config, bucket_mb=self.bucket_mb, dtype=self.dtype):
+            if record is not None:
+                record.add(bucket)
             buckets += 1
             nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
             if self.atomic:
@@ -146,7 +226,7 @@ class WeightSync:
             self._run(self.fleet.update_weights_from_tensors(pending, weight_version=version))
         return nbytes, buckets
 
-    def _distributed(self, chunks: list, version: int) -> tuple[int, int]:
+    def _distributed(self, chunks: list, version: int, record: Optional[PushRecord]) -> tuple[int, int]:
         meta = convert.hf_metadata(chunks, self.hf_config, dtype=self.dtype)
         stream = convert.stream_hf_buckets(chunks, self.hf_config, bucket_mb=self.bucket_mb, dtype=self.dtype)
         if not self.is_driver:
@@ -164,6 +244,8 @@ class WeightSync:
                     if name != expected:
                         raise WeightSyncError(f"stream order changed: got {name!r}, announced {expected!r}")
                 weight_transport.broadcast(group, [t for _, t in bucket])
+                if record is not None:
+                    record.add(bucket)
                 sent += len(bucket)
                 counts["buckets"] += 1
                 counts["bytes"] += sum(t.numel() * t.element_size() for _, t in bucket)

@@ -24,11 +24,11 @@ import inspect
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 
-from megatron_stepwise import weight_transport
+from megatron_stepwise import weight_checks, weight_transport
 from megatron_stepwise.rollout import routing
 from megatron_stepwise.rollout.embedded import hf_model
 from megatron_stepwise.rollout.embedded.prefix_cache import PrefixCache
@@ -417,6 +417,7 @@ class LocalEngine:
         self._released: set[str] = set()  # memory tags released (colocated mode)
         self._freed_storages: list[tuple[torch.UntypedStorage, int]] = []  # (storage, its size) while released
         self._needs_weights = False  # weights resumed without their values: a weight update must come first
+        self._params_by_name: Optional[dict] = None  # for verify_weights
 
     def _next_forward(self) -> int:
         self._forwards += 1
@@ -729,6 +730,36 @@ class LocalEngine:
         self._prefix_cache.clear()  # its KV was computed by the old weights
         self._weight_version = self._weight_version + 1 if weight_version is None else int(weight_version)
         return self._weight_version
+
+    async def verify_weights(self, checks: Mapping[str, weight_checks.TensorCheck], weight_version: int) -> dict:
+        """Compare the weights held now with the trainer's record of a push (`weight_checks`):
+        {"engine": name, "weight_version": held version, "problems": {tensor: why it differs}}."""
+        self._check_weights_resident("verify_weights")
+        self._ensure_started()
+        async with self._model_lock:  # never in the middle of a load
+            problems = await self._run(self._compare_weights, checks, int(weight_version))
+        return {"engine": self.name, "weight_version": self._weight_version, "problems": problems}
+
+    def _compare_weights(self, checks: Mapping[str, weight_checks.TensorCheck], version: int) -> dict:
+        if self._params_by_name is None:  # the parameter objects live as long as the model
+            self._params_by_name = hf_model.parameters_by_name(self.model)
+        held = hf_model.weights_by_name(self.model, list(checks), self._params_by_name)
+        return weight_checks.compare_all(held, checks, version)
+
+    async def weights_manifest(self) -> dict:
+        """{"engine", "weight_version", "tensors": {HF name: {shape, dtype, sha256}}} of every weight
+        held now (a tied `lm_head` is left out, as a sync never sends it)."""
+        self._check_weights_resident("weights_manifest")
+        self._ensure_started()
+        async with self._model_lock:
+            tensors = await self._run(self._manifest)
+        return {"engine": self.name, "weight_version": self._weight_version, "tensors": tensors}
+
+    def _manifest(self) -> dict:
+        state = hf_model.checkpoint_state(self.model)
+        if getattr(self.config, "tie_word_embeddings", False):
+            state.pop("lm_head.weight", None)
+        return weight_checks.manifest(state.items())
 
     async def set_weight_version(self, weight_version: int) -> None:
         self._weight_version = int(weight_version)

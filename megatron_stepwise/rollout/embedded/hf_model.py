@@ -106,6 +106,22 @@ def _target(params: Mapping[str, torch.Tensor], name: str) -> Optional[torch.Ten
     return gate if proj == "gate_proj" else up
 
 
+def parameters_by_name(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter (tied ones under each name) and buffer of the model, by module path."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    params.update(dict(model.named_buffers()))
+    return params
+
+
+def weights_by_name(
+    model: torch.nn.Module, names: list[str], params: Optional[Mapping[str, torch.Tensor]] = None
+) -> dict[str, Optional[torch.Tensor]]:
+    """The tensor (or fused-expert view) each HF name loads into; None for a name the model lacks.
+    `params`: `parameters_by_name(model)`, when the caller keeps it."""
+    params = parameters_by_name(model) if params is None else params
+    return {name: _target(params, name) for name in names}
+
+
 def checkpoint_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's state in checkpoint names (fused experts split per expert, under the hub
     names of the model's family), detached copies."""

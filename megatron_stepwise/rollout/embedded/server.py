@@ -7,7 +7,9 @@ rollout stack is exercised for real on machines without a GPU. Endpoints (SGLang
 /update_weights_from_distributed, /destroy_weights_update_group, /update_weight_version,
 /pause_generation, /continue_generation, /abort_request, /release_memory_occupation,
 /resume_memory_occupation (colocated mode; a request the released engine cannot serve is
-answered 400 naming why, where SGLang would fail or hang).
+answered 400 naming why, where SGLang would fail or hang); and two of its own: /verify_weights
+(the trainer's sampled record of a push against the weights held, docs/weights.md) and
+/weights_manifest (every weight's sha256 by HF name).
 
 Limits: a request body over `max_request_bytes` is refused with 413 before it is read (default
 `default_max_request_bytes`: sized from the context window; `/update_weights_from_tensor` has its
@@ -37,6 +39,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_server import Server
 
+from megatron_stepwise import weight_checks
 from megatron_stepwise.rollout.auth import (
     API_KEY_ENV,
     bearer_matches,
@@ -187,6 +190,8 @@ class EngineServer:
         r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
         r.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
         r.add_post("/update_weight_version", self.update_weight_version)
+        r.add_post("/verify_weights", self.verify_weights)
+        r.add_get("/weights_manifest", self.weights_manifest)
         r.add_post("/pause_generation", self.pause_generation)
         r.add_post("/continue_generation", self.continue_generation)
         r.add_post("/abort_request", self.abort_request)
@@ -233,7 +238,7 @@ class EngineServer:
     async def _body(self, request: web.Request) -> dict:
         if not request.can_read_body:
             return {}
-        weights = request.path == "/update_weights_from_tensor"
+        weights = request.path in ("/update_weights_from_tensor", "/verify_weights")  # sized from the model
         limit = self.weight_upload_bytes if weights else self.max_request_bytes
         size = request.content_length
         if size is not None and size > limit:
@@ -448,6 +453,24 @@ class EngineServer:
             await self.engine.abort()
         await self.engine.set_weight_version(version)
         return web.json_response({"success": True})
+
+    async def verify_weights(self, request: web.Request) -> web.Response:
+        """The trainer's record of a push (`weight_checks.to_wire`) against the weights held now."""
+        where = "/verify_weights"
+        body = await self._body(request)
+        version = F.version(body.get("weight_version"), where)
+        checks = body.get("checks")
+        if version is None or not isinstance(checks, dict):
+            raise BadRequest(f"{where}: weight_version (an integer) and checks (an object) are required")
+        try:
+            parsed = weight_checks.from_wire(checks)
+        except (TypeError, ValueError) as e:
+            raise BadRequest(f"{where}: {e}") from None
+        return web.json_response(await self.engine.verify_weights(parsed, version))
+
+    async def weights_manifest(self, request: web.Request) -> web.Response:
+        """sha256, shape and dtype of every weight held now, by HF name (a full check on demand)."""
+        return web.json_response(await self.engine.weights_manifest())
 
     async def pause_generation(self, request: web.Request) -> web.Response:
         body = await self._body(request)
