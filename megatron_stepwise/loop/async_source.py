@@ -34,6 +34,7 @@ import torch
 from megatron_stepwise.algo.groups import flat_steps
 from megatron_stepwise.algo.validate import validate_steps
 from megatron_stepwise.loop.group_buffer import GroupBuffer, trained_token_staleness, trajectory_version_spread
+from megatron_stepwise.loop.rollout_bank import BankedGroup, RolloutBank, with_group_id
 from megatron_stepwise.loop.sources import Driver, Round, rollout_seed, split_round
 from megatron_stepwise.loop.training_batch import PrepareOptions
 from megatron_stepwise.metrics.core import rollout_metrics
@@ -65,7 +66,8 @@ class AsyncRollouts:
     """The async mini-batch source. `version()` is the trainer's current weight version.
 
     Stateful for checkpoints: the prompts drawn but not trained yet (`state_dict`), which a
-    resumed run rolls out first, so no drawn prompt is skipped.
+    resumed run rolls out first, so no drawn prompt is skipped; with `async.rollout_bank` those
+    that had finished are reused from the bank instead (loop/rollout_bank.py).
     """
 
     def __init__(
@@ -101,6 +103,12 @@ class AsyncRollouts:
         self.driver: Optional[Driver] = None
         self.buffer: Optional[GroupBuffer] = None
         self._pending: list[dict[str, Any]] = []
+        self._pending_draws: Optional[list[int]] = None
+        self._draws = 0
+        self._resumed = False
+        self.run_dir = cfg.run_dir
+        self.bank: Optional[RolloutBank] = None
+        self._use_bank = cfg.async_.rollout_bank
         self._iteration: dict[str, list] = {}
         self.reset_metrics()
 
@@ -110,19 +118,68 @@ class AsyncRollouts:
         if driver is None:
             return
         self.driver = driver
-        self.buffer = GroupBuffer(*self._buffer_args, keep_group=self._keep_group, base_version=self.version())
-        self.buffer.requeue_samples(self._pending)
+        self.buffer = GroupBuffer(
+            *self._buffer_args, keep_group=self._keep_group, base_version=self.version(), draws=self._draws
+        )
+        recovered = self._open_bank() if self._use_bank else {}
+        draws = self._pending_draws or [None] * len(self._pending)
+        for sample, draw in zip(self._pending, draws):
+            if draw in recovered:  # its group finished before the kill: trained, not rolled out again
+                self._adopt(self.buffer.start_recovered(self.version(), sample, draw), recovered[draw])
+        rest = [(s, d) for s, d in zip(self._pending, draws) if d not in recovered]
+        self.buffer.requeue_samples([s for s, _ in rest], self._pending_draws and [d for _, d in rest])
         self._waiters: list[asyncio.Future] = []
         self._tasks: set[asyncio.Task] = set()
         self._started_at: dict[int, float] = {}  # serial -> when its rollout started (stall messages)
         self._error: Optional[BaseException] = None
         self._producer = driver.loop.create_task(self._produce())
 
+    def _open_bank(self) -> dict[int, BankedGroup]:
+        """Rank 0: a fresh run empties the bank; a resumed one gets, by draw, the banked groups of
+        its pending samples (the bank keeps those of draws the dataset will re-issue, `_produce`)."""
+        self.bank = RolloutBank(self.run_dir)
+        if not self._resumed or self._pending_draws is None:  # a checkpoint from before the bank
+            self.bank.clear()
+            return {}
+        recovery = self.bank.recover(list(zip(self._pending, self._pending_draws)), self._draws, self.version())
+        if recovery.pending or recovery.reissued:
+            log.info(
+                "rollout bank: %d finished group(s) of pending prompts recovered, %d more held for "
+                "prompts the dataset issues again",
+                len(recovery.pending),
+                len(recovery.reissued),
+            )
+        return recovery.pending
+
+    def _adopt(self, group, banked: BankedGroup) -> None:
+        """A started group takes its banked rollout (under the group id it was started with)."""
+        outcome = self.buffer.adopt(
+            group, with_group_id(banked.rollout, group.group_id), banked.start_version, banked.attempt, self.version()
+        )
+        if outcome != "ready":
+            self.bank.drop(group.draw)
+
     def state_dict(self) -> dict[str, Any]:
-        return {"pending": self.buffer.pending_samples() if self.buffer is not None else []}
+        if self.buffer is None:
+            return {"pending": [], "pending_draws": [], "draws": 0}
+        return {
+            "pending": self.buffer.pending_samples(),
+            "pending_draws": self.buffer.pending_draws(),
+            "draws": self.buffer.draws,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._pending = list(state.get("pending") or [])
+        draws = state.get("pending_draws")
+        self._pending_draws = [int(d) for d in draws] if draws is not None else None
+        self._draws = int(state.get("draws") or 0)
+        self._resumed = True
+
+    def after_save(self) -> None:
+        """A checkpoint was saved: the bank keeps only what a resume from it may reuse."""
+        if self.bank is not None:
+            outstanding = [g.draw for g in self.buffer.outstanding_groups()]
+            self.bank.checkpointed(outstanding, self.buffer.pending_draws(), self.version())
 
     def close(self) -> None:
         """Stop the producer and the groups in flight (rank 0); the trainer then shuts the fleet."""
@@ -157,6 +214,11 @@ class AsyncRollouts:
         while True:
             while self._error is None and self.buffer.can_start(fleet.weight_version):
                 group = self.buffer.start(fleet.weight_version, draw=lambda: self.dataset.next(1)[0])
+                banked = self.bank.claim(group.draw, group.sample) if self.bank is not None else None
+                if banked is not None:  # a draw re-issued after a resume: its group was banked
+                    self._adopt(group, banked)
+                    self._notify()
+                    continue
                 self._started_at[group.serial] = time.monotonic()
                 task = asyncio.get_running_loop().create_task(self._rollout(group))
                 self._tasks.add(task)
@@ -170,7 +232,10 @@ class AsyncRollouts:
                 [group.rollout_sample()], seed=rollout_seed(self.seed, group.serial)
             )
             self._started_at.pop(group.serial, None)
-            self.buffer.finish(group.serial, rollout, self.version())
+            if self.bank is not None:  # on disk before the buffer has it: a kill from here on keeps it
+                await asyncio.to_thread(self.bank.put, self._banked(group, rollout))
+            if self.buffer.finish(group.serial, rollout, self.version()) != "ready" and self.bank is not None:
+                self.bank.drop(group.draw)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - surfaces in the trainer's next take
@@ -191,6 +256,8 @@ class AsyncRollouts:
             groups = self.buffer.take(self.prompts_per_minibatch, self.version())
             self._notify()  # evictions and takes free admission slots
             if groups is not None:
+                if self.bank is not None:
+                    self.bank.trained(g.draw for g in groups)
                 return groups
             if self.buffer.starved(self.starve_limit):
                 self.buffer.skip_step()
@@ -204,6 +271,17 @@ class AsyncRollouts:
             if not await self._changed(timeout=min(heartbeat, self.stall_timeout_s - waited)):
                 if time.monotonic() - progress >= heartbeat:
                     log.warning("%s (still waiting)", self._waiting_for(time.monotonic() - progress))
+
+    def _banked(self, group, rollout) -> BankedGroup:
+        return BankedGroup(
+            draw=group.draw,
+            sample=group.sample,
+            group_id=group.group_id,
+            start_version=group.start_version,
+            attempt=group.attempt,
+            end_version=self.version(),
+            rollout=rollout,
+        )
 
     def _waiting_for(self, waited: float) -> str:
         """What the trainer is waiting for, for a stall warning or error."""
@@ -288,6 +366,8 @@ class AsyncRollouts:
             metrics["async/trajectory_version_spread_max"] = max(spread)
         if self.buffer is not None:
             metrics.update(self.buffer.metrics())
+        if self.bank is not None:
+            metrics["async/bank_groups_discarded"] = float(self.bank.discarded)
             metrics.update(self.driver.fleet_metrics())
         self.reset_metrics()
         return metrics

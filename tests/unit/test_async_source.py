@@ -71,10 +71,13 @@ class FakeDataset:
         return out
 
 
-def make_driver(groups_per_step=2, zero_variance=False, pending=None, **agent_kw):
-    """(source, rank-0 context): the context has loop, fleet, agent and a mutable `version`."""
+def make_driver(groups_per_step=2, zero_variance=False, pending=None, run_dir=None, **agent_kw):
+    """(source, rank-0 context): the context has loop, fleet, agent and a mutable `version`.
+    `run_dir`: where the rollout bank writes (None: no bank)."""
     cfg = ExperimentConfig()
     cfg.async_.enabled = True
+    cfg.async_.rollout_bank = run_dir is not None
+    cfg.logging.run_dir = str(run_dir) if run_dir is not None else None
     cfg.async_.max_staleness = 1
     cfg.data.prompts_per_minibatch = groups_per_step
     cfg.data.prompts_per_iteration = 2 * groups_per_step
