@@ -286,10 +286,15 @@ class RolloutBank:
         self.drop(group.draw)
 
     def _listing(self) -> list[Path]:
+        """The bank's files; half-written temporary files of a killed write are removed."""
         try:
-            return sorted(p for p in self.dir.iterdir() if _parse_name(p.name) is not None)
+            names = sorted(self.dir.iterdir())
         except FileNotFoundError:
             return []
+        for path in names:
+            if path.name.startswith(".draw_") and path.name.endswith(".tmp"):
+                _unlink(path)
+        return [p for p in names if _parse_name(p.name) is not None]
 
     def _read_all(self) -> list[BankedGroup]:
         """Every intact banked group (one per draw: the latest attempt); damaged files are
