@@ -117,26 +117,27 @@ def _latest_checkpoint(run_dir):
 
 
 def _recoverable(run_dir, probe_dir):
-    """What a resume from the latest checkpoint would take from the bank: (pending, re-issued)
-    banked groups by draw, read from a copy (reading prunes the bank)."""
+    """What a resume from the latest checkpoint would do with the bank: (pending, re-issued)
+    banked groups by draw, and how many it discards; read from a copy (reading prunes the bank)."""
     import shutil
 
     from megatron_stepwise.loop.rollout_bank import BANK_DIR, RolloutBank
 
     latest = _latest_checkpoint(run_dir)
     if latest is None or not (run_dir / BANK_DIR).is_dir():
-        return {}, {}
+        return {}, {}, 0
     shutil.rmtree(probe_dir, ignore_errors=True)
     try:
         shutil.copytree(run_dir / BANK_DIR, probe_dir / BANK_DIR)
     except (OSError, shutil.Error):  # a file renamed or pruned while copied: look again
-        return {}, {}
+        return {}, {}, 0
     parts = latest[1]["parts"]
     rollouts = parts["rollouts"]
-    recovery = RolloutBank(probe_dir).recover(
+    bank = RolloutBank(probe_dir)
+    recovery = bank.recover(
         list(zip(rollouts["pending"], rollouts["pending_draws"])), rollouts["draws"], parts["trainer"]["weight_version"]
     )
-    return recovery.pending, recovery.reissued
+    return recovery.pending, recovery.reissued, bank.discarded
 
 
 def test_sigkill_mid_iteration_then_resume_trains_the_banked_groups(tmp_path):
@@ -176,7 +177,7 @@ def test_sigkill_mid_iteration_then_resume_trains_the_banked_groups(tmp_path):
         proc.wait()
     killed_at, state = _latest_checkpoint(run_dir)
     assert killed_at < iterations
-    pending, reissued = _recoverable(run_dir, probe)
+    pending, reissued, discarded = _recoverable(run_dir, probe)
     assert pending, "the bank held no finished group of the checkpoint's pending prompts at the kill"
     version = state["parts"]["trainer"]["weight_version"]
 
@@ -185,9 +186,10 @@ def test_sigkill_mid_iteration_then_resume_trains_the_banked_groups(tmp_path):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == list(range(iterations))
     resumed = rows[killed_at:]
-    # every banked group the checkpoint had not trained was recovered, none discarded
+    # every banked group the checkpoint had not trained was recovered; those with tokens of weights
+    # newer than the checkpoint's (lost with the kill) were discarded
     assert resumed[-1]["async/groups_recovered"] == len(pending) + len(reissued)
-    assert resumed[-1]["async/bank_groups_discarded"] == 0
+    assert resumed[-1]["async/bank_groups_discarded"] == discarded
     for r in resumed:  # the staleness bound (max_staleness 1) holds for recovered groups as for any
         assert 0 <= r["async/group_staleness_max"] <= 1
         assert 0 <= r["async/token_staleness_min"] <= r["async/token_staleness_max"] <= 1
