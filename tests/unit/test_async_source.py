@@ -27,11 +27,13 @@ class FakeAgent:
         self.fleet, self.delays, self.rewards = fleet, list(delays), rewards
         self.fail_prompt, self.hang = fail_prompt, hang
         self.calls = self.cancelled = 0
+        self.prompts = []  # the prompt of every rollout, in order
 
     async def rollout_groups(self, samples, seed=None):
         (sample,) = samples
         delay = self.delays[self.calls] if self.calls < len(self.delays) else 0.0
         self.calls += 1
+        self.prompts.append(sample["prompt_id"])
         if self.hang:
             try:
                 await asyncio.Event().wait()
@@ -62,8 +64,8 @@ class FakeAgent:
 
 
 class FakeDataset:
-    def __init__(self, size=3):
-        self.size, self.drawn = size, 0
+    def __init__(self, size=3, drawn=0):
+        self.size, self.drawn = size, drawn  # drawn: the position a checkpoint restores
 
     def next(self, n):
         out = [{"prompt_id": f"p{(self.drawn + i) % self.size}"} for i in range(n)]
@@ -71,19 +73,28 @@ class FakeDataset:
         return out
 
 
-def make_driver(groups_per_step=2, zero_variance=False, pending=None, **agent_kw):
-    """(source, rank-0 context): the context has loop, fleet, agent and a mutable `version`."""
+def make_driver(
+    groups_per_step=2, zero_variance=False, pending=None, run_dir=None, state=None, max_staleness=1, **agent_kw
+):
+    """(source, rank-0 context): the context has loop, fleet, agent and a mutable `version`.
+    `run_dir`: where the rollout bank writes (None: no bank); `state`: a resume from a checkpoint
+    of the source saved at weight version state["version"]."""
     cfg = ExperimentConfig()
     cfg.async_.enabled = True
-    cfg.async_.max_staleness = 1
+    cfg.async_.rollout_bank = run_dir is not None
+    cfg.logging.run_dir = str(run_dir) if run_dir is not None else None
+    cfg.async_.max_staleness = max_staleness
     cfg.data.prompts_per_minibatch = groups_per_step
     cfg.data.prompts_per_iteration = 2 * groups_per_step
     cfg.algo.filters.zero_variance = zero_variance
-    fleet = SimpleNamespace(weight_version=0, metrics=dict)
-    ctx = SimpleNamespace(loop=asyncio.new_event_loop(), fleet=fleet, agent=FakeAgent(fleet, **agent_kw), version=0)
+    version = state["version"] if state is not None else 0
+    fleet = SimpleNamespace(weight_version=version, metrics=dict)
+    ctx = SimpleNamespace(
+        loop=asyncio.new_event_loop(), fleet=fleet, agent=FakeAgent(fleet, **agent_kw), version=version
+    )
     source = AsyncRollouts(
         cfg,
-        dataset=FakeDataset(),
+        dataset=FakeDataset(drawn=state["rollouts"]["draws"] if state is not None else 0),
         handoff=None,
         vocab_size=256,
         version=lambda: ctx.version,
@@ -92,6 +103,8 @@ def make_driver(groups_per_step=2, zero_variance=False, pending=None, **agent_kw
     )
     if pending is not None:  # as a checkpoint restores it
         source.load_state_dict({"pending": pending})
+    if state is not None:
+        source.load_state_dict(state["rollouts"])
     source.start(Driver(ctx.loop, fleet, ctx.agent))
     return source, ctx
 
@@ -268,3 +281,71 @@ def test_a_never_returning_environment_call_ends_its_trajectory_not_the_run():
         last = [t[-1] for t in g.rollout.trajectories]
         assert all(s.stop_reason == "env_error" and "timed out" in s.metadata["error"] for s in last)
     close(driver, trainer)
+
+
+def run_until(ctx, condition, what):
+    """Run the rank-0 event loop (rollouts finish, the bank writes) until `condition()`."""
+    deadline = time.monotonic() + 120
+    while not condition() and time.monotonic() < deadline:
+        ctx.loop.run_until_complete(asyncio.sleep(0.01))
+    assert condition(), what
+
+
+def killed_run(run_dir):
+    """A run checkpointed at version 1 and killed at version 2: its checkpoint and what it banked.
+
+    Two of draws 0-3 trained at version 0; checkpoint (version 1, the other two pending, finished
+    with version-0 tokens); those two trained at version 1 (lost with the kill); draws 4 and 5
+    finished with version-1 tokens, 6 and 7 with version-2 weights the kill loses."""
+    first, ctx = make_driver(groups_per_step=2, run_dir=run_dir)
+    trained = {g.draw for g in take(first, ctx)}  # whichever finished first
+    run_until(ctx, lambda: first.buffer.ready == 2, "the other two of draws 0-3 finish")
+    ctx.version = ctx.fleet.weight_version = 1  # the step trained, weights pushed, then the checkpoint
+    state = {"version": 1, "rollouts": first.state_dict()}
+    first.after_save()
+    pending = sorted({0, 1, 2, 3} - trained)
+    assert state["rollouts"] == {
+        "pending": [{"prompt_id": f"p{d % 3}"} for d in pending],
+        "pending_draws": pending,
+        "draws": 4,
+    }
+    assert sorted(g.draw for g in take(first, ctx)) == pending
+    run_until(ctx, lambda: first.buffer.ready == 2, "draws 4 and 5 finish")
+    ctx.version = ctx.fleet.weight_version = 2
+    first._notify()
+    run_until(ctx, lambda: first.buffer.ready == 4, "draws 6 and 7 finish")
+    assert first.bank.held == 6  # the pending two trained, but only after the checkpoint
+    close(first, ctx)  # SIGKILL: nothing more is saved
+    return state
+
+
+def test_a_resume_trains_the_banked_groups_and_rolls_none_of_them_out_again(tmp_path):
+    state = killed_run(tmp_path)
+    pending = state["rollouts"]["pending_draws"]
+    resumed, ctx = make_driver(groups_per_step=2, run_dir=tmp_path, state=state)
+    first = take(resumed, ctx)  # the checkpoint's pending draws, from the bank: nothing rolled out
+    assert sorted((g.draw, g.start_version) for g in first) == [(d, 0) for d in pending] and ctx.agent.calls == 0
+    assert {int(v) for g in first for s in g.rollout.steps for v in s.weight_versions} == {0}
+    ctx.version = ctx.fleet.weight_version = 2
+    second = take(resumed, ctx)  # draws 4 and 5, which the dataset re-issued: from the bank too
+    assert sorted((g.draw, g.start_version) for g in second) == [(4, 1), (5, 1)]
+    assert {int(v) for g in second for s in g.rollout.steps for v in s.weight_versions} == {1}
+    counters = resumed.buffer.counters
+    assert counters.recovered == 4 and resumed.bank.discarded == 2  # 6 and 7: version-2 tokens
+    run_until(ctx, lambda: ctx.agent.calls == 2, "draws 6 and 7 are rolled out again")
+    assert ctx.agent.prompts == ["p0", "p1"]  # draws 6 and 7; none of the four recovered prompts
+    metrics = resumed.iteration_metrics()
+    assert metrics["async/groups_recovered"] == 4 and metrics["async/bank_groups_discarded"] == 2
+    close(resumed, ctx)
+
+
+def test_a_recovered_group_too_stale_for_the_resumed_policy_meets_the_stale_policy(tmp_path):
+    state = killed_run(tmp_path)
+    # resumed with max_staleness 0: the pending two (started at version 0) are too old at version 1
+    resumed, ctx = make_driver(groups_per_step=2, run_dir=tmp_path, state=state, max_staleness=0)
+    assert resumed.buffer.counters.stale_dropped == 2 and resumed.buffer.counters.recovered == 2
+    assert resumed.buffer.ledger == {0: "dropped", 1: "dropped"}
+    groups = take(resumed, ctx)  # the version-1 groups of draws 4 and 5 are fresh enough
+    assert sorted((g.draw, g.start_version) for g in groups) == [(4, 1), (5, 1)]
+    assert ctx.agent.calls == 0
+    close(resumed, ctx)
