@@ -273,7 +273,9 @@ class RolloutBank:
         return len(self._files)
 
     def ticket(self, draw: int, sample: dict[str, Any], group_id: str, start_version: int, attempt: int):
-        return BankTicket(str(self.run_dir), draw, sample, group_id, start_version, attempt)
+        """What the agent worker holding the group's rows needs to write its file: an absolute
+        run directory (a worker's working directory is not rank 0's; on a cluster, shared storage)."""
+        return BankTicket(str(self.run_dir.absolute()), draw, sample, group_id, start_version, attempt)
 
     # ---- writing ------------------------------------------------------------------------------
     def put(self, group: BankedGroup) -> None:

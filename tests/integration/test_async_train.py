@@ -144,10 +144,14 @@ def _recoverable(run_dir, probe_dir):
     return recovery.pending, recovery.reissued, bank.discarded
 
 
-def test_sigkill_mid_iteration_then_resume_trains_the_banked_groups(tmp_path):
+@pytest.mark.parametrize("workers", [0, 2], ids=["rows-through-rank0", "rows-in-2-agent-workers"])
+def test_sigkill_mid_iteration_then_resume_trains_the_banked_groups(tmp_path, workers):
     """Killed while the bank holds finished groups the last checkpoint has not trained, the same
-    command resumes: those groups are recovered and trained as they were made (their tokens, log-probs
-    and weight versions, found in the rollout dumps), not rolled out again, and the bound holds."""
+    command resumes: those groups are recovered and trained as they were made, not rolled out
+    again, and the bound holds. Without agent workers rank 0 writes the bank, and the rollout dumps
+    show the recovered tokens, log-probs and weight versions trained; with 2 agent workers holding
+    the rows (the default hand-off; no dumps, which would send the rows through rank 0) the
+    workers write it, and after the resume a worker adopts each recovered group."""
     import signal
     import subprocess
     import time
@@ -165,8 +169,8 @@ def test_sigkill_mid_iteration_then_resume_trains_the_banked_groups(tmp_path):
         f"logging.run_dir={run_dir}",
         "logging.progress=false",
         "checkpoint.every=1",
-        "trainer.dump_rollouts=1",
         "trainer.eval_every=0",
+        *(["trainer.dump_rollouts=1"] if workers == 0 else [f"rollout.agent_workers={workers}"]),
     ]
     proc = subprocess.Popen(
         cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
@@ -197,6 +201,10 @@ def test_sigkill_mid_iteration_then_resume_trains_the_banked_groups(tmp_path):
     for r in resumed:  # the staleness bound (max_staleness 1) holds for recovered groups as for any
         assert 0 <= r["async/group_staleness_max"] <= 1
         assert 0 <= r["async/token_staleness_min"] <= r["async/token_staleness_max"] <= 1
+        assert r["agents/rows_held"] == (1.0 if workers else 0.0)
+    assert all(int(v) <= version for g in pending.values() for s in g.rollout.steps for v in s.weight_versions)
+    if workers:  # rank 0 saw summaries only: the dumps below would need the rows on rank 0
+        return
 
     # the recovered groups were trained as banked: each step's tokens, log-probs and weight versions
     # are rows of the resumed iterations' dumps (a rollout made again would sample afresh)
@@ -223,4 +231,3 @@ def test_sigkill_mid_iteration_then_resume_trains_the_banked_groups(tmp_path):
     ]
     # a recovered group the trainer only reached when it was too stale is dropped instead (counted)
     assert sum(found) >= 1 and sum(found) + resumed[-1]["async/groups_stale_dropped"] >= len(pending)
-    assert all(int(v) <= version for g in pending.values() for s in g.rollout.steps for v in s.weight_versions)

@@ -7,7 +7,16 @@ import pytest
 import torch
 
 from megatron_stepwise.algo.groups import groups_of
-from megatron_stepwise.loop.rollout_bank import BANK_DIR, BankedGroup, RolloutBank, decode, encode, with_group_id
+from megatron_stepwise.loop.rollout_bank import (
+    BANK_DIR,
+    BankedGroup,
+    RolloutBank,
+    decode,
+    encode,
+    read_group,
+    with_group_id,
+    write_group,
+)
 from megatron_stepwise.steps import Step, TrajectoryID
 
 
@@ -160,3 +169,36 @@ def test_a_fresh_run_empties_the_bank_and_a_failed_write_only_warns(tmp_path, ca
     with caplog.at_level(logging.WARNING, logger="megatron_stepwise.loop.rollout_bank"):
         RolloutBank(blocked).put(banked(0))  # no exception: training goes on unbanked
     assert any("cannot write" in r.getMessage() for r in caplog.records)
+
+
+def test_a_checkpoint_removes_files_nobody_recorded_once_their_draw_is_done(tmp_path):
+    # An agent worker wrote the files of draws 5 and 6 and died before answering: rank 0 never
+    # recorded them. Draw 5 was rolled out again and trained; draw 6 is still in flight (its new
+    # holder may be writing right now), so only draw 5's orphan goes at the checkpoint.
+    bank = RolloutBank(tmp_path)
+    bank.put(banked(6, "p6"))
+    orphan_5 = tmp_path / BANK_DIR / write_group(tmp_path, banked(5, "p5")).name
+    orphan_6 = tmp_path / BANK_DIR / write_group(tmp_path, banked(6, "p6", start_version=1)).name
+    bank.checkpointed(outstanding=[6], pending=[6], version=1)
+    assert not orphan_5.exists() and orphan_6.exists() and bank.held == 1
+
+
+def test_a_worker_writes_the_bank_file_of_the_group_it_holds_and_adopts_it_back(tmp_path):
+    # Rows kept in the agent workers: the holder writes the file (its ticket came with the hold
+    # request), rank 0 records the returned name; after a resume a worker adopts the group from it.
+    from megatron_stepwise.config.schema import ExperimentConfig
+    from megatron_stepwise.loop.training_batch import PrepareOptions
+    from megatron_stepwise.loop.worker_rows import HeldRows, HoldRequest, bank_held
+
+    ticket = RolloutBank(tmp_path).ticket(3, {"prompt_id": "p3"}, "p3", start_version=1, attempt=0)
+    request = HoldRequest(7, PrepareOptions.from_config(ExperimentConfig()), 256, ticket)
+    group = rollout("p3", version=1)
+    (written,) = bank_held([group], request)
+    held = HeldRows().keep(group, request, "agent-x-0.0", written)
+    assert held.bank == written and written.draw == 3 and written.newest_version == 1
+
+    resumed = RolloutBank(tmp_path)
+    recovery = resumed.recover([({"prompt_id": "p3"}, 3)], next_draw=4, version=1)
+    again = HeldRows().adopt(read_group(recovery.pending[3].path), "p3~9", request, "agent-x-1.0")
+    assert again.bank == written and again.prompt_id == "p3~9"  # same file, the resumed run's group id
+    assert again.rows.num_rows == held.rows.num_rows and again.versions == held.versions
