@@ -255,7 +255,8 @@ class RolloutBank:
     `record` may run in a helper thread; everything else runs while the event loop is idle."""
 
     def __init__(self, run_dir: str | Path):
-        self.run_dir = Path(run_dir)
+        # absolute: file names go to agent workers, whose working directory is not rank 0's
+        self.run_dir = Path(run_dir).absolute()
         self.dir = self.run_dir / BANK_DIR
         self.discarded = 0  # banked groups not reused: damaged, or from weights a resume lost
         self._files: dict[int, Path] = {}
@@ -273,9 +274,9 @@ class RolloutBank:
         return len(self._files)
 
     def ticket(self, draw: int, sample: dict[str, Any], group_id: str, start_version: int, attempt: int):
-        """What the agent worker holding the group's rows needs to write its file: an absolute
-        run directory (a worker's working directory is not rank 0's; on a cluster, shared storage)."""
-        return BankTicket(str(self.run_dir.absolute()), draw, sample, group_id, start_version, attempt)
+        """What the agent worker holding the group's rows needs to write its file (on a cluster the
+        run directory is shared storage)."""
+        return BankTicket(str(self.run_dir), draw, sample, group_id, start_version, attempt)
 
     # ---- writing ------------------------------------------------------------------------------
     def put(self, group: BankedGroup) -> None:
