@@ -169,6 +169,7 @@ def write_group(run_dir: str | Path, group: BankedGroup) -> BankFile:
     or TypeError when it cannot."""
     data = encode(group)
     name = _file_name(group.draw, data)
+    Path(run_dir).mkdir(parents=True, exist_ok=True)  # a worker may write before rank 0 made it
     write_under(run_dir, f"{BANK_DIR}/{name}", data)
     return BankFile(name, group.newest_version)
 
@@ -283,7 +284,6 @@ class RolloutBank:
         """Write a finished group whose rows came to rank 0 (and `record` it). A failed write warns
         once and leaves the group unbanked: training goes on."""
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
             written = write_group(self.run_dir, group)
         except (OSError, ValueError, TypeError) as e:
             self._warn_unbanked(f"cannot write {self.dir} ({e})")

@@ -190,14 +190,15 @@ def test_a_worker_writes_the_bank_file_of_the_group_it_holds_and_adopts_it_back(
     from megatron_stepwise.loop.training_batch import PrepareOptions
     from megatron_stepwise.loop.worker_rows import HeldRows, HoldRequest, bank_held
 
-    ticket = RolloutBank(tmp_path).ticket(3, {"prompt_id": "p3"}, "p3", start_version=1, attempt=0)
+    run_dir = tmp_path / "run"  # not made yet: a worker may write before rank 0 makes it
+    ticket = RolloutBank(run_dir).ticket(3, {"prompt_id": "p3"}, "p3", start_version=1, attempt=0)
     request = HoldRequest(7, PrepareOptions.from_config(ExperimentConfig()), 256, ticket)
     group = rollout("p3", version=1)
     (written,) = bank_held([group], request)
     held = HeldRows().keep(group, request, "agent-x-0.0", written)
-    assert held.bank == written and written.draw == 3 and written.newest_version == 1
+    assert written is not None and held.bank == written and written.draw == 3 and written.newest_version == 1
 
-    resumed = RolloutBank(tmp_path)
+    resumed = RolloutBank(run_dir)
     recovery = resumed.recover([({"prompt_id": "p3"}, 3)], next_draw=4, version=1)
     again = HeldRows().adopt(read_group(recovery.pending[3].path), "p3~9", request, "agent-x-1.0")
     assert again.bank == written and again.prompt_id == "p3~9"  # same file, the resumed run's group id
