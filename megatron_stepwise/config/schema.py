@@ -346,6 +346,11 @@ class AsyncConfig:
         "(a warning every minute before that)",
         gt=0.0,
     )
+    rollout_bank: bool = option(
+        True,
+        "write each finished group to <run_dir>/rollout_bank until it is trained, so a run resumed "
+        "after a kill trains it instead of rolling its prompt out again (docs/async.md)",
+    )
 
     def __post_init__(self) -> None:  # read by loop/group_buffer.py, which trusts these bounds
         check_options(self, "async.")

@@ -13,7 +13,9 @@ group samples as it would have. A worker that answers no liveness ping for
 `rollout.agent_worker_timeout_s` (frozen: SIGSTOP, a hung event loop) is killed and treated the
 same. Groups whose rows died with a worker are rolled out again by the source that decides on
 them, synchronous or asynchronous (`replace`, `holders`; `agents/regenerated_groups`); the
-asynchronous one drops each group's rows on its own (`drop`).
+asynchronous one drops each group's rows on its own (`drop`). With `async.rollout_bank` a worker
+writes the bank file of each group it holds, and a resumed run's banked groups are adopted by a
+worker (`adopt`: it reads the file and holds the rows), so their rows never pass through rank 0.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 from megatron_stepwise.algo.groups import RolloutGroup, flat_steps, pack_groups, unpack_groups
-from megatron_stepwise.loop.worker_rows import NAMESPACE, HeldGroup, HeldRows, HoldRequest
+from megatron_stepwise.loop.rollout_bank import read_group
+from megatron_stepwise.loop.worker_rows import NAMESPACE, HeldGroup, HeldRows, HoldRequest, bank_held
 from megatron_stepwise.rollout.agent_loop import checked_prompt_ids
 from megatron_stepwise.rollout.engine import engine_loss
 from megatron_stepwise.rollout.engine_router import EngineSlot, EngineView, RequestCounters
@@ -123,8 +126,14 @@ class AgentWorker:
         groups = await self.agent.rollout_groups(samples, seed=seed, request_tag=request_tag)
         dead, requests = self.engines.take_report()
         if hold is not None:  # keep the prepared rows here; the driver gets their summaries
-            groups = [self.held.keep(g, hold, self.name) for g in groups]
+            banked = await asyncio.to_thread(bank_held, groups, hold) if hold.bank is not None else [None] * len(groups)
+            groups = [self.held.keep(g, hold, self.name, b) for g, b in zip(groups, banked)]
         return WorkerReply(groups, dead, requests)
+
+    async def adopt(self, path: str, group_id: str, hold: HoldRequest) -> HeldGroup:
+        """A resumed run's banked group: read (off the event loop) and held as if rolled out here."""
+        banked = await asyncio.to_thread(read_group, path)
+        return self.held.adopt(banked, group_id, hold, self.name)
 
     def take(self, runs: list) -> Any:
         return self.held.take(runs)
@@ -236,6 +245,23 @@ class AgentWorkers:
                 raise lost from None
             raise
         return [g for t in tasks for g in t.result()]
+
+    async def adopt(self, path: str, group_id: str, hold: HoldRequest) -> HeldGroup:
+        """A live worker takes over a resumed run's banked group (`AgentWorker.adopt`); raises when
+        the file is damaged or gone, or the worker died (restarted): the caller rolls it out again."""
+        import ray
+
+        worker = await self._acquire(1)
+        incarnation = worker.incarnation
+        try:
+            return await self._answer(worker, worker.handle.adopt.remote(path, group_id, hold), f"adopting {path}")
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, WorkerUnresponsive) as e:
+            self._restart(worker, incarnation, str(e) if isinstance(e, WorkerUnresponsive) else type(e).__name__)
+            raise
+        except ray.exceptions.RayTaskError as e:
+            raise (e.cause if getattr(e, "cause", None) is not None else e) from None
+        finally:
+            await self._release(worker, 1)
 
     def env_stats(self) -> dict[str, int]:
         import ray

@@ -21,6 +21,13 @@ group's rows once it is trained, filtered or evicted. A worker lost while it hol
 died, or froze and a fetch found it unanswering) is replaced and the group rolled out again with
 its own seed before the step is decided again (`agents/regenerated_groups`).
 
+The rollout bank (`async.rollout_bank`, `rollout_bank.py`) keeps each finished group on disk until
+it is trained, written where its rows are: by its agent worker when the workers keep the rows (rank
+0 records the file's name from the `HeldGroup`), else by rank 0. A resumed run reads the bank on rank
+0 and trains the groups it may reuse instead of rolling their prompts out again: an agent worker
+adopts each (reads its file, holds its rows), or, with the rows through rank 0, the group joins the
+buffer directly.
+
 Off-policy correction. A mini-batch is trained once, as it arrives, so the trainer's "old"
 policy is the current one (PPO ratio 1) and the behaviour policy is the rollout's: the loss's
 truncated importance weight `min(pi_theta / pi_rollout, algo.loss.tis_cap)` per token
@@ -43,6 +50,7 @@ from megatron_stepwise.algo.groups import flat_steps
 from megatron_stepwise.algo.validate import validate_steps
 from megatron_stepwise.loop.group_buffer import Group, GroupBuffer, TokenVersions
 from megatron_stepwise.loop.handoff import ResolveFailed
+from megatron_stepwise.loop.rollout_bank import BankedGroup, RolloutBank, with_group_id
 from megatron_stepwise.loop.sources import Driver, Round, holds_rows, rollout_seed, split_round
 from megatron_stepwise.loop.training_batch import PrepareOptions
 from megatron_stepwise.loop.worker_rows import HoldRequest, RowFetcher, split_held_round
@@ -75,7 +83,8 @@ class AsyncRollouts:
     """The async mini-batch source. `version()` is the trainer's current weight version.
 
     Stateful for checkpoints: the prompts drawn but not trained yet (`state_dict`), which a
-    resumed run rolls out first, so no drawn prompt is skipped.
+    resumed run rolls out first, so no drawn prompt is skipped; with `async.rollout_bank` those
+    that had finished are reused from the bank instead (loop/rollout_bank.py).
     """
 
     def __init__(
@@ -126,6 +135,12 @@ class AsyncRollouts:
         self.driver: Optional[Driver] = None
         self.buffer: Optional[GroupBuffer] = None
         self._pending: list[dict[str, Any]] = []
+        self._pending_draws: Optional[list[int]] = None
+        self._draws = 0
+        self._resumed = False
+        self.run_dir = cfg.run_dir
+        self.bank: Optional[RolloutBank] = None
+        self._use_bank = cfg.async_.rollout_bank
         self._iteration: dict[str, list] = {}
         self.reset_metrics()
 
@@ -139,20 +154,100 @@ class AsyncRollouts:
             *self._buffer_args,
             keep_group=self._keep_group,
             base_version=self.version(),
-            on_discard=self._drop_rows if self.fetcher is not None else None,
+            on_discard=self._discard,
+            draws=self._draws,
         )
-        self.buffer.requeue_samples(self._pending)
         self._waiters: list[asyncio.Future] = []
         self._tasks: set[asyncio.Task] = set()
         self._started_at: dict[int, float] = {}  # serial -> when its rollout started (stall messages)
         self._error: Optional[BaseException] = None
+        recovered = self._open_bank() if self._use_bank else {}
+        draws = self._pending_draws or [None] * len(self._pending)
+        for sample, draw in zip(self._pending, draws):
+            if draw in recovered:  # its group finished before the kill: trained, not rolled out again
+                self._recover(self.buffer.start_recovered(self.version(), sample, draw), recovered[draw])
+        rest = [(s, d) for s, d in zip(self._pending, draws) if d not in recovered]
+        self.buffer.requeue_samples([s for s, _ in rest], self._pending_draws and [d for _, d in rest])
         self._producer = driver.loop.create_task(self._produce())
 
+    def _open_bank(self) -> dict[int, BankedGroup]:
+        """Rank 0: a fresh run empties the bank; a resumed one gets, by draw, the banked groups of
+        its pending samples (the bank keeps those of draws the dataset will re-issue, `_produce`)."""
+        self.bank = RolloutBank(self.run_dir)
+        if not self._resumed or self._pending_draws is None:  # a checkpoint from before the bank
+            self.bank.clear()
+            return {}
+        recovery = self.bank.recover(list(zip(self._pending, self._pending_draws)), self._draws, self.version())
+        if recovery.pending or recovery.reissued:
+            log.info(
+                "rollout bank: %d finished group(s) of pending prompts recovered, %d more held for "
+                "prompts the dataset issues again",
+                len(recovery.pending),
+                len(recovery.reissued),
+            )
+        return recovery.pending
+
+    def _recover(self, group: Group, banked: BankedGroup) -> None:
+        """A started group takes its banked rollout (under the group id it was started with): at
+        once when the rows come to rank 0, else once an agent worker has adopted it (`_adopt_held`)."""
+        if self.fetcher is None:
+            rollout = with_group_id(banked.rollout, group.group_id)
+            self.buffer.adopt(group, rollout, banked.start_version, banked.attempt, self.version())
+            return
+        self._started_at[group.serial] = time.monotonic()
+        self._spawn(self._adopt_held(group, banked))
+
+    async def _adopt_held(self, group: Group, banked: BankedGroup) -> None:
+        """Rows kept in the workers: a worker reads the group's bank file and holds its rows. If none
+        can (the file went bad since rank 0 read it, or the worker died), the prompt is rolled out
+        again: the banked group is discarded and counted."""
+        hold = HoldRequest(group.serial, self.options, self.vocab_size)
+        try:
+            held = await self.driver.agent.adopt(str(banked.path), group.group_id, hold)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a lost banked group costs one rollout, not the run
+            self.bank.discard(banked, f"no agent worker could adopt it ({type(e).__name__}: {e})")
+            await self._rollout(group)
+            return
+        self._started_at.pop(group.serial, None)
+        self.buffer.adopt(group, held, banked.start_version, banked.attempt, self.version())
+        self._notify()
+
+    def _spawn(self, coroutine) -> None:
+        task = self.driver.loop.create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _discard(self, group: Group) -> None:
+        """The buffer let a finished group go untrained (filtered, evicted): its worker drops the
+        rows, and its bank file goes (a re-queued sample's next attempt writes its own)."""
+        if self.fetcher is not None:
+            self.driver.agent.drop([group.rollout])
+        if self.bank is not None:
+            self.bank.drop(group.draw)
+
     def state_dict(self) -> dict[str, Any]:
-        return {"pending": self.buffer.pending_samples() if self.buffer is not None else []}
+        if self.buffer is None:
+            return {"pending": [], "pending_draws": [], "draws": 0}
+        return {
+            "pending": self.buffer.pending_samples(),
+            "pending_draws": self.buffer.pending_draws(),
+            "draws": self.buffer.draws,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._pending = list(state.get("pending") or [])
+        draws = state.get("pending_draws")
+        self._pending_draws = [int(d) for d in draws] if draws is not None else None
+        self._draws = int(state.get("draws") or 0)
+        self._resumed = True
+
+    def after_save(self) -> None:
+        """A checkpoint was saved: the bank keeps only what a resume from it may reuse."""
+        if self.bank is not None:
+            outstanding = [g.draw for g in self.buffer.outstanding_groups()]
+            self.bank.checkpointed(outstanding, self.buffer.pending_draws(), self.version())
 
     def close(self) -> None:
         """Stop the producer and the groups in flight (rank 0); the trainer then shuts the fleet."""
@@ -196,10 +291,13 @@ class AsyncRollouts:
                     self._error.__cause__ = e
                     self._notify()
                     return
+                banked = self.bank.claim(group.draw, group.sample) if self.bank is not None else None
+                if banked is not None:  # a draw re-issued after a resume: its group was banked
+                    self._recover(group, banked)
+                    self._notify()
+                    continue
                 self._started_at[group.serial] = time.monotonic()
-                task = asyncio.get_running_loop().create_task(self._rollout(group))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+                self._spawn(self._rollout(group))
             await self._changed()
 
     def _draw(self) -> dict[str, Any]:
@@ -212,7 +310,10 @@ class AsyncRollouts:
         """One group's rollout: a RolloutGroup, or a HeldGroup when its worker keeps the rows (held
         under the group's serial). A per-group seed: reproducible sampling per turn whichever
         engine serves it, and a group rolled out again samples with the same seed."""
-        hold = {"hold": HoldRequest(group.serial, self.options, self.vocab_size)} if self.fetcher is not None else {}
+        hold = {}
+        if self.fetcher is not None:  # the worker also writes the group's bank file, where the rows are
+            ticket = self._ticket(group) if self.bank is not None else None
+            hold = {"hold": HoldRequest(group.serial, self.options, self.vocab_size, ticket)}
         (rollout,) = await self.driver.agent.rollout_groups(
             [group.rollout_sample()], seed=rollout_seed(self.seed, group.serial), **hold
         )
@@ -221,14 +322,11 @@ class AsyncRollouts:
     async def _rollout_groups(self, groups: list[Group]) -> list[Any]:
         return await asyncio.gather(*(self._rollout_group(g) for g in groups))
 
-    def _drop_rows(self, group: Group) -> None:
-        """The buffer let a held group go untrained (filtered, evicted): its worker drops the rows."""
-        self.driver.agent.drop([group.rollout])
-
     async def _rollout(self, group) -> None:
         try:
             rollout = await self._rollout_group(group)
             self._started_at.pop(group.serial, None)
+            await self._bank(group, rollout)
             self.buffer.finish(group.serial, rollout, self.version())
         except asyncio.CancelledError:
             raise
@@ -250,6 +348,8 @@ class AsyncRollouts:
             groups = self.buffer.take(self.prompts_per_minibatch, self.version())
             self._notify()  # evictions and takes free admission slots
             if groups is not None:
+                if self.bank is not None:
+                    self.bank.trained(g.draw for g in groups)
                 return groups
             if self.buffer.starved(self.starve_limit):
                 self.buffer.skip_step()
@@ -263,6 +363,20 @@ class AsyncRollouts:
             if not await self._changed(timeout=min(heartbeat, self.stall_timeout_s - waited)):
                 if time.monotonic() - progress >= heartbeat:
                     log.warning("%s (still waiting)", self._waiting_for(time.monotonic() - progress))
+
+    def _ticket(self, group: Group):
+        return self.bank.ticket(group.draw, group.sample, group.group_id, group.start_version, group.attempt)
+
+    async def _bank(self, group: Group, rollout: Any) -> None:
+        """A finished group's bank file, on disk before the buffer has the group (a kill from then
+        on keeps it): the holder wrote it when the rows stay in the workers (rank 0 records its
+        name), else rank 0 writes it, off the event loop."""
+        if self.bank is None:
+            return
+        if self.fetcher is not None:
+            self.bank.record(rollout.bank, draw=group.draw)
+        else:
+            await asyncio.to_thread(self.bank.put, BankedGroup.of(self._ticket(group), rollout, self.version()))
 
     def _waiting_for(self, waited: float) -> str:
         """What the trainer is waiting for, for a stall warning or error."""
@@ -333,6 +447,9 @@ class AsyncRollouts:
             again = self.driver.run(self._rollout_groups(lost))
             for g, rollout in zip(lost, again):
                 g.rollout = rollout
+                if self.bank is not None:  # its new bank file, of a group this step trains
+                    self.bank.record(rollout.bank, draw=g.draw)
+                    self.bank.trained([g.draw])
             agent.regenerated_groups += len(lost)
         raise RuntimeError(
             f"async training: the agent workers holding prompt groups {[g.group_id for g in groups]} kept dying"
@@ -420,6 +537,8 @@ class AsyncRollouts:
             # trajectories that a weight update reached mid-way (partial rollouts)
             metrics["async/trajectories_spanning_versions"] = sum(x > 0 for x in spread) / len(spread)
             metrics["async/trajectory_version_spread_max"] = max(spread)
+        if self.bank is not None:
+            metrics["async/bank_groups_discarded"] = float(self.bank.discarded)
         if self.buffer is not None:
             metrics.update(self.buffer.metrics())
             metrics.update(self.driver.fleet_metrics())

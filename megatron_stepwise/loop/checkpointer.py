@@ -1,7 +1,8 @@
 """The trainer's checkpoints: the model, optimizer and scheduler through megatron-core
 dist_checkpointing (atomic, keep-last-K, resumable across layouts; see mcore/weights/dist_checkpoint.py),
 plus explicit named stateful parts (the trainer state, the prompt dataset's position, the async
-source's pending prompts): anything with `state_dict()` / `load_state_dict(state)`.
+source's pending prompts): anything with `state_dict()` / `load_state_dict(state)`, and optionally
+`after_save()`, called once the checkpoint is complete.
 
 Resuming restores RNG states and every part, and the engines then get the restored weights, so
 a resumed run repeats an uninterrupted one. Every save records the run's id (`run_id`, kept in
@@ -172,7 +173,12 @@ class Checkpointer:
             "config": self.cfg.to_dict(),  # a resume with another config names the keys that differ
             "parts": {name: part.state_dict() for name, part in self.parts.items()},
         }
-        return save_checkpoint(self.chunks, self.optimizer, self.scheduler, state, self.ckpt_dir, self.ckpt.keep_last)
+        path = save_checkpoint(self.chunks, self.optimizer, self.scheduler, state, self.ckpt_dir, self.ckpt.keep_last)
+        for part in self.parts.values():  # e.g. the rollout bank prunes what this checkpoint covers
+            after_save = getattr(part, "after_save", None)
+            if after_save is not None:
+                after_save()
+        return path
 
 
 def _flat_format_parts(state: dict[str, Any]) -> dict[str, Any]:

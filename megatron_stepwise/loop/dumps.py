@@ -98,8 +98,35 @@ def write_dump(
     tokenizer: Optional[str] = None,
 ) -> Path:
     """One Parquet file, one row per trained row of every mini-batch (atomic: temp file + rename)."""
-    import pyarrow as pa
     import pyarrow.parquet as pq
+
+    table, experts_shape = rows_table(minibatches)
+    meta = {
+        "version": FORMAT_VERSION,
+        "iteration": iteration,
+        "weight_version": weight_version,
+        "epochs": epochs,
+        "minibatches": len(minibatches),
+        "routed_experts_shape": experts_shape,
+        "train_metrics": list(train_metrics),
+        "config": _jsonable(config),
+        # what the token ids decode with, so `view` needs no module the config names (loop/dump_trust.py)
+        "tokenizer": tokenizer,
+    }
+    table = table.replace_schema_metadata({META_KEY: json.dumps(meta).encode()})
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    pq.write_table(table, tmp, compression="zstd")
+    tmp.replace(path)
+    return path
+
+
+def rows_table(minibatches: Sequence[Captured]) -> tuple[Any, Optional[list[int]]]:
+    """The dump's columns: one row per row of every mini-batch (pyarrow Table), and the shape of a
+    token's routed experts (None without them). `batch_from_rows` turns rows back into a batch;
+    the rollout bank (loop/rollout_bank.py) stores groups in the same format."""
+    import pyarrow as pa
 
     cols: dict[str, list] = {
         k: []
@@ -196,26 +223,7 @@ def write_dump(
         "is_last": pa.bool_(),
         "is_padding": pa.bool_(),
     }
-    table = pa.table({k: pa.array(v, type=types[k]) for k, v in cols.items()})
-    meta = {
-        "version": FORMAT_VERSION,
-        "iteration": iteration,
-        "weight_version": weight_version,
-        "epochs": epochs,
-        "minibatches": len(minibatches),
-        "routed_experts_shape": experts_shape,
-        "train_metrics": list(train_metrics),
-        "config": _jsonable(config),
-        # what the token ids decode with, so `view` needs no module the config names (loop/dump_trust.py)
-        "tokenizer": tokenizer,
-    }
-    table = table.replace_schema_metadata({META_KEY: json.dumps(meta).encode()})
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    pq.write_table(table, tmp, compression="zstd")
-    tmp.replace(path)
-    return path
+    return pa.table({k: pa.array(v, type=types[k]) for k, v in cols.items()}), experts_shape
 
 
 def _outcome_rewards(b: StepBatch) -> list[float]:
@@ -285,13 +293,15 @@ def read_dump(run_dir: str | Path, iteration: Optional[int] = None) -> Dump:
     batches, logprobs = [], []
     for m in range(int(meta["minibatches"])):
         rows = [i for i, v in enumerate(cols["minibatch"]) if v == m]
-        batch, lp = _rebuild(cols, rows, meta.get("routed_experts_shape"))
+        batch, lp = batch_from_rows(cols, rows, meta.get("routed_experts_shape"))
         batches.append(batch)
         logprobs.append(lp)
     return Dump(meta, table, batches, logprobs)
 
 
-def _rebuild(cols: dict[str, list], rows: list[int], experts_shape) -> tuple[StepBatch, Optional[torch.Tensor]]:
+def batch_from_rows(cols: dict[str, list], rows: list[int], experts_shape) -> tuple[StepBatch, Optional[torch.Tensor]]:
+    """`rows` of a `rows_table` (as `to_pydict()` columns) rebuilt exactly as a StepBatch, and the
+    trainer's log-probs of their tokens when the table has them."""
     prompt_lens = torch.tensor([len(cols["prompt_ids"][i]) for i in rows], dtype=torch.long)
     resp_lens = torch.tensor([len(cols["response_ids"][i]) for i in rows], dtype=torch.long)
     offsets = torch.zeros(len(rows) + 1, dtype=torch.long)

@@ -33,6 +33,9 @@ class Group:
     # HeldGroup (rows kept by the agent worker that made them; summary, row table, versions).
     rollout: Any = None
     finish_order: int = -1
+    # the sample's dataset draw, numbered from the run's start: a re-queued sample keeps it, and the
+    # rollout bank matches a recovered group to the draw a resumed run re-issues (loop/rollout_bank.py)
+    draw: int = -1
 
     def rollout_sample(self) -> dict[str, Any]:
         """The sample to roll out: the dataset's, under this group's id."""
@@ -48,6 +51,7 @@ class BufferCounters:
     stale_dropped: int = 0
     stale_requeued: int = 0
     paced_waits: int = 0  # takes that waited for an old group in flight (stale_policy=pace)
+    recovered: int = 0  # groups reused from the rollout bank after a resume instead of rolled out
 
 
 class GroupBuffer:
@@ -60,6 +64,7 @@ class GroupBuffer:
         keep_group: Optional[Callable[[Any], bool]] = None,
         base_version: int = 0,
         on_discard: Optional[Callable[[Group], None]] = None,
+        draws: int = 0,
     ):
         # Both come from config sections that checked their bounds (data.prompts_per_minibatch, async).
         self.prompts_per_minibatch = prompts_per_minibatch
@@ -74,7 +79,8 @@ class GroupBuffer:
         self.ledger: dict[int, str] = {}  # serial -> trained | filtered | dropped | requeued
         self._in_flight: dict[int, Group] = {}
         self._ready: list[Group] = []
-        self._requeued: deque[tuple[dict[str, Any], int]] = deque()
+        self._requeued: deque[tuple[dict[str, Any], int, int]] = deque()  # (sample, attempt, draw)
+        self.draws = draws  # samples drawn from the dataset so far (a resume continues the count)
         self._filtered_since_take = 0
         # trajectories per length bucket: finished by the fleet, and trained (fairness, see `metrics`)
         self.generated_by_length: Counter[str] = Counter()
@@ -111,9 +117,17 @@ class GroupBuffer:
     def start(self, version: int, draw: Callable[[], dict[str, Any]]) -> Group:
         """Start a group at fleet version `version`: a re-queued sample first, else `draw()`."""
         if self._requeued:
-            sample, attempt = self._requeued.popleft()
+            sample, attempt, drawn = self._requeued.popleft()
         else:
-            sample, attempt = draw(), 0
+            sample, attempt, drawn = draw(), 0, self.draws
+            self.draws += 1
+        return self._begin(version, sample, attempt, drawn)
+
+    def start_recovered(self, version: int, sample: dict[str, Any], draw: int) -> Group:
+        """Start a group for a resumed run's pending sample whose rollout the bank kept (`adopt` it)."""
+        return self._begin(version, sample, 0, draw)
+
+    def _begin(self, version: int, sample: dict[str, Any], attempt: int, drawn: int) -> Group:
         serial = self.counters.started
         pid = str(sample.get("prompt_id", ""))
         if not pid:
@@ -122,10 +136,18 @@ class GroupBuffer:
         # The same prompt can be in flight twice (a small dataset wraps around): group ids must
         # stay distinct, or two groups would mix in one advantage group.
         group_id = pid if pid not in outstanding_ids else f"{pid}~{serial}"
-        group = Group(serial, sample, group_id, start_version=version, attempt=attempt)
+        group = Group(serial, sample, group_id, start_version=version, attempt=attempt, draw=drawn)
         self._in_flight[serial] = group
         self.counters.started += 1
         return group
+
+    def adopt(self, group: Group, rollout: Any, start_version: int, attempt: int, version: int) -> str:
+        """A started group (`start`) whose rollout was recovered from the rollout bank: it keeps
+        the start version and attempt it was made with, and finishes now as any group does (the
+        staleness bound and the group filters apply). Returns `finish`'s outcome."""
+        group.start_version, group.attempt = start_version, attempt
+        self.counters.recovered += 1
+        return self.finish(group.serial, rollout, version)
 
     def finish(self, serial: int, rollout: Any, version: int) -> str:
         """A group's trajectories all finished (trainer at `version`); returns what became of it:
@@ -191,7 +213,7 @@ class GroupBuffer:
         # pace gets here only in corner cases (a start during a weight sync at max_staleness 0, or
         # group filters that freed admission slots early): rolled out again, never lost.
         if self.stale_policy in ("requeue", "pace"):
-            self._requeued.append((group.sample, group.attempt + 1))
+            self._requeued.append((group.sample, group.attempt + 1, group.draw))
             self.counters.stale_requeued += 1
             outcome = "requeued"
         else:
@@ -226,10 +248,20 @@ class GroupBuffer:
     def pending_samples(self) -> list[dict[str, Any]]:
         """Samples drawn from the dataset but not trained yet (in flight, ready, re-queued): a
         checkpoint stores them so a resumed run rolls them out first (`requeue_samples`)."""
-        return [s for s, _ in self._requeued] + [g.sample for g in self.outstanding_groups()]
+        return [s for s, _, _ in self._requeued] + [g.sample for g in self.outstanding_groups()]
 
-    def requeue_samples(self, samples: list[dict[str, Any]]) -> None:
-        self._requeued.extend((dict(s), 0) for s in samples)
+    def pending_draws(self) -> list[int]:
+        """The draw of each of `pending_samples`, in the same order."""
+        return [d for _, _, d in self._requeued] + [g.draw for g in self.outstanding_groups()]
+
+    def ready_groups(self) -> list[Group]:
+        return list(self._ready)
+
+    def requeue_samples(self, samples: list[dict[str, Any]], draws: Optional[list[int]] = None) -> None:
+        """Samples to roll out first (a resumed run's pending ones), with their draws when known."""
+        if draws is None or len(draws) != len(samples):  # a checkpoint from before draws were saved
+            draws = [-1 - k for k in range(len(samples))]  # distinct, and never a dataset draw
+        self._requeued.extend((dict(s), 0, d) for s, d in zip(samples, draws))
 
 
 def length_buckets(rollout: Any) -> list[str]:

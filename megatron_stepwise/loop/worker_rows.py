@@ -13,7 +13,10 @@ synchronous source then rolls its groups out again and the round is handed off a
 Asynchronous training holds rows the same way, one group at a time: each group is held under its
 own key (the async group's serial), its `HeldGroup` also carries the staleness summary
 (`TokenVersions`: trained tokens per weight version), and a group's rows are dropped on their
-own (`HeldRows.drop`) once trained, filtered or evicted.
+own (`HeldRows.drop`) once trained, filtered or evicted. With `async.rollout_bank` the worker
+also writes the group's bank file where the rows are (the `HoldRequest` carries its `BankTicket`;
+the `HeldGroup` returns the `BankFile`), and after a resume it adopts a banked group: reads its
+file and holds its rows as if it had rolled it out (`HeldRows.adopt`).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from megatron_stepwise.algo.groups import GroupSummary, RolloutGroup
 from megatron_stepwise.algo.rows import RowTable
 from megatron_stepwise.algo.validate import validate_steps
 from megatron_stepwise.loop.group_buffer import TokenVersions
+from megatron_stepwise.loop.rollout_bank import BankedGroup, BankFile, BankTicket, bank_rollout, with_group_id
 from megatron_stepwise.loop.training_batch import PrepareOptions, add_counts, prepare_rows
 from megatron_stepwise.steps import StepBatch
 
@@ -50,6 +54,7 @@ class HoldRequest:
     key: int
     options: PrepareOptions
     vocab_size: Optional[int]
+    bank: Optional[BankTicket] = None  # async.rollout_bank: the one group's bank file is written here
 
 
 @dataclass
@@ -62,6 +67,7 @@ class HeldGroup:
     holder: str  # the worker's Ray actor name
     key: int = 0  # the HoldRequest's key: (key, prompt id) names the rows on their holder
     versions: TokenVersions = field(default_factory=TokenVersions)  # the staleness summary
+    bank: Optional[BankFile] = None  # its rollout bank file, written by the holder
 
     @property
     def prompt_id(self) -> str:
@@ -79,6 +85,14 @@ class HeldGroup:
         return self.group
 
 
+def bank_held(groups: list[RolloutGroup], request: HoldRequest) -> list[Optional[BankFile]]:
+    """Worker side: the bank files of groups it is about to hold, written before the driver hears
+    of them (a kill from then on keeps them); None where there is no ticket or the write failed."""
+    if request.bank is None or len(groups) != 1:  # a ticket names one group (async: one per call)
+        return [None] * len(groups)
+    return [bank_rollout(request.bank, groups[0])]
+
+
 def hold_group(group: RolloutGroup, request: HoldRequest) -> tuple[StepBatch, dict[str, Any]]:
     """Worker side: validate one group where it was made and prepare its rows."""
     validate_steps(group.steps, vocab_size=request.vocab_size)
@@ -91,11 +105,19 @@ class HeldRows:
     def __init__(self):
         self.batches: dict[tuple[int, str], StepBatch] = {}
 
-    def keep(self, group: RolloutGroup, request: HoldRequest, holder: str) -> HeldGroup:
+    def keep(
+        self, group: RolloutGroup, request: HoldRequest, holder: str, bank: Optional[BankFile] = None
+    ) -> HeldGroup:
         batch, counts = hold_group(group, request)
         self.batches[(request.key, group.prompt_id)] = batch
         versions = TokenVersions.of(group.steps)
-        return HeldGroup(group.summary(), RowTable.of(batch), counts, holder, request.key, versions)
+        return HeldGroup(group.summary(), RowTable.of(batch), counts, holder, request.key, versions, bank)
+
+    def adopt(self, banked: BankedGroup, group_id: str, request: HoldRequest, holder: str) -> HeldGroup:
+        """A resumed run's banked group (`rollout_bank.read_group`: its checksum checked), held as if
+        this worker had rolled it out, under `group_id`. Its file stays: still the group's bank file."""
+        written = BankFile(banked.path.name, banked.newest_version)
+        return self.keep(with_group_id(banked.rollout, group_id), request, holder, written)
 
     def take(self, runs: list[tuple[int, str, list[int]]]) -> StepBatch:
         """The rows asked for (runs of (key, prompt id, rows)), in order, narrowed for the wire."""

@@ -293,6 +293,18 @@ _T = [  # (pattern, unit, over, meaning)
                 "takes that waited for an old group in flight (async.stale_policy=pace)",
             ),
             (
+                "async/groups_recovered",
+                "count",
+                "run",
+                "groups a resumed run took from the rollout bank instead of rolling them out again",
+            ),
+            (
+                "async/bank_groups_discarded",
+                "count",
+                "run",
+                "banked groups a resume could not reuse: a damaged file, or tokens from weights the kill lost",
+            ),
+            (
                 "async/generated_share/turns_<n>",
                 "fraction",
                 "trajectory",

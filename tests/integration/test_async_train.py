@@ -107,3 +107,127 @@ def test_async_training_with_agent_workers_keeps_the_bound(tmp_path):
         )
         assert accounted == r["async/groups_started"]
     assert rows[-1]["weight_version"] == 10 == rows[-1]["fleet/weight_version"]
+
+
+def _latest_checkpoint(run_dir):
+    """(iteration, trainer_state.json) of the run's latest checkpoint, or None."""
+    try:
+        name = (run_dir / "checkpoints" / "latest").read_text().strip()
+        return int(name.rsplit("_", 1)[-1]), json.loads(
+            (run_dir / "checkpoints" / name / "trainer_state.json").read_text()
+        )
+    except (OSError, ValueError):
+        return None
+
+
+def _recoverable(run_dir, probe_dir):
+    """What a resume from the latest checkpoint would do with the bank: (pending, re-issued)
+    banked groups by draw, and how many it discards; read from a copy (reading prunes the bank)."""
+    import shutil
+
+    from megatron_stepwise.loop.rollout_bank import BANK_DIR, RolloutBank
+
+    latest = _latest_checkpoint(run_dir)
+    if latest is None or not (run_dir / BANK_DIR).is_dir():
+        return {}, {}, 0
+    shutil.rmtree(probe_dir, ignore_errors=True)
+    try:
+        shutil.copytree(run_dir / BANK_DIR, probe_dir / BANK_DIR)
+    except (OSError, shutil.Error):  # a file renamed or pruned while copied: look again
+        return {}, {}, 0
+    parts = latest[1]["parts"]
+    rollouts = parts["rollouts"]
+    bank = RolloutBank(probe_dir)
+    recovery = bank.recover(
+        list(zip(rollouts["pending"], rollouts["pending_draws"])), rollouts["draws"], parts["trainer"]["weight_version"]
+    )
+    return recovery.pending, recovery.reissued, bank.discarded
+
+
+@pytest.mark.parametrize("workers", [0, 2], ids=["rows-through-rank0", "rows-in-2-agent-workers"])
+def test_sigkill_mid_iteration_then_resume_trains_the_banked_groups(tmp_path, workers):
+    """Killed while the bank holds finished groups the last checkpoint has not trained, the same
+    command resumes: those groups are recovered and trained as they were made, not rolled out
+    again, and the bound holds. Without agent workers rank 0 writes the bank, and the rollout dumps
+    show the recovered tokens, log-probs and weight versions trained; with 2 agent workers holding
+    the rows (the default hand-off; no dumps, which would send the rows through rank 0) the
+    workers write it, and after the resume a worker adopts each recovered group."""
+    import signal
+    import subprocess
+    import time
+
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    iterations = 6
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_stepwise.cli",
+        "train",
+        str(REPO / "configs/tiny_cpu_async.yaml"),
+        f"trainer.iterations={iterations}",
+        f"logging.run_dir={run_dir}",
+        "logging.progress=false",
+        "checkpoint.every=1",
+        "trainer.eval_every=0",
+        *(["trainer.dump_rollouts=1"] if workers == 0 else [f"rollout.agent_workers={workers}"]),
+    ]
+    proc = subprocess.Popen(
+        cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    probe = tmp_path / "probe"
+    try:
+        deadline = time.time() + 400
+        while proc.poll() is None and time.time() < deadline and not _recoverable(run_dir, probe)[0]:
+            time.sleep(0.2)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher, both ranks and the Ray fleet
+        proc.wait()
+    killed_at, state = _latest_checkpoint(run_dir)
+    assert killed_at < iterations
+    pending, reissued, discarded = _recoverable(run_dir, probe)
+    assert pending, "the bank held no finished group of the checkpoint's pending prompts at the kill"
+    version = state["parts"]["trainer"]["weight_version"]
+
+    out = run_launch(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=480)
+    assert out.returncode == 0, out.stderr[-4000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == list(range(iterations))
+    resumed = rows[killed_at:]
+    # every banked group the checkpoint had not trained was recovered; those with tokens of weights
+    # newer than the checkpoint's (lost with the kill) were discarded
+    assert resumed[-1]["async/groups_recovered"] == len(pending) + len(reissued)
+    assert resumed[-1]["async/bank_groups_discarded"] == discarded
+    for r in resumed:  # the staleness bound (max_staleness 1) holds for recovered groups as for any
+        assert 0 <= r["async/group_staleness_max"] <= 1
+        assert 0 <= r["async/token_staleness_min"] <= r["async/token_staleness_max"] <= 1
+        assert r["agents/rows_held"] == (1.0 if workers else 0.0)
+    assert all(int(v) <= version for g in pending.values() for s in g.rollout.steps for v in s.weight_versions)
+    if workers:  # rank 0 saw summaries only: the dumps below would need the rows on rank 0
+        return
+
+    # the recovered groups were trained as banked: each step's tokens, log-probs and weight versions
+    # are rows of the resumed iterations' dumps (a rollout made again would sample afresh)
+    from megatron_stepwise.loop.dumps import read_dump_table
+
+    trained_rows = set()
+    for it in range(killed_at, iterations):
+        _, table = read_dump_table(run_dir, it)
+        cols = table.to_pydict()
+        trained_rows |= set(
+            zip(
+                map(tuple, cols["response_ids"]),
+                map(tuple, cols["rollout_logprobs"]),
+                map(tuple, cols["weight_versions"]),
+            )
+        )
+    found = [
+        all(
+            (tuple(s.response_ids.tolist()), tuple(s.rollout_logprobs.tolist()), tuple(s.weight_versions.tolist()))
+            in trained_rows
+            for s in g.rollout.steps
+        )
+        for g in pending.values()
+    ]
+    # a recovered group the trainer only reached when it was too stale is dropped instead (counted)
+    assert sum(found) >= 1 and sum(found) + resumed[-1]["async/groups_stale_dropped"] >= len(pending)

@@ -15,6 +15,7 @@ import os
 import signal
 import tempfile
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,6 +29,7 @@ from megatron_stepwise.loop import components
 from megatron_stepwise.loop.agent_workers import AgentWorkers
 from megatron_stepwise.loop.async_source import AsyncRollouts
 from megatron_stepwise.loop.handoff import Handoff
+from megatron_stepwise.loop.rollout_bank import BANK_DIR
 from megatron_stepwise.loop.sources import Driver
 from megatron_stepwise.loop.worker_rows import RemoteShard
 from megatron_stepwise.mcore.train.plugin import ShardDecision, shard_rows
@@ -70,6 +72,7 @@ def fleet_setup():
             [
                 "rollout.num_engines=1",
                 "rollout.agent_workers=2",
+                f"logging.run_dir={tmp}/run",  # the rollout bank's files
                 f"rollout.agent_worker_timeout_s={STALL_S}",
                 "async.max_staleness=3",
                 "data.prompts_per_minibatch=2",
@@ -99,7 +102,7 @@ def _held_groups(workers) -> list[int]:
 def _run(fleet_setup, fault=None):
     """STEPS async steps; `fault(workers, remote_shard)` runs once, in step 1, just before its rows
     are fetched. Returns (each step's fetched shard, the iteration's metrics, the workers' held
-    group counts at the end, the source's buffer counters)."""
+    group counts at the end, the source's buffer, the bank files the workers wrote)."""
     cfg, loop, fleet, tok = fleet_setup
     workers = AgentWorkers(cfg, fleet, 2)
     dataset = components.build_dataset(cfg)
@@ -117,6 +120,8 @@ def _run(fleet_setup, fault=None):
     try:
         loop.run_until_complete(workers.wait_ready())
         source.start(Driver(loop, fleet, workers))
+        written, record = [], source.bank.record  # the bank files rank 0 hears of (before the loop runs)
+        source.bank.record = lambda file, draw=None: written.append(file) or record(file, draw=draw)
         fetch, fired = source.fetcher.resolve, []
 
         def resolve(payload):
@@ -137,7 +142,7 @@ def _run(fleet_setup, fault=None):
         deadline = time.monotonic() + 120
         while sum(_held_groups(workers)) > source.buffer.ready and time.monotonic() < deadline:
             time.sleep(0.05)
-        return shards, metrics, _held_groups(workers), source.buffer
+        return shards, metrics, _held_groups(workers), source.buffer, written
     finally:
         source.close()
         workers.close()
@@ -152,13 +157,19 @@ def _check_shards(shards):
 
 
 def test_async_steps_fetch_their_rows_from_the_workers_which_then_drop_them(fleet_setup):
-    shards, metrics, held, buffer = _run(fleet_setup)
+    shards, metrics, held, buffer, written = _run(fleet_setup)
     _check_shards(shards)
     assert metrics["agents/rows_held"] == 1.0 and metrics["async/groups_trained"] == 2 * STEPS
     # staleness from the workers' summaries: every trained token came from version 0
     assert metrics["async/token_staleness_max"] == 0 and metrics["async/token_staleness/0"] == 1.0
     assert metrics["agents/regenerated_groups"] == 0
     assert sum(held) == buffer.ready  # nothing trained is still held
+    # the rollout bank follows the rows: the worker holding each group wrote its file and rank 0
+    # recorded the name; a trained group's file is gone at once (no checkpoint lists it)
+    assert len(written) == buffer.counters.finished and None not in written
+    bank = Path(fleet_setup[0].run_dir) / BANK_DIR
+    left = {p.name for p in bank.glob("draw_*.parquet")}
+    assert left == {g.rollout.bank.name for g in buffer.ready_groups()}, (left, buffer.ready)
 
 
 def test_a_worker_frozen_while_it_holds_the_steps_rows_is_replaced_and_its_groups_rolled_out_again(fleet_setup):
@@ -175,7 +186,7 @@ def test_a_worker_frozen_while_it_holds_the_steps_rows_is_replaced_and_its_group
 
     start = time.monotonic()
     try:
-        shards, metrics, held, buffer = _run(fleet_setup, freeze)
+        shards, metrics, held, buffer, _ = _run(fleet_setup, freeze)
     finally:
         for pid in stopped:  # ours: the worker this test froze (Ray killed it already, or it ends now)
             try:

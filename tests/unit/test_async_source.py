@@ -15,7 +15,9 @@ import pytest
 from megatron_stepwise.algo.groups import groups_of
 from megatron_stepwise.config.schema import ExperimentConfig
 from megatron_stepwise.loop.async_source import AsyncRollouts, loop_in_thread
+from megatron_stepwise.loop.rollout_bank import BANK_DIR, read_group
 from megatron_stepwise.loop.sources import Driver
+from megatron_stepwise.loop.worker_rows import HeldGroup, HeldRows, bank_held
 from megatron_stepwise.rollout.engine import EngineError
 from megatron_stepwise.steps import Step, TrajectoryID
 
@@ -27,11 +29,13 @@ class FakeAgent:
         self.fleet, self.delays, self.rewards = fleet, list(delays), rewards
         self.fail_prompt, self.hang = fail_prompt, hang
         self.calls = self.cancelled = 0
+        self.prompts = []  # the prompt of every rollout, in order
 
     async def rollout_groups(self, samples, seed=None):
         (sample,) = samples
         delay = self.delays[self.calls] if self.calls < len(self.delays) else 0.0
         self.calls += 1
+        self.prompts.append(sample["prompt_id"])
         if self.hang:
             try:
                 await asyncio.Event().wait()
@@ -61,9 +65,38 @@ class FakeAgent:
         return groups_of(steps)
 
 
+class FakeHeldAgent(FakeAgent):
+    """An agent worker that keeps the rows (rollout.handoff: workers), without Ray: each group is
+    prepared and held in a real `HeldRows`, its bank file written where the rows are
+    (`bank_held`), and a resumed run's banked groups adopted from their files."""
+
+    name = "agent-test-0.0"
+
+    def __init__(self, fleet, **kw):
+        super().__init__(fleet, **kw)
+        self.held = HeldRows()
+        self.adopted = []  # group ids taken over from the bank
+
+    async def rollout_groups(self, samples, seed=None, hold=None):
+        groups = await super().rollout_groups(samples, seed)
+        if hold is None:  # trainer.dump_rollouts: the rows go through rank 0
+            return groups
+        return [self.held.keep(g, hold, self.name, b) for g, b in zip(groups, bank_held(groups, hold))]
+
+    async def adopt(self, path, group_id, hold):
+        self.adopted.append(group_id)
+        return self.held.adopt(read_group(path), group_id, hold, self.name)
+
+    def drop(self, groups):
+        self.held.drop([(g.key, g.prompt_id) for g in groups])
+
+    def holders(self):
+        return {self.name}
+
+
 class FakeDataset:
-    def __init__(self, size=3):
-        self.size, self.drawn = size, 0
+    def __init__(self, size=3, drawn=0):
+        self.size, self.drawn = size, drawn  # drawn: the position a checkpoint restores
 
     def next(self, n):
         out = [{"prompt_id": f"p{(self.drawn + i) % self.size}"} for i in range(n)]
@@ -71,27 +104,55 @@ class FakeDataset:
         return out
 
 
-def make_driver(groups_per_step=2, zero_variance=False, pending=None, **agent_kw):
-    """(source, rank-0 context): the context has loop, fleet, agent and a mutable `version`."""
+def make_driver(
+    groups_per_step=2,
+    zero_variance=False,
+    pending=None,
+    run_dir=None,
+    state=None,
+    max_staleness=1,
+    mode="driver",
+    **agent_kw,
+):
+    """(source, rank-0 context): the context has loop, fleet, agent and a mutable `version`.
+    `run_dir`: where the rollout bank writes (None: no bank); `state`: a resume from a checkpoint
+    of the source saved at weight version state["version"]. `mode`: "driver" (no agent workers),
+    "held" (agent workers keep the rows), "dumps" (agent workers, but trainer.dump_rollouts sends
+    the rows through rank 0)."""
     cfg = ExperimentConfig()
+    if mode != "driver":
+        cfg.rollout.agent_workers = 2
+        cfg.trainer.dump_rollouts = 1 if mode == "dumps" else None
     cfg.async_.enabled = True
-    cfg.async_.max_staleness = 1
+    cfg.async_.rollout_bank = run_dir is not None
+    cfg.logging.run_dir = str(run_dir) if run_dir is not None else None
+    cfg.async_.max_staleness = max_staleness
     cfg.data.prompts_per_minibatch = groups_per_step
     cfg.data.prompts_per_iteration = 2 * groups_per_step
     cfg.algo.filters.zero_variance = zero_variance
-    fleet = SimpleNamespace(weight_version=0, metrics=dict)
-    ctx = SimpleNamespace(loop=asyncio.new_event_loop(), fleet=fleet, agent=FakeAgent(fleet, **agent_kw), version=0)
+    version = state["version"] if state is not None else 0
+    fleet = SimpleNamespace(weight_version=version, metrics=dict)
+    ctx = SimpleNamespace(
+        loop=asyncio.new_event_loop(),
+        fleet=fleet,
+        agent=(FakeAgent if mode == "driver" else FakeHeldAgent)(fleet, **agent_kw),
+        version=version,
+    )
     source = AsyncRollouts(
         cfg,
-        dataset=FakeDataset(),
+        dataset=FakeDataset(drawn=state["rollouts"]["draws"] if state is not None else 0),
         handoff=None,
         vocab_size=256,
         version=lambda: ctx.version,
         shard=lambda batch: [batch],
         dp_size=1,
+        decide=None if mode == "driver" else lambda rows: [],  # decisions are not made here
     )
+    assert (source.fetcher is not None) == (mode == "held")
     if pending is not None:  # as a checkpoint restores it
         source.load_state_dict({"pending": pending})
+    if state is not None:
+        source.load_state_dict(state["rollouts"])
     source.start(Driver(ctx.loop, fleet, ctx.agent))
     return source, ctx
 
@@ -268,3 +329,127 @@ def test_a_never_returning_environment_call_ends_its_trajectory_not_the_run():
         last = [t[-1] for t in g.rollout.trajectories]
         assert all(s.stop_reason == "env_error" and "timed out" in s.metadata["error"] for s in last)
     close(driver, trainer)
+
+
+def run_until(ctx, condition, what):
+    """Run the rank-0 event loop (rollouts finish, the bank writes) until `condition()`."""
+    deadline = time.monotonic() + 120
+    while not condition() and time.monotonic() < deadline:
+        ctx.loop.run_until_complete(asyncio.sleep(0.01))
+    assert condition(), what
+
+
+MODES = ["driver", "held", "dumps"]
+
+
+def token_versions(group):
+    """The weight versions of a taken group's trained tokens (from the staleness summary when its
+    rows stay in the worker)."""
+    if isinstance(group.rollout, HeldGroup):
+        return set(group.rollout.versions.tokens)
+    return {int(v) for s in group.rollout.steps for v in s.weight_versions}
+
+
+def killed_run(run_dir, mode, monkeypatch):
+    """A run checkpointed at version 1 and killed at version 2: its checkpoint and what it banked.
+
+    Two of draws 0-3 trained at version 0; checkpoint (version 1, the other two pending, finished
+    with version-0 tokens); those two trained at version 1 (lost with the kill); draws 4 and 5
+    finished with version-1 tokens, 6 and 7 with version-2 weights the kill loses. With the rows
+    kept in the workers, rank 0 writes no bank file: the worker holding the rows does."""
+    from megatron_stepwise.loop.rollout_bank import RolloutBank
+
+    rank0_writes = []
+    put = RolloutBank.put
+    monkeypatch.setattr(RolloutBank, "put", lambda bank, group: rank0_writes.append(group.draw) or put(bank, group))
+    first, ctx = make_driver(groups_per_step=2, run_dir=run_dir, mode=mode)
+    trained = {g.draw for g in take(first, ctx)}  # whichever finished first
+    run_until(ctx, lambda: first.buffer.ready == 2, "the other two of draws 0-3 finish")
+    ctx.version = ctx.fleet.weight_version = 1  # the step trained, weights pushed, then the checkpoint
+    state = {"version": 1, "rollouts": first.state_dict()}
+    first.after_save()
+    pending = sorted({0, 1, 2, 3} - trained)
+    assert state["rollouts"] == {
+        "pending": [{"prompt_id": f"p{d % 3}"} for d in pending],
+        "pending_draws": pending,
+        "draws": 4,
+    }
+    assert sorted(g.draw for g in take(first, ctx)) == pending
+    run_until(ctx, lambda: first.buffer.ready == 2, "draws 4 and 5 finish")
+    ctx.version = ctx.fleet.weight_version = 2
+    first._notify()
+    run_until(ctx, lambda: first.buffer.ready == 4, "draws 6 and 7 finish")
+    assert first.bank.held == 6  # the pending two trained, but only after the checkpoint
+    assert len(list((run_dir / BANK_DIR).glob("draw_*.parquet"))) == 6
+    if mode == "held":  # every file written by the worker that holds the rows, recorded by rank 0
+        assert rank0_writes == []
+        assert all(g.rollout.bank is not None for g in first.buffer.ready_groups())
+    else:
+        assert sorted(rank0_writes) == list(range(8))
+    close(first, ctx)  # SIGKILL: nothing more is saved
+    monkeypatch.undo()
+    return state
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_resume_trains_the_banked_groups_and_rolls_none_of_them_out_again(tmp_path, monkeypatch, mode):
+    state = killed_run(tmp_path, mode, monkeypatch)
+    pending = state["rollouts"]["pending_draws"]
+    resumed, ctx = make_driver(groups_per_step=2, run_dir=tmp_path, state=state, mode=mode)
+    first = take(resumed, ctx)  # the checkpoint's pending draws, from the bank: nothing rolled out
+    assert sorted((g.draw, g.start_version) for g in first) == [(d, 0) for d in pending] and ctx.agent.calls == 0
+    assert {v for g in first for v in token_versions(g)} == {0}
+    ctx.version = ctx.fleet.weight_version = 2
+    second = take(resumed, ctx)  # draws 4 and 5, which the dataset re-issued: from the bank too
+    assert sorted((g.draw, g.start_version) for g in second) == [(4, 1), (5, 1)]
+    assert {v for g in second for v in token_versions(g)} == {1}
+    if mode == "held":  # a worker adopted each one: it holds the banked rows, rank 0 got summaries
+        assert sorted(ctx.agent.adopted) == sorted(g.group_id for g in first + second)
+        for g in first + second:
+            rows = ctx.agent.held.batches[(g.serial, g.group_id)].token_fields
+            trained = rows["weight_versions"][rows["loss_mask"] != 0]
+            assert set(trained.tolist()) == token_versions(g)
+    counters = resumed.buffer.counters
+    assert counters.recovered == 4 and resumed.bank.discarded == 2  # 6 and 7: version-2 tokens
+    run_until(ctx, lambda: ctx.agent.calls == 2, "draws 6 and 7 are rolled out again")
+    assert ctx.agent.prompts == ["p0", "p1"]  # draws 6 and 7; none of the four recovered prompts
+    metrics = resumed.iteration_metrics()
+    assert metrics["async/groups_recovered"] == 4 and metrics["async/bank_groups_discarded"] == 2
+    close(resumed, ctx)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_recovered_group_too_stale_for_the_resumed_policy_meets_the_stale_policy(tmp_path, monkeypatch, mode):
+    state = killed_run(tmp_path, mode, monkeypatch)
+    # resumed with max_staleness 0: the pending two (started at version 0) are too old at version 1
+    resumed, ctx = make_driver(groups_per_step=2, run_dir=tmp_path, state=state, max_staleness=0, mode=mode)
+    # (held: adopted by a worker first, as the loop runs; the slots they free admit draws 4 and 5)
+    run_until(ctx, lambda: len(resumed.buffer.ledger) == 2, "the pending two are recovered")
+    assert resumed.buffer.counters.stale_dropped == 2
+    assert resumed.buffer.ledger == {0: "dropped", 1: "dropped"}
+    # a dropped group's bank file goes at once, and a worker that adopted it drops its rows
+    assert sorted(p.name.split(".")[0] for p in (tmp_path / BANK_DIR).iterdir()) == ["draw_4", "draw_5"]
+    if mode == "held":
+        assert not any(serial in (0, 1) for serial, _ in ctx.agent.held.batches)
+    groups = take(resumed, ctx)  # the version-1 groups of draws 4 and 5 are fresh enough
+    assert sorted((g.draw, g.start_version) for g in groups) == [(4, 1), (5, 1)]
+    assert ctx.agent.calls == 0
+    close(resumed, ctx)
+
+
+def test_a_banked_group_no_worker_can_adopt_is_rolled_out_again_and_counted(tmp_path, monkeypatch, caplog):
+    # Rank 0 read the bank at the resume; the file of one pending group goes bad before a worker
+    # reads it again to hold its rows: that group is discarded, counted, and its prompt rolled out.
+    state = killed_run(tmp_path, "held", monkeypatch)
+    pending = state["rollouts"]["pending_draws"]
+    resumed, ctx = make_driver(groups_per_step=2, run_dir=tmp_path, state=state, mode="held")
+    (damaged,) = (tmp_path / BANK_DIR).glob(f"draw_{pending[0]}.*.parquet")
+    damaged.write_bytes(damaged.read_bytes()[:100])
+    with caplog.at_level("WARNING"):
+        first = take(resumed, ctx)
+    assert sorted(g.draw for g in first) == pending
+    assert ctx.agent.calls == 1 and ctx.agent.prompts == [f"p{pending[0] % 3}"]  # the damaged one only
+    # counted as discarded (with the two of lost weights), never as recovered
+    assert resumed.bank.discarded == 3 and resumed.buffer.counters.recovered == len(ctx.agent.adopted) - 1
+    assert any("no agent worker could adopt it" in r.getMessage() for r in caplog.records)
+    close(resumed, ctx)
