@@ -315,6 +315,12 @@ class WeightSyncConfig:
         None, "directory for mode=disk (shared by trainer and engines); null = <run_dir>/weights"
     )
     bucket_mb: int = option(512, "size of one streamed bucket of converted weights, in MiB", min=1)
+    engine_timeout_s: float = option(
+        600.0,
+        "the longest one engine's part of a weight update (pause, load, flush, resume) may take; an "
+        "engine past it is treated as dead: killed, restarted, the update replayed on it",
+        gt=0,
+    )
     verify: Literal["sampled", "full", "off"] = option(
         "sampled",
         "after every sync each engine checks its weights against what was sent: sampled (256 seeded "

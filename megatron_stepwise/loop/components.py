@@ -337,6 +337,7 @@ def build_fleet(cfg: ExperimentConfig, hf_config: dict[str, Any], tokenizer: Pre
         ray_address=r.ray_address,
         partial_rollouts=cfg.async_.enabled,  # async: updates pause turns mid-way
         pause_mode=cfg.async_.pause_mode,
+        engine_call_timeout_s=cfg.weight_sync.engine_timeout_s,
         # async: a turn whose start version is past the bound is dropped at the update, not re-prefilled
         max_staleness=cfg.async_.max_staleness if cfg.async_.enabled else None,
         colocate=cfg.rollout.colocate,

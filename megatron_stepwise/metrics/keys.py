@@ -205,6 +205,12 @@ _T = [  # (pattern, unit, over, meaning)
             ("fleet/engine_failures", "count", "run", "engine failures seen"),
             ("fleet/restarts", "count", "run", "engines restarted"),
             ("fleet/removed_engines", "count", "run", "engines given up on"),
+            (
+                "fleet/frozen_engines",
+                "count",
+                "run",
+                "engines that did not answer a weight update within weight_sync.engine_timeout_s (restarted)",
+            ),
             ("fleet/repins", "count", "run", "turns of a session served on another engine than its previous turn"),
             ("fleet/weight_updates", "count", "run", "weight updates applied"),
             (

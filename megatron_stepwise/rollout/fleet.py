@@ -148,6 +148,7 @@ class FleetMetrics(RequestCounters):
     restarts: int = 0
     removed_engines: int = 0
     weight_updates: int = 0
+    frozen_engines: int = 0  # engines that did not answer an update in time (killed, restarted)
 
 
 @dataclass
@@ -155,6 +156,11 @@ class _Slot(EngineSlot):
     spec: Optional[EngineSpec] = None
     restarts: int = 0
     cause: str = ""  # why it is out of service, for FleetLost
+
+
+async def _awaited(awaitable):
+    """Any awaitable (a Ray ObjectRef too) as a coroutine that asyncio.wait_for can cancel."""
+    return await awaitable
 
 
 def _one_line(error: BaseException) -> str:
@@ -231,6 +237,7 @@ class RolloutFleet:
         routing: Optional[RoutingPolicy] = None,
         pause_mode: str = "retract",
         max_staleness: Optional[int] = None,
+        engine_call_timeout_s: float = 600.0,
     ):
         """`spawn(spec, index, incarnation)` starts an engine and returns its handle (whose
         `call.remote(method, ...)` reaches any `Engine` method); default: a Ray actor, Ray started
@@ -239,7 +246,10 @@ class RolloutFleet:
         ("retract": they continue, KV recomputed; "in_place": embedded engines only, they continue
         on their KV; "abort": they end, counted in `aborted_by_update`), and `max_staleness`
         (async.max_staleness) drops those that arrived more than that many versions before the
-        new weights (`dropped_stale`): they could never be trained."""
+        new weights (`dropped_stale`): they could never be trained. `engine_call_timeout_s` bounds
+        each engine's part of an update (pause, load, flush, resume) and other fleet-wide calls: an
+        engine that does not answer in time (frozen, SIGSTOPped) is treated as dead: killed,
+        restarted, the update replayed on it."""
         if not specs:
             raise ValueError("a fleet needs at least one EngineSpec")
         if pause_mode not in ("retract", "in_place", "abort"):
@@ -257,6 +267,7 @@ class RolloutFleet:
         self.partial_rollouts = partial_rollouts
         self.pause_mode = pause_mode
         self.max_staleness = max_staleness
+        self.engine_call_timeout_s = engine_call_timeout_s
         # True: engines share the trainer's GPUs (colocated mode): CUDA tensors go as IPC handles.
         self.colocate = colocate
         self._metrics = FleetMetrics()
@@ -515,7 +526,16 @@ class RolloutFleet:
 
         incarnation = slot.incarnation
         try:
-            await fn(slot)
+            await asyncio.wait_for(_awaited(fn(slot)), self.engine_call_timeout_s)
+        except asyncio.TimeoutError:
+            log.warning(
+                "engine %d did not answer a weight update or fleet-wide call within %.0f s "
+                "(weight_sync.engine_timeout_s): treated as dead, restarted",
+                slot.index,
+                self.engine_call_timeout_s,
+            )
+            self._metrics.frozen_engines += 1
+            self._mark_dead(slot, incarnation)
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
             self._mark_dead(slot, incarnation)
 
