@@ -8,6 +8,7 @@ by a veth pair, each with its own address and hostname, sharing the filesystem a
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -66,6 +67,29 @@ class TwoHosts:
                 stats[what] = int(got.stdout)
             out[host] = {"received": stats["rx_bytes"], "sent": stats["tx_bytes"]}
         return out
+
+    def processes(self, host: str) -> dict[int, str]:
+        """The processes running on `host` (in its network namespace): pid -> command line."""
+        ns = self.env["NODE_A_NS" if host == "a" else "NODE_B_NS"]
+        pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=30).stdout.split()
+        out = {}
+        for pid in pids:
+            try:
+                out[int(pid)] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                pass  # it exited meanwhile
+        return out
+
+    def kill_all(self, host: str) -> list[str]:
+        """SIGKILL every process on `host`, as when the node dies; the command lines killed."""
+        killed = []
+        for pid, cmdline in self.processes(host).items():
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(cmdline)
+            except OSError:
+                pass
+        return killed
 
     def set_link(self, up: bool) -> None:
         subprocess.run(["bash", str(SCRIPT), "link", str(self.state), "up" if up else "down"], check=True, timeout=30)
