@@ -41,6 +41,16 @@ up() {
   taken="$(ip -o -4 addr; ip -all netns exec ip -o -4 addr 2>/dev/null || true)"
   while grep -q "10\.213\.$subnet\." <<<"$taken"; do subnet=$(((subnet + 1) % 256)); done
   local ns_a="msw-$id-a" ns_b="msw-$id-b" ip_a="10.213.$subnet.1" ip_b="10.213.$subnet.2"
+  # Written first: `down DIR` then removes whatever a failed `up` left.
+  cat >"$dir/hosts.env" <<EOF
+NODE_A_NS=$ns_a
+NODE_B_NS=$ns_b
+NODE_A_IP=$ip_a
+NODE_B_IP=$ip_b
+NODE_A_NAME=stepwise-a
+NODE_B_NAME=stepwise-b
+NODE_LINK=mswa$id
+EOF
   ip netns add "$ns_a"
   ip netns add "$ns_b"
   ip link add "mswa$id" type veth peer name "mswb$id"
@@ -58,16 +68,8 @@ up() {
     mkdir -p "/etc/netns/$ns"
     printf '127.0.0.1 localhost\n%s stepwise-a\n%s stepwise-b\n' "$ip_a" "$ip_b" >"/etc/netns/$ns/hosts"
   done
-  cat >"$dir/hosts.env" <<EOF
-NODE_A_NS=$ns_a
-NODE_B_NS=$ns_b
-NODE_A_IP=$ip_a
-NODE_B_IP=$ip_b
-NODE_A_NAME=stepwise-a
-NODE_B_NAME=stepwise-b
-NODE_LINK=mswa$id
-EOF
-  ip -n "$ns_b" -o addr show | grep -q "$ip_b" || { echo "two_nodes: $ns_b has no $ip_b" >&2; exit 1; }
+  # (not `ip ... | grep -q`: grep stops reading early, and pipefail then fails on ip's SIGPIPE)
+  grep -q "$ip_b" <<<"$(ip -n "$ns_b" -o addr show)" || { echo "two_nodes: $ns_b has no $ip_b" >&2; exit 1; }
   echo "two_nodes: stepwise-a=$ip_a ($ns_a), stepwise-b=$ip_b ($ns_b)"
 }
 
