@@ -8,9 +8,11 @@ by a veth pair, each with its own address and hostname, sharing the filesystem a
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -67,6 +69,29 @@ class TwoHosts:
             out[host] = {"received": stats["rx_bytes"], "sent": stats["tx_bytes"]}
         return out
 
+    def processes(self, host: str) -> dict[int, str]:
+        """The processes running on `host` (in its network namespace): pid -> command line."""
+        ns = self.env["NODE_A_NS" if host == "a" else "NODE_B_NS"]
+        pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=30).stdout.split()
+        out = {}
+        for pid in pids:
+            try:
+                out[int(pid)] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                pass  # it exited meanwhile
+        return out
+
+    def kill_all(self, host: str) -> list[str]:
+        """SIGKILL every process on `host`, as when the node dies; the command lines killed."""
+        killed = []
+        for pid, cmdline in self.processes(host).items():
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(cmdline)
+            except OSError:
+                pass
+        return killed
+
     def set_link(self, up: bool) -> None:
         subprocess.run(["bash", str(SCRIPT), "link", str(self.state), "up" if up else "down"], check=True, timeout=30)
 
@@ -84,6 +109,8 @@ def two_hosts(state: Path) -> TwoHosts:
             f"two-host tests need root with `ip netns` and `unshare` ({out.stderr.strip()}); they run as root, "
             "as in CI (tools/two_nodes.sh)"
         )
+    if out.returncode != 0:  # what it created goes, or the next `up` finds its subnet taken
+        subprocess.run(["bash", str(SCRIPT), "down", str(state)], capture_output=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     return TwoHosts(state)
 
@@ -112,3 +139,71 @@ def python_env() -> dict[str, str]:
         RAY_AUTH_MODE="token",
         RAY_worker_niceness="0",
     )
+
+
+RAY_PORT = 6379  # each host has its own ports: nothing else on this machine listens in its namespace
+RDZV_PORT = 29400
+
+
+def start_ray_worker(hosts: TwoHosts, head: str, env: dict, log: Path) -> None:
+    """A Ray worker on host b (6 CPUs: every engine and agent worker lands there), waited for."""
+    ray = str(Path(sys.executable).parent / "ray")
+    hosts.popen(
+        "b",
+        [ray, "start", f"--address={head}", f"--node-ip-address={hosts.ip['b']}", "--num-cpus=6", "--block"],
+        log=log,
+        env=env,
+    )
+    up = hosts.run("a", [sys.executable, "launch/plan.py", "wait-ray", head, "2"], timeout=400, env=env)
+    assert up.returncode == 0, up.stderr + log.read_text()[-3000:]
+
+
+@contextmanager
+def ray_cluster(state: Path):
+    """Two hosts with a Ray cluster across them: head on a (0 CPUs), worker on b (6 CPUs).
+    Yields (hosts, head address, environment); everything started on the hosts dies with it."""
+    hosts = two_hosts(state)
+    env = python_env()
+    ray = str(Path(sys.executable).parent / "ray")
+    head = f"{hosts.ip['a']}:{RAY_PORT}"
+    try:
+        # A Ray temp dir of their own: Ray records "the cluster on this machine" there, and the
+        # suite's other Ray users share /tmp with these hosts.
+        temp = f"/tmp/msw-ray-{os.getpid()}-{state.name}"
+        hosts.popen(
+            "a",
+            [
+                ray,
+                "start",
+                "--head",
+                f"--node-ip-address={hosts.ip['a']}",
+                f"--port={RAY_PORT}",
+                "--num-cpus=0",
+                f"--temp-dir={temp}",
+                "--block",
+            ],
+            log=state / "ray_a.log",
+            env=env,
+        )
+        up = hosts.run("a", [sys.executable, "launch/plan.py", "wait-ray", head, "1"], timeout=400, env=env)
+        assert up.returncode == 0, up.stderr + (state / "ray_a.log").read_text()[-3000:]
+        start_ray_worker(hosts, head, env, state / "ray_b.log")
+        yield hosts, head, env
+    finally:
+        hosts.close()
+
+
+def start_training(hosts: TwoHosts, head: str, env: dict, run_dir: Path, *args: str) -> list[subprocess.Popen]:
+    """torchrun on each host (one rank each), rendezvousing at host a, as on two cluster nodes;
+    their output in torchrun_a.log / torchrun_b.log beside `run_dir`."""
+    procs = []
+    for rank, host in enumerate("ab"):
+        cmd = [
+            sys.executable, "-m", "megatron_stepwise.rundir.torchrun", "--rdzv-backend=bound-static",
+            "--nnodes=2", "--nproc-per-node=1", f"--rdzv-conf=rank={rank}",
+            f"--rdzv-endpoint={hosts.ip['a']}:{RDZV_PORT}",
+            "-m", "megatron_stepwise.cli", "train", "configs/tiny_cpu.yaml", f"logging.run_dir={run_dir}",
+            "launch.nnodes=2", "launch.nproc_per_node=1", f"rollout.ray_address={head}", *args,
+        ]  # fmt: skip
+        procs.append(hosts.popen(host, cmd, log=run_dir.parent / f"torchrun_{host}.log", env=env))
+    return procs

@@ -41,8 +41,17 @@ up() {
   taken="$(ip -o -4 addr; ip -all netns exec ip -o -4 addr 2>/dev/null || true)"
   while grep -q "10\.213\.$subnet\." <<<"$taken"; do subnet=$(((subnet + 1) % 256)); done
   local ns_a="msw-$id-a" ns_b="msw-$id-b" ip_a="10.213.$subnet.1" ip_b="10.213.$subnet.2"
+  # Written first: `down DIR` then removes whatever a failed `up` left.
+  cat >"$dir/hosts.env" <<EOF
+NODE_A_NS=$ns_a
+NODE_B_NS=$ns_b
+NODE_A_IP=$ip_a
+NODE_B_IP=$ip_b
+NODE_A_NAME=stepwise-a
+NODE_B_NAME=stepwise-b
+NODE_LINK=mswa$id
+EOF
   ip netns add "$ns_a"
-  trap 'ip netns del "$ns_a" 2>/dev/null; ip netns del "$ns_b" 2>/dev/null; rm -rf "/etc/netns/$ns_a" "/etc/netns/$ns_b"' ERR
   ip netns add "$ns_b"
   ip link add "mswa$id" type veth peer name "mswb$id"
   ip link set "mswa$id" netns "$ns_a"
@@ -59,18 +68,8 @@ up() {
     mkdir -p "/etc/netns/$ns"
     printf '127.0.0.1 localhost\n%s stepwise-a\n%s stepwise-b\n' "$ip_a" "$ip_b" >"/etc/netns/$ns/hosts"
   done
-  cat >"$dir/hosts.env" <<EOF
-NODE_A_NS=$ns_a
-NODE_B_NS=$ns_b
-NODE_A_IP=$ip_a
-NODE_B_IP=$ip_b
-NODE_A_NAME=stepwise-a
-NODE_B_NAME=stepwise-b
-NODE_LINK=mswa$id
-EOF
-  # (Not `ip ... | grep -q`: under pipefail, grep leaving early fails the pipe.)
+  # (not `ip ... | grep -q`: grep stops reading early, and pipefail then fails on ip's SIGPIPE)
   grep -q "$ip_b" <<<"$(ip -n "$ns_b" -o addr show)" || { echo "two_nodes: $ns_b has no $ip_b" >&2; exit 1; }
-  trap - ERR
   echo "two_nodes: stepwise-a=$ip_a ($ns_a), stepwise-b=$ip_b ($ns_b)"
 }
 

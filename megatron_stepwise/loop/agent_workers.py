@@ -36,6 +36,7 @@ from megatron_stepwise.loop.worker_rows import NAMESPACE, HeldGroup, HeldRows, H
 from megatron_stepwise.rollout.agent_loop import checked_prompt_ids
 from megatron_stepwise.rollout.engine import engine_loss
 from megatron_stepwise.rollout.engine_router import EngineSlot, EngineView, RequestCounters
+from megatron_stepwise.rollout.ray_room import check_room
 from megatron_stepwise.steps import Step
 
 log = logging.getLogger(__name__)
@@ -151,6 +152,7 @@ class AgentWorker:
 def _spawn_worker(cfg, index: int, max_concurrency: int, name: str):
     import ray
 
+    check_room(f"agent worker {name}", cfg.rollout.agent_worker_cpus)
     actor = ray.remote(AgentWorker).options(
         num_cpus=cfg.rollout.agent_worker_cpus,
         scheduling_strategy="SPREAD",

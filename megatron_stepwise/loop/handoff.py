@@ -13,6 +13,7 @@ in a collective):
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import time
 from datetime import timedelta
@@ -20,6 +21,15 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+
+
+def describe(e: BaseException) -> str:
+    """'Type: message'. An exception group (an asyncio.TaskGroup's) by its distinct innermost
+    errors: its own message ("unhandled errors in a TaskGroup") says nothing of what failed."""
+    if isinstance(e, BaseExceptionGroup):
+        leaves = list(dict.fromkeys(describe(x) for x in e.exceptions))
+        return "; ".join(leaves[:3]) + (f"; and {len(leaves) - 3} more" if len(leaves) > 3 else "")
+    return f"{type(e).__name__}: {e}"
 
 
 class ResolveFailed(RuntimeError):
@@ -46,9 +56,14 @@ class Handoff:
         self._replica_info: Optional[tuple] = None
         self.bytes_received = self.bytes_sent = 0  # by this rank through `to_ranks`, since it was built
         self.produce_seconds = 0.0  # rank 0's time inside `produce`; the rest of a hand-off is moving it
+        self._produce_error: Optional[BaseException] = None  # rank 0's, in the hand-off under way
 
     def from_driver(self, produce: Callable[[], Any], what: str, iteration: int) -> Any:
         """Run `produce` on rank 0 and return its result on every rank."""
+        with self._keeping_rank0_error(what, iteration):
+            return self._from_driver(produce, what, iteration)
+
+    def _from_driver(self, produce: Callable[[], Any], what: str, iteration: int) -> Any:
         payload: list[Any] = [None]
         error: Optional[BaseException] = None
         if self.is_driver:
@@ -57,6 +72,16 @@ class Handoff:
         return self._open(payload[0], error, what, iteration)
 
     def to_ranks(
+        self,
+        produce: Callable[[], list[Any]],
+        what: str,
+        iteration: int,
+        resolve: Optional[Callable[[Any], Any]] = None,
+    ) -> Any:
+        with self._keeping_rank0_error(what, iteration):
+            return self._to_ranks(produce, what, iteration, resolve)
+
+    def _to_ranks(
         self,
         produce: Callable[[], list[Any]],
         what: str,
@@ -165,14 +190,31 @@ class Handoff:
             self._replica_info = (dp_of, [m[0] for m in members], groups)
         return self._replica_info
 
+    @contextlib.contextmanager
+    def _keeping_rank0_error(self, what: str, iteration: int):
+        """Rank 0's own failure stays the error it raises when telling the other ranks fails too:
+        with a rank cut off (its node's network down), the collective's timeout would replace it."""
+        self._produce_error = None
+        try:
+            yield
+        except Exception as e:
+            error = self._produce_error
+            if error is None or e.__cause__ is error:
+                raise
+            raise RuntimeError(
+                f"{what} failed on rank 0 at iteration {iteration}: {describe(error)} "
+                f"(and telling the other ranks failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+            ) from error
+
     def _run(self, produce: Callable[[], Any]) -> tuple[Optional[BaseException], tuple]:
         start = time.perf_counter()
         try:
             return None, ("ok", produce(), self.dataset.state_dict())
         except Exception as e:  # every rank must leave the collective, then all raise
+            self._produce_error = e
             # As text: the exception itself may not pickle (Ray and HTTP client errors hold
             # locks and sockets), and a failed pickle would leave the other ranks waiting.
-            return e, ("error", f"{type(e).__name__}: {e}", None)
+            return e, ("error", describe(e), None)
         finally:
             self.produce_seconds += time.perf_counter() - start
 

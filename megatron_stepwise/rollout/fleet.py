@@ -33,6 +33,7 @@ from megatron_stepwise.rollout.engine import (
 )
 from megatron_stepwise.rollout.engine_router import EngineRouter, EngineSlot, RequestCounters
 from megatron_stepwise.rollout.ray_nodes import actor_nodes, node_address
+from megatron_stepwise.rollout.ray_room import check_room
 from megatron_stepwise.rollout.session_routing import RoutingPolicy
 from megatron_stepwise.rollout.sglang import SGLangServerConfig, TensorHandles, serialize_tensors_sglang
 from megatron_stepwise.rundir.lifecycle import tagged_ray_instance
@@ -212,6 +213,7 @@ def _spawn_actor(spec: EngineSpec, index: int, incarnation: int):
     """The fleet's default engine: a Ray actor running `EngineActor`."""
     import ray
 
+    check_room(f"engine {index}", spec.num_cpus, spec.num_gpus)
     actor = ray.remote(EngineActor).options(
         num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, max_concurrency=1000, max_restarts=0
     )

@@ -10,20 +10,17 @@ repeat the one-node run exactly. Needs root (as CI has); skips elsewhere, saying
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
 import pytest
 from helpers import run_launch
-from two_hosts import REPO, python_env, two_hosts, wait_for
+from two_hosts import REPO, python_env, ray_cluster, start_training, wait_for
 
 # Two Ray nodes and two launches (the one-node reference and the two-node run) on a 2-core machine.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 RUN = ("trainer.iterations=5", "checkpoint.every=0", "logging.progress=false", "rollout.agent_workers=2")
-RAY_PORT = 6379  # each host has its own ports: nothing else on this machine listens in its namespace
-RDZV_PORT = 29400
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -32,44 +29,8 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    """Two hosts with a Ray cluster across them: head on a (0 CPUs), worker on b (6 CPUs)."""
-    state = tmp_path_factory.mktemp("hosts")
-    hosts = two_hosts(state)
-    env = python_env()
-    ray = str(Path(sys.executable).parent / "ray")
-    head = f"{hosts.ip['a']}:{RAY_PORT}"
-    try:
-        # A Ray temp dir of their own: Ray records "the cluster on this machine" there, and the
-        # suite's other Ray users share /tmp with these hosts.
-        temp = f"/tmp/msw-ray-{os.getpid()}"
-        hosts.popen(
-            "a",
-            [
-                ray,
-                "start",
-                "--head",
-                f"--node-ip-address={hosts.ip['a']}",
-                f"--port={RAY_PORT}",
-                "--num-cpus=0",
-                f"--temp-dir={temp}",
-                "--block",
-            ],
-            log=state / "ray_a.log",
-            env=env,
-        )
-        up = hosts.run("a", [sys.executable, "launch/plan.py", "wait-ray", head, "1"], timeout=400, env=env)
-        assert up.returncode == 0, up.stderr + (state / "ray_a.log").read_text()[-3000:]
-        hosts.popen(
-            "b",
-            [ray, "start", f"--address={head}", f"--node-ip-address={hosts.ip['b']}", "--num-cpus=6", "--block"],
-            log=state / "ray_b.log",
-            env=env,
-        )
-        up = hosts.run("a", [sys.executable, "launch/plan.py", "wait-ray", head, "2"], timeout=400, env=env)
-        assert up.returncode == 0, up.stderr + (state / "ray_b.log").read_text()[-3000:]
-        yield hosts, head, env
-    finally:
-        hosts.close()
+    with ray_cluster(tmp_path_factory.mktemp("hosts")) as hosts_head_env:
+        yield hosts_head_env
 
 
 @pytest.fixture(scope="module")
@@ -91,16 +52,7 @@ def one_node_reference(tmp_path_factory):
 
 def _train_on_both(hosts, head: str, env: dict, run_dir: Path, *extra: str) -> None:
     """torchrun on each host (one rank each), rendezvousing at host a, as on two cluster nodes."""
-    procs = []
-    for rank, host in enumerate("ab"):
-        cmd = [
-            sys.executable, "-m", "megatron_stepwise.rundir.torchrun", "--rdzv-backend=bound-static",
-            "--nnodes=2", "--nproc-per-node=1", f"--rdzv-conf=rank={rank}",
-            f"--rdzv-endpoint={hosts.ip['a']}:{RDZV_PORT}",
-            "-m", "megatron_stepwise.cli", "train", "configs/tiny_cpu.yaml", f"logging.run_dir={run_dir}",
-            "launch.nnodes=2", "launch.nproc_per_node=1", f"rollout.ray_address={head}", *RUN, *extra,
-        ]  # fmt: skip
-        procs.append(hosts.popen(host, cmd, log=run_dir.parent / f"torchrun_{host}.log", env=env))
+    procs = start_training(hosts, head, env, run_dir, *RUN, *extra)
     for proc, host in zip(procs, "ab"):
         wait_for(lambda p=proc: p.poll() is not None, f"the training on host {host}", timeout_s=900)
     for proc, host in zip(procs, "ab"):
