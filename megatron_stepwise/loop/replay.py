@@ -3,10 +3,10 @@
 No engines and no environments: every rank builds the policy, optimizer and scheduler at the
 (possibly new) layout, loads `checkpoints/iter_K` (saved after K iterations, i.e. before
 iteration K ran), rebuilds K's mini-batches from `rollouts/iter_K.parquet` and trains them
-exactly as the trainer did (old-policy and reference log-probs first when the trainer computed
-them, then one optimizer step per mini-batch and epoch). The loss is normalised once per
-mini-batch, so the same steps give the same update at any layout: bit-identical at the layout
-of the run, equal to fp32 rounding at another. Rank 0 reports each step's loss and grad norm
+through the trainer's own `TrainingRound` (old-policy and reference log-probs first when the
+trainer computed them, then one optimizer step per mini-batch and epoch). The loss is
+normalised once per mini-batch, so the same steps give the same update at any layout:
+bit-identical at the layout of the run, equal to fp32 rounding at another. Rank 0 reports each step's loss and grad norm
 beside the recorded ones, and the largest parameter difference to `checkpoints/iter_K+1`.
 """
 
@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from megatron_stepwise.loop import components
 from megatron_stepwise.loop.dumps import Dump
+from megatron_stepwise.loop.training_round import TrainingRound
 
 log = logging.getLogger(__name__)
 
@@ -64,16 +65,9 @@ def replay(cfg, dump: Dump, *, trusted: bool = False) -> dict[str, Any]:
     shards = [plugin.plan_shards(chunks, batch, only=dp_rank)[0] for batch in dump.minibatches]
     # The rounds the trainer made: one per iteration synchronously, one per mini-batch async.
     rounds = [[s] for s in shards] if cfg.async_.enabled else [shards]
-    steps = []
-    for round_ in rounds:
-        needs_old = len(round_) * cfg.data.epochs > 1
-        for shard in round_:
-            if needs_old:
-                shard.token_fields["old_logprobs"] = plugin.compute_logprobs_flat(chunks, shard)
-            if ref is not None:
-                shard.token_fields["ref_logprobs"] = plugin.compute_logprobs_flat(ref, shard)
-        for _ in range(cfg.data.epochs):
-            steps += [plugin.train_minibatch(chunks, optimizer, shard, lr_scheduler=scheduler) for shard in round_]
+    # the trainer's own round; no divergence check, so a diverged step is reported, not raised
+    training = TrainingRound(plugin, chunks, optimizer, scheduler, epochs=cfg.data.epochs, ref_chunks=ref)
+    steps = [metrics for round_ in rounds for metrics in training.run(round_)]
     recorded = dump.meta.get("train_metrics") or []
     report: dict[str, Any] = {
         "iteration": k,

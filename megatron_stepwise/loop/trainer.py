@@ -38,6 +38,7 @@ from megatron_stepwise.loop.handoff import Handoff
 from megatron_stepwise.loop.placement import log_placement
 from megatron_stepwise.loop.sources import Driver, SyncRollouts, rollout_seed
 from megatron_stepwise.loop.training_batch import add_counts
+from megatron_stepwise.loop.training_round import TrainingRound
 from megatron_stepwise.metrics.collapse import EntropyWatch
 from megatron_stepwise.metrics.core import (
     MetricsLogger,
@@ -83,6 +84,16 @@ class Trainer:
         self.optimizer = components.build_optimizer(cfg, self.chunks)
         self.scheduler = components.build_scheduler(cfg, self.optimizer)
         self.plugin = components.build_plugin(cfg, self.tokenizer)
+        # a non-finite loss or grad norm ends the run at its step, before the push
+        self.training_round = TrainingRound(
+            self.plugin,
+            self.chunks,
+            self.optimizer,
+            self.scheduler,
+            epochs=cfg.data.epochs,
+            ref_chunks=self.ref_chunks,
+            check=lambda m: check_finite(m, iteration=self.state.iteration, clip_grad=cfg.optim.clip_grad),
+        )
         self.dataset = components.build_dataset(cfg)
         self.state = TrainerState()
         # Rollouts and small decisions travel between ranks as objects on a CPU group, whatever
@@ -238,6 +249,8 @@ class Trainer:
         skipped = trained_tokens = 0
         dumping = self.recorder.begin(self.state.iteration)  # the same decision on every rank
         dumped_logprobs: list = []
+        # the dump records each shard's log-probs under the weights its round starts from
+        dump = (lambda shards: dumped_logprobs.extend(map(self.trainer_logprobs, shards))) if dumping else None
         version = self.state.weight_version  # the weights this iteration's first step trains
         for _ in range(self.source.rounds_per_iteration):
             with budget.rollout(lambda: self.handoff.produce_seconds), timed(times, "time/rollout"):
@@ -252,14 +265,7 @@ class Trainer:
             batches = round_.minibatches
             # colocated: the engines' memory is Megatron's from here until the push
             with budget.part("train"), self.source.overlap(), self.colocation.released(self.state.iteration, times):
-                with timed(times, "time/old_logprobs"):
-                    self.score(batches)
-                if dumping:
-                    with timed(times, "time/dump"):
-                        dumped_logprobs += [self.trainer_logprobs(batch) for batch in batches]
-                with timed(times, "time/train"):
-                    for _ in range(self.cfg.data.epochs):
-                        train_metrics += [self.train_step(batch) for batch in batches]
+                train_metrics += self.training_round.run(batches, clock=functools.partial(timed, times), inspect=dump)
                 trained_tokens += sum(b.tokens for b in batches) * self.cfg.data.epochs
             self.state.weight_version += 1
             with budget.part("weight_push"), self.colocation.resumed(times), timed(times, "time/weight_sync"):
@@ -284,18 +290,9 @@ class Trainer:
         metrics["weight_version"] = self.state.weight_version
         return metrics
 
-    def score(self, batches: list) -> None:
-        """Old-policy log-probs when the policy moves before a batch is trained; reference log-probs."""
-        needs_old = len(batches) * self.cfg.data.epochs > 1
-        for batch in batches:
-            if needs_old:
-                batch.token_fields["old_logprobs"] = self.plugin.compute_logprobs_flat(self.chunks, batch)
-            if self.ref_chunks is not None:
-                batch.token_fields["ref_logprobs"] = self.plugin.compute_logprobs_flat(self.ref_chunks, batch)
-
     def trainer_logprobs(self, shard) -> tuple:
         """(DP rank, rows in the mini-batch, row offsets, flat log-probs) of this rank's shard under
-        the weights it is about to train with: the old-policy log-probs when `score` made them,
+        the weights it is about to train with: the old-policy log-probs when the round scored them,
         else one forward pass."""
         flat = shard.token_fields.get("old_logprobs")
         if flat is None:
@@ -327,12 +324,6 @@ class Trainer:
             )
         except OSError as e:  # a dump is for looking at: training goes on without it
             log.warning("iteration %d: could not write the rollout dump %s: %s", iteration, path, e)
-
-    def train_step(self, batch) -> dict[str, float]:
-        """One optimizer step on one mini-batch; a non-finite loss or grad norm ends the run here."""
-        metrics = self.plugin.train_minibatch(self.chunks, self.optimizer, batch, lr_scheduler=self.scheduler)
-        check_finite(metrics, iteration=self.state.iteration, clip_grad=self.cfg.optim.clip_grad)
-        return metrics
 
     def push_weights(self) -> dict[str, float]:
         """Collective: every rank converts its shard; rank 0 pushes to the fleet."""

@@ -95,13 +95,13 @@ def run_mode(colocate: bool, run_dir: str) -> dict:
 
     components.build_fleet = build_fleet
     trainer = Trainer(cfg)
-    train_step = trainer.train_step
+    train_step = trainer.training_round.step
 
-    def recorded_train_step(batch):
+    def recorded_train_step(shard):
         log.append("train")
-        return train_step(batch)
+        return train_step(shard)
 
-    trainer.train_step = recorded_train_step
+    trainer.training_round.step = recorded_train_step
     try:
         history = trainer.run()
         engine = engines[0]

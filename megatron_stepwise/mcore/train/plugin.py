@@ -14,7 +14,6 @@ How each `calculate_per_token_loss` setting is undone, and sharded inputs: docs/
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import itertools
 from dataclasses import dataclass
@@ -24,122 +23,29 @@ import torch
 import torch.distributed as dist
 
 from megatron_stepwise.algo.losses import combine_metric_partials
-from megatron_stepwise.algo.reductions import row_denominators, weights_from_denominators
 from megatron_stepwise.algo.rows import RowTable
 from megatron_stepwise.mcore.runtime.runtime import ParallelLayout, comm_device, current_layout
 from megatron_stepwise.mcore.train.logprobs import check_temperature, trained_position_logprobs
 from megatron_stepwise.mcore.train.model import unwrap
 from megatron_stepwise.mcore.train.model_contract import check_model_contract
-from megatron_stepwise.mcore.train.packing import (
-    PackedMicroBatch,
-    alignment_for,
-    pack_rows,
-    packed_lengths,
-    split_for_context_parallel,
-)
+from megatron_stepwise.mcore.train.packing import PackedMicroBatch, alignment_for, pack_rows, split_for_context_parallel
 from megatron_stepwise.mcore.train.router_losses import RoutedMicroBatch, RouterLosses, check_recompute
 from megatron_stepwise.mcore.train.router_losses import install as install_router_hooks
-from megatron_stepwise.steps import Step, StepBatch, StepwiseBatchError
 
-TRAIN, LOGPROBS = "train", "logprobs"
-
-
-class UnsupportedLayoutError(ValueError):
-    """A model layout the step-wise plugin refuses (MTP, EP overlap schedule plans)."""
-
-
-class HostLoopMismatchError(ValueError):
-    """The host training loop assumes something the plugin's plan does not hold (e.g. another
-    number of micro-batches per optimizer step); raised instead of training silently wrong."""
-
-
-@dataclass
-class MinibatchShard:
-    """One data-parallel rank's part of a mini-batch (`StepwisePlugin.plan_shards`): its rows with
-    the token fields the loss reads (`weights`, computed over the whole mini-batch, advantages,
-    old/ref log-probs), its micro-batches as row lists, and the mini-batch totals the loss and
-    metrics normalise by."""
-
-    batch: StepBatch
-    plan: list[list[int]]  # micro-batches of row indices into `batch`
-    rows: list[int]  # where `batch`'s rows are in the whole mini-batch
-    dp_rank: int
-    dp_size: int
-    trained_tokens: int  # over the whole mini-batch
-    data_rows: int  # rows that are not DP padding, whole mini-batch
-    data_tokens: int
-    tokens: int  # every row's tokens, whole mini-batch
-    rollout_logprobs: bool  # the engine's log-probs go to the loss
-    rollout_logprobs_complete: bool  # ... and every trained token has one
-    pad_to: Optional[int] = None
-
-    @property
-    def token_fields(self) -> dict[str, torch.Tensor]:
-        return self.batch.token_fields
-
-    # Sent between processes with narrower integer types (`StepBatch.for_wire`).
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "batch": self.batch.for_wire()}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state, batch=state["batch"].from_wire())
-
-    def minibatch_token_index(self, local: torch.Tensor, minibatch: StepBatch) -> torch.Tensor:
-        """Token positions in `batch` -> the same tokens' positions in the whole `minibatch`."""
-        row = torch.searchsorted(self.batch.offsets, local, right=True) - 1
-        rows = torch.as_tensor(self.rows, dtype=torch.long)
-        return minibatch.offsets[:-1][rows[row]] + (local - self.batch.offsets[:-1][row])
-
-
-def shard_rows(micros: list[list[int]]) -> tuple[list[int], list[list[int]]]:
-    """One rank's micro-batches (rows of the mini-batch) -> (its rows in order, the same
-    micro-batches as positions in that list)."""
-    rows = [r for micro in micros for r in micro]
-    local, at = [], 0
-    for micro in micros:
-        local.append(list(range(at, at + len(micro))))
-        at += len(micro)
-    return rows, local
-
-
-@dataclass
-class ShardDecision:
-    """What `decide_shards` decides for one DP rank: which rows of the mini-batch it trains (in
-    this order), its micro-batches as positions in that list, the mini-batch totals, and each
-    row's loss denominator (None when the weights were computed on the whole batch)."""
-
-    plan: list[list[int]]
-    rows: list[int]
-    dp_rank: int
-    dp_size: int
-    trained_tokens: int
-    data_rows: int
-    data_tokens: int
-    tokens: int
-    rollout_logprobs: bool
-    rollout_logprobs_complete: bool
-    traj_index: torch.Tensor
-    group_index: torch.Tensor
-    denominators: Optional[torch.Tensor] = None
-    pad_to: Optional[int] = None
-
-    def cut(self, batch: StepBatch) -> MinibatchShard:
-        """This rank's shard from `batch`, which holds exactly its rows, in `rows` order."""
-        if batch.num_rows != len(self.rows):
-            raise StepwiseBatchError(
-                f"DP rank {self.dp_rank}: got {batch.num_rows} rows for a decision of {len(self.rows)}"
-            )
-        row_fields = {**batch.row_fields, "traj_index": self.traj_index, "group_index": self.group_index}
-        token_fields = batch.token_fields
-        if self.denominators is not None:
-            token_fields = {**token_fields, "weights": weights_from_denominators(batch, self.denominators)}
-        batch = dataclasses.replace(batch, token_fields=token_fields, row_fields=row_fields)
-        totals = {
-            f.name: getattr(self, f.name)
-            for f in dataclasses.fields(MinibatchShard)
-            if f.name not in ("batch", "plan", "rows", "pad_to")
-        }
-        return MinibatchShard(batch=batch, plan=self.plan, rows=self.rows, pad_to=self.pad_to, **totals)
+# The shard decision lives in shards.py; these names stay importable from here (the documented path).
+from megatron_stepwise.mcore.train.shards import (  # noqa: F401
+    LOGPROBS,
+    TRAIN,
+    HostLoopMismatchError,
+    MinibatchShard,
+    ShardDecision,
+    ShardLayout,
+    ShardPlanner,
+    UnsupportedLayoutError,
+    check_tokens,
+    shard_rows,
+)
+from megatron_stepwise.steps import Step, StepBatch
 
 
 @dataclass
@@ -259,33 +165,38 @@ class StepwisePlugin:
         check_temperature(temperature)
         if num_microbatches is not None and num_microbatches < 1:
             raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
-        self.loss_config, self.max_tokens = loss_config, int(max_tokens_per_microbatch)
-        self.chunk_tokens, self.pad_token_id = logprob_chunk_tokens, pad_token_id
-        self.temperature = float(temperature)
-        self.num_microbatches, self.vocab_size = num_microbatches, vocab_size
-        self._policy_loss, self._token_weights, self._loss_inputs = policy_loss, token_weights, loss_inputs
-        self._default_weights = token_weights is None  # the built-in reductions: weighable from row counts
-        self._plan = plan_microbatches
-        self._plan_takes_alignment = False  # the package planner also packs to the layout's alignment
+        self.loss_config, self.temperature = loss_config, float(temperature)
+        self.chunk_tokens, self.pad_token_id, self.vocab_size = logprob_chunk_tokens, pad_token_id, vocab_size
+        # Which rows each DP rank trains, in which micro-batches, and the loss's denominators.
+        self.shards = ShardPlanner(
+            loss_config,
+            max_tokens=int(max_tokens_per_microbatch),
+            num_microbatches=num_microbatches,
+            plan_microbatches=plan_microbatches,
+            token_weights=token_weights,
+        )
+        self._policy_loss, self._loss_inputs = policy_loss, loss_inputs
         self._in_own_schedule = False  # train_minibatch / compute_logprobs pass the plan's count themselves
         # MoE router balance / z losses (algo.loss.router_aux_coef / router_z_coef) and expert-load metrics.
         self.router_losses = RouterLosses(
             aux_coef=getattr(loss_config, "router_aux_coef", 0.0), z_coef=getattr(loss_config, "router_z_coef", 0.0)
         )
 
+    @property
+    def max_tokens(self) -> int:
+        return self.shards.max_tokens
+
+    @property
+    def num_microbatches(self) -> Optional[int]:
+        return self.shards.num_microbatches
+
     # ----------------------------------------------------------------- algorithm hooks
     def _algo(self):
-        if None in (self._policy_loss, self._token_weights, self._loss_inputs):
+        if None in (self._policy_loss, self._loss_inputs):
             from megatron_stepwise.algo import losses
 
             self._policy_loss = self._policy_loss or losses.policy_loss
-            self._token_weights = self._token_weights or losses.loss_token_weights
             self._loss_inputs = self._loss_inputs or losses.LossInputs
-        if self._plan is None:
-            from megatron_stepwise.algo.planner import plan_microbatches
-
-            self._plan = plan_microbatches
-            self._plan_takes_alignment = True
 
     # ----------------------------------------------------------------- input preparation
     @staticmethod
@@ -293,32 +204,6 @@ class StepwisePlugin:
         if isinstance(steps_or_batch, StepBatch):
             return steps_or_batch
         return StepBatch.from_steps(list(steps_or_batch))
-
-    def _check_tokens(self, batch: StepBatch, gpt, *, need: Sequence[str]) -> None:
-        if batch.num_rows == 0:
-            raise StepwiseBatchError("mini-batch has no steps")
-        vocab = self._vocab_size(gpt)
-        bad = (batch.tokens < 0) | (batch.tokens >= vocab)
-        if bool(bad.any()):
-            i = int(torch.nonzero(bad)[0])
-            r = int(torch.searchsorted(batch.offsets, torch.tensor(i), right=True)) - 1
-            raise StepwiseBatchError(
-                f"step {r}: token id {int(batch.tokens[i])} is outside the model vocabulary [0, {vocab})"
-            )
-        for name in need:
-            if name not in batch.token_fields:
-                raise StepwiseBatchError(f"mini-batch is missing the per-token field {name!r}")
-
-    def _check_lengths(self, lengths: torch.Tensor, cp: int) -> None:
-        """`lengths`: the rows as packed (`packed_lengths`, padded for CP)."""
-        over = torch.nonzero(lengths > self.max_tokens).flatten()
-        if over.numel():
-            r = int(over[0])
-            padded = f" (padded to a multiple of {2 * cp} for context parallelism)" if cp > 1 else ""
-            raise StepwiseBatchError(
-                f"step {r}: {int(lengths[r])} tokens{padded} do not fit the micro-batch budget "
-                f"max_tokens_per_microbatch={self.max_tokens}"
-            )
 
     def _vocab_size(self, gpt) -> int:
         """The vocabulary log-probs are over (the model's rows minus any padding)."""
@@ -385,31 +270,17 @@ class StepwisePlugin:
         mode: str = TRAIN,
         num_microbatches: Optional[int] = None,
         only: Optional[int] = None,
-    ) -> list["MinibatchShard"]:
+    ) -> list[MinibatchShard]:
         """Decide a mini-batch for every data-parallel rank at once: validate it, weight its tokens
         (once, over the whole mini-batch), plan every rank's micro-batches, and cut one
         `MinibatchShard` per DP rank (or only rank `only`'s). The decision depends on the layout,
         not on the rank, so one process can make it for all (the trainer's driver does) and each
         rank trains its shard with `train_minibatch(chunks, optimizer, shard)`."""
-        self._algo()
         batch = self.as_batch(steps_or_batch)
-        self._check_tokens(
-            batch, unwrap(model_chunks[0]), need=("loss_mask", "advantages") if mode == TRAIN else ("loss_mask",)
-        )
-        custom_weights = mode == TRAIN and not self._default_weights
-        if custom_weights:  # a user's weighting sees the whole mini-batch
-            max_len = getattr(self.loss_config, "max_response_len", None)
-            weights = self._token_weights(batch, self.loss_config.reduction, max_response_len=max_len).float()
-            batch = dataclasses.replace(batch, token_fields={**batch.token_fields, "weights": weights})
-        decisions = self.decide_shards(
-            model_chunks,
-            RowTable.of(batch),
-            mode=mode,
-            num_microbatches=num_microbatches,
-            only=only,
-            weigh=not custom_weights,
-        )
-        return [d.cut(batch.select(d.rows)) for d in decisions]
+        need = ("loss_mask", "advantages") if mode == TRAIN else ("loss_mask",)
+        check_tokens(batch, self._vocab_size(unwrap(model_chunks[0])), need=need)
+        layout = self._shard_layout(model_chunks)
+        return self.shards.plan(batch, layout, mode=mode, num_microbatches=num_microbatches, only=only)
 
     def decide_shards(
         self,
@@ -420,101 +291,38 @@ class StepwisePlugin:
         num_microbatches: Optional[int] = None,
         only: Optional[int] = None,
         weigh: bool = True,
-    ) -> list["ShardDecision"]:
+    ) -> list[ShardDecision]:
         """`plan_shards` from the rows' lengths and counts alone (no token): every DP rank's rows,
         micro-batches, totals and loss denominators. Whoever holds a rank's rows (in `rows` order)
         turns its decision into a `MinibatchShard` with `ShardDecision.cut`, so the process that
         decides never needs the token data. The tokens' own checks (vocabulary, fields) are the
         holder's: the trainer's agent workers validate the steps they produce."""
-        self._algo()
-        if weigh and mode == TRAIN and not self._default_weights:
-            raise UnsupportedLayoutError(
-                "decide_shards weighs tokens with the built-in loss reductions; a custom "
-                "token_weights hook needs the whole mini-batch (use plan_shards)"
-            )
+        layout = self._shard_layout(model_chunks)
+        return self.shards.decide(rows, layout, mode=mode, num_microbatches=num_microbatches, only=only, weigh=weigh)
+
+    def _shard_layout(self, model_chunks: list) -> ShardLayout:
+        """What a shard decision needs of this model and layout, after the checks that refuse the
+        model (raised before any collective)."""
         gpt = unwrap(model_chunks[0])
         layout = self._layout(model_chunks)
-        dp, cp, chunks = layout.dp, layout.cp, layout.vpp
         cfg = gpt.config
         if getattr(cfg, "mtp_num_layers", None):
             # MTP heads reuse the output layer inside GPTModel, which the plugin bypasses.
             raise UnsupportedLayoutError("multi-token prediction (mtp_num_layers) is not supported by the plugin")
         check_model_contract(gpt)  # a host-built model: the fix named before the first forward
-        if cfg.pipeline_model_parallel_size > 1 and not cfg.variable_seq_lengths and chunks == 1:
+        if cfg.pipeline_model_parallel_size > 1 and not cfg.variable_seq_lengths and layout.vpp == 1:
             # Packed micro-batches differ in length; fixed-shape p2p would fail mid-schedule.
             raise UnsupportedLayoutError(
                 "pipeline parallelism needs config.variable_seq_lengths=True (Megatron-LM: --variable-seq-lengths): "
                 "packed micro-batches have different lengths"
             )
-        if rows.num_rows == 0:
-            raise StepwiseBatchError("mini-batch has no steps")
-        lengths = packed_lengths(rows.lengths, cp)
-        self._check_lengths(lengths, cp)
-        n_trained = int(rows.trained.sum())
-        if n_trained == 0:
-            raise StepwiseBatchError(
-                "mini-batch has no trainable token (loss_mask is 0 on every step): nothing to "
-                + ("train" if mode == TRAIN else "score")
-            )
-        align = alignment_for(cfg.tensor_model_parallel_size, cfg.sequence_parallel, cp)
-        extra = {"micro_align": align} if self._plan_takes_alignment else {}
-        plan = self._plan(lengths.tolist(), dp_size=dp, max_tokens=self.max_tokens, **extra)
-        if len(plan) != dp or len({len(p) for p in plan}) != 1:
-            raise RuntimeError(f"micro-batch planner returned an invalid plan for dp_size={dp}")
-        count = num_microbatches or self.num_microbatches
-        if chunks > 1:
-            # The interleaved schedule runs groups of PP micro-batches per model chunk.
-            pp = cfg.pipeline_model_parallel_size
-            if count is None:
-                count = max(pp, -(-len(plan[0]) // pp) * pp)
-            elif count % pp:
-                raise HostLoopMismatchError(
-                    f"num_microbatches={count} is not a multiple of the pipeline-parallel size {pp}, which the "
-                    "interleaved (virtual pipeline) schedule needs"
-                )
-        plan = self._fixed_count(plan, count)
-        rollout_logprobs = complete = False
-        denominators = None
-        if mode == TRAIN:
-            if weigh:
-                max_len = getattr(self.loss_config, "max_response_len", None)
-                denominators = row_denominators(rows, self.loss_config.reduction, max_response_len=max_len)
-            rollout_logprobs, complete = self._check_rollout_logprobs(rows)
-        data = ~rows.is_padding
-        totals = dict(
-            dp_size=dp,
-            trained_tokens=n_trained,
-            data_rows=int(data.sum()),
-            data_tokens=int(rows.lengths[data].sum()),
-            tokens=int(rows.lengths.sum()),
-            rollout_logprobs=rollout_logprobs,
-            rollout_logprobs_complete=complete,
+        return ShardLayout(
+            dp=layout.dp,
+            cp=layout.cp,
+            pp=cfg.pipeline_model_parallel_size,
+            vpp=layout.vpp,
+            align=alignment_for(cfg.tensor_model_parallel_size, cfg.sequence_parallel, layout.cp),
         )
-        decisions = []
-        for rank in range(dp) if only is None else [only]:
-            mine, local = shard_rows(plan[rank])
-            pad_to = None
-            if chunks > 1:
-                # The interleaved schedule exchanges activations and gradients in both directions at
-                # once, and megatron's shape exchange pairs those messages by order: with PP=2 both
-                # neighbours are the same rank and a variable shape could be read for the wrong
-                # tensor. Every micro-batch of the step is padded (loss-neutrally) to the longest.
-                sizes = [int(lengths[micro].sum()) if micro else 0 for micro in plan[rank]]
-                pad_to = max(max(align, size + (-size) % align) for size in sizes)
-            index = torch.as_tensor(mine, dtype=torch.long)
-            decisions.append(
-                ShardDecision(
-                    plan=local,
-                    rows=mine,
-                    dp_rank=rank,
-                    pad_to=pad_to,
-                    denominators=None if denominators is None else denominators[index],
-                    traj_index=rows.traj_index[index],
-                    group_index=rows.group_index[index],
-                    **totals,
-                )
-            )
-        return decisions
 
     def _pack(self, model_chunks: list, shard: "MinibatchShard", *, mode: str) -> MinibatchInputs:
         """Pack this rank's shard into micro-batches (and split them over CP)."""
@@ -563,37 +371,6 @@ class StepwisePlugin:
         return MinibatchInputs(
             mbs, num_mb, shard.pad_to or max(mb.seq_len for mb in mbs), num_chunks=chunks, shard=shard
         )
-
-    def _fixed_count(self, plan: list, count: Optional[int]) -> list:
-        """Pad every rank's micro-batches to `count` with empty (loss-neutral) ones."""
-        if count is None:
-            return plan
-        needed = len(plan[0])
-        if needed > count:
-            raise HostLoopMismatchError(
-                f"this mini-batch needs {needed} micro-batches of <= {self.max_tokens} tokens per DP rank, but the host "
-                f"loop runs num_microbatches={count} (Megatron-LM: global_batch_size / (micro_batch_size x DP)); "
-                "raise the global batch size or max_tokens_per_microbatch, or use fewer prompts per mini-batch"
-            )
-        return [rank + [[] for _ in range(count - needed)] for rank in plan]
-
-    def _check_rollout_logprobs(self, rows: RowTable) -> tuple[bool, bool]:
-        """(the engine's log-probs go to the loss, every trained token has one).
-
-        They go when any trained token has one; only when all have do they reach the loss's
-        corrections. A loss that needs them (TIS, IcePop, the async off-policy correction)
-        refuses a batch with a gap, naming the first step; otherwise the train-vs-rollout gap
-        metric covers the known ones.
-        """
-        missing = rows.first_row_missing_logprobs()
-        if missing is not None and getattr(self.loss_config, "needs_rollout_logprobs", False):
-            raise StepwiseBatchError(
-                f"step {missing} ({rows.trajectory_ids[missing]}): field 'rollout_logprobs' is missing (the rollout "
-                f"engine reported no log-probs), but algo.loss.tis={self.loss_config.tis!r} / "
-                "algo.loss.icepop_* need the engine's log-prob of every trained token"
-            )
-        present = bool((rows.trained_known > 0).any())
-        return present, present and missing is None
 
     def microbatch_stream(self, minibatches: Iterable[Union[StepBatch, Sequence[Step]]]) -> Iterator:
         """A data iterator for host loops that hand `forward_step` nothing but an iterator and run
