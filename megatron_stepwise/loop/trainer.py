@@ -177,9 +177,11 @@ class Trainer:
             self._log_placement()
 
     def _log_placement(self) -> None:
-        agent = self.driver.agent
+        agent, fleet = self.driver.agent, self.driver.fleet
+        if not hasattr(fleet, "engine_table"):  # a fleet of no Ray actors (a test's stand-in): nothing to place
+            return
         workers = [w.handle for w in agent.workers] if isinstance(agent, AgentWorkers) else []
-        engines = [s.handle for s in self.driver.fleet.engine_table() if s.alive]
+        engines = [s.handle for s in fleet.engine_table() if s.alive]
         log_placement({"engines": engines, "agent workers": workers})
 
     def _agents(self, fleet, loop):

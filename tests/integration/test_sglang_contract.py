@@ -25,7 +25,7 @@ from aiohttp import web
 from helpers import run_launch
 
 from megatron_stepwise.rollout.embedded import generate_fields
-from megatron_stepwise.rollout.embedded.server import EngineServer, generate_response
+from megatron_stepwise.rollout.embedded.server import OWN_ROUTES, EngineServer, generate_response
 from megatron_stepwise.rollout.engine import MEMORY_TAGS, GenerateResult, SamplingParams
 from megatron_stepwise.rollout.sglang import SGLANG_VERSION, SGLangClient, TensorHandles, serialize_tensors_sglang
 
@@ -363,8 +363,9 @@ def test_response_fields_the_client_reads_exist(sglang):
 
 
 def test_embedded_server_speaks_the_same_api(sglang):
-    """Every route of `megatron-stepwise serve` is an SGLang route with that method, and its
-    /generate response uses only fields of SGLang's response schema."""
+    """Every route of `megatron-stepwise serve` is an SGLang route with that method, or one of the
+    declared routes of our own (which SGLang must not have: a same-named route of SGLang's would
+    mean another thing), and its /generate response uses only fields of SGLang's response schema."""
     table = routes(sglang["http_server"])
     # only the routes are read: an engine shaped enough to size the body limits
     sizes = SimpleNamespace(max_positions=1024, max_batch_size=4, model=torch.nn.Linear(2, 2))
@@ -372,6 +373,9 @@ def test_embedded_server_speaks_the_same_api(sglang):
     for route in app.router.routes():
         path, method = route.resource.canonical, route.method
         if method == "HEAD":
+            continue
+        if (method, path) in OWN_ROUTES:
+            assert path not in table, f"{path} is declared our own, but SGLang has it"
             continue
         assert path in table and method in table[path]["methods"], f"embedded {method} {path} is not SGLang's"
     result = GenerateResult([5, 6], [-0.5, -0.25], "length", weight_version=2)

@@ -86,7 +86,7 @@ def test_a_corrupted_engine_tensor_stops_every_rank_by_name_and_off_skips(result
     assert len(case["messages"]) == 2 and case["messages"][0] == case["messages"][1]  # raised on both ranks
     message = case["messages"][0]
     assert message.startswith("weight sync of version 6 verified wrong: engine 0 (engine0.0) holds 1 tensor(s)")
-    assert "model.layers.1.mlp.down_proj.weight: " in message and "sampled values differ" in message
+    assert "model.layers.1.self_attn.o_proj.weight: " in message and "sampled values differ" in message
     assert "weight_sync/seconds" in case["off_metrics"]
     assert not any(k.startswith("weight_sync/verif") for k in case["off_metrics"])
 

@@ -24,12 +24,25 @@ def _same(a, b) -> bool:
     return (math.isnan(a) and math.isnan(b)) or a == b
 
 
+def _wandb_rows(run_dir: str, expected: int, deadline_s: float = 60.0) -> list[dict]:
+    """The offline run's history rows, polled: W&B's service process may still be writing its
+    transaction log when `finish()` returns on a busy machine."""
+    import time
+
+    end = time.monotonic() + deadline_s
+    rows = wandb_offline_history(run_dir)
+    while len(rows) < expected and time.monotonic() < end:
+        time.sleep(0.2)
+        rows = wandb_offline_history(run_dir)
+    return rows
+
+
 def assert_loggers_match_jsonl(run_dir: str) -> int:
     """Every numeric key of every metrics.jsonl line is in TensorBoard and W&B with the same value
     at the same iteration (and nothing else is); returns how many values were compared."""
     lines = read_metrics(run_dir)
     tb = tensorboard_scalars(run_dir)
-    wb = {row["iteration"]: row for row in wandb_offline_history(run_dir)}
+    wb = {row["iteration"]: row for row in _wandb_rows(run_dir, len(lines))}
     assert sorted(wb) == [line["iteration"] for line in lines]
     compared = 0
     expected_tags = set()

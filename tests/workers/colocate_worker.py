@@ -45,6 +45,9 @@ class RecordingFleet:
         self.weight_version = await self.engine.update_weights_from_tensors(named_tensors, weight_version)
         return self.weight_version
 
+    async def verify_weights(self, checks, weight_version):
+        return [{"index": 0, **await self.engine.verify_weights(checks, weight_version)}]
+
     async def release_memory_occupation(self, tags=None):
         self._record("release(" + ",".join(sorted(tags)) + ")")
         await self.engine.release_memory_occupation(tags)

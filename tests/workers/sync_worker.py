@@ -59,7 +59,7 @@ def sampled_case(loop, fleet, rank, plugins, chunks) -> dict:
     return {"output_ids": output_ids, "engine": engine_logprobs, **scored}
 
 
-CORRUPTED = "model.layers.1.mlp.down_proj.weight"  # held by the second stage at PP2
+CORRUPTED = "model.layers.1.self_attn.o_proj.weight"  # held by the second stage at PP2; in every model, MoE too
 
 
 def corrupted_case(loop, fleet, rank, syncers, chunks, cfg, version) -> dict:

@@ -56,6 +56,9 @@ log = logging.getLogger(__name__)
 
 ENGINE_TAG = "megatron_stepwise.local"
 BYTES_PER_TOKEN = 32  # a token in a JSON body: an id and its separator, or its text (escaped), generously
+# Routes of our own, not SGLang's (every other route is SGLang's, with its method and fields):
+# the per-sync weight check and the full manifest (docs/weights.md, 'Every sync verified').
+OWN_ROUTES = {("POST", "/verify_weights"), ("GET", "/weights_manifest")}
 SMALL_BODY = 1 << 20  # sampling parameters, rids, weight names: what a body holds besides its prompts
 
 
