@@ -19,16 +19,11 @@ a small difference.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import shutil
 import statistics
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from harness import REPO, train_run
+
 MODES = {
     "sync": ("configs/tiny_cpu.yaml", []),
     "async": ("configs/tiny_cpu_async.yaml", []),
@@ -39,31 +34,8 @@ MODES = {
 
 
 def run_mode(mode: str, config: str, iterations: int, out: Path, extra: list[str]) -> dict:
-    run_dir = out / mode
-    shutil.rmtree(run_dir, ignore_errors=True)
-    cmd = [
-        sys.executable,
-        "-m",
-        "megatron_stepwise.cli",
-        "train",
-        str(REPO / config),
-        f"trainer.iterations={iterations}",
-        f"logging.run_dir={run_dir}",
-        "logging.progress=false",
-        "checkpoint.every=0",
-        "checkpoint.resume=never",
-        *extra,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    print(f"[{mode}] {' '.join(cmd[2:])}", flush=True)
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True)
-    wall = time.perf_counter() - start
-    if proc.returncode != 0:
-        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
-        raise SystemExit(f"{mode} run failed with exit code {proc.returncode}")
-    with open(run_dir / "metrics.jsonl") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+    overrides = [f"trainer.iterations={iterations}", "logging.progress=false", "checkpoint.every=0", *extra]
+    rows, wall = train_run(config, out / mode, overrides, f"{mode} run", env={"OMP_NUM_THREADS": "1"}, echo=mode)
     return {"rows": rows, "wall": wall}
 
 

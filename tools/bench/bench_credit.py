@@ -21,15 +21,14 @@ and reports the iteration at which the 5-iteration mean trajectory reward first 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
+from harness import train_run
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -118,26 +117,14 @@ def measure_bias(groups: int = 5000, group_size: int = 4) -> None:
 def echo_run(estimator: str, seed: int, args, root: str) -> list[float]:
     """One tiny CPU training run; its per-iteration mean trajectory reward."""
     run_dir = os.path.join(root, f"{estimator}_{seed}")
-    repo = Path(__file__).resolve().parents[2]
-    cmd = [
-        sys.executable,
-        "-m",
-        "megatron_stepwise.cli",
-        "train",
-        str(repo / "configs/tiny_cpu.yaml"),
+    overrides = [
         f"algo.estimator={estimator}",
         f"trainer.seed={seed}",
         f"trainer.iterations={args.echo_iterations}",
-        f"logging.run_dir={run_dir}",
-        "checkpoint.resume=never",
         "checkpoint.every=100000",
     ]
-    env = {**os.environ, "PYTHONPATH": str(repo)}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if proc.returncode:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line)["reward/mean"] for line in f if '"reward/mean"' in line]
+    rows, _ = train_run("configs/tiny_cpu.yaml", run_dir, overrides, f"echo run {estimator} seed {seed}")
+    return [r["reward/mean"] for r in rows if "reward/mean" in r]
 
 
 def compare_on_echo(args) -> None:

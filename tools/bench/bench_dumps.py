@@ -14,44 +14,23 @@ seed trains the same steps, so the loss column must match. No asserts: numbers a
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from harness import train_run
 
 
 def run(run_dir: Path, iterations: int, dump_every: int) -> dict:
-    shutil.rmtree(run_dir, ignore_errors=True)
-    cmd = [
-        sys.executable,
-        "-m",
-        "megatron_stepwise.cli",
-        "train",
-        str(REPO / "configs/tiny_cpu.yaml"),
+    overrides = [
         f"trainer.iterations={iterations}",
-        f"logging.run_dir={run_dir}",
         "logging.progress=false",
         "checkpoint.every=0",
-        "checkpoint.resume=never",
         "trainer.eval_every=0",
         f"trainer.dump_rollouts={dump_every}",
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True)
-    wall = time.perf_counter() - start
-    if proc.returncode != 0:
-        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
-        raise SystemExit(f"run with trainer.dump_rollouts={dump_every} failed with exit code {proc.returncode}")
-    with open(run_dir / "metrics.jsonl") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+    what = f"run with trainer.dump_rollouts={dump_every}"
+    rows, wall = train_run("configs/tiny_cpu.yaml", run_dir, overrides, what, env={"OMP_NUM_THREADS": "1"})
     dumps = sorted((run_dir / "rollouts").glob("*.parquet"))
     steady = rows[1:] or rows
     return {

@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from flops import QWEN2_CONFIGS  # noqa: E402
-from harness import add_seed_and_out, bench_parser, config, run_args, script_main  # noqa: E402
+from harness import add_seed_and_out, bench_parser, config, cuda_skip, run_args, script_main  # noqa: E402
 
 from megatron_stepwise.algo.losses import LossConfig  # noqa: E402
 from megatron_stepwise.data.synthetic import AgentWorkload, make_agent_steps  # noqa: E402
@@ -69,10 +69,8 @@ def engine_logprobs(model, batch, device: str) -> torch.Tensor:
 
 def run(quick: bool = False, **options: Any) -> dict[str, Any]:
     args = run_args(parse_args, quick, options)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        reason = "no CUDA GPU on this machine (torch.cuda.is_available() is False)"
-        print(f"bench_engine_agreement: skipped: {reason}")
-        return {"skipped": reason}
+    if skipped := cuda_skip("bench_engine_agreement", args.device):
+        return skipped
     from megatron_stepwise.mcore.runtime.runtime import destroy_distributed, silence_megatron_noise
 
     silence_megatron_noise()

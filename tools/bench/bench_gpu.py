@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -37,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from flops import QWEN2_CONFIGS, ModelShape, training_flops  # noqa: E402
-from harness import add_seed_and_out, bench_parser, config, run_args, script_main  # noqa: E402
+from harness import add_seed_and_out, bench_parser, config, cuda_skip, run_args, script_main, time_repeats  # noqa: E402
 
 from megatron_stepwise.algo.advantages import compute_advantages  # noqa: E402
 from megatron_stepwise.algo.losses import LossConfig  # noqa: E402
@@ -141,10 +140,8 @@ def device_name(device: str) -> str:
 def run(quick: bool = False, **options: Any) -> dict[str, Any]:
     """Prints the table, returns the figures; {'skipped': reason} without a GPU."""
     args = run_args(parse_args, quick, options)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        reason = "no CUDA GPU on this machine (torch.cuda.is_available() is False)"
-        print(f"bench_gpu: skipped: {reason}")
-        return {"skipped": reason}
+    if skipped := cuda_skip("bench_gpu", args.device):
+        return skipped
     from megatron_stepwise.mcore.runtime.runtime import destroy_distributed, silence_megatron_noise
 
     silence_megatron_noise()
@@ -176,21 +173,20 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
         plugin = StepwisePlugin(
             LossConfig(policy_loss="ppo", reduction="token_mean"), max_tokens_per_microbatch=args.micro_tokens
         )
-        times = []
-        for i in range(args.warmup + args.repeats):
-            synchronize(args.device)
-            t = time.perf_counter()
-            metrics = plugin.train_minibatch(chunks, opt, batch)
-            synchronize(args.device)
-            if i >= args.warmup:
-                times.append(time.perf_counter() - t)
+        timing = time_repeats(
+            lambda: plugin.train_minibatch(chunks, opt, batch),
+            args.repeats,
+            args.warmup,
+            lambda: synchronize(args.device),
+        )
+        times, metrics = timing.seconds, timing.result
         memory_gib = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None
         if args.profile:
             profile_step(lambda: plugin.train_minibatch(chunks, opt, batch), args.device, args.profile)
     finally:
         destroy_distributed()
 
-    sec = statistics.median(times)
+    sec = timing.median
     tokens = sum(lengths)
     achieved = flops["total"] / sec / 1e12
     mfu = achieved / peak_tflops

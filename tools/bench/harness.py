@@ -1,16 +1,26 @@
-"""What the benchmark scripts share: their command line (`--quick`, `--seed`, `--out`), `run()`'s
-keyword overrides, a `main` for scripts with `parse_args()` and `run()`, the JSON output, and
-per-phase timing."""
+"""What the benchmark scripts share, so each measures the same way: their command line (`--quick`,
+`--seed`, `--out`), `run()`'s keyword overrides, a `main` for scripts with `parse_args()` and
+`run()`, the JSON output; timing (warm-up, repeats, median and spread; A and B side by side,
+interleaved so machine noise hits both; per-phase wall and CPU); a timed training run of the CLI;
+the skip a GPU benchmark reports on a machine without one."""
 
 from __future__ import annotations
 
 import argparse
 import gc
 import json
+import os
+import shutil
 import socket
 import statistics
+import subprocess
+import sys
 import time
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Optional
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def bench_parser(doc: Optional[str], quick_help: Optional[str] = None) -> argparse.ArgumentParser:
@@ -61,17 +71,117 @@ def script_main(parse_args: Callable[[], Any], run: Callable[..., Any]) -> None:
     write_json(run(**config(args)), args.out)
 
 
+@dataclass
+class Timing:
+    """Wall seconds of the timed calls (warm-up calls left out) and the last call's return value."""
+
+    seconds: list[float] = field(default_factory=list)
+    result: Any = None
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.seconds)
+
+    @property
+    def spread(self) -> float:
+        """(slowest - fastest) / median: how much the machine moved the figure."""
+        return (max(self.seconds) - min(self.seconds)) / self.median if self.median else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"median_s": self.median, "spread": self.spread, "seconds": list(self.seconds)}
+
+
+def side_by_side(
+    calls: dict[str, Callable[[], Any]], repeats: int, warmup: int = 1, sync: Optional[Callable[[], None]] = None
+) -> dict[str, Timing]:
+    """Each call's Timing over `repeats` rounds after `warmup` untimed rounds; a round runs every
+    call once, in turn, so load on a shared machine hits all of them alike. `sync` (e.g.
+    `torch.cuda.synchronize`) brackets each timed call so host time is the device's time."""
+    timings = {name: Timing() for name in calls}
+    for i in range(warmup + repeats):
+        for name, fn in calls.items():
+            if sync:
+                sync()
+            start = time.perf_counter()
+            timings[name].result = fn()
+            if sync:
+                sync()
+            if i >= warmup:
+                timings[name].seconds.append(time.perf_counter() - start)
+    return timings
+
+
+def time_repeats(
+    fn: Callable[[], Any], repeats: int, warmup: int = 1, sync: Optional[Callable[[], None]] = None
+) -> Timing:
+    """`fn`'s Timing over `repeats` calls after `warmup` untimed ones (imports, first allocations,
+    a distributed group)."""
+    return side_by_side({"fn": fn}, repeats, warmup, sync)["fn"]
+
+
 def median_time(fn: Callable[[], Any], repeats: int, warmup: bool = True) -> float:
-    """Median wall seconds of `repeats` calls of `fn`, after an untimed warm-up call (imports,
-    first allocations, a distributed group) unless `warmup` is False."""
-    if warmup:
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    """Median wall seconds of `repeats` calls of `fn`, after an untimed warm-up call unless `warmup`
+    is False."""
+    return time_repeats(fn, repeats, warmup=int(warmup)).median
+
+
+def print_timings(timings: dict[str, Timing], baseline: Optional[str] = None, width: int = 40) -> None:
+    """One line per timing (median, spread, count), and each one's speed-up over `baseline`."""
+    for name, t in timings.items():
+        print(f"{name:{width}s} {t.median:8.2f} s (median of {len(t.seconds)}, spread {t.spread:.0%})")
+    if baseline is not None:
+        base = timings[baseline].median
+        for name, t in timings.items():
+            if name != baseline:
+                print(f"{'ratio ' + baseline + ' / ' + name:{width}s} {base / t.median:8.1f}x")
+
+
+def train_run(
+    config: Path | str,
+    run_dir: Path | str,
+    overrides: list[str],
+    what: str,
+    env: Optional[dict[str, str]] = None,
+    echo: Optional[str] = None,
+) -> tuple[list[dict[str, Any]], float]:
+    """`megatron-stepwise train config` into a fresh `run_dir` (never resuming), timed: its
+    metrics.jsonl rows and the wall seconds. `env` adds to this process's environment; `echo`
+    prints the command under that label first. A failed run exits naming `what` with its output."""
+    run_dir = Path(run_dir)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_stepwise.cli",
+        "train",
+        str(REPO / config),
+        *overrides,
+        f"logging.run_dir={run_dir}",
+        "checkpoint.resume=never",
+    ]
+    if echo:
+        print(f"[{echo}] {' '.join(cmd[2:])}", flush=True)
+    start = time.perf_counter()
+    proc = subprocess.run(
+        cmd, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})}, cwd=REPO, capture_output=True, text=True
+    )
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
+        raise SystemExit(f"{what} failed with exit code {proc.returncode}")
+    with open(run_dir / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f if line.strip()], wall
+
+
+def cuda_skip(name: str, device: str) -> Optional[dict[str, str]]:
+    """{'skipped': reason}, printed, when `device` is cuda and there is no CUDA GPU; else None."""
+    import torch
+
+    if device != "cuda" or torch.cuda.is_available():
+        return None
+    reason = "no CUDA GPU on this machine (torch.cuda.is_available() is False)"
+    print(f"{name}: skipped: {reason}")
+    return {"skipped": reason}
 
 
 def repeat_runs(run_once: Callable[[], tuple[dict, dict, Any]], repeats: int) -> tuple[list, list, Any]:
