@@ -32,4 +32,4 @@ format: setup
 	$(VENV)/bin/ruff format .
 
 bench: setup
-	$(PY) tools/bench.py
+	$(PY) tools/bench/suite.py

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session's checks, in priority order (each bounded, none stops the others): the device,
 # the CUDA unit tests (`pytest -m gpu`), the bf16 packed training step's tokens/s and MFU
-# (tools/bench_gpu.py, Qwen2.5-0.5B then 1.5B shapes), engine (HF) vs trainer log-probs,
+# (tools/bench/bench_gpu.py, Qwen2.5-0.5B then 1.5B shapes), engine (HF) vs trainer log-probs,
 # trained-positions log-prob head vs full logits, and packed vs padded micro-batches.
 # Figures go to $OUT (default ./gpu_out) as JSON, with the whole log in $OUT/log.
 #
@@ -24,9 +24,9 @@ step() {  # step SECONDS NAME COMMAND...
   step 20 device nvidia-smi
   step 60 versions $PY -c "import torch, transformers, megatron.core as m; print('torch', torch.__version__, 'cuda', torch.version.cuda, '| megatron-core', m.__version__, '| transformers', transformers.__version__, '|', torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
   step 60 pytest-gpu $PY -m pytest -q -m gpu tests/unit/test_gpu.py -p no:cacheprovider
-  step 120 bench_gpu-0.5b $PY tools/bench_gpu.py --model qwen2.5-0.5b --prompts 8 --warmup 1 --repeats 3 --out "$OUT/bench_gpu_0.5b.json"
-  step 90 engine-agreement $PY tools/bench_engine_agreement.py --model qwen2.5-0.5b --out "$OUT/engine_agreement.json"
-  step 60 logprobs-head $PY tools/bench_logprobs.py --device cuda --dtype bf16 --tokens 4096 --hidden 896 --vocab 151936 --chunk 294 --reps 5 --out "$OUT/logprobs.json"
-  step 90 packed-vs-padded $PY tools/bench_trainer_step.py --device cuda --hidden 1024 --layers 8 --prompts 8 --samples 8 --repeats 3 --out "$OUT/trainer_step.json"
-  step 120 bench_gpu-1.5b $PY tools/bench_gpu.py --model qwen2.5-1.5b --prompts 8 --warmup 1 --repeats 2 --out "$OUT/bench_gpu_1.5b.json"
+  step 120 bench_gpu-0.5b $PY tools/bench/bench_gpu.py --model qwen2.5-0.5b --prompts 8 --warmup 1 --repeats 3 --out "$OUT/bench_gpu_0.5b.json"
+  step 90 engine-agreement $PY tools/bench/bench_engine_agreement.py --model qwen2.5-0.5b --out "$OUT/engine_agreement.json"
+  step 60 logprobs-head $PY tools/bench/bench_logprobs.py --device cuda --dtype bf16 --tokens 4096 --hidden 896 --vocab 151936 --chunk 294 --reps 5 --out "$OUT/logprobs.json"
+  step 90 packed-vs-padded $PY tools/bench/bench_trainer_step.py --device cuda --hidden 1024 --layers 8 --prompts 8 --samples 8 --repeats 3 --out "$OUT/trainer_step.json"
+  step 120 bench_gpu-1.5b $PY tools/bench/bench_gpu.py --model qwen2.5-1.5b --prompts 8 --warmup 1 --repeats 2 --out "$OUT/bench_gpu_1.5b.json"
 } 2>&1 | tee "$OUT/log"

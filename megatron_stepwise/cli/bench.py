@@ -1,7 +1,7 @@
-"""`megatron-stepwise bench`: the benchmark suite of a source checkout (`tools/bench.py`).
+"""`megatron-stepwise bench`: the benchmark suite of a source checkout (`tools/bench/suite.py`).
 
-The suite and its benchmarks live in `tools/` next to the package (they are not installed with
-it); this subcommand runs them with the same options as `python tools/bench.py`.
+The suite and its benchmarks live in `tools/bench/` next to the package (they are not installed with
+it); this subcommand runs them with the same options as `python tools/bench/suite.py`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-SUITE = Path(__file__).resolve().parents[2] / "tools" / "bench.py"
+SUITE = Path(__file__).resolve().parents[2] / "tools" / "bench" / "suite.py"
 
 
 def _load_suite():
@@ -27,7 +27,7 @@ def _load_suite():
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench",
-        help="run the benchmark suite (tools/bench.py): tables, JSON and a markdown summary",
+        help="run the benchmark suite (tools/bench/suite.py): tables, JSON and a markdown summary",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -40,7 +40,7 @@ def _main(args: argparse.Namespace) -> int:
     if not SUITE.exists():
         print(
             f"error: the benchmark suite is not here ({SUITE}): `megatron-stepwise bench` needs a source "
-            "checkout of megatron-stepwise (the benchmarks live in its tools/ directory)",
+            "checkout of megatron-stepwise (the benchmarks live in its tools/bench/ directory)",
             file=sys.stderr,
         )
         return 2

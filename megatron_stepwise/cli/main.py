@@ -23,7 +23,7 @@ COMMANDS = {
     "demo": ("megatron_stepwise.cli.demo:register", "run the step-wise batch pipeline on a synthetic agent batch"),
     "plot": ("megatron_stepwise.cli.plot:register", "render reward, eval, length and timing curves of a run to PNG"),
     "serve": ("megatron_stepwise.cli.serve:register", "serve the embedded CPU engine over SGLang's HTTP API"),
-    "bench": ("megatron_stepwise.cli.bench:register", "run the benchmark suite (tools/bench.py)"),
+    "bench": ("megatron_stepwise.cli.bench:register", "run the benchmark suite (tools/bench/suite.py)"),
     "replay": (
         "megatron_stepwise.cli.replay:register",
         "re-run a dumped iteration's optimizer steps from its checkpoint, at any layout",

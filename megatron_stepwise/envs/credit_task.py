@@ -9,7 +9,7 @@ rewards are noisy, as judged or tool-checked steps are). A trajectory ends when 
 `max_turns` turns; its outcome is the sum of its turn rewards. Every trajectory can be
 enumerated (fewer than 3^max_turns), so the gradient of any objective written as an expectation
 over trajectories is exact (autograd through the enumeration), and sampled estimators can be
-compared against it (tests/unit/test_credit.py) or trained with (tools/bench_credit.py).
+compared against it (tests/unit/test_credit.py) or trained with (tools/bench/bench_credit.py).
 """
 
 from __future__ import annotations

@@ -184,7 +184,7 @@ def ensure_ray(address: Optional[str] = None, num_cpus: Optional[int] = None) ->
         kwargs.update(address="local", num_cpus=num_cpus or 4)
         # Ray runs its workers at niceness 15 by default; ours (engines, agent workers) are the
         # run's critical path, and at 15 any busy process on the node (a rank, a data loader)
-        # starves them (19x slower behind one busy loop per core: tools/bench_ray_priority.py).
+        # starves them (19x slower behind one busy loop per core: tools/bench/bench_ray_priority.py).
         # No idle workers prestarted for the first driver: engines and agent workers start their
         # own, and on a small machine those imports only compete with the ranks' start.
         kwargs["_system_config"] = {"worker_niceness": 0, "prestart_worker_first_driver": False}

@@ -16,10 +16,10 @@ session's turn is served elsewhere than its previous turn.
   (by outstanding tokens) only when that one would stay under half the budget, else keeps it: a
   move costs the session its cached prefix, so it must buy a clearly lighter engine (moving
   whenever the least loaded one merely had room re-pinned 4x as often and lost 3.7 points
-  of hit rate in tools/replay_routing.py). New sessions go to the least loaded engine by tokens,
+  of hit rate in tools/bench/replay_routing.py). New sessions go to the least loaded engine by tokens,
   which weighs long and short sessions where counting requests cannot.
 
-`tools/replay_routing.py` measures the three on recorded and synthetic agent traffic
+`tools/bench/replay_routing.py` measures the three on recorded and synthetic agent traffic
 (docs/scale.md, "Routing measured").
 """
 

@@ -3,7 +3,7 @@
 Marked slow and distributed (~1.5 min on 2 cores). Checks what the metrics of every iteration
 must show: the staleness bound, exactly two optimizer steps of 4 groups, truncated importance
 weights within the cap, every started group accounted for, and the reward rising.
-`tools/bench_async.py` runs the full 80 iterations next to the synchronous mode.
+`tools/bench/bench_async.py` runs the full 80 iterations next to the synchronous mode.
 """
 
 import json

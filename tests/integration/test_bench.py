@@ -10,7 +10,7 @@ import pytest
 from helpers import load_script, run_launch
 
 ROOT = Path(__file__).resolve().parents[2]
-TOOLS = ROOT / "tools"
+TOOLS = ROOT / "tools" / "bench"
 
 
 def _load(name: str):
@@ -19,12 +19,12 @@ def _load(name: str):
 
 @pytest.fixture()
 def suite(tools_on_path):
-    return _load("bench")
+    return _load("suite")
 
 
 @pytest.fixture()
 def tools_on_path(monkeypatch):
-    """The benchmarks import their siblings (flops, bench_cli, ...); sys.path, including what a
+    """The benchmarks import their siblings (flops, harness, ...); sys.path, including what a
     loaded tool adds to it, is restored after the test."""
     monkeypatch.syspath_prepend(str(TOOLS))
 
@@ -32,7 +32,7 @@ def tools_on_path(monkeypatch):
 def test_quick_suite_subset_writes_json_and_markdown(tmp_path):
     out = tmp_path / "bench.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, str(TOOLS / "bench.py"), "--quick", "--only", "merge", "--out", str(out)]
+    cmd = [sys.executable, str(TOOLS / "suite.py"), "--quick", "--only", "merge", "--out", str(out)]
     proc = run_launch(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     report = json.loads(out.read_text())
@@ -254,7 +254,7 @@ def test_gpu_benchmark_skips_without_cuda_and_runs_its_code_on_cpu(tmp_path):
 
 @pytest.mark.usefixtures("ray_session")
 def test_scale_benchmark_runs_the_real_host_path_at_small_size(tools_on_path, capsys):
-    """tools/bench_scale.py with 16 prompts x 4 samples x 2 turns: every phase reports, the agent
+    """tools/bench/bench_scale.py with 16 prompts x 4 samples x 2 turns: every phase reports, the agent
     workers roll out every turn, and the shards a rank receives shrink as 1/DP."""
     bench = _load("bench_scale")
     r = bench.run(quick=True, prompts=16, samples=4, turns=2, prompts_per_minibatch=4, concurrency=32)
@@ -286,7 +286,7 @@ def test_scale_benchmark_runs_the_real_host_path_at_small_size(tools_on_path, ca
 
 
 def test_prefix_cache_benchmark_on_the_tiny_preset(tools_on_path, capsys):
-    """tools/bench_prefix_cache.py --model tiny --quick: every configuration generates the same
+    """tools/bench/bench_prefix_cache.py --model tiny --quick: every configuration generates the same
     tokens; the cache serves the earlier turns, and sessions keep each trajectory on one engine."""
     import torch
 
@@ -305,7 +305,7 @@ def test_prefix_cache_benchmark_on_the_tiny_preset(tools_on_path, capsys):
 
 
 def test_continuous_batching_benchmark_on_the_tiny_preset(tools_on_path, capsys):
-    """tools/bench_continuous_batching.py --quick: both configurations generate the same tokens,
+    """tools/bench/bench_continuous_batching.py --quick: both configurations generate the same tokens,
     and only continuous batching lets arrivals join a running batch."""
     import torch
 

@@ -1,4 +1,4 @@
-"""tools/bench_pipeline.py keeps running (tiny workload); its figures are checked for consistency,
+"""tools/bench/bench_pipeline.py keeps running (tiny workload); its figures are checked for consistency,
 never for speed."""
 
 import json
@@ -16,7 +16,7 @@ def test_bench_pipeline_tiny_run(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [
         sys.executable,
-        str(ROOT / "tools" / "bench_pipeline.py"),
+        str(ROOT / "tools" / "bench" / "bench_pipeline.py"),
         "--prompts",
         "4",
         "--samples",

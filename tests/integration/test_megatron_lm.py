@@ -1,5 +1,5 @@
 """The plugin inside Megatron-LM's real training loop (`megatron.training.pretrain`, tag
-core_v0.16.1) on torchrun/gloo: tools/megatron_lm_pretrain.py as a user runs it, compared with
+core_v0.16.1) on torchrun/gloo: examples/megatron_lm_pretrain.py as a user runs it, compared with
 `plugin.train_minibatch` on the same mini-batches from the same initial weights.
 
 Needs Megatron-LM's training source on MEGATRON_LM_SRC (not a package on PyPI, never copied into
@@ -97,7 +97,7 @@ def test_a_global_batch_too_small_for_the_mini_batch_is_an_error(tmp_path):
     """Megatron-LM runs global_batch / (micro_batch x DP) micro-batches per step; a mini-batch that
     needs more stops the run with both numbers named instead of straddling optimizer steps."""
     proc = run_torchrun(
-        str(REPO / "tools" / "megatron_lm_pretrain.py"), 1, ["--global-batch-size", "4"], timeout=600, env=ENV
+        str(REPO / "examples" / "megatron_lm_pretrain.py"), 1, ["--global-batch-size", "4"], timeout=600, env=ENV
     )
     assert proc.returncode != 0
     out = proc.stdout + proc.stderr

@@ -13,7 +13,7 @@ params, fp32 gradient reduction, megatron's Float16 optimizer) on the CPU: each 
 fp32 TP1 baseline within what bf16 allows (`BF16_TOL`), for TP2+SP, PP2, DP2 with the
 distributed optimizer and TP2xPP2. The workers always run on the CPU (gloo), also on a machine
 with GPUs, so that every layout runs everywhere; the GPU's own bf16 kernels are exercised by
-`tools/bench_gpu.py`.
+`tools/bench/bench_gpu.py`.
 """
 
 from __future__ import annotations

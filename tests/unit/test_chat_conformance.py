@@ -168,9 +168,9 @@ def test_end_of_turn_comes_from_the_models_own_files(name, closing, also, model_
 
 
 def test_drift_tool_measures_the_share_of_non_canonical_samples(model_dirs):
-    """tools/bench_drift_real.py: with a template that re-renders nothing (Qwen2.5), natural text
+    """tools/bench/bench_drift_real.py: with a template that re-renders nothing (Qwen2.5), natural text
     never drifts and every flagged boundary is one whose ids were split."""
-    bench = load_script(Path(REPO) / "tools" / "bench_drift_real.py")
+    bench = load_script(Path(REPO) / "tools" / "bench" / "bench_drift_real.py")
     tok = load_tokenizer(str(model_dirs["qwen2.5-instruct"]))
     fam = families.FAMILIES["qwen2.5-instruct"]
     clean = bench.measure(tok, fam, 0.0, 40, seed=1)

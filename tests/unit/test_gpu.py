@@ -1,7 +1,7 @@
 """CUDA-only checks (`pytest -m gpu` on a GPU machine; skipped without one): the policy losses,
 their per-row (GSPO, sequence-level TIS / IcePop) reductions included, give on CUDA tensors what
-they give on the CPU. The GPU training step itself is measured by tools/bench_gpu.py,
-tools/bench_trainer_step.py --device cuda and tools/bench_engine_agreement.py."""
+they give on the CPU. The GPU training step itself is measured by tools/bench/bench_gpu.py,
+tools/bench/bench_trainer_step.py --device cuda and tools/bench/bench_engine_agreement.py."""
 
 import pytest
 import torch

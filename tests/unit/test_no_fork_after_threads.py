@@ -16,7 +16,7 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-SCANNED = ("megatron_stepwise", "tests", "tools", "launch")
+SCANNED = ("megatron_stepwise", "tests", "tools", "launch", "examples")
 MP_MODULES = {"multiprocessing", "torch.multiprocessing"}
 DEFAULT_CONTEXT = {"Manager", "Pool", "Process", "SyncManager"}
 SAFE_METHODS = {"spawn", "forkserver"}

@@ -1,5 +1,5 @@
 """Routing policies (rollout/session_routing.py) as `EngineRouter` uses them, and the replay harness
-(tools/replay_routing.py): stickiness, the token budget, re-pins counted, a dead engine's
+(tools/bench/replay_routing.py): stickiness, the token budget, re-pins counted, a dead engine's
 sessions re-pinned within one request and never sent to it again, and sticky routing keeping far
 more prefix hits than round robin on long agent sessions."""
 
@@ -127,7 +127,7 @@ def test_budget_sticky_router_moves_a_session_off_an_engine_over_its_token_budge
 
 @pytest.fixture(scope="module")
 def harness():
-    return load_script(Path(REPO) / "tools" / "replay_routing.py")
+    return load_script(Path(REPO) / "tools" / "bench" / "replay_routing.py")
 
 
 @pytest.mark.timeout(120)  # a few seconds: 120 sessions, 3 policies, twice
@@ -172,11 +172,11 @@ def test_replay_reads_a_runs_rollout_dumps_as_sessions(tmp_path, harness):
     write_dump(
         dump_path(tmp_path, 0), recorder.minibatches, iteration=0, weight_version=0, config=config, train_metrics=[]
     )
-    traces = load_script(Path(REPO) / "tools" / "routing_traces.py")
+    traces = load_script(Path(REPO) / "tools" / "bench" / "routing_traces.py")
     trace = traces.dump_trace(tmp_path, block_tokens=1)
     assert len(trace) == 4 and all(len(s.turns) == 2 for s in trace)
     assert [t.prompt_tokens for t in trace[0].turns] == [3, 7] and trace[0].turns[0].max_new_tokens == 8
-    sim = load_script(Path(REPO) / "tools" / "routing_sim.py")
+    sim = load_script(Path(REPO) / "tools" / "bench" / "routing_sim.py")
     # turn 2 finds its first turn's 5 tokens; turn 1 shares [1, 2] with an earlier session's: 2 more
     assert sim.cache_ceiling(trace) > 0.5
     r = sim.replay(trace, make_policy("sticky"), sim.SimConfig(engines=2, cache_tokens=1000))

@@ -1,4 +1,4 @@
-"""torchrun worker: tools/megatron_lm_pretrain.py under Megatron-LM's real `pretrain()`, then the
+"""torchrun worker: examples/megatron_lm_pretrain.py under Megatron-LM's real `pretrain()`, then the
 same mini-batches through `plugin.train_minibatch` from the same initial weights.
 
     torchrun --nproc-per-node 2 tests/workers/megatron_lm_worker.py OUT_DIR [Megatron-LM flags...]
@@ -24,7 +24,7 @@ from worker_entry import run_worker
 from megatron_stepwise.mcore.train.plugin import StepwisePlugin
 from megatron_stepwise.mcore.weights import full_views as W
 
-example = load_script(Path(__file__).resolve().parents[2] / "tools" / "megatron_lm_pretrain.py")
+example = load_script(Path(__file__).resolve().parents[2] / "examples" / "megatron_lm_pretrain.py")
 SEED = 7
 
 
