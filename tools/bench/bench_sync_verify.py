@@ -1,6 +1,6 @@
 """What verifying every weight sync costs, beside the sync itself, on CPU.
 
-    python tools/bench_sync_verify.py [--quick] [--repeat 3] [--bucket-mb 64] [--modes disk,distributed]
+    python tools/bench/bench_sync_verify.py [--quick] [--repeat 3] [--bucket-mb 64] [--modes disk,distributed]
 
 One training process (TP1, gloo) and a Ray fleet with one embedded engine. For the tiny test
 model and a SmolLM2-135M-shaped model (random init of its shapes, no download; skipped with
@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from bench_cli import bench_parser, free_port
+from harness import bench_parser, free_port
 
 from megatron_stepwise.mcore.runtime import runtime
 from megatron_stepwise.mcore.train import model as M
@@ -107,7 +107,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def run(quick: bool = False) -> dict:
-    """What `tools/bench.py` collects: prints the table, returns the figures."""
+    """What a caller (another benchmark or a test) collects: prints the table, returns the figures."""
     return report(parse_args(["--quick"] if quick else []))
 
 
