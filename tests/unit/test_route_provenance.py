@@ -82,10 +82,17 @@ async def rollout_with_update(pause_mode: str, partial: bool, weights: str):
         task = asyncio.create_task(loop.rollout(SAMPLES, seed=1))
         if partial:
             await poll(lambda: _held(engine), f"held at {HELD_AT} tokens of {HELD_RID}", task)
+            boundary = engine.next_forward_id
+            await fleet.update_weights_from_disk(weights)
         else:  # mid-generation of the first turns: the update waits for them, later turns re-prefill
-            await poll(lambda: _decoded_at_least(engine, "p0#0/turn0", 2), "decoding turn 0", task)
-        boundary = engine.next_forward_id
-        await fleet.update_weights_from_disk(weights)
+            # (held there, so a fast machine cannot finish the turns between two polls)
+            await engine.pause_after("p0#0/turn0", 2)
+            await poll(lambda: _held_at(engine, "p0#0/turn0", 2), "turn 0 held after 2 tokens", task)
+            boundary = engine.next_forward_id
+            update = asyncio.create_task(fleet.update_weights_from_disk(weights))
+            await poll(lambda: _update_waiting(fleet), "the update waiting for the turns in flight")
+            await engine.resume()  # the turns in flight finish, then the update runs
+            await asyncio.wait_for(update, DEADLINE_S)
         steps = await asyncio.wait_for(task, DEADLINE_S)
         return steps, fleet.metrics(), boundary
     finally:
@@ -97,8 +104,12 @@ async def _held(engine) -> bool:
     return await engine.decoded_tokens(HELD_RID) == HELD_AT and engine.paused
 
 
-async def _decoded_at_least(engine, rid, n) -> bool:
-    return (await engine.decoded_tokens(rid) or 0) >= n
+async def _held_at(engine, rid, n) -> bool:
+    return await engine.decoded_tokens(rid) == n and engine.paused
+
+
+async def _update_waiting(fleet) -> bool:
+    return not fleet._gate.is_set()  # the update closed the gate and waits for the fleet to drain
 
 
 CASES = [

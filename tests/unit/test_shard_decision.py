@@ -96,6 +96,7 @@ def test_the_plugin_module_keeps_the_documented_names():
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.launches  # a fresh interpreter, to see what importing the decision loads
 def test_deciding_imports_no_megatron():
     code = (
         "import sys\n"
