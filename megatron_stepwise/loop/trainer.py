@@ -208,15 +208,14 @@ class Trainer:
                 self.state.iteration,
             )
         progress = self._progress()
+        checkpoint_s: Optional[float] = None
         try:
             while self.state.iteration < cfg.trainer.iterations:
                 evaluation = self.evaluate()
                 metrics = self.iteration()
                 metrics.update(evaluation)
-                every = cfg.checkpoint.every
-                if (every and self.state.iteration % every == 0) or self.state.iteration == cfg.trainer.iterations:
-                    with timed(metrics, "time/checkpoint"):
-                        self.checkpoints.save()
+                if checkpoint_s is not None:  # the save after the previous iteration, timed
+                    metrics["time/checkpoint"] = checkpoint_s
                 history.append(metrics)
                 if self.is_driver:
                     self.entropy_watch.observe(self.state.iteration - 1, metrics)
@@ -226,6 +225,15 @@ class Trainer:
                         progress.set_postfix(reward=f"{metrics.get('reward/mean', float('nan')):.3f}")
                     else:  # no bar (logging.progress=false, or output to a file): one line per iteration
                         log.info("%s", iteration_line(self.state.iteration, cfg.trainer.iterations, metrics))
+                # The line is written before its iteration's checkpoint: a kill between the two
+                # repeats the iteration on resume (its line is replaced), where the other order
+                # lost the line for good.
+                checkpoint_s = None
+                every = cfg.checkpoint.every
+                if (every and self.state.iteration % every == 0) or self.state.iteration == cfg.trainer.iterations:
+                    start = time.perf_counter()
+                    self.checkpoints.save()
+                    checkpoint_s = time.perf_counter() - start
                 self.starvation.observe(self.state.iteration - 1, metrics)  # after its line is written
             if history and self.is_driver and cfg.trainer.eval_every and cfg.eval_.at_end:
                 # the final policy, in <run_dir>/eval/final.json (metrics.jsonl stays one line per iteration)

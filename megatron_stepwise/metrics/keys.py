@@ -367,7 +367,13 @@ _T = [  # (pattern, unit, over, meaning)
             ("time/old_logprobs", "s", "iteration", "old-policy and reference log-probs"),
             ("time/train", "s", "iteration", "forward, backward and optimizer steps"),
             ("time/weight_sync", "s", "iteration", "pushing the weights to the fleet"),
-            ("time/checkpoint", "s", "iteration", "saving a checkpoint"),
+            (
+                "time/checkpoint",
+                "s",
+                "iteration",
+                "saving the checkpoint that followed the previous iteration (a line is written before "
+                "its own iteration's checkpoint, so a kill between the two loses no line)",
+            ),
             ("time/eval", "s", "iteration", "evaluation"),
             ("time/engine_release", "s", "iteration", "colocated engines releasing their memory"),
             ("time/engine_resume", "s", "iteration", "colocated engines taking their memory back"),

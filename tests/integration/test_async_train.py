@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import run_launch
+from helpers import _kill_tree, run_launch
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -152,7 +152,6 @@ def test_sigkill_mid_iteration_then_resume_trains_the_banked_groups(tmp_path, wo
     show the recovered tokens, log-probs and weight versions trained; with 2 agent workers holding
     the rows (the default hand-off; no dumps, which would send the rows through rank 0) the
     workers write it, and after the resume a worker adopts each recovered group."""
-    import signal
     import subprocess
     import time
 
@@ -181,7 +180,9 @@ def test_sigkill_mid_iteration_then_resume_trains_the_banked_groups(tmp_path, wo
         while proc.poll() is None and time.time() < deadline and not _recoverable(run_dir, probe)[0]:
             time.sleep(0.2)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher, both ranks and the Ray fleet
+        # SIGKILL to the launcher, both ranks, and every Ray process they started, all at once:
+        # an agent worker outliving its raylet by a moment would write to the bank after we look.
+        _kill_tree(proc)
         proc.wait()
     killed_at, state = _latest_checkpoint(run_dir)
     assert killed_at < iterations
