@@ -41,6 +41,13 @@ FAULT_BOUND_S = 420
 COMPARED = ("reward/", "rollout/", "train/loss", "advantages/", "weight_version")
 
 
+def _checkpointed(run_dir: Path) -> int:
+    try:
+        return int((run_dir / "checkpoints" / "latest").read_text().strip().rsplit("_", 1)[-1])
+    except (OSError, ValueError):
+        return 0
+
+
 def _metrics(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
@@ -74,7 +81,14 @@ def _fault_then_resume(tmp_path: Path, reference: list[dict], fault: str) -> dic
     with ray_cluster(tmp_path / "hosts") as (hosts, head, env):
         run_dir = tmp_path / "run"
         procs = dict(zip("ab", start_training(hosts, head, env, run_dir, *RUN)))
-        wait_for(lambda: len(_metrics(run_dir)) >= 2, "two iterations before the fault", 600, proc=procs["a"])
+        # Two iterations logged and checkpointed (a line is written before its checkpoint): the
+        # fault then lands in the next rollout, not in the checkpoint's collectives.
+        wait_for(
+            lambda: len(_metrics(run_dir)) >= 2 and _checkpointed(run_dir) >= 2,
+            "two iterations checkpointed before the fault",
+            600,
+            proc=procs["a"],
+        )
         if fault == "link":
             hosts.set_link(False)
             survivors = "ab"
