@@ -414,7 +414,11 @@ def _save_failure(e: BaseException, final: Path) -> str:
     """One line for a save that failed: which iteration, where, why, and what is kept."""
     # megatron-core's writer re-raises an OSError as RuntimeError("Worker failure: [Errno 28] ..."),
     # and torch.save on a full disk as a zip-writer error: the text is what survives.
-    no_space = getattr(e, "errno", None) == errno.ENOSPC or os.strerror(errno.ENOSPC) in str(e)
+    no_space = (
+        getattr(e, "errno", None) == errno.ENOSPC
+        or os.strerror(errno.ENOSPC) in str(e)
+        or _nearly_full(final.parent)  # torch's zip writer says only "unexpected pos 704 vs 598"
+    )
     cause = _first_failure(e)
     first_line = (str(cause).strip().splitlines() or [""])[0][:200]
     why = os.strerror(errno.ENOSPC) if no_space else f"{type(cause).__name__}: {first_line}"
@@ -559,6 +563,15 @@ def load_checkpoint(
             return state
         failed[target.name] = problems[0]
         log.warning("checkpoint %s %s; trying the previous one", target, problems[0])
+
+
+def _nearly_full(directory: Path, margin: int = 1 << 20) -> bool:
+    """Whether the disk under `directory` has less than `margin` bytes left (asked right after a
+    failed save, before its partial files are removed)."""
+    try:
+        return shutil.disk_usage(directory).free < margin
+    except OSError:
+        return False
 
 
 def _first_failure(e: BaseException) -> BaseException:
