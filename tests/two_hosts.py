@@ -159,11 +159,12 @@ def start_ray_worker(hosts: TwoHosts, head: str, env: dict, log: Path) -> None:
 
 
 @contextmanager
-def ray_cluster(state: Path):
+def ray_cluster(state: Path, ray_env: Optional[dict[str, str]] = None):
     """Two hosts with a Ray cluster across them: head on a (0 CPUs), worker on b (6 CPUs).
+    `ray_env`: Ray settings (RAY_*) for every process of the cluster and its clients.
     Yields (hosts, head address, environment); everything started on the hosts dies with it."""
     hosts = two_hosts(state)
-    env = python_env()
+    env = {**python_env(), **(ray_env or {})}
     ray = str(Path(sys.executable).parent / "ray")
     head = f"{hosts.ip['a']}:{RAY_PORT}"
     try:
