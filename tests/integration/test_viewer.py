@@ -13,9 +13,10 @@ import pytest
 from helpers import make_step, run_launch
 
 from megatron_stepwise.config import load_config
-from megatron_stepwise.loop.dumps import DumpRecorder, dump_path, read_dump_table, write_dump
+from megatron_stepwise.loop.dumps import DumpRecorder
 from megatron_stepwise.loop.sources import split_round
 from megatron_stepwise.loop.training_batch import PrepareOptions
+from megatron_stepwise.rundir.dumps import dump_path, read_dump_table, write_dump
 from megatron_stepwise.viewer.page import APPENDED_EOS, PROMPT, TRAINED, load_decoder, paginate, render
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -71,6 +72,7 @@ def run_dir(tmp_path):
         weight_version=4,
         config=config,
         train_metrics=[{"loss": 0.25, "grad_norm": 1.5}] * 2,
+        tokenizer="tiny_word",  # what the trainer records (echo's shipped vocabulary)
     )
     with open(tmp_path / "metrics.jsonl", "w") as f:
         for i in range(5):
