@@ -192,6 +192,27 @@ def test_the_page_renders_in_headless_chromium_with_every_trajectory_and_a_scree
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_drawing_a_page_loads_no_training_loop_config_engine_or_environment(run_dir):
+    """The viewer reads files only (pyproject.toml's "viewer reads files only" contract, at run time)."""
+    probe = (
+        "import sys\n"
+        "from megatron_stepwise.viewer.page import write_pages\n"
+        "write_pages(sys.argv[1])\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('megatron', 'ray') or "
+        "m.split('.')[:2] in [['megatron_stepwise', p] for p in ('loop', 'config', 'mcore', 'rollout', 'envs')]))\n"
+    )
+    out = run_launch(
+        [sys.executable, "-c", probe, str(run_dir)],
+        env=dict(os.environ, PYTHONPATH=ROOT),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+    assert '"8":"say"' in (run_dir / "view" / "iter_0000004.html").read_text()  # decoded from the files alone
+
+
 def test_view_without_a_dump_is_one_clear_error(tmp_path):
     out = run_launch(
         [sys.executable, "-m", "megatron_stepwise.cli", "view", str(tmp_path)],
