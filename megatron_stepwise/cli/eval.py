@@ -44,7 +44,7 @@ def _main(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    out = args.out or os.path.join(cfg.run_dir, "eval", f"{source}.json")
+    out = args.out or str(cfg.rundir.eval_result(source))
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump(
@@ -110,6 +110,7 @@ def _checkpoint_as_hf(cfg, checkpoint: str, hf_config: dict, tokenizer) -> tuple
     from megatron_stepwise.mcore.runtime.runtime import free_port
     from megatron_stepwise.mcore.weights.convert import export_hf
     from megatron_stepwise.mcore.weights.dist_checkpoint import load_checkpoint
+    from megatron_stepwise.rundir.paths import iteration_name
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
@@ -127,8 +128,8 @@ def _checkpoint_as_hf(cfg, checkpoint: str, hf_config: dict, tokenizer) -> tuple
         )
         if state is None:
             raise FileNotFoundError(f"--checkpoint {checkpoint}: no checkpoint there")
-        source = f"iter_{int(state['iteration']):07d}"
-        out = os.path.join(cfg.run_dir, "eval", source + "_hf")
+        out = str(cfg.rundir.eval_export(state["iteration"]))
+        source = iteration_name(state["iteration"])
         export_hf(chunks, out, hf_config, tokenizer=tokenizer, overwrite=True)
     finally:
         from megatron.core import parallel_state

@@ -40,6 +40,7 @@ def plot_run(run_dir: str, out: str | None = None) -> str:
     import matplotlib.pyplot as plt
 
     from megatron_stepwise.metrics.core import read_final_eval, read_metrics
+    from megatron_stepwise.rundir.paths import RunDir
 
     records = read_metrics(run_dir)
     if not records:
@@ -47,7 +48,7 @@ def plot_run(run_dir: str, out: str | None = None) -> str:
     final = read_final_eval(run_dir) if os.path.isdir(run_dir) else None
     if final is not None:  # the final policy's evaluation: one more point on the eval curves
         records = [*records, final]
-    out = out or os.path.join(run_dir, "curves.png")
+    out = out or str(RunDir(run_dir).curves)
     fig, axes = plt.subplots(2, 4, figsize=(20, 8))
     for ax in axes.flat[len(PANELS) :]:
         ax.set_visible(False)

@@ -45,13 +45,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
-    from megatron_stepwise.loop.dump_trust import stay_offline
+    from megatron_stepwise.rundir.dump_trust import stay_offline
 
     if not args.trust_dump_code:
         stay_offline()  # before anything imports huggingface_hub; torchrun's ranks inherit it
     from megatron_stepwise.config import ConfigError, config_from_dict
-    from megatron_stepwise.loop.dump_trust import DumpProbes, needs_trust_hint, tokenizer_source
-    from megatron_stepwise.loop.dumps import DumpError, read_dump
+    from megatron_stepwise.loop.dump_trust import DumpProbes, tokenizer_source
+    from megatron_stepwise.rundir.dump_trust import needs_trust_hint
+    from megatron_stepwise.rundir.dumps import DumpError, read_dump
 
     try:
         dump = read_dump(args.run_dir, args.iteration)
@@ -142,11 +143,11 @@ def _untrusted_config(meta: dict, tokenizer_source, probes_class, trusted: bool)
 def _user_errors() -> tuple[type, ...]:
     """Errors that mean "fix the run directory or the overrides": one line, exit 2."""
     from megatron_stepwise.hf.errors import ModelSourceError
-    from megatron_stepwise.loop.dumps import DumpError
-    from megatron_stepwise.loop.run_files import UnsafePathError
     from megatron_stepwise.mcore.train.model import ModelConfigError
     from megatron_stepwise.mcore.train.plugin import UnsupportedLayoutError
     from megatron_stepwise.mcore.weights.dist_checkpoint import CheckpointError
+    from megatron_stepwise.rundir.dump_table import DumpError
+    from megatron_stepwise.rundir.run_files import UnsafePathError
     from megatron_stepwise.steps import StepwiseBatchError
 
     return (
@@ -185,9 +186,10 @@ def _replay(cfg, dump, args) -> int:
 
 def write_report(run_dir: str, out: str | None, report: dict) -> str:
     """The report as JSON at `out` (default RUN_DIR/replay/iter_K.json), never through a link in RUN_DIR."""
-    from megatron_stepwise.loop.run_files import write_path
+    from megatron_stepwise.rundir.paths import RunDir
+    from megatron_stepwise.rundir.run_files import write_path
 
-    out = out or os.path.join(run_dir, "replay", f"iter_{report['iteration']:07d}.json")
+    out = out or str(RunDir(run_dir).replay_report(report["iteration"]))
     write_path(out, json.dumps(report, indent=2).encode(), base=run_dir)
     return out
 

@@ -5,8 +5,9 @@ turn's prompt delta and response with tokens coloured by role, advantage and log
 hover, and the run's curves (viewer/). An iteration of more than `viewer.page.PAGE_TOKENS` tokens
 gets an index there and numbered pages in `iter_K_pages/`. It opens from disk; nothing is served
 or fetched. The dump is not trusted: nothing it names is imported or downloaded, and no tokenizer
-code runs, unless `--trust-dump-code` (loop/dump_trust.py); no write follows a link planted in
-the run directory (loop/run_files.py).
+code runs, unless `--trust-dump-code` (rundir/dump_trust.py); no write follows a link planted in
+the run directory (rundir/run_files.py). The viewer reads files only; for an older dump that
+records no tokenizer, this command asks its environment (loop/dump_trust.py `tokenizer_source`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-# loop/dump_trust.py's TRUST_FLAG, spelled here so that building the parser imports nothing heavy
+# rundir/dump_trust.py's TRUST_FLAG, spelled here so that building the parser imports nothing heavy
 TRUST_FLAG = "--trust-dump-code"
 TRUST_HELP = (
     "import the modules the dump's config names (trainer.imports, env.name / env.reward_fn module paths) "
@@ -32,16 +33,27 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
-    from megatron_stepwise.loop.dump_trust import stay_offline
+    from megatron_stepwise.rundir.dump_trust import recorded_tokenizer, stay_offline
 
     if not args.trust_dump_code:
         stay_offline()
-    from megatron_stepwise.loop.dumps import DumpError
-    from megatron_stepwise.loop.run_files import UnsafePathError
+    from megatron_stepwise.rundir.dump_table import DumpError
+    from megatron_stepwise.rundir.run_files import UnsafePathError
     from megatron_stepwise.viewer.page import write_pages
 
+    def tokenizer_source(meta: dict) -> str:
+        recorded = recorded_tokenizer(meta)
+        if recorded is not None:
+            return recorded
+        # an older dump: its environment's shipped vocabulary (the config and environments load)
+        from megatron_stepwise.loop.dump_trust import tokenizer_source
+
+        return tokenizer_source(meta, trusted=args.trust_dump_code)
+
     try:
-        path, pages = write_pages(args.run_dir, args.iteration, args.out, trusted=args.trust_dump_code)
+        path, pages = write_pages(
+            args.run_dir, args.iteration, args.out, trusted=args.trust_dump_code, tokenizer_source=tokenizer_source
+        )
     except (DumpError, UnsafePathError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -21,6 +21,7 @@ from megatron_stepwise.options import check_options, option_of, option_problems,
 from megatron_stepwise.rollout.agent_loop import ROLLOUT_KEYS, AgentLoopConfig
 from megatron_stepwise.rollout.engine import RetryConfig, SamplingConfig, SamplingParams
 from megatron_stepwise.rollout.session_routing import RoutingConfig
+from megatron_stepwise.rundir.paths import RunDir
 from megatron_stepwise.steps import temperature_problem
 
 
@@ -506,12 +507,17 @@ class ExperimentConfig:
         return self.logging.run_dir or f"runs/{self.name}"
 
     @property
+    def rundir(self) -> RunDir:
+        """Every path of this run (rundir/paths.py), checkpoints and weights where the config puts them."""
+        return RunDir(self.run_dir, self.checkpoint.dir, self.weight_sync.dir)
+
+    @property
     def checkpoint_dir(self) -> str:
-        return self.checkpoint.dir or f"{self.run_dir}/checkpoints"
+        return str(self.rundir.checkpoints)
 
     @property
     def weight_sync_dir(self) -> str:
-        return self.weight_sync.dir or f"{self.run_dir}/weights"
+        return str(self.rundir.weights)
 
     @property
     def total_optimizer_steps(self) -> int:

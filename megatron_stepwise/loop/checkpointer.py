@@ -24,6 +24,7 @@ from typing import Any, Mapping, Optional, Protocol
 import torch.distributed as dist
 
 from megatron_stepwise.mcore.weights.dist_checkpoint import load_checkpoint, save_checkpoint
+from megatron_stepwise.rundir import paths
 
 log = logging.getLogger(__name__)
 
@@ -49,12 +50,9 @@ class TrainerState:
         self.weight_version = int(state["weight_version"])
 
 
-RUN_ID_FILE = "run_id"
-
-
 def run_id(run_dir: str) -> str:
     """This run's id: made on its first start, kept in `<run_dir>/run_id` (rank 0, under the run lock)."""
-    path = Path(run_dir) / RUN_ID_FILE
+    path = paths.RunDir(run_dir).run_id
     try:
         existing = path.read_text().strip()
     except FileNotFoundError:

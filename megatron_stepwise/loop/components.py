@@ -392,13 +392,12 @@ def export_hf(
     cfg: ExperimentConfig, chunks: list[torch.nn.Module], hf_config: dict[str, Any], tokenizer: PreTrainedTokenizerBase
 ) -> str:
     """An HF directory (safetensors + config + tokenizer) of the final policy, under the run dir."""
-    import os
 
     import torch.distributed as dist
 
     from megatron_stepwise.mcore.weights.convert import export_hf as export
 
-    out = os.path.join(cfg.run_dir, "hf")
+    out = str(cfg.rundir.hf_export)
     export(chunks, out, hf_config, tokenizer=tokenizer, overwrite=True)
     if dist.get_rank() == 0:
         log.info("exported the policy as an HF checkpoint to %s", out)

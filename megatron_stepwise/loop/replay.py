@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_stepwise.loop import components
-from megatron_stepwise.loop.dumps import Dump
 from megatron_stepwise.loop.training_round import TrainingRound
+from megatron_stepwise.rundir.dumps import Dump
 
 log = logging.getLogger(__name__)
 
@@ -30,18 +30,16 @@ COMPARED = ("loss", "grad_norm", "entropy", "pg_loss")
 
 
 def checkpoint_path(cfg, iteration: int) -> Path:
-    from megatron_stepwise.mcore.weights.dist_checkpoint import checkpoint_name
-
-    return Path(cfg.checkpoint_dir) / checkpoint_name(iteration)
+    return cfg.rundir.checkpoint(iteration)
 
 
 def replay(cfg, dump: Dump, *, trusted: bool = False) -> dict[str, Any]:
     """Collective over every rank of `cfg`'s layout; returns the report (the same on every rank).
 
     The tokenizer loads without running its own code, and without a download unless `trusted`
-    (loop/dump_trust.py)."""
-    from megatron_stepwise.loop.dump_trust import load_tokenizer
+    (rundir/dump_trust.py)."""
     from megatron_stepwise.mcore.weights.dist_checkpoint import CheckpointError, load_checkpoint
+    from megatron_stepwise.rundir.dump_trust import load_tokenizer
 
     k = dump.iteration
     components.init_runtime(cfg)

@@ -46,13 +46,14 @@ from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
 from megatron_stepwise.algo.groups import RolloutGroup
-from megatron_stepwise.loop.dumps import Captured, batch_from_rows, rows_table
-from megatron_stepwise.loop.run_files import write_under
+from megatron_stepwise.rundir.dumps import Captured, batch_from_rows, rows_table
+from megatron_stepwise.rundir.paths import BANK, RunDir
+from megatron_stepwise.rundir.run_files import write_path
 from megatron_stepwise.steps import StepBatch, TrajectoryID
 
 log = logging.getLogger(__name__)
 
-BANK_DIR = "rollout_bank"
+BANK_DIR = BANK
 META_KEY = b"megatron_stepwise.rollout_bank"
 FORMAT_VERSION = 1
 
@@ -170,7 +171,7 @@ def write_group(run_dir: str | Path, group: BankedGroup) -> BankFile:
     data = encode(group)
     name = _file_name(group.draw, data)
     Path(run_dir).mkdir(parents=True, exist_ok=True)  # a worker may write before rank 0 made it
-    write_under(run_dir, f"{BANK_DIR}/{name}", data)
+    write_path(RunDir(run_dir).rollout_bank / name, data, base=run_dir)
     return BankFile(name, group.newest_version)
 
 
@@ -258,7 +259,7 @@ class RolloutBank:
     def __init__(self, run_dir: str | Path):
         # absolute: file names go to agent workers, whose working directory is not rank 0's
         self.run_dir = Path(run_dir).absolute()
-        self.dir = self.run_dir / BANK_DIR
+        self.dir = RunDir(self.run_dir).rollout_bank
         self.discarded = 0  # banked groups not reused: damaged, or from weights a resume lost
         self._files: dict[int, Path] = {}
         self._newest: dict[int, int] = {}  # draw -> newest weight version of its tokens

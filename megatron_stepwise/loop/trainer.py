@@ -32,7 +32,7 @@ from megatron_stepwise.loop.async_source import AsyncRollouts
 from megatron_stepwise.loop.checkpointer import Checkpointer, TrainerState
 from megatron_stepwise.loop.colocate import Colocation
 from megatron_stepwise.loop.divergence import check_finite
-from megatron_stepwise.loop.dumps import DumpRecorder, assemble_logprobs, dump_path, write_dump
+from megatron_stepwise.loop.dumps import DumpRecorder, assemble_logprobs
 from megatron_stepwise.loop.evaluation import Evaluator
 from megatron_stepwise.loop.handoff import Handoff
 from megatron_stepwise.loop.placement import log_placement
@@ -49,6 +49,7 @@ from megatron_stepwise.metrics.core import (
     write_eval,
 )
 from megatron_stepwise.metrics.starvation import StarvationWatch
+from megatron_stepwise.rundir.dumps import write_dump
 from megatron_stepwise.time_budget import ActivityClock, TimeBudget, budget_line
 
 log = logging.getLogger(__name__)
@@ -320,7 +321,7 @@ class Trainer:
             by_dp = {p[0]: p[1:] for rank_pieces in gathered for p in rank_pieces[m : m + 1]}
             cap.trainer_logprobs = assemble_logprobs(cap.batch, list(by_dp.values()))
         iteration = self.state.iteration - 1
-        path = dump_path(self.cfg.run_dir, iteration)
+        path = self.cfg.rundir.dump(iteration)
         try:
             write_dump(
                 path,

@@ -15,7 +15,8 @@ from collections import Counter, defaultdict
 from typing import Any, Optional, Sequence
 
 from megatron_stepwise.algo.groups import GroupSummary, RolloutGroup, groups_of
-from megatron_stepwise.metrics.jsonl import read_jsonl_records
+from megatron_stepwise.rundir.jsonl import read_jsonl_records, read_metrics  # noqa: F401 (read_metrics: part of this API)
+from megatron_stepwise.rundir.paths import RunDir
 from megatron_stepwise.steps import Step
 
 
@@ -169,7 +170,7 @@ class MetricsLogger:
         resume_iteration: int = 0,
     ):
         os.makedirs(run_dir, exist_ok=True)
-        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.path = str(RunDir(run_dir).metrics)
         _truncate_after(self.path, resume_iteration)
         self._file = open(self.path, "a", buffering=1)
         self._tb = None
@@ -181,7 +182,7 @@ class MetricsLogger:
                 raise RuntimeError(
                     "logging.tensorboard=true needs the tensorboard package (pip install tensorboard)"
                 ) from e
-            self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+            self._tb = SummaryWriter(str(RunDir(run_dir).tensorboard))
         if wandb_project:
             try:
                 import wandb
@@ -216,18 +217,10 @@ class MetricsLogger:
             self._wandb.finish()
 
 
-def read_metrics(run_dir: str) -> list[dict[str, Any]]:
-    """The records of a run's metrics.jsonl; a torn line (a crash mid-write) is dropped with one warning."""
-    path = os.path.join(run_dir, "metrics.jsonl") if os.path.isdir(run_dir) else run_dir
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"no metrics.jsonl in {run_dir!r}: is it a run directory?")
-    return [record for _, record in read_jsonl_records(path)]
-
-
 def write_eval(run_dir: str, name: str, iteration: int, metrics: dict[str, Any]) -> str:
     """An evaluation outside the per-iteration lines (the final one, `eval` runs): one JSON
     object in <run_dir>/eval/<name>.json, `iteration` being the policy's iteration count."""
-    path = os.path.join(run_dir, "eval", f"{name}.json")
+    path = str(RunDir(run_dir).eval_result(name))
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".tmp", "w") as f:
         json.dump({"iteration": iteration, **{k: _plain(v) for k, v in metrics.items()}}, f, indent=1, sort_keys=True)
@@ -238,7 +231,7 @@ def write_eval(run_dir: str, name: str, iteration: int, metrics: dict[str, Any])
 def read_final_eval(run_dir: str) -> Optional[dict[str, Any]]:
     """<run_dir>/eval/final.json, or None."""
     try:
-        with open(os.path.join(run_dir, "eval", "final.json")) as f:
+        with open(RunDir(run_dir).eval_result("final")) as f:
             return json.load(f)
     except (OSError, ValueError):
         return None
@@ -268,7 +261,7 @@ def summarize_run(records: Sequence[dict[str, Any]], run_dir: str, *, window: in
             f"eval/reward/mean {first['eval/reward/mean']:.3f} (iteration {first['iteration']}) -> "
             f"{last['eval/reward/mean']:.3f} (iteration {last['iteration']})"
         )
-    lines.append(f"metrics: {os.path.join(run_dir, 'metrics.jsonl')} (curves: megatron-stepwise plot {run_dir})")
+    lines.append(f"metrics: {RunDir(run_dir).metrics} (curves: megatron-stepwise plot {run_dir})")
     return "\n".join(lines)
 
 

@@ -24,7 +24,9 @@ import threading
 import time
 from typing import Optional
 
-LOCK_NAME = "trainer.lock"
+from megatron_stepwise.rundir.paths import LOCK, RunDir
+
+LOCK_NAME = LOCK
 LOCK_WAIT_S = 5.0  # how long `train` retries a held lock before refusing
 LAUNCHER_PID_ENV = "MEGATRON_STEPWISE_LAUNCHER_PID"
 RUN_DIR_ENV = "MEGATRON_STEPWISE_RUN_DIR"  # a marker in every process of a run (tests find them by it)
@@ -48,7 +50,7 @@ class RunLock:
 
     def __init__(self, run_dir: str, what: str = "run directory", key: str = "logging.run_dir"):
         self.run_dir = run_dir
-        self.path = os.path.join(run_dir, LOCK_NAME)
+        self.path = str(RunDir(run_dir).lock)
         self.what, self.key = what, key  # for the message: what the directory is, the key that sets it
         self._fd: Optional[int] = None
 

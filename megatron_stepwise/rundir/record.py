@@ -21,6 +21,8 @@ import time
 from importlib import metadata
 from typing import Any, Optional
 
+from megatron_stepwise.rundir import paths
+
 PACKAGES = (
     "megatron-stepwise",
     "torch",
@@ -31,7 +33,7 @@ PACKAGES = (
     "transformer-engine",
     "numpy",
 )
-LOG_NAME = "train.log"
+LOG_NAME = paths.LOG
 
 
 def package_versions() -> dict[str, Optional[str]]:
@@ -65,7 +67,8 @@ def git_commit(path: str) -> Optional[dict[str, Any]]:
 def write_run_record(run_dir: str, config_yaml: str, argv: Optional[list[str]] = None) -> dict[str, Any]:
     """Write config.yaml and append this start to run.json; returns the entry."""
     os.makedirs(run_dir, exist_ok=True)
-    _atomic_write(os.path.join(run_dir, "config.yaml"), config_yaml)
+    files = paths.RunDir(run_dir)
+    _atomic_write(str(files.config), config_yaml)
     source = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
     entry = {
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -75,7 +78,7 @@ def write_run_record(run_dir: str, config_yaml: str, argv: Optional[list[str]] =
         "git": git_commit(source),
         "versions": package_versions(),
     }
-    path = os.path.join(run_dir, "run.json")
+    path = str(files.run_record)
     starts = []
     try:
         with open(path) as f:
@@ -88,7 +91,7 @@ def write_run_record(run_dir: str, config_yaml: str, argv: Optional[list[str]] =
 
 def log_to_run_dir(run_dir: str, logger_name: str = "megatron_stepwise") -> logging.Handler:
     """Append `logger_name`'s records (and warnings) to <run_dir>/train.log too."""
-    path = os.path.join(run_dir, LOG_NAME)
+    path = str(paths.RunDir(run_dir).log)
     end_torn_line(path)
     handler = logging.FileHandler(path)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))

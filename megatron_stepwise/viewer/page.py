@@ -23,8 +23,11 @@ from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
-from megatron_stepwise.loop.dumps import read_dump_table
-from megatron_stepwise.metrics.core import read_metrics
+from megatron_stepwise.rundir import dump_trust
+from megatron_stepwise.rundir.dump_table import DumpError, read_dump_table
+from megatron_stepwise.rundir.jsonl import read_metrics
+from megatron_stepwise.rundir.paths import RunDir
+from megatron_stepwise.rundir.run_files import write_path
 
 log = logging.getLogger(__name__)
 
@@ -48,13 +51,22 @@ class Decoder:
     eos: frozenset[int]
 
 
-def load_decoder(meta: dict, *, trusted: bool = False) -> Decoder:
-    """The run's tokenizer as the dump names it, without running or downloading anything it names
-    unless `trusted` (loop/dump_trust.py); ids alone, with a warning saying why, when it does not load."""
-    from megatron_stepwise.loop import dump_trust
+# the tokenizer's name in a dump's metadata (None: it names none)
+TokenizerSource = Callable[[dict], Optional[str]]
 
+
+def load_decoder(
+    meta: dict, *, trusted: bool = False, source: TokenizerSource = dump_trust.recorded_tokenizer
+) -> Decoder:
+    """The run's tokenizer as `source` finds it in the dump's metadata (by default what the dump
+    and its config name; the CLI also asks an older dump's environment), without running or
+    downloading anything it names unless `trusted` (rundir/dump_trust.py); ids alone, with a
+    warning saying why, when it does not load."""
     try:
-        tok = dump_trust.load_tokenizer(dump_trust.tokenizer_source(meta, trusted=trusted), trusted=trusted)
+        name = source(meta)
+        if name is None:
+            raise DumpError("the dump names no tokenizer (no recorded one, no model.tokenizer or model.hf_checkpoint)")
+        tok = dump_trust.load_tokenizer(name, trusted=trusted)
     except Exception as e:  # the page is still useful with ids only; say why once
         log.warning("viewer: showing token ids (the run's tokenizer did not load: %s)", e)
         return Decoder(None, frozenset())
@@ -327,7 +339,7 @@ def render(data: dict[str, Any]) -> str:
 
 
 def _header(run_dir: str | Path, meta: dict) -> dict[str, Any]:
-    metrics = read_metrics(str(run_dir)) if (Path(run_dir) / "metrics.jsonl").is_file() else []
+    metrics = read_metrics(str(run_dir)) if RunDir(run_dir).metrics.is_file() else []
     curves = {
         name: [[m["iteration"], m[key]] for m in metrics if isinstance(m.get(key), (int, float))]
         for name, key in CURVES.items()
@@ -344,7 +356,7 @@ def _header(run_dir: str | Path, meta: dict) -> dict[str, Any]:
 
 
 def default_path(run_dir: str | Path, iteration: int) -> Path:
-    return Path(run_dir) / "view" / f"iter_{iteration:07d}.html"
+    return RunDir(run_dir).view(iteration)
 
 
 def write_pages(
@@ -354,19 +366,18 @@ def write_pages(
     *,
     trusted: bool = False,
     page_tokens: int = PAGE_TOKENS,
+    tokenizer_source: TokenizerSource = dump_trust.recorded_tokenizer,
 ) -> tuple[Path, int]:
     """Write the iteration's page (or index and pages); (the page to open, how many token pages).
 
     Pages go to `out` (default RUN_DIR/view/iter_K.html) and, when there are several, to the
     folder `<out stem>_pages/` beside it; no write follows a symbolic link below RUN_DIR
-    (loop/run_files.py)."""
-    from megatron_stepwise.loop.run_files import write_path
-
+    (rundir/run_files.py). `tokenizer_source` finds the tokenizer's name in the dump's metadata."""
     meta, table = read_dump_table(run_dir, iteration, columns=_Rows.COLUMNS)  # not routed experts, info
-    decoder = load_decoder(meta, trusted=trusted)
+    decoder = load_decoder(meta, trusted=trusted, source=tokenizer_source)
     header = _header(run_dir, meta)
     index = Path(out) if out else default_path(run_dir, int(meta["iteration"]))
-    folder = index.with_name(index.stem + "_pages")
+    folder = RunDir.view_pages(index)
 
     def write(path: Path, data: dict) -> None:
         write_path(path, render(data).encode("ascii"), base=run_dir)

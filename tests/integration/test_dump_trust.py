@@ -1,4 +1,4 @@
-"""`view` and `replay` on a run directory from someone else (loop/dump_trust.py, loop/run_files.py):
+"""`view` and `replay` on a run directory from someone else (rundir/dump_trust.py, loop/dump_trust.py, rundir/run_files.py):
 they import no module the dump's config names, download nothing, never run a tokenizer's own
 code (even with 'y' typed at transformers' prompt), and refuse to write through links planted in
 the run directory; `--trust-dump-code` imports the named modules when the user asks."""
@@ -15,9 +15,10 @@ from helpers import make_step, run_launch
 
 from megatron_stepwise.config import load_config
 from megatron_stepwise.hf.tokenizers import tokenizer_dir
-from megatron_stepwise.loop.dumps import DumpRecorder, dump_path, write_dump
+from megatron_stepwise.loop.dumps import DumpRecorder
 from megatron_stepwise.loop.sources import split_round
 from megatron_stepwise.loop.training_batch import PrepareOptions
+from megatron_stepwise.rundir.dumps import dump_path, write_dump
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EOS, SAY, ZERO, ONE = 2, 8, 11, 12

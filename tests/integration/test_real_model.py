@@ -236,7 +236,7 @@ def test_training_on_real_weights_matches_the_engine_after_a_weight_push(trained
 def test_turns_cut_by_the_length_limit_end_on_im_end_with_loss_mask_0(trained_run, hf_dir):
     from transformers import AutoTokenizer
 
-    from megatron_stepwise.loop.dumps import read_dump
+    from megatron_stepwise.rundir.dumps import read_dump
 
     im_end = AutoTokenizer.from_pretrained(str(hf_dir)).convert_tokens_to_ids("<|im_end|>")
     cut = 0

@@ -45,7 +45,7 @@ def dumped_run(tmp_path_factory):
 
 @pytest.mark.slow
 def test_every_second_iteration_is_dumped_with_what_was_trained(dumped_run):
-    from megatron_stepwise.loop.dumps import dumped_iterations, read_dump
+    from megatron_stepwise.rundir.dumps import dumped_iterations, read_dump
 
     run_dir, metrics = dumped_run
     assert dumped_iterations(run_dir) == [0, 2]
@@ -61,6 +61,19 @@ def test_every_second_iteration_is_dumped_with_what_was_trained(dumped_run):
     ]
     assert gaps and max(gaps) < 1e-4
     assert {r["weight_versions"][0] for r in rows} == {2}
+
+
+@pytest.mark.slow
+def test_every_file_the_run_left_is_a_run_dir_path(dumped_run):
+    """A real run's directory holds only what rundir/paths.py's RunDir names."""
+    from megatron_stepwise.rundir.paths import RunDir
+
+    run = RunDir(dumped_run[0])
+    named = {run.config, run.run_record, run.log, run.lock, run.run_id, run.metrics, run.checkpoints, run.weights}
+    named |= {run.dumps, run.rollout_bank, run.evals, run.views, run.replays, run.curves, run.hf_export}
+    assert sorted(p for p in run.root.iterdir() if p not in named) == []
+    assert {p.name for p in run.dumps.iterdir()} == {run.dump(0).name, run.dump(2).name}
+    assert all(run.checkpoint(k).is_dir() for k in range(1, 4))
 
 
 @pytest.mark.slow

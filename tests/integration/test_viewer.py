@@ -13,9 +13,10 @@ import pytest
 from helpers import make_step, run_launch
 
 from megatron_stepwise.config import load_config
-from megatron_stepwise.loop.dumps import DumpRecorder, dump_path, read_dump_table, write_dump
+from megatron_stepwise.loop.dumps import DumpRecorder
 from megatron_stepwise.loop.sources import split_round
 from megatron_stepwise.loop.training_batch import PrepareOptions
+from megatron_stepwise.rundir.dumps import dump_path, read_dump_table, write_dump
 from megatron_stepwise.viewer.page import APPENDED_EOS, PROMPT, TRAINED, load_decoder, paginate, render
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -71,6 +72,7 @@ def run_dir(tmp_path):
         weight_version=4,
         config=config,
         train_metrics=[{"loss": 0.25, "grad_norm": 1.5}] * 2,
+        tokenizer="tiny_word",  # what the trainer records (echo's shipped vocabulary)
     )
     with open(tmp_path / "metrics.jsonl", "w") as f:
         for i in range(5):
@@ -188,6 +190,27 @@ def test_the_page_renders_in_headless_chromium_with_every_trajectory_and_a_scree
     result = subprocess.run([_chromium(), *flags, f"--screenshot={shot}", page], capture_output=True, timeout=120)
     assert result.returncode == 0 and shot.stat().st_size > 10_000
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_drawing_a_page_loads_no_training_loop_config_engine_or_environment(run_dir):
+    """The viewer reads files only (pyproject.toml's "viewer reads files only" contract, at run time)."""
+    probe = (
+        "import sys\n"
+        "from megatron_stepwise.viewer.page import write_pages\n"
+        "write_pages(sys.argv[1])\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('megatron', 'ray') or "
+        "m.split('.')[:2] in [['megatron_stepwise', p] for p in ('loop', 'config', 'mcore', 'rollout', 'envs')]))\n"
+    )
+    out = run_launch(
+        [sys.executable, "-c", probe, str(run_dir)],
+        env=dict(os.environ, PYTHONPATH=ROOT),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+    assert '"8":"say"' in (run_dir / "view" / "iter_0000004.html").read_text()  # decoded from the files alone
 
 
 def test_view_without_a_dump_is_one_clear_error(tmp_path):

@@ -1,12 +1,13 @@
-"""Rollout dumps (loop/dumps.py): what the trainer trained, written and read back exactly."""
+"""Rollout dumps (rundir/dumps.py): what the trainer trained, written and read back exactly."""
 
 import pytest
 import torch
 from helpers import make_step
 
-from megatron_stepwise.loop.dumps import DumpError, DumpRecorder, assemble_logprobs, dump_path, read_dump, write_dump
+from megatron_stepwise.loop.dumps import DumpRecorder, assemble_logprobs
 from megatron_stepwise.loop.sources import split_round
 from megatron_stepwise.loop.training_batch import PrepareOptions
+from megatron_stepwise.rundir.dumps import DumpError, dump_path, read_dump, write_dump
 
 
 def _group(pid, rewards, *, routed=False, merged_history=False):

@@ -1,10 +1,10 @@
-"""Writes under a run directory never follow a symbolic link planted below it (loop/run_files.py)."""
+"""Writes under a run directory never follow a symbolic link planted below it (rundir/run_files.py)."""
 
 import os
 
 import pytest
 
-from megatron_stepwise.loop.run_files import UnsafePathError, write_path, write_under
+from megatron_stepwise.rundir.run_files import UnsafePathError, write_path, write_under
 
 
 def test_a_write_creates_the_folders_and_replaces_the_file_leaving_no_temporary(tmp_path):

@@ -12,12 +12,13 @@ import ray
 from helpers import REPO, load_script, make_step
 
 from megatron_stepwise.config import ConfigError, load_config
-from megatron_stepwise.loop.dumps import DumpRecorder, dump_path, write_dump
+from megatron_stepwise.loop.dumps import DumpRecorder
 from megatron_stepwise.loop.sources import split_round
 from megatron_stepwise.loop.training_batch import PrepareOptions
 from megatron_stepwise.rollout.engine import GenerateResult, SamplingParams
 from megatron_stepwise.rollout.engine_router import EngineRouter, EngineSlot, EngineView
 from megatron_stepwise.rollout.session_routing import BudgetSticky, RoundRobin, Sticky, make_policy
+from megatron_stepwise.rundir.dumps import dump_path, write_dump
 
 PARAMS = SamplingParams(max_new_tokens=10)
 

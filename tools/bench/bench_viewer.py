@@ -24,9 +24,10 @@ TURNS, TURN_TOKENS = 4, 1000
 
 
 def synthetic_dump(run_dir: Path, response_tokens: int) -> None:
-    from megatron_stepwise.loop.dumps import DumpRecorder, dump_path, write_dump
+    from megatron_stepwise.loop.dumps import DumpRecorder
     from megatron_stepwise.loop.sources import split_round
     from megatron_stepwise.loop.training_batch import PrepareOptions
+    from megatron_stepwise.rundir.dumps import dump_path, write_dump
     from megatron_stepwise.steps import Step, TrajectoryID
 
     steps = []

@@ -22,7 +22,6 @@ import logging
 import os
 import queue
 import random
-import re
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
@@ -36,6 +35,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megatron_stepwise.mcore.runtime.runtime import current_layout
 from megatron_stepwise.mcore.weights.checkpoint_errors import CheckpointError, UnsafeCheckpointError
 from megatron_stepwise.mcore.weights.fileops import fsync_dir, make_staging_dir, raise_together, write_atomic
+from megatron_stepwise.rundir.paths import iteration_name, parse_iteration
 
 log = logging.getLogger(__name__)
 
@@ -44,17 +44,15 @@ LATEST = "latest"
 TRAINER_STATE = "trainer_state.json"
 MANIFEST = "manifest.json"
 _HASH = "sha256"  # hardware-accelerated on current x86 and ARM: ~1.3 GB/s here, blake2b ~0.7
-_CKPT = re.compile(r"^iter_(\d{7,})$")
 _COMPLETE_MARKERS = ("metadata.json", TRAINER_STATE)
 
 
 def checkpoint_name(iteration: int) -> str:
-    return f"iter_{int(iteration):07d}"
+    return iteration_name(iteration)
 
 
 def _iteration(path: Path) -> Optional[int]:
-    m = _CKPT.match(path.name)
-    return int(m.group(1)) if m else None
+    return parse_iteration(path.name)
 
 
 def is_complete(path: Path) -> bool:
@@ -218,7 +216,7 @@ def prune(ckpt_dir: PathLike, keep_last: int, *, protect: Optional[Path] = None)
     keep |= {p for p in (protect, latest) if p is not None}
     removed = []
     for p in root.iterdir():
-        stale = p.is_dir() and p.suffix in (".tmp", ".old") and _CKPT.match(p.stem)
+        stale = p.is_dir() and p.suffix in (".tmp", ".old") and parse_iteration(p.stem) is not None
         if (is_complete(p) and p not in keep) or (stale and p != protect):
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p)

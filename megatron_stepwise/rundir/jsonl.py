@@ -3,14 +3,18 @@
 A crash mid-write (disk full, SIGKILL) leaves a torn line: a record cut short, or bytes that are
 not UTF-8. Readers skip it with one warning naming the file and line instead of failing on every
 later read, so `plot`, `view` and a resume still work; the writer on resume rewrites the file
-without it (metrics/core.py `_truncate_after`).
+without it (metrics/core.py `_truncate_after`). `read_metrics` is here, below the viewer, so
+the viewer draws a run's curves from its files alone.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 from typing import Any, Iterator
+
+from megatron_stepwise.rundir.paths import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -34,3 +38,12 @@ def read_jsonl_records(path: str) -> Iterator[tuple[str, dict[str, Any]]]:
                 log.warning("%s line %d is %s, not a JSON object: skipped", path, number, type(record).__name__)
                 continue
             yield line, record
+
+
+def read_metrics(run_dir: str) -> list[dict[str, Any]]:
+    """The records of a run's metrics.jsonl (`run_dir` may name the file itself); a torn line (a
+    crash mid-write) is dropped with one warning."""
+    path = str(RunDir(run_dir).metrics) if os.path.isdir(run_dir) else run_dir
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no metrics.jsonl in {run_dir!r}: is it a run directory?")
+    return [record for _, record in read_jsonl_records(path)]
