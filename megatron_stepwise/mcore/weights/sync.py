@@ -19,6 +19,7 @@ import re
 import shutil
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional
 
@@ -106,6 +107,12 @@ class WeightSync:
         self.verify_mode = verify
         self._last: Optional[PushRecord] = None  # the last push's record (rank 0), for `verify`
         self._unverified_warned = False
+        self._sampler_pool: Optional[ThreadPoolExecutor] = None  # samples buckets beside the push
+
+    def _sampler(self) -> ThreadPoolExecutor:
+        if self._sampler_pool is None:
+            self._sampler_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-sync-sampler")
+        return self._sampler_pool
 
     # ------------------------------------------------------------------------------- API
     def push(self, chunks: list, version: int) -> dict[str, float]:
@@ -113,7 +120,7 @@ class WeightSync:
 
         Returns timing / volume metrics on rank 0 ({} elsewhere)."""
         start = time.perf_counter()
-        record = None if self.verify_mode == "off" else PushRecord(version, self.verify_mode)
+        record = None if self.verify_mode == "off" else PushRecord(version, self.verify_mode, self._sampler())
         nbytes, buckets = {"disk": self._disk, "tensor": self._tensor, "distributed": self._distributed}[self.mode](
             chunks, int(version), record
         )
@@ -146,6 +153,9 @@ class WeightSync:
 
     def close(self) -> None:
         self._group = None
+        if self._sampler_pool is not None:
+            self._sampler_pool.shutdown(wait=True)
+            self._sampler_pool = None
         if self._own_loop and self.loop is not None:
             self.loop.close()
             self.loop = None
@@ -157,6 +167,8 @@ class WeightSync:
     def _check(self, record: Optional[PushRecord], gathered: bool = False) -> dict[str, float]:
         """Rank 0 asks every engine to compare its weights with `record`; every rank raises
         `WeightMismatch` if one differs. Collective. Returns the verification metrics on rank 0."""
+        if record is not None:
+            record.finish()
         if not gathered and self.mode == "disk":  # each stage recorded the files it wrote
             parts = [None] * dist.get_world_size() if self.is_driver else None
             mine = (record.checks, record.seconds) if record.checks else None
