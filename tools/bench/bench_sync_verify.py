@@ -6,9 +6,10 @@ One training process (TP1, gloo) and a Ray fleet with one embedded engine. For t
 model and a SmolLM2-135M-shaped model (random init of its shapes, no download; skipped with
 --quick), per sync mode, the median over `--repeat` pushes of:
 - sync s: `WeightSync.push` with `verify: off` (conversion, transfer, the engine loading);
-- verify s: `weight_sync/verify_s` of a push with `verify: sampled` (the trainer taking 256
-  values per tensor as they stream, the engine drawing and comparing the same ones), and its
-  share of that push (`weight_sync/verify_share`);
+- verify s: `weight_sync/verify_s` of a push with `verify: sampled` (what the push waits for:
+  the trainer's helper thread taking 256 values per tensor beside the transfer, then the round
+  trip in which the engine takes and compares the same ones), and its share of that push
+  (`weight_sync/verify_share`);
 - full s: the same with `verify: full` (sha256 of every tensor on both sides).
 Tensor mode holds a second copy of the model on rank 0 and in Ray's object store: it is left out
 for SmolLM2 by default (`--modes` picks). No asserts: numbers depend on the machine and its load.
