@@ -171,10 +171,10 @@ class WeightSync:
             record.finish()
         if not gathered and self.mode == "disk":  # each stage recorded the files it wrote
             parts = [None] * dist.get_world_size() if self.is_driver else None
-            mine = (record.checks, record.seconds) if record.checks else None
+            # rank 0 keeps its own record as it is (gathering it would pickle it for nothing)
+            mine = (record.checks, record.seconds) if record.checks and not self.is_driver else None
             dist.gather_object(mine, parts, dst=0)
             if self.is_driver:
-                record.checks, record.seconds = weight_checks.Checks(), 0.0
                 record.merge(parts)
         error = None
         metrics: dict[str, float] = {}
@@ -255,9 +255,9 @@ class WeightSync:
                 for (name, tensor), expected in zip(bucket, names[sent : sent + len(bucket)]):
                     if name != expected:
                         raise WeightSyncError(f"stream order changed: got {name!r}, announced {expected!r}")
-                weight_transport.broadcast(group, [t for _, t in bucket])
                 if record is not None:
-                    record.add(bucket)
+                    record.add(bucket)  # first: sampled beside the broadcast
+                weight_transport.broadcast(group, [t for _, t in bucket])
                 sent += len(bucket)
                 counts["buckets"] += 1
                 counts["bytes"] += sum(t.numel() * t.element_size() for _, t in bucket)
