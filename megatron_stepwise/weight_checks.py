@@ -58,6 +58,27 @@ class Checks(dict):
         return (_unpack_checks, (names, meta, blobs))
 
 
+class PackedChecks(Mapping):
+    """A finished `Checks` with its pickled form made ahead (on the trainer's sampling thread while
+    the engines load), so sending it only copies bytes. Reads through to the checks."""
+
+    def __init__(self, checks: Checks):
+        self._checks = checks
+        self._reduced = checks.__reduce__()
+
+    def __getitem__(self, name: str) -> TensorCheck:
+        return self._checks[name]
+
+    def __iter__(self):
+        return iter(self._checks)
+
+    def __len__(self) -> int:
+        return len(self._checks)
+
+    def __reduce__(self):
+        return self._reduced  # unpickles as a `Checks`
+
+
 def _unpack_checks(names: list, meta: list, blobs: dict) -> Checks:
     # Each dtype's blob holds its tensors' values in name order: split back into views of it.
     counts: dict = {}

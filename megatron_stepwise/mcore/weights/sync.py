@@ -149,7 +149,7 @@ class WeightSync:
             return {}
         if record is not None:
             record.seconds = 0.0
-        return self._check(record, gathered=True)
+        return self._check(record)
 
     def close(self) -> None:
         self._group = None
@@ -164,18 +164,11 @@ class WeightSync:
     def _run(self, coro):
         return self.loop.run_until_complete(coro)
 
-    def _check(self, record: Optional[PushRecord], gathered: bool = False) -> dict[str, float]:
+    def _check(self, record: Optional[PushRecord]) -> dict[str, float]:
         """Rank 0 asks every engine to compare its weights with `record`; every rank raises
         `WeightMismatch` if one differs. Collective. Returns the verification metrics on rank 0."""
         if record is not None:
             record.finish()
-        if not gathered and self.mode == "disk":  # each stage recorded the files it wrote
-            parts = [None] * dist.get_world_size() if self.is_driver else None
-            # rank 0 keeps its own record as it is (gathering it would pickle it for nothing)
-            mine = (record.checks, record.seconds) if record.checks and not self.is_driver else None
-            dist.gather_object(mine, parts, dst=0)
-            if self.is_driver:
-                record.merge(parts)
         error = None
         metrics: dict[str, float] = {}
         if self.is_driver:
@@ -183,7 +176,7 @@ class WeightSync:
             start = time.perf_counter()
             answers: list = []
             try:
-                answers = self._run(self.fleet.verify_weights(record.checks, record.version))
+                answers = self._run(self.fleet.verify_weights(record.to_send(), record.version))
                 error = mismatch_message(answers, record.version)
             except Exception as e:  # noqa: BLE001 - reported on every rank below
                 error = f"weight sync of version {record.version}: verification failed ({type(e).__name__}: {e})"
@@ -215,12 +208,26 @@ class WeightSync:
             overwrite=True,
             on_bucket=record.add if record is not None else None,
         )
+        if record is not None:
+            self._gather_records(record)
         if not self.is_driver:
             return 0, 0
         index = convert.load_hf_index(path)
         self._run(self.fleet.update_weights_from_disk(str(path), weight_version=version))
         prune_versions(self.sync_dir, self.keep_versions)
         return index["metadata"]["total_size"], len(set(index["weight_map"].values()))
+
+    def _gather_records(self, record: PushRecord) -> None:
+        """Disk mode, collective: each stage recorded the files it wrote; rank 0 folds them into its
+        own record (kept as it is: gathering it to itself would pickle it for nothing) and packs it
+        while the engines load."""
+        record.finish()
+        parts = [None] * dist.get_world_size() if self.is_driver else None
+        mine = (record.checks, record.seconds) if record.checks and not self.is_driver else None
+        dist.gather_object(mine, parts, dst=0)
+        if self.is_driver:
+            record.merge(parts)
+            record.pack_ahead()
 
     def _tensor(self, chunks: list, version: int, record: Optional[PushRecord]) -> tuple[int, int]:
         nbytes = buckets = 0
@@ -234,6 +241,8 @@ class WeightSync:
                 pending.extend(bucket)
             else:
                 self._run(self.fleet.update_weights_from_tensors(bucket, weight_version=version))
+        if record is not None and self.is_driver:
+            record.pack_ahead()  # while the engines load the last bucket
         if self.is_driver and self.atomic:
             self._run(self.fleet.update_weights_from_tensors(pending, weight_version=version))
         return nbytes, buckets
@@ -263,6 +272,8 @@ class WeightSync:
                 counts["bytes"] += sum(t.numel() * t.element_size() for _, t in bucket)
             if sent != len(names):
                 raise WeightSyncError(f"sent {sent} tensors, announced {len(names)}")
+            if record is not None:
+                record.pack_ahead()  # while the engines load what they received
 
         async def both():
             dtypes = [weight_transport.dtype_name(d) for _, _, d in meta]

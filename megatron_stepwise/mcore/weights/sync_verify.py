@@ -40,6 +40,7 @@ class PushRecord:
         self.seconds = 0.0
         self._sampler = sampler if mode == "sampled" else None  # full hashes whole buckets: kept in line
         self._pending: Optional[Future] = None
+        self._packing: Optional[Future] = None
 
     def add(self, bucket: Iterable[tuple[str, torch.Tensor]]) -> None:
         start = time.perf_counter()
@@ -58,6 +59,16 @@ class PushRecord:
         self._collect()
         self.seconds += time.perf_counter() - start
 
+    def pack_ahead(self) -> None:
+        """The record is complete: pickle it on the sampler thread while the engines load."""
+        self.finish()
+        if self._sampler is not None and self.checks:
+            self._packing = self._sampler.submit(weight_checks.PackedChecks, self.checks)
+
+    def to_send(self) -> Any:
+        """What goes to the engines: the packed record when `pack_ahead` made one, else the checks."""
+        return self._packing.result() if self._packing is not None else self.checks
+
     def _collect(self) -> None:
         if self._pending is not None:
             pending, self._pending = self._pending, None
@@ -69,6 +80,7 @@ class PushRecord:
             if other is not None:
                 checks, seconds = other
                 self.checks.update(checks)
+                self._packing = None  # no longer the whole record
                 self.seconds = max(self.seconds, seconds)  # stages record in parallel
 
 
