@@ -1,11 +1,16 @@
 """Checks that an engine holds the weights the trainer sent: used by both sides of a weight sync.
 
-The trainer takes, from every HF-named tensor it sends, the values at `SAMPLE_SIZE` positions
-drawn from a generator seeded by (tensor name, weight version), so each version looks at other
-positions; small tensors (norms, biases) are taken whole. After the update the engine draws the
-same positions from its own copy and compares exactly (`compare_samples`), in its own dtype:
-the sent values cast to it are what its load stored. `verify: full` compares a sha256 of every
-whole tensor instead (`tensor_digest`), and `manifest` lists such digests on demand.
+The trainer takes, from every HF-named tensor it sends, the values at `SAMPLE_SIZE` flat
+positions that both sides derive from (tensor name, weight version) alone (`sample_positions`),
+so each version looks at other positions and no positions travel; small tensors (norms, biases)
+are taken whole. After the update the engine takes the same positions from its own copy and
+compares exactly, in its own dtype: the sent values cast to it are what its load stored.
+`verify: full` compares a sha256 of every whole tensor instead (`tensor_digest`), and `manifest`
+lists such digests on demand.
+
+Both sides work on many tensors at once (`sample_many`, `compare_all`): one position matrix, one
+gather per tensor, one comparison per dtype, and no `__torch_function__` mode in the way, since
+per-call overheads, not the gathers, are what a per-tensor loop costs.
 
 How the check runs in each sync mode and what it costs: docs/weights.md, 'Every sync verified'.
 """
@@ -35,44 +40,134 @@ class TensorCheck:
 
 
 class Checks(dict):
-    """{tensor name: TensorCheck} of one push. Pickled as one blob of all sampled values: Ray
-    sends the record to every engine, and (un)pickling hundreds of small tensors costs ~10 us
-    each, a blob nothing."""
+    """{tensor name: TensorCheck} of one push. Pickled with all sampled values of a dtype as one
+    blob: Ray sends the record to every engine, and (un)pickling hundreds of small tensors costs
+    ~10 us each, a blob nothing."""
 
     def __reduce__(self):
-        names, meta, blobs = [], [], []
-        for name, c in self.items():
-            names.append(name)
-            raw = b"" if c.values is None else c.values.contiguous().view(torch.uint8).numpy().tobytes()
-            meta.append((c.shape, c.dtype, c.digest, len(raw), c.values is not None))
-            blobs.append(raw + b"\0" * (-len(raw) % 8))  # each view starts aligned for any dtype
-        return (_unpack_checks, (names, meta, b"".join(blobs)))
+        names, meta, by_dtype = [], [], {}
+        with _plain_torch():
+            for name, c in self.items():
+                names.append(name)
+                kept = None
+                if c.values is not None:
+                    kept = (dtype_name(c.values.dtype), c.values.numel())
+                    by_dtype.setdefault(kept[0], []).append(c.values.reshape(-1))
+                meta.append((c.shape, c.dtype, c.digest, kept))
+            blobs = {d: torch.cat(v).view(torch.uint8).numpy().tobytes() for d, v in by_dtype.items()}
+        return (_unpack_checks, (names, meta, blobs))
 
 
-def _unpack_checks(names: list, meta: list, blob: bytes) -> Checks:
-    out, offset = Checks(), 0
-    buffer = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else None
-    for name, (shape, dtype, digest, length, has_values) in zip(names, meta):
-        values = buffer[offset : offset + length].view(getattr(torch, dtype)) if has_values else None
-        out[name] = TensorCheck(shape, dtype, values, digest)
-        offset += length + (-length % 8)
+class PackedChecks(Mapping):
+    """A finished `Checks` with its pickled form made ahead (on the trainer's sampling thread while
+    the engines load), so sending it only copies bytes. Reads through to the checks."""
+
+    def __init__(self, checks: Checks):
+        self._checks = checks
+        self._reduced = checks.__reduce__()
+
+    def __getitem__(self, name: str) -> TensorCheck:
+        return self._checks[name]
+
+    def __iter__(self):
+        return iter(self._checks)
+
+    def __len__(self) -> int:
+        return len(self._checks)
+
+    def __reduce__(self):
+        return self._reduced  # unpickles as a `Checks`
+
+
+def _unpack_checks(names: list, meta: list, blobs: dict) -> Checks:
+    # Each dtype's blob holds its tensors' values in name order: split back into views of it.
+    counts: dict = {}
+    for *_, kept in meta:
+        if kept is not None:
+            counts.setdefault(kept[0], []).append(kept[1])
+    parts = {}
+    for dtype, sizes in counts.items():
+        raw = (
+            torch.frombuffer(bytearray(blobs[dtype]), dtype=torch.uint8)
+            if blobs[dtype]
+            else torch.empty(0, dtype=torch.uint8)
+        )
+        parts[dtype] = iter(raw.view(getattr(torch, dtype)).split(sizes))
+    out = Checks()
+    for name, (shape, dtype, digest, kept) in zip(names, meta):
+        out[name] = TensorCheck(shape, dtype, None if kept is None else next(parts[kept[0]]), digest)
     return out
+
+
+def _plain_torch():
+    """Torch calls without any `__torch_function__` mode: sampling makes no device choice a mode
+    could redirect, and the trainer's CPU compatibility mode (`mcore/runtime/cpu_compat.py`)
+    costs more per call than a 256-element gather."""
+    return torch._C.DisableTorchFunction()
+
+
+def _pattern(version: int, k: int) -> torch.Tensor:
+    """`k` fractions in [0, 1) drawn for weight `version`: where every tensor is sampled."""
+    generator = torch.Generator().manual_seed(zlib.crc32(f"@{int(version)}".encode()))
+    return torch.rand(k, generator=generator, dtype=torch.float64)
+
+
+def _position_matrix(names: list[str], version: int, numels: list[int], k: int) -> torch.Tensor:
+    """[len(names), k] flat positions in tensors of more than `k` elements: the version's pattern
+    scaled to each tensor and turned by crc32 of its name and the version (one op for all)."""
+    n = torch.tensor(numels, dtype=torch.int64)[:, None]
+    turn = torch.tensor([zlib.crc32(f"{name}@{int(version)}".encode()) for name in names], dtype=torch.int64)
+    return ((_pattern(version, k)[None, :] * n).long() + turn[:, None]) % n
 
 
 def sample_positions(name: str, version: int, numel: int, k: int = SAMPLE_SIZE) -> torch.Tensor:
     """Flat positions checked in tensor `name` at weight `version`: all of them when `numel <= k`,
-    else `k` drawn by a generator both sides seed alike (crc32 of name and version)."""
+    else `k` that both sides derive alike from the name and version (as `sample_many` takes them)."""
     if numel <= k:
         return torch.arange(numel)
-    generator = torch.Generator().manual_seed(zlib.crc32(f"{name}@{int(version)}".encode()))
-    return torch.randint(numel, (k,), generator=generator)
+    with _plain_torch():
+        return _position_matrix([name], version, [numel], k)[0]
 
 
 def take(tensor: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """The elements at flat `positions`, without copying the tensor (it may be a strided view)."""
-    if tensor.is_contiguous():  # a view of its storage: 10x cheaper than unravelling
-        return tensor.detach().reshape(-1)[positions].cpu()
-    return tensor.detach()[torch.unravel_index(positions, tensor.shape)].cpu()
+    with _plain_torch():
+        return torch.take(tensor.detach(), positions.to(tensor.device)).cpu()
+
+
+def _gather(named: list, version: int, k: int) -> dict:
+    """The sampled values of every (name, tensor), joined on the CPU per (device, dtype):
+    {(device, dtype): (indices into `named`, their values one after another)}."""
+    numels = [t.numel() for _, t in named]
+    big = [i for i, n in enumerate(numels) if n > k]
+    row_of = {i: r for r, i in enumerate(big)}
+    matrix = _position_matrix([named[i][0] for i in big], version, [numels[i] for i in big], k) if big else None
+    rows_on: dict = {}  # the matrix's rows on each device the tensors live on (moved once)
+    groups: dict = {}
+    for i, (_, t) in enumerate(named):
+        r = row_of.get(i)
+        if r is None:
+            part = t.reshape(-1)
+        else:
+            if t.device not in rows_on:
+                rows_on[t.device] = matrix.to(t.device).unbind(0)
+            part = torch.take(t, rows_on[t.device][r])
+        indices, parts = groups.setdefault((t.device, t.dtype), ([], []))
+        indices.append(i)
+        parts.append(part)
+    return {key: (indices, torch.cat(parts).cpu()) for key, (indices, parts) in groups.items()}
+
+
+def sample_many(named: list[tuple[str, torch.Tensor]], version: int, k: int = SAMPLE_SIZE) -> list[torch.Tensor]:
+    """`take(t, sample_positions(name, version, t.numel()))` of every (name, t), on the CPU: one
+    position matrix for all, one gather per tensor, one copy to the CPU per (device, dtype)."""
+    with torch.no_grad(), _plain_torch():
+        out: list = [None] * len(named)
+        for indices, joined in _gather(named, version, k).values():
+            sizes = [min(named[i][1].numel(), k) for i in indices]
+            for i, values in zip(indices, joined.split(sizes)):
+                out[i] = values
+        return out
 
 
 def tensor_digest(tensor: torch.Tensor) -> str:
@@ -87,12 +182,18 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def check_of(name: str, tensor: torch.Tensor, version: int, mode: str) -> TensorCheck:
     """The trainer's record of one sent tensor (mode "sampled" or "full")."""
-    check = TensorCheck(tuple(tensor.shape), dtype_name(tensor.dtype))
+    return checks_of([(name, tensor)], version, mode)[name]
+
+
+def checks_of(bucket: list[tuple[str, torch.Tensor]], version: int, mode: str) -> dict[str, TensorCheck]:
+    """The trainer's record of a bucket of sent tensors, {name: TensorCheck} (values are copies)."""
     if mode == "full":
-        check.digest = tensor_digest(tensor)
-    else:
-        check.values = take(tensor, sample_positions(name, version, tensor.numel()))  # a fresh tensor
-    return check
+        return {name: TensorCheck(tuple(t.shape), dtype_name(t.dtype), digest=tensor_digest(t)) for name, t in bucket}
+    samples = sample_many(bucket, version)
+    with _plain_torch():
+        return {
+            name: TensorCheck(tuple(t.shape), dtype_name(t.dtype), values) for (name, t), values in zip(bucket, samples)
+        }
 
 
 def compare(name: str, held: torch.Tensor, sent: TensorCheck, version: int) -> Optional[str]:
@@ -123,14 +224,39 @@ def compare(name: str, held: torch.Tensor, sent: TensorCheck, version: int) -> O
 
 
 def compare_all(held: Mapping[str, Optional[torch.Tensor]], sent: Mapping[str, TensorCheck], version: int) -> dict:
-    """{tensor name: why it differs} over every sent tensor; `held[name]` None = the engine has none."""
-    problems = {}
-    for name, check in sent.items():
-        tensor = held.get(name)
-        why = "not a weight of the engine's model" if tensor is None else compare(name, tensor, check, version)
-        if why is not None:
-            problems[name] = why
-    return problems
+    """{tensor name: why it differs} over every sent tensor, in sent order; `held[name]` None =
+    the engine has none.
+
+    Sampled tensors are compared together: the engine's samples of a group (same sent dtype,
+    held dtype and device) against the group's sent values, one `torch.equal`; only a group that
+    differs is gone through tensor by tensor (`compare`) to name them."""
+    problems, groups = {}, {}
+    with torch.no_grad(), _plain_torch():
+        for name, check in sent.items():
+            tensor = held.get(name)
+            if tensor is None:
+                problems[name] = "not a weight of the engine's model"
+            elif (
+                check.values is None
+                or tensor.shape != check.shape
+                or len(check.values) != min(tensor.numel(), SAMPLE_SIZE)
+            ):
+                why = compare(name, tensor, check, version)  # a digest, or a record that cannot match
+                if why is not None:
+                    problems[name] = why
+            else:
+                groups.setdefault((check.values.dtype, tensor.dtype, tensor.device), []).append((name, tensor))
+        for (_, held_dtype, _), items in groups.items():
+            ((indices, ours),) = _gather(items, version, SAMPLE_SIZE).values()
+            theirs = torch.cat([sent[items[i][0]].values for i in indices]).to(held_dtype)
+            if torch.equal(ours, theirs):
+                continue
+            for name, tensor in items:  # the slow path, only when something differs
+                why = compare(name, tensor, sent[name], version)
+                if why is not None:
+                    problems[name] = why
+    order = {name: i for i, name in enumerate(sent)}
+    return dict(sorted(problems.items(), key=lambda item: order[item[0]]))
 
 
 def manifest(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, dict[str, Any]]:

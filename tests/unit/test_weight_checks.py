@@ -176,3 +176,79 @@ def test_a_record_pickles_exactly_in_every_dtype():
         if check.values is not None:
             assert back[name].values.dtype == check.values.dtype and torch.equal(back[name].values, check.values)
     assert back["h"].values is None
+
+
+def test_both_sides_sample_the_same_positions_a_bucket_at_a_time():
+    # The trainer samples a bucket at once, the engine its own tensors at once: both must read
+    # exactly the positions `sample_positions` names for each tensor, whatever the batch holds.
+    tensors = pushed(seed=5)
+    named = list(tensors.items())
+    batch = C.checks_of(named, 11, "sampled")
+    for name, t in named:
+        expected = t.reshape(-1)[C.sample_positions(name, 11, t.numel())]
+        assert torch.equal(batch[name].values, expected), name
+        assert torch.equal(C.check_of(name, t, 11, "sampled").values, expected), name
+    held = {name: t.clone() for name, t in named}
+    assert C.compare_all(held, batch, 11) == {}
+    assert C.compare_all(held, batch, 12) != {}  # another version reads other positions
+
+
+def test_sample_positions_depend_only_on_name_version_and_size():
+    a = C.sample_positions("model.embed_tokens.weight", 5, 1_000_003)
+    big = C.sample_many([("x", torch.zeros(7)), ("model.embed_tokens.weight", torch.arange(1_000_003.0))], 5)
+    assert torch.equal(big[1], a.double())  # the values are the positions themselves
+    assert int(a.min()) >= 0 and int(a.max()) < 1_000_003 and len(set(a.tolist())) > 200  # spread
+
+
+def test_one_element_changed_at_a_sampled_position_of_a_large_tensor_is_caught_and_named():
+    engine = LocalEngine(CONFIG, seed=0, name="engine0.3")
+    tensors = pushed(seed=5)
+    name = "model.embed_tokens.weight"
+    where = int(C.sample_positions(name, 8, tensors[name].numel())[17])
+
+    def flip(model):
+        with torch.no_grad():
+            model.get_parameter(name).view(-1)[where] += 1.0
+
+    answer = load_and_verify(engine, tensors, record_of(tensors, 8), corrupt=flip)
+    assert list(answer["problems"]) == [name]
+    assert f"(first at flat index {where}:" in answer["problems"][name]
+    message = mismatch_message([{"index": 0, **answer}], 8)
+    assert "engine 0 (engine0.3)" in message and name in message
+
+
+def test_a_record_sampled_beside_the_push_equals_one_taken_in_line():
+    from concurrent.futures import ThreadPoolExecutor
+
+    tensors = pushed(seed=5)
+    named = list(tensors.items())
+    buckets = [named[i : i + 7] for i in range(0, len(named), 7)]
+    in_line = PushRecord(4, "sampled")
+    with ThreadPoolExecutor(max_workers=1) as sampler:
+        beside = PushRecord(4, "sampled", sampler)
+        for bucket in buckets:
+            in_line.add(bucket)
+            beside.add(bucket)
+        beside.finish()
+    assert list(beside.checks) == list(in_line.checks) == list(tensors)
+    for name in tensors:
+        assert torch.equal(beside.checks[name].values, in_line.checks[name].values)
+
+
+def test_a_record_packed_ahead_reads_through_and_unpickles_as_the_same_checks():
+    import pickle
+    from concurrent.futures import ThreadPoolExecutor
+
+    tensors = pushed(seed=5, dtype=torch.bfloat16)
+    with ThreadPoolExecutor(max_workers=1) as sampler:
+        record = PushRecord(6, "sampled", sampler)
+        record.add(list(tensors.items()))
+        record.pack_ahead()
+        sent = record.to_send()
+    assert isinstance(sent, C.PackedChecks) and list(sent) == list(record.checks) and len(sent) == len(tensors)
+    back = pickle.loads(pickle.dumps(sent))
+    assert isinstance(back, C.Checks) and list(back) == list(tensors)
+    for name, check in record.checks.items():
+        assert sent[name] is check and torch.equal(back[name].values, check.values)
+    record.merge([({"extra": C.check_of("extra", torch.ones(3), 6, "sampled")}, 0.0)])
+    assert record.to_send() is record.checks  # a merged record is sent as it now is

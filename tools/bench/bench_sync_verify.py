@@ -6,9 +6,10 @@ One training process (TP1, gloo) and a Ray fleet with one embedded engine. For t
 model and a SmolLM2-135M-shaped model (random init of its shapes, no download; skipped with
 --quick), per sync mode, the median over `--repeat` pushes of:
 - sync s: `WeightSync.push` with `verify: off` (conversion, transfer, the engine loading);
-- verify s: `weight_sync/verify_s` of a push with `verify: sampled` (the trainer taking 256
-  values per tensor as they stream, the engine drawing and comparing the same ones), and its
-  share of that push (`weight_sync/verify_share`);
+- verify s: `weight_sync/verify_s` of a push with `verify: sampled` (what the push waits for:
+  the trainer's helper thread taking 256 values per tensor beside the transfer, then the round
+  trip in which the engine takes and compares the same ones), and its share of that push
+  (`weight_sync/verify_share`), and that time per tensor (us/tensor);
 - full s: the same with `verify: full` (sha256 of every tensor on both sides).
 Tensor mode holds a second copy of the model on rank 0 and in Ray's object store: it is left out
 for SmolLM2 by default (`--modes` picks). No asserts: numbers depend on the machine and its load.
@@ -84,15 +85,16 @@ def bench_model(name: str, cfg: dict, modes: tuple, repeat: int, bucket_mb: floa
 
 
 HEADER = (
-    f"{'model':<14}{'mode':<13}{'tensors':>8}{'sync s':>9}{'sampled: verify s':>19}{'share':>8}"
+    f"{'model':<14}{'mode':<13}{'tensors':>8}{'sync s':>9}{'sampled: verify s':>19}{'us/tensor':>10}{'share':>8}"
     f"{'full: verify s':>16}{'share':>8}"
 )
 
 
 def print_row(r: dict) -> None:
+    per_tensor = r["sampled_verify_s"] / max(r["tensors"], 1) * 1e6  # the check's cost grows with the count
     print(
         f"{r['model']:<14}{r['mode']:<13}{r['tensors']:>8.0f}{r['off_s']:>9.3f}{r['sampled_verify_s']:>19.4f}"
-        f"{r['sampled_share']:>8.2%}{r['full_verify_s']:>16.4f}{r['full_share']:>8.2%}",
+        f"{per_tensor:>10.1f}{r['sampled_share']:>8.2%}{r['full_verify_s']:>16.4f}{r['full_share']:>8.2%}",
         flush=True,
     )
 

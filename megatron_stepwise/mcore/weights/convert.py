@@ -303,8 +303,8 @@ def export_hf(
 
     hf_config: the HF config (object or dict) the model was built from; `dtype` (default: the
     parameters' own) is also recorded in config.json. Written to `out_dir.partial` first and
-    renamed by rank 0 once complete. `on_bucket` sees each bucket a rank writes (a weight sync
-    records what it sent).
+    renamed by rank 0 once complete. `on_bucket` sees each bucket a rank writes, just before it
+    is written (a weight sync records what it sent, sampling beside the write).
     """
     from safetensors.torch import save_file
 
@@ -322,9 +322,9 @@ def export_hf(
     total_bytes = 0
     for k, bucket in enumerate(iter_stage_buckets(chunks, hf_config, bucket_mb=bucket_mb, dtype=dtype)):
         fname = f"model-pp{layout.pp_rank:03d}-{k:05d}.safetensors"
-        save_file(dict(bucket), str(partial / fname), metadata={"format": "pt"})
         if on_bucket is not None:
-            on_bucket(bucket)
+            on_bucket(bucket)  # first: a weight sync samples the bucket beside the write
+        save_file(dict(bucket), str(partial / fname), metadata={"format": "pt"})
         for name, tensor in bucket:
             weight_map[name] = fname
             total_bytes += tensor.numel() * tensor.element_size()

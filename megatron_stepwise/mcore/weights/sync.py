@@ -19,6 +19,7 @@ import re
 import shutil
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional
 
@@ -106,6 +107,12 @@ class WeightSync:
         self.verify_mode = verify
         self._last: Optional[PushRecord] = None  # the last push's record (rank 0), for `verify`
         self._unverified_warned = False
+        self._sampler_pool: Optional[ThreadPoolExecutor] = None  # samples buckets beside the push
+
+    def _sampler(self) -> ThreadPoolExecutor:
+        if self._sampler_pool is None:
+            self._sampler_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-sync-sampler")
+        return self._sampler_pool
 
     # ------------------------------------------------------------------------------- API
     def push(self, chunks: list, version: int) -> dict[str, float]:
@@ -113,7 +120,7 @@ class WeightSync:
 
         Returns timing / volume metrics on rank 0 ({} elsewhere)."""
         start = time.perf_counter()
-        record = None if self.verify_mode == "off" else PushRecord(version, self.verify_mode)
+        record = None if self.verify_mode == "off" else PushRecord(version, self.verify_mode, self._sampler())
         nbytes, buckets = {"disk": self._disk, "tensor": self._tensor, "distributed": self._distributed}[self.mode](
             chunks, int(version), record
         )
@@ -142,10 +149,13 @@ class WeightSync:
             return {}
         if record is not None:
             record.seconds = 0.0
-        return self._check(record, gathered=True)
+        return self._check(record)
 
     def close(self) -> None:
         self._group = None
+        if self._sampler_pool is not None:
+            self._sampler_pool.shutdown(wait=True)
+            self._sampler_pool = None
         if self._own_loop and self.loop is not None:
             self.loop.close()
             self.loop = None
@@ -154,16 +164,11 @@ class WeightSync:
     def _run(self, coro):
         return self.loop.run_until_complete(coro)
 
-    def _check(self, record: Optional[PushRecord], gathered: bool = False) -> dict[str, float]:
+    def _check(self, record: Optional[PushRecord]) -> dict[str, float]:
         """Rank 0 asks every engine to compare its weights with `record`; every rank raises
         `WeightMismatch` if one differs. Collective. Returns the verification metrics on rank 0."""
-        if not gathered and self.mode == "disk":  # each stage recorded the files it wrote
-            parts = [None] * dist.get_world_size() if self.is_driver else None
-            mine = (record.checks, record.seconds) if record.checks else None
-            dist.gather_object(mine, parts, dst=0)
-            if self.is_driver:
-                record.checks, record.seconds = weight_checks.Checks(), 0.0
-                record.merge(parts)
+        if record is not None:
+            record.finish()
         error = None
         metrics: dict[str, float] = {}
         if self.is_driver:
@@ -171,7 +176,7 @@ class WeightSync:
             start = time.perf_counter()
             answers: list = []
             try:
-                answers = self._run(self.fleet.verify_weights(record.checks, record.version))
+                answers = self._run(self.fleet.verify_weights(record.to_send(), record.version))
                 error = mismatch_message(answers, record.version)
             except Exception as e:  # noqa: BLE001 - reported on every rank below
                 error = f"weight sync of version {record.version}: verification failed ({type(e).__name__}: {e})"
@@ -203,12 +208,26 @@ class WeightSync:
             overwrite=True,
             on_bucket=record.add if record is not None else None,
         )
+        if record is not None:
+            self._gather_records(record)
         if not self.is_driver:
             return 0, 0
         index = convert.load_hf_index(path)
         self._run(self.fleet.update_weights_from_disk(str(path), weight_version=version))
         prune_versions(self.sync_dir, self.keep_versions)
         return index["metadata"]["total_size"], len(set(index["weight_map"].values()))
+
+    def _gather_records(self, record: PushRecord) -> None:
+        """Disk mode, collective: each stage recorded the files it wrote; rank 0 folds them into its
+        own record (kept as it is: gathering it to itself would pickle it for nothing) and packs it
+        while the engines load."""
+        record.finish()
+        parts = [None] * dist.get_world_size() if self.is_driver else None
+        mine = (record.checks, record.seconds) if record.checks and not self.is_driver else None
+        dist.gather_object(mine, parts, dst=0)
+        if self.is_driver:
+            record.merge(parts)
+            record.pack_ahead()
 
     def _tensor(self, chunks: list, version: int, record: Optional[PushRecord]) -> tuple[int, int]:
         nbytes = buckets = 0
@@ -222,6 +241,8 @@ class WeightSync:
                 pending.extend(bucket)
             else:
                 self._run(self.fleet.update_weights_from_tensors(bucket, weight_version=version))
+        if record is not None and self.is_driver:
+            record.pack_ahead()  # while the engines load the last bucket
         if self.is_driver and self.atomic:
             self._run(self.fleet.update_weights_from_tensors(pending, weight_version=version))
         return nbytes, buckets
@@ -243,14 +264,16 @@ class WeightSync:
                 for (name, tensor), expected in zip(bucket, names[sent : sent + len(bucket)]):
                     if name != expected:
                         raise WeightSyncError(f"stream order changed: got {name!r}, announced {expected!r}")
-                weight_transport.broadcast(group, [t for _, t in bucket])
                 if record is not None:
-                    record.add(bucket)
+                    record.add(bucket)  # first: sampled beside the broadcast
+                weight_transport.broadcast(group, [t for _, t in bucket])
                 sent += len(bucket)
                 counts["buckets"] += 1
                 counts["bytes"] += sum(t.numel() * t.element_size() for _, t in bucket)
             if sent != len(names):
                 raise WeightSyncError(f"sent {sent} tensors, announced {len(names)}")
+            if record is not None:
+                record.pack_ahead()  # while the engines load what they received
 
         async def both():
             dtypes = [weight_transport.dtype_name(d) for _, _, d in meta]
