@@ -6,6 +6,7 @@ import json
 import logging
 from pathlib import Path
 
+import pytest
 from helpers import make_step
 
 from megatron_stepwise.algo.groups import groups_of
@@ -76,6 +77,7 @@ def _write_a_run(root: Path) -> None:
     plot_run(str(root))
 
 
+@pytest.mark.launches  # the run record asks git for the commit
 def test_every_file_a_run_writes_is_a_run_dir_path(tmp_path):
     root = tmp_path / "run"
     _write_a_run(root)
