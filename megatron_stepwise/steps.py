@@ -343,10 +343,10 @@ class StepBatch:
                 ]
             )
 
-        traj_index, group_index = _dense_ids(steps)
+        structure = step_structure(steps)
         row_fields = {
-            "traj_index": traj_index,
-            "group_index": group_index,
+            "traj_index": torch.tensor(structure.traj_of_step, dtype=torch.long),
+            "group_index": torch.tensor(structure.group_of_step, dtype=torch.long),
             "is_last": torch.tensor([s.is_last_step for s in steps], dtype=torch.bool),
             "reward": torch.tensor([s.reward for s in steps], dtype=torch.float64),
             "turn_reward": torch.tensor([s.turn_reward for s in steps], dtype=torch.float64),
@@ -519,10 +519,54 @@ def _response_or_unknown(values: Optional[torch.Tensor], step: Step) -> torch.Te
     return values if values is not None else _unknown(step.response_ids.numel())
 
 
-def _dense_ids(steps: Sequence[Step]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dense trajectory and prompt-group ids, numbered in order of first appearance."""
+@dataclass(frozen=True)
+class StepStructure:
+    """Which steps of a flat list form which trajectory, and which trajectories which prompt
+    group: derived here once (`step_structure`), and read by everything that needs it (the
+    groups of a flat rollout, advantages, a batch's traj_index / group_index, prefix merging,
+    prompt mini-batches). Ids are dense, numbered in order of first appearance; a padding step
+    is a trajectory and a group of its own (its `__pad__` prompt id)."""
+
+    traj_of_step: list[int]
+    group_of_step: list[int]
+    trajectories: list[list[int]]  # each trajectory's step indices, in order
+    groups: list[list[int]]  # each group's trajectory indices, in order
+
+    def check_last_steps(self, steps: Sequence[Step]) -> None:
+        """Every trajectory has exactly one step marked `is_last_step`, and it is its final step
+        (its outcome reward is that step's); else the error names the step."""
+        for rows in self.trajectories:
+            marked = next((i for i in rows if steps[i].is_last_step), None)
+            if marked is not None and marked != rows[-1]:
+                after = rows[rows.index(marked) + 1]
+                raise StepwiseBatchError(
+                    f"step {after}: field 'is_last_step': trajectory {steps[after].trajectory_id} continues "
+                    f"after its last step (step {marked})"
+                )
+        for rows in self.trajectories:
+            if not steps[rows[-1]].is_last_step:
+                raise StepwiseBatchError(
+                    f"step {rows[-1]}: field 'is_last_step': trajectory {steps[rows[-1]].trajectory_id} has no "
+                    "step marked last, so it has no outcome reward"
+                )
+
+
+def step_structure(steps: Sequence[Step]) -> StepStructure:
+    """The trajectories and prompt groups of a flat list of steps (see `StepStructure`)."""
     traj_ids: dict[TrajectoryID, int] = {}
     group_ids: dict[str, int] = {}
-    t = [traj_ids.setdefault(s.trajectory_id, len(traj_ids)) for s in steps]
-    g = [group_ids.setdefault(s.trajectory_id.prompt_id, len(group_ids)) for s in steps]
-    return torch.tensor(t, dtype=torch.long), torch.tensor(g, dtype=torch.long)
+    traj_of_step, group_of_step = [], []
+    trajectories: list[list[int]] = []
+    groups: list[list[int]] = []
+    for i, s in enumerate(steps):
+        t = traj_ids.setdefault(s.trajectory_id, len(traj_ids))
+        g = group_ids.setdefault(s.trajectory_id.prompt_id, len(group_ids))
+        if t == len(trajectories):
+            trajectories.append([])
+            if g == len(groups):
+                groups.append([])
+            groups[g].append(t)
+        trajectories[t].append(i)
+        traj_of_step.append(t)
+        group_of_step.append(g)
+    return StepStructure(traj_of_step, group_of_step, trajectories, groups)

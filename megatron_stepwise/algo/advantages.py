@@ -17,6 +17,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from megatron_stepwise.algo.groups import RolloutGroup, flat_steps, grouped
 from megatron_stepwise.algo.registry import Registry
 from megatron_stepwise.steps import Step, StepwiseBatchError
 
@@ -154,7 +155,25 @@ def gae(steps: Sequence[Step], *, eps: float, **_) -> list[torch.Tensor]:
 def compute_advantages(
     steps: Sequence[Step], estimator: str = "grpo", *, eps: float = 1e-6, metrics: Optional[dict] = None, **options
 ) -> list[torch.Tensor]:
-    """One float32 tensor per step (its response length): the trajectory's scalar times the step's mask.
+    """One float32 tensor per step (its response length): the trajectory's scalar times the step's
+    mask; padding steps get zeros. The plugin API's entry: the flat steps are grouped once
+    (`groups_of`) and `group_advantages` computes on the groups."""
+    groups, order = grouped(steps)
+    out = [torch.zeros(s.response_ids.numel(), dtype=torch.float32) for s in steps]
+    for i, a in zip(order, group_advantages(groups, estimator, eps=eps, metrics=metrics, **options)):
+        out[i] = a
+    return out
+
+
+def group_advantages(
+    groups: Sequence[RolloutGroup],
+    estimator: str = "grpo",
+    *,
+    eps: float = 1e-6,
+    metrics: Optional[dict] = None,
+    **options,
+) -> list[torch.Tensor]:
+    """`compute_advantages` of the groups' steps, in `flat_steps(groups)` order.
 
     Invalid trajectories (`Step.invalid_reason`: an infrastructure failure, not an outcome) are
     left out like padding: zero advantage, and no part of their group's mean or std.
@@ -163,20 +182,23 @@ def compute_advantages(
     zero_variance_groups (groups of 2+ whose rewards are all equal: no signal), invalid_trajectories.
     """
     estimate, kind = _ESTIMATORS.lookup(estimator)
-    traj_of_step, last_step_of_traj = _trajectories(steps)
-    last_steps = [steps[i] for i in last_step_of_traj]
-    real_trajs = [t for t, s in enumerate(last_steps) if not s.is_padding and s.invalid_reason is None]
+    steps = flat_steps(groups)
+    # Trajectories numbered group after group; the valid ones, and their groups renumbered densely.
+    lengths = torch.tensor([n for g in groups for n in g.turns], dtype=torch.long)
+    traj_of_step = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    last_step_of_traj = (torch.cumsum(lengths, 0) - 1).tolist()
+    valid = [(k, bad is None) for k, g in enumerate(groups) for bad in g.invalid]
+    real_trajs = [t for t, (_, ok) in enumerate(valid) if ok]
     rewards = torch.tensor([steps[last_step_of_traj[t]].reward for t in real_trajs], dtype=torch.float64)
-    group = _dense([steps[last_step_of_traj[t]].trajectory_id.prompt_id for t in real_trajs])
+    group = _renumber([valid[t][0] for t in real_trajs])
     _fill_metrics(metrics, real_trajs, rewards, group)
     if metrics is not None:
-        metrics["invalid_trajectories"] = sum(not s.is_padding and s.invalid_reason is not None for s in last_steps)
+        metrics["invalid_trajectories"] = len(valid) - len(real_trajs)
 
     if kind == TURN:
         per_step = _turn_scalars(estimate, estimator, steps, traj_of_step, real_trajs, rewards, group, eps, options)
         return _times_own_mask(per_step, steps)
     if kind == TEMPORAL:
-        lengths = torch.bincount(traj_of_step, minlength=len(last_step_of_traj))
         for t in real_trajs:
             if int(lengths[t]) > 1:
                 i = last_step_of_traj[t]
@@ -186,7 +208,7 @@ def compute_advantages(
                     "it assigns credit along one token sequence, but step-wise training splits a trajectory "
                     "into one sequence per turn with only an outcome reward; use grpo, dr_grpo, rloo or maxrl"
                 )
-        # Padding and invalid steps take no part in the estimate's batch statistics.
+        # Invalid steps take no part in the estimate's batch statistics.
         real = set(real_trajs)
         keep = [i for i, t in enumerate(traj_of_step.tolist()) if t in real]
         out = [torch.zeros(s.response_ids.numel(), dtype=torch.float32) for s in steps]
@@ -198,7 +220,7 @@ def compute_advantages(
     if real_trajs:
         multi = group_count(group) > 1
         if bool(multi.any()):
-            sub_group = _dense(group[multi].tolist())
+            sub_group = _renumber(group[multi].tolist())
             value = estimate(rewards[multi], sub_group, eps=eps, **options)
             scalars[multi] = torch.as_tensor(value, dtype=torch.float64)
 
@@ -258,7 +280,7 @@ def _turn_scalars(
     if bool(multi.any()):
         if "states" in options:
             options["states"] = options["states"][multi]
-        value = estimate(matrix[multi], lengths[multi], _dense(group[multi].tolist()), eps=eps, **options)
+        value = estimate(matrix[multi], lengths[multi], _renumber(group[multi].tolist()), eps=eps, **options)
         advantages[multi] = torch.as_tensor(value, dtype=torch.float64)
     turns = torch.tensor(turn_of_step, dtype=torch.long)
     rows = torch.tensor([row_of_traj.get(t, 0) for t in traj_of_step.tolist()], dtype=torch.long)
@@ -266,37 +288,6 @@ def _turn_scalars(
     real = turns >= 0  # padding steps keep 0
     per_step[real] = advantages[rows[real], turns[real]]
     return per_step.tolist()
-
-
-def _trajectories(steps: Sequence[Step]) -> tuple[torch.Tensor, list[int]]:
-    """Dense trajectory id of every step, and the index of each trajectory's last step.
-
-    Checks only what advantages rely on: every trajectory has exactly one step marked last,
-    and it is its final step in the batch.
-    """
-    ids: dict = {}
-    traj_of_step: list[int] = []
-    last: list[Optional[int]] = []
-    for i, s in enumerate(steps):
-        t = ids.setdefault(s.trajectory_id, len(ids))
-        if t == len(last):
-            last.append(None)
-        if last[t] is not None:
-            raise StepwiseBatchError(
-                f"step {i}: field 'is_last_step': trajectory {s.trajectory_id} continues after its last "
-                f"step (step {last[t]})"
-            )
-        if s.is_last_step:
-            last[t] = i
-        traj_of_step.append(t)
-    for t, i in enumerate(last):
-        if i is None:
-            j = max(k for k, tt in enumerate(traj_of_step) if tt == t)
-            raise StepwiseBatchError(
-                f"step {j}: field 'is_last_step': trajectory {steps[j].trajectory_id} has no step marked "
-                "last, so it has no outcome reward"
-            )
-    return torch.tensor(traj_of_step, dtype=torch.long), [int(i) for i in last]  # type: ignore[arg-type]
 
 
 def _state_ids(
@@ -315,7 +306,8 @@ def _state_ids(
     return states
 
 
-def _dense(keys: Sequence) -> torch.Tensor:
+def _renumber(keys: Sequence) -> torch.Tensor:
+    """Dense ids 0..n-1 for the keys, in order of first appearance."""
     ids: dict = {}
     return torch.tensor([ids.setdefault(k, len(ids)) for k in keys], dtype=torch.long)
 

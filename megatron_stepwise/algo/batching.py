@@ -3,7 +3,7 @@
 The trainer's pipeline for one iteration is
 
     validate_steps -> prompt_minibatches
-        -> per mini-batch: merge_steps, compute_advantages (loop/training_batch.py) -> plan_microbatches
+        -> per mini-batch: groups_of, then compute advantages and merge (algo/prepare.py) -> plan_microbatches
 
 `pad_for_data_parallel` is for loops that shard rows over DP ranks themselves.
 
@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 
 from megatron_stepwise.algo.planner import pad_to_multiple, plan_microbatches, plan_stats  # noqa: F401
 from megatron_stepwise.algo.validate import validate_steps  # noqa: F401
-from megatron_stepwise.steps import PAD_PROMPT_PREFIX, Step, StepwiseBatchError, make_padding_step
+from megatron_stepwise.steps import PAD_PROMPT_PREFIX, Step, StepwiseBatchError, make_padding_step, step_structure
 
 
 def next_padding_index(steps: Sequence[Step]) -> int:
@@ -63,23 +63,20 @@ def prompt_minibatches(steps: Sequence[Step], prompts_per_minibatch: int) -> lis
     k = int(prompts_per_minibatch)
     if k < 1:
         raise ValueError(f"prompts_per_minibatch must be >= 1, got {prompts_per_minibatch}")
-    # Index of the first step of every real prompt group, in order.
+    # Index of the first step of every real prompt group, in order. Group ids count up in order
+    # of first appearance, so a group seen before that comes back has a smaller id.
     starts: list[int] = []
-    seen: set[str] = set()
-    current: Optional[str] = None
-    for i, s in enumerate(steps):
-        if s.is_padding:
+    current = -1
+    for i, (s, g) in enumerate(zip(steps, step_structure(steps).group_of_step)):
+        if s.is_padding or g == current:
             continue
-        pid = s.trajectory_id.prompt_id
-        if pid != current:
-            if pid in seen:
-                raise StepwiseBatchError(
-                    f"step {i} (trajectory {s.trajectory_id}): field 'trajectory_id' prompt group {pid!r} "
-                    "reappears after other prompts (a prompt's trajectories must be contiguous)"
-                )
-            seen.add(pid)
-            starts.append(i)
-            current = pid
+        if g < current:
+            raise StepwiseBatchError(
+                f"step {i} (trajectory {s.trajectory_id}): field 'trajectory_id' prompt group "
+                f"{s.trajectory_id.prompt_id!r} reappears after other prompts (a prompt's trajectories must be contiguous)"
+            )
+        starts.append(i)
+        current = g
     if not steps:
         return []
     if not starts:

@@ -2,18 +2,52 @@
 
 A `RolloutGroup` is one prompt's trajectories (`samples_per_prompt` of them), each a list of
 steps ending on its one `is_last_step`. The structure is checked once, where the group is
-made (the agent loop); filters, dynamic sampling and mini-batching then read a group's
-outcome rewards and sizes without re-deriving trajectories from a flat step list. A group
-pickles columnar (one `StepBatch`, flat token tensors with offsets), never as per-step
+made (the agent loop); filters, dynamic sampling, mini-batching and `algo.prepare` then read a
+group's trajectories, outcome rewards and sizes without re-deriving them from a flat step list.
+A flat list (the plugin API's input) is grouped once, by `groups_of`, from `step_structure`.
+A group pickles columnar (one `StepBatch`, flat token tensors with offsets), never as per-step
 tensors: agent workers send groups to the driver that way, and the async buffer keeps them.
+
+`PromptGroup` is what every group-shaped object offers (a `RolloutGroup`, its `GroupSummary`, an
+agent worker's `HeldGroup`, the async buffer's `group_buffer.Group` once finished), so the
+filters, the buffer and the metrics take any of them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Optional, Protocol, Sequence, runtime_checkable
 
-from megatron_stepwise.steps import Step, StepBatch, StepwiseBatchError
+from megatron_stepwise.steps import Step, StepBatch, StepwiseBatchError, step_structure
+
+
+@runtime_checkable
+class PromptGroup(Protocol):
+    """What every group-shaped object offers: one prompt group's outcomes and sizes, per
+    trajectory in the group's order (`invalid`: why a trajectory is invalid, or None)."""
+
+    @property
+    def prompt_id(self) -> str: ...
+
+    @property
+    def rewards(self) -> list[float]: ...
+
+    @property
+    def invalid(self) -> list[Optional[str]]: ...
+
+    @property
+    def turns(self) -> list[int]: ...
+
+    @property
+    def has_reward_variance(self) -> bool: ...
+
+    @property
+    def num_steps(self) -> int: ...
+
+    @property
+    def generated_tokens(self) -> int: ...
+
+    def summary(self) -> "GroupSummary": ...
 
 
 @dataclass
@@ -51,6 +85,10 @@ class RolloutGroup:
         return has_variance(self.rewards, self.invalid)
 
     @property
+    def turns(self) -> list[int]:
+        return [len(t) for t in self.trajectories]
+
+    @property
     def num_steps(self) -> int:
         return sum(len(t) for t in self.trajectories)
 
@@ -65,7 +103,7 @@ class RolloutGroup:
             prompt_id=self.prompt_id,
             rewards=self.rewards,
             invalid=self.invalid,
-            turns=[len(t) for t in self.trajectories],
+            turns=self.turns,
             stop_reasons=[s.stop_reason for s in last],
             envs=[str(s.metadata["env"]) if "env" in s.metadata else None for s in last],
             prompt_lens=[int(s.prompt_ids.numel()) for s in steps],
@@ -81,6 +119,13 @@ class RolloutGroup:
     def __setstate__(self, state: dict) -> None:
         (group,) = unpack_groups(state)
         self.prompt_id, self.trajectories = group.prompt_id, group.trajectories
+
+    @classmethod
+    def checked(cls, prompt_id: str, trajectories: list[list[Step]]) -> "RolloutGroup":
+        """A group whose structure was already checked (off the wire, from `step_structure`)."""
+        group = cls.__new__(cls)
+        group.prompt_id, group.trajectories = prompt_id, trajectories
+        return group
 
 
 @dataclass
@@ -154,9 +199,7 @@ def unpack_groups(state: dict) -> list[RolloutGroup]:
         for n in lengths:
             trajectories.append(steps[start : start + n])
             start += n
-        group = RolloutGroup.__new__(RolloutGroup)  # checked where it was made
-        group.prompt_id, group.trajectories = prompt_id, trajectories
-        groups.append(group)
+        groups.append(RolloutGroup.checked(prompt_id, trajectories))  # checked where it was made
     return groups
 
 
@@ -166,20 +209,23 @@ def flat_steps(groups: Iterable[RolloutGroup]) -> list[Step]:
 
 
 def groups_of(steps: Sequence[Step]) -> list[RolloutGroup]:
-    """The prompt groups of a flat rollout (contiguous trajectories, as the agent loop returns
-    them), in order of first appearance; padding rows are not part of any group."""
-    groups: dict[str, list[list[Step]]] = {}
-    current: list[Step] = []
-    for s in steps:
-        if s.is_padding:
+    """The prompt groups of a flat rollout (the plugin API's input), in order of first
+    appearance; padding rows are not part of any group."""
+    return grouped(steps)[0]
+
+
+def grouped(steps: Sequence[Step]) -> tuple[list[RolloutGroup], list[int]]:
+    """`groups_of`, and where each step of `flat_steps(groups)` sits in `steps`: the one place a
+    flat list becomes groups (from its `step_structure`, checked for its last steps)."""
+    structure = step_structure(steps)
+    structure.check_last_steps(steps)
+    groups, order = [], []
+    for trajs in structure.groups:
+        rows = [structure.trajectories[t] for t in trajs if not steps[structure.trajectories[t][0]].is_padding]
+        if not rows:
             continue
-        current.append(s)
-        if s.is_last_step:
-            groups.setdefault(s.trajectory_id.prompt_id, []).append(current)
-            current = []
-    if current:
-        raise StepwiseBatchError(
-            f"trajectory {current[-1].trajectory_id}: field 'is_last_step' is False on its "
-            "final step (the rollout ends inside it)"
+        groups.append(
+            RolloutGroup.checked(steps[rows[0][0]].trajectory_id.prompt_id, [[steps[i] for i in r] for r in rows])
         )
-    return [RolloutGroup(pid, trajectories) for pid, trajectories in groups.items()]
+        order += [i for r in rows for i in r]
+    return groups, order

@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from megatron_stepwise.steps import UNKNOWN_EXPERT, Step
+from megatron_stepwise.steps import UNKNOWN_EXPERT, Step, step_structure
 
 #: weight_versions value for obs_delta tokens: no policy produced them (loss_mask is 0 there).
 NOT_SAMPLED_VERSION = -1
@@ -102,7 +102,8 @@ def _merge(steps: Sequence[Step], max_tokens: Optional[int]) -> tuple[list[Step]
     out: list[Step] = []
     members: list[list[int]] = []
     stats = MergeStats(0, 0, 0, 0, 0)
-    group: list[Step] = []  # steps of the row being built
+    traj_of_step = step_structure(steps).traj_of_step
+    group: list[Step] = []  # steps of the row being built (steps[i - 1] is its last, if any)
     idx: list[int] = []
     for i, step in enumerate(steps):
         if step.is_padding:
@@ -113,7 +114,8 @@ def _merge(steps: Sequence[Step], max_tokens: Optional[int]) -> tuple[list[Step]
             continue
         stats.rows_before += 1
         stats.tokens_before += step.num_tokens
-        if not (group and _can_extend(group, step, max_tokens, stats)):
+        same_trajectory = bool(group) and traj_of_step[i - 1] == traj_of_step[i]
+        if not (same_trajectory and _can_extend(group, step, max_tokens, stats)):
             _flush(group, out, idx, members)
         group.append(step)
         idx.append(i)
@@ -128,8 +130,6 @@ def _merge(steps: Sequence[Step], max_tokens: Optional[int]) -> tuple[list[Step]
 
 def _can_extend(group: list[Step], step: Step, max_tokens: Optional[int], stats: MergeStats) -> bool:
     prev = group[-1]
-    if prev.trajectory_id != step.trajectory_id or prev.is_last_step:
-        return False
     if (prev.rollout_logprobs is None) != (step.rollout_logprobs is None):
         return False
     if (prev.weight_versions is None) != (step.weight_versions is None):

@@ -12,10 +12,11 @@ import time
 from typing import Callable, TypeVar
 
 from megatron_stepwise.algo.batching import prompt_minibatches, validate_steps
+from megatron_stepwise.algo.groups import groups_of
 from megatron_stepwise.algo.planner import DEFAULT_ATTENTION_WEIGHT, plan_microbatches, plan_stats
+from megatron_stepwise.algo.prepare import add_counts, prepare
 from megatron_stepwise.cli.arg_types import int_at_least
 from megatron_stepwise.data.synthetic import AgentWorkload, make_agent_steps
-from megatron_stepwise.loop.training_batch import PrepareOptions, add_counts, prepare
 from megatron_stepwise.steps import StepwiseBatchError
 
 T = TypeVar("T")
@@ -112,8 +113,8 @@ def _run(args: argparse.Namespace) -> int:
         ms,
     )
 
-    options = PrepareOptions(merge_steps=True, max_tokens=args.max_tokens)
-    prepared, ms = _timed(lambda: [prepare(mb, options) for mb in mbs])
+    settings = {"merge_steps": True, "max_tokens": args.max_tokens}
+    prepared, ms = _timed(lambda: [prepare(groups_of(mb), **settings) for mb in mbs])
     batches = [b for b, _ in prepared if b is not None]
     c = add_counts(m for _, m in prepared)
     _stage(

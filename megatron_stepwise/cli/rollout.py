@@ -64,35 +64,38 @@ def _main(args: argparse.Namespace) -> int:
 
 def render_trajectories(steps, tokenizer) -> str:
     """Each trajectory as text: first prompt, then reply / reward / observation per turn."""
+    from megatron_stepwise.algo.groups import groups_of
 
     def text(ids) -> str:
         return tokenizer.decode(list(ids), skip_special_tokens=False)
 
-    out, prev = [], None
-    for step in steps:
-        if prev is None or prev.trajectory_id != step.trajectory_id:
-            out.append(f"=== trajectory {step.trajectory_id} ===")
-            out.append(f"[prompt, {step.prompt_ids.numel()} tokens]\n{text(step.prompt_ids.tolist())}")
-        else:
-            head = prev.prompt_ids.numel() + prev.response_ids.numel()
-            ids = step.prompt_ids.tolist()
-            extends = ids[:head] == prev.prompt_ids.tolist() + prev.response_ids.tolist()
-            label = (
-                f"[observation, {len(ids) - head} tokens]"
-                if extends
-                else f"[next prompt, re-tokenised (it does not extend the last one), {len(ids)} tokens]"
+    out = []
+    for trajectory in (t for group in groups_of(steps) for t in group.trajectories):
+        out.append(f"=== trajectory {trajectory[0].trajectory_id} ===")
+        prev = None
+        for step in trajectory:
+            if prev is None:
+                out.append(f"[prompt, {step.prompt_ids.numel()} tokens]\n{text(step.prompt_ids.tolist())}")
+            else:
+                head = prev.prompt_ids.numel() + prev.response_ids.numel()
+                ids = step.prompt_ids.tolist()
+                extends = ids[:head] == prev.prompt_ids.tolist() + prev.response_ids.tolist()
+                label = (
+                    f"[observation, {len(ids) - head} tokens]"
+                    if extends
+                    else f"[next prompt, re-tokenised (it does not extend the last one), {len(ids)} tokens]"
+                )
+                out.append(f"{label}\n{text(ids[head:] if extends else ids)}")
+            turn = step.metadata.get("turn", "?")
+            reward = step.metadata.get("env_reward")
+            out.append(
+                f"[turn {turn} reply, {step.response_ids.numel()} tokens"
+                f"{'' if reward is None else f', env reward {reward:g}'}]\n{text(step.response_ids.tolist())}"
             )
-            out.append(f"{label}\n{text(ids[head:] if extends else ids)}")
-        turn = step.metadata.get("turn", "?")
-        reward = step.metadata.get("env_reward")
-        out.append(
-            f"[turn {turn} reply, {step.response_ids.numel()} tokens"
-            f"{'' if reward is None else f', env reward {reward:g}'}]\n{text(step.response_ids.tolist())}"
-        )
-        if step.is_last_step:
-            out.append(f"--> reward {step.reward:g}, stop_reason {step.stop_reason}")
-            if step.metadata.get("error"):
-                out.append(f"    error: {step.metadata['error']}\n{step.metadata.get('error_traceback', '')}")
-            out.append("")
-        prev = step
+            prev = step
+        last = trajectory[-1]
+        out.append(f"--> reward {last.reward:g}, stop_reason {last.stop_reason}")
+        if last.metadata.get("error"):
+            out.append(f"    error: {last.metadata['error']}\n{last.metadata.get('error_traceback', '')}")
+        out.append("")
     return "\n".join(out) + "\n"

@@ -47,12 +47,12 @@ from collections import Counter
 from typing import Any, Callable, Optional
 
 from megatron_stepwise.algo.groups import flat_steps
+from megatron_stepwise.algo.prepare import prepare_rows
 from megatron_stepwise.algo.validate import validate_steps
 from megatron_stepwise.loop.group_buffer import Group, GroupBuffer, TokenVersions
 from megatron_stepwise.loop.handoff import ResolveFailed
 from megatron_stepwise.loop.rollout_bank import BankedGroup, RolloutBank, with_group_id
-from megatron_stepwise.loop.sources import Driver, Round, holds_rows, rollout_seed, split_round
-from megatron_stepwise.loop.training_batch import PrepareOptions
+from megatron_stepwise.loop.sources import Driver, Round, bind_prepare, holds_rows, rollout_seed, split_round
 from megatron_stepwise.loop.worker_rows import HoldRequest, RowFetcher, split_held_round
 from megatron_stepwise.metrics.core import rollout_metrics
 
@@ -106,9 +106,9 @@ class AsyncRollouts:
         self.success_threshold = cfg.eval_.success_threshold
         self.dataset, self.handoff, self.vocab_size, self.version = dataset, handoff, vocab_size, version
         self.dp_size = dp_size
-        self.options = PrepareOptions.from_config(cfg)
+        self.prepare_rows = bind_prepare(cfg, prepare_rows)  # what a worker holding rows runs
         self.split = functools.partial(
-            split_round, options=self.options, shard=shard, dp_size=dp_size, recorder=recorder
+            split_round, prepare=bind_prepare(cfg), shard=shard, dp_size=dp_size, recorder=recorder
         )
         # Rows left in the agent workers: rank 0 decides from the groups' row tables (`decide`,
         # the plugin's decide_shards) and each replica fetches its own (`fetcher`). A dumped
@@ -201,7 +201,7 @@ class AsyncRollouts:
         """Rows kept in the workers: a worker reads the group's bank file and holds its rows. If none
         can (the file went bad since rank 0 read it, or the worker died), the prompt is rolled out
         again: the banked group is discarded and counted."""
-        hold = HoldRequest(group.serial, self.options, self.vocab_size)
+        hold = HoldRequest(group.serial, self.prepare_rows, self.vocab_size)
         try:
             held = await self.driver.agent.adopt(str(banked.path), group.group_id, hold)
         except asyncio.CancelledError:
@@ -313,7 +313,7 @@ class AsyncRollouts:
         hold = {}
         if self.fetcher is not None:  # the worker also writes the group's bank file, where the rows are
             ticket = self._ticket(group) if self.bank is not None else None
-            hold = {"hold": HoldRequest(group.serial, self.options, self.vocab_size, ticket)}
+            hold = {"hold": HoldRequest(group.serial, self.prepare_rows, self.vocab_size, ticket)}
         (rollout,) = await self.driver.agent.rollout_groups(
             [group.rollout_sample()], seed=rollout_seed(self.seed, group.serial), **hold
         )
@@ -413,10 +413,10 @@ class AsyncRollouts:
     def _split(self, iteration: int) -> list[Round]:
         groups = self._step
         if self.fetcher is None:  # the rows came to rank 0
-            steps = flat_steps(g.rollout for g in groups)
-            validate_steps(steps, vocab_size=self.vocab_size)
+            rollouts = [g.rollout for g in groups]
+            validate_steps(flat_steps(rollouts), vocab_size=self.vocab_size)
             with loop_in_thread(self.driver.loop):
-                return self.split([steps], {})
+                return self.split([rollouts], {})
         self._regenerate_lost(groups)
         import ray
 

@@ -16,6 +16,8 @@ from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from megatron_stepwise.steps import step_structure
+
 if TYPE_CHECKING:
     from megatron_stepwise.config.schema import AsyncConfig
 
@@ -40,6 +42,38 @@ class Group:
     def rollout_sample(self) -> dict[str, Any]:
         """The sample to roll out: the dataset's, under this group's id."""
         return {**self.sample, "prompt_id": self.group_id}
+
+    # Once finished, a group is group-shaped (`algo.groups.PromptGroup`): its rollout's outcomes.
+    @property
+    def prompt_id(self) -> str:
+        return self.group_id
+
+    @property
+    def rewards(self) -> list[float]:
+        return self.rollout.rewards
+
+    @property
+    def invalid(self) -> list[Optional[str]]:
+        return self.rollout.invalid
+
+    @property
+    def turns(self) -> list[int]:
+        return self.rollout.turns
+
+    @property
+    def has_reward_variance(self) -> bool:
+        return self.rollout.has_reward_variance
+
+    @property
+    def num_steps(self) -> int:
+        return self.rollout.num_steps
+
+    @property
+    def generated_tokens(self) -> int:
+        return self.rollout.generated_tokens
+
+    def summary(self):
+        return self.rollout.summary()
 
 
 @dataclass
@@ -288,18 +322,13 @@ class TokenVersions:
     @classmethod
     def of(cls, steps: list) -> "TokenVersions":
         tokens: Counter[int] = Counter()
-        lo: dict[Any, int] = {}
-        hi: dict[Any, int] = {}
-        for s in steps:
-            if s.weight_versions is None:
-                continue
-            v = s.weight_versions[s.loss_mask.bool()]
-            tokens.update(v.tolist())
-            if v.numel():
-                tid = s.trajectory_id
-                lo[tid] = min(lo.get(tid, int(v.min())), int(v.min()))
-                hi[tid] = max(hi.get(tid, int(v.max())), int(v.max()))
-        return cls(dict(tokens), [hi[t] - lo[t] for t in lo])
+        spreads = []
+        for rows in step_structure(steps).trajectories:
+            trained = [v for s in (steps[i] for i in rows) for v in _trained_versions(s)]
+            tokens.update(trained)
+            if trained:
+                spreads.append(max(trained) - min(trained))
+        return cls(dict(tokens), spreads)
 
     def staleness(self, version: int) -> Counter[int]:
         """Trained tokens by `version - the version that produced them`."""
@@ -307,3 +336,8 @@ class TokenVersions:
         for v, n in self.tokens.items():
             out[version - v] += n
         return out
+
+
+def _trained_versions(step) -> list[int]:
+    """The weight versions of the step's trained tokens (none where it recorded none)."""
+    return [] if step.weight_versions is None else step.weight_versions[step.loss_mask.bool()].tolist()

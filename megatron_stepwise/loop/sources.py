@@ -24,14 +24,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from megatron_stepwise.algo.advantages import is_temporal_estimator
-from megatron_stepwise.algo.groups import RolloutGroup, flat_steps
+from megatron_stepwise.algo.groups import PromptGroup, RolloutGroup, flat_steps
+from megatron_stepwise.algo.prepare import prepare, prepare_rows
 from megatron_stepwise.algo.validate import validate_steps
 from megatron_stepwise.loop.dumps import DumpRecorder
 from megatron_stepwise.loop.handoff import ResolveFailed
-from megatron_stepwise.loop.training_batch import PrepareOptions, prepare
 from megatron_stepwise.loop.worker_rows import HoldRequest, RowFetcher, split_held_round
 from megatron_stepwise.metrics.core import rollout_metrics
-from megatron_stepwise.steps import Step, StepBatch
+from megatron_stepwise.steps import StepBatch
 
 log = logging.getLogger(__name__)
 
@@ -73,20 +73,34 @@ class Round:
     skipped: int = 0
 
 
+def bind_prepare(cfg, fn: Callable = prepare) -> Callable:
+    """`fn` (`algo.prepare`'s `prepare` or `prepare_rows`) with the run's settings bound: the
+    estimator (`algo.estimator`, `algo.estimator_options`), merging (`data.merge_steps`) and the
+    budget a merged row stays within (`data.max_tokens_per_microbatch`)."""
+    return functools.partial(
+        fn,
+        estimator=cfg.algo.estimator,
+        estimator_options=dict(cfg.algo.estimator_options),
+        merge_steps=cfg.data.merge_steps,
+        max_tokens=cfg.data.max_tokens_per_microbatch,
+    )
+
+
 def split_round(
-    minibatches: list[list[Step]],
+    minibatches: list[list[RolloutGroup]],
     metrics: dict[str, Any],
     *,
-    options: PrepareOptions,
+    prepare: Callable = prepare,
     shard: Callable[[StepBatch], list[Any]],
     dp_size: int,
     recorder: Optional[DumpRecorder] = None,
 ) -> list[Round]:
-    """Rank 0: prepare each mini-batch and cut it into one shard per DP rank; one `Round` per DP
-    rank. A `recorder` of a dumped iteration keeps each prepared mini-batch."""
+    """Rank 0: validate and prepare each mini-batch of groups (`prepare`, see `bind_prepare`)
+    and cut it into one shard per DP rank; one `Round` per DP rank. A `recorder` of a dumped
+    iteration keeps each prepared mini-batch."""
     t = time.perf_counter()
     keep = recorder is not None and recorder.active
-    prepared = [prepare(steps, options, keep_metadata=keep) for steps in minibatches]
+    prepared = [prepare(groups, keep_metadata=keep) for groups in minibatches]
     for batch, _ in prepared:
         if keep and batch is not None:
             recorder.capture(batch, batch.metadata)
@@ -130,9 +144,9 @@ class SyncRollouts:
     ):
         self.cfg = cfg
         self.dataset, self.handoff, self.vocab_size = dataset, handoff, vocab_size
-        self.options = PrepareOptions.from_config(cfg)
+        self.prepare_rows = bind_prepare(cfg, prepare_rows)  # what a worker holding rows runs
         self.split = functools.partial(
-            split_round, options=self.options, shard=shard, dp_size=dp_size, recorder=recorder
+            split_round, prepare=bind_prepare(cfg), shard=shard, dp_size=dp_size, recorder=recorder
         )
         self.dp_size, self.recorder = dp_size, recorder
         # Rows left in the agent workers: rank 0 decides from their tables (`decide`, the plugin's
@@ -141,7 +155,7 @@ class SyncRollouts:
         self.fetcher = (
             RowFetcher(timeout_s=cfg.rollout.agent_worker_timeout_s) if decide is not None and holds_rows(cfg) else None
         )
-        self._held: Optional[tuple] = None  # rank 0: the last held round, (mini-batches, metrics, hold request)
+        self._round: Optional[tuple] = None  # rank 0: the last round, (mini-batches, metrics, hold request)
         self._origins: dict[str, tuple[dict, int]] = {}  # rank 0: prompt id -> (sample, seed) of this iteration
         self.progress = progress  # progress(num_trajectories) -> context manager yielding a per-trajectory callback
         self.driver: Optional[Driver] = None
@@ -172,35 +186,38 @@ class SyncRollouts:
                 self.driver.agent.release(iteration)  # every replica has its rows (or failed): drop them
 
     def _decide(self, iteration: int) -> list[Round]:
-        """Rank 0: roll out, validate, filter, split into mini-batches and shards."""
+        """Rank 0: roll out (validated where the rows are), filter, split into mini-batches and shards."""
         hold = self._hold_request(iteration)
         groups, metrics = self._rollout(iteration, hold)
-        if hold is None:
-            validate_steps(flat_steps(groups), vocab_size=self.vocab_size)
         metrics.update(rollout_metrics(groups, success_threshold=self.cfg.eval_.success_threshold))
         groups, filtered = self._filter_groups(groups, iteration)
         metrics.update(filtered)
         k = self.cfg.data.prompts_per_minibatch
-        minibatches = [groups[i : i + k] for i in range(0, len(groups), k)]
-        if hold is None:
-            if self.fetcher is not None:
-                metrics["agents/rows_held"] = 0.0
-            return self.split([flat_steps(m) for m in minibatches], metrics)
-        self._held = (minibatches, metrics, hold)
-        return self._split_held()
+        self._round = ([groups[i : i + k] for i in range(0, len(groups), k)], metrics, hold)
+        return self._split()
 
     def _redo(self, iteration: int, lost: set[str]) -> list[Round]:
         """Rank 0, after a replica found holders gone: replace them and decide the round again."""
-        assert self._held is not None and self._held[2].key == iteration, "no held round to redo"
+        assert self._round is not None and self._round[2].key == iteration, "no held round to redo"
         self.driver.agent.replace(lost, "its rows could not be fetched")
-        return self._split_held()
+        return self._split()
+
+    def _split(self) -> list[Round]:
+        """Rank 0: the round's shards: prepared here from the groups' rows, or decided from the
+        row tables of the groups the workers hold (`_split_held`)."""
+        minibatches, metrics, hold = self._round
+        if hold is not None:
+            return self._split_held()
+        if self.fetcher is not None:
+            metrics = {**metrics, "agents/rows_held": 0.0}
+        return self.split(minibatches, metrics)
 
     def _split_held(self) -> list[Round]:
         """Rank 0: the held round's decision, once every group's holder is alive (lost ones rolled
         out again, with their own samples and seeds: they sample as before)."""
         import ray
 
-        minibatches, metrics, hold = self._held
+        minibatches, metrics, hold = self._round
         agent = self.driver.agent
         for _ in range(self.cfg.rollout.max_retries + 2):
             alive = agent.holders()
@@ -233,10 +250,11 @@ class SyncRollouts:
         is written on rank 0, from the rows)."""
         if self.fetcher is None or (self.recorder is not None and self.recorder.active):
             return None
-        return HoldRequest(iteration, self.options, self.vocab_size)
+        return HoldRequest(iteration, self.prepare_rows, self.vocab_size)
 
-    def _rollout(self, iteration: int, hold: Optional[HoldRequest] = None) -> tuple[list, dict[str, Any]]:
-        """Rank 0: roll out (with dynamic sampling if enabled); held groups with `hold`."""
+    def _rollout(self, iteration: int, hold: Optional[HoldRequest] = None) -> tuple[list[PromptGroup], dict[str, Any]]:
+        """Rank 0: roll out (with dynamic sampling if enabled): groups whose rows came here,
+        validated; or, with `hold`, held groups (their workers validated the rows)."""
         cfg, driver = self.cfg, self.driver
         t = time.perf_counter()
         samples = self.dataset.next(cfg.data.prompts_per_iteration)
@@ -266,9 +284,11 @@ class SyncRollouts:
         generated = sum(g.generated_tokens for g in groups)
         info = {"rollout/sampling_rounds": rounds, "perf/rollout_tokens_per_s": generated / max(elapsed, 1e-9)}
         info.update(driver.fleet_metrics())
+        if hold is None:
+            validate_steps(flat_steps(groups), vocab_size=self.vocab_size)
         return groups, info
 
-    def _filter_groups(self, groups: list[RolloutGroup], iteration: int) -> tuple[list[RolloutGroup], dict[str, Any]]:
+    def _filter_groups(self, groups: list[PromptGroup], iteration: int) -> tuple[list[PromptGroup], dict[str, Any]]:
         """Group filters; keeps a multiple of the mini-batch size of whole prompt groups."""
         cfg = self.cfg
         filters = cfg.algo.filters

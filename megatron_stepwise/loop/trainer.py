@@ -25,6 +25,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
+from megatron_stepwise.algo.prepare import add_counts
 from megatron_stepwise.config import ExperimentConfig
 from megatron_stepwise.loop import components
 from megatron_stepwise.loop.agent_workers import AgentWorkers, resolve_agent_workers
@@ -37,7 +38,6 @@ from megatron_stepwise.loop.evaluation import Evaluator
 from megatron_stepwise.loop.handoff import Handoff
 from megatron_stepwise.loop.placement import log_placement
 from megatron_stepwise.loop.sources import Driver, SyncRollouts, rollout_seed
-from megatron_stepwise.loop.training_batch import add_counts
 from megatron_stepwise.loop.training_round import TrainingRound
 from megatron_stepwise.metrics.collapse import EntropyWatch
 from megatron_stepwise.metrics.core import (

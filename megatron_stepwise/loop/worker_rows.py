@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from megatron_stepwise.algo.groups import GroupSummary, RolloutGroup
+from megatron_stepwise.algo.prepare import add_counts
 from megatron_stepwise.algo.rows import RowTable
 from megatron_stepwise.algo.validate import validate_steps
 from megatron_stepwise.loop.group_buffer import TokenVersions
 from megatron_stepwise.loop.rollout_bank import BankedGroup, BankFile, BankTicket, bank_rollout, with_group_id
-from megatron_stepwise.loop.training_batch import PrepareOptions, add_counts, prepare_rows
 from megatron_stepwise.steps import StepBatch
 
 NAMESPACE = "megatron_stepwise"  # the Ray namespace the agent workers are named in
@@ -49,10 +49,11 @@ class RowsLost(RuntimeError):
 @dataclass(frozen=True)
 class HoldRequest:
     """Asks a worker to prepare and keep the groups of one round (`key`: the iteration in
-    synchronous training, the group's serial in asynchronous training)."""
+    synchronous training, the group's serial in asynchronous training) with `prepare`:
+    `algo.prepare.prepare_rows` with the run's settings bound (`sources.bind_prepare`)."""
 
     key: int
-    options: PrepareOptions
+    prepare: Callable[..., tuple[StepBatch, dict[str, Any]]]
     vocab_size: Optional[int]
     bank: Optional[BankTicket] = None  # async.rollout_bank: the one group's bank file is written here
 
@@ -69,13 +70,30 @@ class HeldGroup:
     versions: TokenVersions = field(default_factory=TokenVersions)  # the staleness summary
     bank: Optional[BankFile] = None  # its rollout bank file, written by the holder
 
+    # Group-shaped (`algo.groups.PromptGroup`): its summary's outcomes.
     @property
     def prompt_id(self) -> str:
         return self.group.prompt_id
 
     @property
+    def rewards(self) -> list[float]:
+        return self.group.rewards
+
+    @property
+    def invalid(self) -> list[Optional[str]]:
+        return self.group.invalid
+
+    @property
+    def turns(self) -> list[int]:
+        return self.group.turns
+
+    @property
     def has_reward_variance(self) -> bool:
         return self.group.has_reward_variance
+
+    @property
+    def num_steps(self) -> int:
+        return self.group.num_steps
 
     @property
     def generated_tokens(self) -> int:
@@ -96,7 +114,7 @@ def bank_held(groups: list[RolloutGroup], request: HoldRequest) -> list[Optional
 def hold_group(group: RolloutGroup, request: HoldRequest) -> tuple[StepBatch, dict[str, Any]]:
     """Worker side: validate one group where it was made and prepare its rows."""
     validate_steps(group.steps, vocab_size=request.vocab_size)
-    return prepare_rows(group.steps, request.options)
+    return request.prepare([group])
 
 
 class HeldRows:

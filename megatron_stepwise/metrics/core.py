@@ -57,11 +57,10 @@ def pass_ks(n: int) -> list[int]:
 
 def group_outcomes(steps: Sequence[Step]) -> dict[str, list[Step]]:
     """{prompt_id: last steps of its trajectories} of the real, valid trajectories."""
-    groups: dict[str, list[Step]] = defaultdict(list)
-    for s in steps:
-        if s.is_last_step and not s.is_padding and s.invalid_reason is None:
-            groups[s.trajectory_id.prompt_id].append(s)
-    return groups
+    groups = {
+        g.prompt_id: [t[-1] for t, bad in zip(g.trajectories, g.invalid) if bad is None] for g in groups_of(steps)
+    }
+    return {pid: last for pid, last in groups.items() if last}
 
 
 def pass_metrics(groups: Sequence[Sequence[float]], success_threshold: float, prefix: str = "reward/") -> dict:

@@ -209,7 +209,7 @@ class AgentLoop:
         groups = [
             RolloutGroup(pid, [t.result() for t in tasks[i * n : (i + 1) * n]]) for i, pid in enumerate(prompt_ids)
         ]
-        _warn_if_env_errors_dominate(flat_steps(groups), self._env.stats())
+        _warn_if_env_errors_dominate(groups, self._env.stats())
         return groups
 
     async def run_trajectory(
@@ -583,10 +583,10 @@ def error_traceback(error: BaseException, frames: int = 4) -> str:
     return "".join(lines)[-2000:]
 
 
-def _warn_if_env_errors_dominate(steps: list[Step], stats: dict[str, int]) -> None:
+def _warn_if_env_errors_dominate(groups: list[RolloutGroup], stats: dict[str, int]) -> None:
     """Once per rollout with env_error trajectories: how many, the commonest errors and one sample
     traceback; a rollout where most trajectories failed trains on nothing, so it says so loudly."""
-    last = [s for s in steps if s.is_last_step]
+    last = [t[-1] for g in groups for t in g.trajectories]
     failed = [s for s in last if s.stop_reason == "env_error"]
     if not failed:
         return

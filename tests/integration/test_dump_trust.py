@@ -13,11 +13,11 @@ import threading
 import pytest
 from helpers import make_step, run_launch
 
+from megatron_stepwise.algo.groups import groups_of
 from megatron_stepwise.config import load_config
 from megatron_stepwise.hf.tokenizers import tokenizer_dir
 from megatron_stepwise.loop.dumps import DumpRecorder
 from megatron_stepwise.loop.sources import split_round
-from megatron_stepwise.loop.training_batch import PrepareOptions
 from megatron_stepwise.rundir.dumps import dump_path, write_dump
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -40,7 +40,7 @@ def _write_dump(run_dir, *, tokenizer="tiny_word", **config_changes):
     ]
     recorder = DumpRecorder(every=1)
     recorder.begin(0)
-    split_round([steps], {}, options=PrepareOptions(), dp_size=1, shard=lambda b: [b], recorder=recorder)
+    split_round([groups_of(steps)], {}, dp_size=1, shard=lambda b: [b], recorder=recorder)
     config = load_config(os.path.join(ROOT, "configs/tiny_cpu.yaml")).to_dict()
     for key, value in config_changes.items():
         section, name = key.split("__")

@@ -12,10 +12,10 @@ import sys
 import pytest
 from helpers import make_step, run_launch
 
+from megatron_stepwise.algo.groups import groups_of
 from megatron_stepwise.config import load_config
 from megatron_stepwise.loop.dumps import DumpRecorder
 from megatron_stepwise.loop.sources import split_round
-from megatron_stepwise.loop.training_batch import PrepareOptions
 from megatron_stepwise.rundir.dumps import dump_path, read_dump_table, write_dump
 from megatron_stepwise.viewer.page import APPENDED_EOS, PROMPT, TRAINED, load_decoder, paginate, render
 
@@ -59,7 +59,7 @@ def run_dir(tmp_path):
             steps += _trajectory(pid, k, reward=float(k), turns=3 if (g, k) == (0, 0) else 2, error=(g, k) == (3, 1))
     recorder = DumpRecorder(every=1)
     recorder.begin(4)
-    split_round([steps[:9], steps[9:]], {}, options=PrepareOptions(), dp_size=1, shard=lambda b: [b], recorder=recorder)
+    split_round([groups_of(steps[:9]), groups_of(steps[9:])], {}, dp_size=1, shard=lambda b: [b], recorder=recorder)
     for cap in recorder.minibatches:  # a trainer that disagrees with the engine by 1e-3 on trained tokens
         cap.trainer_logprobs = cap.batch.token_fields["rollout_logprobs"] + 1e-3 * (
             cap.batch.token_fields["loss_mask"] != 0
@@ -244,7 +244,7 @@ def big_run_dir(tmp_path):
     steps.append(hostile)
     recorder = DumpRecorder(every=1)
     recorder.begin(2)
-    split_round([steps], {}, options=PrepareOptions(), dp_size=1, shard=lambda b: [b], recorder=recorder)
+    split_round([groups_of(steps)], {}, dp_size=1, shard=lambda b: [b], recorder=recorder)
     config = load_config(os.path.join(ROOT, "configs/tiny_cpu.yaml")).to_dict()
     config["name"] = "run \ud800 </script><!--<script>"  # a lone surrogate survives the dump's JSON metadata
     write_dump(

@@ -3,6 +3,7 @@ make the mini-batch `prepare` makes; rank 0 decides from row tables alone; a rep
 rows make exactly the shard the whole mini-batch would have given it; a failed fetch on one
 rank is an error on every rank."""
 
+import functools
 import os
 import tempfile
 
@@ -13,11 +14,11 @@ import torch.multiprocessing as mp
 
 from megatron_stepwise.algo.groups import groups_of
 from megatron_stepwise.algo.planner import plan_microbatches
+from megatron_stepwise.algo.prepare import add_counts, prepare, prepare_rows
 from megatron_stepwise.algo.reductions import REDUCTIONS, loss_token_weights, row_denominators
 from megatron_stepwise.algo.rows import RowTable
 from megatron_stepwise.data.synthetic import AgentWorkload, make_agent_steps
 from megatron_stepwise.loop.handoff import Handoff
-from megatron_stepwise.loop.training_batch import PrepareOptions, add_counts, prepare, prepare_rows
 from megatron_stepwise.loop.worker_rows import HeldRows, HoldRequest, RemoteShard, RowFetcher, split_held_round
 from megatron_stepwise.mcore.train.plugin import ShardDecision, shard_rows
 from megatron_stepwise.metrics.core import rollout_metrics
@@ -41,9 +42,9 @@ def _same_batch(a: StepBatch, b: StepBatch):
 @pytest.mark.parametrize("estimator,merge", [("grpo", False), ("grpo", True), ("turn_rloo", False), ("rloo", True)])
 def test_groups_prepared_one_at_a_time_make_the_minibatch_prepare_makes(estimator, merge):
     groups = _groups()
-    options = PrepareOptions(estimator, {}, merge, 16384)
-    whole, whole_counts = prepare([s for g in groups for s in g.steps], options)
-    parts = [prepare_rows(g.steps, options) for g in groups]
+    options = {"estimator": estimator, "merge_steps": merge, "max_tokens": 16384}
+    whole, whole_counts = prepare(groups, **options)
+    parts = [prepare_rows([g], **options) for g in groups]
     _same_batch(StepBatch.concat([b for b, _ in parts]), whole)
     assert add_counts(c for _, c in parts) == whole_counts
     table = RowTable.concat([RowTable.of(b) for b, _ in parts])
@@ -119,8 +120,8 @@ def test_fetched_rows_make_the_shard_of_the_whole_minibatch(monkeypatch, reducti
     monkeypatch.setattr(ray, "wait", lambda refs, num_returns, timeout: (list(refs), []))
     monkeypatch.setattr(ray, "get", lambda ref: ref.value)
     groups = _groups(prompts=8)
-    options = PrepareOptions("grpo", {}, True, 16384)
-    request = HoldRequest(4, options, vocab_size=None)
+    options = {"estimator": "grpo", "merge_steps": True, "max_tokens": 16384}
+    request = HoldRequest(4, functools.partial(prepare_rows, **options), vocab_size=None)
     holders = {"w0": HeldRows(), "w1": HeldRows()}
     held = [holders[f"w{i % 2}"].keep(g, request, f"w{i % 2}") for i, g in enumerate(groups)]
     minibatches = [held[:5], held[5:]]  # a mini-batch's groups on both workers
@@ -130,7 +131,7 @@ def test_fetched_rows_make_the_shard_of_the_whole_minibatch(monkeypatch, reducti
     assert skipped == 0 and len(shards) == 2 and all(len(s) == dp for s in shards)
     fetcher = _LocalFetcher(holders)
     for groups_of_mb, remote in zip([groups[:5], groups[5:]], shards):
-        whole, whole_counts = prepare([s for g in groups_of_mb for s in g.steps], options)
+        whole, whole_counts = prepare(groups_of_mb, **options)
         weights = loss_token_weights(whole, reduction)
         for shard in (fetcher.fetch(r) for r in remote):
             expected = whole.select(shard.rows)
@@ -138,7 +139,7 @@ def test_fetched_rows_make_the_shard_of_the_whole_minibatch(monkeypatch, reducti
                 torch.cat([torch.arange(int(whole.offsets[r]), int(whole.offsets[r + 1])) for r in shard.rows])
             ]
             _same_batch(shard.batch, expected)
-    assert counts[0] == prepare([s for g in groups[:5] for s in g.steps], options)[1]
+    assert counts[0] == prepare(groups[:5], **options)[1]
     assert fetcher.bytes_fetched > 0
     # the decision travels without a token: a manifest is far smaller than the rows it names
     assert all(isinstance(r, RemoteShard) and r.num_rows == len(r.decision.rows) for mb in shards for r in mb)
@@ -147,7 +148,7 @@ def test_fetched_rows_make_the_shard_of_the_whole_minibatch(monkeypatch, reducti
 def test_a_worker_names_what_it_does_not_hold_and_drops_released_rounds():
     holder = HeldRows()
     group = _groups(prompts=1)[0]
-    holder.keep(group, HoldRequest(1, PrepareOptions(), None), "w0")
+    holder.keep(group, HoldRequest(1, prepare_rows, None), "w0")
     assert holder.take([(1, group.prompt_id, [0])]).num_rows == 1
     with pytest.raises(KeyError, match="no rows of prompt group 'nope' in round 1"):
         holder.take([(1, "nope", [0])])
@@ -162,8 +163,8 @@ def test_async_groups_are_held_and_dropped_one_at_a_time_with_their_versions():
     group = _groups(prompts=1)[0]
     for s in group.steps:
         s.weight_versions = torch.full_like(s.response_ids, 3)
-    first = holder.keep(group, HoldRequest(7, PrepareOptions(), None), "w0")
-    second = holder.keep(group, HoldRequest(9, PrepareOptions(), None), "w0")
+    first = holder.keep(group, HoldRequest(7, prepare_rows, None), "w0")
+    second = holder.keep(group, HoldRequest(9, prepare_rows, None), "w0")
     assert (first.key, second.key) == (7, 9)
     trained = sum(int(s.loss_mask.sum()) for s in group.steps)
     assert first.versions.tokens == {3: trained} and first.versions.staleness(4) == {1: trained}

@@ -14,6 +14,8 @@ from megatron_stepwise import (
     merge_with_advantages,
 )
 from megatron_stepwise.algo.advantages import get_estimator, rloo
+from megatron_stepwise.algo.groups import groups_of
+from megatron_stepwise.algo.prepare import prepare
 from megatron_stepwise.algo.turn_credit import DISCOUNT_BASES, returns_to_go
 from megatron_stepwise.envs.credit_task import (
     KeyTurnTask,
@@ -22,7 +24,6 @@ from megatron_stepwise.envs.credit_task import (
     sampled_gradients,
     trajectory_probs,
 )
-from megatron_stepwise.loop.training_batch import PrepareOptions, prepare
 
 TASK = KeyTurnTask(max_turns=3, key_turn=1, key_bonus=1.0, filler_reward=0.2)
 # A fixed policy that stops, takes the key action and fillers with clearly different odds per turn.
@@ -177,13 +178,13 @@ def test_merged_rows_carry_each_turns_own_advantage():
     assert merged[0].tolist() == pytest.approx([a[0], a[0], 0, a[1], a[1], 0, a[2], a[2]])
     assert row.loss_mask.tolist() == [1, 1, 0, 1, 1, 0, 1, 1]
     # prepare() (what the trainer runs) gives the merged batch exactly these advantages.
-    batch, _ = prepare(steps, PrepareOptions("turn_rloo", merge_steps=True))
-    unmerged, _ = prepare(steps, PrepareOptions("turn_rloo", merge_steps=False))
+    batch, _ = prepare(groups_of(steps), estimator="turn_rloo", merge_steps=True)
+    unmerged, _ = prepare(groups_of(steps), estimator="turn_rloo", merge_steps=False)
     trained = lambda b: b.token_fields["advantages"][b.token_fields["loss_mask"] == 1]  # noqa: E731
     assert batch.num_rows == 3 and torch.equal(trained(batch), trained(unmerged))
     # Outcome estimators: advantages before merging equal advantages of the merged rows (the old order).
     rows, _ = merge_steps(steps)
-    batch, _ = prepare(steps, PrepareOptions("grpo", merge_steps=True))
+    batch, _ = prepare(groups_of(steps), estimator="grpo", merge_steps=True)
     assert torch.equal(
         batch.token_fields["advantages"],
         torch.cat(

@@ -1,12 +1,15 @@
 """Rollout dumps (rundir/dumps.py): what the trainer trained, written and read back exactly."""
 
+import functools
+
 import pytest
 import torch
 from helpers import make_step
 
+from megatron_stepwise.algo.groups import groups_of
+from megatron_stepwise.algo.prepare import prepare
 from megatron_stepwise.loop.dumps import DumpRecorder, assemble_logprobs
 from megatron_stepwise.loop.sources import split_round
-from megatron_stepwise.loop.training_batch import PrepareOptions
 from megatron_stepwise.rundir.dumps import DumpError, dump_path, read_dump, write_dump
 
 
@@ -52,11 +55,10 @@ def _round(steps, merge=False, dp=2, recorder=None):
     if recorder is None:
         recorder = DumpRecorder(every=1)
         recorder.begin(0)
-    options = PrepareOptions(merge_steps=merge)
     rounds = split_round(
-        [steps[: len(steps) // 2], steps[len(steps) // 2 :]],
+        [groups_of(steps[: len(steps) // 2]), groups_of(steps[len(steps) // 2 :])],
         {},
-        options=options,
+        prepare=functools.partial(prepare, merge_steps=merge),
         shard=lambda b: [b.select(range(i, b.num_rows, dp)) for i in range(dp)],
         dp_size=dp,
         recorder=recorder,

@@ -8,9 +8,9 @@ from helpers import tiny_lm
 
 from megatron_stepwise.algo.advantages import compute_advantages
 from megatron_stepwise.algo.groups import groups_of
+from megatron_stepwise.algo.prepare import prepare_rows
 from megatron_stepwise.envs.echo import EchoEnv
 from megatron_stepwise.loop.evaluation import eval_metrics
-from megatron_stepwise.loop.training_batch import PrepareOptions, prepare_rows
 from megatron_stepwise.metrics.core import rollout_metrics
 from megatron_stepwise.rollout.agent_loop import AgentLoop, AgentLoopConfig
 from megatron_stepwise.rollout.embedded.engine import LocalEngine
@@ -98,7 +98,7 @@ def test_an_invalid_trajectory_is_out_of_its_groups_mean_and_std():
 
 def test_prepared_batches_train_no_token_of_an_invalid_trajectory():
     steps = [step("p", 0, 1.0), step("p", 1, 0.0, invalid="abort"), step("p", 2, 0.0)]
-    batch, metrics = prepare_rows(steps, PrepareOptions())
+    batch, metrics = prepare_rows(groups_of(steps))
     mask = batch.token_fields["loss_mask"]
     rows = [mask[batch.offsets[r] : batch.offsets[r + 1]] for r in range(3)]
     assert rows[0].sum() == 3 and rows[1].sum() == 0 and rows[2].sum() == 3
@@ -126,7 +126,7 @@ def test_a_dump_keeps_the_reason_and_the_untrained_mask(tmp_path):
     from megatron_stepwise.rundir.dumps import Captured, dump_path, read_dump_table, write_dump
 
     steps = [step("p", 0, 1.0), step("p", 1, 0.0, invalid="env_error"), step("p", 2, 0.0)]
-    batch, _ = prepare_rows(steps, PrepareOptions(), keep_metadata=True)
+    batch, _ = prepare_rows(groups_of(steps), keep_metadata=True)
     write_dump(
         dump_path(tmp_path, 3),
         [Captured(batch, [dict(m) for m in batch.metadata])],

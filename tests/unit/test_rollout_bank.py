@@ -186,13 +186,14 @@ def test_a_checkpoint_removes_files_nobody_recorded_once_their_draw_is_done(tmp_
 def test_a_worker_writes_the_bank_file_of_the_group_it_holds_and_adopts_it_back(tmp_path):
     # Rows kept in the agent workers: the holder writes the file (its ticket came with the hold
     # request), rank 0 records the returned name; after a resume a worker adopts the group from it.
+    from megatron_stepwise.algo.prepare import prepare_rows
     from megatron_stepwise.config.schema import ExperimentConfig
-    from megatron_stepwise.loop.training_batch import PrepareOptions
+    from megatron_stepwise.loop.sources import bind_prepare
     from megatron_stepwise.loop.worker_rows import HeldRows, HoldRequest, bank_held
 
     run_dir = tmp_path / "run"  # not made yet: a worker may write before rank 0 makes it
     ticket = RolloutBank(run_dir).ticket(3, {"prompt_id": "p3"}, "p3", start_version=1, attempt=0)
-    request = HoldRequest(7, PrepareOptions.from_config(ExperimentConfig()), 256, ticket)
+    request = HoldRequest(7, bind_prepare(ExperimentConfig(), prepare_rows), 256, ticket)
     group = rollout("p3", version=1)
     (written,) = bank_held([group], request)
     held = HeldRows().keep(group, request, "agent-x-0.0", written)

@@ -17,7 +17,6 @@ from megatron_stepwise.loop.checkpointer import run_id
 from megatron_stepwise.loop.dumps import DumpRecorder
 from megatron_stepwise.loop.rollout_bank import BankedGroup, write_group
 from megatron_stepwise.loop.sources import split_round
-from megatron_stepwise.loop.training_batch import PrepareOptions
 from megatron_stepwise.mcore.weights.dist_checkpoint import checkpoint_name, list_checkpoints
 from megatron_stepwise.metrics.core import MetricsLogger, write_eval
 from megatron_stepwise.rundir import paths
@@ -56,7 +55,7 @@ def _write_a_run(root: Path) -> None:
     write_eval(str(root), "final", 2, {"eval/reward/mean": 0.5})
     recorder = DumpRecorder(every=1)
     recorder.begin(1)
-    split_round([_steps("p0")], {}, options=PrepareOptions(), dp_size=1, shard=lambda b: [b], recorder=recorder)
+    split_round([groups_of(_steps("p0"))], {}, dp_size=1, shard=lambda b: [b], recorder=recorder)
     write_dump(
         RunDir(root).dump(1),
         recorder.minibatches,

@@ -11,10 +11,10 @@ import pytest
 import ray
 from helpers import REPO, load_script, make_step
 
+from megatron_stepwise.algo.groups import groups_of
 from megatron_stepwise.config import ConfigError, load_config
 from megatron_stepwise.loop.dumps import DumpRecorder
 from megatron_stepwise.loop.sources import split_round
-from megatron_stepwise.loop.training_batch import PrepareOptions
 from megatron_stepwise.rollout.engine import GenerateResult, SamplingParams
 from megatron_stepwise.rollout.engine_router import EngineRouter, EngineSlot, EngineView
 from megatron_stepwise.rollout.session_routing import BudgetSticky, RoundRobin, Sticky, make_policy
@@ -162,9 +162,8 @@ def test_replay_reads_a_runs_rollout_dumps_as_sessions(tmp_path, harness):
     recorder.begin(0)
     steps = _two_turn_group("a") + _two_turn_group("b")
     split_round(
-        [steps[:4], steps[4:]],
+        [groups_of(steps[:4]), groups_of(steps[4:])],
         {},
-        options=PrepareOptions(),
         shard=lambda b: [b.select(range(i, b.num_rows, 2)) for i in range(2)],
         dp_size=2,
         recorder=recorder,

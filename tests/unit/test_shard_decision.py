@@ -10,10 +10,10 @@ import torch
 
 from megatron_stepwise.algo.groups import groups_of
 from megatron_stepwise.algo.losses import LossConfig
+from megatron_stepwise.algo.prepare import prepare
 from megatron_stepwise.algo.reductions import loss_token_weights
 from megatron_stepwise.algo.rows import RowTable
 from megatron_stepwise.data.synthetic import AgentWorkload, make_agent_steps
-from megatron_stepwise.loop.training_batch import PrepareOptions, prepare
 from megatron_stepwise.mcore.train import plugin
 from megatron_stepwise.mcore.train.shards import (
     LOGPROBS,
@@ -36,8 +36,7 @@ def _minibatch(prompts=6, seed=3):
         vocab_size=300,
         seed=seed,
     )
-    steps = [s for g in groups_of(make_agent_steps(workload)) for s in g.steps]
-    return prepare(steps, PrepareOptions("grpo", {}, False, 16384))[0]
+    return prepare(groups_of(make_agent_steps(workload)), estimator="grpo", max_tokens=16384)[0]
 
 
 def _token_index(batch, rows):

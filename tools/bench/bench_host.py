@@ -5,7 +5,7 @@ Workload: 512 prompts x 8 samples, 1-8 turns, the Search-R1 shape of `megatron_s
 (~67M step tokens). Phases, calling what training runs in its order (`trainer_pipeline` of
 `tools/bench/bench_pipeline.py`), on ONE core (`torch.set_num_threads(1)`): validate (`validate_steps`
 on the rollout, as the mini-batch sources do) -> minibatch (`prompt_minibatches`) -> prepare
-(the trainer's `loop.training_batch.prepare` per mini-batch: prefix merge, GRPO advantages, the
+(the trainer's `algo.prepare.prepare` per mini-batch: prefix merge, GRPO advantages, the
 columnar StepBatch with its advantages field that the plugin gets) -> plan (the plugin's host
 planning of each prepared batch: `packed_lengths` -> `plan_microbatches`, DP 8, 32k-token
 micro-batches aligned to 128). Reported: the first run (cold: memory is page-faulted in) and the
@@ -45,7 +45,6 @@ from harness import (  # noqa: E402
 )
 
 from megatron_stepwise.data.synthetic import AgentWorkload, make_agent_steps  # noqa: E402
-from megatron_stepwise.loop.training_batch import PrepareOptions  # noqa: E402
 
 PHASES = ("validate", "minibatch", "prepare", "plan")
 
@@ -76,7 +75,7 @@ def run_once(steps, args) -> tuple[dict[str, float], dict[str, float], Any]:
         phase,
         vocab_size=32000,
         prompts_per_minibatch=args.prompts_per_minibatch,
-        options=PrepareOptions(merge_steps=True, max_tokens=args.max_tokens),
+        settings={"estimator": "grpo", "merge_steps": True, "max_tokens": args.max_tokens},
         dp=args.dp,
         max_tokens=args.max_tokens,
         micro_align=128,

@@ -6,8 +6,8 @@ Workload: the issue's synthetic agent batch (512 prompts x 8 samples, 1-8 turns,
 The timed pipeline is what a training iteration runs on the host, in the same order
 (`trainer_pipeline`, shared with `tools/bench/bench_host.py`):
 validate (`validate_steps` on the rollout, as both mini-batch sources do) -> minibatch
-(`prompt_minibatches`) -> prepare (`loop.training_batch.prepare` per mini-batch, as the trainer calls
-it: prefix merge, GRPO advantages, the columnar StepBatch) -> plan (what the plugin's
+(`prompt_minibatches`) -> prepare (`algo.prepare.prepare` on each mini-batch's groups, as the trainer
+calls it: prefix merge, GRPO advantages, the columnar StepBatch) -> plan (what the plugin's
 `prepare_minibatch` does on the host before packing: `packed_lengths` of each prepared batch,
 then `plan_microbatches` with the micro-batch alignment). Group filters (config-dependent) and
 the per-rank `pack_rows` are not part of it.
@@ -49,9 +49,10 @@ from harness import PhaseTimer, add_seed_and_out, bench_parser, repeat_runs, run
 
 from megatron_stepwise.algo import planner  # noqa: E402
 from megatron_stepwise.algo.batching import prompt_minibatches, validate_steps  # noqa: E402
+from megatron_stepwise.algo.groups import groups_of  # noqa: E402
 from megatron_stepwise.algo.merge import merge_steps  # noqa: E402
+from megatron_stepwise.algo.prepare import add_counts, prepare  # noqa: E402
 from megatron_stepwise.data.synthetic import AgentWorkload, make_agent_steps  # noqa: E402
-from megatron_stepwise.loop.training_batch import PrepareOptions, add_counts, prepare  # noqa: E402
 from megatron_stepwise.mcore.train.packing import packed_lengths  # noqa: E402  (torch only, no megatron-core)
 
 
@@ -100,7 +101,7 @@ def trainer_pipeline(
     *,
     vocab_size: int,
     prompts_per_minibatch: int,
-    options: PrepareOptions,
+    settings: dict[str, Any],
     dp: int,
     max_tokens: int,
     micro_align: int = 1,
@@ -108,13 +109,13 @@ def trainer_pipeline(
 ) -> tuple[list, list, list, list]:
     """One iteration's host work, each phase timed by `phase`, calling what runs in training:
     the sources' `validate_steps` and `prompt_minibatches` (loop/sources.py, loop/async_source.py),
-    the trainer's `prepare` per mini-batch (loop/trainer.py; a mini-batch without a trained token
-    is skipped, as there), and the plugin's host-side planning of each prepared batch
+    the trainer's `prepare` per mini-batch (`settings`: its keyword arguments; the flat steps are
+    grouped first, `groups_of`; a mini-batch without a trained token is skipped, as there), and the plugin's host-side planning of each prepared batch
     (mcore/train/plugin.py prepare_minibatch: `packed_lengths` -> `plan_microbatches`).
     Returns (mini-batches, prepare's (batch, metrics) per mini-batch, the batches, their plans)."""
     phase("validate", lambda: validate_steps(steps, vocab_size=vocab_size))
     mbs = phase("minibatch", lambda: prompt_minibatches(steps, prompts_per_minibatch) if steps else [])
-    prepared = phase("prepare", lambda: [prepare(mb, options) for mb in mbs])
+    prepared = phase("prepare", lambda: [prepare(groups_of(mb), **settings) for mb in mbs])
     batches = [b for b, _ in prepared if b is not None]
     plans = phase(
         "plan",
@@ -128,8 +129,8 @@ def trainer_pipeline(
     return mbs, prepared, batches, plans
 
 
-def prepare_options(args) -> PrepareOptions:
-    return PrepareOptions(merge_steps=True, max_tokens=args.max_tokens)
+def prepare_settings(args) -> dict[str, Any]:
+    return {"estimator": "grpo", "merge_steps": True, "max_tokens": args.max_tokens}
 
 
 def run_pipeline(steps, args) -> tuple[dict[str, float], dict[str, float], Any]:
@@ -140,7 +141,7 @@ def run_pipeline(steps, args) -> tuple[dict[str, float], dict[str, float], Any]:
         phase,
         vocab_size=32000,
         prompts_per_minibatch=args.prompts_per_minibatch,
-        options=prepare_options(args),
+        settings=prepare_settings(args),
         dp=args.dp,
         max_tokens=args.max_tokens,
         micro_align=args.micro_align,
@@ -284,11 +285,11 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         f"response {w.response_len}, prompt {w.prompt_len}, drift {w.drift_prob}: {len(steps):,} steps, "
         f"{n_tokens:,} tokens (built in {gen_s:.1f} s)"
     )
-    opts = prepare_options(args)
+    opts = prepare_settings(args)
     print(
         f"config: dp={args.dp}, max_tokens={args.max_tokens:,}, {args.prompts_per_minibatch} prompts per "
         f"mini-batch, seq_align={args.seq_align}, micro_align={args.micro_align}, prepare(merge_steps="
-        f"{opts.merge_steps}, estimator={opts.estimator}), 1 thread\n"
+        f"{opts['merge_steps']}, estimator={opts['estimator']}), 1 thread\n"
     )
 
     runs, cpu_runs, (mbs, prepared, batches, _) = repeat_runs(lambda: run_pipeline(steps, args), args.repeats)

@@ -127,8 +127,9 @@ def _workers(cfg, samples, n: int, held: Optional[Callable] = None) -> dict[str,
     summaries while the workers are alive (rank 0's decision, the replicas' fetches)."""
     import ray
 
+    from megatron_stepwise.algo.prepare import prepare_rows
     from megatron_stepwise.loop.agent_workers import AgentWorkers
-    from megatron_stepwise.loop.training_batch import PrepareOptions
+    from megatron_stepwise.loop.sources import bind_prepare
     from megatron_stepwise.loop.worker_rows import NAMESPACE, HoldRequest
 
     worker_cls = ray.remote(_instant_worker_class())
@@ -146,7 +147,7 @@ def _workers(cfg, samples, n: int, held: Optional[Callable] = None) -> dict[str,
             runtime_env=env,
         ).remote(cfg, concurrency, name)
 
-    hold = HoldRequest(1, PrepareOptions.from_config(cfg), cfg_vocab(cfg)) if held else None
+    hold = HoldRequest(1, bind_prepare(cfg, prepare_rows), cfg_vocab(cfg)) if held else None
     loop = asyncio.new_event_loop()
     workers = AgentWorkers(cfg, _NoFleet(), n, spawn=spawn)
     try:
@@ -256,7 +257,7 @@ def _async_bytes(cfg, groups: list, held: list, dp_sizes=(1, 2, 4)) -> dict[str,
     import ray
 
     from megatron_stepwise.loop.agent_workers import WorkerReply
-    from megatron_stepwise.loop.training_batch import PrepareOptions, prepare
+    from megatron_stepwise.loop.sources import bind_prepare
     from megatron_stepwise.loop.worker_rows import split_held_round
     from megatron_stepwise.rollout.engine_router import RequestCounters
 
@@ -264,7 +265,7 @@ def _async_bytes(cfg, groups: list, held: list, dp_sizes=(1, 2, 4)) -> dict[str,
         return sum(len(pickle.dumps(WorkerReply([g], [], RequestCounters()), protocol=5)) for g in gs)
 
     k = cfg.data.prompts_per_minibatch
-    options = PrepareOptions.from_config(cfg)
+    prepare = bind_prepare(cfg)
     address = ray.get_runtime_context().gcs_address if ray.is_initialized() else ""
     out: dict[str, Any] = {"steps": len(groups) // k}
     out["driver_in"], out["workers_in"] = reply_bytes(groups), reply_bytes(held)
@@ -272,19 +273,13 @@ def _async_bytes(cfg, groups: list, held: list, dp_sizes=(1, 2, 4)) -> dict[str,
         driver_out = workers_out = 0
         decide = functools.partial(_decide, dp=dp, max_tokens=cfg.data.max_tokens_per_microbatch)
         for i in range(0, len(groups) - k + 1, k):
-            batch, _ = prepare(flat_steps(groups[i : i + k]), options)
+            batch, _ = prepare(groups[i : i + k])
             shards = _shard(batch, dp, cfg.data.max_tokens_per_microbatch)
             driver_out += sum(len(pickle.dumps(shards[r], protocol=5)) for r in range(1, dp))
             (manifests,), _, _ = split_held_round([held[i : i + k]], decide=decide, key=1, ray_address=address)
             workers_out += sum(len(pickle.dumps(manifests[r], protocol=5)) for r in range(1, dp))
         out[f"dp{dp}"] = {"driver_out": driver_out, "workers_out": workers_out}
     return out
-
-
-def flat_steps(groups):
-    from megatron_stepwise.algo.groups import flat_steps as flat
-
-    return flat(groups)
 
 
 def _group_transfer(steps, groups_per_reply: int = 8) -> dict[str, Any]:
@@ -310,8 +305,9 @@ def _old_handoff(steps, cfg) -> dict[str, float]:
     """Before: every Step pickled once and unpickled by every rank, which then validates, splits
     and prepares the whole rollout."""
     from megatron_stepwise.algo.batching import prompt_minibatches
+    from megatron_stepwise.algo.groups import groups_of
     from megatron_stepwise.algo.validate import validate_steps
-    from megatron_stepwise.loop.training_batch import PrepareOptions, prepare
+    from megatron_stepwise.loop.sources import bind_prepare
 
     t = time.process_time()
     blob = pickle.dumps(steps, protocol=pickle.HIGHEST_PROTOCOL)
@@ -321,9 +317,9 @@ def _old_handoff(steps, cfg) -> dict[str, float]:
     receive = time.process_time() - t
     t = time.process_time()
     validate_steps(received, vocab_size=cfg_vocab(cfg))
-    options = PrepareOptions.from_config(cfg)
+    prepare = bind_prepare(cfg)
     for mb in prompt_minibatches(received, cfg.data.prompts_per_minibatch):
-        prepare(mb, options)
+        prepare(groups_of(mb))
     every_rank = time.process_time() - t
     return {"send_cpu": send, "receive_cpu": receive, "every_rank_cpu": every_rank, "bytes_per_rank": len(blob)}
 
@@ -366,8 +362,9 @@ def _new_handoff(steps, cfg, dp_sizes=(1, 2, 4)) -> dict[str, Any]:
     """After: rank 0 decides once (validate, metrics, mini-batches, prepare, plan, shards) and
     pickles one payload per DP rank; a rank receives and unpickles only its own."""
     from megatron_stepwise.algo.batching import prompt_minibatches
+    from megatron_stepwise.algo.groups import groups_of
     from megatron_stepwise.algo.validate import validate_steps
-    from megatron_stepwise.loop.training_batch import PrepareOptions, prepare
+    from megatron_stepwise.loop.sources import bind_prepare
     from megatron_stepwise.metrics.core import rollout_metrics
 
     out: dict[str, Any] = {}
@@ -377,8 +374,8 @@ def _new_handoff(steps, cfg, dp_sizes=(1, 2, 4)) -> dict[str, Any]:
     minibatches = prompt_minibatches(steps, cfg.data.prompts_per_minibatch)
     out["validate_split_cpu"] = time.process_time() - t
     t = time.process_time()
-    options = PrepareOptions.from_config(cfg)
-    batches = [prepare(mb, options)[0] for mb in minibatches]
+    prepare = bind_prepare(cfg)
+    batches = [prepare(groups_of(mb))[0] for mb in minibatches]
     out["prepare_cpu"] = time.process_time() - t
     for dp in dp_sizes:
         t = time.process_time()
@@ -427,7 +424,7 @@ def run(quick: bool = False, **options) -> dict[str, Any]:
     for n in (1, 2):
         w = _workers(cfg, samples, n)
         w2_groups = w["groups"]
-        w["steps"] = flat_steps(w["groups"])
+        w["steps"] = [s for g in w["groups"] for s in g.steps]
         assert len(w["steps"]) == turns
         result[f"workers{n}"] = {
             "wall_s": w["wall"],
