@@ -102,25 +102,3 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-# The files that take longest (seconds of one worker in a full run), handed out first: xdist's
-# loadfile mode gives files to workers in collection order, and by name the heaviest sort last,
-# so one worker was left alone with a long file at the end.
-SLOWEST_FIRST = (
-    "test_train_e2e.py",
-    "test_two_node_faults.py",
-    "test_two_nodes.py",
-    "test_async_train.py",
-    "test_megatron_lm.py",
-    "test_sync.py",
-    "test_real_model.py",
-    "test_run_lifecycle.py",
-    "test_slurm_real.py",
-    "test_megatron_parallel.py",
-)
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
