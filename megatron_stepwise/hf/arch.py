@@ -95,6 +95,8 @@ def _rope(cfg: HFConfig) -> tuple[float, Optional[float]]:
 def arch_from_hf(cfg: HFConfig) -> GPTArch:
     """Normalise a transformers `LlamaConfig` / `Qwen2Config` / `Qwen3Config` / `Qwen3MoeConfig` /
     `MixtralConfig` (or an equivalent dict)."""
+    if isinstance(cfg, GPTArch):  # it has some config keys as attributes: say what happened, not "missing key"
+        raise TypeError("arch_from_hf got a GPTArch, already parsed: pass it to the *_from_arch builders instead")
     model_type = _get(cfg, "model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ModelConfigError(f"model_type {model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}")

@@ -123,6 +123,13 @@ def test_a_dict_where_a_gptarch_is_expected_fails_at_once():
     assert not hasattr(H, "as_arch")  # no "GPTArch or dict" converter left to hide the mistake
 
 
+def test_an_already_parsed_arch_given_to_a_parser_says_so():
+    """A GPTArch has some HF keys as attributes; parsing it again used to report a missing key."""
+    arch = A.arch_from_hf(tiny_config())
+    with pytest.raises(TypeError, match=r"already parsed: pass it to the \*_from_arch builders"):
+        A.arch_from_hf(arch)
+
+
 def test_model_spec_parses_once_and_keeps_the_config_verbatim():
     cfg = tiny_config(num_layers=2)
     spec = A.model_spec(cfg)
