@@ -100,13 +100,14 @@ def hf_reference_logprobs(cfg: dict, full: dict, batch: StepBatch) -> torch.Tens
     token. Flat [T] aligned with the batch, 0 where loss_mask is 0."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from megatron_stepwise.hf.arch import arch_from_hf
     from megatron_stepwise.mcore.weights.hf_mapping import canonical_to_hf
     from megatron_stepwise.rollout.embedded.hf_model import load_named_tensors
 
     fields = {k: v for k, v in cfg.items() if k != "model_type"}
     hf_cfg = AutoConfig.for_model(cfg["model_type"], **fields, attn_implementation="eager")
     model = AutoModelForCausalLM.from_config(hf_cfg).eval()
-    state = canonical_to_hf(full, cfg)  # checkpoint names (MoE experts one by one)
+    state = canonical_to_hf(full, arch_from_hf(cfg))  # checkpoint names (MoE experts one by one)
     assert load_named_tensors(model, state) == len(state)
     out = torch.zeros(batch.tokens.numel())
     mask = batch.token_fields["loss_mask"] != 0

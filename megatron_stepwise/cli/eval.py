@@ -15,6 +15,13 @@ import argparse
 import json
 import os
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the command's modules load when it runs (fast --help)
+    from transformers import PreTrainedTokenizerBase
+
+    from megatron_stepwise.config import ExperimentConfig
+    from megatron_stepwise.hf.arch import ModelSpec
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -84,11 +91,11 @@ def evaluate(cfg, *, checkpoint: str | None = None, hf: str | None = None) -> tu
     if checkpoint is None and hf is None and os.path.isdir(cfg.checkpoint_dir) and _has_checkpoint(cfg.checkpoint_dir):
         checkpoint = cfg.checkpoint_dir
     tokenizer = components.load_tokenizer(cfg)
-    hf_config = components.model_config(cfg, tokenizer)
+    model = components.policy_model(cfg, tokenizer)  # the architecture, parsed once for the command
     weights, source, iteration = hf, os.path.basename(os.path.normpath(hf)) if hf else "initial", 0
     if checkpoint is not None:
-        weights, source, iteration = _checkpoint_as_hf(cfg, checkpoint, hf_config, tokenizer)
-    engine = standalone_engine(cfg, tokenizer, hf_config, weights)
+        weights, source, iteration = _checkpoint_as_hf(cfg, checkpoint, model, tokenizer)
+    engine = standalone_engine(cfg, tokenizer, model.hf_config, weights)
     evaluator = Evaluator(cfg, engine, tokenizer, components.build_dataset(cfg))
     try:
         # the seeds training's evaluation of this iteration used: the same trajectories, same metrics
@@ -102,13 +109,15 @@ def _has_checkpoint(directory: str) -> bool:
     return any(name.startswith("iter_") for name in os.listdir(directory))
 
 
-def _checkpoint_as_hf(cfg, checkpoint: str, hf_config: dict, tokenizer) -> tuple[str, str, int]:
+def _checkpoint_as_hf(
+    cfg: ExperimentConfig, checkpoint: str, model: ModelSpec, tokenizer: PreTrainedTokenizerBase
+) -> tuple[str, str, int]:
     """Load a Megatron checkpoint at TP1/PP1 in this process and write it as an HF directory."""
     import torch.distributed as dist
 
     from megatron_stepwise.loop import components
     from megatron_stepwise.mcore.runtime.runtime import free_port
-    from megatron_stepwise.mcore.weights.convert import export_hf
+    from megatron_stepwise.mcore.weights.convert import export_model
     from megatron_stepwise.mcore.weights.dist_checkpoint import load_checkpoint
     from megatron_stepwise.rundir.paths import iteration_name
 
@@ -117,7 +126,7 @@ def _checkpoint_as_hf(cfg, checkpoint: str, hf_config: dict, tokenizer) -> tuple
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     components.init_runtime(cfg)
     try:
-        chunks = components.build_policy(cfg, hf_config)
+        chunks = components.build_policy(cfg, model.arch)
         latest = os.path.basename(os.path.normpath(checkpoint)).startswith("iter_")
         state = load_checkpoint(
             chunks,
@@ -130,7 +139,7 @@ def _checkpoint_as_hf(cfg, checkpoint: str, hf_config: dict, tokenizer) -> tuple
             raise FileNotFoundError(f"--checkpoint {checkpoint}: no checkpoint there")
         out = str(cfg.rundir.eval_export(state["iteration"]))
         source = iteration_name(state["iteration"])
-        export_hf(chunks, out, hf_config, tokenizer=tokenizer, overwrite=True)
+        export_model(chunks, out, model, tokenizer=tokenizer, overwrite=True)
     finally:
         from megatron.core import parallel_state
 

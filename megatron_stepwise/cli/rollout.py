@@ -43,7 +43,7 @@ def _main(args: argparse.Namespace) -> int:
 
     try:
         tokenizer = components.load_tokenizer(cfg)
-        engine = standalone_engine(cfg, tokenizer, components.model_config(cfg, tokenizer), args.hf)
+        engine = standalone_engine(cfg, tokenizer, components.policy_model(cfg, tokenizer).hf_config, args.hf)
         samples = components.build_dataset(cfg).next(min(args.prompts, cfg.data.prompts_per_iteration))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

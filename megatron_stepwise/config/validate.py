@@ -18,7 +18,7 @@ from megatron_stepwise.config.fields import config_fields, is_config_class, is_r
 from megatron_stepwise.config.probes import Probes, looks_like_path
 from megatron_stepwise.config.schema import ExperimentConfig
 from megatron_stepwise.hf import hub
-from megatron_stepwise.hf.arch import ModelConfigError, arch_from_hf, split_problems
+from megatron_stepwise.hf.arch import GPTArch, ModelConfigError, arch_from_hf, split_problems
 
 _KEY_RE = re.compile(r"^[a-z_]+(\.[a-z_]+)+$")
 # `ray start` reserves these for its workers (--min/max-worker-port defaults) and refuses a
@@ -233,7 +233,9 @@ def _check_parallel(
         )
 
 
-def _check_against_checkpoint(cfg: ExperimentConfig, check: _Checker, probes: Probes, arch, source: str) -> None:
+def _check_against_checkpoint(
+    cfg: ExperimentConfig, check: _Checker, probes: Probes, arch: GPTArch, source: str
+) -> None:
     """An explicit hf_config must describe the checkpoint's own architecture (the weights fix it)."""
     model = cfg.model
     if not (model.hf_config and model.hf_checkpoint):

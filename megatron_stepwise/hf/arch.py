@@ -1,13 +1,21 @@
 """The model architecture of a Hugging Face config, parsed once: `arch_from_hf` -> `GPTArch`.
 
 Pure Python (no torch, no megatron-core), so config validation reads the same facts as the
-Megatron builder (mcore/train/model.py), the weight mapping and the rollout fleet.
+Megatron builder (mcore/train/model.py), the weight mapping and the rollout fleet. An entry point
+(the run's composition root, a CLI command, a public builder taking an HF config) parses once;
+everything below it takes the `GPTArch` (or the `ModelSpec` pairing it with its HF config).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Union
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+# An HF config as users hold it: a dict of config.json keys or a transformers config object.
+HFConfig = Union[Mapping[str, Any], "PretrainedConfig"]
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
@@ -45,11 +53,25 @@ class GPTArch:
     moe_norm_topk: bool = True  # renormalise the top-k router probabilities (HF norm_topk_prob)
 
 
-def _get(cfg: Any, name: str, default: Any = None) -> Any:
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model as a run holds it: the HF config (what engines load and exports write as
+    config.json, verbatim) and its architecture, parsed from it once (`model_spec`)."""
+
+    hf_config: HFConfig
+    arch: GPTArch
+
+
+def model_spec(hf_config: HFConfig) -> ModelSpec:
+    """Parse `hf_config` once (ModelConfigError naming the key when this builder cannot use it)."""
+    return ModelSpec(hf_config, arch_from_hf(hf_config))
+
+
+def _get(cfg: HFConfig, name: str, default: Any = None) -> Any:
     return getattr(cfg, name, default) if not isinstance(cfg, Mapping) else cfg.get(name, default)
 
 
-def _rope(cfg: Any) -> tuple[float, Optional[float]]:
+def _rope(cfg: HFConfig) -> tuple[float, Optional[float]]:
     # transformers 5 keeps theta/scaling in `rope_parameters`; 4.x in rope_theta/rope_scaling.
     params = _get(cfg, "rope_parameters") or _get(cfg, "rope_scaling") or {}
     # A config without a theta means the model class's default (transformers: 1e6 for Mixtral).
@@ -70,9 +92,11 @@ def _rope(cfg: Any) -> tuple[float, Optional[float]]:
     raise ModelConfigError(f"rope_scaling type {rope_type!r} is not supported (only default and llama3)")
 
 
-def arch_from_hf(cfg: Any) -> GPTArch:
+def arch_from_hf(cfg: HFConfig) -> GPTArch:
     """Normalise a transformers `LlamaConfig` / `Qwen2Config` / `Qwen3Config` / `Qwen3MoeConfig` /
     `MixtralConfig` (or an equivalent dict)."""
+    if isinstance(cfg, GPTArch):  # it has some config keys as attributes: say what happened, not "missing key"
+        raise TypeError("arch_from_hf got a GPTArch, already parsed: pass it to the *_from_arch builders instead")
     model_type = _get(cfg, "model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ModelConfigError(f"model_type {model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}")
@@ -111,7 +135,7 @@ def arch_from_hf(cfg: Any) -> GPTArch:
     )
 
 
-def _moe_fields(cfg: Any) -> dict:
+def _moe_fields(cfg: HFConfig) -> dict[str, Any]:
     """The GPTArch MoE fields of a Qwen3-MoE or Mixtral config (none for a dense one).
 
     Both route as HF does: softmax over all experts, top-k, then (Mixtral always, Qwen3-MoE with

@@ -2,8 +2,9 @@
 
 Each function builds one thing from its config section, so a user with their own Megatron loop
 can take the pieces they need (model, optimizer, plugin, fleet) without the `Trainer`. The types
-in the signatures are imported for type checkers only: each builder imports its module when it
-runs, so importing this file stays light.
+in the signatures are imported for type checkers only: each builder imports its Megatron, Ray or
+engine module when it runs, so importing this file stays light (the pure `hf` layer is imported
+at the top). `policy_model` parses the model's architecture once; the builders take the result.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from megatron_stepwise.config import ExperimentConfig
+from megatron_stepwise.hf.arch import GPTArch, ModelSpec, model_spec, validate_parallel
+from megatron_stepwise.hf.hub import CHECKPOINT_FILES, is_gguf_source, resolve_model_dir
+from megatron_stepwise.hf.presets import resolve_hf_config
 
 if TYPE_CHECKING:
     import asyncio
@@ -91,23 +95,17 @@ def load_tokenizer(cfg: ExperimentConfig) -> PreTrainedTokenizerBase:
     return load(tokenizer_name(cfg), key=key, chat_template=m.chat_template)
 
 
-def model_config(cfg: ExperimentConfig, tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
-    """The HF config dict of the policy; presets take the tokenizer's vocabulary size."""
-    from megatron_stepwise.hf.arch import arch_from_hf, validate_parallel
-    from megatron_stepwise.hf.presets import resolve_hf_config
-
+def policy_model(cfg: ExperimentConfig, tokenizer: PreTrainedTokenizerBase) -> ModelSpec:
+    """The policy's HF config dict and its architecture, parsed once here for the whole run
+    (the builders below take the `GPTArch`); presets take the tokenizer's vocabulary size."""
     source, key = cfg.model.architecture()
-    hf = resolve_hf_config(source, vocab_size=len(tokenizer), key=key)
-    validate_parallel(
-        arch_from_hf(hf), tp=cfg.parallel.tensor, pp=cfg.parallel.pipeline, tokenizer_vocab_size=len(tokenizer)
-    )
-    return hf
+    model = model_spec(resolve_hf_config(source, vocab_size=len(tokenizer), key=key))
+    validate_parallel(model.arch, tp=cfg.parallel.tensor, pp=cfg.parallel.pipeline, tokenizer_vocab_size=len(tokenizer))
+    return model
 
 
 def sglang_model_path(cfg: ExperimentConfig) -> str:
     """What SGLang servers load: the checkpoint (a GGUF source as its converted directory), else the config."""
-    from megatron_stepwise.hf.hub import is_gguf_source, resolve_model_dir
-
     path = cfg.model.hf_checkpoint or cfg.model.architecture()[0]
     return str(resolve_model_dir(path, key="model.hf_checkpoint")) if is_gguf_source(path) else path
 
@@ -117,12 +115,11 @@ def _use_te(cfg: ExperimentConfig) -> Optional[bool]:
     return {"auto": None, "te": True, "local": False}[cfg.model.transformer_impl]
 
 
-def build_policy(cfg: ExperimentConfig, hf_config: dict[str, Any]) -> list[torch.nn.Module]:
-    from megatron_stepwise.mcore.train.model import build_model_chunks
+def build_policy(cfg: ExperimentConfig, arch: GPTArch) -> list[torch.nn.Module]:
+    from megatron_stepwise.mcore.train.model import model_chunks_from_arch
 
     init = None
     if cfg.model.hf_checkpoint:
-        from megatron_stepwise.hf.hub import CHECKPOINT_FILES, resolve_model_dir
         from megatron_stepwise.mcore.weights.convert import import_hf
 
         # A local directory, the cached hub snapshot, or a download of its weights; before the model is built.
@@ -131,8 +128,8 @@ def build_policy(cfg: ExperimentConfig, hf_config: dict[str, Any]) -> list[torch
         def init(chunks: list[torch.nn.Module]) -> None:
             import_hf(chunks, hf_dir)
 
-    return build_model_chunks(
-        hf_config,
+    return model_chunks_from_arch(
+        arch,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
         init=init,
         use_te=_use_te(cfg),
@@ -141,10 +138,10 @@ def build_policy(cfg: ExperimentConfig, hf_config: dict[str, Any]) -> list[torch
 
 
 def build_reference(
-    cfg: ExperimentConfig, hf_config: dict[str, Any], policy_chunks: list[torch.nn.Module]
+    cfg: ExperimentConfig, arch: GPTArch, policy_chunks: list[torch.nn.Module]
 ) -> list[torch.nn.Module]:
     """A frozen copy of the initial policy for the KL term (same sharding as the policy)."""
-    from megatron_stepwise.mcore.train.model import build_model_chunks, unwrap
+    from megatron_stepwise.mcore.train.model import model_chunks_from_arch, unwrap
 
     state = [copy.deepcopy(unwrap(c).state_dict()) for c in policy_chunks]
 
@@ -152,8 +149,8 @@ def build_reference(
         for chunk, sd in zip(chunks, state):
             chunk.load_state_dict(sd)
 
-    ref = build_model_chunks(
-        hf_config, wrap=False, init=init, use_te=_use_te(cfg), config_overrides=_model_overrides(cfg)
+    ref = model_chunks_from_arch(
+        arch, wrap=False, init=init, use_te=_use_te(cfg), config_overrides=_model_overrides(cfg)
     )
     for chunk in ref:
         chunk.requires_grad_(False)
@@ -270,14 +267,14 @@ def eval_samples(cfg: ExperimentConfig, dataset: PromptDataset) -> list[dict[str
 
 
 # ------------------------------------------------------------------------ rollout
-def build_fleet(cfg: ExperimentConfig, hf_config: dict[str, Any], tokenizer: PreTrainedTokenizerBase) -> RolloutFleet:
-    from megatron_stepwise.hf.arch import arch_from_hf
+def build_fleet(cfg: ExperimentConfig, model: ModelSpec, tokenizer: PreTrainedTokenizerBase) -> RolloutFleet:
+    """The rollout engines: embedded ones load `model.hf_config`, SGLang ones the checkpoint."""
     from megatron_stepwise.rollout.fleet import EngineSpec, RolloutFleet
     from megatron_stepwise.rollout.sglang import SGLangServerConfig
 
     r = cfg.rollout
     specs = []
-    arch = arch_from_hf(hf_config)
+    arch = model.arch
     # MoE routing replay: every engine returns the experts it routed each token to
     routed = (arch.num_layers, arch.moe_topk) if cfg.algo.routing_replay else None
     for i in range(r.num_engines):
@@ -285,7 +282,7 @@ def build_fleet(cfg: ExperimentConfig, hf_config: dict[str, Any], tokenizer: Pre
             specs.append(
                 EngineSpec(
                     kind="local",
-                    model_config=hf_config,
+                    model_config=model.hf_config,
                     tokenizer=tokenizer_name(cfg),
                     seed=cfg.trainer.seed + 1000 + i,
                     torch_threads=1,
@@ -376,7 +373,7 @@ def build_agent_loop(cfg: ExperimentConfig, fleet: Generator, tokenizer: PreTrai
 def build_weight_sync(
     cfg: ExperimentConfig,
     fleet: Optional[RolloutFleet],
-    hf_config: dict[str, Any],
+    model: ModelSpec,
     loop: Optional[asyncio.AbstractEventLoop],
 ) -> WeightSync:
     """Pushes the policy to the fleet after each update (weight_sync.mode: disk | tensor | distributed)."""
@@ -384,21 +381,20 @@ def build_weight_sync(
 
     w = cfg.weight_sync
     return WeightSync(
-        fleet, w.mode, hf_config, loop=loop, bucket_mb=w.bucket_mb, sync_dir=cfg.weight_sync_dir, verify=w.verify
+        fleet, w.mode, model.hf_config, loop=loop, bucket_mb=w.bucket_mb, sync_dir=cfg.weight_sync_dir, verify=w.verify
     )
 
 
 def export_hf(
-    cfg: ExperimentConfig, chunks: list[torch.nn.Module], hf_config: dict[str, Any], tokenizer: PreTrainedTokenizerBase
+    cfg: ExperimentConfig, chunks: list[torch.nn.Module], model: ModelSpec, tokenizer: PreTrainedTokenizerBase
 ) -> str:
     """An HF directory (safetensors + config + tokenizer) of the final policy, under the run dir."""
-
     import torch.distributed as dist
 
-    from megatron_stepwise.mcore.weights.convert import export_hf as export
+    from megatron_stepwise.mcore.weights.convert import export_model
 
     out = str(cfg.rundir.hf_export)
-    export(chunks, out, hf_config, tokenizer=tokenizer, overwrite=True)
+    export_model(chunks, out, model, tokenizer=tokenizer, overwrite=True)
     if dist.get_rank() == 0:
         log.info("exported the policy as an HF checkpoint to %s", out)
     return out

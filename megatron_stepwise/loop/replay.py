@@ -20,6 +20,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_stepwise.config import ExperimentConfig
+from megatron_stepwise.hf.arch import GPTArch
 from megatron_stepwise.loop import components
 from megatron_stepwise.loop.training_round import TrainingRound
 from megatron_stepwise.rundir.dumps import Dump
@@ -45,9 +47,9 @@ def replay(cfg, dump: Dump, *, trusted: bool = False) -> dict[str, Any]:
     components.init_runtime(cfg)
     key = "model.tokenizer" if cfg.model.tokenizer else "model.hf_checkpoint" if cfg.model.hf_checkpoint else "env.name"
     tokenizer = load_tokenizer(components.tokenizer_name(cfg), trusted=trusted, key=key)
-    hf_config = components.model_config(cfg, tokenizer)
-    chunks = components.build_policy(cfg, hf_config)
-    ref = components.build_reference(cfg, hf_config, chunks) if cfg.algo.loss.kl_coef > 0 else None
+    arch = components.policy_model(cfg, tokenizer).arch  # parsed once for the replay
+    chunks = components.build_policy(cfg, arch)
+    ref = components.build_reference(cfg, arch, chunks) if cfg.algo.loss.kl_coef > 0 else None
     optimizer = components.build_optimizer(cfg, chunks)
     scheduler = components.build_scheduler(cfg, optimizer)
     plugin = components.build_plugin(cfg, tokenizer)
@@ -82,7 +84,7 @@ def replay(cfg, dump: Dump, *, trusted: bool = False) -> dict[str, Any]:
     }
     after = checkpoint_path(cfg, k + 1)
     report["params_checkpoint"] = str(after) if after.is_dir() else None
-    report["params_max_abs_diff"] = _param_diff(cfg, hf_config, chunks, after) if after.is_dir() else None
+    report["params_max_abs_diff"] = _param_diff(cfg, arch, chunks, after) if after.is_dir() else None
     return report
 
 
@@ -106,12 +108,12 @@ def _max_diff(got: list, want: list) -> Optional[float]:
     return max(abs(a - b) if not (math.isnan(a) and math.isnan(b)) else 0.0 for a, b in pairs)
 
 
-def _param_diff(cfg, hf_config: dict, chunks: list, path: Path) -> float:
+def _param_diff(cfg: ExperimentConfig, arch: GPTArch, chunks: list[torch.nn.Module], path: Path) -> float:
     """Largest |replayed - saved| parameter over every rank, the saved ones loaded at this layout."""
     from megatron_stepwise.mcore.train.model import unwrap
     from megatron_stepwise.mcore.weights.dist_checkpoint import load_checkpoint
 
-    saved = components.build_policy(cfg, hf_config)
+    saved = components.build_policy(cfg, arch)
     load_checkpoint(saved, path=path, load_optimizer=False, load_rng=False)
     worst = torch.zeros(1, dtype=torch.float64)
     for mine, theirs in zip(chunks, saved):

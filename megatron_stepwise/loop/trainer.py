@@ -77,10 +77,10 @@ class Trainer:
         self.is_driver = dist.get_rank() == 0
 
         self.tokenizer = components.load_tokenizer(cfg)
-        self.hf_config = components.model_config(cfg, self.tokenizer)
-        self.chunks = components.build_policy(cfg, self.hf_config)
+        self.model = components.policy_model(cfg, self.tokenizer)  # the architecture, parsed once
+        self.chunks = components.build_policy(cfg, self.model.arch)
         self.ref_chunks = (
-            components.build_reference(cfg, self.hf_config, self.chunks) if cfg.algo.loss.kl_coef > 0 else None
+            components.build_reference(cfg, self.model.arch, self.chunks) if cfg.algo.loss.kl_coef > 0 else None
         )
         self.optimizer = components.build_optimizer(cfg, self.chunks)
         self.scheduler = components.build_scheduler(cfg, self.optimizer)
@@ -111,7 +111,7 @@ class Trainer:
         sources = dict(
             dataset=self.dataset,
             handoff=handoff,
-            vocab_size=self.hf_config["vocab_size"],
+            vocab_size=self.model.arch.vocab_size,
             shard=functools.partial(self.plugin.plan_shards, self.chunks),
             dp_size=dp_size,
             recorder=self.recorder,
@@ -153,7 +153,7 @@ class Trainer:
         self.devices = dist.get_world_size() + (0 if cfg.rollout.colocate else rollout_devices(cfg))
         if self.is_driver:
             loop = asyncio.new_event_loop()
-            fleet = components.build_fleet(cfg, self.hf_config, self.tokenizer)
+            fleet = components.build_fleet(cfg, self.model, self.tokenizer)
             loop.run_until_complete(fleet.wait_ready())
             self.driver = Driver(loop, fleet, self._agents(fleet, loop))
             self.evaluator = Evaluator(cfg, fleet, self.tokenizer, self.dataset) if cfg.trainer.eval_every else None
@@ -166,7 +166,7 @@ class Trainer:
                 resume_iteration=self.state.iteration,
             )
         self.weight_sync = components.build_weight_sync(
-            cfg, self.driver and self.driver.fleet, self.hf_config, self.driver and self.driver.loop
+            cfg, self.driver and self.driver.fleet, self.model, self.driver and self.driver.loop
         )
         if cfg.rollout.colocate and cfg.async_.enabled:  # validation says so too, naming the keys
             raise ValueError("rollout.colocate=true needs async.enabled=false: released engines cannot roll out")
@@ -240,7 +240,7 @@ class Trainer:
                 # the final policy, in <run_dir>/eval/final.json (metrics.jsonl stays one line per iteration)
                 write_eval(cfg.run_dir, "final", self.state.iteration, self.evaluate(force=True))
             if cfg.checkpoint.export_hf:
-                components.export_hf(cfg, self.chunks, self.hf_config, self.tokenizer)
+                components.export_hf(cfg, self.chunks, self.model, self.tokenizer)
         finally:
             if progress is not None:
                 progress.close()

@@ -28,7 +28,7 @@ def setup():
     cfg = _config()
     tok = components.load_tokenizer(cfg)
     loop = asyncio.new_event_loop()
-    fleet = components.build_fleet(cfg, components.model_config(cfg, tok), tok)
+    fleet = components.build_fleet(cfg, components.policy_model(cfg, tok), tok)
     loop.run_until_complete(fleet.wait_ready())
     samples = components.build_dataset(cfg).next(6)
     reference = loop.run_until_complete(components.build_agent_loop(cfg, fleet, tok).rollout(samples, seed=5))
@@ -106,7 +106,7 @@ def test_an_engine_a_worker_finds_dead_is_reported_and_restarted_by_the_fleet():
     cfg = _config("rollout.num_engines=2")
     tok = components.load_tokenizer(cfg)
     loop = asyncio.new_event_loop()
-    fleet = components.build_fleet(cfg, components.model_config(cfg, tok), tok)
+    fleet = components.build_fleet(cfg, components.policy_model(cfg, tok), tok)
     workers = AgentWorkers(cfg, fleet, 1)
     try:
         loop.run_until_complete(fleet.wait_ready())

@@ -83,7 +83,7 @@ def fleet_setup():
         )
         tok = components.load_tokenizer(cfg)
         loop = asyncio.new_event_loop()
-        fleet = components.build_fleet(cfg, components.model_config(cfg, tok), tok)
+        fleet = components.build_fleet(cfg, components.policy_model(cfg, tok), tok)
         loop.run_until_complete(fleet.wait_ready())
         try:
             yield cfg, loop, fleet, tok

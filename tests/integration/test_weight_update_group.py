@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from megatron_stepwise import weight_transport
+from megatron_stepwise.hf.presets import tiny_config
 from megatron_stepwise.mcore.weights import sync as S
 from megatron_stepwise.rollout.fleet import EngineSpec, RolloutFleet, weight_update_ranks
 from megatron_stepwise.rollout.sglang import SGLangServerConfig
@@ -96,7 +97,9 @@ def test_weight_sync_opens_a_group_with_every_tp_rank_and_broadcasts_to_all(monk
     assert fleet.weight_update_world_size() == 1 + 2 + 1 + 3
     loop = asyncio.new_event_loop()
     loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(16))  # trainer + 6 engine ranks block at once
-    syncer = S.WeightSync(fleet, "distributed", {}, loop=loop, master_address="127.0.0.1", master_port=_free_port())
+    syncer = S.WeightSync(
+        fleet, "distributed", tiny_config(), loop=loop, master_address="127.0.0.1", master_port=_free_port()
+    )
     try:
         group = syncer.open_group()
         assert group.world_size == 7 and syncer.open_group() is group

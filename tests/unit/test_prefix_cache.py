@@ -170,7 +170,7 @@ def test_the_cache_budget_is_the_config_key_rollout_embedded_cache_tokens(monkey
     specs = []
     monkeypatch.setattr(fleet, "RolloutFleet", lambda s, **kw: specs.extend(s))  # no Ray: the specs only
     tok = components.load_tokenizer(cfg)
-    components.build_fleet(cfg, components.model_config(cfg, tok), tok)
+    components.build_fleet(cfg, components.policy_model(cfg, tok), tok)
     assert specs and {s.prefix_cache_tokens for s in specs} == {123}
     actor = fleet.EngineActor(fleet.EngineSpec(kind="local", model_config=CONFIG, prefix_cache_tokens=123), "e0")
     assert actor.engine.cache_stats()["max_tokens"] == 123

@@ -89,9 +89,9 @@ def run_mode(colocate: bool, run_dir: str) -> dict:
     log: list[str] = []
     engines = []
 
-    def build_fleet(cfg, hf_config, tokenizer):
+    def build_fleet(cfg, model, tokenizer):
         engine = LocalEngine(
-            hf_config, tokenizer=load_tokenizer(components.tokenizer_name(cfg)), seed=7, torch_threads=1
+            model.hf_config, tokenizer=load_tokenizer(components.tokenizer_name(cfg)), seed=7, torch_threads=1
         )
         engines.append(engine)
         return RecordingFleet(engine, log)

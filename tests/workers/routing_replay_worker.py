@@ -175,7 +175,7 @@ def main() -> None:
         parts = [None] * dist.get_world_size()
         dist.all_gather_object(parts, full)
         full = {k: v for part in parts for k, v in part.items()}
-    state = canonical_to_hf(full, cfg)
+    state = canonical_to_hf(full, M.arch_from_hf(cfg))
     # with the router losses on: they count the replayed dispatch
     plugin = StepwisePlugin(dataclasses.replace(mw.MOE_LOSS, kl_coef=0.0), max_tokens_per_microbatch=args.budget)
     results = {"noise": args.noise}

@@ -75,7 +75,7 @@ def main() -> None:
             convert.import_hf(chunks, src)
             convert.export_hf(chunks, out / tag, cfg, tokenizer=args.tokenizer)
             streamed, n_buckets = {}, 0
-            for bucket in convert.stream_hf_buckets(chunks, cfg, bucket_mb=0.05):
+            for bucket in convert.stream_hf_buckets(chunks, M.arch_from_hf(cfg), bucket_mb=0.05):
                 streamed.update(bucket)
                 n_buckets += 1
             if layout.rank == 0:

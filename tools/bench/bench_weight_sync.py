@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from harness import bench_parser, free_port, median_time
 
+from megatron_stepwise.hf.arch import model_spec
 from megatron_stepwise.mcore.runtime import runtime
 from megatron_stepwise.mcore.train import model as M
 from megatron_stepwise.mcore.weights import convert
@@ -42,17 +43,19 @@ MODELS = {
 def bench_model(name: str, cfg: dict, repeat: int, bucket_mb: float, workdir: Path) -> dict:
     from megatron_stepwise.rollout.fleet import EngineSpec, RolloutFleet
 
-    chunks = M.build_model_chunks(cfg, init=lambda c: W.init_deterministic(c, seed=0))
+    model = model_spec(cfg)  # parsed once for the whole benchmark
+    chunks = M.model_chunks_from_arch(model.arch, init=lambda c: W.init_deterministic(c, seed=0))
     n_params = sum(p.numel() for p in chunks[0].parameters())
-    nbytes = sum(t.numel() * t.element_size() for b in convert.stream_hf_buckets(chunks, cfg) for _, t in b)
+    nbytes = sum(t.numel() * t.element_size() for b in convert.stream_hf_buckets(chunks, model.arch) for _, t in b)
 
     row = {"model": name, "params_M": n_params / 1e6, "MB": nbytes / 2**20}
     row["convert"] = median_time(
-        lambda: [None for _ in convert.stream_hf_buckets(chunks, cfg, bucket_mb=bucket_mb)], repeat
+        lambda: [None for _ in convert.stream_hf_buckets(chunks, model.arch, bucket_mb=bucket_mb)], repeat
     )
     counter = iter(range(10**6))
     row["export"] = median_time(
-        lambda: convert.export_hf(chunks, workdir / f"{name}-export-{next(counter)}", cfg, bucket_mb=bucket_mb), repeat
+        lambda: convert.export_model(chunks, workdir / f"{name}-export-{next(counter)}", model, bucket_mb=bucket_mb),
+        repeat,
     )
 
     loop = asyncio.new_event_loop()

@@ -7,6 +7,10 @@ The Transformer Engine spec is used when TE imports; otherwise the local spec wi
 torch-native packed attention and norm of `local_layers`. bf16 on GPU, fp32 on CPU.
 
 Both paths take THD packed micro-batches (`PackedSeqParams`), see `train/packing.py`.
+
+`build_gpt_model`, `model_provider` and `build_model_chunks` take an HF config (dict or
+transformers object) and parse it once; the `*_from_arch` builders below them take the parsed
+`GPTArch`, which is what a run passes down from where it resolved its model.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from megatron_stepwise.hf.arch import (  # noqa: F401
     MOE_MODEL_TYPES,
     SUPPORTED_MODEL_TYPES,
     GPTArch,
+    HFConfig,
     ModelConfigError,
     arch_from_hf,
     padded_vocab_size,
@@ -167,13 +172,19 @@ def _patch_router_gemm() -> None:
         moe_utils.te_general_gemm = None
 
 
-def build_gpt_model(
-    hf_config: Any,
+def build_gpt_model(hf_config: HFConfig, **kwargs: Any):
+    """One GPTModel chunk for this rank's pipeline stage from an HF config (parsed here once);
+    the keyword arguments are `gpt_model_from_arch`'s."""
+    return gpt_model_from_arch(arch_from_hf(hf_config), **kwargs)
+
+
+def gpt_model_from_arch(
+    arch: GPTArch,
     *,
     pre_process: Optional[bool] = None,
     post_process: Optional[bool] = None,
     use_te: Optional[bool] = None,
-    config_overrides: Optional[dict] = None,
+    config_overrides: Optional[dict[str, Any]] = None,
     tokenizer_vocab_size: Optional[int] = None,
     vp_stage: Optional[int] = None,
 ):
@@ -181,7 +192,6 @@ def build_gpt_model(
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
-    arch = hf_config if isinstance(hf_config, GPTArch) else arch_from_hf(hf_config)
     tp = ps.get_tensor_model_parallel_world_size()
     pp = ps.get_pipeline_model_parallel_world_size()
     cp = ps.get_context_parallel_world_size()
@@ -222,12 +232,14 @@ def build_gpt_model(
     return model
 
 
-def model_provider(hf_config: Any, **kwargs: Any) -> Callable[..., Any]:
-    """A Megatron-LM style `model_provider(pre_process, post_process, vp_stage=None)`."""
+def model_provider(hf_config: HFConfig, **kwargs: Any) -> Callable[..., Any]:
+    """A Megatron-LM style `model_provider(pre_process, post_process, vp_stage=None)`; the HF
+    config is parsed once, here, not at each call."""
+    arch = arch_from_hf(hf_config)
 
     def provide(pre_process: bool = True, post_process: bool = True, vp_stage: Optional[int] = None, **_):
-        return build_gpt_model(
-            hf_config, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage, **kwargs
+        return gpt_model_from_arch(
+            arch, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage, **kwargs
         )
 
     return provide
@@ -262,8 +274,13 @@ def wrap_ddp(
     )
 
 
-def build_model_chunks(
-    hf_config: Any,
+def build_model_chunks(hf_config: HFConfig, **kwargs: Any) -> list:
+    """`model_chunks_from_arch` for an HF config (parsed here once)."""
+    return model_chunks_from_arch(arch_from_hf(hf_config), **kwargs)
+
+
+def model_chunks_from_arch(
+    arch: GPTArch,
     *,
     wrap: bool = True,
     use_distributed_optimizer: bool = False,
@@ -271,7 +288,7 @@ def build_model_chunks(
     **build_kwargs: Any,
 ) -> list:
     """This rank's model chunks, one per virtual pipeline stage (one without virtual pipeline
-    parallelism), built and DDP-wrapped.
+    parallelism), built and DDP-wrapped; `build_kwargs` are `gpt_model_from_arch`'s.
 
     `init(chunks)` runs on the bare chunks before wrapping (e.g. loading weights).
     """
@@ -280,7 +297,7 @@ def build_model_chunks(
 
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
     stages = [None] if vpp is None else list(range(vpp))
-    bare = [build_gpt_model(hf_config, vp_stage=stage, **build_kwargs) for stage in stages]
+    bare = [gpt_model_from_arch(arch, vp_stage=stage, **build_kwargs) for stage in stages]
     if not torch.cuda.is_available():
         bare = [chunk.to(torch.device("cpu")) for chunk in bare]
     if init is not None:

@@ -4,7 +4,9 @@
 (every bucket, delivered on global rank 0), `export_hf` (an HF directory that transformers and
 SGLang load, renamed into place when complete) and `import_hf` (start from a pretrained model).
 Every rank must call (and, for the iterators, exhaust) them: they are collective. The name and
-layout mapping itself is in `weights/hf_mapping.py` (pure functions, re-exported here).
+layout mapping itself is in `weights/hf_mapping.py` (pure functions, re-exported here). `export_hf`
+takes an HF config and parses it once; below it everything takes the parsed `GPTArch`
+(`export_model` the `ModelSpec`, when config.json must be written too).
 
 Each entry point and which ranks do the work: docs/weights.md, 'Hugging Face checkpoints' and
 'Conversion entry points and ownership'.
@@ -23,6 +25,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Union
 import torch
 import torch.distributed as dist
 
+from megatron_stepwise.hf.arch import GPTArch, HFConfig, ModelSpec, arch_from_hf, model_spec
 from megatron_stepwise.hf.end_of_turn import write_generation_config
 from megatron_stepwise.hf.presets import ARCHITECTURES
 from megatron_stepwise.mcore.runtime.runtime import comm_device, current_layout
@@ -32,7 +35,6 @@ from megatron_stepwise.mcore.weights.hf_mapping import (  # noqa: F401  (re-expo
     EMBED,
     OUTPUT,
     WeightConversionError,
-    as_arch,
     canonical_names,
     canonical_to_hf,
     check_hf_names,
@@ -73,14 +75,13 @@ def _drain(collective: Iterator) -> None:
     deque(collective, maxlen=0)
 
 
-def check_model_matches(chunks: list, arch: Any) -> None:
+def check_model_matches(chunks: list, arch: GPTArch) -> None:
     """Raise (naming the HF config key) when the megatron model was not built for `arch`.
 
     Depends only on configs, so every rank decides the same way before any collective.
     """
     from megatron_stepwise.mcore.train.model import unwrap
 
-    arch = as_arch(arch)
     model = unwrap(chunks[0])
     cfg = model.config
     pairs = [
@@ -165,11 +166,10 @@ def bucketize(pairs: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> I
 
 
 def iter_stage_buckets(
-    chunks: list, hf_config: Any, *, bucket_mb: float = 512, dtype: Optional[torch.dtype] = None
+    chunks: list, arch: GPTArch, *, bucket_mb: float = 512, dtype: Optional[torch.dtype] = None
 ) -> Iterator[Bucket]:
     """This pipeline stage's HF tensors in buckets. Yields on the stage owner (DP 0, CP 0, TP 0);
     the stage's other TP ranks run the gathers and yield nothing; other replicas return at once."""
-    arch = as_arch(hf_config)
     layout = current_layout()
     if _joins_expert_gathers(layout):
         return _drain(_stage_canonical(chunks, dtype, worker=False))  # the EP gathers only
@@ -183,7 +183,7 @@ def iter_stage_buckets(
 
 
 def stream_hf_buckets(
-    chunks: list, hf_config: Any, *, bucket_mb: float = 512, dtype: Optional[torch.dtype] = None
+    chunks: list, arch: GPTArch, *, bucket_mb: float = 512, dtype: Optional[torch.dtype] = None
 ) -> Iterator[Bucket]:
     """Every HF bucket of the whole model, yielded on global rank 0 only (stage order).
 
@@ -192,7 +192,7 @@ def stream_hf_buckets(
     from megatron.core import parallel_state as ps
 
     layout = current_layout()
-    local = iter_stage_buckets(chunks, hf_config, bucket_mb=bucket_mb, dtype=dtype)
+    local = iter_stage_buckets(chunks, arch, bucket_mb=bucket_mb, dtype=dtype)
     if layout.pp == 1 or not _is_worker(layout):
         yield from local
         return
@@ -223,10 +223,9 @@ def stream_hf_buckets(
         _drain(local)
 
 
-def stage_hf_metadata(chunks: list, hf_config: Any, *, dtype: Optional[torch.dtype] = None) -> list[tuple]:
+def stage_hf_metadata(chunks: list, arch: GPTArch, *, dtype: Optional[torch.dtype] = None) -> list[tuple]:
     """(HF name, shape, dtype) of this stage's tensors in stream order, computed on meta tensors
     (no data, no communication)."""
-    arch = as_arch(hf_config)
     out = []
     for model, name, param in _exported_params(chunks):
         meta = torch.empty(W.full_shape(param, name), dtype=dtype or param.dtype, device="meta")
@@ -235,11 +234,11 @@ def stage_hf_metadata(chunks: list, hf_config: Any, *, dtype: Optional[torch.dty
     return out
 
 
-def hf_metadata(chunks: list, hf_config: Any, *, dtype: Optional[torch.dtype] = None) -> Optional[list[tuple]]:
+def hf_metadata(chunks: list, arch: GPTArch, *, dtype: Optional[torch.dtype] = None) -> Optional[list[tuple]]:
     """Every HF tensor's (name, shape, dtype), in the order `stream_hf_buckets` delivers them,
     on global rank 0 (None elsewhere). Collective (one small gather)."""
     layout = current_layout()
-    mine = stage_hf_metadata(chunks, hf_config, dtype=dtype) if _is_stage_owner(layout) else None
+    mine = stage_hf_metadata(chunks, arch, dtype=dtype) if _is_stage_owner(layout) else None
     gathered = [None] * layout.world_size if layout.rank == 0 else None
     dist.gather_object((layout.pp_rank, mine), gathered, dst=0)
     if layout.rank != 0:
@@ -251,7 +250,7 @@ def hf_metadata(chunks: list, hf_config: Any, *, dtype: Optional[torch.dtype] = 
 # ----------------------------------------------------------------------------- export
 
 
-def hf_config_object(hf_config: Any, dtype: Optional[torch.dtype] = None):
+def hf_config_object(hf_config: HFConfig, dtype: Optional[torch.dtype] = None):
     """A transformers `PretrainedConfig` (architectures and dtype filled in) from a config or dict."""
     from transformers import AutoConfig, PretrainedConfig
 
@@ -291,7 +290,7 @@ def save_tokenizer(tokenizer: Any, out_dir: Union[str, os.PathLike]) -> None:
 def export_hf(
     chunks: list,
     out_dir: Union[str, os.PathLike],
-    hf_config: Any,
+    hf_config: HFConfig,
     tokenizer: Any = None,
     *,
     bucket_mb: float = 1024,
@@ -301,14 +300,41 @@ def export_hf(
 ) -> Path:
     """Write the model as an HF directory; collective over all ranks; returns `out_dir`.
 
-    hf_config: the HF config (object or dict) the model was built from; `dtype` (default: the
-    parameters' own) is also recorded in config.json. Written to `out_dir.partial` first and
-    renamed by rank 0 once complete. `on_bucket` sees each bucket a rank writes, just before it
-    is written (a weight sync records what it sent, sampling beside the write).
+    hf_config: the HF config (object or dict) the model was built from, parsed here once; the
+    rest as `export_model`.
+    """
+    return export_model(
+        chunks,
+        out_dir,
+        model_spec(hf_config),
+        tokenizer,
+        bucket_mb=bucket_mb,
+        dtype=dtype,
+        overwrite=overwrite,
+        on_bucket=on_bucket,
+    )
+
+
+def export_model(
+    chunks: list,
+    out_dir: Union[str, os.PathLike],
+    model: ModelSpec,
+    tokenizer: Any = None,
+    *,
+    bucket_mb: float = 1024,
+    dtype: Optional[torch.dtype] = None,
+    overwrite: bool = False,
+    on_bucket: Optional[Callable[[Bucket], None]] = None,
+) -> Path:
+    """`export_hf` for a caller that holds the parsed model (the run, a weight sync).
+
+    `dtype` (default: the parameters' own) is also recorded in config.json. Written to
+    `out_dir.partial` first and renamed by rank 0 once complete. `on_bucket` sees each bucket a
+    rank writes, just before it is written (a weight sync samples the bucket beside the write).
     """
     from safetensors.torch import save_file
 
-    arch = as_arch(hf_config)
+    arch = model.arch
     check_model_matches(chunks, arch)
     layout = current_layout()
     out = Path(out_dir)
@@ -320,7 +346,7 @@ def export_hf(
 
     weight_map: dict[str, str] = {}
     total_bytes = 0
-    for k, bucket in enumerate(iter_stage_buckets(chunks, hf_config, bucket_mb=bucket_mb, dtype=dtype)):
+    for k, bucket in enumerate(iter_stage_buckets(chunks, arch, bucket_mb=bucket_mb, dtype=dtype)):
         fname = f"model-pp{layout.pp_rank:03d}-{k:05d}.safetensors"
         if on_bucket is not None:
             on_bucket(bucket)  # first: a weight sync samples the bucket beside the write
@@ -343,11 +369,11 @@ def export_hf(
                 "weight_map": dict(sorted(full_map.items())),
             }
             (partial / INDEX_FILE).write_text(json.dumps(index, indent=2))
-            hf_config_object(hf_config, dtype).save_pretrained(str(partial))
+            hf_config_object(model.hf_config, dtype).save_pretrained(str(partial))
             if tokenizer is not None:
                 save_tokenizer(tokenizer, partial)
                 if hasattr(tokenizer, "apply_chat_template"):  # the end-of-turn ids engines stop on
-                    write_generation_config(partial, hf_config, tokenizer)
+                    write_generation_config(partial, model.hf_config, tokenizer)
             if out.exists():
                 shutil.rmtree(out)
             os.replace(partial, out)
@@ -386,7 +412,7 @@ def load_hf_index(hf_dir: Union[str, os.PathLike]) -> dict:
     return json.loads((Path(hf_dir) / INDEX_FILE).read_text())
 
 
-def load_hf_config(hf_dir: Union[str, os.PathLike]) -> dict:
+def load_hf_config(hf_dir: Union[str, os.PathLike]) -> dict[str, Any]:
     path = Path(hf_dir) / "config.json"
     if not path.is_file():
         raise WeightConversionError(f"{hf_dir} has no config.json (is it a Hugging Face model directory?)")
@@ -394,7 +420,7 @@ def load_hf_config(hf_dir: Union[str, os.PathLike]) -> dict:
 
 
 @torch.no_grad()
-def import_hf(chunks: list, hf_dir: Union[str, os.PathLike], *, optimizer: Any = None):
+def import_hf(chunks: list, hf_dir: Union[str, os.PathLike], *, optimizer: Any = None) -> GPTArch:
     """Load an HF checkpoint directory into this rank's chunks (any TP/PP); returns its GPTArch.
 
     Every rank reads only the tensors of its own stage. Not a collective. Call before the
@@ -404,7 +430,7 @@ def import_hf(chunks: list, hf_dir: Union[str, os.PathLike], *, optimizer: Any =
 
     from megatron_stepwise.mcore.train.model import unwrap
 
-    arch = as_arch(load_hf_config(hf_dir))
+    arch = arch_from_hf(load_hf_config(hf_dir))  # the checkpoint's own config.json, parsed once
     check_model_matches(chunks, arch)
     files = hf_tensor_files(hf_dir)
     check_hf_names(files, arch)

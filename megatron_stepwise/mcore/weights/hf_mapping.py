@@ -4,7 +4,8 @@ The Megatron side is the canonical full tensor of `weights/full_views.py` (TP sh
 concatenated, layer index global, SwiGLU fc1 as `[gate; up]`). Everything here is exact
 (slicing, reshaping, concatenation), so HF -> Megatron -> HF is bit-identical; vocabulary padding
 rows are dropped on export and zero-filled on import. Pure functions, no torch.distributed: the
-TP/PP-aware streaming, export and import built on them are in `weights/convert.py`.
+TP/PP-aware streaming, export and import built on them are in `weights/convert.py`. They take the
+parsed `GPTArch` (`hf.arch.arch_from_hf`, once by the caller), never an HF config.
 
 The per-layer name table: docs/weights.md, 'The Megatron <-> Hugging Face name mapping'.
 """
@@ -12,11 +13,11 @@ The per-layer name table: docs/weights.md, 'The Megatron <-> Hugging Face name m
 from __future__ import annotations
 
 import re
-from typing import Any, Iterable, Mapping, Optional
+from typing import Iterable, Mapping, Optional
 
 import torch
 
-from megatron_stepwise.hf.arch import GPTArch, arch_from_hf
+from megatron_stepwise.hf.arch import GPTArch
 
 EMBED = "embedding.word_embeddings.weight"
 FINAL_NORM = "decoder.final_layernorm.weight"
@@ -64,27 +65,19 @@ class WeightConversionError(ValueError):
     """A tensor that does not fit the mapping: unknown name, wrong shape, missing tensor."""
 
 
-def as_arch(arch_or_config: Any):
-    """A `GPTArch` from a GPTArch, an HF config object or an HF config dict."""
-    return arch_or_config if isinstance(arch_or_config, GPTArch) else arch_from_hf(arch_or_config)
-
-
 # ----------------------------------------------------------------------------- names
 
 
-def _moe_type(arch: Any) -> str:
+def _moe_type(arch: Optional[GPTArch]) -> str:
     """Whose checkpoint names the MoE tensors take: 'mixtral' or 'qwen3_moe' (the default)."""
-    model_type = getattr(arch, "model_type", None) if arch is not None else None
-    if model_type is None and isinstance(arch, Mapping):
-        model_type = arch.get("model_type")
-    return "mixtral" if model_type == "mixtral" else "qwen3_moe"
+    return "mixtral" if arch is not None and arch.model_type == "mixtral" else "qwen3_moe"
 
 
-def hf_names_for(name: str, arch: Any = None) -> tuple[str, ...]:
+def hf_names_for(name: str, arch: Optional[GPTArch] = None) -> tuple[str, ...]:
     """The HF tensor name(s) one canonical megatron tensor maps to.
 
-    arch (a GPTArch or HF config) picks the MoE names: Mixtral's hub names for a Mixtral model,
-    Qwen3-MoE's otherwise (dense tensors are named the same in every supported family).
+    arch picks the MoE names: Mixtral's hub names for a Mixtral model, Qwen3-MoE's otherwise
+    (dense tensors are named the same in every supported family).
     """
     if name in _TOP_LEVEL:
         return (_TOP_LEVEL[name],)
@@ -105,9 +98,8 @@ def hf_names_for(name: str, arch: Any = None) -> tuple[str, ...]:
     raise WeightConversionError(f"no Hugging Face mapping for megatron parameter {name!r}")
 
 
-def canonical_names(arch: Any, *, te_spec: bool = False) -> list[str]:
+def canonical_names(arch: GPTArch, *, te_spec: bool = False) -> list[str]:
     """Every canonical megatron tensor name of the whole model, in model order."""
-    arch = as_arch(arch)
     input_norm = "self_attention.linear_qkv.layer_norm_weight" if te_spec else "input_layernorm.weight"
     mlp_norm = "mlp.linear_fc1.layer_norm_weight" if te_spec else "pre_mlp_layernorm.weight"
     names = [EMBED]
@@ -133,21 +125,20 @@ def canonical_names(arch: Any, *, te_spec: bool = False) -> list[str]:
     return names
 
 
-def hf_names(arch: Any) -> list[str]:
+def hf_names(arch: GPTArch) -> list[str]:
     """Every HF tensor name a checkpoint of this architecture holds (tied: no lm_head)."""
-    arch = as_arch(arch)
     return [hf for name in canonical_names(arch) for hf in hf_names_for(name, arch)]
 
 
 # ----------------------------------------------------------------------------- tensors
 
 
-def _ffn_size(name: str, arch) -> int:
+def _ffn_size(name: str, arch: GPTArch) -> int:
     """The MLP width of `name`: an expert's (moe_intermediate_size) or the dense one's."""
     return arch.moe_ffn_hidden_size if ".mlp.experts." in name else arch.ffn_hidden_size
 
 
-def _qkv_rows(arch) -> tuple[int, int, int]:
+def _qkv_rows(arch: GPTArch) -> tuple[int, int, int]:
     groups, head_dim = arch.num_kv_heads, arch.head_dim
     return groups, arch.num_heads // groups, head_dim
 
@@ -159,7 +150,7 @@ def _check_shape(name: str, tensor: torch.Tensor, dim0: int, rest: tuple[int, ..
         )
 
 
-def _split_qkv(name: str, qkv: torch.Tensor, arch) -> list[torch.Tensor]:
+def _split_qkv(name: str, qkv: torch.Tensor, arch: GPTArch) -> list[torch.Tensor]:
     groups, q_per_group, head_dim = _qkv_rows(arch)
     rest = tuple(qkv.shape[1:])
     _check_shape(
@@ -176,7 +167,7 @@ def _split_qkv(name: str, qkv: torch.Tensor, arch) -> list[torch.Tensor]:
     return [q, k, v]
 
 
-def _fuse_qkv(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch) -> torch.Tensor:
+def _fuse_qkv(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: GPTArch) -> torch.Tensor:
     groups, q_per_group, head_dim = _qkv_rows(arch)
     rest = tuple(q.shape[1:])
     q_name, k_name, v_name = hf_names_for(name, arch)
@@ -194,13 +185,12 @@ def _fuse_qkv(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch
     return grouped.reshape(groups * (q_per_group + 2) * head_dim, *rest)
 
 
-def to_hf(name: str, tensor: torch.Tensor, arch: Any) -> list[tuple[str, torch.Tensor]]:
+def to_hf(name: str, tensor: torch.Tensor, arch: GPTArch) -> list[tuple[str, torch.Tensor]]:
     """One canonical megatron tensor -> its HF (name, tensor) pairs.
 
     Outputs never share storage with each other or with the input's padding rows, so they can
     be written with safetensors directly.
     """
-    arch = as_arch(arch)
     names = hf_names_for(name, arch)
     if name in _VOCAB_ROWS:
         if tensor.shape[0] < arch.vocab_size:
@@ -223,14 +213,13 @@ def to_hf(name: str, tensor: torch.Tensor, arch: Any) -> list[tuple[str, torch.T
 
 
 def from_hf(
-    name: str, hf_tensors: Mapping[str, torch.Tensor], arch: Any, *, vocab_rows: Optional[int] = None
+    name: str, hf_tensors: Mapping[str, torch.Tensor], arch: GPTArch, *, vocab_rows: Optional[int] = None
 ) -> torch.Tensor:
     """The canonical megatron tensor `name` from the HF tensors it maps to.
 
     vocab_rows: megatron's (padded) vocabulary size for the embedding / output layer; padding
     rows are zero.
     """
-    arch = as_arch(arch)
     names = hf_names_for(name, arch)
     missing = [n for n in names if n not in hf_tensors]
     if missing:
@@ -262,9 +251,8 @@ def from_hf(
 # ----------------------------------------------------------------------------- whole state dicts
 
 
-def canonical_to_hf(state: Mapping[str, torch.Tensor], arch: Any) -> dict[str, torch.Tensor]:
+def canonical_to_hf(state: Mapping[str, torch.Tensor], arch: GPTArch) -> dict[str, torch.Tensor]:
     """A whole canonical megatron state (e.g. `weights.full_state`) -> an HF state dict."""
-    arch = as_arch(arch)
     if arch.tie_word_embeddings and OUTPUT in state:
         raise WeightConversionError(f"tie_word_embeddings=True but the megatron state has a separate {OUTPUT!r}")
     out: dict[str, torch.Tensor] = {}
@@ -278,9 +266,8 @@ def canonical_to_hf(state: Mapping[str, torch.Tensor], arch: Any) -> dict[str, t
     return out
 
 
-def check_hf_names(names: Iterable[str], arch: Any) -> None:
+def check_hf_names(names: Iterable[str], arch: GPTArch) -> None:
     """Raise if a checkpoint's tensor names do not match the architecture (missing or unknown)."""
-    arch = as_arch(arch)
     have = {n for n in names if not _HF_IGNORED.search(n)}
     want = set(hf_names(arch))
     if arch.tie_word_embeddings:
@@ -298,10 +285,9 @@ def check_hf_names(names: Iterable[str], arch: Any) -> None:
 
 
 def hf_to_canonical(
-    hf_state: Mapping[str, torch.Tensor], arch: Any, *, te_spec: bool = False, vocab_rows: Optional[int] = None
+    hf_state: Mapping[str, torch.Tensor], arch: GPTArch, *, te_spec: bool = False, vocab_rows: Optional[int] = None
 ) -> dict[str, torch.Tensor]:
     """An HF state dict -> the whole canonical megatron state (local or TE norm names)."""
-    arch = as_arch(arch)
     check_hf_names(hf_state.keys(), arch)
     return {
         name: from_hf(name, hf_state, arch, vocab_rows=vocab_rows) for name in canonical_names(arch, te_spec=te_spec)

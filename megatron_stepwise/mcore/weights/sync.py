@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_stepwise import weight_checks, weight_transport
+from megatron_stepwise.hf.arch import HFConfig, model_spec
 from megatron_stepwise.mcore.runtime.runtime import free_port
 from megatron_stepwise.mcore.weights import convert
 from megatron_stepwise.mcore.weights.fileops import raise_together
@@ -61,7 +62,7 @@ class WeightSync:
     """Weight pushes to one fleet (see module docstring). Create it on every training rank.
 
     fleet: the `RolloutFleet` on global rank 0 (None on the other ranks).
-    hf_config: the HF config the policy was built from.
+    hf_config: the HF config the policy was built from (parsed here once).
     loop: the asyncio loop the fleet's coroutines run on (rank 0); a private one if None.
     sync_dir: shared directory for mode="disk" (visible to trainer ranks and engines).
     dtype: dtype sent to the engines (default: the parameters' own).
@@ -72,7 +73,7 @@ class WeightSync:
         self,
         fleet: Any,
         mode: str,
-        hf_config: Any,
+        hf_config: HFConfig,
         *,
         loop: Optional[asyncio.AbstractEventLoop] = None,
         bucket_mb: float = 512,
@@ -96,7 +97,7 @@ class WeightSync:
         if self.is_driver and fleet is None:
             raise WeightSyncError("global rank 0 drives the fleet: pass it the RolloutFleet")
         self.fleet = fleet if self.is_driver else None
-        self.mode, self.hf_config = mode, hf_config
+        self.mode, self.model = mode, model_spec(hf_config)
         self.bucket_mb, self.dtype, self.atomic = bucket_mb, dtype, atomic
         self.sync_dir = Path(sync_dir) if sync_dir is not None else None
         self.keep_versions = keep_versions
@@ -199,10 +200,10 @@ class WeightSync:
 
     def _disk(self, chunks: list, version: int, record: Optional[PushRecord]) -> tuple[int, int]:
         path = version_dir(self.sync_dir, version)
-        convert.export_hf(
+        convert.export_model(
             chunks,
             path,
-            self.hf_config,
+            self.model,
             bucket_mb=self.bucket_mb,
             dtype=self.dtype,
             overwrite=True,
@@ -232,7 +233,7 @@ class WeightSync:
     def _tensor(self, chunks: list, version: int, record: Optional[PushRecord]) -> tuple[int, int]:
         nbytes = buckets = 0
         pending: list = []
-        for bucket in convert.stream_hf_buckets(chunks, self.hf_config, bucket_mb=self.bucket_mb, dtype=self.dtype):
+        for bucket in convert.stream_hf_buckets(chunks, self.model.arch, bucket_mb=self.bucket_mb, dtype=self.dtype):
             if record is not None:
                 record.add(bucket)
             buckets += 1
@@ -248,8 +249,8 @@ class WeightSync:
         return nbytes, buckets
 
     def _distributed(self, chunks: list, version: int, record: Optional[PushRecord]) -> tuple[int, int]:
-        meta = convert.hf_metadata(chunks, self.hf_config, dtype=self.dtype)
-        stream = convert.stream_hf_buckets(chunks, self.hf_config, bucket_mb=self.bucket_mb, dtype=self.dtype)
+        meta = convert.hf_metadata(chunks, self.model.arch, dtype=self.dtype)
+        stream = convert.stream_hf_buckets(chunks, self.model.arch, bucket_mb=self.bucket_mb, dtype=self.dtype)
         if not self.is_driver:
             deque(stream, maxlen=0)  # take part in the gathers / sends
             return 0, 0
