@@ -33,7 +33,6 @@ from megatron_stepwise.loop.async_source import AsyncRollouts
 from megatron_stepwise.loop.checkpointer import Checkpointer, TrainerState
 from megatron_stepwise.loop.colocate import Colocation
 from megatron_stepwise.loop.divergence import check_finite
-from megatron_stepwise.loop.dumps import DumpRecorder, assemble_logprobs
 from megatron_stepwise.loop.evaluation import Evaluator
 from megatron_stepwise.loop.handoff import Handoff
 from megatron_stepwise.loop.placement import log_placement
@@ -49,6 +48,7 @@ from megatron_stepwise.metrics.core import (
     write_eval,
 )
 from megatron_stepwise.metrics.starvation import StarvationWatch
+from megatron_stepwise.rundir.dump_recorder import DumpRecorder, assemble_logprobs
 from megatron_stepwise.rundir.dumps import write_dump
 from megatron_stepwise.time_budget import ActivityClock, TimeBudget, budget_line
 

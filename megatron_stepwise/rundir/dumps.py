@@ -9,7 +9,7 @@ weights that trained the row. The file's metadata holds the resolved config, the
 and each optimizer step's train metrics. `read_dump` rebuilds the exact `StepBatch` of every
 mini-batch (bit for bit), which is what `replay` trains on; the viewer reads the rows alone
 (`read_dump_table`, rundir/dump_table.py, without torch).
-Rank 0 captures the prepared mini-batches in `split_round` (loop/dumps.py `DumpRecorder`); writing
+Rank 0 captures the prepared mini-batches in `split_round` (rundir/dump_recorder.py `DumpRecorder`); writing
 happens after the iteration. This module only reads and writes files, so the viewer and
 `replay` read dumps without the training loop.
 """

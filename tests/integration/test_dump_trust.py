@@ -16,8 +16,8 @@ from helpers import make_step, run_launch
 from megatron_stepwise.algo.groups import groups_of
 from megatron_stepwise.config import load_config
 from megatron_stepwise.hf.tokenizers import tokenizer_dir
-from megatron_stepwise.loop.dumps import DumpRecorder
 from megatron_stepwise.loop.sources import split_round
+from megatron_stepwise.rundir.dump_recorder import DumpRecorder
 from megatron_stepwise.rundir.dumps import dump_path, write_dump
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

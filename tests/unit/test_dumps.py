@@ -8,8 +8,8 @@ from helpers import make_step
 
 from megatron_stepwise.algo.groups import groups_of
 from megatron_stepwise.algo.prepare import prepare
-from megatron_stepwise.loop.dumps import DumpRecorder, assemble_logprobs
 from megatron_stepwise.loop.sources import split_round
+from megatron_stepwise.rundir.dump_recorder import DumpRecorder, assemble_logprobs
 from megatron_stepwise.rundir.dumps import DumpError, dump_path, read_dump, write_dump
 
 

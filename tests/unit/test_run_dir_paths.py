@@ -14,12 +14,12 @@ from megatron_stepwise.cli.plot import plot_run
 from megatron_stepwise.cli.replay import write_report
 from megatron_stepwise.config import load_config
 from megatron_stepwise.loop.checkpointer import run_id
-from megatron_stepwise.loop.dumps import DumpRecorder
 from megatron_stepwise.loop.rollout_bank import BankedGroup, write_group
 from megatron_stepwise.loop.sources import split_round
 from megatron_stepwise.mcore.weights.dist_checkpoint import checkpoint_name, list_checkpoints
 from megatron_stepwise.metrics.core import MetricsLogger, write_eval
 from megatron_stepwise.rundir import paths
+from megatron_stepwise.rundir.dump_recorder import DumpRecorder
 from megatron_stepwise.rundir.dumps import write_dump
 from megatron_stepwise.rundir.lifecycle import RunLock
 from megatron_stepwise.rundir.paths import RunDir, iteration_name, parse_iteration

@@ -25,8 +25,8 @@ TURNS, TURN_TOKENS = 4, 1000
 
 def synthetic_dump(run_dir: Path, response_tokens: int) -> None:
     from megatron_stepwise.algo.groups import groups_of
-    from megatron_stepwise.loop.dumps import DumpRecorder
     from megatron_stepwise.loop.sources import split_round
+    from megatron_stepwise.rundir.dump_recorder import DumpRecorder
     from megatron_stepwise.rundir.dumps import dump_path, write_dump
     from megatron_stepwise.steps import Step, TrajectoryID
 
