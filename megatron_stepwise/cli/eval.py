@@ -82,7 +82,7 @@ def evaluate(cfg, *, checkpoint: str | None = None, hf: str | None = None) -> tu
     evaluation at the checkpoint's iteration (0 for an HF directory or the initial policy)."""
     import asyncio
 
-    from megatron_stepwise.loop import components
+    from megatron_stepwise.compose import components
     from megatron_stepwise.loop.evaluation import Evaluator, standalone_engine
     from megatron_stepwise.loop.sources import rollout_seed
 
@@ -115,7 +115,7 @@ def _checkpoint_as_hf(
     """Load a Megatron checkpoint at TP1/PP1 in this process and write it as an HF directory."""
     import torch.distributed as dist
 
-    from megatron_stepwise.loop import components
+    from megatron_stepwise.compose import components
     from megatron_stepwise.mcore.runtime.runtime import free_port
     from megatron_stepwise.mcore.weights.convert import export_model
     from megatron_stepwise.mcore.weights.dist_checkpoint import load_checkpoint

@@ -37,7 +37,7 @@ def _main(args: argparse.Namespace) -> int:
     if args.prompts < 1 or args.samples < 1:
         print("error: -n and --samples must be >= 1", file=sys.stderr)
         return 2
-    from megatron_stepwise.loop import components
+    from megatron_stepwise.compose import components
     from megatron_stepwise.loop.evaluation import standalone_engine
     from megatron_stepwise.rollout.agent_loop import AgentLoop, AgentLoopConfig
 

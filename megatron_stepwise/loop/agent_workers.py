@@ -93,7 +93,7 @@ class AgentWorker:
         # One worker is one core's agent loop: a tokenizer thread pool per short text only spins.
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        from megatron_stepwise.loop import components
+        from megatron_stepwise.compose import components
 
         for module in cfg.trainer.imports:  # user environments register themselves on import
             importlib.import_module(module)

@@ -16,8 +16,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
+from megatron_stepwise.compose import components
 from megatron_stepwise.config import ExperimentConfig
-from megatron_stepwise.loop import components
 from megatron_stepwise.metrics.core import group_outcomes, majority_at_k, pass_ks, rollout_metrics
 from megatron_stepwise.steps import Step
 

@@ -20,9 +20,9 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_stepwise.compose import components
 from megatron_stepwise.config import ExperimentConfig
 from megatron_stepwise.hf.arch import GPTArch
-from megatron_stepwise.loop import components
 from megatron_stepwise.loop.training_round import TrainingRound
 from megatron_stepwise.rundir.dumps import Dump
 

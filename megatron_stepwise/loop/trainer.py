@@ -26,8 +26,9 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from megatron_stepwise.algo.prepare import add_counts
+from megatron_stepwise.compose import components
+from megatron_stepwise.compose.placement import log_placement
 from megatron_stepwise.config import ExperimentConfig
-from megatron_stepwise.loop import components
 from megatron_stepwise.loop.agent_workers import AgentWorkers, resolve_agent_workers
 from megatron_stepwise.loop.async_source import AsyncRollouts
 from megatron_stepwise.loop.checkpointer import Checkpointer, TrainerState
@@ -35,7 +36,6 @@ from megatron_stepwise.loop.colocate import Colocation
 from megatron_stepwise.loop.divergence import check_finite
 from megatron_stepwise.loop.evaluation import Evaluator
 from megatron_stepwise.loop.handoff import Handoff
-from megatron_stepwise.loop.placement import log_placement
 from megatron_stepwise.loop.sources import Driver, SyncRollouts, rollout_seed
 from megatron_stepwise.loop.training_round import TrainingRound
 from megatron_stepwise.metrics.collapse import EntropyWatch

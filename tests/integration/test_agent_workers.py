@@ -11,8 +11,8 @@ import time
 
 import pytest
 
+from megatron_stepwise.compose import components
 from megatron_stepwise.config import load_config
-from megatron_stepwise.loop import components
 from megatron_stepwise.loop.agent_workers import AgentWorkers, AgentWorkersNotStarted, resolve_agent_workers
 
 pytestmark = [pytest.mark.usefixtures("ray_session")]

@@ -24,8 +24,8 @@ import torch.distributed as dist
 from megatron_stepwise.algo.planner import plan_microbatches
 from megatron_stepwise.algo.reductions import row_denominators
 from megatron_stepwise.algo.rows import RowTable
+from megatron_stepwise.compose import components
 from megatron_stepwise.config import load_config
-from megatron_stepwise.loop import components
 from megatron_stepwise.loop.agent_workers import AgentWorkers
 from megatron_stepwise.loop.async_source import AsyncRollouts
 from megatron_stepwise.loop.handoff import Handoff

@@ -344,7 +344,7 @@ def test_rollout_keys_are_declared_once_where_they_are_read():
 
 
 def test_the_agent_loop_is_built_from_the_rollout_section():
-    from megatron_stepwise.loop.components import build_agent_loop
+    from megatron_stepwise.compose.components import build_agent_loop
 
     cfg = config_from_dict(
         {

@@ -71,7 +71,7 @@ def _frozen_driver_worker(rank: int, store_path: str, results, unfreeze) -> None
     from datetime import timedelta
     from types import SimpleNamespace
 
-    from megatron_stepwise.loop.components import cpu_group
+    from megatron_stepwise.compose.components import cpu_group
 
     # The world keeps a long timeout: only the trainer's CPU group's own must apply.
     dist.init_process_group(

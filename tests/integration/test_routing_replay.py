@@ -412,8 +412,8 @@ def test_mixtral_configs_count_their_experts_for_validation(tmp_path, monkeypatc
 def test_the_trainer_turns_replay_on_in_the_model_and_the_engines():
     from config_fakes import FakeProbes
 
+    from megatron_stepwise.compose import components as C
     from megatron_stepwise.config import config_from_dict
-    from megatron_stepwise.loop import components as C
 
     cfg = config_from_dict(
         {"algo": {"routing_replay": True}, "model": {"hf_config": "tiny_qwen3_moe"}}, [], probes=FakeProbes()

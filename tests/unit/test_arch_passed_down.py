@@ -21,7 +21,7 @@ PARSERS = {"arch_from_hf", "model_spec", "as_arch"}
 # The only places an HF config becomes a GPTArch: the run's composition root, config validation,
 # and the public API documented with an HF config (each parses once, then passes the GPTArch on).
 ENTRY_POINTS = {
-    ("megatron_stepwise/loop/components.py", "policy_model"),
+    ("megatron_stepwise/compose/components.py", "policy_model"),
     ("megatron_stepwise/config/validate.py", "_check_parallel"),  # validation (no run composed yet)
     ("megatron_stepwise/config/validate.py", "_check_against_checkpoint"),  # the checkpoint's own config
     ("megatron_stepwise/hf/arch.py", "model_spec"),
@@ -38,7 +38,7 @@ BELOW_ROOT = [
     "megatron_stepwise/mcore/weights/hf_mapping.py",
     "megatron_stepwise/mcore/weights/convert.py",
     "megatron_stepwise/mcore/train/model.py",
-    "megatron_stepwise/loop/components.py",
+    "megatron_stepwise/compose/components.py",
     "megatron_stepwise/loop/replay.py",
     "megatron_stepwise/config/validate.py",
 ]

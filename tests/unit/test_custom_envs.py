@@ -82,8 +82,8 @@ def test_a_dataset_callable_without_prompt_ids_gets_row_ids_like_a_file():
 
 
 def test_validate_and_the_trainer_dataset_accept_a_callable_without_prompt_ids(tmp_path, monkeypatch):
+    from megatron_stepwise.compose.components import build_dataset
     from megatron_stepwise.config import config_from_dict
-    from megatron_stepwise.loop.components import build_dataset
 
     (tmp_path / "user_guess_env.py").write_text(
         textwrap.dedent("""

@@ -377,7 +377,7 @@ def test_a_good_override_validates(tmp_path, monkeypatch):
 
 def test_the_trainer_loads_its_tokenizer_with_the_override(monkeypatch):
     """`model.chat_template` reaches the tokenizer the trainer (and so the agent loop) renders with."""
-    from megatron_stepwise.loop import components
+    from megatron_stepwise.compose import components
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     cfg = config_from_dict({"model": {"chat_template": UPPER, "tokenizer": "tiny_char"}}, probes=FakeProbes())

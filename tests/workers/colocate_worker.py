@@ -61,9 +61,9 @@ class RecordingFleet:
 
 
 def run_mode(colocate: bool, run_dir: str) -> dict:
+    from megatron_stepwise.compose import components
     from megatron_stepwise.config import load_config
     from megatron_stepwise.hf.tokenizers import load_tokenizer
-    from megatron_stepwise.loop import components
     from megatron_stepwise.loop.trainer import Trainer
     from megatron_stepwise.rollout.embedded.engine import LocalEngine
     from megatron_stepwise.rollout.embedded.hf_model import checkpoint_state

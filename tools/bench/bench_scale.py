@@ -111,7 +111,7 @@ def _samples(cfg, args) -> list[dict]:
 
 def _in_process(cfg, samples) -> tuple[list, float, float]:
     """The agent loop in this process (today's default): (steps, wall s, CPU s)."""
-    from megatron_stepwise.loop import components
+    from megatron_stepwise.compose import components
 
     tok = components.load_tokenizer(cfg)
     agent = components.build_agent_loop(cfg, InstantEngine(tok, REPLY_TOKENS), tok)
@@ -325,7 +325,7 @@ def _old_handoff(steps, cfg) -> dict[str, float]:
 
 
 def cfg_vocab(cfg) -> int:
-    from megatron_stepwise.loop import components
+    from megatron_stepwise.compose import components
 
     return len(components.load_tokenizer(cfg))
 
