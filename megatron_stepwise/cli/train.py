@@ -90,7 +90,6 @@ def _command_line() -> list[str]:
 def _user_errors() -> tuple[type, ...]:
     """Errors that mean "fix the config, data or checkpoint", not a bug: one line, exit 2."""
     from megatron_stepwise.data.files import DatasetError
-    from megatron_stepwise.loop.agent_workers import AgentWorkersNotStarted
     from megatron_stepwise.loop.divergence import RunDiverged
     from megatron_stepwise.mcore.train.model import ModelConfigError
     from megatron_stepwise.mcore.train.plugin import UnsupportedLayoutError
@@ -99,6 +98,7 @@ def _user_errors() -> tuple[type, ...]:
     from megatron_stepwise.mcore.weights.sync_verify import WeightMismatch
     from megatron_stepwise.metrics.starvation import NothingTrained
     from megatron_stepwise.steps import StepwiseBatchError
+    from megatron_stepwise.workers.agent_workers import AgentWorkersNotStarted
 
     return (
         CheckpointError,

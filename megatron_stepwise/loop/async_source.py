@@ -49,12 +49,12 @@ from typing import Any, Callable, Optional
 from megatron_stepwise.algo.groups import flat_steps
 from megatron_stepwise.algo.prepare import prepare_rows
 from megatron_stepwise.algo.validate import validate_steps
-from megatron_stepwise.loop.group_buffer import Group, GroupBuffer, TokenVersions
+from megatron_stepwise.loop.group_buffer import Group, GroupBuffer
 from megatron_stepwise.loop.handoff import ResolveFailed
-from megatron_stepwise.loop.rollout_bank import BankedGroup, RolloutBank, with_group_id
 from megatron_stepwise.loop.sources import Driver, Round, bind_prepare, holds_rows, rollout_seed, split_round
-from megatron_stepwise.loop.worker_rows import HoldRequest, RowFetcher, split_held_round
 from megatron_stepwise.metrics.core import rollout_metrics
+from megatron_stepwise.workers.rollout_bank import BankedGroup, RolloutBank, with_group_id
+from megatron_stepwise.workers.worker_rows import HoldRequest, RowFetcher, TokenVersions, split_held_round
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class AsyncRollouts:
 
     Stateful for checkpoints: the prompts drawn but not trained yet (`state_dict`), which a
     resumed run rolls out first, so no drawn prompt is skipped; with `async.rollout_bank` those
-    that had finished are reused from the bank instead (loop/rollout_bank.py).
+    that had finished are reused from the bank instead (workers/rollout_bank.py).
     """
 
     def __init__(

@@ -13,10 +13,8 @@ simulated clock (tests/unit/test_group_buffer.py). The design, rule by rule: doc
 from __future__ import annotations
 
 from collections import Counter, deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
-
-from megatron_stepwise.steps import step_structure
 
 if TYPE_CHECKING:
     from megatron_stepwise.config.schema import AsyncConfig
@@ -36,7 +34,7 @@ class Group:
     rollout: Any = None
     finish_order: int = -1
     # the sample's dataset draw, numbered from the run's start: a re-queued sample keeps it, and the
-    # rollout bank matches a recovered group to the draw a resumed run re-issues (loop/rollout_bank.py)
+    # rollout bank matches a recovered group to the draw a resumed run re-issues (workers/rollout_bank.py)
     draw: int = -1
 
     def rollout_sample(self) -> dict[str, Any]:
@@ -307,37 +305,3 @@ def length_buckets(rollout: Any) -> list[str]:
     else:
         turns = rollout.summary().turns if hasattr(rollout, "summary") else []
     return [f"turns_{n}" if n <= 8 else "turns_9+" for n in turns]
-
-
-@dataclass
-class TokenVersions:
-    """A group's staleness summary: its trained tokens (loss_mask 1) counted by the weight
-    version that produced them, and per trajectory the newest minus the oldest of those versions.
-    What the staleness metrics need, without a token: an agent worker holding the group's rows
-    sends this instead (`HeldGroup.versions`). Steps without recorded versions are left out."""
-
-    tokens: dict[int, int] = field(default_factory=dict)  # weight version -> trained tokens
-    spreads: list[int] = field(default_factory=list)  # per trajectory with versions
-
-    @classmethod
-    def of(cls, steps: list) -> "TokenVersions":
-        tokens: Counter[int] = Counter()
-        spreads = []
-        for rows in step_structure(steps).trajectories:
-            trained = [v for s in (steps[i] for i in rows) for v in _trained_versions(s)]
-            tokens.update(trained)
-            if trained:
-                spreads.append(max(trained) - min(trained))
-        return cls(dict(tokens), spreads)
-
-    def staleness(self, version: int) -> Counter[int]:
-        """Trained tokens by `version - the version that produced them`."""
-        out: Counter[int] = Counter()
-        for v, n in self.tokens.items():
-            out[version - v] += n
-        return out
-
-
-def _trained_versions(step) -> list[int]:
-    """The weight versions of the step's trained tokens (none where it recorded none)."""
-    return [] if step.weight_versions is None else step.weight_versions[step.loss_mask.bool()].tolist()

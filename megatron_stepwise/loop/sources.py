@@ -28,10 +28,10 @@ from megatron_stepwise.algo.groups import PromptGroup, RolloutGroup, flat_steps
 from megatron_stepwise.algo.prepare import prepare, prepare_rows
 from megatron_stepwise.algo.validate import validate_steps
 from megatron_stepwise.loop.handoff import ResolveFailed
-from megatron_stepwise.loop.worker_rows import HoldRequest, RowFetcher, split_held_round
 from megatron_stepwise.metrics.core import rollout_metrics
 from megatron_stepwise.rundir.dump_recorder import DumpRecorder
 from megatron_stepwise.steps import StepBatch
+from megatron_stepwise.workers.worker_rows import HoldRequest, RowFetcher, split_held_round
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,6 @@ from megatron_stepwise.algo.prepare import add_counts
 from megatron_stepwise.compose import components
 from megatron_stepwise.compose.placement import log_placement
 from megatron_stepwise.config import ExperimentConfig
-from megatron_stepwise.loop.agent_workers import AgentWorkers, resolve_agent_workers
 from megatron_stepwise.loop.async_source import AsyncRollouts
 from megatron_stepwise.loop.checkpointer import Checkpointer, TrainerState
 from megatron_stepwise.loop.colocate import Colocation
@@ -51,6 +50,7 @@ from megatron_stepwise.metrics.starvation import StarvationWatch
 from megatron_stepwise.rundir.dump_recorder import DumpRecorder, assemble_logprobs
 from megatron_stepwise.rundir.dumps import write_dump
 from megatron_stepwise.time_budget import ActivityClock, TimeBudget, budget_line
+from megatron_stepwise.workers.agent_workers import AgentWorkers, resolve_agent_workers
 
 log = logging.getLogger(__name__)
 

@@ -99,7 +99,7 @@ def write_dump(
 def rows_table(minibatches: Sequence[Captured]) -> tuple[Any, Optional[list[int]]]:
     """The dump's columns: one row per row of every mini-batch (pyarrow Table), and the shape of a
     token's routed experts (None without them). `batch_from_rows` turns rows back into a batch;
-    the rollout bank (loop/rollout_bank.py) stores groups in the same format."""
+    the rollout bank (workers/rollout_bank.py) stores groups in the same format."""
     import pyarrow as pa
 
     cols: dict[str, list] = {

@@ -13,7 +13,7 @@ import pytest
 
 from megatron_stepwise.compose import components
 from megatron_stepwise.config import load_config
-from megatron_stepwise.loop.agent_workers import AgentWorkers, AgentWorkersNotStarted, resolve_agent_workers
+from megatron_stepwise.workers.agent_workers import AgentWorkers, AgentWorkersNotStarted, resolve_agent_workers
 
 pytestmark = [pytest.mark.usefixtures("ray_session")]
 

@@ -125,7 +125,7 @@ def _recoverable(run_dir, probe_dir):
     banked groups by draw, and how many it discards; read from a copy (reading prunes the bank)."""
     import shutil
 
-    from megatron_stepwise.loop.rollout_bank import BANK_DIR, RolloutBank
+    from megatron_stepwise.workers.rollout_bank import BANK_DIR, RolloutBank
 
     latest = _latest_checkpoint(run_dir)
     if latest is None or not (run_dir / BANK_DIR).is_dir():

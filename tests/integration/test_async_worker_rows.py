@@ -26,13 +26,13 @@ from megatron_stepwise.algo.reductions import row_denominators
 from megatron_stepwise.algo.rows import RowTable
 from megatron_stepwise.compose import components
 from megatron_stepwise.config import load_config
-from megatron_stepwise.loop.agent_workers import AgentWorkers
 from megatron_stepwise.loop.async_source import AsyncRollouts
 from megatron_stepwise.loop.handoff import Handoff
-from megatron_stepwise.loop.rollout_bank import BANK_DIR
 from megatron_stepwise.loop.sources import Driver
-from megatron_stepwise.loop.worker_rows import RemoteShard
 from megatron_stepwise.mcore.train.plugin import ShardDecision, shard_rows
+from megatron_stepwise.workers.agent_workers import AgentWorkers
+from megatron_stepwise.workers.rollout_bank import BANK_DIR
+from megatron_stepwise.workers.worker_rows import RemoteShard
 
 pytestmark = [pytest.mark.usefixtures("ray_session")]
 STEPS = 4

@@ -15,11 +15,11 @@ import pytest
 from megatron_stepwise.algo.groups import groups_of
 from megatron_stepwise.config.schema import ExperimentConfig
 from megatron_stepwise.loop.async_source import AsyncRollouts, loop_in_thread
-from megatron_stepwise.loop.rollout_bank import BANK_DIR, read_group
 from megatron_stepwise.loop.sources import Driver
-from megatron_stepwise.loop.worker_rows import HeldGroup, HeldRows, bank_held
 from megatron_stepwise.rollout.engine import EngineError
 from megatron_stepwise.steps import Step, TrajectoryID
+from megatron_stepwise.workers.rollout_bank import BANK_DIR, read_group
+from megatron_stepwise.workers.worker_rows import HeldGroup, HeldRows, bank_held
 
 
 class FakeAgent:
@@ -357,7 +357,7 @@ def killed_run(run_dir, mode, monkeypatch):
     with version-0 tokens); those two trained at version 1 (lost with the kill); draws 4 and 5
     finished with version-1 tokens, 6 and 7 with version-2 weights the kill loses. With the rows
     kept in the workers, rank 0 writes no bank file: the worker holding the rows does."""
-    from megatron_stepwise.loop.rollout_bank import RolloutBank
+    from megatron_stepwise.workers.rollout_bank import RolloutBank
 
     rank0_writes = []
     put = RolloutBank.put

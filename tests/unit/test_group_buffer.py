@@ -339,7 +339,7 @@ def test_randomised_schedules_keep_the_bound_and_lose_or_duplicate_nothing(name)
 
 
 def test_token_versions_count_only_trained_tokens():
-    from megatron_stepwise.loop.group_buffer import TokenVersions
+    from megatron_stepwise.workers.worker_rows import TokenVersions
 
     a = Step(TrajectoryID("p", 0), [1], [5, 6, 7], [1, 1, 0], weight_versions=[3, 4, 4])
     b = Step(TrajectoryID("p", 1), [1], [5, 6], [1, 1], weight_versions=[5, 5])
@@ -350,7 +350,7 @@ def test_token_versions_count_only_trained_tokens():
 
 
 def test_token_versions_see_updates_inside_a_trajectory():
-    from megatron_stepwise.loop.group_buffer import TokenVersions
+    from megatron_stepwise.workers.worker_rows import TokenVersions
 
     steps = [
         Step(TrajectoryID("p", 0), [1], [5, 6], [1, 1], weight_versions=[3, 3]),

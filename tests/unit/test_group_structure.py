@@ -15,10 +15,10 @@ from megatron_stepwise.algo.groups import GroupSummary, PromptGroup, groups_of
 from megatron_stepwise.algo.merge import merge_steps
 from megatron_stepwise.algo.prepare import prepare, prepare_rows
 from megatron_stepwise.config.schema import AsyncConfig
-from megatron_stepwise.loop.group_buffer import GroupBuffer, TokenVersions
-from megatron_stepwise.loop.worker_rows import HeldGroup, HeldRows, HoldRequest
+from megatron_stepwise.loop.group_buffer import GroupBuffer
 from megatron_stepwise.metrics.core import group_outcomes
 from megatron_stepwise.steps import INVALID, StepBatch, make_padding_step
+from megatron_stepwise.workers.worker_rows import HeldGroup, HeldRows, HoldRequest, TokenVersions
 
 PACKAGE = Path(steps_module.__file__).parent
 MEMBERS = sorted(n for n in vars(PromptGroup) if not n.startswith("_"))

@@ -1,4 +1,4 @@
-"""The rollout bank's files (loop/rollout_bank.py): exact round trip, damage detected by the
+"""The rollout bank's files (workers/rollout_bank.py): exact round trip, damage detected by the
 checksum, and how a resume sorts banked groups (reused, re-issued, discarded, pruned)."""
 
 import logging
@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from megatron_stepwise.algo.groups import groups_of
-from megatron_stepwise.loop.rollout_bank import (
+from megatron_stepwise.steps import Step, TrajectoryID
+from megatron_stepwise.workers.rollout_bank import (
     BANK_DIR,
     BankedGroup,
     RolloutBank,
@@ -17,7 +18,6 @@ from megatron_stepwise.loop.rollout_bank import (
     with_group_id,
     write_group,
 )
-from megatron_stepwise.steps import Step, TrajectoryID
 
 
 def rollout(pid="p0", version=0, logprobs=True):
@@ -116,7 +116,7 @@ def test_a_damaged_file_is_never_trained_but_warned_about_and_counted(tmp_path, 
     damage(damaged)
 
     resumed = RolloutBank(tmp_path)
-    with caplog.at_level(logging.WARNING, logger="megatron_stepwise.loop.rollout_bank"):
+    with caplog.at_level(logging.WARNING, logger="megatron_stepwise.workers.rollout_bank"):
         recovery = resumed.recover([({"prompt_id": "p0"}, 0), ({"prompt_id": "p1"}, 1)], next_draw=2, version=0)
     assert list(recovery.pending) == [0] and not recovery.reissued
     assert resumed.discarded == 1
@@ -166,7 +166,7 @@ def test_a_fresh_run_empties_the_bank_and_a_failed_write_only_warns(tmp_path, ca
 
     blocked = tmp_path / "blocked"
     blocked.write_text("a file where the run directory should be")
-    with caplog.at_level(logging.WARNING, logger="megatron_stepwise.loop.rollout_bank"):
+    with caplog.at_level(logging.WARNING, logger="megatron_stepwise.workers.rollout_bank"):
         RolloutBank(blocked).put(banked(0))  # no exception: training goes on unbanked
     assert any("cannot write" in r.getMessage() for r in caplog.records)
 
@@ -189,7 +189,7 @@ def test_a_worker_writes_the_bank_file_of_the_group_it_holds_and_adopts_it_back(
     from megatron_stepwise.algo.prepare import prepare_rows
     from megatron_stepwise.config.schema import ExperimentConfig
     from megatron_stepwise.loop.sources import bind_prepare
-    from megatron_stepwise.loop.worker_rows import HeldRows, HoldRequest, bank_held
+    from megatron_stepwise.workers.worker_rows import HeldRows, HoldRequest, bank_held
 
     run_dir = tmp_path / "run"  # not made yet: a worker may write before rank 0 makes it
     ticket = RolloutBank(run_dir).ticket(3, {"prompt_id": "p3"}, "p3", start_version=1, attempt=0)

@@ -14,7 +14,6 @@ from megatron_stepwise.cli.plot import plot_run
 from megatron_stepwise.cli.replay import write_report
 from megatron_stepwise.config import load_config
 from megatron_stepwise.loop.checkpointer import run_id
-from megatron_stepwise.loop.rollout_bank import BankedGroup, write_group
 from megatron_stepwise.loop.sources import split_round
 from megatron_stepwise.mcore.weights.dist_checkpoint import checkpoint_name, list_checkpoints
 from megatron_stepwise.metrics.core import MetricsLogger, write_eval
@@ -25,6 +24,7 @@ from megatron_stepwise.rundir.lifecycle import RunLock
 from megatron_stepwise.rundir.paths import RunDir, iteration_name, parse_iteration
 from megatron_stepwise.rundir.record import log_to_run_dir, write_run_record
 from megatron_stepwise.viewer.page import write_pages
+from megatron_stepwise.workers.rollout_bank import BankedGroup, write_group
 
 PACKAGE = Path(__file__).resolve().parents[2] / "megatron_stepwise"
 EOS, SAY, ZERO = 2, 8, 11

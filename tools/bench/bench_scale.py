@@ -51,7 +51,7 @@ REPLY_TOKENS = 32
 
 
 def _instant_worker_class():
-    from megatron_stepwise.loop.agent_workers import AgentWorker
+    from megatron_stepwise.workers.agent_workers import AgentWorker
 
     class InstantWorker(AgentWorker):
         """An agent worker whose turns go to an in-process instant engine; it reports its CPU time."""
@@ -128,9 +128,9 @@ def _workers(cfg, samples, n: int, held: Optional[Callable] = None) -> dict[str,
     import ray
 
     from megatron_stepwise.algo.prepare import prepare_rows
-    from megatron_stepwise.loop.agent_workers import AgentWorkers
     from megatron_stepwise.loop.sources import bind_prepare
-    from megatron_stepwise.loop.worker_rows import NAMESPACE, HoldRequest
+    from megatron_stepwise.workers.agent_workers import AgentWorkers
+    from megatron_stepwise.workers.worker_rows import NAMESPACE, HoldRequest
 
     worker_cls = ray.remote(_instant_worker_class())
 
@@ -210,8 +210,8 @@ def _held_handoff(cfg, dp_sizes=(1, 2, 4)) -> Callable:
     other, from this process)."""
     import ray
 
-    from megatron_stepwise.loop.worker_rows import RowFetcher, split_held_round
     from megatron_stepwise.metrics.core import rollout_metrics
+    from megatron_stepwise.workers.worker_rows import RowFetcher, split_held_round
 
     def run(groups) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -256,10 +256,10 @@ def _async_bytes(cfg, groups: list, held: list, dp_sizes=(1, 2, 4)) -> dict[str,
     manifests); rank 0 is DP rank 0's leader, so it sends the others'."""
     import ray
 
-    from megatron_stepwise.loop.agent_workers import WorkerReply
     from megatron_stepwise.loop.sources import bind_prepare
-    from megatron_stepwise.loop.worker_rows import split_held_round
     from megatron_stepwise.rollout.engine_router import RequestCounters
+    from megatron_stepwise.workers.agent_workers import WorkerReply
+    from megatron_stepwise.workers.worker_rows import split_held_round
 
     def reply_bytes(gs) -> int:
         return sum(len(pickle.dumps(WorkerReply([g], [], RequestCounters()), protocol=5)) for g in gs)

@@ -31,13 +31,13 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 from megatron_stepwise.algo.groups import RolloutGroup, flat_steps, pack_groups, unpack_groups
-from megatron_stepwise.loop.rollout_bank import read_group
-from megatron_stepwise.loop.worker_rows import NAMESPACE, HeldGroup, HeldRows, HoldRequest, bank_held
 from megatron_stepwise.rollout.agent_loop import checked_prompt_ids
 from megatron_stepwise.rollout.engine import engine_loss
 from megatron_stepwise.rollout.engine_router import EngineSlot, EngineView, RequestCounters
 from megatron_stepwise.rollout.ray_room import check_room
 from megatron_stepwise.steps import Step
+from megatron_stepwise.workers.rollout_bank import read_group
+from megatron_stepwise.workers.worker_rows import NAMESPACE, HeldGroup, HeldRows, HoldRequest, bank_held
 
 log = logging.getLogger(__name__)
 

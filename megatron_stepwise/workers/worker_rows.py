@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -31,9 +31,8 @@ from megatron_stepwise.algo.groups import GroupSummary, RolloutGroup
 from megatron_stepwise.algo.prepare import add_counts
 from megatron_stepwise.algo.rows import RowTable
 from megatron_stepwise.algo.validate import validate_steps
-from megatron_stepwise.loop.group_buffer import TokenVersions
-from megatron_stepwise.loop.rollout_bank import BankedGroup, BankFile, BankTicket, bank_rollout, with_group_id
-from megatron_stepwise.steps import StepBatch
+from megatron_stepwise.steps import StepBatch, step_structure
+from megatron_stepwise.workers.rollout_bank import BankedGroup, BankFile, BankTicket, bank_rollout, with_group_id
 
 NAMESPACE = "megatron_stepwise"  # the Ray namespace the agent workers are named in
 
@@ -56,6 +55,40 @@ class HoldRequest:
     prepare: Callable[..., tuple[StepBatch, dict[str, Any]]]
     vocab_size: Optional[int]
     bank: Optional[BankTicket] = None  # async.rollout_bank: the one group's bank file is written here
+
+
+@dataclass
+class TokenVersions:
+    """A group's staleness summary: its trained tokens (loss_mask 1) counted by the weight
+    version that produced them, and per trajectory the newest minus the oldest of those versions.
+    What the staleness metrics need, without a token: an agent worker holding the group's rows
+    sends this instead (`HeldGroup.versions`). Steps without recorded versions are left out."""
+
+    tokens: dict[int, int] = field(default_factory=dict)  # weight version -> trained tokens
+    spreads: list[int] = field(default_factory=list)  # per trajectory with versions
+
+    @classmethod
+    def of(cls, steps: list) -> "TokenVersions":
+        tokens: Counter[int] = Counter()
+        spreads = []
+        for rows in step_structure(steps).trajectories:
+            trained = [v for s in (steps[i] for i in rows) for v in _trained_versions(s)]
+            tokens.update(trained)
+            if trained:
+                spreads.append(max(trained) - min(trained))
+        return cls(dict(tokens), spreads)
+
+    def staleness(self, version: int) -> Counter[int]:
+        """Trained tokens by `version - the version that produced them`."""
+        out: Counter[int] = Counter()
+        for v, n in self.tokens.items():
+            out[version - v] += n
+        return out
+
+
+def _trained_versions(step) -> list[int]:
+    """The weight versions of the step's trained tokens (none where it recorded none)."""
+    return [] if step.weight_versions is None else step.weight_versions[step.loss_mask.bool()].tolist()
 
 
 @dataclass
