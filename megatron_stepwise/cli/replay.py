@@ -2,7 +2,7 @@
 
 Reads the run's config from the dump (`trainer.dump_rollouts`), applies the overrides (e.g.
 `parallel.tensor=2` for another layout), launches itself under torchrun with
-`launch.nproc_per_node` ranks when needed, and runs `loop/replay.py`. Prints each optimizer
+`launch.nproc_per_node` ranks when needed, and runs `offline/replay.py`. Prints each optimizer
 step's loss and grad norm beside the recorded ones and writes the report as JSON
 (`RUN_DIR/replay/iter_K.json`, or `--out`; never through a link planted in RUN_DIR). Exit 0 when
 it ran; 2 for a missing dump or checkpoint, or a bad override; with `--check-tol` a mismatch exits 1.
@@ -10,7 +10,7 @@ First it checks that every trained token's route and log-prob came from one engi
 (`algo/route_pairing.py`, when the dump carries their ids): a dump that pairs them wrongly trained
 on routes the engine never used for those tokens, so it exits 1 naming each mismatch, replaying nothing.
 The dump is not trusted: the modules its config names are not imported, nothing is downloaded and
-no tokenizer code runs, unless `--trust-dump-code` (loop/dump_trust.py).
+no tokenizer code runs, unless `--trust-dump-code` (offline/dump_trust.py).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def _main(args: argparse.Namespace) -> int:
     if not args.trust_dump_code:
         stay_offline()  # before anything imports huggingface_hub; torchrun's ranks inherit it
     from megatron_stepwise.config import ConfigError, config_from_dict
-    from megatron_stepwise.loop.dump_trust import DumpProbes, tokenizer_source
+    from megatron_stepwise.offline.dump_trust import DumpProbes, tokenizer_source
     from megatron_stepwise.rundir.dump_trust import needs_trust_hint
     from megatron_stepwise.rundir.dumps import DumpError, read_dump
 
@@ -162,8 +162,8 @@ def _user_errors() -> tuple[type, ...]:
 
 
 def _replay(cfg, dump, args) -> int:
-    from megatron_stepwise.loop.replay import replay
     from megatron_stepwise.mcore.runtime.runtime import silence_megatron_noise
+    from megatron_stepwise.offline.replay import replay
 
     silence_megatron_noise()
     rank = int(os.environ.get("RANK", "0"))

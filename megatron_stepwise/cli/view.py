@@ -7,7 +7,7 @@ gets an index there and numbered pages in `iter_K_pages/`. It opens from disk; n
 or fetched. The dump is not trusted: nothing it names is imported or downloaded, and no tokenizer
 code runs, unless `--trust-dump-code` (rundir/dump_trust.py); no write follows a link planted in
 the run directory (rundir/run_files.py). The viewer reads files only; for an older dump that
-records no tokenizer, this command asks its environment (loop/dump_trust.py `tokenizer_source`).
+records no tokenizer, this command asks its environment (offline/dump_trust.py `tokenizer_source`).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def _main(args: argparse.Namespace) -> int:
         if recorded is not None:
             return recorded
         # an older dump: its environment's shipped vocabulary (the config and environments load)
-        from megatron_stepwise.loop.dump_trust import tokenizer_source
+        from megatron_stepwise.offline.dump_trust import tokenizer_source
 
         return tokenizer_source(meta, trusted=args.trust_dump_code)
 

@@ -9,7 +9,7 @@ from the dump itself (the name the trainer recorded). `--trust-dump-code` (TRUST
 the imports and downloads for a dump the user trusts; remote tokenizer code still never runs.
 
 This module reads files only (the viewer uses it); validating the dump's config (`DumpProbes`)
-and the environment's shipped tokenizer of an older dump live in loop/dump_trust.py.
+and the environment's shipped tokenizer of an older dump live in offline/dump_trust.py.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def needs_trust_hint(config: dict) -> str:
 def recorded_tokenizer(meta: dict[str, Any]) -> Optional[str]:
     """What the run's token ids decode with, as its files say: the name the trainer recorded in
     the dump, else the dump's config's model.tokenizer / model.hf_checkpoint; None when they name
-    none (an older dump of an environment's shipped vocabulary: loop/dump_trust.py asks the
+    none (an older dump of an environment's shipped vocabulary: offline/dump_trust.py asks the
     environment)."""
     if meta.get("tokenizer"):
         return str(meta["tokenizer"])

@@ -1,4 +1,4 @@
-"""`view` and `replay` on a run directory from someone else (rundir/dump_trust.py, loop/dump_trust.py, rundir/run_files.py):
+"""`view` and `replay` on a run directory from someone else (rundir/dump_trust.py, offline/dump_trust.py, rundir/run_files.py):
 they import no module the dump's config names, download nothing, never run a tokenizer's own
 code (even with 'y' typed at transformers' prompt), and refuse to write through links planted in
 the run directory; `--trust-dump-code` imports the named modules when the user asks."""

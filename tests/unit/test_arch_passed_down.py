@@ -39,7 +39,7 @@ BELOW_ROOT = [
     "megatron_stepwise/mcore/weights/convert.py",
     "megatron_stepwise/mcore/train/model.py",
     "megatron_stepwise/compose/components.py",
-    "megatron_stepwise/loop/replay.py",
+    "megatron_stepwise/offline/replay.py",
     "megatron_stepwise/config/validate.py",
 ]
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-import megatron_stepwise.loop as loop_package
+import megatron_stepwise
 from megatron_stepwise.loop.training_round import TrainingRound
 
 
@@ -76,7 +76,14 @@ def test_the_check_sees_every_step_and_ends_the_round_at_the_first_refusal():
 
 
 def test_the_loop_trains_mini_batches_in_one_place():
-    # the trainer and replay both run TrainingRound: no other loop module drives optimizer steps
-    loop_dir = Path(loop_package.__file__).parent
-    driving = sorted(p.name for p in loop_dir.glob("*.py") if "train_minibatch(" in p.read_text())
-    assert driving == ["training_round.py"]
+    # the trainer and replay (offline/) both run TrainingRound: no other module above the plugin
+    # drives optimizer steps
+    package = Path(megatron_stepwise.__file__).parent
+    rooms = ("loop", "offline", "workers", "compose", "cli")
+    driving = sorted(
+        str(p.relative_to(package))
+        for room in rooms
+        for p in (package / room).rglob("*.py")
+        if "train_minibatch(" in p.read_text()
+    )
+    assert driving == ["loop/training_round.py"]
