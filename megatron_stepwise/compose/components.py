@@ -1,24 +1,40 @@
 """Builders that turn an `ExperimentConfig` into the trainer's parts.
 
 Each function builds one thing from its config section, so a user with their own Megatron loop
-can take the pieces they need (model, optimizer, plugin, fleet) without the `Trainer`. The types
-in the signatures are imported for type checkers only: each builder imports its Megatron, Ray or
-engine module when it runs, so importing this file stays light (the pure `hf` layer is imported
-at the top). `policy_model` parses the model's architecture once; the builders take the result.
+can take the pieces they need (model, optimizer, plugin, fleet) without the `Trainer`. The
+package's own modules are imported at the top (they load Megatron, Ray and transformers only
+when used); Megatron's optimizer and the fleet's modules (aiohttp, Ray) are imported by the
+builder that needs them, so importing this file loads no Megatron. `policy_model` parses the
+model's architecture once; the builders take the result.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
+import torch.distributed as dist
 
 from megatron_stepwise.config import ExperimentConfig
+from megatron_stepwise.data.files import open_samples, with_prompt_ids
+from megatron_stepwise.data.prompts import PromptDataset
+from megatron_stepwise.envs.base import EnvSpec
+from megatron_stepwise.envs.custom import resolve_env_spec
 from megatron_stepwise.hf.arch import GPTArch, ModelSpec, model_spec, validate_parallel
+from megatron_stepwise.hf.end_of_turn import end_of_turn
 from megatron_stepwise.hf.hub import CHECKPOINT_FILES, is_gguf_source, resolve_model_dir
 from megatron_stepwise.hf.presets import resolve_hf_config
+from megatron_stepwise.hf.tokenizers import load_tokenizer as hf_tokenizer
+from megatron_stepwise.mcore.runtime.runtime import ParallelLayout, current_layout, init_distributed
+from megatron_stepwise.mcore.train.model import model_chunks_from_arch, unwrap
+from megatron_stepwise.mcore.train.plugin import StepwisePlugin
+from megatron_stepwise.mcore.weights.convert import export_model, import_hf
+from megatron_stepwise.mcore.weights.sync import WeightSync
+from megatron_stepwise.rollout.agent_loop import AgentLoop, AgentLoopConfig, Generator
+from megatron_stepwise.rollout.session_routing import RoutingPolicy, make_policy
 
 if TYPE_CHECKING:
     import asyncio
@@ -28,22 +44,13 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from transformers import PreTrainedTokenizerBase
 
-    from megatron_stepwise.data.prompts import PromptDataset
-    from megatron_stepwise.envs.base import EnvSpec
-    from megatron_stepwise.mcore.runtime.runtime import ParallelLayout
-    from megatron_stepwise.mcore.train.plugin import StepwisePlugin
-    from megatron_stepwise.mcore.weights.sync import WeightSync
-    from megatron_stepwise.rollout.agent_loop import AgentLoop, Generator
     from megatron_stepwise.rollout.fleet import RolloutFleet
-    from megatron_stepwise.rollout.session_routing import RoutingPolicy
 
 log = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------------------ runtime
 def init_runtime(cfg: ExperimentConfig) -> ParallelLayout:
-    from megatron_stepwise.mcore.runtime.runtime import init_distributed
-
     p = cfg.parallel
     return init_distributed(
         p.tensor,
@@ -57,8 +64,6 @@ def init_runtime(cfg: ExperimentConfig) -> ParallelLayout:
 
 def data_parallel() -> tuple[int, int]:
     """(this rank's data-parallel rank, the data-parallel size), from megatron's parallel state."""
-    from megatron_stepwise.mcore.runtime.runtime import current_layout
-
     layout = current_layout()
     return layout.dp_rank, layout.dp
 
@@ -66,10 +71,6 @@ def data_parallel() -> tuple[int, int]:
 def cpu_group(cfg: ExperimentConfig) -> ProcessGroup:
     """A gloo group of all ranks for objects (rollouts, decisions) with the configured timeout:
     torch's `new_group` otherwise gives gloo its own 30-minute default, whatever the world has."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
     return dist.new_group(backend="gloo", timeout=timedelta(minutes=cfg.parallel.timeout_minutes))
 
 
@@ -87,12 +88,10 @@ def tokenizer_name(cfg: ExperimentConfig) -> str:
 
 
 def load_tokenizer(cfg: ExperimentConfig) -> PreTrainedTokenizerBase:
-    from megatron_stepwise.hf.tokenizers import load_tokenizer as load
-
     m = cfg.model
     key = "model.tokenizer" if m.tokenizer else "model.hf_checkpoint" if m.hf_checkpoint else "env.name"
     # the key names the source in errors; model.chat_template replaces its chat template (every render)
-    return load(tokenizer_name(cfg), key=key, chat_template=m.chat_template)
+    return hf_tokenizer(tokenizer_name(cfg), key=key, chat_template=m.chat_template)
 
 
 def policy_model(cfg: ExperimentConfig, tokenizer: PreTrainedTokenizerBase) -> ModelSpec:
@@ -116,12 +115,8 @@ def _use_te(cfg: ExperimentConfig) -> Optional[bool]:
 
 
 def build_policy(cfg: ExperimentConfig, arch: GPTArch) -> list[torch.nn.Module]:
-    from megatron_stepwise.mcore.train.model import model_chunks_from_arch
-
     init = None
     if cfg.model.hf_checkpoint:
-        from megatron_stepwise.mcore.weights.convert import import_hf
-
         # A local directory, the cached hub snapshot, or a download of its weights; before the model is built.
         hf_dir = resolve_model_dir(cfg.model.hf_checkpoint, key="model.hf_checkpoint", files=CHECKPOINT_FILES)
 
@@ -141,8 +136,6 @@ def build_reference(
     cfg: ExperimentConfig, arch: GPTArch, policy_chunks: list[torch.nn.Module]
 ) -> list[torch.nn.Module]:
     """A frozen copy of the initial policy for the KL term (same sharding as the policy)."""
-    from megatron_stepwise.mcore.train.model import model_chunks_from_arch, unwrap
-
     state = [copy.deepcopy(unwrap(c).state_dict()) for c in policy_chunks]
 
     def init(chunks: list[torch.nn.Module]) -> None:
@@ -176,7 +169,7 @@ def _model_overrides(cfg: ExperimentConfig) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------ optimizer
 def build_optimizer(cfg: ExperimentConfig, chunks: list[torch.nn.Module]) -> MegatronOptimizer:
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # Megatron: when a run trains
 
     o = cfg.optim
     bf16 = use_bf16(cfg)
@@ -197,7 +190,7 @@ def build_optimizer(cfg: ExperimentConfig, chunks: list[torch.nn.Module]) -> Meg
 
 
 def build_scheduler(cfg: ExperimentConfig, optimizer: MegatronOptimizer) -> OptimizerParamScheduler:
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # Megatron: when a run trains
 
     o = cfg.optim
     steps = max(cfg.total_optimizer_steps, 1)
@@ -217,8 +210,6 @@ def build_scheduler(cfg: ExperimentConfig, optimizer: MegatronOptimizer) -> Opti
 
 
 def build_plugin(cfg: ExperimentConfig, tokenizer: PreTrainedTokenizerBase) -> StepwisePlugin:
-    from megatron_stepwise.mcore.train.plugin import StepwisePlugin
-
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     # temperature: score what the engine sampled
     return StepwisePlugin(
@@ -232,15 +223,10 @@ def build_plugin(cfg: ExperimentConfig, tokenizer: PreTrainedTokenizerBase) -> S
 # ------------------------------------------------------------------------ data
 def env_spec(cfg: ExperimentConfig) -> EnvSpec:
     """The environment: env.reward_fn, else env.name (registered, or a module:Name dotted path)."""
-    from megatron_stepwise.envs.custom import resolve_env_spec
-
     return resolve_env_spec(cfg.env.name, cfg.env.reward_fn)
 
 
 def build_dataset(cfg: ExperimentConfig) -> PromptDataset:
-    from megatron_stepwise.data.files import open_samples, with_prompt_ids
-    from megatron_stepwise.data.prompts import PromptDataset
-
     if cfg.env.dataset:  # JSONL, Parquet or a datasets directory / hub id, read lazily
         samples = open_samples(cfg.env.dataset, fields=cfg.env.fields, split=cfg.env.dataset_split)
     else:  # the environment's own samples get row<N> ids where they have none, as files do
@@ -251,8 +237,6 @@ def build_dataset(cfg: ExperimentConfig) -> PromptDataset:
 def eval_samples(cfg: ExperimentConfig, dataset: PromptDataset) -> list[dict[str, Any]]:
     """env.eval_dataset, else the environment's held-out set, else a fixed set of training prompts
     (the same at every evaluation)."""
-    from megatron_stepwise.data.files import open_samples
-
     if cfg.env.eval_dataset:
         source = open_samples(
             cfg.env.eval_dataset, fields=cfg.env.fields, split=cfg.env.eval_split, key="env.eval_dataset"
@@ -260,8 +244,6 @@ def eval_samples(cfg: ExperimentConfig, dataset: PromptDataset) -> list[dict[str
         return source[:]  # evaluated whole at every evaluation
     held_out = env_spec(cfg).eval_dataset
     if held_out is not None:  # the environment's own held-out set
-        from megatron_stepwise.data.files import with_prompt_ids
-
         return with_prompt_ids(held_out(**cfg.env.dataset_options))
     return dataset.samples[: cfg.data.prompts_per_iteration]
 
@@ -269,6 +251,7 @@ def eval_samples(cfg: ExperimentConfig, dataset: PromptDataset) -> list[dict[str
 # ------------------------------------------------------------------------ rollout
 def build_fleet(cfg: ExperimentConfig, model: ModelSpec, tokenizer: PreTrainedTokenizerBase) -> RolloutFleet:
     """The rollout engines: embedded ones load `model.hf_config`, SGLang ones the checkpoint."""
+    # the fleet's modules load aiohttp (and Ray when it starts): only rank 0 builds a fleet
     from megatron_stepwise.rollout.fleet import EngineSpec, RolloutFleet
     from megatron_stepwise.rollout.sglang import SGLangServerConfig
 
@@ -344,17 +327,12 @@ def build_fleet(cfg: ExperimentConfig, model: ModelSpec, tokenizer: PreTrainedTo
 
 def routing_policy(cfg: ExperimentConfig) -> RoutingPolicy:
     """The router policy `rollout.routing` names (the fleet's and every agent worker's)."""
-    from megatron_stepwise.rollout.session_routing import make_policy
-
     r = cfg.rollout
     return make_policy(r.routing, r.sticky_slack, r.routing_token_budget)
 
 
 def build_agent_loop(cfg: ExperimentConfig, fleet: Generator, tokenizer: PreTrainedTokenizerBase) -> AgentLoop:
     """The agent loop of `cfg` driving `fleet` (any generator: a fleet, an engine, a client)."""
-    from megatron_stepwise.hf.end_of_turn import end_of_turn
-    from megatron_stepwise.rollout.agent_loop import AgentLoop, AgentLoopConfig
-
     r = cfg.rollout
     eot = end_of_turn(tokenizer)  # from the chat template and the model's generation_config.json
     loop_cfg = AgentLoopConfig.from_section(
@@ -377,8 +355,6 @@ def build_weight_sync(
     loop: Optional[asyncio.AbstractEventLoop],
 ) -> WeightSync:
     """Pushes the policy to the fleet after each update (weight_sync.mode: disk | tensor | distributed)."""
-    from megatron_stepwise.mcore.weights.sync import WeightSync
-
     w = cfg.weight_sync
     return WeightSync(
         fleet, w.mode, model.hf_config, loop=loop, bucket_mb=w.bucket_mb, sync_dir=cfg.weight_sync_dir, verify=w.verify
@@ -389,10 +365,6 @@ def export_hf(
     cfg: ExperimentConfig, chunks: list[torch.nn.Module], model: ModelSpec, tokenizer: PreTrainedTokenizerBase
 ) -> str:
     """An HF directory (safetensors + config + tokenizer) of the final policy, under the run dir."""
-    import torch.distributed as dist
-
-    from megatron_stepwise.mcore.weights.convert import export_model
-
     out = str(cfg.rundir.hf_export)
     export_model(chunks, out, model, tokenizer=tokenizer, overwrite=True)
     if dist.get_rank() == 0:

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING
 
 from megatron_stepwise.rollout.ray_nodes import actor_nodes, node_address
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
 
 log = logging.getLogger(__name__)
 
 
-def placement_line(roles: dict[str, list[Any]], timeout_s: float = 60.0) -> str:
+def placement_line(roles: dict[str, list[ActorHandle]], timeout_s: float = 60.0) -> str:
     """'placement: driver 10.0.0.1; engines 10.0.0.2 x2; agent workers 10.0.0.2 x2'."""
     parts = [f"driver {node_address()}"]
     for role, handles in roles.items():
@@ -22,7 +25,7 @@ def placement_line(roles: dict[str, list[Any]], timeout_s: float = 60.0) -> str:
     return "placement: " + "; ".join(parts)
 
 
-def log_placement(roles: dict[str, list[Any]]) -> None:
+def log_placement(roles: dict[str, list[ActorHandle]]) -> None:
     """Log the placement; a node that does not answer is reported, never fatal."""
     try:
         log.info(placement_line(roles))

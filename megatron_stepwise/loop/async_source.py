@@ -44,7 +44,7 @@ import operator
 import threading
 import time
 from collections import Counter
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from megatron_stepwise.algo.groups import flat_steps
 from megatron_stepwise.algo.prepare import prepare_rows
@@ -54,7 +54,13 @@ from megatron_stepwise.loop.handoff import ResolveFailed
 from megatron_stepwise.loop.sources import Driver, Round, bind_prepare, holds_rows, rollout_seed, split_round
 from megatron_stepwise.metrics.core import rollout_metrics
 from megatron_stepwise.workers.rollout_bank import BankedGroup, RolloutBank, with_group_id
-from megatron_stepwise.workers.worker_rows import HoldRequest, RowFetcher, TokenVersions, split_held_round
+from megatron_stepwise.workers.worker_rows import HeldGroup, HoldRequest, RowFetcher, TokenVersions, split_held_round
+
+if TYPE_CHECKING:
+    from megatron_stepwise.algo.groups import RolloutGroup
+    from megatron_stepwise.mcore.train.shards import MinibatchShard
+    from megatron_stepwise.rundir.dump_recorder import DumpRecorder
+    from megatron_stepwise.steps import StepBatch
 
 log = logging.getLogger(__name__)
 
@@ -95,9 +101,9 @@ class AsyncRollouts:
         handoff,
         vocab_size: int,
         version: Callable[[], int],
-        shard: Callable[[Any], list[Any]],
+        shard: Callable[[StepBatch], list[MinibatchShard]],
         dp_size: int,
-        recorder: Any = None,
+        recorder: Optional[DumpRecorder] = None,
         decide: Optional[Callable] = None,
     ):
         self.prompts_per_minibatch = cfg.data.prompts_per_minibatch
@@ -306,7 +312,7 @@ class AsyncRollouts:
             raise LookupError("it returned no sample (exhausted)")
         return drawn[0]
 
-    async def _rollout_group(self, group: Group) -> Any:
+    async def _rollout_group(self, group: Group) -> RolloutGroup | HeldGroup:
         """One group's rollout: a RolloutGroup, or a HeldGroup when its worker keeps the rows (held
         under the group's serial). A per-group seed: reproducible sampling per turn whichever
         engine serves it, and a group rolled out again samples with the same seed."""
@@ -319,7 +325,7 @@ class AsyncRollouts:
         )
         return rollout
 
-    async def _rollout_groups(self, groups: list[Group]) -> list[Any]:
+    async def _rollout_groups(self, groups: list[Group]) -> list[RolloutGroup | HeldGroup]:
         return await asyncio.gather(*(self._rollout_group(g) for g in groups))
 
     async def _rollout(self, group) -> None:
@@ -367,7 +373,7 @@ class AsyncRollouts:
     def _ticket(self, group: Group):
         return self.bank.ticket(group.draw, group.sample, group.group_id, group.start_version, group.attempt)
 
-    async def _bank(self, group: Group, rollout: Any) -> None:
+    async def _bank(self, group: Group, rollout: RolloutGroup | HeldGroup) -> None:
         """A finished group's bank file, on disk before the buffer has the group (a kill from then
         on keeps it): the holder wrote it when the rows stay in the workers (rank 0 records its
         name), else rank 0 writes it, off the event loop."""

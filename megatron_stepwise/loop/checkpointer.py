@@ -19,12 +19,17 @@ import os
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Protocol
 
 import torch.distributed as dist
 
-from megatron_stepwise.mcore.weights.dist_checkpoint import load_checkpoint, save_checkpoint
+from megatron_stepwise.mcore.weights.dist_checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from megatron_stepwise.rundir import paths
+from megatron_stepwise.rundir.record import config_diff
+
+if TYPE_CHECKING:
+    from megatron.core.optimizer import MegatronOptimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 log = logging.getLogger(__name__)
 
@@ -80,16 +85,13 @@ def config_hash(cfg) -> str:
     return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _override(key: str, value: Any) -> str:
+def _override(key: str, value: object) -> str:
     return f"{key}={value if isinstance(value, str) else json.dumps(value)}"
 
 
 def check_same_config(saved_state: dict[str, Any], cfg, current_hash: str, where: str) -> list[str]:
     """Raise CheckpointError naming the differing keys and the two remedies when the checkpoint
     was saved with other HASHED_SECTIONS; else the other keys that changed ("key: old -> new")."""
-    from megatron_stepwise.mcore.weights.dist_checkpoint import CheckpointError
-    from megatron_stepwise.rundir.record import config_diff
-
     saved = saved_state.get("config")
     diff = config_diff(saved, cfg.to_dict()) if isinstance(saved, dict) else []
     fixed = [d for d in diff if d[0].split(".")[0] in HASHED_SECTIONS]
@@ -118,7 +120,15 @@ class Checkpointer:
     `parts` must include "trainer" (a `TrainerState`): its iteration names the checkpoint.
     """
 
-    def __init__(self, cfg, *, chunks: list, optimizer: Any, scheduler: Any, parts: Mapping[str, Stateful]):
+    def __init__(
+        self,
+        cfg,
+        *,
+        chunks: list,
+        optimizer: MegatronOptimizer,
+        scheduler: OptimizerParamScheduler,
+        parts: Mapping[str, Stateful],
+    ):
         if "trainer" not in parts:
             raise ValueError("Checkpointer parts need a 'trainer' TrainerState")
         self.ckpt = cfg.checkpoint

@@ -19,7 +19,11 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
+
+if TYPE_CHECKING:
+    from megatron_stepwise.loop.handoff import Handoff
+    from megatron_stepwise.loop.sources import Driver
 
 RELEASED = ("weights", "kv_cache")  # what the engines free for training (SGLang memory tags)
 
@@ -29,7 +33,7 @@ class Colocation:
 
     `driver`: rank 0's `Driver` (None elsewhere); `handoff`: the loop's `Handoff`."""
 
-    def __init__(self, enabled: bool, driver: Optional[Any], handoff: Any):
+    def __init__(self, enabled: bool, driver: Optional[Driver], handoff: Handoff):
         self.enabled, self.driver, self.handoff = enabled, driver, handoff
 
     def _fleet(self, method: str, tags) -> float:

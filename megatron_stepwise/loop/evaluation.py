@@ -18,7 +18,11 @@ from typing import Any, Optional, Sequence
 
 from megatron_stepwise.compose import components
 from megatron_stepwise.config import ExperimentConfig
+from megatron_stepwise.data.files import open_samples
+from megatron_stepwise.hf.hub import CHECKPOINT_FILES, resolve_model_dir
 from megatron_stepwise.metrics.core import group_outcomes, majority_at_k, pass_ks, rollout_metrics
+from megatron_stepwise.rollout.agent_loop import AgentLoop, AgentLoopConfig
+from megatron_stepwise.rollout.embedded.engine import LocalEngine
 from megatron_stepwise.steps import Step
 
 MAJ_MAX_SUBSETS = 20000  # maj@k enumerates k-subsets; larger k are left out
@@ -33,8 +37,6 @@ class EvalSet:
 
 def eval_sets(cfg: ExperimentConfig, dataset) -> list[EvalSet]:
     """The default set and every named one of `eval.sets`, loaded once."""
-    from megatron_stepwise.data.files import open_samples
-
     sets = [EvalSet("default", list(components.eval_samples(cfg, dataset)), "eval/")]
     for name, path in cfg.eval_.sets.items():
         samples = open_samples(path, fields=cfg.env.fields, split=cfg.env.eval_split, key=f"eval.sets.{name}")
@@ -78,8 +80,6 @@ def eval_metrics(steps: Sequence[Step], tokenizer, success_threshold: float) -> 
 
 def eval_agent_loop(cfg: ExperimentConfig, generator, tokenizer):
     """An agent loop with the eval section's sampling: its temperature and samples per prompt."""
-    from megatron_stepwise.rollout.agent_loop import AgentLoop, AgentLoopConfig
-
     r, e = cfg.rollout, cfg.eval_
     sampling = r.sampling.params(r.max_new_tokens)
     if e.temperature is not None:
@@ -125,8 +125,6 @@ class Evaluator:
 def standalone_engine(cfg: ExperimentConfig, tokenizer, hf_config: dict, weights: Optional[str]):
     """One embedded engine in this process serving `weights` (an HF safetensors directory; None =
     model.hf_checkpoint, else the seeded random init): for `eval` and `rollout` without a fleet."""
-    from megatron_stepwise.rollout.embedded.engine import LocalEngine
-
     if cfg.rollout.engine != "embedded":
         raise ValueError(
             "rollout.engine=sglang: evaluating without training runs the embedded engine in this "
@@ -134,8 +132,6 @@ def standalone_engine(cfg: ExperimentConfig, tokenizer, hf_config: dict, weights
             "training (trainer.eval_every)"
         )
     if weights is None and cfg.model.hf_checkpoint:
-        from megatron_stepwise.hf.hub import CHECKPOINT_FILES, resolve_model_dir
-
         weights = str(resolve_model_dir(cfg.model.hf_checkpoint, key="model.hf_checkpoint", files=CHECKPOINT_FILES))
     return LocalEngine(
         hf_config,

@@ -17,7 +17,9 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 if TYPE_CHECKING:
+    from megatron_stepwise.algo.groups import RolloutGroup
     from megatron_stepwise.config.schema import AsyncConfig
+    from megatron_stepwise.workers.worker_rows import HeldGroup
 
 
 @dataclass
@@ -31,7 +33,7 @@ class Group:
     attempt: int = 0  # 0 for a fresh sample, k after k stale re-queues
     # What the rollout produced, once finished: a RolloutGroup (rows through rank 0) or a
     # HeldGroup (rows kept by the agent worker that made them; summary, row table, versions).
-    rollout: Any = None
+    rollout: RolloutGroup | HeldGroup | None = None
     finish_order: int = -1
     # the sample's dataset draw, numbered from the run's start: a re-queued sample keeps it, and the
     # rollout bank matches a recovered group to the draw a resumed run re-issues (workers/rollout_bank.py)
@@ -93,7 +95,7 @@ class GroupBuffer:
         self,
         prompts_per_minibatch: int,
         staleness: "AsyncConfig",
-        keep_group: Optional[Callable[[Any], bool]] = None,
+        keep_group: Optional[Callable[[RolloutGroup | HeldGroup], bool]] = None,
         base_version: int = 0,
         on_discard: Optional[Callable[[Group], None]] = None,
         draws: int = 0,
@@ -173,7 +175,9 @@ class GroupBuffer:
         self.counters.started += 1
         return group
 
-    def adopt(self, group: Group, rollout: Any, start_version: int, attempt: int, version: int) -> str:
+    def adopt(
+        self, group: Group, rollout: RolloutGroup | HeldGroup, start_version: int, attempt: int, version: int
+    ) -> str:
         """A started group (`start`) whose rollout was recovered from the rollout bank: it keeps
         the start version and attempt it was made with, and finishes now as any group does (the
         staleness bound and the group filters apply). Returns `finish`'s outcome."""
@@ -181,7 +185,7 @@ class GroupBuffer:
         self.counters.recovered += 1
         return self.finish(group.serial, rollout, version)
 
-    def finish(self, serial: int, rollout: Any, version: int) -> str:
+    def finish(self, serial: int, rollout: RolloutGroup | HeldGroup, version: int) -> str:
         """A group's trajectories all finished (trainer at `version`); returns what became of it:
         "ready", "filtered", "dropped" or "requeued"."""
         group = self._in_flight.pop(serial, None)
@@ -296,7 +300,7 @@ class GroupBuffer:
         self._requeued.extend((dict(s), 0, d) for s, d in zip(samples, draws))
 
 
-def length_buckets(rollout: Any) -> list[str]:
+def length_buckets(rollout: RolloutGroup | HeldGroup) -> list[str]:
     """Each trajectory's length bucket by turns (`turns_1` ... `turns_8`, `turns_9+`); none for a
     rollout without trajectories. A held group has no trajectories here: its summary's turns."""
     trajectories = getattr(rollout, "trajectories", None)

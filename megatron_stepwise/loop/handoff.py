@@ -17,10 +17,17 @@ import contextlib
 import pickle
 import time
 from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from megatron_stepwise.loop.checkpointer import Stateful
+
+T = TypeVar("T")  # what rank 0 produces: every rank receives it (or its own DP rank's)
 
 
 def describe(e: BaseException) -> str:
@@ -47,7 +54,13 @@ class Handoff:
     rank; `dp_rank`: this rank's data-parallel rank (for `to_ranks`); `timeout`: of the groups
     `to_ranks` opens inside each model replica."""
 
-    def __init__(self, dataset: Any, group: Any = None, dp_rank: int = 0, timeout: Optional[timedelta] = None):
+    def __init__(
+        self,
+        dataset: Stateful,
+        group: Optional[ProcessGroup] = None,
+        dp_rank: int = 0,
+        timeout: Optional[timedelta] = None,
+    ):
         self.dataset = dataset
         self.group = group
         self.dp_rank = dp_rank
@@ -58,13 +71,13 @@ class Handoff:
         self.produce_seconds = 0.0  # rank 0's time inside `produce`; the rest of a hand-off is moving it
         self._produce_error: Optional[BaseException] = None  # rank 0's, in the hand-off under way
 
-    def from_driver(self, produce: Callable[[], Any], what: str, iteration: int) -> Any:
+    def from_driver(self, produce: Callable[[], T], what: str, iteration: int) -> T:
         """Run `produce` on rank 0 and return its result on every rank."""
         with self._keeping_rank0_error(what, iteration):
             return self._from_driver(produce, what, iteration)
 
-    def _from_driver(self, produce: Callable[[], Any], what: str, iteration: int) -> Any:
-        payload: list[Any] = [None]
+    def _from_driver(self, produce: Callable[[], T], what: str, iteration: int) -> T:
+        payload: list[Optional[tuple]] = [None]
         error: Optional[BaseException] = None
         if self.is_driver:
             error, payload[0] = self._run(produce)
@@ -73,21 +86,21 @@ class Handoff:
 
     def to_ranks(
         self,
-        produce: Callable[[], list[Any]],
+        produce: Callable[[], list[T]],
         what: str,
         iteration: int,
-        resolve: Optional[Callable[[Any], Any]] = None,
-    ) -> Any:
+        resolve: Optional[Callable[[T], T]] = None,
+    ) -> T:
         with self._keeping_rank0_error(what, iteration):
             return self._to_ranks(produce, what, iteration, resolve)
 
     def _to_ranks(
         self,
-        produce: Callable[[], list[Any]],
+        produce: Callable[[], list[T]],
         what: str,
         iteration: int,
-        resolve: Optional[Callable[[Any], Any]] = None,
-    ) -> Any:
+        resolve: Optional[Callable[[T], T]] = None,
+    ) -> T:
         """Run `produce` on rank 0; it returns one payload per data-parallel rank, and every rank
         returns its own DP rank's. Rank 0 pickles each payload once and sends it to one rank of
         that DP rank's model replica, which broadcasts it to the others. `resolve`, when given,
@@ -147,7 +160,7 @@ class Handoff:
         self._agree(failure, what, iteration)
         return self._open(mine, error, what, iteration)
 
-    def _share(self, payload: Any, raw: Optional[torch.Tensor], group: Any, src: int) -> Any:
+    def _share(self, payload: object, raw: Optional[torch.Tensor], group: ProcessGroup, src: int) -> object:
         """The replica leader's payload on every rank of its replica (`raw`: its pickled bytes,
         when the leader has them already)."""
         size = torch.zeros(1, dtype=torch.long)
@@ -178,11 +191,11 @@ class Handoff:
             lost = sorted({name for _, names in failed for name in names})
             raise ResolveFailed(f"{what} at iteration {iteration}: fetching the rows failed on {failed[0][0]}", lost)
 
-    def _replicas(self) -> tuple[list[int], list[int], list[Any]]:
+    def _replicas(self) -> tuple[list[int], list[int], list[Optional[ProcessGroup]]]:
         """(each rank's DP rank, each DP rank's leader: its lowest global rank, each DP rank's
         group of ranks when it has more than one), gathered and created once on every rank."""
         if self._replica_info is None:
-            dp_of: list[Any] = [None] * dist.get_world_size()
+            dp_of: list[Optional[int]] = [None] * dist.get_world_size()
             dist.all_gather_object(dp_of, self.dp_rank, group=self.group)
             members = [[r for r, d in enumerate(dp_of) if d == k] for k in range(max(dp_of) + 1)]
             # every rank creates every group, in the same order (torch.distributed requires it)
@@ -206,7 +219,7 @@ class Handoff:
                 f"(and telling the other ranks failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
             ) from error
 
-    def _run(self, produce: Callable[[], Any]) -> tuple[Optional[BaseException], tuple]:
+    def _run(self, produce: Callable[[], object]) -> tuple[Optional[BaseException], tuple]:
         start = time.perf_counter()
         try:
             return None, ("ok", produce(), self.dataset.state_dict())
@@ -218,7 +231,7 @@ class Handoff:
         finally:
             self.produce_seconds += time.perf_counter() - start
 
-    def _open(self, payload: tuple, error: Optional[BaseException], what: str, iteration: int) -> Any:
+    def _open(self, payload: tuple, error: Optional[BaseException], what: str, iteration: int):
         kind, result, dataset_state = payload
         if kind == "error":
             raise RuntimeError(f"{what} failed on rank 0 at iteration {iteration}: {result}") from error

@@ -21,7 +21,7 @@ import functools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from megatron_stepwise.algo.advantages import is_temporal_estimator
 from megatron_stepwise.algo.groups import PromptGroup, RolloutGroup, flat_steps
@@ -31,7 +31,15 @@ from megatron_stepwise.loop.handoff import ResolveFailed
 from megatron_stepwise.metrics.core import rollout_metrics
 from megatron_stepwise.rundir.dump_recorder import DumpRecorder
 from megatron_stepwise.steps import StepBatch
-from megatron_stepwise.workers.worker_rows import HoldRequest, RowFetcher, split_held_round
+from megatron_stepwise.workers.worker_rows import HoldRequest, RemoteShard, RowFetcher, split_held_round
+
+if TYPE_CHECKING:
+    import asyncio
+
+    from megatron_stepwise.mcore.train.shards import MinibatchShard
+    from megatron_stepwise.rollout.agent_loop import AgentLoop
+    from megatron_stepwise.rollout.fleet import RolloutFleet
+    from megatron_stepwise.workers.agent_workers import AgentWorkers
 
 log = logging.getLogger(__name__)
 
@@ -47,9 +55,9 @@ def rollout_seed(seed: int, index: int, sub: Optional[int] = None) -> int:
 class Driver:
     """Rank 0's rollout side: the event loop, the fleet and the agent loop that uses it."""
 
-    loop: Any
-    fleet: Any
-    agent: Any
+    loop: asyncio.AbstractEventLoop
+    fleet: RolloutFleet
+    agent: AgentLoop | AgentWorkers
 
     def run(self, coro):
         return self.loop.run_until_complete(coro)
@@ -67,7 +75,8 @@ class Round:
     step), the round's metrics and `prepare`'s counts (the same on every rank), and how many
     mini-batches had no trainable token (no optimizer step)."""
 
-    minibatches: list[Any]  # the plugin's MinibatchShard, one per mini-batch
+    # one per mini-batch: the plugin's shard, or (rows kept by the workers) where to fetch it
+    minibatches: list[MinibatchShard | RemoteShard]
     metrics: dict[str, Any] = field(default_factory=dict)
     counts: list[dict[str, Any]] = field(default_factory=list)
     skipped: int = 0
@@ -91,7 +100,7 @@ def split_round(
     metrics: dict[str, Any],
     *,
     prepare: Callable = prepare,
-    shard: Callable[[StepBatch], list[Any]],
+    shard: Callable[[StepBatch], list[MinibatchShard]],
     dp_size: int,
     recorder: Optional[DumpRecorder] = None,
 ) -> list[Round]:
@@ -136,7 +145,7 @@ class SyncRollouts:
         dataset,
         handoff,
         vocab_size: int,
-        shard: Callable[[StepBatch], list[Any]],
+        shard: Callable[[StepBatch], list[MinibatchShard]],
         dp_size: int,
         progress: Optional[Callable] = None,
         recorder: Optional[DumpRecorder] = None,

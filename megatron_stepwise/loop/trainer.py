@@ -24,6 +24,7 @@ from datetime import timedelta
 from typing import Any, Optional
 
 import torch.distributed as dist
+from tqdm import tqdm
 
 from megatron_stepwise.algo.prepare import add_counts
 from megatron_stepwise.compose import components
@@ -352,7 +353,6 @@ class Trainer:
     # ---------------------------------------------------------------------------- output
     def _rollout_progress(self, total: int):
         """A per-trajectory progress bar under the iterations bar."""
-        from tqdm import tqdm
 
         @contextmanager
         def bar():
@@ -364,7 +364,6 @@ class Trainer:
     def _progress(self):
         if not (self.is_driver and self.cfg.logging.progress and sys.stderr.isatty()):
             return None
-        from tqdm import tqdm
 
         return tqdm(total=self.cfg.trainer.iterations, initial=self.state.iteration, desc="iterations", unit="it")
 

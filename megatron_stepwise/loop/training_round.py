@@ -11,7 +11,13 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Optional
+from typing import TYPE_CHECKING, Callable, ContextManager, Optional
+
+if TYPE_CHECKING:
+    from megatron.core.optimizer import MegatronOptimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from megatron_stepwise.mcore.train.plugin import StepwisePlugin
 
 Metrics = dict[str, float]
 
@@ -30,10 +36,10 @@ class TrainingRound:
     (`ref_chunks`, None without KL), and `check`, called on every step's metrics (the trainer's
     ends a diverged run there; replay reports whatever the step gave)."""
 
-    plugin: Any  # mcore.train.plugin.StepwisePlugin
+    plugin: StepwisePlugin
     chunks: list
-    optimizer: Any
-    scheduler: Any
+    optimizer: MegatronOptimizer
+    scheduler: OptimizerParamScheduler
     epochs: int
     ref_chunks: Optional[list] = None
     check: Callable[[Metrics], None] = _accept

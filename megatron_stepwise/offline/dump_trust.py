@@ -8,7 +8,8 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from megatron_stepwise.config.probes import Probes
-from megatron_stepwise.envs import EnvSpec
+from megatron_stepwise.envs import EnvSpec, get_env_spec
+from megatron_stepwise.envs.custom import resolve_env_spec
 from megatron_stepwise.rundir.dump_table import DumpError
 from megatron_stepwise.rundir.dump_trust import TRUST_FLAG, NeedsTrustError, recorded_tokenizer
 
@@ -23,8 +24,6 @@ def tokenizer_source(meta: dict[str, Any], *, trusted: bool) -> str:
     env = (meta.get("config") or {}).get("env") or {}
     name, reward_fn = str(env.get("name") or "echo"), env.get("reward_fn")
     if trusted:
-        from megatron_stepwise.envs.custom import resolve_env_spec
-
         spec = resolve_env_spec(name, reward_fn)
     elif reward_fn or ":" in name:
         key, value = ("env.reward_fn", reward_fn) if reward_fn else ("env.name", name)
@@ -33,8 +32,6 @@ def tokenizer_source(meta: dict[str, Any], *, trusted: bool) -> str:
             f"by default: pass {TRUST_FLAG} to import it (or set model.tokenizer)"
         )
     else:
-        from megatron_stepwise.envs import get_env_spec
-
         try:
             spec = get_env_spec(name)
         except Exception as e:
@@ -47,7 +44,7 @@ def tokenizer_source(meta: dict[str, Any], *, trusted: bool) -> str:
     return spec.tokenizer
 
 
-def _accepts_anything(*_: Any, **__: Any) -> None:
+def _accepts_anything(*_: object, **__: object) -> None:
     return None
 
 
@@ -69,8 +66,6 @@ class DumpProbes(Probes):
 
     def env_spec(self, name: str, reward_fn: str | None) -> "EnvSpec | str":
         if not reward_fn and ":" not in name:
-            from megatron_stepwise.envs import get_env_spec
-
             try:
                 return get_env_spec(name)
             except Exception:

@@ -24,6 +24,9 @@ from megatron_stepwise.compose import components
 from megatron_stepwise.config import ExperimentConfig
 from megatron_stepwise.hf.arch import GPTArch
 from megatron_stepwise.loop.training_round import TrainingRound
+from megatron_stepwise.mcore.train.model import unwrap
+from megatron_stepwise.mcore.weights.dist_checkpoint import CheckpointError, load_checkpoint
+from megatron_stepwise.rundir.dump_trust import load_tokenizer
 from megatron_stepwise.rundir.dumps import Dump
 
 log = logging.getLogger(__name__)
@@ -40,9 +43,6 @@ def replay(cfg, dump: Dump, *, trusted: bool = False) -> dict[str, Any]:
 
     The tokenizer loads without running its own code, and without a download unless `trusted`
     (rundir/dump_trust.py)."""
-    from megatron_stepwise.mcore.weights.dist_checkpoint import CheckpointError, load_checkpoint
-    from megatron_stepwise.rundir.dump_trust import load_tokenizer
-
     k = dump.iteration
     components.init_runtime(cfg)
     key = "model.tokenizer" if cfg.model.tokenizer else "model.hf_checkpoint" if cfg.model.hf_checkpoint else "env.name"
@@ -110,9 +110,6 @@ def _max_diff(got: list, want: list) -> Optional[float]:
 
 def _param_diff(cfg: ExperimentConfig, arch: GPTArch, chunks: list[torch.nn.Module], path: Path) -> float:
     """Largest |replayed - saved| parameter over every rank, the saved ones loaded at this layout."""
-    from megatron_stepwise.mcore.train.model import unwrap
-    from megatron_stepwise.mcore.weights.dist_checkpoint import load_checkpoint
-
     saved = components.build_policy(cfg, arch)
     load_checkpoint(saved, path=path, load_optimizer=False, load_rng=False)
     worst = torch.zeros(1, dtype=torch.float64)

@@ -28,16 +28,23 @@ import math
 import os
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from megatron_stepwise.algo.groups import RolloutGroup, flat_steps, pack_groups, unpack_groups
+from megatron_stepwise.compose import components
 from megatron_stepwise.rollout.agent_loop import checked_prompt_ids
 from megatron_stepwise.rollout.engine import engine_loss
 from megatron_stepwise.rollout.engine_router import EngineSlot, EngineView, RequestCounters
 from megatron_stepwise.rollout.ray_room import check_room
-from megatron_stepwise.steps import Step
+from megatron_stepwise.steps import Step, StepBatch
 from megatron_stepwise.workers.rollout_bank import read_group
 from megatron_stepwise.workers.worker_rows import NAMESPACE, HeldGroup, HeldRows, HoldRequest, bank_held
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
+    from megatron_stepwise.config import ExperimentConfig
+    from megatron_stepwise.rollout.fleet import RolloutFleet
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +100,6 @@ class AgentWorker:
         # One worker is one core's agent loop: a tokenizer thread pool per short text only spins.
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        from megatron_stepwise.compose import components
 
         for module in cfg.trainer.imports:  # user environments register themselves on import
             importlib.import_module(module)
@@ -136,7 +142,7 @@ class AgentWorker:
         banked = await asyncio.to_thread(read_group, path)
         return self.held.adopt(banked, group_id, hold, self.name)
 
-    def take(self, runs: list) -> Any:
+    def take(self, runs: list[tuple[int, str, list[int]]]) -> StepBatch:
         return self.held.take(runs)
 
     def release(self, key: int) -> None:
@@ -167,7 +173,7 @@ def _spawn_worker(cfg, index: int, max_concurrency: int, name: str):
 @dataclass
 class _Worker:
     index: int
-    handle: Any
+    handle: ActorHandle
     busy: int = 0  # groups in flight on it
     incarnation: int = 0
     started: bool = False  # it has answered once: from then on a ping gets timeout_s, not START_TIMEOUT_S
@@ -176,7 +182,13 @@ class _Worker:
 class AgentWorkers:
     """The driver's side of `n` agent workers (see the module docstring)."""
 
-    def __init__(self, cfg, fleet, n: int, spawn: Optional[Callable[[Any, int, int, str], Any]] = None):
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        fleet: RolloutFleet,
+        n: int,
+        spawn: Optional[Callable[[ExperimentConfig, int, int, str], ActorHandle]] = None,
+    ):
         if n < 1:
             raise ValueError(f"rollout.agent_workers must be >= 1 here, got {n}")
         self.cfg, self.fleet = cfg, fleet

@@ -36,6 +36,7 @@ unless the last checkpoint lists its draw as pending: only those help a resume f
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -219,7 +220,6 @@ def with_group_id(rollout: RolloutGroup, group_id: str) -> RolloutGroup:
     two groups under one id would share an advantage baseline)."""
     if rollout.prompt_id == group_id:
         return rollout
-    import dataclasses
 
     trajectories = [
         [dataclasses.replace(s, trajectory_id=TrajectoryID(group_id, s.trajectory_id.sample_index)) for s in t]

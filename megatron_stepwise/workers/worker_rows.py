@@ -25,7 +25,7 @@ import os
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
 from megatron_stepwise.algo.groups import GroupSummary, RolloutGroup
 from megatron_stepwise.algo.prepare import add_counts
@@ -33,6 +33,13 @@ from megatron_stepwise.algo.rows import RowTable
 from megatron_stepwise.algo.validate import validate_steps
 from megatron_stepwise.steps import StepBatch, step_structure
 from megatron_stepwise.workers.rollout_bank import BankedGroup, BankFile, BankTicket, bank_rollout, with_group_id
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
+    from megatron_stepwise.mcore.train.shards import ShardDecision
+
+Payload = TypeVar("Payload")  # a hand-off's payload: a round whose `minibatches` may name rows to fetch
 
 NAMESPACE = "megatron_stepwise"  # the Ray namespace the agent workers are named in
 
@@ -194,7 +201,7 @@ class HeldRows:
 class RemoteShard:
     """One DP rank's decision and where its rows are: `fetch` turns it into the shard."""
 
-    decision: Any  # the plugin's ShardDecision
+    decision: ShardDecision
     key: int  # the round (iteration) it belongs to, for messages
     pieces: list[tuple[str, list[tuple[int, str, list[int]]]]]  # (worker, runs of (key, prompt id, rows))
     order: list[int]  # the decision's rows as positions in the fetched pieces, concatenated
@@ -207,7 +214,7 @@ class RemoteShard:
 
 
 def split_held_round(
-    minibatches: list[list[HeldGroup]], *, decide: Callable[[RowTable], list[Any]], key: int, ray_address: str
+    minibatches: list[list[HeldGroup]], *, decide: Callable[[RowTable], list[ShardDecision]], key: int, ray_address: str
 ) -> tuple[list[list[RemoteShard]], list[dict], int]:
     """Rank 0: every mini-batch's decision per DP rank, from the groups' row tables. Returns (per
     mini-batch, one RemoteShard per DP rank), `prepare`'s counts per mini-batch, and how many
@@ -260,9 +267,9 @@ class RowFetcher:
     timeout_s: float = 300.0  # rollout.agent_worker_timeout_s: the longest a fetch waits on a worker
     bytes_fetched: int = 0
     seconds: float = 0.0
-    _actors: dict[str, Any] = field(default_factory=dict)
+    _actors: dict[str, ActorHandle] = field(default_factory=dict)
 
-    def resolve(self, payload: Any) -> Any:
+    def resolve(self, payload: Payload) -> Payload:
         """A round's mini-batches with every RemoteShard fetched and cut (others as they are)."""
         minibatches = getattr(payload, "minibatches", None)
         if not minibatches or not any(isinstance(m, RemoteShard) for m in minibatches):
