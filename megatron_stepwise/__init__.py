@@ -3,7 +3,8 @@
 Subpackages: `algo` (the batch pipeline, pure torch), `rollout` (engines, fleet, agent loop),
 `megatron` (megatron-core integration and `StepwisePlugin`), `config` (typed YAML configs),
 `envs` (environments), `hf` (HF model configs, hub lookups, tokenizers), `loop` (the training
-loop and its two mini-batch sources, built by `compose/components.py`). Package layout, layers, data
+loop and its two mini-batch sources), `workers` (agent workers in Ray actors), `compose` (the
+run's parts built from the config), `offline` (replay). Package layout, layers, data
 flow and the step-wise invariants: docs/architecture.md.
 """
 
