@@ -5,6 +5,8 @@ the builders (compose/), the agent workers (workers/) or the loop loads no Megat
 import subprocess
 import sys
 
+import pytest
+
 ROOMS = [
     "megatron_stepwise.compose.components",
     "megatron_stepwise.workers.agent_workers",
@@ -14,6 +16,7 @@ ROOMS = [
 HEAVY = ["megatron", "ray", "sglang", "transformer_engine"]
 
 
+@pytest.mark.launches  # a fresh interpreter: this one has imported everything already
 def test_importing_the_rooms_loads_no_megatron_ray_or_sglang():
     code = (
         "import importlib, sys\n"
