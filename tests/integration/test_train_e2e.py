@@ -72,7 +72,9 @@ def _latest_iteration(run_dir):
         return None
 
 
-SHORT_RUN = ("trainer.iterations=7", "checkpoint.every=2")
+# The distributed optimizer, so that every resume below also restores its sharded state, and the
+# change-of-TP test can start from these checkpoints.
+SHORT_RUN = ("trainer.iterations=7", "checkpoint.every=2", "parallel.use_distributed_optimizer=true")
 
 
 @pytest.fixture(scope="module")
@@ -264,31 +266,32 @@ def test_a_run_refuses_another_runs_checkpoints_naming_both(tmp_path, short_refe
     assert not os.path.exists(os.path.join(run_dir, "metrics.jsonl"))  # nothing trained
 
 
-def test_resume_at_another_tp_with_distributed_optimizer_state_is_a_clear_error(tmp_path):
-    """The distributed optimizer's checkpointed state follows DP changes only. Resuming it at
-    another TP size stops with one line naming the way out (exit 2, no traceback, checkpoint
-    kept); with checkpoint.load_optimizer=false the same command resumes the model weights.
+@pytest.mark.slow
+def test_resume_at_another_tp_with_distributed_optimizer_state_is_a_clear_error(tmp_path, short_reference_run):
+    """The distributed optimizer's checkpointed state follows DP changes only. Resuming the finished
+    reference run's state at another TP size stops with one line naming the way out (exit 2, no
+    traceback, checkpoint kept); with checkpoint.load_optimizer=false the same command resumes the
+    model weights.
 
     The resumed run is TP2 + sequence parallelism on the echo tokenizer's 21-token vocabulary:
     the model pads it to 22 rows; the weights pushed to the engines drop the padding row and the
     trainer's softmax leaves it out, so the engine and trainer log-probs agree."""
-    run_dir = str(tmp_path / "run")
-    common = ("parallel.use_distributed_optimizer=true", "checkpoint.every=2")
-    out = _train(run_dir, "trainer.iterations=2", *common)
-    assert out.returncode == 0, out.stderr[-3000:]
+    import shutil
 
-    tp2 = ("trainer.iterations=3", "parallel.tensor=2", "parallel.sequence_parallel=true")
-    out = _train(run_dir, *tp2, *common)
+    run_dir = str(tmp_path / "run")
+    shutil.copytree(short_reference_run[0], run_dir)
+    tp2 = (*SHORT_RUN, "trainer.iterations=8", "parallel.tensor=2", "parallel.sequence_parallel=true")
+    out = _train(run_dir, *tp2)
     assert out.returncode == 2, out.stderr[-3000:]
     assert "(tp 1 -> 2)" in out.stderr and "checkpoint.load_optimizer=false" in out.stderr
     assert "Traceback" not in out.stderr
-    assert _latest_iteration(run_dir) == 2
+    assert _latest_iteration(run_dir) == 7
 
-    out = _train(run_dir, *tp2, "checkpoint.load_optimizer=false", *common)
+    out = _train(run_dir, *tp2, "checkpoint.load_optimizer=false")
     assert out.returncode == 0, out.stderr[-3000:]
     m = _metrics(run_dir)
-    assert [r["iteration"] for r in m] == [0, 1, 2]
-    assert m[2]["train/logprob_gap_max"] < 1e-4  # the TP2 iteration, on the padded vocabulary
+    assert [r["iteration"] for r in m] == list(range(8))
+    assert m[7]["train/logprob_gap_max"] < 1e-4  # the TP2 iteration, on the padded vocabulary
 
 
 @pytest.mark.slow
