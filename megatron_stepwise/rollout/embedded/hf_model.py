@@ -183,6 +183,11 @@ def load_named_tensors(model: torch.nn.Module, named_tensors: NamedTensors) -> i
 def load_safetensors_dir(model: torch.nn.Module, path: Union[str, os.PathLike]) -> int:
     """Load every `*.safetensors` file in `path` (HF names) into the model, all of them checked
     before any is written (a bad file leaves the model untouched)."""
+    return load_named_tensors(model, read_safetensors_dir(path))
+
+
+def read_safetensors_dir(path: Union[str, os.PathLike]) -> dict[str, torch.Tensor]:
+    """Every tensor of every `*.safetensors` file in `path` (or of the file `path`), by name."""
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -192,7 +197,7 @@ def load_safetensors_dir(model: torch.nn.Module, path: Union[str, os.PathLike]) 
     named: dict = {}
     for f in files:
         named.update(load_file(str(f)))
-    return load_named_tensors(model, named)
+    return named
 
 
 def save_safetensors_dir(model: torch.nn.Module, path: Union[str, os.PathLike]) -> Path:
