@@ -3,8 +3,8 @@
 The trainer takes, from every HF-named tensor it sends, the values at `SAMPLE_SIZE` flat
 positions that both sides derive from (tensor name, weight version) alone (`sample_positions`),
 so each version looks at other positions and no positions travel; small tensors (norms, biases)
-are taken whole. The engine takes the same positions from its own copy once the update is
-applied, inside the update request, and answers with them (`samples_of`); the trainer compares
+are taken whole. The engine takes the same positions from its own copy as it applies the update,
+inside the update request, and answers with them (`Sampler`, `samples_of`); the trainer compares
 exactly, in the engine's dtype (`compare_samples`): the sent values cast to it are what its load
 stored. `verify: full` compares a sha256 of every whole tensor instead (`tensor_digest`, sent to
 the engine, which compares: `compare_all`), and `manifest` lists such digests on demand.
@@ -206,6 +206,45 @@ def _difference(ours: torch.Tensor, theirs: torch.Tensor, positions: torch.Tenso
         f"{len(differ)} of {len(ours)} sampled values differ (first at flat index {int(positions[i])}: "
         f"engine {float(ours[i]):.6g}, trainer {float(theirs[i]):.6g})"
     )
+
+
+class Sampler:
+    """An engine's samples of the tensors an update loads, taken one tensor at a time right after
+    it is written (`take`), while its memory is still in cache: reading 256 random elements of
+    each tensor after a whole model was loaded costs a cache miss each. Positions as
+    `sample_positions`, computed for all tensors at once."""
+
+    def __init__(self, names: list[str], numels: list[int], version: int, k: int = SAMPLE_SIZE):
+        big = [i for i, n in enumerate(numels) if n > k]
+        with _plain_torch():
+            rows = _position_matrix([names[i] for i in big], version, [numels[i] for i in big], k) if big else None
+        self._rows = dict(zip(big, rows.unbind(0))) if big else {}
+        self._names = names
+        self.checks = Checks()
+
+    def take(self, i: int, tensor: torch.Tensor) -> None:
+        """Sample `tensor`, the one `names[i]` was just loaded into (a CPU tensor)."""
+        with torch.no_grad(), _plain_torch():
+            row = self._rows.get(i)
+            values = tensor.reshape(-1).clone() if row is None else torch.take(tensor, row)
+            self.checks[self._names[i]] = TensorCheck(tuple(tensor.shape), dtype_name(tensor.dtype), values)
+
+
+def overlapping(tensors: Iterable[torch.Tensor]) -> bool:
+    """Whether two of `tensors` share memory (their extents in memory intersect): then a tensor
+    sampled as soon as it was written may be overwritten by a later one."""
+    spans = []
+    for t in tensors:
+        if t.numel():
+            extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+            spans.append((t.data_ptr(), t.data_ptr() + extent * t.element_size()))
+    spans.sort()
+    end = None
+    for start, stop in spans:
+        if end is not None and start < end:
+            return True
+        end = stop if end is None else max(end, stop)
+    return False
 
 
 def samples_of(named: Iterable[tuple[str, torch.Tensor]], version: int) -> Checks:

@@ -142,20 +142,60 @@ def test_a_corruption_between_the_trainers_sample_and_the_engines_load_is_named(
 
 def test_a_name_loaded_into_another_names_tensor_is_caught_in_the_update_answer(monkeypatch):
     # prime-rl #3175's failure: a loader that puts one layer's weights into another layer. The
-    # engine samples after the whole update is applied, so both names show it.
+    # engine samples each tensor as soon as it is written, unless two names of the update load
+    # into the same memory: then it samples every name after the whole update, and shows it.
     a, b = "model.layers.0.mlp.down_proj.weight", "model.layers.1.mlp.down_proj.weight"
-    load = engine_module.hf_model.load_named_tensors
+    targets = engine_module.hf_model.load_targets
 
     def misapplying(model, items):
-        moved = [(b, t) for name, t in items if name == a]  # a's values land in b's tensor, after b's own
-        return load(model, [(name, t) for name, t in items if name != a] + moved)
+        found = targets(model, items)
+        names = [name for name, _ in items]
+        found[names.index(a)] = found[names.index(b)]  # a lands in b's tensor, before b's own
+        return found
 
-    monkeypatch.setattr(engine_module.hf_model, "load_named_tensors", misapplying)
+    monkeypatch.setattr(engine_module.hf_model, "load_targets", misapplying)
     engine = LocalEngine(CONFIG, seed=0)
     tensors = pushed(seed=5)
     answer = asyncio.run(engine.update_weights_from_tensors(tensors, 9, sample_weights=True))
     [judged] = judge_samples([{"index": 0, **answer}], record_of(tensors, 9))
+    assert list(judged["problems"]) == [a]  # a's own tensor still holds the old weights
+
+
+def test_a_name_of_a_later_request_loaded_over_an_earlier_ones_tensor_is_caught(monkeypatch):
+    # A push sent a bucket per request (`atomic: false`): the earlier request's answer sampled b
+    # as loaded; the later one that overwrites b answers with b sampled again, after its load.
+    a, b = "model.layers.1.mlp.down_proj.weight", "model.layers.0.mlp.down_proj.weight"
+    targets = engine_module.hf_model.load_targets
+
+    def misapplying(model, items):
+        found = targets(model, items)
+        return [targets(model, [(b, t)])[0] if name == a else f for (name, t), f in zip(items, found)]
+
+    monkeypatch.setattr(engine_module.hf_model, "load_targets", misapplying)
+    engine = LocalEngine(CONFIG, seed=0)
+    tensors = pushed(seed=5)
+    first = {b: tensors[b]}
+    rest = {name: t for name, t in tensors.items() if name != b}
+
+    async def go():
+        return [
+            [{"index": 0, **await engine.update_weights_from_tensors(h, 6, sample_weights=True)}] for h in (first, rest)
+        ]
+
+    [judged] = judge_samples(merge_answers(asyncio.run(go())), record_of(tensors, 6))
     assert set(judged["problems"]) == {a, b}  # b holds a's values, a still the old weights
+
+
+def test_tensors_sharing_memory_are_told_apart_from_disjoint_ones():
+    fused = torch.zeros(4, 6)
+    gate, up = fused.chunk(2, dim=0)  # a fused expert's halves: disjoint rows
+    assert not C.overlapping([gate, up, torch.zeros(3)])
+    assert C.overlapping([fused, up])  # the whole and a part
+    assert C.overlapping([fused[:, :3], fused[:, 3:]])  # interleaved columns: counted as shared (safe side)
+    assert not C.overlapping([torch.zeros(0), torch.zeros(0)])
+    engine = LocalEngine(CONFIG, seed=0)
+    items = list(pushed(seed=5).items())
+    assert not C.overlapping(engine_module.hf_model.load_targets(engine.model, items))  # sampled as written
 
 
 def test_the_serve_engine_answers_the_update_with_its_samples_in_one_request():

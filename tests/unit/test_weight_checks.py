@@ -233,4 +233,3 @@ def test_a_record_sampled_beside_the_push_equals_one_taken_in_line():
     assert list(beside.checks) == list(in_line.checks) == list(tensors)
     for name in tensors:
         assert torch.equal(beside.checks[name].values, in_line.checks[name].values)
-

@@ -419,6 +419,7 @@ class LocalEngine:
         self._freed_storages: list[tuple[torch.UntypedStorage, int]] = []  # (storage, its size) while released
         self._needs_weights = False  # weights resumed without their values: a weight update must come first
         self._params_by_name: Optional[dict] = None  # for the weight checks
+        self._loaded: tuple = (None, [])  # (version, [(name, tensor)] its sampled updates loaded so far)
 
     def _next_forward(self) -> int:
         self._forwards += 1
@@ -685,16 +686,40 @@ class LocalEngine:
     def _apply(self, named: NamedTensors, sample_at: Optional[int]) -> Optional[tuple]:
         """Load `named` into the model; with `sample_at` (the new weight version) also take, from
         the tensors the names now hold, the values the trainer's sampled check compares: (samples,
-        seconds taken). Sampled after the whole update is applied, so a name loaded into another
-        name's tensor shows the other tensor's values."""
+        seconds the sampling took).
+
+        Each tensor is sampled right after it is written (`weight_checks.Sampler`), unless two
+        names of this version's update (this request or an earlier one: a push sent a bucket at a
+        time) load into the same memory: then a later write could change a tensor already
+        sampled, so every name of the version is sampled by name after the whole load, and shows it."""
         items = list(named.items()) if isinstance(named, Mapping) else list(named)
-        hf_model.load_named_tensors(self.model, items)
         if sample_at is None:
+            hf_model.load_named_tensors(self.model, items)
             return None
+        targets = hf_model.load_targets(self.model, items)
         start = time.perf_counter()
-        held = hf_model.weights_by_name(self.model, [name for name, _ in items], self._parameters())
+        if self._loaded[0] != sample_at:
+            self._loaded = (sample_at, [])
+        earlier = self._loaded[1]
+        shared = weight_checks.overlapping([t for _, t in earlier] + targets)
+        earlier.extend((name, target) for (name, _), target in zip(items, targets))
+        sampler = (
+            None if shared else weight_checks.Sampler([n for n, _ in items], [t.numel() for t in targets], sample_at)
+        )
+        seconds = time.perf_counter() - start
+        with torch.no_grad():
+            for i, (target, (_, tensor)) in enumerate(zip(targets, items)):
+                target.copy_(tensor.to(target.dtype))
+                if sampler is not None:
+                    start = time.perf_counter()
+                    sampler.take(i, target)
+                    seconds += time.perf_counter() - start
+        if sampler is not None:
+            return sampler.checks, seconds
+        start = time.perf_counter()
+        held = hf_model.weights_by_name(self.model, [name for name, _ in earlier], self._parameters())
         samples = weight_checks.samples_of(held.items(), sample_at)
-        return samples, time.perf_counter() - start
+        return samples, seconds + time.perf_counter() - start
 
     def _answer(self, version: int, samples: Optional[tuple]) -> Union[int, dict]:
         """The version, or the answer of a sampled update: {"engine", "weight_version", "samples":
