@@ -220,14 +220,20 @@ class Sampler:
             rows = _position_matrix([names[i] for i in big], version, [numels[i] for i in big], k) if big else None
         self._rows = dict(zip(big, rows.unbind(0))) if big else {}
         self._names = names
-        self.checks = Checks()
+        self._taken: list = []
 
     def take(self, i: int, tensor: torch.Tensor) -> None:
-        """Sample `tensor`, the one `names[i]` was just loaded into (a CPU tensor)."""
-        with torch.no_grad(), _plain_torch():
+        """Sample `tensor`, the one `names[i]` was just loaded into (a CPU tensor without grad)."""
+        with _plain_torch():
             row = self._rows.get(i)
-            values = tensor.reshape(-1).clone() if row is None else torch.take(tensor, row)
-            self.checks[self._names[i]] = TensorCheck(tuple(tensor.shape), dtype_name(tensor.dtype), values)
+            self._taken.append((i, tensor, tensor.reshape(-1).clone() if row is None else torch.take(tensor, row)))
+
+    def checks(self) -> Checks:
+        """{name: TensorCheck} of every tensor taken, in the engine's dtype."""
+        out = Checks()
+        for i, tensor, values in self._taken:
+            out[self._names[i]] = TensorCheck(tuple(tensor.shape), dtype_name(tensor.dtype), values)
+        return out
 
 
 def overlapping(tensors: Iterable[torch.Tensor]) -> bool:

@@ -94,9 +94,9 @@ def test_one_element_changed_between_the_trainers_sample_and_the_engines_load_st
     assert message.startswith(
         f"weight sync of version {case['version']} verified wrong: engine 0 (engine0.0) holds 1 tensor(s)"
     )
-    where = case["where"]
+    where, hits = case["where"], case["hits"]
     assert (
-        f"model.layers.1.self_attn.o_proj.weight: 1 of 256 sampled values differ (first at flat index {where}:"
+        f"model.layers.1.self_attn.o_proj.weight: {hits} of 256 sampled values differ (first at flat index {where}:"
         in message
     )
 

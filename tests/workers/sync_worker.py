@@ -173,8 +173,13 @@ def injected_case(injection, rank, syncer, chunks, mode, version) -> dict:
             injection.disarm()
     messages = [None] * dist.get_world_size()
     dist.all_gather_object(messages, message)
-    where = injection.where(math.prod(syncer._last.checks[CORRUPTED].shape)) if rank == 0 else None
-    return {"messages": messages, "where": where, "version": version}
+    where = hits = None
+    if rank == 0:
+        numel = math.prod(syncer._last.checks[CORRUPTED].shape)
+        positions = weight_checks.sample_positions(CORRUPTED, version, numel)
+        where = int(positions[Injection.AT])
+        hits = int((positions == where).sum())  # positions are drawn with replacement: it may come twice
+    return {"messages": messages, "where": where, "hits": hits, "version": version}
 
 
 def megatron_logprobs(plugin, chunks, prompt, response) -> torch.Tensor:

@@ -715,7 +715,9 @@ class LocalEngine:
                     sampler.take(i, target)
                     seconds += time.perf_counter() - start
         if sampler is not None:
-            return sampler.checks, seconds
+            start = time.perf_counter()
+            samples = sampler.checks()
+            return samples, seconds + time.perf_counter() - start
         start = time.perf_counter()
         held = hf_model.weights_by_name(self.model, [name for name, _ in earlier], self._parameters())
         samples = weight_checks.samples_of(held.items(), sample_at)
