@@ -334,7 +334,8 @@ def manifest(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, dic
 
 
 def to_wire(checks: Mapping[str, TensorCheck]) -> dict[str, dict[str, Any]]:
-    """JSON form of `checks` (the embedded server's /verify_weights body)."""
+    """JSON form of `checks` (the embedded server's /verify_weights body, and the samples in its answer
+    to an update with `sample_weights`)."""
     out = {}
     for name, c in checks.items():
         entry: dict[str, Any] = {"shape": list(c.shape), "dtype": c.dtype}
