@@ -3,14 +3,15 @@
 The trainer takes, from every HF-named tensor it sends, the values at `SAMPLE_SIZE` flat
 positions that both sides derive from (tensor name, weight version) alone (`sample_positions`),
 so each version looks at other positions and no positions travel; small tensors (norms, biases)
-are taken whole. After the update the engine takes the same positions from its own copy and
-compares exactly, in its own dtype: the sent values cast to it are what its load stored.
-`verify: full` compares a sha256 of every whole tensor instead (`tensor_digest`), and `manifest`
-lists such digests on demand.
+are taken whole. The engine takes the same positions from its own copy as it applies the update,
+inside the update request, and answers with them (`Sampler`, `samples_of`); the trainer compares
+exactly, in the engine's dtype (`compare_samples`): the sent values cast to it are what its load
+stored. `verify: full` compares a sha256 of every whole tensor instead (`tensor_digest`, sent to
+the engine, which compares: `compare_all`), and `manifest` lists such digests on demand.
 
-Both sides work on many tensors at once (`sample_many`, `compare_all`): one position matrix, one
-gather per tensor, one comparison per dtype, and no `__torch_function__` mode in the way, since
-per-call overheads, not the gathers, are what a per-tensor loop costs.
+Both sides work on many tensors at once (`sample_many`, `compare_samples`, `compare_all`): one
+position matrix, one gather per tensor, one comparison per dtype, and no `__torch_function__`
+mode in the way, since per-call overheads, not the gathers, are what a per-tensor loop costs.
 
 How the check runs in each sync mode and what it costs: docs/weights.md, 'Every sync verified'.
 """
@@ -18,6 +19,7 @@ How the check runs in each sync mode and what it costs: docs/weights.md, 'Every 
 from __future__ import annotations
 
 import hashlib
+import math
 import zlib
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional
@@ -40,9 +42,9 @@ class TensorCheck:
 
 
 class Checks(dict):
-    """{tensor name: TensorCheck} of one push. Pickled with all sampled values of a dtype as one
-    blob: Ray sends the record to every engine, and (un)pickling hundreds of small tensors costs
-    ~10 us each, a blob nothing."""
+    """{tensor name: TensorCheck} of one push (or of an engine's samples of it). Pickled with all
+    sampled values of a dtype as one blob: Ray carries them between trainer and engines, and
+    (un)pickling hundreds of small tensors costs ~10 us each, a blob nothing."""
 
     def __reduce__(self):
         names, meta, by_dtype = [], [], {}
@@ -56,27 +58,6 @@ class Checks(dict):
                 meta.append((c.shape, c.dtype, c.digest, kept))
             blobs = {d: torch.cat(v).view(torch.uint8).numpy().tobytes() for d, v in by_dtype.items()}
         return (_unpack_checks, (names, meta, blobs))
-
-
-class PackedChecks(Mapping):
-    """A finished `Checks` with its pickled form made ahead (on the trainer's sampling thread while
-    the engines load), so sending it only copies bytes. Reads through to the checks."""
-
-    def __init__(self, checks: Checks):
-        self._checks = checks
-        self._reduced = checks.__reduce__()
-
-    def __getitem__(self, name: str) -> TensorCheck:
-        return self._checks[name]
-
-    def __iter__(self):
-        return iter(self._checks)
-
-    def __len__(self) -> int:
-        return len(self._checks)
-
-    def __reduce__(self):
-        return self._reduced  # unpickles as a `Checks`
 
 
 def _unpack_checks(names: list, meta: list, blobs: dict) -> Checks:
@@ -207,8 +188,12 @@ def compare(name: str, held: torch.Tensor, sent: TensorCheck, version: int) -> O
         got = tensor_digest(held.to(wire))
         return None if got == sent.digest else f"sha256 {got[:12]}..., the trainer's {sent.digest[:12]}..."
     positions = sample_positions(name, version, held.numel())
-    ours = take(held, positions)
-    theirs = sent.values.to(held.dtype)  # what the engine's load stored from what was sent
+    return _difference(take(held, positions), sent.values.to(held.dtype), positions)
+
+
+def _difference(ours: torch.Tensor, theirs: torch.Tensor, positions: torch.Tensor) -> Optional[str]:
+    """Why the engine's sampled values `ours` are not the trainer's `theirs` (cast to the engine's
+    dtype: what its load stored from what was sent), naming the first differing flat index."""
     if len(theirs) != len(ours):
         return f"{len(ours)} sampled values, the trainer sent {len(theirs)}"
     if torch.equal(ours, theirs):
@@ -221,6 +206,87 @@ def compare(name: str, held: torch.Tensor, sent: TensorCheck, version: int) -> O
         f"{len(differ)} of {len(ours)} sampled values differ (first at flat index {int(positions[i])}: "
         f"engine {float(ours[i]):.6g}, trainer {float(theirs[i]):.6g})"
     )
+
+
+class Sampler:
+    """An engine's samples of the tensors an update loads, taken one tensor at a time right after
+    it is written (`take`), while its memory is still in cache: reading 256 random elements of
+    each tensor after a whole model was loaded costs a cache miss each. Positions as
+    `sample_positions`, computed for all tensors at once."""
+
+    def __init__(self, names: list[str], numels: list[int], version: int, k: int = SAMPLE_SIZE):
+        big = [i for i, n in enumerate(numels) if n > k]
+        with _plain_torch():
+            rows = _position_matrix([names[i] for i in big], version, [numels[i] for i in big], k) if big else None
+        self._rows = dict(zip(big, rows.unbind(0))) if big else {}
+        self._names = names
+        self._taken: list = []
+
+    def take(self, i: int, tensor: torch.Tensor) -> None:
+        """Sample `tensor`, the one `names[i]` was just loaded into (a CPU tensor without grad)."""
+        with _plain_torch():
+            row = self._rows.get(i)
+            self._taken.append((i, tensor, tensor.reshape(-1).clone() if row is None else torch.take(tensor, row)))
+
+    def checks(self) -> Checks:
+        """{name: TensorCheck} of every tensor taken, in the engine's dtype."""
+        out = Checks()
+        for i, tensor, values in self._taken:
+            out[self._names[i]] = TensorCheck(tuple(tensor.shape), dtype_name(tensor.dtype), values)
+        return out
+
+
+def overlapping(tensors: Iterable[torch.Tensor]) -> bool:
+    """Whether two of `tensors` share memory (their extents in memory intersect): then a tensor
+    sampled as soon as it was written may be overwritten by a later one."""
+    spans = []
+    for t in tensors:
+        if t.numel():
+            extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+            spans.append((t.data_ptr(), t.data_ptr() + extent * t.element_size()))
+    spans.sort()
+    end = None
+    for start, stop in spans:
+        if end is not None and start < end:
+            return True
+        end = stop if end is None else max(end, stop)
+    return False
+
+
+def samples_of(named: Iterable[tuple[str, torch.Tensor]], version: int) -> Checks:
+    """The engine's answer to a sampled check: each (name, tensor it holds) with the values at the
+    positions the trainer sampled, in the engine's own dtype."""
+    return Checks(checks_of(list(named), version, "sampled"))
+
+
+def compare_samples(held: Mapping[str, TensorCheck], sent: Mapping[str, TensorCheck], version: int) -> dict:
+    """{tensor name: why it differs} over every sent tensor, in sent order: `held` is an engine's
+    `samples_of` what it loaded, `sent` the trainer's record (sampled).
+
+    As `compare_all`: one `torch.equal` per group (same sent and held dtype), tensor by tensor only
+    in a group that differs, to name the tensor and the first differing flat index."""
+    problems, groups = {}, {}
+    with torch.no_grad(), _plain_torch():
+        for name, check in sent.items():
+            ours = held.get(name)
+            if ours is None:
+                problems[name] = "the engine did not load it in this update (no sample in its answer)"
+            elif tuple(ours.shape) != tuple(check.shape):
+                problems[name] = f"shape {tuple(ours.shape)}, the trainer sent {tuple(check.shape)}"
+            else:
+                groups.setdefault((check.values.dtype, ours.values.dtype), []).append(name)
+        for (_, held_dtype), names in groups.items():
+            ours = torch.cat([held[n].values for n in names])
+            theirs = torch.cat([sent[n].values for n in names]).to(held_dtype)
+            if len(ours) == len(theirs) and torch.equal(ours, theirs):
+                continue
+            for name in names:  # the slow path, only when something differs
+                positions = sample_positions(name, version, math.prod(held[name].shape))
+                why = _difference(held[name].values, sent[name].values.to(held_dtype), positions)
+                if why is not None:
+                    problems[name] = why
+    order = {name: i for i, name in enumerate(sent)}
+    return dict(sorted(problems.items(), key=lambda item: order[item[0]]))
 
 
 def compare_all(held: Mapping[str, Optional[torch.Tensor]], sent: Mapping[str, TensorCheck], version: int) -> dict:
@@ -268,7 +334,8 @@ def manifest(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, dic
 
 
 def to_wire(checks: Mapping[str, TensorCheck]) -> dict[str, dict[str, Any]]:
-    """JSON form of `checks` (the embedded server's /verify_weights body)."""
+    """JSON form of `checks` (the embedded server's /verify_weights body, and the samples in its answer
+    to an update with `sample_weights`)."""
     out = {}
     for name, c in checks.items():
         entry: dict[str, Any] = {"shape": list(c.shape), "dtype": c.dtype}

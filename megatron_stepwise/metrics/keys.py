@@ -183,7 +183,8 @@ _T = [  # (pattern, unit, over, meaning)
                 "weight_sync/verify_s",
                 "s",
                 "iteration",
-                "checking the push (weight_sync.verify): taking the record, the engines comparing",
+                "checking the push (weight_sync.verify): the trainer's sampling waits, the engines' sampling "
+                "inside the update, the comparison (full: the engines' digest request)",
             ),
             ("weight_sync/verify_share", "fraction", "iteration", "weight_sync/verify_s over weight_sync/seconds"),
             ("weight_sync/verified_tensors", "count", "iteration", "tensors checked on every engine"),
@@ -192,7 +193,7 @@ _T = [  # (pattern, unit, over, meaning)
                 "weight_sync/unverified_engines",
                 "count",
                 "iteration",
-                "engines that cannot check a push (SGLang servers)",
+                "engines that did not check the push (SGLang servers; an engine that died during the update)",
             ),
             ("fleet/alive_engines", "count", "iteration", "engines up"),
             ("fleet/weight_version", "version", "iteration", "weight version the fleet reports"),

@@ -295,12 +295,18 @@ class Engine(Protocol):
         """`rid` names the request (for abort); `session` names the conversation it belongs to
         (a fleet routes a session's turns to the same engine for prefix-cache reuse)."""
 
-    async def update_weights_from_disk(self, path: str, weight_version: Optional[int] = None) -> int:
-        """Load HF-named safetensors from `path`; returns the new weight version."""
+    async def update_weights_from_disk(
+        self, path: str, weight_version: Optional[int] = None, sample_weights: bool = False
+    ) -> Union[int, dict]:
+        """Load HF-named safetensors from `path`; returns the new weight version. With
+        `sample_weights` (only ever passed by a sampled weight sync) it returns the update's
+        answer instead: {"engine", "weight_version", "samples": `weight_checks.samples_of` the
+        loaded tensors once applied, "sample_s"}, or {"weight_version", "unverified": True,
+        "reason"} from an engine that cannot sample (SGLang). Likewise the other two updates."""
 
     async def update_weights_from_tensors(
-        self, named_tensors: NamedTensors, weight_version: Optional[int] = None
-    ) -> int:
+        self, named_tensors: NamedTensors, weight_version: Optional[int] = None, sample_weights: bool = False
+    ) -> Union[int, dict]:
         """Load tensors keyed by HF parameter names; returns the new weight version."""
 
     async def init_weights_update_group(
@@ -321,7 +327,8 @@ class Engine(Protocol):
         shapes: list[list[int]],
         group_name: str = "weight_update_group",
         weight_version: Optional[int] = None,
-    ) -> int:
+        sample_weights: bool = False,
+    ) -> Union[int, dict]:
         """Receive the named tensors by broadcast from rank 0 of the group; returns the new version."""
 
     async def pause(self, mode: str = "retract") -> Optional[int]:

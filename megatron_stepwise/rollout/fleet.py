@@ -491,7 +491,11 @@ class RolloutFleet:
 
     # ---- weights ----------------------------------------------------------------------------
 
-    async def _update(self, call: Callable[[Any, int], Awaitable], weight_version: Optional[int], replay) -> int:
+    async def _update(
+        self, call: Callable[[Any, int], Awaitable], weight_version: Optional[int], replay
+    ) -> tuple[int, dict[int, Any]]:
+        """Pause, load (`call`), flush and resume every live engine; the new version and the
+        answer to `call` of each engine live when it began, by index (None: it died first)."""
         if "weights" in self._released:
             raise EngineReleasedError(
                 "weight update while the engines' weights are released: resume_memory_occupation(['weights']) first"
@@ -503,9 +507,14 @@ class RolloutFleet:
                     await self._drained.wait()
                 version = self.weight_version + 1 if weight_version is None else int(weight_version)
                 live = [s for s in self._slots if s.alive]
+                answers: dict[int, Any] = {s.index: None for s in live}
+
+                async def load(s):
+                    answers[s.index] = await call(s, version)
+
                 phases = [
                     lambda s: s.handle.call.remote("pause", self.pause_mode),
-                    lambda s: call(s, version),
+                    load,
                     lambda s: s.handle.call.remote("flush_cache"),
                     lambda s: s.handle.call.remote("resume"),
                 ]
@@ -517,18 +526,30 @@ class RolloutFleet:
                 self.weight_version = version
                 self._replay = replay
                 self._metrics.weight_updates += 1
-                return version
+                return version, answers
             finally:
                 self._gate.set()
 
-    async def _guarded(self, fn, slot: _Slot) -> None:
-        """One engine's part of an update; an engine that dies meanwhile is handled like any death
-        (its restart waits for this update and then replays it)."""
+    @staticmethod
+    def _sampled_answers(answers: dict[int, Any]) -> list[dict[str, Any]]:
+        """An update's answers with `sample_weights` (see `update_weights_from_disk`), by index."""
+        out = []
+        for index, answer in sorted(answers.items()):
+            if answer is None:
+                answer = {"unverified": True, "reason": "died during the update, so it is not verified"}
+            elif not isinstance(answer, dict):
+                answer = {"unverified": True, "reason": f"answered the update with {answer!r}, not its samples"}
+            out.append({"index": index, **answer})
+        return out
+
+    async def _guarded(self, fn, slot: _Slot) -> Any:
+        """One engine's part of an update (its answer; None if it died); an engine that dies
+        meanwhile is handled like any death (its restart waits for this update and then replays it)."""
         import ray
 
         incarnation = slot.incarnation
         try:
-            await asyncio.wait_for(_awaited(fn(slot)), self.engine_call_timeout_s)
+            return await asyncio.wait_for(_awaited(fn(slot)), self.engine_call_timeout_s)
         except asyncio.TimeoutError:
             log.warning(
                 "engine %d did not answer a weight update or fleet-wide call within %.0f s "
@@ -542,12 +563,14 @@ class RolloutFleet:
             self._mark_dead(slot, incarnation)
 
     async def update_weights_from_tensors(
-        self, named_tensors: NamedTensors, weight_version: Optional[int] = None
-    ) -> int:
-        """Broadcast HF-named tensors to every engine (stored once in Ray's object store)."""
+        self, named_tensors: NamedTensors, weight_version: Optional[int] = None, *, sample_weights: bool = False
+    ) -> Any:
+        """Broadcast HF-named tensors to every engine (stored once in Ray's object store).
+        `sample_weights`: as in `update_weights_from_disk`."""
         import ray
 
         items = dict(named_tensors.items()) if hasattr(named_tensors, "items") else dict(named_tensors)
+        extra = {"sample_weights": True} if sample_weights else {}
         if self.colocate and any(v.is_cuda for v in items.values()):
             # Colocated on GPU: the engines map the trainer's tensors by CUDA IPC handles (SGLang's
             # own format), no copy through host memory. Handles die with this call's tensors, so a
@@ -555,21 +578,43 @@ class RolloutFleet:
             ref = ray.put(TensorHandles(serialize_tensors_sglang(list(items.items()))))
 
             async def send(s, version):
-                await s.handle.call.remote("update_weights_from_tensors", ref, version)
+                return await s.handle.call.remote("update_weights_from_tensors", ref, version, **extra)
 
-            return await self._update(send, weight_version, False)
+            return await self._answer(send, weight_version, False, sample_weights)
         ref = ray.put({k: v.detach().cpu() for k, v in items.items()})
 
         async def replay(handle, version):
             await handle.call.remote("update_weights_from_tensors", ref, version)
 
-        return await self._update(lambda s, v: replay(s.handle, v), weight_version, replay)
+        async def send(s, version):
+            return await s.handle.call.remote("update_weights_from_tensors", ref, version, **extra)
 
-    async def update_weights_from_disk(self, path: str, weight_version: Optional[int] = None) -> int:
+        return await self._answer(send, weight_version, replay, sample_weights)
+
+    async def update_weights_from_disk(
+        self, path: str, weight_version: Optional[int] = None, *, sample_weights: bool = False
+    ) -> Any:
+        """Every engine loads the HF safetensors in `path`; returns the new weight version.
+
+        With `sample_weights` each engine also takes, once it has applied the update and inside the
+        same request, the values the trainer's sampled check compares (`weight_checks.samples_of`),
+        and this returns one answer per engine live when the update began, by index:
+        {"index", "engine", "weight_version", "samples", "sample_s"}, or {"index", "unverified":
+        True, "reason"} for an engine that cannot sample (SGLang) or died during the update."""
+
         async def replay(handle, version):
             await handle.call.remote("update_weights_from_disk", str(path), version)
 
-        return await self._update(lambda s, v: replay(s.handle, v), weight_version, replay)
+        async def send(s, version):
+            extra = {"sample_weights": True} if sample_weights else {}
+            return await s.handle.call.remote("update_weights_from_disk", str(path), version, **extra)
+
+        return await self._answer(send, weight_version, replay, sample_weights)
+
+    async def _answer(self, send, weight_version: Optional[int], replay, sample_weights: bool) -> Any:
+        """`_update`, answered with the new version, or with every engine's answer when sampled."""
+        version, answers = await self._update(send, weight_version, replay)
+        return self._sampled_answers(answers) if sample_weights else version
 
     async def verify_weights(self, checks: Any, weight_version: int) -> list[dict[str, Any]]:
         """Every live engine compares the trainer's record of a push (`weight_checks`) with the
@@ -633,10 +678,16 @@ class RolloutFleet:
         shapes: list[list[int]],
         group_name: str = "weight_update_group",
         weight_version: Optional[int] = None,
-    ) -> int:
-        """Engines receive by broadcast; run concurrently with the trainer's `weight_sync.broadcast`."""
+        *,
+        sample_weights: bool = False,
+    ) -> Any:
+        """Engines receive by broadcast; run concurrently with the trainer's `weight_sync.broadcast`.
+        `sample_weights`: as in `update_weights_from_disk`."""
+        extra = {"sample_weights": True} if sample_weights else {}
 
         async def call(s, v):
-            await s.handle.call.remote("update_weights_from_distributed", names, dtypes, shapes, group_name, v)
+            return await s.handle.call.remote(
+                "update_weights_from_distributed", names, dtypes, shapes, group_name, v, **extra
+            )
 
-        return await self._update(call, weight_version, False)
+        return await self._answer(call, weight_version, False, sample_weights)

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import aiohttp
 
@@ -31,7 +31,7 @@ from megatron_stepwise.rollout.engine import (
     SamplingParams,
     memory_tags,
 )
-from megatron_stepwise.weight_checks import to_wire
+from megatron_stepwise.weight_checks import Checks, from_wire, to_wire
 from megatron_stepwise.weight_transport import dtype_name
 
 SGLANG_VERSION = "0.5.23"  # the version the contract test checks (and the `sglang` extra pins)
@@ -138,6 +138,12 @@ class TensorHandles:
     blob: str
 
 
+# Why a real SGLang server's weight syncs go unchecked: it offers no per-tensor check of HF-named
+# weights (`/get_weights_by_name` returns a prefix of Llama-family tensors, a test helper;
+# `/weights_checker` hashes its own fused, sharded layout), and its update endpoints carry none.
+UNVERIFIED = "an SGLang server has no per-tensor check of HF-named weights"
+
+
 class SGLangClient:
     """`Engine` over SGLang's native HTTP API at `base_url`.
 
@@ -230,16 +236,39 @@ class SGLangClient:
             self._embedded = isinstance(info, dict) and info.get("engine") == "megatron_stepwise.local"
         return self._embedded
 
-    async def update_weights_from_disk(self, path: str, weight_version: Optional[int] = None) -> int:
+    async def update_weights_from_disk(
+        self, path: str, weight_version: Optional[int] = None, sample_weights: bool = False
+    ) -> Union[int, dict]:
         payload: dict[str, Any] = {"model_path": str(path), "flush_cache": True}
         if weight_version is not None:
             payload["weight_version"] = str(weight_version)
-        await self._request("POST", "/update_weights_from_disk", json=payload)
-        return await self.weight_version()
+        return await self._update("/update_weights_from_disk", payload, sample_weights)
+
+    async def _update(self, path: str, payload: dict, sample_weights: bool) -> Union[int, dict]:
+        """POST an update; the new weight version, or with `sample_weights` the update's answer
+        (`Engine.update_weights_from_disk`): the embedded server samples what it loaded in the same
+        request (our own field `sample_weights`); an SGLang server cannot, so it is unverified."""
+        if sample_weights and await self._is_embedded():
+            answer = await self._request("POST", path, json={**payload, "sample_weights": True})
+            try:
+                samples = Checks(from_wire(answer["samples"]))
+                return {
+                    "engine": str(answer["engine"]),
+                    "weight_version": int(answer["weight_version"]),
+                    "samples": samples,
+                    "sample_s": float(answer.get("sample_s", 0.0)),
+                }
+            except (KeyError, TypeError, ValueError) as e:
+                raise EngineError(f"POST {self.base_url}{path}: the answer carries no valid samples ({e})") from None
+        await self._request("POST", path, json=payload)
+        version = await self.weight_version()
+        if not sample_weights:
+            return version
+        return {"weight_version": version, "unverified": True, "reason": UNVERIFIED}
 
     async def update_weights_from_tensors(
-        self, named_tensors: NamedTensors, weight_version: Optional[int] = None
-    ) -> int:
+        self, named_tensors: NamedTensors, weight_version: Optional[int] = None, sample_weights: bool = False
+    ) -> Union[int, dict]:
         if isinstance(named_tensors, TensorHandles):  # serialized by the trainer (colocated GPU push)
             if await self._is_embedded():
                 raise EngineRequestError("the embedded engine takes tensors, not CUDA IPC handles")
@@ -253,8 +282,7 @@ class SGLangClient:
             payload["load_format"] = load_format
         if weight_version is not None:
             payload["weight_version"] = str(weight_version)
-        await self._request("POST", "/update_weights_from_tensor", json=payload)
-        return await self.weight_version()
+        return await self._update("/update_weights_from_tensor", payload, sample_weights)
 
     async def init_weights_update_group(
         self,
@@ -285,7 +313,8 @@ class SGLangClient:
         shapes: list[list[int]],
         group_name: str = "weight_update_group",
         weight_version: Optional[int] = None,
-    ) -> int:
+        sample_weights: bool = False,
+    ) -> Union[int, dict]:
         payload: dict[str, Any] = {
             "names": list(names),
             "dtypes": [d if isinstance(d, str) else dtype_name(d) for d in dtypes],
@@ -295,14 +324,11 @@ class SGLangClient:
         }
         if weight_version is not None:
             payload["weight_version"] = str(weight_version)
-        await self._request("POST", "/update_weights_from_distributed", json=payload)
-        return await self.weight_version()
+        return await self._update("/update_weights_from_distributed", payload, sample_weights)
 
     async def verify_weights(self, checks: Any, weight_version: int) -> Optional[dict]:
         """The embedded server compares the trainer's record of a push with what it holds
-        (/verify_weights). None for a real SGLang server: it offers no per-tensor check of
-        HF-named weights (`/get_weights_by_name` returns a prefix of Llama-family tensors, a test
-        helper; `/weights_checker` hashes its own fused, sharded layout), so it stays unverified."""
+        (/verify_weights). None for a real SGLang server: it stays unverified (`UNVERIFIED`)."""
         if not await self._is_embedded():
             return None
         body = {"weight_version": int(weight_version), "checks": to_wire(checks)}

@@ -3,8 +3,11 @@
 After each push (tensor, disk, distributed) at TP2, PP2 and TP1, the embedded engine's greedy
 log-probs for a sequence equal the plugin's `compute_logprobs` on the same tokens within 1e-4;
 so do log-probs of tokens sampled at T = 0.6 with top-p 0.9 and top-k 20, scored by a plugin
-told the temperature. Every push is verified on the engine (`weight_sync.verify`); a tensor of
-PP2's second stage corrupted on the engine is caught by name on both ranks; verify off checks nothing.
+told the temperature. Every push is verified on the engine (`weight_sync.verify`) inside the update
+request, with no separate verify request; in every mode and layout one element of a tensor (PP2's
+second stage's) changed after the trainer sampled it and before the engine loaded it stops the
+push on both ranks, named with the tensor, its flat index and the engine; a tensor of PP2's second
+stage corrupted on the engine is caught by name on both ranks; verify off checks nothing.
 """
 
 from __future__ import annotations
@@ -78,6 +81,24 @@ def test_engine_logprobs_equal_megatron_after_a_sync(results, layout, mode):
     assert m["weight_sync/verified_tensors"] == results[0]["tp1/tensor"]["metrics"]["weight_sync/verified_tensors"] > 10
     assert 0 < m["weight_sync/verify_s"] < m["weight_sync/seconds"]
     assert m["weight_sync/verify_share"] == pytest.approx(m["weight_sync/verify_s"] / m["weight_sync/seconds"])
+    assert m["verify_requests"] == 0  # the check came with the update's answer
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_one_element_changed_between_the_trainers_sample_and_the_engines_load_stops_the_push(results, layout, mode):
+    case = results[0][f"{layout}/{mode}/injected"]
+    assert len(case["messages"]) == 2 and case["messages"][0] == case["messages"][1]  # raised on both ranks
+    message = case["messages"][0]
+    assert message.startswith(
+        f"weight sync of version {case['version']} verified wrong: engine 0 (engine0.0) holds 1 tensor(s)"
+    )
+    where, hits = case["where"], case["hits"]
+    assert (
+        f"model.layers.1.self_attn.o_proj.weight: {hits} of 256 sampled values differ (first at flat index {where}:"
+        in message
+    )
 
 
 @pytest.mark.distributed
@@ -85,7 +106,9 @@ def test_a_corrupted_engine_tensor_stops_every_rank_by_name_and_off_skips(result
     case = results[0]["pp2/corrupted"]
     assert len(case["messages"]) == 2 and case["messages"][0] == case["messages"][1]  # raised on both ranks
     message = case["messages"][0]
-    assert message.startswith("weight sync of version 6 verified wrong: engine 0 (engine0.0) holds 1 tensor(s)")
+    assert message.startswith(
+        f"weight sync of version {case['version']} verified wrong: engine 0 (engine0.0) holds 1 tensor(s)"
+    )
     assert "model.layers.1.self_attn.o_proj.weight: " in message and "sampled values differ" in message
     assert "weight_sync/seconds" in case["off_metrics"]
     assert not any(k.startswith("weight_sync/verif") for k in case["off_metrics"])
@@ -122,5 +145,6 @@ def test_sampled_logprobs_at_temperature_match_and_tis_weights_are_one(results, 
 
 @pytest.mark.distributed
 def test_disk_mode_keeps_the_newest_versions(results):
-    # Disk pushes were versions 2, 5, 8 (one per layout); keep_versions=2.
-    assert results[1] == ["v000005", "v000008"]
+    # Two disk pushes per layout (one with an element changed in its file); keep_versions=2.
+    versions = results[0]["disk_versions"]
+    assert len(versions) == 6 and results[1] == [f"v{v:06d}" for v in versions[-2:]]

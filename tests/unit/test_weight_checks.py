@@ -233,22 +233,3 @@ def test_a_record_sampled_beside_the_push_equals_one_taken_in_line():
     assert list(beside.checks) == list(in_line.checks) == list(tensors)
     for name in tensors:
         assert torch.equal(beside.checks[name].values, in_line.checks[name].values)
-
-
-def test_a_record_packed_ahead_reads_through_and_unpickles_as_the_same_checks():
-    import pickle
-    from concurrent.futures import ThreadPoolExecutor
-
-    tensors = pushed(seed=5, dtype=torch.bfloat16)
-    with ThreadPoolExecutor(max_workers=1) as sampler:
-        record = PushRecord(6, "sampled", sampler)
-        record.add(list(tensors.items()))
-        record.pack_ahead()
-        sent = record.to_send()
-    assert isinstance(sent, C.PackedChecks) and list(sent) == list(record.checks) and len(sent) == len(tensors)
-    back = pickle.loads(pickle.dumps(sent))
-    assert isinstance(back, C.Checks) and list(back) == list(tensors)
-    for name, check in record.checks.items():
-        assert sent[name] is check and torch.equal(back[name].values, check.values)
-    record.merge([({"extra": C.check_of("extra", torch.ones(3), 6, "sampled")}, 0.0)])
-    assert record.to_send() is record.checks  # a merged record is sent as it now is

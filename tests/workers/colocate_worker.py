@@ -40,10 +40,14 @@ class RecordingFleet:
         self._record("generate")
         return await self.engine.generate(input_ids, sampling, rid=rid, session=session)
 
-    async def update_weights_from_tensors(self, named_tensors, weight_version=None):
+    async def update_weights_from_tensors(self, named_tensors, weight_version=None, *, sample_weights=False):
         self._record("update")
-        self.weight_version = await self.engine.update_weights_from_tensors(named_tensors, weight_version)
-        return self.weight_version
+        answer = await self.engine.update_weights_from_tensors(named_tensors, weight_version, sample_weights)
+        if not sample_weights:  # the version; sampled (weight_sync.verify): the engines' answers
+            self.weight_version = answer
+            return answer
+        self.weight_version = answer["weight_version"]
+        return [{"index": 0, **answer}]
 
     async def verify_weights(self, checks, weight_version):
         return [{"index": 0, **await self.engine.verify_weights(checks, weight_version)}]

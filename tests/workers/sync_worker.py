@@ -6,7 +6,11 @@ distributed), the policy gets new layout-independent weights, `WeightSync.push` 
 new version, the engine generates greedily from a prompt, and the plugin's `compute_logprobs`
 scores the same tokens. After the tensor-mode push the engine also samples at T = 0.6 with
 top-p 0.9 and top-k 20, scored by a plugin at T = 0.6 and, as the control, at T = 1. Every push
-is verified on the engine (weight_sync.verify, its metrics saved). At PP2, one tensor of the second
+is verified on the engine (weight_sync.verify, its metrics saved), inside the update request: a spy
+counts the fleet's separate verify requests (none in sampled mode). In each layout and mode one more
+push has one element of a tensor (held by the second stage at PP2) changed at a sampled position
+after the trainer sampled it and before the engine loads it (`Injection`): the push must raise on
+both ranks naming the tensor, the flat index and the engine. At PP2, one tensor of the second
 stage is then corrupted on the engine: `verify` must raise on both ranks naming it, and a push with
 verify off must record no check. Rank 0 saves the log-prob vectors (and the sync metrics) under --out.
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 from pathlib import Path
 
@@ -23,13 +28,15 @@ import torch
 import torch.distributed as dist
 from worker_entry import run_worker
 
+from megatron_stepwise import weight_checks, weight_transport
 from megatron_stepwise.algo.losses import LossConfig
 from megatron_stepwise.mcore.runtime import runtime
 from megatron_stepwise.mcore.train import model as M
 from megatron_stepwise.mcore.train.plugin import StepwisePlugin
+from megatron_stepwise.mcore.weights import convert
 from megatron_stepwise.mcore.weights import full_views as W
 from megatron_stepwise.mcore.weights.sync import WeightSync
-from megatron_stepwise.mcore.weights.sync_verify import WeightMismatch
+from megatron_stepwise.mcore.weights.sync_verify import PushRecord, WeightMismatch
 from megatron_stepwise.steps import Step, TrajectoryID
 
 PROMPT = [5, 17, 42, 99, 3, 250, 64]
@@ -82,7 +89,97 @@ def corrupted_case(loop, fleet, rank, syncers, chunks, cfg, version) -> dict:
     off = WeightSync(fleet, "tensor", cfg, loop=loop, bucket_mb=0.05, verify="off")
     off_metrics = off.push(chunks, version)
     off.close()
-    return {"messages": messages, "off_metrics": off_metrics}
+    return {"messages": messages, "off_metrics": off_metrics, "version": version}
+
+
+class Injection:
+    """On rank 0: changes one element of CORRUPTED, at the `AT`-th sampled position of the push's
+    version, after the trainer's record sampled it and before the engine loads it (the file it
+    was written to, the tensor sent, or the tensor broadcast). Also counts the fleet's separate
+    verify requests."""
+
+    AT = 17
+
+    def __init__(self, fleet):
+        self.fleet, self.mode, self.version, self.target = fleet, None, None, None
+        self.verify_requests = 0
+        self._wrap(fleet, "update_weights_from_disk", self._disk)
+        self._wrap(fleet, "update_weights_from_tensors", self._tensors)
+        self._wrap(fleet, "verify_weights", self._counted)
+        self._wrap(weight_transport, "broadcast", self._broadcast)
+        self._wrap(PushRecord, "add", self._recorded)
+
+    def _wrap(self, owner, name, wrapper) -> None:
+        original = getattr(owner, name)
+        setattr(owner, name, lambda *args, **kwargs: wrapper(original, *args, **kwargs))
+
+    def arm(self, mode: str, version: int) -> None:
+        self.mode, self.version, self.target = mode, version, None
+
+    def disarm(self) -> None:
+        self.mode = self.target = None
+
+    def where(self, numel: int) -> int:
+        return int(weight_checks.sample_positions(CORRUPTED, self.version, numel)[self.AT])
+
+    def _changed(self, tensor: torch.Tensor) -> torch.Tensor:
+        out = tensor.detach().clone().contiguous()
+        out.view(-1)[self.where(out.numel())] += 1.0
+        return out
+
+    def _disk(self, original, path, *args, **kwargs):
+        if self.mode == "disk":
+            from safetensors.torch import load_file, save_file
+
+            file = Path(path) / convert.load_hf_index(path)["weight_map"][CORRUPTED]
+            tensors = load_file(str(file))
+            tensors[CORRUPTED] = self._changed(tensors[CORRUPTED])
+            save_file(tensors, str(file), metadata={"format": "pt"})
+        return original(path, *args, **kwargs)
+
+    def _tensors(self, original, named, *args, **kwargs):
+        if self.mode == "tensor":
+            named = [(n, self._changed(t) if n == CORRUPTED else t) for n, t in named]
+        return original(named, *args, **kwargs)
+
+    def _recorded(self, original, record, bucket):
+        bucket = list(bucket)
+        original(record, bucket)  # the record samples the true values (maybe on its thread)
+        for name, tensor in bucket:
+            if name == CORRUPTED:
+                self.target = tensor
+
+    def _broadcast(self, original, group, tensors):
+        if self.mode == "distributed":
+            tensors = [self._changed(t) if t is self.target else t for t in tensors]
+        return original(group, tensors)
+
+    def _counted(self, original, *args, **kwargs):
+        self.verify_requests += 1
+        return original(*args, **kwargs)
+
+
+def injected_case(injection, rank, syncer, chunks, mode, version) -> dict:
+    """A push whose CORRUPTED tensor is changed on its way to the engine must raise on every rank."""
+    if rank == 0:
+        injection.arm(mode, version)
+    try:
+        syncer.push(chunks, version)
+        message = None
+    except WeightMismatch as e:
+        message = str(e)
+    finally:
+        if rank == 0:
+            injection.disarm()
+    messages = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, message)
+    where = hits = None
+    if rank == 0:
+        numel = math.prod(syncer._last.checks[CORRUPTED].shape)
+        positions = weight_checks.sample_positions(CORRUPTED, version, numel)
+        where = int(positions[Injection.AT])
+        hits = int((positions == where).sum())  # positions are drawn with replacement: it may come twice
+    return {"messages": messages, "where": where, "hits": hits, "version": version}
 
 
 def megatron_logprobs(plugin, chunks, prompt, response) -> torch.Tensor:
@@ -101,20 +198,21 @@ def main() -> None:
     cfg = M.tiny_config(tie_word_embeddings=bool(args.tied), model_type=args.model_type, **extra)
     rank = int(os.environ["RANK"])
 
-    loop = fleet = None
+    loop = fleet = injection = None
     if rank == 0:
         from megatron_stepwise.rollout.fleet import EngineSpec, RolloutFleet
 
         loop = asyncio.new_event_loop()
         fleet = RolloutFleet([EngineSpec(kind="local", model_config=cfg, seed=123, num_cpus=0.5)], ray_num_cpus=2)
         loop.run_until_complete(fleet.wait_ready())
+        injection = Injection(fleet)
 
     plugin = StepwisePlugin(LossConfig(), max_tokens_per_microbatch=256)
     plugins = {
         "megatron_t": StepwisePlugin(LossConfig(), max_tokens_per_microbatch=256, temperature=TEMPERATURE),
         "megatron_t1": plugin,
     }
-    results: dict = {}
+    results: dict = {"disk_versions": []}
     syncers: dict = {}
     version = 0
     for tag, tp, pp in LAYOUTS:
@@ -134,14 +232,18 @@ def main() -> None:
                 box = [stale.output_ids]
             dist.broadcast_object_list(box, src=0)
             before = megatron_logprobs(plugin, chunks, PROMPT, box[0])
+            asked = injection.verify_requests if rank == 0 else 0
             metrics = syncers[mode].push(chunks, version)
             if rank == 0:
+                metrics["verify_requests"] = injection.verify_requests - asked
                 result = generate(loop, fleet, PROMPT)
                 box = [(result.output_ids, result.logprobs, result.weight_version)]
             dist.broadcast_object_list(box, src=0)
             output_ids, engine_logprobs, engine_version = box[0]
             ours = megatron_logprobs(plugin, chunks, PROMPT, output_ids)
             if rank == 0:
+                if mode == "disk":
+                    results["disk_versions"].append(version)
                 results[f"{tag}/{mode}"] = {
                     "version": version,
                     "engine_version": engine_version,
@@ -155,6 +257,14 @@ def main() -> None:
                 case = sampled_case(loop, fleet, rank, plugins, chunks)
                 if rank == 0:
                     results[f"{tag}/sampled"] = case
+            dist.barrier()
+        for mode in MODES:  # after the pushes above, so their versions stay as they were
+            version += 1
+            case = injected_case(injection, rank, syncers[mode], chunks, mode, version)
+            if rank == 0:
+                results[f"{tag}/{mode}/injected"] = case
+                if mode == "disk":
+                    results["disk_versions"].append(version)
             dist.barrier()
         if tag == "pp2":
             case = corrupted_case(loop, fleet, rank, syncers, chunks, cfg, version)

@@ -3,9 +3,11 @@
 Three transports, chosen by `weight_sync.mode` (`disk`, `tensor`, `distributed`); in every one
 the trainer ranks convert their own weights to HF names (`weights/convert.py`) and only global
 rank 0 talks to the fleet. `WeightSync` keeps what lives across pushes (the event loop driving
-the fleet, the distributed group). After each push the engines check what they hold against the
-trainer's record of what it sent (`weight_sync.verify`, `sync_verify.py`): a mismatch stops the
-run on every rank, naming the tensor, the engine and the version.
+the fleet, the distributed group). Every push is checked against the trainer's record of what it
+sent (`weight_sync.verify`, `sync_verify.py`): in sampled mode each engine answers the update
+request itself with its samples of what it loaded (no second request), in full mode a request
+after the update compares digests; a mismatch stops the run on every rank, naming the tensor, the
+engine and the version.
 
 How each transport moves the buckets: docs/weights.md, 'Weight sync to the fleet' and
 'The three sync transports'.
@@ -31,7 +33,14 @@ from megatron_stepwise.hf.arch import HFConfig, model_spec
 from megatron_stepwise.mcore.runtime.runtime import free_port
 from megatron_stepwise.mcore.weights import convert
 from megatron_stepwise.mcore.weights.fileops import raise_together
-from megatron_stepwise.mcore.weights.sync_verify import PushRecord, WeightMismatch, mismatch_message
+from megatron_stepwise.mcore.weights.sync_verify import (
+    PushRecord,
+    WeightMismatch,
+    judge_samples,
+    merge_answers,
+    mismatch_message,
+    unverified_reasons,
+)
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +116,7 @@ class WeightSync:
         self._group = None
         self.verify_mode = verify
         self._last: Optional[PushRecord] = None  # the last push's record (rank 0), for `verify`
-        self._unverified_warned = False
+        self._unverified_warned: set[str] = set()  # reasons already logged (once each)
         self._sampler_pool: Optional[ThreadPoolExecutor] = None  # samples buckets beside the push
 
     def _sampler(self) -> ThreadPoolExecutor:
@@ -122,10 +131,10 @@ class WeightSync:
         Returns timing / volume metrics on rank 0 ({} elsewhere)."""
         start = time.perf_counter()
         record = None if self.verify_mode == "off" else PushRecord(version, self.verify_mode, self._sampler())
-        nbytes, buckets = {"disk": self._disk, "tensor": self._tensor, "distributed": self._distributed}[self.mode](
-            chunks, int(version), record
-        )
-        checked = self._check(record) if record is not None else {}
+        nbytes, buckets, answers = {"disk": self._disk, "tensor": self._tensor, "distributed": self._distributed}[
+            self.mode
+        ](chunks, int(version), record)
+        checked = self._check(record, answers) if record is not None else {}
         if not self.is_driver:
             return {}
         seconds = time.perf_counter() - start
@@ -150,7 +159,7 @@ class WeightSync:
             return {}
         if record is not None:
             record.seconds = 0.0
-        return self._check(record)
+        return self._check(record, None)
 
     def close(self) -> None:
         self._group = None
@@ -165,9 +174,18 @@ class WeightSync:
     def _run(self, coro):
         return self.loop.run_until_complete(coro)
 
-    def _check(self, record: Optional[PushRecord]) -> dict[str, float]:
-        """Rank 0 asks every engine to compare its weights with `record`; every rank raises
-        `WeightMismatch` if one differs. Collective. Returns the verification metrics on rank 0."""
+    def _sampled(self, record: Optional[PushRecord]) -> bool:
+        """Whether the engines answer this push's update with their samples (sampled mode)."""
+        return record is not None and record.mode == "sampled"
+
+    def _update_kwargs(self, record: Optional[PushRecord]) -> dict:
+        return {"sample_weights": True} if self._sampled(record) else {}
+
+    def _check(self, record: Optional[PushRecord], answers: Optional[list]) -> dict[str, float]:
+        """Judge the push on rank 0: the engines' `answers` to a sampled update compared with
+        `record`, or (answers None: full mode, `verify()`) a request asking every engine to compare
+        its weights with `record`. Every rank raises `WeightMismatch` if one differs. Collective.
+        Returns the verification metrics on rank 0."""
         if record is not None:
             record.finish()
         error = None
@@ -175,25 +193,32 @@ class WeightSync:
         if self.is_driver:
             self._last = record
             start = time.perf_counter()
-            answers: list = []
+            engine_s = 0.0  # the engines' sampling inside the update, which the push waited for
+            judged: list = []
             try:
-                answers = self._run(self.fleet.verify_weights(record.to_send(), record.version))
-                error = mismatch_message(answers, record.version)
+                if answers is None:
+                    judged = self._run(self.fleet.verify_weights(record.checks, record.version))
+                else:
+                    engine_s = max((a.get("sample_s", 0.0) for a in answers), default=0.0)
+                    judged = judge_samples(answers, record)
+                error = mismatch_message(judged, record.version)
             except Exception as e:  # noqa: BLE001 - reported on every rank below
                 error = f"weight sync of version {record.version}: verification failed ({type(e).__name__}: {e})"
-            unverified = sum(1 for a in answers if a.get("unverified"))
-            if unverified and not self._unverified_warned:
-                self._unverified_warned = True
+            unverified = unverified_reasons(judged)
+            new_reasons = [r for r in unverified if r not in self._unverified_warned]
+            if new_reasons:
+                self._unverified_warned.update(new_reasons)
                 log.warning(
-                    "weight_sync.verify: %d engine(s) cannot check their weights (SGLang has no per-tensor check "
-                    "of HF-named weights); their syncs are not verified (docs/weights.md)",
-                    unverified,
+                    "weight_sync.verify: %d engine(s) did not check this push (%s); counted in "
+                    "weight_sync/unverified_engines (docs/weights.md)",
+                    len(unverified),
+                    "; ".join(unverified),
                 )
             metrics = {
-                "weight_sync/verify_s": record.seconds + time.perf_counter() - start,
+                "weight_sync/verify_s": record.seconds + engine_s + time.perf_counter() - start,
                 "weight_sync/verified_tensors": float(len(record.checks)),
-                "weight_sync/verified_engines": float(len(answers) - unverified),
-                "weight_sync/unverified_engines": float(unverified),
+                "weight_sync/verified_engines": float(len(judged) - len(unverified)),
+                "weight_sync/unverified_engines": float(len(unverified)),
             }
         raise_together(error, WeightMismatch)
         return metrics
@@ -212,27 +237,35 @@ class WeightSync:
         if record is not None:
             self._gather_records(record)
         if not self.is_driver:
-            return 0, 0
+            return 0, 0, None
         index = convert.load_hf_index(path)
-        self._run(self.fleet.update_weights_from_disk(str(path), weight_version=version))
+        answers = self._run(
+            self.fleet.update_weights_from_disk(str(path), weight_version=version, **self._update_kwargs(record))
+        )
         prune_versions(self.sync_dir, self.keep_versions)
-        return index["metadata"]["total_size"], len(set(index["weight_map"].values()))
+        return index["metadata"]["total_size"], len(set(index["weight_map"].values())), self._answers(record, answers)
+
+    def _answers(self, record: Optional[PushRecord], answers: Any) -> Optional[list]:
+        """The update's answers when they carry the check (sampled mode), else None."""
+        return answers if self._sampled(record) else None
 
     def _gather_records(self, record: PushRecord) -> None:
         """Disk mode, collective: each stage recorded the files it wrote; rank 0 folds them into its
-        own record (kept as it is: gathering it to itself would pickle it for nothing) and packs it
-        while the engines load."""
-        record.finish()
+        own record (kept as it is: gathering it to itself would pickle it for nothing; its last
+        bucket may still be sampled while the engines load)."""
+        if not self.is_driver:
+            record.finish()
         parts = [None] * dist.get_world_size() if self.is_driver else None
         mine = (record.checks, record.seconds) if record.checks and not self.is_driver else None
         dist.gather_object(mine, parts, dst=0)
         if self.is_driver:
             record.merge(parts)
-            record.pack_ahead()
 
-    def _tensor(self, chunks: list, version: int, record: Optional[PushRecord]) -> tuple[int, int]:
+    def _tensor(self, chunks: list, version: int, record: Optional[PushRecord]) -> tuple[int, int, Optional[list]]:
         nbytes = buckets = 0
         pending: list = []
+        rounds: list = []  # the engines' answers to each update request
+        kwargs = self._update_kwargs(record)
         for bucket in convert.stream_hf_buckets(chunks, self.model.arch, bucket_mb=self.bucket_mb, dtype=self.dtype):
             if record is not None:
                 record.add(bucket)
@@ -241,19 +274,19 @@ class WeightSync:
             if self.atomic:
                 pending.extend(bucket)
             else:
-                self._run(self.fleet.update_weights_from_tensors(bucket, weight_version=version))
-        if record is not None and self.is_driver:
-            record.pack_ahead()  # while the engines load the last bucket
+                rounds.append(
+                    self._run(self.fleet.update_weights_from_tensors(bucket, weight_version=version, **kwargs))
+                )
         if self.is_driver and self.atomic:
-            self._run(self.fleet.update_weights_from_tensors(pending, weight_version=version))
-        return nbytes, buckets
+            rounds.append(self._run(self.fleet.update_weights_from_tensors(pending, weight_version=version, **kwargs)))
+        return nbytes, buckets, merge_answers(rounds) if self._sampled(record) and self.is_driver else None
 
-    def _distributed(self, chunks: list, version: int, record: Optional[PushRecord]) -> tuple[int, int]:
+    def _distributed(self, chunks: list, version: int, record: Optional[PushRecord]) -> tuple[int, int, Optional[list]]:
         meta = convert.hf_metadata(chunks, self.model.arch, dtype=self.dtype)
         stream = convert.stream_hf_buckets(chunks, self.model.arch, bucket_mb=self.bucket_mb, dtype=self.dtype)
         if not self.is_driver:
             deque(stream, maxlen=0)  # take part in the gathers / sends
-            return 0, 0
+            return 0, 0, None
         group = self.open_group()
         names = [name for name, _, _ in meta]
         counts = {"bytes": 0, "buckets": 0}
@@ -273,18 +306,17 @@ class WeightSync:
                 counts["bytes"] += sum(t.numel() * t.element_size() for _, t in bucket)
             if sent != len(names):
                 raise WeightSyncError(f"sent {sent} tensors, announced {len(names)}")
-            if record is not None:
-                record.pack_ahead()  # while the engines load what they received
 
         async def both():
             dtypes = [weight_transport.dtype_name(d) for _, _, d in meta]
             update = self.fleet.update_weights_from_distributed(
-                names, dtypes, [list(s) for _, s, _ in meta], weight_version=version
+                names, dtypes, [list(s) for _, s, _ in meta], weight_version=version, **self._update_kwargs(record)
             )
-            await asyncio.gather(update, asyncio.get_running_loop().run_in_executor(None, send_all))
+            answers, _ = await asyncio.gather(update, asyncio.get_running_loop().run_in_executor(None, send_all))
+            return answers
 
-        self._run(both())
-        return counts["bytes"], counts["buckets"]
+        answers = self._run(both())
+        return counts["bytes"], counts["buckets"], self._answers(record, answers)
 
     def open_group(self):
         """The weight-update process group of the trainer (rank 0) and every TP rank of every

@@ -1,8 +1,11 @@
 """The trainer's side of "every weight sync verified": record what a push sent, judge the answers.
 
 `PushRecord` takes each bucket as it is sent (on whichever rank holds it), sampling it on a
-helper thread beside the transfer, and keeps a `weight_checks.TensorCheck` per tensor; `mismatch_message` turns the engines' answers into the
-one error that stops the run, naming the tensor, the engine and the weight version.
+helper thread beside the transfer, and keeps a `weight_checks.TensorCheck` per tensor. In
+sampled mode each engine answers the update request itself with its samples of what it loaded;
+`judge_samples` compares them with the record (`merge_answers` joins the answers of a push sent
+in several requests). `mismatch_message` turns the engines' answers into the one error that
+stops the run, naming the tensor, the engine and the weight version.
 The protocol and its cost: docs/weights.md, 'Every sync verified'.
 """
 
@@ -30,7 +33,8 @@ class PushRecord:
     With a `sampler` (a one-thread executor) the sampling of CPU buckets runs beside the push:
     `add` hands a bucket over and returns, and the push waits only for a bucket still being
     sampled when the next one comes (at most one in flight, so no bucket is held longer than the
-    push's own loop holds it) and, in `finish`, for the last one. `seconds` counts those waits."""
+    push's own loop holds it) and, in `finish`, for the last one. `seconds` counts those waits
+    (and, in `judge_samples`, the comparison)."""
 
     def __init__(self, version: int, mode: str, sampler: Optional[Executor] = None):
         if mode not in weight_checks.VERIFY_MODES or mode == "off":
@@ -40,7 +44,6 @@ class PushRecord:
         self.seconds = 0.0
         self._sampler = sampler if mode == "sampled" else None  # full hashes whole buckets: kept in line
         self._pending: Optional[Future] = None
-        self._packing: Optional[Future] = None
 
     def add(self, bucket: Iterable[tuple[str, torch.Tensor]]) -> None:
         start = time.perf_counter()
@@ -54,20 +57,10 @@ class PushRecord:
         self.seconds += time.perf_counter() - start
 
     def finish(self) -> None:
-        """Wait for the bucket still being sampled (before the checks are sent)."""
+        """Wait for the bucket still being sampled (before the record is compared or sent)."""
         start = time.perf_counter()
         self._collect()
         self.seconds += time.perf_counter() - start
-
-    def pack_ahead(self) -> None:
-        """The record is complete: pickle it on the sampler thread while the engines load."""
-        self.finish()
-        if self._sampler is not None and self.checks:
-            self._packing = self._sampler.submit(weight_checks.PackedChecks, self.checks)
-
-    def to_send(self) -> Any:
-        """What goes to the engines: the packed record when `pack_ahead` made one, else the checks."""
-        return self._packing.result() if self._packing is not None else self.checks
 
     def _collect(self) -> None:
         if self._pending is not None:
@@ -80,8 +73,59 @@ class PushRecord:
             if other is not None:
                 checks, seconds = other
                 self.checks.update(checks)
-                self._packing = None  # no longer the whole record
                 self.seconds = max(self.seconds, seconds)  # stages record in parallel
+
+
+def merge_answers(rounds: Iterable[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One answer per engine from the answers of several update requests of one push (tensor
+    mode, `atomic: false`: a request per bucket): their samples joined, the last version held;
+    unverified if any request was."""
+    merged: dict[int, dict[str, Any]] = {}
+    for answers in rounds:
+        for a in answers:
+            into = merged.get(a["index"])
+            if into is None:
+                merged[a["index"]] = into = {**a}
+                if a.get("samples") is not None:
+                    into["samples"] = weight_checks.Checks(a["samples"])
+                continue
+            if a.get("unverified"):
+                into.update(unverified=True, reason=a.get("reason", ""))
+            if a.get("samples") is not None and into.get("samples") is not None:
+                into["samples"].update(a["samples"])
+            into["sample_s"] = into.get("sample_s", 0.0) + a.get("sample_s", 0.0)
+            if "weight_version" in a:
+                into["weight_version"] = a["weight_version"]
+    return [merged[i] for i in sorted(merged)]
+
+
+def judge_samples(answers: list[dict[str, Any]], record: PushRecord) -> list[dict[str, Any]]:
+    """The engines' update answers as verification answers ({"index", "engine", "weight_version",
+    "problems": {tensor: why}}): each engine's samples compared with the record. Unverified
+    answers pass through; an answer that claims to be verified but carries no samples is a problem."""
+    record.finish()
+    start = time.perf_counter()
+    out = []
+    for a in answers:
+        if a.get("unverified"):
+            out.append(a)
+            continue
+        samples = a.get("samples")
+        if samples is None:
+            problems = {"(samples)": "the engine's answer to the update carries no samples"}
+        else:
+            problems = weight_checks.compare_samples(samples, record.checks, record.version)
+        out.append({k: v for k, v in a.items() if k != "samples"} | {"problems": problems})
+    record.seconds += time.perf_counter() - start
+    return out
+
+
+def unverified_reasons(answers: list[dict[str, Any]]) -> list[str]:
+    """Why engines did not verify a push, one line per engine (an SGLang server, an engine that
+    died during the update)."""
+    return [
+        f"engine {a['index']}: {a.get('reason') or 'cannot check its weights'}" for a in answers if a.get("unverified")
+    ]
 
 
 def mismatch_message(answers: list[dict[str, Any]], version: int) -> Optional[str]:

@@ -23,6 +23,7 @@ import concurrent.futures
 import inspect
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Union
 
@@ -417,7 +418,8 @@ class LocalEngine:
         self._released: set[str] = set()  # memory tags released (colocated mode)
         self._freed_storages: list[tuple[torch.UntypedStorage, int]] = []  # (storage, its size) while released
         self._needs_weights = False  # weights resumed without their values: a weight update must come first
-        self._params_by_name: Optional[dict] = None  # for verify_weights
+        self._params_by_name: Optional[dict] = None  # for the weight checks
+        self._loaded: tuple = (None, [])  # (version, [(name, tensor)] its sampled updates loaded so far)
 
     def _next_forward(self) -> int:
         self._forwards += 1
@@ -659,22 +661,74 @@ class LocalEngine:
         }
 
     async def update_weights_from_tensors(
-        self, named_tensors: NamedTensors, weight_version: Optional[int] = None
-    ) -> int:
-        return await self._load(
-            "update_weights_from_tensors", hf_model.load_named_tensors, named_tensors, weight_version
-        )
+        self, named_tensors: NamedTensors, weight_version: Optional[int] = None, sample_weights: bool = False
+    ) -> Union[int, dict]:
+        """Load HF-named tensors; the new weight version (with `sample_weights`: `_answer`)."""
+        self._check_weights_resident("update_weights_from_tensors")
+        return await self._load(lambda: named_tensors, weight_version, sample_weights)
 
-    async def update_weights_from_disk(self, path: str, weight_version: Optional[int] = None) -> int:
-        return await self._load("update_weights_from_disk", hf_model.load_safetensors_dir, path, weight_version)
+    async def update_weights_from_disk(
+        self, path: str, weight_version: Optional[int] = None, sample_weights: bool = False
+    ) -> Union[int, dict]:
+        """Load the HF safetensors in `path`; the new weight version (with `sample_weights`: `_answer`)."""
+        self._check_weights_resident("update_weights_from_disk")
+        return await self._load(lambda: hf_model.read_safetensors_dir(path), weight_version, sample_weights)
 
-    async def _load(self, what: str, load: Callable, source: Any, weight_version: Optional[int]) -> int:
-        """`load(model, source)` under the model lock, then the new weight version."""
-        self._check_weights_resident(what)
+    async def _load(self, read: Callable, weight_version: Optional[int], sample_weights: bool) -> Union[int, dict]:
+        """Load `read()`'s named tensors under the model lock (on the model thread), then the new
+        weight version, or with `sample_weights` the answer that carries the loaded tensors' samples."""
         self._ensure_started()
         async with self._model_lock:
-            await self._run(load, self.model, source)
-            return self._bump_version(weight_version)
+            sample_at = self._next_version(weight_version) if sample_weights else None
+            samples = await self._run(lambda: self._apply(read(), sample_at))
+            return self._answer(self._bump_version(weight_version), samples)
+
+    def _apply(self, named: NamedTensors, sample_at: Optional[int]) -> Optional[tuple]:
+        """Load `named` into the model; with `sample_at` (the new weight version) also take, from
+        the tensors the names now hold, the values the trainer's sampled check compares: (samples,
+        seconds the sampling took).
+
+        Each tensor is sampled right after it is written (`weight_checks.Sampler`), unless two
+        names of this version's update (this request or an earlier one: a push sent a bucket at a
+        time) load into the same memory: then a later write could change a tensor already
+        sampled, so every name of the version is sampled by name after the whole load, and shows it."""
+        items = list(named.items()) if isinstance(named, Mapping) else list(named)
+        if sample_at is None:
+            hf_model.load_named_tensors(self.model, items)
+            return None
+        targets = hf_model.load_targets(self.model, items)
+        start = time.perf_counter()
+        if self._loaded[0] != sample_at:
+            self._loaded = (sample_at, [])
+        earlier = self._loaded[1]
+        shared = weight_checks.overlapping([t for _, t in earlier] + targets)
+        earlier.extend((name, target) for (name, _), target in zip(items, targets))
+        sampler = (
+            None if shared else weight_checks.Sampler([n for n, _ in items], [t.numel() for t in targets], sample_at)
+        )
+        seconds = time.perf_counter() - start
+        with torch.no_grad():
+            for i, (target, (_, tensor)) in enumerate(zip(targets, items)):
+                target.copy_(tensor.to(target.dtype))
+                if sampler is not None:
+                    start = time.perf_counter()
+                    sampler.take(i, target)
+                    seconds += time.perf_counter() - start
+        if sampler is not None:
+            start = time.perf_counter()
+            samples = sampler.checks()
+            return samples, seconds + time.perf_counter() - start
+        start = time.perf_counter()
+        held = hf_model.weights_by_name(self.model, [name for name, _ in earlier], self._parameters())
+        samples = weight_checks.samples_of(held.items(), sample_at)
+        return samples, seconds + time.perf_counter() - start
+
+    def _answer(self, version: int, samples: Optional[tuple]) -> Union[int, dict]:
+        """The version, or the answer of a sampled update: {"engine", "weight_version", "samples":
+        `weight_checks.Checks` of what it loaded, "sample_s": the seconds sampling took}."""
+        if samples is None:
+            return version
+        return {"engine": self.name, "weight_version": version, "samples": samples[0], "sample_s": samples[1]}
 
     async def init_weights_update_group(
         self,
@@ -700,7 +754,10 @@ class LocalEngine:
         shapes: list[list[int]],
         group_name: str = "weight_update_group",
         weight_version: Optional[int] = None,
-    ) -> int:
+        sample_weights: bool = False,
+    ) -> Union[int, dict]:
+        """Receive the named tensors by broadcast and load them; the new weight version (with
+        `sample_weights`: `_answer`)."""
         group = self._weight_groups.get(group_name)
         if group is None:
             raise ValueError(f"no weight-update group {group_name!r}: call init_weights_update_group first")
@@ -711,8 +768,9 @@ class LocalEngine:
         self._ensure_started()
         async with self._model_lock:
             await asyncio.get_running_loop().run_in_executor(None, weight_transport.receive, group, buffers)
-            await self._run(hf_model.load_named_tensors, self.model, list(zip(names, buffers)))
-            return self._bump_version(weight_version)
+            sample_at = self._next_version(weight_version) if sample_weights else None
+            samples = await self._run(self._apply, list(zip(names, buffers)), sample_at)
+            return self._answer(self._bump_version(weight_version), samples)
 
     async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
         self._weight_groups.pop(group_name, None)
@@ -728,8 +786,11 @@ class LocalEngine:
         # how requests in flight go on: as the pause around this load says (a load outside a pause: retract)
         self._continue_mode = self._continue_mode if self.paused else "retract"
         self._prefix_cache.clear()  # its KV was computed by the old weights
-        self._weight_version = self._weight_version + 1 if weight_version is None else int(weight_version)
+        self._weight_version = self._next_version(weight_version)
         return self._weight_version
+
+    def _next_version(self, weight_version: Optional[int]) -> int:
+        return self._weight_version + 1 if weight_version is None else int(weight_version)
 
     async def verify_weights(self, checks: Mapping[str, weight_checks.TensorCheck], weight_version: int) -> dict:
         """Compare the weights held now with the trainer's record of a push (`weight_checks`):
@@ -741,10 +802,13 @@ class LocalEngine:
         return {"engine": self.name, "weight_version": self._weight_version, "problems": problems}
 
     def _compare_weights(self, checks: Mapping[str, weight_checks.TensorCheck], version: int) -> dict:
+        held = hf_model.weights_by_name(self.model, list(checks), self._parameters())
+        return weight_checks.compare_all(held, checks, version)
+
+    def _parameters(self) -> dict:
         if self._params_by_name is None:  # the parameter objects live as long as the model
             self._params_by_name = hf_model.parameters_by_name(self.model)
-        held = hf_model.weights_by_name(self.model, list(checks), self._params_by_name)
-        return weight_checks.compare_all(held, checks, version)
+        return self._params_by_name
 
     async def weights_manifest(self) -> dict:
         """{"engine", "weight_version", "tensors": {HF name: {shape, dtype, sha256}}} of every weight

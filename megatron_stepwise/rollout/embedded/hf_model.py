@@ -153,8 +153,17 @@ def load_named_tensors(model: torch.nn.Module, named_tensors: NamedTensors) -> i
     untouched. Returns how many tensors were loaded.
     """
     items = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else list(named_tensors)
-    params = dict(model.named_parameters(remove_duplicate=False))
-    params.update(dict(model.named_buffers()))
+    targets = load_targets(model, items)
+    with torch.no_grad():
+        for target, (_, tensor) in zip(targets, items):
+            target.copy_(tensor.to(target.dtype))
+    return len(items)
+
+
+def load_targets(model: torch.nn.Module, items: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+    """The tensor (or fused-expert view) each (HF name, tensor) loads into, every name, shape and
+    dtype checked (ValueError / KeyError naming the tensor) before anything is written."""
+    params = parameters_by_name(model)
     targets = []
     for name, tensor in items:
         target = _target(params, name)
@@ -174,15 +183,17 @@ def load_named_tensors(model: torch.nn.Module, named_tensors: NamedTensors) -> i
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             raise ValueError(f"weight {name!r} holds non-finite values (NaN or inf); the model keeps its weights")
         targets.append(target)
-    with torch.no_grad():
-        for target, (_, tensor) in zip(targets, items):
-            target.copy_(tensor.to(target.dtype))
-    return len(items)
+    return targets
 
 
 def load_safetensors_dir(model: torch.nn.Module, path: Union[str, os.PathLike]) -> int:
     """Load every `*.safetensors` file in `path` (HF names) into the model, all of them checked
     before any is written (a bad file leaves the model untouched)."""
+    return load_named_tensors(model, read_safetensors_dir(path))
+
+
+def read_safetensors_dir(path: Union[str, os.PathLike]) -> dict[str, torch.Tensor]:
+    """Every tensor of every `*.safetensors` file in `path` (or of the file `path`), by name."""
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -192,7 +203,7 @@ def load_safetensors_dir(model: torch.nn.Module, path: Union[str, os.PathLike]) 
     named: dict = {}
     for f in files:
         named.update(load_file(str(f)))
-    return load_named_tensors(model, named)
+    return named
 
 
 def save_safetensors_dir(model: torch.nn.Module, path: Union[str, os.PathLike]) -> Path:

@@ -8,8 +8,10 @@ rollout stack is exercised for real on machines without a GPU. Endpoints (SGLang
 /pause_generation, /continue_generation, /abort_request, /release_memory_occupation,
 /resume_memory_occupation (colocated mode; a request the released engine cannot serve is
 answered 400 naming why, where SGLang would fail or hang); and two of its own: /verify_weights
-(the trainer's sampled record of a push against the weights held, docs/weights.md) and
-/weights_manifest (every weight's sha256 by HF name).
+(the trainer's record of a push against the weights held, docs/weights.md) and
+/weights_manifest (every weight's sha256 by HF name). One field of its own on the three update
+endpoints: `sample_weights: true` answers the update with the engine's samples of what it loaded
+(the sampled sync check, in the same request).
 
 Limits: a request body over `max_request_bytes` is refused with 413 before it is read (default
 `default_max_request_bytes`: sized from the context window; `/update_weights_from_tensor` has its
@@ -74,6 +76,17 @@ def weight_upload_bytes(engine: LocalEngine) -> int:
     over for safetensors headers and a trainer sending more than one dtype, + 16 MiB."""
     params = sum(p.numel() for p in engine.model.parameters())
     return 2 * (4 * params * 4 // 3) + (16 << 20)
+
+
+def updated(answer: Any, **fields: Any) -> web.Response:
+    """The answer to a weight update: SGLang's {"success", "message"}, and with `sample_weights`
+    (our own field) also the engine's name, its weight version and its samples of what it loaded
+    (`weight_checks.to_wire`), so the trainer checks the update without another request."""
+    if not isinstance(answer, dict):
+        return web.json_response({"success": True, "message": f"weight version {answer}", **fields})
+    body = {"success": True, "message": f"weight version {answer['weight_version']}", **fields, **answer}
+    body["samples"] = weight_checks.to_wire(answer["samples"])
+    return web.json_response(body)
 
 
 class BodyTooLarge(Exception):
@@ -364,10 +377,11 @@ class EngineServer:
         body = await self._body(request)
         path = F.text(body, "model_path", where)
         version = F.version(body.get("weight_version"), where)
+        sample = F.flag(body, "sample_weights", where)
         if F.flag(body, "abort_all_requests", where):
             await self.engine.abort()
-        version = await self.engine.update_weights_from_disk(path, version)
-        return web.json_response({"success": True, "message": f"weight version {version}", "num_paused_requests": 0})
+        answer = await self.engine.update_weights_from_disk(path, version, sample_weights=sample)
+        return updated(answer, num_paused_requests=0)
 
     async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
         from safetensors.torch import load as load_safetensors
@@ -384,6 +398,7 @@ class EngineServer:
             raise BadRequest(f"{where}: serialized_named_tensors must be a non-empty list of base64 strings")
         version = F.version(body.get("weight_version"), where)
         abort = F.flag(body, "abort_all_requests", where)
+        sample = F.flag(body, "sample_weights", where)
         # One entry per tensor-parallel rank in SGLang; this engine has one rank: all are equal.
         try:
             raw = base64.b64decode(blobs[0], validate=True)
@@ -395,8 +410,7 @@ class EngineServer:
             raise BadRequest(f"{where}: serialized_named_tensors[0] is not a safetensors blob ({e})") from None
         if abort:
             await self.engine.abort()
-        version = await self.engine.update_weights_from_tensors(tensors, version)
-        return web.json_response({"success": True, "message": f"weight version {version}"})
+        return updated(await self.engine.update_weights_from_tensors(tensors, version, sample_weights=sample))
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
         where = "/init_weights_update_group"
@@ -434,10 +448,13 @@ class EngineServer:
             raise BadRequest(f"{where}: shapes must be a list of lists of integers >= 0, got {shapes!r}"[:500])
         group = F.text(body, "group_name", where, "weight_update_group")
         version = F.version(body.get("weight_version"), where)
+        sample = F.flag(body, "sample_weights", where)
         if F.flag(body, "abort_all_requests", where):
             await self.engine.abort()
-        version = await self.engine.update_weights_from_distributed(names, dtypes, shapes, group, version)
-        return web.json_response({"success": True, "message": f"weight version {version}"})
+        answer = await self.engine.update_weights_from_distributed(
+            names, dtypes, shapes, group, version, sample_weights=sample
+        )
+        return updated(answer)
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
         body = await self._body(request)
