@@ -31,6 +31,7 @@ from megatron_stepwise.algo.groups import GroupSummary, RolloutGroup
 from megatron_stepwise.algo.prepare import add_counts
 from megatron_stepwise.algo.rows import RowTable
 from megatron_stepwise.algo.validate import validate_steps
+from megatron_stepwise.fault_injection import before_fetch
 from megatron_stepwise.loop.group_buffer import TokenVersions
 from megatron_stepwise.loop.rollout_bank import BankedGroup, BankFile, BankTicket, bank_rollout, with_group_id
 from megatron_stepwise.steps import StepBatch
@@ -238,7 +239,7 @@ class RowFetcher:
         return payload
 
     def fetch(self, remote: RemoteShard):
-
+        before_fetch(remote.key)  # test fault injection (fault_injection.py): a no-op unless its variable is set
         start = time.perf_counter()
         self._connect(remote.ray_address, remote.ray_auth_mode)
         holders = [holder for holder, _ in remote.pieces]
@@ -269,7 +270,7 @@ class RowFetcher:
                 parts.append(ray.get(ref))
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
                 lost.append(holder)
-                why.append(f"agent worker {holder} died ({type(e).__name__})")
+                why.append(f"agent worker {holder} died ({_death(e)})")
         if lost:
             self._actors = {k: v for k, v in self._actors.items() if k not in lost}
             raise RowsLost(f"fetching the rows of round {key}: {'; '.join(why)} (rollout.agent_worker_timeout_s)", lost)
@@ -297,6 +298,16 @@ class RowFetcher:
 
             self._actors[name] = ray.get_actor(name, namespace=NAMESPACE)
         return self._actors[name]
+
+
+def _death(e: Exception) -> str:
+    """A Ray actor error in one line: its type, the worker's node and Ray's reason when it gives them
+    (an ActorDiedError lists `ip: ADDRESS`, then why, e.g. its node died)."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    ip = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("ip:")), None)
+    fields = ("class_name:", "actor_id:", "pid:", "name:", "namespace:", "ip:")
+    reason = [line for line in lines[1:] if not line.startswith(fields)] or lines[:1]
+    return type(e).__name__ + (f" on {ip}" if ip else "") + (f": {reason[0]}" if reason else "")
 
 
 def _nbytes(batch: StepBatch) -> int:

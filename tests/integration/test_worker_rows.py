@@ -173,6 +173,27 @@ def test_async_groups_are_held_and_dropped_one_at_a_time_with_their_versions():
     assert holder.take([(9, group.prompt_id, [0])]).num_rows == 1
 
 
+def test_a_dead_holder_is_named_with_its_node_and_rays_reason():
+    from ray.core.generated.common_pb2 import ActorDiedErrorContext
+    from ray.exceptions import ActorDiedError
+
+    from megatron_stepwise.loop.worker_rows import _death
+
+    context = ActorDiedErrorContext(
+        class_name="AgentWorker",
+        actor_id=b"\x01" * 16,
+        pid=12,
+        name="agent-0",
+        ray_namespace="megatron_stepwise",
+        node_ip_address="10.213.5.2",
+        error_message="The actor is dead because its node has died.",
+    )
+    assert (
+        _death(ActorDiedError(context)) == "ActorDiedError on 10.213.5.2: The actor is dead because its node has died."
+    )
+    assert _death(ActorDiedError()) == "ActorDiedError: The actor died unexpectedly before finishing this task."
+
+
 def _resolve_worker(rank: int, store_path: str, results) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=4)
 
