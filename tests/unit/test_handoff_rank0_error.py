@@ -81,13 +81,15 @@ def test_a_failed_fetch_stays_the_error_when_telling_the_other_ranks_fails(monke
     h = _fetching_handoff(monkeypatch, RuntimeError("[gloo] Timed out waiting 60000ms for recv operation\nmore"))
 
     def fetch(payload):
-        raise RowsLost("fetching the rows of round 2: agent worker agent-0 died (ActorDiedError on 10.0.0.2)", ["a"])
+        raise RowsLost(
+            "fetching the rows of round 2: agent worker agent-0 on 10.0.0.2 died (ActorDiedError: its node died)", ["a"]
+        )
 
     with pytest.raises(RuntimeError) as e:
         h.to_ranks(lambda: [["rows"]], "rollout", 2, resolve=fetch)
     assert str(e.value) == (
         "rollout at iteration 2: fetching the rows failed on DP rank 0 (global rank 0): RowsLost: fetching the rows "
-        "of round 2: agent worker agent-0 died (ActorDiedError on 10.0.0.2) (and telling the other ranks failed: "
+        "of round 2: agent worker agent-0 on 10.0.0.2 died (ActorDiedError: its node died) (and telling the other ranks failed: "
         "RuntimeError: [gloo] Timed out waiting 60000ms for recv operation)"
     )
 
