@@ -39,6 +39,11 @@ def describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
+def _first_line(e: BaseException) -> str:
+    text = str(e)
+    return text.splitlines()[0] if text else ""
+
+
 class ResolveFailed(RuntimeError):
     """A rank could not resolve its payload (raised on every rank alike). `lost`: what the failing
     ranks found gone (their errors' `lost` attribute, e.g. dead agent workers), which rank 0 may
@@ -155,9 +160,23 @@ class Handoff:
                 text = f"DP rank {dp} (global rank {dist.get_rank()}): {type(e).__name__}: {e}"
                 failure = (text, list(getattr(e, "lost", ())))
                 mine = ("error", text, None)
-        if groups[dp] is not None:
-            mine = self._share(mine if leader else None, None, groups[dp], leaders[dp])
-        self._agree(failure, what, iteration)
+        try:
+            if groups[dp] is not None:
+                mine = self._share(mine if leader else None, None, groups[dp], leaders[dp])
+            self._agree(failure, what, iteration)
+        except ResolveFailed:
+            raise
+        except Exception as e:  # a rank cut off (its node's network down): say what was under way
+            told = f"{type(e).__name__}: {_first_line(e)}"
+            if failure is None:
+                raise RuntimeError(
+                    f"{what} at iteration {iteration}: agreeing on the fetched rows failed: {told}"
+                ) from e
+            # this rank's own failure stays its error, not the collective's timeout that followed it
+            raise RuntimeError(
+                f"{what} at iteration {iteration}: fetching the rows failed on {failure[0]} "
+                f"(and telling the other ranks failed: {told})"
+            ) from e
         return self._open(mine, error, what, iteration)
 
     def _share(self, payload: object, raw: Optional[torch.Tensor], group: ProcessGroup, src: int) -> object:
@@ -216,7 +235,7 @@ class Handoff:
                 raise
             raise RuntimeError(
                 f"{what} failed on rank 0 at iteration {iteration}: {describe(error)} "
-                f"(and telling the other ranks failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+                f"(and telling the other ranks failed: {type(e).__name__}: {_first_line(e)})"
             ) from error
 
     def _run(self, produce: Callable[[], object]) -> tuple[Optional[BaseException], tuple]:

@@ -16,8 +16,13 @@ def _actor_node(_actor_instance: Any) -> str:
     return node_address()
 
 
+def ask_actor_node(handle: Any) -> Any:
+    """The actor's node address, asked without waiting: an ObjectRef of it."""
+    return handle.__ray_call__.remote(_actor_node)
+
+
 def actor_nodes(handles: list[Any], timeout_s: float = 60.0) -> list[str]:
     """The node address of each actor."""
     import ray
 
-    return ray.get([h.__ray_call__.remote(_actor_node) for h in handles], timeout=timeout_s)
+    return ray.get([ask_actor_node(h) for h in handles], timeout=timeout_s)

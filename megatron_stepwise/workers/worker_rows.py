@@ -31,10 +31,13 @@ from megatron_stepwise.algo.groups import GroupSummary, RolloutGroup
 from megatron_stepwise.algo.prepare import add_counts
 from megatron_stepwise.algo.rows import RowTable
 from megatron_stepwise.algo.validate import validate_steps
+from megatron_stepwise.fault_injection import before_fetch
+from megatron_stepwise.rollout.ray_nodes import ask_actor_node
 from megatron_stepwise.steps import StepBatch, step_structure
 from megatron_stepwise.workers.rollout_bank import BankedGroup, BankFile, BankTicket, bank_rollout, with_group_id
 
 if TYPE_CHECKING:
+    from ray import ObjectRef
     from ray.actor import ActorHandle
 
     from megatron_stepwise.mcore.train.shards import ShardDecision
@@ -268,6 +271,7 @@ class RowFetcher:
     bytes_fetched: int = 0
     seconds: float = 0.0
     _actors: dict[str, ActorHandle] = field(default_factory=dict)
+    _nodes: dict[str, ObjectRef] = field(default_factory=dict)  # worker name -> its node's address, asked once
 
     def resolve(self, payload: Payload) -> Payload:
         """A round's mini-batches with every RemoteShard fetched and cut (others as they are)."""
@@ -278,7 +282,7 @@ class RowFetcher:
         return payload
 
     def fetch(self, remote: RemoteShard):
-
+        before_fetch(remote.key)  # test fault injection (fault_injection.py): a no-op unless its variable is set
         start = time.perf_counter()
         self._connect(remote.ray_address, remote.ray_auth_mode)
         holders = [holder for holder, _ in remote.pieces]
@@ -301,19 +305,36 @@ class RowFetcher:
         ready_set = set(ready)
         parts, lost, why = [], [], []
         for holder, ref in zip(holders, refs):
+            worker = f"agent worker {holder}{self._node_of(holder)}"
             if ref not in ready_set:
                 lost.append(holder)
-                why.append(f"agent worker {holder} did not answer within {self.timeout_s:g} s")
+                why.append(f"{worker} did not answer within {self.timeout_s:g} s (rollout.agent_worker_timeout_s)")
                 continue
             try:
                 parts.append(ray.get(ref))
-            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+            except ray.exceptions.ActorUnavailableError as e:  # unreachable (e.g. its node's network down)
                 lost.append(holder)
-                why.append(f"agent worker {holder} died ({type(e).__name__})")
+                why.append(f"{worker} could not be reached ({_ray_reason(e)})")
+            except ray.exceptions.RayActorError as e:
+                lost.append(holder)
+                why.append(f"{worker} died ({_ray_reason(e)})")
         if lost:
             self._actors = {k: v for k, v in self._actors.items() if k not in lost}
-            raise RowsLost(f"fetching the rows of round {key}: {'; '.join(why)} (rollout.agent_worker_timeout_s)", lost)
+            self._nodes = {k: v for k, v in self._nodes.items() if k not in lost}
+            raise RowsLost(f"fetching the rows of round {key}: {'; '.join(why)}", lost)
         return parts
+
+    def _node_of(self, holder: str) -> str:
+        """' on ADDRESS': the holder's node, if its answer to `_actor`'s question has come (no wait)."""
+        import ray
+
+        asked = self._nodes.get(holder)
+        if asked is None or not ray.wait([asked], timeout=0)[0]:
+            return ""
+        try:
+            return f" on {ray.get(asked)}"
+        except ray.exceptions.RayError:
+            return ""
 
     def _connect(self, address: str, auth_mode: Optional[str]) -> None:
         import ray
@@ -336,7 +357,18 @@ class RowFetcher:
             import ray
 
             self._actors[name] = ray.get_actor(name, namespace=NAMESPACE)
+            # where it runs, asked once and never waited for: a lost worker's message names its node
+            self._nodes[name] = ask_actor_node(self._actors[name])
         return self._actors[name]
+
+
+def _ray_reason(e: Exception) -> str:
+    """A Ray actor error in one line: its type and Ray's reason (an ActorDiedError's first line is
+    generic, the fields of the actor follow, then why, e.g. its node died)."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    fields = ("class_name:", "actor_id:", "pid:", "name:", "namespace:", "ip:")
+    reason = [line for line in lines[1:] if not line.startswith(fields)] or lines[:1]
+    return type(e).__name__ + (f": {reason[0]}" if reason else "")
 
 
 def _nbytes(batch: StepBatch) -> int:

@@ -2,7 +2,8 @@
 host a (no CPUs for actors), a Ray worker with every engine and agent worker and rank 1 on host b.
 
 Mid-run (two iterations done, the next rollout under way) host b's network is cut, or every
-process on host b is killed. Nothing can take over b's actors (a offers Ray no CPU), so the
+process on host b is killed; or the cut lands inside the replica leaders' fetch of the workers'
+rows, where the test fault injection (STEPWISE_FAULT_PAUSE_FETCH) holds them. Nothing can take over b's actors (a offers Ray no CPU), so the
 outcome asserted is the failure path: every rank still running ends within a bound, with an error
 that names what was lost; after the link is back (or b's Ray worker restarted) the same command
 resumes from the last checkpoint and repeats the uninterrupted run's metrics exactly.
@@ -22,10 +23,13 @@ import pytest
 from helpers import run_launch
 from two_hosts import REPO, python_env, ray_cluster, start_ray_worker, start_training, wait_for
 
+from megatron_stepwise.fault_injection import FETCH_VARIABLE
+
 # The reference, then per fault: a cluster, a run to the fault, its failure, a restart, a resume.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 ITERATIONS = 6
+FAULT_ITERATION = 2  # the fault lands in this iteration, after two checkpointed ones
 # The same command before and after the fault; collectives give up on a lost rank after 1 minute.
 RUN = (
     f"trainer.iterations={ITERATIONS}",
@@ -86,20 +90,37 @@ def _log(run_dir: Path, host: str) -> str:
     return path.read_text(errors="replace") if path.exists() else ""
 
 
-def _fault_then_resume(tmp_path: Path, reference: list[dict], fault: str) -> dict[str, str]:
-    """Run to iteration 2, inject `fault` ("link" or "kill"), check the ends, resume, compare.
-    Returns the last lines of each surviving host's torchrun log after the fault."""
+def _fault_then_resume(tmp_path: Path, reference: list[dict], fault: str, during: str = "rollout") -> dict[str, str]:
+    """Run to iteration 2, inject `fault` ("link" or "kill") during iteration 2's `during` ("rollout",
+    or "fetch": the replica leaders paused inside their fetch of the workers' rows by the test fault
+    injection, megatron_stepwise/fault_injection.py, and released right after the fault), check the
+    ends, resume, compare. Returns the last lines of each surviving host's torchrun log after the fault."""
     with ray_cluster(tmp_path / "hosts", FAST_FAILURE_DETECTION) as (hosts, head, env):
         run_dir = tmp_path / "run"
-        procs = dict(zip("ab", start_training(hosts, head, env, run_dir, *RUN)))
+        pause = tmp_path / "fetch_pause"
+        first_env = env
+        if during == "fetch":
+            pause.mkdir()
+            for before in range(FAULT_ITERATION):  # the iterations before the fault fetch without pausing
+                (pause / f"go.{before}").touch()
+            first_env = {**env, FETCH_VARIABLE: str(pause)}
+        procs = dict(zip("ab", start_training(hosts, head, first_env, run_dir, *RUN)))
         # Two iterations logged and checkpointed (a line is written before its checkpoint): the
-        # fault then lands in the next rollout, not in the checkpoint's collectives.
+        # fault then lands in the next rollout (or its fetch), not in the checkpoint's collectives.
         wait_for(
-            lambda: len(_metrics(run_dir)) >= 2 and _checkpointed(run_dir) >= 2,
+            lambda: len(_metrics(run_dir)) >= FAULT_ITERATION and _checkpointed(run_dir) >= FAULT_ITERATION,
             "two iterations checkpointed before the fault",
             600,
             proc=procs["a"],
         )
+        if during == "fetch":  # both replica leaders (rank 0 on a, rank 1 on b) inside their fetch
+            wait_for(
+                lambda: all((pause / f"fetching.{rank}.{FAULT_ITERATION}").exists() for rank in (0, 1)),
+                f"both ranks paused in the fetch of iteration {FAULT_ITERATION}'s rows",
+                600,
+                proc=procs["a"],
+            )
+        saved = _checkpointed(run_dir)
         if fault == "link":
             hosts.set_link(False)
             survivors = "ab"
@@ -107,22 +128,33 @@ def _fault_then_resume(tmp_path: Path, reference: list[dict], fault: str) -> dic
             assert any("ray" in cmd for cmd in hosts.kill_all("b")), "no Ray process on host b to kill"
             survivors = "a"
         faulted_at = time.monotonic()
-        for host in survivors:
-            wait_for(
-                lambda p=procs[host]: p.poll() is not None,
-                f"host {host}'s training to end after the fault ({fault})",
-                FAULT_BOUND_S,
-            )
-        took = time.monotonic() - faulted_at
+        if during == "fetch":
+            (pause / f"go.{FAULT_ITERATION}").touch()
+        took: dict[str, float] = {}  # host -> seconds from the fault to its training's end
+
+        def every_survivor_ended() -> bool:
+            for host in survivors:
+                if host not in took and procs[host].poll() is not None:
+                    took[host] = time.monotonic() - faulted_at
+            return len(took) == len(survivors)
+
+        wait_for(
+            every_survivor_ended,
+            f"every surviving rank to end after the fault ({fault} during the {during})",
+            FAULT_BOUND_S,
+        )
         done = len(_metrics(run_dir))
         assert 2 <= done < ITERATIONS, f"{done} iterations logged: the fault came too late"
+        assert during != "fetch" or done == FAULT_ITERATION, f"{done} iterations logged: the pause did not hold"
+        assert _checkpointed(run_dir) >= saved, "a checkpoint written before the fault was lost"
         ends = {}
         for host in survivors:
             log = _log(run_dir, host)
             assert procs[host].returncode != 0, f"host {host} exited 0 after the fault:\n{log[-3000:]}"
             ends[host] = log
             (run_dir.parent / f"torchrun_{host}.fault.log").write_text(log)  # the resume writes anew
-        print(f"fault {fault}: every surviving rank ended {took:.0f} s after it, {done} iterations logged")
+        ended = ", ".join(f"{host} after {s:.0f} s" for host, s in took.items())
+        print(f"fault {fault} during the {during}: the ranks ended ({ended}), {done} iterations logged")
 
         # Recovery of the cluster, then the same command resumes from the last checkpoint.
         if fault == "link":
@@ -136,7 +168,9 @@ def _fault_then_resume(tmp_path: Path, reference: list[dict], fault: str) -> dic
             wait_for(lambda p=proc: p.poll() is not None, f"the resumed training on host {host}", 900)
         for host, proc in procs.items():
             assert proc.returncode == 0, f"host {host}:\n{_log(run_dir, host)[-4000:]}"
-        assert re.search(r"resumed from iteration (\d+)", _log(run_dir, "a")), _log(run_dir, "a")[-3000:]
+        resumed_from = re.search(r"resumed from iteration (\d+)", _log(run_dir, "a"))
+        assert resumed_from and int(resumed_from.group(1)) >= saved, _log(run_dir, "a")[-3000:]
+        print(f"resumed from iteration {resumed_from.group(1)} (checkpoint before the fault: {saved})")
 
     resumed = _metrics(run_dir)
     assert [r["iteration"] for r in resumed] == list(range(ITERATIONS))  # no gap, no duplicate line
@@ -167,3 +201,32 @@ def test_link_cut_mid_rollout_ends_every_rank_and_the_same_command_resumes(tmp_p
 def test_host_b_killed_mid_rollout_ends_rank_0_and_the_same_command_resumes(tmp_path, reference):
     ends = _fault_then_resume(tmp_path, reference, "kill")
     assert RANK0_ERROR.search(ends["a"]), ends["a"][-4000:]
+
+
+# What rank 0's fetch lost, named: the iteration, each agent worker and its node, and what became of
+# it; not the collective's timeout that followed when it could not tell rank 1 (loop/handoff.py).
+FETCH_ERROR = re.compile(
+    r"RuntimeError: rollout at iteration 2: fetching the rows failed on DP rank 0 \(global rank 0\): RowsLost: "
+    r"fetching the rows of round 2: agent worker \S+ on (?P<node>[\d.]+) (could not be reached|died)"
+)
+# Rank 1, on b, cut off in its own fetch: Ray ends a process that lost its GCS, or the hand-off's
+# agreement times out and says what was under way.
+RANK1_FETCH_END = re.compile(
+    r"Failed to connect to GCS within \d+ seconds|rollout at iteration 2: (agreeing on the fetched rows failed|"
+    r"fetching the rows failed on DP rank 1)"
+)
+
+
+def test_link_cut_mid_fetch_ends_every_rank_naming_the_lost_rows_and_the_same_command_resumes(tmp_path, reference):
+    ends = _fault_then_resume(tmp_path, reference, "link", during="fetch")
+    for host in "ab":
+        errors = [
+            line for line in ends[host].splitlines() if re.search(r"RuntimeError: |Failed to connect to GCS", line)
+        ]
+        print(f"host {host}'s errors after the cut:\n  " + "\n  ".join(errors[-3:]))
+    named = FETCH_ERROR.search(ends["a"])
+    assert named, ends["a"][-4000:]
+    assert "(and telling the other ranks failed: " in ends["a"][named.end() :], ends["a"][-4000:]
+    workers_at = re.search(r"placement: .*agent workers (\S+) x2", ends["a"])
+    assert workers_at and named["node"] == workers_at.group(1), ends["a"][-4000:]  # b: where they ran
+    assert RANK1_FETCH_END.search(ends["b"]), ends["b"][-4000:]

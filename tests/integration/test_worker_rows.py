@@ -173,6 +173,56 @@ def test_async_groups_are_held_and_dropped_one_at_a_time_with_their_versions():
     assert holder.take([(9, group.prompt_id, [0])]).num_rows == 1
 
 
+class _Failing:
+    """An ObjectRef whose value is an error."""
+
+    def __init__(self, error):
+        self.error = error
+
+
+def test_a_lost_fetch_names_each_lost_worker_its_node_and_what_became_of_it(monkeypatch):
+    import ray
+    from ray.core.generated.common_pb2 import ActorDiedErrorContext
+    from ray.exceptions import ActorDiedError, ActorUnavailableError
+
+    from megatron_stepwise.workers.worker_rows import RowsLost
+
+    pending = _Ready(None)  # never answers
+
+    def get(ref):
+        if isinstance(ref, _Failing):
+            raise ref.error
+        return ref.value
+
+    monkeypatch.setattr(
+        ray, "wait", lambda refs, num_returns=1, timeout=None: ([r for r in refs if r is not pending], [])
+    )
+    monkeypatch.setattr(ray, "get", get)
+    unreachable = ActorUnavailableError("RpcError: recvmsg:Connection timed out", b"\x01" * 16)
+    died = ActorDiedError(
+        ActorDiedErrorContext(
+            class_name="AgentWorker",
+            actor_id=b"\x02" * 16,
+            name="w2",
+            node_ip_address="10.213.5.2",
+            error_message="The actor is dead because its node has died.",
+        )
+    )
+    fetcher = RowFetcher(timeout_s=5)
+    # where the workers run, as `_actor` asked them: w3's answer has not come
+    fetcher._nodes = {"w1": _Ready("10.213.5.2"), "w2": _Ready("10.213.5.2"), "w3": pending}
+    refs = [_Ready("rows"), _Failing(unreachable), _Failing(died), pending]
+    with pytest.raises(RowsLost) as e:
+        fetcher._gather(["w0", "w1", "w2", "w3"], refs, 2)
+    assert e.value.lost == ["w1", "w2", "w3"]
+    assert str(e.value) == (
+        f"fetching the rows of round 2: agent worker w1 on 10.213.5.2 could not be reached (ActorUnavailableError: "
+        f"{unreachable}); agent worker w2 on 10.213.5.2 died (ActorDiedError: The actor is dead because its node "
+        "has died.); agent worker w3 did not answer within 5 s (rollout.agent_worker_timeout_s)"
+    )
+    assert fetcher._nodes == {}  # the lost workers are forgotten (a replacement has a new name)
+
+
 def _resolve_worker(rank: int, store_path: str, results) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=4)
 

@@ -1,5 +1,6 @@
-"""Rank 0's own failure is the error it raises even when telling the other ranks fails too (a rank
-cut off by its node's network: the collective's timeout used to replace it)."""
+"""A rank's own failure is the error it raises even when telling the other ranks fails too (a rank
+cut off by its node's network: the collective's timeout used to replace it): rank 0's rollout, or a
+replica leader's fetch of its rows."""
 
 from __future__ import annotations
 
@@ -49,3 +50,55 @@ def test_an_exception_group_is_described_by_what_failed_inside_it():
     group = ExceptionGroup("unhandled errors in a TaskGroup", [died, RuntimeError(str(died)), KeyError("k")])
     assert describe(group) == f"RuntimeError: {died}; KeyError: 'k'"
     assert describe(ExceptionGroup("outer", [group])) == describe(group)
+
+
+def _fetching_handoff(monkeypatch, agreement_error: Exception) -> Handoff:
+    """A one-rank hand-off whose agreement after the fetch fails as a cut-off rank's collective does."""
+    import megatron_stepwise.loop.handoff as module
+
+    class Position:
+        def state_dict(self):
+            return {}
+
+        def load_state_dict(self, state):
+            pass
+
+    monkeypatch.setattr(module.dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(module.dist, "get_world_size", lambda group=None: 1)
+    h = Handoff(Position())
+    h._replica_info = ([0], [0], [None])
+
+    def agree(failure, what, iteration):
+        raise agreement_error
+
+    monkeypatch.setattr(h, "_agree", agree)
+    return h
+
+
+def test_a_failed_fetch_stays_the_error_when_telling_the_other_ranks_fails(monkeypatch):
+    from megatron_stepwise.workers.worker_rows import RowsLost
+
+    h = _fetching_handoff(monkeypatch, RuntimeError("[gloo] Timed out waiting 60000ms for recv operation\nmore"))
+
+    def fetch(payload):
+        raise RowsLost(
+            "fetching the rows of round 2: agent worker agent-0 on 10.0.0.2 died (ActorDiedError: its node died)", ["a"]
+        )
+
+    with pytest.raises(RuntimeError) as e:
+        h.to_ranks(lambda: [["rows"]], "rollout", 2, resolve=fetch)
+    assert str(e.value) == (
+        "rollout at iteration 2: fetching the rows failed on DP rank 0 (global rank 0): RowsLost: fetching the rows "
+        "of round 2: agent worker agent-0 on 10.0.0.2 died (ActorDiedError: its node died) (and telling the other ranks failed: "
+        "RuntimeError: [gloo] Timed out waiting 60000ms for recv operation)"
+    )
+
+
+def test_a_fetched_round_the_ranks_cannot_agree_on_says_so(monkeypatch):
+    h = _fetching_handoff(monkeypatch, RuntimeError("[gloo] Timed out waiting 60000ms for recv operation"))
+    with pytest.raises(RuntimeError) as e:
+        h.to_ranks(lambda: [["rows"]], "rollout", 2, resolve=lambda payload: payload)
+    assert str(e.value) == (
+        "rollout at iteration 2: agreeing on the fetched rows failed: "
+        "RuntimeError: [gloo] Timed out waiting 60000ms for recv operation"
+    )
