@@ -68,10 +68,11 @@ def data_parallel() -> tuple[int, int]:
     return layout.dp_rank, layout.dp
 
 
-def cpu_group(cfg: ExperimentConfig) -> ProcessGroup:
-    """A gloo group of all ranks for objects (rollouts, decisions) with the configured timeout:
-    torch's `new_group` otherwise gives gloo its own 30-minute default, whatever the world has."""
-    return dist.new_group(backend="gloo", timeout=timedelta(minutes=cfg.parallel.timeout_minutes))
+def cpu_group(cfg: ExperimentConfig, timeout: Optional[timedelta] = None) -> ProcessGroup:
+    """A gloo group of all ranks for objects (rollouts, decisions) with the configured timeout
+    (or `timeout`): torch's `new_group` otherwise gives gloo its own 30-minute default, whatever
+    the world has."""
+    return dist.new_group(backend="gloo", timeout=timeout or timedelta(minutes=cfg.parallel.timeout_minutes))
 
 
 # ------------------------------------------------------------------------ tokenizer/model

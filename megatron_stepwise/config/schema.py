@@ -93,7 +93,10 @@ class ParallelConfig:
     sequence_parallel: bool = option(False, "shard activations along the sequence inside TP regions (TP > 1)")
     use_distributed_optimizer: bool = option(False, "shard optimizer state across data-parallel ranks")
     timeout_minutes: float = option(
-        10.0, "how long any collective waits for a frozen or dead rank before the job fails (docs/launch.md)", gt=0.0
+        10.0,
+        "how long any collective waits for a frozen or dead rank before the job fails (docs/launch.md); "
+        "rank 0's start of the fleet is waited for up to 15 minutes whatever this is",
+        gt=0.0,
     )
 
     def model_parallel_size(self) -> int:

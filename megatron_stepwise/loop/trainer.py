@@ -69,6 +69,11 @@ def timed(times: dict[str, float], key: str):
     times[key] = times.get(key, 0.0) + time.perf_counter() - start
 
 
+# Longer than the fleet's own start-up bounds (engines' health checks and agent workers' first
+# answers, 5 minutes each), which fail on rank 0 naming what did not start.
+FLEET_START_TIMEOUT = timedelta(minutes=15)
+
+
 class Trainer:
     def __init__(self, cfg: ExperimentConfig):
         self.cfg = cfg
@@ -152,6 +157,10 @@ class Trainer:
         )
         self.activity = ActivityClock()  # generation and environment time of the in-process agent loop
         self.devices = dist.get_world_size() + (0 if cfg.rollout.colocate else rollout_devices(cfg))
+        # While rank 0 starts the fleet (engines and agent workers load: minutes for a large model
+        # or on a busy node) the other ranks wait on a group of their own, bounded by the fleet's
+        # start-up limits, not by parallel.timeout_minutes (which may be short, to fail fast mid-run).
+        start_group = components.cpu_group(cfg, timeout=max(FLEET_START_TIMEOUT, handoff.timeout))
         if self.is_driver:
             loop = asyncio.new_event_loop()
             fleet = components.build_fleet(cfg, self.model, self.tokenizer)
@@ -166,6 +175,8 @@ class Trainer:
                 config=cfg.to_dict(),
                 resume_iteration=self.state.iteration,
             )
+        dist.barrier(group=start_group)  # the fleet is up (or rank 0 has failed, naming what did not start)
+        dist.destroy_process_group(start_group)
         self.weight_sync = components.build_weight_sync(
             cfg, self.driver and self.driver.fleet, self.model, self.driver and self.driver.loop
         )
