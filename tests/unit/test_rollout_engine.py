@@ -322,3 +322,20 @@ def test_an_engine_whose_model_thread_failed_recovers_on_the_next_good_weight_lo
         return result.output_ids
 
     assert run(scenario()) == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_finite_check_sees_every_nan_and_inf_and_no_false_alarm(dtype):
+    """The load's check reads min and max: a NaN, +inf or -inf anywhere is found; the largest
+    finite values (whose sum would overflow) and an empty tensor pass."""
+    from megatron_stepwise.rollout.embedded.hf_model import _all_finite
+
+    t = torch.randn(4097).to(dtype)
+    assert _all_finite(t)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for where in (0, 2048, 4096):
+            u = t.clone()
+            u[where] = bad
+            assert not _all_finite(u), (bad, where)
+    assert _all_finite(torch.full((64,), torch.finfo(dtype).max, dtype=dtype))
+    assert _all_finite(torch.empty(0, dtype=dtype))
