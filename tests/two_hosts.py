@@ -7,7 +7,10 @@ by a veth pair, each with its own address and hostname, sharing the filesystem a
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,7 +20,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import pytest
-from helpers import _kill_tree
+from helpers import _kill_tree, run_launch
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tools" / "two_nodes.sh"
@@ -208,3 +211,28 @@ def start_training(hosts: TwoHosts, head: str, env: dict, run_dir: Path, *args: 
         ]  # fmt: skip
         procs.append(hosts.popen(host, cmd, log=run_dir.parent / f"torchrun_{host}.log", env=env))
     return procs
+
+
+# The one-node run both two-node files repeat: test_two_nodes.py in each weight-sync mode, and
+# test_two_node_faults.py after each fault's resume (which adds a checkpoint every iteration and a
+# short collective timeout; neither changes a metric).
+REFERENCE_RUN = ("trainer.iterations=5", "logging.progress=false", "rollout.agent_workers=2")
+
+
+def one_node_reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """REFERENCE_RUN's metrics lines, trained once per test session: the first xdist worker to ask
+    trains it, another waits on the lock and reads the same file (a launch fewer for the suite)."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # this session's, all workers
+    run_dir = shared / "one_node_reference"
+    with open(shared / "one_node_reference.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not (run_dir / "complete").exists():
+            shutil.rmtree(run_dir, ignore_errors=True)  # a failed attempt's remains
+            cmd = [sys.executable, "-m", "megatron_stepwise.cli", "train", "configs/tiny_cpu.yaml"]
+            out = run_launch(
+                [*cmd, f"logging.run_dir={run_dir}", *REFERENCE_RUN], env=python_env(), cwd=REPO, timeout=900
+            )
+            assert out.returncode == 0, out.stderr[-3000:]
+            (run_dir / "complete").touch()
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

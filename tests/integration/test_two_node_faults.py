@@ -15,30 +15,23 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from helpers import run_launch
-from two_hosts import REPO, python_env, ray_cluster, start_ray_worker, start_training, wait_for
+import two_hosts
+from two_hosts import REFERENCE_RUN, ray_cluster, start_ray_worker, start_training, wait_for
 
 from megatron_stepwise.fault_injection import FETCH_VARIABLE
 
 # The reference, then per fault: a cluster, a run to the fault, its failure, a restart, a resume.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
-ITERATIONS = 6
+ITERATIONS = 5  # REFERENCE_RUN's
 FAULT_ITERATION = 2  # the fault lands in this iteration, after two checkpointed ones
-# The same command before and after the fault; collectives give up on a lost rank after 1 minute.
-RUN = (
-    f"trainer.iterations={ITERATIONS}",
-    "checkpoint.every=1",
-    "trainer.eval_every=0",
-    "logging.progress=false",
-    "rollout.agent_workers=2",
-    "parallel.timeout_minutes=1",
-)
+# The reference's command, checkpointed every iteration, the same before and after the fault;
+# collectives give up on a lost rank after 1 minute.
+RUN = (*REFERENCE_RUN, "checkpoint.every=1", "parallel.timeout_minutes=1")
 # Ray's failure detection, tightened from its defaults (a lost node declared dead after 5 health
 # checks of up to 10 s; a lost GCS connection noticed by a 2-minute keepalive, then 60 s of
 # reconnection) so that a fault costs the suite seconds, not minutes. The paths taken are the same.
@@ -71,18 +64,7 @@ def _metrics(run_dir: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> list[dict]:
     """The uninterrupted run, on one node (the two-node run repeats it exactly: test_two_nodes.py)."""
-    run_dir = tmp_path_factory.mktemp("reference") / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "megatron_stepwise.cli",
-        "train",
-        "configs/tiny_cpu.yaml",
-        f"logging.run_dir={run_dir}",
-    ]
-    out = run_launch([*cmd, *RUN], env=python_env(), cwd=REPO, timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return _metrics(run_dir)
+    return two_hosts.one_node_reference(tmp_path_factory)
 
 
 def _log(run_dir: Path, host: str) -> str:

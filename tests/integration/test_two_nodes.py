@@ -10,17 +10,16 @@ repeat the one-node run exactly. Needs root (as CI has); skips elsewhere, saying
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import run_launch
-from two_hosts import REPO, python_env, ray_cluster, start_training, wait_for
+import two_hosts
+from two_hosts import REFERENCE_RUN, ray_cluster, start_training, wait_for
 
 # Two Ray nodes and two launches (the one-node reference and the two-node run) on a 2-core machine.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
-RUN = ("trainer.iterations=5", "checkpoint.every=0", "logging.progress=false", "rollout.agent_workers=2")
+RUN = (*REFERENCE_RUN, "checkpoint.every=0")
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -35,19 +34,7 @@ def cluster(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def one_node_reference(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("one_node") / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "megatron_stepwise.cli",
-        "train",
-        "configs/tiny_cpu.yaml",
-        f"logging.run_dir={run_dir}",
-        *RUN,
-    ]
-    out = run_launch(cmd, env=python_env(), cwd=REPO, timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return _metrics(run_dir)
+    return two_hosts.one_node_reference(tmp_path_factory)
 
 
 def _train_on_both(hosts, head: str, env: dict, run_dir: Path, *extra: str) -> None:
