@@ -142,6 +142,12 @@ def run_launch(
 # ---- torchrun ---------------------------------------------------------------------------------
 
 
+def train_command(run_dir, *overrides: str, config: str = "configs/tiny_cpu.yaml") -> list[str]:
+    """`megatron-stepwise train CONFIG` of this checkout into `run_dir`, without the progress bar."""
+    cli = [sys.executable, "-m", "megatron_stepwise.cli", "train", str(REPO / config)]
+    return [*cli, f"logging.run_dir={run_dir}", "logging.progress=false", *overrides]
+
+
 def run_torchrun(
     script: str, nproc: int, args: Sequence[str], timeout: float = 300, env: Optional[dict[str, str]] = None
 ) -> subprocess.CompletedProcess:

@@ -4,10 +4,9 @@ must still be able to start engines that take longer than it to load."""
 
 import json
 import os
-import sys
 
 import pytest
-from helpers import run_launch
+from helpers import run_launch, train_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMEOUT_MINUTES = 0.2  # 12 s: collectives mid-run give up on a rank after this
@@ -23,20 +22,14 @@ def test_a_fleet_slower_to_start_than_the_collective_timeout_still_trains(tmp_pa
         OMP_NUM_THREADS="1",
         SLOW_FLEET_START_S=str(SLOW_START_S),
     )
-    cmd = [
-        sys.executable,
-        "-m",
-        "megatron_stepwise.cli",
-        "train",
-        os.path.join(ROOT, "configs/tiny_cpu.yaml"),
-        f"logging.run_dir={run_dir}",
-        "logging.progress=false",
+    cmd = train_command(
+        run_dir,
         "trainer.iterations=1",
         "trainer.eval_every=0",
         "checkpoint.every=0",
         f"parallel.timeout_minutes={TIMEOUT_MINUTES}",
         "trainer.imports=[slow_fleet_start]",
-    ]
+    )
     out = run_launch(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-4000:]
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -7,10 +7,9 @@ fleet, the echo environment. Slow (about 2 minutes on a 2-core machine), run in 
 import json
 import os
 import subprocess
-import sys
 
 import pytest
-from helpers import run_launch
+from helpers import run_launch, train_command
 
 # Longer than the suite's 600 s: a test may wait on the module's reference run and then train again, each launch allowed 900 s.
 pytestmark = pytest.mark.timeout(1200)
@@ -20,17 +19,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def _train(run_dir, *overrides, timeout=900):
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    cmd = [
-        sys.executable,
-        "-m",
-        "megatron_stepwise.cli",
-        "train",
-        os.path.join(ROOT, "configs/tiny_cpu.yaml"),
-        f"logging.run_dir={run_dir}",
-        "logging.progress=false",
-        *overrides,
-    ]
-    return run_launch(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return run_launch(
+        train_command(run_dir, *overrides), env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def _metrics(run_dir):
@@ -137,16 +128,7 @@ def test_sigkill_then_same_command_resumes_and_repeats_the_uninterrupted_run(tmp
 
     run_dir = str(tmp_path / "killed")
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    cmd = [
-        sys.executable,
-        "-m",
-        "megatron_stepwise.cli",
-        "train",
-        os.path.join(ROOT, "configs/tiny_cpu.yaml"),
-        f"logging.run_dir={run_dir}",
-        "logging.progress=false",
-        *overrides,
-    ]
+    cmd = train_command(run_dir, *overrides)
     proc = subprocess.Popen(
         cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )
