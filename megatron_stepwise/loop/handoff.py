@@ -44,6 +44,19 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else ""
 
 
+@contextlib.contextmanager
+def _handing_over(what: str, iteration: int):
+    """A collective of the hand-off that fails (a rank died, or its node was cut off) ends this rank
+    with one line saying what was under way, not gloo's bare socket error."""
+    try:
+        yield
+    except Exception as e:
+        raise RuntimeError(
+            f"{what} at iteration {iteration}: handing the result to the ranks failed (a rank is gone or cut "
+            f"off): {type(e).__name__}: {_first_line(e)}"
+        ) from e
+
+
 class ResolveFailed(RuntimeError):
     """A rank could not resolve its payload (raised on every rank alike). `lost`: what the failing
     ranks found gone (their errors' `lost` attribute, e.g. dead agent workers), which rank 0 may
@@ -129,28 +142,30 @@ class Handoff:
             for d, b in blobs.items():
                 sizes[d] = len(b)
             mine = (kind, per_dp[dp], state)
-        if dist.get_world_size() > 1:
-            dist.broadcast(sizes, src=0, group=self.group)
-        if self.is_driver:
-            sends = [
-                dist.isend(torch.frombuffer(blobs[d], dtype=torch.uint8), dst=leaders[d], group=self.group)
-                for d in range(len(leaders))
-                if leaders[d] != 0
-            ]
-            for work in sends:
-                work.wait()
-            self.bytes_sent += sum(len(blobs[d]) for d in range(len(leaders)) if leaders[d] != 0)
-        elif leader:
-            buf = torch.empty(int(sizes[dp]), dtype=torch.uint8)
-            dist.recv(buf, src=0, group=self.group)
-            self.bytes_received += buf.numel()
-            mine = pickle.loads(memoryview(buf.numpy()))  # no copy of the bytes
-        if resolve is None:
-            if groups[dp] is not None:  # the replica's other ranks get rank 0's bytes from their leader
+        with _handing_over(what, iteration):
+            if dist.get_world_size() > 1:
+                dist.broadcast(sizes, src=0, group=self.group)
+            if self.is_driver:
+                sends = [
+                    dist.isend(torch.frombuffer(blobs[d], dtype=torch.uint8), dst=leaders[d], group=self.group)
+                    for d in range(len(leaders))
+                    if leaders[d] != 0
+                ]
+                for work in sends:
+                    work.wait()
+                self.bytes_sent += sum(len(blobs[d]) for d in range(len(leaders)) if leaders[d] != 0)
+            elif leader:
+                buf = torch.empty(int(sizes[dp]), dtype=torch.uint8)
+                dist.recv(buf, src=0, group=self.group)
+                self.bytes_received += buf.numel()
+                mine = pickle.loads(memoryview(buf.numpy()))  # no copy of the bytes
+            if resolve is None and groups[dp] is not None:
+                # the replica's other ranks get rank 0's bytes from their leader
                 raw = None
                 if leader:
                     raw = torch.frombuffer(blobs[dp], dtype=torch.uint8) if self.is_driver else buf
                 mine = self._share(mine if leader else None, raw, groups[dp], leaders[dp])
+        if resolve is None:
             return self._open(mine, error, what, iteration)
         failure = None
         if leader and mine[0] == "ok":

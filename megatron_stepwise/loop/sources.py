@@ -27,6 +27,7 @@ from megatron_stepwise.algo.advantages import is_temporal_estimator
 from megatron_stepwise.algo.groups import PromptGroup, RolloutGroup, flat_steps
 from megatron_stepwise.algo.prepare import prepare, prepare_rows
 from megatron_stepwise.algo.validate import validate_steps
+from megatron_stepwise.fault_injection import before_rollout
 from megatron_stepwise.loop.handoff import ResolveFailed
 from megatron_stepwise.metrics.core import rollout_metrics
 from megatron_stepwise.rundir.dump_recorder import DumpRecorder
@@ -196,6 +197,7 @@ class SyncRollouts:
 
     def _decide(self, iteration: int) -> list[Round]:
         """Rank 0: roll out (validated where the rows are), filter, split into mini-batches and shards."""
+        before_rollout(iteration)  # test fault injection (fault_injection.py): a no-op unless its variable is set
         hold = self._hold_request(iteration)
         groups, metrics = self._rollout(iteration, hold)
         metrics.update(rollout_metrics(groups, success_threshold=self.cfg.eval_.success_threshold))

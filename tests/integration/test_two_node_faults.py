@@ -1,9 +1,10 @@
 """Faults across nodes, on two hosts of this machine (tools/two_nodes.sh): the Ray head and rank 0 on
 host a (no CPUs for actors), a Ray worker with every engine and agent worker and rank 1 on host b.
 
-Mid-run (two iterations done, the next rollout under way) host b's network is cut, or every
-process on host b is killed; or the cut lands inside the replica leaders' fetch of the workers'
-rows, where the test fault injection (STEPWISE_FAULT_PAUSE_FETCH) holds them. Nothing can take over b's actors (a offers Ray no CPU), so the
+Mid-run (two iterations done) host b's network is cut, or every process on host b is killed, at
+the start of the next rollout, where the test fault injection (STEPWISE_FAULT_PAUSE_ROLLOUT) holds
+rank 0; or the cut lands inside the replica leaders' fetch of the workers' rows, where
+STEPWISE_FAULT_PAUSE_FETCH holds them. Nothing can take over b's actors (a offers Ray no CPU), so the
 outcome asserted is the failure path: every rank still running ends within a bound, with an error
 that names what was lost; after the link is back (or b's Ray worker restarted) the same command
 resumes from the last checkpoint and repeats the uninterrupted run's metrics exactly.
@@ -22,7 +23,7 @@ import pytest
 import two_hosts
 from two_hosts import REFERENCE_RUN, ray_cluster, start_ray_worker, start_training, wait_for
 
-from megatron_stepwise.fault_injection import FETCH_VARIABLE
+from megatron_stepwise.fault_injection import FETCH_VARIABLE, ROLLOUT_VARIABLE
 
 # The reference, then per fault: a cluster, a run to the fault, its failure, a restart, a resume.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -73,35 +74,37 @@ def _log(run_dir: Path, host: str) -> str:
 
 
 def _fault_then_resume(tmp_path: Path, reference: list[dict], fault: str, during: str = "rollout") -> dict[str, str]:
-    """Run to iteration 2, inject `fault` ("link" or "kill") during iteration 2's `during` ("rollout",
-    or "fetch": the replica leaders paused inside their fetch of the workers' rows by the test fault
-    injection, megatron_stepwise/fault_injection.py, and released right after the fault), check the
-    ends, resume, compare. Returns the last lines of each surviving host's torchrun log after the fault."""
+    """Run to iteration 2, inject `fault` ("link" or "kill") during iteration 2's `during`: its
+    "rollout" (rank 0 paused at the start of it) or its "fetch" (both replica leaders paused inside
+    their fetch of the workers' rows); the pause is the test fault injection
+    (megatron_stepwise/fault_injection.py), released right after the fault, so the fault lands there
+    whatever the machine's load. Then check the ends, resume, compare. Returns the last lines of
+    each surviving host's torchrun log after the fault."""
     with ray_cluster(tmp_path / "hosts", FAST_FAILURE_DETECTION) as (hosts, head, env):
         run_dir = tmp_path / "run"
-        pause = tmp_path / "fetch_pause"
-        first_env = env
-        if during == "fetch":
-            pause.mkdir()
-            for before in range(FAULT_ITERATION):  # the iterations before the fault fetch without pausing
-                (pause / f"go.{before}").touch()
-            first_env = {**env, FETCH_VARIABLE: str(pause)}
-        procs = dict(zip("ab", start_training(hosts, head, first_env, run_dir, *RUN)))
-        # Two iterations logged and checkpointed (a line is written before its checkpoint): the
-        # fault then lands in the next rollout (or its fetch), not in the checkpoint's collectives.
+        pause = tmp_path / "pause"
+        pause.mkdir()
+        for before in range(FAULT_ITERATION):  # the iterations before the fault go through without pausing
+            (pause / f"go.{before}").touch()
+        variable, markers = {
+            "rollout": (ROLLOUT_VARIABLE, ["rollout.0"]),
+            "fetch": (FETCH_VARIABLE, ["fetching.0", "fetching.1"]),  # rank 0 on a, rank 1 on b
+        }[during]
+        procs = dict(zip("ab", start_training(hosts, head, {**env, variable: str(pause)}, run_dir, *RUN)))
+        # Two iterations logged and checkpointed (a line is written before its checkpoint), and the
+        # next paused where the fault must land.
         wait_for(
             lambda: len(_metrics(run_dir)) >= FAULT_ITERATION and _checkpointed(run_dir) >= FAULT_ITERATION,
             "two iterations checkpointed before the fault",
             600,
             proc=procs["a"],
         )
-        if during == "fetch":  # both replica leaders (rank 0 on a, rank 1 on b) inside their fetch
-            wait_for(
-                lambda: all((pause / f"fetching.{rank}.{FAULT_ITERATION}").exists() for rank in (0, 1)),
-                f"both ranks paused in the fetch of iteration {FAULT_ITERATION}'s rows",
-                600,
-                proc=procs["a"],
-            )
+        wait_for(
+            lambda: all((pause / f"{marker}.{FAULT_ITERATION}").exists() for marker in markers),
+            f"iteration {FAULT_ITERATION} paused in its {during}",
+            600,
+            proc=procs["a"],
+        )
         saved = _checkpointed(run_dir)
         if fault == "link":
             hosts.set_link(False)
@@ -110,8 +113,7 @@ def _fault_then_resume(tmp_path: Path, reference: list[dict], fault: str, during
             assert any("ray" in cmd for cmd in hosts.kill_all("b")), "no Ray process on host b to kill"
             survivors = "a"
         faulted_at = time.monotonic()
-        if during == "fetch":
-            (pause / f"go.{FAULT_ITERATION}").touch()
+        (pause / f"go.{FAULT_ITERATION}").touch()
         took: dict[str, float] = {}  # host -> seconds from the fault to its training's end
 
         def every_survivor_ended() -> bool:
@@ -127,7 +129,7 @@ def _fault_then_resume(tmp_path: Path, reference: list[dict], fault: str, during
         )
         done = len(_metrics(run_dir))
         assert 2 <= done < ITERATIONS, f"{done} iterations logged: the fault came too late"
-        assert during != "fetch" or done == FAULT_ITERATION, f"{done} iterations logged: the pause did not hold"
+        assert done == FAULT_ITERATION, f"{done} iterations logged: the pause did not hold"
         assert _checkpointed(run_dir) >= saved, "a checkpoint written before the fault was lost"
         ends = {}
         for host in survivors:

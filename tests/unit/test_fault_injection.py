@@ -59,3 +59,18 @@ def test_the_row_fetch_pauses_there_before_it_reaches_ray(tmp_path, monkeypatch)
     with pytest.raises(FaultPauseTimeout, match="go.5"):
         RowFetcher().fetch(shard)
     assert (tmp_path / "fetching.0.5").exists()
+
+
+def test_the_rollout_pause_is_inert_unless_set_and_holds_rank0_before_its_rollout(tmp_path, monkeypatch):
+    from megatron_stepwise.fault_injection import ROLLOUT_VARIABLE
+
+    assert FilePause.from_env(ROLLOUT_VARIABLE, {}) is None and fault_injection.ROLLOUT_PAUSE is None
+    fault_injection.before_rollout(3)  # returns at once
+    monkeypatch.setattr(
+        fault_injection,
+        "ROLLOUT_PAUSE",
+        FilePause.from_env(ROLLOUT_VARIABLE, {ROLLOUT_VARIABLE: str(tmp_path)}, point="rollout"),
+    )
+    (tmp_path / "go.5").touch()
+    fault_injection.before_rollout(5)  # released already
+    assert (tmp_path / "rollout.0.5").exists()

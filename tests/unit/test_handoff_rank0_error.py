@@ -102,3 +102,28 @@ def test_a_fetched_round_the_ranks_cannot_agree_on_says_so(monkeypatch):
         "rollout at iteration 2: agreeing on the fetched rows failed: "
         "RuntimeError: [gloo] Timed out waiting 60000ms for recv operation"
     )
+
+
+def test_a_rank_gone_while_rank0_hands_over_a_good_result_is_one_named_error(monkeypatch):
+    """Rank 0's rollout succeeded, then the rank it sends a shard to is gone (its node killed):
+    one line saying what was under way, not gloo's bare socket error."""
+    import megatron_stepwise.loop.handoff as module
+
+    h = _fetching_handoff(monkeypatch, AssertionError("not reached"))
+    h._replica_info = ([0, 1], [0, 1], [None, None])  # two replicas: rank 0 sends rank 1 its shard
+    monkeypatch.setattr(module.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(module.dist, "broadcast", lambda tensor, src, group=None: None)
+
+    class Gone:
+        def wait(self):
+            raise RuntimeError(
+                "[gloo/transport/tcp/pair.cc:537] Read error [10.0.0.2]:30407: Connection reset by peer\nGLHF"
+            )
+
+    monkeypatch.setattr(module.dist, "isend", lambda tensor, dst, group=None: Gone())
+    with pytest.raises(RuntimeError) as e:
+        h.to_ranks(lambda: [["a"], ["b"]], "rollout", 2)
+    assert str(e.value) == (
+        "rollout at iteration 2: handing the result to the ranks failed (a rank is gone or cut off): "
+        "RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error [10.0.0.2]:30407: Connection reset by peer"
+    )
