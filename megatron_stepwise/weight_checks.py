@@ -21,13 +21,14 @@ from __future__ import annotations
 import hashlib
 import math
 import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 
 VERIFY_MODES = ("sampled", "full", "off")
-SAMPLE_SIZE = 256
+SAMPLE_SIZE = 128  # positions per tensor, one per stratum (docs/weights.md: what that catches)
 
 
 @dataclass
@@ -48,7 +49,7 @@ class Checks(dict):
 
     def __reduce__(self):
         names, meta, by_dtype = [], [], {}
-        with _plain_torch():
+        with plain_torch():
             for name, c in self.items():
                 names.append(name)
                 kept = None
@@ -80,10 +81,76 @@ def _unpack_checks(names: list, meta: list, blobs: dict) -> Checks:
     return out
 
 
-def _plain_torch():
-    """Torch calls without any `__torch_function__` mode: sampling makes no device choice a mode
-    could redirect, and the trainer's CPU compatibility mode (`mcore/runtime/cpu_compat.py`)
-    costs more per call than a 256-element gather."""
+class Samples(Mapping):
+    """An engine's samples of the tensors one update loaded, as columns: their names in load
+    order, shapes and dtypes, and per dtype one flat tensor of their sampled values one after
+    another (`min(numel, k)` each). Built, pickled and compared (`compare_samples`) without an
+    object per tensor: an engine answers every sampled update with one. Read as a mapping
+    {name: TensorCheck}, whose entries are made on access."""
+
+    def __init__(self, names: list, shapes: list, dtypes: list, values: dict, k: int = SAMPLE_SIZE):
+        self.names, self.shapes, self.dtypes, self.values, self.k = names, shapes, dtypes, values, k
+        self._where: Optional[dict] = None  # name -> (index, offset in its dtype's values), on first access
+
+    def _located(self) -> dict:
+        if self._where is None:
+            self._where, offsets = {}, dict.fromkeys(self.values, 0)
+            for i, (name, shape, dtype) in enumerate(zip(self.names, self.shapes, self.dtypes)):
+                self._where[name] = (i, offsets[dtype])
+                offsets[dtype] += min(math.prod(shape), self.k)
+        return self._where
+
+    def __getitem__(self, name: str) -> TensorCheck:
+        i, start = self._located()[name]
+        shape, dtype = self.shapes[i], self.dtypes[i]
+        return TensorCheck(shape, dtype, self.values[dtype][start : start + min(math.prod(shape), self.k)])
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __reduce__(self):
+        with plain_torch():
+            blobs = {d: v.reshape(-1).view(torch.uint8).numpy().tobytes() for d, v in self.values.items()}
+        return (_unpack_samples, (self.names, self.shapes, self.dtypes, blobs, self.k))
+
+    def same_as(self, sent: Mapping[str, TensorCheck]) -> bool:
+        """Whether `sent` (the trainer's sampled record) holds exactly these tensors, with these
+        shapes and, cast to the engine's dtype, these values: one comparison per dtype."""
+        if len(sent) != len(self.names):
+            return False
+        try:
+            checks = [sent[name] for name in self.names]
+        except KeyError:
+            return False
+        if [c.shape for c in checks] != self.shapes or any(c.values is None for c in checks):
+            return False
+        with torch.no_grad(), plain_torch():
+            for dtype, ours in self.values.items():
+                theirs = [c.values for c, d in zip(checks, self.dtypes) if d == dtype]
+                theirs = torch.cat(theirs).to(ours.dtype) if theirs else ours.new_empty(0)
+                if len(theirs) != len(ours) or not torch.equal(ours, theirs):
+                    return False
+        return True
+
+
+def _unpack_samples(names: list, shapes: list, dtypes: list, blobs: dict, k: int) -> Samples:
+    values = {
+        d: torch.frombuffer(bytearray(b), dtype=torch.uint8).view(getattr(torch, d))
+        if b
+        else torch.empty(0, dtype=getattr(torch, d))
+        for d, b in blobs.items()
+    }
+    return Samples(names, shapes, dtypes, values, k)
+
+
+def plain_torch():
+    """Torch calls without any `__torch_function__` mode or tensor-subclass dispatch
+    (`nn.Parameter`): sampling makes no device choice a mode could redirect, and the trainer's
+    CPU compatibility mode (`mcore/runtime/cpu_compat.py`) costs more per call than a 256-element
+    gather. A loop enters it once (the engine around its load loop, for `Sampler.take`)."""
     return torch._C.DisableTorchFunction()
 
 
@@ -94,11 +161,16 @@ def _pattern(version: int, k: int) -> torch.Tensor:
 
 
 def _position_matrix(names: list[str], version: int, numels: list[int], k: int) -> torch.Tensor:
-    """[len(names), k] flat positions in tensors of more than `k` elements: the version's pattern
-    scaled to each tensor and turned by crc32 of its name and the version (one op for all)."""
+    """[len(names), k] flat positions in tensors of more than `k` elements, ascending, one in each
+    of `k` equal strata of the tensor: the version's k fractions, turned by crc32 of the tensor's
+    name and the version, place each within its stratum (one op for all tensors). A wrong region
+    of at least two strata therefore always holds a sampled position."""
     n = torch.tensor(numels, dtype=torch.int64)[:, None]
-    turn = torch.tensor([zlib.crc32(f"{name}@{int(version)}".encode()) for name in names], dtype=torch.int64)
-    return ((_pattern(version, k)[None, :] * n).long() + turn[:, None]) % n
+    turn = torch.tensor([zlib.crc32(f"{name}@{int(version)}".encode()) for name in names], dtype=torch.float64)
+    bounds = torch.arange(k + 1, dtype=torch.int64)[None, :] * n // k  # [tensors, k + 1] strata edges
+    starts, lengths = bounds[:, :-1], bounds[:, 1:] - bounds[:, :-1]  # every stratum >= 1 element (n > k)
+    fractions = (_pattern(version, k)[None, :] + turn[:, None] / 2**32).remainder_(1.0)
+    return starts + torch.minimum((fractions * lengths).long(), lengths - 1)
 
 
 def sample_positions(name: str, version: int, numel: int, k: int = SAMPLE_SIZE) -> torch.Tensor:
@@ -106,46 +178,75 @@ def sample_positions(name: str, version: int, numel: int, k: int = SAMPLE_SIZE) 
     else `k` that both sides derive alike from the name and version (as `sample_many` takes them)."""
     if numel <= k:
         return torch.arange(numel)
-    with _plain_torch():
+    with plain_torch():
         return _position_matrix([name], version, [numel], k)[0]
+
+
+class Positions:
+    """The sample positions of one weight version, by (tensor name, numel): computed for many
+    tensors in one op (`prepare`) and looked up per tensor (`row`, computed then if missing).
+    A side that knows the names ahead prepares them before the update reaches it: the trainer
+    from its previous push, on its sampling thread; an engine after a load, for the next version."""
+
+    def __init__(self, version: int, k: int = SAMPLE_SIZE):
+        self.version, self.k = int(version), k
+        self._rows: dict = {}
+
+    def prepare(self, names: list[str], numels: list[int]) -> "Positions":
+        todo = [(name, n) for name, n in zip(names, numels) if n > self.k and (name, n) not in self._rows]
+        if todo:
+            with plain_torch():
+                matrix = _position_matrix([name for name, _ in todo], self.version, [n for _, n in todo], self.k)
+            self._rows.update(zip(todo, matrix.unbind(0)))
+        return self
+
+    def row(self, name: str, numel: int) -> Optional[torch.Tensor]:
+        """The positions in tensor `name` (None: it has at most `k` elements and is taken whole)."""
+        if numel <= self.k:
+            return None
+        row = self._rows.get((name, numel))
+        if row is None:
+            row = self.prepare([name], [numel])._rows[(name, numel)]
+        return row
 
 
 def take(tensor: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """The elements at flat `positions`, without copying the tensor (it may be a strided view)."""
-    with _plain_torch():
+    with plain_torch():
         return torch.take(tensor.detach(), positions.to(tensor.device)).cpu()
 
 
-def _gather(named: list, version: int, k: int) -> dict:
+def _gather(named: list, positions: Positions) -> dict:
     """The sampled values of every (name, tensor), joined on the CPU per (device, dtype):
-    {(device, dtype): (indices into `named`, their values one after another)}."""
-    numels = [t.numel() for _, t in named]
-    big = [i for i, n in enumerate(numels) if n > k]
-    row_of = {i: r for r, i in enumerate(big)}
-    matrix = _position_matrix([named[i][0] for i in big], version, [numels[i] for i in big], k) if big else None
-    rows_on: dict = {}  # the matrix's rows on each device the tensors live on (moved once)
+    {(device, or None on the CPU, dtype): (indices into `named`, their values one after another)}."""
+    positions.prepare([name for name, _ in named], [t.numel() for _, t in named])
+    rows = [positions.row(name, t.numel()) for name, t in named]
+    # (`is_cpu`, not `device`: a device object per tensor costs more than its gather)
+    for device in {t.device for _, t in named if not t.is_cpu}:  # rows moved once per device
+        moved = [i for i, (_, t) in enumerate(named) if t.device == device and rows[i] is not None]
+        if moved:
+            for i, row in zip(moved, torch.stack([rows[i] for i in moved]).to(device).unbind(0)):
+                rows[i] = row
     groups: dict = {}
     for i, (_, t) in enumerate(named):
-        r = row_of.get(i)
-        if r is None:
-            part = t.reshape(-1)
-        else:
-            if t.device not in rows_on:
-                rows_on[t.device] = matrix.to(t.device).unbind(0)
-            part = torch.take(t, rows_on[t.device][r])
-        indices, parts = groups.setdefault((t.device, t.dtype), ([], []))
+        part = t.reshape(-1) if rows[i] is None else torch.take(t, rows[i])
+        indices, parts = groups.setdefault((None if t.is_cpu else t.device, t.dtype), ([], []))
         indices.append(i)
         parts.append(part)
     return {key: (indices, torch.cat(parts).cpu()) for key, (indices, parts) in groups.items()}
 
 
-def sample_many(named: list[tuple[str, torch.Tensor]], version: int, k: int = SAMPLE_SIZE) -> list[torch.Tensor]:
+def sample_many(
+    named: list[tuple[str, torch.Tensor]], version: int, k: int = SAMPLE_SIZE, positions: Optional[Positions] = None
+) -> list[torch.Tensor]:
     """`take(t, sample_positions(name, version, t.numel()))` of every (name, t), on the CPU: one
-    position matrix for all, one gather per tensor, one copy to the CPU per (device, dtype)."""
-    with torch.no_grad(), _plain_torch():
+    position matrix for all (or `positions`, of `version`, prepared ahead), one gather per tensor,
+    one copy to the CPU per (device, dtype)."""
+    positions = Positions(version, k) if positions is None else positions
+    with torch.no_grad(), plain_torch():
         out: list = [None] * len(named)
-        for indices, joined in _gather(named, version, k).values():
-            sizes = [min(named[i][1].numel(), k) for i in indices]
+        for indices, joined in _gather(named, positions).values():
+            sizes = [min(named[i][1].numel(), positions.k) for i in indices]
             for i, values in zip(indices, joined.split(sizes)):
                 out[i] = values
         return out
@@ -157,8 +258,14 @@ def tensor_digest(tensor: torch.Tensor) -> str:
     return hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
+_DTYPE_NAMES: dict = {}
+
+
 def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
 
 
 def check_of(name: str, tensor: torch.Tensor, version: int, mode: str) -> TensorCheck:
@@ -166,12 +273,15 @@ def check_of(name: str, tensor: torch.Tensor, version: int, mode: str) -> Tensor
     return checks_of([(name, tensor)], version, mode)[name]
 
 
-def checks_of(bucket: list[tuple[str, torch.Tensor]], version: int, mode: str) -> dict[str, TensorCheck]:
-    """The trainer's record of a bucket of sent tensors, {name: TensorCheck} (values are copies)."""
+def checks_of(
+    bucket: list[tuple[str, torch.Tensor]], version: int, mode: str, positions: Optional[Positions] = None
+) -> dict[str, TensorCheck]:
+    """The trainer's record of a bucket of sent tensors, {name: TensorCheck} (values are copies);
+    `positions`: the version's, prepared ahead (sampled mode)."""
     if mode == "full":
         return {name: TensorCheck(tuple(t.shape), dtype_name(t.dtype), digest=tensor_digest(t)) for name, t in bucket}
-    samples = sample_many(bucket, version)
-    with _plain_torch():
+    samples = sample_many(bucket, version, positions=positions)
+    with plain_torch():
         return {
             name: TensorCheck(tuple(t.shape), dtype_name(t.dtype), values) for (name, t), values in zip(bucket, samples)
         }
@@ -212,38 +322,53 @@ class Sampler:
     """An engine's samples of the tensors an update loads, taken one tensor at a time right after
     it is written (`take`), while its memory is still in cache: reading 256 random elements of
     each tensor after a whole model was loaded costs a cache miss each. Positions as
-    `sample_positions`, computed for all tensors at once."""
+    `sample_positions`, from the version's `Positions` (prepared ahead where the engine could).
 
-    def __init__(self, names: list[str], numels: list[int], version: int, k: int = SAMPLE_SIZE):
-        big = [i for i, n in enumerate(numels) if n > k]
-        with _plain_torch():
-            rows = _position_matrix([names[i] for i in big], version, [numels[i] for i in big], k) if big else None
-        self._rows = dict(zip(big, rows.unbind(0))) if big else {}
+    `take` runs once per tensor on the engine's load path, so it does only the gather: the
+    caller enters `plain_torch()` once around its load loop, and `checks` builds the record."""
+
+    def __init__(self, names: list[str], numels: list[int], positions: Positions):
+        positions.prepare(names, numels)
+        self._rows = [positions.row(name, n) for name, n in zip(names, numels)]
+        self._k = positions.k
         self._names = names
         self._taken: list = []
 
     def take(self, i: int, tensor: torch.Tensor) -> None:
         """Sample `tensor`, the one `names[i]` was just loaded into (a CPU tensor without grad)."""
-        with _plain_torch():
-            row = self._rows.get(i)
-            self._taken.append((i, tensor, tensor.reshape(-1).clone() if row is None else torch.take(tensor, row)))
+        row = self._rows[i]
+        self._taken.append((i, tensor, tensor.reshape(-1).clone() if row is None else torch.take(tensor, row)))
 
-    def checks(self) -> Checks:
-        """{name: TensorCheck} of every tensor taken, in the engine's dtype."""
-        out = Checks()
+    def checks(self) -> Samples:
+        """The samples of every tensor taken, in the engine's dtype."""
+        names, shapes, dtypes, parts = [], [], [], {}
         for i, tensor, values in self._taken:
-            out[self._names[i]] = TensorCheck(tuple(tensor.shape), dtype_name(tensor.dtype), values)
-        return out
+            dtype = dtype_name(tensor.dtype)
+            names.append(self._names[i])
+            shapes.append(tuple(tensor.shape))
+            dtypes.append(dtype)
+            parts.setdefault(dtype, []).append(values)
+        with plain_torch():
+            flat = {dtype: torch.cat(values) for dtype, values in parts.items()}
+        return Samples(names, shapes, dtypes, flat, self._k)
 
 
 def overlapping(tensors: Iterable[torch.Tensor]) -> bool:
     """Whether two of `tensors` share memory (their extents in memory intersect): then a tensor
-    sampled as soon as it was written may be overwritten by a later one."""
-    spans = []
+    sampled as soon as it was written may be overwritten by a later one. Tensors on storages of
+    their own cannot overlap, so only storages that hold several are looked at."""
+    by_storage: dict = {}
     for t in tensors:
         if t.numel():
-            extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-            spans.append((t.data_ptr(), t.data_ptr() + extent * t.element_size()))
+            by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(t)
+    return any(len(shared) > 1 and _extents_intersect(shared) for shared in by_storage.values())
+
+
+def _extents_intersect(tensors: list[torch.Tensor]) -> bool:
+    spans = []
+    for t in tensors:
+        extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+        spans.append((t.data_ptr(), t.data_ptr() + extent * t.element_size()))
     spans.sort()
     end = None
     for start, stop in spans:
@@ -265,8 +390,10 @@ def compare_samples(held: Mapping[str, TensorCheck], sent: Mapping[str, TensorCh
 
     As `compare_all`: one `torch.equal` per group (same sent and held dtype), tensor by tensor only
     in a group that differs, to name the tensor and the first differing flat index."""
+    if isinstance(held, Samples) and held.same_as(sent):
+        return {}
     problems, groups = {}, {}
-    with torch.no_grad(), _plain_torch():
+    with torch.no_grad(), plain_torch():
         for name, check in sent.items():
             ours = held.get(name)
             if ours is None:
@@ -297,7 +424,7 @@ def compare_all(held: Mapping[str, Optional[torch.Tensor]], sent: Mapping[str, T
     held dtype and device) against the group's sent values, one `torch.equal`; only a group that
     differs is gone through tensor by tensor (`compare`) to name them."""
     problems, groups = {}, {}
-    with torch.no_grad(), _plain_torch():
+    with torch.no_grad(), plain_torch():
         for name, check in sent.items():
             tensor = held.get(name)
             if tensor is None:
@@ -313,7 +440,7 @@ def compare_all(held: Mapping[str, Optional[torch.Tensor]], sent: Mapping[str, T
             else:
                 groups.setdefault((check.values.dtype, tensor.dtype, tensor.device), []).append((name, tensor))
         for (_, held_dtype, _), items in groups.items():
-            ((indices, ours),) = _gather(items, version, SAMPLE_SIZE).values()
+            ((indices, ours),) = _gather(items, Positions(version)).values()
             theirs = torch.cat([sent[items[i][0]].values for i in indices]).to(held_dtype)
             if torch.equal(ours, theirs):
                 continue

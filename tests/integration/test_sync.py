@@ -17,6 +17,7 @@ import torch
 from helpers import check_ok, run_torchrun
 from weights_helpers import load_json
 
+from megatron_stepwise import weight_checks
 from megatron_stepwise.algo.losses import LossConfig, LossInputs, policy_loss
 from megatron_stepwise.mcore.weights import sync as S
 
@@ -96,7 +97,7 @@ def test_one_element_changed_between_the_trainers_sample_and_the_engines_load_st
     )
     where, hits = case["where"], case["hits"]
     assert (
-        f"model.layers.1.self_attn.o_proj.weight: {hits} of 256 sampled values differ (first at flat index {where}:"
+        f"model.layers.1.self_attn.o_proj.weight: {hits} of {weight_checks.SAMPLE_SIZE} sampled values differ (first at flat index {where}:"
         in message
     )
 

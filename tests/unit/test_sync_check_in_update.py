@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import pickle
 import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -38,7 +41,7 @@ from megatron_stepwise.rollout.fleet import EngineSpec, RolloutFleet
 from megatron_stepwise.rollout.sglang import SGLangClient
 
 TOK, CONFIG = tiny_lm("tiny_word")
-NAME = "model.embed_tokens.weight"  # large: 256 of its elements are sampled
+NAME = "model.embed_tokens.weight"  # large: SAMPLE_SIZE of its elements are sampled
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.timeout(300)]
 
 
@@ -60,8 +63,7 @@ def record_of(tensors: dict, version: int) -> PushRecord:
 
 def corrupted(tensors: dict, version: int) -> tuple[dict, int]:
     """A copy of `tensors` with one element of NAME changed at a sampled position, and that position."""
-    positions = C.sample_positions(NAME, version, tensors[NAME].numel()).tolist()
-    where = next(p for p in positions[17:] if positions.count(p) == 1)  # (drawn with replacement: some repeat)
+    where = int(C.sample_positions(NAME, version, tensors[NAME].numel())[17])  # (positions are distinct)
     out = dict(tensors)
     out[NAME] = tensors[NAME].clone()
     out[NAME].view(-1)[where] += 1.0
@@ -138,7 +140,7 @@ def test_a_corruption_between_the_trainers_sample_and_the_engines_load_is_named(
     answer = asyncio.run(_update(engine, mode, bad, 4, tmp_path))
     message = judged_message(answer, record)
     assert message.startswith("weight sync of version 4 verified wrong: engine 0 (engine0.1) holds 1 tensor(s)")
-    assert f"{NAME}: 1 of 256 sampled values differ (first at flat index {where}:" in message
+    assert f"{NAME}: 1 of {C.SAMPLE_SIZE} sampled values differ (first at flat index {where}:" in message
 
 
 def test_a_name_loaded_into_another_names_tensor_is_caught_in_the_update_answer(monkeypatch):
@@ -234,7 +236,7 @@ def test_the_serve_engine_answers_the_update_with_its_samples_in_one_request():
     message = judged_message(wrong, record_of(tensors, 3), index=2)
     assert (
         "engine 2 (served)" in message
-        and f"{NAME}: 1 of 256 sampled values differ (first at flat index {where}:" in message
+        and f"{NAME}: 1 of {C.SAMPLE_SIZE} sampled values differ (first at flat index {where}:" in message
     )
 
 
@@ -374,3 +376,79 @@ def test_weight_sync_judges_a_sampled_push_from_the_update_answers_without_a_ver
     finally:
         syncer.close()
         loop.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_engines_samples_travel_as_columns_and_read_as_checks(dtype):
+    engine = LocalEngine(CONFIG, seed=0)  # holds float32: bfloat16 pushes are cast on load
+    tensors = pushed(seed=5, dtype=dtype)
+    record = record_of(tensors, 3)
+    answer = asyncio.run(engine.update_weights_from_tensors(tensors, 3, sample_weights=True))
+    samples = pickle.loads(pickle.dumps(answer["samples"]))  # as Ray carries it
+    assert isinstance(samples, C.Samples) and list(samples) == list(answer["samples"]) == list(tensors)
+    for name, sent in record.checks.items():  # read by name, each is the record's values in the engine's dtype
+        assert samples[name].shape == sent.shape and samples[name].dtype == "float32"
+        assert torch.equal(samples[name].values, sent.values.to(torch.float32)), name
+    assert samples.same_as(record.checks) and C.compare_samples(samples, record.checks, 3) == {}
+
+    changed = C.Checks(record.checks)
+    values = changed[NAME].values.clone()
+    values[5] += 1
+    changed[NAME] = C.TensorCheck(changed[NAME].shape, changed[NAME].dtype, values)
+    assert not samples.same_as(changed)
+    assert list(C.compare_samples(samples, changed, 3)) == [NAME]  # named by the per-tensor path
+    fewer = C.Checks({n: c for n, c in record.checks.items() if n != NAME})
+    assert not samples.same_as(fewer)  # the engine loaded a name the trainer did not send
+    more = C.Checks({**record.checks, "model.extra.weight": record.checks[NAME]})
+    assert C.compare_samples(samples, more, 3) == {
+        "model.extra.weight": "the engine did not load it in this update (no sample in its answer)"
+    }
+    reshaped = C.Checks(record.checks)
+    reshaped[NAME] = C.TensorCheck(tuple(reversed(record.checks[NAME].shape)), "float32", record.checks[NAME].values)
+    assert "shape" in C.compare_samples(samples, reshaped, 3)[NAME]
+
+
+def test_the_next_versions_positions_are_ready_before_its_update(monkeypatch):
+    """After a load the engine computes the next version's sample positions, behind the load on
+    its model thread; the next sampled update then computes none on its load path."""
+    engine = LocalEngine(CONFIG, seed=0)
+    tensors = pushed(seed=5)
+    calls = []
+    computed = C._position_matrix
+    monkeypatch.setattr(C, "_position_matrix", lambda *a: calls.append(a[1]) or computed(*a))
+
+    async def go():
+        await engine.update_weights_from_tensors(tensors, 3, sample_weights=True)
+        await engine.update_weights_from_tensors(tensors, 4)  # an unsampled load also positions the next
+        await engine._run(lambda: None)  # what the model thread queued behind the loads is done
+        calls.append("update 5")
+        answer = await engine.update_weights_from_tensors(tensors, 5, sample_weights=True)
+        await engine._run(lambda: None)
+        return answer
+
+    answer = asyncio.run(go())
+    # 3 on the first update's path; 4, 5 and 6 each behind a load; none on the path of update 5
+    assert calls == [3, 4, 5, "update 5", 6]
+    assert C.compare_samples(answer["samples"], record_of(tensors, 5).checks, 5) == {}
+
+
+def test_the_trainer_positions_a_push_on_its_sampling_thread_from_the_last_one(monkeypatch):
+    tensors = list(pushed(seed=5).items())
+    calls = []
+    computed = C._position_matrix
+    monkeypatch.setattr(
+        C, "_position_matrix", lambda *a: calls.append((threading.current_thread().name, len(a[0]))) or computed(*a)
+    )
+    with ThreadPoolExecutor(1, thread_name_prefix="sampler") as pool:
+        first = PushRecord(1, "sampled", pool)
+        first.add(tensors)
+        first.finish()
+        calls.clear()
+        second = PushRecord(2, "sampled", pool, expected=first.sent())
+        second.add(tensors[:3])
+        second.add(tensors[3:])
+        second.finish()
+    big = sum(1 for _, t in tensors if t.numel() > C.SAMPLE_SIZE)
+    assert [(thread.startswith("sampler"), n) for thread, n in calls] == [(True, big)]  # once, for all, ahead
+    assert second.checks.keys() == first.checks.keys()
+    assert all(torch.equal(second.checks[n].values, C.check_of(n, t, 2, "sampled").values) for n, t in tensors)

@@ -197,7 +197,25 @@ def test_sample_positions_depend_only_on_name_version_and_size():
     a = C.sample_positions("model.embed_tokens.weight", 5, 1_000_003)
     big = C.sample_many([("x", torch.zeros(7)), ("model.embed_tokens.weight", torch.arange(1_000_003.0))], 5)
     assert torch.equal(big[1], a.double())  # the values are the positions themselves
-    assert int(a.min()) >= 0 and int(a.max()) < 1_000_003 and len(set(a.tolist())) > 200  # spread
+    k, n = C.SAMPLE_SIZE, 1_000_003
+    assert len(a) == k
+    for j, position in enumerate(a.tolist()):  # one in each of k equal strata
+        assert j * n // k <= position < (j + 1) * n // k, (j, position)
+    b = C.sample_positions("model.embed_tokens.weight", 6, n)
+    c = C.sample_positions("model.norm.weight", 5, n)
+    assert not torch.equal(a, b) and not torch.equal(a, c)  # other versions and names, other places
+
+
+@pytest.mark.parametrize("n", [C.SAMPLE_SIZE + 1, 1000, 884_736, 2**31 + 11])
+def test_a_wrong_region_of_two_strata_always_holds_a_sampled_position(n):
+    """Wherever a contiguous wrong region of 2n/k elements lies, every version samples in it."""
+    k = C.SAMPLE_SIZE
+    width = -(-2 * n // k)  # ceil(2n/k)
+    for version in range(40):
+        positions = C.sample_positions(f"layer.{version}.weight", version, n)
+        assert int(positions.min()) >= 0 and int(positions.max()) < n
+        gaps = torch.diff(torch.cat([torch.tensor([-1]), positions, torch.tensor([n])]))
+        assert int(gaps.max()) <= width, (version, int(gaps.max()), width)  # no window of `width` unsampled
 
 
 def test_one_element_changed_at_a_sampled_position_of_a_large_tensor_is_caught_and_named():

@@ -178,7 +178,7 @@ def injected_case(injection, rank, syncer, chunks, mode, version) -> dict:
         numel = math.prod(syncer._last.checks[CORRUPTED].shape)
         positions = weight_checks.sample_positions(CORRUPTED, version, numel)
         where = int(positions[Injection.AT])
-        hits = int((positions == where).sum())  # positions are drawn with replacement: it may come twice
+        hits = int((positions == where).sum())  # 1: one position per stratum (counted, not assumed)
     return {"messages": messages, "where": where, "hits": hits, "version": version}
 
 

@@ -4,7 +4,7 @@
 
 One training process (TP1, gloo) and a Ray fleet with one embedded engine. For the tiny test
 model and a SmolLM2-135M-shaped model (random init of its shapes, no download; skipped with
---quick), per sync mode, one `WeightSync` pushes `--repeat` pairs of versions after a warm-up
+--quick), and on request (`--models`) a Qwen2.5-0.5B-shaped one, per sync mode, one `WeightSync` pushes `--repeat` pairs of versions after a warm-up
 pair, each pair one push with `verify: off` then one with `verify: sampled` (interleaved, so the
 machine's load hits both alike), then `--repeat` pushes with `verify: full`. Medians over the
 repeats, and the spread (fastest to slowest) of each:
@@ -57,7 +57,24 @@ MODELS = {
         ),
         ("disk", "distributed"),
     ),
+    # Qwen2.5-0.5B's shapes (494M parameters, tied embeddings), random weights: how the share
+    # falls as tensors grow (opt-in: ~8 GB of memory).
+    "qwen2.5-0.5b": (
+        M.tiny_config(
+            model_type="qwen2",
+            vocab_size=151936,
+            hidden_size=896,
+            num_layers=24,
+            num_heads=14,
+            num_kv_heads=2,
+            ffn_hidden_size=4864,
+            tie_word_embeddings=True,
+            max_position_embeddings=2048,
+        ),
+        ("disk", "distributed"),
+    ),
 }
+DEFAULT_MODELS = ("tiny", "smollm2-135m")
 
 
 def bench_model(name: str, cfg: dict, modes: tuple, repeat: int, bucket_mb: float, workdir: Path) -> list[dict]:
@@ -162,7 +179,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--bucket-mb", type=float, default=64)
     p.add_argument("--modes", default=None, help="comma-separated sync modes (default: per model, see above)")
-    p.add_argument("--models", default=None, help=f"comma-separated, of {list(MODELS)} (default: all)")
+    p.add_argument("--models", default=None, help=f"comma-separated, of {list(MODELS)} (default: {DEFAULT_MODELS})")
     return p.parse_args(argv)
 
 
@@ -175,7 +192,10 @@ def report(args: argparse.Namespace) -> dict:
     repeat = 1 if args.quick else args.repeat
     torch.set_num_threads(1)
     os.environ.setdefault("MASTER_PORT", str(free_port()))
-    names = ["tiny"] if args.quick else (args.models.split(",") if args.models else list(MODELS))
+    names = ["tiny"] if args.quick else (args.models.split(",") if args.models else list(DEFAULT_MODELS))
+    unknown = [n for n in names if n not in MODELS]
+    if unknown:
+        raise SystemExit(f"--models: unknown {unknown}; known: {list(MODELS)}")
     print(
         f"weight sync verification on CPU, 1 trainer process, 1 embedded engine, bucket {args.bucket_mb} MB, "
         f"median of {repeat} (off and sampled pushes interleaved)",

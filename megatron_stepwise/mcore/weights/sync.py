@@ -116,6 +116,7 @@ class WeightSync:
         self._group = None
         self.verify_mode = verify
         self._last: Optional[PushRecord] = None  # the last push's record (rank 0), for `verify`
+        self._sent_last: Optional[list] = None  # (name, numel) this rank recorded last push: positioned ahead
         self._unverified_warned: set[str] = set()  # reasons already logged (once each)
         self._sampler_pool: Optional[ThreadPoolExecutor] = None  # samples buckets beside the push
 
@@ -130,11 +131,15 @@ class WeightSync:
 
         Returns timing / volume metrics on rank 0 ({} elsewhere)."""
         start = time.perf_counter()
-        record = None if self.verify_mode == "off" else PushRecord(version, self.verify_mode, self._sampler())
+        record = None
+        if self.verify_mode != "off":
+            record = PushRecord(version, self.verify_mode, self._sampler(), self._sent_last)
         nbytes, buckets, answers = {"disk": self._disk, "tensor": self._tensor, "distributed": self._distributed}[
             self.mode
         ](chunks, int(version), record)
         checked = self._check(record, answers) if record is not None else {}
+        if record is not None:
+            self._sent_last = record.sent()
         if not self.is_driver:
             return {}
         seconds = time.perf_counter() - start

@@ -11,6 +11,7 @@ The protocol and its cost: docs/weights.md, 'Every sync verified'.
 
 from __future__ import annotations
 
+import math
 import time
 from concurrent.futures import Executor, Future
 from typing import Any, Iterable, Optional
@@ -36,7 +37,13 @@ class PushRecord:
     push's own loop holds it) and, in `finish`, for the last one. `seconds` counts those waits
     (and, in `judge_samples`, the comparison)."""
 
-    def __init__(self, version: int, mode: str, sampler: Optional[Executor] = None):
+    def __init__(
+        self,
+        version: int,
+        mode: str,
+        sampler: Optional[Executor] = None,
+        expected: Optional[list[tuple[str, int]]] = None,
+    ):
         if mode not in weight_checks.VERIFY_MODES or mode == "off":
             raise ValueError(f"weight_sync.verify must be 'sampled' or 'full' to record a push, got {mode!r}")
         self.version, self.mode = int(version), mode
@@ -44,16 +51,27 @@ class PushRecord:
         self.seconds = 0.0
         self._sampler = sampler if mode == "sampled" else None  # full hashes whole buckets: kept in line
         self._pending: Optional[Future] = None
+        self._positions = weight_checks.Positions(version)
+        if self._sampler is not None and expected:
+            # the tensors of the last push, most likely this one's too: positioned while the first bucket converts
+            names, numels = zip(*expected)
+            self._sampler.submit(self._positions.prepare, list(names), list(numels))
+
+    def sent(self) -> list[tuple[str, int]]:
+        """(name, element count) of every tensor recorded: the next push's `expected`."""
+        return [(name, math.prod(c.shape)) for name, c in self.checks.items()]
 
     def add(self, bucket: Iterable[tuple[str, torch.Tensor]]) -> None:
         start = time.perf_counter()
         bucket = list(bucket)
         self._collect()
-        if self._sampler is not None and all(t.device.type == "cpu" for _, t in bucket):
+        if self._sampler is not None and all(t.is_cpu for _, t in bucket):
             # (GPU buckets are sampled in line: cheap there, and no stream to order against)
-            self._pending = self._sampler.submit(weight_checks.checks_of, bucket, self.version, self.mode)
+            self._pending = self._sampler.submit(
+                weight_checks.checks_of, bucket, self.version, self.mode, self._positions
+            )
         else:
-            self.checks.update(weight_checks.checks_of(bucket, self.version, self.mode))
+            self.checks.update(weight_checks.checks_of(bucket, self.version, self.mode, self._positions))
         self.seconds += time.perf_counter() - start
 
     def finish(self) -> None:

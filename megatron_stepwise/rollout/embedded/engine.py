@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import inspect
 import logging
 import os
@@ -420,6 +421,8 @@ class LocalEngine:
         self._needs_weights = False  # weights resumed without their values: a weight update must come first
         self._params_by_name: Optional[dict] = None  # for the weight checks
         self._loaded: tuple = (None, [])  # (version, [(name, tensor)] its sampled updates loaded so far)
+        self._positions: Optional[weight_checks.Positions] = None  # the next version's, prepared after a load
+        self._names_share_memory: dict[tuple, bool] = {}  # names of a version's updates -> `overlapping`
 
     def _next_forward(self) -> int:
         self._forwards += 1
@@ -679,13 +682,13 @@ class LocalEngine:
         weight version, or with `sample_weights` the answer that carries the loaded tensors' samples."""
         self._ensure_started()
         async with self._model_lock:
-            sample_at = self._next_version(weight_version) if sample_weights else None
-            samples = await self._run(lambda: self._apply(read(), sample_at))
+            version = self._next_version(weight_version)
+            samples = await self._run(lambda: self._apply(read(), version, sample_weights))
             return self._answer(self._bump_version(weight_version), samples)
 
-    def _apply(self, named: NamedTensors, sample_at: Optional[int]) -> Optional[tuple]:
-        """Load `named` into the model; with `sample_at` (the new weight version) also take, from
-        the tensors the names now hold, the values the trainer's sampled check compares: (samples,
+    def _apply(self, named: NamedTensors, version: int, sample: bool) -> Optional[tuple]:
+        """Load `named` into the model as weight `version`; with `sample` also take, from the
+        tensors the names now hold, the values the trainer's sampled check compares: (samples,
         seconds the sampling took).
 
         Each tensor is sampled right after it is written (`weight_checks.Sampler`), unless two
@@ -693,35 +696,65 @@ class LocalEngine:
         time) load into the same memory: then a later write could change a tensor already
         sampled, so every name of the version is sampled by name after the whole load, and shows it."""
         items = list(named.items()) if isinstance(named, Mapping) else list(named)
-        if sample_at is None:
+        if not sample:
             hf_model.load_named_tensors(self.model, items)
+            if self._positions is not None:  # sampled updates were seen: the next may be one again
+                self._prepare_positions_after(version, items)
             return None
         targets = hf_model.load_targets(self.model, items)
         start = time.perf_counter()
-        if self._loaded[0] != sample_at:
-            self._loaded = (sample_at, [])
+        if self._loaded[0] != version:
+            self._loaded = (version, [])
         earlier = self._loaded[1]
-        shared = weight_checks.overlapping([t for _, t in earlier] + targets)
         earlier.extend((name, target) for (name, _), target in zip(items, targets))
-        sampler = (
-            None if shared else weight_checks.Sampler([n for n, _ in items], [t.numel() for t in targets], sample_at)
-        )
+        sampler = None
+        if not self._share_memory(earlier):
+            positions = self._positions
+            if positions is None or positions.version != version:
+                positions = weight_checks.Positions(version)
+            sampler = weight_checks.Sampler([n for n, _ in items], [t.numel() for t in targets], positions)
         seconds = time.perf_counter() - start
-        with torch.no_grad():
+        with torch.no_grad(), weight_checks.plain_torch():
             for i, (target, (_, tensor)) in enumerate(zip(targets, items)):
                 target.copy_(tensor.to(target.dtype))
                 if sampler is not None:
                     start = time.perf_counter()
                     sampler.take(i, target)
                     seconds += time.perf_counter() - start
+        self._prepare_positions_after(version, earlier)
         if sampler is not None:
             start = time.perf_counter()
             samples = sampler.checks()
             return samples, seconds + time.perf_counter() - start
         start = time.perf_counter()
         held = hf_model.weights_by_name(self.model, [name for name, _ in earlier], self._parameters())
-        samples = weight_checks.samples_of(held.items(), sample_at)
+        samples = weight_checks.samples_of(held.items(), version)
         return samples, seconds + time.perf_counter() - start
+
+    def _share_memory(self, loaded: list[tuple[str, torch.Tensor]]) -> bool:
+        """Whether two of a version's loaded tensors share memory (`weight_checks.overlapping`),
+        remembered by their names: which names alias is fixed for the model, and a push loads the
+        same names every version."""
+        key = tuple(name for name, _ in loaded)
+        shared = self._names_share_memory.get(key)
+        if shared is None:
+            if len(self._names_share_memory) > 64:  # pushes of changing subsets (tests): stay small
+                self._names_share_memory.clear()
+            shared = self._names_share_memory[key] = weight_checks.overlapping([t for _, t in loaded])
+        return shared
+
+    def _prepare_positions_after(self, version: int, loaded: list[tuple[str, torch.Tensor]]) -> None:
+        """Queue, behind this load on the model thread (its answer does not wait), the sample
+        positions of version + 1 for the names just loaded: the next sampled update's, most likely."""
+        names, numels = [n for n, _ in loaded], [t.numel() for _, t in loaded]
+
+        def prepare() -> None:
+            if self._positions is None or self._positions.version != version + 1:
+                self._positions = weight_checks.Positions(version + 1)
+            self._positions.prepare(names, numels)
+
+        with contextlib.suppress(RuntimeError):  # the engine shutting down
+            self._executor.submit(prepare)
 
     def _answer(self, version: int, samples: Optional[tuple]) -> Union[int, dict]:
         """The version, or the answer of a sampled update: {"engine", "weight_version", "samples":
@@ -768,8 +801,8 @@ class LocalEngine:
         self._ensure_started()
         async with self._model_lock:
             await asyncio.get_running_loop().run_in_executor(None, weight_transport.receive, group, buffers)
-            sample_at = self._next_version(weight_version) if sample_weights else None
-            samples = await self._run(self._apply, list(zip(names, buffers)), sample_at)
+            version = self._next_version(weight_version)
+            samples = await self._run(self._apply, list(zip(names, buffers)), version, sample_weights)
             return self._answer(self._bump_version(weight_version), samples)
 
     async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
