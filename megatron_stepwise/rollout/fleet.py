@@ -176,8 +176,11 @@ def ensure_ray(address: Optional[str] = None, num_cpus: Optional[int] = None) ->
     if ray.is_initialized():
         return
     kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True}
+    # Workers import this package: they see the same sources as the driver, and one OpenMP thread.
+    worker_env = {"PYTHONPATH": os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
     if address:
         kwargs["address"] = address
+        kwargs["runtime_env"] = {"env_vars": worker_env}  # the other nodes' raylets have their own environment
     else:
         # A new local instance: never join a cluster someone else started on this machine (a
         # bare ray.init() connects to the one `ray start` recorded in /tmp/ray).
@@ -191,11 +194,28 @@ def ensure_ray(address: Optional[str] = None, num_cpus: Optional[int] = None) ->
         # Recent Ray turns token auth on for a new local instance and warns about it on every start;
         # for this private instance (loopback, ours alone) that is the right default, not news.
         quiet_ray_token_notice()
-    # Workers import this package: make sure they see the same sources as the driver.
-    kwargs["runtime_env"] = {"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}}
+    local = kwargs["address"] == "local"
     # A local instance's processes die with this one, even by SIGKILL (Ray leaves its agents behind).
-    with tagged_ray_instance() if kwargs["address"] == "local" else contextlib.nullcontext():
+    # Its raylet, and so every worker it starts, inherits the environment ray.init runs in: the
+    # workers get theirs from it, not from a runtime_env (which starts each worker through an extra
+    # setup process and the runtime-env agent: ~0.3 CPU-seconds per worker).
+    with tagged_ray_instance() if local else contextlib.nullcontext(), _environment(worker_env if local else {}):
         ray.init(**kwargs)
+
+
+@contextlib.contextmanager
+def _environment(variables: dict[str, str]):
+    """os.environ with `variables` set while the block runs, as it was afterwards."""
+    saved = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 class _DropRayTokenNotice(logging.Filter):

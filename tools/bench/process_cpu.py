@@ -3,8 +3,9 @@
 `ProcessTreeSampler(root_pid)` polls the root and all its descendants (torchrun's ranks, Ray's
 GCS, raylet and agents, its workers and actors); a process keeps the CPU it had at its last poll,
 so one that exits between two polls loses less than one interval. `role()` names a process by
-what it runs: a Ray worker's command line changes as it takes on an actor (default_worker.py,
-then ray::IDLE, then ray::EngineActor), so each process keeps the most specific role it showed.
+what it runs, again whenever its command line changes: a child seen between fork and exec shows
+its parent's, and a Ray worker's changes as it takes on an actor (default_worker.py, then
+ray::IDLE, then ray::EngineActor), which it keeps.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ def role(cmdline: str, environ: Optional[dict] = None) -> str:
 @dataclass
 class _Seen:
     role: str
+    cmdline: str = ""
     cpu: float = 0.0  # user + system seconds at the last poll
     first_seen: float = 0.0  # seconds after the sampler started
 
@@ -70,12 +72,16 @@ class ProcessTreeSampler:
         for p in procs:
             try:
                 key = (p.pid, p.create_time())
+                cmdline = " ".join(p.cmdline())
                 entry = self.seen.get(key)
-                if entry is None or entry.role in _GENERIC:
-                    name = self.root_role if p.pid == self.root_pid else self._role_of(p)
-                    if entry is None:
-                        entry = self.seen[key] = _Seen(name, first_seen=now)
-                    elif name not in _GENERIC:
+                if entry is None:
+                    name = self.root_role if p.pid == self.root_pid else self._role_of(p, cmdline)
+                    entry = self.seen[key] = _Seen(name, cmdline, first_seen=now)
+                elif cmdline != entry.cmdline and p.pid != self.root_pid:
+                    # exec'd since (seen between fork and exec, it showed its parent's command
+                    # line and environment), or a Ray worker that took on an actor (never back)
+                    name, entry.cmdline = self._role_of(p, cmdline), cmdline
+                    if name not in _GENERIC or entry.role in _GENERIC or entry.role.startswith("rank "):
                         entry.role = name
                 t = p.cpu_times()
                 entry.cpu = t.user + t.system
@@ -83,8 +89,7 @@ class ProcessTreeSampler:
                 continue
 
     @staticmethod
-    def _role_of(p: psutil.Process) -> str:
-        cmdline = " ".join(p.cmdline())
+    def _role_of(p: psutil.Process, cmdline: str) -> str:
         environ = p.environ() if "megatron_stepwise.cli" in cmdline else None
         return role(cmdline, environ)
 
