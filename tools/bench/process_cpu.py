@@ -77,7 +77,7 @@ class ProcessTreeSampler:
                 if entry is None:
                     name = self.root_role if p.pid == self.root_pid else self._role_of(p, cmdline)
                     entry = self.seen[key] = _Seen(name, cmdline, first_seen=now)
-                elif cmdline != entry.cmdline and p.pid != self.root_pid:
+                elif cmdline and cmdline != entry.cmdline and p.pid != self.root_pid:  # "": exiting
                     # exec'd since (seen between fork and exec, it showed its parent's command
                     # line and environment), or a Ray worker that took on an actor (never back)
                     name, entry.cmdline = self._role_of(p, cmdline), cmdline
