@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_stepwise.mcore.runtime import cpu_compat
+from megatron_stepwise.mcore.runtime.megatron_import import import_megatron_core
 
 
 def comm_device() -> torch.device:
@@ -136,6 +137,7 @@ def init_distributed(
     megatron's groups for a new layout on the same torch.distributed world.
     """
     global _COMPAT_HELD
+    import_megatron_core()  # without compiling its fused kernels' decorators (megatron_import.py)
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel as mtp
 
