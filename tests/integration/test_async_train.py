@@ -73,42 +73,6 @@ def test_tiny_async_experiment_keeps_the_bound_and_learns(tmp_path):
     assert last > first + 0.08, (first, last)
 
 
-def test_async_training_with_agent_workers_keeps_the_bound(tmp_path):
-    """Groups rolled out by 2 agent workers while the trainer trains: the same bound and accounting,
-    and the rows stay in the workers (rank 0 sends rank 1 manifests, never rows)."""
-    run_dir = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "megatron_stepwise.cli",
-        "train",
-        str(REPO / "configs/tiny_cpu_async.yaml"),
-        "trainer.iterations=5",
-        f"logging.run_dir={run_dir}",
-        "logging.progress=false",
-        "checkpoint.every=0",
-        "checkpoint.resume=never",
-        "rollout.agent_workers=2",
-    ]
-    proc = run_launch(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=480)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["iteration"] for r in rows] == list(range(5))
-    for r in rows:
-        assert r["agents/workers"] == 2 and r["train/optimizer_steps"] == 2
-        assert r["agents/rows_held"] == 1.0
-        # two manifests (one per optimizer step) of ~130 rows each: a few kB, against ~60 kB of rows
-        assert 0 < r["handoff/rank0_bytes_sent"] < 20_000, r["handoff/rank0_bytes_sent"]
-        assert 0 <= r["async/token_staleness_min"] <= r["async/token_staleness_max"] <= 1
-        accounted = sum(
-            r[f"async/groups_{k}"]
-            for k in ("trained", "stale_dropped", "stale_requeued", "filtered", "in_flight", "ready")
-        )
-        assert accounted == r["async/groups_started"]
-    assert rows[-1]["weight_version"] == 10 == rows[-1]["fleet/weight_version"]
-
-
 def _latest_checkpoint(run_dir):
     """(iteration, trainer_state.json) of the run's latest checkpoint, or None."""
     try:
@@ -151,7 +115,9 @@ def test_sigkill_mid_iteration_then_resume_trains_the_banked_groups(tmp_path, wo
     again, and the bound holds. Without agent workers rank 0 writes the bank, and the rollout dumps
     show the recovered tokens, log-probs and weight versions trained; with 2 agent workers holding
     the rows (the default hand-off; no dumps, which would send the rows through rank 0) the
-    workers write it, and after the resume a worker adopts each recovered group."""
+    workers write it, and after the resume a worker adopts each recovered group; that run, before
+    the kill and after the resume, keeps the bound and accounting of asynchronous training with agent
+    workers, and rank 0 sends manifests, never rows (`_agent_workers_keep_the_bound`)."""
     import subprocess
     import time
 
@@ -205,6 +171,7 @@ def test_sigkill_mid_iteration_then_resume_trains_the_banked_groups(tmp_path, wo
         assert r["agents/rows_held"] == (1.0 if workers else 0.0)
     assert all(int(v) <= version for g in pending.values() for s in g.rollout.steps for v in s.weight_versions)
     if workers:  # rank 0 saw summaries only: the dumps below would need the rows on rank 0
+        _agent_workers_keep_the_bound(rows)
         return
 
     # the recovered groups were trained as banked: each step's tokens, log-probs and weight versions
@@ -232,3 +199,21 @@ def test_sigkill_mid_iteration_then_resume_trains_the_banked_groups(tmp_path, wo
     ]
     # a recovered group the trainer only reached when it was too stale is dropped instead (counted)
     assert sum(found) >= 1 and sum(found) + resumed[-1]["async/groups_stale_dropped"] >= len(pending)
+
+
+def _agent_workers_keep_the_bound(rows):
+    """Groups rolled out by 2 agent workers while the trainer trains, before the kill and after the
+    resume: the same bound and accounting as without them, and the rows stay in the workers (rank 0
+    sends rank 1 manifests, never rows)."""
+    for r in rows:
+        assert r["agents/workers"] == 2 and r["train/optimizer_steps"] == 2
+        assert r["agents/rows_held"] == 1.0
+        # two manifests (one per optimizer step) of ~130 rows each: a few kB, against ~60 kB of rows
+        assert 0 < r["handoff/rank0_bytes_sent"] < 20_000, r["handoff/rank0_bytes_sent"]
+        assert 0 <= r["async/token_staleness_min"] <= r["async/token_staleness_max"] <= 1
+        accounted = sum(
+            r[f"async/groups_{k}"]
+            for k in ("trained", "stale_dropped", "stale_requeued", "filtered", "in_flight", "ready")
+        )
+        assert accounted == r["async/groups_started"], r["iteration"]
+    assert rows[-1]["weight_version"] == 2 * len(rows) == rows[-1]["fleet/weight_version"]
