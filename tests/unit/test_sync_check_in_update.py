@@ -452,3 +452,28 @@ def test_the_trainer_positions_a_push_on_its_sampling_thread_from_the_last_one(m
     assert [(thread.startswith("sampler"), n) for thread, n in calls] == [(True, big)]  # once, for all, ahead
     assert second.checks.keys() == first.checks.keys()
     assert all(torch.equal(second.checks[n].values, C.check_of(n, t, 2, "sampled").values) for n, t in tensors)
+
+
+def test_cpu_buckets_are_kept_during_the_push_and_sampled_while_the_engines_load(monkeypatch):
+    tensors = list(pushed(seed=5).items())
+    sampled = []
+    real = C.checks_of
+    monkeypatch.setattr(C, "checks_of", lambda bucket, *args: sampled.append(len(bucket)) or real(bucket, *args))
+    with ThreadPoolExecutor(1) as pool:
+        kept = PushRecord(2, "sampled", pool)
+        kept.add(tensors[:3])
+        kept.add(tensors[3:])
+        assert sampled == []  # nothing sampled while the push converts and sends
+        kept.sample_held()  # the push starts waiting for the engines
+        kept.finish()
+        assert sampled == [3, len(tensors) - 3]
+        sampled.clear()
+        over = PushRecord(2, "sampled", pool, hold_mb=0)  # past the budget: each bucket as it comes
+        over.add(tensors[:3])
+        over.add(tensors[3:])
+        over.finish()
+        assert sampled == [3, len(tensors) - 3]
+    inline = record_of(dict(tensors), 2)  # no thread: sampled in line
+    for record in (kept, over):
+        assert list(record.checks) == list(inline.checks)
+        assert all(torch.equal(record.checks[n].values, inline.checks[n].values) for n in inline.checks)

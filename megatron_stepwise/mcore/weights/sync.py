@@ -240,6 +240,7 @@ class WeightSync:
             on_bucket=record.add if record is not None else None,
         )
         if record is not None:
+            record.sample_held()  # sampled while the records gather and the engines load
             self._gather_records(record)
         if not self.is_driver:
             return 0, 0, None
@@ -279,10 +280,14 @@ class WeightSync:
             if self.atomic:
                 pending.extend(bucket)
             else:
+                if record is not None:
+                    record.sample_held()  # sampled while the engines load it
                 rounds.append(
                     self._run(self.fleet.update_weights_from_tensors(bucket, weight_version=version, **kwargs))
                 )
         if self.is_driver and self.atomic:
+            if record is not None:
+                record.sample_held()  # sampled while the engines load
             rounds.append(self._run(self.fleet.update_weights_from_tensors(pending, weight_version=version, **kwargs)))
         return nbytes, buckets, merge_answers(rounds) if self._sampled(record) and self.is_driver else None
 
@@ -304,13 +309,15 @@ class WeightSync:
                     if name != expected:
                         raise WeightSyncError(f"stream order changed: got {name!r}, announced {expected!r}")
                 if record is not None:
-                    record.add(bucket)  # first: sampled beside the broadcast
+                    record.add(bucket)  # first: kept (or sampled) before it is broadcast
                 weight_transport.broadcast(group, [t for _, t in bucket])
                 sent += len(bucket)
                 counts["buckets"] += 1
                 counts["bytes"] += sum(t.numel() * t.element_size() for _, t in bucket)
             if sent != len(names):
                 raise WeightSyncError(f"sent {sent} tensors, announced {len(names)}")
+            if record is not None:
+                record.sample_held()  # sampled while the engines load what they received
 
         async def both():
             dtypes = [weight_transport.dtype_name(d) for _, _, d in meta]

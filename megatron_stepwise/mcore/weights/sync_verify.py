@@ -27,15 +27,19 @@ class WeightMismatch(RuntimeError):
     """An engine holds other weights than the trainer sent (named in the message)."""
 
 
+HOLD_MB = 1024  # CPU buckets a push keeps for sampling while the engines load, at most
+
+
 class PushRecord:
     """The checks of one push's tensors (those this rank sent) and the seconds the push spent on
     them.
 
-    With a `sampler` (a one-thread executor) the sampling of CPU buckets runs beside the push:
-    `add` hands a bucket over and returns, and the push waits only for a bucket still being
-    sampled when the next one comes (at most one in flight, so no bucket is held longer than the
-    push's own loop holds it) and, in `finish`, for the last one. `seconds` counts those waits
-    (and, in `judge_samples`, the comparison)."""
+    With a `sampler` (a one-thread executor) CPU buckets are sampled off the push's path: `add`
+    keeps each bucket (up to `hold_mb` of them) and returns, and the push calls `sample_held`
+    when it starts waiting for the engines, so that the sampling thread works while they load
+    and the push's own thread (idle then) does not compete with it for the GIL. Past `hold_mb`
+    a bucket is sampled as it comes, beside the push, one in flight. `finish` waits for all of
+    it before the record is compared or sent. `seconds` counts what the push waited for."""
 
     def __init__(
         self,
@@ -43,6 +47,7 @@ class PushRecord:
         mode: str,
         sampler: Optional[Executor] = None,
         expected: Optional[list[tuple[str, int]]] = None,
+        hold_mb: float = HOLD_MB,
     ):
         if mode not in weight_checks.VERIFY_MODES or mode == "off":
             raise ValueError(f"weight_sync.verify must be 'sampled' or 'full' to record a push, got {mode!r}")
@@ -50,7 +55,9 @@ class PushRecord:
         self.checks = weight_checks.Checks()
         self.seconds = 0.0
         self._sampler = sampler if mode == "sampled" else None  # full hashes whole buckets: kept in line
-        self._pending: Optional[Future] = None
+        self._futures: list[Future] = []  # the sampling thread's work, in the order the buckets came
+        self._held: list = []  # CPU buckets kept until `sample_held`
+        self._held_bytes, self._hold_bytes = 0, int(hold_mb * 2**20)
         self._positions = weight_checks.Positions(version)
         if self._sampler is not None and expected:
             # the tensors of the last push, most likely this one's too: positioned while the first bucket converts
@@ -64,26 +71,46 @@ class PushRecord:
     def add(self, bucket: Iterable[tuple[str, torch.Tensor]]) -> None:
         start = time.perf_counter()
         bucket = list(bucket)
-        self._collect()
-        if self._sampler is not None and all(t.is_cpu for _, t in bucket):
+        with weight_checks.plain_torch():  # a training rank's CPU mode would see every `numel()`
+            on_cpu = all(t.is_cpu for _, t in bucket)
+            nbytes = sum(t.nbytes for _, t in bucket)
+        if self._sampler is None or not on_cpu:
             # (GPU buckets are sampled in line: cheap there, and no stream to order against)
-            self._pending = self._sampler.submit(
-                weight_checks.checks_of, bucket, self.version, self.mode, self._positions
-            )
+            self._collect()
+            self.checks.update(self._sample([bucket]))
         else:
-            self.checks.update(weight_checks.checks_of(bucket, self.version, self.mode, self._positions))
+            if self._held_bytes + nbytes > self._hold_bytes:  # over the budget: sampled now, one in flight
+                self.sample_held()
+                self._collect()
+                self._futures.append(self._sampler.submit(self._sample, [bucket]))
+            else:
+                self._held.append(bucket)
+                self._held_bytes += nbytes
         self.seconds += time.perf_counter() - start
+
+    def sample_held(self) -> None:
+        """Hand the kept buckets to the sampling thread (the push calls it as it starts waiting for
+        the engines). Safe from any thread of the push."""
+        if self._held:
+            held, self._held, self._held_bytes = self._held, [], 0
+            self._futures.append(self._sampler.submit(self._sample, held))
 
     def finish(self) -> None:
-        """Wait for the bucket still being sampled (before the record is compared or sent)."""
+        """Wait for every bucket to be sampled (before the record is compared or sent)."""
         start = time.perf_counter()
+        self.sample_held()
         self._collect()
         self.seconds += time.perf_counter() - start
 
+    def _sample(self, buckets: list) -> dict:
+        out: dict = {}
+        for bucket in buckets:
+            out.update(weight_checks.checks_of(bucket, self.version, self.mode, self._positions))
+        return out
+
     def _collect(self) -> None:
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
-            self.checks.update(pending.result())
+        while self._futures:
+            self.checks.update(self._futures.pop(0).result())
 
     def merge(self, others: Iterable[Optional[tuple[dict, float]]]) -> None:
         """Fold in other ranks' (checks, seconds) (disk mode: each stage records its own files)."""
@@ -120,9 +147,9 @@ def merge_answers(rounds: Iterable[list[dict[str, Any]]]) -> list[dict[str, Any]
 def judge_samples(answers: list[dict[str, Any]], record: PushRecord) -> list[dict[str, Any]]:
     """The engines' update answers as verification answers ({"index", "engine", "weight_version",
     "problems": {tensor: why}}): each engine's samples compared with the record. Unverified
-    answers pass through; an answer that claims to be verified but carries no samples is a problem."""
+    answers pass through; an answer that claims to be verified but carries no samples is a problem.
+    (The caller times it: `WeightSync` counts it in `weight_sync/verify_s` beside `record.seconds`.)"""
     record.finish()
-    start = time.perf_counter()
     out = []
     for a in answers:
         if a.get("unverified"):
@@ -134,7 +161,6 @@ def judge_samples(answers: list[dict[str, Any]], record: PushRecord) -> list[dic
         else:
             problems = weight_checks.compare_samples(samples, record.checks, record.version)
         out.append({k: v for k, v in a.items() if k != "samples"} | {"problems": problems})
-    record.seconds += time.perf_counter() - start
     return out
 
 
