@@ -1,10 +1,11 @@
 """Checks that an engine holds the weights the trainer sent: used by both sides of a weight sync.
 
 The trainer takes, from every HF-named tensor it sends, the values at `SAMPLE_SIZE` flat
-positions that both sides derive from (tensor name, weight version) alone (`sample_positions`),
-so each version looks at other positions and no positions travel; small tensors (norms, biases)
-are taken whole. The engine takes the same positions from its own copy as it applies the update,
-inside the update request, and answers with them (`Sampler`, `samples_of`); the trainer compares
+positions, one per equal stratum, that both sides derive from (tensor name, weight version) alone
+(`sample_positions`, `Positions`), so each version looks at other positions and no positions
+travel; small tensors (norms, biases) are taken whole. The engine takes the same positions from
+its own copy as it applies the update, inside the update request, and answers with them as
+columns (`Sampler`, `Samples`); the trainer compares
 exactly, in the engine's dtype (`compare_samples`): the sent values cast to it are what its load
 stored. `verify: full` compares a sha256 of every whole tensor instead (`tensor_digest`, sent to
 the engine, which compares: `compare_all`), and `manifest` lists such digests on demand.
@@ -149,7 +150,7 @@ def _unpack_samples(names: list, shapes: list, dtypes: list, blobs: dict, k: int
 def plain_torch():
     """Torch calls without any `__torch_function__` mode or tensor-subclass dispatch
     (`nn.Parameter`): sampling makes no device choice a mode could redirect, and the trainer's
-    CPU compatibility mode (`mcore/runtime/cpu_compat.py`) costs more per call than a 256-element
+    CPU compatibility mode (`mcore/runtime/cpu_compat.py`) costs more per call than a 128-element
     gather. A loop enters it once (the engine around its load loop, for `Sampler.take`)."""
     return torch._C.DisableTorchFunction()
 
@@ -320,7 +321,7 @@ def _difference(ours: torch.Tensor, theirs: torch.Tensor, positions: torch.Tenso
 
 class Sampler:
     """An engine's samples of the tensors an update loads, taken one tensor at a time right after
-    it is written (`take`), while its memory is still in cache: reading 256 random elements of
+    it is written (`take`), while its memory is still in cache: reading 128 spread elements of
     each tensor after a whole model was loaded costs a cache miss each. Positions as
     `sample_positions`, from the version's `Positions` (prepared ahead where the engine could).
 

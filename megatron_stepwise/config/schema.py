@@ -327,7 +327,7 @@ class WeightSyncConfig:
     )
     verify: Literal["sampled", "full", "off"] = option(
         "sampled",
-        "after every sync each engine checks its weights against what was sent: sampled (256 seeded "
+        "after every sync each engine checks its weights against what was sent: sampled (128 seeded "
         "values per tensor), full (sha256 of every tensor) or off; a mismatch stops the run naming "
         "the tensor and engine",
     )
