@@ -4,7 +4,7 @@ Real megatron-core checkpoints of a tiny model (tests/workers/ckpt_safety_worker
 distributed optimizer): a `.metadata`, a `.distcp` byte item and a `common.pt` each carrying a
 pickle whose `__reduce__` writes a marker file are refused, naming the file and the class, on
 every rank, and the marker never appears; a clean checkpoint still loads. The CLI entry points
-(train resume, `eval --checkpoint`, `replay`) are in test_checkpoint_safety_e2e.py.
+(train resume, `eval --checkpoint`, `replay`) are in test_replay_e2e.py.
 """
 
 from __future__ import annotations

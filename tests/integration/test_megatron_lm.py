@@ -9,6 +9,7 @@ these tests skip, saying so.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 
@@ -36,6 +37,10 @@ LAYOUTS = {
     "pp2_vpp2": ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
 }
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|(.*)")
+# Where the worker's console output for one layout starts (tests/workers/megatron_lm_worker.py's
+# LAYOUT_MARKER + the layout's name); searched anywhere in a line, as another rank's unfinished
+# line can precede it.
+LAYOUT_START = re.compile(re.escape("[megatron_lm_worker] layout ") + r"(\S+)")
 
 
 def printed_metrics(stdout: str) -> dict[int, dict[str, float]]:
@@ -49,17 +54,32 @@ def printed_metrics(stdout: str) -> dict[int, dict[str, float]]:
     return out
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_pretrain_matches_train_minibatch(tmp_path, layout):
+def console_by_layout(stdout: str) -> dict[str, str]:
+    """The worker's stdout cut at its layout markers: layout name -> what was printed for it."""
+    parts = LAYOUT_START.split(stdout)  # [before, name1, text1, name2, text2, ...]
+    return dict(zip(parts[1::2], parts[2::2]))
+
+
+@pytest.fixture(scope="module")
+def all_layouts_run(tmp_path_factory):
+    """Every layout in one torchrun launch (the worker tears Megatron-LM's global state down between
+    them): (its output directory, its console per layout). The imports are paid once, not per layout."""
+    out_dir = tmp_path_factory.mktemp("megatron_lm")
     proc = run_torchrun(
         str(REPO / "tests" / "workers" / "megatron_lm_worker.py"),
         2,
-        [str(tmp_path)] + LAYOUTS[layout],
+        [str(out_dir), json.dumps(LAYOUTS)],
         timeout=600,
         env=ENV,
     )
+    return proc, out_dir, console_by_layout(proc.stdout)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_pretrain_matches_train_minibatch(all_layouts_run, layout):
+    proc, out_dir, console = all_layouts_run
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    r = torch.load(tmp_path / "result.pt", weights_only=False)
+    r = torch.load(out_dir / layout / "result.pt", weights_only=False)
     logged, reference = r["logged"], r["reference"]
     assert len(logged) == len(reference) == 3
 
@@ -80,7 +100,7 @@ def test_pretrain_matches_train_minibatch(tmp_path, layout):
 
     # The console: a value averaged over the iterations since the last print (Megatron-LM does not
     # reset after the first iteration) and printed only when positive.
-    printed = printed_metrics(proc.stdout)
+    printed = printed_metrics(console[layout])
     assert sorted(printed) == [1, 2, 3]
     windows = {1: [0], 2: [0, 1], 3: [2]}
     for it, window in windows.items():

@@ -1,16 +1,39 @@
 """Dump and replay through the real commands: the tiny CPU experiment (DP2, torchrun, embedded
-engines) with `trainer.dump_rollouts=1`, then `replay` of a dumped iteration from its checkpoint,
-with no engines, at the run's layout (bit-identical) and at TP2 and PP2 (fp32 rounding)."""
+engines) with `trainer.dump_rollouts=2`, then `replay` of a dumped iteration from its checkpoint,
+with no engines, at the run's layout (bit-identical) and at TP2 and PP2 (fp32 rounding).
 
+Checkpoints are data: a copy of the same run, its `.metadata` replaced by a pickle whose
+`__reduce__` writes a marker file and its manifests rewritten to match (the attack the manifest
+cannot see), then `train` (resume), `eval --checkpoint` and `replay`: each stops with one line
+naming the file and the class (exit 2), and the marker never appears. (One training run serves
+both halves: a second would cost the file as much again.)
+"""
+
+import builtins
 import json
 import os
+import pickle
+import shutil
 import sys
 
 import pytest
 from helpers import run_launch
 
+# Longer than the suite's 600 s: the module's training run (its launch allowed 900 s) before a test's own command.
+pytestmark = pytest.mark.timeout(1200)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CONFIG = os.path.join(ROOT, "configs/tiny_cpu.yaml")
 ENV = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+# The run every test here starts from: 3 iterations, a checkpoint after each, iterations 0 and 2 dumped.
+RUN_OVERRIDES = [
+    "logging.progress=false",
+    "trainer.iterations=3",
+    "trainer.eval_every=0",
+    "checkpoint.every=1",
+    "checkpoint.keep_last=4",
+    "trainer.dump_rollouts=2",
+]
 
 
 def _cli(*args, timeout=600):
@@ -27,17 +50,7 @@ def _cli(*args, timeout=600):
 @pytest.fixture(scope="module")
 def dumped_run(tmp_path_factory):
     run_dir = str(tmp_path_factory.mktemp("dumped"))
-    out = _cli(
-        "train",
-        os.path.join(ROOT, "configs/tiny_cpu.yaml"),
-        f"logging.run_dir={run_dir}",
-        "logging.progress=false",
-        "trainer.iterations=3",
-        "trainer.eval_every=0",
-        "checkpoint.every=1",
-        "checkpoint.keep_last=4",
-        "trainer.dump_rollouts=2",
-    )
+    out = _cli("train", CONFIG, f"logging.run_dir={run_dir}", *RUN_OVERRIDES, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return run_dir, [json.loads(line) for line in f]
@@ -133,3 +146,61 @@ def test_replay_without_the_checkpoint_before_is_one_clear_error(dumped_run, tmp
     assert out.returncode == 2 and "no dump of iteration 1" in out.stderr and "[0, 2]" in out.stderr
     out = _replay(run_dir, "parallel.tensor=3", "--iteration", "2")
     assert out.returncode == 2 and "parallel.tensor" in out.stderr and "Traceback" not in out.stderr
+
+
+# ---- poisoned checkpoints -------------------------------------------------------------------------
+
+
+class Poison:
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return builtins.exec, (f"open({self.marker!r}, 'w').write('ran')",)
+
+
+@pytest.fixture(scope="module")
+def poisoned_run(dumped_run, tmp_path_factory):
+    """(run_dir, overrides, marker): a copy of the dumped run whose checkpoints of iterations 2 and 3
+    carry the poison (the original stays clean for the replay tests)."""
+    from megatron_stepwise.mcore.weights.dist_checkpoint import checkpoint_name, write_manifest
+
+    base = tmp_path_factory.mktemp("poisoned_run")
+    run_dir, marker = str(base / "run"), str(base / "MARKER")
+    shutil.copytree(dumped_run[0], run_dir)
+    for it in (2, 3):
+        ckpt = os.path.join(run_dir, "checkpoints", checkpoint_name(it))
+        with open(os.path.join(ckpt, ".metadata"), "wb") as f:
+            pickle.dump(Poison(marker), f)
+        write_manifest(ckpt)
+    return run_dir, [f"logging.run_dir={run_dir}", *RUN_OVERRIDES], marker
+
+
+def _assert_refused(out, run_dir: str, marker: str, it: int) -> None:
+    assert out.returncode == 2, out.stdout[-3000:] + out.stderr[-3000:]
+    bad = os.path.join(run_dir, "checkpoints", f"iter_{it:07d}", ".metadata")
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error")]
+    assert errors and bad in errors[0] and "builtins.exec" in errors[0], out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert not os.path.exists(marker)
+
+
+@pytest.mark.slow
+def test_train_resume_refuses_a_poisoned_checkpoint(poisoned_run):
+    run_dir, overrides, marker = poisoned_run
+    out = _cli("train", CONFIG, *overrides, "trainer.iterations=4")
+    _assert_refused(out, run_dir, marker, 3)
+
+
+@pytest.mark.slow
+def test_eval_refuses_a_poisoned_checkpoint(poisoned_run):
+    run_dir, overrides, marker = poisoned_run
+    out = _cli("eval", CONFIG, *overrides, "--checkpoint", os.path.join(run_dir, "checkpoints", "iter_0000003"))
+    _assert_refused(out, run_dir, marker, 3)
+
+
+@pytest.mark.slow
+def test_replay_refuses_a_poisoned_checkpoint(poisoned_run):
+    run_dir, _, marker = poisoned_run
+    out = _cli("replay", run_dir, "launch.nproc_per_node=1", "--iteration", "2")
+    _assert_refused(out, run_dir, marker, 2)

@@ -1,17 +1,22 @@
 """torchrun worker: examples/megatron_lm_pretrain.py under Megatron-LM's real `pretrain()`, then the
-same mini-batches through `plugin.train_minibatch` from the same initial weights.
+same mini-batches through `plugin.train_minibatch` from the same initial weights, for several
+layouts one after another in the same processes (Megatron-LM's global state is torn down between
+them, so each layout starts as a fresh launch would; one launch pays the imports once).
 
-    torchrun --nproc-per-node 2 tests/workers/megatron_lm_worker.py OUT_DIR [Megatron-LM flags...]
+    torchrun --nproc-per-node 2 tests/workers/megatron_lm_worker.py OUT_DIR LAYOUTS_JSON
 
-Rank 0 of the last pipeline stage writes OUT_DIR/result.pt: per step, what Megatron-LM logged
-(the loss dict its train_step reduced, the grad norm) and the reference metrics, plus both runs'
-final parameters. Needs MEGATRON_LM_SRC (the test skips without it).
+LAYOUTS_JSON maps a layout name to its Megatron-LM flags. For each layout, rank 0 of the last
+pipeline stage writes OUT_DIR/<name>/result.pt: per step, what Megatron-LM logged (the loss dict
+its train_step reduced, the grad norm) and the reference metrics, plus both runs' final
+parameters; the last rank (the one Megatron-LM prints its console on) prints LAYOUT_MARKER
+before the layout's console lines. Needs MEGATRON_LM_SRC (the test skips without it).
 """
 
 from __future__ import annotations
 
 import inspect
 import itertools
+import json
 import os
 import sys
 from pathlib import Path
@@ -26,6 +31,7 @@ from megatron_stepwise.mcore.weights import full_views as W
 
 example = load_script(Path(__file__).resolve().parents[2] / "examples" / "megatron_lm_pretrain.py")
 SEED = 7
+LAYOUT_MARKER = "[megatron_lm_worker] layout "  # + the name: where a layout's console output starts
 
 
 def deterministic_provider(*args, **kwargs):
@@ -37,12 +43,26 @@ def deterministic_provider(*args, **kwargs):
 
 
 def main() -> None:
-    out_dir, flags = Path(sys.argv[1]), sys.argv[2:]
-    plugin = example.make_plugin()
+    out_dir, layouts = Path(sys.argv[1]), json.loads(sys.argv[2])
     from megatron_stepwise.mcore.runtime.megatron_lm_cpu import enable_megatron_lm_cpu
 
     sys.path.append(os.environ["MEGATRON_LM_SRC"])
     enable_megatron_lm_cpu()
+    from megatron.training import training
+
+    for name, flags in layouts.items():
+        if int(os.environ["RANK"]) == int(os.environ["WORLD_SIZE"]) - 1:
+            print(LAYOUT_MARKER + name, flush=True)
+        run_layout(out_dir / name, flags)
+        # What pretrain() set up (arguments, parallel groups, micro-batch calculator, rerun state
+        # machine) goes, as at the end of a process; the gloo process group itself is reused.
+        training.destroy_global_state()
+        example.datasets_provider.__defaults__[-1].clear()  # the example's per-process stream cache (VPP)
+
+
+def run_layout(out_dir: Path, flags: list[str]) -> None:
+    """One layout: pretrain() with `flags`, then the reference; writes out_dir/result.pt."""
+    plugin = example.make_plugin()
     from megatron.core import parallel_state as ps
     from megatron.core.enums import ModelType
     from megatron.core.num_microbatches_calculator import get_num_microbatches
@@ -69,7 +89,10 @@ def main() -> None:
 
     training.training_log = training_log
     training.setup_model_and_optimizer = setup_model_and_optimizer
-    example.run(plugin, flags, model_provider=deterministic_provider)
+    try:
+        example.run(plugin, flags, model_provider=deterministic_provider)
+    finally:  # the next layout wraps the originals, not these wrappers
+        training.training_log, training.setup_model_and_optimizer = log, setup
     pretrain_params = W.full_state(captured["model"])
 
     # The reference: Megatron-LM's model and optimizer built again from the same arguments and

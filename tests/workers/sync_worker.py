@@ -1,6 +1,8 @@
 """torchrun worker for tests/integration/test_sync.py (2 processes): train/inference consistency.
 
-Rank 0 starts a Ray fleet with one embedded engine (random init of its own). For each layout
+For each model of --models in turn (one launch serves them all: the processes' imports and Ray's
+start are paid once), rank 0 starts a Ray fleet with one embedded engine of that model (random
+init of its own). For each layout
 (TP2, PP2, TP1 x DP2, re-initialised in the same processes) and each sync mode (tensor, disk,
 distributed), the policy gets new layout-independent weights, `WeightSync.push` sends them as a
 new version, the engine generates greedily from a prompt, and the plugin's `compute_logprobs`
@@ -190,19 +192,33 @@ def megatron_logprobs(plugin, chunks, prompt, response) -> torch.Tensor:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
-    p.add_argument("--tied", type=int, default=0)
-    p.add_argument("--model-type", default="qwen2")
+    p.add_argument(
+        "--models",
+        default="qwen2:0",
+        help="MODEL_TYPE:TIED[,...]: each model in turn, in the same processes (and Ray instance); "
+        "its results under OUT/MODEL_TYPE-TIED/",
+    )
     args = p.parse_args()
-    out = Path(args.out)
-    extra = {"head_dim": 24} if args.model_type.startswith("qwen3") else {}  # explicit, not hidden / heads
-    cfg = M.tiny_config(tie_word_embeddings=bool(args.tied), model_type=args.model_type, **extra)
     rank = int(os.environ["RANK"])
+    loop = asyncio.new_event_loop() if rank == 0 else None
+    for spec in args.models.split(","):
+        model_type, tied = spec.split(":")
+        run_model(Path(args.out) / f"{model_type}-{tied}", model_type, bool(int(tied)), rank, loop)
+        dist.barrier()
+    runtime.destroy_distributed()
 
-    loop = fleet = injection = None
+
+def run_model(out: Path, model_type: str, tied: bool, rank: int, loop) -> None:
+    """Every layout and mode for one model, against a fleet of its own (its engine has the model's
+    architecture); writes out/results.json and out/weights_listing.json."""
+    out.mkdir(parents=True, exist_ok=True)
+    extra = {"head_dim": 24} if model_type.startswith("qwen3") else {}  # explicit, not hidden / heads
+    cfg = M.tiny_config(tie_word_embeddings=tied, model_type=model_type, **extra)
+
+    fleet = injection = None
     if rank == 0:
         from megatron_stepwise.rollout.fleet import EngineSpec, RolloutFleet
 
-        loop = asyncio.new_event_loop()
         fleet = RolloutFleet([EngineSpec(kind="local", model_config=cfg, seed=123, num_cpus=0.5)], ray_num_cpus=2)
         loop.run_until_complete(fleet.wait_ready())
         injection = Injection(fleet)
@@ -277,7 +293,6 @@ def main() -> None:
         loop.run_until_complete(fleet.shutdown())
     for s in syncers.values():
         s.close()
-    runtime.destroy_distributed()
 
 
 if __name__ == "__main__":
