@@ -758,7 +758,8 @@ class LocalEngine:
 
     def _answer(self, version: int, samples: Optional[tuple]) -> Union[int, dict]:
         """The version, or the answer of a sampled update: {"engine", "weight_version", "samples":
-        `weight_checks.Checks` of what it loaded, "sample_s": the seconds sampling took}."""
+        its samples of what it loaded (`weight_checks.Samples`; `Checks` when names shared memory),
+        "sample_s": the seconds sampling took}."""
         if samples is None:
             return version
         return {"engine": self.name, "weight_version": version, "samples": samples[0], "sample_s": samples[1]}
