@@ -10,12 +10,13 @@ setup:
 run: setup
 	$(VENV)/bin/megatron-stepwise train configs/tiny_cpu.yaml
 
-# Two pytest workers, one test file each at a time (a file's launches and fixtures stay together):
-# a test spends much of its time starting processes and waiting on them, which a second file fills.
-TEST_WORKERS ?= 2
+# Three pytest workers on 2 cores, one test file each at a time (a file's launches and fixtures stay
+# together): some tests wait on timeouts with the CPU idle (two-node faults, a late fleet start),
+# which a third file fills. Files start longest first (tests/conftest.py, LONGEST_FIRST).
+TEST_WORKERS ?= 3
 
 test: setup
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=20 tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=20 tests
 
 # Before every commit: tests/unit without the tests that start processes (about a minute on 2 cores);
 # STEPWISE_NO_LAUNCH=1 fails any other test there that starts one (tests/conftest.py).
