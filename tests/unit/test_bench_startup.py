@@ -51,16 +51,24 @@ def test_the_metrics_comparison_skips_timings_and_names_every_other_difference(b
 
 @pytest.mark.timeout(120)
 @pytest.mark.launches  # samples a real process tree
-def test_the_sampler_counts_the_cpu_of_every_process_of_the_tree(process_cpu):
-    burn = "import time\\nt = time.process_time()\\nwhile time.process_time() - t < 0.3: pass\\ntime.sleep(0.5)"
-    code = f"import subprocess, sys\nexec('{burn}')\nsubprocess.run([sys.executable, '-c', '{burn}'])\n"
-    proc = subprocess.Popen([sys.executable, "-c", code])
+def test_the_sampler_counts_the_cpu_of_every_process_of_the_tree(process_cpu, tmp_path):
+    # Each process burns 0.3 CPU-s, then waits for its go file, which the test writes once the
+    # sampler has seen that CPU: no process can exit before it was sampled, however busy the machine.
+    burn = "import os, sys, time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\n"
+    wait = "while not os.path.exists(sys.argv[1]): time.sleep(0.02)\n"
+    (tmp_path / "child.py").write_text(burn + wait)
+    run_child = f"import subprocess\nsubprocess.run([sys.executable, {str(tmp_path / 'child.py')!r}, sys.argv[2]])\n"
+    (tmp_path / "parent.py").write_text(burn + wait + run_child)
+    parent_go, child_go = tmp_path / "parent.go", tmp_path / "child.go"
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "parent.py"), str(parent_go), str(child_go)])
     sampler = process_cpu.ProcessTreeSampler(proc.pid, root_role="parent")
     deadline = time.monotonic() + 60
-    while proc.poll() is None and time.monotonic() < deadline:
-        sampler.poll()
-        time.sleep(0.05)
-    assert proc.wait(timeout=10) == 0
+    for role, go in (("parent", parent_go), ("other", child_go)):
+        while sampler.by_role().get(role, {}).get("cpu", 0.0) < 0.3 and time.monotonic() < deadline:
+            sampler.poll()
+            time.sleep(0.05)
+        go.touch()
+    assert proc.wait(timeout=60) == 0
     roles = sampler.by_role()
     assert roles["parent"]["cpu"] >= 0.3 and roles["parent"]["count"] == 1
     assert roles["other"]["cpu"] >= 0.3 and roles["other"]["count"] == 1  # the child, seen before it exited
