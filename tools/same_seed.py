@@ -37,7 +37,8 @@ COMMON = ["trainer.iterations=6", "trainer.eval_every=3", "checkpoint.every=0"]
 # values). They are compared and reported, but only the synchronous variants must be identical.
 TIMING_DEPENDENT = {"async_rank0", "async_workers"}
 
-# Figures that differ between two runs of the same code on a shared machine.
+# Figures that differ between two runs of the same code on a shared machine (re-pins: a busy engine
+# moves a session, which depends on load).
 MACHINE_PREFIXES = ("time/", "budget/", "perf/", "weight_sync/MBps", "weight_sync/seconds", "weight_sync/verify")
 MACHINE_KEYS = {
     "fleet/cached_tokens",
