@@ -50,17 +50,17 @@ from megatron_stepwise.algo.groups import flat_steps
 from megatron_stepwise.algo.prepare import prepare_rows
 from megatron_stepwise.algo.validate import validate_steps
 from megatron_stepwise.loop.group_buffer import Group, GroupBuffer
-from megatron_stepwise.loop.handoff import ResolveFailed
-from megatron_stepwise.loop.sources import Driver, Round, bind_prepare, holds_rows, rollout_seed, split_round
+from megatron_stepwise.loop.rounds import Round, RowsOnRank0, decide_round, hand_off
+from megatron_stepwise.loop.sources import Driver, bind_prepare, holds_rows, rollout_seed
 from megatron_stepwise.metrics.core import rollout_metrics
 from megatron_stepwise.workers.rollout_bank import BankedGroup, RolloutBank, with_group_id
-from megatron_stepwise.workers.worker_rows import HeldGroup, HoldRequest, RowFetcher, TokenVersions, split_held_round
+from megatron_stepwise.workers.worker_rows import HeldGroup, HoldRequest, RowFetcher, RowsInWorkers, TokenVersions
 
 if TYPE_CHECKING:
     from megatron_stepwise.algo.groups import RolloutGroup
-    from megatron_stepwise.mcore.train.shards import MinibatchShard
+    from megatron_stepwise.algo.rows import RowTable
+    from megatron_stepwise.algo.shards import ShardDecision
     from megatron_stepwise.rundir.dump_recorder import DumpRecorder
-    from megatron_stepwise.steps import StepBatch
 
 log = logging.getLogger(__name__)
 
@@ -101,10 +101,9 @@ class AsyncRollouts:
         handoff,
         vocab_size: int,
         version: Callable[[], int],
-        shard: Callable[[StepBatch], list[MinibatchShard]],
+        decide: Callable[[RowTable], list[ShardDecision]],
         dp_size: int,
         recorder: Optional[DumpRecorder] = None,
-        decide: Optional[Callable] = None,
     ):
         self.prompts_per_minibatch = cfg.data.prompts_per_minibatch
         self.rounds_per_iteration = cfg.data.minibatches_per_iteration
@@ -113,17 +112,15 @@ class AsyncRollouts:
         self.dataset, self.handoff, self.vocab_size, self.version = dataset, handoff, vocab_size, version
         self.dp_size = dp_size
         self.prepare_rows = bind_prepare(cfg, prepare_rows)  # what a worker holding rows runs
-        self.split = functools.partial(
-            split_round, prepare=bind_prepare(cfg), shard=shard, dp_size=dp_size, recorder=recorder
-        )
-        # Rows left in the agent workers: rank 0 decides from the groups' row tables (`decide`,
-        # the plugin's decide_shards) and each replica fetches its own (`fetcher`). A dumped
-        # iteration needs the rows on rank 0, and groups are rolled out before anyone knows which
-        # iteration trains them: dumps keep the whole run on rank 0's path.
+        self.on_rank0 = RowsOnRank0(bind_prepare(cfg), recorder)  # the rows prepared here instead
+        # Rank 0 decides from the groups' row tables (`decide`, the plugin's decide_shards). Rows
+        # left in the agent workers: each replica fetches its own (`fetcher`). A dumped iteration
+        # needs the rows on rank 0, and groups are rolled out before anyone knows which iteration
+        # trains them: dumps keep the whole run on rank 0's path.
         self.decide = decide
         self.fetcher = (
             RowFetcher(timeout_s=cfg.rollout.agent_worker_timeout_s)
-            if decide is not None and holds_rows(cfg) and not cfg.trainer.dump_rollouts
+            if holds_rows(cfg) and not cfg.trainer.dump_rollouts
             else None
         )
         self.max_retries = cfg.rollout.max_retries
@@ -414,28 +411,21 @@ class AsyncRollouts:
             )
             return [None] * self.dp_size
         self._step = groups
-        return self._split(iteration)
+        return self._make_round(iteration)
 
-    def _split(self, iteration: int) -> list[Round]:
+    def _make_round(self, iteration: int) -> list[Round]:
+        """Rank 0: the step's shards, from rows prepared here or held by the workers (every
+        group's holder alive first: `_regenerate_lost`), while the fleet keeps rolling out."""
         groups = self._step
         if self.fetcher is None:  # the rows came to rank 0
-            rollouts = [g.rollout for g in groups]
-            validate_steps(flat_steps(rollouts), vocab_size=self.vocab_size)
-            with loop_in_thread(self.driver.loop):
-                return self.split([rollouts], {})
-        self._regenerate_lost(groups)
-        import ray
-
+            validate_steps(flat_steps([g.rollout for g in groups]), vocab_size=self.vocab_size)
+            holder, metrics = self.on_rank0, {}
+        else:
+            self._regenerate_lost(groups)
+            holder, metrics = RowsInWorkers.here(iteration), {"agents/rows_held": 1.0}
         with loop_in_thread(self.driver.loop):
-            t = time.perf_counter()
-            shards, counts, skipped = split_held_round(
-                [[g.rollout for g in groups]],
-                decide=self.decide,
-                key=iteration,
-                ray_address=ray.get_runtime_context().gcs_address,
-            )
-            metrics = {"time/prepare": time.perf_counter() - t, "agents/rows_held": 1.0}
-        return [Round([s[dp] for s in shards], metrics, counts, skipped) for dp in range(self.dp_size)]
+            minibatches = [[g.rollout for g in groups]]
+            return decide_round(minibatches, holder, decide=self.decide, dp_size=self.dp_size, metrics=metrics)
 
     def _regenerate_lost(self, groups: list[Group]) -> None:
         """Rank 0: groups whose holder is gone (it died, or was replaced after a fetch found it
@@ -464,7 +454,7 @@ class AsyncRollouts:
     def _redo(self, iteration: int, lost: set[str]) -> list[Round]:
         """Rank 0, after a replica found holders gone: replace them and decide the step again."""
         self.driver.agent.replace(lost, "its rows could not be fetched")
-        return self._split(iteration)
+        return self._make_round(iteration)
 
     def _record(self, groups: list[Group]) -> None:
         """Rank 0: a handed-off step's groups, for the iteration's metrics (summaries only)."""
@@ -486,17 +476,16 @@ class AsyncRollouts:
         With rows in the workers, a fetch that found holders gone makes rank 0 replace them, roll
         their groups out again and hand the step off anew (every rank retries alike)."""
         resolve = self.fetcher.resolve if self.fetcher is not None else None
-        produce = functools.partial(self._decide, iteration)
         try:
-            for attempt in range(self.max_retries + 2):
-                try:
-                    round_ = self.handoff.to_ranks(produce, "async rollout", iteration, resolve=resolve)
-                    break
-                except ResolveFailed as e:
-                    if not e.lost or attempt > self.max_retries:
-                        raise
-                    log.warning("%s; rolling their groups out again", e)
-                    produce = functools.partial(self._redo, iteration, set(e.lost))
+            round_ = hand_off(
+                self.handoff,
+                "async rollout",
+                iteration,
+                functools.partial(self._decide, iteration),
+                functools.partial(self._redo, iteration),
+                resolve=resolve,
+                retries=self.max_retries,
+            )
             if self._step is not None:
                 self._record(self._step)
             return round_

@@ -112,7 +112,6 @@ def _run(fleet_setup, fault=None):
         handoff=Handoff(dataset),
         vocab_size=len(tok),
         version=lambda: 0,
-        shard=None,
         dp_size=1,
         decide=_decide,
     )
@@ -127,14 +126,14 @@ def _run(fleet_setup, fault=None):
         def resolve(payload):
             if fault is not None and step == 1 and not fired:  # once: the retry fetches normally
                 fired.append(True)
-                fault(workers, payload.minibatches[0])
+                fault(workers, payload.shards[0])
             return fetch(payload)
 
         source.fetcher.resolve = resolve
         shards = []
         for step in range(STEPS):
             rnd = source.take(0)
-            (shard,) = rnd.minibatches
+            (shard,) = rnd.shards
             assert rnd.metrics["agents/rows_held"] == 1.0
             shards.append(shard)
         metrics = source.iteration_metrics()
@@ -152,7 +151,7 @@ def _check_shards(shards):
     for shard in shards:
         # 2 groups x 4 trajectories, every row fetched from the workers with its advantages
         assert len(set(shard.batch.trajectory_ids)) == 8
-        assert shard.batch.num_rows == len(shard.rows) > 0
+        assert shard.batch.num_rows == len(shard.decision.rows) > 0
         assert shard.batch.token_fields["advantages"].numel() == shard.batch.tokens.numel()
 
 

@@ -144,9 +144,8 @@ def make_driver(
         handoff=None,
         vocab_size=256,
         version=lambda: ctx.version,
-        shard=lambda batch: [batch],
+        decide=lambda rows: [],  # decisions are not made here
         dp_size=1,
-        decide=None if mode == "driver" else lambda rows: [],  # decisions are not made here
     )
     assert (source.fetcher is not None) == (mode == "held")
     if pending is not None:  # as a checkpoint restores it
