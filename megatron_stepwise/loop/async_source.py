@@ -21,7 +21,7 @@ group's rows once it is trained, filtered or evicted. A worker lost while it hol
 died, or froze and a fetch found it unanswering) is replaced and the group rolled out again with
 its own seed before the step is decided again (`agents/regenerated_groups`).
 
-The rollout bank (`async.rollout_bank`, `rollout_bank.py`) keeps each finished group on disk until
+The rollout bank (`async.rollout_bank`, `workers/rollout_bank.py`) keeps each finished group on disk until
 it is trained, written where its rows are: by its agent worker when the workers keep the rows (rank
 0 records the file's name from the `HeldGroup`), else by rank 0. A resumed run reads the bank on rank
 0 and trains the groups it may reuse instead of rolling their prompts out again: an agent worker
@@ -53,7 +53,8 @@ from megatron_stepwise.loop.group_buffer import Group, GroupBuffer
 from megatron_stepwise.loop.rounds import Round, RowsOnRank0, decide_round, hand_off
 from megatron_stepwise.loop.sources import Driver, bind_prepare, holds_rows, rollout_seed
 from megatron_stepwise.metrics.core import rollout_metrics
-from megatron_stepwise.workers.rollout_bank import BankedGroup, RolloutBank, with_group_id
+from megatron_stepwise.workers.bank_recovery import adopt_held, banked_rollout, open_bank
+from megatron_stepwise.workers.rollout_bank import BankedGroup, RolloutBank
 from megatron_stepwise.workers.worker_rows import HeldGroup, HoldRequest, RowFetcher, RowsInWorkers, TokenVersions
 
 if TYPE_CHECKING:
@@ -90,7 +91,7 @@ class AsyncRollouts:
 
     Stateful for checkpoints: the prompts drawn but not trained yet (`state_dict`), which a
     resumed run rolls out first, so no drawn prompt is skipped; with `async.rollout_bank` those
-    that had finished are reused from the bank instead (workers/rollout_bank.py).
+    that had finished are reused from the bank instead (workers/bank_recovery.py).
     """
 
     def __init__(
@@ -174,43 +175,27 @@ class AsyncRollouts:
         self._producer = driver.loop.create_task(self._produce())
 
     def _open_bank(self) -> dict[int, BankedGroup]:
-        """Rank 0: a fresh run empties the bank; a resumed one gets, by draw, the banked groups of
-        its pending samples (the bank keeps those of draws the dataset will re-issue, `_produce`)."""
-        self.bank = RolloutBank(self.run_dir)
-        if not self._resumed or self._pending_draws is None:  # a checkpoint from before the bank
-            self.bank.clear()
-            return {}
-        recovery = self.bank.recover(list(zip(self._pending, self._pending_draws)), self._draws, self.version())
-        if recovery.pending or recovery.reissued:
-            log.info(
-                "rollout bank: %d finished group(s) of pending prompts recovered, %d more held for "
-                "prompts the dataset issues again",
-                len(recovery.pending),
-                len(recovery.reissued),
-            )
-        return recovery.pending
+        """Rank 0: the bank, and by draw the banked groups a resume reuses (`bank_recovery.py`)."""
+        resumed = self._resumed and self._pending_draws is not None  # not a checkpoint from before the bank
+        pending = list(zip(self._pending, self._pending_draws)) if resumed else None
+        self.bank, recovered = open_bank(self.run_dir, pending, self._draws, self.version())
+        return recovered
 
     def _recover(self, group: Group, banked: BankedGroup) -> None:
-        """A started group takes its banked rollout (under the group id it was started with): at
-        once when the rows come to rank 0, else once an agent worker has adopted it (`_adopt_held`)."""
+        """A started group takes its banked rollout: at once when the rows come to rank 0, else
+        once an agent worker has adopted it (`_adopt_held`)."""
         if self.fetcher is None:
-            rollout = with_group_id(banked.rollout, group.group_id)
+            rollout = banked_rollout(banked, group.group_id)
             self.buffer.adopt(group, rollout, banked.start_version, banked.attempt, self.version())
             return
         self._started_at[group.serial] = time.monotonic()
         self._spawn(self._adopt_held(group, banked))
 
     async def _adopt_held(self, group: Group, banked: BankedGroup) -> None:
-        """Rows kept in the workers: a worker reads the group's bank file and holds its rows. If none
-        can (the file went bad since rank 0 read it, or the worker died), the prompt is rolled out
-        again: the banked group is discarded and counted."""
+        """An agent worker holds the banked group's rows; if none can, its prompt is rolled out again."""
         hold = HoldRequest(group.serial, self.prepare_rows, self.vocab_size)
-        try:
-            held = await self.driver.agent.adopt(str(banked.path), group.group_id, hold)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # noqa: BLE001 - a lost banked group costs one rollout, not the run
-            self.bank.discard(banked, f"no agent worker could adopt it ({type(e).__name__}: {e})")
+        held = await adopt_held(self.driver.agent, self.bank, banked, group.group_id, hold)
+        if held is None:
             await self._rollout(group)
             return
         self._started_at.pop(group.serial, None)

@@ -33,8 +33,9 @@ from megatron_stepwise.algo.rows import RowTable
 from megatron_stepwise.algo.validate import validate_steps
 from megatron_stepwise.fault_injection import before_fetch
 from megatron_stepwise.rollout.ray_nodes import ask_actor_node
+from megatron_stepwise.rundir.bank_files import BankFile
 from megatron_stepwise.steps import StepBatch, step_structure
-from megatron_stepwise.workers.rollout_bank import BankedGroup, BankFile, BankTicket, bank_rollout, with_group_id
+from megatron_stepwise.workers.rollout_bank import BankedGroup, BankTicket, bank_rollout, with_group_id
 
 if TYPE_CHECKING:
     from ray import ObjectRef

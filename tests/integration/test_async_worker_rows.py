@@ -30,8 +30,8 @@ from megatron_stepwise.loop.async_source import AsyncRollouts
 from megatron_stepwise.loop.handoff import Handoff
 from megatron_stepwise.loop.sources import Driver
 from megatron_stepwise.mcore.train.plugin import ShardDecision, shard_rows
+from megatron_stepwise.rundir.paths import BANK
 from megatron_stepwise.workers.agent_workers import AgentWorkers
-from megatron_stepwise.workers.rollout_bank import BANK_DIR
 from megatron_stepwise.workers.worker_rows import RemoteShard
 
 pytestmark = [pytest.mark.usefixtures("ray_session")]
@@ -166,7 +166,7 @@ def test_async_steps_fetch_their_rows_from_the_workers_which_then_drop_them(flee
     # the rollout bank follows the rows: the worker holding each group wrote its file and rank 0
     # recorded the name; a trained group's file is gone at once (no checkpoint lists it)
     assert len(written) == buffer.counters.finished and None not in written
-    bank = Path(fleet_setup[0].run_dir) / BANK_DIR
+    bank = Path(fleet_setup[0].run_dir) / BANK
     left = {p.name for p in bank.glob("draw_*.parquet")}
     assert left == {g.rollout.bank.name for g in buffer.ready_groups()}, (left, buffer.ready)
 
