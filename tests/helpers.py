@@ -25,6 +25,43 @@ REPO = Path(__file__).resolve().parents[1]
 TESTS = REPO / "tests"
 
 
+# ---- shard decisions ----------------------------------------------------------------------------
+
+
+def stride_decide(dp: int = 1):
+    """A `decide_shards` stand-in without a model: DP rank i trains rows i, i + dp, ... in one
+    micro-batch, with the weights the batch has (no loss denominators)."""
+    import torch
+
+    from megatron_stepwise.algo.shards import ShardDecision
+
+    def decide(rows) -> list:
+        out, tokens = [], int(rows.lengths.sum())
+        for rank in range(dp):
+            mine = list(range(rank, rows.num_rows, dp))
+            index = torch.as_tensor(mine, dtype=torch.long)
+            trained = int(rows.trained.sum())
+            out.append(
+                ShardDecision(
+                    [list(range(len(mine)))],
+                    mine,
+                    rank,
+                    dp,
+                    trained,
+                    rows.num_rows,
+                    tokens,
+                    tokens,
+                    False,
+                    False,
+                    rows.traj_index[index],
+                    rows.group_index[index],
+                )
+            )
+        return out
+
+    return decide
+
+
 # ---- steps ------------------------------------------------------------------------------------
 
 

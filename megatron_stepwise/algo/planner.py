@@ -29,6 +29,11 @@ Plan = list[list[list[int]]]  # plan[rank][micro] -> row indices
 _PARTNERS = 8  # lighter ranks tried per exchange round
 
 
+def packed_lengths(lengths: torch.Tensor, cp: int) -> torch.Tensor:
+    """Row lengths as packed: padded to a multiple of 2 * cp under CP, unchanged without."""
+    return lengths + (-lengths) % (2 * cp) if cp > 1 else lengths
+
+
 def pad_to_multiple(n: Any, multiple: int) -> Any:
     """Round `n` (int, numpy array or tensor) up to a multiple of `multiple`."""
     if int(multiple) < 1:

@@ -2,7 +2,8 @@
 
 - `trainer.py`: `Trainer`, the loop (take -> prepare -> score -> train -> push, metrics, checkpoints).
 - `training_round.py`: `TrainingRound`, one round's old / ref log-probs and optimizer steps (also replay's).
-- `sources.py`: the synchronous source (`SyncRollouts`), `Round`, `split_round`, `Driver`, `rollout_seed`.
+- `sources.py`: the synchronous source (`SyncRollouts`), `Driver`, `rollout_seed`.
+- `rounds.py`: making a round, one path for rows on rank 0 or in the workers (`Round`, `decide_round`, `hand_off`).
 - `async_source.py`: the asynchronous source (`AsyncRollouts`): rollouts overlap training.
 - `group_buffer.py`: finished prompt groups of the async source and their staleness bound.
 - `handoff.py`: rank 0 produces, every rank receives (result, data position, errors).

@@ -21,7 +21,7 @@ group's rows once it is trained, filtered or evicted. A worker lost while it hol
 died, or froze and a fetch found it unanswering) is replaced and the group rolled out again with
 its own seed before the step is decided again (`agents/regenerated_groups`).
 
-The rollout bank (`async.rollout_bank`, `rollout_bank.py`) keeps each finished group on disk until
+The rollout bank (`async.rollout_bank`, `workers/rollout_bank.py`) keeps each finished group on disk until
 it is trained, written where its rows are: by its agent worker when the workers keep the rows (rank
 0 records the file's name from the `HeldGroup`), else by rank 0. A resumed run reads the bank on rank
 0 and trains the groups it may reuse instead of rolling their prompts out again: an agent worker
@@ -50,17 +50,18 @@ from megatron_stepwise.algo.groups import flat_steps
 from megatron_stepwise.algo.prepare import prepare_rows
 from megatron_stepwise.algo.validate import validate_steps
 from megatron_stepwise.loop.group_buffer import Group, GroupBuffer
-from megatron_stepwise.loop.handoff import ResolveFailed
-from megatron_stepwise.loop.sources import Driver, Round, bind_prepare, holds_rows, rollout_seed, split_round
+from megatron_stepwise.loop.rounds import Round, RowsOnRank0, decide_round, hand_off
+from megatron_stepwise.loop.sources import Driver, bind_prepare, holds_rows, rollout_seed
 from megatron_stepwise.metrics.core import rollout_metrics
-from megatron_stepwise.workers.rollout_bank import BankedGroup, RolloutBank, with_group_id
-from megatron_stepwise.workers.worker_rows import HeldGroup, HoldRequest, RowFetcher, TokenVersions, split_held_round
+from megatron_stepwise.workers.bank_recovery import adopt_held, banked_rollout, open_bank
+from megatron_stepwise.workers.rollout_bank import BankedGroup, RolloutBank
+from megatron_stepwise.workers.worker_rows import HeldGroup, HoldRequest, RowFetcher, RowsInWorkers, TokenVersions
 
 if TYPE_CHECKING:
     from megatron_stepwise.algo.groups import RolloutGroup
-    from megatron_stepwise.mcore.train.shards import MinibatchShard
+    from megatron_stepwise.algo.rows import RowTable
+    from megatron_stepwise.algo.shards import ShardDecision
     from megatron_stepwise.rundir.dump_recorder import DumpRecorder
-    from megatron_stepwise.steps import StepBatch
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ class AsyncRollouts:
 
     Stateful for checkpoints: the prompts drawn but not trained yet (`state_dict`), which a
     resumed run rolls out first, so no drawn prompt is skipped; with `async.rollout_bank` those
-    that had finished are reused from the bank instead (workers/rollout_bank.py).
+    that had finished are reused from the bank instead (workers/bank_recovery.py).
     """
 
     def __init__(
@@ -101,10 +102,9 @@ class AsyncRollouts:
         handoff,
         vocab_size: int,
         version: Callable[[], int],
-        shard: Callable[[StepBatch], list[MinibatchShard]],
+        decide: Callable[[RowTable], list[ShardDecision]],
         dp_size: int,
         recorder: Optional[DumpRecorder] = None,
-        decide: Optional[Callable] = None,
     ):
         self.prompts_per_minibatch = cfg.data.prompts_per_minibatch
         self.rounds_per_iteration = cfg.data.minibatches_per_iteration
@@ -113,17 +113,15 @@ class AsyncRollouts:
         self.dataset, self.handoff, self.vocab_size, self.version = dataset, handoff, vocab_size, version
         self.dp_size = dp_size
         self.prepare_rows = bind_prepare(cfg, prepare_rows)  # what a worker holding rows runs
-        self.split = functools.partial(
-            split_round, prepare=bind_prepare(cfg), shard=shard, dp_size=dp_size, recorder=recorder
-        )
-        # Rows left in the agent workers: rank 0 decides from the groups' row tables (`decide`,
-        # the plugin's decide_shards) and each replica fetches its own (`fetcher`). A dumped
-        # iteration needs the rows on rank 0, and groups are rolled out before anyone knows which
-        # iteration trains them: dumps keep the whole run on rank 0's path.
+        self.on_rank0 = RowsOnRank0(bind_prepare(cfg), recorder)  # the rows prepared here instead
+        # Rank 0 decides from the groups' row tables (`decide`, the plugin's decide_shards). Rows
+        # left in the agent workers: each replica fetches its own (`fetcher`). A dumped iteration
+        # needs the rows on rank 0, and groups are rolled out before anyone knows which iteration
+        # trains them: dumps keep the whole run on rank 0's path.
         self.decide = decide
         self.fetcher = (
             RowFetcher(timeout_s=cfg.rollout.agent_worker_timeout_s)
-            if decide is not None and holds_rows(cfg) and not cfg.trainer.dump_rollouts
+            if holds_rows(cfg) and not cfg.trainer.dump_rollouts
             else None
         )
         self.max_retries = cfg.rollout.max_retries
@@ -177,43 +175,27 @@ class AsyncRollouts:
         self._producer = driver.loop.create_task(self._produce())
 
     def _open_bank(self) -> dict[int, BankedGroup]:
-        """Rank 0: a fresh run empties the bank; a resumed one gets, by draw, the banked groups of
-        its pending samples (the bank keeps those of draws the dataset will re-issue, `_produce`)."""
-        self.bank = RolloutBank(self.run_dir)
-        if not self._resumed or self._pending_draws is None:  # a checkpoint from before the bank
-            self.bank.clear()
-            return {}
-        recovery = self.bank.recover(list(zip(self._pending, self._pending_draws)), self._draws, self.version())
-        if recovery.pending or recovery.reissued:
-            log.info(
-                "rollout bank: %d finished group(s) of pending prompts recovered, %d more held for "
-                "prompts the dataset issues again",
-                len(recovery.pending),
-                len(recovery.reissued),
-            )
-        return recovery.pending
+        """Rank 0: the bank, and by draw the banked groups a resume reuses (`bank_recovery.py`)."""
+        resumed = self._resumed and self._pending_draws is not None  # not a checkpoint from before the bank
+        pending = list(zip(self._pending, self._pending_draws)) if resumed else None
+        self.bank, recovered = open_bank(self.run_dir, pending, self._draws, self.version())
+        return recovered
 
     def _recover(self, group: Group, banked: BankedGroup) -> None:
-        """A started group takes its banked rollout (under the group id it was started with): at
-        once when the rows come to rank 0, else once an agent worker has adopted it (`_adopt_held`)."""
+        """A started group takes its banked rollout: at once when the rows come to rank 0, else
+        once an agent worker has adopted it (`_adopt_held`)."""
         if self.fetcher is None:
-            rollout = with_group_id(banked.rollout, group.group_id)
+            rollout = banked_rollout(banked, group.group_id)
             self.buffer.adopt(group, rollout, banked.start_version, banked.attempt, self.version())
             return
         self._started_at[group.serial] = time.monotonic()
         self._spawn(self._adopt_held(group, banked))
 
     async def _adopt_held(self, group: Group, banked: BankedGroup) -> None:
-        """Rows kept in the workers: a worker reads the group's bank file and holds its rows. If none
-        can (the file went bad since rank 0 read it, or the worker died), the prompt is rolled out
-        again: the banked group is discarded and counted."""
+        """An agent worker holds the banked group's rows; if none can, its prompt is rolled out again."""
         hold = HoldRequest(group.serial, self.prepare_rows, self.vocab_size)
-        try:
-            held = await self.driver.agent.adopt(str(banked.path), group.group_id, hold)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # noqa: BLE001 - a lost banked group costs one rollout, not the run
-            self.bank.discard(banked, f"no agent worker could adopt it ({type(e).__name__}: {e})")
+        held = await adopt_held(self.driver.agent, self.bank, banked, group.group_id, hold)
+        if held is None:
             await self._rollout(group)
             return
         self._started_at.pop(group.serial, None)
@@ -414,28 +396,21 @@ class AsyncRollouts:
             )
             return [None] * self.dp_size
         self._step = groups
-        return self._split(iteration)
+        return self._make_round(iteration)
 
-    def _split(self, iteration: int) -> list[Round]:
+    def _make_round(self, iteration: int) -> list[Round]:
+        """Rank 0: the step's shards, from rows prepared here or held by the workers (every
+        group's holder alive first: `_regenerate_lost`), while the fleet keeps rolling out."""
         groups = self._step
         if self.fetcher is None:  # the rows came to rank 0
-            rollouts = [g.rollout for g in groups]
-            validate_steps(flat_steps(rollouts), vocab_size=self.vocab_size)
-            with loop_in_thread(self.driver.loop):
-                return self.split([rollouts], {})
-        self._regenerate_lost(groups)
-        import ray
-
+            validate_steps(flat_steps([g.rollout for g in groups]), vocab_size=self.vocab_size)
+            holder, metrics = self.on_rank0, {}
+        else:
+            self._regenerate_lost(groups)
+            holder, metrics = RowsInWorkers.here(iteration), {"agents/rows_held": 1.0}
         with loop_in_thread(self.driver.loop):
-            t = time.perf_counter()
-            shards, counts, skipped = split_held_round(
-                [[g.rollout for g in groups]],
-                decide=self.decide,
-                key=iteration,
-                ray_address=ray.get_runtime_context().gcs_address,
-            )
-            metrics = {"time/prepare": time.perf_counter() - t, "agents/rows_held": 1.0}
-        return [Round([s[dp] for s in shards], metrics, counts, skipped) for dp in range(self.dp_size)]
+            minibatches = [[g.rollout for g in groups]]
+            return decide_round(minibatches, holder, decide=self.decide, dp_size=self.dp_size, metrics=metrics)
 
     def _regenerate_lost(self, groups: list[Group]) -> None:
         """Rank 0: groups whose holder is gone (it died, or was replaced after a fetch found it
@@ -464,7 +439,7 @@ class AsyncRollouts:
     def _redo(self, iteration: int, lost: set[str]) -> list[Round]:
         """Rank 0, after a replica found holders gone: replace them and decide the step again."""
         self.driver.agent.replace(lost, "its rows could not be fetched")
-        return self._split(iteration)
+        return self._make_round(iteration)
 
     def _record(self, groups: list[Group]) -> None:
         """Rank 0: a handed-off step's groups, for the iteration's metrics (summaries only)."""
@@ -486,17 +461,16 @@ class AsyncRollouts:
         With rows in the workers, a fetch that found holders gone makes rank 0 replace them, roll
         their groups out again and hand the step off anew (every rank retries alike)."""
         resolve = self.fetcher.resolve if self.fetcher is not None else None
-        produce = functools.partial(self._decide, iteration)
         try:
-            for attempt in range(self.max_retries + 2):
-                try:
-                    round_ = self.handoff.to_ranks(produce, "async rollout", iteration, resolve=resolve)
-                    break
-                except ResolveFailed as e:
-                    if not e.lost or attempt > self.max_retries:
-                        raise
-                    log.warning("%s; rolling their groups out again", e)
-                    produce = functools.partial(self._redo, iteration, set(e.lost))
+            round_ = hand_off(
+                self.handoff,
+                "async rollout",
+                iteration,
+                functools.partial(self._decide, iteration),
+                functools.partial(self._redo, iteration),
+                resolve=resolve,
+                retries=self.max_retries,
+            )
             if self._step is not None:
                 self._record(self._step)
             return round_

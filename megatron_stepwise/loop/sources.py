@@ -7,11 +7,13 @@ fleet idle, then train. The asynchronous one (`async_source.AsyncRollouts`) make
 optimizer step while the fleet keeps going. Both have the same surface: `rounds_per_iteration`,
 `start`, `take`, `overlap`, `iteration_metrics`, `state_dict`/`load_state_dict`, `close`.
 
-Rank 0 decides everything once (`split_round`): it validates and filters the rollout, splits it
-into prompt mini-batches, prepares each (merge, advantages) and cuts it into one shard per
-data-parallel rank (the plugin's `plan_shards`); each rank then receives only its own shards.
-With rows held by agent workers, a worker that dies (or freezes) holding some is replaced, its
-groups are rolled out again with their own seeds, and the round is decided and handed off anew.
+Rank 0 decides everything once: it validates and filters the rollout, splits it into prompt
+mini-batches, and makes the round (`rounds.decide_round`): each mini-batch prepared (merge,
+advantages) on rank 0 or by the agent workers that keep its rows, decided from its row table (the
+plugin's `decide_shards`) and cut into one shard per data-parallel rank; each rank then receives only
+its own shards (`rounds.hand_off`). With rows held by agent workers, a worker that dies (or freezes)
+holding some is replaced, its groups are rolled out again with their own seeds, and the round is
+decided and handed off anew.
 """
 
 from __future__ import annotations
@@ -20,24 +22,24 @@ import contextlib
 import functools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from megatron_stepwise.algo.advantages import is_temporal_estimator
-from megatron_stepwise.algo.groups import PromptGroup, RolloutGroup, flat_steps
+from megatron_stepwise.algo.groups import PromptGroup, flat_steps
 from megatron_stepwise.algo.prepare import prepare, prepare_rows
 from megatron_stepwise.algo.validate import validate_steps
 from megatron_stepwise.fault_injection import before_rollout
-from megatron_stepwise.loop.handoff import ResolveFailed
+from megatron_stepwise.loop.rounds import Round, RowsOnRank0, decide_round, hand_off
 from megatron_stepwise.metrics.core import rollout_metrics
 from megatron_stepwise.rundir.dump_recorder import DumpRecorder
-from megatron_stepwise.steps import StepBatch
-from megatron_stepwise.workers.worker_rows import HoldRequest, RemoteShard, RowFetcher, split_held_round
+from megatron_stepwise.workers.worker_rows import HoldRequest, RowFetcher, RowsInWorkers
 
 if TYPE_CHECKING:
     import asyncio
 
-    from megatron_stepwise.mcore.train.shards import MinibatchShard
+    from megatron_stepwise.algo.rows import RowTable
+    from megatron_stepwise.algo.shards import ShardDecision
     from megatron_stepwise.rollout.agent_loop import AgentLoop
     from megatron_stepwise.rollout.fleet import RolloutFleet
     from megatron_stepwise.workers.agent_workers import AgentWorkers
@@ -70,19 +72,6 @@ class Driver:
         return out
 
 
-@dataclass
-class Round:
-    """This rank's shards of the mini-batches trained with one policy snapshot (one per optimizer
-    step), the round's metrics and `prepare`'s counts (the same on every rank), and how many
-    mini-batches had no trainable token (no optimizer step)."""
-
-    # one per mini-batch: the plugin's shard, or (rows kept by the workers) where to fetch it
-    minibatches: list[MinibatchShard | RemoteShard]
-    metrics: dict[str, Any] = field(default_factory=dict)
-    counts: list[dict[str, Any]] = field(default_factory=list)
-    skipped: int = 0
-
-
 def bind_prepare(cfg, fn: Callable = prepare) -> Callable:
     """`fn` (`algo.prepare`'s `prepare` or `prepare_rows`) with the run's settings bound: the
     estimator (`algo.estimator`, `algo.estimator_options`), merging (`data.merge_steps`) and the
@@ -94,32 +83,6 @@ def bind_prepare(cfg, fn: Callable = prepare) -> Callable:
         merge_steps=cfg.data.merge_steps,
         max_tokens=cfg.data.max_tokens_per_microbatch,
     )
-
-
-def split_round(
-    minibatches: list[list[RolloutGroup]],
-    metrics: dict[str, Any],
-    *,
-    prepare: Callable = prepare,
-    shard: Callable[[StepBatch], list[MinibatchShard]],
-    dp_size: int,
-    recorder: Optional[DumpRecorder] = None,
-) -> list[Round]:
-    """Rank 0: validate and prepare each mini-batch of groups (`prepare`, see `bind_prepare`)
-    and cut it into one shard per DP rank; one `Round` per DP rank. A `recorder` of a dumped
-    iteration keeps each prepared mini-batch."""
-    t = time.perf_counter()
-    keep = recorder is not None and recorder.active
-    prepared = [prepare(groups, keep_metadata=keep) for groups in minibatches]
-    for batch, _ in prepared:
-        if keep and batch is not None:
-            recorder.capture(batch, batch.metadata)
-            batch.metadata = None  # the shards travel without it
-    shards = [shard(batch) for batch, _ in prepared if batch is not None]
-    metrics = {**metrics, "time/prepare": time.perf_counter() - t}
-    counts = [m for _, m in prepared]
-    skipped = len(prepared) - len(shards)
-    return [Round([s[dp] for s in shards], metrics, counts, skipped) for dp in range(dp_size)]
 
 
 def holds_rows(cfg) -> bool:
@@ -146,25 +109,19 @@ class SyncRollouts:
         dataset,
         handoff,
         vocab_size: int,
-        shard: Callable[[StepBatch], list[MinibatchShard]],
+        decide: Callable[[RowTable], list[ShardDecision]],
         dp_size: int,
         progress: Optional[Callable] = None,
         recorder: Optional[DumpRecorder] = None,
-        decide: Optional[Callable] = None,
     ):
         self.cfg = cfg
         self.dataset, self.handoff, self.vocab_size = dataset, handoff, vocab_size
         self.prepare_rows = bind_prepare(cfg, prepare_rows)  # what a worker holding rows runs
-        self.split = functools.partial(
-            split_round, prepare=bind_prepare(cfg), shard=shard, dp_size=dp_size, recorder=recorder
-        )
-        self.dp_size, self.recorder = dp_size, recorder
-        # Rows left in the agent workers: rank 0 decides from their tables (`decide`, the plugin's
-        # decide_shards) and each replica fetches its own (`fetcher`).
-        self.decide = decide
-        self.fetcher = (
-            RowFetcher(timeout_s=cfg.rollout.agent_worker_timeout_s) if decide is not None and holds_rows(cfg) else None
-        )
+        self.on_rank0 = RowsOnRank0(bind_prepare(cfg), recorder)  # the rows prepared here instead
+        # rank 0 decides from the row tables (`decide`: the plugin's decide_shards)
+        self.decide, self.dp_size, self.recorder = decide, dp_size, recorder
+        # rows left in the agent workers: each replica fetches its own
+        self.fetcher = RowFetcher(timeout_s=cfg.rollout.agent_worker_timeout_s) if holds_rows(cfg) else None
         self._round: Optional[tuple] = None  # rank 0: the last round, (mini-batches, metrics, hold request)
         self._origins: dict[str, tuple[dict, int]] = {}  # rank 0: prompt id -> (sample, seed) of this iteration
         self.progress = progress  # progress(num_trajectories) -> context manager yielding a per-trajectory callback
@@ -176,27 +133,26 @@ class SyncRollouts:
     def take(self, iteration: int) -> Optional[Round]:
         """This rank's round: rank 0 rolls out the iteration's prompts and decides it."""
         resolve = self.fetcher.resolve if self.fetcher is not None else None
-        produce = functools.partial(self._decide, iteration)
         fetched = self.fetcher.bytes_fetched if self.fetcher is not None else 0
         try:
-            for attempt in range(self.cfg.rollout.max_retries + 2):
-                try:
-                    round_ = self.handoff.to_ranks(produce, "rollout", iteration, resolve=resolve)
-                    if self.fetcher is not None and round_ is not None:  # this replica's share (rank 0 logs its own)
-                        round_.metrics["handoff/rows_fetched_bytes"] = self.fetcher.bytes_fetched - fetched
-                    return round_
-                except ResolveFailed as e:  # the same on every rank: all retry, or all raise
-                    if not e.lost or attempt > self.cfg.rollout.max_retries:
-                        raise
-                    log.warning("%s; rolling their groups out again", e)
-                    produce = functools.partial(self._redo, iteration, set(e.lost))
-            raise AssertionError("unreachable")
+            round_ = hand_off(
+                self.handoff,
+                "rollout",
+                iteration,
+                functools.partial(self._decide, iteration),
+                functools.partial(self._redo, iteration),
+                resolve=resolve,
+                retries=self.cfg.rollout.max_retries,
+            )
+            if self.fetcher is not None and round_ is not None:  # this replica's share (rank 0 logs its own)
+                round_.metrics["handoff/rows_fetched_bytes"] = self.fetcher.bytes_fetched - fetched
+            return round_
         finally:
             if resolve is not None and self.driver is not None:
                 self.driver.agent.release(iteration)  # every replica has its rows (or failed): drop them
 
     def _decide(self, iteration: int) -> list[Round]:
-        """Rank 0: roll out (validated where the rows are), filter, split into mini-batches and shards."""
+        """Rank 0: roll out (validated where the rows are), filter, split into mini-batches, make the round."""
         before_rollout(iteration)  # test fault injection (fault_injection.py): a no-op unless its variable is set
         hold = self._hold_request(iteration)
         groups, metrics = self._rollout(iteration, hold)
@@ -205,30 +161,31 @@ class SyncRollouts:
         metrics.update(filtered)
         k = self.cfg.data.prompts_per_minibatch
         self._round = ([groups[i : i + k] for i in range(0, len(groups), k)], metrics, hold)
-        return self._split()
+        return self._make_round()
 
     def _redo(self, iteration: int, lost: set[str]) -> list[Round]:
         """Rank 0, after a replica found holders gone: replace them and decide the round again."""
         assert self._round is not None and self._round[2].key == iteration, "no held round to redo"
         self.driver.agent.replace(lost, "its rows could not be fetched")
-        return self._split()
+        return self._make_round()
 
-    def _split(self) -> list[Round]:
-        """Rank 0: the round's shards: prepared here from the groups' rows, or decided from the
-        row tables of the groups the workers hold (`_split_held`)."""
+    def _make_round(self) -> list[Round]:
+        """Rank 0: the round's shards, from rows prepared here or held by the workers (every
+        group's holder alive first: `_roll_out_lost`)."""
         minibatches, metrics, hold = self._round
-        if hold is not None:
-            return self._split_held()
-        if self.fetcher is not None:
-            metrics = {**metrics, "agents/rows_held": 0.0}
-        return self.split(minibatches, metrics)
+        if hold is None:
+            holder = self.on_rank0
+            if self.fetcher is not None:
+                metrics = {**metrics, "agents/rows_held": 0.0}
+        else:
+            self._roll_out_lost(minibatches, hold)
+            holder = RowsInWorkers.here(hold.key)
+            metrics = {**metrics, **self.driver.fleet_metrics(), "agents/rows_held": 1.0}
+        return decide_round(minibatches, holder, decide=self.decide, dp_size=self.dp_size, metrics=metrics)
 
-    def _split_held(self) -> list[Round]:
-        """Rank 0: the held round's decision, once every group's holder is alive (lost ones rolled
-        out again, with their own samples and seeds: they sample as before)."""
-        import ray
-
-        minibatches, metrics, hold = self._round
+    def _roll_out_lost(self, minibatches: list[list], hold: HoldRequest) -> None:
+        """Rank 0: held groups whose holder is gone are rolled out again, with their own samples
+        and seeds (they sample as before)."""
         agent = self.driver.agent
         for _ in range(self.cfg.rollout.max_retries + 2):
             alive = agent.holders()
@@ -244,17 +201,6 @@ class SyncRollouts:
                 for (i, j), group in zip(where, again):
                     minibatches[i][j] = group
             agent.regenerated_groups += len(stale)
-        t = time.perf_counter()
-        shards, counts, skipped = split_held_round(
-            minibatches, decide=self.decide, key=hold.key, ray_address=ray.get_runtime_context().gcs_address
-        )
-        metrics = {
-            **metrics,
-            **self.driver.fleet_metrics(),
-            "time/prepare": time.perf_counter() - t,
-            "agents/rows_held": 1.0,
-        }
-        return [Round([s[dp] for s in shards], metrics, counts, skipped) for dp in range(self.dp_size)]
 
     def _hold_request(self, iteration: int) -> Optional[HoldRequest]:
         """Rank 0: ask the workers to keep the rows, unless this iteration is dumped (the dump

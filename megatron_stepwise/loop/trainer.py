@@ -118,7 +118,7 @@ class Trainer:
             dataset=self.dataset,
             handoff=handoff,
             vocab_size=self.model.arch.vocab_size,
-            shard=functools.partial(self.plugin.plan_shards, self.chunks),
+            decide=functools.partial(self.plugin.decide_shards, self.chunks),
             dp_size=dp_size,
             recorder=self.recorder,
         )
@@ -126,14 +126,12 @@ class Trainer:
             self.source = AsyncRollouts(
                 cfg,
                 version=lambda: self.state.weight_version,
-                decide=functools.partial(self.plugin.decide_shards, self.chunks),
                 **sources,
             )
         else:
             self.source = SyncRollouts(
                 cfg,
                 progress=self._rollout_progress if cfg.logging.progress and sys.stderr.isatty() else None,
-                decide=functools.partial(self.plugin.decide_shards, self.chunks),
                 **sources,
             )
         self.checkpoints = Checkpointer(
@@ -285,11 +283,11 @@ class Trainer:
             metrics.update(round_.metrics)
             counts += round_.counts
             skipped += round_.skipped
-            batches = round_.minibatches
+            shards = round_.shards
             # colocated: the engines' memory is Megatron's from here until the push
             with budget.part("train"), self.source.overlap(), self.colocation.released(self.state.iteration, times):
-                train_metrics += self.training_round.run(batches, clock=functools.partial(timed, times), inspect=dump)
-                trained_tokens += sum(b.tokens for b in batches) * self.cfg.data.epochs
+                train_metrics += self.training_round.run(shards, clock=functools.partial(timed, times), inspect=dump)
+                trained_tokens += sum(s.decision.tokens for s in shards) * self.cfg.data.epochs
             self.state.weight_version += 1
             with budget.part("weight_push"), self.colocation.resumed(times), timed(times, "time/weight_sync"):
                 # colocated: weights' memory back first, KV cache after; async: in-flight turns pause
@@ -320,7 +318,7 @@ class Trainer:
         flat = shard.token_fields.get("old_logprobs")
         if flat is None:
             flat = self.plugin.compute_logprobs_flat(self.chunks, shard)
-        return shard.dp_rank, shard.rows, shard.batch.offsets, flat
+        return shard.decision.dp_rank, shard.decision.rows, shard.batch.offsets, flat
 
     def write_dump(self, pieces: list, train_metrics: list[dict[str, float]], weight_version: int) -> None:
         """Collective: every rank's shard log-probs to rank 0, which writes the iteration's dump."""

@@ -1,8 +1,8 @@
 """Capturing what the trainer trained, for the rollout dump (rundir/dumps.py writes and reads it).
 
 Rank 0's `DumpRecorder` keeps a copy of each prepared mini-batch of a dumped iteration (`capture`
-runs inside `split_round`); after the iteration every rank's log-probs of its shard are put back
-into mini-batch order (`assemble_logprobs`) and rank 0 writes the file.
+runs as rank 0 prepares each, `loop/rounds.py` `RowsOnRank0`); after the iteration every rank's
+log-probs of its shard are put back into mini-batch order (`assemble_logprobs`) and rank 0 writes the file.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from megatron_stepwise.steps import StepBatch
 
 @dataclass
 class DumpRecorder:
-    """Rank 0: collects the mini-batches of a dumped iteration (`capture` runs inside `split_round`)."""
+    """Rank 0: collects the mini-batches of a dumped iteration (`capture`, as rank 0 prepares each)."""
 
     every: int = 0
     active: bool = False

@@ -9,7 +9,7 @@ weights that trained the row. The file's metadata holds the resolved config, the
 and each optimizer step's train metrics. `read_dump` rebuilds the exact `StepBatch` of every
 mini-batch (bit for bit), which is what `replay` trains on; the viewer reads the rows alone
 (`read_dump_table`, rundir/dump_table.py, without torch).
-Rank 0 captures the prepared mini-batches in `split_round` (rundir/dump_recorder.py `DumpRecorder`); writing
+Rank 0 captures the prepared mini-batches as it prepares them (`loop/rounds.py` `RowsOnRank0`, rundir/dump_recorder.py `DumpRecorder`); writing
 happens after the iteration. This module only reads and writes files, so the viewer and
 `replay` read dumps without the training loop.
 """
@@ -99,7 +99,7 @@ def write_dump(
 def rows_table(minibatches: Sequence[Captured]) -> tuple[Any, Optional[list[int]]]:
     """The dump's columns: one row per row of every mini-batch (pyarrow Table), and the shape of a
     token's routed experts (None without them). `batch_from_rows` turns rows back into a batch;
-    the rollout bank (workers/rollout_bank.py) stores groups in the same format."""
+    the rollout bank (bank_files.py) stores groups in the same format."""
     import pyarrow as pa
 
     cols: dict[str, list] = {

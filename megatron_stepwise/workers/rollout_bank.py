@@ -6,10 +6,9 @@ enters the group buffer, by whoever has its rows: the agent worker that holds th
 the workers, the default with agent workers: `write_group` in the worker, which returns a
 `BankFile` with the group's `HeldGroup`), else rank 0 (`RolloutBank.put`). The run directory is
 shared storage on a cluster, as for checkpoints. Rank 0 only records which file belongs to which
-draw (`RolloutBank.record`) and deletes files. A file holds the rows in the columnar format of the
-rollout dumps (`dumps.rows_table`), the group's sample, start version and attempt in its metadata,
-and the SHA-256 of the whole file in its name, so a torn or damaged file is recognised, warned
-about, counted and never trained. `d` is the sample's dataset draw (`Group.draw`, counted from the
+draw (`RolloutBank.record`) and deletes files. The file format (names, checksums, columns) is
+`rundir/bank_files.py`'s; a torn or damaged file is recognised, warned about, counted and never
+trained. `d` is the sample's dataset draw (`Group.draw`, counted from the
 run's start and saved in the checkpoint): what ties a banked group to the prompt a resumed run
 issues again.
 
@@ -29,7 +28,7 @@ draws so far (`draws`). Resuming from it, a banked group is
 A reused group keeps its start version and weight versions, and the group buffer's staleness bound
 and stale policy treat it as any finished group. Rank 0 reads the bank on a resume; with rows kept
 in the workers an agent worker adopts each reused group (it reads the file again and holds the
-rows: `read_group`), else the group joins the buffer with its rows on rank 0. The bank is pruned at every checkpoint (it keeps
+rows: `read_group`), else the group joins the buffer with its rows on rank 0 (`bank_recovery.py`). The bank is pruned at every checkpoint (it keeps
 the groups outstanding then) and, between checkpoints, a trained group's file is deleted at once
 unless the last checkpoint lists its draw as pending: only those help a resume from it.
 """
@@ -37,26 +36,27 @@ unless the last checkpoint lists its draw as pending: only those help a resume f
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import logging
-import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
 from megatron_stepwise.algo.groups import RolloutGroup
-from megatron_stepwise.rundir.dumps import Captured, batch_from_rows, rows_table
-from megatron_stepwise.rundir.paths import BANK, RunDir
-from megatron_stepwise.rundir.run_files import write_path
-from megatron_stepwise.steps import StepBatch, TrajectoryID
+from megatron_stepwise.rundir.bank_files import (
+    BankFile,
+    decode_steps,
+    encode_steps,
+    listing,
+    parse_name,
+    read_file,
+    unlink,
+    write_file,
+)
+from megatron_stepwise.rundir.paths import RunDir
+from megatron_stepwise.steps import TrajectoryID
 
 log = logging.getLogger(__name__)
-
-BANK_DIR = BANK
-META_KEY = b"megatron_stepwise.rollout_bank"
-FORMAT_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -70,19 +70,6 @@ class BankTicket:
     group_id: str
     start_version: int
     attempt: int
-
-
-@dataclass(frozen=True)
-class BankFile:
-    """A written bank file as rank 0 records it: its name (draw and checksum) and the newest weight
-    version among its tokens (what decides whether a resume may reuse it)."""
-
-    name: str
-    newest_version: int
-
-    @property
-    def draw(self) -> int:
-        return _parse_name(self.name)[0]
 
 
 @dataclass
@@ -117,44 +104,21 @@ class BankedGroup:
 
 
 def encode(group: BankedGroup) -> bytes:
-    """The group as Parquet bytes: the dump's row columns, its identity in the file metadata."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    batch = StepBatch.from_steps(group.rollout.steps, keep_metadata=True)
-    table, experts_shape = rows_table([Captured(batch, batch.metadata or [])])
+    """The group as a bank file's bytes (`bank_files.encode_steps`): its steps and its identity."""
     meta = {
-        "version": FORMAT_VERSION,
         "draw": group.draw,
         "sample": group.sample,
         "group_id": group.group_id,
         "start_version": group.start_version,
         "attempt": group.attempt,
         "end_version": group.end_version,
-        "lengths": [len(t) for t in group.rollout.trajectories],
-        "routed_experts_shape": experts_shape,
     }
-    table = table.replace_schema_metadata({META_KEY: json.dumps(meta, default=str).encode()})
-    sink = pa.BufferOutputStream()
-    pq.write_table(table, sink, compression="zstd")
-    return sink.getvalue().to_pybytes()
+    return encode_steps(group.rollout.trajectories, meta)
 
 
 def decode(data: bytes) -> BankedGroup:
     """`encode`'s bytes back as the group, its steps exactly as they were written."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    table = pq.read_table(pa.BufferReader(data))
-    meta = json.loads((table.schema.metadata or {})[META_KEY])
-    cols = table.to_pydict()
-    batch, _ = batch_from_rows(cols, list(range(table.num_rows)), meta["routed_experts_shape"])
-    batch.metadata = [json.loads(info) for info in cols["info"]]
-    steps = batch.to_steps(copy=False)
-    trajectories, start = [], 0
-    for n in meta["lengths"]:
-        trajectories.append(steps[start : start + n])
-        start += n
+    trajectories, meta = decode_steps(data)
     return BankedGroup(
         draw=int(meta["draw"]),
         sample=meta["sample"],
@@ -167,27 +131,15 @@ def decode(data: bytes) -> BankedGroup:
 
 
 def write_group(run_dir: str | Path, group: BankedGroup) -> BankFile:
-    """Write one group's file (atomic: a temporary file, then a rename). Raises OSError, ValueError
-    or TypeError when it cannot."""
-    data = encode(group)
-    name = _file_name(group.draw, data)
-    Path(run_dir).mkdir(parents=True, exist_ok=True)  # a worker may write before rank 0 made it
-    write_path(RunDir(run_dir).rollout_bank / name, data, base=run_dir)
-    return BankFile(name, group.newest_version)
+    """Write one group's file (atomic). Raises OSError, ValueError or TypeError when it cannot."""
+    return BankFile(write_file(run_dir, group.draw, encode(group)), group.newest_version)
 
 
 def read_group(path: str | Path) -> BankedGroup:
     """A bank file read back, checked against the checksum and draw its name carries; ValueError
     (or OSError) names what is wrong with a damaged or missing file."""
     path = Path(path)
-    parsed = _parse_name(path.name)
-    if parsed is None:
-        raise ValueError(f"{path.name} is not a rollout bank file name")
-    draw, checksum = parsed
-    data = path.read_bytes()
-    actual = hashlib.sha256(data).hexdigest()
-    if actual != checksum:
-        raise ValueError(f"sha256 {actual[:12]}..., the name says {checksum[:12]}...")
+    draw, data = read_file(path)
     try:
         group = decode(data)
     except Exception as e:  # noqa: BLE001 - any format damage: one message naming it
@@ -226,21 +178,6 @@ def with_group_id(rollout: RolloutGroup, group_id: str) -> RolloutGroup:
         for t in rollout.trajectories
     ]
     return RolloutGroup(group_id, trajectories)
-
-
-def _file_name(draw: int, data: bytes) -> str:
-    return f"draw_{draw}.{hashlib.sha256(data).hexdigest()}.parquet"
-
-
-def _parse_name(name: str) -> Optional[tuple[int, str]]:
-    """(draw, checksum) of a bank file name, or None for any other name."""
-    parts = name.split(".")
-    if len(parts) != 3 or parts[2] != "parquet" or not parts[0].startswith("draw_") or len(parts[1]) != 64:
-        return None
-    try:
-        return int(parts[0][len("draw_") :]), parts[1]
-    except ValueError:
-        return None
 
 
 @dataclass
@@ -306,7 +243,7 @@ class RolloutBank:
             self._files[written.draw] = path
             self._newest[written.draw] = written.newest_version
         if old is not None and old != path:
-            _unlink(old)
+            unlink(old)
 
     def _warn_unbanked(self, why: str) -> None:
         if not self._write_failed:
@@ -318,12 +255,12 @@ class RolloutBank:
             path = self._files.pop(draw, None)
             self._newest.pop(draw, None)
         if path is not None:
-            _unlink(path)
+            unlink(path)
 
     def clear(self) -> None:
         """A fresh run: nothing banked by an earlier run in this directory is reused."""
-        for path in self._listing(remove_partial=True):
-            _unlink(path)
+        for path in listing(self.dir, remove_partial=True):
+            unlink(path)
         with self._lock:
             self._files.clear()
             self._newest.clear()
@@ -345,9 +282,9 @@ class RolloutBank:
             gone = [d for d in self._files if d not in keep]
         for draw in gone:
             self.drop(draw)
-        for path in self._listing(remove_partial=False):
-            if _parse_name(path.name)[0] not in keep:
-                _unlink(path)
+        for path in listing(self.dir, remove_partial=False):
+            if parse_name(path.name)[0] not in keep:
+                unlink(path)
         self._resume_draws, self._resume_version = set(pending), version
 
     # ---- resuming -----------------------------------------------------------------------------
@@ -400,37 +337,25 @@ class RolloutBank:
         self.discarded += 1
         self.drop(group.draw)
 
-    def _listing(self, remove_partial: bool) -> list[Path]:
-        """The bank's files. `remove_partial`: half-written temporary files of a killed write are
-        removed (only while no writer runs: at the start of a run)."""
-        try:
-            names = sorted(self.dir.iterdir())
-        except FileNotFoundError:
-            return []
-        for path in names:
-            if remove_partial and path.name.startswith(".draw_") and path.name.endswith(".tmp"):
-                _unlink(path)
-        return [p for p in names if _parse_name(p.name) is not None]
-
     def _read_all(self) -> list[BankedGroup]:
         """Every intact banked group (one per draw: the latest attempt); damaged files are
         deleted, warned about and counted."""
         groups: dict[int, BankedGroup] = {}
-        for path in self._listing(remove_partial=True):
+        for path in listing(self.dir, remove_partial=True):
             try:
                 group = read_group(path)
             except (OSError, ValueError) as e:  # any damage: the file is not trained, the run goes on
                 log.warning("rollout bank: %s is damaged (%s); ignored, its prompt is rolled out again", path, e)
                 self.discarded += 1
-                _unlink(path)
+                unlink(path)
                 continue
             draw = group.draw
             older = groups.get(draw)
             if older is not None and older.attempt > group.attempt:
-                _unlink(path)
+                unlink(path)
                 continue
             if older is not None:
-                _unlink(self._files[draw])
+                unlink(self._files[draw])
             groups[draw] = group
             self._files[draw] = path
             self._newest[draw] = group.newest_version
@@ -439,10 +364,3 @@ class RolloutBank:
 
 def _prompt_id(sample: dict[str, Any]) -> str:
     return str(sample.get("prompt_id", ""))
-
-
-def _unlink(path: Path) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass

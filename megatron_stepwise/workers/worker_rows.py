@@ -4,7 +4,7 @@ With agent workers and `rollout.handoff: workers` (synchronous training), a work
 prepares (advantages, merge) each group it rolls out and keeps the prepared rows; the driver
 gets a `HeldGroup`: the group's summary (filters, metrics), its `RowTable` (lengths and counts,
 no token) and the name of the worker holding it. Rank 0 decides the mini-batches and every DP
-rank's rows from those alone (`split_held_round`) and sends each replica a `RemoteShard`: its
+rank's rows from those alone (`loop/rounds.py` `decide_round`, holder `RowsInWorkers`) and sends each replica a `RemoteShard`: its
 decision plus which rows to fetch from which worker. The replica's lowest rank fetches them
 through Ray (`RowFetcher`) and cuts its shard; the rows travel worker -> rank, once. A holder
 that died, or answers nothing within `rollout.agent_worker_timeout_s`, is `RowsLost`: the
@@ -33,16 +33,17 @@ from megatron_stepwise.algo.rows import RowTable
 from megatron_stepwise.algo.validate import validate_steps
 from megatron_stepwise.fault_injection import before_fetch
 from megatron_stepwise.rollout.ray_nodes import ask_actor_node
+from megatron_stepwise.rundir.bank_files import BankFile
 from megatron_stepwise.steps import StepBatch, step_structure
-from megatron_stepwise.workers.rollout_bank import BankedGroup, BankFile, BankTicket, bank_rollout, with_group_id
+from megatron_stepwise.workers.rollout_bank import BankedGroup, BankTicket, bank_rollout, with_group_id
 
 if TYPE_CHECKING:
     from ray import ObjectRef
     from ray.actor import ActorHandle
 
-    from megatron_stepwise.mcore.train.shards import ShardDecision
+    from megatron_stepwise.algo.shards import ShardDecision
 
-Payload = TypeVar("Payload")  # a hand-off's payload: a round whose `minibatches` may name rows to fetch
+Payload = TypeVar("Payload")  # a hand-off's payload: a round whose `shards` may name rows to fetch
 
 NAMESPACE = "megatron_stepwise"  # the Ray namespace the agent workers are named in
 
@@ -216,40 +217,56 @@ class RemoteShard:
         return len(self.order)
 
 
-def split_held_round(
-    minibatches: list[list[HeldGroup]], *, decide: Callable[[RowTable], list[ShardDecision]], key: int, ray_address: str
-) -> tuple[list[list[RemoteShard]], list[dict], int]:
-    """Rank 0: every mini-batch's decision per DP rank, from the groups' row tables. Returns (per
-    mini-batch, one RemoteShard per DP rank), `prepare`'s counts per mini-batch, and how many
-    mini-batches had no trained token (no optimizer step)."""
-    shards, counts, skipped = [], [], 0
-    for groups in minibatches:
+@dataclass
+class RowsInWorkers:
+    """The agent workers hold the rows: a mini-batch of `HeldGroup`s is held as it is
+    (`loop/rounds.py`'s holder; `key`: the round, for messages)."""
+
+    key: int
+    ray_address: str
+
+    @classmethod
+    def here(cls, key: int) -> "RowsInWorkers":
+        """Holding the rows of round `key` in the agent workers of this process's Ray cluster."""
+        import ray
+
+        return cls(key, ray.get_runtime_context().gcs_address)
+
+    def hold(self, groups: list[HeldGroup]) -> tuple[Optional[HeldMinibatch], dict[str, Any]]:
+        """(the mini-batch's held rows, None when no row has a trained token), `prepare`'s counts."""
         rows = RowTable.concat([g.rows for g in groups])
-        counts.append(add_counts(g.counts for g in groups))
+        counts = add_counts(g.counts for g in groups)
         if int(rows.trained.sum()) == 0:
-            skipped += 1
-            continue
-        where = [(g, j) for g in groups for j in range(g.rows.num_rows)]
-        shards.append([_remote(d, where, key, ray_address) for d in decide(rows)])
-    auth = os.environ.get("RAY_AUTH_MODE")
-    for shard in (s for mb in shards for s in mb):
-        shard.ray_auth_mode = auth
-    return shards, counts, skipped
+            return None, counts
+        return HeldMinibatch(groups, rows, self.key, self.ray_address), counts
 
 
-def _remote(decision, where: list[tuple[HeldGroup, int]], key: int, ray_address: str) -> RemoteShard:
-    wanted: dict[str, list[tuple[int, str, int]]] = defaultdict(list)
-    position = []
-    for r in decision.rows:
-        group, j = where[r]
-        position.append((group.holder, len(wanted[group.holder])))
-        wanted[group.holder].append((group.key, group.prompt_id, j))
-    base, at = {}, 0
-    for holder, rows in wanted.items():
-        base[holder] = at
-        at += len(rows)
-    pieces = [(holder, _runs(rows)) for holder, rows in wanted.items()]
-    return RemoteShard(decision, key, pieces, [base[h] + k for h, k in position], ray_address)
+@dataclass
+class HeldMinibatch:
+    """A mini-batch of groups whose rows the workers keep, as rank 0 decides on it: its row table
+    and `cut`, which names a DP rank's rows on their holders (`algo.shards.PreparedRows`, the rows
+    on rank 0, has the same two)."""
+
+    groups: list[HeldGroup]
+    rows: RowTable
+    key: int
+    ray_address: str
+
+    def cut(self, decision: ShardDecision) -> RemoteShard:
+        where = [(g, j) for g in self.groups for j in range(g.rows.num_rows)]
+        wanted: dict[str, list[tuple[int, str, int]]] = defaultdict(list)
+        position = []
+        for r in decision.rows:
+            group, j = where[r]
+            position.append((group.holder, len(wanted[group.holder])))
+            wanted[group.holder].append((group.key, group.prompt_id, j))
+        base, at = {}, 0
+        for holder, rows in wanted.items():
+            base[holder] = at
+            at += len(rows)
+        pieces = [(holder, _runs(rows)) for holder, rows in wanted.items()]
+        order = [base[h] + k for h, k in position]
+        return RemoteShard(decision, self.key, pieces, order, self.ray_address, os.environ.get("RAY_AUTH_MODE"))
 
 
 def _runs(rows: list[tuple[int, str, int]]) -> list[tuple[int, str, list[int]]]:
@@ -274,11 +291,11 @@ class RowFetcher:
     _nodes: dict[str, ObjectRef] = field(default_factory=dict)  # worker name -> its node's address, asked once
 
     def resolve(self, payload: Payload) -> Payload:
-        """A round's mini-batches with every RemoteShard fetched and cut (others as they are)."""
-        minibatches = getattr(payload, "minibatches", None)
-        if not minibatches or not any(isinstance(m, RemoteShard) for m in minibatches):
+        """A round with every RemoteShard fetched and cut (other shards as they are)."""
+        shards = getattr(payload, "shards", None)
+        if not shards or not any(isinstance(m, RemoteShard) for m in shards):
             return payload
-        payload.minibatches = [self.fetch(m) if isinstance(m, RemoteShard) else m for m in minibatches]
+        payload.shards = [self.fetch(m) if isinstance(m, RemoteShard) else m for m in shards]
         return payload
 
     def fetch(self, remote: RemoteShard):

@@ -89,14 +89,15 @@ def _recoverable(run_dir, probe_dir):
     banked groups by draw, and how many it discards; read from a copy (reading prunes the bank)."""
     import shutil
 
-    from megatron_stepwise.workers.rollout_bank import BANK_DIR, RolloutBank
+    from megatron_stepwise.rundir.paths import BANK
+    from megatron_stepwise.workers.rollout_bank import RolloutBank
 
     latest = _latest_checkpoint(run_dir)
-    if latest is None or not (run_dir / BANK_DIR).is_dir():
+    if latest is None or not (run_dir / BANK).is_dir():
         return {}, {}, 0
     shutil.rmtree(probe_dir, ignore_errors=True)
     try:
-        shutil.copytree(run_dir / BANK_DIR, probe_dir / BANK_DIR)
+        shutil.copytree(run_dir / BANK, probe_dir / BANK)
     except (OSError, shutil.Error):  # a file renamed or pruned while copied: look again
         return {}, {}, 0
     parts = latest[1]["parts"]

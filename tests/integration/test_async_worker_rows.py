@@ -30,8 +30,8 @@ from megatron_stepwise.loop.async_source import AsyncRollouts
 from megatron_stepwise.loop.handoff import Handoff
 from megatron_stepwise.loop.sources import Driver
 from megatron_stepwise.mcore.train.plugin import ShardDecision, shard_rows
+from megatron_stepwise.rundir.paths import BANK
 from megatron_stepwise.workers.agent_workers import AgentWorkers
-from megatron_stepwise.workers.rollout_bank import BANK_DIR
 from megatron_stepwise.workers.worker_rows import RemoteShard
 
 pytestmark = [pytest.mark.usefixtures("ray_session")]
@@ -112,7 +112,6 @@ def _run(fleet_setup, fault=None):
         handoff=Handoff(dataset),
         vocab_size=len(tok),
         version=lambda: 0,
-        shard=None,
         dp_size=1,
         decide=_decide,
     )
@@ -127,14 +126,14 @@ def _run(fleet_setup, fault=None):
         def resolve(payload):
             if fault is not None and step == 1 and not fired:  # once: the retry fetches normally
                 fired.append(True)
-                fault(workers, payload.minibatches[0])
+                fault(workers, payload.shards[0])
             return fetch(payload)
 
         source.fetcher.resolve = resolve
         shards = []
         for step in range(STEPS):
             rnd = source.take(0)
-            (shard,) = rnd.minibatches
+            (shard,) = rnd.shards
             assert rnd.metrics["agents/rows_held"] == 1.0
             shards.append(shard)
         metrics = source.iteration_metrics()
@@ -152,7 +151,7 @@ def _check_shards(shards):
     for shard in shards:
         # 2 groups x 4 trajectories, every row fetched from the workers with its advantages
         assert len(set(shard.batch.trajectory_ids)) == 8
-        assert shard.batch.num_rows == len(shard.rows) > 0
+        assert shard.batch.num_rows == len(shard.decision.rows) > 0
         assert shard.batch.token_fields["advantages"].numel() == shard.batch.tokens.numel()
 
 
@@ -167,7 +166,7 @@ def test_async_steps_fetch_their_rows_from_the_workers_which_then_drop_them(flee
     # the rollout bank follows the rows: the worker holding each group wrote its file and rank 0
     # recorded the name; a trained group's file is gone at once (no checkpoint lists it)
     assert len(written) == buffer.counters.finished and None not in written
-    bank = Path(fleet_setup[0].run_dir) / BANK_DIR
+    bank = Path(fleet_setup[0].run_dir) / BANK
     left = {p.name for p in bank.glob("draw_*.parquet")}
     assert left == {g.rollout.bank.name for g in buffer.ready_groups()}, (left, buffer.ready)
 

@@ -11,12 +11,12 @@ import sys
 import threading
 
 import pytest
-from helpers import make_step, run_launch
+from helpers import make_step, run_launch, stride_decide
 
 from megatron_stepwise.algo.groups import groups_of
 from megatron_stepwise.config import load_config
 from megatron_stepwise.hf.tokenizers import tokenizer_dir
-from megatron_stepwise.loop.sources import split_round
+from megatron_stepwise.loop.rounds import RowsOnRank0, decide_round
 from megatron_stepwise.rundir.dump_recorder import DumpRecorder
 from megatron_stepwise.rundir.dumps import dump_path, write_dump
 
@@ -40,7 +40,7 @@ def _write_dump(run_dir, *, tokenizer="tiny_word", **config_changes):
     ]
     recorder = DumpRecorder(every=1)
     recorder.begin(0)
-    split_round([groups_of(steps)], {}, dp_size=1, shard=lambda b: [b], recorder=recorder)
+    decide_round([groups_of(steps)], RowsOnRank0(recorder=recorder), decide=stride_decide(), dp_size=1)
     config = load_config(os.path.join(ROOT, "configs/tiny_cpu.yaml")).to_dict()
     for key, value in config_changes.items():
         section, name = key.split("__")

@@ -10,11 +10,11 @@ import subprocess
 import sys
 
 import pytest
-from helpers import make_step, run_launch
+from helpers import make_step, run_launch, stride_decide
 
 from megatron_stepwise.algo.groups import groups_of
 from megatron_stepwise.config import load_config
-from megatron_stepwise.loop.sources import split_round
+from megatron_stepwise.loop.rounds import RowsOnRank0, decide_round
 from megatron_stepwise.rundir.dump_recorder import DumpRecorder
 from megatron_stepwise.rundir.dumps import dump_path, read_dump_table, write_dump
 from megatron_stepwise.viewer.page import APPENDED_EOS, PROMPT, TRAINED, load_decoder, paginate, render
@@ -59,7 +59,9 @@ def run_dir(tmp_path):
             steps += _trajectory(pid, k, reward=float(k), turns=3 if (g, k) == (0, 0) else 2, error=(g, k) == (3, 1))
     recorder = DumpRecorder(every=1)
     recorder.begin(4)
-    split_round([groups_of(steps[:9]), groups_of(steps[9:])], {}, dp_size=1, shard=lambda b: [b], recorder=recorder)
+    decide_round(
+        [groups_of(steps[:9]), groups_of(steps[9:])], RowsOnRank0(recorder=recorder), decide=stride_decide(), dp_size=1
+    )
     for cap in recorder.minibatches:  # a trainer that disagrees with the engine by 1e-3 on trained tokens
         cap.trainer_logprobs = cap.batch.token_fields["rollout_logprobs"] + 1e-3 * (
             cap.batch.token_fields["loss_mask"] != 0
@@ -244,7 +246,7 @@ def big_run_dir(tmp_path):
     steps.append(hostile)
     recorder = DumpRecorder(every=1)
     recorder.begin(2)
-    split_round([groups_of(steps)], {}, dp_size=1, shard=lambda b: [b], recorder=recorder)
+    decide_round([groups_of(steps)], RowsOnRank0(recorder=recorder), decide=stride_decide(), dp_size=1)
     config = load_config(os.path.join(ROOT, "configs/tiny_cpu.yaml")).to_dict()
     config["name"] = "run \ud800 </script><!--<script>"  # a lone surrogate survives the dump's JSON metadata
     write_dump(

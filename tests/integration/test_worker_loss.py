@@ -91,7 +91,7 @@ def _run(fleet_setup, fault=None):
     workers = AgentWorkers(cfg, fleet, 2)
     dataset = components.build_dataset(cfg)
     source = SyncRollouts(
-        cfg, dataset=dataset, handoff=Handoff(dataset), vocab_size=len(tok), shard=None, dp_size=1, decide=_decide
+        cfg, dataset=dataset, handoff=Handoff(dataset), vocab_size=len(tok), decide=_decide, dp_size=1
     )
     assert source.fetcher is not None  # rows stay in the workers
     try:
@@ -113,7 +113,7 @@ def _run(fleet_setup, fault=None):
             elif fault is not None:
                 source.fetcher.resolve = fetch
             rnd = source.take(iteration)
-            out.append([(m.batch.tokens.clone(), m.batch.token_fields["advantages"].clone()) for m in rnd.minibatches])
+            out.append([(m.batch.tokens.clone(), m.batch.token_fields["advantages"].clone()) for m in rnd.shards])
             metrics = rnd.metrics
         return out, metrics
     finally:

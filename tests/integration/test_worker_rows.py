@@ -19,10 +19,11 @@ from megatron_stepwise.algo.reductions import REDUCTIONS, loss_token_weights, ro
 from megatron_stepwise.algo.rows import RowTable
 from megatron_stepwise.data.synthetic import AgentWorkload, make_agent_steps
 from megatron_stepwise.loop.handoff import Handoff
+from megatron_stepwise.loop.rounds import decide_round
 from megatron_stepwise.mcore.train.plugin import ShardDecision, shard_rows
 from megatron_stepwise.metrics.core import rollout_metrics
 from megatron_stepwise.steps import StepBatch
-from megatron_stepwise.workers.worker_rows import HeldRows, HoldRequest, RemoteShard, RowFetcher, split_held_round
+from megatron_stepwise.workers.worker_rows import HeldRows, HoldRequest, RemoteShard, RowFetcher, RowsInWorkers
 
 
 def _groups(seed=3, prompts=6):
@@ -125,18 +126,19 @@ def test_fetched_rows_make_the_shard_of_the_whole_minibatch(monkeypatch, reducti
     holders = {"w0": HeldRows(), "w1": HeldRows()}
     held = [holders[f"w{i % 2}"].keep(g, request, f"w{i % 2}") for i, g in enumerate(groups)]
     minibatches = [held[:5], held[5:]]  # a mini-batch's groups on both workers
-    shards, counts, skipped = split_held_round(
-        minibatches, decide=lambda rows: _decide(rows, dp, reduction), key=4, ray_address="unused"
+    rounds = decide_round(
+        minibatches, RowsInWorkers(4, "unused"), decide=lambda rows: _decide(rows, dp, reduction), dp_size=dp
     )
-    assert skipped == 0 and len(shards) == 2 and all(len(s) == dp for s in shards)
+    shards, counts = [[r.shards[mb] for r in rounds] for mb in range(2)], rounds[0].counts
+    assert len(rounds) == dp and all(r.skipped == 0 and len(r.shards) == 2 for r in rounds)
     fetcher = _LocalFetcher(holders)
     for groups_of_mb, remote in zip([groups[:5], groups[5:]], shards):
         whole, whole_counts = prepare(groups_of_mb, **options)
         weights = loss_token_weights(whole, reduction)
         for shard in (fetcher.fetch(r) for r in remote):
-            expected = whole.select(shard.rows)
+            expected = whole.select(shard.decision.rows)
             expected.token_fields["weights"] = weights[
-                torch.cat([torch.arange(int(whole.offsets[r]), int(whole.offsets[r + 1])) for r in shard.rows])
+                torch.cat([torch.arange(int(whole.offsets[r]), int(whole.offsets[r + 1])) for r in shard.decision.rows])
             ]
             _same_batch(shard.batch, expected)
     assert counts[0] == prepare(groups[:5], **options)[1]

@@ -17,8 +17,9 @@ from megatron_stepwise.config.schema import ExperimentConfig
 from megatron_stepwise.loop.async_source import AsyncRollouts, loop_in_thread
 from megatron_stepwise.loop.sources import Driver
 from megatron_stepwise.rollout.engine import EngineError
+from megatron_stepwise.rundir.paths import BANK
 from megatron_stepwise.steps import Step, TrajectoryID
-from megatron_stepwise.workers.rollout_bank import BANK_DIR, read_group
+from megatron_stepwise.workers.rollout_bank import read_group
 from megatron_stepwise.workers.worker_rows import HeldGroup, HeldRows, bank_held
 
 
@@ -144,9 +145,8 @@ def make_driver(
         handoff=None,
         vocab_size=256,
         version=lambda: ctx.version,
-        shard=lambda batch: [batch],
+        decide=lambda rows: [],  # decisions are not made here
         dp_size=1,
-        decide=None if mode == "driver" else lambda rows: [],  # decisions are not made here
     )
     assert (source.fetcher is not None) == (mode == "held")
     if pending is not None:  # as a checkpoint restores it
@@ -380,7 +380,7 @@ def killed_run(run_dir, mode, monkeypatch):
     first._notify()
     run_until(ctx, lambda: first.buffer.ready == 4, "draws 6 and 7 finish")
     assert first.bank.held == 6  # the pending two trained, but only after the checkpoint
-    assert len(list((run_dir / BANK_DIR).glob("draw_*.parquet"))) == 6
+    assert len(list((run_dir / BANK).glob("draw_*.parquet"))) == 6
     if mode == "held":  # every file written by the worker that holds the rows, recorded by rank 0
         assert rank0_writes == []
         assert all(g.rollout.bank is not None for g in first.buffer.ready_groups())
@@ -428,7 +428,7 @@ def test_a_recovered_group_too_stale_for_the_resumed_policy_meets_the_stale_poli
     assert resumed.buffer.counters.stale_dropped == 2
     assert resumed.buffer.ledger == {0: "dropped", 1: "dropped"}
     # a dropped group's bank file goes at once, and a worker that adopted it drops its rows
-    assert sorted(p.name.split(".")[0] for p in (tmp_path / BANK_DIR).iterdir()) == ["draw_4", "draw_5"]
+    assert sorted(p.name.split(".")[0] for p in (tmp_path / BANK).iterdir()) == ["draw_4", "draw_5"]
     if mode == "held":
         assert not any(serial in (0, 1) for serial, _ in ctx.agent.held.batches)
     groups = take(resumed, ctx)  # the version-1 groups of draws 4 and 5 are fresh enough
@@ -443,7 +443,7 @@ def test_a_banked_group_no_worker_can_adopt_is_rolled_out_again_and_counted(tmp_
     state = killed_run(tmp_path, "held", monkeypatch)
     pending = state["rollouts"]["pending_draws"]
     resumed, ctx = make_driver(groups_per_step=2, run_dir=tmp_path, state=state, mode="held")
-    (damaged,) = (tmp_path / BANK_DIR).glob(f"draw_{pending[0]}.*.parquet")
+    (damaged,) = (tmp_path / BANK).glob(f"draw_{pending[0]}.*.parquet")
     damaged.write_bytes(damaged.read_bytes()[:100])
     with caplog.at_level("WARNING"):
         first = take(resumed, ctx)

@@ -4,11 +4,11 @@ import functools
 
 import pytest
 import torch
-from helpers import make_step
+from helpers import make_step, stride_decide
 
 from megatron_stepwise.algo.groups import groups_of
 from megatron_stepwise.algo.prepare import prepare
-from megatron_stepwise.loop.sources import split_round
+from megatron_stepwise.loop.rounds import RowsOnRank0, decide_round
 from megatron_stepwise.rundir.dump_recorder import DumpRecorder, assemble_logprobs
 from megatron_stepwise.rundir.dumps import DumpError, dump_path, read_dump, write_dump
 
@@ -55,13 +55,11 @@ def _round(steps, merge=False, dp=2, recorder=None):
     if recorder is None:
         recorder = DumpRecorder(every=1)
         recorder.begin(0)
-    rounds = split_round(
+    rounds = decide_round(
         [groups_of(steps[: len(steps) // 2]), groups_of(steps[len(steps) // 2 :])],
-        {},
-        prepare=functools.partial(prepare, merge_steps=merge),
-        shard=lambda b: [b.select(range(i, b.num_rows, dp)) for i in range(dp)],
+        RowsOnRank0(functools.partial(prepare, merge_steps=merge), recorder),
+        decide=stride_decide(dp),
         dp_size=dp,
-        recorder=recorder,
     )
     return recorder, rounds
 
@@ -90,7 +88,7 @@ def test_a_dump_rebuilds_every_trained_minibatch_bit_for_bit(tmp_path, merge, ro
     recorder, rounds = _round(steps, merge=merge)
     assert len(recorder.minibatches) == 2
     # the shards travel without the step metadata the dump keeps
-    assert all(s.metadata is None for r in rounds for s in r.minibatches)
+    assert all(s.batch.metadata is None for r in rounds for s in r.shards)
     for cap in recorder.minibatches:
         cap.trainer_logprobs = torch.randn(cap.batch.tokens.numel())
     path = write_dump(
@@ -127,7 +125,7 @@ def test_an_iteration_that_is_not_dumped_keeps_nothing():
     assert [recorder.begin(i) for i in range(7)] == [True, False, False, True, False, False, True]
     recorder.begin(1)
     _, rounds = _round(_group("a", [1.0, 0.0]) + _group("b", [0.0, 1.0]), recorder=recorder)
-    assert recorder.minibatches == [] and all(s.metadata is None for r in rounds for s in r.minibatches)
+    assert recorder.minibatches == [] and all(s.batch.metadata is None for r in rounds for s in r.shards)
     assert DumpRecorder().begin(0) is False  # off by default
 
 
@@ -137,10 +135,10 @@ def test_shard_log_probs_assemble_into_the_minibatch_order():
     truth = torch.arange(mb.tokens.numel(), dtype=torch.float32)
     pieces = []
     for dp, r in enumerate(rounds):
-        shard = r.minibatches[0]
+        shard = r.shards[0]
         rows = list(range(dp, mb.num_rows, 2))
         flat = torch.cat([truth[mb.row_slice(i)] for i in rows])
-        pieces.append((rows, shard.offsets, flat))
+        pieces.append((rows, shard.batch.offsets, flat))
     assert torch.equal(assemble_logprobs(mb, pieces), truth)
 
 

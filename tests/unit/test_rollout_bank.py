@@ -1,4 +1,4 @@
-"""The rollout bank's files (workers/rollout_bank.py): exact round trip, damage detected by the
+"""The rollout bank's files (rundir/bank_files.py, workers/rollout_bank.py): exact round trip, damage detected by the
 checksum, and how a resume sorts banked groups (reused, re-issued, discarded, pruned)."""
 
 import logging
@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from megatron_stepwise.algo.groups import groups_of
+from megatron_stepwise.rundir.paths import BANK
 from megatron_stepwise.steps import Step, TrajectoryID
 from megatron_stepwise.workers.rollout_bank import (
-    BANK_DIR,
     BankedGroup,
     RolloutBank,
     decode,
@@ -112,7 +112,7 @@ def test_a_damaged_file_is_never_trained_but_warned_about_and_counted(tmp_path, 
     bank = RolloutBank(tmp_path)
     bank.put(banked(0, "p0"))
     bank.put(banked(1, "p1"))
-    damaged = next((tmp_path / BANK_DIR).glob("draw_1.*.parquet"))
+    damaged = next((tmp_path / BANK).glob("draw_1.*.parquet"))
     damage(damaged)
 
     resumed = RolloutBank(tmp_path)
@@ -141,7 +141,7 @@ def test_a_resume_sorts_banked_groups_by_draw_and_weight_version(tmp_path):
     assert resumed.claim(5, {"prompt_id": "p0"}).group_id == "p0"
     assert resumed.claim(6, {"prompt_id": "p2"}) is None and resumed.discarded == 2
     assert resumed.claim(7, {"prompt_id": "p2"}) is None  # never banked
-    assert sorted(p.name.split(".")[0] for p in (tmp_path / BANK_DIR).iterdir()) == ["draw_3", "draw_5"]
+    assert sorted(p.name.split(".")[0] for p in (tmp_path / BANK).iterdir()) == ["draw_3", "draw_5"]
 
 
 def test_trained_groups_stay_only_while_the_last_checkpoint_needs_them(tmp_path):
@@ -153,16 +153,16 @@ def test_trained_groups_stay_only_while_the_last_checkpoint_needs_them(tmp_path)
     assert bank.held == 2  # 0 and 1 were trained before it
     bank.put(banked(4, "p4", start_version=2))
     bank.trained([2, 3, 4])  # 2, 3: a resume from the checkpoint trains them again; 4: not pending then
-    assert bank.held == 2 and not any((tmp_path / BANK_DIR).glob("draw_4.*"))
+    assert bank.held == 2 and not any((tmp_path / BANK).glob("draw_4.*"))
     bank.checkpointed(outstanding=[], pending=[], version=3)
-    assert bank.held == 0 and not any((tmp_path / BANK_DIR).iterdir())
+    assert bank.held == 0 and not any((tmp_path / BANK).iterdir())
 
 
 def test_a_fresh_run_empties_the_bank_and_a_failed_write_only_warns(tmp_path, caplog):
     bank = RolloutBank(tmp_path)
     bank.put(banked(0))
     RolloutBank(tmp_path).clear()
-    assert not any((tmp_path / BANK_DIR).iterdir())
+    assert not any((tmp_path / BANK).iterdir())
 
     blocked = tmp_path / "blocked"
     blocked.write_text("a file where the run directory should be")
@@ -177,8 +177,8 @@ def test_a_checkpoint_removes_files_nobody_recorded_once_their_draw_is_done(tmp_
     # holder may be writing right now), so only draw 5's orphan goes at the checkpoint.
     bank = RolloutBank(tmp_path)
     bank.put(banked(6, "p6"))
-    orphan_5 = tmp_path / BANK_DIR / write_group(tmp_path, banked(5, "p5")).name
-    orphan_6 = tmp_path / BANK_DIR / write_group(tmp_path, banked(6, "p6", start_version=1)).name
+    orphan_5 = tmp_path / BANK / write_group(tmp_path, banked(5, "p5")).name
+    orphan_6 = tmp_path / BANK / write_group(tmp_path, banked(6, "p6", start_version=1)).name
     bank.checkpointed(outstanding=[6], pending=[6], version=1)
     assert not orphan_5.exists() and orphan_6.exists() and bank.held == 1
 

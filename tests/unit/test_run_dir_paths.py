@@ -7,14 +7,14 @@ import logging
 from pathlib import Path
 
 import pytest
-from helpers import make_step
+from helpers import make_step, stride_decide
 
 from megatron_stepwise.algo.groups import groups_of
 from megatron_stepwise.cli.plot import plot_run
 from megatron_stepwise.cli.replay import write_report
 from megatron_stepwise.config import load_config
 from megatron_stepwise.loop.checkpointer import run_id
-from megatron_stepwise.loop.sources import split_round
+from megatron_stepwise.loop.rounds import RowsOnRank0, decide_round
 from megatron_stepwise.mcore.weights.dist_checkpoint import checkpoint_name, list_checkpoints
 from megatron_stepwise.metrics.core import MetricsLogger, write_eval
 from megatron_stepwise.rundir import paths
@@ -55,7 +55,7 @@ def _write_a_run(root: Path) -> None:
     write_eval(str(root), "final", 2, {"eval/reward/mean": 0.5})
     recorder = DumpRecorder(every=1)
     recorder.begin(1)
-    split_round([groups_of(_steps("p0"))], {}, dp_size=1, shard=lambda b: [b], recorder=recorder)
+    decide_round([groups_of(_steps("p0"))], RowsOnRank0(recorder=recorder), decide=stride_decide(), dp_size=1)
     write_dump(
         RunDir(root).dump(1),
         recorder.minibatches,

@@ -9,11 +9,11 @@ from types import SimpleNamespace
 
 import pytest
 import ray
-from helpers import REPO, load_script, make_step
+from helpers import REPO, load_script, make_step, stride_decide
 
 from megatron_stepwise.algo.groups import groups_of
 from megatron_stepwise.config import ConfigError, load_config
-from megatron_stepwise.loop.sources import split_round
+from megatron_stepwise.loop.rounds import RowsOnRank0, decide_round
 from megatron_stepwise.rollout.engine import GenerateResult, SamplingParams
 from megatron_stepwise.rollout.engine_router import EngineRouter, EngineSlot, EngineView
 from megatron_stepwise.rollout.session_routing import BudgetSticky, RoundRobin, Sticky, make_policy
@@ -161,12 +161,11 @@ def test_replay_reads_a_runs_rollout_dumps_as_sessions(tmp_path, harness):
     recorder = DumpRecorder(every=1)
     recorder.begin(0)
     steps = _two_turn_group("a") + _two_turn_group("b")
-    split_round(
+    decide_round(
         [groups_of(steps[:4]), groups_of(steps[4:])],
-        {},
-        shard=lambda b: [b.select(range(i, b.num_rows, 2)) for i in range(2)],
+        RowsOnRank0(recorder=recorder),
+        decide=stride_decide(2),
         dp_size=2,
-        recorder=recorder,
     )
     config = {"rollout": {"max_new_tokens": 8}}
     write_dump(

@@ -1,4 +1,4 @@
-"""The shard decision (`mcore/train/shards.py`) on its own: no model, no Megatron parallel state,
+"""The shard decision (`algo/shards.py`) on its own: no model, no Megatron parallel state,
 no process group. What the plugin's `plan_shards` / `decide_shards` decide for a layout is this
 module's, the plugin only reads the layout off the model."""
 
@@ -13,15 +13,15 @@ from megatron_stepwise.algo.losses import LossConfig
 from megatron_stepwise.algo.prepare import prepare
 from megatron_stepwise.algo.reductions import loss_token_weights
 from megatron_stepwise.algo.rows import RowTable
-from megatron_stepwise.data.synthetic import AgentWorkload, make_agent_steps
-from megatron_stepwise.mcore.train import plugin
-from megatron_stepwise.mcore.train.shards import (
+from megatron_stepwise.algo.shards import (
     LOGPROBS,
     HostLoopMismatchError,
     ShardLayout,
     ShardPlanner,
     UnsupportedLayoutError,
 )
+from megatron_stepwise.data.synthetic import AgentWorkload, make_agent_steps
+from megatron_stepwise.mcore.train import plugin
 from megatron_stepwise.steps import StepwiseBatchError
 
 
@@ -55,7 +55,7 @@ def test_a_decision_from_row_counts_shards_the_minibatch_with_its_whole_batch_we
     weights = loss_token_weights(batch, reduction)
     for d in decisions:
         shard = d.cut(batch.select(d.rows))
-        assert (shard.trained_tokens, shard.tokens) == (
+        assert (shard.decision.trained_tokens, shard.decision.tokens) == (
             int(batch.token_fields["loss_mask"].sum()),
             batch.tokens.numel(),
         )
@@ -91,7 +91,7 @@ def test_the_decision_refuses_what_it_cannot_train_naming_the_numbers():
 
 def test_the_plugin_module_keeps_the_documented_names():
     for name in ("MinibatchShard", "ShardDecision", "shard_rows", "HostLoopMismatchError", "UnsupportedLayoutError"):
-        assert getattr(plugin, name) is getattr(sys.modules["megatron_stepwise.mcore.train.shards"], name)
+        assert getattr(plugin, name) is getattr(sys.modules["megatron_stepwise.algo.shards"], name)
 
 
 @pytest.mark.timeout(120)
@@ -102,7 +102,7 @@ def test_deciding_imports_no_megatron():
         "import torch\n"
         "from megatron_stepwise.algo.losses import LossConfig\n"
         "from megatron_stepwise.algo.rows import RowTable\n"
-        "from megatron_stepwise.mcore.train import shards\n"
+        "from megatron_stepwise.algo import shards\n"
         "n = torch.tensor([5, 7, 3])\n"
         "rows = RowTable(n, n - 2, n - 2, torch.arange(3), torch.zeros(3, dtype=torch.long), torch.zeros(3, dtype=torch.bool), [0, 1, 2])\n"
         "assert len(shards.ShardPlanner(LossConfig(), max_tokens=16).decide(rows, shards.ShardLayout(dp=2))) == 2\n"

@@ -4,7 +4,7 @@ decide on whole prompt groups (their outcome rewards), and mini-batches hold who
 import asyncio
 from types import SimpleNamespace
 
-from helpers import make_step
+from helpers import make_step, stride_decide
 
 from megatron_stepwise.algo.groups import RolloutGroup
 from megatron_stepwise.config.schema import ExperimentConfig
@@ -48,7 +48,7 @@ def decide(informative, *, per_iteration=4, per_minibatch=2, zero_variance=False
     cfg.algo.filters.max_sampling_rounds = rounds
     agent = ScriptedAgent(informative)
     source = SyncRollouts(
-        cfg, dataset=CountingDataset(), handoff=None, vocab_size=64, shard=lambda batch: [batch], dp_size=1
+        cfg, dataset=CountingDataset(), handoff=None, vocab_size=64, decide=stride_decide(), dp_size=1
     )
     loop = asyncio.new_event_loop()
     source.start(Driver(loop, SimpleNamespace(metrics=dict), agent))
@@ -56,7 +56,7 @@ def decide(informative, *, per_iteration=4, per_minibatch=2, zero_variance=False
         (round_,) = source._decide(iteration=0)
     finally:
         loop.close()
-    prompts = [sorted({t.prompt_id for t in batch.trajectory_ids}) for batch in round_.minibatches]
+    prompts = [sorted({t.prompt_id for t in shard.batch.trajectory_ids}) for shard in round_.shards]
     return prompts, round_.metrics, agent.calls
 
 

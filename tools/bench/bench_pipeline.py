@@ -51,9 +51,9 @@ from megatron_stepwise.algo import planner  # noqa: E402
 from megatron_stepwise.algo.batching import prompt_minibatches, validate_steps  # noqa: E402
 from megatron_stepwise.algo.groups import groups_of  # noqa: E402
 from megatron_stepwise.algo.merge import merge_steps  # noqa: E402
+from megatron_stepwise.algo.planner import packed_lengths  # noqa: E402
 from megatron_stepwise.algo.prepare import add_counts, prepare  # noqa: E402
 from megatron_stepwise.data.synthetic import AgentWorkload, make_agent_steps  # noqa: E402
-from megatron_stepwise.mcore.train.packing import packed_lengths  # noqa: E402  (torch only, no megatron-core)
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:

@@ -210,8 +210,9 @@ def _held_handoff(cfg, dp_sizes=(1, 2, 4)) -> Callable:
     other, from this process)."""
     import ray
 
+    from megatron_stepwise.loop.rounds import decide_round
     from megatron_stepwise.metrics.core import rollout_metrics
-    from megatron_stepwise.workers.worker_rows import RowFetcher, split_held_round
+    from megatron_stepwise.workers.worker_rows import RowFetcher, RowsInWorkers
 
     def run(groups) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -224,7 +225,8 @@ def _held_handoff(cfg, dp_sizes=(1, 2, 4)) -> Callable:
         for dp in dp_sizes:
             t = time.process_time()
             decide = functools.partial(_decide, dp=dp, max_tokens=cfg.data.max_tokens_per_microbatch)
-            shards, _, _ = split_held_round(minibatches, decide=decide, key=1, ray_address=address)
+            rounds = decide_round(minibatches, RowsInWorkers(1, address), decide=decide, dp_size=dp)
+            shards = [[r.shards[i] for r in rounds] for i in range(len(minibatches))]
             decision = time.process_time() - t
             t = time.process_time()
             blobs = [pickle.dumps([s[rank] for s in shards], protocol=5) for rank in range(dp)]
@@ -256,10 +258,11 @@ def _async_bytes(cfg, groups: list, held: list, dp_sizes=(1, 2, 4)) -> dict[str,
     manifests); rank 0 is DP rank 0's leader, so it sends the others'."""
     import ray
 
+    from megatron_stepwise.loop.rounds import decide_round
     from megatron_stepwise.loop.sources import bind_prepare
     from megatron_stepwise.rollout.engine_router import RequestCounters
     from megatron_stepwise.workers.agent_workers import WorkerReply
-    from megatron_stepwise.workers.worker_rows import split_held_round
+    from megatron_stepwise.workers.worker_rows import RowsInWorkers
 
     def reply_bytes(gs) -> int:
         return sum(len(pickle.dumps(WorkerReply([g], [], RequestCounters()), protocol=5)) for g in gs)
@@ -276,7 +279,10 @@ def _async_bytes(cfg, groups: list, held: list, dp_sizes=(1, 2, 4)) -> dict[str,
             batch, _ = prepare(groups[i : i + k])
             shards = _shard(batch, dp, cfg.data.max_tokens_per_microbatch)
             driver_out += sum(len(pickle.dumps(shards[r], protocol=5)) for r in range(1, dp))
-            (manifests,), _, _ = split_held_round([held[i : i + k]], decide=decide, key=1, ray_address=address)
+            manifests = [
+                r.shards[0]
+                for r in decide_round([held[i : i + k]], RowsInWorkers(1, address), decide=decide, dp_size=dp)
+            ]
             workers_out += sum(len(pickle.dumps(manifests[r], protocol=5)) for r in range(1, dp))
         out[f"dp{dp}"] = {"driver_out": driver_out, "workers_out": workers_out}
     return out
@@ -334,25 +340,31 @@ def _shard(batch, dp: int, max_tokens: int) -> list:
     """The plugin's per-DP cut (`plan_shards`) without a model: the planner's rows per rank, as
     the `MinibatchShard`s rank 0 sends (their wire form included)."""
     from megatron_stepwise.algo.planner import plan_microbatches
-    from megatron_stepwise.mcore.train.plugin import MinibatchShard, shard_rows
+    from megatron_stepwise.algo.rows import RowTable
+    from megatron_stepwise.algo.shards import MinibatchShard, ShardDecision, shard_rows
 
+    table = RowTable.of(batch)
     plan = plan_microbatches(batch.lengths.tolist(), dp_size=dp, max_tokens=max_tokens)
     shards = []
     for rank, micros in enumerate(plan):
         rows, local = shard_rows(micros)
         shards.append(
             MinibatchShard(
+                ShardDecision(
+                    local,
+                    rows,
+                    rank,
+                    dp,
+                    trained_tokens=0,
+                    data_rows=0,
+                    data_tokens=0,
+                    tokens=0,
+                    rollout_logprobs=True,
+                    rollout_logprobs_complete=True,
+                    traj_index=table.traj_index[rows],
+                    group_index=table.group_index[rows],
+                ),
                 batch.select(rows),
-                local,
-                rows,
-                rank,
-                dp,
-                trained_tokens=0,
-                data_rows=0,
-                data_tokens=0,
-                tokens=0,
-                rollout_logprobs=True,
-                rollout_logprobs_complete=True,
             )
         )
     return shards

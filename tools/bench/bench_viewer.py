@@ -25,7 +25,7 @@ TURNS, TURN_TOKENS = 4, 1000
 
 def synthetic_dump(run_dir: Path, response_tokens: int) -> None:
     from megatron_stepwise.algo.groups import groups_of
-    from megatron_stepwise.loop.sources import split_round
+    from megatron_stepwise.loop.rounds import RowsOnRank0
     from megatron_stepwise.rundir.dump_recorder import DumpRecorder
     from megatron_stepwise.rundir.dumps import dump_path, write_dump
     from megatron_stepwise.steps import Step, TrajectoryID
@@ -52,7 +52,7 @@ def synthetic_dump(run_dir: Path, response_tokens: int) -> None:
             history = history + resp + [1, 5, 10, 2, 1, 6]
     recorder = DumpRecorder(every=1)
     recorder.begin(3)
-    split_round([groups_of(steps)], {}, dp_size=1, shard=lambda b: [b], recorder=recorder)
+    RowsOnRank0(recorder=recorder).hold(groups_of(steps))  # rank 0 prepares it: the recorder keeps it
     for cap in recorder.minibatches:
         cap.trainer_logprobs = cap.batch.token_fields["rollout_logprobs"] + 1e-4
     config = {"name": "bench_viewer", "env": {"name": "echo"}}

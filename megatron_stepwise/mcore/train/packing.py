@@ -25,6 +25,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from megatron_stepwise.algo.planner import packed_lengths
 from megatron_stepwise.steps import StepBatch, StepwiseBatchError
 
 
@@ -90,11 +91,6 @@ def alignment_for(tp: int, sequence_parallel: bool, cp: int = 1) -> int:
     """Packed length multiple required by the layout: SP splits each CP rank's S / cp tokens
     over TP, CP splits every row into 2 * cp chunks."""
     return (tp if sequence_parallel else 1) * (2 * cp if cp > 1 else 1)
-
-
-def packed_lengths(lengths: torch.Tensor, cp: int) -> torch.Tensor:
-    """Row lengths as packed: padded to a multiple of 2 * cp under CP, unchanged without."""
-    return lengths + (-lengths) % (2 * cp) if cp > 1 else lengths
 
 
 def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:

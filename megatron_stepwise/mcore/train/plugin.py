@@ -24,16 +24,9 @@ import torch.distributed as dist
 
 from megatron_stepwise.algo.losses import combine_metric_partials
 from megatron_stepwise.algo.rows import RowTable
-from megatron_stepwise.mcore.runtime.runtime import ParallelLayout, comm_device, current_layout
-from megatron_stepwise.mcore.train.logprobs import check_temperature, trained_position_logprobs
-from megatron_stepwise.mcore.train.model import unwrap
-from megatron_stepwise.mcore.train.model_contract import check_model_contract
-from megatron_stepwise.mcore.train.packing import PackedMicroBatch, alignment_for, pack_rows, split_for_context_parallel
-from megatron_stepwise.mcore.train.router_losses import RoutedMicroBatch, RouterLosses, check_recompute
-from megatron_stepwise.mcore.train.router_losses import install as install_router_hooks
 
-# The shard decision lives in shards.py; these names stay importable from here (the documented path).
-from megatron_stepwise.mcore.train.shards import (  # noqa: F401
+# The shard decision lives in algo/shards.py; these names stay importable from here (the documented path).
+from megatron_stepwise.algo.shards import (  # noqa: F401
     LOGPROBS,
     TRAIN,
     HostLoopMismatchError,
@@ -45,6 +38,13 @@ from megatron_stepwise.mcore.train.shards import (  # noqa: F401
     check_tokens,
     shard_rows,
 )
+from megatron_stepwise.mcore.runtime.runtime import ParallelLayout, comm_device, current_layout
+from megatron_stepwise.mcore.train.logprobs import check_temperature, trained_position_logprobs
+from megatron_stepwise.mcore.train.model import unwrap
+from megatron_stepwise.mcore.train.model_contract import check_model_contract
+from megatron_stepwise.mcore.train.packing import PackedMicroBatch, alignment_for, pack_rows, split_for_context_parallel
+from megatron_stepwise.mcore.train.router_losses import RoutedMicroBatch, RouterLosses, check_recompute
+from megatron_stepwise.mcore.train.router_losses import install as install_router_hooks
 from megatron_stepwise.steps import Step, StepBatch
 
 
@@ -246,7 +246,7 @@ class StepwisePlugin:
     def _prepare(self, model_chunks: list, steps_or_batch, *, mode: str, num_microbatches: Optional[int] = None):
         """This rank's packed micro-batches: of its shard, or of its part of a whole mini-batch."""
         if isinstance(steps_or_batch, MinibatchShard):
-            planned = len(steps_or_batch.plan)
+            planned = len(steps_or_batch.decision.plan)
             if num_microbatches is not None and planned != num_microbatches:
                 raise HostLoopMismatchError(
                     f"this shard was planned as {planned} micro-batches but the host loop runs num_microbatches="
@@ -330,22 +330,22 @@ class StepwisePlugin:
         gpt = unwrap(model_chunks[0])
         layout = self._layout(model_chunks)
         dp, dp_rank, cp, cp_rank, chunks = layout.dp, layout.dp_rank, layout.cp, layout.cp_rank, layout.vpp
-        if (shard.dp_size, shard.dp_rank) != (dp, dp_rank):
+        cfg, batch, decision = gpt.config, shard.batch, shard.decision
+        if (decision.dp_size, decision.dp_rank) != (dp, dp_rank):
             raise HostLoopMismatchError(
-                f"a shard for data-parallel rank {shard.dp_rank} of {shard.dp_size} reached rank {dp_rank} of {dp}"
+                f"a shard for data-parallel rank {decision.dp_rank} of {decision.dp_size} reached rank {dp_rank} of {dp}"
             )
-        cfg, batch = gpt.config, shard.batch
         align = alignment_for(cfg.tensor_model_parallel_size, cfg.sequence_parallel, cp)
         fields = {}
         if mode == TRAIN:
             for name in ("weights", "advantages", "old_logprobs", "ref_logprobs"):
                 if name in batch.token_fields:
                     fields[name] = batch.token_fields[name].float()
-            if shard.rollout_logprobs:
+            if decision.rollout_logprobs:
                 fields["rollout_logprobs"] = batch.token_fields["rollout_logprobs"].float()
                 fields["rollout_logprobs_known"] = batch.rollout_logprobs_known()
         mbs = []
-        for i, rows in enumerate(shard.plan):
+        for i, rows in enumerate(decision.plan):
             mb = pack_rows(
                 batch,
                 rows,
@@ -353,23 +353,20 @@ class StepwisePlugin:
                 pad_token_id=self.pad_token_id,
                 max_tokens=self.max_tokens,
                 cp=cp,
-                pad_to=shard.pad_to,
+                pad_to=decision.pad_to,
             )
             mb.fields = {k: v[mb.token_index] for k, v in fields.items()}
-            mb.mode, mb.rollout_logprobs_complete = mode, mode == TRAIN and shard.rollout_logprobs_complete
+            mb.mode, mb.rollout_logprobs_complete = mode, mode == TRAIN and decision.rollout_logprobs_complete
             mb = split_for_context_parallel(mb, cp, cp_rank) if cp > 1 else mb
             mb.metric_share = 1.0 if (i, dp_rank, cp_rank) == (0, 0, 0) else 0.0
-            mb.minibatch_rows, mb.minibatch_tokens = (
-                shard.data_rows,
-                shard.data_tokens,
-            )  # the router losses' normalisers
+            mb.minibatch_rows, mb.minibatch_tokens = decision.data_rows, decision.data_tokens  # router loss normalisers
             mbs.append(mb)
         num_mb = len(mbs)
         for mb in mbs:
-            mb.loss_scale = float(shard.trained_tokens) if cfg.calculate_per_token_loss else float(num_mb * dp)
+            mb.loss_scale = float(decision.trained_tokens) if cfg.calculate_per_token_loss else float(num_mb * dp)
             mb.plan_size = num_mb
         return MinibatchInputs(
-            mbs, num_mb, shard.pad_to or max(mb.seq_len for mb in mbs), num_chunks=chunks, shard=shard
+            mbs, num_mb, decision.pad_to or max(mb.seq_len for mb in mbs), num_chunks=chunks, shard=shard
         )
 
     def microbatch_stream(self, minibatches: Iterable[Union[StepBatch, Sequence[Step]]]) -> Iterator:

@@ -3,9 +3,10 @@ and the mini-batch totals and loss denominators the loss normalises by.
 
 The decision reads the layout's sizes and each row's lengths and counts (`RowTable`), never a
 model and never a token, so one process can decide for every rank (the trainer's rank 0) and
-whoever holds a rank's rows cuts its `MinibatchShard` (`ShardDecision.cut`). Training a shard is
-`StepwisePlugin`'s job (`plugin.py`); its `plan_shards` / `decide_shards` check the model and call
-`ShardPlanner` here. All input errors are raised here, before any collective.
+whoever holds a rank's rows cuts its `MinibatchShard` (`ShardDecision.cut`): rank 0 from the rows it
+prepared (`PreparedRows`), or the agent workers' holders (`workers/worker_rows.py`). Training a shard
+is `StepwisePlugin`'s job (`mcore/train/plugin.py`); its `plan_shards` / `decide_shards` check the
+model and call `ShardPlanner` here. All input errors are raised here, before any collective.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from megatron_stepwise.algo.planner import packed_lengths
 from megatron_stepwise.algo.planner import plan_microbatches as package_planner
 from megatron_stepwise.algo.reductions import row_denominators, weights_from_denominators
 from megatron_stepwise.algo.rows import RowTable
-from megatron_stepwise.mcore.train.packing import packed_lengths
 from megatron_stepwise.steps import StepBatch, StepwiseBatchError
 
 TRAIN, LOGPROBS = "train", "logprobs"
@@ -35,55 +36,6 @@ class HostLoopMismatchError(ValueError):
 
 
 @dataclass
-class MinibatchShard:
-    """One data-parallel rank's part of a mini-batch (`StepwisePlugin.plan_shards`): its rows with
-    the token fields the loss reads (`weights`, computed over the whole mini-batch, advantages,
-    old/ref log-probs), its micro-batches as row lists, and the mini-batch totals the loss and
-    metrics normalise by."""
-
-    batch: StepBatch
-    plan: list[list[int]]  # micro-batches of row indices into `batch`
-    rows: list[int]  # where `batch`'s rows are in the whole mini-batch
-    dp_rank: int
-    dp_size: int
-    trained_tokens: int  # over the whole mini-batch
-    data_rows: int  # rows that are not DP padding, whole mini-batch
-    data_tokens: int
-    tokens: int  # every row's tokens, whole mini-batch
-    rollout_logprobs: bool  # the engine's log-probs go to the loss
-    rollout_logprobs_complete: bool  # ... and every trained token has one
-    pad_to: Optional[int] = None
-
-    @property
-    def token_fields(self) -> dict[str, torch.Tensor]:
-        return self.batch.token_fields
-
-    # Sent between processes with narrower integer types (`StepBatch.for_wire`).
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "batch": self.batch.for_wire()}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state, batch=state["batch"].from_wire())
-
-    def minibatch_token_index(self, local: torch.Tensor, minibatch: StepBatch) -> torch.Tensor:
-        """Token positions in `batch` -> the same tokens' positions in the whole `minibatch`."""
-        row = torch.searchsorted(self.batch.offsets, local, right=True) - 1
-        rows = torch.as_tensor(self.rows, dtype=torch.long)
-        return minibatch.offsets[:-1][rows[row]] + (local - self.batch.offsets[:-1][row])
-
-
-def shard_rows(micros: list[list[int]]) -> tuple[list[int], list[list[int]]]:
-    """One rank's micro-batches (rows of the mini-batch) -> (its rows in order, the same
-    micro-batches as positions in that list)."""
-    rows = [r for micro in micros for r in micro]
-    local, at = [], 0
-    for micro in micros:
-        local.append(list(range(at, at + len(micro))))
-        at += len(micro)
-    return rows, local
-
-
-@dataclass
 class ShardDecision:
     """What `decide_shards` decides for one DP rank: which rows of the mini-batch it trains (in
     this order), its micro-batches as positions in that list, the mini-batch totals, and each
@@ -93,12 +45,12 @@ class ShardDecision:
     rows: list[int]
     dp_rank: int
     dp_size: int
-    trained_tokens: int
-    data_rows: int
+    trained_tokens: int  # over the whole mini-batch
+    data_rows: int  # rows that are not DP padding, whole mini-batch
     data_tokens: int
-    tokens: int
-    rollout_logprobs: bool
-    rollout_logprobs_complete: bool
+    tokens: int  # every row's tokens, whole mini-batch
+    rollout_logprobs: bool  # the engine's log-probs go to the loss
+    rollout_logprobs_complete: bool  # ... and every trained token has one
     traj_index: torch.Tensor
     group_index: torch.Tensor
     denominators: Optional[torch.Tensor] = None
@@ -114,13 +66,62 @@ class ShardDecision:
         token_fields = batch.token_fields
         if self.denominators is not None:
             token_fields = {**token_fields, "weights": weights_from_denominators(batch, self.denominators)}
-        batch = dataclasses.replace(batch, token_fields=token_fields, row_fields=row_fields)
-        totals = {
-            f.name: getattr(self, f.name)
-            for f in dataclasses.fields(MinibatchShard)
-            if f.name not in ("batch", "plan", "rows", "pad_to")
-        }
-        return MinibatchShard(batch=batch, plan=self.plan, rows=self.rows, pad_to=self.pad_to, **totals)
+        return MinibatchShard(self, dataclasses.replace(batch, token_fields=token_fields, row_fields=row_fields))
+
+
+@dataclass
+class MinibatchShard:
+    """One data-parallel rank's part of a mini-batch (`StepwisePlugin.plan_shards`): its decision
+    (rows, micro-batches as row lists, the mini-batch totals the loss and metrics normalise by) and
+    its rows, with the token fields the loss reads (`weights`, computed over the whole mini-batch,
+    advantages, old/ref log-probs)."""
+
+    decision: ShardDecision
+    batch: StepBatch  # the decision's rows, in its order
+
+    @property
+    def token_fields(self) -> dict[str, torch.Tensor]:
+        return self.batch.token_fields
+
+    # Sent between processes with narrower integer types (`StepBatch.for_wire`).
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "batch": self.batch.for_wire()}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, batch=state["batch"].from_wire())
+
+    def minibatch_token_index(self, local: torch.Tensor, minibatch: StepBatch) -> torch.Tensor:
+        """Token positions in `batch` -> the same tokens' positions in the whole `minibatch`."""
+        row = torch.searchsorted(self.batch.offsets, local, right=True) - 1
+        rows = torch.as_tensor(self.decision.rows, dtype=torch.long)
+        return minibatch.offsets[:-1][rows[row]] + (local - self.batch.offsets[:-1][row])
+
+
+@dataclass
+class PreparedRows:
+    """A mini-batch prepared where the decision is made (rank 0): its rows, with the interface of
+    the rows the agent workers hold (`worker_rows.HeldMinibatch`): a row table to decide on and
+    `cut`, which gives a rank's shard."""
+
+    batch: StepBatch
+
+    @property
+    def rows(self) -> RowTable:
+        return RowTable.of(self.batch)
+
+    def cut(self, decision: ShardDecision) -> MinibatchShard:
+        return decision.cut(self.batch.select(decision.rows))
+
+
+def shard_rows(micros: list[list[int]]) -> tuple[list[int], list[list[int]]]:
+    """One rank's micro-batches (rows of the mini-batch) -> (its rows in order, the same
+    micro-batches as positions in that list)."""
+    rows = [r for micro in micros for r in micro]
+    local, at = [], 0
+    for micro in micros:
+        local.append(list(range(at, at + len(micro))))
+        at += len(micro)
+    return rows, local
 
 
 def check_tokens(batch: StepBatch, vocab: int, *, need: Sequence[str]) -> None:
@@ -195,7 +196,7 @@ class ShardPlanner:
             only=only,
             weigh=not custom_weights,
         )
-        return [d.cut(batch.select(d.rows)) for d in decisions]
+        return [PreparedRows(batch).cut(d) for d in decisions]
 
     def decide(
         self,
