@@ -32,10 +32,19 @@ VARIANTS = {
     "async_workers": ("configs/tiny_cpu_async.yaml", ["rollout.agent_workers=2", "rollout.handoff=workers"]),
 }
 COMMON = ["trainer.iterations=6", "trainer.eval_every=3", "checkpoint.every=0"]
+# Asynchronous runs overlap rollout and training, so which weight version a group starts under
+# depends on timing: two runs of the same code differ from iteration 0 (measured: 302 of 1264
+# values). They are compared and reported, but only the synchronous variants must be identical.
+TIMING_DEPENDENT = {"async_rank0", "async_workers"}
 
 # Figures that differ between two runs of the same code on a shared machine.
 MACHINE_PREFIXES = ("time/", "budget/", "perf/", "weight_sync/MBps", "weight_sync/seconds", "weight_sync/verify")
-MACHINE_KEYS = {"fleet/cached_tokens", "train/logprob_gap", "train/logprob_gap_max", "train/logprob_gap/train_vs_rollout"}
+MACHINE_KEYS = {
+    "fleet/cached_tokens",
+    "train/logprob_gap",
+    "train/logprob_gap_max",
+    "train/logprob_gap/train_vs_rollout",
+}
 
 
 def _deterministic(line: dict) -> dict:
@@ -65,23 +74,34 @@ def run(out: Path, names: list[str]) -> None:
 def compare(before: Path, after: Path) -> int:
     differences = compared = 0
     for name in VARIANTS:
-        a, b = before / f"{name}.json", after / f"{name}.json"
-        if not (a.exists() and b.exists()):
-            print(f"{name}: missing in {'before' if not a.exists() else 'after'}")
-            differences += 1
+        if name in TIMING_DEPENDENT:
+            n, d = _compare_one(before, after, name, quiet=True)
+            print(f"{name}: {d} of {n} values differ (timing-dependent: not required to match)")
             continue
-        old, new = json.loads(a.read_text()), json.loads(b.read_text())
-        if len(old) != len(new):
-            print(f"{name}: {len(old)} iterations before, {len(new)} after")
-            differences += 1
-        for i, (x, y) in enumerate(zip(old, new)):
-            for key in sorted(set(x) | set(y)):
-                compared += 1
-                if x.get(key) != y.get(key):
-                    differences += 1
-                    print(f"{name} iteration {i}: {key} {x.get(key)!r} -> {y.get(key)!r}")
-    print(f"{compared} values compared, {differences} differ")
+        n, d = _compare_one(before, after, name, quiet=False)
+        compared, differences = compared + n, differences + d
+    print(f"{compared} values of the synchronous variants compared, {differences} differ")
     return 1 if differences else 0
+
+
+def _compare_one(before: Path, after: Path, name: str, quiet: bool) -> tuple[int, int]:
+    a, b = before / f"{name}.json", after / f"{name}.json"
+    if not (a.exists() and b.exists()):
+        print(f"{name}: missing in {'before' if not a.exists() else 'after'}")
+        return 0, 1
+    old, new = json.loads(a.read_text()), json.loads(b.read_text())
+    differences = int(len(old) != len(new))
+    if differences:
+        print(f"{name}: {len(old)} iterations before, {len(new)} after")
+    compared = 0
+    for i, (x, y) in enumerate(zip(old, new)):
+        for key in sorted(set(x) | set(y)):
+            compared += 1
+            if x.get(key) != y.get(key):
+                differences += 1
+                if not quiet:
+                    print(f"{name} iteration {i}: {key} {x.get(key)!r} -> {y.get(key)!r}")
+    return compared, differences
 
 
 def main() -> None:
