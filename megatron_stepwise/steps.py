@@ -293,6 +293,47 @@ class StepBatch:
 
     @classmethod
     def from_steps(cls, steps: Sequence[Step], keep_metadata: bool = False) -> "StepBatch":
+        """The batch of a flat list of steps (the plugin API's input): its trajectories and groups
+        are derived here, once (`step_structure`), in order of first appearance.
+
+        >>> s = lambda p, k, last: Step(TrajectoryID(p, k), [1, 2], [3], [1], is_last_step=last)
+        >>> b = StepBatch.from_steps([s("a", 0, False), s("a", 0, True), s("a", 1, True), s("b", 0, True)])
+        >>> b.row_fields["traj_index"].tolist(), b.row_fields["group_index"].tolist()
+        ([0, 0, 1, 2], [0, 0, 0, 1])
+        """
+        structure = step_structure(steps)
+        return cls._of_rows(steps, structure.traj_of_step, structure.group_of_step, keep_metadata)
+
+    @classmethod
+    def from_groups(cls, groups: Sequence[Sequence[Sequence[Step]]], keep_metadata: bool = False) -> "StepBatch":
+        """The batch of whole prompt groups, group after group: each group its trajectories, each
+        trajectory its rows (a `RolloutGroup`'s `trajectories`, or their merged rows). The groups
+        already know their structure, so nothing is derived: traj_index and group_index number
+        the trajectories and the (non-empty) groups in the order given.
+
+        >>> s = lambda p, k, last: Step(TrajectoryID(p, k), [1, 2], [3], [1], is_last_step=last)
+        >>> b = StepBatch.from_groups([[[s("a", 0, False), s("a", 0, True)], [s("a", 1, True)]], [[s("b", 0, True)]]])
+        >>> b.row_fields["traj_index"].tolist(), b.row_fields["group_index"].tolist()
+        ([0, 0, 1, 2], [0, 0, 0, 1])
+        """
+        steps: list[Step] = []
+        traj_of_step: list[int] = []
+        group_of_step: list[int] = []
+        num_trajectories = num_groups = 0
+        for trajectories in groups:
+            for rows in trajectories:
+                steps += rows
+                traj_of_step += [num_trajectories] * len(rows)
+                group_of_step += [num_groups] * len(rows)
+                num_trajectories += 1
+            num_groups += bool(trajectories)
+        return cls._of_rows(steps, traj_of_step, group_of_step, keep_metadata)
+
+    @classmethod
+    def _of_rows(
+        cls, steps: Sequence[Step], traj_of_step: list[int], group_of_step: list[int], keep_metadata: bool
+    ) -> "StepBatch":
+        """The columns of `steps`, whose trajectory and group ids are given."""
         n = len(steps)
         prompt_lens = torch.tensor([s.prompt_ids.numel() for s in steps], dtype=torch.long)
         resp_lens = torch.tensor([s.response_ids.numel() for s in steps], dtype=torch.long)
@@ -343,10 +384,9 @@ class StepBatch:
                 ]
             )
 
-        structure = step_structure(steps)
         row_fields = {
-            "traj_index": torch.tensor(structure.traj_of_step, dtype=torch.long),
-            "group_index": torch.tensor(structure.group_of_step, dtype=torch.long),
+            "traj_index": torch.tensor(traj_of_step, dtype=torch.long),
+            "group_index": torch.tensor(group_of_step, dtype=torch.long),
             "is_last": torch.tensor([s.is_last_step for s in steps], dtype=torch.bool),
             "reward": torch.tensor([s.reward for s in steps], dtype=torch.float64),
             "turn_reward": torch.tensor([s.turn_reward for s in steps], dtype=torch.float64),

@@ -121,7 +121,7 @@ def encode(group: BankedGroup) -> bytes:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    batch = StepBatch.from_steps(group.rollout.steps, keep_metadata=True)
+    batch = StepBatch.from_groups([group.rollout.trajectories], keep_metadata=True)
     table, experts_shape = rows_table([Captured(batch, batch.metadata or [])])
     meta = {
         "version": FORMAT_VERSION,

@@ -33,7 +33,7 @@ from megatron_stepwise.algo.rows import RowTable
 from megatron_stepwise.algo.validate import validate_steps
 from megatron_stepwise.fault_injection import before_fetch
 from megatron_stepwise.rollout.ray_nodes import ask_actor_node
-from megatron_stepwise.steps import StepBatch, step_structure
+from megatron_stepwise.steps import Step, StepBatch
 from megatron_stepwise.workers.rollout_bank import BankedGroup, BankFile, BankTicket, bank_rollout, with_group_id
 
 if TYPE_CHECKING:
@@ -78,11 +78,12 @@ class TokenVersions:
     spreads: list[int] = field(default_factory=list)  # per trajectory with versions
 
     @classmethod
-    def of(cls, steps: list) -> "TokenVersions":
+    def of(cls, trajectories: list[list[Step]]) -> "TokenVersions":
+        """The summary of a group's trajectories (`RolloutGroup.trajectories`)."""
         tokens: Counter[int] = Counter()
         spreads = []
-        for rows in step_structure(steps).trajectories:
-            trained = [v for s in (steps[i] for i in rows) for v in _trained_versions(s)]
+        for trajectory in trajectories:
+            trained = [v for s in trajectory for v in _trained_versions(s)]
             tokens.update(trained)
             if trained:
                 spreads.append(max(trained) - min(trained))
@@ -113,34 +114,10 @@ class HeldGroup:
     versions: TokenVersions = field(default_factory=TokenVersions)  # the staleness summary
     bank: Optional[BankFile] = None  # its rollout bank file, written by the holder
 
-    # Group-shaped (`algo.groups.PromptGroup`): its summary's outcomes.
+    # A `PromptGroup`: its outcomes are its summary's.
     @property
     def prompt_id(self) -> str:
         return self.group.prompt_id
-
-    @property
-    def rewards(self) -> list[float]:
-        return self.group.rewards
-
-    @property
-    def invalid(self) -> list[Optional[str]]:
-        return self.group.invalid
-
-    @property
-    def turns(self) -> list[int]:
-        return self.group.turns
-
-    @property
-    def has_reward_variance(self) -> bool:
-        return self.group.has_reward_variance
-
-    @property
-    def num_steps(self) -> int:
-        return self.group.num_steps
-
-    @property
-    def generated_tokens(self) -> int:
-        return self.group.generated_tokens
 
     def summary(self) -> GroupSummary:
         return self.group
@@ -171,7 +148,7 @@ class HeldRows:
     ) -> HeldGroup:
         batch, counts = hold_group(group, request)
         self.batches[(request.key, group.prompt_id)] = batch
-        versions = TokenVersions.of(group.steps)
+        versions = TokenVersions.of(group.trajectories)
         return HeldGroup(group.summary(), RowTable.of(batch), counts, holder, request.key, versions, bank)
 
     def adopt(self, banked: BankedGroup, group_id: str, request: HoldRequest, holder: str) -> HeldGroup:

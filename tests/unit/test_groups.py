@@ -34,9 +34,9 @@ def _group(pid="p", rewards=(0.0, 1.0), turns=(2, 1)):
 
 def test_reads_outcomes_and_sizes_without_a_flat_scan():
     g = _group(rewards=(0.5, 0.5, 1.0), turns=(2, 1, 3))
-    assert g.rewards == [0.5, 0.5, 1.0] and g.has_reward_variance
-    assert g.num_steps == 6 and g.generated_tokens == 12
-    assert not _group(rewards=(0.0, 0.0)).has_reward_variance
+    assert g.rewards == [0.5, 0.5, 1.0] and g.summary().has_reward_variance
+    assert g.summary().num_steps == 6 and g.summary().generated_tokens == 12
+    assert not _group(rewards=(0.0, 0.0)).summary().has_reward_variance
 
 
 def test_pickles_as_one_step_batch_and_back():
