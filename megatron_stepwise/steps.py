@@ -125,6 +125,11 @@ class Step:
       environment's own `info["invalid"]`). Its reward means nothing: it is never trained and
       stays out of group means and stds, reward metrics and pass@k, but it is kept, counted and
       dumped (`invalid_reason`).
+
+    >>> turn = Step(TrajectoryID("q7", 0), prompt_ids=[1, 2, 3], response_ids=[4, 5], loss_mask=[1, 1],
+    ...             rollout_logprobs=[-0.1, -0.7], reward=1.0, is_last_step=True)
+    >>> turn.num_tokens, turn.num_trainable, str(turn.trajectory_id), turn.response_ids
+    (5, 2, 'q7#0', tensor([4, 5]))
     """
 
     trajectory_id: TrajectoryID
@@ -221,6 +226,14 @@ class StepBatch:
     appearance), is_last (bool), reward (float64), turn_reward (float64), is_padding (bool).
     `metadata` holds each step's metadata dict (turn, env info, drift...) when the batch
     carries steps between processes (agent workers, the hand-off); None in training batches.
+
+    >>> a = Step(TrajectoryID("q", 0), [1, 2], [3, 4], [1, 1], is_last_step=True)
+    >>> b = Step(TrajectoryID("q", 1), [1, 2], [5], [1], is_last_step=True)
+    >>> batch = StepBatch.from_groups([[[a], [b]]])  # one group of two one-turn trajectories
+    >>> batch.tokens.tolist(), batch.offsets.tolist(), batch.prompt_lens.tolist()
+    ([1, 2, 3, 4, 1, 2, 5], [0, 4, 7], [2, 2])
+    >>> batch.token_fields["loss_mask"].tolist(), batch.row_fields["traj_index"].tolist()
+    ([0, 0, 1, 1, 0, 0, 1], [0, 1])
     """
 
     tokens: torch.Tensor
@@ -562,10 +575,17 @@ def _response_or_unknown(values: Optional[torch.Tensor], step: Step) -> torch.Te
 @dataclass(frozen=True)
 class StepStructure:
     """Which steps of a flat list form which trajectory, and which trajectories which prompt
-    group: derived here once (`step_structure`), and read by everything that needs it (the
-    groups of a flat rollout, advantages, a batch's traj_index / group_index, prefix merging,
-    prompt mini-batches). Ids are dense, numbered in order of first appearance; a padding step
-    is a trajectory and a group of its own (its `__pad__` prompt id)."""
+    group. Only a flat list needs it: the plugin API's entries that take one (`groups_of`,
+    `compute_advantages`, `StepBatch.from_steps`, `merge_steps`, `prompt_minibatches`) derive it
+    here, once per call (`step_structure`); groups know their structure and never pass here.
+    Ids are dense, numbered in order of first appearance; a padding step is a trajectory and a
+    group of its own (its `__pad__` prompt id).
+
+    >>> s = lambda p, k, last=True: Step(TrajectoryID(p, k), [1], [2], [1], is_last_step=last)
+    >>> st = step_structure([s("a", 0, False), s("a", 0), s("b", 0), s("a", 1)])
+    >>> st.traj_of_step, st.trajectories, st.groups, st.group_of_step
+    ([0, 0, 1, 2], [[0, 1], [2], [3]], [[0, 2], [1]], [0, 0, 1, 0])
+    """
 
     traj_of_step: list[int]
     group_of_step: list[int]

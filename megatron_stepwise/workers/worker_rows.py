@@ -72,7 +72,15 @@ class TokenVersions:
     """A group's staleness summary: its trained tokens (loss_mask 1) counted by the weight
     version that produced them, and per trajectory the newest minus the oldest of those versions.
     What the staleness metrics need, without a token: an agent worker holding the group's rows
-    sends this instead (`HeldGroup.versions`). Steps without recorded versions are left out."""
+    sends this instead (`HeldGroup.versions`). Steps without recorded versions are left out.
+
+    >>> from megatron_stepwise.steps import TrajectoryID
+    >>> t0 = [Step(TrajectoryID("p", 0), [1], [5, 6], [1, 1], weight_versions=[3, 4], is_last_step=True)]
+    >>> t1 = [Step(TrajectoryID("p", 1), [1], [7], [1], weight_versions=[4], is_last_step=True)]
+    >>> v = TokenVersions.of([t0, t1])
+    >>> v.tokens, v.spreads, dict(v.staleness(5))
+    ({3: 1, 4: 2}, [1, 0], {2: 1, 1: 2})
+    """
 
     tokens: dict[int, int] = field(default_factory=dict)  # weight version -> trained tokens
     spreads: list[int] = field(default_factory=list)  # per trajectory with versions
@@ -104,7 +112,17 @@ def _trained_versions(step) -> list[int]:
 
 @dataclass
 class HeldGroup:
-    """A group whose rows a worker keeps: what the driver decides on."""
+    """A group whose rows a worker keeps: what the driver decides on (a `PromptGroup`: its id and
+    summary), with the rows' table and where they are.
+
+    >>> from megatron_stepwise.algo.prepare import prepare_rows
+    >>> from megatron_stepwise.steps import TrajectoryID
+    >>> one = lambda k: [Step(TrajectoryID("p", k), [1, 2], [3], [1], reward=k, is_last_step=True)]
+    >>> group = RolloutGroup("p", [one(0), one(1)])
+    >>> held = HeldRows().keep(group, HoldRequest(7, prepare_rows, None), holder="agent_worker_0")
+    >>> held.prompt_id, held.summary().rewards, held.rows.lengths.tolist(), (held.holder, held.key)
+    ('p', [0.0, 1.0], [3, 3], ('agent_worker_0', 7))
+    """
 
     group: GroupSummary  # the summary: outcomes, turns, lengths
     rows: RowTable

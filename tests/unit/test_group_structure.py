@@ -18,6 +18,7 @@ from megatron_stepwise.algo.prepare import prepare, prepare_rows
 from megatron_stepwise.config.schema import AsyncConfig
 from megatron_stepwise.loop.evaluation import eval_metrics
 from megatron_stepwise.loop.group_buffer import Group, GroupBuffer
+from megatron_stepwise.loop.sources import split_round
 from megatron_stepwise.metrics.core import group_outcomes, rollout_metrics
 from megatron_stepwise.steps import INVALID, StepBatch, make_padding_step
 from megatron_stepwise.workers.worker_rows import HeldGroup, HeldRows, HoldRequest, TokenVersions
@@ -102,6 +103,7 @@ def test_groups_are_never_flattened_and_regrouped(derivations):
     held = HeldRows()
     assert derivations(lambda: prepare(groups, estimator="turn_rloo", merge_steps=True)) == 0
     assert derivations(lambda: prepare(groups, estimator="grpo")) == 0
+    assert derivations(lambda: split_round([groups], {}, shard=lambda b: [b], dp_size=1)) == 0  # rank 0's round
     assert derivations(lambda: StepBatch.from_groups([g.trajectories for g in groups])) == 0
     assert derivations(lambda: merge_trajectories(trajectories)) == 0
     assert derivations(lambda: unpack_groups(pack_groups(groups))) == 0
