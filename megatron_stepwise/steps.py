@@ -229,7 +229,7 @@ class StepBatch:
 
     >>> a = Step(TrajectoryID("q", 0), [1, 2], [3, 4], [1, 1], is_last_step=True)
     >>> b = Step(TrajectoryID("q", 1), [1, 2], [5], [1], is_last_step=True)
-    >>> batch = StepBatch.from_groups([[[a], [b]]])  # one group of two one-turn trajectories
+    >>> batch = StepBatch.from_groups([[[a], [b]]])  # group q: two trajectories of one turn each
     >>> batch.tokens.tolist(), batch.offsets.tolist(), batch.prompt_lens.tolist()
     ([1, 2, 3, 4, 1, 2, 5], [0, 4, 7], [2, 2])
     >>> batch.token_fields["loss_mask"].tolist(), batch.row_fields["traj_index"].tolist()
@@ -307,13 +307,7 @@ class StepBatch:
     @classmethod
     def from_steps(cls, steps: Sequence[Step], keep_metadata: bool = False) -> "StepBatch":
         """The batch of a flat list of steps (the plugin API's input): its trajectories and groups
-        are derived here, once (`step_structure`), in order of first appearance.
-
-        >>> s = lambda p, k, last: Step(TrajectoryID(p, k), [1, 2], [3], [1], is_last_step=last)
-        >>> b = StepBatch.from_steps([s("a", 0, False), s("a", 0, True), s("a", 1, True), s("b", 0, True)])
-        >>> b.row_fields["traj_index"].tolist(), b.row_fields["group_index"].tolist()
-        ([0, 0, 1, 2], [0, 0, 0, 1])
-        """
+        are derived here, once (`step_structure`), numbered in order of first appearance."""
         structure = step_structure(steps)
         return cls._of_rows(steps, structure.traj_of_step, structure.group_of_step, keep_metadata)
 
@@ -322,24 +316,11 @@ class StepBatch:
         """The batch of whole prompt groups, group after group: each group its trajectories, each
         trajectory its rows (a `RolloutGroup`'s `trajectories`, or their merged rows). The groups
         already know their structure, so nothing is derived: traj_index and group_index number
-        the trajectories and the (non-empty) groups in the order given.
-
-        >>> s = lambda p, k, last: Step(TrajectoryID(p, k), [1, 2], [3], [1], is_last_step=last)
-        >>> b = StepBatch.from_groups([[[s("a", 0, False), s("a", 0, True)], [s("a", 1, True)]], [[s("b", 0, True)]]])
-        >>> b.row_fields["traj_index"].tolist(), b.row_fields["group_index"].tolist()
-        ([0, 0, 1, 2], [0, 0, 0, 1])
-        """
-        steps: list[Step] = []
-        traj_of_step: list[int] = []
-        group_of_step: list[int] = []
-        num_trajectories = num_groups = 0
-        for trajectories in groups:
-            for rows in trajectories:
-                steps += rows
-                traj_of_step += [num_trajectories] * len(rows)
-                group_of_step += [num_groups] * len(rows)
-                num_trajectories += 1
-            num_groups += bool(trajectories)
+        the trajectories and the (non-empty) groups in the order given (the class's example)."""
+        trajectories = [(g, rows) for g, group in enumerate([g for g in groups if g]) for rows in group]
+        steps = [s for _, rows in trajectories for s in rows]
+        traj_of_step = [t for t, (_, rows) in enumerate(trajectories) for _ in rows]
+        group_of_step = [g for g, rows in trajectories for _ in rows]
         return cls._of_rows(steps, traj_of_step, group_of_step, keep_metadata)
 
     @classmethod
@@ -575,11 +556,10 @@ def _response_or_unknown(values: Optional[torch.Tensor], step: Step) -> torch.Te
 @dataclass(frozen=True)
 class StepStructure:
     """Which steps of a flat list form which trajectory, and which trajectories which prompt
-    group. Only a flat list needs it: the plugin API's entries that take one (`groups_of`,
-    `compute_advantages`, `StepBatch.from_steps`, `merge_steps`, `prompt_minibatches`) derive it
-    here, once per call (`step_structure`); groups know their structure and never pass here.
-    Ids are dense, numbered in order of first appearance; a padding step is a trajectory and a
-    group of its own (its `__pad__` prompt id).
+    group: derived once per plugin API call that takes a flat list (`groups_of`,
+    `compute_advantages`, `StepBatch.from_steps`, `merge_steps`, `prompt_minibatches`); groups
+    know their own. Ids are dense, in order of first appearance; a padding step is a trajectory
+    and a group of its own (its `__pad__` prompt id).
 
     >>> s = lambda p, k, last=True: Step(TrajectoryID(p, k), [1], [2], [1], is_last_step=last)
     >>> st = step_structure([s("a", 0, False), s("a", 0), s("b", 0), s("a", 1)])
@@ -591,24 +571,6 @@ class StepStructure:
     group_of_step: list[int]
     trajectories: list[list[int]]  # each trajectory's step indices, in order
     groups: list[list[int]]  # each group's trajectory indices, in order
-
-    def check_last_steps(self, steps: Sequence[Step]) -> None:
-        """Every trajectory has exactly one step marked `is_last_step`, and it is its final step
-        (its outcome reward is that step's); else the error names the step."""
-        for rows in self.trajectories:
-            marked = next((i for i in rows if steps[i].is_last_step), None)
-            if marked is not None and marked != rows[-1]:
-                after = rows[rows.index(marked) + 1]
-                raise StepwiseBatchError(
-                    f"step {after}: field 'is_last_step': trajectory {steps[after].trajectory_id} continues "
-                    f"after its last step (step {marked})"
-                )
-        for rows in self.trajectories:
-            if not steps[rows[-1]].is_last_step:
-                raise StepwiseBatchError(
-                    f"step {rows[-1]}: field 'is_last_step': trajectory {steps[rows[-1]].trajectory_id} has no "
-                    "step marked last, so it has no outcome reward"
-                )
 
 
 def step_structure(steps: Sequence[Step]) -> StepStructure:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Optional, Protocol, Sequence, runtime_checkable
 
-from megatron_stepwise.steps import Step, StepBatch, StepwiseBatchError, step_structure
+from megatron_stepwise.steps import Step, StepBatch, StepStructure, StepwiseBatchError, step_structure
 
 
 @runtime_checkable
@@ -205,7 +205,7 @@ def grouped(steps: Sequence[Step]) -> tuple[list[RolloutGroup], list[int]]:
     """`groups_of`, and where each step of `flat_steps(groups)` sits in `steps`: the one place a
     flat list becomes groups (from its `step_structure`, checked for its last steps)."""
     structure = step_structure(steps)
-    structure.check_last_steps(steps)
+    _check_last_steps(structure, steps)
     groups, order = [], []
     for trajs in structure.groups:
         rows = [structure.trajectories[t] for t in trajs if not steps[structure.trajectories[t][0]].is_padding]
@@ -216,3 +216,22 @@ def grouped(steps: Sequence[Step]) -> tuple[list[RolloutGroup], list[int]]:
         )
         order += [i for r in rows for i in r]
     return groups, order
+
+
+def _check_last_steps(structure: StepStructure, steps: Sequence[Step]) -> None:
+    """Every trajectory has exactly one step marked `is_last_step`, and it is its final step
+    (its outcome reward is that step's); else the error names the step."""
+    for rows in structure.trajectories:
+        marked = next((i for i in rows if steps[i].is_last_step), None)
+        if marked is not None and marked != rows[-1]:
+            after = rows[rows.index(marked) + 1]
+            raise StepwiseBatchError(
+                f"step {after}: field 'is_last_step': trajectory {steps[after].trajectory_id} continues "
+                f"after its last step (step {marked})"
+            )
+    for rows in structure.trajectories:
+        if not steps[rows[-1]].is_last_step:
+            raise StepwiseBatchError(
+                f"step {rows[-1]}: field 'is_last_step': trajectory {steps[rows[-1]].trajectory_id} has no "
+                "step marked last, so it has no outcome reward"
+            )
