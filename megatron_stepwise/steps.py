@@ -125,6 +125,11 @@ class Step:
       environment's own `info["invalid"]`). Its reward means nothing: it is never trained and
       stays out of group means and stds, reward metrics and pass@k, but it is kept, counted and
       dumped (`invalid_reason`).
+
+    >>> turn = Step(TrajectoryID("q7", 0), prompt_ids=[1, 2, 3], response_ids=[4, 5], loss_mask=[1, 1],
+    ...             rollout_logprobs=[-0.1, -0.7], reward=1.0, is_last_step=True)
+    >>> turn.num_tokens, turn.num_trainable, str(turn.trajectory_id), turn.response_ids
+    (5, 2, 'q7#0', tensor([4, 5]))
     """
 
     trajectory_id: TrajectoryID
@@ -221,6 +226,14 @@ class StepBatch:
     appearance), is_last (bool), reward (float64), turn_reward (float64), is_padding (bool).
     `metadata` holds each step's metadata dict (turn, env info, drift...) when the batch
     carries steps between processes (agent workers, the hand-off); None in training batches.
+
+    >>> a = Step(TrajectoryID("q", 0), [1, 2], [3, 4], [1, 1], is_last_step=True)
+    >>> b = Step(TrajectoryID("q", 1), [1, 2], [5], [1], is_last_step=True)
+    >>> batch = StepBatch.from_groups([[[a], [b]]])  # group q: two trajectories of one turn each
+    >>> batch.tokens.tolist(), batch.offsets.tolist(), batch.prompt_lens.tolist()
+    ([1, 2, 3, 4, 1, 2, 5], [0, 4, 7], [2, 2])
+    >>> batch.token_fields["loss_mask"].tolist(), batch.row_fields["traj_index"].tolist()
+    ([0, 0, 1, 1, 0, 0, 1], [0, 1])
     """
 
     tokens: torch.Tensor
@@ -293,6 +306,28 @@ class StepBatch:
 
     @classmethod
     def from_steps(cls, steps: Sequence[Step], keep_metadata: bool = False) -> "StepBatch":
+        """The batch of a flat list of steps (the plugin API's input): its trajectories and groups
+        are derived here, once (`step_structure`), numbered in order of first appearance."""
+        structure = step_structure(steps)
+        return cls._of_rows(steps, structure.traj_of_step, structure.group_of_step, keep_metadata)
+
+    @classmethod
+    def from_groups(cls, groups: Sequence[Sequence[Sequence[Step]]], keep_metadata: bool = False) -> "StepBatch":
+        """The batch of whole prompt groups, group after group: each group its trajectories, each
+        trajectory its rows (a `RolloutGroup`'s `trajectories`, or their merged rows). The groups
+        already know their structure, so nothing is derived: traj_index and group_index number
+        the trajectories and the (non-empty) groups in the order given (the class's example)."""
+        trajectories = [(g, rows) for g, group in enumerate([g for g in groups if g]) for rows in group]
+        steps = [s for _, rows in trajectories for s in rows]
+        traj_of_step = [t for t, (_, rows) in enumerate(trajectories) for _ in rows]
+        group_of_step = [g for g, rows in trajectories for _ in rows]
+        return cls._of_rows(steps, traj_of_step, group_of_step, keep_metadata)
+
+    @classmethod
+    def _of_rows(
+        cls, steps: Sequence[Step], traj_of_step: list[int], group_of_step: list[int], keep_metadata: bool
+    ) -> "StepBatch":
+        """The columns of `steps`, whose trajectory and group ids are given."""
         n = len(steps)
         prompt_lens = torch.tensor([s.prompt_ids.numel() for s in steps], dtype=torch.long)
         resp_lens = torch.tensor([s.response_ids.numel() for s in steps], dtype=torch.long)
@@ -343,10 +378,9 @@ class StepBatch:
                 ]
             )
 
-        structure = step_structure(steps)
         row_fields = {
-            "traj_index": torch.tensor(structure.traj_of_step, dtype=torch.long),
-            "group_index": torch.tensor(structure.group_of_step, dtype=torch.long),
+            "traj_index": torch.tensor(traj_of_step, dtype=torch.long),
+            "group_index": torch.tensor(group_of_step, dtype=torch.long),
             "is_last": torch.tensor([s.is_last_step for s in steps], dtype=torch.bool),
             "reward": torch.tensor([s.reward for s in steps], dtype=torch.float64),
             "turn_reward": torch.tensor([s.turn_reward for s in steps], dtype=torch.float64),
@@ -522,33 +556,21 @@ def _response_or_unknown(values: Optional[torch.Tensor], step: Step) -> torch.Te
 @dataclass(frozen=True)
 class StepStructure:
     """Which steps of a flat list form which trajectory, and which trajectories which prompt
-    group: derived here once (`step_structure`), and read by everything that needs it (the
-    groups of a flat rollout, advantages, a batch's traj_index / group_index, prefix merging,
-    prompt mini-batches). Ids are dense, numbered in order of first appearance; a padding step
-    is a trajectory and a group of its own (its `__pad__` prompt id)."""
+    group: derived once per plugin API call that takes a flat list (`groups_of`,
+    `compute_advantages`, `StepBatch.from_steps`, `merge_steps`, `prompt_minibatches`); groups
+    know their own. Ids are dense, in order of first appearance; a padding step is a trajectory
+    and a group of its own (its `__pad__` prompt id).
+
+    >>> s = lambda p, k, last=True: Step(TrajectoryID(p, k), [1], [2], [1], is_last_step=last)
+    >>> st = step_structure([s("a", 0, False), s("a", 0), s("b", 0), s("a", 1)])
+    >>> st.traj_of_step, st.trajectories, st.groups, st.group_of_step
+    ([0, 0, 1, 2], [[0, 1], [2], [3]], [[0, 2], [1]], [0, 0, 1, 0])
+    """
 
     traj_of_step: list[int]
     group_of_step: list[int]
     trajectories: list[list[int]]  # each trajectory's step indices, in order
     groups: list[list[int]]  # each group's trajectory indices, in order
-
-    def check_last_steps(self, steps: Sequence[Step]) -> None:
-        """Every trajectory has exactly one step marked `is_last_step`, and it is its final step
-        (its outcome reward is that step's); else the error names the step."""
-        for rows in self.trajectories:
-            marked = next((i for i in rows if steps[i].is_last_step), None)
-            if marked is not None and marked != rows[-1]:
-                after = rows[rows.index(marked) + 1]
-                raise StepwiseBatchError(
-                    f"step {after}: field 'is_last_step': trajectory {steps[after].trajectory_id} continues "
-                    f"after its last step (step {marked})"
-                )
-        for rows in self.trajectories:
-            if not steps[rows[-1]].is_last_step:
-                raise StepwiseBatchError(
-                    f"step {rows[-1]}: field 'is_last_step': trajectory {steps[rows[-1]].trajectory_id} has no "
-                    "step marked last, so it has no outcome reward"
-                )
 
 
 def step_structure(steps: Sequence[Step]) -> StepStructure:

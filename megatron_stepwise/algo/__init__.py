@@ -3,8 +3,8 @@
 - validate.py    `validate_steps`: reject malformed batches, naming the step and the field
 - advantages.py  outcome estimators (GRPO, Dr.GRPO, RLOO, MAXRL; registry), broadcast per step
 - turn_credit.py turn-level estimators (return-to-go baselines, turn-discounted outcome)
-- merge.py       `merge_steps`: prefix merge of consecutive steps of a trajectory
-- groups.py      `RolloutGroup`, the `PromptGroup` protocol, `groups_of` (a flat list grouped once)
+- merge.py       `merge_trajectories` (a group's trajectories), `merge_steps` (a flat list): prefix merge
+- groups.py      `RolloutGroup`, the `PromptGroup` protocol (prompt_id, summary()), `groups_of` (a flat list grouped once)
 - prepare.py     `prepare`: whole groups -> advantages, merge, the StepBatch the plugin trains on
 - batching.py    DP padding and prompt-based mini-batches (re-exports validate and plan)
 - planner.py     `plan_microbatches`: cost-balanced DP split into token-budget micro-batches

@@ -8,9 +8,10 @@ A flat list (the plugin API's input) is grouped once, by `groups_of`, from `step
 A group pickles columnar (one `StepBatch`, flat token tensors with offsets), never as per-step
 tensors: agent workers send groups to the driver that way, and the async buffer keeps them.
 
-`PromptGroup` is what every group-shaped object offers (a `RolloutGroup`, its `GroupSummary`, an
-agent worker's `HeldGroup`, the async buffer's `group_buffer.Group` once finished), so the
-filters, the buffer and the metrics take any of them.
+`PromptGroup` is what every group-shaped object offers: its prompt id and its `summary()`. A
+`RolloutGroup` (rows through rank 0) and an agent worker's `HeldGroup` (rows kept where they were
+made) are the two; a `GroupSummary` is its own summary. The filters, the buffer and the metrics
+read the summary, so they take either.
 """
 
 from __future__ import annotations
@@ -18,40 +19,32 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Optional, Protocol, Sequence, runtime_checkable
 
-from megatron_stepwise.steps import Step, StepBatch, StepwiseBatchError, step_structure
+from megatron_stepwise.steps import Step, StepBatch, StepStructure, StepwiseBatchError, step_structure
 
 
 @runtime_checkable
 class PromptGroup(Protocol):
-    """What every group-shaped object offers: one prompt group's outcomes and sizes, per
-    trajectory in the group's order (`invalid`: why a trajectory is invalid, or None)."""
+    """One prompt group, whatever holds its rows: its prompt id, and its `summary()` (outcomes,
+    turns, lengths; what filters and metrics read)."""
 
     @property
     def prompt_id(self) -> str: ...
-
-    @property
-    def rewards(self) -> list[float]: ...
-
-    @property
-    def invalid(self) -> list[Optional[str]]: ...
-
-    @property
-    def turns(self) -> list[int]: ...
-
-    @property
-    def has_reward_variance(self) -> bool: ...
-
-    @property
-    def num_steps(self) -> int: ...
-
-    @property
-    def generated_tokens(self) -> int: ...
 
     def summary(self) -> "GroupSummary": ...
 
 
 @dataclass
 class RolloutGroup:
+    """One prompt's trajectories, each its steps in turn order, ending on its one `is_last_step`
+    (checked here). What a rollout yields, and what `algo.prepare` turns into a batch.
+
+    >>> from megatron_stepwise.steps import TrajectoryID
+    >>> s = lambda k, last, r=0.0: Step(TrajectoryID("a", k), [1, 2], [3], [1], reward=r, is_last_step=last)
+    >>> g = RolloutGroup("a", [[s(0, False), s(0, True, 1.0)], [s(1, True)]])
+    >>> g.rewards, g.turns, g.summary().has_reward_variance
+    ([1.0, 0.0], [2, 1], True)
+    """
+
     prompt_id: str
     trajectories: list[list[Step]]
 
@@ -80,21 +73,8 @@ class RolloutGroup:
         return [t[-1].invalid_reason for t in self.trajectories]
 
     @property
-    def has_reward_variance(self) -> bool:
-        """Not every valid trajectory got the same reward: the group carries a learning signal."""
-        return has_variance(self.rewards, self.invalid)
-
-    @property
     def turns(self) -> list[int]:
         return [len(t) for t in self.trajectories]
-
-    @property
-    def num_steps(self) -> int:
-        return sum(len(t) for t in self.trajectories)
-
-    @property
-    def generated_tokens(self) -> int:
-        return sum(int(s.response_ids.numel()) for t in self.trajectories for s in t)
 
     def summary(self) -> "GroupSummary":
         last = [t[-1] for t in self.trajectories]
@@ -134,7 +114,14 @@ class GroupSummary:
     metrics read. An agent worker that keeps a group's rows sends only this to the driver.
     Per trajectory: outcome, turns, last stop reason and environment; per step, in the
     group's order: prompt, response and trained lengths, and re-tokenisation drift (None
-    where it was not measured)."""
+    where it was not measured).
+
+    >>> g = GroupSummary("a", rewards=[1.0, 0.0], invalid=[None, None], turns=[2, 1],
+    ...     stop_reasons=["stop", "length"], envs=[None, None], prompt_lens=[2, 4, 2],
+    ...     response_lens=[1, 1, 1], trainable=[1, 1, 1], drift=[None, None, None])
+    >>> g.has_reward_variance, g.num_steps, g.generated_tokens, g.observation_lens()
+    (True, 3, 3, [1])
+    """
 
     prompt_id: str
     rewards: list[float]
@@ -185,7 +172,7 @@ def pack_groups(groups: Sequence[RolloutGroup]) -> dict:
     """Groups as one StepBatch plus their prompt ids and trajectory lengths: what travels, so
     several groups cost one set of tensors, not one per step (nor one per group)."""
     return {
-        "batch": StepBatch.from_steps(flat_steps(groups), keep_metadata=True),
+        "batch": StepBatch.from_groups([g.trajectories for g in groups], keep_metadata=True),
         "prompt_ids": [g.prompt_id for g in groups],
         "lengths": [[len(t) for t in g.trajectories] for g in groups],
     }
@@ -218,7 +205,7 @@ def grouped(steps: Sequence[Step]) -> tuple[list[RolloutGroup], list[int]]:
     """`groups_of`, and where each step of `flat_steps(groups)` sits in `steps`: the one place a
     flat list becomes groups (from its `step_structure`, checked for its last steps)."""
     structure = step_structure(steps)
-    structure.check_last_steps(steps)
+    _check_last_steps(structure, steps)
     groups, order = [], []
     for trajs in structure.groups:
         rows = [structure.trajectories[t] for t in trajs if not steps[structure.trajectories[t][0]].is_padding]
@@ -229,3 +216,22 @@ def grouped(steps: Sequence[Step]) -> tuple[list[RolloutGroup], list[int]]:
         )
         order += [i for r in rows for i in r]
     return groups, order
+
+
+def _check_last_steps(structure: StepStructure, steps: Sequence[Step]) -> None:
+    """Every trajectory has exactly one step marked `is_last_step`, and it is its final step
+    (its outcome reward is that step's); else the error names the step."""
+    for rows in structure.trajectories:
+        marked = next((i for i in rows if steps[i].is_last_step), None)
+        if marked is not None and marked != rows[-1]:
+            after = rows[rows.index(marked) + 1]
+            raise StepwiseBatchError(
+                f"step {after}: field 'is_last_step': trajectory {steps[after].trajectory_id} continues "
+                f"after its last step (step {marked})"
+            )
+    for rows in structure.trajectories:
+        if not steps[rows[-1]].is_last_step:
+            raise StepwiseBatchError(
+                f"step {rows[-1]}: field 'is_last_step': trajectory {steps[rows[-1]].trajectory_id} has no "
+                "step marked last, so it has no outcome reward"
+            )

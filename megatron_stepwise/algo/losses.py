@@ -145,7 +145,13 @@ class LossConfig:
 
 @dataclass
 class LossInputs:
-    """1-D tensors over the trained positions (loss_mask == 1) of one micro-batch, all aligned."""
+    """1-D tensors over the trained positions (loss_mask == 1) of one micro-batch, all aligned.
+
+    >>> x = LossInputs(logprobs=torch.tensor([-0.5, -1.0, -0.2]), old_logprobs=torch.tensor([-0.5, -0.9, -0.2]),
+    ...     advantages=torch.tensor([1.0, 1.0, -1.0]), weights=torch.tensor([0.25, 0.25, 0.5]),
+    ...     segment_ids=torch.tensor([0, 0, 1]))  # two rows: 2 trained tokens, then 1
+    >>> x.check()
+    """
 
     logprobs: torch.Tensor  # current policy, requires grad
     old_logprobs: torch.Tensor  # the trainer's old policy

@@ -50,6 +50,9 @@ class MergeStats:
 def merge_steps(steps: Sequence[Step], *, max_tokens: Optional[int] = None) -> tuple[list[Step], MergeStats]:
     """Greedily merge consecutive steps of each trajectory whose prefixes line up.
 
+    The plugin API's entry, on a flat list: its trajectories are derived once (`step_structure`),
+    then merged as `merge_trajectories` merges them.
+
     While `prompt[i-1] + response[i-1]` is a prefix of `prompt[i]`, the row grows by
     obs_delta (loss_mask 0, log-prob 0, weight version -1) then step i's response, mask,
     log-probs and weight versions; otherwise a new row starts. A merged row keeps the
@@ -71,8 +74,8 @@ def merge_steps(steps: Sequence[Step], *, max_tokens: Optional[int] = None) -> t
     per-step advantages (obs_delta positions are 0 either way). Turn-level advantages differ
     from turn to turn: compute them first and merge with `merge_with_advantages`.
     """
-    out, stats, _ = _merge(steps, max_tokens)
-    return out, stats
+    rows, stats, _ = _merge(steps, _runs_of(steps), max_tokens)
+    return [r for run in rows for r in run], stats
 
 
 def merge_with_advantages(
@@ -82,9 +85,105 @@ def merge_with_advantages(
     advantages are each turn's own at that turn's response positions, 0 at obs_delta."""
     if len(advantages) != len(steps):
         raise ValueError(f"merge_with_advantages: {len(advantages)} advantage tensors for {len(steps)} steps")
-    out, stats, members = _merge(steps, max_tokens)
+    rows, stats, members = _merge(steps, _runs_of(steps), max_tokens)
+    flat = [r for run in rows for r in run]
+    return flat, _carried(steps, flat, [m for run in members for m in run], advantages), stats
+
+
+def merge_trajectories(
+    trajectories: Sequence[Sequence[Step]],
+    *,
+    max_tokens: Optional[int] = None,
+    advantages: Optional[Sequence[torch.Tensor]] = None,
+) -> tuple[list[list[Step]], Optional[list[torch.Tensor]], MergeStats]:
+    """`merge_steps` on trajectories that know their steps (a `RolloutGroup`'s): each trajectory's
+    rows, the rows' advantages (`advantages`: per step, in the trajectories' order; carried as
+    `merge_with_advantages` carries them; None without), and the stats. Nothing is re-derived.
+
+    >>> from megatron_stepwise.steps import TrajectoryID
+    >>> a, b = TrajectoryID("p", 0), TrajectoryID("p", 1)
+    >>> turn0 = Step(a, [1, 2], [3], [1])
+    >>> turn1 = Step(a, [1, 2, 3, 9], [4], [1], reward=1.0, is_last_step=True)  # 9: the observation
+    >>> rows, _, stats = merge_trajectories([[turn0, turn1], [Step(b, [1, 2], [5], [1], is_last_step=True)]])
+    >>> [r.response_ids.tolist() for r in rows[0]], rows[0][0].loss_mask.tolist(), stats.rows_after
+    ([[3, 9, 4]], [1, 0, 1], 2)
+    """
+    steps = [s for t in trajectories for s in t]
+    if advantages is not None and len(advantages) != len(steps):
+        raise ValueError(f"merge_trajectories: {len(advantages)} advantage tensors for {len(steps)} steps")
+    runs, start = [], 0
+    for t in trajectories:
+        runs.append(list(range(start, start + len(t))))
+        start += len(t)
+    rows, stats, members = _merge(steps, runs, max_tokens)
+    if advantages is None:
+        return rows, None, stats
+    flat = [r for run in rows for r in run]
+    return rows, _carried(steps, flat, [m for run in members for m in run], advantages), stats
+
+
+def _runs_of(steps: Sequence[Step]) -> list[list[int]]:
+    """A flat list's runs of consecutive steps of one trajectory (its `step_structure`); a padding
+    step is a run of its own."""
+    traj_of_step = step_structure(steps).traj_of_step
+    runs: list[list[int]] = []
+    for i, step in enumerate(steps):
+        if runs and not (step.is_padding or steps[i - 1].is_padding) and traj_of_step[i - 1] == traj_of_step[i]:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
+
+
+def _merge(
+    steps: Sequence[Step], runs: Sequence[Sequence[int]], max_tokens: Optional[int]
+) -> tuple[list[list[Step]], MergeStats, list[list[list[int]]]]:
+    """Each run's merged rows (a run: one trajectory's consecutive step indices, or one padding
+    step, passed through), the stats, and each row's input step indices."""
+    stats = MergeStats(0, 0, 0, 0, 0)
+    rows: list[list[Step]] = []
+    members: list[list[list[int]]] = []
+    for run in runs:
+        if len(run) == 1 and steps[run[0]].is_padding:
+            stats.padding_rows += 1
+            out, idx_of = [steps[run[0]]], [list(run)]
+        else:
+            out, idx_of = _merge_run(steps, run, max_tokens, stats)
+        rows.append(out)
+        members.append(idx_of)
+    return rows, stats, members
+
+
+def _merge_run(
+    steps: Sequence[Step], run: Sequence[int], max_tokens: Optional[int], stats: MergeStats
+) -> tuple[list[Step], list[list[int]]]:
+    """One trajectory's consecutive steps as merged rows, and each row's step indices."""
+    out: list[Step] = []
+    idx_of: list[list[int]] = []
+    group: list[Step] = []  # steps of the row being built
+    idx: list[int] = []
+    for i in run:
+        step = steps[i]
+        stats.rows_before += 1
+        stats.tokens_before += step.num_tokens
+        if group and not _can_extend(group, step, max_tokens, stats):
+            _flush(group, out, idx, idx_of)
+        group.append(step)
+        idx.append(i)
+    _flush(group, out, idx, idx_of)
+    for row in out:
+        stats.rows_after += 1
+        stats.tokens_after += row.num_tokens
+        stats.trainable_tokens += row.num_trainable  # equals the input's: masks are copied, never changed
+    return out, idx_of
+
+
+def _carried(
+    steps: Sequence[Step], rows: Sequence[Step], members: Sequence[list[int]], advantages: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
+    """Each merged row's advantages: each turn's own at its response positions, 0 at obs_delta."""
     merged: list[torch.Tensor] = []
-    for row, idx in zip(out, members):
+    for row, idx in zip(rows, members):
         if len(idx) == 1:
             merged.append(advantages[idx[0]])
             continue
@@ -94,38 +193,7 @@ def merge_with_advantages(
             a = steps[i].prompt_ids.numel() - start
             values[a : a + steps[i].response_ids.numel()] = advantages[i]
         merged.append(values)
-    return out, merged, stats
-
-
-def _merge(steps: Sequence[Step], max_tokens: Optional[int]) -> tuple[list[Step], MergeStats, list[list[int]]]:
-    """The merged rows, the stats, and each row's input step indices."""
-    out: list[Step] = []
-    members: list[list[int]] = []
-    stats = MergeStats(0, 0, 0, 0, 0)
-    traj_of_step = step_structure(steps).traj_of_step
-    group: list[Step] = []  # steps of the row being built (steps[i - 1] is its last, if any)
-    idx: list[int] = []
-    for i, step in enumerate(steps):
-        if step.is_padding:
-            stats.padding_rows += 1
-            _flush(group, out, idx, members)
-            out.append(step)
-            members.append([i])
-            continue
-        stats.rows_before += 1
-        stats.tokens_before += step.num_tokens
-        same_trajectory = bool(group) and traj_of_step[i - 1] == traj_of_step[i]
-        if not (same_trajectory and _can_extend(group, step, max_tokens, stats)):
-            _flush(group, out, idx, members)
-        group.append(step)
-        idx.append(i)
-    _flush(group, out, idx, members)
-    for row in out:
-        if not row.is_padding:
-            stats.rows_after += 1
-            stats.tokens_after += row.num_tokens
-            stats.trainable_tokens += row.num_trainable  # equals the input's: masks are copied, never changed
-    return out, stats, members
+    return merged
 
 
 def _can_extend(group: list[Step], step: Step, max_tokens: Optional[int], stats: MergeStats) -> bool:

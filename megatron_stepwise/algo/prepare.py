@@ -18,8 +18,8 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 import torch
 
 from megatron_stepwise.algo.advantages import group_advantages
-from megatron_stepwise.algo.groups import RolloutGroup, flat_steps
-from megatron_stepwise.algo.merge import merge_with_advantages
+from megatron_stepwise.algo.groups import RolloutGroup
+from megatron_stepwise.algo.merge import merge_trajectories
 from megatron_stepwise.steps import StepBatch
 
 
@@ -65,21 +65,25 @@ def prepare_rows(
     """`prepare`, keeping a batch with no trained token: whole groups prepared one at a time
     (an agent worker prepares each group it made) concatenate to the mini-batch's batch."""
     groups = [untrained_if_invalid(g) for g in groups]
-    steps = flat_steps(groups)
+    trajectories = [t for g in groups for t in g.trajectories]
     metrics: dict[str, Any] = {
-        "batch/rows_before_merge": len(steps),
-        "batch/tokens_before_merge": sum(s.num_tokens for s in steps),
+        "batch/rows_before_merge": sum(len(t) for t in trajectories),
+        "batch/tokens_before_merge": sum(s.num_tokens for t in trajectories for s in t),
     }
     counts: dict[str, Any] = {}
     # Before merging: turn-level estimators give each turn its own advantage.
     advantages = group_advantages(groups, estimator, metrics=counts, **dict(estimator_options or {}))
     metrics.update({f"advantages/{k}": v for k, v in counts.items()})
     if merge_steps:
-        steps, advantages, stats = merge_with_advantages(steps, advantages, max_tokens=max_tokens)
+        trajectories, advantages, stats = merge_trajectories(trajectories, max_tokens=max_tokens, advantages=advantages)
         metrics["batch/rows_after_merge"] = stats.rows_after
         metrics["batch/tokens_after_merge"] = stats.tokens_after
         metrics["batch/broken_prefixes"] = stats.broken_prefixes  # steps that drifted from their history
-    batch = StepBatch.from_steps(steps, keep_metadata=keep_metadata)
+    by_group, start = [], 0
+    for g in groups:  # each group's (merged) trajectories
+        by_group.append(trajectories[start : start + len(g.trajectories)])
+        start += len(g.trajectories)
+    batch = StepBatch.from_groups(by_group, keep_metadata=keep_metadata)
     batch.set_response_field("advantages", advantages)
     return batch, metrics
 

@@ -55,22 +55,22 @@ def _main(args: argparse.Namespace) -> int:
     spec = components.env_spec(cfg)
     agent = AgentLoop(engine, tokenizer, lambda: spec.factory(**cfg.env.options), loop_cfg)
     try:
-        steps = asyncio.run(agent.rollout(samples, seed=cfg.trainer.seed))
+        groups = asyncio.run(agent.rollout_groups(samples, seed=cfg.trainer.seed))
     finally:
         agent.close()
-    sys.stdout.write(render_trajectories(steps, tokenizer))
+    sys.stdout.write(render_trajectories(groups, tokenizer))
     return 0
 
 
-def render_trajectories(steps, tokenizer) -> str:
-    """Each trajectory as text: first prompt, then reply / reward / observation per turn."""
-    from megatron_stepwise.algo.groups import groups_of
+def render_trajectories(groups, tokenizer) -> str:
+    """Each trajectory of the rollout's groups as text: first prompt, then reply / reward /
+    observation per turn."""
 
     def text(ids) -> str:
         return tokenizer.decode(list(ids), skip_special_tokens=False)
 
     out = []
-    for trajectory in (t for group in groups_of(steps) for t in group.trajectories):
+    for trajectory in (t for group in groups for t in group.trajectories):
         out.append(f"=== trajectory {trajectory[0].trajectory_id} ===")
         prev = None
         for step in trajectory:

@@ -40,7 +40,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import operator
 import threading
 import time
 from collections import Counter
@@ -130,7 +129,7 @@ class AsyncRollouts:
         filters = cfg.algo.filters
         self._buffer_args = (self.prompts_per_minibatch, cfg.async_)
         self._keep_group = (
-            operator.attrgetter("has_reward_variance") if (filters.zero_variance or filters.dynamic_sampling) else None
+            (lambda g: g.summary().has_reward_variance) if (filters.zero_variance or filters.dynamic_sampling) else None
         )
         # Filters may discard this many groups while one optimizer step waits before it is skipped
         # (the synchronous source's dynamic sampling gives up after as many rollout rounds).
@@ -447,7 +446,7 @@ class AsyncRollouts:
         staleness = [version - g.start_version for g in groups]
         it = self._iteration
         for g in groups:
-            versions = g.rollout.versions if self.fetcher is not None else TokenVersions.of(g.rollout.steps)
+            versions = g.rollout.versions if self.fetcher is not None else TokenVersions.of(g.rollout.trajectories)
             it["groups"].append(g.rollout)
             it["staleness"].update(versions.staleness(version))
             it["spreads"] += versions.spreads

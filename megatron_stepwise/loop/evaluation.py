@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
+from megatron_stepwise.algo.groups import RolloutGroup
 from megatron_stepwise.compose import components
 from megatron_stepwise.config import ExperimentConfig
 from megatron_stepwise.data.files import open_samples
@@ -53,19 +54,19 @@ def answer_of(step: Step, tokenizer) -> Optional[str]:
     return text or None
 
 
-def eval_metrics(steps: Sequence[Step], tokenizer, success_threshold: float) -> dict[str, float]:
-    """Reward, pass@k, maj@k, turns and stop reasons of one eval rollout (keys without a prefix)."""
-    base = rollout_metrics(steps, success_threshold=success_threshold)
+def eval_metrics(groups: Sequence[RolloutGroup], tokenizer, success_threshold: float) -> dict[str, float]:
+    """Reward, pass@k, maj@k, turns and stop reasons of one eval rollout's groups (keys without a prefix)."""
+    base = rollout_metrics(groups, success_threshold=success_threshold)
     out = {
         k: v
         for k, v in base.items()
         if k.startswith(("reward/", "rollout/turns", "stop_reason/")) or k == "rollout/invalid_share"
     }
-    groups = list(group_outcomes(steps).values())  # valid trajectories only
-    out["prompts"] = float(len(groups))
-    if not groups:
+    outcomes = list(group_outcomes(groups).values())  # valid trajectories only
+    out["prompts"] = float(len(outcomes))
+    if not outcomes:
         return out
-    n = min(len(g) for g in groups)
+    n = min(len(g) for g in outcomes)
     for k in pass_ks(n):
         if math.comb(n, k) > MAJ_MAX_SUBSETS:
             continue
@@ -73,8 +74,8 @@ def eval_metrics(steps: Sequence[Step], tokenizer, success_threshold: float) -> 
             majority_at_k(
                 [answer_of(s, tokenizer) for s in g], [s.reward >= success_threshold for s in g], k, MAJ_MAX_SUBSETS
             )
-            for g in groups
-        ) / len(groups)
+            for g in outcomes
+        ) / len(outcomes)
     return out
 
 
@@ -107,12 +108,12 @@ class Evaluator:
         start = time.perf_counter()
         for s in self.sets:
             # Its own request ids: async training may have groups of the same prompts in flight.
-            steps = await self.agent.rollout(s.samples, seed=seed, request_tag=s.prefix)
-            self.outcomes[s.name] = {pid: [st.reward for st in g] for pid, g in group_outcomes(steps).items()}
+            groups = await self.agent.rollout_groups(s.samples, seed=seed, request_tag=s.prefix)
+            self.outcomes[s.name] = {pid: [st.reward for st in g] for pid, g in group_outcomes(groups).items()}
             out.update(
                 {
                     s.prefix + k: v
-                    for k, v in eval_metrics(steps, self.tokenizer, self.cfg.eval_.success_threshold).items()
+                    for k, v in eval_metrics(groups, self.tokenizer, self.cfg.eval_.success_threshold).items()
                 }
             )
         out["time/eval"] = time.perf_counter() - start

@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 
 @dataclass
 class Group:
-    """One prompt group on its way from the fleet to an optimizer step."""
+    """One prompt group on its way from the fleet to an optimizer step: the buffer's bookkeeping
+    around it. Once finished, `rollout` is the group itself (an `algo.groups.PromptGroup`)."""
 
     serial: int  # unique per started group, in start order
     sample: dict[str, Any]  # the dataset sample (its own prompt_id)
@@ -42,38 +43,6 @@ class Group:
     def rollout_sample(self) -> dict[str, Any]:
         """The sample to roll out: the dataset's, under this group's id."""
         return {**self.sample, "prompt_id": self.group_id}
-
-    # Once finished, a group is group-shaped (`algo.groups.PromptGroup`): its rollout's outcomes.
-    @property
-    def prompt_id(self) -> str:
-        return self.group_id
-
-    @property
-    def rewards(self) -> list[float]:
-        return self.rollout.rewards
-
-    @property
-    def invalid(self) -> list[Optional[str]]:
-        return self.rollout.invalid
-
-    @property
-    def turns(self) -> list[int]:
-        return self.rollout.turns
-
-    @property
-    def has_reward_variance(self) -> bool:
-        return self.rollout.has_reward_variance
-
-    @property
-    def num_steps(self) -> int:
-        return self.rollout.num_steps
-
-    @property
-    def generated_tokens(self) -> int:
-        return self.rollout.generated_tokens
-
-    def summary(self):
-        return self.rollout.summary()
 
 
 @dataclass
@@ -301,11 +270,7 @@ class GroupBuffer:
 
 
 def length_buckets(rollout: RolloutGroup | HeldGroup) -> list[str]:
-    """Each trajectory's length bucket by turns (`turns_1` ... `turns_8`, `turns_9+`); none for a
-    rollout without trajectories. A held group has no trajectories here: its summary's turns."""
-    trajectories = getattr(rollout, "trajectories", None)
-    if trajectories is not None:
-        turns = [len(t) for t in trajectories]
-    else:
-        turns = rollout.summary().turns if hasattr(rollout, "summary") else []
+    """Each trajectory's length bucket by turns (`turns_1` ... `turns_8`, `turns_9+`), from the
+    rollout's summary; none for a rollout that is no prompt group (the buffer takes any value)."""
+    turns = rollout.summary().turns if hasattr(rollout, "summary") else []
     return [f"turns_{n}" if n <= 8 else "turns_9+" for n in turns]

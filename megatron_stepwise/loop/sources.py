@@ -227,7 +227,7 @@ class SyncRollouts:
         if cfg.algo.filters.dynamic_sampling:
             # Keep rolling out fresh prompts until enough groups carry a learning signal.
             while (
-                sum(g.has_reward_variance for g in groups) < cfg.data.prompts_per_iteration
+                sum(g.summary().has_reward_variance for g in groups) < cfg.data.prompts_per_iteration
                 and rounds < cfg.algo.filters.max_sampling_rounds
             ):
                 seen = {g.prompt_id for g in groups}
@@ -238,7 +238,7 @@ class SyncRollouts:
                     groups = groups + driver.run(driver.agent.rollout_groups(more, seed=seed, **held))
                 rounds += 1
         elapsed = time.perf_counter() - t
-        generated = sum(g.generated_tokens for g in groups)
+        generated = sum(g.summary().generated_tokens for g in groups)
         info = {"rollout/sampling_rounds": rounds, "perf/rollout_tokens_per_s": generated / max(elapsed, 1e-9)}
         info.update(driver.fleet_metrics())
         if hold is None:
@@ -251,7 +251,7 @@ class SyncRollouts:
         filters = cfg.algo.filters
         keep = groups
         if filters.zero_variance or filters.dynamic_sampling:
-            keep = [g for g in groups if g.has_reward_variance]
+            keep = [g for g in groups if g.summary().has_reward_variance]
         target = cfg.data.prompts_per_iteration if filters.dynamic_sampling else len(keep)
         usable = min(len(keep), target)
         usable -= usable % cfg.data.prompts_per_minibatch

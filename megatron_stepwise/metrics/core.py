@@ -14,7 +14,7 @@ import os
 from collections import Counter, defaultdict
 from typing import Any, Optional, Sequence
 
-from megatron_stepwise.algo.groups import GroupSummary, RolloutGroup, groups_of
+from megatron_stepwise.algo.groups import GroupSummary, PromptGroup, RolloutGroup
 from megatron_stepwise.rundir.jsonl import read_jsonl_records, read_metrics  # noqa: F401 (read_metrics: part of this API)
 from megatron_stepwise.rundir.paths import RunDir
 from megatron_stepwise.steps import Step
@@ -55,12 +55,10 @@ def pass_ks(n: int) -> list[int]:
     return ks + [n]
 
 
-def group_outcomes(steps: Sequence[Step]) -> dict[str, list[Step]]:
-    """{prompt_id: last steps of its trajectories} of the real, valid trajectories."""
-    groups = {
-        g.prompt_id: [t[-1] for t, bad in zip(g.trajectories, g.invalid) if bad is None] for g in groups_of(steps)
-    }
-    return {pid: last for pid, last in groups.items() if last}
+def group_outcomes(groups: Sequence[RolloutGroup]) -> dict[str, list[Step]]:
+    """{prompt_id: last steps of its valid trajectories} of the groups that have one."""
+    last = {g.prompt_id: [t[-1] for t, bad in zip(g.trajectories, g.invalid) if bad is None] for g in groups}
+    return {pid: steps for pid, steps in last.items() if steps}
 
 
 def pass_metrics(groups: Sequence[Sequence[float]], success_threshold: float, prefix: str = "reward/") -> dict:
@@ -92,15 +90,11 @@ def reward_metrics(groups: Sequence[GroupSummary], success_threshold: float) -> 
     }
 
 
-def rollout_metrics(
-    rollout: Sequence[RolloutGroup] | Sequence[GroupSummary] | Sequence[Step], *, success_threshold: float = 1.0
-) -> dict[str, float]:
+def rollout_metrics(rollout: Sequence[PromptGroup], *, success_threshold: float = 1.0) -> dict[str, float]:
     """Trajectory-level reward, pass@k, turns, lengths and stop reasons of one rollout, given as
-    its prompt groups (or their summaries) or as its flat steps (padding rows ignored).
+    its prompt groups (any `PromptGroup`: they are read through their summaries).
     Reward figures and pass@k are over valid trajectories only; `rollout/invalid_share` counts
     the others (an infrastructure failure's reward is no outcome)."""
-    if rollout and isinstance(rollout[0], Step):
-        rollout = groups_of(rollout)
     groups = [g.summary() for g in rollout]
     n_trajectories = sum(len(g.rewards) for g in groups)
     if not n_trajectories:

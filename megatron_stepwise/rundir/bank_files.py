@@ -48,8 +48,7 @@ def encode_steps(trajectories: Sequence[Sequence[Step]], meta: dict[str, Any]) -
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    steps = [s for t in trajectories for s in t]
-    batch = StepBatch.from_steps(steps, keep_metadata=True)
+    batch = StepBatch.from_groups([trajectories], keep_metadata=True)
     table, experts_shape = rows_table([Captured(batch, batch.metadata or [])])
     meta = {
         "version": FORMAT_VERSION,

@@ -34,7 +34,7 @@ from megatron_stepwise.algo.validate import validate_steps
 from megatron_stepwise.fault_injection import before_fetch
 from megatron_stepwise.rollout.ray_nodes import ask_actor_node
 from megatron_stepwise.rundir.bank_files import BankFile
-from megatron_stepwise.steps import StepBatch, step_structure
+from megatron_stepwise.steps import Step, StepBatch
 from megatron_stepwise.workers.rollout_bank import BankedGroup, BankTicket, bank_rollout, with_group_id
 
 if TYPE_CHECKING:
@@ -73,17 +73,26 @@ class TokenVersions:
     """A group's staleness summary: its trained tokens (loss_mask 1) counted by the weight
     version that produced them, and per trajectory the newest minus the oldest of those versions.
     What the staleness metrics need, without a token: an agent worker holding the group's rows
-    sends this instead (`HeldGroup.versions`). Steps without recorded versions are left out."""
+    sends this instead (`HeldGroup.versions`). Steps without recorded versions are left out.
+
+    >>> from megatron_stepwise.steps import TrajectoryID
+    >>> t0 = [Step(TrajectoryID("p", 0), [1], [5, 6], [1, 1], weight_versions=[3, 4], is_last_step=True)]
+    >>> t1 = [Step(TrajectoryID("p", 1), [1], [7], [1], weight_versions=[4], is_last_step=True)]
+    >>> v = TokenVersions.of([t0, t1])
+    >>> v.tokens, v.spreads, dict(v.staleness(5))
+    ({3: 1, 4: 2}, [1, 0], {2: 1, 1: 2})
+    """
 
     tokens: dict[int, int] = field(default_factory=dict)  # weight version -> trained tokens
     spreads: list[int] = field(default_factory=list)  # per trajectory with versions
 
     @classmethod
-    def of(cls, steps: list) -> "TokenVersions":
+    def of(cls, trajectories: list[list[Step]]) -> "TokenVersions":
+        """The summary of a group's trajectories (`RolloutGroup.trajectories`)."""
         tokens: Counter[int] = Counter()
         spreads = []
-        for rows in step_structure(steps).trajectories:
-            trained = [v for s in (steps[i] for i in rows) for v in _trained_versions(s)]
+        for trajectory in trajectories:
+            trained = [v for s in trajectory for v in _trained_versions(s)]
             tokens.update(trained)
             if trained:
                 spreads.append(max(trained) - min(trained))
@@ -104,7 +113,17 @@ def _trained_versions(step) -> list[int]:
 
 @dataclass
 class HeldGroup:
-    """A group whose rows a worker keeps: what the driver decides on."""
+    """A group whose rows a worker keeps: what the driver decides on (a `PromptGroup`: its id and
+    summary), with the rows' table and where they are.
+
+    >>> from megatron_stepwise.algo.prepare import prepare_rows
+    >>> from megatron_stepwise.steps import TrajectoryID
+    >>> one = lambda k: [Step(TrajectoryID("p", k), [1, 2], [3], [1], reward=k, is_last_step=True)]
+    >>> group = RolloutGroup("p", [one(0), one(1)])
+    >>> held = HeldRows().keep(group, HoldRequest(7, prepare_rows, None), holder="agent_worker_0")
+    >>> held.prompt_id, held.summary().rewards, held.rows.lengths.tolist(), (held.holder, held.key)
+    ('p', [0.0, 1.0], [3, 3], ('agent_worker_0', 7))
+    """
 
     group: GroupSummary  # the summary: outcomes, turns, lengths
     rows: RowTable
@@ -114,34 +133,10 @@ class HeldGroup:
     versions: TokenVersions = field(default_factory=TokenVersions)  # the staleness summary
     bank: Optional[BankFile] = None  # its rollout bank file, written by the holder
 
-    # Group-shaped (`algo.groups.PromptGroup`): its summary's outcomes.
+    # A `PromptGroup`: its outcomes are its summary's.
     @property
     def prompt_id(self) -> str:
         return self.group.prompt_id
-
-    @property
-    def rewards(self) -> list[float]:
-        return self.group.rewards
-
-    @property
-    def invalid(self) -> list[Optional[str]]:
-        return self.group.invalid
-
-    @property
-    def turns(self) -> list[int]:
-        return self.group.turns
-
-    @property
-    def has_reward_variance(self) -> bool:
-        return self.group.has_reward_variance
-
-    @property
-    def num_steps(self) -> int:
-        return self.group.num_steps
-
-    @property
-    def generated_tokens(self) -> int:
-        return self.group.generated_tokens
 
     def summary(self) -> GroupSummary:
         return self.group
@@ -172,7 +167,7 @@ class HeldRows:
     ) -> HeldGroup:
         batch, counts = hold_group(group, request)
         self.batches[(request.key, group.prompt_id)] = batch
-        versions = TokenVersions.of(group.steps)
+        versions = TokenVersions.of(group.trajectories)
         return HeldGroup(group.summary(), RowTable.of(batch), counts, holder, request.key, versions, bank)
 
     def adopt(self, banked: BankedGroup, group_id: str, request: HoldRequest, holder: str) -> HeldGroup:

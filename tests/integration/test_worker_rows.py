@@ -57,7 +57,7 @@ def test_groups_prepared_one_at_a_time_make_the_minibatch_prepare_makes(estimato
 def test_metrics_from_summaries_equal_metrics_from_the_groups():
     groups = _groups(seed=5)
     assert rollout_metrics([g.summary() for g in groups]) == rollout_metrics(groups)
-    assert rollout_metrics([s for g in groups for s in g.steps]) == rollout_metrics(groups)
+    assert rollout_metrics(groups_of([s for g in groups for s in g.steps])) == rollout_metrics(groups)
 
 
 def _decide(rows: RowTable, dp: int, reduction: str):

@@ -13,6 +13,7 @@ import torch
 from helpers import tiny_lm
 from transformers import AutoTokenizer
 
+from megatron_stepwise.algo.groups import groups_of
 from megatron_stepwise.algo.merge import merge_steps
 from megatron_stepwise.envs.echo import EchoEnv, echo_dataset
 from megatron_stepwise.hf.tokenizers import tokenizer_dir
@@ -119,7 +120,7 @@ def test_token_mode_prompts_extend_exactly_and_merge_to_one_row(engine, samples)
     merged, stats, ratio = merge_stats(steps)
     assert stats.broken_prefixes == 0 and stats.rows_after == len(trajs) and ratio == 1.0
     # The history is not what re-tokenising would give (the BPE drifts), yet nothing broke.
-    assert rollout_metrics(steps)["rollout/retokenize_drift_rate"] > 0
+    assert rollout_metrics(groups_of(steps))["rollout/retokenize_drift_rate"] > 0
 
 
 def test_token_mode_merged_rows_score_as_the_engine_sampled(engine, samples):
@@ -151,7 +152,7 @@ def test_retokenize_mode_drift_is_measured_and_is_where_the_merge_breaks(engine,
             drifted += prev.metadata["retokenize_drift"]
         assert "retokenize_drift" not in traj[-1].metadata
     _, stats, ratio = merge_stats(steps)
-    rate = rollout_metrics(steps)["rollout/retokenize_drift_rate"]
+    rate = rollout_metrics(groups_of(steps))["rollout/retokenize_drift_rate"]
     boundaries = len(steps) - len(trajectories(steps))
     assert stats.broken_prefixes == drifted and rate == pytest.approx(drifted / boundaries)
     assert drifted > 0 and ratio > 1.0
@@ -183,11 +184,11 @@ def test_token_mode_measures_drift_on_a_stable_share_of_trajectories(engine, sam
         else:
             assert "retokenize_drift" not in s.metadata
     kept = [s for s in full if s.trajectory_id in measured(half) and not s.is_last_step]
-    assert rollout_metrics(half)["rollout/retokenize_drift_rate"] == pytest.approx(
+    assert rollout_metrics(groups_of(half))["rollout/retokenize_drift_rate"] == pytest.approx(
         sum(s.metadata["retokenize_drift"] for s in kept) / len(kept)
     )
     none = run(engine, samples, n_samples_per_prompt=2, max_turns=3, context="tokens", drift_sample_rate=0.0)
-    assert not measured(none) and "rollout/retokenize_drift_rate" not in rollout_metrics(none)
+    assert not measured(none) and "rollout/retokenize_drift_rate" not in rollout_metrics(groups_of(none))
     # Re-tokenising measures every boundary whatever the rate: the next prompt IS the re-rendered chat.
     retok = run(engine, samples, n_samples_per_prompt=2, max_turns=3, context="retokenize", drift_sample_rate=0.0)
     assert all("retokenize_drift" in s.metadata for s in retok if not s.is_last_step)

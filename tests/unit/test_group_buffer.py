@@ -8,10 +8,10 @@ random group sizes and random filters, for many seeds.
 
 import heapq
 import itertools
-import operator
 import random
 from collections import Counter
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 from helpers import make_step
@@ -141,7 +141,7 @@ def test_bad_settings_name_the_config_key():
 
 
 def test_zero_variance_filter_acts_on_trajectory_groups_and_starvation_is_reported():
-    buf = GroupBuffer(1, AsyncConfig(max_staleness=1), keep_group=operator.attrgetter("has_reward_variance"))
+    buf = GroupBuffer(1, AsyncConfig(max_staleness=1), keep_group=lambda g: g.summary().has_reward_variance)
     draw = counter_draw()
     flat = buf.start(0, draw)
     # 2 trajectories; the first has an earlier step whose reward (0) differs: only last steps count
@@ -186,7 +186,16 @@ class Scenario:
 
 @dataclass
 class Rollout:
-    trajectories: list  # each a list of turns: what the buffer's length buckets count
+    """A finished group as the buffer reads it: its summary's turns (the length buckets)."""
+
+    trajectories: list  # each a list of turns
+
+    @property
+    def prompt_id(self) -> str:
+        return "simulated"
+
+    def summary(self):
+        return SimpleNamespace(turns=[len(t) for t in self.trajectories])
 
 
 def _duration(kind, rng):
@@ -344,7 +353,7 @@ def test_token_versions_count_only_trained_tokens():
     a = Step(TrajectoryID("p", 0), [1], [5, 6, 7], [1, 1, 0], weight_versions=[3, 4, 4])
     b = Step(TrajectoryID("p", 1), [1], [5, 6], [1, 1], weight_versions=[5, 5])
     c = Step(TrajectoryID("p", 2), [1], [5], [1])  # no versions recorded
-    versions = TokenVersions.of([a, b, c])
+    versions = TokenVersions.of([[a], [b], [c]])
     assert versions.tokens == {3: 1, 4: 1, 5: 2}
     assert versions.staleness(5) == {2: 1, 1: 1, 0: 2}
 
@@ -352,12 +361,14 @@ def test_token_versions_count_only_trained_tokens():
 def test_token_versions_see_updates_inside_a_trajectory():
     from megatron_stepwise.workers.worker_rows import TokenVersions
 
-    steps = [
-        Step(TrajectoryID("p", 0), [1], [5, 6], [1, 1], weight_versions=[3, 3]),
-        Step(TrajectoryID("p", 0), [1], [5, 6, 2], [1, 1, 0], weight_versions=[4, 5, 9]),  # 9: untrained EOS
-        Step(TrajectoryID("p", 1), [1], [5], [1], weight_versions=[4]),
+    trajectories = [
+        [
+            Step(TrajectoryID("p", 0), [1], [5, 6], [1, 1], weight_versions=[3, 3]),
+            Step(TrajectoryID("p", 0), [1], [5, 6, 2], [1, 1, 0], weight_versions=[4, 5, 9]),  # 9: untrained EOS
+        ],
+        [Step(TrajectoryID("p", 1), [1], [5], [1], weight_versions=[4])],
     ]
-    assert TokenVersions.of(steps).spreads == [2, 0]
+    assert TokenVersions.of(trajectories).spreads == [2, 0]
 
 
 def length_shares(policy: str, seeds: int = 30) -> dict[str, tuple[float, float]]:

@@ -1,22 +1,25 @@
-"""Groups end to end: every group-shaped object offers one protocol, and a flat list's
-trajectories and groups are derived in one place (`steps.step_structure`)."""
+"""Groups end to end: every group-shaped object offers one protocol (its prompt id and summary), a
+flat list's trajectories and groups are derived in one place (`steps.step_structure`), once per
+plugin API call, and a rollout that is groups is never flattened and regrouped."""
 
 import ast
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import make_step
+from helpers import make_step, stride_decide
 
 import megatron_stepwise.steps as steps_module
 from megatron_stepwise import compute_advantages
 from megatron_stepwise.algo.batching import prompt_minibatches
-from megatron_stepwise.algo.groups import GroupSummary, PromptGroup, groups_of
-from megatron_stepwise.algo.merge import merge_steps
+from megatron_stepwise.algo.groups import GroupSummary, PromptGroup, groups_of, pack_groups, unpack_groups
+from megatron_stepwise.algo.merge import merge_steps, merge_trajectories, merge_with_advantages
 from megatron_stepwise.algo.prepare import prepare, prepare_rows
 from megatron_stepwise.config.schema import AsyncConfig
-from megatron_stepwise.loop.group_buffer import GroupBuffer
-from megatron_stepwise.metrics.core import group_outcomes
+from megatron_stepwise.loop.evaluation import eval_metrics
+from megatron_stepwise.loop.group_buffer import Group, GroupBuffer
+from megatron_stepwise.loop.rounds import RowsOnRank0, decide_round
+from megatron_stepwise.metrics.core import group_outcomes, rollout_metrics
 from megatron_stepwise.steps import INVALID, StepBatch, make_padding_step
 from megatron_stepwise.workers.worker_rows import HeldGroup, HeldRows, HoldRequest, TokenVersions
 
@@ -40,17 +43,23 @@ def test_every_group_shaped_object_offers_the_prompt_group_protocol():
     buffer = GroupBuffer(1, AsyncConfig(max_staleness=1))
     started = buffer.start(0, draw=lambda: {"prompt_id": "a"})
     assert buffer.finish(started.serial, held, 0) == "ready"
-    shapes = {"RolloutGroup": group, "GroupSummary": group.summary(), "HeldGroup": held, "buffer Group": started}
-    assert [type(x).__name__ for x in shapes.values()] == ["RolloutGroup", "GroupSummary", "HeldGroup", "Group"]
-    assert {"prompt_id", "rewards", "invalid", "turns", "summary"} <= set(MEMBERS)
+    assert MEMBERS == ["prompt_id", "summary"]  # a group's id and its summary: nothing forwarded
+    shapes = {"RolloutGroup": group, "GroupSummary": group.summary(), "HeldGroup": held}
     for name, shape in shapes.items():
         assert isinstance(shape, PromptGroup), name
-        for member in MEMBERS:  # the same group, whatever its shape
-            value = getattr(shape, member)
-            want = getattr(group, member)
-            assert value() == want() if callable(want) else value == want, (name, member)
+        assert shape.prompt_id == "a" and shape.summary() == group.summary(), name  # the same group
+    # The buffer's bookkeeping is no group: once finished, its rollout is.
+    assert not isinstance(started, PromptGroup) and started.rollout is held
     assert group.turns == [2, 1, 3] and group.invalid == [None, None, "env_error"]
     assert isinstance(held, HeldGroup) and isinstance(group.summary(), GroupSummary)
+
+
+def test_no_group_shape_forwards_its_summarys_outcomes():
+    """The buffer's Group has no property; a HeldGroup only `prompt_id`, which the protocol asks."""
+    properties = {
+        cls.__name__: sorted(n for n, v in vars(cls).items() if isinstance(v, property)) for cls in (Group, HeldGroup)
+    }
+    assert properties == {"Group": [], "HeldGroup": ["prompt_id"]}
 
 
 class _Counted(steps_module.StepStructure):
@@ -77,17 +86,41 @@ def derivations(monkeypatch):
 
 def test_the_plugin_api_and_every_reader_of_a_flat_list_go_through_step_structure(derivations):
     flat = _flat()[:5] + [make_padding_step(0)] + _flat()[5:]
-    # The plugin API takes flat steps and groups them once.
+    # The plugin API takes flat steps: each entry derives their structure exactly once.
     assert derivations(lambda: compute_advantages(flat, "grpo")) == 1
     assert derivations(lambda: StepBatch.from_steps(flat)) == 1
     assert derivations(lambda: groups_of(flat)) == 1
     assert derivations(lambda: merge_steps(flat)) == 1
+    assert derivations(lambda: merge_with_advantages(flat, compute_advantages(flat, "grpo"))) == 2
     assert derivations(lambda: prompt_minibatches(flat, 1)) == 1
-    assert derivations(lambda: TokenVersions.of(flat)) == 1
-    assert derivations(lambda: group_outcomes(flat)) == 1
-    # `prepare` takes groups: the advantages read them; only the batch numbers its rows.
-    groups = groups_of(flat)
-    assert derivations(lambda: prepare(groups, estimator="turn_rloo")) == 1
+
+
+def test_groups_are_never_flattened_and_regrouped(derivations):
+    """Once a rollout is groups (the agent loop makes them; a flat list is grouped once, above),
+    nothing on the way to a batch, the metrics or an evaluation derives its structure again."""
+    groups = groups_of(_flat())
+    trajectories = [t for g in groups for t in g.trajectories]
+    held = HeldRows()
+    assert derivations(lambda: prepare(groups, estimator="turn_rloo", merge_steps=True)) == 0
+    assert derivations(lambda: prepare(groups, estimator="grpo")) == 0
+    assert (
+        derivations(lambda: decide_round([groups], RowsOnRank0(), decide=stride_decide(1), dp_size=1)) == 0
+    )  # rank 0's round
+    assert derivations(lambda: StepBatch.from_groups([g.trajectories for g in groups])) == 0
+    assert derivations(lambda: merge_trajectories(trajectories)) == 0
+    assert derivations(lambda: unpack_groups(pack_groups(groups))) == 0
+    assert derivations(lambda: held.keep(groups[0], HoldRequest(1, prepare_rows, None), "w0")) == 0
+    assert derivations(lambda: TokenVersions.of(groups[0].trajectories)) == 0
+    assert derivations(lambda: rollout_metrics(groups)) == 0
+    assert derivations(lambda: group_outcomes(groups)) == 0
+    assert derivations(lambda: eval_metrics(groups, _Digits(), success_threshold=1.0)) == 0
+
+
+class _Digits:
+    """A tokenizer's `decode`, enough for maj@k's answers."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
 
 
 def test_prepare_on_groups_gives_the_plugin_apis_advantages():
@@ -135,6 +168,7 @@ CHECKS = {
     "algo/validate.py:_check_structure",
     "algo/validate.py:_last_step_not_final",
     "algo/groups.py:__post_init__",
+    "algo/groups.py:_check_last_steps",
 }
 
 
@@ -145,4 +179,4 @@ def test_trajectory_and_group_structure_is_derived_in_one_place():
         for fn in _functions(path)
         if _derives_structure(fn)
     }
-    assert found - CHECKS == {"steps.py:step_structure", "steps.py:check_last_steps"}  # StepStructure
+    assert found - CHECKS == {"steps.py:step_structure"}  # StepStructure

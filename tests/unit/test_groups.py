@@ -34,9 +34,9 @@ def _group(pid="p", rewards=(0.0, 1.0), turns=(2, 1)):
 
 def test_reads_outcomes_and_sizes_without_a_flat_scan():
     g = _group(rewards=(0.5, 0.5, 1.0), turns=(2, 1, 3))
-    assert g.rewards == [0.5, 0.5, 1.0] and g.has_reward_variance
-    assert g.num_steps == 6 and g.generated_tokens == 12
-    assert not _group(rewards=(0.0, 0.0)).has_reward_variance
+    assert g.rewards == [0.5, 0.5, 1.0] and g.summary().has_reward_variance
+    assert g.summary().num_steps == 6 and g.summary().generated_tokens == 12
+    assert not _group(rewards=(0.0, 0.0)).summary().has_reward_variance
 
 
 def test_pickles_as_one_step_batch_and_back():
@@ -95,3 +95,18 @@ def test_groups_of_a_flat_rollout_skips_padding_and_keeps_order():
     assert flat_steps(groups) == flat[:-1]
     with pytest.raises(StepwiseBatchError, match="is_last_step"):
         groups_of(flat[:1])  # ends inside trajectory 0 of "a" (2 steps)
+
+
+def test_a_batch_from_groups_equals_the_batch_of_their_flat_steps():
+    """`StepBatch.from_groups` reads the groups' structure; `from_steps` derives it from the flat
+    list: the same columns, ids included (a group without trajectories numbers nothing)."""
+    groups = [_group("a", turns=(2, 1)), _group("b", rewards=(1.0, 1.0), turns=(1, 3))]
+    mine = StepBatch.from_groups([groups[0].trajectories, [], groups[1].trajectories], keep_metadata=True)
+    flat = StepBatch.from_steps(flat_steps(groups), keep_metadata=True)
+    assert mine.row_fields["group_index"].tolist() == [0, 0, 0, 1, 1, 1, 1]
+    for name in ("tokens", "offsets", "prompt_lens"):
+        assert torch.equal(getattr(mine, name), getattr(flat, name)), name
+    for fields in ("token_fields", "row_fields"):
+        a, b = getattr(mine, fields), getattr(flat, fields)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), fields
+    assert mine.trajectory_ids == flat.trajectory_ids and mine.metadata == flat.metadata

@@ -109,16 +109,16 @@ def test_prepared_batches_train_no_token_of_an_invalid_trajectory():
 def test_reward_metrics_and_pass_at_k_count_valid_trajectories_only():
     steps = [step("a", 0, 1.0), step("a", 1, 1.0), step("a", 2, 0.0, invalid="env_error")]
     steps += [step("b", 0, 0.0), step("b", 1, 0.0, invalid="abort"), step("b", 2, 0.0)]
-    m = rollout_metrics(steps)
+    m = rollout_metrics(groups_of(steps))
     assert m["rollout/invalid_share"] == 2 / 6 and m["rollout/trajectories"] == 6
     assert m["reward/mean"] == 0.5 and m["reward/pass@1"] == 0.5
     assert m["reward/zero_variance_groups"] == 1.0  # the invalid 0 is no signal in group "a"
-    assert not any(g.has_reward_variance for g in groups_of(steps))
+    assert not any(g.summary().has_reward_variance for g in groups_of(steps))
 
 
 def test_eval_of_only_invalid_trajectories_reports_them_without_failing():
     steps = [step("a", 0, 0.0, invalid="env_error"), step("b", 0, 0.0, invalid="env_error")]
-    m = eval_metrics(steps, TOK, success_threshold=1.0)
+    m = eval_metrics(groups_of(steps), TOK, success_threshold=1.0)
     assert m["prompts"] == 0 and m["rollout/invalid_share"] == 1.0 and "reward/mean" not in m
 
 

@@ -147,3 +147,25 @@ def test_max_tokens_caps_merged_rows():
 def test_empty_input():
     merged, stats = merge_steps([])
     assert merged == [] and stats == MergeStats(0, 0, 0, 0, 0)
+
+
+def test_merging_a_groups_trajectories_gives_the_flat_lists_rows():
+    """`merge_trajectories` (groups' trajectories, nothing derived) and `merge_steps` (a flat list)
+    are one merge: the same rows, stats and carried advantages, row for row."""
+    from megatron_stepwise.algo.advantages import compute_advantages
+    from megatron_stepwise.algo.groups import groups_of
+    from megatron_stepwise.algo.merge import merge_trajectories, merge_with_advantages
+    from megatron_stepwise.data.synthetic import AgentWorkload, make_agent_steps
+
+    steps = make_agent_steps(AgentWorkload(num_prompts=3, samples_per_prompt=3, turns=(1, 4), drift_prob=0.3, seed=2))
+    advantages = compute_advantages(steps, "rloo")
+    flat_rows, flat_adv, flat_stats = merge_with_advantages(steps, advantages, max_tokens=None)
+    trajectories = [t for g in groups_of(steps) for t in g.trajectories]
+    rows, adv, stats = merge_trajectories(trajectories, max_tokens=None, advantages=advantages)
+    assert stats == flat_stats and stats.broken_prefixes > 0 and stats.rows_after < stats.rows_before
+    assert len(rows) == len(trajectories)
+    assert [r.trajectory_id for t in rows for r in t] == [r.trajectory_id for r in flat_rows]
+    for a, b in zip([r for t in rows for r in t], flat_rows):
+        assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.loss_mask, b.loss_mask)
+    assert all(torch.equal(a, b) for a, b in zip(adv, flat_adv))
+    assert merge_trajectories(trajectories, max_tokens=None)[1] is None

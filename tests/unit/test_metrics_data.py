@@ -3,6 +3,7 @@ import json
 import pytest
 
 from megatron_stepwise import Step, TrajectoryID, make_padding_step
+from megatron_stepwise.algo.groups import groups_of
 from megatron_stepwise.cli.plot import plot_run
 from megatron_stepwise.data.files import open_samples
 from megatron_stepwise.data.prompts import PromptDataset
@@ -33,7 +34,7 @@ def test_rollout_metrics_are_trajectory_level():
     # p: a 4-turn success and a 1-turn failure; q: two 1-turn failures. A per-row mean would be 4/6.
     steps = _traj("p", 0, 1.0, 4) + _traj("p", 1, 0.0, 1) + _traj("q", 0, 0.0, 1) + _traj("q", 1, 0.0, 1)
     steps.append(make_padding_step(0))
-    m = rollout_metrics(steps)
+    m = rollout_metrics(groups_of(steps))
     assert m["reward/mean"] == pytest.approx(0.25)
     assert m["reward/pass@1"] == pytest.approx(0.25)
     assert m["reward/pass@2"] == pytest.approx(0.5)  # one of two groups has a success
@@ -131,7 +132,8 @@ def test_reward_pass_at_k_uses_partial_credit_against_the_threshold():
         steps += _traj("p", k, r, 1)
     for k, r in enumerate([1.0, 1.0, 0.0, 0.0]):
         steps += _traj("q", k, r, 1)
-    strict, lenient = rollout_metrics(steps), rollout_metrics(steps, success_threshold=0.5)
+    groups = groups_of(steps)
+    strict, lenient = rollout_metrics(groups), rollout_metrics(groups, success_threshold=0.5)
     assert strict["reward/pass@1"] == pytest.approx((0 + 0.5) / 2)
     assert strict["reward/pass@2"] == pytest.approx((0 + _brute_pass_at_k([1, 1, 0, 0], 2)) / 2)
     assert lenient["reward/pass@2"] == pytest.approx((_brute_pass_at_k([1, 0, 0, 0], 2) + 5 / 6) / 2)

@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from harness import add_seed_and_out, bench_parser, config, run_args, script_main  # noqa: E402
 
+from megatron_stepwise.algo.groups import groups_of  # noqa: E402
 from megatron_stepwise.algo.merge import merge_steps  # noqa: E402
 from megatron_stepwise.envs.echo import EchoEnv, echo_dataset  # noqa: E402
 from megatron_stepwise.hf.tokenizers import load_tokenizer  # noqa: E402
@@ -98,7 +99,7 @@ def measure(mode: str, turns: int, args: argparse.Namespace, tokenizer) -> dict[
         "merged_over_unique": stats.tokens_after / unique,
         "rows_per_traj_merged": stats.rows_after / n_traj,
         "broken_prefixes": stats.broken_prefixes,
-        "drift_rate": rollout_metrics(steps).get("rollout/retokenize_drift_rate", 0.0),
+        "drift_rate": rollout_metrics(groups_of(steps)).get("rollout/retokenize_drift_rate", 0.0),
         "trained_tokens_per_traj": sum(s.num_trainable for s in steps) / n_traj,
     }
 

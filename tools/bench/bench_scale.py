@@ -382,7 +382,7 @@ def _new_handoff(steps, cfg, dp_sizes=(1, 2, 4)) -> dict[str, Any]:
     out: dict[str, Any] = {}
     t = time.process_time()
     validate_steps(steps, vocab_size=cfg_vocab(cfg))
-    rollout_metrics(steps)
+    rollout_metrics(groups_of(steps))
     minibatches = prompt_minibatches(steps, cfg.data.prompts_per_minibatch)
     out["validate_split_cpu"] = time.process_time() - t
     t = time.process_time()
