@@ -183,17 +183,20 @@ class Gateway:
     async def _once(self, request: web.Request, rec: TrajectoryRecorder, raw: bytes, compute) -> Answer:
         """`compute()`, or the answer already given (or being given) to this request's retry."""
         idem = request.headers.get("Idempotency-Key")
-        key = f"idem:{idem}" if idem else "body:" + hashlib.sha256(raw).hexdigest()
-        is_retry = bool(idem) or request.headers.get("x-stainless-retry-count", "0") not in ("", "0")
-        if is_retry and key in rec.answers:
+        by_body = "body:" + hashlib.sha256(raw).hexdigest()
+        keys = [f"idem:{idem}", by_body] if idem else [by_body]
+        sdk_retry = request.headers.get("x-stainless-retry-count", "0") not in ("", "0")
+        asked = keys[0] if idem else (by_body if sdk_retry else None)
+        if asked in rec.answers:
             self.counts["retries_answered"] += 1
-            return await asyncio.shield(rec.answers[key])
+            return await asyncio.shield(rec.answers[asked])
         future = asyncio.get_running_loop().create_future()
-        rec.answers[key] = future
+        rec.answers.update(dict.fromkeys(keys, future))
         try:
             answer = await compute()
         except BaseException as e:
-            rec.answers.pop(key, None)
+            for k in keys:
+                rec.answers.pop(k, None)
             future.set_exception(e)
             future.exception()  # retrieved: a retry may never come
             raise
