@@ -7,11 +7,13 @@ with `option_of`, so YAML, Python and the docs share one default, bound and help
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from megatron_stepwise.options import check_options, option
 
 CLIENT_SAMPLING = ("ignore", "refuse")
+# the keys of the `env` section that are AgentConfig's (same names there)
+AGENT_KEYS = ("agent", "agent_timeout_s", "agent_max_calls", "agent_max_tokens", "client_sampling")
 
 
 @dataclass
@@ -39,3 +41,8 @@ class AgentConfig:
 
     def __post_init__(self) -> None:
         check_options(self, "env.")
+
+    @classmethod
+    def from_section(cls, env: Any) -> "AgentConfig":
+        """From an experiment's `env` section (its `AGENT_KEYS`)."""
+        return cls(**{key: getattr(env, key) for key in AGENT_KEYS})

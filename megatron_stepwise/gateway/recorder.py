@@ -100,7 +100,7 @@ class TrajectoryRecorder:
         """The trajectory's steps, the last one carrying the outcome `reward` (and `invalid`,
         why it must not be trained). No call at all: one zero-token step keeps it counted."""
         self.finished = True
-        steps = self.steps or [self._placeholder()]
+        steps = list(self.steps) or [self._placeholder()]
         for step, r in zip(steps, turn_rewards or ()):
             step.turn_reward = float(r)
         last = steps[-1]

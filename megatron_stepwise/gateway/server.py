@@ -211,6 +211,7 @@ class Gateway:
             except ChatTemplateError as e:
                 raise bad("messages", str(e)) from None
             result, text = await self._generate(rec, call, prompt)
+            self._check_open(rec, counted=False)  # the agent's run may have ended meanwhile
             parsed = parse_tool_calls(text, call.tools) if call.tools and call.parse_tools else None
             reply = reply_message(parsed, text) if parsed is not None else {"role": "assistant", "content": text}
             rec.record(prompt, result, call.messages, call.tools, reply, text, api)
@@ -224,6 +225,7 @@ class Gateway:
             ids = list(prompt_in) if isinstance(prompt_in, list) else encode(self.tokenizer, prompt_in)
             prompt = rec.raw_prompt(ids)
             result, text = await self._generate(rec, call, prompt)
+            self._check_open(rec, counted=False)
             rec.record(prompt, result, [], None, {"role": "completion", "content": text}, text, "openai")
             return self._answer(call, prompt, result, text, [], len(rec.steps))
 
@@ -299,10 +301,10 @@ class Gateway:
             raise GatewayError(404, "unknown or finished trajectory (its agent run has ended)", "trajectory")
         return rec
 
-    def _check_open(self, rec: TrajectoryRecorder) -> None:
+    def _check_open(self, rec: TrajectoryRecorder, counted: bool = True) -> None:
         if rec.finished:
             raise GatewayError(404, "the trajectory has finished", "trajectory")
-        if len(rec.steps) >= self.settings.agent.agent_max_calls:
+        if counted and len(rec.steps) >= self.settings.agent.agent_max_calls:
             raise bad("messages", f"the trajectory made env.agent_max_calls={self.settings.agent.agent_max_calls} calls")
 
     async def _body(self, request: web.Request) -> tuple[bytes, dict]:
