@@ -366,9 +366,7 @@ def build_agent_rollout(cfg: ExperimentConfig, fleet: Generator, tokenizer: PreT
         append_eos=eot.append is not None,
     )
     ids = list(eot.ids) if eot.append is None else [eot.append] + [i for i in eot.ids if i != eot.append]
-    return AgentRollout(
-        fleet, tokenizer, cfg.env.agent, settings, ids, cfg.data.samples_per_prompt, r.max_concurrency
-    )
+    return AgentRollout(fleet, tokenizer, cfg.env.agent, settings, ids, cfg.data.samples_per_prompt, r.max_concurrency)
 
 
 # ------------------------------------------------------------------------ weights

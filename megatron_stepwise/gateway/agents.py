@@ -79,7 +79,9 @@ class AgentRollout:
         self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="env-agent")
         self._reported: dict[str, float] = {}
 
-    async def rollout(self, samples: Sequence[dict], seed: Optional[int] = None, on_trajectory_done=None, request_tag: str = "") -> list[Step]:
+    async def rollout(
+        self, samples: Sequence[dict], seed: Optional[int] = None, on_trajectory_done=None, request_tag: str = ""
+    ) -> list[Step]:
         return flat_steps(await self.rollout_groups(samples, seed, on_trajectory_done, request_tag))
 
     async def rollout_groups(
@@ -148,7 +150,12 @@ class AgentRollout:
         return out
 
     def env_stats(self) -> dict[str, int]:
-        return {"calls": int(self.gateway.counts["calls"]), "errors": self.agent_errors, "timeouts": 0, "stuck_threads": 0}
+        return {
+            "calls": int(self.gateway.counts["calls"]),
+            "errors": self.agent_errors,
+            "timeouts": 0,
+            "stuck_threads": 0,
+        }
 
     def track(self, activity) -> None:
         self.activity = activity

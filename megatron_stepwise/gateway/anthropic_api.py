@@ -57,7 +57,9 @@ def _messages_of(m: Any, where: str) -> list[dict]:
             elif kind == "tool_use":
                 calls.append(template_call(str(b.get("name")), b.get("input") or {}, b.get("id")))
             elif kind not in ("thinking", "redacted_thinking"):
-                raise bad(f"{where}.content[{j}].type", f"an assistant turn takes text and tool_use blocks, got {kind!r}")
+                raise bad(
+                    f"{where}.content[{j}].type", f"an assistant turn takes text and tool_use blocks, got {kind!r}"
+                )
         message: dict[str, Any] = {"role": "assistant", "content": "".join(text)}
         if calls:
             message["tool_calls"] = calls
@@ -126,9 +128,12 @@ def messages_events(call: Call, a: Answer) -> Iterator[tuple[str, dict]]:
         yield "content_block_start", {"type": "content_block_start", "index": k, "content_block": opening}
         yield "content_block_delta", {"type": "content_block_delta", "index": k, "delta": delta}
         yield "content_block_stop", {"type": "content_block_stop", "index": k}
-    yield "message_delta", {
-        "type": "message_delta",
-        "delta": {"stop_reason": STOP_REASONS[a.finish], "stop_sequence": None},
-        "usage": {"output_tokens": a.completion_tokens},
-    }
+    yield (
+        "message_delta",
+        {
+            "type": "message_delta",
+            "delta": {"stop_reason": STOP_REASONS[a.finish], "stop_sequence": None},
+            "usage": {"output_tokens": a.completion_tokens},
+        },
+    )
     yield "message_stop", {"type": "message_stop"}

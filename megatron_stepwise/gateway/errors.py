@@ -7,8 +7,18 @@ from typing import Optional
 from aiohttp import web
 
 # OpenAI's error types by status; Anthropic's are its own names for the same cases.
-_OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error"}
-_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 413: "request_too_large"}
+_OPENAI_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+}
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "request_too_large",
+}
 
 
 class GatewayError(Exception):

@@ -78,7 +78,12 @@ def chat_answer(call: Call, a: Answer) -> dict:
     message: dict[str, Any] = {"role": "assistant", "content": a.text if a.text or not a.calls else None}
     if a.calls:
         message["tool_calls"] = _tool_calls(a)
-    choice = {"index": 0, "message": message, "finish_reason": a.finish, "logprobs": _logprobs(a) if call.logprobs else None}
+    choice = {
+        "index": 0,
+        "message": message,
+        "finish_reason": a.finish,
+        "logprobs": _logprobs(a) if call.logprobs else None,
+    }
     return {
         "id": a.id,
         "object": "chat.completion",
@@ -95,7 +100,13 @@ def chat_events(call: Call, a: Answer) -> Iterator[Optional[dict]]:
 
     def chunk(delta: dict, finish: Optional[str] = None, **extra: Any) -> dict:
         choice = {"index": 0, "delta": delta, "finish_reason": finish, **extra}
-        return {"id": a.id, "object": "chat.completion.chunk", "created": a.created, "model": call.model, "choices": [choice]}
+        return {
+            "id": a.id,
+            "object": "chat.completion.chunk",
+            "created": a.created,
+            "model": call.model,
+            "choices": [choice],
+        }
 
     yield chunk({"role": "assistant", "content": ""})
     if a.text:
@@ -104,7 +115,14 @@ def chat_events(call: Call, a: Answer) -> Iterator[Optional[dict]]:
         yield chunk({"tool_calls": [{"index": k, **tc}]})
     yield chunk({}, a.finish)
     if call.include_usage:
-        yield {"id": a.id, "object": "chat.completion.chunk", "created": a.created, "model": call.model, "choices": [], "usage": _usage(a)}
+        yield {
+            "id": a.id,
+            "object": "chat.completion.chunk",
+            "created": a.created,
+            "model": call.model,
+            "choices": [],
+            "usage": _usage(a),
+        }
     yield None
 
 
@@ -113,7 +131,14 @@ def completion_answer(model: str, a: Answer, logprobs: bool) -> dict:
     if logprobs:
         lp = {"tokens": a.token_texts, "token_logprobs": a.logprobs, "top_logprobs": None, "text_offset": None}
     choice = {"index": 0, "text": a.text, "finish_reason": a.finish, "logprobs": lp}
-    return {"id": a.id, "object": "text_completion", "created": a.created, "model": model, "choices": [choice], "usage": _usage(a)}
+    return {
+        "id": a.id,
+        "object": "text_completion",
+        "created": a.created,
+        "model": model,
+        "choices": [choice],
+        "usage": _usage(a),
+    }
 
 
 def completion_events(model: str, a: Answer, logprobs: bool) -> Iterator[Optional[dict]]:

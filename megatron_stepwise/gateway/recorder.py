@@ -113,7 +113,11 @@ class TrajectoryRecorder:
         response, logprobs = list(result.output_ids), list(result.logprobs)
         versions = list(result.token_weight_versions or [result.weight_version] * len(response))
         loss_mask = [1] * len(response)
-        if self.append_eos and result.finish_reason != "abort" and (not response or response[-1] not in self.eos_token_ids):
+        if (
+            self.append_eos
+            and result.finish_reason != "abort"
+            and (not response or response[-1] not in self.eos_token_ids)
+        ):
             # not sampled: never trained, but the next prompt holds it (the template closes the turn)
             response.append(self.eos_token_ids[0])
             loss_mask.append(0)

@@ -114,7 +114,11 @@ class Gateway:
         return self._open[_tid_of(base_url)]
 
     def finish(
-        self, base_url: str, reward: float, turn_rewards: Optional[Sequence[float]] = None, invalid: Optional[str] = None
+        self,
+        base_url: str,
+        reward: float,
+        turn_rewards: Optional[Sequence[float]] = None,
+        invalid: Optional[str] = None,
     ) -> list[Step]:
         """The trajectory's steps; its URL answers 404 from now on."""
         recorder = self._open.pop(_tid_of(base_url))
@@ -148,7 +152,9 @@ class Gateway:
             return error_response(e, api)
         if api == "anthropic":
             if call.stream:
-                events = (f"event: {k}\ndata: {json.dumps(v)}\n\n" for k, v in anthropic_api.messages_events(call, answer))
+                events = (
+                    f"event: {k}\ndata: {json.dumps(v)}\n\n" for k, v in anthropic_api.messages_events(call, answer)
+                )
                 return await _sse(request, events)
             return web.json_response(anthropic_api.messages_answer(call, answer))
         if call.stream:
@@ -239,7 +245,9 @@ class Gateway:
                 "context_length_exceeded",
             )
         if rec.tokens + n > cap.agent_max_tokens:
-            raise bad("messages", f"the trajectory would use more than env.agent_max_tokens={cap.agent_max_tokens} tokens")
+            raise bad(
+                "messages", f"the trajectory would use more than env.agent_max_tokens={cap.agent_max_tokens} tokens"
+            )
         sampling = self._sampling(call, n)
         self.counts["calls"] += 1
         self.counts["prefix_breaks"] += prompt.prefix_break
@@ -261,14 +269,24 @@ class Gateway:
         for name, value in call.sampling.items():
             if value != getattr(base, name):
                 if s.agent.client_sampling == "refuse":
-                    raise bad(name, f"is set by the trainer (rollout.sampling.{name}={getattr(base, name)}), got {value!r}")
+                    raise bad(
+                        name, f"is set by the trainer (rollout.sampling.{name}={getattr(base, name)}), got {value!r}"
+                    )
                 self.counts["ignored_sampling"] += 1
-                log.warning("gateway: ignoring the client's %s=%r (rollout.sampling.%s=%r)", name, value, name, getattr(base, name))
+                log.warning(
+                    "gateway: ignoring the client's %s=%r (rollout.sampling.%s=%r)",
+                    name,
+                    value,
+                    name,
+                    getattr(base, name),
+                )
         room = base.max_new_tokens if call.max_tokens is None else min(call.max_tokens, base.max_new_tokens)
         if s.max_model_length is not None:
             room = min(room, s.max_model_length - prompt_len)
         if room < 1:
-            raise bad("messages", "the prompt leaves no room to generate in the model's context", "context_length_exceeded")
+            raise bad(
+                "messages", "the prompt leaves no room to generate in the model's context", "context_length_exceeded"
+            )
         params = SamplingParams(**{**base.to_dict(), "max_new_tokens": room, "stop": list(base.stop) + call.stop})
         return params
 
@@ -292,7 +310,9 @@ class Gateway:
     def _authorize(self, request: web.Request) -> None:
         header = request.headers.get("Authorization")
         key = request.headers.get("x-api-key")
-        if not (bearer_matches(header, self.api_key) or (key is not None and bearer_matches(f"Bearer {key}", self.api_key))):
+        if not (
+            bearer_matches(header, self.api_key) or (key is not None and bearer_matches(f"Bearer {key}", self.api_key))
+        ):
             raise GatewayError(401, "missing or wrong API key (Authorization: Bearer <key>, or x-api-key)")
 
     def _recorder(self, request: web.Request) -> TrajectoryRecorder:
@@ -305,7 +325,9 @@ class Gateway:
         if rec.finished:
             raise GatewayError(404, "the trajectory has finished", "trajectory")
         if counted and len(rec.steps) >= self.settings.agent.agent_max_calls:
-            raise bad("messages", f"the trajectory made env.agent_max_calls={self.settings.agent.agent_max_calls} calls")
+            raise bad(
+                "messages", f"the trajectory made env.agent_max_calls={self.settings.agent.agent_max_calls} calls"
+            )
 
     async def _body(self, request: web.Request) -> tuple[bytes, dict]:
         limit = self.settings.max_request_bytes

@@ -86,7 +86,10 @@ def test_openai_async_client_streaming_and_not(engine_served):
         client = openai.AsyncOpenAI(base_url=url, api_key=served.gateway.api_key, max_retries=0)
         messages = [{"role": "user", "content": "say 1"}]
         out = await client.chat.completions.create(model="m", messages=messages)
-        messages += [{"role": "assistant", "content": out.choices[0].message.content}, {"role": "user", "content": "more"}]
+        messages += [
+            {"role": "assistant", "content": out.choices[0].message.content},
+            {"role": "user", "content": "more"},
+        ]
         stream = await client.chat.completions.create(
             model="m", messages=messages, stream=True, stream_options={"include_usage": True}
         )
