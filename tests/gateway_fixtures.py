@@ -75,3 +75,16 @@ def assert_exact(steps, calls) -> None:
         assert step.rollout_logprobs.tolist()[: len(sampled)] == [float(x) for x in logprobs] or all(
             abs(a - b) < 1e-6 for a, b in zip(step.rollout_logprobs.tolist(), logprobs)
         )
+
+
+def assert_exact_in_any_order(steps, calls) -> None:
+    """`assert_exact` for steps of concurrent trajectories: each step matches one call of its own."""
+    left = list(calls)
+    for step in steps:
+        n = int(step.loss_mask.sum())
+        key = (step.prompt_ids.tolist(), step.response_ids.tolist()[:n])
+        match = next((c for c in left if (c[0], c[1]) == key), None)
+        assert match is not None, f"step {step.trajectory_id}/{step.metadata.get('turn')}: no call received and sampled it"
+        left.remove(match)
+        assert_exact([step], [match])
+    assert not left, f"{len(left)} calls recorded as no step"
