@@ -84,7 +84,9 @@ def assert_exact_in_any_order(steps, calls) -> None:
         n = int(step.loss_mask.sum())
         key = (step.prompt_ids.tolist(), step.response_ids.tolist()[:n])
         match = next((c for c in left if (c[0], c[1]) == key), None)
-        assert match is not None, f"step {step.trajectory_id}/{step.metadata.get('turn')}: no call received and sampled it"
+        assert match is not None, (
+            f"step {step.trajectory_id}/{step.metadata.get('turn')}: no call received and sampled it"
+        )
         left.remove(match)
         assert_exact([step], [match])
     assert not left, f"{len(left)} calls recorded as no step"

@@ -12,6 +12,7 @@ answered from the first one: one step, never two.
 from __future__ import annotations
 
 import asyncio
+import copy
 import hashlib
 import json
 import logging
@@ -287,7 +288,9 @@ class Gateway:
             raise bad(
                 "messages", "the prompt leaves no room to generate in the model's context", "context_length_exceeded"
             )
-        params = SamplingParams(**{**base.to_dict(), "max_new_tokens": room, "stop": list(base.stop) + call.stop})
+        # a copy of the validated params with values checked here (as the agent loop does per turn)
+        params = copy.copy(base)
+        params.__dict__.update(max_new_tokens=room, stop=list(base.stop) + call.stop)
         return params
 
     def _answer(self, call: Call, prompt: Prompt, result, text: str, calls: list, n: int) -> Answer:

@@ -33,14 +33,13 @@ from megatron_stepwise.rollout.engine import SamplingParams  # noqa: E402
 
 
 def echo_agent(sync: bool):
-    def play(client_call, sample):
-        task, messages, done, total = EchoEnv(), None, False, 0.0
-        messages = task.reset(sample)
-        return task, messages
+    def play(sample):
+        task = EchoEnv()
+        return task, task.reset(sample)
 
     async def solve_async(sample, base_url, api_key):
         client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key)
-        task, messages = play(None, sample)
+        task, messages = play(sample)
         done, total = False, 0.0
         while not done:
             text = (await client.chat.completions.create(model="m", messages=messages)).choices[0].message.content
@@ -52,7 +51,7 @@ def echo_agent(sync: bool):
 
     def solve_sync(sample, base_url, api_key):
         client = openai.OpenAI(base_url=base_url, api_key=api_key)
-        task, messages = play(None, sample)
+        task, messages = play(sample)
         done, total = False, 0.0
         while not done:
             text = client.chat.completions.create(model="m", messages=messages).choices[0].message.content
@@ -98,8 +97,12 @@ def main() -> None:
         tok,
         EchoEnv,
         AgentLoopConfig(
-            n_samples_per_prompt=args.samples, max_turns=args.turns, context="tokens", sampling=sampling,
-            max_input_length=1 << 20, drift_sample_rate=0.0,
+            n_samples_per_prompt=args.samples,
+            max_turns=args.turns,
+            context="tokens",
+            sampling=sampling,
+            max_input_length=1 << 20,
+            drift_sample_rate=0.0,
         ),
     )
     settings = GatewaySettings(sampling=sampling, max_input_length=1 << 20)
