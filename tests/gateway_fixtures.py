@@ -41,12 +41,13 @@ class Scripted:
 class Served:
     """A started `Gateway` on its own thread's event loop."""
 
-    def __init__(self, generator: Any, tokenizer: Any, settings: Optional[GatewaySettings] = None):
+    def __init__(self, generator: Any, tokenizer: Any, settings: Optional[GatewaySettings] = None, engine: Any = None):
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.recording = Recording(generator)
         self.tokenizer = tokenizer
+        self.engine = engine  # closed on this loop before it stops (its scheduler task lives here)
         settings = settings or GatewaySettings(sampling=SamplingParams(max_new_tokens=8), max_input_length=1024)
         self.gateway = Gateway(self.recording, tokenizer, [tokenizer.eos_token_id], settings)
         self.run(self.gateway.start())
@@ -59,6 +60,8 @@ class Served:
 
     def close(self) -> None:
         self.run(self.gateway.close())
+        if self.engine is not None:
+            self.run(self.engine.close())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
 

@@ -21,7 +21,8 @@ SAMPLES = [{"prompt_id": "a", "n": 2}, {"prompt_id": "b", "n": 1}]
 
 
 def rollout(agent, **agent_config):
-    engine = Recording(LocalEngine(CONFIG, tokenizer=TOK, eos_token_ids=[TOK.eos_token_id], seed=0))
+    local = LocalEngine(CONFIG, tokenizer=TOK, eos_token_ids=[TOK.eos_token_id], seed=0)
+    engine = Recording(local)
     settings = GatewaySettings(
         sampling=SamplingParams(max_new_tokens=4), max_input_length=512, agent=AgentConfig(**agent_config)
     )
@@ -32,6 +33,7 @@ def rollout(agent, **agent_config):
             return await source.rollout_groups(SAMPLES)
         finally:
             await source.gateway.close()
+            await local.close()
 
     groups = asyncio.run(go())
     source.close()

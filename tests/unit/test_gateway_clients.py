@@ -13,6 +13,7 @@ import json
 
 import pytest
 
+from megatron_stepwise.algo.merge import merge_steps
 from megatron_stepwise.rollout.context import render_prompt
 from megatron_stepwise.rollout.embedded.engine import LocalEngine
 from megatron_stepwise.steps import INVALID
@@ -35,7 +36,8 @@ ADD = {
 
 @pytest.fixture(scope="module")
 def engine_served():
-    served = Served(LocalEngine(CONFIG, tokenizer=TOK, eos_token_ids=[TOK.eos_token_id], seed=0), TOK)
+    engine = LocalEngine(CONFIG, tokenizer=TOK, eos_token_ids=[TOK.eos_token_id], seed=0)
+    served = Served(engine, TOK, engine=engine)
     yield served
     served.close()
 
@@ -75,6 +77,8 @@ def test_openai_sync_chat_extends_the_prefix_in_tokens(engine_served):
         assert after.prompt_ids.tolist()[: len(head)] == head
     assert steps[-1].is_last_step and steps[-1].reward == 1.0 and not any(s.is_last_step for s in steps[:-1])
     assert served.gateway.counts["prefix_breaks"] == 0
+    (merged,), _ = merge_steps(steps)  # one growing prefix: one row
+    assert merged.prompt_ids.tolist() == steps[0].prompt_ids.tolist() and merged.num_tokens == steps[-1].num_tokens
 
 
 def test_openai_async_client_streaming_and_not(engine_served):
@@ -211,6 +215,8 @@ def test_context_managing_agent_breaks_are_counted_and_each_step_is_what_was_sen
     flags = [s.metadata["prefix_break"] for s in steps]
     assert flags == [False, False, False, True, True, True]  # the window drops a turn from call 4 on
     assert served.gateway.counts["prefix_breaks"] - breaks_before == 3
+    merged, _ = merge_steps(steps)  # the merge joins steps only where the prefix really holds
+    assert len(merged) == 4 and merged[0].num_tokens == steps[2].num_tokens
     for step, window in zip(steps, sent):
         if step.metadata["prefix_break"] or step.metadata["turn"] == 0:  # rendered fresh: exactly what was sent
             assert step.prompt_ids.tolist() == render_prompt(TOK, window)
