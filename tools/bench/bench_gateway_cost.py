@@ -2,12 +2,12 @@
 
 The same `echo` trajectories (`--turns` turns each, `tiny_bpe`, an engine that answers at once)
 run twice in one process: through the native `AgentLoop` (token mode), and through the gateway
-driven by an OpenAI-SDK agent (`AsyncOpenAI` or, with `--sync`, the synchronous client on the
-agent pool's threads). Figure: process CPU milliseconds per call (every thread counts: the
+driven by an agent (`--client`: `AsyncOpenAI`, the synchronous client on the agent pool's
+threads, or bare aiohttp requests, which leave the gateway's own cost). Figure: process CPU milliseconds per call (every thread counts: the
 gateway's HTTP server, the SDK client, rendering, the step), median of `--repeats` after a warm-up.
 The difference is what the gateway costs per call, its client included.
 
-    python tools/bench/bench_gateway_cost.py [--prompts 8] [--turns 8] [--sync]
+    python tools/bench/bench_gateway_cost.py [--prompts 8] [--turns 8] [--client async|sync|raw]
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import aiohttp  # noqa: E402
 import openai  # noqa: E402
 from instant_engine import InstantEngine  # noqa: E402
 
@@ -32,7 +33,7 @@ from megatron_stepwise.rollout.agent_loop import AgentLoop, AgentLoopConfig  # n
 from megatron_stepwise.rollout.engine import SamplingParams  # noqa: E402
 
 
-def echo_agent(sync: bool):
+def echo_agent(client: str):
     def play(sample):
         task = EchoEnv()
         return task, task.reset(sample)
@@ -49,6 +50,19 @@ def echo_agent(sync: bool):
         await client.close()
         return total
 
+    async def solve_raw(sample, base_url, api_key):
+        headers = {"Authorization": f"Bearer {api_key}"}
+        async with aiohttp.ClientSession(headers=headers) as http:
+            task, messages = play(sample)
+            done, total = False, 0.0
+            while not done:
+                async with http.post(base_url + "/chat/completions", json={"model": "m", "messages": messages}) as r:
+                    text = (await r.json())["choices"][0]["message"]["content"]
+                feedback, reward, done, _ = task.step(text)
+                total += reward
+                messages = messages + [{"role": "assistant", "content": text}] + feedback
+        return total
+
     def solve_sync(sample, base_url, api_key):
         client = openai.OpenAI(base_url=base_url, api_key=api_key)
         task, messages = play(sample)
@@ -61,7 +75,7 @@ def echo_agent(sync: bool):
         client.close()
         return total
 
-    return solve_sync if sync else solve_async
+    return {"sync": solve_sync, "async": solve_async, "raw": solve_raw}[client]
 
 
 def timed(run, calls: int, repeats: int) -> tuple[float, float]:
@@ -83,7 +97,12 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--sync", action="store_true", help="the synchronous OpenAI client on threads")
+    p.add_argument(
+        "--client",
+        choices=("async", "sync", "raw"),
+        default="async",
+        help="AsyncOpenAI, the synchronous OpenAI client on threads, or bare aiohttp requests (the gateway's own cost)",
+    )
     args = p.parse_args()
     tok = load_tokenizer("tiny_bpe")
     engine = InstantEngine(tok, args.new_tokens)
@@ -106,13 +125,13 @@ def main() -> None:
         ),
     )
     settings = GatewaySettings(sampling=sampling, max_input_length=1 << 20)
-    gateway = AgentRollout(engine, tok, echo_agent(args.sync), settings, [tok.eos_token_id], args.samples)
+    gateway = AgentRollout(engine, tok, echo_agent(args.client), settings, [tok.eos_token_id], args.samples)
     n_cpu, n_wall = timed(lambda: loop.run_until_complete(native.rollout(samples)), calls, args.repeats)
     g_cpu, g_wall = timed(lambda: loop.run_until_complete(gateway.rollout(samples)), calls, args.repeats)
-    client = "sync client on threads" if args.sync else "AsyncOpenAI"
+    client = {"sync": "OpenAI on threads", "async": "AsyncOpenAI", "raw": "bare aiohttp client"}[args.client]
     print(f"{calls} calls per rollout ({args.prompts} prompts x {args.samples} samples x {args.turns} turns)")
     print(f"native agent loop (tokens): {n_cpu:.3f} ms CPU / {n_wall:.3f} ms wall per turn")
-    print(f"gateway + OpenAI SDK ({client}): {g_cpu:.3f} ms CPU / {g_wall:.3f} ms wall per call")
+    print(f"gateway + {client}: {g_cpu:.3f} ms CPU / {g_wall:.3f} ms wall per call")
     print(f"gateway extra per call: {g_cpu - n_cpu:+.3f} ms CPU")
     native.close()
     gateway.close()
