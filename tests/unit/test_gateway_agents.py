@@ -120,3 +120,25 @@ def test_call_cap_is_the_agents_problem():
     groups, calls, _ = rollout(greedy, agent_max_calls=2)
     traj = groups[0].trajectories[0]
     assert len(traj) == 2 and "BadRequestError" in traj[-1].invalid_reason and len(calls) == 8
+
+
+@pytest.mark.parametrize(
+    "path, words",
+    [
+        ("tests.unit.test_gateway_agents:nope", ["env.agent", "has no 'nope'"]),
+        ("no_such_pkg.agent:solve", ["env.agent", "cannot import 'no_such_pkg.agent'"]),
+        ("tests.unit.test_gateway_agents:SAMPLES", ["env.agent", "is not a function"]),
+        ("solve", ["env.agent", "expected module:name"]),
+    ],
+)
+def test_a_bad_env_agent_is_a_config_problem_naming_the_key(tmp_path, path, words):
+    from config_fakes import FakeProbes
+
+    from megatron_stepwise.config import ConfigError, load_config
+
+    config = tmp_path / "c.yaml"
+    config.write_text("name: x\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(str(config), [f"env.agent={path}"], probes=FakeProbes(modules=()))
+    (problem,) = [str(p) for p in e.value.problems]
+    assert all(w in problem for w in words), problem
