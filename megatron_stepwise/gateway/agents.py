@@ -91,8 +91,9 @@ class AgentRollout:
         on_trajectory_done: Optional[Callable[[list[Step]], None]] = None,
         request_tag: str = "",
     ) -> list[RolloutGroup]:
-        """One group of `n_samples_per_prompt` trajectories per sample, in sample order (`seed`
-        and `request_tag` are the agent loop's; an agent samples as the trainer says)."""
+        """One group of `n_samples_per_prompt` trajectories per sample, in sample order. With
+        `seed`, call k of a trajectory samples with the agent loop's seed of turn k (a resumed run
+        repeats, as far as the agent does); `request_tag` is the agent loop's (unused here)."""
         if self.gateway.url is None:
             await self.gateway.start()
         prompt_ids = checked_prompt_ids(samples)
@@ -101,7 +102,7 @@ class AgentRollout:
         async def one(sample: dict, traj_id: TrajectoryID) -> list[Step]:
             async with limit:
                 with self.activity.active(GENERATION):
-                    steps = await self.run_trajectory(sample, traj_id)
+                    steps = await self.run_trajectory(sample, traj_id, seed)
             if on_trajectory_done is not None:
                 on_trajectory_done(steps)
             return steps
@@ -111,8 +112,10 @@ class AgentRollout:
         done = await asyncio.gather(*tasks)
         return [RolloutGroup(pid, list(done[i * n : (i + 1) * n])) for i, pid in enumerate(prompt_ids)]
 
-    async def run_trajectory(self, sample: dict[str, Any], traj_id: TrajectoryID) -> list[Step]:
-        url = self.gateway.open(traj_id)
+    async def run_trajectory(
+        self, sample: dict[str, Any], traj_id: TrajectoryID, seed: Optional[int] = None
+    ) -> list[Step]:
+        url = self.gateway.open(traj_id, seed)
         reward, turns, info, invalid = 0.0, None, {}, None
         timeout = self.settings.agent.agent_timeout_s
         try:

@@ -36,8 +36,16 @@ class Prompt:
 class TrajectoryRecorder:
     """The calls of one trajectory, in order; `finish` hands them over as its steps."""
 
-    def __init__(self, traj_id: TrajectoryID, tokenizer: Any, eos_token_ids: Sequence[int], append_eos: bool = True):
+    def __init__(
+        self,
+        traj_id: TrajectoryID,
+        tokenizer: Any,
+        eos_token_ids: Sequence[int],
+        append_eos: bool = True,
+        seed: Optional[int] = None,
+    ):
         self.traj_id, self.tokenizer = traj_id, tokenizer
+        self.seed = seed  # the rollout's: call k samples with turn_seed(seed, trajectory, k)
         self.eos_token_ids = [int(t) for t in eos_token_ids]
         self.append_eos = append_eos
         self.steps: list[Step] = []

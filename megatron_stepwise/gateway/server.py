@@ -32,6 +32,7 @@ from megatron_stepwise.gateway.config import AgentConfig
 from megatron_stepwise.gateway.errors import GatewayError, bad, error_response
 from megatron_stepwise.gateway.messages import reply_message
 from megatron_stepwise.gateway.recorder import Prompt, TrajectoryRecorder
+from megatron_stepwise.rollout.agent_loop import turn_seed
 from megatron_stepwise.rollout.auth import bearer_matches, is_loopback, redact_bearer_tokens
 from megatron_stepwise.rollout.context import ChatTemplateError, encode
 from megatron_stepwise.rollout.continuation import generate_continued
@@ -104,11 +105,14 @@ class Gateway:
             await self._runner.cleanup()
             self._runner = None
 
-    def open(self, traj_id: TrajectoryID) -> str:
+    def open(self, traj_id: TrajectoryID, seed: Optional[int] = None) -> str:
         """A new trajectory; returns its OpenAI base URL (`.../trajectories/<id>/v1`; an
-        Anthropic client takes it without the `/v1`)."""
+        Anthropic client takes it without the `/v1`). With `seed`, call k of the trajectory samples
+        with the agent loop's seed of turn k: a rollout repeats whichever engine serves it."""
         tid = uuid.uuid4().hex
-        self._open[tid] = TrajectoryRecorder(traj_id, self.tokenizer, self.eos_token_ids, self.settings.append_eos)
+        self._open[tid] = TrajectoryRecorder(
+            traj_id, self.tokenizer, self.eos_token_ids, self.settings.append_eos, seed
+        )
         return f"{self.url}/trajectories/{tid}/v1"
 
     def recorder(self, base_url: str) -> TrajectoryRecorder:
@@ -250,6 +254,8 @@ class Gateway:
                 "messages", f"the trajectory would use more than env.agent_max_tokens={cap.agent_max_tokens} tokens"
             )
         sampling = self._sampling(call, n)
+        if rec.seed is not None:
+            sampling.__dict__["sampling_seed"] = turn_seed(rec.seed, rec.traj_id, len(rec.steps))
         self.counts["calls"] += 1
         self.counts["prefix_breaks"] += prompt.prefix_break
         tid = f"gw-{rec.traj_id}-{id(rec):x}"

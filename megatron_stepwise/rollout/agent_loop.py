@@ -247,7 +247,7 @@ class AgentLoop:
             with self.activity.active(GENERATION):
                 result = await self._generate_turn(
                     prompt,
-                    self._sampling_for(len(prompt), _turn_seed(seed, traj_id, turn)),
+                    self._sampling_for(len(prompt), turn_seed(seed, traj_id, turn)),
                     rid=f"{request_tag}{traj_id}/turn{turn}",
                     session=f"{request_tag}{traj_id}",
                 )
@@ -516,7 +516,7 @@ def _unit_hash(traj_id: TrajectoryID) -> float:
     return int.from_bytes(digest, "little") / 2**64
 
 
-def _turn_seed(seed: Optional[int], traj_id: TrajectoryID, turn: int) -> Optional[int]:
+def turn_seed(seed: Optional[int], traj_id: TrajectoryID, turn: int) -> Optional[int]:
     """A stable 63-bit seed per (rollout seed, trajectory, turn)."""
     if seed is None:
         return None

@@ -20,7 +20,7 @@ TOK, CONFIG = tiny_lm("tiny_bpe")
 SAMPLES = [{"prompt_id": "a", "n": 2}, {"prompt_id": "b", "n": 1}]
 
 
-def rollout(agent, **agent_config):
+def rollout(agent, seed=None, **agent_config):
     local = LocalEngine(CONFIG, tokenizer=TOK, eos_token_ids=[TOK.eos_token_id], seed=0)
     engine = Recording(local)
     settings = GatewaySettings(
@@ -30,7 +30,7 @@ def rollout(agent, **agent_config):
 
     async def go():
         try:
-            return await source.rollout_groups(SAMPLES)
+            return await source.rollout_groups(SAMPLES, seed=seed)
         finally:
             await source.gateway.close()
             await local.close()
@@ -68,6 +68,19 @@ def test_sync_agent_makes_groups_of_exact_steps():
         assert not traj[-1].invalid_reason and not any(s.metadata["prefix_break"] for s in traj)
     assert_exact_in_any_order([s for g in groups for t in g.trajectories for s in t], calls)
     assert source.metrics()["gateway/calls"] == 6 and source.metrics()["gateway/calls"] == 0  # deltas
+
+
+def test_a_seeded_rollout_repeats_call_by_call():
+    def sampled(groups):
+        return {
+            (str(s.trajectory_id), s.metadata["turn"]): s.response_ids.tolist()
+            for g in groups
+            for t in g.trajectories
+            for s in t
+        }
+
+    first, again, other = (sampled(rollout(sync_agent, seed=s)[0]) for s in (7, 7, 8))
+    assert first == again and first != other
 
 
 def test_coroutine_agent():
