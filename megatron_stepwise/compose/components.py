@@ -44,6 +44,8 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from transformers import PreTrainedTokenizerBase
 
+    from megatron_stepwise.gateway.agents import AgentRollout
+    from megatron_stepwise.rollout.engine import SamplingParams
     from megatron_stepwise.rollout.fleet import RolloutFleet
 
 log = logging.getLogger(__name__)
@@ -333,9 +335,12 @@ def routing_policy(cfg: ExperimentConfig) -> RoutingPolicy:
 
 
 def build_agent_loop(cfg: ExperimentConfig, fleet: Generator, tokenizer: PreTrainedTokenizerBase) -> AgentLoop:
-    """The agent loop of `cfg` driving `fleet` (any generator: a fleet, an engine, a client)."""
+    """The agent loop of `cfg` driving `fleet` (any generator: a fleet, an engine, a client);
+    with `env.agent`, the user's agent through the gateway in its place (same interface)."""
     r = cfg.rollout
     eot = end_of_turn(tokenizer)  # from the chat template and the model's generation_config.json
+    if cfg.env.agent:
+        return build_agent_rollout(cfg, fleet, tokenizer)
     loop_cfg = AgentLoopConfig.from_section(
         r,
         n_samples_per_prompt=cfg.data.samples_per_prompt,
@@ -346,6 +351,32 @@ def build_agent_loop(cfg: ExperimentConfig, fleet: Generator, tokenizer: PreTrai
     options = dict(cfg.env.options)
     ids = list(eot.ids) if eot.append is None else [eot.append] + [i for i in eot.ids if i != eot.append]
     return AgentLoop(fleet, tokenizer, lambda: spec.factory(**options), loop_cfg, eos_token_ids=ids)
+
+
+def build_agent_rollout(
+    cfg: ExperimentConfig,
+    fleet: Generator,
+    tokenizer: PreTrainedTokenizerBase,
+    n_samples_per_prompt: Optional[int] = None,
+    sampling: Optional[SamplingParams] = None,
+) -> AgentRollout:
+    """`env.agent` run per trajectory against a gateway in front of `fleet` (docs/gateway.md);
+    evaluation and `rollout -n` pass their own group size and sampling."""
+    from megatron_stepwise.gateway.agents import AgentRollout  # aiohttp: only where it serves
+    from megatron_stepwise.gateway.config import AgentConfig
+    from megatron_stepwise.gateway.server import GatewaySettings
+
+    r = cfg.rollout
+    eot = end_of_turn(tokenizer)
+    settings = GatewaySettings(
+        sampling=sampling or r.sampling.params(r.max_new_tokens),
+        max_input_length=r.max_input_length,
+        agent=AgentConfig.from_section(cfg.env),
+        append_eos=eot.append is not None,
+    )
+    ids = list(eot.ids) if eot.append is None else [eot.append] + [i for i in eot.ids if i != eot.append]
+    n = n_samples_per_prompt or cfg.data.samples_per_prompt
+    return AgentRollout(fleet, tokenizer, cfg.env.agent, settings, ids, n, r.max_concurrency)
 
 
 # ------------------------------------------------------------------------ weights

@@ -17,6 +17,7 @@ from typing import Any, Literal, Optional
 
 from megatron_stepwise.algo.losses import LossConfig
 from megatron_stepwise.config.fields import option, section, to_dict
+from megatron_stepwise.gateway.config import AgentConfig
 from megatron_stepwise.options import check_options, option_of, option_problems, takes_options
 from megatron_stepwise.rollout.agent_loop import ROLLOUT_KEYS, AgentLoopConfig
 from megatron_stepwise.rollout.engine import RetryConfig, SamplingConfig, SamplingParams
@@ -231,6 +232,12 @@ class EnvConfig:
         "set of data.prompts_per_iteration training prompts",
     )
     eval_split: str = option("test", "split of env.eval_dataset when it is a datasets directory or hub id")
+    # your own agent as the source of trajectories, through the gateway (docs/gateway.md)
+    agent: Optional[str] = option_of(AgentConfig, "agent")
+    agent_timeout_s: float = option_of(AgentConfig, "agent_timeout_s")
+    agent_max_calls: int = option_of(AgentConfig, "agent_max_calls")
+    agent_max_tokens: int = option_of(AgentConfig, "agent_max_tokens")
+    client_sampling: Literal["ignore", "refuse"] = option_of(AgentConfig, "client_sampling")
 
 
 @dataclass

@@ -643,6 +643,10 @@ def _check_outputs(cfg: ExperimentConfig, check: _Checker, probes: Probes) -> No
 
 def _check_env(cfg: ExperimentConfig, check: _Checker, probes: Probes) -> None:
     env = cfg.env
+    if env.agent:
+        problem = _agent_problem(env.agent)
+        if problem:
+            check.fail("env.agent", problem)
     # env.name keeps its default (echo, also what tiny_cpu.yaml names) unless the user chose another one.
     if env.reward_fn and env.name != type(env)().name:
         check.fail(
@@ -687,6 +691,17 @@ def _check_env(cfg: ExperimentConfig, check: _Checker, probes: Probes) -> None:
         )
     if not missing_file:
         _check_dataset(cfg, check, probes, spec)
+
+
+def _agent_problem(path: str) -> str | None:
+    """Why `env.agent` names no function (its module is imported, as env.name's is); None if it does."""
+    from megatron_stepwise.envs.custom import load_object
+
+    try:
+        agent = load_object(path, key="env.agent")
+    except Exception as e:  # the user's module failing to import is a finding, not a crash
+        return str(e).removeprefix(f"env.agent={path!r}: ")
+    return None if callable(agent) else f"{path!r} is not a function"
 
 
 def _accepted_options(factory) -> list[str]:

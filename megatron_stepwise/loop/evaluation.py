@@ -85,9 +85,10 @@ def eval_agent_loop(cfg: ExperimentConfig, generator, tokenizer):
     sampling = r.sampling.params(r.max_new_tokens)
     if e.temperature is not None:
         sampling.temperature = e.temperature
-    loop_cfg = AgentLoopConfig.from_section(
-        r, n_samples_per_prompt=e.samples_per_prompt or cfg.data.samples_per_prompt, sampling=sampling
-    )
+    n = e.samples_per_prompt or cfg.data.samples_per_prompt
+    if cfg.env.agent:  # the user's agent through a gateway of its own
+        return components.build_agent_rollout(cfg, generator, tokenizer, n_samples_per_prompt=n, sampling=sampling)
+    loop_cfg = AgentLoopConfig.from_section(r, n_samples_per_prompt=n, sampling=sampling)
     spec = components.env_spec(cfg)
     options = dict(cfg.env.options)
     return AgentLoop(generator, tokenizer, lambda: spec.factory(**options), loop_cfg)

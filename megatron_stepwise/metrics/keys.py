@@ -227,6 +227,28 @@ _T = [  # (pattern, unit, over, meaning)
                 "requests an update dropped because they started more than async.max_staleness versions before it",
             ),
             ("agents/workers", "count", "iteration", "agent worker actors (rollout.agent_workers)"),
+            ("gateway/calls", "count", "iteration", "env.agent: model calls the gateway served (each one step)"),
+            (
+                "rollout/prefix_breaks",
+                "count",
+                "iteration",
+                "env.agent: calls that did not continue their trajectory's last call (history dropped, "
+                "edited or summarised; rendered fresh, docs/gateway.md)",
+            ),
+            (
+                "gateway/ignored_sampling",
+                "count",
+                "iteration",
+                "env.agent: client temperature/top_p/top_k values ignored (env.client_sampling=ignore)",
+            ),
+            ("gateway/retries_answered", "count", "iteration", "env.agent: retried requests answered from the first"),
+            ("gateway/refused", "count", "iteration", "env.agent: calls answered with an error (bad input, caps)"),
+            (
+                "gateway/agent_errors",
+                "count",
+                "iteration",
+                "env.agent: trajectories whose agent raised, timed out or returned no reward (invalid)",
+            ),
             ("agents/worker_restarts", "count", "run", "agent workers restarted"),
             ("agents/reissued_groups", "count", "run", "prompt groups re-issued after a worker died"),
             (

@@ -39,7 +39,7 @@ from megatron_stepwise.rollout.context import (
     retokenize_drifted,
     turn_delta,
 )
-from megatron_stepwise.rollout.continuation import join_continuation
+from megatron_stepwise.rollout.continuation import generate_continued
 from megatron_stepwise.rollout.engine import GenerateResult, SamplingParams, engine_loss
 from megatron_stepwise.rollout.env_calls import EnvCaller, EnvError
 from megatron_stepwise.rollout.routing import pad_to_tokens
@@ -49,8 +49,6 @@ from megatron_stepwise.time_budget import GENERATION, NO_ACTIVITY
 log = logging.getLogger(__name__)
 
 STOP_REASONS = ("stop", "length", "max_turns", "context_limit", "env_error", "abort")
-# A turn aborted by weight updates is continued at most this many times (each update aborts it once).
-MAX_CONTINUATIONS = 16
 
 
 class Generator(Protocol):
@@ -249,7 +247,7 @@ class AgentLoop:
             with self.activity.active(GENERATION):
                 result = await self._generate_turn(
                     prompt,
-                    self._sampling_for(len(prompt), _turn_seed(seed, traj_id, turn)),
+                    self._sampling_for(len(prompt), turn_seed(seed, traj_id, turn)),
                     rid=f"{request_tag}{traj_id}/turn{turn}",
                     session=f"{request_tag}{traj_id}",
                 )
@@ -290,21 +288,8 @@ class AgentLoop:
         return steps
 
     async def _generate_turn(self, prompt: list[int], sampling: SamplingParams, rid: str, session: str):
-        """One turn's generation. A request a weight update aborted (pause_mode "abort") is sent
-        again as prompt + its tokens so far, and the answers joined (`rollout/continuation.py`):
-        the update loses no sampled token and rewrites no route."""
-        result = await self.generator.generate(prompt, sampling, rid=rid, session=session)
-        for k in range(1, MAX_CONTINUATIONS + 1):
-            room = sampling.max_new_tokens - len(result.output_ids)
-            if result.finish_reason != "abort" or result.abort_reason != "pause" or room <= 0:
-                break
-            rest_sampling = copy.copy(sampling)
-            rest_sampling.__dict__["max_new_tokens"] = room
-            rest = await self.generator.generate(
-                prompt + list(result.output_ids), rest_sampling, rid=f"{rid}+{k}", session=session
-            )
-            result = join_continuation(result, rest, len(prompt))
-        return result
+        """One turn's generation, continued across weight updates (`rollout/continuation.py`)."""
+        return await generate_continued(self.generator, prompt, sampling, rid, session)
 
     def _mark_env_error(self, step: Step) -> None:
         """An environment failure is infrastructure, not a wrong answer: invalid unless configured to score it."""
@@ -531,7 +516,7 @@ def _unit_hash(traj_id: TrajectoryID) -> float:
     return int.from_bytes(digest, "little") / 2**64
 
 
-def _turn_seed(seed: Optional[int], traj_id: TrajectoryID, turn: int) -> Optional[int]:
+def turn_seed(seed: Optional[int], traj_id: TrajectoryID, turn: int) -> Optional[int]:
     """A stable 63-bit seed per (rollout seed, trajectory, turn)."""
     if seed is None:
         return None

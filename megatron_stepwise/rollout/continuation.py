@@ -10,12 +10,36 @@ and log-prob still come from one forward pass, however many times the turn was c
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
-from megatron_stepwise.rollout.engine import GenerateResult
+from megatron_stepwise.rollout.engine import GenerateResult, SamplingParams
+
+# A turn aborted by weight updates is continued at most this many times (each update aborts it once).
+MAX_CONTINUATIONS = 16
+
+
+async def generate_continued(
+    generator: Any, prompt: list[int], sampling: SamplingParams, rid: str, session: Optional[str]
+) -> GenerateResult:
+    """One turn's generation. A request a weight update aborted (pause_mode "abort") is sent
+    again as prompt + its tokens so far, and the answers joined: the update loses no sampled
+    token and rewrites no route (the agent loop's turns and the gateway's calls alike)."""
+    result = await generator.generate(prompt, sampling, rid=rid, session=session)
+    for k in range(1, MAX_CONTINUATIONS + 1):
+        room = sampling.max_new_tokens - len(result.output_ids)
+        if result.finish_reason != "abort" or result.abort_reason != "pause" or room <= 0:
+            break
+        rest_sampling = copy.copy(sampling)
+        rest_sampling.__dict__["max_new_tokens"] = room
+        rest = await generator.generate(
+            prompt + list(result.output_ids), rest_sampling, rid=f"{rid}+{k}", session=session
+        )
+        result = join_continuation(result, rest, len(prompt))
+    return result
 
 
 def join_continuation(first: GenerateResult, rest: GenerateResult, prompt_len: int) -> GenerateResult:
