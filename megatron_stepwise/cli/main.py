@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+
+from megatron_stepwise.errors import UserError
 
 # name -> (where its `register(subparsers)` is, its one-line help). Only the command being run
 # is imported, so `megatron-stepwise --help` lists them all without importing torch.
@@ -45,9 +48,23 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
+    except UserError as e:  # bad input, whichever command met it: what was wrong, no traceback
+        sys.stderr.write(user_error_line(e) + "\n")
+        sys.stderr.flush()
+        return EXIT_USER_ERROR
     except KeyboardInterrupt:  # Ctrl-C outside a training rank (which names its checkpoint itself)
         print(f"interrupted: megatron-stepwise {args.command} stopped", file=sys.stderr)
         return 130
+
+
+EXIT_USER_ERROR = 2
+
+
+def user_error_line(error: UserError) -> str:
+    """The line a command ends with on bad input: the message, with the rank under torchrun (the
+    ranks share stderr, so the caller writes it in one call)."""
+    rank = os.environ.get("RANK", "0")
+    return f"error: {error}" if rank == "0" else f"error (rank {rank}): {error}"
 
 
 def _load(target: str):
