@@ -49,7 +49,8 @@ def _main(args: argparse.Namespace) -> int:
 
     if not args.trust_dump_code:
         stay_offline()  # before anything imports huggingface_hub; torchrun's ranks inherit it
-    from megatron_stepwise.config import ConfigError, config_from_dict
+    from megatron_stepwise.config import config_from_dict
+    from megatron_stepwise.config.errors import ConfigError
     from megatron_stepwise.offline.dump_trust import DumpProbes, tokenizer_source
     from megatron_stepwise.rundir.dump_trust import needs_trust_hint
     from megatron_stepwise.rundir.dumps import read_dump

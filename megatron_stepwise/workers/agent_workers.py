@@ -44,7 +44,7 @@ from megatron_stepwise.workers.worker_rows import NAMESPACE, HeldGroup, HeldRows
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
-    from megatron_stepwise.config import ExperimentConfig
+    from megatron_stepwise.config.schema import ExperimentConfig
     from megatron_stepwise.rollout.fleet import RolloutFleet
 
 log = logging.getLogger(__name__)
