@@ -49,9 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except UserError as e:  # bad input, whichever command met it: what was wrong, no traceback
-        sys.stderr.write(user_error_line(e) + "\n")
-        sys.stderr.flush()
-        return EXIT_USER_ERROR
+        return end_with_user_error(e)
     except KeyboardInterrupt:  # Ctrl-C outside a training rank (which names its checkpoint itself)
         print(f"interrupted: megatron-stepwise {args.command} stopped", file=sys.stderr)
         return 130
@@ -60,11 +58,14 @@ def main(argv: list[str] | None = None) -> int:
 EXIT_USER_ERROR = 2
 
 
-def user_error_line(error: UserError) -> str:
-    """The line a command ends with on bad input: the message, with the rank under torchrun (the
-    ranks share stderr, so the caller writes it in one call)."""
+def end_with_user_error(error: UserError) -> int:
+    """Write the line a command ends with on bad input, the message with the rank under torchrun,
+    in one write (the ranks share stderr); return the exit code."""
     rank = os.environ.get("RANK", "0")
-    return f"error: {error}" if rank == "0" else f"error (rank {rank}): {error}"
+    line = f"error: {error}" if rank == "0" else f"error (rank {rank}): {error}"
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+    return EXIT_USER_ERROR
 
 
 def _load(target: str):

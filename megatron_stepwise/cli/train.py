@@ -146,8 +146,10 @@ def _train(cfg) -> int:
             sys.stderr.write(interrupted_line(cfg) + "\n")
             sys.stderr.flush()
         return EXIT_INTERRUPTED
-    except UserError:  # bad input: cli/main.py ends the command with its one line and exit 2
-        raise
+    except UserError as e:  # bad input: its line now, before the cleanup (which may wait on the other ranks)
+        from megatron_stepwise.cli.main import end_with_user_error
+
+        return end_with_user_error(e)
     except BaseException as e:  # the fleet lost every engine: its cause in one line, not the trajectories'
         from megatron_stepwise.rollout.engine import engine_loss
 

@@ -101,3 +101,31 @@ def test_an_unreadable_dump_names_the_file(tmp_path, capsys):
     assert code == 2 and "Traceback" not in err
     (line,) = _error_lines(err)
     assert line.startswith("error: ") and "iter_0000001.parquet is not a readable Parquet file" in line
+
+
+def test_a_training_rank_names_the_error_before_its_cleanup(tmp_path, capsys, monkeypatch):
+    """A rank's cleanup may wait on the other ranks: the line comes first."""
+    from megatron_stepwise.loop import trainer
+    from megatron_stepwise.rundir import record
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(record, "write_run_record", lambda *args: None)  # no `git rev-parse` here
+    seen_at_close = []
+
+    class FailingTrainer:
+        def __init__(self, cfg):
+            pass
+
+        def run(self):
+            raise DatasetError("env.dataset: row 3 has no 'prompt' field")
+
+        def close(self):
+            seen_at_close.append(capsys.readouterr().err)
+
+    monkeypatch.setattr(trainer, "Trainer", FailingTrainer)
+    run_dir = tmp_path / "run"
+    code = cli.main(["train", "configs/tiny_cpu.yaml", f"logging.run_dir={run_dir}", "launch.nproc_per_node=1"])
+    assert code == 2
+    (before_close,) = seen_at_close
+    assert _error_lines(before_close)[-1] == "error: env.dataset: row 3 has no 'prompt' field"
+    assert "Traceback" not in before_close + capsys.readouterr().err
