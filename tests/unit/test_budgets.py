@@ -31,7 +31,7 @@ ALLOWED = {
     "class megatron_stepwise/mcore/train/plugin.py::StepwisePlugin": 532,
     "class megatron_stepwise/rollout/embedded/engine.py::LocalEngine": 741,
     "class megatron_stepwise/rollout/fleet.py::RolloutFleet": 471,
-    "file megatron_stepwise/config/validate.py": 786,
+    "file megatron_stepwise/config/validate.py": 788,
     "file megatron_stepwise/mcore/train/plugin.py": 654,
     "file megatron_stepwise/mcore/weights/dist_checkpoint.py": 641,
     "file megatron_stepwise/rollout/agent_loop.py": 622,
