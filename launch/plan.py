@@ -85,7 +85,8 @@ class Job:
 
 def load_job(config_path: str, overrides: list[str], skip_local_checks: bool = False) -> Job:
     sys.path.insert(0, str(REPO))
-    from megatron_stepwise.config import ConfigError, load_config
+    from megatron_stepwise.config import load_config
+    from megatron_stepwise.config.errors import ConfigError
     from megatron_stepwise.config.probes import ClusterProbes
 
     try:

@@ -30,6 +30,8 @@ import math
 import typing
 from typing import Any, Callable, Iterator, Sequence, Union
 
+from megatron_stepwise.errors import UserError
+
 Choices = Union[Sequence[Any], Callable[[], Sequence[Any]]]
 
 _UNCHECKED: contextvars.ContextVar[bool] = contextvars.ContextVar("megatron_stepwise_unchecked", default=False)
@@ -199,7 +201,7 @@ def option_problems(obj: Any) -> list[tuple[str, str]]:
     return out
 
 
-class OptionError(ValueError):
+class OptionError(UserError, ValueError):
     """A value that breaks its option's declaration; `key` is the dotted config key."""
 
     def __init__(self, key: str, why: str):

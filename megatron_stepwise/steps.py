@@ -15,6 +15,8 @@ from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch
 
+from megatron_stepwise.errors import UserError
+
 TokenSeq = Union[Sequence[int], torch.Tensor]
 FloatSeq = Union[Sequence[float], torch.Tensor]
 
@@ -44,7 +46,7 @@ def top_k_problem(value: Any) -> Optional[str]:
     return f"must be -1 (off) or >= 1 (got {value!r})"
 
 
-class StepwiseBatchError(ValueError):
+class StepwiseBatchError(UserError, ValueError):
     """A malformed step-wise batch. The message names the step index and the field."""
 
 

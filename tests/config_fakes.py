@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megatron_stepwise.config import Probes
+from megatron_stepwise.config.probes import Probes
 from megatron_stepwise.hf.presets import tiny_config
 
 

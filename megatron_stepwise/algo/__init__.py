@@ -6,12 +6,12 @@
 - merge.py       `merge_trajectories` (a group's trajectories), `merge_steps` (a flat list): prefix merge
 - groups.py      `RolloutGroup`, the `PromptGroup` protocol (prompt_id, summary()), `groups_of` (a flat list grouped once)
 - prepare.py     `prepare`: whole groups -> advantages, merge, the StepBatch the plugin trains on
-- batching.py    DP padding and prompt-based mini-batches (re-exports validate and plan)
+- batching.py    DP padding and prompt-based mini-batches
 - planner.py     `plan_microbatches`: cost-balanced DP split into token-budget micro-batches
 - reductions.py  loss reductions as per-token weights with a global denominator
 - losses.py      PPO clip / dual-clip, GSPO, CISPO, TIS, IcePop, KL, entropy; loss registry
 
-The public names are re-exported from `megatron_stepwise`; see docs/architecture.md.
+The public names are exported from the package root, `megatron_stepwise`; see docs/architecture.md.
 """
 
 from megatron_stepwise.algo import turn_credit  # noqa: F401  (registers the turn-level estimators)

@@ -7,16 +7,14 @@ The trainer's pipeline for one iteration is
 
 `pad_for_data_parallel` is for loops that shard rows over DP ranks themselves.
 
-`validate_steps` lives in `validate.py` and `plan_microbatches` in `planner.py`; both are
-re-exported here so the whole pipeline can be imported from one place.
+`validate_steps` lives in `validate.py` and `plan_microbatches` in `planner.py` (the whole
+pipeline is importable from the package root, `megatron_stepwise`).
 """
 
 from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from megatron_stepwise.algo.planner import pad_to_multiple, plan_microbatches, plan_stats  # noqa: F401
-from megatron_stepwise.algo.validate import validate_steps  # noqa: F401
 from megatron_stepwise.steps import PAD_PROMPT_PREFIX, Step, StepwiseBatchError, make_padding_step, step_structure
 
 

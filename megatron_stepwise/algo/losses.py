@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from megatron_stepwise.algo.advantages import is_temporal_estimator, list_estimators
-from megatron_stepwise.algo.reductions import MERGE_INVARIANT_REDUCTIONS, REDUCTIONS, loss_token_weights
+from megatron_stepwise.algo.reductions import MERGE_INVARIANT_REDUCTIONS, REDUCTIONS
 from megatron_stepwise.algo.registry import Registry
 from megatron_stepwise.options import check_options, option, option_problems
 
@@ -33,7 +33,6 @@ __all__ = [
     "get_policy_loss",
     "kl_estimate",
     "list_policy_losses",
-    "loss_token_weights",
     "policy_loss",
     "register_policy_loss",
 ]

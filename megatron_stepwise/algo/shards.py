@@ -21,16 +21,17 @@ from megatron_stepwise.algo.planner import packed_lengths
 from megatron_stepwise.algo.planner import plan_microbatches as package_planner
 from megatron_stepwise.algo.reductions import row_denominators, weights_from_denominators
 from megatron_stepwise.algo.rows import RowTable
+from megatron_stepwise.errors import UserError
 from megatron_stepwise.steps import StepBatch, StepwiseBatchError
 
 TRAIN, LOGPROBS = "train", "logprobs"
 
 
-class UnsupportedLayoutError(ValueError):
+class UnsupportedLayoutError(UserError, ValueError):
     """A model layout the step-wise plugin refuses (MTP, EP overlap schedule plans)."""
 
 
-class HostLoopMismatchError(ValueError):
+class HostLoopMismatchError(UserError, ValueError):
     """The host training loop assumes something the plugin's plan does not hold (e.g. another
     number of micro-batches per optimizer step); raised instead of training silently wrong."""
 

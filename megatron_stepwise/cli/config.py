@@ -8,7 +8,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megatron_stepwise.config import ConfigError, ExperimentConfig, effective_world_size, load_config
+from megatron_stepwise.config import effective_world_size, load_config
+from megatron_stepwise.config.errors import ConfigError
+from megatron_stepwise.config.schema import ExperimentConfig
 
 EXIT_BAD_CONFIG = 2
 

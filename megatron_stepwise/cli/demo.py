@@ -11,10 +11,11 @@ import sys
 import time
 from typing import Callable, TypeVar
 
-from megatron_stepwise.algo.batching import prompt_minibatches, validate_steps
+from megatron_stepwise.algo.batching import prompt_minibatches
 from megatron_stepwise.algo.groups import groups_of
 from megatron_stepwise.algo.planner import DEFAULT_ATTENTION_WEIGHT, plan_microbatches, plan_stats
 from megatron_stepwise.algo.prepare import add_counts, prepare
+from megatron_stepwise.algo.validate import validate_steps
 from megatron_stepwise.cli.arg_types import int_at_least
 from megatron_stepwise.data.synthetic import AgentWorkload, make_agent_steps
 from megatron_stepwise.steps import StepwiseBatchError

@@ -4,7 +4,7 @@ The policy: an HF directory (`--hf`, e.g. `<run_dir>/hf` of `checkpoint.export_h
 checkpoint (`--checkpoint`, a `iter_*` directory or a checkpoint directory's latest; loaded in
 this process at TP1/PP1 and converted), by default the run's latest checkpoint, else
 `model.hf_checkpoint` or the random init. It is served by one embedded engine in this process
-and evaluated on every eval set with the `eval` section's settings (loop/evaluation.py). The
+and evaluated on every eval set with the `eval` section's settings (offline/evaluate.py). The
 metrics are printed and written, with every set's rewards by prompt ("outcomes"), to
 `<run_dir>/eval/<name>.json` (name: `iter_<N>`, the HF directory's, or `initial`).
 """
@@ -12,16 +12,7 @@ metrics are printed and written, with every set's rewards by prompt ("outcomes")
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # the command's modules load when it runs (fast --help)
-    from transformers import PreTrainedTokenizerBase
-
-    from megatron_stepwise.config import ExperimentConfig
-    from megatron_stepwise.hf.arch import ModelSpec
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -38,111 +29,21 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _main(args: argparse.Namespace) -> int:
     from megatron_stepwise.cli.config import load_or_report
+    from megatron_stepwise.offline.evaluate import evaluate, single_process_layout, write_result
 
     args.world_size = 1  # one process: the layout is checked for it
-    args.overrides = [*args.overrides, *_single_process_layout()]
+    args.overrides = [*args.overrides, *single_process_layout()]
     cfg = load_or_report(args)
     if cfg is None:
         return 2
-    from megatron_stepwise.mcore.weights.checkpoint_errors import CheckpointError
-
-    try:
+    try:  # a CheckpointError or another UserError ends in cli/main.py, with the same one line
         metrics, source, iteration, outcomes = evaluate(cfg, checkpoint=args.checkpoint, hf=args.hf)
-    except (ValueError, FileNotFoundError, CheckpointError) as e:
+    except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out = args.out or str(cfg.rundir.eval_result(source))
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(
-            {"source": source, "iteration": iteration, **metrics, "outcomes": outcomes}, f, indent=1, sort_keys=True
-        )
+    write_result(out, metrics, source, iteration, outcomes)
     for key in sorted(metrics):
         print(f"{key:40s} {metrics[key]:.4f}")
     print(f"metrics: {out}")
     return 0
-
-
-def _single_process_layout() -> list[str]:
-    return [
-        "parallel.tensor=1",
-        "parallel.pipeline=1",
-        "parallel.context=1",
-        "parallel.expert=1",
-        "parallel.sequence_parallel=false",
-        "parallel.use_distributed_optimizer=false",
-        "launch.nnodes=1",
-        "launch.nproc_per_node=1",
-        "rollout.num_engines=1",
-    ]
-
-
-def evaluate(cfg, *, checkpoint: str | None = None, hf: str | None = None) -> tuple[dict, str, int, dict]:
-    """(metrics, a name for the policy evaluated, its iteration, every set's rewards by prompt). Sampling seeds are those of training's
-    evaluation at the checkpoint's iteration (0 for an HF directory or the initial policy)."""
-    import asyncio
-
-    from megatron_stepwise.compose import components
-    from megatron_stepwise.loop.evaluation import Evaluator, standalone_engine
-    from megatron_stepwise.loop.sources import rollout_seed
-
-    if hf is not None and not os.path.isdir(hf):
-        raise FileNotFoundError(f"--hf {hf}: no such directory")
-    if checkpoint is None and hf is None and os.path.isdir(cfg.checkpoint_dir) and _has_checkpoint(cfg.checkpoint_dir):
-        checkpoint = cfg.checkpoint_dir
-    tokenizer = components.load_tokenizer(cfg)
-    model = components.policy_model(cfg, tokenizer)  # the architecture, parsed once for the command
-    weights, source, iteration = hf, os.path.basename(os.path.normpath(hf)) if hf else "initial", 0
-    if checkpoint is not None:
-        weights, source, iteration = _checkpoint_as_hf(cfg, checkpoint, model, tokenizer)
-    engine = standalone_engine(cfg, tokenizer, model.hf_config, weights)
-    evaluator = Evaluator(cfg, engine, tokenizer, components.build_dataset(cfg))
-    try:
-        # the seeds training's evaluation of this iteration used: the same trajectories, same metrics
-        metrics = asyncio.run(evaluator.evaluate(seed=rollout_seed(cfg.trainer.seed, iteration, -1)))
-    finally:
-        evaluator.close()
-    return metrics, source, iteration, evaluator.outcomes
-
-
-def _has_checkpoint(directory: str) -> bool:
-    return any(name.startswith("iter_") for name in os.listdir(directory))
-
-
-def _checkpoint_as_hf(
-    cfg: ExperimentConfig, checkpoint: str, model: ModelSpec, tokenizer: PreTrainedTokenizerBase
-) -> tuple[str, str, int]:
-    """Load a Megatron checkpoint at TP1/PP1 in this process and write it as an HF directory."""
-    import torch.distributed as dist
-
-    from megatron_stepwise.compose import components
-    from megatron_stepwise.mcore.runtime.runtime import free_port
-    from megatron_stepwise.mcore.weights.convert import export_model
-    from megatron_stepwise.mcore.weights.dist_checkpoint import load_checkpoint
-    from megatron_stepwise.rundir.paths import iteration_name
-
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    components.init_runtime(cfg)
-    try:
-        chunks = components.build_policy(cfg, model.arch)
-        latest = os.path.basename(os.path.normpath(checkpoint)).startswith("iter_")
-        state = load_checkpoint(
-            chunks,
-            ckpt_dir=None if latest else checkpoint,
-            path=checkpoint if latest else None,
-            load_optimizer=False,
-            load_rng=False,
-        )
-        if state is None:
-            raise FileNotFoundError(f"--checkpoint {checkpoint}: no checkpoint there")
-        out = str(cfg.rundir.eval_export(state["iteration"]))
-        source = iteration_name(state["iteration"])
-        export_model(chunks, out, model, tokenizer=tokenizer, overwrite=True)
-    finally:
-        from megatron.core import parallel_state
-
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
-    return out, source, int(state["iteration"])

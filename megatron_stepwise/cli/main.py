@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+
+from megatron_stepwise.errors import UserError
 
 # name -> (where its `register(subparsers)` is, its one-line help). Only the command being run
 # is imported, so `megatron-stepwise --help` lists them all without importing torch.
@@ -45,9 +48,24 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
+    except UserError as e:  # bad input, whichever command met it: what was wrong, no traceback
+        return end_with_user_error(e)
     except KeyboardInterrupt:  # Ctrl-C outside a training rank (which names its checkpoint itself)
         print(f"interrupted: megatron-stepwise {args.command} stopped", file=sys.stderr)
         return 130
+
+
+EXIT_USER_ERROR = 2
+
+
+def end_with_user_error(error: UserError) -> int:
+    """Write the line a command ends with on bad input, the message with the rank under torchrun,
+    in one write (the ranks share stderr); return the exit code."""
+    rank = os.environ.get("RANK", "0")
+    line = f"error: {error}" if rank == "0" else f"error (rank {rank}): {error}"
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+    return EXIT_USER_ERROR
 
 
 def _load(target: str):

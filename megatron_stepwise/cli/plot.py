@@ -39,7 +39,8 @@ def plot_run(run_dir: str, out: str | None = None) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from megatron_stepwise.metrics.core import read_final_eval, read_metrics
+    from megatron_stepwise.metrics.core import read_final_eval
+    from megatron_stepwise.rundir.jsonl import read_metrics
     from megatron_stepwise.rundir.paths import RunDir
 
     records = read_metrics(run_dir)

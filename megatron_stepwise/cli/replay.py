@@ -49,16 +49,13 @@ def _main(args: argparse.Namespace) -> int:
 
     if not args.trust_dump_code:
         stay_offline()  # before anything imports huggingface_hub; torchrun's ranks inherit it
-    from megatron_stepwise.config import ConfigError, config_from_dict
+    from megatron_stepwise.config import config_from_dict
+    from megatron_stepwise.config.errors import ConfigError
     from megatron_stepwise.offline.dump_trust import DumpProbes, tokenizer_source
     from megatron_stepwise.rundir.dump_trust import needs_trust_hint
-    from megatron_stepwise.rundir.dumps import DumpError, read_dump
+    from megatron_stepwise.rundir.dumps import read_dump
 
-    try:
-        dump = read_dump(args.run_dir, args.iteration)
-    except DumpError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    dump = read_dump(args.run_dir, args.iteration)  # a missing dump: DumpError, a UserError (cli/main.py)
     if "RANK" not in os.environ:  # once, before any rank starts
         problems, summary = route_pairing_problems(dump)
         if problems:
@@ -66,11 +63,7 @@ def _main(args: argparse.Namespace) -> int:
             print("\n".join(f"  {p}" for p in problems), file=sys.stderr)
             return 1
         print(summary)
-    try:
-        config, probes = _untrusted_config(dump.meta, tokenizer_source, DumpProbes, args.trust_dump_code)
-    except DumpError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    config, probes = _untrusted_config(dump.meta, tokenizer_source, DumpProbes, args.trust_dump_code)
     overrides = [f"logging.run_dir={os.path.abspath(args.run_dir)}", *args.overrides]
     under_launcher = "RANK" in os.environ
     try:
@@ -140,40 +133,15 @@ def _untrusted_config(meta: dict, tokenizer_source, probes_class, trusted: bool)
     return config, probes_class(tokenizer=source)
 
 
-def _user_errors() -> tuple[type, ...]:
-    """Errors that mean "fix the run directory or the overrides": one line, exit 2."""
-    from megatron_stepwise.hf.errors import ModelSourceError
-    from megatron_stepwise.mcore.train.model import ModelConfigError
-    from megatron_stepwise.mcore.train.plugin import UnsupportedLayoutError
-    from megatron_stepwise.mcore.weights.dist_checkpoint import CheckpointError
-    from megatron_stepwise.rundir.dump_table import DumpError
-    from megatron_stepwise.rundir.run_files import UnsafePathError
-    from megatron_stepwise.steps import StepwiseBatchError
-
-    return (
-        CheckpointError,
-        ModelConfigError,
-        UnsupportedLayoutError,
-        StepwiseBatchError,
-        DumpError,
-        ModelSourceError,
-        UnsafePathError,
-    )
-
-
 def _replay(cfg, dump, args) -> int:
     from megatron_stepwise.mcore.runtime.runtime import silence_megatron_noise
     from megatron_stepwise.offline.replay import replay
 
     silence_megatron_noise()
     rank = int(os.environ.get("RANK", "0"))
-    try:
-        report = replay(cfg, dump, trusted=args.trust_dump_code)
-        if rank == 0:
-            out = write_report(args.run_dir, args.out, report)
-    except _user_errors() as e:
-        sys.stderr.write((f"error: {e}" if rank == 0 else f"error (rank {rank}): {e}") + "\n")
-        return 2
+    report = replay(cfg, dump, trusted=args.trust_dump_code)  # bad input raises a UserError (cli/main.py)
+    if rank == 0:
+        out = write_report(args.run_dir, args.out, report)
     if rank != 0:
         return 0
     print(render(report))

@@ -14,6 +14,7 @@ import sys
 from typing import Any
 
 from megatron_stepwise.cli.arg_types import int_at_least
+from megatron_stepwise.errors import UserError
 from megatron_stepwise.rollout.auth import API_KEY_ENV, api_key_from_env
 from megatron_stepwise.rollout.embedded.engine import LocalEngine
 from megatron_stepwise.rollout.embedded.server import start_server
@@ -39,7 +40,7 @@ def build_engine_from_args(args: argparse.Namespace) -> LocalEngine:
     )
 
 
-class BindError(Exception):
+class BindError(UserError):
     """The server could not listen where it was asked to (the message names host, port and why)."""
 
 
@@ -136,7 +137,7 @@ def _serve_main(args: argparse.Namespace) -> int:
         asyncio.run(run())
     except KeyboardInterrupt:
         pass
-    except (ValueError, BindError) as e:  # a refused configuration (e.g. exposed without a key): no traceback
+    except ValueError as e:  # a refused configuration (e.g. exposed without a key): no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

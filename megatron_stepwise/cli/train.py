@@ -16,6 +16,8 @@ import os
 import signal
 import sys
 
+from megatron_stepwise.errors import UserError
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     from megatron_stepwise.cli.config import add_config_arguments
@@ -48,17 +50,13 @@ def _main(args: argparse.Namespace) -> int:
             LOCK_WAIT_S,
             RUN_DIR_ENV,
             HeldLocks,
-            RunDirLocked,
             run_locks,
             run_torchrun,
         )
         from megatron_stepwise.rundir.torchrun import single_node_args
 
-        try:  # refuse before torchrun starts; rank 0 takes the locks itself
-            HeldLocks(run_locks(cfg.run_dir, cfg.checkpoint_dir)).probe(LOCK_WAIT_S)
-        except RunDirLocked as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+        # refuse before torchrun starts (RunDirLocked, a UserError); rank 0 takes the locks itself
+        HeldLocks(run_locks(cfg.run_dir, cfg.checkpoint_dir)).probe(LOCK_WAIT_S)
         os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # the ranks die with this process
         os.environ.setdefault("MEGATRON_STEPWISE_COMMAND", json.dumps(sys.argv))  # recorded in run.json
         os.environ[RUN_DIR_ENV] = os.path.abspath(cfg.run_dir)
@@ -87,33 +85,6 @@ def _command_line() -> list[str]:
     return json.loads(launcher) if launcher else list(sys.argv)
 
 
-def _user_errors() -> tuple[type, ...]:
-    """Errors that mean "fix the config, data or checkpoint", not a bug: one line, exit 2."""
-    from megatron_stepwise.data.files import DatasetError
-    from megatron_stepwise.loop.divergence import RunDiverged
-    from megatron_stepwise.mcore.train.model import ModelConfigError
-    from megatron_stepwise.mcore.train.plugin import UnsupportedLayoutError
-    from megatron_stepwise.mcore.weights.dist_checkpoint import CheckpointError
-    from megatron_stepwise.mcore.weights.hf_mapping import WeightConversionError
-    from megatron_stepwise.mcore.weights.sync_verify import WeightMismatch
-    from megatron_stepwise.metrics.starvation import NothingTrained
-    from megatron_stepwise.steps import StepwiseBatchError
-    from megatron_stepwise.workers.agent_workers import AgentWorkersNotStarted
-
-    return (
-        CheckpointError,
-        WeightConversionError,
-        WeightMismatch,
-        ModelConfigError,
-        UnsupportedLayoutError,
-        StepwiseBatchError,
-        AgentWorkersNotStarted,
-        DatasetError,
-        RunDiverged,
-        NothingTrained,
-    )
-
-
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
 
 
@@ -138,7 +109,6 @@ def _train(cfg) -> int:
         LOCK_WAIT_S,
         RUN_DIR_ENV,
         HeldLocks,
-        RunDirLocked,
         die_with_launcher,
         run_locks,
     )
@@ -148,11 +118,7 @@ def _train(cfg) -> int:
     rank = int(os.environ.get("RANK", "0"))
     lock = HeldLocks(run_locks(cfg.run_dir, cfg.checkpoint_dir))
     if rank == 0:
-        try:
-            lock.acquire(LOCK_WAIT_S)
-        except RunDirLocked as e:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-            return 2
+        lock.acquire(LOCK_WAIT_S)  # RunDirLocked, a UserError: cli/main.py ends the command with its line
         os.environ.setdefault(RUN_DIR_ENV, os.path.abspath(cfg.run_dir))  # inherited by Ray's processes
 
     from megatron_stepwise.mcore.runtime.runtime import silence_megatron_noise
@@ -180,11 +146,10 @@ def _train(cfg) -> int:
             sys.stderr.write(interrupted_line(cfg) + "\n")
             sys.stderr.flush()
         return EXIT_INTERRUPTED
-    except _user_errors() as e:
-        # One write with its newline: the ranks share stderr, and print's two writes interleave.
-        sys.stderr.write((f"error: {e}" if rank == 0 else f"error (rank {rank}): {e}") + "\n")
-        sys.stderr.flush()
-        return 2
+    except UserError as e:  # bad input: its line now, before the cleanup (which may wait on the other ranks)
+        from megatron_stepwise.cli.main import end_with_user_error
+
+        return end_with_user_error(e)
     except BaseException as e:  # the fleet lost every engine: its cause in one line, not the trajectories'
         from megatron_stepwise.rollout.engine import engine_loss
 

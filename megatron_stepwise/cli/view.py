@@ -13,7 +13,6 @@ records no tokenizer, this command asks its environment (offline/dump_trust.py `
 from __future__ import annotations
 
 import argparse
-import sys
 
 # rundir/dump_trust.py's TRUST_FLAG, spelled here so that building the parser imports nothing heavy
 TRUST_FLAG = "--trust-dump-code"
@@ -37,8 +36,6 @@ def _main(args: argparse.Namespace) -> int:
 
     if not args.trust_dump_code:
         stay_offline()
-    from megatron_stepwise.rundir.dump_table import DumpError
-    from megatron_stepwise.rundir.run_files import UnsafePathError
     from megatron_stepwise.viewer.page import write_pages
 
     def tokenizer_source(meta: dict) -> str:
@@ -50,12 +47,9 @@ def _main(args: argparse.Namespace) -> int:
 
         return tokenizer_source(meta, trusted=args.trust_dump_code)
 
-    try:
-        path, pages = write_pages(
-            args.run_dir, args.iteration, args.out, trusted=args.trust_dump_code, tokenizer_source=tokenizer_source
-        )
-    except (DumpError, UnsafePathError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    # a missing dump (DumpError) or a planted link (UnsafePathError): UserErrors, one line (cli/main.py)
+    path, pages = write_pages(
+        args.run_dir, args.iteration, args.out, trusted=args.trust_dump_code, tokenizer_source=tokenizer_source
+    )
     print(f"wrote {path}" + (f" (an index of {pages} pages)" if pages > 1 else ""))
     return 0

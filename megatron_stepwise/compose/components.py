@@ -18,14 +18,15 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_stepwise.config import ExperimentConfig
+from megatron_stepwise.config.schema import ExperimentConfig
 from megatron_stepwise.data.files import open_samples, with_prompt_ids
 from megatron_stepwise.data.prompts import PromptDataset
 from megatron_stepwise.envs.base import EnvSpec
 from megatron_stepwise.envs.custom import resolve_env_spec
 from megatron_stepwise.hf.arch import GPTArch, ModelSpec, model_spec, validate_parallel
 from megatron_stepwise.hf.end_of_turn import end_of_turn
-from megatron_stepwise.hf.hub import CHECKPOINT_FILES, is_gguf_source, resolve_model_dir
+from megatron_stepwise.hf.gguf import is_gguf_source
+from megatron_stepwise.hf.hub import CHECKPOINT_FILES, resolve_model_dir
 from megatron_stepwise.hf.presets import resolve_hf_config
 from megatron_stepwise.hf.tokenizers import load_tokenizer as hf_tokenizer
 from megatron_stepwise.mcore.runtime.runtime import ParallelLayout, current_layout, init_distributed

@@ -3,8 +3,9 @@
     cfg = load_config("configs/tiny_cpu.yaml", ["trainer.iterations=3"])
     cfg.parallel.tensor, cfg.rollout.sampling.temperature, cfg.to_yaml()
 
-`load_config` returns a validated `ExperimentConfig` or raises `ConfigError`, whose
-`problems` name every offending key at once.
+`load_config` returns a validated `ExperimentConfig` (schema.py) or raises `ConfigError`
+(errors.py), whose `problems` name every offending key at once. Each name is imported from the
+module that defines it; this one defines the loading functions.
 
 - schema.py    one typed dataclass per YAML section; every key with a default and help
 - fields.py    declaring keys (`option`, `section`) and building typed dataclasses from dicts
@@ -24,27 +25,9 @@ from typing import Iterable
 
 from megatron_stepwise.config.errors import ConfigError, ConfigProblem
 from megatron_stepwise.config.fields import build
-from megatron_stepwise.config.loader import COMMAND_LINE, ComposeError, apply_overrides, compose
+from megatron_stepwise.config.loader import ComposeError, apply_overrides, compose
 from megatron_stepwise.config.probes import Probes
-from megatron_stepwise.config.schema import (
-    AlgoConfig,
-    AsyncConfig,
-    CheckpointConfig,
-    DataConfig,
-    EnvConfig,
-    ExperimentConfig,
-    LaunchConfig,
-    LoggingConfig,
-    LossConfig,
-    ModelConfig,
-    OptimConfig,
-    ParallelConfig,
-    RolloutConfig,
-    SamplingConfig,
-    SGLangConfig,
-    TrainerConfig,
-    WeightSyncConfig,
-)
+from megatron_stepwise.config.schema import ExperimentConfig
 from megatron_stepwise.config.validate import validate
 
 
@@ -111,30 +94,4 @@ def _finish(
     return cfg
 
 
-__all__ = [
-    "COMMAND_LINE",
-    "AlgoConfig",
-    "AsyncConfig",
-    "CheckpointConfig",
-    "ConfigError",
-    "ConfigProblem",
-    "DataConfig",
-    "EnvConfig",
-    "ExperimentConfig",
-    "LaunchConfig",
-    "LoggingConfig",
-    "LossConfig",
-    "ModelConfig",
-    "OptimConfig",
-    "ParallelConfig",
-    "Probes",
-    "RolloutConfig",
-    "SGLangConfig",
-    "SamplingConfig",
-    "TrainerConfig",
-    "WeightSyncConfig",
-    "config_from_dict",
-    "effective_world_size",
-    "load_config",
-    "validate",
-]
+__all__ = ["config_from_dict", "effective_world_size", "load_config"]

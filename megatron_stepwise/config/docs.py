@@ -7,8 +7,9 @@ from typing import Any, Iterator
 
 import yaml
 
-from megatron_stepwise.config.fields import bounds_help, config_fields, describe_field, is_config_class
+from megatron_stepwise.config.fields import config_fields, describe_field, is_config_class
 from megatron_stepwise.config.schema import ExperimentConfig
+from megatron_stepwise.options import bounds_help
 
 MARKDOWN_HEADER = """\
 # Configuration reference

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_stepwise.errors import UserError
+
 
 @dataclass(frozen=True)
 class ConfigProblem:
@@ -18,7 +20,7 @@ class ConfigProblem:
         return f"{self.key}: {self.message}{where}"
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A config that cannot run. `problems` holds one entry per problem, each naming its key."""
 
     def __init__(self, problems: list[ConfigProblem], source: str | None = None):

@@ -5,7 +5,7 @@ reference docs and the type checks are generated from the same declaration. Supp
 int, float, bool, str, Optional[T], Literal[...] (enums), list[T], dict[str, T], Any and
 nested config dataclasses. `option`, `section` and the bounds/choices checks live in
 `megatron_stepwise.options` (pure Python, so `algo/` can declare its configs with them, e.g.
-`algo.losses.LossConfig` for `algo.loss`) and are re-exported here.
+`algo.losses.LossConfig` for `algo.loss`).
 """
 
 from __future__ import annotations
@@ -18,14 +18,9 @@ import typing
 from typing import Any, Literal, Union
 
 from megatron_stepwise.config.errors import ConfigProblem
-from megatron_stepwise.options import (  # noqa: F401  (re-exported: the config package's API)
-    OptionError,
-    bounds_help,
+from megatron_stepwise.options import (
     choice_problem,
-    choices_of,
     is_registry,
-    option,
-    section,
     unchecked,
     value_problem,
     yaml_key,

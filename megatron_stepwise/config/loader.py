@@ -17,12 +17,13 @@ import yaml
 
 from megatron_stepwise.config.errors import ConfigProblem
 from megatron_stepwise.config.fields import config_fields, is_config_class
+from megatron_stepwise.errors import UserError
 
 COMMAND_LINE = "command line"
 _KEY_RE = re.compile(r"^[A-Za-z_][\w+\-]*(\.[A-Za-z_][\w+\-]*)*$")
 
 
-class ComposeError(Exception):
+class ComposeError(UserError):
     """A file could not be read at all; carries the problems found."""
 
     def __init__(self, problems: list[ConfigProblem]):

@@ -15,7 +15,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from megatron_stepwise.data.files import DatasetFacts
-from megatron_stepwise.envs import EnvSpec, list_envs, resolve_env_spec
+from megatron_stepwise.envs.base import EnvSpec, list_envs
+from megatron_stepwise.envs.custom import resolve_env_spec
 from megatron_stepwise.hf import hub
 from megatron_stepwise.hf.hub import looks_like_path
 from megatron_stepwise.hf.presets import PRESETS

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
 from megatron_stepwise.algo.losses import LossConfig
-from megatron_stepwise.config.fields import option, section, to_dict
+from megatron_stepwise.config.fields import to_dict
 from megatron_stepwise.gateway.config import AgentConfig
-from megatron_stepwise.options import check_options, option_of, option_problems, takes_options
+from megatron_stepwise.options import check_options, option, option_of, option_problems, section, takes_options
 from megatron_stepwise.rollout.agent_loop import ROLLOUT_KEYS, AgentLoopConfig
 from megatron_stepwise.rollout.engine import RetryConfig, SamplingConfig, SamplingParams
 from megatron_stepwise.rollout.session_routing import RoutingConfig

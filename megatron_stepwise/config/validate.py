@@ -14,11 +14,13 @@ import re
 from pathlib import Path
 
 from megatron_stepwise.config.errors import ConfigProblem
-from megatron_stepwise.config.fields import config_fields, is_config_class, is_registry, origin_of
-from megatron_stepwise.config.probes import Probes, looks_like_path
+from megatron_stepwise.config.fields import config_fields, is_config_class, origin_of
+from megatron_stepwise.config.probes import Probes
 from megatron_stepwise.config.schema import ExperimentConfig
 from megatron_stepwise.hf import hub
 from megatron_stepwise.hf.arch import GPTArch, ModelConfigError, arch_from_hf, split_problems
+from megatron_stepwise.hf.hub import looks_like_path
+from megatron_stepwise.options import is_registry
 
 _KEY_RE = re.compile(r"^[a-z_]+(\.[a-z_]+)+$")
 # `ray start` reserves these for its workers (--min/max-worker-port defaults) and refuses a

@@ -25,10 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from megatron_stepwise.errors import UserError
 from megatron_stepwise.hf import hub
 
 
-class DatasetError(ValueError):
+class DatasetError(UserError, ValueError):
     """A dataset that cannot be read as configured; the message names the key, file and field."""
 
 

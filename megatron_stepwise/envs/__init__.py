@@ -11,21 +11,9 @@
 - bm25.py            Okapi BM25 over an in-memory corpus (used by `search`)
 - data/              problems, corpus and questions
 
-The built-in environments register themselves on import; importing this package imports them.
+The built-in environments register themselves on import; importing this package (or any module
+of it: `envs.base`, where `register_env` and `make_env` are) imports them.
 (The shipped tokenizers they name live in `megatron_stepwise.hf.tokenizers`.)
 """
 
 from megatron_stepwise.envs import calculator, echo, math_tool, search  # noqa: F401  (register the built-ins)
-from megatron_stepwise.envs.base import Environment, EnvSpec, get_env_spec, list_envs, make_env, register_env
-from megatron_stepwise.envs.custom import RewardFnEnv, resolve_env_spec
-
-__all__ = [
-    "EnvSpec",
-    "Environment",
-    "get_env_spec",
-    "list_envs",
-    "make_env",
-    "register_env",
-    "resolve_env_spec",
-    "RewardFnEnv",
-]

@@ -21,9 +21,10 @@ import inspect
 from typing import Any, Callable
 
 from megatron_stepwise.envs.base import EnvSpec, Message, StepOutput, get_env_spec, list_envs, register_env
+from megatron_stepwise.errors import UserError
 
 
-class EnvPathError(ValueError):
+class EnvPathError(UserError, ValueError):
     """A dotted path that does not name something usable; the message names the path and why."""
 
 

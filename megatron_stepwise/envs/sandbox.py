@@ -29,6 +29,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_stepwise.errors import UserError
+
 try:
     from .sandbox_watch import Watch, children_by_parent
 except ImportError:  # loaded by path (tests/sandbox_corpus.py, run by an unprivileged user): the sibling file
@@ -74,7 +76,7 @@ class SandboxResult:
         return text.strip()[:max_chars]
 
 
-class SandboxError(RuntimeError):
+class SandboxError(UserError, RuntimeError):
     """The sandbox could not be set up (never: the code failed; that is a normal result)."""
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Union
 
+from megatron_stepwise.errors import UserError
+
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
@@ -21,7 +23,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
 
 
-class ModelConfigError(ValueError):
+class ModelConfigError(UserError, ValueError):
     """A model config that this builder (or the requested parallel layout) cannot use."""
 
 

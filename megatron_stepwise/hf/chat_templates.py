@@ -19,10 +19,12 @@ import json
 from pathlib import Path
 from typing import Optional
 
+from megatron_stepwise.errors import UserError
+
 KEY = "model.chat_template"
 
 
-class ChatTemplateSourceError(ValueError):
+class ChatTemplateSourceError(UserError, ValueError):
     """`model.chat_template` names no readable file or holds a template that does not compile."""
 
     def __init__(self, key: str, problem: str):

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Sequence
 
-from megatron_stepwise.hf.errors import ModelSourceError  # noqa: F401 (re-exported)
+from megatron_stepwise.hf.errors import ModelSourceError
 from megatron_stepwise.hf.gguf import is_gguf_source, locate_converted, materialize
 
 # allow_patterns of what one use of a repository needs. The FIRST pattern must match a file for a

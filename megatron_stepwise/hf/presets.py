@@ -9,7 +9,9 @@ import json
 import os
 from typing import Any, Optional
 
-from megatron_stepwise.hf.hub import ModelSourceError, is_gguf_source, resolve_model_dir
+from megatron_stepwise.hf.errors import ModelSourceError
+from megatron_stepwise.hf.gguf import is_gguf_source
+from megatron_stepwise.hf.hub import resolve_model_dir
 
 # HF model class of each supported model_type (a config.json's `architectures`).
 ARCHITECTURES = {

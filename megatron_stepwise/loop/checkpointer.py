@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Protocol
 
 import torch.distributed as dist
 
-from megatron_stepwise.mcore.weights.dist_checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from megatron_stepwise.mcore.weights.checkpoint_errors import CheckpointError
+from megatron_stepwise.mcore.weights.dist_checkpoint import load_checkpoint, save_checkpoint
 from megatron_stepwise.rundir import paths
 from megatron_stepwise.rundir.record import config_diff
 

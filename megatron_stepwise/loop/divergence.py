@@ -14,8 +14,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from megatron_stepwise.errors import UserError
 
-class RunDiverged(RuntimeError):
+
+class RunDiverged(UserError, RuntimeError):
     """A training step produced a non-finite loss or gradient norm."""
 
 

@@ -18,7 +18,7 @@ from typing import Any, Optional, Sequence
 
 from megatron_stepwise.algo.groups import RolloutGroup
 from megatron_stepwise.compose import components
-from megatron_stepwise.config import ExperimentConfig
+from megatron_stepwise.config.schema import ExperimentConfig
 from megatron_stepwise.data.files import open_samples
 from megatron_stepwise.hf.hub import CHECKPOINT_FILES, resolve_model_dir
 from megatron_stepwise.metrics.core import group_outcomes, majority_at_k, pass_ks, rollout_metrics

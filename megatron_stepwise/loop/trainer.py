@@ -29,7 +29,7 @@ from tqdm import tqdm
 from megatron_stepwise.algo.prepare import add_counts
 from megatron_stepwise.compose import components
 from megatron_stepwise.compose.placement import log_placement
-from megatron_stepwise.config import ExperimentConfig
+from megatron_stepwise.config.schema import ExperimentConfig
 from megatron_stepwise.loop.async_source import AsyncRollouts
 from megatron_stepwise.loop.checkpointer import Checkpointer, TrainerState
 from megatron_stepwise.loop.colocate import Colocation
@@ -39,17 +39,11 @@ from megatron_stepwise.loop.handoff import Handoff
 from megatron_stepwise.loop.sources import Driver, SyncRollouts, rollout_seed
 from megatron_stepwise.loop.training_round import TrainingRound
 from megatron_stepwise.metrics.collapse import EntropyWatch
-from megatron_stepwise.metrics.core import (
-    MetricsLogger,
-    iteration_line,
-    mean_metrics,
-    read_metrics,
-    summarize_run,
-    write_eval,
-)
+from megatron_stepwise.metrics.core import MetricsLogger, iteration_line, mean_metrics, summarize_run, write_eval
 from megatron_stepwise.metrics.starvation import StarvationWatch
 from megatron_stepwise.rundir.dump_recorder import DumpRecorder, assemble_logprobs
 from megatron_stepwise.rundir.dumps import write_dump
+from megatron_stepwise.rundir.jsonl import read_metrics
 from megatron_stepwise.time_budget import ActivityClock, TimeBudget, budget_line
 from megatron_stepwise.workers.agent_workers import AgentWorkers, resolve_agent_workers
 

@@ -2,15 +2,7 @@
 MoE routers), `weights/` (HF conversion, distributed checkpoints, crash-safe files, the push
 to the fleet), `runtime/` (process groups and the CPU stand-ins).
 
-Import the submodules by their full path. `layer_spec` (the decoder spec a host-built model
-needs) and `transformer_config` are exported here and imported on first use, the third case
-of the lazy-import rule (docs/architecture.md, Layers): this package's import stays light.
+Import the submodules by their full path. `layer_spec` and `transformer_config` (the decoder spec
+and config a host-built model needs, train/model.py) are in the package root's public API:
+`from megatron_stepwise import layer_spec, transformer_config`.
 """
-
-
-def __getattr__(name: str):
-    if name in ("layer_spec", "transformer_config"):
-        from megatron_stepwise.mcore.train import model
-
-        return getattr(model, name)
-    raise AttributeError(f"module 'megatron_stepwise.mcore' has no attribute {name!r}")

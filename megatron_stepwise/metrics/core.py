@@ -15,7 +15,7 @@ from collections import Counter, defaultdict
 from typing import Any, Optional, Sequence
 
 from megatron_stepwise.algo.groups import GroupSummary, PromptGroup, RolloutGroup
-from megatron_stepwise.rundir.jsonl import read_jsonl_records, read_metrics  # noqa: F401 (read_metrics: part of this API)
+from megatron_stepwise.rundir.jsonl import read_jsonl_records
 from megatron_stepwise.rundir.paths import RunDir
 from megatron_stepwise.steps import Step
 

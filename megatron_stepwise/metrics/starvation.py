@@ -14,10 +14,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from megatron_stepwise.errors import UserError
+
 log = logging.getLogger(__name__)
 
 
-class NothingTrained(RuntimeError):
+class NothingTrained(UserError, RuntimeError):
     """Several iterations in a row took no optimizer step (the message says why and what to change)."""
 
 

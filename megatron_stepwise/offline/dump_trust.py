@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from megatron_stepwise.config.probes import Probes
-from megatron_stepwise.envs import EnvSpec, get_env_spec
+from megatron_stepwise.envs.base import EnvSpec, get_env_spec
 from megatron_stepwise.envs.custom import resolve_env_spec
 from megatron_stepwise.rundir.dump_table import DumpError
 from megatron_stepwise.rundir.dump_trust import TRUST_FLAG, NeedsTrustError, recorded_tokenizer

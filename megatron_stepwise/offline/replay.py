@@ -21,11 +21,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_stepwise.compose import components
-from megatron_stepwise.config import ExperimentConfig
+from megatron_stepwise.config.schema import ExperimentConfig
 from megatron_stepwise.hf.arch import GPTArch
 from megatron_stepwise.loop.training_round import TrainingRound
 from megatron_stepwise.mcore.train.model import unwrap
-from megatron_stepwise.mcore.weights.dist_checkpoint import CheckpointError, load_checkpoint
+from megatron_stepwise.mcore.weights.checkpoint_errors import CheckpointError
+from megatron_stepwise.mcore.weights.dist_checkpoint import load_checkpoint
 from megatron_stepwise.rundir.dump_trust import load_tokenizer
 from megatron_stepwise.rundir.dumps import Dump
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
+from megatron_stepwise.errors import UserError
+
 CONTEXT_MODES = ("retokenize", "tokens")
 
 # A history no template rewrites (one user turn, a plain reply without reasoning or tool calls);
@@ -22,7 +24,7 @@ _NEUTRAL_HISTORY = [{"role": "user", "content": "hi"}]
 _NEUTRAL_REPLY = "<<<megatron-stepwise reply>>>"
 
 
-class ChatTemplateError(ValueError):
+class ChatTemplateError(UserError, ValueError):
     """The chat template cannot be extended turn by turn (token mode)."""
 
 

@@ -8,13 +8,14 @@ import json
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from megatron_stepwise.errors import UserError
 from megatron_stepwise.rundir.paths import RunDir
 
 META_KEY = b"megatron_stepwise.dump"
 FORMAT_VERSION = 1
 
 
-class DumpError(ValueError):
+class DumpError(UserError, ValueError):
     """A dump that is missing or does not hold what was asked (named in the message)."""
 
 

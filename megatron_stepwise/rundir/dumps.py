@@ -24,12 +24,9 @@ from typing import Any, Optional, Sequence
 import torch
 
 # reading a dump's table needs no torch (the viewer): dump_table.py; its names are the dump's API here too
-from megatron_stepwise.rundir.dump_table import (  # noqa: F401
+from megatron_stepwise.rundir.dump_table import (
     FORMAT_VERSION,
     META_KEY,
-    DumpError,
-    dump_path,
-    dumped_iterations,
     read_dump_table,
 )
 from megatron_stepwise.steps import INVALID, ROUTED_EXPERTS_DTYPE, StepBatch, TrajectoryID

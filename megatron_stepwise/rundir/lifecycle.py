@@ -24,6 +24,7 @@ import threading
 import time
 from typing import Optional
 
+from megatron_stepwise.errors import UserError
 from megatron_stepwise.rundir.paths import LOCK, RunDir
 
 LOCK_NAME = LOCK
@@ -33,7 +34,7 @@ RUN_DIR_ENV = "MEGATRON_STEPWISE_RUN_DIR"  # a marker in every process of a run 
 _PR_SET_PDEATHSIG = 1
 
 
-class RunDirLocked(Exception):
+class RunDirLocked(UserError):
     """Another live trainer holds the run directory; the message names it."""
 
 

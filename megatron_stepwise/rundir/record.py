@@ -33,7 +33,6 @@ PACKAGES = (
     "transformer-engine",
     "numpy",
 )
-LOG_NAME = paths.LOG
 
 
 def package_versions() -> dict[str, Optional[str]]:

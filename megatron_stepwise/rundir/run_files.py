@@ -13,10 +13,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from megatron_stepwise.errors import UserError
+
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 
 
-class UnsafePathError(OSError):
+class UnsafePathError(UserError, OSError):
     """A symbolic link where a run-directory write would go; the message names the link."""
 
 

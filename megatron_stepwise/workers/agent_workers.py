@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from megatron_stepwise.algo.groups import RolloutGroup, flat_steps, pack_groups, unpack_groups
 from megatron_stepwise.compose import components
+from megatron_stepwise.errors import UserError
 from megatron_stepwise.rollout.agent_loop import checked_prompt_ids
 from megatron_stepwise.rollout.engine import engine_loss
 from megatron_stepwise.rollout.engine_router import EngineSlot, EngineView, RequestCounters
@@ -43,7 +44,7 @@ from megatron_stepwise.workers.worker_rows import NAMESPACE, HeldGroup, HeldRows
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
-    from megatron_stepwise.config import ExperimentConfig
+    from megatron_stepwise.config.schema import ExperimentConfig
     from megatron_stepwise.rollout.fleet import RolloutFleet
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,7 @@ CHUNKS_PER_WORKER = 4  # a synchronous rollout's groups go out in at least this 
 START_TIMEOUT_S = 300.0  # a worker's first answer (imports, tokenizer) may take this long on a loaded node
 
 
-class AgentWorkersNotStarted(TimeoutError):
+class AgentWorkersNotStarted(UserError, TimeoutError):
     """The agent workers' actors never started (Ray had no room for them): a resource setting to fix."""
 
 

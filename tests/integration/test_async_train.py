@@ -177,7 +177,7 @@ def test_sigkill_mid_iteration_then_resume_trains_the_banked_groups(tmp_path, wo
 
     # the recovered groups were trained as banked: each step's tokens, log-probs and weight versions
     # are rows of the resumed iterations' dumps (a rollout made again would sample afresh)
-    from megatron_stepwise.rundir.dumps import read_dump_table
+    from megatron_stepwise.rundir.dump_table import read_dump_table
 
     trained_rows = set()
     for it in range(killed_at, iterations):

@@ -16,7 +16,8 @@ import yaml
 from config_fakes import FakeProbes
 from helpers import run_launch
 
-from megatron_stepwise.config import ConfigError, config_from_dict
+from megatron_stepwise.config import config_from_dict
+from megatron_stepwise.config.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 GPU_NODE = {"launch": {"gpus_per_node": 8, "nproc_per_node": 4}}  # 4 GPUs left to rollout

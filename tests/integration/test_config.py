@@ -14,9 +14,11 @@ import yaml
 from config_fakes import FakeProbes
 from helpers import run_launch
 
-from megatron_stepwise.config import ConfigError, ExperimentConfig, config_from_dict, load_config
+from megatron_stepwise.config import config_from_dict, load_config
 from megatron_stepwise.config.docs import render_markdown, render_text, sections
+from megatron_stepwise.config.errors import ConfigError
 from megatron_stepwise.config.fields import all_keys
+from megatron_stepwise.config.schema import ExperimentConfig
 from megatron_stepwise.envs.base import get_env_spec, register_env
 from megatron_stepwise.envs.echo import EchoEnv
 from megatron_stepwise.hf.presets import tiny_config

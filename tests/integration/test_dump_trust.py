@@ -18,7 +18,8 @@ from megatron_stepwise.config import load_config
 from megatron_stepwise.hf.tokenizers import tokenizer_dir
 from megatron_stepwise.loop.rounds import RowsOnRank0, decide_round
 from megatron_stepwise.rundir.dump_recorder import DumpRecorder
-from megatron_stepwise.rundir.dumps import dump_path, write_dump
+from megatron_stepwise.rundir.dump_table import dump_path
+from megatron_stepwise.rundir.dumps import write_dump
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EOS, SAY, ZERO, ONE = 2, 8, 11, 12

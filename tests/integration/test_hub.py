@@ -17,15 +17,11 @@ import pytest
 from helpers import run_launch
 
 from megatron_stepwise.cli import main as cli_main
-from megatron_stepwise.config import ConfigError, config_from_dict
+from megatron_stepwise.config import config_from_dict
+from megatron_stepwise.config.errors import ConfigError
 from megatron_stepwise.hf import hub
-from megatron_stepwise.hf.hub import (
-    CHECKPOINT_FILES,
-    TOKENIZER_FILES,
-    ModelSourceError,
-    locate_offline,
-    resolve_model_dir,
-)
+from megatron_stepwise.hf.errors import ModelSourceError
+from megatron_stepwise.hf.hub import CHECKPOINT_FILES, TOKENIZER_FILES, locate_offline, resolve_model_dir
 from megatron_stepwise.hf.presets import resolve_hf_config, tiny_config
 from megatron_stepwise.hf.tokenizers import load_tokenizer, tokenizer_dir
 

@@ -1,7 +1,7 @@
 """The package's layering (pyproject.toml [tool.importlinter]) holds, and it has no import cycle.
 
 `lint-imports` checks the contracts (cli -> offline -> loop -> workers -> compose -> config ->
-(mcore | rollout) -> envs -> metrics -> algo -> data -> viewer -> rundir -> base; algo/steps/data/
+(mcore | rollout) -> envs -> metrics -> algo -> data -> viewer -> rundir -> base -> errors; algo/steps/data/
 config/hf free of Megatron, Ray and engines; the viewer reads files only). Cycles are counted on
 the same import graph (grimp, function-local imports included) as networkx's strongly connected
 components.

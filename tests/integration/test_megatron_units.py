@@ -11,6 +11,7 @@ pytest.importorskip("megatron.core")
 
 from oracles import reference_logprobs  # noqa: E402
 
+from megatron_stepwise.hf.arch import ModelConfigError, arch_from_hf, padded_vocab_size, validate_parallel  # noqa: E402
 from megatron_stepwise.mcore.train import model as M  # noqa: E402
 from megatron_stepwise.mcore.train.logprobs import vocab_parallel_logprobs  # noqa: E402
 from megatron_stepwise.mcore.train.packing import (  # noqa: E402
@@ -241,7 +242,7 @@ def test_packed_attention_is_block_diagonal_causal_with_gqa():
 def test_arch_from_transformers_configs():
     from transformers import LlamaConfig, MixtralConfig, Qwen2Config
 
-    llama = M.arch_from_hf(
+    llama = arch_from_hf(
         LlamaConfig(
             vocab_size=300,
             hidden_size=64,
@@ -256,7 +257,7 @@ def test_arch_from_transformers_configs():
     assert (llama.num_heads, llama.num_kv_heads, llama.head_dim) == (8, 2, 8)
     assert llama.rope_theta == 500000.0 and llama.rope_scaling_factor is None
     assert not llama.qkv_bias and llama.tie_word_embeddings
-    qwen = M.arch_from_hf(
+    qwen = arch_from_hf(
         Qwen2Config(
             vocab_size=300,
             hidden_size=64,
@@ -267,7 +268,7 @@ def test_arch_from_transformers_configs():
         )
     )
     assert qwen.qkv_bias and qwen.model_type == "qwen2"
-    mixtral = M.arch_from_hf(
+    mixtral = arch_from_hf(
         MixtralConfig(
             vocab_size=300,
             hidden_size=64,
@@ -286,7 +287,7 @@ def test_arch_from_transformers_configs():
     assert (mixtral.num_heads, mixtral.num_kv_heads, mixtral.head_dim, mixtral.rope_theta) == (8, 2, 8, 1e6)
     # the same from the hub's config.json keys (and with an explicit theta)
     hub = {**M.tiny_config(model_type="mixtral"), "rope_theta": 1e6, "num_local_experts": 8}
-    assert M.arch_from_hf(hub).num_experts == 8 and M.arch_from_hf(hub).rope_theta == 1e6
+    assert arch_from_hf(hub).num_experts == 8 and arch_from_hf(hub).rope_theta == 1e6
 
 
 @pytest.mark.parametrize(
@@ -294,8 +295,8 @@ def test_arch_from_transformers_configs():
     [("sliding_window", 4096), ("router_jitter_noise", 0.01), ("num_local_experts", 0), ("num_experts_per_tok", 5)],
 )
 def test_mixtral_configs_this_builder_cannot_match_are_refused_by_name(key, value):
-    with pytest.raises(M.ModelConfigError, match=f"{key}={value}"):
-        M.arch_from_hf({**M.tiny_config(model_type="mixtral"), key: value})
+    with pytest.raises(ModelConfigError, match=f"{key}={value}"):
+        arch_from_hf({**M.tiny_config(model_type="mixtral"), key: value})
 
 
 def test_llama3_rope_scaling_and_unsupported_configs():
@@ -307,14 +308,14 @@ def test_llama3_rope_scaling_and_unsupported_configs():
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192,
     }
-    assert M.arch_from_hf(cfg).rope_scaling_factor == 32.0
+    assert arch_from_hf(cfg).rope_scaling_factor == 32.0
     cfg["rope_scaling"]["low_freq_factor"] = 2.0
-    with pytest.raises(M.ModelConfigError, match="low_freq_factor"):
-        M.arch_from_hf(cfg)
-    with pytest.raises(M.ModelConfigError, match="model_type 'gpt2'"):
-        M.arch_from_hf({**M.tiny_config(), "model_type": "gpt2"})
-    with pytest.raises(M.ModelConfigError, match="hidden_act"):
-        M.arch_from_hf({**M.tiny_config(), "hidden_act": "gelu"})
+    with pytest.raises(ModelConfigError, match="low_freq_factor"):
+        arch_from_hf(cfg)
+    with pytest.raises(ModelConfigError, match="model_type 'gpt2'"):
+        arch_from_hf({**M.tiny_config(), "model_type": "gpt2"})
+    with pytest.raises(ModelConfigError, match="hidden_act"):
+        arch_from_hf({**M.tiny_config(), "hidden_act": "gelu"})
 
 
 @pytest.mark.parametrize(
@@ -328,22 +329,22 @@ def test_llama3_rope_scaling_and_unsupported_configs():
     ],
 )
 def test_validate_parallel_names_the_key(overrides, tp, pp, key):
-    arch = M.arch_from_hf(M.tiny_config(**overrides))
-    with pytest.raises(M.ModelConfigError, match=key):
-        M.validate_parallel(arch, tp=tp, pp=pp)
+    arch = arch_from_hf(M.tiny_config(**overrides))
+    with pytest.raises(ModelConfigError, match=key):
+        validate_parallel(arch, tp=tp, pp=pp)
 
 
 def test_vocabulary_is_padded_to_a_multiple_of_tp():
-    assert [M.padded_vocab_size(v, 2) for v in (21, 256, 257)] == [22, 256, 258]
-    assert M.padded_vocab_size(151_665, 8) == 151_672
-    M.validate_parallel(M.arch_from_hf(M.tiny_config(vocab_size=257)), tp=2, pp=1)  # padded, accepted
+    assert [padded_vocab_size(v, 2) for v in (21, 256, 257)] == [22, 256, 258]
+    assert padded_vocab_size(151_665, 8) == 151_672
+    validate_parallel(arch_from_hf(M.tiny_config(vocab_size=257)), tp=2, pp=1)  # padded, accepted
 
 
 def test_tokenizer_larger_than_model_vocab_is_rejected():
-    arch = M.arch_from_hf(M.tiny_config(vocab_size=256))
-    M.validate_parallel(arch, tp=1, pp=1, tokenizer_vocab_size=250)  # smaller: fine (padded vocab)
-    with pytest.raises(M.ModelConfigError, match="tokenizer has 300 tokens"):
-        M.validate_parallel(arch, tp=1, pp=1, tokenizer_vocab_size=300)
+    arch = arch_from_hf(M.tiny_config(vocab_size=256))
+    validate_parallel(arch, tp=1, pp=1, tokenizer_vocab_size=250)  # smaller: fine (padded vocab)
+    with pytest.raises(ModelConfigError, match="tokenizer has 300 tokens"):
+        validate_parallel(arch, tp=1, pp=1, tokenizer_vocab_size=300)
 
 
 # ---------------------------------------------------------------- launcher environment

@@ -24,6 +24,6 @@ def test_a_local_spec_model_gets_the_contract_error_before_its_first_forward():
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["forwards_before_error"] == 0
     assert "decoder layer 0: core attention is megatron-core's local DotProductAttention" in result["error"]
-    assert "megatron_stepwise.mcore.layer_spec(config, use_te=False)" in result["error"]
+    assert "megatron_stepwise.layer_spec(config, use_te=False)" in result["error"]
     # the fix it names works: the same model built with layer_spec scores the batch
     assert result["fixed_forwards"] >= 1 and result["fixed_logprobs"] == result["tokens"] == 10

@@ -137,7 +137,8 @@ def test_export_reloads_in_transformers_with_megatrons_logits(megatron_run, chat
 
 
 def problems_of(overrides: list[str]) -> str:
-    from megatron_stepwise.config import ConfigError, load_config
+    from megatron_stepwise.config import load_config
+    from megatron_stepwise.config.errors import ConfigError
 
     try:
         load_config(RECIPE, overrides)

@@ -58,7 +58,8 @@ def dumped_run(tmp_path_factory):
 
 @pytest.mark.slow
 def test_every_second_iteration_is_dumped_with_what_was_trained(dumped_run):
-    from megatron_stepwise.rundir.dumps import dumped_iterations, read_dump
+    from megatron_stepwise.rundir.dump_table import dumped_iterations
+    from megatron_stepwise.rundir.dumps import read_dump
 
     run_dir, metrics = dumped_run
     assert dumped_iterations(run_dir) == [0, 2]

@@ -370,7 +370,8 @@ def test_sglang_declares_what_the_client_uses():
 def test_config_refuses_replay_for_a_dense_model(monkeypatch):
     from config_fakes import FakeProbes
 
-    from megatron_stepwise.config import ConfigError, config_from_dict
+    from megatron_stepwise.config import config_from_dict
+    from megatron_stepwise.config.errors import ConfigError
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(ConfigError) as e:
@@ -389,7 +390,9 @@ def test_mixtral_configs_count_their_experts_for_validation(tmp_path, monkeypatc
 
     from config_fakes import FakeProbes
 
-    from megatron_stepwise.config import ConfigError, Probes, config_from_dict
+    from megatron_stepwise.config import config_from_dict
+    from megatron_stepwise.config.errors import ConfigError
+    from megatron_stepwise.config.probes import Probes
     from megatron_stepwise.hf.presets import tiny_config
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)

@@ -77,16 +77,21 @@ def test_a_live_lock_is_refused_naming_its_owner_and_a_dead_ones_is_taken_over(t
 
 
 def test_train_rank_zero_refuses_a_locked_run_dir_with_exit_2(tmp_path, capsys, monkeypatch):
-    from megatron_stepwise.cli.train import _train
-    from megatron_stepwise.config import load_config
+    from megatron_stepwise.cli.main import main
 
     run_dir = str(tmp_path / "run")
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("SLURM_PROCID", raising=False)
-    cfg = load_config(os.path.join(ROOT, "configs/tiny_cpu.yaml"), [f"logging.run_dir={run_dir}"])
+    # one process: no self-launch, so this process is rank 0 and takes the lock itself (cli/train.py `_train`)
+    argv = [
+        "train",
+        os.path.join(ROOT, "configs/tiny_cpu.yaml"),
+        f"logging.run_dir={run_dir}",
+        "launch.nproc_per_node=1",
+    ]
     lock = RunLock(run_dir).acquire()  # another open file description: conflicts even in-process
     try:
-        assert _train(cfg) == 2
+        assert main(argv) == 2
     finally:
         lock.release()
     err = capsys.readouterr().err

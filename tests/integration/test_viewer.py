@@ -16,7 +16,8 @@ from megatron_stepwise.algo.groups import groups_of
 from megatron_stepwise.config import load_config
 from megatron_stepwise.loop.rounds import RowsOnRank0, decide_round
 from megatron_stepwise.rundir.dump_recorder import DumpRecorder
-from megatron_stepwise.rundir.dumps import dump_path, read_dump_table, write_dump
+from megatron_stepwise.rundir.dump_table import dump_path, read_dump_table
+from megatron_stepwise.rundir.dumps import write_dump
 from megatron_stepwise.viewer.page import APPENDED_EOS, PROMPT, TRAINED, load_decoder, paginate, render
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -20,11 +20,11 @@ import torch.distributed as dist
 from megatron_stepwise.algo.planner import plan_microbatches
 from megatron_stepwise.algo.reductions import row_denominators
 from megatron_stepwise.algo.rows import RowTable
+from megatron_stepwise.algo.shards import ShardDecision, shard_rows
 from megatron_stepwise.compose import components
 from megatron_stepwise.config import load_config
 from megatron_stepwise.loop.handoff import Handoff
 from megatron_stepwise.loop.sources import Driver, SyncRollouts
-from megatron_stepwise.mcore.train.plugin import ShardDecision, shard_rows
 from megatron_stepwise.workers.agent_workers import AgentWorkers
 
 pytestmark = [pytest.mark.usefixtures("ray_session")]

@@ -17,10 +17,10 @@ from megatron_stepwise.algo.planner import plan_microbatches
 from megatron_stepwise.algo.prepare import add_counts, prepare, prepare_rows
 from megatron_stepwise.algo.reductions import REDUCTIONS, loss_token_weights, row_denominators
 from megatron_stepwise.algo.rows import RowTable
+from megatron_stepwise.algo.shards import ShardDecision, shard_rows
 from megatron_stepwise.data.synthetic import AgentWorkload, make_agent_steps
 from megatron_stepwise.loop.handoff import Handoff
 from megatron_stepwise.loop.rounds import decide_round
-from megatron_stepwise.mcore.train.plugin import ShardDecision, shard_rows
 from megatron_stepwise.metrics.core import rollout_metrics
 from megatron_stepwise.steps import StepBatch
 from megatron_stepwise.workers.worker_rows import HeldRows, HoldRequest, RemoteShard, RowFetcher, RowsInWorkers

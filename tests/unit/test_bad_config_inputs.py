@@ -9,7 +9,8 @@ import pytest
 from config_fakes import FakeProbes
 
 from megatron_stepwise.cli.main import main as cli_main
-from megatron_stepwise.config import ConfigError, load_config
+from megatron_stepwise.config import load_config
+from megatron_stepwise.config.errors import ConfigError
 from megatron_stepwise.hf.presets import tiny_config
 
 HUGE = "9" * 5000

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_stepwise.envs import get_env_spec, make_env
+from megatron_stepwise.envs.base import get_env_spec, make_env
 from megatron_stepwise.envs.calculator import calculator_dataset, calculator_eval_dataset, evaluate
 
 

@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_stepwise.mcore.train.model import arch_from_hf, tiny_config
+from megatron_stepwise.hf.arch import arch_from_hf
+from megatron_stepwise.mcore.train.model import tiny_config
 from megatron_stepwise.mcore.weights import hf_mapping as H
 
 

@@ -7,8 +7,7 @@ import textwrap
 
 import pytest
 
-from megatron_stepwise.envs import RewardFnEnv, resolve_env_spec
-from megatron_stepwise.envs.custom import EnvPathError
+from megatron_stepwise.envs.custom import EnvPathError, RewardFnEnv, resolve_env_spec
 
 
 def test_single_turn_reward_function_ends_after_one_reply():

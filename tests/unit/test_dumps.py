@@ -10,7 +10,8 @@ from megatron_stepwise.algo.groups import groups_of
 from megatron_stepwise.algo.prepare import prepare
 from megatron_stepwise.loop.rounds import RowsOnRank0, decide_round
 from megatron_stepwise.rundir.dump_recorder import DumpRecorder, assemble_logprobs
-from megatron_stepwise.rundir.dumps import DumpError, dump_path, read_dump, write_dump
+from megatron_stepwise.rundir.dump_table import DumpError, dump_path
+from megatron_stepwise.rundir.dumps import read_dump, write_dump
 
 
 def _group(pid, rewards, *, routed=False, merged_history=False):

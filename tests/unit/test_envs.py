@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from helpers import load_script
 
-from megatron_stepwise.envs import get_env_spec, list_envs, make_env
+from megatron_stepwise.envs.base import get_env_spec, list_envs, make_env
 from megatron_stepwise.envs.bm25 import BM25
 from megatron_stepwise.envs.sandbox import run_python
 from megatron_stepwise.envs.search import normalize_answer, search

@@ -10,7 +10,7 @@ from config_fakes import FakeProbes
 from megatron_stepwise.cli import train
 from megatron_stepwise.config import load_config
 from megatron_stepwise.rundir import lifecycle
-from megatron_stepwise.rundir.record import LOG_NAME
+from megatron_stepwise.rundir.paths import LOG
 
 
 def _cfg(run_dir, *overrides):
@@ -43,7 +43,7 @@ def interrupted(monkeypatch):
     yield
     signal.signal(signal.SIGINT, previous)
     for name in ("megatron_stepwise", "py.warnings"):  # the run's train.log handler
-        for h in [h for h in logging.getLogger(name).handlers if getattr(h, "baseFilename", "").endswith(LOG_NAME)]:
+        for h in [h for h in logging.getLogger(name).handlers if getattr(h, "baseFilename", "").endswith(LOG)]:
             logging.getLogger(name).removeHandler(h)
             h.close()
     logging.captureWarnings(False)

@@ -123,7 +123,8 @@ def test_eval_of_only_invalid_trajectories_reports_them_without_failing():
 
 
 def test_a_dump_keeps_the_reason_and_the_untrained_mask(tmp_path):
-    from megatron_stepwise.rundir.dumps import Captured, dump_path, read_dump_table, write_dump
+    from megatron_stepwise.rundir.dump_table import dump_path, read_dump_table
+    from megatron_stepwise.rundir.dumps import Captured, write_dump
 
     steps = [step("p", 0, 1.0), step("p", 1, 0.0, invalid="env_error"), step("p", 2, 0.0)]
     batch, _ = prepare_rows(groups_of(steps), keep_metadata=True)

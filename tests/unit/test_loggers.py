@@ -13,7 +13,8 @@ import pytest
 import torch
 from logger_readers import tensorboard_scalars, wandb_offline_history
 
-from megatron_stepwise.metrics.core import MetricsLogger, read_metrics
+from megatron_stepwise.metrics.core import MetricsLogger
+from megatron_stepwise.rundir.jsonl import read_metrics
 
 pytest.importorskip("tensorboard", reason="the tensorboard package (test extra) is not installed")
 pytest.importorskip("wandb", reason="the wandb package (test extra) is not installed")

@@ -7,7 +7,8 @@ from megatron_stepwise.algo.groups import groups_of
 from megatron_stepwise.cli.plot import plot_run
 from megatron_stepwise.data.files import open_samples
 from megatron_stepwise.data.prompts import PromptDataset
-from megatron_stepwise.metrics.core import MetricsLogger, read_metrics, rollout_metrics, summarize_run
+from megatron_stepwise.metrics.core import MetricsLogger, rollout_metrics, summarize_run
+from megatron_stepwise.rundir.jsonl import read_metrics
 
 
 def _traj(pid, k, rewards_last, turns, resp_len=2):

@@ -161,7 +161,8 @@ def test_a_session_sticks_to_its_engine_while_alive_and_not_much_busier():
 
 def test_the_cache_budget_is_the_config_key_rollout_embedded_cache_tokens(monkeypatch):
     from megatron_stepwise.compose import components
-    from megatron_stepwise.config import ConfigError, load_config
+    from megatron_stepwise.config import load_config
+    from megatron_stepwise.config.errors import ConfigError
     from megatron_stepwise.rollout import fleet
 
     with pytest.raises(ConfigError, match="rollout.embedded_cache_tokens"):

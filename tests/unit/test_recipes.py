@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from config_fakes import FakeProbes
 
-from megatron_stepwise.config import ConfigError, load_config
+from megatron_stepwise.config import load_config
+from megatron_stepwise.config.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted(

@@ -12,7 +12,8 @@ from megatron_stepwise.algo.merge import merge_steps
 from megatron_stepwise.algo.route_pairing import check_route_pairing
 from megatron_stepwise.algo.validate import validate_steps
 from megatron_stepwise.cli.main import main as cli
-from megatron_stepwise.rundir.dumps import Captured, dump_path, read_dump, write_dump
+from megatron_stepwise.rundir.dump_table import dump_path
+from megatron_stepwise.rundir.dumps import Captured, read_dump, write_dump
 from megatron_stepwise.steps import Step, StepBatch, StepwiseBatchError, TrajectoryID
 
 L, K = 2, 2

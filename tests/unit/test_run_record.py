@@ -29,7 +29,7 @@ def test_config_diff_names_nested_keys_and_compares_option_dicts_whole():
 
 def test_a_resume_with_another_algo_names_the_keys_and_the_remedies(monkeypatch):
     from megatron_stepwise.loop.checkpointer import check_same_config, config_hash
-    from megatron_stepwise.mcore.weights.dist_checkpoint import CheckpointError
+    from megatron_stepwise.mcore.weights.checkpoint_errors import CheckpointError
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     saved = config_from_dict({})

@@ -8,7 +8,8 @@ import tracemalloc
 
 import pytest
 
-from megatron_stepwise.config import ConfigError, config_from_dict
+from megatron_stepwise.config import config_from_dict
+from megatron_stepwise.config.errors import ConfigError
 from megatron_stepwise.data.files import DatasetError, dataset_facts, open_samples
 from megatron_stepwise.data.prompts import PromptDataset
 

@@ -12,13 +12,15 @@ import ray
 from helpers import REPO, load_script, make_step, stride_decide
 
 from megatron_stepwise.algo.groups import groups_of
-from megatron_stepwise.config import ConfigError, load_config
+from megatron_stepwise.config import load_config
+from megatron_stepwise.config.errors import ConfigError
 from megatron_stepwise.loop.rounds import RowsOnRank0, decide_round
 from megatron_stepwise.rollout.engine import GenerateResult, SamplingParams
 from megatron_stepwise.rollout.engine_router import EngineRouter, EngineSlot, EngineView
 from megatron_stepwise.rollout.session_routing import BudgetSticky, RoundRobin, Sticky, make_policy
 from megatron_stepwise.rundir.dump_recorder import DumpRecorder
-from megatron_stepwise.rundir.dumps import dump_path, write_dump
+from megatron_stepwise.rundir.dump_table import dump_path
+from megatron_stepwise.rundir.dumps import write_dump
 
 PARAMS = SamplingParams(max_new_tokens=10)
 

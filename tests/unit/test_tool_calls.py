@@ -9,7 +9,8 @@ from config_fakes import FakeProbes
 from helpers import tiny_lm
 from transformers import AutoTokenizer
 
-from megatron_stepwise.config import ConfigError, config_from_dict
+from megatron_stepwise.config import config_from_dict
+from megatron_stepwise.config.errors import ConfigError
 from megatron_stepwise.envs.tool_calls import (
     ToolCall,
     ToolCallError,

@@ -7,8 +7,10 @@ import logging
 import pytest
 
 from megatron_stepwise.cli.main import main as cli_main
-from megatron_stepwise.metrics.core import MetricsLogger, read_metrics
-from megatron_stepwise.rundir.record import LOG_NAME, log_to_run_dir
+from megatron_stepwise.metrics.core import MetricsLogger
+from megatron_stepwise.rundir.jsonl import read_metrics
+from megatron_stepwise.rundir.paths import LOG
+from megatron_stepwise.rundir.record import log_to_run_dir
 
 TORN_TAILS = {
     "cut_mid_record": b'{"iteration": 3, "reward/me',
@@ -52,7 +54,7 @@ def test_resume_after_a_torn_line_writes_the_next_record_on_its_own_line(tmp_pat
 
 
 def test_a_resumed_train_log_starts_on_a_fresh_line(tmp_path):
-    (tmp_path / LOG_NAME).write_bytes(b"2025-01-01 INFO megatron_stepwise: iteration 3/10: rew")
+    (tmp_path / LOG).write_bytes(b"2025-01-01 INFO megatron_stepwise: iteration 3/10: rew")
     handler = log_to_run_dir(str(tmp_path), logger_name="stepwise_test_torn")
     try:
         logging.getLogger("stepwise_test_torn").warning("resumed")
@@ -61,5 +63,5 @@ def test_a_resumed_train_log_starts_on_a_fresh_line(tmp_path):
         logging.getLogger("py.warnings").removeHandler(handler)
         logging.captureWarnings(False)
         handler.close()
-    lines = (tmp_path / LOG_NAME).read_text().splitlines()
+    lines = (tmp_path / LOG).read_text().splitlines()
     assert lines[0].endswith("rew") and len(lines) == 2 and lines[1].endswith("resumed")

@@ -15,10 +15,10 @@ os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 
-from megatron_stepwise import LossConfig, Step, StepBatch, TrajectoryID  # noqa: E402
-from megatron_stepwise.mcore import layer_spec, transformer_config  # noqa: E402
+from megatron_stepwise import LossConfig, Step, StepBatch, TrajectoryID, layer_spec, transformer_config  # noqa: E402  # noqa: E402
+from megatron_stepwise.hf.arch import arch_from_hf  # noqa: E402
 from megatron_stepwise.mcore.runtime.runtime import init_distributed  # noqa: E402
-from megatron_stepwise.mcore.train.model import arch_from_hf, tiny_config  # noqa: E402
+from megatron_stepwise.mcore.train.model import tiny_config  # noqa: E402
 from megatron_stepwise.mcore.train.model_contract import ModelContractError  # noqa: E402
 from megatron_stepwise.mcore.train.plugin import StepwisePlugin  # noqa: E402
 

@@ -22,9 +22,11 @@ from oracles import megatron_lm_logged_metrics
 from worker_entry import run_worker
 
 from megatron_stepwise.algo.losses import LossConfig
+from megatron_stepwise.algo.shards import HostLoopMismatchError, UnsupportedLayoutError
+from megatron_stepwise.hf.arch import ModelConfigError
 from megatron_stepwise.mcore.runtime import runtime
 from megatron_stepwise.mcore.train import model as M
-from megatron_stepwise.mcore.train.plugin import HostLoopMismatchError, StepwisePlugin, UnsupportedLayoutError
+from megatron_stepwise.mcore.train.plugin import StepwisePlugin
 from megatron_stepwise.mcore.weights import full_views as W
 from megatron_stepwise.steps import Step, StepwiseBatchError, TrajectoryID
 
@@ -176,14 +178,14 @@ def run_bad_inputs(args, chunks, optimizer, layout):
     expect(
         "tokenizer_vocab",
         lambda: M.build_gpt_model(M.tiny_config(), tokenizer_vocab_size=300, vp_stage=stage),
-        M.ModelConfigError,
+        ModelConfigError,
     )
     expect(
         "heads_not_divisible",
         lambda: M.build_gpt_model(
             M.tiny_config(hidden_size=48, num_heads=3, num_kv_heads=3, ffn_hidden_size=128), vp_stage=stage
         ),
-        M.ModelConfigError,
+        ModelConfigError,
     )
     run_fixed_count_checks(args, chunks, plugin, batch_of, expect, msgs)
     # All ranks reach this point (no rank hangs in a collective the others skipped).

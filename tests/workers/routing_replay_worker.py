@@ -22,10 +22,11 @@ import torch.distributed as dist
 from worker_entry import run_worker
 
 from megatron_stepwise.algo.merge import merge_steps
+from megatron_stepwise.algo.shards import LOGPROBS
 from megatron_stepwise.mcore.runtime import runtime
 from megatron_stepwise.mcore.train import model as M
 from megatron_stepwise.mcore.train import routing_replay
-from megatron_stepwise.mcore.train.plugin import LOGPROBS, StepwisePlugin
+from megatron_stepwise.mcore.train.plugin import StepwisePlugin
 from megatron_stepwise.mcore.train.routers import local_tokens
 from megatron_stepwise.mcore.weights import full_views as W
 from megatron_stepwise.mcore.weights.hf_mapping import canonical_to_hf

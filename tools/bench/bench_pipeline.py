@@ -48,11 +48,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import PhaseTimer, add_seed_and_out, bench_parser, repeat_runs, run_args, warm_median, write_json  # noqa: E402
 
 from megatron_stepwise.algo import planner  # noqa: E402
-from megatron_stepwise.algo.batching import prompt_minibatches, validate_steps  # noqa: E402
+from megatron_stepwise.algo.batching import prompt_minibatches  # noqa: E402
 from megatron_stepwise.algo.groups import groups_of  # noqa: E402
 from megatron_stepwise.algo.merge import merge_steps  # noqa: E402
 from megatron_stepwise.algo.planner import packed_lengths  # noqa: E402
 from megatron_stepwise.algo.prepare import add_counts, prepare  # noqa: E402
+from megatron_stepwise.algo.validate import validate_steps  # noqa: E402
 from megatron_stepwise.data.synthetic import AgentWorkload, make_agent_steps  # noqa: E402
 
 

@@ -176,7 +176,7 @@ def _decide(rows, dp: int, max_tokens: int) -> list:
     reduction's denominators."""
     from megatron_stepwise.algo.planner import plan_microbatches
     from megatron_stepwise.algo.reductions import row_denominators
-    from megatron_stepwise.mcore.train.plugin import ShardDecision, shard_rows
+    from megatron_stepwise.algo.shards import ShardDecision, shard_rows
 
     plan = plan_microbatches(rows.lengths.tolist(), dp_size=dp, max_tokens=max_tokens)
     denominators = row_denominators(rows, "token_mean")

@@ -39,8 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import add_seed_and_out, bench_parser, config, free_port, run_args, script_main, side_by_side  # noqa: E402
 
 from megatron_stepwise.algo.advantages import compute_advantages  # noqa: E402
-from megatron_stepwise.algo.batching import plan_microbatches  # noqa: E402
 from megatron_stepwise.algo.losses import LossConfig  # noqa: E402
+from megatron_stepwise.algo.planner import plan_microbatches  # noqa: E402
 from megatron_stepwise.data.synthetic import AgentWorkload, make_agent_steps  # noqa: E402
 from megatron_stepwise.hf.presets import PRESETS  # noqa: E402
 from megatron_stepwise.steps import Step, StepBatch  # noqa: E402

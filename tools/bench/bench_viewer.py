@@ -27,7 +27,8 @@ def synthetic_dump(run_dir: Path, response_tokens: int) -> None:
     from megatron_stepwise.algo.groups import groups_of
     from megatron_stepwise.loop.rounds import RowsOnRank0
     from megatron_stepwise.rundir.dump_recorder import DumpRecorder
-    from megatron_stepwise.rundir.dumps import dump_path, write_dump
+    from megatron_stepwise.rundir.dump_table import dump_path
+    from megatron_stepwise.rundir.dumps import write_dump
     from megatron_stepwise.steps import Step, TrajectoryID
 
     steps = []

@@ -157,7 +157,7 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
 
 def check_dumps(run_dirs: list[str]) -> None:
     """Before any replay: every `--dumps` directory holds rollout dumps (else one line, exit 2)."""
-    from megatron_stepwise.rundir.dumps import DumpError, dumped_iterations
+    from megatron_stepwise.rundir.dump_table import DumpError, dumped_iterations
 
     for run_dir in run_dirs:
         if not dumped_iterations(run_dir):

@@ -152,7 +152,8 @@ def dump_trace(
     seed: int = 0,
 ) -> list[Session]:
     """Every dumped iteration's trajectories as sessions (see the module docstring)."""
-    from megatron_stepwise.rundir.dumps import DumpError, dumped_iterations, read_dump
+    from megatron_stepwise.rundir.dump_table import DumpError, dumped_iterations
+    from megatron_stepwise.rundir.dumps import read_dump
 
     iterations = dumped_iterations(run_dir)
     if not iterations:

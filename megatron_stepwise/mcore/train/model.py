@@ -23,13 +23,10 @@ import torch.nn.functional as F
 
 from megatron_stepwise.hf import presets
 
-# The architecture is parsed in hf/arch.py (config validation reads it too); re-exported here.
-from megatron_stepwise.hf.arch import (  # noqa: F401
-    MOE_MODEL_TYPES,
-    SUPPORTED_MODEL_TYPES,
+# The architecture is parsed in hf/arch.py (config validation reads it too).
+from megatron_stepwise.hf.arch import (
     GPTArch,
     HFConfig,
-    ModelConfigError,
     arch_from_hf,
     padded_vocab_size,
     validate_parallel,

@@ -2,7 +2,7 @@
 own model"), checked once per model before its first forward, each failure naming the fix.
 
 Models built by `mcore/train/model.py` meet it by construction; a host's own `GPTModel` meets it
-when built with `megatron_stepwise.mcore.layer_spec(config, use_te=...)` (or TE's spec) and
+when built with `megatron_stepwise.layer_spec(config, use_te=...)` (or TE's spec) and
 a `TransformerConfig` like `mcore/train/model.py`'s `transformer_config`.
 """
 
@@ -16,7 +16,7 @@ class ModelContractError(StepwiseBatchError):
 
 
 LAYER_SPEC_FIX = (
-    "build the decoder with megatron_stepwise.mcore.layer_spec(config, use_te=False) (local: "
+    "build the decoder with megatron_stepwise.layer_spec(config, use_te=False) (local: "
     "packed causal attention) or use_te=True (Transformer Engine)"
 )
 

@@ -24,9 +24,7 @@ import torch.distributed as dist
 
 from megatron_stepwise.algo.losses import combine_metric_partials
 from megatron_stepwise.algo.rows import RowTable
-
-# The shard decision lives in algo/shards.py; these names stay importable from here (the documented path).
-from megatron_stepwise.algo.shards import (  # noqa: F401
+from megatron_stepwise.algo.shards import (
     LOGPROBS,
     TRAIN,
     HostLoopMismatchError,
@@ -36,7 +34,6 @@ from megatron_stepwise.algo.shards import (  # noqa: F401
     ShardPlanner,
     UnsupportedLayoutError,
     check_tokens,
-    shard_rows,
 )
 from megatron_stepwise.mcore.runtime.runtime import ParallelLayout, comm_device, current_layout
 from megatron_stepwise.mcore.train.logprobs import check_temperature, trained_position_logprobs

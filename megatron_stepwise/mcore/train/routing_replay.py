@@ -19,10 +19,11 @@ from typing import Callable, Optional
 import torch
 from megatron.core.transformer.moe.router_replay import RouterReplay
 
+from megatron_stepwise.errors import UserError
 from megatron_stepwise.mcore.train.routers import local_tokens, moe_routers, recomputation
 
 
-class RoutingReplayError(ValueError):
+class RoutingReplayError(UserError, ValueError):
     """Routing replay cannot run as configured (a layout, or data that does not fit the model)."""
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from megatron_stepwise.errors import UserError
 
-class CheckpointError(RuntimeError):
+
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint that cannot be saved or loaded as asked (named in the message)."""
 
 

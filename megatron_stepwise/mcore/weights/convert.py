@@ -4,7 +4,7 @@
 (every bucket, delivered on global rank 0), `export_hf` (an HF directory that transformers and
 SGLang load, renamed into place when complete) and `import_hf` (start from a pretrained model).
 Every rank must call (and, for the iterators, exhaust) them: they are collective. The name and
-layout mapping itself is in `weights/hf_mapping.py` (pure functions, re-exported here). `export_hf`
+layout mapping itself is in `weights/hf_mapping.py` (pure functions). `export_hf`
 takes an HF config and parses it once; below it everything takes the parsed `GPTArch`
 (`export_model` the `ModelSpec`, when config.json must be written too).
 
@@ -31,17 +31,13 @@ from megatron_stepwise.hf.presets import ARCHITECTURES
 from megatron_stepwise.mcore.runtime.runtime import comm_device, current_layout
 from megatron_stepwise.mcore.weights import full_views as W
 from megatron_stepwise.mcore.weights.fileops import fsync_dir, make_staging_dir, raise_together
-from megatron_stepwise.mcore.weights.hf_mapping import (  # noqa: F401  (re-exported API)
+from megatron_stepwise.mcore.weights.hf_mapping import (
     EMBED,
     OUTPUT,
     WeightConversionError,
-    canonical_names,
-    canonical_to_hf,
     check_hf_names,
     from_hf,
-    hf_names,
     hf_names_for,
-    hf_to_canonical,
     to_hf,
 )
 

@@ -17,6 +17,7 @@ from typing import Iterable, Mapping, Optional
 
 import torch
 
+from megatron_stepwise.errors import UserError
 from megatron_stepwise.hf.arch import GPTArch
 
 EMBED = "embedding.word_embeddings.weight"
@@ -61,7 +62,7 @@ _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _HF_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 
 
-class WeightConversionError(ValueError):
+class WeightConversionError(UserError, ValueError):
     """A tensor that does not fit the mapping: unknown name, wrong shape, missing tensor."""
 
 

@@ -12,8 +12,10 @@ import json
 import re
 from typing import Any, Optional
 
+from megatron_stepwise.errors import UserError
 
-class BadRequest(ValueError):
+
+class BadRequest(UserError, ValueError):
     """A request the server refuses with 400, the message naming what was wrong."""
 
 

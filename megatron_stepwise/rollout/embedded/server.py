@@ -42,6 +42,7 @@ from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_server import Server
 
 from megatron_stepwise import weight_checks
+from megatron_stepwise.errors import UserError
 from megatron_stepwise.rollout.auth import (
     API_KEY_ENV,
     bearer_matches,
@@ -89,7 +90,7 @@ def updated(answer: Any, **fields: Any) -> web.Response:
     return web.json_response(body)
 
 
-class BodyTooLarge(Exception):
+class BodyTooLarge(UserError):
     """A request body over its endpoint's limit (answered 413)."""
 
 
