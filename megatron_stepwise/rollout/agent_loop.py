@@ -2,7 +2,7 @@
 
 Per trajectory: build the turn's prompt (`rollout/context.py`: `retokenize` or `tokens`), check
 it fits, generate, append the response, step the environment (through `EnvCaller`,
-`rollout/env_calls.py`) and append its observation to the NEXT prompt, until the environment is
+`rollout/env_calls.py`; its results checked by `rollout/env_outputs.py`) and append its observation to the NEXT prompt, until the environment is
 done, the turn budget is spent or the prompt no longer fits. A failing environment ends only its
 own trajectory. Output: trajectories and prompt groups contiguous, in sample order.
 
@@ -19,9 +19,6 @@ import copy
 import hashlib
 import inspect
 import logging
-import math
-import pickle
-import traceback
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, Sequence, Union
@@ -42,6 +39,7 @@ from megatron_stepwise.rollout.context import (
 from megatron_stepwise.rollout.continuation import generate_continued
 from megatron_stepwise.rollout.engine import GenerateResult, SamplingParams, engine_loss
 from megatron_stepwise.rollout.env_calls import EnvCaller, EnvError
+from megatron_stepwise.rollout.env_outputs import check_reset_output, check_step_output, error_traceback, read_tools
 from megatron_stepwise.rollout.routing import pad_to_tokens
 from megatron_stepwise.steps import INVALID, Step, TrajectoryID
 from megatron_stepwise.time_budget import GENERATION, NO_ACTIVITY
@@ -216,7 +214,7 @@ class AgentLoop:
         cfg = self.config
         try:
             env = await self._env.call(self.env_factory, name="environment factory")
-            messages = await self._checked_call(env.reset, sample, check=_check_reset_output, name="env.reset")
+            messages = await self._checked_call(env.reset, sample, check=check_reset_output, name="env.reset")
             tools = await self._env_tools(env)
         except EnvError as e:  # any env failure ends only this trajectory
             step = self._placeholder(traj_id, [self.eos_token_ids[0]], "env_error", cfg.env_error_reward, e)
@@ -259,7 +257,7 @@ class AgentLoop:
             text = self.tokenizer.decode(result.output_ids, skip_special_tokens=True)
             try:
                 observation, reward, done, info = await self._checked_call(
-                    env.step, text, check=_check_step_output, name="env.step"
+                    env.step, text, check=check_step_output, name="env.step"
                 )
             except EnvError as e:
                 step.stop_reason = "env_error"
@@ -313,7 +311,7 @@ class AgentLoop:
         has none. Looked up statically first, so environments without tools cost no env call."""
         if inspect.getattr_static(env, "tools", None) is None:
             return None
-        tools = await self._env.call(_read_tools, env, name="env.tools")
+        tools = await self._env.call(read_tools, env, name="env.tools")
         if inspect.iscoroutinefunction(tools):  # an async method: its result is checked below
             tools = await self._env.call(tools, name="env.tools")
             return await self._env.call(check_tools, tools, name="env.tools (checking its result)")
@@ -459,26 +457,6 @@ def checked_prompt_ids(samples: Sequence[dict[str, Any]]) -> list[str]:
     return prompt_ids
 
 
-def _check_messages(messages: Any, where: str) -> list[dict]:
-    if not isinstance(messages, list) or not all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
-    ):
-        raise EnvError(
-            f"env.{where} must return a list of {{'role': str, 'content': str}} messages, got {messages!r:.200}"
-        )
-    return messages
-
-
-def _read_tools(env: Any) -> Any:
-    """`env.tools` (called when it is a plain method) and checked; an async method is returned as is."""
-    tools = getattr(env, "tools", None)
-    if inspect.iscoroutinefunction(tools):
-        return tools
-    if callable(tools):
-        tools = tools()
-    return check_tools(tools)
-
-
 @dataclass
 class _Context:
     """What a trajectory carries from turn to turn to build the next prompt cheaply."""
@@ -524,48 +502,6 @@ def turn_seed(seed: Optional[int], traj_id: TrajectoryID, turn: int) -> Optional
         f"{seed}/{traj_id.prompt_id}/{traj_id.sample_index}/{turn}".encode(), digest_size=8
     ).digest()
     return int.from_bytes(digest, "little") >> 1
-
-
-def _check_reset_output(messages: Any) -> list[dict]:
-    return _check_messages(messages, "reset")
-
-
-def _check_step_output(out: Any) -> tuple[list[dict], float, bool, dict]:
-    """The boundary check of env.step's result: what passes here cannot break the batch later
-    (a NaN reward poisons every advantage of its group; an unpicklable info fails the broadcast
-    to the training ranks and so the whole run). It runs env-defined code (`__float__`,
-    `__reduce__`, `__bool__`), so it runs under the env call's deadline and guard."""
-    if not isinstance(out, tuple) or len(out) != 4:
-        raise EnvError(f"env.step must return (observation_messages, reward, done, info), got {out!r:.200}")
-    observation, reward, done, info = out
-    if isinstance(reward, (str, bytes)):
-        raise EnvError(f"env.step reward must be a number, got {reward!r:.100}")
-    try:
-        reward = float(reward)
-    except (TypeError, ValueError, OverflowError) as e:
-        raise EnvError(f"env.step reward must be a number, got {reward!r:.100}") from e
-    if not math.isfinite(reward):
-        raise EnvError(f"env.step returned a non-finite reward ({reward})")
-    if info is not None and not isinstance(info, dict):
-        raise EnvError(f"env.step info must be a dict, got {type(info).__name__}")
-    info = dict(info or {})
-    try:
-        pickle.dumps(info)
-    except Exception as e:  # noqa: BLE001 - any pickling failure is the env's bug
-        raise EnvError(
-            f"env.step info must be picklable (it travels to every training rank): {type(e).__name__}: {e}"
-        ) from e
-    return _check_messages(list(observation or []), "step"), reward, bool(done), info
-
-
-def error_traceback(error: BaseException, frames: int = 4) -> str:
-    """The last `frames` frames (file:line) of what the environment raised (the cause of an
-    `EnvError`), so a user can find the line without a debugger; "" when there is no traceback."""
-    cause = error.__cause__ or error
-    if cause.__traceback__ is None:
-        return ""
-    lines = traceback.format_exception(type(cause), cause, cause.__traceback__, limit=-frames)
-    return "".join(lines)[-2000:]
 
 
 def _warn_if_env_errors_dominate(groups: list[RolloutGroup], stats: dict[str, int]) -> None:

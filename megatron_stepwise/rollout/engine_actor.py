@@ -3,7 +3,7 @@
 Apart from fleet.py so that an engine's process, which unpickles both, imports what an engine
 needs (the embedded engine, or the SGLang client and server launcher, when it builds one) and not
 the fleet's router, agent-loop settings and HTTP client stack (~0.12 CPU-seconds per engine
-start). Both stay importable from `megatron_stepwise.rollout.fleet`.
+start). Callers import both from here.
 """
 
 from __future__ import annotations

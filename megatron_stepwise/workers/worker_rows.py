@@ -359,7 +359,7 @@ class RowFetcher:
                 from ray._raylet import Config
 
                 Config.initialize("")
-            from megatron_stepwise.rollout.fleet import quiet_ray_token_notice
+            from megatron_stepwise.rollout.ray_start import quiet_ray_token_notice
 
             quiet_ray_token_notice()
             ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, include_dashboard=False)

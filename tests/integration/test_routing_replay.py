@@ -204,8 +204,8 @@ def test_layouts_replay_cannot_serve_are_refused():
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
 def test_embedded_engine_reports_the_experts_of_every_position_it_ran(model_type):
     from megatron_stepwise.hf.presets import tiny_config
-    from megatron_stepwise.rollout.agent_loop import pad_to_tokens
     from megatron_stepwise.rollout.embedded.engine import LocalEngine
+    from megatron_stepwise.rollout.routing import pad_to_tokens
 
     cfg = tiny_config(model_type=model_type)
 

@@ -87,13 +87,16 @@ def test_a_client_that_disconnects_stops_its_generation():
         await engine.pause_after("bye", 2)
         payload = {"input_ids": [1, 5, 8], "rid": "bye", "sampling_params": {"max_new_tokens": 1000}}
         task = asyncio.create_task(http.post(url + "/generate", json=payload))
-        await until(lambda: engine._inflight.get("bye") is not None and engine._inflight["bye"].decoded == 2, "held")
+        await until(
+            lambda: engine.scheduler.inflight.get("bye") is not None and engine.scheduler.inflight["bye"].decoded == 2,
+            "held",
+        )
         task.cancel()  # the client goes away mid-generation
         await asyncio.gather(task, return_exceptions=True)
         await until(lambda: engine.scheduler_stats()["cancelled_requests"] == 1, "the server saw the disconnect")
         await engine.resume()
         await until(lambda: engine.scheduler_stats()["running"] == 0, "the row left the batch")
-        assert "bye" not in engine._inflight
+        assert "bye" not in engine.scheduler.inflight
         async with http.get(url + "/get_model_info") as resp:
             assert (await resp.json())["scheduler"]["cancelled_requests"] == 1
 

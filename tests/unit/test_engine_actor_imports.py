@@ -22,7 +22,7 @@ def test_the_fleet_hands_out_the_engine_actor_module_s_classes():
 def test_an_engine_process_imports_no_fleet_and_no_http_client_for_its_actor():
     code = (
         "import pickle, sys\n"
-        "from megatron_stepwise.rollout.fleet import EngineActor, EngineSpec\n"
+        "from megatron_stepwise.rollout.engine_actor import EngineActor, EngineSpec\n"
         "blob = pickle.dumps((EngineActor, EngineSpec(kind='local', model_config={'model_type': 'qwen2'})))\n"
         "for name in [m for m in sys.modules if m.startswith(('megatron_stepwise', 'aiohttp'))]:\n"
         "    del sys.modules[name]\n"

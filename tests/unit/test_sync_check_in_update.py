@@ -420,10 +420,10 @@ def test_the_next_versions_positions_are_ready_before_its_update(monkeypatch):
     async def go():
         await engine.update_weights_from_tensors(tensors, 3, sample_weights=True)
         await engine.update_weights_from_tensors(tensors, 4)  # an unsampled load also positions the next
-        await engine._run(lambda: None)  # what the model thread queued behind the loads is done
+        await engine.scheduler.run(lambda: None)  # what the model thread queued behind the loads is done
         calls.append("update 5")
         answer = await engine.update_weights_from_tensors(tensors, 5, sample_weights=True)
-        await engine._run(lambda: None)
+        await engine.scheduler.run(lambda: None)
         return answer
 
     answer = asyncio.run(go())

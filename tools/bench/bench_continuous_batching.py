@@ -151,7 +151,7 @@ async def bench(args: argparse.Namespace, model_config: Any, weights: Optional[s
                 warm = argparse.Namespace(**{**vars(args), "turns": 1, "gap_s": 0.0})
                 await measure(engine, warm, t, 2)  # first forwards, allocations
                 await engine.flush_cache()
-                engine.joined_running_batch = 0
+                engine.scheduler.joined_running_batch = 0
                 runs[name].append(await measure(engine, args, t, args.trajectories))
             finally:
                 await engine.close()

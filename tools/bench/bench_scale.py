@@ -409,7 +409,7 @@ def _new_handoff(steps, cfg, dp_sizes=(1, 2, 4)) -> dict[str, Any]:
 
 
 def run(quick: bool = False, **options) -> dict[str, Any]:
-    from megatron_stepwise.rollout.fleet import ensure_ray
+    from megatron_stepwise.rollout.ray_start import ensure_ray
 
     args = run_args(parse_args, quick, options)
     cfg = _config(args)

@@ -69,7 +69,7 @@ def default_max_request_bytes(engine: LocalEngine) -> int:
     """The body limit of every endpoint but the weight upload: `max_batch_size` prompts filling
     the context window (`max_position_embeddings`, at most 1M tokens counted) + 1 MiB."""
     context = min(engine.max_positions, 1 << 20)
-    return SMALL_BODY + BYTES_PER_TOKEN * context * engine.max_batch_size
+    return SMALL_BODY + BYTES_PER_TOKEN * context * engine.scheduler.max_batch_size
 
 
 def weight_upload_bytes(engine: LocalEngine) -> int:
