@@ -147,7 +147,8 @@ def test_call_cap_is_the_agents_problem():
 def test_a_bad_env_agent_is_a_config_problem_naming_the_key(tmp_path, path, words):
     from config_fakes import FakeProbes
 
-    from megatron_stepwise.config.errors import ConfigError, load_config
+    from megatron_stepwise.config import load_config
+    from megatron_stepwise.config.errors import ConfigError
 
     config = tmp_path / "c.yaml"
     config.write_text("name: x\n")
