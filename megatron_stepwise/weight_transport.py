@@ -1,6 +1,6 @@
 """Weight transport between the trainer (rank 0) and rollout engines (ranks 1..N).
 
-Used by both sides: `mcore/weights/sync.py` opens the group and broadcasts, `rollout/embedded/engine.py` joins
+Used by both sides: `mcore/weights/sync.py` opens the group and broadcasts, `rollout/engines/embedded/engine.py` joins
 it and receives. Dtypes travel by name (`dtype_name` / `parse_dtype`, SGLang's convention).
 
 This is the CPU/gloo counterpart of SGLang's `init_weights_update_group` +

@@ -9,8 +9,8 @@ import threading
 from typing import Any, Optional
 
 from megatron_stepwise.gateway.server import Gateway, GatewaySettings
-from megatron_stepwise.rollout.context import encode
-from megatron_stepwise.rollout.engine import GenerateResult, SamplingParams
+from megatron_stepwise.rollout.agent.context import encode
+from megatron_stepwise.rollout.engines.protocol import GenerateResult, SamplingParams
 from megatron_stepwise.steps import TrajectoryID
 
 # The SDK clients' first request asks `platform.processor()`, which runs `uname -p` once per

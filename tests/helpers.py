@@ -226,7 +226,7 @@ def tiny_lm(tokenizer: str = "tiny_word") -> tuple[Any, dict]:
     """(tokenizer, config): a shipped tiny tokenizer ("tiny_word", "tiny_char", "tiny_bpe"; loaded
     once per process, shared) and a fresh tiny Qwen2 config dict sized to its vocabulary."""
     from megatron_stepwise.hf.tokenizers import load_tokenizer
-    from megatron_stepwise.rollout.embedded.hf_model import tiny_qwen2_config
+    from megatron_stepwise.rollout.engines.embedded.hf_model import tiny_qwen2_config
 
     tok = load_tokenizer(tokenizer)
     return tok, tiny_qwen2_config(len(tok))

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from megatron_stepwise.rollout.fleet import EngineSpec, RolloutFleet
+from megatron_stepwise.rollout.fleet.engine_actor import EngineSpec
+from megatron_stepwise.rollout.fleet.fleet import RolloutFleet
 
 
 class _Remote:

@@ -102,7 +102,7 @@ def hf_reference_logprobs(cfg: dict, full: dict, batch: StepBatch) -> torch.Tens
 
     from megatron_stepwise.hf.arch import arch_from_hf
     from megatron_stepwise.mcore.weights.hf_mapping import canonical_to_hf
-    from megatron_stepwise.rollout.embedded.hf_model import load_named_tensors
+    from megatron_stepwise.rollout.engines.embedded.hf_model import load_named_tensors
 
     fields = {k: v for k, v in cfg.items() if k != "model_type"}
     hf_cfg = AutoConfig.for_model(cfg["model_type"], **fields, attn_implementation="eager")

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from megatron_stepwise.rollout.agent_loop import AgentLoop, AgentLoopConfig
-from megatron_stepwise.rollout.engine import GenerateResult, SamplingParams
+from megatron_stepwise.rollout.agent.loop import AgentLoop, AgentLoopConfig
+from megatron_stepwise.rollout.engines.protocol import GenerateResult, SamplingParams
 
 QWEN25_ADDED = {  # Qwen2.5's tokenizer_config (id: (token, special))
     151646: ("<|object_ref_start|>", True),

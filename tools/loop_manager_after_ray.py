@@ -29,7 +29,7 @@ MANAGER_TESTS = [
 RAY_FIRST = """
 import ray
 
-from megatron_stepwise.rollout.ray_start import ensure_ray
+from megatron_stepwise.rollout.fleet.ray_start import ensure_ray
 
 
 @ray.remote

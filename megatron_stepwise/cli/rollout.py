@@ -39,7 +39,7 @@ def _main(args: argparse.Namespace) -> int:
         return 2
     from megatron_stepwise.compose import components
     from megatron_stepwise.loop.evaluation import standalone_engine
-    from megatron_stepwise.rollout.agent_loop import AgentLoop, AgentLoopConfig
+    from megatron_stepwise.rollout.agent.loop import AgentLoop, AgentLoopConfig
 
     try:
         tokenizer = components.load_tokenizer(cfg)

@@ -1,4 +1,4 @@
-"""`serve`: the embedded CPU engine behind SGLang's native HTTP API (rollout/embedded/server.py).
+"""`serve`: the embedded CPU engine behind SGLang's native HTTP API (rollout/engines/embedded/server.py).
 
 megatron-stepwise serve --model-config tiny_word --host 127.0.0.1 --port 30000
 """
@@ -15,14 +15,14 @@ from typing import Any
 
 from megatron_stepwise.cli.arg_types import int_at_least
 from megatron_stepwise.errors import UserError
-from megatron_stepwise.rollout.auth import API_KEY_ENV, api_key_from_env
-from megatron_stepwise.rollout.embedded.engine import LocalEngine
-from megatron_stepwise.rollout.embedded.server import start_server
+from megatron_stepwise.rollout.engines.auth import API_KEY_ENV, api_key_from_env
+from megatron_stepwise.rollout.engines.embedded.engine import LocalEngine
+from megatron_stepwise.rollout.engines.embedded.server import start_server
 
 
 def build_engine_from_args(args: argparse.Namespace) -> LocalEngine:
     from megatron_stepwise.hf.tokenizers import TOKENIZER_NAMES, load_tokenizer
-    from megatron_stepwise.rollout.embedded.hf_model import tiny_qwen2_config
+    from megatron_stepwise.rollout.engines.embedded.hf_model import tiny_qwen2_config
 
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
     model_config: Any = args.model_config

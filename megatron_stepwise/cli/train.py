@@ -151,7 +151,7 @@ def _train(cfg) -> int:
 
         return end_with_user_error(e)
     except BaseException as e:  # the fleet lost every engine: its cause in one line, not the trajectories'
-        from megatron_stepwise.rollout.engine import engine_loss
+        from megatron_stepwise.rollout.engines.protocol import engine_loss
 
         lost = engine_loss(e)
         if lost is None:

@@ -34,8 +34,8 @@ from megatron_stepwise.mcore.train.model import model_chunks_from_arch, unwrap
 from megatron_stepwise.mcore.train.plugin import StepwisePlugin
 from megatron_stepwise.mcore.weights.convert import export_model, import_hf
 from megatron_stepwise.mcore.weights.sync import WeightSync
-from megatron_stepwise.rollout.agent_loop import AgentLoop, AgentLoopConfig, Generator
-from megatron_stepwise.rollout.session_routing import RoutingPolicy, make_policy
+from megatron_stepwise.rollout.agent.loop import AgentLoop, AgentLoopConfig, Generator
+from megatron_stepwise.rollout.fleet.session_routing import RoutingPolicy, make_policy
 
 if TYPE_CHECKING:
     import asyncio
@@ -46,8 +46,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from megatron_stepwise.gateway.agents import AgentRollout
-    from megatron_stepwise.rollout.engine import SamplingParams
-    from megatron_stepwise.rollout.fleet import RolloutFleet
+    from megatron_stepwise.rollout.engines.protocol import SamplingParams
+    from megatron_stepwise.rollout.fleet.fleet import RolloutFleet
 
 log = logging.getLogger(__name__)
 
@@ -256,8 +256,9 @@ def eval_samples(cfg: ExperimentConfig, dataset: PromptDataset) -> list[dict[str
 def build_fleet(cfg: ExperimentConfig, model: ModelSpec, tokenizer: PreTrainedTokenizerBase) -> RolloutFleet:
     """The rollout engines: embedded ones load `model.hf_config`, SGLang ones the checkpoint."""
     # the fleet's modules load aiohttp (and Ray when it starts): only rank 0 builds a fleet
-    from megatron_stepwise.rollout.fleet import EngineSpec, RolloutFleet
-    from megatron_stepwise.rollout.sglang import SGLangServerConfig
+    from megatron_stepwise.rollout.engines.sglang import SGLangServerConfig
+    from megatron_stepwise.rollout.fleet.engine_actor import EngineSpec
+    from megatron_stepwise.rollout.fleet.fleet import RolloutFleet
 
     r = cfg.rollout
     specs = []

@@ -7,7 +7,7 @@ import logging
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from megatron_stepwise.rollout.ray_nodes import actor_nodes, node_address
+from megatron_stepwise.rollout.fleet.ray_nodes import actor_nodes, node_address
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle

@@ -5,8 +5,8 @@ read by one component are declared next to it, once, with the same `option(...)`
 (megatron_stepwise/options.py), so that code and Python users get the same keys, defaults,
 bounds and choices as YAML configs: the `algo.loss` section is
 `megatron_stepwise.algo.losses.LossConfig` itself, `rollout.sampling` is
-`megatron_stepwise.rollout.engine.SamplingConfig`, and the agent loop's keys of `rollout`
-(`max_turns`, `context`, ...) are `megatron_stepwise.rollout.agent_loop.AgentLoopConfig`'s,
+`megatron_stepwise.rollout.engines.protocol.SamplingConfig`, and the agent loop's keys of `rollout`
+(`max_turns`, `context`, ...) are `megatron_stepwise.rollout.agent.loop.AgentLoopConfig`'s,
 taken with `option_of` (the agent loop is built from the section: `AgentLoopConfig.from_section`).
 """
 
@@ -19,9 +19,9 @@ from megatron_stepwise.algo.losses import LossConfig
 from megatron_stepwise.config.fields import to_dict
 from megatron_stepwise.gateway.config import AgentConfig
 from megatron_stepwise.options import check_options, option, option_of, option_problems, section, takes_options
-from megatron_stepwise.rollout.agent_loop import ROLLOUT_KEYS, AgentLoopConfig
-from megatron_stepwise.rollout.engine import RetryConfig, SamplingConfig, SamplingParams
-from megatron_stepwise.rollout.session_routing import RoutingConfig
+from megatron_stepwise.rollout.agent.loop import ROLLOUT_KEYS, AgentLoopConfig
+from megatron_stepwise.rollout.engines.protocol import RetryConfig, SamplingConfig, SamplingParams
+from megatron_stepwise.rollout.fleet.session_routing import RoutingConfig
 from megatron_stepwise.rundir.paths import RunDir
 from megatron_stepwise.steps import temperature_problem
 
@@ -153,9 +153,9 @@ class RolloutConfig:
         min=0,
     )
     sglang: SGLangConfig = section(SGLangConfig, "SGLang servers")
-    # Declared where they are read: `rollout.sampling` and max_new_tokens in rollout/engine.py, the
-    # agent loop's keys in rollout/agent_loop.py, `RetryConfig` in rollout/engine.py too,
-    # `RoutingConfig` in rollout/session_routing.py
+    # Declared where they are read: `rollout.sampling` and max_new_tokens in rollout/engines/protocol.py, the
+    # agent loop's keys in rollout/agent/loop.py, `RetryConfig` in rollout/engines/protocol.py too,
+    # `RoutingConfig` in rollout/fleet/session_routing.py
     # (`option_of` takes their default, help, bounds and choices).
     sampling: SamplingConfig = section(SamplingConfig, "sampling parameters")
     max_concurrency: int = option_of(AgentLoopConfig, "max_concurrency")

@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 from megatron_stepwise.algo.groups import RolloutGroup, flat_steps
 from megatron_stepwise.envs.custom import load_object
 from megatron_stepwise.gateway.server import Gateway, GatewaySettings
-from megatron_stepwise.rollout.agent_loop import checked_prompt_ids
+from megatron_stepwise.rollout.agent.loop import checked_prompt_ids
 from megatron_stepwise.steps import Step, TrajectoryID
 from megatron_stepwise.time_budget import GENERATION, NO_ACTIVITY
 

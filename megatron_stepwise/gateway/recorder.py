@@ -2,7 +2,7 @@
 
 A call whose messages are the previous call's messages, then the assistant message the gateway
 returned, then new messages, is a continuation: its prompt is the previous prompt + the sampled
-ids + the template's delta (`rollout/context.py`, the agent loop's token mode), never the chat
+ids + the template's delta (`rollout/agent/context.py`, the agent loop's token mode), never the chat
 re-tokenised, so what the model sampled is what the next prompt holds. Any other call (history
 dropped, summarised, edited, other tools, a sub-agent) is a prefix break: rendered fresh and
 counted. Either way the step records the exact ids the engine received and sampled.
@@ -17,9 +17,9 @@ from typing import Any, Optional, Sequence
 import torch
 
 from megatron_stepwise.gateway.messages import MessageKey, message_key, tools_key
-from megatron_stepwise.rollout.context import extend_context, render_prompt, turn_delta
-from megatron_stepwise.rollout.engine import GenerateResult
-from megatron_stepwise.rollout.routing import pad_to_tokens
+from megatron_stepwise.rollout.agent.context import extend_context, render_prompt, turn_delta
+from megatron_stepwise.rollout.engines.protocol import GenerateResult
+from megatron_stepwise.rollout.engines.routed_experts import pad_to_tokens
 from megatron_stepwise.steps import INVALID, Step, TrajectoryID
 
 

@@ -32,11 +32,11 @@ from megatron_stepwise.gateway.config import AgentConfig
 from megatron_stepwise.gateway.errors import GatewayError, bad, error_response
 from megatron_stepwise.gateway.messages import reply_message
 from megatron_stepwise.gateway.recorder import Prompt, TrajectoryRecorder
-from megatron_stepwise.rollout.agent_loop import turn_seed
-from megatron_stepwise.rollout.auth import bearer_matches, is_loopback, redact_bearer_tokens
-from megatron_stepwise.rollout.context import ChatTemplateError, encode
-from megatron_stepwise.rollout.continuation import generate_continued
-from megatron_stepwise.rollout.engine import EngineError, SamplingParams
+from megatron_stepwise.rollout.agent.context import ChatTemplateError, encode
+from megatron_stepwise.rollout.agent.continuation import generate_continued
+from megatron_stepwise.rollout.agent.loop import turn_seed
+from megatron_stepwise.rollout.engines.auth import bearer_matches, is_loopback, redact_bearer_tokens
+from megatron_stepwise.rollout.engines.protocol import EngineError, SamplingParams
 from megatron_stepwise.steps import Step, TrajectoryID
 
 log = logging.getLogger(__name__)

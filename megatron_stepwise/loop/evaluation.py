@@ -22,8 +22,8 @@ from megatron_stepwise.config.schema import ExperimentConfig
 from megatron_stepwise.data.files import open_samples
 from megatron_stepwise.hf.hub import CHECKPOINT_FILES, resolve_model_dir
 from megatron_stepwise.metrics.core import group_outcomes, majority_at_k, pass_ks, rollout_metrics
-from megatron_stepwise.rollout.agent_loop import AgentLoop, AgentLoopConfig
-from megatron_stepwise.rollout.embedded.engine import LocalEngine
+from megatron_stepwise.rollout.agent.loop import AgentLoop, AgentLoopConfig
+from megatron_stepwise.rollout.engines.embedded.engine import LocalEngine
 from megatron_stepwise.steps import Step
 
 MAJ_MAX_SUBSETS = 20000  # maj@k enumerates k-subsets; larger k are left out

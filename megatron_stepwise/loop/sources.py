@@ -40,8 +40,8 @@ if TYPE_CHECKING:
 
     from megatron_stepwise.algo.rows import RowTable
     from megatron_stepwise.algo.shards import ShardDecision
-    from megatron_stepwise.rollout.agent_loop import AgentLoop
-    from megatron_stepwise.rollout.fleet import RolloutFleet
+    from megatron_stepwise.rollout.agent.loop import AgentLoop
+    from megatron_stepwise.rollout.fleet.fleet import RolloutFleet
     from megatron_stepwise.workers.agent_workers import AgentWorkers
 
 log = logging.getLogger(__name__)

@@ -1,11 +1,10 @@
 """Rollout: engines that generate tokens with log-probs, a Ray fleet of them, the agent loop.
 
-- engine.py        the `Engine` protocol, `SamplingParams`, `GenerateResult` (log-prob convention)
-- sglang.py        `SGLangClient` (the `Engine` protocol over SGLang's HTTP API) + server launcher
-- fleet.py         `RolloutFleet`: Ray engine actors, routing, concurrency, weight updates, faults
-- engine_router.py `EngineRouter` and an agent worker's `EngineView`
-- session_routing.py the routing policies (`rollout.routing`): sticky, budget_sticky, round_robin
-- agent_loop.py    `AgentLoop`: the step-wise multi-turn loop emitting one `Step` per turn
-- context.py, env_calls.py, routing.py, auth.py: prompts per turn, env calls, routed experts, keys
-- embedded/        the embedded CPU engine (`LocalEngine`) and its SGLang-compatible server
+Three rooms, each importing only the rooms below it (import-linter contract `rollout-rooms`):
+- fleet/    N engine actors on Ray behind one `generate` (`RolloutFleet`, fleet.py): the engine
+            actor, the router and its session policies, Ray start, placement and room checks
+- agent/    the step-wise multi-turn agent loop (`AgentLoop`, loop.py): each turn's prompt
+            (context.py), continued turns, environment calls and their checked results
+- engines/  the `Engine` protocol (protocol.py), `SGLangClient` (sglang.py), API keys (auth.py),
+            routed experts (routed_experts.py) and the embedded CPU engine (embedded/)
 """

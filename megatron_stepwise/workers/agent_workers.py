@@ -33,10 +33,10 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 from megatron_stepwise.algo.groups import RolloutGroup, flat_steps, pack_groups, unpack_groups
 from megatron_stepwise.compose import components
 from megatron_stepwise.errors import UserError
-from megatron_stepwise.rollout.agent_loop import checked_prompt_ids
-from megatron_stepwise.rollout.engine import engine_loss
-from megatron_stepwise.rollout.engine_router import EngineSlot, EngineView, RequestCounters
-from megatron_stepwise.rollout.ray_room import check_room
+from megatron_stepwise.rollout.agent.loop import checked_prompt_ids
+from megatron_stepwise.rollout.engines.protocol import engine_loss
+from megatron_stepwise.rollout.fleet.engine_router import EngineSlot, EngineView, RequestCounters
+from megatron_stepwise.rollout.fleet.ray_room import check_room
 from megatron_stepwise.steps import Step, StepBatch
 from megatron_stepwise.workers.rollout_bank import read_group
 from megatron_stepwise.workers.worker_rows import NAMESPACE, HeldGroup, HeldRows, HoldRequest, bank_held
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
     from megatron_stepwise.config.schema import ExperimentConfig
-    from megatron_stepwise.rollout.fleet import RolloutFleet
+    from megatron_stepwise.rollout.fleet.fleet import RolloutFleet
 
 log = logging.getLogger(__name__)
 

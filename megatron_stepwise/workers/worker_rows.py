@@ -32,7 +32,7 @@ from megatron_stepwise.algo.prepare import add_counts
 from megatron_stepwise.algo.rows import RowTable
 from megatron_stepwise.algo.validate import validate_steps
 from megatron_stepwise.fault_injection import before_fetch
-from megatron_stepwise.rollout.ray_nodes import ask_actor_node
+from megatron_stepwise.rollout.fleet.ray_nodes import ask_actor_node
 from megatron_stepwise.rundir.bank_files import BankFile
 from megatron_stepwise.steps import Step, StepBatch
 from megatron_stepwise.workers.rollout_bank import BankedGroup, BankTicket, bank_rollout, with_group_id
@@ -359,7 +359,7 @@ class RowFetcher:
                 from ray._raylet import Config
 
                 Config.initialize("")
-            from megatron_stepwise.rollout.ray_start import quiet_ray_token_notice
+            from megatron_stepwise.rollout.fleet.ray_start import quiet_ray_token_notice
 
             quiet_ray_token_notice()
             ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, include_dashboard=False)

@@ -139,7 +139,7 @@ def test_workers_are_refused_at_once_while_colocated_engines_are_released(setup)
     """Colocated mode: a rollout through the workers while the engines' memory is Megatron's fails
     at once with the engine's own error (not retried, no engine declared dead), and works again
     once the memory is back."""
-    from megatron_stepwise.rollout.engine import EngineReleasedError
+    from megatron_stepwise.rollout.engines.protocol import EngineReleasedError
 
     cfg, loop, fleet, samples, reference = setup
     workers = AgentWorkers(cfg, fleet, 1)

@@ -9,9 +9,10 @@ import asyncio
 import pytest
 from helpers import tiny_lm
 
-from megatron_stepwise.rollout.embedded.hf_model import build_causal_lm
-from megatron_stepwise.rollout.engine import SamplingParams
-from megatron_stepwise.rollout.fleet import EngineSpec, RolloutFleet
+from megatron_stepwise.rollout.engines.embedded.hf_model import build_causal_lm
+from megatron_stepwise.rollout.engines.protocol import SamplingParams
+from megatron_stepwise.rollout.fleet.engine_actor import EngineSpec
+from megatron_stepwise.rollout.fleet.fleet import RolloutFleet
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session")]
 

@@ -17,9 +17,9 @@ import sys
 import pytest
 from helpers import REPO, TESTS, run_launch, tiny_lm
 
-from megatron_stepwise.rollout.embedded.engine import LocalEngine
-from megatron_stepwise.rollout.embedded.hf_model import checkpoint_state
-from megatron_stepwise.rollout.engine import EngineReleasedError, SamplingParams, memory_tags
+from megatron_stepwise.rollout.engines.embedded.engine import LocalEngine
+from megatron_stepwise.rollout.engines.embedded.hf_model import checkpoint_state
+from megatron_stepwise.rollout.engines.protocol import EngineReleasedError, SamplingParams, memory_tags
 
 TOK, CONFIG = tiny_lm("tiny_char")
 PROMPT = [1, 30, 31, 32]
@@ -104,8 +104,8 @@ def test_engine_refuses_to_release_with_requests_in_flight():
 
 
 def test_http_server_and_sglang_client_speak_the_release_resume_routes():
-    from megatron_stepwise.rollout.embedded.server import start_server
-    from megatron_stepwise.rollout.sglang import EngineRequestError, SGLangClient
+    from megatron_stepwise.rollout.engines.embedded.server import start_server
+    from megatron_stepwise.rollout.engines.sglang import EngineRequestError, SGLangClient
 
     async def scenario():
         engine = LocalEngine(CONFIG, eos_token_ids=[], seed=0)
@@ -198,8 +198,9 @@ def test_colocation_changes_no_result(colocated_runs):
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_session")
 def test_fleet_fans_out_and_refuses_generation_while_released():
-    from megatron_stepwise.rollout.embedded.hf_model import build_causal_lm
-    from megatron_stepwise.rollout.fleet import EngineSpec, RolloutFleet
+    from megatron_stepwise.rollout.engines.embedded.hf_model import build_causal_lm
+    from megatron_stepwise.rollout.fleet.engine_actor import EngineSpec
+    from megatron_stepwise.rollout.fleet.fleet import RolloutFleet
 
     target = checkpoint_state(build_causal_lm(CONFIG, seed=4))
     greedy = SamplingParams(temperature=0, max_new_tokens=4)

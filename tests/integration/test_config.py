@@ -309,8 +309,8 @@ def test_rollout_keys_are_declared_once_where_they_are_read():
     """The agent loop's rollout keys and rollout.sampling fail the same way from YAML and from
     Python (AgentLoopConfig, SamplingConfig), naming the same key; the defaults agree."""
     from megatron_stepwise.options import OptionError
-    from megatron_stepwise.rollout.agent_loop import ROLLOUT_KEYS, AgentLoopConfig
-    from megatron_stepwise.rollout.engine import SamplingConfig
+    from megatron_stepwise.rollout.agent.loop import ROLLOUT_KEYS, AgentLoopConfig
+    from megatron_stepwise.rollout.engines.protocol import SamplingConfig
 
     defaults, loop_defaults = ExperimentConfig().rollout, AgentLoopConfig()
     assert all(getattr(defaults, k) == getattr(loop_defaults, k) for k in ROLLOUT_KEYS)

@@ -12,10 +12,11 @@ import torch
 from helpers import tiny_lm
 
 from megatron_stepwise.envs.echo import echo_dataset
-from megatron_stepwise.rollout.agent_loop import AgentLoop, AgentLoopConfig
-from megatron_stepwise.rollout.embedded.hf_model import build_causal_lm
-from megatron_stepwise.rollout.engine import SamplingParams
-from megatron_stepwise.rollout.fleet import EngineSpec, RolloutFleet
+from megatron_stepwise.rollout.agent.loop import AgentLoop, AgentLoopConfig
+from megatron_stepwise.rollout.engines.embedded.hf_model import build_causal_lm
+from megatron_stepwise.rollout.engines.protocol import SamplingParams
+from megatron_stepwise.rollout.fleet.engine_actor import EngineSpec
+from megatron_stepwise.rollout.fleet.fleet import RolloutFleet
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session")]
 

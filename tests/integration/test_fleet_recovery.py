@@ -12,8 +12,15 @@ from types import SimpleNamespace
 import pytest
 import ray.exceptions
 
-from megatron_stepwise.rollout.engine import FleetLost, GenerateResult, NoLiveEngine, SamplingParams, engine_loss
-from megatron_stepwise.rollout.fleet import EngineSpec, RolloutFleet
+from megatron_stepwise.rollout.engines.protocol import (
+    FleetLost,
+    GenerateResult,
+    NoLiveEngine,
+    SamplingParams,
+    engine_loss,
+)
+from megatron_stepwise.rollout.fleet.engine_actor import EngineSpec
+from megatron_stepwise.rollout.fleet.fleet import RolloutFleet
 
 
 class FakeEngine:

@@ -1,4 +1,4 @@
-"""A local Ray started by `ensure_ray` (rollout/ray_start.py): its workers inherit their environment
+"""A local Ray started by `ensure_ray` (rollout/fleet/ray_start.py): its workers inherit their environment
 from the raylet instead of a job runtime_env (no setup process per worker), see the driver's
 sources and one OpenMP thread, and the driver's own environment is left as it was."""
 
@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 _SCRIPT = """
 import json, os, ray
-from megatron_stepwise.rollout.ray_start import ensure_ray
+from megatron_stepwise.rollout.fleet.ray_start import ensure_ray
 
 ensure_ray(num_cpus=1)
 

@@ -16,12 +16,12 @@ from helpers import run_launch, tiny_lm
 
 from megatron_stepwise import weight_transport
 from megatron_stepwise.envs.echo import EchoEnv, echo_dataset
-from megatron_stepwise.rollout.agent_loop import AgentLoop, AgentLoopConfig
-from megatron_stepwise.rollout.embedded.engine import LocalEngine
-from megatron_stepwise.rollout.embedded.hf_model import build_causal_lm, save_safetensors_dir
-from megatron_stepwise.rollout.embedded.server import start_server
-from megatron_stepwise.rollout.engine import SamplingParams
-from megatron_stepwise.rollout.sglang import EngineRequestError, SGLangClient
+from megatron_stepwise.rollout.agent.loop import AgentLoop, AgentLoopConfig
+from megatron_stepwise.rollout.engines.embedded.engine import LocalEngine
+from megatron_stepwise.rollout.engines.embedded.hf_model import build_causal_lm, save_safetensors_dir
+from megatron_stepwise.rollout.engines.embedded.server import start_server
+from megatron_stepwise.rollout.engines.protocol import SamplingParams
+from megatron_stepwise.rollout.engines.sglang import EngineRequestError, SGLangClient
 
 TOK, CONFIG = tiny_lm("tiny_word")
 
@@ -217,7 +217,7 @@ def test_an_api_key_guards_every_endpoint_but_health(monkeypatch):
     engine = LocalEngine(CONFIG, tokenizer=TOK, seed=0)
 
     async def scenario():
-        from megatron_stepwise.rollout.auth import api_key_from_env
+        from megatron_stepwise.rollout.engines.auth import api_key_from_env
 
         runner, port = await start_server(engine, "127.0.0.1", 0, api_key=api_key_from_env())
         url = f"http://127.0.0.1:{port}"
@@ -310,7 +310,7 @@ def test_serving_beyond_loopback_needs_a_key_or_an_explicit_opt_out(monkeypatch)
 
 
 def test_launched_sglang_servers_get_the_key(monkeypatch):
-    from megatron_stepwise.rollout.sglang import SGLangServerConfig
+    from megatron_stepwise.rollout.engines.sglang import SGLangServerConfig
 
     monkeypatch.setenv("MEGATRON_STEPWISE_API_KEY", "k")
     cmd = SGLangServerConfig(model_path="m").command()

@@ -1,4 +1,4 @@
-"""Rollout routing replay (R3) for MoE models (mcore/train/routing_replay.py, rollout/routing.py).
+"""Rollout routing replay (R3) for MoE models (mcore/train/routing_replay.py, rollout/engines/routed_experts.py).
 
 End to end (tests/workers/routing_replay_worker.py under torchrun): the tiny Qwen3-MoE in megatron, its
 weights in an embedded engine whose routers are slightly perturbed. With replay on, the experts
@@ -23,8 +23,8 @@ from helpers import check_ok, run_torchrun
 from megatron_stepwise.algo.merge import merge_steps
 from megatron_stepwise.algo.validate import validate_steps
 from megatron_stepwise.mcore.train.packing import pack_rows, split_for_context_parallel
-from megatron_stepwise.rollout import routing
-from megatron_stepwise.rollout.engine import GenerateResult, SamplingParams
+from megatron_stepwise.rollout.engines import routed_experts as routing
+from megatron_stepwise.rollout.engines.protocol import GenerateResult, SamplingParams
 from megatron_stepwise.steps import Step, StepBatch, StepwiseBatchError, TrajectoryID, make_padding_step
 
 L, K = 3, 2  # layers, top-k of the synthetic routed experts
@@ -204,8 +204,8 @@ def test_layouts_replay_cannot_serve_are_refused():
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
 def test_embedded_engine_reports_the_experts_of_every_position_it_ran(model_type):
     from megatron_stepwise.hf.presets import tiny_config
-    from megatron_stepwise.rollout.embedded.engine import LocalEngine
-    from megatron_stepwise.rollout.routing import pad_to_tokens
+    from megatron_stepwise.rollout.engines.embedded.engine import LocalEngine
+    from megatron_stepwise.rollout.engines.routed_experts import pad_to_tokens
 
     cfg = tiny_config(model_type=model_type)
 
@@ -239,8 +239,8 @@ def test_router_hook_reproduces_the_models_own_routing(model_type):
     vanishing router noise, its recomputed gating (renormalised as the family does) leaves the
     model's logits as they were."""
     from megatron_stepwise.hf.presets import tiny_config
-    from megatron_stepwise.rollout.embedded.hf_model import build_causal_lm
-    from megatron_stepwise.rollout.routing import RouterRecorder, moe_gates
+    from megatron_stepwise.rollout.engines.embedded.hf_model import build_causal_lm
+    from megatron_stepwise.rollout.engines.routed_experts import RouterRecorder, moe_gates
 
     model = build_causal_lm(tiny_config(model_type=model_type), seed=4)
     assert sorted(moe_gates(model)) == [0, 1]
@@ -262,8 +262,8 @@ def test_agent_loop_steps_carry_the_engines_experts_and_merge_aligned():
 
     from megatron_stepwise.envs.echo import echo_dataset
     from megatron_stepwise.hf.presets import tiny_config
-    from megatron_stepwise.rollout.agent_loop import AgentLoop, AgentLoopConfig
-    from megatron_stepwise.rollout.embedded.engine import LocalEngine
+    from megatron_stepwise.rollout.agent.loop import AgentLoop, AgentLoopConfig
+    from megatron_stepwise.rollout.engines.embedded.engine import LocalEngine
 
     tok, _ = tiny_lm("tiny_word")
     engine = LocalEngine(
@@ -320,8 +320,8 @@ def test_agent_loop_steps_carry_the_engines_experts_and_merge_aligned():
 
 
 def test_sglang_wire_form_round_trips_through_the_embedded_server_response():
-    from megatron_stepwise.rollout.embedded.server import generate_response
-    from megatron_stepwise.rollout.sglang import parse_generate_response
+    from megatron_stepwise.rollout.engines.embedded.server import generate_response
+    from megatron_stepwise.rollout.engines.sglang import parse_generate_response
 
     routed = torch.randint(0, 4, (7, 2, 2), dtype=torch.int16)  # prompt 3 + output 4 (all run)
     result = GenerateResult([5, 6, 7, 8], [-0.1] * 4, "length", routed_experts=routed)
@@ -329,7 +329,7 @@ def test_sglang_wire_form_round_trips_through_the_embedded_server_response():
     back = parse_generate_response(resp, (2, 2)).routed_experts
     assert torch.equal(back, routed[:6])  # SGLang's contract: all but the last position
     assert parse_generate_response(resp).routed_experts is None
-    from megatron_stepwise.rollout.engine import EngineError
+    from megatron_stepwise.rollout.engines.protocol import EngineError
 
     del resp["meta_info"]["routed_experts"]
     with pytest.raises(EngineError, match="--enable-return-routed-experts"):
@@ -340,7 +340,7 @@ def test_sglang_declares_what_the_client_uses():
     """The request fields, the server flag and the meta_info key, read from the pinned wheel."""
     from test_sglang_contract import _download_wheel, class_fields
 
-    from megatron_stepwise.rollout.sglang import SGLangClient
+    from megatron_stepwise.rollout.engines.sglang import SGLangClient
 
     with zipfile.ZipFile(_download_wheel()) as z:
         io_struct = ast.parse(z.read("sglang/srt/managers/io_struct.py").decode())

@@ -24,10 +24,15 @@ import torch
 from aiohttp import web
 from helpers import run_launch
 
-from megatron_stepwise.rollout.embedded import generate_fields
-from megatron_stepwise.rollout.embedded.server import OWN_ROUTES, EngineServer, generate_response
-from megatron_stepwise.rollout.engine import MEMORY_TAGS, GenerateResult, SamplingParams
-from megatron_stepwise.rollout.sglang import SGLANG_VERSION, SGLangClient, TensorHandles, serialize_tensors_sglang
+from megatron_stepwise.rollout.engines.embedded import generate_fields
+from megatron_stepwise.rollout.engines.embedded.server import OWN_ROUTES, EngineServer, generate_response
+from megatron_stepwise.rollout.engines.protocol import MEMORY_TAGS, GenerateResult, SamplingParams
+from megatron_stepwise.rollout.engines.sglang import (
+    SGLANG_VERSION,
+    SGLangClient,
+    TensorHandles,
+    serialize_tensors_sglang,
+)
 
 # Longer than the suite's 600 s: fetching the pinned sglang wheel is allowed 900 s.
 pytestmark = pytest.mark.timeout(1200)

@@ -227,7 +227,7 @@ def faults(tmp_path_factory, reference) -> FaultChain:
 
 
 # Rank 0's error names what was lost: the actors that cannot come back, for want of a node to hold
-# them (rollout/ray_room.py), or the agent worker that died again when restarted before Ray had
+# them (rollout/fleet/ray_room.py), or the agent worker that died again when restarted before Ray had
 # declared b dead; not the collective that could not reach rank 1, nor "errors in a TaskGroup".
 RANK0_ERROR = re.compile(
     r"rollout failed on rank 0 at iteration \d+: .*(NoRoomForActor: (agent worker|engine) \S+ needs .* "

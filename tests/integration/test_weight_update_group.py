@@ -17,8 +17,9 @@ import torch
 from megatron_stepwise import weight_transport
 from megatron_stepwise.hf.presets import tiny_config
 from megatron_stepwise.mcore.weights import sync as S
-from megatron_stepwise.rollout.fleet import EngineSpec, RolloutFleet, weight_update_ranks
-from megatron_stepwise.rollout.sglang import SGLangServerConfig
+from megatron_stepwise.rollout.engines.sglang import SGLangServerConfig
+from megatron_stepwise.rollout.fleet.engine_actor import EngineSpec
+from megatron_stepwise.rollout.fleet.fleet import RolloutFleet, weight_update_ranks
 
 
 def local(tp_size: int = 1) -> EngineSpec:

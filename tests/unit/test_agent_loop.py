@@ -9,10 +9,10 @@ from helpers import tiny_lm
 
 from megatron_stepwise.envs.custom import RewardFnEnv
 from megatron_stepwise.envs.echo import EchoEnv, echo_dataset
-from megatron_stepwise.rollout.agent_loop import AgentLoop, AgentLoopConfig
-from megatron_stepwise.rollout.context import render_prompt
-from megatron_stepwise.rollout.embedded.engine import LocalEngine
-from megatron_stepwise.rollout.engine import SamplingParams
+from megatron_stepwise.rollout.agent.context import render_prompt
+from megatron_stepwise.rollout.agent.loop import AgentLoop, AgentLoopConfig
+from megatron_stepwise.rollout.engines.embedded.engine import LocalEngine
+from megatron_stepwise.rollout.engines.protocol import SamplingParams
 from megatron_stepwise.steps import StepBatch, TrajectoryID
 
 TOK, CONFIG = tiny_lm("tiny_word")

@@ -16,7 +16,7 @@ from megatron_stepwise.algo.groups import groups_of
 from megatron_stepwise.config.schema import ExperimentConfig
 from megatron_stepwise.loop.async_source import AsyncRollouts, loop_in_thread
 from megatron_stepwise.loop.sources import Driver
-from megatron_stepwise.rollout.engine import EngineError
+from megatron_stepwise.rollout.engines.protocol import EngineError
 from megatron_stepwise.rundir.paths import BANK
 from megatron_stepwise.steps import Step, TrajectoryID
 from megatron_stepwise.workers.rollout_bank import read_group
@@ -298,9 +298,9 @@ def test_a_never_returning_environment_call_ends_its_trajectory_not_the_run():
     from helpers import tiny_lm
 
     from megatron_stepwise.envs.echo import EchoEnv
-    from megatron_stepwise.rollout.agent_loop import AgentLoop, AgentLoopConfig
-    from megatron_stepwise.rollout.embedded.engine import LocalEngine
-    from megatron_stepwise.rollout.engine import SamplingParams
+    from megatron_stepwise.rollout.agent.loop import AgentLoop, AgentLoopConfig
+    from megatron_stepwise.rollout.engines.embedded.engine import LocalEngine
+    from megatron_stepwise.rollout.engines.protocol import SamplingParams
 
     class HangingEnv(EchoEnv):
         def step(self, text):

@@ -18,10 +18,10 @@ from megatron_stepwise.algo.merge import merge_steps
 from megatron_stepwise.envs.echo import EchoEnv, echo_dataset
 from megatron_stepwise.hf.tokenizers import tokenizer_dir
 from megatron_stepwise.metrics.core import rollout_metrics
-from megatron_stepwise.rollout.agent_loop import AgentLoop, AgentLoopConfig
-from megatron_stepwise.rollout.context import ChatTemplateError, extend_context, template_delta
-from megatron_stepwise.rollout.embedded.engine import LocalEngine
-from megatron_stepwise.rollout.engine import GenerateResult, SamplingParams
+from megatron_stepwise.rollout.agent.context import ChatTemplateError, extend_context, template_delta
+from megatron_stepwise.rollout.agent.loop import AgentLoop, AgentLoopConfig
+from megatron_stepwise.rollout.engines.embedded.engine import LocalEngine
+from megatron_stepwise.rollout.engines.protocol import GenerateResult, SamplingParams
 from megatron_stepwise.steps import TrajectoryID
 
 TOK, CONFIG = tiny_lm("tiny_bpe")

@@ -1,4 +1,4 @@
-"""Continuous batching in the embedded engine (rollout/embedded/engine.py): a request arriving while
+"""Continuous batching in the embedded engine (rollout/engines/embedded/engine.py): a request arriving while
 a batch decodes joins it at the next step, finished rows leave it, a short prompt passes long ones
 in the queue, a cancelled caller stops its generation, and none of it changes a token or a log-prob.
 
@@ -10,8 +10,8 @@ import asyncio
 import pytest
 from helpers import tiny_lm
 
-from megatron_stepwise.rollout.embedded.engine import LocalEngine
-from megatron_stepwise.rollout.engine import SamplingParams
+from megatron_stepwise.rollout.engines.embedded.engine import LocalEngine
+from megatron_stepwise.rollout.engines.protocol import SamplingParams
 
 TOK, CONFIG = tiny_lm("tiny_char")
 DEADLINE_S = 120.0

@@ -17,7 +17,7 @@ def hf_state(cfg: dict, seed: int = 0) -> dict[str, torch.Tensor]:
     experts one by one, as on the hub)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from megatron_stepwise.rollout.embedded.hf_model import checkpoint_state
+    from megatron_stepwise.rollout.engines.embedded.hf_model import checkpoint_state
 
     fields = dict(cfg)
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)

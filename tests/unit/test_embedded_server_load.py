@@ -1,4 +1,4 @@
-"""The embedded engine's HTTP server under abuse (rollout/embedded/server.py): a body over the
+"""The embedded engine's HTTP server under abuse (rollout/engines/embedded/server.py): a body over the
 limit is refused with a 413 naming it, a client that disconnects stops its generation (counted),
 and /health reports overload in its JSON while staying 200 for the router's liveness check."""
 
@@ -9,9 +9,9 @@ import aiohttp
 import pytest
 from helpers import tiny_lm
 
-from megatron_stepwise.rollout.embedded.engine import LocalEngine
-from megatron_stepwise.rollout.embedded.server import default_max_request_bytes, start_server
-from megatron_stepwise.rollout.sglang import SGLangClient
+from megatron_stepwise.rollout.engines.embedded.engine import LocalEngine
+from megatron_stepwise.rollout.engines.embedded.server import default_max_request_bytes, start_server
+from megatron_stepwise.rollout.engines.sglang import SGLangClient
 
 TOK, CONFIG = tiny_lm("tiny_word")
 DEADLINE_S = 120.0

@@ -13,10 +13,10 @@ import pytest
 from helpers import tiny_lm
 
 from megatron_stepwise.envs.echo import EchoEnv
-from megatron_stepwise.rollout.agent_loop import AgentLoop, AgentLoopConfig
-from megatron_stepwise.rollout.embedded.engine import LocalEngine
-from megatron_stepwise.rollout.engine import SamplingParams
-from megatron_stepwise.rollout.env_calls import EnvCaller, EnvError
+from megatron_stepwise.rollout.agent.env_calls import EnvCaller, EnvError
+from megatron_stepwise.rollout.agent.loop import AgentLoop, AgentLoopConfig
+from megatron_stepwise.rollout.engines.embedded.engine import LocalEngine
+from megatron_stepwise.rollout.engines.protocol import SamplingParams
 from megatron_stepwise.steps import TrajectoryID
 
 TOK, CONFIG = tiny_lm("tiny_word")
@@ -153,19 +153,19 @@ def test_a_bad_env_result_ends_only_its_trajectory(kind, fragment):
 
 def test_a_rollout_dominated_by_env_errors_warns(caplog):
     loop = make_loop()
-    with caplog.at_level(logging.WARNING, logger="megatron_stepwise.rollout.agent_loop"):
+    with caplog.at_level(logging.WARNING, logger="megatron_stepwise.rollout.agent.loop"):
         rollout(loop, [sample("a", "nan"), sample("b", "exit"), sample("c", "ok")])
     assert "most trajectories fail" in caplog.text
     assert "2 of 3 trajectories ended in env_error" in caplog.text and "non-finite reward" in caplog.text
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="megatron_stepwise.rollout.agent_loop"):
+    with caplog.at_level(logging.WARNING, logger="megatron_stepwise.rollout.agent.loop"):
         rollout(loop, [sample("d", "ok"), sample("e", "ok"), sample("f", "ok")])
     assert "env_error" not in caplog.text
 
 
 def test_a_few_env_errors_log_one_sample_traceback_with_file_and_line(caplog):
     loop = make_loop()
-    with caplog.at_level(logging.WARNING, logger="megatron_stepwise.rollout.agent_loop"):
+    with caplog.at_level(logging.WARNING, logger="megatron_stepwise.rollout.agent.loop"):
         steps = rollout(loop, [sample("d", "exit"), sample("e", "ok"), sample("f", "ok"), sample("g", "ok")])
     records = [r for r in caplog.records if "env_error" in r.getMessage()]
     assert len(records) == 1, "one warning per rollout"

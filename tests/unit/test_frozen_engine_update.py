@@ -8,7 +8,8 @@ import asyncio
 import time
 from types import SimpleNamespace
 
-from megatron_stepwise.rollout.fleet import EngineSpec, RolloutFleet
+from megatron_stepwise.rollout.fleet.engine_actor import EngineSpec
+from megatron_stepwise.rollout.fleet.fleet import RolloutFleet
 
 
 class Engine:

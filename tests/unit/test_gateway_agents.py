@@ -10,8 +10,8 @@ import pytest
 from megatron_stepwise.gateway.agents import AgentRollout
 from megatron_stepwise.gateway.config import AgentConfig
 from megatron_stepwise.gateway.server import GatewaySettings
-from megatron_stepwise.rollout.embedded.engine import LocalEngine
-from megatron_stepwise.rollout.engine import SamplingParams
+from megatron_stepwise.rollout.engines.embedded.engine import LocalEngine
+from megatron_stepwise.rollout.engines.protocol import SamplingParams
 from megatron_stepwise.steps import INVALID
 from tests.gateway_fixtures import Recording, assert_exact_in_any_order
 from tests.helpers import tiny_lm

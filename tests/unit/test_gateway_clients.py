@@ -14,8 +14,8 @@ import json
 import pytest
 
 from megatron_stepwise.algo.merge import merge_steps
-from megatron_stepwise.rollout.context import render_prompt
-from megatron_stepwise.rollout.embedded.engine import LocalEngine
+from megatron_stepwise.rollout.agent.context import render_prompt
+from megatron_stepwise.rollout.engines.embedded.engine import LocalEngine
 from megatron_stepwise.steps import INVALID
 from tests.gateway_fixtures import Scripted, Served, assert_exact
 from tests.helpers import tiny_lm

@@ -11,7 +11,7 @@ import pytest
 
 from megatron_stepwise.gateway.config import AgentConfig
 from megatron_stepwise.gateway.server import GatewaySettings
-from megatron_stepwise.rollout.engine import SamplingParams
+from megatron_stepwise.rollout.engines.protocol import SamplingParams
 from tests.gateway_fixtures import Scripted, Served
 from tests.helpers import tiny_lm
 

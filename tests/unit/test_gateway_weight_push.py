@@ -10,9 +10,9 @@ import openai
 import pytest
 
 from megatron_stepwise.gateway.server import GatewaySettings
-from megatron_stepwise.rollout.embedded.engine import LocalEngine
-from megatron_stepwise.rollout.embedded.hf_model import build_causal_lm
-from megatron_stepwise.rollout.engine import SamplingParams
+from megatron_stepwise.rollout.engines.embedded.engine import LocalEngine
+from megatron_stepwise.rollout.engines.embedded.hf_model import build_causal_lm
+from megatron_stepwise.rollout.engines.protocol import SamplingParams
 from tests.gateway_fixtures import Served
 from tests.helpers import tiny_lm
 

@@ -12,9 +12,9 @@ from megatron_stepwise.algo.prepare import prepare_rows
 from megatron_stepwise.envs.echo import EchoEnv
 from megatron_stepwise.loop.evaluation import eval_metrics
 from megatron_stepwise.metrics.core import rollout_metrics
-from megatron_stepwise.rollout.agent_loop import AgentLoop, AgentLoopConfig
-from megatron_stepwise.rollout.embedded.engine import LocalEngine
-from megatron_stepwise.rollout.engine import SamplingParams
+from megatron_stepwise.rollout.agent.loop import AgentLoop, AgentLoopConfig
+from megatron_stepwise.rollout.engines.embedded.engine import LocalEngine
+from megatron_stepwise.rollout.engines.protocol import SamplingParams
 from megatron_stepwise.steps import INVALID, Step, TrajectoryID
 
 TOK, CONFIG = tiny_lm("tiny_word")

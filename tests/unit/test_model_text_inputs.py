@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from megatron_stepwise.envs.sandbox import write_code
-from megatron_stepwise.rollout.embedded import request_fields as F
-from megatron_stepwise.rollout.embedded.hf_model import load_named_tensors
+from megatron_stepwise.rollout.engines.embedded import request_fields as F
+from megatron_stepwise.rollout.engines.embedded.hf_model import load_named_tensors
 
 
 def test_code_with_a_lone_surrogate_is_written_as_its_escape(tmp_path):

@@ -14,9 +14,9 @@ import torch
 from helpers import tiny_lm
 from oracles import teacher_forced_logprobs
 
-from megatron_stepwise.rollout.embedded.engine import LocalEngine
-from megatron_stepwise.rollout.embedded.hf_model import build_causal_lm
-from megatron_stepwise.rollout.engine import SamplingParams
+from megatron_stepwise.rollout.engines.embedded.engine import LocalEngine
+from megatron_stepwise.rollout.engines.embedded.hf_model import build_causal_lm
+from megatron_stepwise.rollout.engines.protocol import SamplingParams
 
 _, CONFIG = tiny_lm("tiny_char")
 PROMPTS = [[1, 30, 31, 32], [1, 40, 41], [1, 50, 51, 52, 53, 54, 55]]

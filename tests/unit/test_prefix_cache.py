@@ -1,5 +1,5 @@
-"""The embedded engine's prefix cache (rollout/embedded/prefix_cache.py) and session-affine routing
-(rollout/engine_router.py): a cached prefix changes no sampled token and no log-prob; weight loads,
+"""The embedded engine's prefix cache (rollout/engines/embedded/prefix_cache.py) and session-affine routing
+(rollout/fleet/engine_router.py): a cached prefix changes no sampled token and no log-prob; weight loads,
 flush_cache and a released kv_cache empty it; a session's turns stay on its engine unless that
 engine is dead or too busy."""
 
@@ -11,11 +11,11 @@ import torch
 from helpers import tiny_lm
 
 from megatron_stepwise.hf.presets import tiny_config
-from megatron_stepwise.rollout.embedded.engine import LocalEngine
-from megatron_stepwise.rollout.embedded.hf_model import build_causal_lm
-from megatron_stepwise.rollout.embedded.prefix_cache import PrefixCache
-from megatron_stepwise.rollout.engine import GenerateResult, SamplingParams
-from megatron_stepwise.rollout.engine_router import EngineRouter, EngineSlot
+from megatron_stepwise.rollout.engines.embedded.engine import LocalEngine
+from megatron_stepwise.rollout.engines.embedded.hf_model import build_causal_lm
+from megatron_stepwise.rollout.engines.embedded.prefix_cache import PrefixCache
+from megatron_stepwise.rollout.engines.protocol import GenerateResult, SamplingParams
+from megatron_stepwise.rollout.fleet.engine_router import EngineRouter, EngineSlot
 
 TOK, CONFIG = tiny_lm("tiny_char")
 
@@ -163,7 +163,7 @@ def test_the_cache_budget_is_the_config_key_rollout_embedded_cache_tokens(monkey
     from megatron_stepwise.compose import components
     from megatron_stepwise.config import load_config
     from megatron_stepwise.config.errors import ConfigError
-    from megatron_stepwise.rollout import fleet
+    from megatron_stepwise.rollout.fleet import fleet
 
     with pytest.raises(ConfigError, match="rollout.embedded_cache_tokens"):
         load_config("configs/tiny_cpu.yaml", ["rollout.embedded_cache_tokens=-1"], world_size=1)

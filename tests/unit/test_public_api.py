@@ -9,11 +9,9 @@ import megatron_stepwise
 
 REPO = Path(__file__).resolve().parents[2]
 
-# Forwarding addresses still kept, each with its reason. cli's `main` is the console script's
-# entry point in installed environments (pyproject.toml [project.scripts]); rollout/'s go when its
-# files move into rooms.
+# The one forwarding address kept: cli's `main` is the console script's entry point in installed
+# environments (pyproject.toml [project.scripts]).
 KEPT = {"megatron_stepwise.cli"}
-KEPT_PREFIXES = ("megatron_stepwise.rollout",)
 
 
 def test_every_public_name_imports_from_the_root():
@@ -88,7 +86,7 @@ def forwarded_imports(roots=("megatron_stepwise", "tests", "tools", "examples", 
             for node in ast.walk(ast.parse(text)):
                 if not isinstance(node, ast.ImportFrom) or node.level or node.module not in MODULES:
                     continue
-                if node.module in KEPT or node.module.startswith(KEPT_PREFIXES):
+                if node.module in KEPT:
                     continue
                 defined, imported = cache.setdefault(node.module, _top_level(node.module))
                 for alias in node.names:

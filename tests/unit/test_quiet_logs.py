@@ -7,8 +7,8 @@ import warnings
 
 from helpers import tiny_lm
 
-from megatron_stepwise.rollout.embedded.engine import LocalEngine
-from megatron_stepwise.rollout.engine import SamplingParams
+from megatron_stepwise.rollout.engines.embedded.engine import LocalEngine
+from megatron_stepwise.rollout.engines.protocol import SamplingParams
 
 TOK, CONFIG = tiny_lm("tiny_char")
 
@@ -24,7 +24,7 @@ def test_the_embedded_engine_decodes_without_a_kv_cache_deprecation_warning(capl
 
 
 def test_rays_token_auth_notice_is_dropped_and_other_ray_warnings_are_not(caplog):
-    from megatron_stepwise.rollout.ray_start import quiet_ray_token_notice
+    from megatron_stepwise.rollout.fleet.ray_start import quiet_ray_token_notice
 
     quiet_ray_token_notice()
     quiet_ray_token_notice()  # idempotent: one filter

@@ -6,7 +6,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from megatron_stepwise.rollout.ray_room import NoRoomForActor, check_room  # noqa: E402
+from megatron_stepwise.rollout.fleet.ray_room import NoRoomForActor, check_room  # noqa: E402
 
 
 def _nodes(monkeypatch, nodes):

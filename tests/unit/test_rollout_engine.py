@@ -10,10 +10,10 @@ from helpers import tiny_lm
 from oracles import teacher_forced_logprobs
 
 from megatron_stepwise import weight_transport
-from megatron_stepwise.rollout.embedded.engine import LocalEngine
-from megatron_stepwise.rollout.embedded.hf_model import build_causal_lm, save_safetensors_dir
-from megatron_stepwise.rollout.embedded.sampling import _truncate
-from megatron_stepwise.rollout.engine import GenerateResult, SamplingParams
+from megatron_stepwise.rollout.engines.embedded.engine import LocalEngine
+from megatron_stepwise.rollout.engines.embedded.hf_model import build_causal_lm, save_safetensors_dir
+from megatron_stepwise.rollout.engines.embedded.sampling import _truncate
+from megatron_stepwise.rollout.engines.protocol import GenerateResult, SamplingParams
 
 TOK, CONFIG = tiny_lm("tiny_char")
 
@@ -261,7 +261,7 @@ def test_moe_weights_are_saved_and_loaded_under_the_hub_names(tmp_path, model_ty
     from transformers import AutoModelForCausalLM
 
     from megatron_stepwise.hf.presets import tiny_config
-    from megatron_stepwise.rollout.embedded.hf_model import checkpoint_state
+    from megatron_stepwise.rollout.engines.embedded.hf_model import checkpoint_state
 
     cfg = tiny_config(model_type=model_type)
     source = build_causal_lm(cfg, seed=3)
@@ -328,7 +328,7 @@ def test_an_engine_whose_model_thread_failed_recovers_on_the_next_good_weight_lo
 def test_the_finite_check_sees_every_nan_and_inf_and_no_false_alarm(dtype):
     """The load's check reads min and max: a NaN, +inf or -inf anywhere is found; the largest
     finite values (whose sum would overflow) and an empty tensor pass."""
-    from megatron_stepwise.rollout.embedded.hf_model import _all_finite
+    from megatron_stepwise.rollout.engines.embedded.hf_model import _all_finite
 
     t = torch.randn(4097).to(dtype)
     assert _all_finite(t)

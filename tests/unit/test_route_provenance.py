@@ -31,10 +31,10 @@ from megatron_stepwise.algo.merge import merge_steps
 from megatron_stepwise.algo.route_pairing import check_route_pairing
 from megatron_stepwise.algo.validate import validate_steps
 from megatron_stepwise.hf.presets import tiny_config
-from megatron_stepwise.rollout.agent_loop import AgentLoop, AgentLoopConfig
-from megatron_stepwise.rollout.embedded.engine import LocalEngine
-from megatron_stepwise.rollout.embedded.hf_model import build_causal_lm, save_safetensors_dir
-from megatron_stepwise.rollout.engine import SamplingParams
+from megatron_stepwise.rollout.agent.loop import AgentLoop, AgentLoopConfig
+from megatron_stepwise.rollout.engines.embedded.engine import LocalEngine
+from megatron_stepwise.rollout.engines.embedded.hf_model import build_causal_lm, save_safetensors_dir
+from megatron_stepwise.rollout.engines.protocol import SamplingParams
 from megatron_stepwise.steps import StepBatch
 
 TOKENIZER, _ = tiny_lm("tiny_word")

@@ -1,4 +1,4 @@
-"""Routing policies (rollout/session_routing.py) as `EngineRouter` uses them, and the replay harness
+"""Routing policies (rollout/fleet/session_routing.py) as `EngineRouter` uses them, and the replay harness
 (tools/bench/replay_routing.py): stickiness, the token budget, re-pins counted, a dead engine's
 sessions re-pinned within one request and never sent to it again, and sticky routing keeping far
 more prefix hits than round robin on long agent sessions."""
@@ -15,9 +15,9 @@ from megatron_stepwise.algo.groups import groups_of
 from megatron_stepwise.config import load_config
 from megatron_stepwise.config.errors import ConfigError
 from megatron_stepwise.loop.rounds import RowsOnRank0, decide_round
-from megatron_stepwise.rollout.engine import GenerateResult, SamplingParams
-from megatron_stepwise.rollout.engine_router import EngineRouter, EngineSlot, EngineView
-from megatron_stepwise.rollout.session_routing import BudgetSticky, RoundRobin, Sticky, make_policy
+from megatron_stepwise.rollout.engines.protocol import GenerateResult, SamplingParams
+from megatron_stepwise.rollout.fleet.engine_router import EngineRouter, EngineSlot, EngineView
+from megatron_stepwise.rollout.fleet.session_routing import BudgetSticky, RoundRobin, Sticky, make_policy
 from megatron_stepwise.rundir.dump_recorder import DumpRecorder
 from megatron_stepwise.rundir.dump_table import dump_path
 from megatron_stepwise.rundir.dumps import write_dump

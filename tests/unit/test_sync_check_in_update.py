@@ -33,12 +33,13 @@ from megatron_stepwise.mcore.weights.sync_verify import (
     merge_answers,
     mismatch_message,
 )
-from megatron_stepwise.rollout.embedded import engine as engine_module
-from megatron_stepwise.rollout.embedded.engine import LocalEngine
-from megatron_stepwise.rollout.embedded.hf_model import checkpoint_state
-from megatron_stepwise.rollout.embedded.server import start_server
-from megatron_stepwise.rollout.fleet import EngineSpec, RolloutFleet
-from megatron_stepwise.rollout.sglang import SGLangClient
+from megatron_stepwise.rollout.engines.embedded import engine as engine_module
+from megatron_stepwise.rollout.engines.embedded.engine import LocalEngine
+from megatron_stepwise.rollout.engines.embedded.hf_model import checkpoint_state
+from megatron_stepwise.rollout.engines.embedded.server import start_server
+from megatron_stepwise.rollout.engines.sglang import SGLangClient
+from megatron_stepwise.rollout.fleet.engine_actor import EngineSpec
+from megatron_stepwise.rollout.fleet.fleet import RolloutFleet
 
 TOK, CONFIG = tiny_lm("tiny_word")
 NAME = "model.embed_tokens.weight"  # large: SAMPLE_SIZE of its elements are sampled

@@ -97,9 +97,9 @@ def test_the_agent_loop_reports_its_engine_and_environment_calls():
     from helpers import tiny_lm
 
     from megatron_stepwise.envs.echo import EchoEnv, echo_dataset
-    from megatron_stepwise.rollout.agent_loop import AgentLoop, AgentLoopConfig
-    from megatron_stepwise.rollout.embedded.engine import LocalEngine
-    from megatron_stepwise.rollout.engine import SamplingParams
+    from megatron_stepwise.rollout.agent.loop import AgentLoop, AgentLoopConfig
+    from megatron_stepwise.rollout.engines.embedded.engine import LocalEngine
+    from megatron_stepwise.rollout.engines.protocol import SamplingParams
 
     tok, config = tiny_lm("tiny_word")
     clock = Clock()

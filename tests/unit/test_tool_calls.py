@@ -22,8 +22,8 @@ from megatron_stepwise.envs.tool_calls import (
 )
 from megatron_stepwise.hf.chat_templates import ChatTemplateSourceError, read_chat_template
 from megatron_stepwise.hf.tokenizers import CHAR_CHAT_TEMPLATE, load_tokenizer, tokenizer_dir
-from megatron_stepwise.rollout.agent_loop import AgentLoop, AgentLoopConfig
-from megatron_stepwise.rollout.engine import GenerateResult, SamplingParams
+from megatron_stepwise.rollout.agent.loop import AgentLoop, AgentLoopConfig
+from megatron_stepwise.rollout.engines.protocol import GenerateResult, SamplingParams
 from megatron_stepwise.steps import TrajectoryID
 
 ADD = function_tool(

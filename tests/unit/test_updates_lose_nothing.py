@@ -17,9 +17,9 @@ import pytest
 from helpers import tiny_lm
 from in_process_fleet import in_process_fleet
 
-from megatron_stepwise.rollout.embedded.engine import LocalEngine
-from megatron_stepwise.rollout.embedded.hf_model import build_causal_lm, save_safetensors_dir
-from megatron_stepwise.rollout.engine import SamplingParams
+from megatron_stepwise.rollout.engines.embedded.engine import LocalEngine
+from megatron_stepwise.rollout.engines.embedded.hf_model import build_causal_lm, save_safetensors_dir
+from megatron_stepwise.rollout.engines.protocol import SamplingParams
 
 _, CONFIG = tiny_lm("tiny_char")
 CONCURRENT = 20
@@ -130,8 +130,8 @@ def test_staleness_bound_drops_requests_by_start_version(weight_dirs):
 
 @pytest.mark.parametrize("how", ["stale", "pause"])
 def test_sglang_client_names_why_an_update_ended_a_request(how, weight_dirs):
-    from megatron_stepwise.rollout.embedded.server import start_server
-    from megatron_stepwise.rollout.sglang import SGLangClient
+    from megatron_stepwise.rollout.engines.embedded.server import start_server
+    from megatron_stepwise.rollout.engines.sglang import SGLangClient
 
     async def scenario():
         engine = LocalEngine(CONFIG, eos_token_ids=[], seed=3)

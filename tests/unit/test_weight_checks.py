@@ -15,10 +15,10 @@ from helpers import tiny_lm
 
 from megatron_stepwise import weight_checks as C
 from megatron_stepwise.mcore.weights.sync_verify import PushRecord, mismatch_message
-from megatron_stepwise.rollout.embedded.engine import LocalEngine
-from megatron_stepwise.rollout.embedded.hf_model import checkpoint_state
-from megatron_stepwise.rollout.embedded.server import start_server
-from megatron_stepwise.rollout.sglang import SGLangClient
+from megatron_stepwise.rollout.engines.embedded.engine import LocalEngine
+from megatron_stepwise.rollout.engines.embedded.hf_model import checkpoint_state
+from megatron_stepwise.rollout.engines.embedded.server import start_server
+from megatron_stepwise.rollout.engines.sglang import SGLangClient
 
 TOK, CONFIG = tiny_lm("tiny_word")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

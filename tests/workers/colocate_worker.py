@@ -69,8 +69,8 @@ def run_mode(colocate: bool, run_dir: str) -> dict:
     from megatron_stepwise.config import load_config
     from megatron_stepwise.hf.tokenizers import load_tokenizer
     from megatron_stepwise.loop.trainer import Trainer
-    from megatron_stepwise.rollout.embedded.engine import LocalEngine
-    from megatron_stepwise.rollout.embedded.hf_model import checkpoint_state
+    from megatron_stepwise.rollout.engines.embedded.engine import LocalEngine
+    from megatron_stepwise.rollout.engines.embedded.hf_model import checkpoint_state
 
     cfg = load_config(
         os.path.join(REPO, "configs/tiny_cpu.yaml"),

@@ -30,10 +30,10 @@ from megatron_stepwise.mcore.train.plugin import StepwisePlugin
 from megatron_stepwise.mcore.train.routers import local_tokens
 from megatron_stepwise.mcore.weights import full_views as W
 from megatron_stepwise.mcore.weights.hf_mapping import canonical_to_hf
-from megatron_stepwise.rollout.embedded.engine import LocalEngine
-from megatron_stepwise.rollout.embedded.hf_model import load_named_tensors
-from megatron_stepwise.rollout.engine import SamplingParams
-from megatron_stepwise.rollout.routing import pad_to_tokens
+from megatron_stepwise.rollout.engines.embedded.engine import LocalEngine
+from megatron_stepwise.rollout.engines.embedded.hf_model import load_named_tensors
+from megatron_stepwise.rollout.engines.protocol import SamplingParams
+from megatron_stepwise.rollout.engines.routed_experts import pad_to_tokens
 from megatron_stepwise.steps import Step, StepBatch, TrajectoryID
 
 PROMPTS = [[5, 17, 33, 2, 9], [41, 7, 7, 120, 64, 3, 88], [200, 13]]

@@ -4,7 +4,7 @@ to answer its health checks, as a large model's engines or a busy node's would."
 import asyncio
 import os
 
-from megatron_stepwise.rollout.fleet import RolloutFleet
+from megatron_stepwise.rollout.fleet.fleet import RolloutFleet
 
 DELAY_S = float(os.environ["SLOW_FLEET_START_S"])
 _wait_ready = RolloutFleet.wait_ready

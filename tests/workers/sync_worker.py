@@ -50,7 +50,7 @@ TEMPERATURE = 0.6
 
 
 def generate(loop, fleet, prompt, **sampling):
-    from megatron_stepwise.rollout.engine import SamplingParams
+    from megatron_stepwise.rollout.engines.protocol import SamplingParams
 
     params = SamplingParams(**{"temperature": 0.0, "max_new_tokens": 8, **sampling})
     return loop.run_until_complete(fleet.generate(prompt, params))
@@ -217,7 +217,8 @@ def run_model(out: Path, model_type: str, tied: bool, rank: int, loop) -> None:
 
     fleet = injection = None
     if rank == 0:
-        from megatron_stepwise.rollout.fleet import EngineSpec, RolloutFleet
+        from megatron_stepwise.rollout.fleet.engine_actor import EngineSpec
+        from megatron_stepwise.rollout.fleet.fleet import RolloutFleet
 
         fleet = RolloutFleet([EngineSpec(kind="local", model_config=cfg, seed=123, num_cpus=0.5)], ray_num_cpus=2)
         loop.run_until_complete(fleet.wait_ready())

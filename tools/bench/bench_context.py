@@ -36,11 +36,11 @@ from megatron_stepwise.algo.merge import merge_steps  # noqa: E402
 from megatron_stepwise.envs.echo import EchoEnv, echo_dataset  # noqa: E402
 from megatron_stepwise.hf.tokenizers import load_tokenizer  # noqa: E402
 from megatron_stepwise.metrics.core import rollout_metrics  # noqa: E402
-from megatron_stepwise.rollout.agent_loop import AgentLoop, AgentLoopConfig  # noqa: E402
-from megatron_stepwise.rollout.context import CONTEXT_MODES  # noqa: E402
-from megatron_stepwise.rollout.embedded.engine import LocalEngine  # noqa: E402
-from megatron_stepwise.rollout.embedded.hf_model import tiny_qwen2_config  # noqa: E402
-from megatron_stepwise.rollout.engine import SamplingParams  # noqa: E402
+from megatron_stepwise.rollout.agent.context import CONTEXT_MODES  # noqa: E402
+from megatron_stepwise.rollout.agent.loop import AgentLoop, AgentLoopConfig  # noqa: E402
+from megatron_stepwise.rollout.engines.embedded.engine import LocalEngine  # noqa: E402
+from megatron_stepwise.rollout.engines.embedded.hf_model import tiny_qwen2_config  # noqa: E402
+from megatron_stepwise.rollout.engines.protocol import SamplingParams  # noqa: E402
 
 TOKENIZER = "tiny_bpe"
 

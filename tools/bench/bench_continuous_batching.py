@@ -38,8 +38,8 @@ import torch  # noqa: E402
 from harness import add_seed_and_out, bench_parser, config, run_args, script_main  # noqa: E402
 
 from megatron_stepwise.hf.presets import tiny_config  # noqa: E402
-from megatron_stepwise.rollout.embedded.engine import LocalEngine  # noqa: E402
-from megatron_stepwise.rollout.engine import SamplingParams  # noqa: E402
+from megatron_stepwise.rollout.engines.embedded.engine import LocalEngine  # noqa: E402
+from megatron_stepwise.rollout.engines.protocol import SamplingParams  # noqa: E402
 
 CONFIGS = [("static batches", False), ("continuous batching", True)]
 
@@ -175,7 +175,7 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
     args = run_args(parse_args, quick, options)
     torch.set_num_threads(args.threads)
     model_config, weights, model_name = load_model(args.model)
-    from megatron_stepwise.rollout.embedded.hf_model import load_config
+    from megatron_stepwise.rollout.engines.embedded.hf_model import load_config
 
     vocab = int(load_config(model_config).vocab_size)
     runs = asyncio.run(bench(args, model_config, weights, vocab))

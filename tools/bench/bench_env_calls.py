@@ -29,7 +29,7 @@ CALL = '<tool_call>\n{"name": "python", "arguments": {"code": "print(sum(i * i f
 
 async def _calls_per_second(n: int, concurrency: int) -> float:
     from megatron_stepwise.envs.math_tool import MathToolEnv
-    from megatron_stepwise.rollout.env_calls import EnvCaller
+    from megatron_stepwise.rollout.agent.env_calls import EnvCaller
 
     caller = EnvCaller(concurrency, timeout_s=60.0)
     envs = [MathToolEnv() for _ in range(n)]

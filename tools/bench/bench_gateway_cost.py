@@ -29,8 +29,8 @@ from megatron_stepwise.envs.echo import EchoEnv, echo_dataset  # noqa: E402
 from megatron_stepwise.gateway.agents import AgentRollout  # noqa: E402
 from megatron_stepwise.gateway.server import GatewaySettings  # noqa: E402
 from megatron_stepwise.hf.tokenizers import load_tokenizer  # noqa: E402
-from megatron_stepwise.rollout.agent_loop import AgentLoop, AgentLoopConfig  # noqa: E402
-from megatron_stepwise.rollout.engine import SamplingParams  # noqa: E402
+from megatron_stepwise.rollout.agent.loop import AgentLoop, AgentLoopConfig  # noqa: E402
+from megatron_stepwise.rollout.engines.protocol import SamplingParams  # noqa: E402
 
 
 def echo_agent(client: str):

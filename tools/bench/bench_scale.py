@@ -260,7 +260,7 @@ def _async_bytes(cfg, groups: list, held: list, dp_sizes=(1, 2, 4)) -> dict[str,
 
     from megatron_stepwise.loop.rounds import decide_round
     from megatron_stepwise.loop.sources import bind_prepare
-    from megatron_stepwise.rollout.engine_router import RequestCounters
+    from megatron_stepwise.rollout.fleet.engine_router import RequestCounters
     from megatron_stepwise.workers.agent_workers import WorkerReply
     from megatron_stepwise.workers.worker_rows import RowsInWorkers
 
@@ -409,7 +409,7 @@ def _new_handoff(steps, cfg, dp_sizes=(1, 2, 4)) -> dict[str, Any]:
 
 
 def run(quick: bool = False, **options) -> dict[str, Any]:
-    from megatron_stepwise.rollout.ray_start import ensure_ray
+    from megatron_stepwise.rollout.fleet.ray_start import ensure_ray
 
     args = run_args(parse_args, quick, options)
     cfg = _config(args)

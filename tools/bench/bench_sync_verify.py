@@ -78,7 +78,8 @@ DEFAULT_MODELS = ("tiny", "smollm2-135m")
 
 
 def bench_model(name: str, cfg: dict, modes: tuple, repeat: int, bucket_mb: float, workdir: Path) -> list[dict]:
-    from megatron_stepwise.rollout.fleet import EngineSpec, RolloutFleet
+    from megatron_stepwise.rollout.fleet.engine_actor import EngineSpec
+    from megatron_stepwise.rollout.fleet.fleet import RolloutFleet
 
     chunks = M.build_model_chunks(cfg, init=lambda c: W.init_deterministic(c, seed=0))
     params = sum(p.numel() for p in chunks[0].parameters())

@@ -33,8 +33,8 @@ from instant_engine import InstantEngine  # noqa: E402
 
 from megatron_stepwise.envs.echo import EchoEnv, echo_dataset  # noqa: E402
 from megatron_stepwise.hf.tokenizers import load_tokenizer  # noqa: E402
-from megatron_stepwise.rollout.agent_loop import AgentLoop, AgentLoopConfig  # noqa: E402
-from megatron_stepwise.rollout.context import CONTEXT_MODES  # noqa: E402
+from megatron_stepwise.rollout.agent.context import CONTEXT_MODES  # noqa: E402
+from megatron_stepwise.rollout.agent.loop import AgentLoop, AgentLoopConfig  # noqa: E402
 
 TOKENIZER = "tiny_bpe"
 

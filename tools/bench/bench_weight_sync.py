@@ -41,7 +41,8 @@ MODELS = {
 
 
 def bench_model(name: str, cfg: dict, repeat: int, bucket_mb: float, workdir: Path) -> dict:
-    from megatron_stepwise.rollout.fleet import EngineSpec, RolloutFleet
+    from megatron_stepwise.rollout.fleet.engine_actor import EngineSpec
+    from megatron_stepwise.rollout.fleet.fleet import RolloutFleet
 
     model = model_spec(cfg)  # parsed once for the whole benchmark
     chunks = M.model_chunks_from_arch(model.arch, init=lambda c: W.init_deterministic(c, seed=0))

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from megatron_stepwise.rollout.context import encode
-from megatron_stepwise.rollout.engine import GenerateResult
+from megatron_stepwise.rollout.agent.context import encode
+from megatron_stepwise.rollout.engines.protocol import GenerateResult
 
 
 class InstantEngine:

@@ -1,7 +1,7 @@
 """Routing policies replayed on multi-turn agent traffic: prefix-hit rate, load imbalance, re-pins.
 
 Replays each trace through the real `EngineRouter` with each policy of
-rollout/session_routing.py (round_robin, sticky, budget_sticky) over N simulated engines, each
+rollout/fleet/session_routing.py (round_robin, sticky, budget_sticky) over N simulated engines, each
 with an LRU prefix cache of `--cache-tokens` and a service-time model (`--prefill-s` per uncached
 prompt token, `--decode-s` per generated token, requests in flight sharing the engine): see
 tools/bench/routing_sim.py. Traces (tools/bench/routing_traces.py): a synthetic one of long agent sessions,
@@ -31,7 +31,7 @@ from harness import bench_parser, config, write_json  # noqa: E402
 from routing_sim import SimConfig, cache_ceiling, replay  # noqa: E402
 from routing_traces import describe, dump_trace, synthetic_trace  # noqa: E402
 
-from megatron_stepwise.rollout.session_routing import POLICIES, make_policy  # noqa: E402
+from megatron_stepwise.rollout.fleet.session_routing import POLICIES, make_policy  # noqa: E402
 
 ORDER = ("round_robin", "sticky", "budget_sticky")
 assert set(ORDER) == set(POLICIES)

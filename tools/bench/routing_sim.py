@@ -1,6 +1,6 @@
 """Replays a trace (tools/bench/routing_traces.py) through `EngineRouter` over simulated engines.
 
-The router is the real one (rollout/engine_router.py, with a policy of rollout/session_routing.py):
+The router is the real one (rollout/fleet/engine_router.py, with a policy of rollout/fleet/session_routing.py):
 the simulation calls its `pick`, `remember` and `forget` exactly where `EngineRouter.generate`
 does, and keeps each engine's `outstanding` and `outstanding_tokens` as `generate` does.
 
@@ -36,8 +36,8 @@ from typing import Any, Optional
 
 from routing_traces import Session, Turn
 
-from megatron_stepwise.rollout.engine_router import EngineRouter, EngineSlot
-from megatron_stepwise.rollout.session_routing import RoutingPolicy
+from megatron_stepwise.rollout.fleet.engine_router import EngineRouter, EngineSlot
+from megatron_stepwise.rollout.fleet.session_routing import RoutingPolicy
 
 
 class BlockCache:

@@ -8,7 +8,7 @@ max and the sums (normaliser, target logit, sum p*z) with one MAX and one SUM al
 the TP group, and keeps only per-token scalars. The backward recomputes each chunk's logits, so
 peak memory is one chunk of [chunk, V/tp] fp32 logits whatever N is.
 
-Temperature. The rollout engine reports `log_softmax(logits / T)[token]` (rollout/engine.py), so
+Temperature. The rollout engine reports `log_softmax(logits / T)[token]` (rollout/engines/protocol.py), so
 the trainer scores the same distribution: every quantity here (log-probs, entropy, gradients)
 is of `softmax(logits / T)`. The division happens on the fp32 logits of each chunk, never on
 bf16 hidden states.

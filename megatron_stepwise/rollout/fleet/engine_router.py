@@ -1,7 +1,7 @@
 """One request to one of several engine actors: sticky sessions, least outstanding, retries.
 
 The fleet on the driver and every agent worker route the same way through `EngineRouter`: its
-policy (rollout/session_routing.py, `rollout.routing`) picks the engine of each turn from the live
+policy (rollout/fleet/session_routing.py, `rollout.routing`) picks the engine of each turn from the live
 ones; by default a session's turns go back to the engine that served its previous turn
 (prefix-cache reuse) while it is alive and has at most `sticky_slack` more outstanding requests
 than the least busy engine; a new session, or one whose engine is dead or that much busier, goes
@@ -21,15 +21,15 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from megatron_stepwise.rollout.engine import (
+from megatron_stepwise.rollout.engines.protocol import (
     EngineError,
     EngineReleasedError,
     GenerateResult,
     NoLiveEngine,
     SamplingParams,
 )
-from megatron_stepwise.rollout.session_routing import RoutingPolicy, Sticky
-from megatron_stepwise.rollout.sglang import EngineRequestError
+from megatron_stepwise.rollout.engines.sglang import EngineRequestError
+from megatron_stepwise.rollout.fleet.session_routing import RoutingPolicy, Sticky
 
 log = logging.getLogger(__name__)
 ORPHAN = -1  # the engine a session remembers after its own died: none

@@ -16,7 +16,7 @@ import traceback
 from typing import Any
 
 from megatron_stepwise.envs.tool_calls import check_tools
-from megatron_stepwise.rollout.env_calls import EnvError
+from megatron_stepwise.rollout.agent.env_calls import EnvError
 
 
 def _check_messages(messages: Any, where: str) -> list[dict]:

@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, AsyncIterator, Optional
 
 import torch
 
-from megatron_stepwise.rollout.embedded.batch import Request, RunningBatch
-from megatron_stepwise.rollout.engine import EngineError, GenerateResult, SamplingParams
+from megatron_stepwise.rollout.engines.embedded.batch import Request, RunningBatch
+from megatron_stepwise.rollout.engines.protocol import EngineError, GenerateResult, SamplingParams
 
 if TYPE_CHECKING:
-    from megatron_stepwise.rollout.embedded.engine import LocalEngine
+    from megatron_stepwise.rollout.engines.embedded.engine import LocalEngine
 
 log = logging.getLogger(__name__)
 

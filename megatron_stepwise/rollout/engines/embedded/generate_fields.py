@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-# Read by rollout/embedded/server.py.
+# Read by rollout/engines/embedded/server.py.
 HONOURED = {
     "rid",
     "text",

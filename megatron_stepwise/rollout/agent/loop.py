@@ -1,8 +1,8 @@
 """The step-wise multi-turn agent loop: one `Step` per assistant turn.
 
-Per trajectory: build the turn's prompt (`rollout/context.py`: `retokenize` or `tokens`), check
+Per trajectory: build the turn's prompt (`rollout/agent/context.py`: `retokenize` or `tokens`), check
 it fits, generate, append the response, step the environment (through `EnvCaller`,
-`rollout/env_calls.py`; its results checked by `rollout/env_outputs.py`) and append its observation to the NEXT prompt, until the environment is
+`rollout/agent/env_calls.py`; its results checked by `rollout/agent/env_outputs.py`) and append its observation to the NEXT prompt, until the environment is
 done, the turn budget is spent or the prompt no longer fits. A failing environment ends only its
 own trajectory. Output: trajectories and prompt groups contiguous, in sample order.
 
@@ -29,18 +29,23 @@ from megatron_stepwise.algo.groups import RolloutGroup, flat_steps
 from megatron_stepwise.envs.base import Environment, make_env
 from megatron_stepwise.envs.tool_calls import check_tools
 from megatron_stepwise.options import check_options, option, option_problems
-from megatron_stepwise.rollout.context import (
+from megatron_stepwise.rollout.agent.context import (
     CONTEXT_MODES,
     extend_context,
     render_prompt,
     retokenize_drifted,
     turn_delta,
 )
-from megatron_stepwise.rollout.continuation import generate_continued
-from megatron_stepwise.rollout.engine import GenerateResult, SamplingParams, engine_loss
-from megatron_stepwise.rollout.env_calls import EnvCaller, EnvError
-from megatron_stepwise.rollout.env_outputs import check_reset_output, check_step_output, error_traceback, read_tools
-from megatron_stepwise.rollout.routing import pad_to_tokens
+from megatron_stepwise.rollout.agent.continuation import generate_continued
+from megatron_stepwise.rollout.agent.env_calls import EnvCaller, EnvError
+from megatron_stepwise.rollout.agent.env_outputs import (
+    check_reset_output,
+    check_step_output,
+    error_traceback,
+    read_tools,
+)
+from megatron_stepwise.rollout.engines.protocol import GenerateResult, SamplingParams, engine_loss
+from megatron_stepwise.rollout.engines.routed_experts import pad_to_tokens
 from megatron_stepwise.steps import INVALID, Step, TrajectoryID
 from megatron_stepwise.time_budget import GENERATION, NO_ACTIVITY
 
@@ -286,7 +291,7 @@ class AgentLoop:
         return steps
 
     async def _generate_turn(self, prompt: list[int], sampling: SamplingParams, rid: str, session: str):
-        """One turn's generation, continued across weight updates (`rollout/continuation.py`)."""
+        """One turn's generation, continued across weight updates (`rollout/agent/continuation.py`)."""
         return await generate_continued(self.generator, prompt, sampling, rid, session)
 
     def _mark_env_error(self, step: Step) -> None:

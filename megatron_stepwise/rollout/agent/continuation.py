@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_stepwise.rollout.engine import GenerateResult, SamplingParams
+from megatron_stepwise.rollout.engines.protocol import GenerateResult, SamplingParams
 
 # A turn aborted by weight updates is continued at most this many times (each update aborts it once).
 MAX_CONTINUATIONS = 16

@@ -16,7 +16,7 @@ from typing import Any, Mapping, Optional, Union
 import torch
 
 from megatron_stepwise.hf.presets import tiny_config
-from megatron_stepwise.rollout.engine import NamedTensors
+from megatron_stepwise.rollout.engines.protocol import NamedTensors
 
 ModelConfigLike = Union[str, os.PathLike, Mapping[str, Any], "PretrainedConfig"]  # noqa: F821
 

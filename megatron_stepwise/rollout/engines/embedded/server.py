@@ -43,17 +43,17 @@ from aiohttp.web_server import Server
 
 from megatron_stepwise import weight_checks
 from megatron_stepwise.errors import UserError
-from megatron_stepwise.rollout.auth import (
+from megatron_stepwise.rollout.engines.auth import (
     API_KEY_ENV,
     bearer_matches,
     is_loopback,
     redact_bearer_tokens,
 )
-from megatron_stepwise.rollout.embedded import request_fields as F
-from megatron_stepwise.rollout.embedded.engine import LocalEngine
-from megatron_stepwise.rollout.embedded.generate_fields import check_generate_fields
-from megatron_stepwise.rollout.engine import EngineReleasedError, GenerateResult, SamplingParams
-from megatron_stepwise.rollout.routing import encode as encode_routed
+from megatron_stepwise.rollout.engines.embedded import request_fields as F
+from megatron_stepwise.rollout.engines.embedded.engine import LocalEngine
+from megatron_stepwise.rollout.engines.embedded.generate_fields import check_generate_fields
+from megatron_stepwise.rollout.engines.protocol import EngineReleasedError, GenerateResult, SamplingParams
+from megatron_stepwise.rollout.engines.routed_experts import encode as encode_routed
 
 log = logging.getLogger(__name__)
 

@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from megatron_stepwise.rollout.embedded.prefix_cache import PrefixCache
-from megatron_stepwise.rollout.embedded.sampling import sample_next
-from megatron_stepwise.rollout.engine import SamplingParams
+from megatron_stepwise.rollout.engines.embedded.prefix_cache import PrefixCache
+from megatron_stepwise.rollout.engines.embedded.sampling import sample_next
+from megatron_stepwise.rollout.engines.protocol import SamplingParams
 
 if TYPE_CHECKING:
-    from megatron_stepwise.rollout.embedded.engine import LocalEngine
+    from megatron_stepwise.rollout.engines.embedded.engine import LocalEngine
 
 log = logging.getLogger(__name__)
 

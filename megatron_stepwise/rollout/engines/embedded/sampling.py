@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from megatron_stepwise.rollout.engine import SamplingParams
+from megatron_stepwise.rollout.engines.protocol import SamplingParams
 
 
 def sample_next(

@@ -18,8 +18,8 @@ import logging
 from dataclasses import asdict, dataclass
 from typing import Any, Awaitable, Callable, Optional
 
-from megatron_stepwise.rollout.agent_loop import AgentLoopConfig
-from megatron_stepwise.rollout.engine import (
+from megatron_stepwise.rollout.agent.loop import AgentLoopConfig
+from megatron_stepwise.rollout.engines.protocol import (
     EngineError,
     EngineReleasedError,
     FleetLost,
@@ -29,13 +29,13 @@ from megatron_stepwise.rollout.engine import (
     SamplingParams,
     memory_tags,
 )
-from megatron_stepwise.rollout.engine_actor import EngineActor, EngineSpec
-from megatron_stepwise.rollout.engine_router import EngineRouter, EngineSlot, RequestCounters
-from megatron_stepwise.rollout.ray_nodes import actor_nodes, node_address
-from megatron_stepwise.rollout.ray_room import check_room
-from megatron_stepwise.rollout.ray_start import ensure_ray
-from megatron_stepwise.rollout.session_routing import RoutingPolicy
-from megatron_stepwise.rollout.sglang import TensorHandles, serialize_tensors_sglang
+from megatron_stepwise.rollout.engines.sglang import TensorHandles, serialize_tensors_sglang
+from megatron_stepwise.rollout.fleet.engine_actor import EngineActor, EngineSpec
+from megatron_stepwise.rollout.fleet.engine_router import EngineRouter, EngineSlot, RequestCounters
+from megatron_stepwise.rollout.fleet.ray_nodes import actor_nodes, node_address
+from megatron_stepwise.rollout.fleet.ray_room import check_room
+from megatron_stepwise.rollout.fleet.ray_start import ensure_ray
+from megatron_stepwise.rollout.fleet.session_routing import RoutingPolicy
 
 log = logging.getLogger(__name__)
 

@@ -31,13 +31,13 @@ from typing import Any, Mapping, Optional, Union
 import torch
 
 from megatron_stepwise import weight_checks, weight_transport
-from megatron_stepwise.rollout import routing
-from megatron_stepwise.rollout.embedded import hf_model
-from megatron_stepwise.rollout.embedded.batch import Request
-from megatron_stepwise.rollout.embedded.prefix_cache import PrefixCache
-from megatron_stepwise.rollout.embedded.scheduler import Scheduler
-from megatron_stepwise.rollout.embedded.weights import EngineWeights
-from megatron_stepwise.rollout.engine import (
+from megatron_stepwise.rollout.engines import routed_experts as routing
+from megatron_stepwise.rollout.engines.embedded import hf_model
+from megatron_stepwise.rollout.engines.embedded.batch import Request
+from megatron_stepwise.rollout.engines.embedded.prefix_cache import PrefixCache
+from megatron_stepwise.rollout.engines.embedded.scheduler import Scheduler
+from megatron_stepwise.rollout.engines.embedded.weights import EngineWeights
+from megatron_stepwise.rollout.engines.protocol import (
     EngineError,
     GenerateResult,
     NamedTensors,

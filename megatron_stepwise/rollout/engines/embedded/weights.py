@@ -17,8 +17,8 @@ from typing import Any, Callable, Mapping, Optional, Union
 import torch
 
 from megatron_stepwise import weight_checks
-from megatron_stepwise.rollout.embedded import hf_model
-from megatron_stepwise.rollout.engine import EngineReleasedError, NamedTensors
+from megatron_stepwise.rollout.engines.embedded import hf_model
+from megatron_stepwise.rollout.engines.protocol import EngineReleasedError, NamedTensors
 
 
 class EngineWeights:

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:
-    from megatron_stepwise.rollout.engine import GenerateResult
-    from megatron_stepwise.rollout.sglang import SGLangServerConfig
+    from megatron_stepwise.rollout.engines.protocol import GenerateResult
+    from megatron_stepwise.rollout.engines.sglang import SGLangServerConfig
 
 
 @dataclass
@@ -71,7 +71,7 @@ class EngineActor:
             os.environ.setdefault("OMP_NUM_THREADS", str(spec.torch_threads))
         if spec.kind == "local":
             from megatron_stepwise.hf.tokenizers import load_tokenizer
-            from megatron_stepwise.rollout.embedded.engine import LocalEngine
+            from megatron_stepwise.rollout.engines.embedded.engine import LocalEngine
 
             tokenizer = load_tokenizer(spec.tokenizer) if spec.tokenizer else None
             self.engine = LocalEngine(
@@ -86,7 +86,7 @@ class EngineActor:
                 prefix_cache_tokens=spec.prefix_cache_tokens,
             )
         else:
-            from megatron_stepwise.rollout.sglang import SGLangClient, launch_sglang_server
+            from megatron_stepwise.rollout.engines.sglang import SGLangClient, launch_sglang_server
 
             url = spec.url
             if spec.kind == "sglang":

@@ -23,8 +23,8 @@ from typing import Any, Optional, Union
 
 import aiohttp
 
-from megatron_stepwise.rollout.auth import api_key_from_env, auth_headers
-from megatron_stepwise.rollout.engine import (
+from megatron_stepwise.rollout.engines.auth import api_key_from_env, auth_headers
+from megatron_stepwise.rollout.engines.protocol import (
     EngineError,
     GenerateResult,
     NamedTensors,
@@ -90,7 +90,7 @@ def _routed_experts(meta: dict, shape: Optional[tuple[int, int]]):
     blob = meta.get("routed_experts")
     if blob is None:
         raise EngineError("response has no meta_info.routed_experts (start SGLang with --enable-return-routed-experts)")
-    from megatron_stepwise.rollout.routing import decode
+    from megatron_stepwise.rollout.engines.routed_experts import decode
 
     try:
         return decode(blob, *shape)

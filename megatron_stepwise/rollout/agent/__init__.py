@@ -1,0 +1,1 @@
+"""The step-wise agent loop: prompts per turn, continued turns, environment calls; drives any engine."""

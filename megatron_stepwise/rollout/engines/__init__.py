@@ -1,0 +1,1 @@
+"""The engines: the `Engine` protocol, SGLang over HTTP, the embedded CPU engine; no fleet or agent loop."""
