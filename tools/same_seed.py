@@ -42,6 +42,7 @@ TIMING_DEPENDENT = {"async_rank0", "async_workers"}
 MACHINE_PREFIXES = ("time/", "budget/", "perf/", "weight_sync/MBps", "weight_sync/seconds", "weight_sync/verify")
 MACHINE_KEYS = {
     "fleet/cached_tokens",
+    "fleet/repins",
     "train/logprob_gap",
     "train/logprob_gap_max",
     "train/logprob_gap/train_vs_rollout",
