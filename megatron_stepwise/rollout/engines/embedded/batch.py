@@ -11,18 +11,36 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 
 from megatron_stepwise.rollout.engines.embedded.prefix_cache import PrefixCache
 from megatron_stepwise.rollout.engines.embedded.sampling import sample_next
-from megatron_stepwise.rollout.engines.protocol import SamplingParams
-
-if TYPE_CHECKING:
-    from megatron_stepwise.rollout.engines.embedded.engine import LocalEngine
+from megatron_stepwise.rollout.engines.embedded.weights import EngineWeights
+from megatron_stepwise.rollout.engines.protocol import GenerateResult, SamplingParams
 
 log = logging.getLogger(__name__)
+
+
+class EngineParts(Protocol):
+    """What the running batch and the scheduler use of their engine (`LocalEngine` is one): its
+    model and weights, the prefix cache, the stop rules and how a finished request is answered.
+    Named here so that neither module imports the engine that builds them."""
+
+    name: str
+    model: torch.nn.Module
+    weights: EngineWeights
+    prefix_cache: PrefixCache
+    cache_name: str  # the model's keyword for its KV cache ("cache" or "past_key_values")
+    pad_token_id: int
+    max_positions: int
+    generator: torch.Generator
+    router_recorder: Any  # the MoE route recorder, or None
+    routed_shape: tuple[int, int]
+    next_forward: Callable[[], int]
+    check_finished: Callable[["Request"], None]
+    result: Callable[["Request"], GenerateResult]
 
 
 @dataclass
@@ -68,7 +86,7 @@ class RunningBatch:
     every later token is sampled from the new weights' distribution, with their exact log-prob.
     """
 
-    def __init__(self, engine: "LocalEngine", requests: list[Request]):
+    def __init__(self, engine: EngineParts, requests: list[Request]):
         self.engine = engine
         self.requests: list[Request] = []
         self.weights_epoch = engine.weights.epoch  # the weights the cache was computed with

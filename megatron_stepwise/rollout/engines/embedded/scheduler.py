@@ -15,15 +15,12 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
-from typing import TYPE_CHECKING, AsyncIterator, Optional
+from typing import AsyncIterator, Optional
 
 import torch
 
-from megatron_stepwise.rollout.engines.embedded.batch import Request, RunningBatch
+from megatron_stepwise.rollout.engines.embedded.batch import EngineParts, Request, RunningBatch
 from megatron_stepwise.rollout.engines.protocol import EngineError, GenerateResult, SamplingParams
-
-if TYPE_CHECKING:
-    from megatron_stepwise.rollout.engines.embedded.engine import LocalEngine
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +37,7 @@ class Scheduler:
 
     def __init__(
         self,
-        engine: "LocalEngine",
+        engine: EngineParts,
         max_batch_size: int,
         continuous_batching: bool,
         max_prefill_tokens: int,
