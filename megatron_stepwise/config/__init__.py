@@ -10,7 +10,11 @@ module that defines it; this one defines the loading functions.
 - schema.py    one typed dataclass per YAML section; every key with a default and help
 - fields.py    declaring keys (`option`, `section`) and building typed dataclasses from dicts
 - loader.py    `defaults:` inheritance, `a.b.c=value` overrides, provenance of keys
-- validate.py  semantic checks (layouts, combinations, the machine), one problem per finding
+- validate.py  semantic checks (layouts, combinations, the machine), one problem per finding,
+               run in order by concern: model_checks.py (model, parallel layout, checkpoint),
+               rollout_checks.py (engines, async, colocation), training_checks.py (mini-batches,
+               estimator and loss, optimizer), env_checks.py (environment, dataset),
+               run_checks.py (name, output directories, sizes); checker.py collects the problems
 - probes.py    what validation needs to know about the machine (extras, model configs, registries)
 - errors.py    `ConfigProblem` / `ConfigError`: every problem names its dotted key
 - docs.py      the key reference generated from the schema (docs/config.md)

@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 from megatron_stepwise.algo.groups import RolloutGroup, flat_steps
 from megatron_stepwise.envs.custom import load_object
+from megatron_stepwise.errors import UserError
 from megatron_stepwise.gateway.server import Gateway, GatewaySettings
 from megatron_stepwise.rollout.agent.loop import checked_prompt_ids
 from megatron_stepwise.steps import Step, TrajectoryID
@@ -31,8 +32,8 @@ log = logging.getLogger(__name__)
 Outcome = tuple[float, Optional[list[float]], dict]
 
 
-class AgentError(ValueError):
-    """What the agent returned is no outcome."""
+class AgentError(UserError, ValueError):
+    """A bad `env.agent`: not a function, or what it returned is no outcome (fix the agent)."""
 
 
 def outcome_of(out: Any) -> Outcome:
@@ -70,7 +71,7 @@ class AgentRollout:
     ):
         self.solve = load_object(agent, key="env.agent") if isinstance(agent, str) else agent
         if not callable(self.solve):
-            raise ValueError(f"env.agent={agent!r} is not a function")
+            raise AgentError(f"env.agent={agent!r} is not a function")
         self.gateway = Gateway(generator, tokenizer, eos_token_ids, settings)
         self.settings = settings
         self.n_samples_per_prompt, self.max_concurrency = n_samples_per_prompt, max_concurrency

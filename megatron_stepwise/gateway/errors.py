@@ -22,7 +22,11 @@ _ANTHROPIC_TYPES = {
 
 
 class GatewayError(Exception):
-    """A request the gateway refuses: `status`, a message for the client, the `param` at fault."""
+    """A request the gateway refuses: `status`, a message for the client, the `param` at fault.
+
+    Not a `UserError`: it also carries the engine's own failure (503), and it never leaves the
+    gateway's handlers, which answer it to the agent's HTTP client.
+    """
 
     def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None):
         super().__init__(message)

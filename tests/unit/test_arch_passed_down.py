@@ -22,8 +22,8 @@ PARSERS = {"arch_from_hf", "model_spec", "as_arch"}
 # and the public API documented with an HF config (each parses once, then passes the GPTArch on).
 ENTRY_POINTS = {
     ("megatron_stepwise/compose/components.py", "policy_model"),
-    ("megatron_stepwise/config/validate.py", "_check_parallel"),  # validation (no run composed yet)
-    ("megatron_stepwise/config/validate.py", "_check_against_checkpoint"),  # the checkpoint's own config
+    ("megatron_stepwise/config/model_checks.py", "check_parallel"),  # validation (no run composed yet)
+    ("megatron_stepwise/config/model_checks.py", "_check_against_checkpoint"),  # the checkpoint's own config
     ("megatron_stepwise/hf/arch.py", "model_spec"),
     ("megatron_stepwise/mcore/train/model.py", "build_gpt_model"),
     ("megatron_stepwise/mcore/train/model.py", "model_provider"),
@@ -40,7 +40,7 @@ BELOW_ROOT = [
     "megatron_stepwise/mcore/train/model.py",
     "megatron_stepwise/compose/components.py",
     "megatron_stepwise/offline/replay.py",
-    "megatron_stepwise/config/validate.py",
+    "megatron_stepwise/config/model_checks.py",
 ]
 
 

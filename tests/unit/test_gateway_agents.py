@@ -7,7 +7,8 @@ import asyncio
 import openai
 import pytest
 
-from megatron_stepwise.gateway.agents import AgentRollout
+from megatron_stepwise.errors import UserError
+from megatron_stepwise.gateway.agents import AgentError, AgentRollout
 from megatron_stepwise.gateway.config import AgentConfig
 from megatron_stepwise.gateway.server import GatewaySettings
 from megatron_stepwise.rollout.engines.embedded.engine import LocalEngine
@@ -133,6 +134,13 @@ def test_call_cap_is_the_agents_problem():
     groups, calls, _ = rollout(greedy, agent_max_calls=2)
     traj = groups[0].trajectories[0]
     assert len(traj) == 2 and "BadRequestError" in traj[-1].invalid_reason and len(calls) == 8
+
+
+def test_an_agent_that_is_no_function_is_a_user_error_naming_env_agent():
+    assert issubclass(AgentError, UserError) and issubclass(AgentError, ValueError)  # `except ValueError` still works
+    settings = GatewaySettings(sampling=SamplingParams(max_new_tokens=4), max_input_length=512, agent=AgentConfig())
+    with pytest.raises(AgentError, match=r"env.agent='tests.unit.test_gateway_agents:SAMPLES' is not a function"):
+        AgentRollout(None, TOK, "tests.unit.test_gateway_agents:SAMPLES", settings, [TOK.eos_token_id])
 
 
 @pytest.mark.parametrize(
