@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from megatron_stepwise.steps import UNKNOWN_EXPERT, Step, step_structure
+from megatron_stepwise.steps import PREFIX_BREAK, UNKNOWN_EXPERT, Step, step_structure
 
 #: weight_versions value for obs_delta tokens: no policy produced them (loss_mask is 0 there).
 NOT_SAMPLED_VERSION = -1
@@ -272,8 +272,17 @@ def _merge_group(group: list[Step]) -> Step:
         turn_reward=last.turn_reward,
         stop_reason=last.stop_reason,
         weight_versions=versions,
-        metadata={**last.metadata, "merged_steps": len(group)},
+        metadata=_merged_metadata(group),
     )
+
+
+def _merged_metadata(group: list[Step]) -> dict:
+    """The last step's metadata and how many steps the row holds; a row starts where its first
+    step starts, so it began a fresh prefix (a gateway prefix break) when its first step did."""
+    metadata = {**group[-1].metadata, "merged_steps": len(group)}
+    if PREFIX_BREAK in group[0].metadata:
+        metadata[PREFIX_BREAK] = group[0].metadata[PREFIX_BREAK]
+    return metadata
 
 
 def _merge_positions(group: list[Step], name: str, num_tokens: int) -> Optional[torch.Tensor]:
