@@ -57,8 +57,8 @@ def merge_steps(steps: Sequence[Step], *, max_tokens: Optional[int] = None) -> t
     obs_delta (loss_mask 0, log-prob 0, weight version -1) then step i's response, mask,
     log-probs and weight versions; otherwise a new row starts. A merged row keeps the
     first step's prompt and the last merged step's reward, turn_reward, is_last_step, stop_reason and
-    metadata, with `metadata["merged_steps"]` = how many steps it holds (1 if unmerged).
-    Steps also do not merge when only one of them has rollout_logprobs or weight_versions
+    metadata, with `metadata["merged_steps"]` = how many steps it holds (1 if unmerged), and its
+    first step's `metadata["prefix_break"]` (a gateway call that began a fresh prefix). Steps also do not merge when only one of them has rollout_logprobs or weight_versions
     (nothing is invented), or when the row would exceed `max_tokens`.
     `routed_experts` (MoE routing replay; they cover prompt and response) and their
     `route_forwards`: a position whose logits gave a step's sampled token (step i owns
