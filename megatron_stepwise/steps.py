@@ -25,6 +25,10 @@ PAD_PROMPT_PREFIX = "__pad__"
 #: `Step.metadata` key of an invalid trajectory's last step: why it is invalid (see `Step`).
 INVALID = "invalid"
 
+#: `Step.metadata` key of a gateway call: True when its prompt does not extend the previous call's
+#: (the agent dropped, summarised or edited its context), so it was rendered fresh.
+PREFIX_BREAK = "prefix_break"
+
 # The smallest non-zero sampling temperature: below it `logits / T` overflows (1e-300 gives inf,
 # then NaN probabilities). SGLang itself treats T < 1e-6 as greedy.
 MIN_TEMPERATURE = 1e-4

@@ -98,3 +98,17 @@ def assert_exact_in_any_order(steps, calls) -> None:
         left.remove(match)
         assert_exact([step], [match])
     assert not left, f"{len(left)} calls recorded as no step"
+
+
+def window_agent(client, turns: int = 6) -> list[list[dict]]:
+    """A context-managing agent: each call sends the system prompt, the last two exchanges and a
+    new question (from the fourth call on it drops a turn: a prefix break). Returns what it sent."""
+    system = {"role": "system", "content": "answer"}
+    history: list[dict] = []
+    sent = []
+    for turn in range(turns):
+        window = [system] + history[-4:] + [{"role": "user", "content": f"say {turn}"}]
+        sent.append(window)
+        out = client.chat.completions.create(model="m", messages=window)
+        history += [window[-1], {"role": "assistant", "content": out.choices[0].message.content}]
+    return sent

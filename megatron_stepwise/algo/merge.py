@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from megatron_stepwise.steps import UNKNOWN_EXPERT, Step, step_structure
+from megatron_stepwise.steps import PREFIX_BREAK, UNKNOWN_EXPERT, Step, step_structure
 
 #: weight_versions value for obs_delta tokens: no policy produced them (loss_mask is 0 there).
 NOT_SAMPLED_VERSION = -1
@@ -57,8 +57,8 @@ def merge_steps(steps: Sequence[Step], *, max_tokens: Optional[int] = None) -> t
     obs_delta (loss_mask 0, log-prob 0, weight version -1) then step i's response, mask,
     log-probs and weight versions; otherwise a new row starts. A merged row keeps the
     first step's prompt and the last merged step's reward, turn_reward, is_last_step, stop_reason and
-    metadata, with `metadata["merged_steps"]` = how many steps it holds (1 if unmerged).
-    Steps also do not merge when only one of them has rollout_logprobs or weight_versions
+    metadata, with `metadata["merged_steps"]` = how many steps it holds (1 if unmerged), and its
+    first step's `metadata["prefix_break"]` (a gateway call that began a fresh prefix). Steps also do not merge when only one of them has rollout_logprobs or weight_versions
     (nothing is invented), or when the row would exceed `max_tokens`.
     `routed_experts` (MoE routing replay; they cover prompt and response) and their
     `route_forwards`: a position whose logits gave a step's sampled token (step i owns
@@ -272,8 +272,17 @@ def _merge_group(group: list[Step]) -> Step:
         turn_reward=last.turn_reward,
         stop_reason=last.stop_reason,
         weight_versions=versions,
-        metadata={**last.metadata, "merged_steps": len(group)},
+        metadata=_merged_metadata(group),
     )
+
+
+def _merged_metadata(group: list[Step]) -> dict:
+    """The last step's metadata and how many steps the row holds; a row starts where its first
+    step starts, so it began a fresh prefix (a gateway prefix break) when its first step did."""
+    metadata = {**group[-1].metadata, "merged_steps": len(group)}
+    if PREFIX_BREAK in group[0].metadata:
+        metadata[PREFIX_BREAK] = group[0].metadata[PREFIX_BREAK]
+    return metadata
 
 
 def _merge_positions(group: list[Step], name: str, num_tokens: int) -> Optional[torch.Tensor]:

@@ -20,7 +20,7 @@ from megatron_stepwise.gateway.messages import MessageKey, message_key, tools_ke
 from megatron_stepwise.rollout.agent.context import extend_context, render_prompt, turn_delta
 from megatron_stepwise.rollout.engines.protocol import GenerateResult
 from megatron_stepwise.rollout.engines.routed_experts import pad_to_tokens
-from megatron_stepwise.steps import INVALID, Step, TrajectoryID
+from megatron_stepwise.steps import INVALID, PREFIX_BREAK, Step, TrajectoryID
 
 
 @dataclass
@@ -144,7 +144,7 @@ class TrajectoryRecorder:
                 "finish_reason": result.finish_reason,
                 "engine": result.engine,
                 "api": api,
-                "prefix_break": prefix_break,
+                PREFIX_BREAK: prefix_break,
             },
             routed_experts=pad_to_tokens(result.routed_experts, len(prompt) + len(response)),
         )

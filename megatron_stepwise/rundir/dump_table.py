@@ -28,10 +28,14 @@ def dumped_iterations(run_dir: str | Path) -> list[int]:
 
 
 def read_dump_table(
-    run_dir: str | Path, iteration: Optional[int] = None, columns: Optional[Sequence[str]] = None
+    run_dir: str | Path,
+    iteration: Optional[int] = None,
+    columns: Optional[Sequence[str]] = None,
+    optional: Sequence[str] = (),
 ) -> tuple[dict[str, Any], Any]:
-    """The metadata and rows (pyarrow Table; only `columns` when given) of `iteration`'s dump
-    (default: the last one dumped)."""
+    """The metadata and rows (pyarrow Table; only `columns` when given, and those of `optional`
+    the file has: columns added since older dumps were written) of `iteration`'s dump (default:
+    the last one dumped)."""
     import pyarrow.parquet as pq
 
     available = dumped_iterations(run_dir)
@@ -46,6 +50,9 @@ def read_dump_table(
             f"{available or 'none'} (trainer.dump_rollouts=N dumps every N-th)"
         )
     try:
+        if columns is not None and optional:
+            present = set(pq.read_schema(path).names)
+            columns = list(columns) + [c for c in optional if c in present]
         table = pq.read_table(path, columns=list(columns) if columns is not None else None)
     except (OSError, ValueError) as e:  # pyarrow's errors derive from these
         raise DumpError(f"{path} is not a readable Parquet file: {e}") from e

@@ -29,7 +29,7 @@ from megatron_stepwise.rundir.dump_table import (
     META_KEY,
     read_dump_table,
 )
-from megatron_stepwise.steps import INVALID, ROUTED_EXPERTS_DTYPE, StepBatch, TrajectoryID
+from megatron_stepwise.steps import INVALID, PREFIX_BREAK, ROUTED_EXPERTS_DTYPE, StepBatch, TrajectoryID
 
 # Token fields a prepared mini-batch carries; all but routed_experts are 0 at prompt positions.
 RESPONSE_FIELDS = {
@@ -117,6 +117,7 @@ def rows_table(minibatches: Sequence[Captured]) -> tuple[Any, Optional[list[int]
             "stop_reason",
             "env_error",
             "invalid",
+            "prefix_break",
             "prompt_ids",
             "response_ids",
             *RESPONSE_FIELDS,
@@ -154,6 +155,7 @@ def rows_table(minibatches: Sequence[Captured]) -> tuple[Any, Optional[list[int]
             cols["stop_reason"].append(b.stop_reasons[r])
             cols["env_error"].append(meta.get("error"))
             cols["invalid"].append(str(meta[INVALID]) if meta.get(INVALID) else None)  # never trained (Step)
+            cols["prefix_break"].append(bool(meta.get(PREFIX_BREAK)))  # a gateway call that started afresh
             cols["prompt_ids"].append(b.tokens[row][: int(b.prompt_lens[r])].tolist())
             cols["response_ids"].append(b.tokens[resp].tolist())
             for name in RESPONSE_FIELDS:
@@ -193,6 +195,7 @@ def rows_table(minibatches: Sequence[Captured]) -> tuple[Any, Optional[list[int]
         "info": pa.string(),
         "is_last": pa.bool_(),
         "is_padding": pa.bool_(),
+        "prefix_break": pa.bool_(),
     }
     return pa.table({k: pa.array(v, type=types[k]) for k, v in cols.items()}), experts_shape
 

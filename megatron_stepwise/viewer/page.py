@@ -160,16 +160,18 @@ class _Rows:
         *("reward", "outcome_reward", "stop_reason", "env_error"),
         *("prompt_ids", "response_ids", "loss_mask", "rollout_logprobs", "rollout_logprobs_known"),
         *("advantages", "trainer_logprobs"),
-    )
+    )  # not routed experts, info
+    LATER_COLUMNS = ("invalid", "prefix_break")  # dumps before them have none
 
     def __init__(self, table, eos: frozenset[int]):
         self.eos = eos
         small = table.select(
             ["minibatch", "row", "prompt_id", "sample_index", "turn", "is_padding"]
             + ["reward", "outcome_reward", "stop_reason", "env_error"]
-            + (["invalid"] if "invalid" in table.column_names else [])  # dumps before it have none
+            + [c for c in self.LATER_COLUMNS if c in table.column_names]
         ).to_pydict()
         small.setdefault("invalid", [None] * len(small["row"]))
+        small.setdefault("prefix_break", [False] * len(small["row"]))
         self.small = small
         self.lists = {
             name: _ListColumn(table, name)
@@ -230,6 +232,8 @@ class _Rows:
                 # a context that does not extend the previous turn's (re-tokenised history) starts earlier
                 "history_kept": start == len(previous),
                 "delta_from": start,
+                # a gateway call whose agent changed its context: rendered fresh, a new prefix
+                "prefix_break": bool(s["prefix_break"][i]),
             }
             n_delta = len(prompt) - start
             turns.append(
@@ -256,6 +260,7 @@ class _Rows:
             "invalid": s["invalid"][last],  # an infrastructure failure: never trained
             "length": length,
             "turn_count": len(turns),
+            "prefix_breaks": sum(t.info["prefix_break"] for t in turns),
             "max_gap": max_gap,
         }
         return summary, turns
@@ -373,7 +378,7 @@ def write_pages(
     Pages go to `out` (default RUN_DIR/view/iter_K.html) and, when there are several, to the
     folder `<out stem>_pages/` beside it; no write follows a symbolic link below RUN_DIR
     (rundir/run_files.py). `tokenizer_source` finds the tokenizer's name in the dump's metadata."""
-    meta, table = read_dump_table(run_dir, iteration, columns=_Rows.COLUMNS)  # not routed experts, info
+    meta, table = read_dump_table(run_dir, iteration, columns=_Rows.COLUMNS, optional=_Rows.LATER_COLUMNS)
     decoder = load_decoder(meta, trusted=trusted, source=tokenizer_source)
     header = _header(run_dir, meta)
     index = Path(out) if out else default_path(run_dir, int(meta["iteration"]))

@@ -6,7 +6,9 @@ its turns to the engines itself (`EngineView`): no turn passes through the drive
 async sources, evaluation and dynamic sampling use workers unchanged. It hands out prompt groups
 (a few per call when a rollout has many, one in async mode) to the least busy worker and gets
 back `RolloutGroup`s (columnar on the wire, no per-step tensor pickling), with the engines the
-worker found dead (the fleet restarts them) and its request counts (the fleet's metrics). A worker that dies is restarted and its unfinished
+worker found dead (the fleet restarts them), its request counts (the fleet's metrics) and, with
+`env.agent`, its gateway's counts (`gateway/*`, `rollout/prefix_breaks`: the driver's `metrics`).
+A worker that dies is restarted and its unfinished
 groups are re-issued to a live one, counted in `agents/worker_restarts` and
 `agents/reissued_groups`; sampling seeds depend only on the trajectory and turn, so a re-issued
 group samples as it would have. A worker that answers no liveness ping for
@@ -27,6 +29,7 @@ import logging
 import math
 import os
 import uuid
+from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
@@ -76,20 +79,30 @@ def resolve_agent_workers(cfg, ray_nodes: Optional[int] = None) -> int:
 
 @dataclass
 class WorkerReply:
-    """The groups (columnar on the wire) and what the worker learnt about the engines meanwhile."""
+    """The groups (columnar on the wire), what the worker learnt about the engines meanwhile and
+    its agent's counts since its last reply (`env.agent`'s gateway: `gateway/*`,
+    `rollout/prefix_breaks`; none for the native agent loop)."""
 
     groups: list[RolloutGroup] | list[HeldGroup]  # held: the worker keeps the rows
     dead_engines: list[tuple[int, int]]
     requests: RequestCounters
+    agent_counts: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def __getstate__(self) -> dict:  # all the reply's groups as one columnar batch
         held = bool(self.groups) and isinstance(self.groups[0], HeldGroup)
         groups = self.groups if held else pack_groups(self.groups)
-        return {"groups": groups, "held": held, "dead_engines": self.dead_engines, "requests": self.requests}
+        return {
+            "groups": groups,
+            "held": held,
+            "dead_engines": self.dead_engines,
+            "requests": self.requests,
+            "agent_counts": self.agent_counts,
+        }
 
     def __setstate__(self, state: dict) -> None:
         self.groups = state["groups"] if state["held"] else unpack_groups(state["groups"])
         self.dead_engines, self.requests = state["dead_engines"], state["requests"]
+        self.agent_counts = state["agent_counts"]
 
 
 class AgentWorker:
@@ -136,7 +149,8 @@ class AgentWorker:
         if hold is not None:  # keep the prepared rows here; the driver gets their summaries
             banked = await asyncio.to_thread(bank_held, groups, hold) if hold.bank is not None else [None] * len(groups)
             groups = [self.held.keep(g, hold, self.name, b) for g, b in zip(groups, banked)]
-        return WorkerReply(groups, dead, requests)
+        counts = self.agent.metrics() if hasattr(self.agent, "metrics") else {}  # the gateway's (env.agent)
+        return WorkerReply(groups, dead, requests, counts)
 
     async def adopt(self, path: str, group_id: str, hold: HoldRequest) -> HeldGroup:
         """A resumed run's banked group: read (off the event loop) and held as if rolled out here."""
@@ -207,6 +221,7 @@ class AgentWorkers:
         self.worker_restarts = 0
         self.reissued_groups = 0
         self.regenerated_groups = 0  # counted by the source that rolls them out again
+        self.agent_counts: Counter = Counter()  # the workers' agents' counts not yet reported
 
     async def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
         try:
@@ -309,11 +324,15 @@ class AgentWorkers:
             by_name[name].handle.drop.remote(keys)
 
     def metrics(self) -> dict[str, float]:
+        """The workers' own counts, and their agents' counts since the last call (with `env.agent`:
+        the gateway's `gateway/*` and `rollout/prefix_breaks`, as an agent in the driver reports them)."""
+        agents, self.agent_counts = self.agent_counts, Counter()
         return {
             "agents/workers": float(len(self.workers)),
             "agents/worker_restarts": float(self.worker_restarts),
             "agents/reissued_groups": float(self.reissued_groups),
             "agents/regenerated_groups": float(self.regenerated_groups),
+            **{k: float(v) for k, v in agents.items()},
         }
 
     def holders(self) -> set[str]:
@@ -387,6 +406,7 @@ class AgentWorkers:
             for index, engine_incarnation in reply.dead_engines:
                 self.fleet.report_dead(index, engine_incarnation)
             self.fleet.add_request_counts(reply.requests)
+            self.agent_counts.update(reply.agent_counts)
             if on_trajectory_done is not None:  # held groups: one call per trajectory, without its steps
                 for group in reply.groups:
                     for trajectory in group.trajectories if hold is None else [[]] * len(group.summary().turns):

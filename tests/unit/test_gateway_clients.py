@@ -17,7 +17,7 @@ from megatron_stepwise.algo.merge import merge_steps
 from megatron_stepwise.rollout.agent.context import render_prompt
 from megatron_stepwise.rollout.engines.embedded.engine import LocalEngine
 from megatron_stepwise.steps import INVALID
-from tests.gateway_fixtures import Scripted, Served, assert_exact
+from tests.gateway_fixtures import Scripted, Served, assert_exact, window_agent
 from tests.helpers import tiny_lm
 
 openai = pytest.importorskip("openai")
@@ -202,14 +202,7 @@ def test_context_managing_agent_breaks_are_counted_and_each_step_is_what_was_sen
     breaks_before = served.gateway.counts["prefix_breaks"]
     url = served.open("window")
     client = openai.OpenAI(base_url=url, api_key=served.gateway.api_key, max_retries=0)
-    system = {"role": "system", "content": "answer"}
-    history: list[dict] = []
-    sent = []
-    for turn in range(6):
-        window = [system] + history[-4:] + [{"role": "user", "content": f"say {turn}"}]  # last two exchanges
-        sent.append(window)
-        out = client.chat.completions.create(model="m", messages=window)
-        history += [window[-1], {"role": "assistant", "content": out.choices[0].message.content}]
+    sent = window_agent(client)  # system prompt + the last two exchanges
     steps = finish(served, url)
     assert_exact(steps, calls)
     flags = [s.metadata["prefix_break"] for s in steps]
