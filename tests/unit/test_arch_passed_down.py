@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from source_ast import parse_python
 
 from megatron_stepwise.hf import arch as A
 from megatron_stepwise.hf.presets import tiny_config
@@ -82,7 +83,7 @@ def _parse_sites() -> set[tuple[str, str]]:
     files = sorted((ROOT / "megatron_stepwise").rglob("*.py")) + sorted((ROOT / "tools").rglob("*.py"))
     for path in files:
         rel = path.relative_to(ROOT).as_posix()
-        for name, scope in _outer_scopes(ast.parse(path.read_text())):
+        for name, scope in _outer_scopes(parse_python(path.read_text())):
             for node in ast.walk(scope):
                 called = node.func if isinstance(node, ast.Call) else None
                 if (getattr(called, "id", None) or getattr(called, "attr", None)) in PARSERS:
@@ -99,7 +100,7 @@ def test_the_architecture_is_parsed_only_at_entry_points():
 
 @pytest.mark.parametrize("rel", BELOW_ROOT)
 def test_arch_parameters_are_typed_gptarch(rel):
-    tree = ast.parse((ROOT / rel).read_text())
+    tree = parse_python((ROOT / rel).read_text())
     untyped = []
     for name, fn in _functions(tree):
         for arg in fn.args.args + fn.args.kwonlyargs:

@@ -18,6 +18,8 @@ import ast
 import sys
 from pathlib import Path
 
+from source_ast import parse_python
+
 PACKAGE = Path(__file__).resolve().parents[2] / "megatron_stepwise"
 FUNCTION_STATEMENTS = 45
 CLASS_LINES = 400
@@ -85,7 +87,7 @@ def measure(package: Path = PACKAGE) -> dict[str, int]:
                 else:
                     visit(child, prefix)
 
-        visit(ast.parse(text, filename=rel), "")
+        visit(parse_python(text, filename=rel), "")
     return sizes
 
 
@@ -127,7 +129,7 @@ def test_the_package_keeps_its_budgets():
 
 
 def test_statements_are_counted_through_blocks_and_not_into_nested_functions():
-    tree = ast.parse(
+    tree = parse_python(
         "def f(x):\n"
         '    """doc"""\n'
         "    if x:\n"

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import make_step, stride_decide
+from source_ast import parse_python
 
 import megatron_stepwise.steps as steps_module
 from megatron_stepwise import compute_advantages
@@ -135,7 +136,7 @@ def test_prepare_on_groups_gives_the_plugin_apis_advantages():
 
 
 def _functions(path: Path):
-    tree = ast.parse(path.read_text())
+    tree = parse_python(path.read_text())
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             yield node

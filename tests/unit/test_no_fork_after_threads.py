@@ -15,6 +15,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from source_ast import parse_python
+
 REPO = Path(__file__).resolve().parents[2]
 SCANNED = ("megatron_stepwise", "tests", "tools", "launch", "examples")
 MP_MODULES = {"multiprocessing", "torch.multiprocessing"}
@@ -52,7 +54,7 @@ def _dotted(node: ast.AST) -> str:
 
 def default_context_uses(source: str, filename: str = "<source>") -> list[str]:
     """`filename:line: what` for every default-context Manager, Pool, Process (and the like) in `source`."""
-    tree = ast.parse(source, filename)
+    tree = parse_python(source, filename)
     modules, names = _aliases(tree)
     found = []
 

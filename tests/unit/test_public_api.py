@@ -5,6 +5,8 @@ import ast
 import importlib
 from pathlib import Path
 
+from source_ast import parse_python
+
 import megatron_stepwise
 
 REPO = Path(__file__).resolve().parents[2]
@@ -70,7 +72,7 @@ def _top_level(module: str) -> tuple[set[str], set[str]]:
                 for handler in node.handlers:
                     visit(handler.body)
 
-    visit(ast.parse(MODULES[module].read_text()).body)
+    visit(parse_python(MODULES[module].read_text()).body)
     return defined, imported
 
 
@@ -83,7 +85,7 @@ def forwarded_imports(roots=("megatron_stepwise", "tests", "tools", "examples", 
             text = path.read_text()
             if "from megatron_stepwise" not in text:
                 continue
-            for node in ast.walk(ast.parse(text)):
+            for node in ast.walk(parse_python(text)):
                 if not isinstance(node, ast.ImportFrom) or node.level or node.module not in MODULES:
                     continue
                 if node.module in KEPT:

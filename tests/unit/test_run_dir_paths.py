@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from helpers import make_step, stride_decide
+from source_ast import parse_python
 
 from megatron_stepwise.algo.groups import groups_of
 from megatron_stepwise.cli.plot import plot_run
@@ -155,7 +156,7 @@ def test_no_module_but_rundir_paths_spells_a_run_dir_name():
         module = path.relative_to(PACKAGE).as_posix()
         if module == "rundir/paths.py":
             continue
-        found = _spellings(ast.parse(path.read_text()))
+        found = _spellings(parse_python(path.read_text()))
         if found:
             offenders[module] = found
     assert offenders == {}
