@@ -90,7 +90,7 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopp
 
 def interrupted_line(cfg) -> str:
     """The one line an interrupted run ends with: the checkpoint the same command resumes from."""
-    from megatron_stepwise.mcore.weights.dist_checkpoint import find_latest
+    from megatron_stepwise.mcore.weights.checkpoint_dir import find_latest
 
     latest = find_latest(cfg.checkpoint_dir)
     if cfg.checkpoint.resume == "never":

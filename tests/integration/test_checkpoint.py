@@ -15,126 +15,138 @@ import torch
 from helpers import check_ok, run_torchrun
 
 from megatron_stepwise.mcore.weights import dist_checkpoint as C
+from megatron_stepwise.mcore.weights.checkpoint_choice import UNVERIFIED, choose_checkpoint, resume_decision
+from megatron_stepwise.mcore.weights.checkpoint_dir import (
+    LATEST,
+    MANIFEST,
+    TRAINER_STATE,
+    checkpoint_name,
+    find_latest,
+    prune,
+    verify_checkpoint,
+    write_manifest,
+)
+from megatron_stepwise.mcore.weights.checkpoint_errors import CheckpointError
 
 
 def fake_checkpoint(root: Path, iteration: int, *, complete: bool = True, suffix: str = "") -> Path:
-    path = root / (C.checkpoint_name(iteration) + suffix)
+    path = root / (checkpoint_name(iteration) + suffix)
     path.mkdir(parents=True)
     (path / "common.pt").write_bytes(b"x")
     if complete:
         (path / "metadata.json").write_text("{}")
-        (path / C.TRAINER_STATE).write_text(json.dumps({"iteration": iteration}))
+        (path / TRAINER_STATE).write_text(json.dumps({"iteration": iteration}))
     return path
 
 
 def test_find_latest_follows_the_pointer(tmp_path):
-    assert C.find_latest(tmp_path) is None
-    assert C.find_latest(tmp_path / "missing") is None
+    assert find_latest(tmp_path) is None
+    assert find_latest(tmp_path / "missing") is None
     fake_checkpoint(tmp_path, 5)
     ten = fake_checkpoint(tmp_path, 10)
-    (tmp_path / C.LATEST).write_text("iter_0000005\n")
-    assert C.find_latest(tmp_path).name == "iter_0000005"  # the pointer wins over the newest dir
-    (tmp_path / C.LATEST).write_text("iter_0000010\n")
-    assert C.find_latest(tmp_path) == ten
+    (tmp_path / LATEST).write_text("iter_0000005\n")
+    assert find_latest(tmp_path).name == "iter_0000005"  # the pointer wins over the newest dir
+    (tmp_path / LATEST).write_text("iter_0000010\n")
+    assert find_latest(tmp_path) == ten
 
 
 def test_find_latest_ignores_unfinished_saves_and_a_stale_pointer(tmp_path):
     fake_checkpoint(tmp_path, 3)
     fake_checkpoint(tmp_path, 4, suffix=".tmp")  # a save that died after writing everything
     fake_checkpoint(tmp_path, 5, complete=False)  # a directory without the completion markers
-    (tmp_path / C.LATEST).write_text("iter_0000009\n")  # points at nothing
-    assert C.find_latest(tmp_path).name == "iter_0000003"
-    (tmp_path / C.LATEST).unlink()
-    assert C.find_latest(tmp_path).name == "iter_0000003"
+    (tmp_path / LATEST).write_text("iter_0000009\n")  # points at nothing
+    assert find_latest(tmp_path).name == "iter_0000003"
+    (tmp_path / LATEST).unlink()
+    assert find_latest(tmp_path).name == "iter_0000003"
 
 
 def test_prune_keeps_the_last_k_and_what_latest_names(tmp_path):
     for it in (1, 2, 3, 4):
         fake_checkpoint(tmp_path, it)
     fake_checkpoint(tmp_path, 5, suffix=".tmp")
-    (tmp_path / C.LATEST).write_text("iter_0000001\n")
-    removed = C.prune(tmp_path, keep_last=2)
+    (tmp_path / LATEST).write_text("iter_0000001\n")
+    removed = prune(tmp_path, keep_last=2)
     assert [p.name for p in removed] == ["iter_0000002", "iter_0000005.tmp"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000001", "iter_0000003", "iter_0000004", "latest"]
-    with pytest.raises(C.CheckpointError, match="keep_last must be >= 1"):
-        C.prune(tmp_path, keep_last=0)
+    with pytest.raises(CheckpointError, match="keep_last must be >= 1"):
+        prune(tmp_path, keep_last=0)
 
 
 def test_the_manifest_names_a_truncated_flipped_or_missing_file(tmp_path):
     ckpt = fake_checkpoint(tmp_path, 4)
     (ckpt / "sub").mkdir()
     (ckpt / "sub" / "__0_0.distcp").write_bytes(bytes(range(256)) * 4)
-    C.write_manifest(ckpt)
-    assert C.verify_checkpoint(ckpt) == (None, True)
+    write_manifest(ckpt)
+    assert verify_checkpoint(ckpt) == (None, True)
     shard = ckpt / "sub" / "__0_0.distcp"
     shard.write_bytes(bytes(range(256)) * 2)  # truncated
-    assert C.verify_checkpoint(ckpt) == ("file sub/__0_0.distcp: expected 1024 bytes, got 512", True)
+    assert verify_checkpoint(ckpt) == ("file sub/__0_0.distcp: expected 1024 bytes, got 512", True)
     data = bytearray(range(256)) * 4
     data[700] ^= 0x01  # one flipped bit, same size
     shard.write_bytes(bytes(data))
-    problem, _ = C.verify_checkpoint(ckpt)
+    problem, _ = verify_checkpoint(ckpt)
     assert problem.startswith("file sub/__0_0.distcp: expected sha256 ") and ", got " in problem
     shard.unlink()
-    assert C.verify_checkpoint(ckpt) == ("file sub/__0_0.distcp: missing (expected 1024 bytes)", True)
-    (ckpt / C.MANIFEST).write_text("{not json")
-    assert C.verify_checkpoint(ckpt)[0].startswith("manifest.json unreadable (JSONDecodeError")
-    (ckpt / C.MANIFEST).unlink()
-    assert C.verify_checkpoint(ckpt) == (None, False)  # saved before manifests: usable, unverified
+    assert verify_checkpoint(ckpt) == ("file sub/__0_0.distcp: missing (expected 1024 bytes)", True)
+    (ckpt / MANIFEST).write_text("{not json")
+    assert verify_checkpoint(ckpt)[0].startswith("manifest.json unreadable (JSONDecodeError")
+    (ckpt / MANIFEST).unlink()
+    assert verify_checkpoint(ckpt) == (None, False)  # saved before manifests: usable, unverified
 
 
 def test_a_corrupt_latest_falls_back_and_none_good_is_one_clear_error(tmp_path):
-    assert C.choose_checkpoint(tmp_path) == (None, False, [])  # nothing to resume: a fresh start
+    assert choose_checkpoint(tmp_path) == (None, False, [])  # nothing to resume: a fresh start
     for it in (2, 4, 6):
-        C.write_manifest(fake_checkpoint(tmp_path, it))
-    (tmp_path / C.LATEST).write_text("iter_0000006\n")
-    assert C.choose_checkpoint(tmp_path) == (tmp_path / "iter_0000006", True, [])
+        write_manifest(fake_checkpoint(tmp_path, it))
+    (tmp_path / LATEST).write_text("iter_0000006\n")
+    assert choose_checkpoint(tmp_path) == (tmp_path / "iter_0000006", True, [])
     (tmp_path / "iter_0000006" / "common.pt").write_bytes(b"")
-    (tmp_path / "iter_0000004" / C.TRAINER_STATE).unlink()  # incomplete
-    path, verified, warnings = C.choose_checkpoint(tmp_path)
+    (tmp_path / "iter_0000004" / TRAINER_STATE).unlink()  # incomplete
+    path, verified, warnings = choose_checkpoint(tmp_path)
     assert (path, verified) == (tmp_path / "iter_0000002", True)
     assert warnings == [
         "checkpoint iter_0000006 (file common.pt: expected 1 bytes, got 0) is corrupt or incomplete, skipped",
         "checkpoint iter_0000004 (incomplete: trainer_state.json missing) is corrupt or incomplete, skipped",
     ]
-    (tmp_path / "iter_0000002" / C.MANIFEST).unlink()  # an older checkpoint without a manifest
-    assert C.choose_checkpoint(tmp_path, accept_unverified=True) == (tmp_path / "iter_0000002", False, warnings)
+    (tmp_path / "iter_0000002" / MANIFEST).unlink()  # an older checkpoint without a manifest
+    assert choose_checkpoint(tmp_path, accept_unverified=True) == (tmp_path / "iter_0000002", False, warnings)
     with pytest.raises(
-        C.CheckpointError,
+        CheckpointError,
         match=r"iter_0000002 \(no manifest.json, so unverified "
         r"\(checkpoint.accept_unverified=true loads it\)\)",
     ):
-        C.choose_checkpoint(tmp_path)  # refused by default
-    C.write_manifest(tmp_path / "iter_0000002")
+        choose_checkpoint(tmp_path)  # refused by default
+    write_manifest(tmp_path / "iter_0000002")
     (tmp_path / "iter_0000002" / "metadata.json").write_text("{}  ")
-    with pytest.raises(C.CheckpointError) as e:
-        C.choose_checkpoint(tmp_path)
+    with pytest.raises(CheckpointError) as e:
+        choose_checkpoint(tmp_path)
     assert str(e.value).startswith(f"no good checkpoint in {tmp_path} to resume from: iter_0000006 (file common.pt")
     assert "iter_0000002 (file metadata.json: expected 2 bytes, got 4)" in str(e.value)
 
 
 def test_an_unverified_latest_falls_back_to_the_previous_verified_one(tmp_path):
-    C.write_manifest(fake_checkpoint(tmp_path, 2))
+    write_manifest(fake_checkpoint(tmp_path, 2))
     fake_checkpoint(tmp_path, 4)  # no manifest: lost, or written by an older version
-    path, verified, warnings = C.choose_checkpoint(tmp_path)
+    path, verified, warnings = choose_checkpoint(tmp_path)
     assert (path.name, verified) == ("iter_0000002", True)
-    assert warnings == [f"checkpoint iter_0000004 ({C.UNVERIFIED}) is corrupt or incomplete, skipped"]
-    assert C.choose_checkpoint(tmp_path, accept_unverified=True)[:2] == (tmp_path / "iter_0000004", False)
+    assert warnings == [f"checkpoint iter_0000004 ({UNVERIFIED}) is corrupt or incomplete, skipped"]
+    assert choose_checkpoint(tmp_path, accept_unverified=True)[:2] == (tmp_path / "iter_0000004", False)
     # one that failed to load on some rank is skipped the same way
-    C.write_manifest(tmp_path / "iter_0000004")
-    path, _, warnings = C.choose_checkpoint(tmp_path, failed={"iter_0000004": "failed to load (KeyError: 'x')"})
+    write_manifest(tmp_path / "iter_0000004")
+    path, _, warnings = choose_checkpoint(tmp_path, failed={"iter_0000004": "failed to load (KeyError: 'x')"})
     assert path.name == "iter_0000002" and "iter_0000004 (failed to load (KeyError: 'x'))" in warnings[0]
 
 
 def test_a_checkpoint_written_by_another_run_is_refused_naming_both(tmp_path):
     ckpt = fake_checkpoint(tmp_path, 3)
-    (ckpt / C.TRAINER_STATE).write_text(json.dumps({"iteration": 3, "run_id": "aaaa", "run_dir": "/runs/first"}))
-    C.write_manifest(ckpt)
-    kind, message = C._decide(tmp_path, None, run_id="bbbb")
+    (ckpt / TRAINER_STATE).write_text(json.dumps({"iteration": 3, "run_id": "aaaa", "run_dir": "/runs/first"}))
+    write_manifest(ckpt)
+    kind, message = resume_decision(tmp_path, None, run_id="bbbb")
     assert kind == "error" and "\n" not in message
     assert f"checkpoint {ckpt} was written by another run (run_id aaaa in /runs/first), this is run bbbb" in message
     assert "checkpoint.dir" in message and "checkpoint.resume=" in message
-    assert C._decide(tmp_path, None, run_id="aaaa") == ("path", str(ckpt))  # its own run resumes
-    assert C._decide(None, ckpt, run_id="bbbb") == ("path", str(ckpt))  # named deliberately: allowed
+    assert resume_decision(tmp_path, None, run_id="aaaa") == ("path", str(ckpt))  # its own run resumes
+    assert resume_decision(None, ckpt, run_id="bbbb") == ("path", str(ckpt))  # named deliberately: allowed
 
 
 @pytest.fixture
@@ -149,7 +161,7 @@ def one_rank(tmp_path):
 def test_a_checkpoint_that_fails_to_load_falls_back_to_the_previous_one(tmp_path, one_rank, monkeypatch):
     ckpts = tmp_path / "ckpts"
     for it in (2, 4, 6):
-        C.write_manifest(fake_checkpoint(ckpts, it))
+        write_manifest(fake_checkpoint(ckpts, it))
     tried = []
 
     def load(target, *args, **kwargs):  # iter 6 is damaged in a way its manifest cannot show
@@ -164,7 +176,7 @@ def test_a_checkpoint_that_fails_to_load_falls_back_to_the_previous_one(tmp_path
     # every one fails: one error naming each
     monkeypatch.setattr(C, "_load", lambda target, *a, **k: (_ for _ in ()).throw(OSError("bad")))
     with pytest.raises(
-        C.CheckpointError,
+        CheckpointError,
         match=r"no good checkpoint in .*iter_0000006 \(failed to load "
         r"\(OSError: bad\)\); iter_0000004 .*; iter_0000002 ",
     ):

@@ -164,7 +164,7 @@ class Poison:
 def poisoned_run(dumped_run, tmp_path_factory):
     """(run_dir, overrides, marker): a copy of the dumped run whose checkpoints of iterations 2 and 3
     carry the poison (the original stays clean for the replay tests)."""
-    from megatron_stepwise.mcore.weights.dist_checkpoint import checkpoint_name, write_manifest
+    from megatron_stepwise.mcore.weights.checkpoint_dir import checkpoint_name, write_manifest
 
     base = tmp_path_factory.mktemp("poisoned_run")
     run_dir, marker = str(base / "run"), str(base / "MARKER")

@@ -32,8 +32,6 @@ ALLOWED = {
     "class megatron_stepwise/loop/async_source.py::AsyncRollouts": 443,
     "class megatron_stepwise/mcore/train/plugin.py::StepwisePlugin": 529,
     "class megatron_stepwise/rollout/fleet/fleet.py::RolloutFleet": 471,
-    "file megatron_stepwise/mcore/train/plugin.py": 648,
-    "file megatron_stepwise/mcore/weights/dist_checkpoint.py": 641,
     "function megatron_stepwise/config/fields.py::coerce": 51,
     "function megatron_stepwise/loop/handoff.py::Handoff._to_ranks": 51,
     "function megatron_stepwise/loop/trainer.py::Trainer.__init__": 49,

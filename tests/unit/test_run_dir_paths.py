@@ -16,7 +16,7 @@ from megatron_stepwise.cli.replay import write_report
 from megatron_stepwise.config import load_config
 from megatron_stepwise.loop.checkpointer import run_id
 from megatron_stepwise.loop.rounds import RowsOnRank0, decide_round
-from megatron_stepwise.mcore.weights.dist_checkpoint import checkpoint_name, list_checkpoints
+from megatron_stepwise.mcore.weights.checkpoint_dir import checkpoint_name, list_checkpoints
 from megatron_stepwise.metrics.core import MetricsLogger, write_eval
 from megatron_stepwise.rundir import paths
 from megatron_stepwise.rundir.dump_recorder import DumpRecorder

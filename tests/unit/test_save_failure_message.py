@@ -6,15 +6,16 @@ import shutil
 from collections import namedtuple
 
 from megatron_stepwise.mcore.weights import dist_checkpoint as C
+from megatron_stepwise.mcore.weights.checkpoint_dir import checkpoint_name
 
 Usage = namedtuple("Usage", "total used free")
 ZIP_WRITER = RuntimeError("Worker failure: [enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
 
 
 def _message(tmp_path, monkeypatch, error, free):
-    (tmp_path / C.checkpoint_name(1)).mkdir()
+    (tmp_path / checkpoint_name(1)).mkdir()
     monkeypatch.setattr(shutil, "disk_usage", lambda _: Usage(1 << 30, (1 << 30) - free, free))
-    return C._save_failure(error, tmp_path / C.checkpoint_name(2))
+    return C._save_failure(error, tmp_path / checkpoint_name(2))
 
 
 def test_a_zip_writer_error_on_a_full_disk_says_no_space(tmp_path, monkeypatch):

@@ -26,6 +26,9 @@ from worker_entry import run_worker
 
 from megatron_stepwise.mcore.weights import dist_checkpoint as C
 from megatron_stepwise.mcore.weights import full_views as W
+from megatron_stepwise.mcore.weights import sharded_state as S
+from megatron_stepwise.mcore.weights.checkpoint_dir import LATEST, TRAINER_STATE, checkpoint_name, write_manifest
+from megatron_stepwise.mcore.weights.checkpoint_errors import CheckpointError
 
 
 class Poison:
@@ -54,7 +57,7 @@ class PoisonedScheduler:
 def attempt(fn) -> dict:
     try:
         return {"ok": fn()}
-    except C.CheckpointError as e:
+    except CheckpointError as e:
         return {"error": type(e).__name__, "message": str(e)}
 
 
@@ -65,11 +68,11 @@ def poison(args, rank: int) -> dict:
         fake_step(chunks, optimizer, scheduler, it)
         C.save_checkpoint(chunks, optimizer, scheduler, trainer_state(it), ckpt, keep_last=10)
     saved_params = W.full_state(chunks)
-    real_rng = C.rng_state
+    real_rng = S.rng_state
     if rank == 1:  # iteration 3: rank 1's RNG state (a byte item of its .distcp file) is poisoned
-        C.rng_state = lambda: {**real_rng(), "poison": Poison(marker)}
+        S.rng_state = lambda: {**real_rng(), "poison": Poison(marker)}
     C.save_checkpoint(chunks, optimizer, scheduler, trainer_state(3), ckpt, keep_last=10)
-    C.rng_state = real_rng
+    S.rng_state = real_rng
     C.save_checkpoint(chunks, optimizer, PoisonedScheduler(scheduler, marker), trainer_state(4), ckpt, keep_last=10)
     # megatron-core's save compares the ranks' common state by unpickling it in memory, which runs
     # the poison here: only what happens after this point is about loading.
@@ -85,11 +88,11 @@ def poison(args, rank: int) -> dict:
     record["clean_params_equal"] = all(torch.equal(v, W.full_state(fresh)[k]) for k, v in saved_params.items())
     if rank == 0:  # the attack: a new .metadata and a manifest that matches it
         (ckpt / "iter_0000002" / ".metadata").write_bytes(pickle.dumps(Poison(marker)))
-        C.write_manifest(ckpt / "iter_0000002")
+        write_manifest(ckpt / "iter_0000002")
     dist.barrier()
     for name, it in (("metadata", 2), ("rng_bytes", 3), ("common", 4)):
         record[name] = attempt(
-            lambda: C.load_checkpoint(fresh, fresh_opt, fresh_sched, path=ckpt / C.checkpoint_name(it))
+            lambda: C.load_checkpoint(fresh, fresh_opt, fresh_sched, path=ckpt / checkpoint_name(it))
         )
     # A resume from the directory (latest = iteration 4, poisoned) stops rather than falls back.
     record["resume"] = attempt(lambda: C.load_checkpoint(fresh, fresh_opt, fresh_sched, ckpt))
@@ -109,7 +112,7 @@ def diskfull(args, rank: int) -> dict:
     if rank == 0:
         Path.write_text = lambda self, *a, **k: (
             (_ for _ in ()).throw(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self)))
-            if self.name == C.TRAINER_STATE
+            if self.name == TRAINER_STATE
             else real_write(self, *a, **k)
         )
     record = {"injected": attempt(lambda: save(2))}
@@ -124,7 +127,7 @@ def diskfull(args, rank: int) -> dict:
         dist.barrier()
         record["full"] = attempt(lambda: save(2))
         record["full_listing"] = sorted(p.name for p in ckpt.iterdir())
-    record["latest"] = (ckpt / C.LATEST).read_text().strip()
+    record["latest"] = (ckpt / LATEST).read_text().strip()
     fresh, fresh_opt, fresh_sched = build(1, init_seed=2, distopt=True)
     record["resume"] = attempt(lambda: C.load_checkpoint(fresh, fresh_opt, fresh_sched, ckpt))
     return record

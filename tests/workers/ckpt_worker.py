@@ -28,6 +28,8 @@ from megatron_stepwise.mcore.runtime import runtime
 from megatron_stepwise.mcore.train import model as M
 from megatron_stepwise.mcore.weights import dist_checkpoint as C
 from megatron_stepwise.mcore.weights import full_views as W
+from megatron_stepwise.mcore.weights.checkpoint_dir import LATEST, verify_checkpoint
+from megatron_stepwise.mcore.weights.checkpoint_errors import CheckpointError
 
 
 def build(tp: int, init_seed: int, distopt: bool = False):
@@ -167,18 +169,18 @@ def main() -> None:
         return
 
     chunks, optimizer, scheduler = build(args.tp, init_seed=2, distopt=bool(args.distopt))
-    record = {"listing_before": listing(ckpt), "verified": C.verify_checkpoint(ckpt / "iter_0000003")}
+    record = {"listing_before": listing(ckpt), "verified": verify_checkpoint(ckpt / "iter_0000003")}
     record["trainer_state"] = C.load_checkpoint(chunks, optimizer, scheduler, ckpt, config_hash="cfg-1")
     record.update(snapshot(chunks, optimizer, scheduler))
     try:
         C.load_checkpoint(chunks, optimizer, scheduler, ckpt, config_hash="cfg-2")
-    except C.CheckpointError as e:
+    except CheckpointError as e:
         record["hash_error"] = str(e)
     fake_step(chunks, optimizer, scheduler, 4)
     record["params_step4"] = W.full_state(chunks)  # must equal the uninterrupted run's
     C.save_checkpoint(chunks, optimizer, scheduler, trainer_state(4), ckpt, keep_last=2)
     record["listing_after"] = listing(ckpt)
-    record["latest_after"] = (ckpt / C.LATEST).read_text().strip()
+    record["latest_after"] = (ckpt / LATEST).read_text().strip()
 
     # Resharded: the other layout (TP2 <-> TP1 x DP2) in the same processes, new model-parallel
     # groups. A distributed optimizer's dp_reshardable state cannot follow a TP change: model only.

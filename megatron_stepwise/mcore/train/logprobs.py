@@ -20,6 +20,7 @@ parallelism, `gather_from_sequence_parallel_region`), whose backward sums the pa
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -211,3 +212,19 @@ def trained_position_logprobs(
         with_entropy=with_entropy,
         temperature=temperature,
     )
+
+
+@contextlib.contextmanager
+def output_layer_bypassed(gpt):
+    """Make the GPTModel return its final hidden states instead of full-vocabulary logits.
+
+    Shadowing the output layer's `forward` on the instance for one call keeps the user's
+    module (names, hooks, checkpoints) untouched; the log-prob head then applies the output
+    weight only at trained positions.
+    """
+    layer = gpt.output_layer
+    layer.forward = lambda input_, *_, **__: (input_, None)
+    try:
+        yield
+    finally:
+        del layer.forward

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import torch
@@ -36,85 +35,19 @@ from megatron_stepwise.algo.shards import (
     check_tokens,
 )
 from megatron_stepwise.mcore.runtime.runtime import ParallelLayout, comm_device, current_layout
-from megatron_stepwise.mcore.train.logprobs import check_temperature, trained_position_logprobs
+from megatron_stepwise.mcore.train.logprobs import check_temperature, output_layer_bypassed, trained_position_logprobs
+from megatron_stepwise.mcore.train.minibatch_inputs import (
+    MinibatchInputs,
+    PendingMicroBatch,
+    check_host_count,
+    host_count,
+)
 from megatron_stepwise.mcore.train.model import unwrap
 from megatron_stepwise.mcore.train.model_contract import check_model_contract
 from megatron_stepwise.mcore.train.packing import PackedMicroBatch, alignment_for, pack_rows, split_for_context_parallel
 from megatron_stepwise.mcore.train.router_losses import RoutedMicroBatch, RouterLosses, check_recompute
 from megatron_stepwise.mcore.train.router_losses import install as install_router_hooks
 from megatron_stepwise.steps import Step, StepBatch
-
-
-@dataclass
-class MinibatchInputs:
-    """What a megatron loop passes to `get_forward_backward_func()` for one mini-batch."""
-
-    microbatches: list[PackedMicroBatch]
-    num_microbatches: int
-    seq_length: int  # longest packed micro-batch (PP shapes are exchanged per micro-batch anyway)
-    num_chunks: int = 1  # model chunks per rank (virtual pipeline stages)
-    shard: Optional[MinibatchShard] = None  # what was packed
-
-    def data_iterator(self) -> Union[Iterator[PackedMicroBatch], list[Iterator[PackedMicroBatch]]]:
-        """The schedule's `data_iterator`: under virtual pipeline parallelism, one iterator per
-        model chunk (every chunk needs each micro-batch's packing, the first its tokens, the last
-        its loss inputs)."""
-        if self.num_chunks == 1:
-            return iter(self.microbatches)
-        return [iter(self.microbatches) for _ in range(self.num_chunks)]
-
-
-@contextlib.contextmanager
-def _output_layer_bypassed(gpt):
-    """Make the GPTModel return its final hidden states instead of full-vocabulary logits.
-
-    Shadowing the output layer's `forward` on the instance for one call keeps the user's
-    module (names, hooks, checkpoints) untouched; the log-prob head then applies the output
-    weight only at trained positions.
-    """
-    layer = gpt.output_layer
-    layer.forward = lambda input_, *_, **__: (input_, None)
-    try:
-        yield
-    finally:
-        del layer.forward
-
-
-def _host_count() -> Optional[int]:
-    """megatron's `get_num_microbatches()` when its calculator is set up (Megatron-LM's pretrain
-    does), else None: the caller passes the count to the schedule itself."""
-    from megatron.core.num_microbatches_calculator import get_num_microbatches
-
-    try:
-        return get_num_microbatches()
-    except AttributeError:
-        return None
-
-
-def _check_host_count(plan_size: int) -> None:
-    """The schedule of a host loop with a micro-batch calculator runs `get_num_microbatches()`
-    micro-batches: it must be the plan's count, or mini-batches would straddle optimizer steps
-    silently."""
-    host = _host_count()
-    if host is not None and host != plan_size:
-        raise HostLoopMismatchError(
-            f"the training loop runs get_num_microbatches()={host} micro-batches per step, but the plugin planned "
-            f"{plan_size} for this mini-batch: pass StepwisePlugin(num_microbatches={host}) (or prepare_minibatch("
-            f"num_microbatches={host})) so every mini-batch is exactly one optimizer step"
-        )
-
-
-class _PendingMicroBatch:
-    """Micro-batch `index` of a mini-batch that is packed when `forward_step` first meets it: only
-    then is the model (layout, vocabulary) known to a loop that hands out just a data iterator."""
-
-    def __init__(self, minibatch, count: int, index: int, packed: dict):
-        self.minibatch, self.count, self.index, self._packed = minibatch, count, index, packed
-
-    def resolve(self, plugin: "StepwisePlugin", model) -> PackedMicroBatch:
-        if "inputs" not in self._packed:
-            self._packed["inputs"] = plugin._prepare([model], self.minibatch, mode=TRAIN, num_microbatches=self.count)
-        return self._packed["inputs"].microbatches[self.index]
 
 
 class StepwisePlugin:
@@ -237,7 +170,7 @@ class StepwisePlugin:
         here, on every rank before any collective.
         """
         inputs = self._prepare(model_chunks, steps_or_batch, mode=mode, num_microbatches=num_microbatches)
-        _check_host_count(inputs.num_microbatches)
+        check_host_count(inputs.num_microbatches)
         return inputs
 
     def _prepare(self, model_chunks: list, steps_or_batch, *, mode: str, num_microbatches: Optional[int] = None):
@@ -375,7 +308,7 @@ class StepwisePlugin:
         the first; the plan is padded with loss-neutral micro-batches, and a mini-batch that
         needs more is a HostLoopMismatchError naming both counts."""
         for minibatch in minibatches:
-            count = self.num_microbatches or _host_count()
+            count = self.num_microbatches or host_count()
             if count is None:
                 raise ValueError(
                     "microbatch_stream needs a fixed micro-batch count: pass StepwisePlugin(num_microbatches=K) or "
@@ -383,7 +316,7 @@ class StepwisePlugin:
                 )
             packed: dict = {}
             for index in range(count):
-                yield _PendingMicroBatch(minibatch, count, index, packed)
+                yield PendingMicroBatch(minibatch, count, index, packed)
 
     def microbatch_streams(self, minibatches: Iterable[Union[StepBatch, Sequence[Step]]], num_chunks: int) -> tuple:
         """`microbatch_stream` for each of `num_chunks` model chunks (virtual pipeline stages, whose
@@ -405,13 +338,13 @@ class StepwisePlugin:
                 "forward_step(return_schedule_plan=True) (expert-parallel A2A overlap) is not supported by the plugin"
             )
         mb = next(data_iterator)
-        if isinstance(mb, _PendingMicroBatch):
+        if isinstance(mb, PendingMicroBatch):
             mb = mb.resolve(self, model)
         if not self._in_own_schedule:
-            _check_host_count(mb.plan_size)
+            check_host_count(mb.plan_size)
         gpt = unwrap(model)
         device = next(gpt.parameters()).device
-        bypass = _output_layer_bypassed(gpt) if gpt.post_process else contextlib.nullcontext()
+        bypass = output_layer_bypassed(gpt) if gpt.post_process else contextlib.nullcontext()
         from megatron_stepwise.mcore.train import routing_replay  # imports megatron-core
 
         # Routing replay (algo.routing_replay): this chunk's routers take the engine's experts.
