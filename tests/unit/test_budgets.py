@@ -18,7 +18,8 @@ import ast
 import sys
 from pathlib import Path
 
-from source_ast import parse_python
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, when run as a script
+from source_ast import parse_python  # noqa: E402
 
 PACKAGE = Path(__file__).resolve().parents[2] / "megatron_stepwise"
 FUNCTION_STATEMENTS = 45
