@@ -29,7 +29,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_stepwise.errors import UserError
+try:
+    from megatron_stepwise.errors import UserError
+except ModuleNotFoundError:  # loaded by file path, standard library only (the hostile corpus runs it as nobody)
+
+    class UserError(Exception):
+        """Stands in for `megatron_stepwise.errors.UserError` where the package cannot be imported."""
+
 
 try:
     from .sandbox_watch import Watch, children_by_parent

@@ -373,7 +373,9 @@ def test_embedded_server_speaks_the_same_api(sglang):
     mean another thing), and its /generate response uses only fields of SGLang's response schema."""
     table = routes(sglang["http_server"])
     # only the routes are read: an engine shaped enough to size the body limits
-    sizes = SimpleNamespace(max_positions=1024, max_batch_size=4, model=torch.nn.Linear(2, 2))
+    sizes = SimpleNamespace(
+        max_positions=1024, scheduler=SimpleNamespace(max_batch_size=4), model=torch.nn.Linear(2, 2)
+    )
     app = EngineServer(engine=sizes).app()
     for route in app.router.routes():
         path, method = route.resource.canonical, route.method
