@@ -17,15 +17,15 @@ from pathlib import Path
 EVAL_KEY = "eval/reward/pass@1"
 
 
-def read_run(run_dir: Path) -> dict:
+def read_run(run_dir: Path, eval_key: str = EVAL_KEY) -> dict:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    evals = [(r["iteration"], r[EVAL_KEY]) for r in records if EVAL_KEY in r]
+    evals = [(r["iteration"], r[eval_key]) for r in records if eval_key in r]
     final = run_dir / "eval" / "final.json"
     if final.is_file():
         data = json.loads(final.read_text())
         metrics = data.get("metrics", data)
-        if EVAL_KEY in metrics:
-            evals.append((int(data.get("iteration", len(records))), metrics[EVAL_KEY]))
+        if eval_key in metrics:
+            evals.append((int(data.get("iteration", len(records))), metrics[eval_key]))
     return {
         "name": run_dir.name,
         "iterations": len(records),
@@ -39,8 +39,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", type=Path)
     p.add_argument("--out", default="curves_seeds.png")
+    p.add_argument("--eval-key", default=EVAL_KEY, help="the held-out metric drawn (e.g. eval/reward/mean)")
+    p.add_argument("--eval-title", default="held-out accuracy (64 problems, greedy)")
+    p.add_argument("--train-title", default="training reward (36 trajectories, T=0.6)")
     args = p.parse_args()
-    runs = [read_run(r) for r in args.runs]
+    runs = [read_run(r, args.eval_key) for r in args.runs]
     print(f"{'run':<20}{'iterations':>11}{'held-out acc start':>20}{'end':>8}{'gain':>8}{'wall (min)':>12}")
     for r in runs:
         start, end = r["evals"][0][1], r["evals"][-1][1]
@@ -57,8 +60,8 @@ def main() -> None:
     for r in runs:
         left.plot(*zip(*r["evals"]), marker="o", label=r["name"])
         right.plot(*zip(*r["reward"]), alpha=0.8, label=r["name"])
-    left.set(title="held-out accuracy (64 problems, greedy)", xlabel="iterations trained", ylim=(0, 1))
-    right.set(title="training reward (36 trajectories, T=0.6)", xlabel="iteration", ylim=(0, 1))
+    left.set(title=args.eval_title, xlabel="iterations trained", ylim=(0, 1))
+    right.set(title=args.train_title, xlabel="iteration", ylim=(0, 1))
     for ax in (left, right):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)

@@ -2,12 +2,13 @@
 
 The same `echo` trajectories (`--turns` turns each, `tiny_bpe`, an engine that answers at once)
 run twice in one process: through the native `AgentLoop` (token mode), and through the gateway
-driven by an agent (`--client`: `AsyncOpenAI`, the synchronous client on the agent pool's
-threads, or bare aiohttp requests, which leave the gateway's own cost). Figure: process CPU milliseconds per call (every thread counts: the
+driven by agents (`--client`, all by default, side by side: bare aiohttp requests, which leave
+the gateway's own cost; `AsyncOpenAI`; the synchronous client on the agent pool's threads, with
+one shared `httpx.Client` or a client built per trajectory, whose TLS context costs ~40 ms). Figure: process CPU milliseconds per call (every thread counts: the
 gateway's HTTP server, the SDK client, rendering, the step), median of `--repeats` after a warm-up.
 The difference is what the gateway costs per call, its client included.
 
-    python tools/bench/bench_gateway_cost.py [--prompts 8] [--turns 8] [--client async|sync|raw]
+    python tools/bench/bench_gateway_cost.py [--prompts 8] [--turns 8] [--client raw async shared sync]
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import aiohttp  # noqa: E402
+import httpx  # noqa: E402
 import openai  # noqa: E402
 from instant_engine import InstantEngine  # noqa: E402
 
@@ -31,6 +33,13 @@ from megatron_stepwise.gateway.server import GatewaySettings  # noqa: E402
 from megatron_stepwise.hf.tokenizers import load_tokenizer  # noqa: E402
 from megatron_stepwise.rollout.agent.loop import AgentLoop, AgentLoopConfig  # noqa: E402
 from megatron_stepwise.rollout.engines.protocol import SamplingParams  # noqa: E402
+
+CLIENTS = {
+    "raw": "bare aiohttp requests (the gateway's own cost)",
+    "async": "AsyncOpenAI, a client per trajectory",
+    "shared": "OpenAI on threads, one shared httpx.Client",
+    "sync": "OpenAI on threads, a client per trajectory",
+}
 
 
 def echo_agent(client: str):
@@ -63,8 +72,10 @@ def echo_agent(client: str):
                 messages = messages + [{"role": "assistant", "content": text}] + feedback
         return total
 
-    def solve_sync(sample, base_url, api_key):
-        client = openai.OpenAI(base_url=base_url, api_key=api_key)
+    shared = httpx.Client()  # one connection pool for every trajectory (examples/echo_agent.py)
+
+    def solve_sync(sample, base_url, api_key, http_client=None):
+        client = openai.OpenAI(base_url=base_url, api_key=api_key, http_client=http_client)
         task, messages = play(sample)
         done, total = False, 0.0
         while not done:
@@ -72,10 +83,14 @@ def echo_agent(client: str):
             feedback, reward, done, _ = task.step(text)
             total += reward
             messages = messages + [{"role": "assistant", "content": text}] + feedback
-        client.close()
+        if http_client is None:
+            client.close()
         return total
 
-    return {"sync": solve_sync, "async": solve_async, "raw": solve_raw}[client]
+    def solve_shared(sample, base_url, api_key):
+        return solve_sync(sample, base_url, api_key, shared)
+
+    return {"sync": solve_sync, "shared": solve_shared, "async": solve_async, "raw": solve_raw}[client]
 
 
 def timed(run, calls: int, repeats: int) -> tuple[float, float]:
@@ -99,9 +114,11 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument(
         "--client",
-        choices=("async", "sync", "raw"),
-        default="async",
-        help="AsyncOpenAI, the synchronous OpenAI client on threads, or bare aiohttp requests (the gateway's own cost)",
+        nargs="+",
+        choices=tuple(CLIENTS),
+        default=list(CLIENTS),
+        help="which agents to measure, side by side in one run (default: all): "
+        + "; ".join(f"{k}: {v}" for k, v in CLIENTS.items()),
     )
     args = p.parse_args()
     tok = load_tokenizer("tiny_bpe")
@@ -125,17 +142,19 @@ def main() -> None:
         ),
     )
     settings = GatewaySettings(sampling=sampling, max_input_length=1 << 20)
-    gateway = AgentRollout(engine, tok, echo_agent(args.client), settings, [tok.eos_token_id], args.samples)
-    n_cpu, n_wall = timed(lambda: loop.run_until_complete(native.rollout(samples)), calls, args.repeats)
-    g_cpu, g_wall = timed(lambda: loop.run_until_complete(gateway.rollout(samples)), calls, args.repeats)
-    client = {"sync": "OpenAI on threads", "async": "AsyncOpenAI", "raw": "bare aiohttp client"}[args.client]
     print(f"{calls} calls per rollout ({args.prompts} prompts x {args.samples} samples x {args.turns} turns)")
+    n_cpu, n_wall = timed(lambda: loop.run_until_complete(native.rollout(samples)), calls, args.repeats)
     print(f"native agent loop (tokens): {n_cpu:.3f} ms CPU / {n_wall:.3f} ms wall per turn")
-    print(f"gateway + {client}: {g_cpu:.3f} ms CPU / {g_wall:.3f} ms wall per call")
-    print(f"gateway extra per call: {g_cpu - n_cpu:+.3f} ms CPU")
+    for client in args.client:
+        gateway = AgentRollout(engine, tok, echo_agent(client), settings, [tok.eos_token_id], args.samples)
+        g_cpu, g_wall = timed(lambda: loop.run_until_complete(gateway.rollout(samples)), calls, args.repeats)
+        print(
+            f"gateway + {CLIENTS[client]}: {g_cpu:.3f} ms CPU / {g_wall:.3f} ms wall per call "
+            f"({g_cpu - n_cpu:+.3f} ms CPU beside the native turn)"
+        )
+        gateway.close()
+        loop.run_until_complete(gateway.gateway.close())
     native.close()
-    gateway.close()
-    loop.run_until_complete(gateway.gateway.close())
 
 
 if __name__ == "__main__":
