@@ -112,3 +112,26 @@ def window_agent(client, turns: int = 6) -> list[list[dict]]:
         out = client.chat.completions.create(model="m", messages=window)
         history += [window[-1], {"role": "assistant", "content": out.choices[0].message.content}]
     return sent
+
+
+def record_window_agent(rewards=(1.0, 0.0), turns: int = 6) -> tuple[list, list, dict]:
+    """`window_agent` through a gateway over the tiny embedded engine (`tiny_bpe`), one
+    trajectory per reward, all of one prompt: (steps, the engine's calls, the gateway's counts).
+    CPU only, a few seconds; needs the `openai` SDK."""
+    import openai
+
+    from megatron_stepwise.rollout.engines.embedded.engine import LocalEngine
+    from tests.helpers import tiny_lm
+
+    tok, config = tiny_lm("tiny_bpe")
+    engine = LocalEngine(config, tokenizer=tok, eos_token_ids=[tok.eos_token_id], seed=0)
+    served = Served(engine, tok, engine=engine)
+    try:
+        steps = []
+        for k, reward in enumerate(rewards):
+            url = served.open("window", k)
+            window_agent(openai.OpenAI(base_url=url, api_key=served.gateway.api_key, max_retries=0), turns)
+            steps += served.gateway.finish(url, reward)
+        return steps, list(served.recording.calls), dict(served.gateway.counts)
+    finally:
+        served.close()

@@ -14,12 +14,18 @@ fp32 TP1 baseline within what bf16 allows (`BF16_TOL`), for TP2+SP, PP2, DP2 wit
 distributed optimizer and TP2xPP2. The workers always run on the CPU (gloo), also on a machine
 with GPUs, so that every layout runs everywhere; the GPU's own bf16 kernels are exercised by
 `tools/bench/bench_gpu.py`.
+
+The gateway's steps (a context-managing agent's calls, recorded here through the real `openai`
+SDK, prefix breaks included) are trained merged and unmerged at TP2+SP and PP2 in the same
+launch: each row is fed exactly the tokens its calls sent and sampled, and the loss and every
+gradient are the same within 1e-6 relative.
 """
 
 from __future__ import annotations
 
 import functools
 import glob
+import importlib.util
 import json
 import os
 
@@ -29,7 +35,8 @@ import torch
 pytest.importorskip("megatron.core")
 
 import megatron_cases as cases  # noqa: E402
-from helpers import check_ok, run_torchrun  # noqa: E402
+from gateway_fixtures import assert_exact_in_any_order, record_window_agent  # noqa: E402
+from helpers import check_ok, run_torchrun, tiny_lm  # noqa: E402
 
 from megatron_stepwise.mcore.train.model import tiny_config  # noqa: E402
 
@@ -89,6 +96,18 @@ BF16_TOL = {"logprobs_abs": 1e-2, "metrics_rel": 2e-2, "grads_rel": 5e-2, "param
 # twice moves it by ~1e-3, and the gradient check catches that by tens of percent anyway).
 BF16_METRIC_FLOOR = 1e-2
 
+# Layouts that also train the gateway's recorded steps (worker option gateway=1, fp32), and how
+# close merged and unmerged must be there. The same tokens, packed into rows and micro-batches of
+# other lengths, go through matmuls of other shapes that round differently: measured, every
+# gradient within 4.4e-7 of its norm (8.5e-7 of its largest entry), the loss within 1.2e-6 of
+# itself.
+GATEWAY_LAYOUTS = ("tp2_sequence_parallel", "pp2")
+GATEWAY_RTOL = 1e-6
+# GRPO's advantages are centred, so the policy loss is a near-cancelling sum (~1e-3) of terms
+# about 0.7 in size (|advantage| x importance weight): a loss or metric is compared within
+# GATEWAY_RTOL of that scale when it is smaller (as BF16_METRIC_FLOOR does). Measured: 6e-8.
+GATEWAY_LOSS_SCALE = 1.0
+
 
 def _merge_stages(out_dir: str) -> dict:
     parts = [torch.load(f, weights_only=False) for f in sorted(glob.glob(os.path.join(out_dir, "stage*.pt")))]
@@ -96,9 +115,29 @@ def _merge_stages(out_dir: str) -> dict:
     for key in ("init_params", "grads", "params_after_step", "merged_grads", "empty_mb_grads"):
         if key in parts[-1]:
             merged[key] = {k: v for p in parts for k, v in p[key].items()}
+    if "gateway" in merged:  # each run's gradients, of every stage
+        merged["gateway"] = {
+            run: dict(value, grads={k: v for p in parts for k, v in p["gateway"][run]["grads"].items()})
+            for run, value in merged["gateway"].items()
+        }
     with open(os.path.join(out_dir, "bad_inputs.json")) as f:
         merged["bad_inputs"] = json.load(f)
     return merged
+
+
+@functools.lru_cache(maxsize=None)
+def gateway_recording(tmp_root: str) -> dict:
+    """The window agent's two trajectories through a gateway (CPU, seconds), saved for the
+    workers: the steps, the engine's calls, the gateway's counts and the tokenizer's size."""
+    steps, calls, counts = record_window_agent(rewards=(1.0, 0.0), turns=6)
+    recording = {"steps": steps, "calls": calls, "counts": counts, "vocab": len(tiny_lm("tiny_bpe")[0])}
+    recording["path"] = os.path.join(tmp_root, "gateway_steps.pt")
+    torch.save(recording, recording["path"])
+    return recording
+
+
+def gateway_available() -> bool:
+    return importlib.util.find_spec("openai") is not None
 
 
 @functools.lru_cache(maxsize=None)
@@ -106,9 +145,11 @@ def launch(nproc: int, tmp_root: str) -> None:
     """One torchrun launch runs every layout of this process count, one after another (megatron's
     parallel state is re-created per layout): startup dominates on a 2-core machine."""
     names = [n for n, (p, _, _) in LAYOUTS.items() if p == nproc]
-    args = ["--out", tmp_root]
+    gateway = gateway_available() and any(n in GATEWAY_LAYOUTS for n in names)
+    args = ["--out", tmp_root] + (["--gateway-steps", gateway_recording(tmp_root)["path"]] if gateway else [])
     for name in names:
-        args += ["--layout", f"{name}:{LAYOUTS[name][1]}"]
+        options = ",".join(filter(None, [LAYOUTS[name][1], "gateway=1" if gateway and name in GATEWAY_LAYOUTS else ""]))
+        args += ["--layout", f"{name}:{options}"]
     # CPU workers also on a GPU machine: every layout runs everywhere (see the module docstring).
     proc = run_torchrun("megatron_worker.py", nproc, args, timeout=900, env={"CUDA_VISIBLE_DEVICES": ""})
     check_ok(proc, f"torchrun with {nproc} processes ({', '.join(names)})")
@@ -117,7 +158,10 @@ def launch(nproc: int, tmp_root: str) -> None:
 @functools.lru_cache(maxsize=None)
 def run_layout(name: str, tmp_root: str) -> dict:
     launch(LAYOUTS[name][0], tmp_root)
-    return _merge_stages(os.path.join(tmp_root, name))
+    merged = _merge_stages(os.path.join(tmp_root, name))
+    if "gateway" in merged:
+        merged["gateway_recording"] = gateway_recording(tmp_root)
+    return merged
 
 
 @pytest.fixture(scope="module")
@@ -338,3 +382,87 @@ def test_pipeline_parallel_needs_variable_sequence_lengths(results):
     bad = results("pp2")["bad_inputs"]
     assert bad["pp_fixed_shapes"].startswith("pipeline parallelism needs config.variable_seq_lengths=True")
     assert bad["host_count_match"] == 3 and bad["fixed_count_padded"][0] == 4
+
+
+def expected_rows(steps, merged: bool) -> list:
+    """Each row's (tokens, trained positions), sorted: a step's prompt + response and the positions
+    of its loss-masked-in (sampled) tokens; merged, a trajectory's steps while each prompt extends
+    the row so far (a prefix break starts a new row)."""
+    rows, last = [], None
+    for step in steps:
+        prompt, response = step.prompt_ids.tolist(), step.response_ids.tolist()
+        trained = [len(prompt) + i for i, m in enumerate(step.loss_mask.tolist()) if m]
+        if merged and last == step.trajectory_id and prompt[: len(rows[-1][0])] == rows[-1][0]:
+            rows[-1] = (prompt + response, rows[-1][1] + trained)
+        else:
+            rows.append((prompt + response, trained))
+        last = step.trajectory_id
+    return sorted((tuple(t), tuple(p)) for t, p in rows)
+
+
+def gateway_runs(results, layout: str) -> tuple[dict, dict]:
+    if not gateway_available():
+        pytest.skip("the openai SDK is not installed: no gateway steps were recorded")
+    res = results(layout)
+    return res["gateway_recording"], res["gateway"]
+
+
+@pytest.mark.parametrize("layout", GATEWAY_LAYOUTS)
+def test_gateway_steps_feed_megatron_exactly_what_they_sent(results, layout):
+    """The window agent's steps (from its fourth call on each breaks the prefix), as megatron's
+    forward got them: unmerged, one row per call, its prompt and sampled ids (plus a loss-masked
+    EOS the gateway appended), trained on the sampled tokens only; merged, one row per
+    prefix-holding run, trained on exactly the same tokens."""
+    recording, runs = gateway_runs(results, layout)
+    steps = recording["steps"]
+    assert recording["counts"]["prefix_breaks"] == 6 and len(steps) == 12
+    assert_exact_in_any_order(steps, recording["calls"])  # each step is what its call sent and sampled
+    # The model's vocabulary is the gateway tokenizer's (the plugin refuses a token outside it).
+    assert recording["vocab"] == 384
+    assert runs["token_mean/unmerged"]["grads"]["embedding.word_embeddings.weight"].shape[0] == 384
+    runs_of_prefix = 2 + sum(s.metadata["prefix_break"] for s in steps)  # a trajectory's start, or a break
+    for name, run in runs.items():
+        merged = name.endswith("/merged")
+        assert run["num_rows"] == (runs_of_prefix if merged else len(steps)), name
+        fed = sorted((tuple(r["tokens"]), tuple(r["trained"])) for r in run["rows"].values())
+        assert len(fed) == run["num_rows"] and fed == expected_rows(steps, merged), name
+    assert runs_of_prefix == 8  # 3 + 1 + 1 + 1 per trajectory
+
+
+def relative_differences(merged: dict, unmerged: dict) -> dict[str, float]:
+    """merged vs unmerged: the loss's |difference| over |loss| and over GATEWAY_LOSS_SCALE, and
+    the worst gradient tensor's over its norm and over its largest entry."""
+    diff = abs(merged["metrics"]["loss"] - unmerged["metrics"]["loss"])
+    grads = [(merged["grads"][n] - ref, ref) for n, ref in unmerged["grads"].items()]
+    return {
+        "loss": diff / abs(unmerged["metrics"]["loss"]),
+        "loss_vs_scale": diff / max(abs(unmerged["metrics"]["loss"]), GATEWAY_LOSS_SCALE),
+        "grads_norm": max(float(d.norm() / ref.norm()) for d, ref in grads),
+        "grads_max": max(float(d.abs().max() / ref.abs().max()) for d, ref in grads),
+    }
+
+
+@pytest.mark.parametrize("layout", GATEWAY_LAYOUTS)
+@pytest.mark.parametrize("reduction", ["token_mean", "trajectory_mean"])
+def test_gateway_steps_train_alike_merged_and_unmerged(results, layout, reduction):
+    """Through megatron-core's forward and backward, the merged and unmerged batches of the same
+    gateway steps give the same loss, metrics and gradients (GATEWAY_RTOL), for merge-invariant
+    reductions."""
+    recording, runs = gateway_runs(results, layout)
+    merged, unmerged = runs[f"{reduction}/merged"], runs[f"{reduction}/unmerged"]
+    m, u = merged["metrics"], unmerged["metrics"]
+    sampled = sum(int(s.loss_mask.sum()) for s in recording["steps"])
+    assert m["tokens/trained"] == u["tokens/trained"] == sampled and m["tokens/total"] < u["tokens/total"]
+    assert u["loss"] != 0 and 0 < u["tis_weight_mean"] < 2  # the engine's log-probs weigh the loss
+    for key in set(u) - {"tokens/total"}:
+        assert abs(m[key] - u[key]) <= GATEWAY_RTOL * max(abs(u[key]), GATEWAY_LOSS_SCALE), (
+            f"{key}: {m[key]} vs {u[key]}"
+        )
+    assert merged["grads"].keys() == unmerged["grads"].keys()
+    assert all(bool(g.abs().max() > 0) for g in unmerged["grads"].values())
+    diffs = relative_differences(merged, unmerged)
+    print(
+        f"{layout} {reduction}: merged vs unmerged relative differences "
+        + ", ".join(f"{k} {v:.2e}" for k, v in diffs.items())
+    )
+    assert diffs["loss_vs_scale"] <= GATEWAY_RTOL and diffs["grads_norm"] <= GATEWAY_RTOL, diffs

@@ -16,34 +16,24 @@ from megatron_stepwise.algo.groups import groups_of
 from megatron_stepwise.algo.losses import LossConfig, LossInputs, policy_loss
 from megatron_stepwise.algo.prepare import prepare
 from megatron_stepwise.algo.reductions import MERGE_INVARIANT_REDUCTIONS, loss_token_weights
-from megatron_stepwise.rollout.engines.embedded.engine import LocalEngine
 from megatron_stepwise.rollout.engines.embedded.hf_model import load_config
-from tests.gateway_fixtures import Served, assert_exact_in_any_order, window_agent
+from tests.gateway_fixtures import assert_exact_in_any_order, record_window_agent
 from tests.helpers import tiny_lm
 
 openai = pytest.importorskip("openai")
 transformers = pytest.importorskip("transformers")
 
-TOK, CONFIG = tiny_lm("tiny_bpe")
+_, CONFIG = tiny_lm("tiny_bpe")
 TURNS = 6  # calls per trajectory; calls 4, 5 and 6 break the prefix
 
 
 @pytest.fixture(scope="module")
 def steps():
     """Two trajectories of one prompt (rewards 1 and 0, so GRPO's advantages are not zero)."""
-    engine = LocalEngine(CONFIG, tokenizer=TOK, eos_token_ids=[TOK.eos_token_id], seed=0)
-    served = Served(engine, TOK, engine=engine)
-    try:
-        out = []
-        for k, reward in enumerate([1.0, 0.0]):
-            url = served.open("window", k)
-            window_agent(openai.OpenAI(base_url=url, api_key=served.gateway.api_key, max_retries=0), TURNS)
-            out += served.gateway.finish(url, reward)
-        assert served.gateway.counts["prefix_breaks"] == 2 * 3
-        assert_exact_in_any_order(out, served.recording.calls)
-        return out
-    finally:
-        served.close()
+    out, calls, counts = record_window_agent(rewards=(1.0, 0.0), turns=TURNS)
+    assert counts["prefix_breaks"] == 2 * 3
+    assert_exact_in_any_order(out, calls)
+    return out
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,8 @@ Builds the tiny model with layout-independent weights, then on the fixed mini-ba
 merged form): plugin log-probs (and, at PP1, megatron's own full-logits reference), one
 `train_minibatch` step (metrics, gradients, parameters after the step), the merged batch's
 metrics and gradients through the low-level `forward_step` + `get_forward_backward_func` path,
-and the bad-input errors. Stage results are saved by DP rank 0 / TP rank 0 of every stage.
+and the bad-input errors; with gateway=1, the gateway's recorded steps merged and unmerged
+(gateway_training.py). Stage results are saved by DP rank 0 / TP rank 0 of every stage.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import os
 import megatron_cases as cases
 import torch
 import torch.distributed as dist
+from gateway_training import train_gateway_steps
 from oracles import megatron_lm_logged_metrics
 from worker_entry import run_worker
 
@@ -47,16 +49,19 @@ RUN_DEFAULTS = {
     "tied": 0,
     "bf16": 0,
     "vocab": 256,
+    "gateway": 0,
 }
 
 
 def parse():
     """`--layout NAME:key=value,...` (repeatable): layouts run one after another in this launch,
     re-creating megatron's parallel state on the same process group. Keys: RUN_DEFAULTS
-    (bf16=1: bf16 weights and compute, fp32 main params and gradient reduction, as on GPU)."""
+    (bf16=1: bf16 weights and compute, fp32 main params and gradient reduction, as on GPU;
+    gateway=1: also train the steps of `--gateway-steps` merged and unmerged, gateway_training.py)."""
     p = argparse.ArgumentParser()
     p.add_argument("--layout", action="append", required=True)
     p.add_argument("--out", required=True)
+    p.add_argument("--gateway-steps", help="the gateway's recorded steps (torch.save'd by the test)")
     args = p.parse_args()
     runs = []
     for spec in args.layout:
@@ -67,6 +72,9 @@ def parse():
             if key not in RUN_DEFAULTS:
                 raise SystemExit(f"unknown run option {key!r} in {spec!r}")
             run[key] = int(value)
+        if run["gateway"] and not args.gateway_steps:
+            raise SystemExit(f"layout {name!r} has gateway=1 but no --gateway-steps was given")
+        run["gateway_steps"] = args.gateway_steps
         runs.append(argparse.Namespace(**run))
     return args.out, runs
 
@@ -382,6 +390,8 @@ def run_layout(args, out_dir):
         result["empty_mb_grads"] = W.full_state(chunks, grads=True)
 
     result["bad_inputs"] = run_bad_inputs(args, chunks, optimizer, layout)
+    if args.gateway:  # the gateway's steps, on a model of their tokenizer's vocabulary
+        result["gateway"] = train_gateway_steps(args.gateway_steps, overrides, SEED)
     os.makedirs(out_dir, exist_ok=True)
     if layout.dp_rank == 0 and layout.tp_rank == 0 and layout.cp_rank == 0:
         torch.save(result, os.path.join(out_dir, f"stage{layout.pp_rank}.pt"))
