@@ -109,7 +109,7 @@ def one_torch_thread():
 # orders them by their number of tests, which started test_two_node_faults' 3 long tests last and
 # left the other worker idle at the end). The rest keep their order.
 LONGEST_FIRST = (
-    "integration/test_gateway_e2e.py",  # ~350 s: 50 iterations through the gateway, one launch
+    "integration/test_gateway_e2e.py",  # one launch of 40 iterations through the gateway
     "integration/test_train_e2e.py",  # 344 s
     "integration/test_two_node_faults.py",  # 296 s
     "integration/test_two_nodes.py",  # 170 s

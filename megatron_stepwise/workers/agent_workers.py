@@ -38,6 +38,7 @@ from megatron_stepwise.compose import components
 from megatron_stepwise.errors import UserError
 from megatron_stepwise.rollout.agent.loop import checked_prompt_ids
 from megatron_stepwise.rollout.engines.protocol import engine_loss
+from megatron_stepwise.rollout.fleet.actor_loss import actor_gone_errors
 from megatron_stepwise.rollout.fleet.engine_router import EngineSlot, EngineView, RequestCounters
 from megatron_stepwise.rollout.fleet.ray_room import check_room
 from megatron_stepwise.steps import Step, StepBatch
@@ -285,7 +286,7 @@ class AgentWorkers:
         incarnation = worker.incarnation
         try:
             return await self._answer(worker, worker.handle.adopt.remote(path, group_id, hold), f"adopting {path}")
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, WorkerUnresponsive) as e:
+        except (*actor_gone_errors(), WorkerUnresponsive) as e:
             self._restart(worker, incarnation, str(e) if isinstance(e, WorkerUnresponsive) else type(e).__name__)
             raise
         except ray.exceptions.RayTaskError as e:
@@ -390,7 +391,7 @@ class AgentWorkers:
             what = f"rolling out prompt groups {[s.get('prompt_id') for s in samples][:4]}"
             try:
                 reply = await self._answer(worker, call, what)
-            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, WorkerUnresponsive) as e:
+            except (*actor_gone_errors(), WorkerUnresponsive) as e:
                 self._restart(worker, incarnation, str(e) if isinstance(e, WorkerUnresponsive) else type(e).__name__)
                 if attempt == self.max_reissues:
                     raise RuntimeError(

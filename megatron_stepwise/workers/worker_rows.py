@@ -327,7 +327,7 @@ class RowFetcher:
             except ray.exceptions.ActorUnavailableError as e:  # unreachable (e.g. its node's network down)
                 lost.append(holder)
                 why.append(f"{worker} could not be reached ({_ray_reason(e)})")
-            except ray.exceptions.RayActorError as e:
+            except (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError) as e:  # killed for memory too
                 lost.append(holder)
                 why.append(f"{worker} died ({_ray_reason(e)})")
         if lost:

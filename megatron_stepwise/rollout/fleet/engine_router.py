@@ -29,6 +29,7 @@ from megatron_stepwise.rollout.engines.protocol import (
     SamplingParams,
 )
 from megatron_stepwise.rollout.engines.sglang import EngineRequestError
+from megatron_stepwise.rollout.fleet.actor_loss import actor_gone_errors
 from megatron_stepwise.rollout.fleet.session_routing import RoutingPolicy, Sticky
 
 log = logging.getLogger(__name__)
@@ -137,7 +138,7 @@ class EngineRouter:
                 if rid is not None and slot.alive:
                     slot.handle.call.remote("abort", rid)  # fire and forget; its late result is dropped
                 await self.check_engine(slot, incarnation)
-            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+            except actor_gone_errors() as e:
                 error = e
                 self.on_dead(slot, incarnation)
             except ray.exceptions.RayTaskError as e:

@@ -30,6 +30,7 @@ from megatron_stepwise.rollout.engines.protocol import (
     memory_tags,
 )
 from megatron_stepwise.rollout.engines.sglang import TensorHandles, serialize_tensors_sglang
+from megatron_stepwise.rollout.fleet.actor_loss import actor_gone_errors
 from megatron_stepwise.rollout.fleet.engine_actor import EngineActor, EngineSpec
 from megatron_stepwise.rollout.fleet.engine_router import EngineRouter, EngineSlot, RequestCounters
 from megatron_stepwise.rollout.fleet.ray_nodes import actor_nodes, node_address
@@ -412,8 +413,6 @@ class RolloutFleet:
     async def _guarded(self, fn, slot: _Slot) -> Any:
         """One engine's part of an update (its answer; None if it died); an engine that dies
         meanwhile is handled like any death (its restart waits for this update and then replays it)."""
-        import ray
-
         incarnation = slot.incarnation
         try:
             return await asyncio.wait_for(_awaited(fn(slot)), self.engine_call_timeout_s)
@@ -426,7 +425,7 @@ class RolloutFleet:
             )
             self._metrics.frozen_engines += 1
             self._mark_dead(slot, incarnation)
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+        except actor_gone_errors():
             self._mark_dead(slot, incarnation)
 
     async def update_weights_from_tensors(
