@@ -167,7 +167,7 @@ def run_command(
     sample_path = os.path.join(calldir, "sample.json")
     os.mkdir(home, 0o700)
     with open(sample_path, "w", encoding="utf-8") as f:
-        json.dump(sample, f)
+        json.dump(sample, f, default=_plain)
     os.chmod(sample_path, 0o644)
     os.chmod(calldir, 0o711)  # the sample readable by the command's uid, nothing else listable
     try:
@@ -261,3 +261,8 @@ def _listener(channel: socket.socket, deadline: float) -> Optional[socket.socket
     except OSError:  # socket.timeout too
         return None
     return socket.socket(fileno=fds[0]) if fds else None
+
+
+def _plain(value):
+    """A sample's non-JSON value (a numpy scalar or array from a dataset file) as plain data."""
+    return value.tolist() if hasattr(value, "tolist") else str(value)

@@ -141,3 +141,38 @@ def test_outcome_lines_and_reward_fn_signatures():
     transcript = [{"reply": {"role": "assistant", "content": "hello"}}]
     assert score(lambda text, sample: len(text), {}, transcript) == 5
     assert score(lambda text, sample, **kw: (len(kw["transcript"]), "msg"), {}, transcript) == 1
+
+
+@pytest.fixture
+def no_namespaces(monkeypatch):
+    """As on a machine without user namespaces, for a trainer that is not root (its own uid):
+    the degraded mode docs/security.md describes."""
+    from megatron_stepwise.envs import sandbox_command
+
+    found = sandbox.isolation()
+    degraded = sandbox.Isolation("none", found.landlock_abi, (), found.python, found.stdlib, ())
+    monkeypatch.setattr(sandbox_command, "isolation", lambda: degraded)
+    sandbox_command.command_isolation.cache_clear()
+    yield
+    sandbox_command.command_isolation.cache_clear()
+
+
+def test_without_namespaces_the_command_reaches_the_gateways_port_only(tmp_path, no_namespaces):
+    if sandbox.isolation().landlock_abi < 4:
+        pytest.skip("without namespaces only Landlock >= 4 limits TCP")
+    listener = socket.create_server(("127.0.0.1", 0))
+    secret = tmp_path / "answers.txt"
+    secret.write_text("42")
+
+    def before(gateway):
+        other = gateway.open(TrajectoryID("other", 0))
+        return {"other_path": other[len(gateway.url) :], "host_port": listener.getsockname()[1], "secret": str(secret)}
+
+    try:
+        groups, _, _ = rollout([{"prompt_id": "a", "mode": "probe"}, {"prompt_id": "b", "n": 2}], before=before)
+    finally:
+        listener.close()
+    found = groups[0].trajectories[0][-1].metadata["agent_info"]
+    assert found["mine"] == 200 and found["other"] == 401 and found["no_key"] == 401, found
+    assert found["host_port"] == "PermissionError" and found["secret"] == "PermissionError", found
+    assert all(len(t) == 2 and t[-1].reward == 0.5 for t in groups[1].trajectories)
