@@ -162,6 +162,8 @@ def run_command(
     it; without, the command may connect to `connect_port` of the host. `started(proc)` lets the
     caller kill a run it abandons (`kill_all`). Blocking: run it on a thread of its own."""
     iso = command_isolation()
+    if bridged(iso) and serve is None:
+        raise ValueError("run_command: a command in its own network namespace needs `serve` for its endpoint")
     calldir = tempfile.mkdtemp(prefix="agent-")
     home = os.path.join(calldir, "home")
     sample_path = os.path.join(calldir, "sample.json")

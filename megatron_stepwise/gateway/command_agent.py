@@ -15,6 +15,7 @@ only its trajectory (invalid, with its stderr's tail).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import json
 import logging
@@ -77,8 +78,7 @@ class CommandAgent:
             raise SandboxError(f"env.agent_command: the sandbox cannot run `true`: {result.stderr[-500:]}")
 
     async def run(self, gateway: Gateway, sample: dict, url: str, timeout_s: float) -> Any:
-        limits = self.limits or CommandLimits()
-        limits = CommandLimits(**{**limits.__dict__, "timeout_s": timeout_s})
+        limits = dataclasses.replace(self.limits or CommandLimits(), timeout_s=timeout_s)
         try:
             result = await self._in_thread(gateway, url, sample, limits, self.argv)
         except SandboxError as e:

@@ -176,3 +176,31 @@ def test_without_namespaces_the_command_reaches_the_gateways_port_only(tmp_path,
     assert found["mine"] == 200 and found["other"] == 401 and found["no_key"] == 401, found
     assert found["host_port"] == "PermissionError" and found["secret"] == "PermissionError", found
     assert all(len(t) == 2 and t[-1].reward == 0.5 for t in groups[1].trajectories)
+
+
+def test_as_an_unprivileged_trainer_the_command_reaches_its_endpoint_only():
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    if not os.path.exists("/usr/bin/python3"):
+        pytest.skip("no /usr/bin/python3 to run the command with")
+    prefix = []
+    if os.geteuid() == 0:
+        if not shutil.which("setpriv"):
+            pytest.skip("root without setpriv: no unprivileged pass")
+        prefix = [shutil.which("setpriv"), "--reuid=65534", "--regid=65534", "--clear-groups"]
+    script = REPO / "tests" / "command_sandbox_as_user.py"
+    done = subprocess.run(
+        [*prefix, sys.executable, str(script), str(REPO)], capture_output=True, text=True, timeout=240, cwd="/"
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    if report["namespaces"] == "none":
+        pytest.skip("no user namespaces for an unprivileged user here")
+    assert report["rc"] == 0, report
+    reached = json.loads(report["out"].strip().splitlines()[-1])
+    assert reached["got"] == "endpoint", report
+    assert reached["host"] != "connected", report
