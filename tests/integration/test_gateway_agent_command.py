@@ -113,7 +113,9 @@ def _agent_processes() -> list[int]:
     return found
 
 
-def test_the_command_reaches_its_own_trajectory_and_nothing_else(tmp_path):
+def probe_rollout(tmp_path, samples):
+    """`samples` rolled out, the probe's told a listener on the host, another trajectory's path
+    and a file of the trainer's (each of which it must not reach)."""
     listener = socket.create_server(("127.0.0.1", 0))
     secret = tmp_path / "answers.txt"
     secret.write_text("42")
@@ -123,9 +125,13 @@ def test_the_command_reaches_its_own_trajectory_and_nothing_else(tmp_path):
         return {"other_path": other[len(gateway.url) :], "host_port": listener.getsockname()[1], "secret": str(secret)}
 
     try:
-        groups, _, _ = rollout([{"prompt_id": "a", "mode": "probe"}], before=before)
+        return rollout(samples, before=before)[0]
     finally:
         listener.close()
+
+
+def test_the_command_reaches_its_own_trajectory_and_nothing_else(tmp_path):
+    groups = probe_rollout(tmp_path, [{"prompt_id": "a", "mode": "probe"}])
     found = groups[0].trajectories[0][-1].metadata["agent_info"]
     assert found["mine"] == 200 and found["other"] == 401 and found["no_key"] == 401, found
     assert found["host_port"] != "connected", found
@@ -177,18 +183,7 @@ def no_namespaces(monkeypatch):
 def test_without_namespaces_the_command_reaches_the_gateways_port_only(tmp_path, no_namespaces):
     if sandbox.isolation().landlock_abi < 4:
         pytest.skip("without namespaces only Landlock >= 4 limits TCP")
-    listener = socket.create_server(("127.0.0.1", 0))
-    secret = tmp_path / "answers.txt"
-    secret.write_text("42")
-
-    def before(gateway):
-        other = gateway.open(TrajectoryID("other", 0))
-        return {"other_path": other[len(gateway.url) :], "host_port": listener.getsockname()[1], "secret": str(secret)}
-
-    try:
-        groups, _, _ = rollout([{"prompt_id": "a", "mode": "probe"}, {"prompt_id": "b", "n": 2}], before=before)
-    finally:
-        listener.close()
+    groups = probe_rollout(tmp_path, [{"prompt_id": "a", "mode": "probe"}, {"prompt_id": "b", "n": 2}])
     found = groups[0].trajectories[0][-1].metadata["agent_info"]
     assert found["mine"] == 200 and found["other"] == 401 and found["no_key"] == 401, found
     assert found["host_port"] == "PermissionError" and found["secret"] == "PermissionError", found
