@@ -53,7 +53,7 @@ def _main(args: argparse.Namespace) -> int:
         r, n_samples_per_prompt=args.samples, sampling=r.sampling.params(r.max_new_tokens)
     )
     spec = components.env_spec(cfg)
-    if cfg.env.agent:  # your agent through the gateway: each call a turn, prefix breaks shown as such
+    if cfg.env.own_agent:  # your agent through the gateway: each call a turn, prefix breaks shown as such
         agent = components.build_agent_rollout(cfg, engine, tokenizer, n_samples_per_prompt=args.samples)
     else:
         agent = AgentLoop(engine, tokenizer, lambda: spec.factory(**cfg.env.options), loop_cfg)

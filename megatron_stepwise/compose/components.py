@@ -341,7 +341,7 @@ def build_agent_loop(cfg: ExperimentConfig, fleet: Generator, tokenizer: PreTrai
     with `env.agent`, the user's agent through the gateway in its place (same interface)."""
     r = cfg.rollout
     eot = end_of_turn(tokenizer)  # from the chat template and the model's generation_config.json
-    if cfg.env.agent:
+    if cfg.env.own_agent:
         return build_agent_rollout(cfg, fleet, tokenizer)
     loop_cfg = AgentLoopConfig.from_section(
         r,
@@ -362,9 +362,10 @@ def build_agent_rollout(
     n_samples_per_prompt: Optional[int] = None,
     sampling: Optional[SamplingParams] = None,
 ) -> AgentRollout:
-    """`env.agent` run per trajectory against a gateway in front of `fleet` (docs/gateway.md);
+    """`env.agent` or `env.agent_command` run per trajectory against a gateway in front of `fleet` (docs/gateway.md);
     evaluation and `rollout -n` pass their own group size and sampling."""
     from megatron_stepwise.gateway.agents import AgentRollout  # aiohttp: only where it serves
+    from megatron_stepwise.gateway.command_agent import CommandAgent
     from megatron_stepwise.gateway.config import AgentConfig
     from megatron_stepwise.gateway.server import GatewaySettings
 
@@ -378,7 +379,10 @@ def build_agent_rollout(
     )
     ids = list(eot.ids) if eot.append is None else [eot.append] + [i for i in eot.ids if i != eot.append]
     n = n_samples_per_prompt or cfg.data.samples_per_prompt
-    return AgentRollout(fleet, tokenizer, cfg.env.agent, settings, ids, n, r.max_concurrency)
+    agent = cfg.env.agent
+    if cfg.env.agent_command is not None:  # run in the sandbox; its reward printed, or env.reward_fn's
+        agent = CommandAgent(settings.agent.argv(), cfg.env.reward_fn, r.max_concurrency)
+    return AgentRollout(fleet, tokenizer, agent, settings, ids, n, r.max_concurrency)
 
 
 # ------------------------------------------------------------------------ weights

@@ -18,6 +18,10 @@ def check_env(cfg: ExperimentConfig, check: Checker, probes: Probes) -> None:
         problem = _agent_problem(env.agent)
         if problem:
             check.fail("env.agent", problem)
+    if env.agent_command is not None:
+        problem = _agent_command_problem(env)
+        if problem:
+            check.fail("env.agent_command", problem, "env.agent")
     # env.name keeps its default (echo, also what tiny_cpu.yaml names) unless the user chose another one.
     if env.reward_fn and env.name != type(env)().name:
         check.fail(
@@ -73,6 +77,25 @@ def _agent_problem(path: str) -> str | None:
     except Exception as e:  # the user's module failing to import is a finding, not a crash
         return str(e).removeprefix(f"env.agent={path!r}: ")
     return None if callable(agent) else f"{path!r} is not a function"
+
+
+def _agent_command_problem(env) -> str | None:
+    """Why `env.agent_command` cannot run: both agents set, no command line, no such program."""
+    import shutil
+
+    from megatron_stepwise.gateway.config import AgentConfig
+
+    if env.agent:
+        return "is set and so is env.agent: your agent is a function or a command; set only one"
+    try:
+        argv = AgentConfig(agent_command=env.agent_command).argv()
+    except ValueError as e:
+        return str(e).removeprefix("env.agent_command: ")
+    from megatron_stepwise.envs.sandbox_command import command_environment
+
+    if shutil.which(argv[0], path=command_environment({})["PATH"]) is None:
+        return f"no program {argv[0]!r} (looked in the interpreter's bin, /usr/local/bin, /usr/bin, /bin)"
+    return None
 
 
 def _accepted_options(factory) -> list[str]:

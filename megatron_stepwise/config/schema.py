@@ -234,10 +234,16 @@ class EnvConfig:
     eval_split: str = option("test", "split of env.eval_dataset when it is a datasets directory or hub id")
     # your own agent as the source of trajectories, through the gateway (docs/gateway.md)
     agent: Optional[str] = option_of(AgentConfig, "agent")
+    agent_command: Any = option_of(AgentConfig, "agent_command")
     agent_timeout_s: float = option_of(AgentConfig, "agent_timeout_s")
     agent_max_calls: int = option_of(AgentConfig, "agent_max_calls")
     agent_max_tokens: int = option_of(AgentConfig, "agent_max_tokens")
     client_sampling: Literal["ignore", "refuse"] = option_of(AgentConfig, "client_sampling")
+
+    @property
+    def own_agent(self) -> bool:
+        """Whether your own agent (`agent` or `agent_command`) makes the trajectories, through the gateway."""
+        return bool(self.agent or self.agent_command)
 
 
 @dataclass

@@ -7,6 +7,7 @@
 - math_tool.py       `math_tool`: arithmetic word problems solved with a sandboxed Python tool
 - tool_calls.py      tool schemas (`tools=`), the Hermes/Qwen `<tool_call>` parser, tool-result messages
 - sandbox.py         runs model-written Python in a subprocess with time, memory, network limits
+- sandbox_command.py runs an agent command in the sandbox, its one way out a socket the gateway serves
 - search.py          `search`: Search-R1-shaped retrieval QA over a small shipped corpus
 - bm25.py            Okapi BM25 over an in-memory corpus (used by `search`)
 - data/              problems, corpus and questions

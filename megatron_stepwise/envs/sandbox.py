@@ -253,7 +253,7 @@ def run_python(
     status_r = None
     try:
         code_path = write_code(workdir, code)
-        with _sandbox_uid(iso) as uid:
+        with sandbox_uid(iso) as uid:
             run_as = iso.run_as
             if uid is not None:
                 os.chown(workdir, uid, uid)  # its only writable place
@@ -286,7 +286,7 @@ def run_python(
             # The init script goes in as -c text: nothing of the project needs to be readable inside.
             try:
                 proc = subprocess.Popen(
-                    [*run_as, *iso.unshare, iso.python, "-I", "-S", "-B", "-c", _init_source(), json.dumps(cfg)],
+                    [*run_as, *iso.unshare, iso.python, "-I", "-S", "-B", "-c", init_source(), json.dumps(cfg)],
                     cwd=workdir,
                     env=env,
                     stdin=subprocess.DEVNULL,
@@ -301,11 +301,11 @@ def run_python(
             deadline = time.monotonic() + timeout_s
             watch = Watch(proc.pid, memory_mb << 20, None if iso.tmpfs else (workdir, disk_mb << 20, max_files))
             try:
-                out, err, timed_out, truncated, limit = _collect(proc, deadline, max_output_bytes, watch)
+                out, err, timed_out, truncated, limit = collect_output(proc, deadline, max_output_bytes, watch)
             finally:
-                _kill_all(proc, supervised=cfg["supervise"])
+                kill_all(proc, supervised=cfg["supervise"])
             returncode = proc.wait()
-        status = _read_status(status_r)
+        status = read_status(status_r)
     finally:
         if status_r is not None:
             os.close(status_r)
@@ -322,7 +322,7 @@ UID_POOL = range(1_900_000_000, 1_900_000_064)
 
 
 @contextlib.contextmanager
-def _sandbox_uid(iso: Isolation):
+def sandbox_uid(iso: Isolation):
     """The uid the call runs as (None: the trainer's own), held until the call's processes are gone."""
     if not iso.run_as:
         yield None
@@ -370,7 +370,7 @@ def _uid_lock_dir() -> str:
     return path
 
 
-def _read_status(fd: int) -> str:
+def read_status(fd: int) -> str:
     """What setup reported: "ok", its failure, or "" (it never got that far: killed, timed out)."""
     try:
         os.set_blocking(fd, False)  # every writer is gone by now; never wait on a straggler
@@ -418,15 +418,16 @@ def remove_tree(root: str) -> None:
 
 
 @functools.lru_cache(maxsize=1)
-def _init_source() -> str:
+def init_source() -> str:
     return INIT.read_text()
 
 
-def _collect(
-    proc: subprocess.Popen, deadline: float, cap: int, watch: Watch
+def collect_output(
+    proc: subprocess.Popen, deadline: float, cap: int, watch: Watch, tail: bool = False
 ) -> tuple[bytes, bytes, bool, bool, str | None]:
     """Read both pipes as data arrives until the code ends, the deadline, a pipe passing `cap`
-    bytes or a per-call total broken (`watch`, checked between reads).
+    bytes or a per-call total broken (`watch`, checked between reads). With `tail`, a pipe
+    past `cap` keeps its last `cap` bytes and the code runs on (an agent command's logs).
 
     Memory held here is at most 2 * cap + one read, whatever the code prints.
     Returns (stdout, stderr, timed out, truncated, the total broken or None).
@@ -462,15 +463,15 @@ def _collect(
                     watch.woken()
                     continue
                 buf = buffers[key.fileobj]
-                chunk = os.read(key.fd, min(1 << 16, cap + 1 - len(buf)))
+                chunk = os.read(key.fd, 1 << 16 if tail else min(1 << 16, cap + 1 - len(buf)))
                 if not chunk:
                     sel.unregister(key.fileobj)
                     continue
                 buf += chunk
                 if len(buf) > cap:
-                    del buf[cap:]
+                    buf[:] = buf[-cap:] if tail else buf[:cap]
                     truncated = True
-            if truncated:
+            if truncated and not tail:
                 break
     finally:
         sel.close()
@@ -480,7 +481,7 @@ def _collect(
     return bytes(buffers[proc.stdout]), bytes(buffers[proc.stderr]), timed_out, truncated, limit
 
 
-def _kill_all(proc: subprocess.Popen, supervised: bool) -> None:
+def kill_all(proc: subprocess.Popen, supervised: bool) -> None:
     """SIGKILL the PID namespace's init (that ends every process in it) and the process group.
 
     The init is a child of `unshare`; the code may have left unshare's process group with

@@ -21,7 +21,7 @@ SETUP_FAILED = 120
 # linux/landlock.h (the syscall numbers are the same on every architecture)
 _SYS_CREATE_RULESET, _SYS_ADD_RULE, _SYS_RESTRICT_SELF = 444, 445, 446
 _CREATE_RULESET_VERSION = 1
-_RULE_PATH_BENEATH = 1
+_RULE_PATH_BENEATH, _RULE_NET_PORT = 1, 2
 _PR_SET_NO_NEW_PRIVS = 38
 FS_EXECUTE, FS_WRITE_FILE, FS_READ_FILE, FS_READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
 FS_ALL_ABI1 = (1 << 13) - 1  # execute .. make_sym
@@ -45,6 +45,11 @@ class _PathBeneathAttr(ctypes.Structure):
     _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
 
 
+class _NetPortAttr(ctypes.Structure):
+    _pack_ = 1
+    _fields_ = [("allowed_access", ctypes.c_uint64), ("port", ctypes.c_uint64)]
+
+
 def _libc():
     return ctypes.CDLL(None, use_errno=True)
 
@@ -58,8 +63,9 @@ def landlock_abi() -> int:
     return max(0, int(abi))
 
 
-def apply_landlock(read_only: list, read_write: list) -> int:
-    """Restrict this process (and its future children) as described in the module docstring.
+def apply_landlock(read_only: list, read_write: list, connect_ports=()) -> int:
+    """Restrict this process (and its future children) as described in the module docstring;
+    TCP (ABI >= 4): no bind, connect only to `connect_ports`.
 
     Returns the ABI used (0: Landlock unavailable, nothing restricted).
     """
@@ -85,8 +91,8 @@ def apply_landlock(read_only: list, read_write: list) -> int:
             for path in paths:
                 try:
                     fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
-                except FileNotFoundError:
-                    continue  # e.g. /lib64 on a distribution without it
+                except (FileNotFoundError, PermissionError):
+                    continue  # e.g. /lib64 on a distribution without it; a path this uid cannot reach anyway
                 try:
                     allowed = access & fs
                     if not os.path.isdir(path):
@@ -96,6 +102,10 @@ def apply_landlock(read_only: list, read_write: list) -> int:
                         raise OSError(ctypes.get_errno(), f"landlock_add_rule failed for {path}")
                 finally:
                     os.close(fd)
+        for port in connect_ports if net else ():
+            rule = _NetPortAttr(NET_CONNECT_TCP, int(port))
+            if libc.syscall(_SYS_ADD_RULE, ruleset, _RULE_NET_PORT, ctypes.byref(rule), ctypes.c_uint32(0)):
+                raise OSError(ctypes.get_errno(), f"landlock_add_rule failed for TCP port {port}")
         if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0):
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS) failed")
         if libc.syscall(_SYS_RESTRICT_SELF, ruleset, ctypes.c_uint32(0)):
@@ -117,6 +127,7 @@ _KEY_SYSCALLS = {"x86_64": (248, 249, 250), "aarch64": (217, 218, 219)}  # add_k
 # memfd_create, memfd_secret, shmget: memory no process needs to map, so no RSS the watch can sum
 _UNMAPPED_MEMORY_SYSCALLS = {"x86_64": (319, 447, 29), "aarch64": (279, 447, 194)}
 _KEYCTL_JOIN_SESSION_KEYRING = 1
+_AF_INET, _AF_INET6 = 2, 10
 
 
 def new_session_keyring() -> bool:
@@ -137,9 +148,11 @@ class _SockFprog(ctypes.Structure):
     _fields_ = [("len", ctypes.c_uint16), ("filter", ctypes.POINTER(_SockFilter))]
 
 
-def deny_sockets() -> bool:
+def deny_sockets(allow_inet: bool = False) -> bool:
     """Seccomp: socket(), io_uring_setup, the key syscalls and memfd_create, memfd_secret and
-    shmget fail with EACCES; False if unsupported here.
+    shmget fail with EACCES; False if unsupported here. `allow_inet` (an agent command) lets
+    socket() make AF_INET/AF_INET6 sockets only: those reach its own network namespace (or, without
+    one, what Landlock's TCP rule allows), never a pathname unix socket of the host.
 
     Model code has no use for sockets, and each other layer leaves some open: a network namespace
     does not cover pathname unix sockets (the trainer's Ray sockets, when it is not root), Landlock
@@ -160,9 +173,13 @@ def deny_sockets() -> bool:
         prog.append((_JGE_K, x32, "deny", None))
     denied = _KEY_SYSCALLS[os.uname().machine] + _UNMAPPED_MEMORY_SYSCALLS[os.uname().machine]
     prog += [(_JEQ_K, nr, "deny", None) for nr in denied]
+    prog.append((_JEQ_K, io_uring_nr, "deny", None))
+    if allow_inet:  # socket(domain, ...): args[0]'s low word, at offset 16 (little-endian)
+        prog += [(_JEQ_K, socket_nr, None, "allow"), (_LD_W_ABS, 16, None, None), (_JEQ_K, _AF_INET, "allow", None)]
+        prog.append((_JEQ_K, _AF_INET6, "allow", "deny"))
+    else:
+        prog.append((_JEQ_K, socket_nr, "deny", "allow"))
     prog += [
-        (_JEQ_K, io_uring_nr, "deny", None),
-        (_JEQ_K, socket_nr, "deny", "allow"),
         (_RET_K, _RET_ALLOW, None, None),
         (_RET_K, _RET_EACCES, None, None),
     ]
@@ -192,6 +209,51 @@ def mount_quota(path: str, size_bytes: int, inodes: int) -> None:
     if _libc().mount(b"tmpfs", path.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, opts):
         raise OSError(ctypes.get_errno(), f"mounting the call's tmpfs on {path} failed")
     os.chdir(path)  # the old cwd is the directory under the mount
+
+
+_SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP = 0x8913, 0x8914, 0x1
+
+
+def loopback_up() -> None:
+    """Bring this network namespace's `lo` up (a new one starts with it down)."""
+    import fcntl
+    import socket
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        flags = struct.unpack("16sH14x", fcntl.ioctl(s, _SIOCGIFFLAGS, struct.pack("16sH14x", b"lo", 0)))[1]
+        fcntl.ioctl(s, _SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", flags | _IFF_UP))
+
+
+def hand_over_listener(fd: int, port: int) -> None:
+    """Listen on this namespace's 127.0.0.1:`port` and send the socket over `fd` (a unix socket)
+    to the trainer, whose gateway accepts on it: the command's one way out, relayed by nobody."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener, socket.socket(fileno=fd) as channel:
+        listener.bind(("127.0.0.1", port))
+        listener.listen(128)
+        socket.send_fds(channel, [b"listening"], [listener.fileno()])
+
+
+def run_command(argv: list, as_init: bool) -> None:
+    """Run the agent command (this process confined already): as the PID namespace's init, fork
+    it and reap everything until it exits, then exit with its status (every process left dies
+    with the namespace); without one (the supervisor forked already), become it."""
+    if as_init:
+        child = os.fork()
+        if child:
+            while True:
+                pid, status = os.wait()
+                if pid == child:
+                    os._exit(
+                        os.waitstatus_to_exitcode(status) % 256 if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
+                    )
+    try:
+        os.execvp(argv[0], argv)
+    except OSError as e:
+        print(f"cannot run {argv[0]!r}: {e}", file=sys.stderr)
+        os._exit(127)
 
 
 _PR_CAPBSET_DROP, _PR_SET_SECUREBITS, _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 24, 28, 47, 4
@@ -338,23 +400,30 @@ def main() -> None:
         status = cfg.get("status_fd")
         if cfg.get("supervise"):
             supervise(cfg["timeout_s"], status)
-        with open(cfg["code_path"]) as f:
-            source = f.read()
+        argv = cfg.get("argv")  # an agent command, else model code
+        source = None if argv else open(cfg["code_path"]).read()
         if cfg.get("tmpfs_bytes"):
             mount_quota(cfg["read_write"][0], cfg["tmpfs_bytes"], cfg["tmpfs_inodes"])
+        if cfg.get("cwd"):
+            os.chdir(cfg["cwd"])
+        if cfg.get("listen_port"):
+            loopback_up()
+            hand_over_listener(cfg["listen_fd"], cfg["listen_port"])
         drop_capabilities()
         set_limits(cfg)
-        abi = apply_landlock(cfg["read_only"], cfg["read_write"])
+        abi = apply_landlock(cfg["read_only"], cfg["read_write"], cfg.get("connect_ports", ()))
         if cfg.get("require_landlock") and abi == 0:
             raise OSError("Landlock is required but the kernel has none")
         new_session_keyring()
-        deny_sockets()
+        deny_sockets(allow_inet=bool(argv))
     except BaseException as e:  # noqa: BLE001 - reported as a sandbox failure, never run unconfined
         message = f"sandbox setup failed: {type(e).__name__}: {e}"
         print(message, file=sys.stderr)
         _report(status, message)
         sys.exit(SETUP_FAILED)
     _report(status, "ok")  # and closed: nothing the code does can write to it
+    if argv:
+        run_command(argv, as_init=not cfg.get("supervise"))
     code = compile(source, "<model code>", "exec")  # a SyntaxError is the model's: traceback, exit 1
     sys.argv = ["<model code>"]
     del cfg, source

@@ -1,12 +1,14 @@
-"""`env.agent` as the source of trajectories: your agent, run once per trajectory, its calls the steps.
+"""Your agent as the source of trajectories, run once per trajectory, its calls the steps.
 
 `AgentRollout` has the agent loop's interface (`rollout_groups`, `rollout`, `env_stats`, `track`,
 `close`), so the trainer, agent workers and `rollout -n` take it where they take an `AgentLoop`.
-Per trajectory it opens a gateway URL, calls `solve(sample, base_url, api_key)` (a coroutine, or
-a function run on a thread of its own pool) under `env.agent_timeout_s`, and hands the
-recorder's steps back with the outcome: a number, or `{"reward", "turn_rewards", "info"}`. An
-agent that raises, hangs or returns something else ends only its own trajectory: invalid
-(never trained, outside group statistics), counted in `gateway/agent_errors`.
+Per trajectory it opens a gateway URL and runs the agent under `env.agent_timeout_s`, one of two
+strategies: `FunctionAgent` (`env.agent`: `solve(sample, base_url, api_key)`, a coroutine or a
+function on a thread of its own pool) or `CommandAgent` (`env.agent_command`, in the sandbox:
+`command_agent.py`). It hands the recorder's steps back with the outcome: a number, or
+`{"reward", "turn_rewards", "info"}`. An agent that raises, crashes, hangs or yields something
+else ends only its own trajectory: invalid (never trained, outside group statistics), counted in
+`gateway/agent_errors`.
 """
 
 from __future__ import annotations
@@ -14,14 +16,14 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-import math
 import traceback
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Protocol, Sequence, Union
 
 from megatron_stepwise.algo.groups import RolloutGroup, flat_steps
 from megatron_stepwise.envs.custom import load_object
-from megatron_stepwise.errors import UserError
+from megatron_stepwise.gateway.command_agent import CommandAgent
+from megatron_stepwise.gateway.outcome import AgentError, AgentFailure, outcome_of
 from megatron_stepwise.gateway.server import Gateway, GatewaySettings
 from megatron_stepwise.rollout.agent.loop import checked_prompt_ids
 from megatron_stepwise.steps import Step, TrajectoryID
@@ -29,55 +31,66 @@ from megatron_stepwise.time_budget import GENERATION, NO_ACTIVITY
 
 log = logging.getLogger(__name__)
 
-Outcome = tuple[float, Optional[list[float]], dict]
+
+class Agent(Protocol):
+    """How one trajectory's agent runs: `run` returns its raw outcome, raises `AgentFailure`
+    (invalid, with a reason), `asyncio.TimeoutError` or anything else (the agent's error)."""
+
+    async def start(self, gateway: Gateway) -> None: ...
+
+    async def run(self, gateway: Gateway, sample: dict, url: str, timeout_s: float) -> Any: ...
+
+    def close(self) -> None: ...
 
 
-class AgentError(UserError, ValueError):
-    """A bad `env.agent`: not a function, or what it returned is no outcome (fix the agent)."""
+class FunctionAgent:
+    """`env.agent`: `solve(sample, base_url, api_key)` with the gateway's key."""
 
+    def __init__(self, agent: Union[str, Callable], max_concurrency: int = 64):
+        self.solve = load_object(agent, key="env.agent") if isinstance(agent, str) else agent
+        if not callable(self.solve):
+            raise AgentError(f"env.agent={agent!r} is not a function")
+        self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="env-agent")
 
-def outcome_of(out: Any) -> Outcome:
-    """(reward, per-call rewards or None, info) of what `solve` returned."""
-    if isinstance(out, dict):
-        if "reward" not in out:
-            raise AgentError(f"the agent returned a dict without 'reward': {sorted(out)}")
-        turns = out.get("turn_rewards")
-        info = out.get("info") or {}
-        if not isinstance(info, dict):
-            raise AgentError(f"the agent's 'info' must be a dict, got {type(info).__name__}")
-        reward = _number(out["reward"], "reward")
-        return reward, None if turns is None else [_number(t, "turn_rewards") for t in turns], dict(info)
-    return _number(out, "reward"), None, {}
+    async def start(self, gateway: Gateway) -> None:
+        pass
 
+    async def run(self, gateway: Gateway, sample: dict, url: str, timeout_s: float) -> Any:
+        key = gateway.api_key
+        if inspect.iscoroutinefunction(self.solve):
+            call = self.solve(sample, url, key)
+        else:
+            call = asyncio.get_running_loop().run_in_executor(self._pool, self.solve, sample, url, key)
+        return await asyncio.wait_for(call, timeout_s)
 
-def _number(value: Any, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise AgentError(f"the agent's {what} must be a finite number, got {value!r:.100}")
-    return float(value)
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 class AgentRollout:
-    """Runs `agent` per trajectory through its own `Gateway` (started on first use)."""
+    """Runs `agent` per trajectory through its own `Gateway` (started on first use): a function
+    (or `module:function`), an `Agent` such as a `CommandAgent`, or None for `settings.agent`'s."""
 
     def __init__(
         self,
         generator: Any,
         tokenizer: Any,
-        agent: Union[str, Callable],
+        agent: Union[str, Callable, Agent, None],
         settings: GatewaySettings,
         eos_token_ids: Sequence[int],
         n_samples_per_prompt: int = 4,
         max_concurrency: int = 64,
     ):
-        self.solve = load_object(agent, key="env.agent") if isinstance(agent, str) else agent
-        if not callable(self.solve):
-            raise AgentError(f"env.agent={agent!r} is not a function")
+        if agent is None and settings.agent.agent_command is not None:
+            agent = CommandAgent(settings.agent.argv(), max_concurrency=max_concurrency)
+        elif agent is None:
+            agent = settings.agent.agent
+        self.agent: Agent = agent if hasattr(agent, "run") else FunctionAgent(agent, max_concurrency)
         self.gateway = Gateway(generator, tokenizer, eos_token_ids, settings)
         self.settings = settings
         self.n_samples_per_prompt, self.max_concurrency = n_samples_per_prompt, max_concurrency
         self.activity = NO_ACTIVITY
         self.agent_errors = 0
-        self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="env-agent")
         self._reported: dict[str, float] = {}
 
     async def rollout(
@@ -97,6 +110,7 @@ class AgentRollout:
         repeats, as far as the agent does); `request_tag` is the agent loop's (unused here)."""
         if self.gateway.url is None:
             await self.gateway.start()
+            await self.agent.start(self.gateway)
         prompt_ids = checked_prompt_ids(samples)
         limit = asyncio.Semaphore(self.max_concurrency)
 
@@ -120,10 +134,13 @@ class AgentRollout:
         reward, turns, info, invalid = 0.0, None, {}, None
         timeout = self.settings.agent.agent_timeout_s
         try:
-            out = await asyncio.wait_for(self._call(dict(sample), url), timeout)
+            out = await self.agent.run(self.gateway, dict(sample), url, timeout)
             reward, turns, info = outcome_of(out)
         except asyncio.TimeoutError:
             invalid = f"agent_timeout (env.agent_timeout_s={timeout})"
+        except AgentFailure as e:
+            invalid, info = e.reason[:500], e.info
+            log.warning("the agent failed on trajectory %s: %s", traj_id, invalid)
         except Exception as e:  # noqa: BLE001 - the user's agent: any failure ends only its trajectory
             invalid = f"agent_error: {type(e).__name__}: {e}"[:500]
             log.warning("env.agent failed on trajectory %s: %s\n%s", traj_id, invalid, traceback.format_exc(limit=-4))
@@ -132,12 +149,6 @@ class AgentRollout:
         if info:
             steps[-1].metadata["agent_info"] = info
         return steps
-
-    async def _call(self, sample: dict, url: str) -> Any:
-        key = self.gateway.api_key
-        if inspect.iscoroutinefunction(self.solve):
-            return await self.solve(sample, url, key)
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self.solve, sample, url, key)
 
     def metrics(self) -> dict[str, float]:
         """The gateway's counts since the last call: calls, prefix breaks, ignored sampling, ..."""
@@ -165,4 +176,4 @@ class AgentRollout:
         self.activity = activity
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.agent.close()

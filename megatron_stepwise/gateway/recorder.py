@@ -54,6 +54,7 @@ class TrajectoryRecorder:
         self.finished = False
         self.lock = asyncio.Lock()  # one call at a time: each extends the one before
         self.answers: dict[str, asyncio.Future] = {}  # request key -> its answer (retries answered once)
+        self.transcript: list[dict] = []  # per call: {"api", "messages", "tools", "reply"} (env.reward_fn reads it)
         self._expected: list[MessageKey] = []  # the last call's messages + the reply it got
         self._tools = ""
         self._last: Optional[Prompt] = None
@@ -94,6 +95,7 @@ class TrajectoryRecorder:
         must repeat to continue this prefix, `text` the sampled text the template extends."""
         step, response = self._step(prompt.ids, result, api, prompt.prefix_break)
         self.steps.append(step)
+        self.transcript.append({"api": api, "messages": messages, "tools": tools, "reply": reply})
         self.prefix_breaks += prompt.prefix_break
         self.tokens += len(prompt.ids) + len(result.output_ids)
         self._expected = [message_key(m) for m in messages] + [message_key(reply)]

@@ -79,6 +79,7 @@ class Gateway:
         self.url: Optional[str] = None
         self.counts: Counter = Counter()  # calls, prefix_breaks, ignored_sampling, retries_answered, refused
         self._open: dict[str, TrajectoryRecorder] = {}
+        self._keys: dict[str, str] = {}  # trajectory id -> its own key
         self._runner: Optional[web.AppRunner] = None
 
     # ---- lifecycle --------------------------------------------------------------------------
@@ -105,15 +106,28 @@ class Gateway:
             await self._runner.cleanup()
             self._runner = None
 
+    async def serve_socket(self, listener) -> web.SockSite:
+        """Accept on `listener` too (an agent command's own network namespace's socket); stop
+        the returned site to close it."""
+        site = web.SockSite(self._runner, listener)
+        await site.start()
+        return site
+
     def open(self, traj_id: TrajectoryID, seed: Optional[int] = None) -> str:
         """A new trajectory; returns its OpenAI base URL (`.../trajectories/<id>/v1`; an
         Anthropic client takes it without the `/v1`). With `seed`, call k of the trajectory samples
-        with the agent loop's seed of turn k: a rollout repeats whichever engine serves it."""
+        with the agent loop's seed of turn k: a rollout repeats whichever engine serves it.
+        Its calls take the gateway's key or its own (`key_of`), which no other path accepts."""
         tid = uuid.uuid4().hex
         self._open[tid] = TrajectoryRecorder(
             traj_id, self.tokenizer, self.eos_token_ids, self.settings.append_eos, seed
         )
+        self._keys[tid] = secrets.token_urlsafe(24)
         return f"{self.url}/trajectories/{tid}/v1"
+
+    def key_of(self, base_url: str) -> str:
+        """The trajectory's own API key: valid for its URL only, and only while it is open."""
+        return self._keys[_tid_of(base_url)]
 
     def recorder(self, base_url: str) -> TrajectoryRecorder:
         return self._open[_tid_of(base_url)]
@@ -127,6 +141,7 @@ class Gateway:
     ) -> list[Step]:
         """The trajectory's steps; its URL answers 404 from now on."""
         recorder = self._open.pop(_tid_of(base_url))
+        self._keys.pop(_tid_of(base_url), None)
         return recorder.finish(reward, turn_rewards, invalid)
 
     # ---- routes -----------------------------------------------------------------------------
@@ -317,11 +332,11 @@ class Gateway:
     # ---- checks -----------------------------------------------------------------------------
 
     def _authorize(self, request: web.Request) -> None:
-        header = request.headers.get("Authorization")
         key = request.headers.get("x-api-key")
-        if not (
-            bearer_matches(header, self.api_key) or (key is not None and bearer_matches(f"Bearer {key}", self.api_key))
-        ):
+        headers = [request.headers.get("Authorization")] + ([f"Bearer {key}"] if key is not None else [])
+        own = self._keys.get(request.match_info["tid"])  # a trajectory's own key opens its path only
+        keys = [self.api_key] + ([own] if own else [])
+        if not any(bearer_matches(h, k) for h in headers for k in keys):
             raise GatewayError(401, "missing or wrong API key (Authorization: Bearer <key>, or x-api-key)")
 
     def _recorder(self, request: web.Request) -> TrajectoryRecorder:

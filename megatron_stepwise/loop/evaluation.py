@@ -86,7 +86,7 @@ def eval_agent_loop(cfg: ExperimentConfig, generator, tokenizer):
     if e.temperature is not None:
         sampling.temperature = e.temperature
     n = e.samples_per_prompt or cfg.data.samples_per_prompt
-    if cfg.env.agent:  # the user's agent through a gateway of its own
+    if cfg.env.own_agent:  # the user's agent through a gateway of its own
         return components.build_agent_rollout(cfg, generator, tokenizer, n_samples_per_prompt=n, sampling=sampling)
     loop_cfg = AgentLoopConfig.from_section(r, n_samples_per_prompt=n, sampling=sampling)
     spec = components.env_spec(cfg)

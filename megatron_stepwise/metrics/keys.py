@@ -247,7 +247,8 @@ _T = [  # (pattern, unit, over, meaning)
                 "gateway/agent_errors",
                 "count",
                 "iteration",
-                "env.agent: trajectories whose agent raised, timed out or returned no reward (invalid)",
+                "env.agent / env.agent_command: trajectories whose agent raised (or exited nonzero), timed out or "
+                "yielded no reward (invalid)",
             ),
             ("agents/worker_restarts", "count", "run", "agent workers restarted"),
             ("agents/reissued_groups", "count", "run", "prompt groups re-issued after a worker died"),

@@ -229,12 +229,12 @@ def test_the_code_cannot_forge_a_setup_failure_but_a_real_one_still_raises(monke
     SandboxError in the trainer); a failure of setup itself is still an error, never run unconfined."""
     forged = sandbox.run_python("import sys\nsys.stderr.write('sandbox setup failed: forged\\n')\nsys.exit(120)")
     assert forged.returncode == 120 and "forged" in forged.stderr and not forged.timed_out
-    broken = sandbox._init_source().replace(
+    broken = sandbox.init_source().replace(
         "def set_limits(cfg: dict) -> None:\n",
         "def set_limits(cfg: dict) -> None:\n    raise OSError('limits refused')\n",
     )
-    assert broken != sandbox._init_source()
-    monkeypatch.setattr(sandbox, "_init_source", lambda: broken)
+    assert broken != sandbox.init_source()
+    monkeypatch.setattr(sandbox, "init_source", lambda: broken)
     with pytest.raises(sandbox.SandboxError, match=r"^sandbox setup failed: OSError: limits refused$"):
         sandbox.run_python("print('never runs')")
 

@@ -8,8 +8,9 @@ import openai
 import pytest
 
 from megatron_stepwise.errors import UserError
-from megatron_stepwise.gateway.agents import AgentError, AgentRollout
+from megatron_stepwise.gateway.agents import AgentRollout
 from megatron_stepwise.gateway.config import AgentConfig
+from megatron_stepwise.gateway.outcome import AgentError
 from megatron_stepwise.gateway.server import GatewaySettings
 from megatron_stepwise.rollout.engines.embedded.engine import LocalEngine
 from megatron_stepwise.rollout.engines.protocol import SamplingParams
