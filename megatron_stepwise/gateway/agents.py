@@ -177,3 +177,4 @@ class AgentRollout:
 
     def close(self) -> None:
         self.agent.close()
+        self.gateway.close_from_sync()

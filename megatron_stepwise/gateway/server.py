@@ -81,6 +81,7 @@ class Gateway:
         self._open: dict[str, TrajectoryRecorder] = {}
         self._keys: dict[str, str] = {}  # trajectory id -> its own key
         self._runner: Optional[web.AppRunner] = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -94,6 +95,7 @@ class Gateway:
         r.add_get(PREFIX + "/models", self._models)
         r.add_post(PREFIX + "/messages", self._messages)
         self._runner = web.AppRunner(app, access_log=None)
+        self._loop = asyncio.get_running_loop()
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, port)
         await site.start()
@@ -105,6 +107,20 @@ class Gateway:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+
+    def close_from_sync(self, timeout: float = 30.0) -> None:
+        """`close` from synchronous code, on the loop the gateway serves on. Without it, agents
+        that keep their connections alive (a shared httpx client) leave request handlers pending
+        when that loop is closed, and asyncio logs each as "Task was destroyed but it is pending"."""
+        loop = self._loop
+        if self._runner is None or loop is None or loop.is_closed():
+            return
+        if not loop.is_running():
+            loop.run_until_complete(self.close())
+        elif not _on_loop_thread(loop):
+            asyncio.run_coroutine_threadsafe(self.close(), loop).result(timeout)
+        else:  # called from a callback of its own loop: it cannot wait here
+            loop.create_task(self.close())
 
     async def serve_socket(self, listener) -> web.SockSite:
         """Accept on `listener` too (an agent command's own network namespace's socket); stop
@@ -387,3 +403,10 @@ async def _sse(request: web.Request, lines) -> web.StreamResponse:
         await response.write(line.encode())
     await response.write_eof()
     return response
+
+
+def _on_loop_thread(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False

@@ -165,3 +165,36 @@ def test_a_bad_env_agent_is_a_config_problem_naming_the_key(tmp_path, path, word
         load_config(str(config), [f"env.agent={path}"], probes=FakeProbes(modules=()))
     (problem,) = [str(p) for p in e.value.problems]
     assert all(w in problem for w in words), problem
+
+
+def test_closing_from_sync_code_leaves_no_request_handler_pending(caplog):
+    """An agent that keeps its connections alive (one shared httpx client, as the examples do):
+    `close()` after the rollout, then the loop's close, as the trainer does: nothing pending."""
+    import gc
+
+    import httpx
+
+    shared = httpx.Client()
+
+    def keep_alive_agent(sample, base_url, api_key):
+        client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, http_client=shared)
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "say 1"}])
+        return 1.0
+
+    local = LocalEngine(CONFIG, tokenizer=TOK, eos_token_ids=[TOK.eos_token_id], seed=0)
+    settings = GatewaySettings(sampling=SamplingParams(max_new_tokens=4), max_input_length=512)
+    source = AgentRollout(local, TOK, keep_alive_agent, settings, [TOK.eos_token_id], n_samples_per_prompt=2)
+    loop = asyncio.new_event_loop()
+    try:
+        groups = loop.run_until_complete(source.rollout_groups(SAMPLES))
+        assert all(s.reward == 1.0 for g in groups for t in g.trajectories for s in t[-1:])
+        assert len(shared._transport._pool.connections) > 0  # still open: kept alive
+        with caplog.at_level("ERROR", logger="asyncio"):
+            source.close()
+            loop.run_until_complete(local.close())
+            loop.close()
+            del source, groups  # pending tasks are reported when they are collected
+            gc.collect()
+        assert not [r for r in caplog.records if "destroyed but it is pending" in r.getMessage()]
+    finally:
+        shared.close()
