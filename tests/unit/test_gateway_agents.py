@@ -117,9 +117,10 @@ def test_a_hanging_agent_times_out_and_its_later_calls_are_refused():
     async def hang(sample, url, key):
         client = openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=0)
         await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
-        await asyncio.sleep(30)
+        await asyncio.Event().wait()  # hangs until the timeout cancels it
 
-    groups, calls, _ = rollout(hang, agent_timeout_s=2.0)
+    # the timeout must outlast one call on a loaded machine (2 s did not, at load 20)
+    groups, calls, _ = rollout(hang, agent_timeout_s=8.0)
     for traj in (t for g in groups for t in g.trajectories):
         assert len(traj) == 1 and traj[-1].metadata[INVALID].startswith("agent_timeout")
     assert len(calls) == 4
