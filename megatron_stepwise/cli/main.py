@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         else:  # listed with its help; its module is imported only when it runs
             sub.add_parser(name, help=help_text)
     args = parser.parse_args(argv)
+    import_from_launch_dir()
     try:
         return int(args.func(args) or 0)
     except UserError as e:  # bad input, whichever command met it: what was wrong, no traceback
@@ -53,6 +54,19 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C outside a training rank (which names its checkpoint itself)
         print(f"interrupted: megatron-stepwise {args.command} stopped", file=sys.stderr)
         return 130
+
+
+def import_from_launch_dir() -> None:
+    """Modules a config names (`env.agent`, `env.name`, `env.reward_fn`, `trainer.imports`) import
+    from the directory the command runs in, as relative file paths resolve there and as with
+    `python -m`: on sys.path here, and on PYTHONPATH for the processes this one starts (torchrun's
+    ranks, Ray's engines and agent workers). Last, so installed packages keep their precedence."""
+    here = os.getcwd()
+    if here not in sys.path:
+        sys.path.append(here)
+    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if here not in parts:
+        os.environ["PYTHONPATH"] = os.pathsep.join([*parts, here])
 
 
 EXIT_USER_ERROR = 2

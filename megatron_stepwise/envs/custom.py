@@ -41,7 +41,8 @@ def load_object(path: str, *, key: str) -> Any:
         obj = importlib.import_module(module_name)
     except Exception as e:  # the user's module: report any failure to import it, not just ImportError
         raise EnvPathError(
-            f"{key}={path!r}: cannot import {module_name!r} ({type(e).__name__}: {e}); is its directory on PYTHONPATH?"
+            f"{key}={path!r}: cannot import {module_name!r} ({type(e).__name__}: {e}); run from the directory "
+            "that holds it, or put that directory on PYTHONPATH"
         ) from e
     for part in attr.split("."):
         if not hasattr(obj, part):
