@@ -138,7 +138,7 @@ def materialize(value: str, *, key: str = "model.hf_checkpoint") -> Path:
     directory.parent.mkdir(parents=True, exist_ok=True)
     with _locked(directory.with_suffix(".lock")):
         if not (directory / COMPLETE).is_file():  # another process may have converted it while we waited
-            _convert(path, directory)
+            _convert(path, directory, key)
     return directory
 
 
@@ -152,8 +152,10 @@ def _locked(lock_path: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _convert(path: Path, directory: Path) -> None:
-    """Dequantise into a temporary directory beside the target, then rename it into place."""
+def _convert(path: Path, directory: Path, key: str = "model.hf_checkpoint") -> None:
+    """Dequantise into a temporary directory beside the target, then rename it into place. A file
+    without a tensor the architecture has is refused by name before anything is cached:
+    transformers would initialise it at random, and every later run would start from that."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -161,7 +163,16 @@ def _convert(path: Path, directory: Path) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=directory.name + ".", dir=directory.parent))
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+        model, loading = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32, output_loading_info=True
+        )
+        missing = sorted(loading.get("missing_keys") or ())
+        if missing:
+            shown = ", ".join(missing[:4]) + (f", ... ({len(missing)} in all)" if len(missing) > 4 else "")
+            raise GGUFError(
+                f"{key}={str(path)!r}: the GGUF file has no tensor for {shown}; they would be random "
+                "weights, so nothing was converted or cached"
+            )
         state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
         if model.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -263,3 +264,55 @@ def test_the_exported_policy_reloads_with_its_generation_config(trained_run):
     assert tok.convert_tokens_to_ids("<|im_end|>") in eos
     model = AutoModelForCausalLM.from_pretrained(str(exported), dtype=torch.float32)
     assert model.config.num_hidden_layers == 30
+
+
+def _copy_gguf(src: Path, dst: Path, keep) -> None:
+    """`src` with its metadata and only the tensors `keep(name)` accepts (quantised bytes as they are)."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    reader = GGUFReader(str(src))
+    arch = reader.fields["general.architecture"]
+    writer = GGUFWriter(str(dst), bytes(arch.parts[arch.data[0]]).decode())
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue  # written by the writer itself
+        kind = field.types[0]
+        if kind == GGUFValueType.ARRAY:
+            sub = field.types[-1]
+            text = sub == GGUFValueType.STRING
+            value = [
+                bytes(field.parts[i]).decode("utf-8", "surrogateescape") if text else field.parts[i].tolist()[0]
+                for i in field.data
+            ]
+            writer.add_key_value(name, value, kind, sub_type=sub)
+        elif kind == GGUFValueType.STRING:
+            writer.add_key_value(name, bytes(field.parts[field.data[0]]).decode(), kind)
+        else:
+            writer.add_key_value(name, field.parts[field.data[0]].tolist()[0], kind)
+    for tensor in reader.tensors:
+        if keep(tensor.name):
+            writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("dropped", ["one tensor", "every tensor"])
+def test_a_gguf_missing_tensors_is_refused_by_name_and_nothing_is_cached(hf_dir, tmp_path, monkeypatch, dropped):
+    """A valid header with a tensor (or all of them) missing must not become a cached random model."""
+    import json
+
+    from megatron_stepwise.hf.gguf import GGUFError, cached_dir, locate_converted, materialize
+
+    source = Path(json.loads((hf_dir / "source.json").read_text())["gguf"])
+    keep = (lambda name: name != "blk.3.attn_q.weight") if dropped == "one tensor" else (lambda name: False)
+    damaged = tmp_path / "damaged.gguf"
+    _copy_gguf(source, damaged, keep)
+    monkeypatch.setenv("STEPWISE_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(GGUFError) as e:
+        materialize(str(damaged))
+    assert "model.hf_checkpoint" in str(e.value) and "nothing was converted or cached" in str(e.value)
+    if dropped == "one tensor":
+        assert "model.layers.3.self_attn.q_proj.weight" in str(e.value)
+    assert locate_converted(str(damaged)) is None and not cached_dir(damaged).exists()
