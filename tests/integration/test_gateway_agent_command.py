@@ -182,7 +182,9 @@ def no_namespaces(monkeypatch):
 
 def test_without_namespaces_the_command_reaches_the_gateways_port_only(tmp_path, no_namespaces):
     if sandbox.isolation().landlock_abi < 4:
-        pytest.skip("without namespaces only Landlock >= 4 limits TCP")
+        pytest.skip(
+            "without namespaces only Landlock >= 4 limits TCP: runs on Linux >= 6.7 with Landlock (CI's machine)"
+        )
     groups = probe_rollout(tmp_path, [{"prompt_id": "a", "mode": "probe"}, {"prompt_id": "b", "n": 2}])
     found = groups[0].trajectories[0][-1].metadata["agent_info"]
     assert found["mine"] == 200 and found["other"] == 401 and found["no_key"] == 401, found
@@ -197,11 +199,13 @@ def test_as_an_unprivileged_trainer_the_command_reaches_its_endpoint_only():
     import sys
 
     if not os.path.exists("/usr/bin/python3"):
-        pytest.skip("no /usr/bin/python3 to run the command with")
+        pytest.skip(
+            "no /usr/bin/python3 to run the command with: runs where the system Python exists (CI's Debian image)"
+        )
     prefix = []
     if os.geteuid() == 0:
         if not shutil.which("setpriv"):
-            pytest.skip("root without setpriv: no unprivileged pass")
+            pytest.skip("root without setpriv: no unprivileged pass; runs where util-linux's setpriv is installed (CI)")
         prefix = [shutil.which("setpriv"), "--reuid=65534", "--regid=65534", "--clear-groups"]
     script = REPO / "tests" / "command_sandbox_as_user.py"
     done = subprocess.run(
@@ -210,7 +214,9 @@ def test_as_an_unprivileged_trainer_the_command_reaches_its_endpoint_only():
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     if report["namespaces"] == "none":
-        pytest.skip("no user namespaces for an unprivileged user here")
+        pytest.skip(
+            "no user namespaces for an unprivileged user here: runs where unprivileged user namespaces are allowed (CI)"
+        )
     assert report["rc"] == 0, report
     reached = json.loads(report["out"].strip().splitlines()[-1])
     assert reached["got"] == "endpoint", report
