@@ -248,6 +248,49 @@ CORPUS = {
             or ("memory" in r.limit and _held_mib(r) <= 2 * MEMORY_MB)
         ),
     ),
+    "memory_socket_buffers": (  # unread socketpair data is kernel memory no RSS shows: 16 processes x 30 full pairs
+        "import os, socket, time\na, b = socket.socketpair()\ntry:\n"
+        "    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 30); print('raised', flush=True)\n"
+        "except OSError as e:\n    print('refused', e.errno, flush=True)\n"
+        "for _ in range(15):\n    try:\n        if os.fork() == 0:\n            break\n    except OSError:\n        pass\n"
+        "ballast = b'x' * (20 << 20)\nheld = []\ntry:\n    for i in range(30):\n"
+        "        a, b = socket.socketpair(); a.setblocking(False)\n        try:\n"
+        "            while True:\n                a.send(b'x' * 65536)\n        except BlockingIOError:\n            pass\n"
+        "        held.append((a, b))\nexcept OSError:\n    pass\ntime.sleep(600)",
+        lambda r, t: "refused 13" in r.stdout and "socket and pipe buffers" in r.limit and not r.timed_out,
+    ),
+    "pipe_grown": (  # F_SETPIPE_SZ would let one pipe hold 1 MiB (and root's pipes far more) unseen
+        "import fcntl, os\nr, w = os.pipe()\ntry:\n    fcntl.fcntl(w, 1031, 1 << 20); print('grown', flush=True)\n"
+        "except OSError as e:\n    print('refused', e.errno)",
+        lambda r, t: "refused 13" in r.stdout,
+    ),
+    "disk_unlinked_open_files": (  # 1 MiB files deleted but kept open by 16 processes: the walk no longer sees them
+        "import os, time\nfor _ in range(15):\n    try:\n        if os.fork() == 0:\n            break\n    except OSError:\n        pass\n"
+        "kept, refused = [], False\ntry:\n    for i in range(60):\n        name = f'u{{os.getpid()}}-{{i}}'\n"
+        "        f = open(name, 'wb'); f.write(b'x' * (1 << 20)); f.flush(); os.unlink(name); kept.append(f)\n"
+        "except OSError as e:\n    refused = True; print('stopped', e, flush=True)\nprint('held', len(kept), flush=True)\n"
+        "if not refused:\n    time.sleep(600)",
+        lambda r, t: (
+            ("wrote" in r.limit and _held_mib(r) <= 2 * DISK_MB) or ("No space left" in r.stdout and not r.timed_out)
+        ),  # a tmpfs: the kernel's own quota
+    ),
+    "disk_deep_chain": (  # 4000 nested directories, a file of 256 KiB in each deep one: hidden past PATH_MAX, and slow to walk
+        "import os\nfor i in range(4000):\n    os.mkdir('d'); os.chdir('d')\n"
+        "    if i > 1000:\n        open('f', 'wb').write(b'x' * (256 << 10))\nprint('built', flush=True)",
+        lambda r, t: (
+            "built" not in r.stdout
+            and (
+                "No space left" in r.stdout + r.stderr
+                or "deeper" in r.limit
+                or ("wrote" in r.limit and _held_mib(r) <= 2 * DISK_MB)
+            )
+        ),
+    ),
+    "send_descriptors": (  # a descriptor in flight (sent, then closed) is held by no process the watch reads
+        "import os, socket\na, b = socket.socketpair()\nr, w = os.pipe()\ntry:\n"
+        "    socket.send_fds(a, [b'x'], [r]); print('sent', flush=True)\nexcept OSError as e:\n    print('refused', e.errno)",
+        lambda r, t: "refused 13" in r.stdout,
+    ),
     "regain_capabilities": (  # the code starts as its user namespace's root to mount its tmpfs
         "import ctypes; libc = ctypes.CDLL(None, use_errno=True)\n"
         "hdr = (ctypes.c_uint32 * 2)(0x20080522, 0); data = (ctypes.c_uint32 * 6)(); libc.capget(hdr, data)\n"

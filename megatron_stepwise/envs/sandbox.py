@@ -299,7 +299,9 @@ def run_python(
             finally:
                 os.close(status_w)
             deadline = time.monotonic() + timeout_s
-            watch = Watch(proc.pid, memory_mb << 20, None if iso.tmpfs else (workdir, disk_mb << 20, max_files))
+            disk = None if iso.tmpfs else (workdir, disk_mb << 20, max_files)
+            # model code cannot send descriptors (sendmsg refused): nothing of it is in flight
+            watch = Watch(proc.pid, memory_mb << 20, disk, cfg["open_files"], bool(iso.unshare), in_flight=False)
             try:
                 out, err, timed_out, truncated, limit = collect_output(proc, deadline, max_output_bytes, watch)
             finally:

@@ -238,7 +238,7 @@ def _run(iso, run_as, cfg, env, cwd, sample_path, limits, serve, started) -> Com
                 stop_serving = serve(listener) if listener is not None else None
                 no_listener = listener is None
             if not no_listener:
-                watch = Watch(proc.pid, limits.memory_mb << 20, disk)
+                watch = Watch(proc.pid, limits.memory_mb << 20, disk, limits.open_files, own_network=bool(iso.unshare))
                 out, err, timed_out, _, limit = collect_output(proc, deadline, limits.output_bytes, watch, tail=True)
         finally:
             kill_all(proc, supervised=cfg["supervise"])

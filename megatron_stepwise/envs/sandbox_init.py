@@ -126,6 +126,11 @@ _ARCHES = {  # machine -> (AUDIT_ARCH, socket, io_uring_setup, first x32 syscall
 _KEY_SYSCALLS = {"x86_64": (248, 249, 250), "aarch64": (217, 218, 219)}  # add_key, request_key, keyctl
 # memfd_create, memfd_secret, shmget: memory no process needs to map, so no RSS the watch can sum
 _UNMAPPED_MEMORY_SYSCALLS = {"x86_64": (319, 447, 29), "aarch64": (279, 447, 194)}
+# setsockopt and fcntl: what grows a socket's buffers or a pipe past the kernel's default
+_BUFFER_SYSCALLS = {"x86_64": (54, 72), "aarch64": (208, 25)}
+_SENDMSG_SYSCALLS = {"x86_64": (46, 307), "aarch64": (211, 269)}  # sendmsg, sendmmsg: carry descriptors
+_SOL_SOCKET, _BUFFER_OPTIONS = 1, (7, 8, 32, 33)  # SO_SNDBUF, SO_RCVBUF, SO_SNDBUFFORCE, SO_RCVBUFFORCE
+_F_SETPIPE_SZ = 1031
 _KEYCTL_JOIN_SESSION_KEYRING = 1
 _AF_INET, _AF_INET6 = 2, 10
 
@@ -149,46 +154,69 @@ class _SockFprog(ctypes.Structure):
 
 
 def deny_sockets(allow_inet: bool = False) -> bool:
-    """Seccomp: socket(), io_uring_setup, the key syscalls and memfd_create, memfd_secret and
-    shmget fail with EACCES; False if unsupported here. `allow_inet` (an agent command) lets
-    socket() make AF_INET/AF_INET6 sockets only: those reach its own network namespace (or, without
-    one, what Landlock's TCP rule allows), never a pathname unix socket of the host.
+    """Seccomp: socket(), io_uring_setup, the key syscalls, memfd_create, memfd_secret, shmget and
+    growing a buffer (SO_SNDBUF/SO_RCVBUF, F_SETPIPE_SZ) fail with EACCES; False if unsupported
+    here. `allow_inet` (an agent command) lets socket() make AF_INET/AF_INET6 sockets only: those
+    reach its own network namespace (or, without one, what Landlock's TCP rule allows), never a
+    pathname unix socket of the host.
 
     Model code has no use for sockets, and each other layer leaves some open: a network namespace
     does not cover pathname unix sockets (the trainer's Ray sockets, when it is not root), Landlock
     (ABI <= 7) covers neither those nor UDP, and either may be missing. socketpair() stays allowed
-    (an unconnected pair, used by the standard library). io_uring is denied because it creates
+    (an unconnected pair: asyncio's event loop makes one). io_uring is denied because it creates
     sockets without the socket() syscall; on x86_64 the 32-bit and x32 entry points are denied
     wholesale, since their syscall numbers differ. A memfd or SysV segment holds memory without
     being mapped (write() fills it), where the trainer's memory watch, which sums resident
     memory, sees none of it; the standard library needs neither (files go to the call's tmpfs).
+    Unread socket and pipe data is such memory too: the watch counts each socket and pipe at its
+    capacity (`sandbox_watch.kernel_buffers`), which holds only while the code cannot raise it.
+    Model code may not call sendmsg/sendmmsg (the standard library sends with send/sendto): no
+    descriptor can then be put in flight, held by no process where the watch would look for it.
     """
-    arch = _ARCHES.get(os.uname().machine)
+    machine = os.uname().machine
+    arch = _ARCHES.get(machine)
     if arch is None:
         return False
     audit_arch, socket_nr, io_uring_nr, x32 = arch
-    # (code, k, jump-if-true label, jump-if-false label); labels: "allow", "deny" or None (next)
+    setsockopt_nr, fcntl_nr = _BUFFER_SYSCALLS[machine]
+    # (code, k, jump-if-true label, jump-if-false label), or a label's name where it stands;
+    # labels None (the next instruction), "allow", "deny" or a name in the program.
     prog = [(_LD_W_ABS, 4, None, None), (_JEQ_K, audit_arch, None, "deny"), (_LD_W_ABS, 0, None, None)]
     if x32 is not None:
         prog.append((_JGE_K, x32, "deny", None))
-    denied = _KEY_SYSCALLS[os.uname().machine] + _UNMAPPED_MEMORY_SYSCALLS[os.uname().machine]
+    denied = _KEY_SYSCALLS[machine] + _UNMAPPED_MEMORY_SYSCALLS[machine]
+    if not allow_inet:
+        denied += _SENDMSG_SYSCALLS[machine]
     prog += [(_JEQ_K, nr, "deny", None) for nr in denied]
     prog.append((_JEQ_K, io_uring_nr, "deny", None))
+    prog += [(_JEQ_K, setsockopt_nr, "setsockopt", None), (_JEQ_K, fcntl_nr, "fcntl", None)]
     if allow_inet:  # socket(domain, ...): args[0]'s low word, at offset 16 (little-endian)
         prog += [(_JEQ_K, socket_nr, None, "allow"), (_LD_W_ABS, 16, None, None), (_JEQ_K, _AF_INET, "allow", None)]
         prog.append((_JEQ_K, _AF_INET6, "allow", "deny"))
     else:
         prog.append((_JEQ_K, socket_nr, "deny", "allow"))
+    # setsockopt(fd, level, optname, ...): level at offset 24, optname at 32
     prog += [
-        (_RET_K, _RET_ALLOW, None, None),
-        (_RET_K, _RET_EACCES, None, None),
+        "setsockopt",
+        (_LD_W_ABS, 24, None, None),
+        (_JEQ_K, _SOL_SOCKET, None, "allow"),
+        (_LD_W_ABS, 32, None, None),
     ]
-    where = {"allow": len(prog) - 2, "deny": len(prog) - 1}
+    *others, last = _BUFFER_OPTIONS
+    prog += [(_JEQ_K, option, "deny", None) for option in others] + [(_JEQ_K, last, "deny", "allow")]
+    prog += ["fcntl", (_LD_W_ABS, 24, None, None), (_JEQ_K, _F_SETPIPE_SZ, "deny", "allow")]
+    prog += ["allow", (_RET_K, _RET_ALLOW, None, None), "deny", (_RET_K, _RET_EACCES, None, None)]
+    where, insns = {}, []
+    for step in prog:
+        if isinstance(step, str):
+            where[step] = len(insns)
+        else:
+            insns.append(step)
     rel = lambda i, label: 0 if label is None else where[label] - i - 1  # noqa: E731
-    insns = (_SockFilter * len(prog))(
-        *(_SockFilter(code, rel(i, jt), rel(i, jf), k) for i, (code, k, jt, jf) in enumerate(prog))
+    filters = (_SockFilter * len(insns))(
+        *(_SockFilter(code, rel(i, jt), rel(i, jf), k) for i, (code, k, jt, jf) in enumerate(insns))
     )
-    fprog = _SockFprog(len(prog), insns)
+    fprog = _SockFprog(len(insns), filters)
     libc = _libc()
     if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0):
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS) failed")

@@ -1,8 +1,10 @@
 """Per-call totals the kernel does not keep for the sandbox here, checked from the trainer's side.
 
-- memory: the resident anonymous and shared memory of every process of the call, summed. Limits
-  per process (RLIMIT_AS) do not cap a tree of processes, and a cgroup for the call would need a
-  delegated cgroup v2 hierarchy, which most machines that train do not give a job;
+- memory: the resident anonymous and shared memory of every process of the call, summed, plus
+  what the kernel may hold for its sockets and pipes (`kernel_buffers`). Limits per process
+  (RLIMIT_AS) do not cap a tree of processes, and a cgroup for the call would need a delegated
+  cgroup v2 hierarchy, which most machines that train do not give a job (nor would it count unix
+  socket buffers, which no cgroup charges);
 - disk, only where the call has no tmpfs of its own (no namespaces): the bytes allocated under
   the call's directory and the number of its files and directories.
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import stat
 import time
 
 SLOW, FAST = 0.05, 0.005  # seconds between checks: normally, and past half of a limit
@@ -66,36 +69,220 @@ def private_memory(pid: int) -> int:
     return kib << 10
 
 
-def disk_usage(root: str, max_entries: int, on_dir=None) -> tuple[int, int]:
-    """(bytes allocated, entries) under `root`, without recursion; stops counting past
-    `max_entries`; `on_dir(path)` sees each directory. A directory the code made unreadable is
-    made readable again (its owner, or root, may), so hiding files costs nothing but a retry."""
-    used, entries, todo = 0, 0, [root]
-    while todo and entries <= max_entries:
-        path = todo.pop()
-        if on_dir is not None:
-            on_dir(path)
+def _sysctl(name: str, default: int) -> int:
+    try:
+        with open(f"/proc/sys/{name}") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return default
+
+
+# What one socket or pipe can hold at most: the code may not raise a socket's buffers (SO_SNDBUF,
+# SO_RCVBUF) or a pipe's size (F_SETPIPE_SZ): `sandbox_init.deny_sockets` refuses them, so each
+# stays at the kernel's default. A unix socket's queued data is charged to its sender's send
+# buffer, a datagram socket's to its receiver's: a socket is counted at both.
+SOCKET_BYTES = _sysctl("net/core/wmem_default", 212992) + _sysctl("net/core/rmem_default", 212992)
+PIPE_BYTES = 16 * os.sysconf("SC_PAGE_SIZE")  # a pipe's default capacity: 16 pages
+_NET_TABLES = ("unix", "tcp", "tcp6", "udp", "udp6", "raw", "raw6")  # the families the code can create
+
+
+def open_buffers(pid: int) -> tuple[set[int], set[int]] | None:
+    """The inodes of the sockets and pipes `pid` holds open; None when its descriptors cannot be
+    read (a process that made itself undumpable, seen by a watcher that is not root)."""
+    sockets, pipes = set(), set()
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except FileNotFoundError:
+        return sockets, pipes  # gone
+    except OSError:
+        return None
+    for fd in fds:
         try:
-            scan = os.scandir(path)
-        except PermissionError:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue  # closed meanwhile
+        if target.startswith("socket:["):
+            sockets.add(int(target[8:-1]))
+        elif target.startswith("pipe:["):
+            pipes.add(int(target[6:-1]))
+    return sockets, pipes
+
+
+def _network_namespace(pid: int | str) -> int | None:
+    try:
+        return os.stat(f"/proc/{pid}/ns/net").st_ino
+    except OSError:
+        return None
+
+
+def namespace_sockets(pid: int) -> set[int] | None:
+    """Every socket of `pid`'s network namespace, held open or in flight (sent over a unix socket
+    and closed), by inode: with a namespace of its own, all of them are the call's. None while
+    `pid` is still in the trainer's namespace (not yet moved, or cannot be told)."""
+    ns = _network_namespace(pid)
+    if ns is None or ns == _network_namespace("self"):
+        return None
+    inodes = set()
+    for table in _NET_TABLES:
+        try:
+            with open(f"/proc/{pid}/net/{table}") as f:
+                lines = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        column = 6 if table == "unix" else 9  # the inode column
+        for line in lines:
+            fields = line.split()
+            if len(fields) > column and fields[column].isdigit():
+                inodes.add(int(fields[column]))
+    inodes.discard(0)
+    return inodes
+
+
+def kernel_buffers(tree: list[int], open_files: int, own_network: bool, in_flight: bool = True) -> int:
+    """Bytes the kernel may hold for the call's sockets and pipes: unread socket data is kernel
+    memory that no process's resident memory shows (one call held 3.3 GB that way). Counted at
+    each one's capacity, since the kernel does not tell how much of it is used. A process whose
+    descriptors cannot be read counts as holding `open_files` sockets.
+
+    Descriptors sent over a unix socket and then closed are in flight: held by no process, yet
+    the kernel keeps their buffers. It lets a user have at most RLIMIT_NOFILE in flight, so while
+    the call holds a socket that many more are reserved; with a network namespace of its own,
+    the namespace's tables list the sockets in flight too, and only pipes need the reserve.
+    `in_flight` False: the call cannot send descriptors (model code: sendmsg is refused).
+    """
+    sockets, pipes, hidden = set(), set(), 0
+    for pid in tree:
+        held = open_buffers(pid)
+        if held is None:
+            hidden += 1
+            continue
+        sockets |= held[0]
+        pipes |= held[1]
+    listed = namespace_sockets(tree[-1]) if own_network else None
+    if listed is not None:
+        sockets |= listed
+    reserve = 0
+    if in_flight and (sockets or hidden):
+        reserve = open_files * (PIPE_BYTES if listed is not None else SOCKET_BYTES)
+    return len(sockets) * SOCKET_BYTES + len(pipes) * PIPE_BYTES + hidden * open_files * SOCKET_BYTES + reserve
+
+
+MAX_DEPTH = 64  # directory levels under the call's directory; a deeper chain stops the call
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class DiskCount:
+    """What a walk of the call's directory found."""
+
+    def __init__(self):
+        self.used = self.entries = 0  # bytes allocated; files and directories
+        self.too_deep = False
+
+
+def disk_usage(root: str, max_entries: int, on_dir=None) -> DiskCount:
+    """Bytes allocated and entries under `root`; stops counting past `max_entries` or below
+    MAX_DEPTH levels; `on_dir(path)` sees each directory. Each directory is opened relative to its
+    parent's descriptor: a path walked from the root costs a lookup per level, so a chain of
+    thousands of directories made every check quadratic (seconds), and past PATH_MAX its files
+    were not seen at all. A directory the code made unreadable is made readable again (its owner,
+    or root, may), so hiding files costs nothing but a retry."""
+    count = DiskCount()
+    try:
+        fd = os.open(root, _DIR_FLAGS)
+    except OSError:
+        return count
+    try:
+        _count_dir(fd, 0, count, max_entries, on_dir)
+    finally:
+        os.close(fd)
+    return count
+
+
+def _count_dir(fd: int, depth: int, count: DiskCount, max_entries: int, on_dir) -> None:
+    if on_dir is not None:
+        on_dir(f"/proc/self/fd/{fd}")
+    try:
+        scan = os.scandir(fd)
+    except OSError:
+        return  # removed meanwhile
+    with scan:
+        for entry in scan:
+            if count.entries > max_entries or count.too_deep:
+                return
             try:
-                os.chmod(path, 0o700)
-                scan = os.scandir(path)
+                st = entry.stat(follow_symlinks=False)
             except OSError:
                 continue
-        except OSError:
-            continue  # removed meanwhile
-        with scan:
-            for entry in scan:
+            count.entries += 1
+            count.used += st.st_blocks * 512
+            if not stat.S_ISDIR(st.st_mode):
+                continue
+            if depth + 1 >= MAX_DEPTH:
+                count.too_deep = True
+                return
+            child = _open_dir(entry.name, fd)
+            if child is not None:
                 try:
-                    st = entry.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                entries += 1
-                used += st.st_blocks * 512
-                if entry.is_dir(follow_symlinks=False):
-                    todo.append(entry.path)
-    return used, entries
+                    _count_dir(child, depth + 1, count, max_entries, on_dir)
+                finally:
+                    os.close(child)
+
+
+def _open_dir(name: str, parent: int) -> int | None:
+    try:
+        return os.open(name, _DIR_FLAGS, dir_fd=parent)
+    except PermissionError:
+        pass
+    except OSError:
+        return None  # removed, or replaced by a symlink meanwhile
+    try:  # chmod through a descriptor of the directory itself: never through a symlink put in its place
+        handle = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
+    except OSError:
+        return None
+    try:
+        if stat.S_ISDIR(os.fstat(handle).st_mode):
+            os.chmod(f"/proc/self/fd/{handle}", 0o700)
+            return os.open(f"/proc/self/fd/{handle}", _DIR_FLAGS & ~os.O_NOFOLLOW)
+    except OSError:
+        pass
+    finally:
+        os.close(handle)
+    return None
+
+
+def unlinked_files(tree: list[int], root: str) -> int:
+    """Bytes in files of `root` the code deleted but keeps open or mapped: the directory walk no
+    longer sees them, yet their blocks stay allocated until the last descriptor or mapping goes
+    (before, 714 MB were held that way against a 64 MiB quota). An open one is measured; a mapped
+    one counts as its mapping's length, which its allocated blocks cannot exceed."""
+    prefix, measured, mapped = root.rstrip("/") + "/", {}, {}
+    for pid in tree:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            fds = []
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith(prefix) and target.endswith(" (deleted)"):
+                    st = os.stat(f"/proc/{pid}/fd/{fd}")
+                    if stat.S_ISREG(st.st_mode):
+                        measured[(st.st_dev, st.st_ino)] = st.st_blocks * 512
+            except OSError:
+                continue
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                maps = f.read().splitlines()
+        except OSError:
+            continue
+        for line in maps:
+            fields = line.split(maxsplit=5)  # range perms offset dev inode path
+            if len(fields) == 6 and fields[5].startswith(prefix) and fields[5].endswith(" (deleted)"):
+                low, high = (int(x, 16) for x in fields[0].split("-"))
+                major, minor = (int(x, 16) for x in fields[3].split(":"))
+                key = (os.makedev(major, minor), int(fields[4]))
+                mapped[key] = mapped.get(key, 0) + high - low
+    return sum(measured.values()) + sum(size for key, size in mapped.items() if key not in measured)
 
 
 _IN_NONBLOCK_CLOEXEC = 0o4000 | 0o2000000
@@ -131,8 +318,18 @@ class DirEvents:
 class Watch:
     """Polls one call against its totals; `check()` says which one it broke, if any."""
 
-    def __init__(self, pid: int, memory_bytes: int, disk: tuple[str, int, int] | None = None):
+    def __init__(
+        self,
+        pid: int,
+        memory_bytes: int,
+        disk: tuple[str, int, int] | None = None,
+        open_files: int = 64,
+        own_network: bool = False,
+        in_flight: bool = True,
+    ):
         self.pid, self.memory_bytes, self.disk = pid, memory_bytes, disk  # disk: (dir, bytes, entries)
+        self.open_files, self.own_network = open_files, own_network  # RLIMIT_NOFILE; a network namespace
+        self.in_flight = in_flight  # whether the call can send descriptors (kernel_buffers)
         self.interval, self.next, self.last = SLOW, 0.0, 0.0
         self.peak_memory = self.peak_disk = 0
         self.events = None
@@ -161,22 +358,28 @@ class Watch:
 
     def check(self) -> str | None:
         self.last = time.monotonic()
-        memory = sum(map(private_memory, process_tree(self.pid)))
+        tree = process_tree(self.pid)
+        resident = sum(map(private_memory, tree))
+        buffers = kernel_buffers(tree, self.open_files, self.own_network, self.in_flight)
+        memory = resident + buffers
         self.peak_memory = max(self.peak_memory, memory)
         share = memory / self.memory_bytes
         if memory > self.memory_bytes:
             return (
-                f"the call's processes held {memory >> 20} MiB of memory together "
-                f"(limit {self.memory_bytes >> 20} MiB for all of them)"
+                f"the call's processes held {memory >> 20} MiB of memory together, {buffers >> 20} MiB of it "
+                f"in socket and pipe buffers (limit {self.memory_bytes >> 20} MiB for all of them)"
             )
         if self.disk is not None:
             root, limit, max_entries = self.disk
-            used, entries = disk_usage(root, max_entries, self.events and self.events.add)
+            count = disk_usage(root, max_entries, self.events and self.events.add)
+            used, entries = count.used + unlinked_files(tree, root), count.entries
             self.peak_disk = max(self.peak_disk, used)
             if used > limit:
                 return f"the call wrote {used >> 20} MiB (limit {limit >> 20} MiB for all its files)"
             if entries > max_entries:
                 return f"the call made more than {max_entries} files and directories (the limit)"
+            if count.too_deep:
+                return f"the call nested directories deeper than {MAX_DEPTH} levels (the limit)"
             share = max(share, used / limit, entries / max_entries)
         self.interval = FAST if share > 0.5 else SLOW
         self.next = time.monotonic() + self.interval
