@@ -314,7 +314,8 @@ CORPUS = {
         "os.chmod('locked/inner', 0); os.chmod('locked', 0)\n"
         "for _ in range(1500): os.mkdir('d'); os.chdir('d')\n"
         "open('leaf', 'w').write('x'); print('built')",
-        lambda r, t: "built" in r.stdout and not os.path.exists(r.stdout.split()[0]),
+        # built, or stopped past the watch's depth limit (no tmpfs): either way nothing is left behind
+        lambda r, t: ("built" in r.stdout or "deeper" in r.limit) and not os.path.exists(r.stdout.split()[0]),
     ),
 }
 

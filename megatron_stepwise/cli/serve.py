@@ -106,6 +106,14 @@ def register(subparsers) -> None:
         help="refuse larger request bodies with 413 (default: max-batch-size prompts filling the "
         "context window, 32 bytes a token, + 1 MiB; weight uploads have their own limit)",
     )
+    p.add_argument(
+        "--max-tokens-in-flight",
+        type=_not_negative,
+        default=None,
+        help="admission budget: tokens (prompt + max_new_tokens) admitted and not finished, shared "
+        "fairly between clients (X-Client-Id header, else address); past it /generate answers 503 "
+        "with Retry-After (default: two full batches of 2048-token requests; 0: admit everything)",
+    )
     p.set_defaults(func=_serve_main)
 
 
@@ -122,6 +130,7 @@ def _serve_main(args: argparse.Namespace) -> int:
                 api_key=api_key_from_env(),
                 allow_unauthenticated=args.allow_unauthenticated,
                 max_request_bytes=args.max_request_bytes,
+                max_tokens_in_flight=args.max_tokens_in_flight,
             )
         except OSError as e:  # the port is taken, or the host is not an address of this machine
             await engine.close()

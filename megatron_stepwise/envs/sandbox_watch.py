@@ -86,26 +86,42 @@ PIPE_BYTES = 16 * os.sysconf("SC_PAGE_SIZE")  # a pipe's default capacity: 16 pa
 _NET_TABLES = ("unix", "tcp", "tcp6", "udp", "udp6", "raw", "raw6")  # the families the code can create
 
 
-def open_buffers(pid: int) -> tuple[set[int], set[int]] | None:
-    """The inodes of the sockets and pipes `pid` holds open; None when its descriptors cannot be
-    read (a process that made itself undumpable, seen by a watcher that is not root)."""
-    sockets, pipes = set(), set()
+class OpenFiles:
+    """What one process holds open that the kernel keeps memory or disk for: sockets and pipes (by
+    inode), and files of the call's directory it deleted (bytes allocated, by (device, inode))."""
+
+    def __init__(self):
+        self.sockets: set[int] = set()
+        self.pipes: set[int] = set()
+        self.deleted: dict[tuple[int, int], int] = {}
+
+
+def open_files_of(pid: int, root: str | None = None) -> OpenFiles | None:
+    """One pass over `pid`'s descriptors (`root`: the call's directory, for deleted files); None
+    when they cannot be read (a process that made itself undumpable, seen by a watcher that is
+    not root)."""
+    found = OpenFiles()
     try:
         fds = os.listdir(f"/proc/{pid}/fd")
     except FileNotFoundError:
-        return sockets, pipes  # gone
+        return found  # gone
     except OSError:
         return None
+    prefix = None if root is None else root.rstrip("/") + "/"
     for fd in fds:
         try:
             target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith("socket:["):
+                found.sockets.add(int(target[8:-1]))
+            elif target.startswith("pipe:["):
+                found.pipes.add(int(target[6:-1]))
+            elif prefix and target.startswith(prefix) and target.endswith(" (deleted)"):
+                st = os.stat(f"/proc/{pid}/fd/{fd}")
+                if stat.S_ISREG(st.st_mode):
+                    found.deleted[(st.st_dev, st.st_ino)] = st.st_blocks * 512
         except OSError:
             continue  # closed meanwhile
-        if target.startswith("socket:["):
-            sockets.add(int(target[8:-1]))
-        elif target.startswith("pipe:["):
-            pipes.add(int(target[6:-1]))
-    return sockets, pipes
+    return found
 
 
 def _network_namespace(pid: int | str) -> int | None:
@@ -138,29 +154,28 @@ def namespace_sockets(pid: int) -> set[int] | None:
     return inodes
 
 
-def kernel_buffers(tree: list[int], open_files: int, own_network: bool, in_flight: bool = True) -> int:
-    """Bytes the kernel may hold for the call's sockets and pipes: unread socket data is kernel
-    memory that no process's resident memory shows (one call held 3.3 GB that way). Counted at
-    each one's capacity, since the kernel does not tell how much of it is used. A process whose
-    descriptors cannot be read counts as holding `open_files` sockets.
+def kernel_buffers(
+    opened: list[OpenFiles | None], open_files: int, listed: set[int] | None = None, in_flight: bool = True
+) -> int:
+    """Bytes the kernel may hold for the call's sockets and pipes (`opened`: `open_files_of` for
+    each of its processes): unread socket data is kernel memory that no process's resident memory
+    shows (one call held 3.3 GB that way). Each socket and pipe counts once, at its capacity,
+    since the kernel does not tell how much of it is used. A process whose descriptors cannot be
+    read counts as holding `open_files` sockets.
 
     Descriptors sent over a unix socket and then closed are in flight: held by no process, yet
     the kernel keeps their buffers. It lets a user have at most RLIMIT_NOFILE in flight, so while
-    the call holds a socket that many more are reserved; with a network namespace of its own,
-    the namespace's tables list the sockets in flight too, and only pipes need the reserve.
-    `in_flight` False: the call cannot send descriptors (model code: sendmsg is refused).
+    the call holds a socket that many more are reserved; `listed` (the sockets of the call's own
+    network namespace, `namespace_sockets`) covers the sockets in flight, and then only pipes
+    need the reserve. `in_flight` False: the call cannot send descriptors (model code: sendmsg is
+    refused).
     """
-    sockets, pipes, hidden = set(), set(), 0
-    for pid in tree:
-        held = open_buffers(pid)
-        if held is None:
-            hidden += 1
-            continue
-        sockets |= held[0]
-        pipes |= held[1]
-    listed = namespace_sockets(tree[-1]) if own_network else None
-    if listed is not None:
-        sockets |= listed
+    sockets, pipes = set(listed or ()), set()
+    hidden = sum(found is None for found in opened)
+    for found in opened:
+        if found is not None:
+            sockets |= found.sockets
+            pipes |= found.pipes
     reserve = 0
     if in_flight and (sockets or hidden):
         reserve = open_files * (PIPE_BYTES if listed is not None else SOCKET_BYTES)
@@ -250,32 +265,25 @@ def _open_dir(name: str, parent: int) -> int | None:
     return None
 
 
-def unlinked_files(tree: list[int], root: str) -> int:
-    """Bytes in files of `root` the code deleted but keeps open or mapped: the directory walk no
-    longer sees them, yet their blocks stay allocated until the last descriptor or mapping goes
-    (before, 714 MB were held that way against a 64 MiB quota). An open one is measured; a mapped
-    one counts as its mapping's length, which its allocated blocks cannot exceed."""
+def unlinked_files(tree: list[int], opened: list[OpenFiles | None], root: str) -> int:
+    """Bytes in files of `root` the code deleted but keeps open or mapped (`opened`: the scans of
+    `tree`'s processes, with `root`): the directory walk no longer sees them, yet their blocks stay
+    allocated until the last descriptor or mapping goes (before, 714 MB were held that way against
+    a 64 MiB quota). An open one is measured; one only mapped counts as its mapping's length, which
+    its allocated blocks cannot exceed."""
     prefix, measured, mapped = root.rstrip("/") + "/", {}, {}
+    for found in opened:
+        if found is not None:
+            measured.update(found.deleted)
     for pid in tree:
         try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            fds = []
-        for fd in fds:
-            try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if target.startswith(prefix) and target.endswith(" (deleted)"):
-                    st = os.stat(f"/proc/{pid}/fd/{fd}")
-                    if stat.S_ISREG(st.st_mode):
-                        measured[(st.st_dev, st.st_ino)] = st.st_blocks * 512
-            except OSError:
-                continue
-        try:
             with open(f"/proc/{pid}/maps") as f:
-                maps = f.read().splitlines()
+                maps = f.read()
         except OSError:
             continue
-        for line in maps:
+        if " (deleted)" not in maps:
+            continue
+        for line in maps.splitlines():
             fields = line.split(maxsplit=5)  # range perms offset dev inode path
             if len(fields) == 6 and fields[5].startswith(prefix) and fields[5].endswith(" (deleted)"):
                 low, high = (int(x, 16) for x in fields[0].split("-"))
@@ -360,7 +368,10 @@ class Watch:
         self.last = time.monotonic()
         tree = process_tree(self.pid)
         resident = sum(map(private_memory, tree))
-        buffers = kernel_buffers(tree, self.open_files, self.own_network, self.in_flight)
+        root = self.disk[0] if self.disk is not None else None
+        opened = [open_files_of(pid, root) for pid in tree]
+        listed = namespace_sockets(tree[-1]) if self.own_network else None
+        buffers = kernel_buffers(opened, self.open_files, listed, self.in_flight)
         memory = resident + buffers
         self.peak_memory = max(self.peak_memory, memory)
         share = memory / self.memory_bytes
@@ -372,7 +383,7 @@ class Watch:
         if self.disk is not None:
             root, limit, max_entries = self.disk
             count = disk_usage(root, max_entries, self.events and self.events.add)
-            used, entries = count.used + unlinked_files(tree, root), count.entries
+            used, entries = count.used + unlinked_files(tree, opened, root), count.entries
             self.peak_disk = max(self.peak_disk, used)
             if used > limit:
                 return f"the call wrote {used >> 20} MiB (limit {limit >> 20} MiB for all its files)"

@@ -320,7 +320,7 @@ def test_agent_loop_steps_carry_the_engines_experts_and_merge_aligned():
 
 
 def test_sglang_wire_form_round_trips_through_the_embedded_server_response():
-    from megatron_stepwise.rollout.engines.embedded.server import generate_response
+    from megatron_stepwise.rollout.engines.embedded.generate_response import generate_response
     from megatron_stepwise.rollout.engines.sglang import parse_generate_response
 
     routed = torch.randint(0, 4, (7, 2, 2), dtype=torch.int16)  # prompt 3 + output 4 (all run)

@@ -25,7 +25,8 @@ from aiohttp import web
 from helpers import run_launch
 
 from megatron_stepwise.rollout.engines.embedded import generate_fields
-from megatron_stepwise.rollout.engines.embedded.server import OWN_ROUTES, EngineServer, generate_response
+from megatron_stepwise.rollout.engines.embedded.generate_response import generate_response
+from megatron_stepwise.rollout.engines.embedded.server import OWN_ROUTES, EngineServer
 from megatron_stepwise.rollout.engines.protocol import MEMORY_TAGS, GenerateResult, SamplingParams
 from megatron_stepwise.rollout.engines.sglang import (
     SGLANG_VERSION,

@@ -11,6 +11,7 @@ from helpers import tiny_lm
 
 from megatron_stepwise.rollout.engines.embedded.engine import LocalEngine
 from megatron_stepwise.rollout.engines.embedded.server import default_max_request_bytes, start_server
+from megatron_stepwise.rollout.engines.protocol import SamplingParams
 from megatron_stepwise.rollout.engines.sglang import SGLangClient
 
 TOK, CONFIG = tiny_lm("tiny_word")
@@ -133,3 +134,46 @@ def test_health_reports_overload_and_stays_200_for_the_router():
 
     engine = LocalEngine(CONFIG, tokenizer=TOK, seed=0, overload_queued_tokens=10)
     asyncio.run(serving(scenario, engine=engine))
+
+
+@pytest.mark.timeout(180)
+def test_admission_turns_a_flood_away_with_503_and_retry_after_and_admits_another_client():
+    prompt = [1, 5, 8, 9, 10, 11]
+    flood = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 100}}  # costs 106 tokens
+
+    async def scenario(engine, http, url):
+        await engine.pause()  # nothing finishes: what is admitted stays in flight
+        held = [
+            asyncio.create_task(http.post(url + "/generate", json=flood, headers={"X-Client-Id": "A"}))
+            for _ in range(2)
+        ]
+        await until(lambda: engine.scheduler_stats()["queued"] == 2, "two floods queued")
+        async with http.post(url + "/generate", json=flood, headers={"X-Client-Id": "A"}) as resp:
+            assert resp.status == 503 and resp.headers["Retry-After"] == "1"
+            msg = (await resp.json())["error"]["message"]
+            assert "212 of 250 tokens in flight (--max-tokens-in-flight)" in msg and "needs 106" in msg
+        small = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 2}}
+        other = asyncio.create_task(http.post(url + "/generate", json=small, headers={"X-Client-Id": "B"}))
+        await until(lambda: engine.scheduler_stats()["queued"] == 3, "the other client admitted")
+        async with http.get(url + "/health") as resp:
+            assert (await resp.json())["admission"] == {
+                "tokens_in_flight": 220,
+                "max_tokens_in_flight": 250,
+                "clients_in_flight": 2,
+                "refused_requests": 1,
+            }
+        # SGLangClient waits a 503 out (Retry-After) instead of failing the engine
+        client = SGLangClient(url, timeout_s=60)
+        try:
+            retried = asyncio.create_task(client.generate(prompt, SamplingParams(max_new_tokens=150)))
+            await until(lambda: client.overload_retries >= 1, "the client told to retry")
+            await engine.resume()
+            assert len((await retried).output_ids) > 0
+        finally:
+            await client.close()
+        for t in await asyncio.gather(*held, other):
+            assert t.status == 200
+            t.release()
+
+    engine = LocalEngine(CONFIG, tokenizer=TOK, seed=0, eos_token_ids=[])
+    asyncio.run(serving(scenario, engine=engine, max_tokens_in_flight=250))

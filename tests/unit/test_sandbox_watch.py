@@ -18,6 +18,8 @@ from megatron_stepwise.envs.sandbox_watch import (
     SOCKET_BYTES,
     disk_usage,
     kernel_buffers,
+    namespace_sockets,
+    open_files_of,
     unlinked_files,
 )
 
@@ -56,7 +58,7 @@ def test_each_socket_and_pipe_counts_at_capacity_plus_the_in_flight_reserve(hold
     proc = holders(3, 2)
     # 3 pairs = 6 sockets; 2 pipes of its own plus its stdin and stdout pipes; 64 may be in flight
     assert (
-        kernel_buffers([proc.pid], open_files=64, own_network=False)
+        kernel_buffers([open_files_of(proc.pid)], open_files=64)
         == 6 * SOCKET_BYTES + 4 * PIPE_BYTES + 64 * SOCKET_BYTES
     )
 
@@ -64,32 +66,32 @@ def test_each_socket_and_pipe_counts_at_capacity_plus_the_in_flight_reserve(hold
 @pytest.mark.timeout(60)
 def test_a_descriptor_shared_by_two_processes_counts_once_and_pipes_alone_reserve_nothing(holders):
     proc = holders(0, 1)
-    assert kernel_buffers([proc.pid, proc.pid], open_files=64, own_network=False) == 3 * PIPE_BYTES
+    assert kernel_buffers([open_files_of(proc.pid)] * 2, open_files=64) == 3 * PIPE_BYTES
 
 
 @pytest.mark.timeout(60)
 def test_a_call_that_cannot_send_descriptors_reserves_nothing_for_them(holders):
     proc = holders(1, 0)
     assert (
-        kernel_buffers([proc.pid], open_files=64, own_network=False, in_flight=False)
-        == 2 * SOCKET_BYTES + 2 * PIPE_BYTES
+        kernel_buffers([open_files_of(proc.pid)], open_files=64, in_flight=False) == 2 * SOCKET_BYTES + 2 * PIPE_BYTES
     )
 
 
 @pytest.mark.timeout(60)
 def test_a_process_still_in_the_trainers_network_namespace_is_not_read_as_its_own(holders):
-    # own_network=True, but the process shares this one's namespace (not moved yet): its table is
-    # the host's, so only its descriptors count, with the full in-flight reserve
+    # the process shares this one's namespace (not moved yet): its table is the host's, not the call's
     proc = holders(1, 0)
-    counted = kernel_buffers([proc.pid], open_files=8, own_network=True)
-    assert counted == 2 * SOCKET_BYTES + 2 * PIPE_BYTES + 8 * SOCKET_BYTES
+    assert namespace_sockets(proc.pid) is None
+    listed = {1, 2, 3}  # a namespace of the call's own: the sockets it lists count, and only pipes are reserved
+    counted = kernel_buffers([open_files_of(proc.pid)], open_files=8, listed=listed)
+    assert counted == 5 * SOCKET_BYTES + 2 * PIPE_BYTES + 8 * PIPE_BYTES
 
 
 @pytest.mark.timeout(60)
 def test_a_process_gone_counts_nothing():
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait(timeout=30)
-    assert kernel_buffers([proc.pid], open_files=64, own_network=False) == 0
+    assert kernel_buffers([open_files_of(proc.pid)], open_files=64) == 0
 
 
 def _chain(root, depth: int, name: str) -> str:
@@ -139,9 +141,10 @@ def test_deleted_files_kept_open_or_mapped_still_count(tmp_path):
     try:
         assert proc.stdout.readline().strip() == "ready"
         assert disk_usage(str(tmp_path), max_entries=100).used == 0  # the walk sees nothing
-        held = unlinked_files([proc.pid], str(tmp_path))
+        held = unlinked_files([proc.pid], [open_files_of(proc.pid, str(tmp_path))], str(tmp_path))
         assert (1 << 20) + (2 << 20) <= held <= (1 << 20) + (2 << 20) + (64 << 10)
-        assert unlinked_files([proc.pid], str(tmp_path / "elsewhere")) == 0
+        elsewhere = str(tmp_path / "elsewhere")
+        assert unlinked_files([proc.pid], [open_files_of(proc.pid, elsewhere)], elsewhere) == 0
     finally:
         proc.kill()
         proc.wait(timeout=30)

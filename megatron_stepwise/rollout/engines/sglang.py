@@ -41,6 +41,14 @@ class EngineRequestError(EngineError):
     """The engine refused the request itself (HTTP 4xx): retrying elsewhere will not help."""
 
 
+def _retry_after(resp: aiohttp.ClientResponse) -> Optional[float]:
+    """The seconds of a 503's `Retry-After` (None: absent, or a date, which no server of ours sends)."""
+    try:
+        return max(0.0, float(resp.headers["Retry-After"]))
+    except (KeyError, ValueError):
+        return None
+
+
 def _version_int(value: Any) -> int:
     """SGLang reports weight versions as strings ("default" before any update)."""
     try:
@@ -172,6 +180,7 @@ class SGLangClient:
         self.tp_size = tp_size
         self.api_key = api_key or api_key_from_env()  # sent as a Bearer header (SGLang --api-key)
         self._session: Optional[aiohttp.ClientSession] = None
+        self.overload_retries = 0  # /generate answers 503 + Retry-After waited out
         self._embedded: Optional[bool] = None
         self._paused = False  # between pause() and resume(): an aborted result was ended by the pause
         self._version_seen = 0  # the server's weight version as this client last read it
@@ -191,15 +200,22 @@ class SGLangClient:
         self, method: str, path: str, json: Any = None, params: Any = None, base_url: Optional[str] = None
     ) -> Any:
         url = (base_url or self.base_url) + path
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
         try:
-            async with self._http().request(method, url, json=json, params=params) as resp:
-                text = await resp.text()
-                if resp.status >= 400:
-                    cls = EngineRequestError if 400 <= resp.status < 500 else EngineError
-                    raise cls(f"{method} {url} -> HTTP {resp.status}: {text[:500]}")
-                if resp.content_type == "application/json":
-                    return await resp.json()
-                return text
+            while True:
+                async with self._http().request(method, url, json=json, params=params) as resp:
+                    text = await resp.text()
+                    wait = _retry_after(resp) if resp.status == 503 and path == "/generate" else None
+                    if wait is None or loop.time() + wait >= deadline:
+                        if resp.status >= 400:
+                            cls = EngineRequestError if 400 <= resp.status < 500 else EngineError
+                            raise cls(f"{method} {url} -> HTTP {resp.status}: {text[:500]}")
+                        if resp.content_type == "application/json":
+                            return await resp.json()
+                        return text
+                self.overload_retries += 1  # not admitted now (serve's admission): it said when to retry
+                await asyncio.sleep(wait)
         except aiohttp.ClientError as e:
             raise EngineError(f"{method} {url} failed: {e!r}") from e
         except asyncio.TimeoutError as e:

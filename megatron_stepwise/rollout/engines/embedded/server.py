@@ -20,7 +20,9 @@ own limit, sized from the model's weights). A `/generate` whose client disconnec
 weight load is never left half done). `/health` answers 200 while the engine lives, with its load
 as JSON (`status` "ok" or "overloaded", queue depth, queued prompt tokens): the fleet's router
 treats a non-200 as a dead engine and restarts it, which a busy one is not. `/health_generate`
-is the readiness check: 503 with `Retry-After` while overloaded.
+is the readiness check: 503 with `Retry-After` while overloaded. `/generate` is admitted by a
+budget of tokens in flight, shared fairly between clients (`admission.py`): past it, 503 with
+`Retry-After`.
 
 Deviation: `/update_weights_from_tensor` takes each entry of `serialized_named_tensors` as
 base64 of a safetensors blob (`load_format="safetensors"`), not SGLang's pickled CUDA-IPC
@@ -50,10 +52,11 @@ from megatron_stepwise.rollout.engines.auth import (
     redact_bearer_tokens,
 )
 from megatron_stepwise.rollout.engines.embedded import request_fields as F
+from megatron_stepwise.rollout.engines.embedded.admission import Admission, Overloaded
 from megatron_stepwise.rollout.engines.embedded.engine import LocalEngine
 from megatron_stepwise.rollout.engines.embedded.generate_fields import check_generate_fields
-from megatron_stepwise.rollout.engines.protocol import EngineReleasedError, GenerateResult, SamplingParams
-from megatron_stepwise.rollout.engines.routed_experts import encode as encode_routed
+from megatron_stepwise.rollout.engines.embedded.generate_response import generate_response
+from megatron_stepwise.rollout.engines.protocol import EngineReleasedError, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +73,12 @@ def default_max_request_bytes(engine: LocalEngine) -> int:
     the context window (`max_position_embeddings`, at most 1M tokens counted) + 1 MiB."""
     context = min(engine.max_positions, 1 << 20)
     return SMALL_BODY + BYTES_PER_TOKEN * context * engine.scheduler.max_batch_size
+
+
+def default_max_tokens_in_flight(engine: LocalEngine) -> int:
+    """Admission's default budget: two full batches of requests of up to 2048 tokens (prompt +
+    max_new_tokens), i.e. the running batch and one more waiting to join it."""
+    return 2 * engine.scheduler.max_batch_size * min(engine.max_positions, 2048)
 
 
 def weight_upload_bytes(engine: LocalEngine) -> int:
@@ -129,58 +138,21 @@ class _QuietGrpcProbe(logging.Filter):
         return not (exc is not None and "PRI/Upgrade" in str(exc))
 
 
-def finish_reason_json(result: GenerateResult) -> dict[str, Any]:
-    if result.finish_reason == "stop":
-        return {"type": "stop", "matched": result.matched}
-    if result.finish_reason == "length":
-        return {"type": "length", "length": len(result.output_ids)}
-    return {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
-
-
-def version_spans(versions: list[int]) -> list[dict[str, Any]]:
-    """Per-token versions -> SGLang's `meta_info.weight_versions` spans ([start, end))."""
-    spans: list[dict[str, Any]] = []
-    for i, v in enumerate(versions):
-        if spans and spans[-1]["version"] == str(v):
-            spans[-1]["end"] = i + 1
-        else:
-            spans.append({"version": str(v), "start": i, "end": i + 1})
-    return spans
-
-
-def generate_response(
-    rid: str,
-    prompt_len: int,
-    result: GenerateResult,
-    return_logprob: bool,
-    return_routed_experts: bool = False,
-    token_text=None,
-) -> dict:
-    meta: dict[str, Any] = {
-        "id": rid,
-        "prompt_tokens": prompt_len,
-        "completion_tokens": len(result.output_ids),
-        "finish_reason": finish_reason_json(result),
-        "weight_version": str(result.weight_version),
-        "weight_versions": version_spans(result.token_weight_versions or []),
-        "cached_tokens": result.cached_tokens,
-    }
-    if return_logprob:
-        text = token_text or (lambda t: None)  # return_text_in_logprobs: each token's text
-        meta["output_token_logprobs"] = [[lp, t, text(t)] for lp, t in zip(result.logprobs, result.output_ids)]
-    if return_routed_experts:
-        # SGLang's contract: positions [0, prompt + output - 1), base64 of int32 [positions, layers, topk]
-        routed = result.routed_experts
-        meta["routed_experts"] = encode_routed(routed[: max(0, prompt_len + len(result.output_ids) - 1)])
-    return {"text": result.text or "", "output_ids": list(result.output_ids), "meta_info": meta}
-
-
 class EngineServer:
     """aiohttp handlers around one `LocalEngine`."""
 
-    def __init__(self, engine: LocalEngine, api_key: Optional[str] = None, max_request_bytes: Optional[int] = None):
+    def __init__(
+        self,
+        engine: LocalEngine,
+        api_key: Optional[str] = None,
+        max_request_bytes: Optional[int] = None,
+        max_tokens_in_flight: Optional[int] = None,
+    ):
         if max_request_bytes is not None and max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
+        # None: the default budget; 0: every request admitted (the engine's queue is the only limit)
+        budget = default_max_tokens_in_flight(engine) if max_tokens_in_flight is None else max_tokens_in_flight
+        self.admission = Admission(budget) if budget else None
         self.engine = engine
         self.api_key = api_key
         self.configured_limit = max_request_bytes is not None
@@ -246,6 +218,9 @@ class EngineServer:
             raise
         except BodyTooLarge as e:
             return web.json_response({"error": {"message": str(e)}}, status=413)
+        except Overloaded as e:
+            headers = {"Retry-After": str(e.retry_after)}
+            return web.json_response({"error": {"message": str(e)}}, status=503, headers=headers)
         except (BadRequest, ValueError, KeyError, TypeError, FileNotFoundError, EngineReleasedError) as e:
             msg = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
             if request.path.startswith(("/update_weights", "/init_weights", "/destroy_weights")):
@@ -329,7 +304,7 @@ class EngineServer:
             params = [SamplingParams.from_dict(s) for s in sps]
         except TypeError as e:
             raise BadRequest(f"sampling_params: {e}") from None
-        results = await asyncio.gather(*(self.engine.generate(p, s, rid=r) for p, s, r in zip(prompts, params, rids)))
+        results = await self._admitted(request, prompts, params, rids)
         token_text = None
         if text_in_logprobs and self.engine.tokenizer is not None:
             token_text = lambda t: self.engine.tokenizer.decode([t])  # noqa: E731
@@ -338,6 +313,19 @@ class EngineServer:
             for r, p, res, flag in zip(rids, prompts, results, lps)
         ]
         return web.json_response(out if batched else out[0])
+
+    async def _admitted(self, request: web.Request, prompts: list, params: list, rids: list) -> list:
+        """Generate once admitted (raises Overloaded: 503); the tokens count until every prompt ends."""
+        generations = (self.engine.generate(p, s, rid=r) for p, s, r in zip(prompts, params, rids))
+        if self.admission is None:
+            return await asyncio.gather(*generations)
+        client = request.headers.get("X-Client-Id") or request.remote or "unknown"
+        cost = sum(len(p) + s.max_new_tokens for p, s in zip(prompts, params))
+        self.admission.admit(client, cost)
+        try:
+            return await asyncio.gather(*generations)
+        finally:
+            self.admission.release(client, cost)
 
     def _encode(self, texts: Any) -> list:
         """`text` (one string, or a batch of them) as token ids."""
@@ -360,6 +348,8 @@ class EngineServer:
             return web.json_response({"status": "unhealthy"}, status=503)
         load = self.engine.scheduler_stats()
         body = {"status": "overloaded" if load["overloaded"] else "ok", **load}
+        if self.admission is not None:
+            body["admission"] = self.admission.stats()
         if load["overloaded"] and request.path == "/health_generate":
             return web.json_response(body, status=503, headers={"Retry-After": "1"})
         return web.json_response(body)
@@ -536,12 +526,14 @@ async def start_server(
     api_key: Optional[str] = None,
     allow_unauthenticated: bool = False,
     max_request_bytes: Optional[int] = None,
+    max_tokens_in_flight: Optional[int] = None,
 ) -> tuple[web.AppRunner, int]:
     """Start serving in the running event loop; returns (runner, bound port). `port=0` picks one.
 
     Anything that can reach the port can replace the weights or abort requests: beyond loopback a
     server needs an `api_key` unless `allow_unauthenticated` (a network you trust).
-    `max_request_bytes`: the body limit (None: `default_max_request_bytes`)."""
+    `max_request_bytes`: the body limit (None: `default_max_request_bytes`); `max_tokens_in_flight`:
+    admission's budget (None: `default_max_tokens_in_flight`, 0: none)."""
     if not is_loopback(host) and not api_key and not allow_unauthenticated:
         raise ValueError(
             f"serving on {host} (beyond loopback) needs an API key: set {API_KEY_ENV}, or pass "
@@ -549,7 +541,7 @@ async def start_server(
         )
     redact_bearer_tokens()  # aiohttp logs an unparsable request with its header line
     logging.getLogger("aiohttp.server").addFilter(_QuietGrpcProbe())
-    server = EngineServer(engine, api_key, max_request_bytes)
+    server = EngineServer(engine, api_key, max_request_bytes, max_tokens_in_flight)
     # handler_cancellation: a /generate whose client disconnected is cancelled, with its generation
     runner = _Runner(server.app(), access_log=None, handler_cancellation=True)
     await runner.setup()
