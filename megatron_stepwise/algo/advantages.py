@@ -54,6 +54,21 @@ def get_estimator(name: str) -> Callable:
     return _ESTIMATORS.lookup(name)[0]
 
 
+def option_problems(name: str, options: dict) -> list[tuple[str, str]]:
+    """(config key, problem) for each of `algo.estimator_options` that estimator `name` does not
+    take: its keyword-only parameters (not `eps`, `states`). One with a named `**options` takes
+    anything; `**_` only swallows what is passed to every estimator, which names none of its own."""
+    params = inspect.signature(get_estimator(name)).parameters.values()
+    if any(p.kind is p.VAR_KEYWORD and p.name != "_" for p in params):
+        return []
+    known = [p.name for p in params if p.kind is p.KEYWORD_ONLY and p.name not in ("eps", "states")]
+    takes = f"it takes {', '.join(known)}" if known else "it takes none"
+    return [
+        (f"algo.estimator_options.{key}", f"is not an option of {name} ({takes})")
+        for key in sorted(set(options) - set(known))
+    ]
+
+
 def list_estimators() -> list[str]:
     return _ESTIMATORS.names()
 

@@ -144,7 +144,8 @@ class RolloutConfig:
     engine: Literal["embedded", "sglang"] = option(
         "embedded", "engine kind: embedded (CPU, transformers) or sglang (GPU servers)"
     )
-    num_engines: int = option(1, "number of engines in the fleet", min=1)
+    # 4096: far past the largest fleet (one engine per GPU of a 4096-GPU cluster)
+    num_engines: int = option(1, "number of engines in the fleet", min=1, max=4096)
     engine_tp: int = option(1, "tensor-parallel size (GPUs) of each SGLang engine", min=1)
     embedded_cache_tokens: int = option(
         32768,
@@ -475,8 +476,9 @@ class EvalConfig:
 class LaunchConfig:
     """Where processes go; read by launch/ scripts and the parallel-layout checks."""
 
-    nnodes: int = option(1, "nodes running training ranks", min=1)
-    nproc_per_node: int = option(1, "training ranks per node (world size = nnodes x nproc_per_node)", min=1)
+    nnodes: int = option(1, "nodes running training ranks", min=1, max=65536)
+    # 256: no node holds more accelerators (8 or 16 usually); gloo tests on CPU use a few
+    nproc_per_node: int = option(1, "training ranks per node (world size = nnodes x nproc_per_node)", min=1, max=256)
     gpus_per_node: int = option(0, "GPUs per node; 0 = CPU only (docs/launch.md)", min=0)
     rollout_nodes: int = option(0, "extra nodes given wholly to the rollout fleet (after the training nodes)", min=0)
     master_port: Optional[int] = option(

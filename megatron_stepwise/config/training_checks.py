@@ -59,11 +59,16 @@ def check_algo(cfg: ExperimentConfig, check: Checker) -> None:
 
 
 def _check_turn_estimator(cfg: ExperimentConfig, check: Checker) -> None:
-    """A turn-level estimator's options, and per-turn rewards to credit (docs/credit.md)."""
+    """The estimator's options (any estimator), and a turn-level one's per-turn rewards to credit
+    (docs/credit.md)."""
     from megatron_stepwise.algo import advantages, turn_credit
 
     name = cfg.algo.estimator
-    if name not in advantages.list_estimators() or not advantages.is_turn_estimator(name):
+    if name not in advantages.list_estimators():
+        return
+    if not advantages.is_turn_estimator(name):
+        for key, message in advantages.option_problems(name, dict(cfg.algo.estimator_options)):
+            check.fail(key, message, "algo.estimator")
         return
     if cfg.rollout.max_turns == 1:
         check.fail(

@@ -124,6 +124,19 @@ IMPOSSIBLE_SIZES = {
         "rollout.max_input_length",
         "positions",
     ),
+    "ranks_past_any_node": (["launch.nproc_per_node=100000"], "launch.nproc_per_node", "must be <= 256"),
+    "engines_past_any_fleet": (["rollout.num_engines=100000"], "rollout.num_engines", "must be <= 4096"),
+    "nodes_past_any_cluster": (["launch.nnodes=1000000"], "launch.nnodes", "must be <= 65536"),
+    "option_grpo_does_not_take": (
+        ["algo.estimator_options.gamma=0.9"],
+        "algo.estimator_options.gamma",
+        "is not an option of grpo (it takes none)",
+    ),
+    "option_reinforce_pp_does_not_take": (
+        ["algo.estimator=reinforce++", "rollout.max_turns=1", "algo.estimator_options.lam=0.9"],
+        "algo.estimator_options.lam",
+        "is not an option of reinforce++ (it takes gamma)",
+    ),
     "microbatch_past_int32": ([f"data.max_tokens_per_microbatch={2**40}"], "data.max_tokens_per_microbatch", "index"),
     "trajectories_past_int32": (
         ["data.prompts_per_iteration=4194304", "data.prompts_per_minibatch=4194304", "data.samples_per_prompt=1048576"],
