@@ -22,12 +22,20 @@ from typing import TYPE_CHECKING, Callable, Optional, TypeVar
 import torch
 import torch.distributed as dist
 
+from megatron_stepwise.errors import UserError
+
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
     from megatron_stepwise.loop.checkpointer import Stateful
 
 T = TypeVar("T")  # what rank 0 produces: every rank receives it (or its own DP rank's)
+
+
+class HandedOverUserError(UserError):
+    """Rank 0's rollout stopped on bad input (a dataset rewritten during the run, ...): every rank
+    raises this, so the run ends with the input error's exit code (2) and one message, not a
+    traceback per rank."""
 
 
 def describe(e: BaseException) -> str:
@@ -246,7 +254,7 @@ class Handoff:
             yield
         except Exception as e:
             error = self._produce_error
-            if error is None or e.__cause__ is error:
+            if error is None or e.__cause__ is error or isinstance(e, HandedOverUserError):
                 raise
             raise RuntimeError(
                 f"{what} failed on rank 0 at iteration {iteration}: {describe(error)} "
@@ -261,12 +269,14 @@ class Handoff:
             self._produce_error = e
             # As text: the exception itself may not pickle (Ray and HTTP client errors hold
             # locks and sockets), and a failed pickle would leave the other ranks waiting.
-            return e, ("error", describe(e), None)
+            return e, ("user_error" if isinstance(e, UserError) else "error", describe(e), None)
         finally:
             self.produce_seconds += time.perf_counter() - start
 
     def _open(self, payload: tuple, error: Optional[BaseException], what: str, iteration: int):
         kind, result, dataset_state = payload
+        if kind == "user_error":
+            raise HandedOverUserError(f"{what} stopped on rank 0 at iteration {iteration}: {result}") from None
         if kind == "error":
             raise RuntimeError(f"{what} failed on rank 0 at iteration {iteration}: {result}") from error
         self.dataset.load_state_dict(dataset_state)

@@ -127,3 +127,19 @@ def test_a_rank_gone_while_rank0_hands_over_a_good_result_is_one_named_error(mon
         "rollout at iteration 2: handing the result to the ranks failed (a rank is gone or cut off): "
         "RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error [10.0.0.2]:30407: Connection reset by peer"
     )
+
+
+def test_bad_input_on_rank0_is_an_input_error_on_every_rank():
+    """A dataset rewritten during the run (a UserError) ends the run with exit 2 and one line per
+    rank; before, RuntimeError wrapped it: exit 1, three tracebacks."""
+    from megatron_stepwise.data.files import DatasetError
+    from megatron_stepwise.errors import UserError
+
+    h = _handoff()
+    h.produce_seconds = 0.0
+    error, payload = h._run(lambda: (_ for _ in ()).throw(DatasetError("env.dataset: d.jsonl changed")))
+    assert payload[0] == "user_error"
+    for rank_error in (error, None):  # rank 0 holds the error itself, the others only its text
+        with pytest.raises(UserError, match="^rollout stopped on rank 0 at iteration 8: DatasetError: env.dataset"):
+            with h._keeping_rank0_error("rollout", 8):
+                h._open(payload, rank_error, "rollout", 8)
