@@ -280,7 +280,9 @@ def _truncate_after(path: str, iteration: int) -> None:
     any torn line; every kept line ends with its newline, so the next record starts on its own."""
     if not os.path.exists(path):
         return
-    keep = [line for line, record in read_jsonl_records(path) if record.get("iteration", 0) < iteration]
+    keep = [
+        line for line, record in read_jsonl_records(path, require_iteration=True) if record["iteration"] < iteration
+    ]
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         f.writelines(line + "\n" for line in keep)

@@ -13,6 +13,10 @@ from megatron_stepwise.rundir.paths import RunDir
 
 META_KEY = b"megatron_stepwise.dump"
 FORMAT_VERSION = 1
+TOKEN_ID_COLUMNS = ("prompt_ids", "response_ids")
+# one value per response token: a row whose list is longer or shorter cannot be drawn or replayed
+PER_RESPONSE_TOKEN = ("loss_mask", "rollout_logprobs", "rollout_logprobs_known", "advantages", "trainer_logprobs")
+INT32_MAX = 2**31 - 1
 
 
 class DumpError(UserError, ValueError):
@@ -65,4 +69,48 @@ def read_dump_table(
         raise DumpError(f"{path}: its {META_KEY.decode()} metadata is not JSON: {e}") from e
     if not isinstance(meta, dict) or not isinstance(meta.get("iteration"), int):
         raise DumpError(f"{path}: its {META_KEY.decode()} metadata has no integer 'iteration'")
+    check_rows(table, path)
     return meta, table
+
+
+def check_rows(table, path: Path) -> None:
+    """A dump is data from a file anyone may have written: its strings must be UTF-8, its token
+    ids int32 and not negative, its per-token lists as long as the response (each a DumpError
+    naming the column and row, where they were tracebacks from deep inside the viewer)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    try:
+        table.validate(full=True)  # invalid UTF-8 in a string column, offsets past the data
+    except pa.ArrowInvalid as e:
+        raise DumpError(f"{path} is corrupt: {e}") from None
+    names = set(table.column_names)
+    for name in TOKEN_ID_COLUMNS:
+        if name not in names:
+            continue
+        column = table.column(name)
+        if not (pa.types.is_list(column.type) and pa.types.is_integer(column.type.value_type)):
+            raise DumpError(f"{path}: column {name} holds {column.type}, not lists of token ids")
+        flat = pc.list_flatten(column)
+        bounds = pc.min_max(flat)
+        low, high = bounds["min"].as_py(), bounds["max"].as_py()
+        if low is not None and (low < 0 or high > INT32_MAX):
+            first = pc.index(pc.or_(pc.less(flat, 0), pc.greater(flat, INT32_MAX)), True).as_py()
+            row = pc.list_parent_indices(column)[first].as_py()
+            raise DumpError(f"{path}: row {row}: {name} holds token id {flat[first].as_py()}, outside [0, {INT32_MAX}]")
+    if "response_ids" not in names:
+        return
+    lengths = pc.list_value_length(table.column("response_ids"))
+    for name in PER_RESPONSE_TOKEN:
+        if name not in names:
+            continue
+        column = table.column(name)
+        if not pa.types.is_list(column.type):
+            raise DumpError(f"{path}: column {name} holds {column.type}, not one list per row")
+        mine = pc.list_value_length(column)
+        ragged = pc.fill_null(pc.not_equal(mine, lengths), False)
+        if pc.any(ragged).as_py():
+            row = pc.index(ragged, True).as_py()
+            raise DumpError(
+                f"{path}: row {row}: {name} has {mine[row].as_py()} values for {lengths[row].as_py()} response tokens"
+            )

@@ -19,9 +19,10 @@ from megatron_stepwise.rundir.paths import RunDir
 log = logging.getLogger(__name__)
 
 
-def read_jsonl_records(path: str) -> Iterator[tuple[str, dict[str, Any]]]:
+def read_jsonl_records(path: str, require_iteration: bool = False) -> Iterator[tuple[str, dict[str, Any]]]:
     """(line without its newline, parsed object) of each good line of `path`; each unreadable
-    line (torn JSON, not an object, invalid UTF-8) is skipped with a warning naming file and line."""
+    line (torn JSON, not an object, invalid UTF-8, or with `require_iteration` no integer
+    `iteration`, which every metrics record has) is skipped with a warning naming file and line."""
     with open(path, "rb") as f:
         for number, raw in enumerate(f, start=1):
             if not raw.strip():
@@ -37,13 +38,17 @@ def read_jsonl_records(path: str) -> Iterator[tuple[str, dict[str, Any]]]:
             if not isinstance(record, dict):
                 log.warning("%s line %d is %s, not a JSON object: skipped", path, number, type(record).__name__)
                 continue
+            iteration = record.get("iteration")
+            if require_iteration and (not isinstance(iteration, int) or isinstance(iteration, bool)):
+                log.warning("%s line %d has no integer 'iteration' (%r): skipped", path, number, iteration)
+                continue
             yield line, record
 
 
 def read_metrics(run_dir: str) -> list[dict[str, Any]]:
     """The records of a run's metrics.jsonl (`run_dir` may name the file itself); a torn line (a
-    crash mid-write) is dropped with one warning."""
+    crash mid-write) or one without an integer `iteration` is dropped with one warning."""
     path = str(RunDir(run_dir).metrics) if os.path.isdir(run_dir) else run_dir
     if not os.path.exists(path):
         raise FileNotFoundError(f"no metrics.jsonl in {run_dir!r}: is it a run directory?")
-    return [record for _, record in read_jsonl_records(path)]
+    return [record for _, record in read_jsonl_records(path, require_iteration=True)]
