@@ -166,8 +166,9 @@ class RolloutConfig:
     agent_worker_cpus: float = option(1.0, "CPUs Ray reserves for each agent worker", gt=0.0)
     agent_worker_timeout_s: float = option(
         300.0,
-        "seconds an agent worker may leave a liveness ping or a row fetch unanswered before it is treated "
-        "as dead (killed, restarted, its groups rolled out again)",
+        "seconds an agent worker may go without answering a liveness ping (sent every quarter of it), or "
+        "leave a row fetch unanswered, before it is treated as dead (killed, restarted, its groups rolled "
+        "out again)",
         gt=0.0,
     )
     handoff: Literal["workers", "driver"] = option(

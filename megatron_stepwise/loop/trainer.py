@@ -93,7 +93,9 @@ class Trainer:
             self.scheduler,
             epochs=cfg.data.epochs,
             ref_chunks=self.ref_chunks,
-            check=lambda m: check_finite(m, iteration=self.state.iteration, clip_grad=cfg.optim.clip_grad),
+            check=lambda m: check_finite(
+                m, iteration=self.state.iteration, clip_grad=cfg.optim.clip_grad, resumed_from=self.resumed_from
+            ),
         )
         self.dataset = components.build_dataset(cfg)
         self.state = TrainerState()
@@ -135,7 +137,8 @@ class Trainer:
             scheduler=self.scheduler,
             parts={"trainer": self.state, "dataset": self.dataset, "rollouts": self.source},
         )
-        self.checkpoints.resume()
+        # the iteration a resume starts at (None: a fresh run); a divergence at it blames the checkpoint
+        self.resumed_from = self.state.iteration if self.checkpoints.resume() else None
 
         self.driver: Optional[Driver] = None
         self.evaluator: Optional[Evaluator] = None

@@ -61,6 +61,17 @@ class AgentWorkersNotStarted(UserError, TimeoutError):
     """The agent workers' actors never started (Ray had no room for them): a resource setting to fix."""
 
 
+def ping_schedule(timeout_s: float, started: bool) -> tuple[float, float]:
+    """(seconds between the last answered ping and the next one, seconds that one may take): a
+    worker that freezes right after answering is given up `timeout_s` later, never twice that
+    (one wait for the reply, then a ping with a wait of its own, took up to 2 x timeout_s). A
+    worker that never answered yet gets START_TIMEOUT_S at least (Ray may still be starting it)."""
+    interval = timeout_s / 4
+    if not started:
+        return interval, max(timeout_s, START_TIMEOUT_S)
+    return interval, timeout_s - interval
+
+
 class WorkerUnresponsive(TimeoutError):
     """An agent worker answered no liveness ping within `rollout.agent_worker_timeout_s`."""
 
@@ -417,26 +428,30 @@ class AgentWorkers:
 
     async def _answer(self, worker: _Worker, call, what: str):
         """The worker's reply to `call`, however long the work takes while the worker answers
-        liveness pings; WorkerUnresponsive once a ping goes unanswered for `timeout_s`."""
+        liveness pings; WorkerUnresponsive once it has answered none for `timeout_s`."""
         reply = asyncio.ensure_future(call)
+        ping = None
         try:
             while True:
-                done, _ = await asyncio.wait({reply}, timeout=self.timeout_s)
-                if done:
+                interval, bound = ping_schedule(self.timeout_s, worker.started)
+                done, _ = await asyncio.wait({reply}, timeout=interval)
+                if not done:
+                    ping = asyncio.ensure_future(worker.handle.ready.remote())
+                    done, _ = await asyncio.wait({reply, ping}, timeout=bound, return_when=asyncio.FIRST_COMPLETED)
+                if reply in done:
                     worker.started = True
                     return reply.result()
-                bound = self.timeout_s if worker.started else max(self.timeout_s, START_TIMEOUT_S)
-                try:
-                    await asyncio.wait_for(worker.handle.ready.remote(), bound)
-                except asyncio.TimeoutError:
+                if ping not in done:
                     name = self._name(worker.index, worker.incarnation)
                     raise WorkerUnresponsive(
-                        f"agent worker {name} answered no liveness ping for {bound:g} s while {what} "
+                        f"agent worker {name} answered no liveness ping for {interval + bound:g} s while {what} "
                         "(rollout.agent_worker_timeout_s): treated as dead"
-                    ) from None
+                    )
                 worker.started = True
         finally:
             reply.cancel()
+            if ping is not None:
+                ping.cancel()
 
     def _name(self, index: int, incarnation: int) -> str:
         return f"agent-{self._token}-{index}.{incarnation}"

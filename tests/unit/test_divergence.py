@@ -38,3 +38,13 @@ def test_not_computed_grad_norms_and_skipped_steps_are_not_divergence():
     )
     # other metrics are not watched (a max-type metric may legitimately be inf)
     check_finite({**GOOD, "logprob_gap_max": math.inf}, iteration=0, clip_grad=1.0)
+
+
+def test_a_divergence_at_the_first_step_after_a_resume_blames_the_checkpoint_not_advises_it():
+    with pytest.raises(RunDiverged) as e:
+        check_finite({**GOOD, "loss": math.nan}, iteration=12, clip_grad=1.0, resumed_from=12)
+    msg = str(e.value)
+    assert "first step after resuming from the checkpoint of iteration 12" in msg
+    assert "checkpoint.load_optimizer=false" in msg and "resume from the last checkpoint" not in msg
+    with pytest.raises(RunDiverged, match="resume from the last checkpoint"):  # later on, the old advice holds
+        check_finite({**GOOD, "loss": math.nan}, iteration=14, clip_grad=1.0, resumed_from=12)
