@@ -47,6 +47,13 @@ def describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
+def is_input_error(e: BaseException) -> bool:
+    """A UserError, or an exception group (an asyncio.TaskGroup's) of nothing else."""
+    if isinstance(e, BaseExceptionGroup):
+        return all(is_input_error(x) for x in e.exceptions)
+    return isinstance(e, UserError)
+
+
 def _first_line(e: BaseException) -> str:
     text = str(e)
     return text.splitlines()[0] if text else ""
@@ -269,7 +276,7 @@ class Handoff:
             self._produce_error = e
             # As text: the exception itself may not pickle (Ray and HTTP client errors hold
             # locks and sockets), and a failed pickle would leave the other ranks waiting.
-            return e, ("user_error" if isinstance(e, UserError) else "error", describe(e), None)
+            return e, ("user_error" if is_input_error(e) else "error", describe(e), None)
         finally:
             self.produce_seconds += time.perf_counter() - start
 

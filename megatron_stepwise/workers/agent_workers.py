@@ -72,6 +72,11 @@ def ping_schedule(timeout_s: float, started: bool) -> tuple[float, float]:
     return interval, timeout_s - interval
 
 
+class WorkerCrashLoop(UserError, RuntimeError):
+    """The same prompt groups killed their agent worker every time they were rolled out: rerolling
+    them again would too. An input error (exit 2): the environment's code, or its resources."""
+
+
 class WorkerUnresponsive(TimeoutError):
     """An agent worker answered no liveness ping within `rollout.agent_worker_timeout_s`."""
 
@@ -405,10 +410,13 @@ class AgentWorkers:
             except (*actor_gone_errors(), WorkerUnresponsive) as e:
                 self._restart(worker, incarnation, str(e) if isinstance(e, WorkerUnresponsive) else type(e).__name__)
                 if attempt == self.max_reissues:
-                    raise RuntimeError(
-                        f"prompt groups {[s.get('prompt_id') for s in samples][:4]}: their agent "
-                        f"worker died {attempt + 1} times"
-                    ) from e
+                    last = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                    raise WorkerCrashLoop(
+                        f"prompt groups {[s.get('prompt_id') for s in samples][:4]}: their agent worker died "
+                        f"{attempt + 1} times (rollout.max_retries + 2; last: {last[:300]}): the environment's "
+                        "or reward function's code may end the process (os._exit, a crash in native code), or "
+                        "the worker runs out of memory (Ray's worker logs say which)"
+                    ) from None
                 self.reissued_groups += len(samples)
                 continue
             except ray.exceptions.RayTaskError as e:  # the agent loop's own error, as in-process

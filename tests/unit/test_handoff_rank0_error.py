@@ -143,3 +143,13 @@ def test_bad_input_on_rank0_is_an_input_error_on_every_rank():
         with pytest.raises(UserError, match="^rollout stopped on rank 0 at iteration 8: DatasetError: env.dataset"):
             with h._keeping_rank0_error("rollout", 8):
                 h._open(payload, rank_error, "rollout", 8)
+
+
+def test_an_exception_group_of_input_errors_is_an_input_error():
+    from megatron_stepwise.errors import UserError
+    from megatron_stepwise.loop.handoff import is_input_error
+    from megatron_stepwise.workers.agent_workers import WorkerCrashLoop
+
+    crashes = ExceptionGroup("unhandled errors in a TaskGroup", [WorkerCrashLoop("a"), WorkerCrashLoop("b")])
+    assert is_input_error(crashes) and issubclass(WorkerCrashLoop, UserError)
+    assert not is_input_error(ExceptionGroup("x", [WorkerCrashLoop("a"), RuntimeError("engine")]))
