@@ -16,7 +16,7 @@ import os
 import signal
 import sys
 
-from megatron_stepwise.errors import UserError
+from megatron_stepwise.errors import RunFailure, UserError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -150,6 +150,11 @@ def _train(cfg) -> int:
         from megatron_stepwise.cli.main import end_with_user_error
 
         return end_with_user_error(e)
+    except RunFailure as e:  # named by the code that met it: one line per rank, the checkpoint stands
+        line = f"error: {e}" if rank == 0 else f"error (rank {rank}): {e}"
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+        return 1
     except BaseException as e:  # the fleet lost every engine: its cause in one line, not the trajectories'
         from megatron_stepwise.rollout.engines.protocol import engine_loss
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Callable, Optional, TypeVar
 import torch
 import torch.distributed as dist
 
-from megatron_stepwise.errors import UserError
+from megatron_stepwise.errors import RunFailure, UserError
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -38,6 +38,11 @@ class HandedOverUserError(UserError):
     traceback per rank."""
 
 
+class HandedOverFailure(RunFailure):
+    """Rank 0's rollout failed for a named `RunFailure` (its agent workers kept dying): every rank
+    raises this, one line each and exit 1."""
+
+
 def describe(e: BaseException) -> str:
     """'Type: message'. An exception group (an asyncio.TaskGroup's) by its distinct innermost
     errors: its own message ("unhandled errors in a TaskGroup") says nothing of what failed."""
@@ -47,11 +52,23 @@ def describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-def is_input_error(e: BaseException) -> bool:
-    """A UserError, or an exception group (an asyncio.TaskGroup's) of nothing else."""
+def kind_of(e: BaseException) -> str:
+    """How the other ranks learn of rank 0's error: "user_error" (a UserError, or an exception
+    group, an asyncio.TaskGroup's, of nothing else), "failure" (RunFailures among those), "error"."""
+    leaves = list(_leaves(e))
+    if all(isinstance(x, UserError) for x in leaves):
+        return "user_error"
+    if all(isinstance(x, (UserError, RunFailure)) for x in leaves):
+        return "failure"
+    return "error"
+
+
+def _leaves(e: BaseException):
     if isinstance(e, BaseExceptionGroup):
-        return all(is_input_error(x) for x in e.exceptions)
-    return isinstance(e, UserError)
+        for x in e.exceptions:
+            yield from _leaves(x)
+    else:
+        yield e
 
 
 def _first_line(e: BaseException) -> str:
@@ -261,7 +278,7 @@ class Handoff:
             yield
         except Exception as e:
             error = self._produce_error
-            if error is None or e.__cause__ is error or isinstance(e, HandedOverUserError):
+            if error is None or e.__cause__ is error or isinstance(e, (HandedOverUserError, HandedOverFailure)):
                 raise
             raise RuntimeError(
                 f"{what} failed on rank 0 at iteration {iteration}: {describe(error)} "
@@ -276,7 +293,7 @@ class Handoff:
             self._produce_error = e
             # As text: the exception itself may not pickle (Ray and HTTP client errors hold
             # locks and sockets), and a failed pickle would leave the other ranks waiting.
-            return e, ("user_error" if is_input_error(e) else "error", describe(e), None)
+            return e, (kind_of(e), describe(e), None)
         finally:
             self.produce_seconds += time.perf_counter() - start
 
@@ -284,6 +301,8 @@ class Handoff:
         kind, result, dataset_state = payload
         if kind == "user_error":
             raise HandedOverUserError(f"{what} stopped on rank 0 at iteration {iteration}: {result}") from None
+        if kind == "failure":
+            raise HandedOverFailure(f"{what} failed on rank 0 at iteration {iteration}: {result}") from None
         if kind == "error":
             raise RuntimeError(f"{what} failed on rank 0 at iteration {iteration}: {result}") from error
         self.dataset.load_state_dict(dataset_state)

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from megatron_stepwise.algo.groups import RolloutGroup, flat_steps, pack_groups, unpack_groups
 from megatron_stepwise.compose import components
-from megatron_stepwise.errors import UserError
+from megatron_stepwise.errors import RunFailure, UserError
 from megatron_stepwise.rollout.agent.loop import checked_prompt_ids
 from megatron_stepwise.rollout.engines.protocol import engine_loss
 from megatron_stepwise.rollout.fleet.actor_loss import actor_gone_errors
@@ -72,9 +72,9 @@ def ping_schedule(timeout_s: float, started: bool) -> tuple[float, float]:
     return interval, timeout_s - interval
 
 
-class WorkerCrashLoop(UserError, RuntimeError):
-    """The same prompt groups killed their agent worker every time they were rolled out: rerolling
-    them again would too. An input error (exit 2): the environment's code, or its resources."""
+class WorkerCrashLoop(RunFailure):
+    """The same prompt groups killed their agent worker every time they were rolled out: the
+    environment's code, its memory, or the node under it."""
 
 
 class WorkerUnresponsive(TimeoutError):
@@ -415,7 +415,7 @@ class AgentWorkers:
                         f"prompt groups {[s.get('prompt_id') for s in samples][:4]}: their agent worker died "
                         f"{attempt + 1} times (rollout.max_retries + 2; last: {last[:300]}): the environment's "
                         "or reward function's code may end the process (os._exit, a crash in native code), or "
-                        "the worker runs out of memory (Ray's worker logs say which)"
+                        "the worker runs out of memory, or its node went away (Ray's worker logs say which)"
                     ) from None
                 self.reissued_groups += len(samples)
                 continue

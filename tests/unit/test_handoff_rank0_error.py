@@ -145,11 +145,17 @@ def test_bad_input_on_rank0_is_an_input_error_on_every_rank():
                 h._open(payload, rank_error, "rollout", 8)
 
 
-def test_an_exception_group_of_input_errors_is_an_input_error():
-    from megatron_stepwise.errors import UserError
-    from megatron_stepwise.loop.handoff import is_input_error
+def test_exception_groups_are_told_by_their_leaves():
+    from megatron_stepwise.loop.handoff import HandedOverFailure, kind_of
     from megatron_stepwise.workers.agent_workers import WorkerCrashLoop
 
     crashes = ExceptionGroup("unhandled errors in a TaskGroup", [WorkerCrashLoop("a"), WorkerCrashLoop("b")])
-    assert is_input_error(crashes) and issubclass(WorkerCrashLoop, UserError)
-    assert not is_input_error(ExceptionGroup("x", [WorkerCrashLoop("a"), RuntimeError("engine")]))
+    assert kind_of(crashes) == "failure" and kind_of(WorkerCrashLoop("a")) == "failure"
+    assert kind_of(ExceptionGroup("x", [WorkerCrashLoop("a"), RuntimeError("engine")])) == "error"
+    h = _handoff()
+    h.produce_seconds = 0.0
+    error, payload = h._run(lambda: (_ for _ in ()).throw(crashes))
+    for rank_error in (error, None):
+        with pytest.raises(HandedOverFailure, match="^rollout failed on rank 0 at iteration 2: WorkerCrashLoop: a"):
+            with h._keeping_rank0_error("rollout", 2):
+                h._open(payload, rank_error, "rollout", 2)
