@@ -102,6 +102,12 @@ def interrupted_line(cfg) -> str:
     return f"interrupted: {where}"
 
 
+def _end_with_failure(line: str) -> int:
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+    return 1
+
+
 def _train(cfg) -> int:
     import logging
 
@@ -151,19 +157,14 @@ def _train(cfg) -> int:
 
         return end_with_user_error(e)
     except RunFailure as e:  # named by the code that met it: one line per rank, the checkpoint stands
-        line = f"error: {e}" if rank == 0 else f"error (rank {rank}): {e}"
-        sys.stderr.write(line + "\n")
-        sys.stderr.flush()
-        return 1
+        return _end_with_failure(f"error: {e}" if rank == 0 else f"error (rank {rank}): {e}")
     except BaseException as e:  # the fleet lost every engine: its cause in one line, not the trajectories'
         from megatron_stepwise.rollout.engines.protocol import engine_loss
 
         lost = engine_loss(e)
         if lost is None:
             raise
-        sys.stderr.write(f"error: {lost}\n")
-        sys.stderr.flush()
-        return 1
+        return _end_with_failure(f"error: {lost}")
     finally:
         try:
             if trainer is not None:

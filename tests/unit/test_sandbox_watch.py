@@ -23,6 +23,8 @@ from megatron_stepwise.envs.sandbox_watch import (
     unlinked_files,
 )
 
+pytestmark = pytest.mark.launches  # each test starts the process it measures
+
 HOLDER = """
 import os, socket, sys
 pairs = [socket.socketpair() for _ in range(int(sys.argv[1]))]
