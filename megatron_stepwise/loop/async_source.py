@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 from megatron_stepwise.algo.groups import flat_steps
 from megatron_stepwise.algo.prepare import prepare_rows
 from megatron_stepwise.algo.validate import validate_steps
+from megatron_stepwise.loop.checkpointer import config_hash, run_id
 from megatron_stepwise.loop.group_buffer import Group, GroupBuffer
 from megatron_stepwise.loop.rounds import Round, RowsOnRank0, decide_round, hand_off
 from megatron_stepwise.loop.sources import Driver, bind_prepare, holds_rows, rollout_seed
@@ -144,6 +145,7 @@ class AsyncRollouts:
         self.run_dir = cfg.run_dir
         self.bank: Optional[RolloutBank] = None
         self._use_bank = cfg.async_.rollout_bank
+        self._config_hash = config_hash(cfg)  # with the run id, what a bank file names its run by
         self._iteration: dict[str, list] = {}
         self.reset_metrics()
 
@@ -177,7 +179,8 @@ class AsyncRollouts:
         """Rank 0: the bank, and by draw the banked groups a resume reuses (`bank_recovery.py`)."""
         resumed = self._resumed and self._pending_draws is not None  # not a checkpoint from before the bank
         pending = list(zip(self._pending, self._pending_draws)) if resumed else None
-        self.bank, recovered = open_bank(self.run_dir, pending, self._draws, self.version())
+        owner = {"run_id": run_id(self.run_dir), "config_hash": self._config_hash}
+        self.bank, recovered = open_bank(self.run_dir, pending, self._draws, self.version(), **owner)
         return recovered
 
     def _recover(self, group: Group, banked: BankedGroup) -> None:
