@@ -142,10 +142,9 @@ class AsyncRollouts:
         self._pending_draws: Optional[list[int]] = None
         self._draws = 0
         self._resumed = False
-        self.run_dir = cfg.run_dir
+        self._dir, self._hash = cfg.run_dir, config_hash(cfg)  # with its run id: the owner a bank file names
         self.bank: Optional[RolloutBank] = None
         self._use_bank = cfg.async_.rollout_bank
-        self._config_hash = config_hash(cfg)  # with the run id, what a bank file names its run by
         self._iteration: dict[str, list] = {}
         self.reset_metrics()
 
@@ -179,9 +178,8 @@ class AsyncRollouts:
         """Rank 0: the bank, and by draw the banked groups a resume reuses (`bank_recovery.py`)."""
         resumed = self._resumed and self._pending_draws is not None  # not a checkpoint from before the bank
         pending = list(zip(self._pending, self._pending_draws)) if resumed else None
-        owner = {"run_id": run_id(self.run_dir), "config_hash": self._config_hash}
-        self.bank, recovered = open_bank(self.run_dir, pending, self._draws, self.version(), **owner)
-        return recovered
+        self.bank, found = open_bank(self._dir, pending, self._draws, self.version(), run_id(self._dir), self._hash)
+        return found
 
     def _recover(self, group: Group, banked: BankedGroup) -> None:
         """A started group takes its banked rollout: at once when the rows come to rank 0, else

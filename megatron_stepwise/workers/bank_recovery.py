@@ -30,7 +30,6 @@ def open_bank(
     pending: Optional[Sequence[tuple[dict[str, Any], int]]],
     draws: int,
     version: int,
-    *,
     run_id: Optional[str] = None,
     config_hash: Optional[str] = None,
 ) -> tuple[RolloutBank, dict[int, BankedGroup]]:
