@@ -10,9 +10,9 @@ draw (`RolloutBank.record`) and deletes files. The file format (names, checksums
 `rundir/bank_files.py`'s; a torn or damaged file is recognised, warned about, counted and never
 trained. A file is also checked as data (`read_group`): another run's file (its run id or config
 hash differs), a group without trajectories, rows `algo.validate.validate_steps` refuses (ragged
-fields, non-finite values) and rewards beyond MAX_ABS_REWARD are discarded the same way. `d` is the sample's dataset draw (`Group.draw`, counted from the
-run's start and saved in the checkpoint): what ties a banked group to the prompt a resumed run
-issues again.
+fields, non-finite values) and rewards beyond MAX_ABS_REWARD are discarded the same way. `d` is
+the sample's dataset draw (`Group.draw`, counted from the run's start and saved in the
+checkpoint): what ties a banked group to the prompt a resumed run issues again.
 
 "Not yet trained" is relative to the checkpoint a resume starts from (docs/async.md, "Rollout
 bank"). A checkpoint saves the draws in flight, ready or re-queued (`pending`) and the number of
