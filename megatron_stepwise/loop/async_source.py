@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 from megatron_stepwise.algo.groups import flat_steps
 from megatron_stepwise.algo.prepare import prepare_rows
 from megatron_stepwise.algo.validate import validate_steps
+from megatron_stepwise.loop.checkpointer import config_hash, run_id
 from megatron_stepwise.loop.group_buffer import Group, GroupBuffer
 from megatron_stepwise.loop.rounds import Round, RowsOnRank0, decide_round, hand_off
 from megatron_stepwise.loop.sources import Driver, bind_prepare, holds_rows, rollout_seed
@@ -141,7 +142,7 @@ class AsyncRollouts:
         self._pending_draws: Optional[list[int]] = None
         self._draws = 0
         self._resumed = False
-        self.run_dir = cfg.run_dir
+        self._dir, self._hash = cfg.run_dir, config_hash(cfg)  # with its run id: the owner a bank file names
         self.bank: Optional[RolloutBank] = None
         self._use_bank = cfg.async_.rollout_bank
         self._iteration: dict[str, list] = {}
@@ -177,8 +178,8 @@ class AsyncRollouts:
         """Rank 0: the bank, and by draw the banked groups a resume reuses (`bank_recovery.py`)."""
         resumed = self._resumed and self._pending_draws is not None  # not a checkpoint from before the bank
         pending = list(zip(self._pending, self._pending_draws)) if resumed else None
-        self.bank, recovered = open_bank(self.run_dir, pending, self._draws, self.version())
-        return recovered
+        self.bank, found = open_bank(self._dir, pending, self._draws, self.version(), run_id(self._dir), self._hash)
+        return found
 
     def _recover(self, group: Group, banked: BankedGroup) -> None:
         """A started group takes its banked rollout: at once when the rows come to rank 0, else

@@ -4,8 +4,13 @@
 A file is named `draw_<d>.<sha256>.parquet`: `d` is the sample's dataset draw, the checksum that of
 the whole file, so a torn or damaged file is recognised. It holds the group's steps, trajectory by
 trajectory, in the columnar format of the rollout dumps (`dumps.rows_table`), and the group's
-identity (sample, start version, attempt, ...) as JSON in the file metadata. What the bank does
-with its files (which to keep, reuse or prune) is `workers/rollout_bank.py`'s.
+identity (sample, start version, attempt, the run id and config hash of the run that wrote it, ...)
+as JSON in the file metadata. What the bank does with its files (which to keep, reuse or prune)
+is `workers/rollout_bank.py`'s.
+
+The checksum catches damage, not tampering (anyone can recompute it), so a file is also read as
+data with bounds: only a regular file (no FIFO, device or link) of at most MAX_FILE_BYTES, whose
+columns decode to at most MAX_DECODED_BYTES, and whose trajectory lengths add up to its rows.
 
     >>> name = file_name(3, b"...")
     >>> parse_name(name)[0]
@@ -16,18 +21,23 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from megatron_stepwise.rundir.dumps import Captured, batch_from_rows, rows_table
+from megatron_stepwise.rundir.dumps import RESPONSE_FIELDS, Captured, batch_from_rows, rows_table
+from megatron_stepwise.rundir.file_reads import read_regular
 from megatron_stepwise.rundir.paths import RunDir
 from megatron_stepwise.rundir.run_files import write_path
 from megatron_stepwise.steps import Step, StepBatch
 
 META_KEY = b"megatron_stepwise.rollout_bank"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the writing run's run_id and config_hash in the metadata
+# One group's rows, zstd-compressed: a few MiB for 16 trajectories of 10 turns of 8k tokens.
+MAX_FILE_BYTES = 1 << 30
+MAX_DECODED_BYTES = 4 << 30  # the same rows decoded (a file of zeros compresses a thousandfold)
 
 
 @dataclass(frozen=True)
@@ -63,21 +73,54 @@ def encode_steps(trajectories: Sequence[Sequence[Step]], meta: dict[str, Any]) -
 
 
 def decode_steps(data: bytes) -> tuple[list[list[Step]], dict[str, Any]]:
-    """`encode_steps`'s bytes back: the trajectories, their steps exactly as written, and the meta."""
+    """`encode_steps`'s bytes back: the trajectories, their steps exactly as written, and the meta.
+    ValueError names what is wrong with bytes no bank file holds."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    table = pq.read_table(pa.BufferReader(data))
+    parquet = pq.ParquetFile(pa.BufferReader(data))
+    decoded = sum(parquet.metadata.row_group(i).total_byte_size for i in range(parquet.metadata.num_row_groups))
+    if decoded > MAX_DECODED_BYTES:
+        raise ValueError(f"its rows decode to {decoded} bytes, more than the {MAX_DECODED_BYTES} a group may hold")
+    table = parquet.read()
     meta = json.loads((table.schema.metadata or {})[META_KEY])
+    if not isinstance(meta, dict) or meta.get("version") != FORMAT_VERSION:
+        version = meta.get("version") if isinstance(meta, dict) else meta
+        raise ValueError(f"format version {version!r}, this version reads {FORMAT_VERSION}")
+    lengths = meta["lengths"]
+    if not (isinstance(lengths, list) and all(type(n) is int and n > 0 for n in lengths)):
+        raise ValueError(f"trajectory lengths {lengths!r} are not positive integers")
+    if sum(lengths) != table.num_rows:
+        raise ValueError(f"trajectory lengths add up to {sum(lengths)} steps, the file holds {table.num_rows}")
     cols = table.to_pydict()
+    check_row_lengths(cols, meta["routed_experts_shape"])
     batch, _ = batch_from_rows(cols, list(range(table.num_rows)), meta["routed_experts_shape"])
     batch.metadata = [json.loads(info) for info in cols["info"]]
+    kinds = {type(info).__name__ for info in batch.metadata} - {"dict"}
+    if kinds:
+        raise ValueError(f"a step's info is a {kinds.pop()}, not a dict")
     steps = batch.to_steps(copy=False)
     trajectories, start = [], 0
-    for n in meta["lengths"]:
+    for n in lengths:
         trajectories.append(steps[start : start + n])
         start += n
     return trajectories, meta
+
+
+def check_row_lengths(cols: dict[str, list], experts_shape: Optional[list[int]]) -> None:
+    """ValueError naming the first row with a token field of another length than its tokens (a
+    one-entry field would otherwise be broadcast over the response)."""
+    per_token = math.prod(experts_shape) if experts_shape else None
+    for r, (prompt, response) in enumerate(zip(cols["prompt_ids"], cols["response_ids"])):
+        tokens = len(prompt) + len(response)
+        expected = {name: len(response) for name in (*RESPONSE_FIELDS, "trainer_logprobs", "logprob_forwards")}
+        expected["route_forwards"] = tokens
+        if per_token is not None:
+            expected["routed_experts"] = tokens * per_token
+        for name, n in expected.items():
+            value = cols.get(name, [None] * (r + 1))[r]
+            if value is not None and len(value) != n:
+                raise ValueError(f"row {r}: field {name!r} has {len(value)} entries for {n} (ragged)")
 
 
 def write_file(run_dir: str | Path, draw: int, data: bytes) -> str:
@@ -96,7 +139,7 @@ def read_file(path: str | Path) -> tuple[int, bytes]:
     if parsed is None:
         raise ValueError(f"{path.name} is not a rollout bank file name")
     draw, checksum = parsed
-    data = path.read_bytes()
+    data = read_regular(path, MAX_FILE_BYTES, follow=False)  # UnsafeFileError (an OSError) names it
     actual = hashlib.sha256(data).hexdigest()
     if actual != checksum:
         raise ValueError(f"sha256 {actual[:12]}..., the name says {checksum[:12]}...")

@@ -26,12 +26,18 @@ log = logging.getLogger(__name__)
 
 
 def open_bank(
-    run_dir: str | Path, pending: Optional[Sequence[tuple[dict[str, Any], int]]], draws: int, version: int
+    run_dir: str | Path,
+    pending: Optional[Sequence[tuple[dict[str, Any], int]]],
+    draws: int,
+    version: int,
+    run_id: Optional[str] = None,
+    config_hash: Optional[str] = None,
 ) -> tuple[RolloutBank, dict[int, BankedGroup]]:
     """Rank 0's bank and, by draw, the banked groups it reuses for its `pending` (sample, draw)
     pairs; `pending` None: a fresh run (or a checkpoint from before the bank), which empties it.
-    `draws` and `version`: the checkpoint's dataset draws so far and weight version."""
-    bank = RolloutBank(run_dir)
+    `draws` and `version`: the checkpoint's dataset draws so far and weight version. `run_id` and
+    `config_hash` go into every file it writes; a file with others is another run's, never reused."""
+    bank = RolloutBank(run_dir, run_id=run_id, config_hash=config_hash)
     if pending is None:
         bank.clear()
         return bank, {}

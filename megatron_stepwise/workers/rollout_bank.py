@@ -8,9 +8,11 @@ the workers, the default with agent workers: `write_group` in the worker, which 
 shared storage on a cluster, as for checkpoints. Rank 0 only records which file belongs to which
 draw (`RolloutBank.record`) and deletes files. The file format (names, checksums, columns) is
 `rundir/bank_files.py`'s; a torn or damaged file is recognised, warned about, counted and never
-trained. `d` is the sample's dataset draw (`Group.draw`, counted from the
-run's start and saved in the checkpoint): what ties a banked group to the prompt a resumed run
-issues again.
+trained. A file is also checked as data (`read_group`): another run's file (its run id or config
+hash differs), a group without trajectories, rows `algo.validate.validate_steps` refuses (ragged
+fields, non-finite values) and rewards beyond MAX_ABS_REWARD are discarded the same way. `d` is
+the sample's dataset draw (`Group.draw`, counted from the run's start and saved in the
+checkpoint): what ties a banked group to the prompt a resumed run issues again.
 
 "Not yet trained" is relative to the checkpoint a resume starts from (docs/async.md, "Rollout
 bank"). A checkpoint saves the draws in flight, ready or re-queued (`pending`) and the number of
@@ -43,6 +45,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
 from megatron_stepwise.algo.groups import RolloutGroup
+from megatron_stepwise.algo.validate import validate_steps
 from megatron_stepwise.rundir.bank_files import (
     BankFile,
     decode_steps,
@@ -58,6 +61,10 @@ from megatron_stepwise.steps import TrajectoryID
 
 log = logging.getLogger(__name__)
 
+# A reward (or turn reward) beyond this is no environment's: a banked group carrying one was tampered
+# with, and training on it would swamp every advantage of its batch.
+MAX_ABS_REWARD = 1e6
+
 
 @dataclass(frozen=True)
 class BankTicket:
@@ -70,6 +77,8 @@ class BankTicket:
     group_id: str
     start_version: int
     attempt: int
+    run_id: Optional[str] = None  # the writing run's (its file is never adopted by another run)
+    config_hash: Optional[str] = None
 
 
 @dataclass
@@ -84,11 +93,21 @@ class BankedGroup:
     end_version: int  # no token is newer (what `newest_version` falls back on for a step without versions)
     rollout: RolloutGroup
     path: Optional[Path] = None  # its file, once read back
+    run_id: Optional[str] = None  # of the run that banked it
+    config_hash: Optional[str] = None
 
     @classmethod
     def of(cls, ticket: BankTicket, rollout: RolloutGroup, end_version: int) -> "BankedGroup":
         return cls(
-            ticket.draw, ticket.sample, ticket.group_id, ticket.start_version, ticket.attempt, end_version, rollout
+            ticket.draw,
+            ticket.sample,
+            ticket.group_id,
+            ticket.start_version,
+            ticket.attempt,
+            end_version,
+            rollout,
+            run_id=ticket.run_id,
+            config_hash=ticket.config_hash,
         )
 
     @property
@@ -112,6 +131,8 @@ def encode(group: BankedGroup) -> bytes:
         "start_version": group.start_version,
         "attempt": group.attempt,
         "end_version": group.end_version,
+        "run_id": group.run_id,
+        "config_hash": group.config_hash,
     }
     return encode_steps(group.rollout.trajectories, meta)
 
@@ -119,15 +140,41 @@ def encode(group: BankedGroup) -> bytes:
 def decode(data: bytes) -> BankedGroup:
     """`encode`'s bytes back as the group, its steps exactly as they were written."""
     trajectories, meta = decode_steps(data)
+    if not isinstance(meta["sample"], dict):
+        raise ValueError(f"its sample is a {type(meta['sample']).__name__}, not a dict")
     return BankedGroup(
-        draw=int(meta["draw"]),
+        draw=_integer(meta, "draw"),
         sample=meta["sample"],
         group_id=str(meta["group_id"]),
-        start_version=int(meta["start_version"]),
-        attempt=int(meta["attempt"]),
-        end_version=int(meta["end_version"]),
+        start_version=_integer(meta, "start_version"),
+        attempt=_integer(meta, "attempt"),
+        end_version=_integer(meta, "end_version"),
         rollout=RolloutGroup(str(meta["group_id"]), trajectories),
+        run_id=meta.get("run_id"),
+        config_hash=meta.get("config_hash"),
     )
+
+
+def _integer(meta: dict, key: str) -> int:
+    if type(meta[key]) is not int:
+        raise ValueError(f"its {key} is {meta[key]!r}, not an integer")
+    return meta[key]
+
+
+def check_rows(group: BankedGroup) -> None:
+    """ValueError (StepwiseBatchError) naming the first reason `group`'s rows may not be trained:
+    no trajectories, rows `validate_steps` refuses, a reward beyond MAX_ABS_REWARD."""
+    if not group.rollout.trajectories:
+        raise ValueError("a group with no trajectories")
+    steps = group.rollout.steps
+    validate_steps(steps)
+    for i, step in enumerate(steps):
+        for name in ("reward", "turn_reward"):
+            value = getattr(step, name)
+            if not abs(value) <= MAX_ABS_REWARD:  # NaN included
+                raise ValueError(
+                    f"step {i}: field {name!r} is {value} (a bank file holds |{name}| <= {MAX_ABS_REWARD:g})"
+                )
 
 
 def write_group(run_dir: str | Path, group: BankedGroup) -> BankFile:
@@ -136,14 +183,15 @@ def write_group(run_dir: str | Path, group: BankedGroup) -> BankFile:
 
 
 def read_group(path: str | Path) -> BankedGroup:
-    """A bank file read back, checked against the checksum and draw its name carries; ValueError
-    (or OSError) names what is wrong with a damaged or missing file."""
+    """A bank file read back, checked against the checksum and draw its name carries and as rows
+    (`check_rows`); ValueError (or OSError) names what is wrong with a damaged, hostile or missing file."""
     path = Path(path)
     draw, data = read_file(path)
     try:
         group = decode(data)
     except Exception as e:  # noqa: BLE001 - any format damage: one message naming it
         raise ValueError(f"unreadable: {type(e).__name__}: {e}") from None
+    check_rows(group)
     if group.draw != draw:
         raise ValueError(f"it holds draw {group.draw}")
     group.path = path
@@ -193,9 +241,10 @@ class RolloutBank:
     """Rank 0's side of the bank: which file holds which draw, pruning, and the resume. `put` and
     `record` may run in a helper thread; everything else runs while the event loop is idle."""
 
-    def __init__(self, run_dir: str | Path):
+    def __init__(self, run_dir: str | Path, *, run_id: Optional[str] = None, config_hash: Optional[str] = None):
         # absolute: file names go to agent workers, whose working directory is not rank 0's
         self.run_dir = Path(run_dir).absolute()
+        self.run_id, self.config_hash = run_id, config_hash  # written in every file, checked on a resume
         self.dir = RunDir(self.run_dir).rollout_bank
         self.discarded = 0  # banked groups not reused: damaged, or from weights a resume lost
         self._files: dict[int, Path] = {}
@@ -215,7 +264,9 @@ class RolloutBank:
     def ticket(self, draw: int, sample: dict[str, Any], group_id: str, start_version: int, attempt: int):
         """What the agent worker holding the group's rows needs to write its file (on a cluster the
         run directory is shared storage)."""
-        return BankTicket(str(self.run_dir), draw, sample, group_id, start_version, attempt)
+        return BankTicket(
+            str(self.run_dir), draw, sample, group_id, start_version, attempt, self.run_id, self.config_hash
+        )
 
     # ---- writing ------------------------------------------------------------------------------
     def put(self, group: BankedGroup) -> None:
@@ -344,8 +395,10 @@ class RolloutBank:
         for path in listing(self.dir, remove_partial=True):
             try:
                 group = read_group(path)
-            except (OSError, ValueError) as e:  # any damage: the file is not trained, the run goes on
-                log.warning("rollout bank: %s is damaged (%s); ignored, its prompt is rolled out again", path, e)
+                self._check_owner(group)
+            except Exception as e:  # noqa: BLE001 - any damage or tampering: the file is not trained, the run goes on
+                why = str(e) if isinstance(e, (OSError, ValueError)) else f"{type(e).__name__}: {e}"
+                log.warning("rollout bank: %s is refused (%s); ignored, its prompt is rolled out again", path, why)
                 self.discarded += 1
                 unlink(path)
                 continue
@@ -360,6 +413,14 @@ class RolloutBank:
             self._files[draw] = path
             self._newest[draw] = group.newest_version
         return list(groups.values())
+
+    def _check_owner(self, group: BankedGroup) -> None:
+        """ValueError unless this run banked `group` (same run id and config hash)."""
+        if (group.run_id, group.config_hash) != (self.run_id, self.config_hash):
+            raise ValueError(
+                f"written by another run (run_id {group.run_id}, config_hash {group.config_hash}; "
+                f"this is run {self.run_id}, config_hash {self.config_hash})"
+            )
 
 
 def _prompt_id(sample: dict[str, Any]) -> str:

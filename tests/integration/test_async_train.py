@@ -102,7 +102,7 @@ def _recoverable(run_dir, probe_dir):
         return {}, {}, 0
     parts = latest[1]["parts"]
     rollouts = parts["rollouts"]
-    bank = RolloutBank(probe_dir)
+    bank = RolloutBank(probe_dir, run_id=latest[1]["run_id"], config_hash=latest[1]["config_hash"])  # the run's files
     recovery = bank.recover(
         list(zip(rollouts["pending"], rollouts["pending_draws"])), rollouts["draws"], parts["trainer"]["weight_version"]
     )

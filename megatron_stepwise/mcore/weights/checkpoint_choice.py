@@ -11,14 +11,16 @@ from pathlib import Path
 from typing import Optional
 
 from megatron_stepwise.mcore.weights.checkpoint_dir import (
-    LATEST,
     MANIFEST,
+    MAX_SMALL_FILE_BYTES,
     TRAINER_STATE,
     PathLike,
     checkpoint_iteration,
+    read_pointer,
     verify_checkpoint,
 )
 from megatron_stepwise.mcore.weights.checkpoint_errors import CheckpointError
+from megatron_stepwise.rundir.file_reads import read_regular
 
 log = logging.getLogger(__name__)
 
@@ -36,11 +38,9 @@ def choose_checkpoint(
     failed = failed or {}
     root = Path(ckpt_dir)
     candidates: list[Path] = []
-    pointer = root / LATEST
-    if pointer.is_file():
-        named = root / pointer.read_text().strip()
-        if checkpoint_iteration(named) is not None and named.is_dir():
-            candidates.append(named)
+    named = read_pointer(root)
+    if named is not None and checkpoint_iteration(named) is not None and named.is_dir():
+        candidates.append(named)
     # Every iter_* directory, complete or not: saves are renamed into place whole, so an
     # incomplete one was damaged afterwards and is worth a warning too.
     found = [p for p in root.iterdir() if p.is_dir() and checkpoint_iteration(p) is not None] if root.is_dir() else []
@@ -107,7 +107,7 @@ def _other_run(target: Optional[Path], run_id: Optional[str]) -> Optional[str]:
     if target is None or run_id is None:
         return None
     try:
-        saved = json.loads((target / TRAINER_STATE).read_text())
+        saved = json.loads(read_regular(target / TRAINER_STATE, MAX_SMALL_FILE_BYTES))
     except (OSError, ValueError):
         return None  # unreadable: the load itself reports it
     theirs = saved.get("run_id") if isinstance(saved, dict) else None

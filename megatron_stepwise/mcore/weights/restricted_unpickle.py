@@ -10,6 +10,14 @@ parts through `torch.load(weights_only=True)` (tensors, dtypes, builtin containe
 types of an RNG state. Anything else is refused with an `UnsafeCheckpointError` naming the file and
 the class (docs/weights.md, 'What a checkpoint from elsewhere can do').
 
+No code runs, but an index could still harm the process that reads it, so it is also data with
+bounds: the file is read only if it is a regular file under `MAX_INDEX_BYTES`; the one allowed
+type that allocates from a number, `bytearray(N)`, is built only from bytes (which the file holds);
+and BUILD (the opcode that sets an object's state) applies only to an instance of an index class
+with a state of the kind that class writes, never to a class (which would change that class for
+the whole process: `pathlib.PosixPath`'s methods, say). The pure-Python unpickler makes that last
+check possible and reads a real index as fast as the C one (its cost is building the objects).
+
 No Megatron here: the megatron-core strategies that use these readers are in `safe_dist_load.py`.
 """
 
@@ -18,12 +26,13 @@ from __future__ import annotations
 import io
 import os
 import pickle
-from typing import IO, Any, Union
+from typing import IO, Any, Optional, Union
 
 import numpy as np
 import torch
 
 from megatron_stepwise.mcore.weights.checkpoint_errors import UnsafeCheckpointError
+from megatron_stepwise.rundir.file_reads import UnsafeFileError, read_regular
 
 _DCP = "torch.distributed.checkpoint"
 # What torch.distributed.checkpoint's `Metadata` is made of (torch 2.6 - 2.13), by module.
@@ -72,14 +81,56 @@ def _is_torch_constant(module: str, name: str) -> bool:
     return isinstance(value, (torch.dtype, torch.layout, torch.memory_format))
 
 
-class RestrictedUnpickler(pickle.Unpickler):
-    """An unpickler that builds only the classes of a torch.distributed.checkpoint index."""
+# A checkpoint index names every tensor chunk of every rank: ~200 bytes per chunk, so a few MiB for
+# a 70B model; 1 GiB is far above any real one and keeps a hostile one from filling the memory.
+MAX_INDEX_BYTES = 1 << 30
+
+
+def _bytearray_of_bytes(*args: Any) -> bytearray:
+    """`bytearray` as an index may build it: from bytes (a pickle of protocol 3 or 4 writes it so),
+    never from a number, which would allocate that many bytes from a few in the file."""
+    if not args or not isinstance(args[0], (bytes, bytearray)):
+        what = type(args[0]).__name__ if args else "no argument"
+        raise UnpicklingRefused(f"builtins.bytearray of {what} (it allocates without bound)")
+    return bytearray(*args)
+
+
+class UnpicklingRefused(Exception):
+    """Raised inside the unpickler; `load_index` turns it into an UnsafeCheckpointError."""
+
+
+def _is_index_class(cls: type) -> bool:
+    return cls.__module__.startswith(_DCP + ".") and cls.__name__ in _INDEX_CLASSES.get(cls.__module__, ())
+
+
+def _build_problem(inst: Any, state: Any) -> Optional[str]:
+    """Why BUILD may not set `state` on `inst`, or None: only an instance of an index class (a
+    dataclass) takes a dict of attribute names, or the tuple its own `__setstate__` reads."""
+    if isinstance(inst, type):
+        return f"a state set onto the class {inst.__module__}.{inst.__qualname__} (it would change that class)"
+    if not _is_index_class(type(inst)):
+        return f"a state set onto a {type(inst).__module__}.{type(inst).__qualname__}"
+    own_setstate = "__setstate__" in vars(type(inst))
+    if own_setstate and isinstance(state, tuple):
+        return None
+    if isinstance(state, dict) and all(type(k) is str for k in state):
+        return None
+    return f"a state of type {type(state).__name__} for {type(inst).__name__}"
+
+
+class RestrictedUnpickler(pickle._Unpickler):
+    """An unpickler that builds only the classes of a torch.distributed.checkpoint index, sets state
+    only on their instances, and builds no bytearray from a number."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
 
     def __init__(self, file: IO[bytes], source: str):
         super().__init__(file)
         self.source = source
 
     def find_class(self, module: str, name: str) -> Any:
+        if module == "builtins" and name == "bytearray":
+            return _bytearray_of_bytes
         if name in _INDEX_CLASSES.get(module, ()) or _is_torch_constant(module, name):
             return super().find_class(module, name)
         raise _refusal(self.source, f"{module}.{name}")
@@ -87,17 +138,37 @@ class RestrictedUnpickler(pickle.Unpickler):
     def persistent_load(self, pid: Any) -> Any:
         raise _refusal(self.source, f"a persistent object ({type(pid).__name__})")
 
+    def load_build(self) -> None:
+        problem = _build_problem(self.stack[-2], self.stack[-1]) if len(self.stack) >= 2 else "a state onto nothing"
+        if problem is not None:
+            raise UnpicklingRefused(problem)
+        super().load_build()
+
+    dispatch[pickle.BUILD[0]] = load_build
+
 
 def load_index(path: Union[str, os.PathLike]) -> Any:
-    """A `.metadata` file (torch.distributed.checkpoint's `Metadata`), read without running code."""
-    with open(path, "rb") as f:
-        data = f.read()
+    """A `.metadata` file (torch.distributed.checkpoint's `Metadata`), read without running code,
+    only if it is a regular file under MAX_INDEX_BYTES."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
     try:
-        return RestrictedUnpickler(io.BytesIO(data), str(path)).load()
+        data = read_regular(path, MAX_INDEX_BYTES)
+    except UnsafeFileError as e:
+        raise UnsafeCheckpointError(
+            f"checkpoint index {e}. Do not load this checkpoint: it may have been tampered with"
+        ) from None
+    try:
+        index = RestrictedUnpickler(io.BytesIO(data), str(path)).load()
     except UnsafeCheckpointError:
         raise
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as e:
+    except UnpicklingRefused as e:
+        raise _refusal(str(path), str(e)) from None
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, KeyError, IndexError) as e:
         raise pickle.UnpicklingError(f"{path} is not a checkpoint index: {type(e).__name__}: {e}") from None
+    if not isinstance(index, Metadata):
+        raise pickle.UnpicklingError(f"{path} is not a checkpoint index: it holds a {type(index).__name__}")
+    return index
 
 
 def _unsafe_globals(f: IO[bytes]) -> list[str]:

@@ -2,12 +2,15 @@
 
 `dist_checkpointing.load` takes its strategies as arguments, so nothing is patched globally:
 `load_strategies()` hands `_load` (dist_checkpoint.py) a sharded strategy whose reader parses
-`.metadata` with the restricted unpickler and whose planner loads byte items with
-`weights_only=True`, and a common strategy that loads `common.pt` the same way.
+`.metadata` with the restricted unpickler (and confines every storage file it names to the
+checkpoint: checkpoint_dir.check_index_paths) and whose planner loads byte items with
+`weights_only=True`, and a common strategy that loads `common.pt` the same way (a regular file
+under MAX_COMMON_BYTES).
 """
 
 from __future__ import annotations
 
+import io
 import os
 from pathlib import Path
 from typing import Any, Optional
@@ -29,9 +32,13 @@ from torch.distributed import checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageMeta
 
+from megatron_stepwise.mcore.weights.checkpoint_dir import check_index_paths
+from megatron_stepwise.mcore.weights.checkpoint_errors import UnsafeCheckpointError
 from megatron_stepwise.mcore.weights.restricted_unpickle import load_index, load_torch_pickle
+from megatron_stepwise.rundir.file_reads import UnsafeFileError, read_regular
 
 METADATA_FILE = ".metadata"
+MAX_COMMON_BYTES = 1 << 30  # common.pt: the trainer state, scheduler and RNG states, a few MiB
 
 
 class RestrictedReader(FileSystemReader):
@@ -45,10 +52,17 @@ class RestrictedReader(FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any):
         rank = kwargs.get("rank")
         if rank is not None:  # torch's per-rank index (checkpoints saved without collectives)
-            return self._with_load_id(load_index(os.path.join(self.path, f"__{rank}{METADATA_FILE}")))
+            return self._read(f"__{rank}{METADATA_FILE}")
         if self._index is None:
-            self._index = self._with_load_id(load_index(os.path.join(self.path, METADATA_FILE)))
+            self._index = self._read(METADATA_FILE)
         return self._index
+
+    def _read(self, name: str):
+        """The index file `name`, read as data, every storage file it names confined to the checkpoint."""
+        source = os.path.join(self.path, name)
+        index = load_index(source)
+        check_index_paths(index, self.path, source)
+        return self._with_load_id(index)
 
     def _with_load_id(self, metadata):
         if getattr(metadata, "storage_meta", None) is None:
@@ -137,9 +151,12 @@ class RestrictedCommonLoadStrategy(TorchCommonLoadStrategy):
     def load_common(self, checkpoint_dir):
         path = os.path.join(checkpoint_dir, COMMON_STATE_FNAME)
         try:
-            return load_torch_pickle(path, path)
+            data = read_regular(path, MAX_COMMON_BYTES)
         except FileNotFoundError as e:
             raise CheckpointingException(f"Common file {path} does not exist") from e
+        except UnsafeFileError as e:
+            raise UnsafeCheckpointError(f"checkpoint file {e}") from None
+        return load_torch_pickle(io.BytesIO(data), path)
 
 
 def load_strategies() -> dict:
