@@ -302,7 +302,9 @@ def test_one_call_attention_matches_per_row(results, layout):
     for key in ("logprobs", "merged_logprobs"):
         err = float((one_call[key] - per_row[key]).abs().max())
         assert err <= ATTENTION_RTOL, f"{layout} {key}: one-call vs per-row max |diff| {err:.3e}"
-    assert_metrics_close(one_call["metrics"], per_row["metrics"], "metrics", rtol=ATTENTION_RTOL)
+    # the policy loss is a near-cancelling sum (~1e-3) of terms ~0.7: compared on that scale (as
+    # the gateway layouts are; measured at CP2: 4.8e-9)
+    assert_metrics_close(one_call["metrics"], per_row["metrics"], "metrics", rtol=ATTENTION_RTOL, floor=1.0)
     for key in ("grads", "merged_grads"):
         for name, ref in per_row[key].items():
             err = float((one_call[key][name] - ref).abs().max())
