@@ -68,7 +68,7 @@ class ModelConfig:
     packed_attention: Literal["auto", "one_call", "per_row"] = option(
         "auto",
         "local spec's packed attention: one_call (every row of a micro-batch in one padded causal SDPA "
-        "call), per_row (one call per row), auto = one_call (docs/megatron.md)",
+        "call), per_row (one call per row), auto = one_call on a GPU, per_row on CPU (docs/megatron.md)",
     )
     fused_elementwise: bool = option(
         False, "local spec: RMSNorm, RoPE and SwiGLU compiled by torch.compile into fused kernels (docs/megatron.md)"

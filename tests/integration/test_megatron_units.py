@@ -2,7 +2,6 @@
 HF-config front end (the packed attention: test_packed_attention.py). (Layout invariance runs
 under torchrun in test_megatron_parallel.py.)"""
 
-
 import pytest
 import torch
 

@@ -5,7 +5,7 @@ in one padded SDPA call; `per_row`), and the two agree in outputs and gradients 
 (fp32) with MHA, GQA and MQA, empty and one-token rows; the one-call path reads nothing back
 from the device. The fused RoPE equals megatron's unfused THD RoPE (CP ranks included), and the
 fused model (compiled RMSNorm, RoPE, SwiGLU) equals the unfused one. TP2 and CP2 run under
-torchrun in test_megatron_parallel.py (the `*_per_row` layouts).
+torchrun in test_megatron_parallel.py (the `*_one_call` layouts).
 """
 
 from __future__ import annotations
@@ -129,6 +129,15 @@ def test_padded_rows_by_hand():
     rows = padded_rows(torch.tensor([0, 2, 5, 6]), max_len=3, total=6)
     assert rows.query.tolist() == [[0, 1, 1], [2, 3, 4], [5, 5, 5]]
     assert rows.row.tolist() == [0, 0, 1, 1, 1, 2] and rows.slot.tolist() == [0, 1, 0, 1, 2, 0]
+
+
+def test_auto_is_per_row_on_cpu(monkeypatch):
+    """auto: one_call on a GPU only (measured slower on CPU): on CPU it reads the host bounds."""
+    lengths = [3, 5, 2]
+    reads = []
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t) or [0, 3, 8, 10])
+    attention("auto")(*qkv(sum(lengths), 4, 2), None, packed_seq_params=packed_params(lengths))
+    assert len(reads) == 1  # the per-row path's bounds
 
 
 def test_an_unknown_implementation_is_refused_naming_the_key():

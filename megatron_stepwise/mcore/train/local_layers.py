@@ -46,7 +46,9 @@ from megatron_stepwise.mcore.train.packed_layout import (
     padded_rows,
 )
 
-# model.packed_attention: auto = one_call (this module runs only where Transformer Engine does not)
+# model.packed_attention. auto: one_call on a GPU, where per-row kernel launches bound the step
+# (results/gpu_h200.md); per_row on CPU, where it measured faster (docs/megatron.md): the padded
+# batch's extra work outweighs the few calls it saves there.
 PACKED_ATTENTION = ("auto", "one_call", "per_row")
 
 
@@ -121,7 +123,7 @@ class PackedCausalAttention(MegatronModule):
             raise ValueError(
                 f"model.packed_attention must be one of {', '.join(PACKED_ATTENTION)}, got {packed_attention!r}"
             )
-        self.one_call = packed_attention != "per_row"
+        self.packed_attention = packed_attention
         self.cp_group = getattr(pg_collection, "cp", None)
         if self.cp_group is None and config.context_parallel_size > 1:
             self.cp_group = parallel_state.get_context_parallel_group()
@@ -164,7 +166,7 @@ class PackedCausalAttention(MegatronModule):
             cu = packed_seq_params.cu_seqlens_q_padded
             cu = packed_seq_params.cu_seqlens_q if cu is None else cu
             cp = dist.get_world_size(self.cp_group) if self.cp_group is not None else 1
-            if self.one_call:
+            if self.packed_attention == "one_call" or (self.packed_attention == "auto" and query.is_cuda):
                 return self._one_call_thd(query, key, value, packed_seq_params, bounds, cu, cp)
             bounds = cu.tolist() if bounds is None else bounds
             if cp > 1:
