@@ -171,12 +171,7 @@ class PackedCausalAttention(MegatronModule):
             bounds = cu.tolist() if bounds is None else bounds
             if cp > 1:
                 return self._context_parallel_thd(query, key, value, bounds, cp)
-            outs = []
-            for start, end in zip(bounds[:-1], bounds[1:]):
-                if end > start:
-                    q, k, v = (_heads_first(t[start:end]) for t in (query, key, value))
-                    outs.append(self._sdpa(q, k, v)[0].transpose(0, 1))
-            return _concat(outs, query)
+            return self._per_row_thd(query, key, value, bounds)
         if attention_mask is not None:
             raise ValueError(
                 "PackedCausalAttention takes packed sequences (PackedSeqParams, qkv_format='thd') or a "
@@ -186,6 +181,15 @@ class PackedCausalAttention(MegatronModule):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         out = self._sdpa(q, k, v)  # [b, np, s, hn]
         return out.permute(2, 0, 1, 3).reshape(query.size(0), query.size(1), -1)
+
+    def _per_row_thd(self, query, key, value, bounds: list[int]) -> torch.Tensor:
+        """One SDPA call per packed row [bounds[i], bounds[i+1])."""
+        outs = []
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            if end > start:
+                q, k, v = (_heads_first(t[start:end]) for t in (query, key, value))
+                outs.append(self._sdpa(q, k, v)[0].transpose(0, 1))
+        return _concat(outs, query)
 
     def _one_call_thd(self, query, key, value, packed_seq_params, bounds, cu, cp: int) -> torch.Tensor:
         """All rows of the micro-batch in one SDPA call over a padded batch (packed_layout.py)."""
