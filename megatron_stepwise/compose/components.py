@@ -118,6 +118,16 @@ def _use_te(cfg: ExperimentConfig) -> Optional[bool]:
     return {"auto": None, "te": True, "local": False}[cfg.model.transformer_impl]
 
 
+def _build_options(cfg: ExperimentConfig) -> dict[str, Any]:
+    """The model builder's keyword arguments from the model section (the local spec's options)."""
+    return {
+        "use_te": _use_te(cfg),
+        "config_overrides": _model_overrides(cfg),
+        "packed_attention": cfg.model.packed_attention,
+        "fused_elementwise": cfg.model.fused_elementwise,
+    }
+
+
 def build_policy(cfg: ExperimentConfig, arch: GPTArch) -> list[torch.nn.Module]:
     init = None
     if cfg.model.hf_checkpoint:
@@ -131,8 +141,7 @@ def build_policy(cfg: ExperimentConfig, arch: GPTArch) -> list[torch.nn.Module]:
         arch,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
         init=init,
-        use_te=_use_te(cfg),
-        config_overrides=_model_overrides(cfg),
+        **_build_options(cfg),
     )
 
 
@@ -146,9 +155,7 @@ def build_reference(
         for chunk, sd in zip(chunks, state):
             chunk.load_state_dict(sd)
 
-    ref = model_chunks_from_arch(
-        arch, wrap=False, init=init, use_te=_use_te(cfg), config_overrides=_model_overrides(cfg)
-    )
+    ref = model_chunks_from_arch(arch, wrap=False, init=init, **_build_options(cfg))
     for chunk in ref:
         chunk.requires_grad_(False)
         chunk.eval()

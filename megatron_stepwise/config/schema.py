@@ -65,6 +65,14 @@ class ModelConfig:
     transformer_impl: Literal["auto", "te", "local"] = option(
         "auto", "megatron-core layer spec: te (transformer-engine), local, or auto (te when importable)"
     )
+    packed_attention: Literal["auto", "one_call", "per_row"] = option(
+        "auto",
+        "local spec's packed attention: one_call (every row of a micro-batch in one padded causal SDPA "
+        "call), per_row (one call per row), auto = one_call on a GPU, per_row on CPU (docs/megatron.md)",
+    )
+    fused_elementwise: bool = option(
+        False, "local spec: RMSNorm, RoPE and SwiGLU compiled by torch.compile into fused kernels (docs/megatron.md)"
+    )
     chat_template: Optional[str] = option(
         None, "chat template replacing the tokenizer's: inline Jinja or a file (docs/custom_envs.md); null = own"
     )

@@ -19,6 +19,10 @@ The gateway's steps (a context-managing agent's calls, recorded here through the
 SDK, prefix breaks included) are trained merged and unmerged at TP2+SP and PP2 in the same
 launch: each row is fed exactly the tokens its calls sent and sampled, and the loss and every
 gradient are the same within 1e-6 relative.
+
+Every layout runs the local spec's per-row packed attention (the CPU default); the `*_one_call`
+layouts run the one-call path (a GPU's default), and must give the same log-probs, loss and
+gradients within 1e-6 (TP1 with GQA, TP2, CP2).
 """
 
 from __future__ import annotations
@@ -82,8 +86,17 @@ LAYOUTS = {
     "pp2_bf16": (2, "pp=2,bf16=1", "tp1"),
     "dp2_budget40_distopt_bf16": (2, "budget=40,distopt=1,bf16=1", "tp1"),
     "tp2_pp2_tied_bf16": (4, "tp=2,pp=2,sp=0,tied=1,bf16=1", "tp1_tied"),
+    # the local spec's one-call packed attention (a GPU's default), against the per-row path every
+    # other layout runs on CPU (model.packed_attention=auto): GQA (4 heads, 2 KV groups), TP2 (a
+    # head group per rank), CP2 (all-gather attention)
+    "tp1_one_call": (1, "one_call=1", "tp1"),
+    "tp2_sequence_parallel_one_call": (2, "tp=2,one_call=1", "tp2_sequence_parallel"),
+    "cp2_one_call": (2, "cp=2,one_call=1", "cp2"),
 }
 FP32_LAYOUTS = [n for n, (_, opts, _) in LAYOUTS.items() if "bf16=1" not in opts]
+ONE_CALL_LAYOUTS = [n for n, (_, opts, _) in LAYOUTS.items() if "one_call=1" in opts]
+# One-call vs per-row attention: the same sums in another order of evaluation (measured: 1e-7).
+ATTENTION_RTOL = 1e-6
 BF16_LAYOUTS = [n for n in LAYOUTS if n not in FP32_LAYOUTS]
 
 # What bf16 (8-bit mantissa, unit roundoff 2^-9 = 2e-3) allows against the fp32 baseline. Measured
@@ -279,6 +292,23 @@ def test_layout_matches_baseline(results, layout):
     assert_tensors_close(trim(res["params_after_step"]), base["params_after_step"], "parameters after one step")
     assert res["bad_inputs"]["alive_ranks"] == nproc
     assert res["shard_logprobs_gap"] == 0.0  # a rank's shard scores exactly as the whole mini-batch
+
+
+@pytest.mark.parametrize("layout", ONE_CALL_LAYOUTS)
+def test_one_call_attention_matches_per_row(results, layout):
+    """The one-call packed attention gives the per-row path's (the baseline layout's, CPU
+    default) log-probs, loss and gradients, unmerged and merged, within ATTENTION_RTOL."""
+    one_call, per_row = results(layout), results(LAYOUTS[layout][2])
+    for key in ("logprobs", "merged_logprobs"):
+        err = float((one_call[key] - per_row[key]).abs().max())
+        assert err <= ATTENTION_RTOL, f"{layout} {key}: one-call vs per-row max |diff| {err:.3e}"
+    # the policy loss is a near-cancelling sum (~1e-3) of terms ~0.7: compared on that scale (as
+    # the gateway layouts are; measured at CP2: 4.8e-9)
+    assert_metrics_close(one_call["metrics"], per_row["metrics"], "metrics", rtol=ATTENTION_RTOL, floor=1.0)
+    for key in ("grads", "merged_grads"):
+        for name, ref in per_row[key].items():
+            err = float((one_call[key][name] - ref).abs().max())
+            assert err <= ATTENTION_RTOL * float(ref.abs().max()) + 1e-12, f"{layout} {key} {name}: {err:.3e}"
 
 
 @pytest.mark.parametrize("layout", layout_params(BF16_LAYOUTS))

@@ -1,8 +1,6 @@
-"""Single-process tests of the Megatron pieces: packing, log-probs at trained positions, the
-packed attention, and the HF-config front end. (Layout invariance runs under torchrun in
-test_megatron_parallel.py.)"""
-
-import math
+"""Single-process tests of the Megatron pieces: packing, log-probs at trained positions and the
+HF-config front end (the packed attention: test_packed_attention.py). (Layout invariance runs
+under torchrun in test_megatron_parallel.py.)"""
 
 import pytest
 import torch
@@ -201,39 +199,6 @@ def test_logprobs_shard_offset_selects_the_right_vocabulary_slice():
     lp_ref, ent_ref = reference_logprobs(hidden @ full[20:].t(), targets - 20)
     torch.testing.assert_close(lp, lp_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ent, ent_ref, rtol=1e-5, atol=1e-5)
-
-
-# ---------------------------------------------------------------- packed attention
-
-
-def test_packed_attention_is_block_diagonal_causal_with_gqa():
-    from megatron.core.transformer.enums import AttnMaskType
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    from megatron_stepwise.mcore.train.local_layers import PackedCausalAttention
-
-    cfg = TransformerConfig(
-        num_layers=1, hidden_size=16, num_attention_heads=4, num_query_groups=2, kv_channels=4, attention_dropout=0.0
-    )
-    attn = PackedCausalAttention(cfg, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
-    g = torch.Generator().manual_seed(0)
-    t, nh, ng, d = 8, 4, 2, 4
-    q, k, v = torch.randn(t, nh, d, generator=g), torch.randn(t, ng, d, generator=g), torch.randn(t, ng, d, generator=g)
-    from megatron.core.packed_seq_params import PackedSeqParams
-
-    cu = torch.tensor([0, 3, 7, 8], dtype=torch.int32)
-    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=4, max_seqlen_kv=4)
-    out = attn(q, k, v, None, packed_seq_params=psp)
-
-    seg = torch.tensor([0, 0, 0, 1, 1, 1, 1, 2])
-    allowed = (seg[:, None] == seg[None, :]) & (torch.arange(t)[None, :] <= torch.arange(t)[:, None])
-    expected = torch.empty(t, nh, d)
-    for head in range(nh):
-        kv = head // (nh // ng)
-        scores = (q[:, head] @ k[:, kv].t()) / math.sqrt(d)
-        probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
-        expected[:, head] = probs @ v[:, kv]
-    torch.testing.assert_close(out, expected.reshape(t, nh * d), rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------- HF config front end

@@ -50,6 +50,7 @@ RUN_DEFAULTS = {
     "bf16": 0,
     "vocab": 256,
     "gateway": 0,
+    "one_call": 0,
 }
 
 
@@ -57,6 +58,7 @@ def parse():
     """`--layout NAME:key=value,...` (repeatable): layouts run one after another in this launch,
     re-creating megatron's parallel state on the same process group. Keys: RUN_DEFAULTS
     (bf16=1: bf16 weights and compute, fp32 main params and gradient reduction, as on GPU;
+    one_call=1: the local spec's one-call packed attention instead of auto's per-row on CPU;
     gateway=1: also train the steps of `--gateway-steps` merged and unmerged, gateway_training.py)."""
     p = argparse.ArgumentParser()
     p.add_argument("--layout", action="append", required=True)
@@ -318,6 +320,7 @@ def run_layout(args, out_dir):
         config_overrides=overrides,
         use_distributed_optimizer=bool(args.distopt),
         init=lambda c: W.init_deterministic(c, seed=SEED),
+        packed_attention="one_call" if args.one_call else "auto",
     )
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 

@@ -4,7 +4,7 @@ asserts). On a machine without a CUDA GPU it prints why it is skipped and exits 
 Setup: megatron-core at world size 1 (NCCL), a randomly initialised Qwen2.5-0.5B (or 1.5B) from
 its published config shape (`tools/bench/flops.py`; nothing is downloaded), bf16 weights with fp32
 main parameters in megatron's Adam, Transformer Engine's spec if it imports (else the local spec
-with per-row SDPA attention). One mini-batch of agent-shaped step rows (1-3 turns, rows up to
+with its one-call packed attention). One mini-batch of agent-shaped step rows (1-3 turns, rows up to
 ~3.8k tokens), packed into 4096-token micro-batches by the plugin; one timed unit is one
 `StepwisePlugin.train_minibatch` (forward, backward, optimizer step), synchronised.
 
@@ -17,6 +17,10 @@ Figures, measured side by side on the same device in the same run:
   per row + output layer at trained positions) / step time / peak.
 
     python tools/bench/bench_gpu.py [--quick] [--model qwen2.5-1.5b] [--out results.json]
+
+`--variants one_call per_row fused` times the local spec's packed attention and fused blocks
+one after another in the same run (each its own model; `VARIANTS`); the top-level figures are
+the first variant's, every variant's are under `variants`.
 
 `--device cpu --model tiny` runs the same code on the CPU with the tiny model (the test suite's
 smoke run of this script); its figures are CPU figures, not GPU ones.
@@ -44,6 +48,14 @@ from megatron_stepwise.data.synthetic import AgentWorkload, make_agent_steps  # 
 from megatron_stepwise.hf.presets import tiny_config  # noqa: E402
 
 MICRO_TOKENS = 4096
+# --variants: the model builder's options (the local spec's model.packed_attention / fused_elementwise)
+VARIANTS = {
+    "default": {},
+    "one_call": {"packed_attention": "one_call"},
+    "per_row": {"packed_attention": "per_row"},
+    "fused": {"packed_attention": "one_call", "fused_elementwise": True},
+    "per_row_fused": {"packed_attention": "per_row", "fused_elementwise": True},
+}
 MODELS = {k: v for k, v in QWEN2_CONFIGS.items() if not k.endswith("7b")}
 
 
@@ -56,6 +68,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--variants", nargs="+", default=["default"], choices=list(VARIANTS), help="timed one after another")
     p.add_argument(
         "--profile",
         help="after timing, profile one more step (torch.profiler) and write its "
@@ -133,6 +146,44 @@ def profile_step(step, device: str, path: str, rows: int = 30) -> None:
         print("\n".join(t.splitlines()[:16]))
 
 
+def time_variant(args, hf, batch, build: dict, model_flops: float, peak_tflops: float, keep: bool) -> dict[str, Any]:
+    """One variant's model, optimizer and timed steps; its memory is freed before the next
+    unless `keep` (its `step` is returned, to profile)."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from megatron_stepwise.mcore.train.model import build_model_chunks
+    from megatron_stepwise.mcore.train.plugin import StepwisePlugin
+
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    chunks = build_model_chunks(hf, config_overrides={"dtype": torch.bfloat16}, **build)
+    opt = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam", lr=1e-6, weight_decay=0.0, clip_grad=1.0, bf16=True, params_dtype=torch.bfloat16
+        ),
+        chunks,
+    )
+    plugin = StepwisePlugin(
+        LossConfig(policy_loss="ppo", reduction="token_mean"), max_tokens_per_microbatch=args.micro_tokens
+    )
+
+    def step():
+        return plugin.train_minibatch(chunks, opt, batch)
+
+    timing = time_repeats(step, args.repeats, args.warmup, lambda: synchronize(args.device))
+    return {
+        "build": build,
+        "step_s": timing.median,
+        "all_step_s": timing.seconds,
+        "mfu": model_flops / timing.median / 1e12 / peak_tflops,
+        "max_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None,
+        "loss": timing.result["loss"],
+        "metrics": timing.result,
+        "step": step if keep else None,
+    }
+
+
 def device_name(device: str) -> str:
     return torch.cuda.get_device_name() if device == "cuda" else f"CPU ({platform.machine()}, smoke run)"
 
@@ -146,10 +197,8 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
 
     silence_megatron_noise()
     from bench_trainer_step import start_world_of_one
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from megatron_stepwise.mcore.train.model import build_model_chunks, te_available
-    from megatron_stepwise.mcore.train.plugin import StepwisePlugin
+    from megatron_stepwise.mcore.train.model import te_available
 
     sizes = (8192,) if args.quick else (4096, 8192, 16384)
     peak = matmul_peak_tflops(sizes if args.device == "cuda" else (512,), args.device)
@@ -163,30 +212,22 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
 
     start_world_of_one()
     try:
-        chunks = build_model_chunks(hf, config_overrides={"dtype": torch.bfloat16})
-        opt = get_megatron_optimizer(
-            OptimizerConfig(
-                optimizer="adam", lr=1e-6, weight_decay=0.0, clip_grad=1.0, bf16=True, params_dtype=torch.bfloat16
-            ),
-            chunks,
-        )
-        plugin = StepwisePlugin(
-            LossConfig(policy_loss="ppo", reduction="token_mean"), max_tokens_per_microbatch=args.micro_tokens
-        )
-        timing = time_repeats(
-            lambda: plugin.train_minibatch(chunks, opt, batch),
-            args.repeats,
-            args.warmup,
-            lambda: synchronize(args.device),
-        )
-        times, metrics = timing.seconds, timing.result
-        memory_gib = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None
+        figures = {}
+        for name in args.variants:
+            keep = bool(args.profile) and name == args.variants[0]
+            figures[name] = time_variant(args, hf, batch, VARIANTS[name], flops["total"], peak_tflops, keep)
+            print(f"  {name}: {figures[name]['step_s']:.3f} s/step, MFU {figures[name]['mfu']:.1%}")
         if args.profile:
-            profile_step(lambda: plugin.train_minibatch(chunks, opt, batch), args.device, args.profile)
+            profile_step(figures[args.variants[0]].pop("step"), args.device, args.profile)
     finally:
         destroy_distributed()
+    for f in figures.values():
+        f.pop("step", None)
+    first = figures[args.variants[0]]
+    times, timing_median, metrics = first["all_step_s"], first["step_s"], first["metrics"]
+    memory_gib = first["max_memory_gib"]
 
-    sec = timing.median
+    sec = timing_median
     tokens = sum(lengths)
     achieved = flops["total"] / sec / 1e12
     mfu = achieved / peak_tflops
@@ -206,6 +247,12 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
         f"  {'step s':>8}{'tokens/s':>12}{'model TFLOP/step':>18}{'achieved TFLOP/s':>18}{'MFU':>8}{'peak mem GiB':>14}"
     )
     print(f"  {sec:>8.3f}{tokens / sec:>12,.0f}{flops['total'] / 1e12:>18.1f}{achieved:>18.1f}{mfu:>8.1%}{memory}")
+    if len(figures) > 1:
+        print(f"  {'variant':<16}{'step s':>8}{'tokens/s':>12}{'MFU':>8}{'vs ' + args.variants[0]:>14}")
+        for name, f in figures.items():
+            print(
+                f"  {name:<16}{f['step_s']:>8.3f}{tokens / f['step_s']:>12,.0f}{f['mfu']:>8.1%}{sec / f['step_s']:>13.2f}x"
+            )
     print(
         f"  FLOPs split: dense {flops['dense'] / flops['total']:.0%}, attention {flops['attention'] / flops['total']:.0%}, "
         f"output layer (trained positions) {flops['output'] / flops['total']:.0%}"
@@ -228,6 +275,10 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
         "num_microbatches": int(metrics["num_microbatches"]),
         "loss": metrics["loss"],
         "max_memory_gib": memory_gib,
+        "variants": {
+            name: {k: v for k, v in f.items() if k != "metrics"} | {"tokens_per_s": tokens / f["step_s"]}
+            for name, f in figures.items()
+        },
     }
 
 

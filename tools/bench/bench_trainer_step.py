@@ -11,11 +11,18 @@ The two runs differ only in padding. Both use the plugin's own micro-batch plan 
 rows (the padded run gets it through the `plan_microbatches` hook); in the padded run every row
 is extended to the longest row of its micro-batch with pad tokens whose loss_mask is 0, placed
 after the row so causal attention keeps the real tokens' results, and the loss, unchanged.
-lr = 0 keeps the weights fixed, so every repeat computes the same thing; runs alternate
-(packed, padded, packed, ...) so machine noise hits both alike. Reported: real tokens/s
-(real tokens / step time) of each and their ratio, next to the ratio the token counts predict.
+On the local spec the same packed mini-batch also runs with each packed attention
+(`packed_one_call` / `packed_per_row`: `model.packed_attention=one_call` / `per_row`; `packed`
+and `padded` run `auto`: per_row on CPU, one_call on a GPU) and, with `--fused`, with the fused
+elementwise blocks (`packed_fused`: `model.fused_elementwise=true` on `auto`; torch.compile's
+first-call compilation happens in the untimed warm-up round). Every variant is its own model
+with the same deterministic weights.
 
-    python tools/bench/bench_trainer_step.py [--quick] [--out results.json]
+lr = 0 keeps the weights fixed, so every repeat computes the same thing; runs alternate
+(packed, padded, packed_per_row, ...) so machine noise hits all alike. Reported: real tokens/s
+(real tokens / step time) of each and their ratios, next to the ratio the token counts predict.
+
+    python tools/bench/bench_trainer_step.py [--quick] [--fused] [--out results.json]
 
 `--device cuda` runs the same comparison on the GPU (NCCL, bf16 weights with fp32 main
 parameters, steps timed between `torch.cuda.synchronize()` calls); give it a model and a
@@ -43,6 +50,7 @@ from megatron_stepwise.algo.losses import LossConfig  # noqa: E402
 from megatron_stepwise.algo.planner import plan_microbatches  # noqa: E402
 from megatron_stepwise.data.synthetic import AgentWorkload, make_agent_steps  # noqa: E402
 from megatron_stepwise.hf.presets import PRESETS  # noqa: E402
+from megatron_stepwise.mcore.weights import full_views as W  # noqa: E402
 from megatron_stepwise.steps import Step, StepBatch  # noqa: E402
 
 PAD_TOKEN = 0
@@ -62,6 +70,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         choices=["cpu", "cuda"],
         help="cuda: NCCL and bf16 weights (fp32 main parameters) on the GPU",
     )
+    p.add_argument("--fused", action="store_true", help="also time the fused elementwise blocks (packed_fused)")
     add_seed_and_out(p)
     args = p.parse_args(argv)
     if args.quick:
@@ -175,22 +184,32 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
             plan_microbatches=lambda *_a, **_k: plan,
         ),
     }
+    # variant: (layout, model builder options); the local spec's attention and fused blocks
+    variants = {"packed": ("packed", {}), "padded": ("padded", {})}
+    if not te_available():
+        variants["packed_one_call"] = ("packed", {"packed_attention": "one_call"})
+        variants["packed_per_row"] = ("packed", {"packed_attention": "per_row"})
+        if args.fused:
+            variants["packed_fused"] = ("packed", {"fused_elementwise": True})
 
     start_world_of_one()
     try:
-        chunks = build_model_chunks(hf, config_overrides={"dtype": dtype})
-        # lr = 0: the optimizer does all its work but the weights stay put, so repeats are identical.
-        opt = get_megatron_optimizer(
-            OptimizerConfig(optimizer="adam", lr=0.0, weight_decay=0.0, clip_grad=1.0, bf16=on_gpu, params_dtype=dtype),
-            chunks,
-        )
+        calls = {}
+        for name, (layout, build) in variants.items():
+            chunks = build_model_chunks(
+                hf, config_overrides={"dtype": dtype}, init=lambda c: W.init_deterministic(c, seed=args.seed), **build
+            )
+            # lr = 0: the optimizer does all its work but the weights stay put, so repeats are identical.
+            opt = get_megatron_optimizer(
+                OptimizerConfig(
+                    optimizer="adam", lr=0.0, weight_decay=0.0, clip_grad=1.0, bf16=on_gpu, params_dtype=dtype
+                ),
+                chunks,
+            )
+            calls[name] = functools.partial(plugins[layout].train_minibatch, chunks, opt, batches[layout])
         n_params = sum(p.numel() for p in chunks[0].parameters())
-        # the first (untimed) round warms up allocators and megatron's buffers
-        timings = side_by_side(
-            {name: functools.partial(plugins[name].train_minibatch, chunks, opt, batches[name]) for name in plugins},
-            args.repeats,
-            sync=torch.cuda.synchronize if on_gpu else None,
-        )
+        # the first (untimed) round warms up allocators, megatron's buffers and torch.compile
+        timings = side_by_side(calls, args.repeats, sync=torch.cuda.synchronize if on_gpu else None)
         times = {name: t.seconds for name, t in timings.items()}
         losses = {name: t.result["loss"] for name, t in timings.items()}
     finally:
@@ -199,14 +218,14 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
     real = sum(lengths)
     trained = sum(s.num_trainable for s in steps)
     res = {}
-    for name in ("packed", "padded"):
+    for name, (layout, _) in variants.items():
         sec = statistics.median(times[name])
         res[name] = {
             "step_s": sec,
             "all_step_s": times[name],
-            "computed_tokens": computed[name],
+            "computed_tokens": computed[layout],
             "real_tokens_per_s": real / sec,
-            "computed_tokens_per_s": computed[name] / sec,
+            "computed_tokens_per_s": computed[layout] / sec,
             "loss": losses[name],
         }
     speedup = res["packed"]["real_tokens_per_s"] / res["padded"]["real_tokens_per_s"]
@@ -220,16 +239,29 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
         f"({args.prompts} prompts x {args.samples} samples, 1-6 turns), {real:,} real tokens, {trained:,} trained, "
         f"{len(plan[0])} micro-batches (budget {args.max_tokens:,} tokens), median of {args.repeats}"
     )
-    print(f"{'layout':<8}{'computed tok':>14}{'step s':>9}{'real tok/s':>12}{'computed tok/s':>16}{'loss':>14}")
+    print(f"{'variant':<15}{'computed tok':>14}{'step s':>9}{'real tok/s':>12}{'computed tok/s':>16}{'loss':>14}")
     for name, r in res.items():
         print(
-            f"{name:<8}{r['computed_tokens']:>14,}{r['step_s']:>9.3f}{r['real_tokens_per_s']:>12,.0f}"
+            f"{name:<15}{r['computed_tokens']:>14,}{r['step_s']:>9.3f}{r['real_tokens_per_s']:>12,.0f}"
             f"{r['computed_tokens_per_s']:>16,.0f}{r['loss']:>14.6f}"
         )
     print(
         f"packed / padded real tokens/s = {speedup:.2f}x   (padded / packed computed tokens = {predicted:.2f}x; "
         f"loss difference {abs(res['packed']['loss'] - res['padded']['loss']):.1e}: same math, pads untrained)"
     )
+    # one-call / per-row and fused / unfused, both as real tokens/s of the packed step
+    pairs = {
+        "one_call_over_per_row": ("packed_one_call", "packed_per_row"),
+        "fused_over_unfused": ("packed_fused", "packed"),
+    }
+    ratios = {}
+    for key, (new, old) in pairs.items():
+        if new in res and old in res:
+            ratios[f"{key}_tokens_per_s"] = res[old]["step_s"] / res[new]["step_s"]
+            print(
+                f"{key.replace('_', ' ')} real tokens/s = {ratios[f'{key}_tokens_per_s']:.2f}x   "
+                f"(loss difference {abs(res[new]['loss'] - res[old]['loss']):.1e})"
+            )
     return {
         "config": config(args),
         "device": torch.cuda.get_device_name() if on_gpu else "cpu",
@@ -244,6 +276,7 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
         "layouts": res,
         "packed_over_padded_tokens_per_s": speedup,
         "padded_over_packed_computed_tokens": predicted,
+        **ratios,
     }
 
 

@@ -125,9 +125,18 @@ def transformer_config(
     return TransformerConfig(**fields)
 
 
-def layer_spec(config, *, use_te: bool, vp_stage: Optional[int] = None):
-    """Decoder block spec: TE spec, or megatron's local spec with our packed attention + norm."""
+def layer_spec(
+    config,
+    *,
+    use_te: bool,
+    vp_stage: Optional[int] = None,
+    packed_attention: str = "auto",
+    fused_elementwise: bool = False,
+):
+    """Decoder block spec: TE spec, or megatron's local spec with our packed attention + norm
+    (`packed_attention`: local_layers.PACKED_ATTENTION; `fused_elementwise`: compiled RMSNorm)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
+    from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
     if use_te:
@@ -145,19 +154,19 @@ def layer_spec(config, *, use_te: bool, vp_stage: Optional[int] = None):
         moe_grouped_gemm=False,
     )
     attn = base.submodules.self_attention
-    qk_norm = LocalRMSNorm if config.qk_layernorm else None
-    attn_sub = dataclasses.replace(
-        attn.submodules, core_attention=PackedCausalAttention, q_layernorm=qk_norm, k_layernorm=qk_norm
-    )
+    norm = ModuleSpec(module=LocalRMSNorm, params={"fused": fused_elementwise})
+    qk_norm = norm if config.qk_layernorm else None
+    core = ModuleSpec(module=PackedCausalAttention, params={"packed_attention": packed_attention})
+    attn_sub = dataclasses.replace(attn.submodules, core_attention=core, q_layernorm=qk_norm, k_layernorm=qk_norm)
     sub = dataclasses.replace(
         base.submodules,
-        input_layernorm=LocalRMSNorm,
-        pre_mlp_layernorm=LocalRMSNorm,
+        input_layernorm=norm,
+        pre_mlp_layernorm=norm,
         self_attention=dataclasses.replace(attn, submodules=attn_sub),
     )
     layer = dataclasses.replace(base, submodules=sub)
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=LocalRMSNorm)
+    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=norm)
 
 
 def _patch_router_gemm() -> None:
@@ -184,8 +193,14 @@ def gpt_model_from_arch(
     config_overrides: Optional[dict[str, Any]] = None,
     tokenizer_vocab_size: Optional[int] = None,
     vp_stage: Optional[int] = None,
+    packed_attention: str = "auto",
+    fused_elementwise: bool = False,
 ):
-    """One GPTModel chunk for this rank's pipeline stage (parallel state must be initialised)."""
+    """One GPTModel chunk for this rank's pipeline stage (parallel state must be initialised).
+
+    On the local spec: `packed_attention` picks `PackedCausalAttention`'s implementation
+    (model.packed_attention), `fused_elementwise` compiles RMSNorm, RoPE and SwiGLU (fused_ops.py).
+    """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
@@ -205,6 +220,12 @@ def gpt_model_from_arch(
         overrides.setdefault("virtual_pipeline_model_parallel_size", vpp)
         if vp_stage is None:
             raise ValueError(f"virtual pipeline parallelism ({vpp} chunks per rank) needs the chunk's vp_stage")
+    fused = fused_elementwise and not use_te
+    if fused:
+        from megatron_stepwise.mcore.train.fused_ops import fused_overrides, install_rope_hooks
+
+        install_rope_hooks()  # before the config: it checks that a fused RoPE exists
+        overrides = {**fused_overrides(), **overrides}
     config = transformer_config(arch, tp=tp, pp=pp, cp=cp, use_te=use_te, **overrides)
     if pre_process is None:
         pre_process = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
@@ -212,7 +233,9 @@ def gpt_model_from_arch(
         post_process = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(config, use_te=use_te, vp_stage=vp_stage),
+        transformer_layer_spec=layer_spec(
+            config, use_te=use_te, vp_stage=vp_stage, packed_attention=packed_attention, fused_elementwise=fused
+        ),
         vocab_size=padded_vocab_size(arch.vocab_size, tp),
         max_sequence_length=arch.max_position_embeddings,
         pre_process=pre_process,
