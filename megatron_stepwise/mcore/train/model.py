@@ -4,7 +4,7 @@ and the Qwen3-MoE / Mixtral mixtures of experts.
 RMSNorm, SwiGLU, RoPE (theta, Llama-3 scaling), GQA, Qwen2's qkv bias, Qwen3's per-head QK
 RMSNorm and explicit head_dim, tied or untied embeddings, top-k routed experts in every layer.
 The Transformer Engine spec is used when TE imports; otherwise the local spec with the
-torch-native packed attention and norm of `local_layers`. bf16 on GPU, fp32 on CPU.
+torch-native packed attention of `local_layers` and the RMSNorm of `hf_rms_norm`. bf16 on GPU, fp32 on CPU.
 
 Both paths take THD packed micro-batches (`PackedSeqParams`), see `train/packing.py`.
 
@@ -136,7 +136,8 @@ def layer_spec(config, *, use_te: bool, vp_stage: Optional[int] = None):
         )
     if config.num_moe_experts:
         _patch_router_gemm()
-    from megatron_stepwise.mcore.train.local_layers import LocalRMSNorm, PackedCausalAttention
+    from megatron_stepwise.mcore.train.hf_rms_norm import HFRoundedRMSNorm
+    from megatron_stepwise.mcore.train.local_layers import PackedCausalAttention
 
     base = specs.get_gpt_layer_local_spec(
         normalization="RMSNorm",
@@ -145,19 +146,19 @@ def layer_spec(config, *, use_te: bool, vp_stage: Optional[int] = None):
         moe_grouped_gemm=False,
     )
     attn = base.submodules.self_attention
-    qk_norm = LocalRMSNorm if config.qk_layernorm else None
+    qk_norm = HFRoundedRMSNorm if config.qk_layernorm else None
     attn_sub = dataclasses.replace(
         attn.submodules, core_attention=PackedCausalAttention, q_layernorm=qk_norm, k_layernorm=qk_norm
     )
     sub = dataclasses.replace(
         base.submodules,
-        input_layernorm=LocalRMSNorm,
-        pre_mlp_layernorm=LocalRMSNorm,
+        input_layernorm=HFRoundedRMSNorm,
+        pre_mlp_layernorm=HFRoundedRMSNorm,
         self_attention=dataclasses.replace(attn, submodules=attn_sub),
     )
     layer = dataclasses.replace(base, submodules=sub)
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=LocalRMSNorm)
+    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=HFRoundedRMSNorm)
 
 
 def _patch_router_gemm() -> None:

@@ -1,0 +1,25 @@
+"""RMSNorm rounded the way the rollout engine's model rounds it, for the local spec.
+
+In bf16, `torch.nn.RMSNorm` multiplies the fp32-normalised input by the weight in fp32 and
+rounds once; Hugging Face transformers' Llama/Qwen2/Qwen3 RMSNorm (and vLLM's, which follows it)
+rounds the normalised input to bf16 first and multiplies by the bf16 weight, a second rounding.
+Neither is more exact than the other, but where they differ (a quarter of the elements at
+non-unit weights) the trainer's log-probs drift from the engine's by as much as every other bf16
+difference on CPU together (docs/megatron.md, "bf16 agreement with the engine"). In fp32 the two
+are the same function.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_stepwise.mcore.train.local_layers import LocalRMSNorm
+
+
+class HFRoundedRMSNorm(LocalRMSNorm):
+    """`LocalRMSNorm` computing HF's `weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)` (x in fp32)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
