@@ -30,3 +30,5 @@ step() {  # step SECONDS NAME COMMAND...
   step 90 packed-vs-padded $PY tools/bench/bench_trainer_step.py --device cuda --hidden 1024 --layers 8 --prompts 8 --samples 8 --repeats 3 --out "$OUT/trainer_step.json"
   step 120 bench_gpu-1.5b $PY tools/bench/bench_gpu.py --model qwen2.5-1.5b --prompts 8 --warmup 1 --repeats 2 --out "$OUT/bench_gpu_1.5b.json"
 } 2>&1 | tee "$OUT/log"
+# issue 59 item 3, the bf16 gap decomposition (results/bf16_gap_cpu.md is its CPU run):
+{ step 150 bf16-gap $PY tools/bench/bench_bf16_gap.py --device cuda --prompts 4 --samples 4 --obs-len 1000 --out "$OUT/bf16_gap.json"; } 2>&1 | tee -a "$OUT/log"

@@ -38,6 +38,7 @@ from harness import add_seed_and_out, bench_parser, config, cuda_skip, run_args,
 
 from megatron_stepwise.algo.losses import LossConfig  # noqa: E402
 from megatron_stepwise.data.synthetic import AgentWorkload, make_agent_steps  # noqa: E402
+from megatron_stepwise.hf.arch import arch_from_hf  # noqa: E402
 from megatron_stepwise.hf.presets import tiny_config  # noqa: E402
 
 FP32 = Precision()
@@ -66,6 +67,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = bench_parser(__doc__, "tiny model, few short rows (seconds)")
     p.add_argument("--model", default="qwen2.5-0.5b", choices=[*QWEN2_CONFIGS, "tiny"])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument(
+        "--hf-dir", help="a real model's HF directory (its weights and config) instead of --model's random init"
+    )
     p.add_argument("--prompts", type=int, default=2)
     p.add_argument("--samples", type=int, default=2)
     p.add_argument("--max-turns", type=int, default=2)
@@ -83,6 +87,16 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     if args.quick:
         args.model, args.obs_len = "tiny", 100
     return args
+
+
+def model_config(args: argparse.Namespace) -> dict:
+    if args.hf_dir:
+        from megatron_stepwise.mcore.weights.convert import load_hf_config
+
+        return load_hf_config(args.hf_dir)
+    if args.model == "tiny":
+        return tiny_config(num_layers=2, vocab_size=512, tie_word_embeddings=True)
+    return QWEN2_CONFIGS[args.model]
 
 
 def make_rows(hf: dict, args: argparse.Namespace):
@@ -204,12 +218,14 @@ def load_state(hf_dir: Path, device: str) -> dict[str, torch.Tensor]:
 def measure(hf: dict, args: argparse.Namespace, tmp: Path) -> tuple[dict, dict, Any, torch.Tensor]:
     """Every log-prob vector the table compares, by name, and the seconds each took."""
     from megatron_stepwise.mcore.train.model import build_model_chunks
-    from megatron_stepwise.mcore.weights.convert import export_hf
+    from megatron_stepwise.mcore.weights.convert import export_hf, import_hf
 
     batch = make_rows(hf, args)
     trained = batch.token_fields["loss_mask"] != 0
     dir32, dir16 = tmp / "fp32", tmp / "bf16"
     chunks = build_model_chunks(hf, config_overrides={"dtype": torch.float32})
+    if args.hf_dir:
+        import_hf(chunks, args.hf_dir)
     if args.norm_noise:
         perturb_norms(chunks, args.norm_noise, args.seed)
     export_hf(chunks, dir32, hf)
@@ -236,7 +252,7 @@ def measure(hf: dict, args: argparse.Namespace, tmp: Path) -> tuple[dict, dict, 
     timed("engine bf16 eager", engine_logprobs, load_engine(dir16, torch.bfloat16, dev, attn="eager"), batch, dev)
     original = load_state(dir32, dev)
     state = bf16_valued(original)
-    cfg = {**hf, "head_dim": hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]}
+    cfg = arch_from_hf(hf)
     timed("reference fp32", reference_flat, state, cfg, batch, trained, FP32, dev)
     timed("reference fp32 weights", reference_flat, original, cfg, batch, trained, FP32, dev)
     del original
@@ -290,11 +306,7 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
     from megatron_stepwise.mcore.runtime.runtime import destroy_distributed, silence_megatron_noise
 
     silence_megatron_noise()
-    hf = (
-        tiny_config(num_layers=2, vocab_size=512, tie_word_embeddings=True)
-        if args.model == "tiny"
-        else QWEN2_CONFIGS[args.model]
-    )
+    hf = model_config(args)
     start_world_of_one()
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -306,10 +318,10 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
         for sec, label, a, b in comparisons()
     ]
     where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
-    norms = f", RMSNorm weights 1 + {args.norm_noise} N(0, 1)" if args.norm_noise else ""
+    norms = f", RMSNorm weights times 1 + {args.norm_noise} N(0, 1)" if args.norm_noise else ""
     n_trained = int(trained.sum())
     print(
-        f"\nbf16 log-prob gap, {args.model} (random init{norms}), {where}: {len(row_bounds(batch))} step rows, "
+        f"\nbf16 log-prob gap, {args.hf_dir or args.model + ' (random init)'}{norms}, {where}: {len(row_bounds(batch))} step rows, "
         f"{batch.tokens.numel():,} tokens, {n_trained:,} trained; log-probs "
         f"{float(logp['reference fp32'][trained].mean()):.2f} +- {float(logp['reference fp32'][trained].std()):.2f}"
     )

@@ -1,6 +1,6 @@
 """A Qwen2 forward in plain torch whose every part can round to bf16 on its own.
 
-`reference_logprobs(weights, cfg, ids, Precision(...))` computes log p(ids[i] | ids[<i]) for one
+`reference_logprobs(weights, arch, ids, Precision(...), scored)` computes log p(ids[i] | ids[<i]) for one
 sequence from an HF state dict. Everything runs in fp32 except the parts a `Precision` switches
 to bf16: then that part computes on bf16 inputs and its output is rounded to bf16, the way a bf16
 model runs it. Switching one part at a time measures how much each contributes to the distance
@@ -16,6 +16,8 @@ from typing import Mapping
 
 import torch
 import torch.nn.functional as F
+
+from megatron_stepwise.hf.arch import GPTArch
 
 BF16 = torch.bfloat16
 
@@ -97,7 +99,7 @@ def _attention(q, k, v, p: Precision) -> torch.Tensor:  # q [nh, L, d], k/v [nkv
         q, k, v = q.to(BF16), k.to(BF16), v.to(BF16)
     if p.eager_attention:
         scores = (q @ k.transpose(-1, -2)) / q.size(-1) ** 0.5
-        causal = torch.ones(q.size(1), q.size(1), dtype=torch.bool).tril()
+        causal = torch.ones(q.size(1), q.size(1), dtype=torch.bool, device=q.device).tril()
         probs = scores.masked_fill(~causal, float("-inf")).float().softmax(-1).to(q.dtype)
         out = probs @ v
     else:
@@ -116,25 +118,26 @@ def _qkv(h, w: Mapping[str, torch.Tensor], pre: str, p: Precision) -> list[torch
     return list(fused.split([wt.size(0) for wt in weights], dim=-1))
 
 
-def rope_tables(length: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-    freqs = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)
+def rope_tables(length: int, head_dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+    freqs = torch.outer(torch.arange(length, dtype=torch.float32, device=device), inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()
 
 
 @torch.no_grad()
 def reference_logprobs(
-    w: Mapping[str, torch.Tensor], cfg: Mapping, ids: torch.Tensor, p: Precision, scored: torch.Tensor
+    w: Mapping[str, torch.Tensor], arch: GPTArch, ids: torch.Tensor, p: Precision, scored: torch.Tensor
 ) -> torch.Tensor:
     """log p(ids[i] | ids[:i]) at the positions i of `scored` (a bool [L] mask, False at 0), fp32;
     `w` an HF Qwen2/Llama state dict of fp32 tensors (see `bf16_valued`)."""
-    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    d = cfg.get("head_dim") or cfg["hidden_size"] // nh
-    eps, act = cfg["rms_norm_eps"], p.activations
-    cos, sin = rope_tables(ids.numel(), d, cfg.get("rope_theta", 10000.0))
+    if arch.num_experts or arch.qk_norm or arch.rope_scaling_factor:
+        raise ValueError(f"the reference forward is a dense Qwen2/Llama without RoPE scaling, got {arch}")
+    nh, nkv, d = arch.num_heads, arch.num_kv_heads, arch.head_dim
+    eps, act = arch.rms_norm_eps, p.activations
+    cos, sin = rope_tables(ids.numel(), d, arch.rope_theta, ids.device)
     x = _round(w["model.embed_tokens.weight"][ids], act)
-    for i in range(cfg["num_hidden_layers"]):
+    for i in range(arch.num_layers):
         pre = f"model.layers.{i}."
         h = _rms_norm(x, w[pre + "input_layernorm.weight"], eps, p.norm)
         q, k, v = (t.view(-1, n, d).transpose(0, 1) for t, n in zip(_qkv(h, w, pre, p), (nh, nkv, nkv)))
