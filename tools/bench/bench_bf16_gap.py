@@ -56,7 +56,7 @@ FACTORS: list[tuple[str, Precision]] = [
 ]
 # Under bf16, one change of accumulation order (against ALL_BF16).
 ORDERS: list[tuple[str, Precision]] = [
-    ("fused [q|k|v] projection (megatron) vs three (HF)", ALL_BF16.with_(fused_qkv=True)),
+    ("one fused q-k-v projection (megatron) vs three (HF)", ALL_BF16.with_(fused_qkv=True)),
     ("eager attention vs SDPA", ALL_BF16.with_(eager_attention=True)),
     ("projections' inner sums in two fp32 halves (a GPU GEMM's split-K)", ALL_BF16.with_(split_k=True)),
     ("RMSNorm rounded once (torch's, the trainer's) vs twice (HF's)", ALL_BF16.with_(norm="bf16-fused")),
