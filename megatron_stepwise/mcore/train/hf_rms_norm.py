@@ -1,12 +1,12 @@
 """RMSNorm rounded the way the rollout engine's model rounds it, for the local spec.
 
 In bf16, `torch.nn.RMSNorm` multiplies the fp32-normalised input by the weight in fp32 and
-rounds once; Hugging Face transformers' Llama/Qwen2/Qwen3 RMSNorm (and vLLM's, which follows it)
-rounds the normalised input to bf16 first and multiplies by the bf16 weight, a second rounding.
-Neither is more exact than the other, but where they differ (a quarter of the elements at
-non-unit weights) the trainer's log-probs drift from the engine's by as much as every other bf16
-difference on CPU together (docs/megatron.md, "bf16 agreement with the engine"). In fp32 the two
-are the same function.
+rounds once; Hugging Face transformers' Llama/Qwen2/Qwen3 RMSNorm (the embedded engine's) rounds
+the normalised input to bf16 first and multiplies by the bf16 weight, a second rounding.
+One rounding is marginally closer to exact, but where the two differ (a quarter of the elements at
+non-unit weights) the trainer's bf16 log-probs drift from the engine's: on SmolLM2-135M's weights
+on CPU that was the whole difference, 0.5 max (docs/megatron.md, "bf16 agreement with the
+engine"). In fp32 the two are the same function.
 """
 
 from __future__ import annotations
