@@ -6,6 +6,7 @@ Same weights everywhere: megatron's random initialisation of the model shape, ex
 - the real pair: the trainer (`StepwisePlugin.compute_logprobs_flat`, megatron-core, THD-packed
   micro-batches) and the engine (HF transformers, one unpadded sdpa forward per row, fp32
   log-softmax), in fp32 (bf16-valued weights: the floor) and in bf16;
+- the trainer as it was before `HFRoundedRMSNorm` (torch.nn.RMSNorm's rounding), the same run;
 - each side's distance from the exact function (the fp32 reference on the bf16-valued weights);
 - the engine against itself under benign changes: its rows batched with padding, eager attention;
 - one factor at a time in bf16 (`bf16_reference.Precision`), the rest fp32, against the exact
@@ -13,7 +14,8 @@ Same weights everywhere: megatron's random initialisation of the model shape, ex
   output layer, the log-softmax; and the order of accumulation under bf16 (fused vs separate
   q/k/v, SDPA vs eager attention).
 
-    python tools/bench/bench_bf16_gap.py [--model qwen2.5-0.5b] [--device cpu|cuda] [--out F]
+    python tools/bench/bench_bf16_gap.py [--model qwen2.5-0.5b | --hf-dir DIR] [--norm-noise 0.1]
+                                         [--device cpu|cuda] [--out F]
 
 `--quick` runs a tiny model (seconds; the unit test's shape).
 """
