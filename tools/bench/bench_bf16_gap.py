@@ -40,7 +40,7 @@ from harness import add_seed_and_out, bench_parser, config, cuda_skip, run_args,
 
 from megatron_stepwise.algo.losses import LossConfig  # noqa: E402
 from megatron_stepwise.data.synthetic import AgentWorkload, make_agent_steps  # noqa: E402
-from megatron_stepwise.hf.arch import arch_from_hf  # noqa: E402
+from megatron_stepwise.hf.arch import GPTArch, arch_from_hf  # noqa: E402
 from megatron_stepwise.hf.presets import tiny_config  # noqa: E402
 
 FP32 = Precision()
@@ -148,12 +148,12 @@ def torch_rounded_norm():
         HFRoundedRMSNorm.forward = own
 
 
-def trainer_logprobs(hf: dict, hf_dir: Path, batch, dtype: torch.dtype, micro_tokens: int) -> torch.Tensor:
-    from megatron_stepwise.mcore.train.model import build_model_chunks
+def trainer_logprobs(arch: GPTArch, hf_dir: Path, batch, dtype: torch.dtype, micro_tokens: int) -> torch.Tensor:
+    from megatron_stepwise.mcore.train.model import model_chunks_from_arch
     from megatron_stepwise.mcore.train.plugin import StepwisePlugin
     from megatron_stepwise.mcore.weights.convert import import_hf
 
-    chunks = build_model_chunks(hf, config_overrides={"dtype": dtype})
+    chunks = model_chunks_from_arch(arch, config_overrides={"dtype": dtype})
     import_hf(chunks, hf_dir)
     plugin = StepwisePlugin(
         LossConfig(policy_loss="ppo", reduction="token_mean"), max_tokens_per_microbatch=micro_tokens
@@ -192,14 +192,14 @@ def load_engine(hf_dir: Path, dtype: torch.dtype, device: str, attn: str = "sdpa
     return model.to(device).eval()
 
 
-def reference_flat(state, cfg: dict, batch, trained: torch.Tensor, p: Precision, device: str) -> torch.Tensor:
+def reference_flat(state, arch: GPTArch, batch, trained: torch.Tensor, p: Precision, device: str) -> torch.Tensor:
     flat = torch.zeros(batch.tokens.numel(), dtype=torch.float32)
     for s, e in row_bounds(batch):
         scored = trained[s:e].clone()
         scored[0] = False
         if scored.any():
             ids = batch.tokens[s:e].to(device)
-            flat[s:e][scored] = reference_logprobs(state, cfg, ids, p, scored.to(device)).cpu()
+            flat[s:e][scored] = reference_logprobs(state, arch, ids, p, scored.to(device)).cpu()
     return flat
 
 
@@ -217,15 +217,15 @@ def load_state(hf_dir: Path, device: str) -> dict[str, torch.Tensor]:
     return state
 
 
-def measure(hf: dict, args: argparse.Namespace, tmp: Path) -> tuple[dict, dict, Any, torch.Tensor]:
+def measure(hf: dict, arch: GPTArch, args: argparse.Namespace, tmp: Path) -> tuple[dict, dict, Any, torch.Tensor]:
     """Every log-prob vector the table compares, by name, and the seconds each took."""
-    from megatron_stepwise.mcore.train.model import build_model_chunks
+    from megatron_stepwise.mcore.train.model import model_chunks_from_arch
     from megatron_stepwise.mcore.weights.convert import export_hf, import_hf
 
     batch = make_rows(hf, args)
     trained = batch.token_fields["loss_mask"] != 0
     dir32, dir16 = tmp / "fp32", tmp / "bf16"
-    chunks = build_model_chunks(hf, config_overrides={"dtype": torch.float32})
+    chunks = model_chunks_from_arch(arch, config_overrides={"dtype": torch.float32})
     if args.hf_dir:
         import_hf(chunks, args.hf_dir)
     if args.norm_noise:
@@ -244,22 +244,21 @@ def measure(hf: dict, args: argparse.Namespace, tmp: Path) -> tuple[dict, dict, 
 
     dev, micro = args.device, args.micro_tokens
     for tag, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        timed(f"trainer {tag}", trainer_logprobs, hf, dir16, batch, dtype, micro)
+        timed(f"trainer {tag}", trainer_logprobs, arch, dir16, batch, dtype, micro)
         timed(f"engine {tag}", engine_logprobs, load_engine(dir16, dtype, dev), batch, dev)
     with torch_rounded_norm():
-        timed("trainer bf16, torch's RMSNorm", trainer_logprobs, hf, dir16, batch, torch.bfloat16, micro)
+        timed("trainer bf16, torch's RMSNorm", trainer_logprobs, arch, dir16, batch, torch.bfloat16, micro)
     engine = load_engine(dir16, torch.bfloat16, dev)
     timed("engine bf16 batched", engine_logprobs, engine, batch, dev, args.batch_rows)
     del engine
     timed("engine bf16 eager", engine_logprobs, load_engine(dir16, torch.bfloat16, dev, attn="eager"), batch, dev)
     original = load_state(dir32, dev)
     state = bf16_valued(original)
-    cfg = arch_from_hf(hf)
-    timed("reference fp32", reference_flat, state, cfg, batch, trained, FP32, dev)
-    timed("reference fp32 weights", reference_flat, original, cfg, batch, trained, FP32, dev)
+    timed("reference fp32", reference_flat, state, arch, batch, trained, FP32, dev)
+    timed("reference fp32 weights", reference_flat, original, arch, batch, trained, FP32, dev)
     del original
     for name, p in FACTORS + ORDERS:
-        timed(name, reference_flat, state, cfg, batch, trained, p, dev)
+        timed(name, reference_flat, state, arch, batch, trained, p, dev)
     return logp, secs, batch, trained
 
 
@@ -312,7 +311,7 @@ def run(quick: bool = False, **options: Any) -> dict[str, Any]:
     start_world_of_one()
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            logp, secs, batch, trained = measure(hf, args, Path(tmp))
+            logp, secs, batch, trained = measure(hf, arch_from_hf(hf), args, Path(tmp))
     finally:
         destroy_distributed()
     rows = [
