@@ -29,6 +29,7 @@ if [ -n "$DRY" ]; then  # CPU, tiny shapes: every Python entry point below, in s
   AGREE="--model tiny --prompts 1 --samples 2"
   LOGPROBS="--tokens 256 --hidden 64 --vocab 512 --chunk 64 --reps 1 --masked 0.5"
   STEP="--quick"
+  BF16="--quick"
   SCALE=${DRY_SCALE:-10}  # a shared CPU is slower than the GPU the limits are set for
   BUDGET=${BUDGET_DRY:-3000}
 else
@@ -39,6 +40,7 @@ else
   AGREE="--model qwen2.5-0.5b"
   LOGPROBS="--dtype bf16 --tokens 4096 --hidden 896 --vocab 151936 --chunk 294 --reps 5"
   STEP="--hidden 1024 --layers 8 --prompts 8 --samples 8 --repeats 2"
+  BF16="--prompts 4 --samples 4 --obs-len 1000"
 fi
 step() {  # step SECONDS NAME COMMAND...: at most SECONDS, and no more than the budget has left
   local limit=$(($1 * SCALE)) name=$2; shift 2
@@ -63,4 +65,6 @@ step() {  # step SECONDS NAME COMMAND...: at most SECONDS, and no more than the 
   step 90 packed-vs-padded $PY tools/bench/bench_trainer_step.py $DEV $STEP --fused --out "$OUT/trainer_step.json"
   step 60 engine-agreement $PY tools/bench/bench_engine_agreement.py $DEV $AGREE --out "$OUT/engine_agreement.json"
   step 40 logprobs-head $PY tools/bench/bench_logprobs.py $DEV $LOGPROBS --out "$OUT/logprobs.json"
+  # the bf16 gap decomposition (results/bf16_gap_cpu.md is its CPU run)
+  step 90 bf16-gap $PY tools/bench/bench_bf16_gap.py $DEV $BF16 --out "$OUT/bf16_gap.json"
 } 2>&1 | tee "$OUT/log"

@@ -33,6 +33,7 @@ ENTRY_POINTS = {
     ("megatron_stepwise/mcore/weights/convert.py", "import_hf"),  # the checkpoint directory's config.json
     ("megatron_stepwise/mcore/weights/sync.py", "WeightSync.__init__"),
     ("tools/bench/bench_weight_sync.py", "bench_model"),
+    ("tools/bench/bench_bf16_gap.py", "run"),
 }
 # Modules below the entry points: every `arch` parameter is a GPTArch, never a config.
 BELOW_ROOT = [

@@ -33,6 +33,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _compiled(F.rms_norm)(x, weight.shape, weight, eps)
 
 
+def _hf_rounded_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def hf_rounded_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF transformers' RMSNorm rounding (mcore/train/hf_rms_norm.py), compiled."""
+    return _compiled(_hf_rounded_rms_norm)(x, weight, eps)
+
+
 def _rotate(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     """megatron's unfused RoPE (`_apply_rotary_pos_emb_bshd`, not interleaved) on [s, b, n, d]."""
     from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd

@@ -4,7 +4,7 @@ and the Qwen3-MoE / Mixtral mixtures of experts.
 RMSNorm, SwiGLU, RoPE (theta, Llama-3 scaling), GQA, Qwen2's qkv bias, Qwen3's per-head QK
 RMSNorm and explicit head_dim, tied or untied embeddings, top-k routed experts in every layer.
 The Transformer Engine spec is used when TE imports; otherwise the local spec with the
-torch-native packed attention and norm of `local_layers`. bf16 on GPU, fp32 on CPU.
+torch-native packed attention of `local_layers` and the RMSNorm of `hf_rms_norm`. bf16 on GPU, fp32 on CPU.
 
 Both paths take THD packed micro-batches (`PackedSeqParams`), see `train/packing.py`.
 
@@ -145,7 +145,8 @@ def layer_spec(
         )
     if config.num_moe_experts:
         _patch_router_gemm()
-    from megatron_stepwise.mcore.train.local_layers import LocalRMSNorm, PackedCausalAttention
+    from megatron_stepwise.mcore.train.hf_rms_norm import HFRoundedRMSNorm
+    from megatron_stepwise.mcore.train.local_layers import PackedCausalAttention
 
     base = specs.get_gpt_layer_local_spec(
         normalization="RMSNorm",
@@ -154,7 +155,7 @@ def layer_spec(
         moe_grouped_gemm=False,
     )
     attn = base.submodules.self_attention
-    norm = ModuleSpec(module=LocalRMSNorm, params={"fused": fused_elementwise})
+    norm = ModuleSpec(module=HFRoundedRMSNorm, params={"fused": fused_elementwise})
     qk_norm = norm if config.qk_layernorm else None
     core = ModuleSpec(module=PackedCausalAttention, params={"packed_attention": packed_attention})
     attn_sub = dataclasses.replace(attn.submodules, core_attention=core, q_layernorm=qk_norm, k_layernorm=qk_norm)
