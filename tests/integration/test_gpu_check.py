@@ -21,6 +21,8 @@ STEPS = (
     "packed-vs-padded",
     "engine-agreement",
     "logprobs-head",
+    "weight-push",
+    "bf16-gap",
 )
 
 
@@ -53,5 +55,5 @@ def test_gpu_check_dry_run_runs_every_python_step(tmp_path):
     step = json.loads((tmp_path / "trainer_step.json").read_text())
     assert {"packed", "padded", "packed_one_call", "packed_per_row", "packed_fused"} == set(step["layouts"])
     assert step["one_call_over_per_row_tokens_per_s"] > 0 and step["fused_over_unfused_tokens_per_s"] > 0
-    for name in ("bench_gpu_1.5b", "engine_agreement", "logprobs"):
+    for name in ("bench_gpu_1.5b", "engine_agreement", "logprobs", "weight_sync", "bf16_gap"):
         assert (tmp_path / f"{name}.json").exists(), name

@@ -1,6 +1,7 @@
 """Throughput of Megatron -> HF weight conversion and of each weight-sync transport, on CPU.
 
     python tools/bench/bench_weight_sync.py [--quick] [--repeat 3] [--bucket-mb 64]
+                                            [--models qwen2.5-0.5b qwen2.5-1.5b] [--out F]
 
 One training process (TP1, gloo) and a Ray fleet with one embedded engine. For the tiny test
 model and a ~100M-parameter Qwen2-shaped model (skipped with --quick), prints the median over
@@ -10,7 +11,9 @@ model and a ~100M-parameter Qwen2-shaped model (skipped with --quick), prints th
 - disk / tensor / distributed: a full `WeightSync.push` (conversion + transfer + the engine
   loading the weights), i.e. what a training step pays.
 MB/s counts the HF bytes (fp32). Each measurement follows one untimed warm-up run. No asserts:
-numbers depend on the machine (and on what else runs on it).
+numbers depend on the machine (and on what else runs on it). `--models` also takes the Qwen2.5
+shapes of flops.py (random weights): what `tools/gpu_check.sh` pushes, from a trainer on the GPU
+(the process group is NCCL there) to an embedded engine.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ import tempfile
 from pathlib import Path
 
 import torch
-from harness import bench_parser, free_port, median_time
+from flops import QWEN2_CONFIGS
+from harness import add_seed_and_out, bench_parser, free_port, median_time, write_json
 
 from megatron_stepwise.hf.arch import model_spec
 from megatron_stepwise.mcore.runtime import runtime
@@ -37,7 +41,9 @@ MODELS = {
     "qwen2-100m": M.tiny_config(
         vocab_size=32000, hidden_size=768, num_layers=8, num_heads=12, num_kv_heads=4, ffn_hidden_size=2048
     ),
+    **QWEN2_CONFIGS,
 }
+DEFAULT_MODELS = ["tiny", "qwen2-100m"]
 
 
 def bench_model(name: str, cfg: dict, repeat: int, bucket_mb: float, workdir: Path) -> dict:
@@ -78,6 +84,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = bench_parser(__doc__, "tiny model only, one repeat")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--bucket-mb", type=float, default=64)
+    p.add_argument("--models", nargs="+", choices=list(MODELS), default=DEFAULT_MODELS)
+    add_seed_and_out(p)
     return p.parse_args(argv)
 
 
@@ -94,13 +102,16 @@ def report(args: argparse.Namespace) -> dict:
     rows = []
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            for name in ["tiny"] if args.quick else list(MODELS):
+            for name in ["tiny"] if args.quick else args.models:
                 rows.append(bench_model(name, MODELS[name], repeat, args.bucket_mb, Path(tmp)))
     finally:
         runtime.destroy_distributed()
 
     phases = ["convert", "export", "disk", "tensor", "distributed"]
-    print(f"\nweight sync on CPU, 1 trainer process, 1 embedded engine, bucket {args.bucket_mb} MB, median of {repeat}")
+    where = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    print(
+        f"\nweight sync, trainer on {where}, 1 process, 1 embedded engine, bucket {args.bucket_mb} MB, median of {repeat}"
+    )
     print(f"{'model':<12}{'params':>9}{'MB':>8}" + "".join(f"{ph + ' s':>15}{'MB/s':>8}" for ph in phases))
     for r in rows:
         cells = "".join(f"{r[ph]:>15.3f}{r['MB'] / r[ph]:>8.1f}" for ph in phases)
@@ -112,7 +123,9 @@ def report(args: argparse.Namespace) -> dict:
         ),
     )
     figures = {f"{ph}_MB_per_s_{r['model']}": r["MB"] / r[ph] for r in rows for ph in phases}
-    return {"config": {**vars(args), "repeat": repeat}, "rows": rows, "figures": figures}
+    result = {"config": {**vars(args), "repeat": repeat}, "rows": rows, "figures": figures}
+    write_json(result, args.out)
+    return result
 
 
 if __name__ == "__main__":
