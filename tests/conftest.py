@@ -111,7 +111,6 @@ def one_torch_thread():
 LONGEST_FIRST = (
     "integration/test_gateway_e2e.py",  # one launch of 40 iterations through the gateway
     "integration/test_train_e2e.py",  # 344 s
-    "integration/test_gpu_check.py",  # gpu_check.sh's dry run: seven CPU benchmarks, torch.compile included
     "integration/test_two_node_faults.py",  # 296 s
     "integration/test_two_nodes.py",  # 170 s
     "integration/test_async_train.py",  # 152 s

@@ -264,8 +264,8 @@ CORPUS = {
         "except OSError as e:\n    print('refused', e.errno)",
         lambda r, t: "refused 13" in r.stdout,
     ),
-    "disk_unlinked_open_files": (  # 1 MiB files deleted but kept open by 16 processes: the walk no longer sees them
-        "import os, time\nfor _ in range(15):\n    try:\n        if os.fork() == 0:\n            break\n    except OSError:\n        pass\n"
+    "disk_unlinked_open_files": (  # 1 MiB files deleted but kept open by 4 processes: the walk no longer sees them
+        "import os, time\nfor _ in range(3):\n    try:\n        if os.fork() == 0:\n            break\n    except OSError:\n        pass\n"
         "kept, refused = [], False\ntry:\n    for i in range(60):\n        name = f'u{{os.getpid()}}-{{i}}'\n"
         "        f = open(name, 'wb'); f.write(b'x' * (1 << 20)); f.flush(); os.unlink(name); kept.append(f)\n"
         "except OSError as e:\n    refused = True; print('stopped', e, flush=True)\nprint('held', len(kept), flush=True)\n"
