@@ -4,7 +4,7 @@ Each block is a few elementwise torch operations that `torch.compile` (inductor)
 one generated kernel forward and one backward, so a layer launches fewer kernels and reads its
 activations fewer times:
 
-- RMSNorm: `LocalRMSNorm(fused=True)` runs a compiled `F.rms_norm`.
+- RMSNorm: `HFRoundedRMSNorm(fused=True)` runs HF's rounding compiled (`hf_rounded_rms_norm`).
 - SwiGLU: megatron's own `bias_swiglu_impl` (`bias_activation_fusion=True`), compiled by
   megatron's `jit_fuser` (torch.compile).
 - RoPE: megatron calls a fused RoPE through two hooks of `rope_utils` that Transformer Engine
@@ -21,16 +21,11 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 
 
 @functools.cache
 def _compiled(fn):
     return torch.compile(fn, dynamic=True)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return _compiled(F.rms_norm)(x, weight.shape, weight, eps)
 
 
 def _hf_rounded_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

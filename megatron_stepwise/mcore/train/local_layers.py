@@ -37,7 +37,6 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch.nn.attention.bias import causal_lower_right
 
-from megatron_stepwise.mcore.train import fused_ops
 from megatron_stepwise.mcore.train.packed_layout import (
     PaddedRows,
     cached_rows,
@@ -53,17 +52,14 @@ PACKED_ATTENTION = ("auto", "one_call", "per_row")
 
 
 class LocalRMSNorm(torch.nn.RMSNorm):
-    """RMSNorm usable by megatron's spec builder, sequence-parallel aware; `fused`: compiled
-    (model.fused_elementwise, fused_ops.py)."""
+    """RMSNorm usable by megatron's spec builder, sequence-parallel aware; `fused`
+    (model.fused_elementwise) is read by the spec's norm, `hf_rms_norm.HFRoundedRMSNorm`."""
 
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, fused: bool = False, **_unused):
         super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
         self.fused = fused
         # finalize_model_grads all-reduces grads of params tagged this way across TP.
         setattr(self.weight, "sequence_parallel", config.sequence_parallel)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fused_ops.rms_norm(x, self.weight, self.eps) if self.fused else super().forward(x)
 
 
 class _GatherFromContextParallel(torch.autograd.Function):
