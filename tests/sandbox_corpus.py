@@ -220,6 +220,11 @@ CORPUS = {
         "    os.setpriority(os.PRIO_PROCESS, 0, 0); print('raised')\nexcept OSError:\n    print('refused')",
         lambda r, t: _niceness(r) >= min(19, os.getpriority(os.PRIO_PROCESS, 0) + 10) and "refused" in r.stdout,
     ),
+    "leave_the_session": (  # a session of its own is a scheduler autogroup its niceness does not rank
+        "import os\nif os.fork() == 0:\n    try:\n        os.setsid(); print('left', flush=True)\n"
+        "    except OSError as e:\n        print('refused', e.errno, flush=True)\n    os._exit(0)\nos.wait()",
+        lambda r, t: "refused 13" in r.stdout and "left" not in r.stdout,
+    ),
     "disk_fill_many_files": (  # each file within RLIMIT_FSIZE, 3000 MiB in all
         "n = 0\ntry:\n    for i in range(3000):\n        open(f'f{{i}}', 'wb').write(b'x' * (1 << 20)); n += 1\n"
         "        print(n, flush=True)\nexcept OSError as e:\n    print('stopped', e)",

@@ -292,7 +292,7 @@ def run_python(
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
-                    start_new_session=True,
+                    process_group=0,  # its own group, not session: a session is an autogroup (set_limits)
                     close_fds=True,
                     pass_fds=(status_w,),
                 )
@@ -462,7 +462,9 @@ def collect_output(
                     continue
             for key, _ in sel.select(wait):
                 if key.fileobj == watch.fileno():
-                    watch.woken()
+                    limit = watch.woken()
+                    if limit:
+                        break
                     continue
                 buf = buffers[key.fileobj]
                 chunk = os.read(key.fd, 1 << 16 if tail else min(1 << 16, cap + 1 - len(buf)))
@@ -473,7 +475,7 @@ def collect_output(
                 if len(buf) > cap:
                     buf[:] = buf[-cap:] if tail else buf[:cap]
                     truncated = True
-            if truncated and not tail:
+            if limit or (truncated and not tail):
                 break
     finally:
         sel.close()

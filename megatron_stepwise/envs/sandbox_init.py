@@ -129,6 +129,9 @@ _UNMAPPED_MEMORY_SYSCALLS = {"x86_64": (319, 447, 29), "aarch64": (279, 447, 194
 # setsockopt and fcntl: what grows a socket's buffers or a pipe past the kernel's default
 _BUFFER_SYSCALLS = {"x86_64": (54, 72), "aarch64": (208, 25)}
 _SENDMSG_SYSCALLS = {"x86_64": (46, 307), "aarch64": (211, 269)}  # sendmsg, sendmmsg: carry descriptors
+# setsid: a new session is a new scheduler autogroup, where the code's niceness no longer ranks it
+# below its watcher (with autogroups on, nice only orders processes within one group)
+_SESSION_SYSCALLS = {"x86_64": (112,), "aarch64": (157,)}
 _SOL_SOCKET, _BUFFER_OPTIONS = 1, (7, 8, 32, 33)  # SO_SNDBUF, SO_RCVBUF, SO_SNDBUFFORCE, SO_RCVBUFFORCE
 _F_SETPIPE_SZ = 1031
 _KEYCTL_JOIN_SESSION_KEYRING = 1
@@ -172,6 +175,7 @@ def deny_sockets(allow_inet: bool = False) -> bool:
     capacity (`sandbox_watch.kernel_buffers`), which holds only while the code cannot raise it.
     Model code may not call sendmsg/sendmmsg (the standard library sends with send/sendto): no
     descriptor can then be put in flight, held by no process where the watch would look for it.
+    Nor may it call setsid: its own session would be its own autogroup, out of reach of its niceness.
     """
     machine = os.uname().machine
     arch = _ARCHES.get(machine)
@@ -184,7 +188,7 @@ def deny_sockets(allow_inet: bool = False) -> bool:
     prog = [(_LD_W_ABS, 4, None, None), (_JEQ_K, audit_arch, None, "deny"), (_LD_W_ABS, 0, None, None)]
     if x32 is not None:
         prog.append((_JGE_K, x32, "deny", None))
-    denied = _KEY_SYSCALLS[machine] + _UNMAPPED_MEMORY_SYSCALLS[machine]
+    denied = _KEY_SYSCALLS[machine] + _UNMAPPED_MEMORY_SYSCALLS[machine] + _SESSION_SYSCALLS[machine]
     if not allow_inet:
         denied += _SENDMSG_SYSCALLS[machine]
     prog += [(_JEQ_K, nr, "deny", None) for nr in denied]
@@ -343,6 +347,8 @@ def set_limits(cfg: dict) -> None:
         resource.setrlimit(getattr(resource, name), (value, value))
     # Below its watcher's priority: on a loaded machine the code slows down before its memory and
     # disk watch does, so what it writes between two checks stays small (the watch is a poll).
+    # Niceness ranks processes only within one scheduler autogroup (one per session where the
+    # kernel has them on): the code stays in its watcher's session, and setsid is denied.
     os.setpriority(os.PRIO_PROCESS, 0, min(19, os.getpriority(os.PRIO_PROCESS, 0) + CODE_NICENESS))
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -150,3 +151,27 @@ def test_deleted_files_kept_open_or_mapped_still_count(tmp_path):
     finally:
         proc.kill()
         proc.wait(timeout=30)
+
+
+@pytest.mark.timeout(60)
+def test_a_write_wakes_a_disk_count_that_scans_no_process(tmp_path, monkeypatch):
+    """The wake after a write counts the directory only: a full check's scan of every process
+    took tens of ms on a loaded machine, while the code went on writing."""
+    from megatron_stepwise.envs import sandbox_watch
+
+    watch = sandbox_watch.Watch(os.getpid(), memory_bytes=1 << 40, disk=(str(tmp_path), 4 << 20, 100))
+    if watch.fileno() is None:
+        pytest.skip("no inotify on this kernel: every Linux since 2.6.13 has it; the polls still hold")
+    try:
+        assert watch.check() is None  # the first check walks the directory and watches it
+        (tmp_path / "a").write_bytes(b"x" * (3 << 20))
+        monkeypatch.setattr(sandbox_watch, "process_tree", lambda pid: pytest.fail("a wake scanned processes"))
+        deadline = time.monotonic() + 30
+        while watch.disk_share == 0 and time.monotonic() < deadline:  # wakes within FAST of a count wait
+            assert watch.woken() is None
+        assert watch.disk_share > 0.5
+        assert watch.due() <= sandbox_watch.FAST  # past half: the full check comes soon too
+        (tmp_path / "b").write_bytes(b"x" * (2 << 20))
+        assert "the call wrote 5 MiB (limit 4 MiB" in watch.woken()  # past half: no wait
+    finally:
+        watch.close()
