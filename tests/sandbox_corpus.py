@@ -215,10 +215,12 @@ CORPUS = {
         "f = open('big', 'wb')\nfor _ in range(64): f.write(b'x' * (1 << 20))\nprint('wrote 64 MiB')",
         lambda r, t: _failed(r) and "wrote" not in r.stdout,
     ),
-    "outrun_the_watch": (  # the code runs below its watcher's priority and cannot climb back
-        "import os\nprint('nice', os.getpriority(os.PRIO_PROCESS, 0))\ntry:\n"
-        "    os.setpriority(os.PRIO_PROCESS, 0, 0); print('raised')\nexcept OSError:\n    print('refused')",
-        lambda r, t: _niceness(r) >= min(19, os.getpriority(os.PRIO_PROCESS, 0) + 10) and "refused" in r.stdout,
+    "outrun_the_watch": (  # past half its memory limit the watch renices it, and it cannot climb back
+        "import os, time\nstart = os.getpriority(os.PRIO_PROCESS, 0)\nb = b'x' * (280 << 20)\n"
+        "end = time.monotonic() + 8\nwhile os.getpriority(os.PRIO_PROCESS, 0) < 19 and time.monotonic() < end:\n"
+        "    sum(range(10000))\nprint('nice', os.getpriority(os.PRIO_PROCESS, 0), 'from', start, flush=True)\ntry:\n"
+        "    os.setpriority(os.PRIO_PROCESS, 0, start); print('raised', flush=True)\nexcept OSError:\n    print('refused', flush=True)",
+        lambda r, t: _niceness(r) == 19 and "refused" in r.stdout and "raised" not in r.stdout,
     ),
     "leave_the_session": (  # a session of its own is a scheduler autogroup its niceness does not rank
         "import os\nif os.fork() == 0:\n    try:\n        os.setsid(); print('left', flush=True)\n"
@@ -228,7 +230,11 @@ CORPUS = {
     "disk_fill_many_files": (  # each file within RLIMIT_FSIZE, 3000 MiB in all
         "n = 0\ntry:\n    for i in range(3000):\n        open(f'f{{i}}', 'wb').write(b'x' * (1 << 20)); n += 1\n"
         "        print(n, flush=True)\nexcept OSError as e:\n    print('stopped', e)",
-        lambda r, t: _written_mib(r) <= 2 * DISK_MB and ("No space left" in r.stdout or "wrote" in r.limit),
+        # stopped by the quota, or by its deadline first on a machine too loaded to reach it
+        lambda r, t: (
+            _written_mib(r) <= 2 * DISK_MB
+            and ("No space left" in r.stdout or ("wrote" in r.limit and _held_mib(r) <= 2 * DISK_MB) or r.timed_out)
+        ),
     ),
     "memory_many_processes": (  # 16 processes of ~400 MiB each: within RLIMIT_AS one by one
         "import os, time\nfor _ in range(15):\n    try:\n        if os.fork() == 0:\n"
@@ -276,8 +282,8 @@ CORPUS = {
         "except OSError as e:\n    refused = True; print('stopped', e, flush=True)\nprint('held', len(kept), flush=True)\n"
         "if not refused:\n    time.sleep(600)",
         lambda r, t: (
-            ("wrote" in r.limit and _held_mib(r) <= 2 * DISK_MB) or ("No space left" in r.stdout and not r.timed_out)
-        ),  # a tmpfs: the kernel's own quota
+            ("wrote" in r.limit and _held_mib(r) <= 2 * DISK_MB) or "No space left" in r.stdout
+        ),  # a tmpfs: the kernel's own quota (a refused process exits, freeing room the last one may fill and hold)
     ),
     "disk_deep_chain": (  # 4000 nested directories, a file of 256 KiB in each deep one: hidden past PATH_MAX, and slow to walk
         "import os\nfor i in range(4000):\n    os.mkdir('d'); os.chdir('d')\n"
@@ -354,6 +360,11 @@ def _wait_for(predicate, deadline_s: float = 30.0) -> bool:
     return True
 
 
+# The endless loop needs a short deadline to end; the braked case crawls at nice 19 on a loaded
+# machine, by design; every other case ends by itself well within the default.
+TIMEOUTS = {"endless_loop": 2.0, "outrun_the_watch": 120.0}
+
+
 def run_corpus(sandbox=None, timeout_s: float = 10.0) -> dict:
     """Every case against a fresh Trainer; {"isolation": str, "cases": {name: {blocked, detail}}}."""
     sandbox = sandbox or load_sandbox()
@@ -361,10 +372,7 @@ def run_corpus(sandbox=None, timeout_s: float = 10.0) -> dict:
     out = {}
     try:
         for name, (template, judge) in CORPUS.items():
-            # The endless loop needs a short deadline to end; every other case ends by itself.
-            r = sandbox.run_python(
-                template.format(**trainer.fields()), timeout_s=2.0 if name == "endless_loop" else timeout_s
-            )
+            r = sandbox.run_python(template.format(**trainer.fields()), timeout_s=TIMEOUTS.get(name, timeout_s))
             out[name] = {
                 "blocked": bool(judge(r, trainer)),
                 "detail": r.as_observation(160),

@@ -332,9 +332,6 @@ def drop_capabilities() -> None:
         raise OSError("capabilities are still held after dropping them")
 
 
-CODE_NICENESS = 10  # added to the watcher's niceness (19 at most)
-
-
 def set_limits(cfg: dict) -> None:
     for name, value in (
         ("RLIMIT_AS", cfg["memory_bytes"]),
@@ -343,13 +340,11 @@ def set_limits(cfg: dict) -> None:
         ("RLIMIT_NPROC", cfg["processes"]),
         ("RLIMIT_NOFILE", cfg["open_files"]),
         ("RLIMIT_CORE", 0),
+        ("RLIMIT_NICE", 0),  # no niceness below the one it has: the watch's brake holds
     ):
         resource.setrlimit(getattr(resource, name), (value, value))
-    # Below its watcher's priority: on a loaded machine the code slows down before its memory and
-    # disk watch does, so what it writes between two checks stays small (the watch is a poll).
-    # Niceness ranks processes only within one scheduler autogroup (one per session where the
-    # kernel has them on): the code stays in its watcher's session, and setsid is denied.
-    os.setpriority(os.PRIO_PROCESS, 0, min(19, os.getpriority(os.PRIO_PROCESS, 0) + CODE_NICENESS))
+    # The code runs at the trainer's priority until it nears a limit, when its watch renices it
+    # (`sandbox_watch.brake`); it cannot climb back: RLIMIT_NICE is 0 and it has no CAP_SYS_NICE.
 
 
 _PR_SET_CHILD_SUBREAPER = 36

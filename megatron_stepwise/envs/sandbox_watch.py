@@ -24,6 +24,26 @@ import stat
 import time
 
 SLOW, FAST = 0.05, 0.005  # seconds between checks: normally, and past half of a limit
+BRAKE_NICENESS = 19  # the code's niceness past half of a limit
+
+
+def brake(tree: list[int]) -> None:
+    """Renice every thread of `tree` but its root (`unshare`, or the supervisor, which kills the
+    rest at the deadline and must not be slowed) to BRAKE_NICENESS: past half a limit the code slows down
+    before its watch does on a loaded machine, so what it adds between two checks stays small
+    (the watch is a poll). Niceness ranks threads only within one scheduler autogroup (one per
+    session where the kernel has them), which is why the code stays in the trainer's session
+    and may not call setsid. Threads and processes started later inherit it."""
+    for pid in tree[1:]:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                os.setpriority(os.PRIO_PROCESS, int(tid), BRAKE_NICENESS)
+            except OSError:
+                pass  # gone meanwhile
 
 
 def children_by_parent() -> dict[int, list[int]]:
@@ -364,6 +384,7 @@ class Watch:
             return None
         limit = self._disk(self.tree, self.opened)
         if self.disk_share > 0.5:
+            brake(self.tree)
             self.next = min(self.next, self.last + FAST)  # and the open files with it
         return limit
 
@@ -411,6 +432,9 @@ class Watch:
         limit = self._disk(tree, opened)
         if limit:
             return limit
-        self.interval = FAST if max(self.disk_share, memory / self.memory_bytes) > 0.5 else SLOW
+        self.interval = SLOW
+        if max(self.disk_share, memory / self.memory_bytes) > 0.5:
+            brake(tree)
+            self.interval = FAST
         self.next = time.monotonic() + self.interval
         return None
