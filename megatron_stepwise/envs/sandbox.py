@@ -424,6 +424,17 @@ def init_source() -> str:
     return INIT.read_text()
 
 
+def _selector(pipes, watch: Watch) -> selectors.BaseSelector:
+    """The code's pipes, non-blocking, and the watch's wake descriptor (if it has one)."""
+    sel = selectors.DefaultSelector()
+    for pipe in pipes:
+        os.set_blocking(pipe.fileno(), False)
+        sel.register(pipe, selectors.EVENT_READ)
+    if watch.fileno() is not None:
+        sel.register(watch.fileno(), selectors.EVENT_READ)
+    return sel
+
+
 def collect_output(
     proc: subprocess.Popen, deadline: float, cap: int, watch: Watch, tail: bool = False
 ) -> tuple[bytes, bytes, bool, bool, str | None]:
@@ -435,12 +446,7 @@ def collect_output(
     Returns (stdout, stderr, timed out, truncated, the total broken or None).
     """
     buffers = {proc.stdout: bytearray(), proc.stderr: bytearray()}
-    sel = selectors.DefaultSelector()
-    for pipe in buffers:
-        os.set_blocking(pipe.fileno(), False)
-        sel.register(pipe, selectors.EVENT_READ)
-    if watch.fileno() is not None:
-        sel.register(watch.fileno(), selectors.EVENT_READ)
+    sel = _selector(buffers, watch)
     timed_out = truncated = False
     limit = None
     try:
