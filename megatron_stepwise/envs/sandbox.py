@@ -292,7 +292,7 @@ def run_python(
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
-                    process_group=0,  # its own group, not session: a session is an autogroup (set_limits)
+                    process_group=0,  # its own group, not session: a session is an autogroup (sandbox_watch.brake)
                     close_fds=True,
                     pass_fds=(status_w,),
                 )

@@ -221,7 +221,7 @@ def _run(iso, run_as, cfg, env, cwd, sample_path, limits, serve, started) -> Com
                 stdin=stdin,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
-                process_group=0,  # its own group, not session: a session is an autogroup (set_limits)
+                process_group=0,  # its own group, not session: a session is an autogroup (sandbox_watch.brake)
                 close_fds=True,
                 pass_fds=(status_w, theirs.fileno()),
             )

@@ -27,14 +27,13 @@ SLOW, FAST = 0.05, 0.005  # seconds between checks: normally, and past half of a
 BRAKE_NICENESS = 19  # the code's niceness past half of a limit
 
 
-def brake(tree: list[int]) -> None:
-    """Renice every thread of `tree` but its root (`unshare`, or the supervisor, which kills the
-    rest at the deadline and must not be slowed) to BRAKE_NICENESS: past half a limit the code slows down
+def brake(pids) -> None:
+    """Renice every thread of `pids` to BRAKE_NICENESS: past half a limit the code slows down
     before its watch does on a loaded machine, so what it adds between two checks stays small
     (the watch is a poll). Niceness ranks threads only within one scheduler autogroup (one per
     session where the kernel has them), which is why the code stays in the trainer's session
     and may not call setsid. Threads and processes started later inherit it."""
-    for pid in tree[1:]:
+    for pid in pids:
         try:
             tids = os.listdir(f"/proc/{pid}/task")
         except OSError:
@@ -363,6 +362,8 @@ class Watch:
         self.events = None
         self.tree, self.opened = [pid], []  # the last check's processes and their open files
         self.disk_share, self.counted = 0.0, 0.0  # of the last disk count, and when it was
+        self.braked = {pid}  # reniced (`brake`); the root, `unshare` or the supervisor, never is:
+        # it kills the rest at the deadline and must not be slowed
         if disk is not None:
             try:
                 self.events = DirEvents()
@@ -384,7 +385,7 @@ class Watch:
             return None
         limit = self._disk(self.tree, self.opened)
         if self.disk_share > 0.5:
-            brake(self.tree)
+            self._brake(self.tree)
             self.next = min(self.next, self.last + FAST)  # and the open files with it
         return limit
 
@@ -410,6 +411,12 @@ class Watch:
             return f"the call nested directories deeper than {MAX_DEPTH} levels (the limit)"
         return None
 
+    def _brake(self, tree: list[int]) -> None:
+        """Brake the processes not braked yet (the others' children inherit it)."""
+        new = [pid for pid in tree if pid not in self.braked]
+        brake(new)
+        self.braked.update(new)
+
     def due(self) -> float:
         """Seconds until the next check (0: now)."""
         return max(0.0, self.next - time.monotonic())
@@ -434,7 +441,7 @@ class Watch:
             return limit
         self.interval = SLOW
         if max(self.disk_share, memory / self.memory_bytes) > 0.5:
-            brake(tree)
+            self._brake(tree)
             self.interval = FAST
         self.next = time.monotonic() + self.interval
         return None
