@@ -16,6 +16,7 @@ from typing import Any, Iterable, Optional, Sequence, Union
 import torch
 
 from megatron_stepwise.errors import UserError
+from megatron_stepwise.step_structure import step_structure
 
 TokenSeq = Union[Sequence[int], torch.Tensor]
 FloatSeq = Union[Sequence[float], torch.Tensor]
@@ -124,6 +125,10 @@ class Step:
       route; per response token, the id of the forward pass whose logits gave its log-prob; -1
       unknown (an appended EOS, a position not run). A sampled token at row position q pairs
       with the route at q - 1: `algo/route_pairing.py` checks that they come from one forward.
+    - `teacher_logprobs`: on-policy distillation (optional): per response token, the teacher's
+      log-prob of it given exactly the context this step's prompt and earlier response tokens
+      gave the policy, `log_softmax(teacher_logits / T)` at the rollout temperature T
+      (rollout/teacher.py). None where no teacher scored the step.
     - `is_padding`: a loss-neutral row that fills a batch to a DP multiple (`make_padding_step`);
       it never enters advantages, metrics or loss denominators.
     - `metadata["invalid"]` (on the last step): why the trajectory is invalid, an infrastructure
@@ -153,6 +158,7 @@ class Step:
     is_padding: bool = False
     route_forwards: Optional[TokenSeq] = None
     logprob_forwards: Optional[TokenSeq] = None
+    teacher_logprobs: Optional[FloatSeq] = None
 
     @property
     def invalid_reason(self) -> Optional[str]:
@@ -172,6 +178,8 @@ class Step:
             self.rollout_logprobs = _as_tensor(self.rollout_logprobs, torch.float32, "rollout_logprobs")
         if self.weight_versions is not None:
             self.weight_versions = _as_tensor(self.weight_versions, torch.long, "weight_versions")
+        if self.teacher_logprobs is not None:
+            self.teacher_logprobs = _as_tensor(self.teacher_logprobs, torch.float32, "teacher_logprobs")
         if self.routed_experts is not None:
             self.routed_experts = _as_routed_experts(self.routed_experts)
         if self.route_forwards is not None:
@@ -376,6 +384,10 @@ class StepBatch:
             token_fields["route_forwards"] = torch.cat(
                 [s.route_forwards if s.route_forwards is not None else _unknown(s.num_tokens) for s in steps]
             )
+        if any(s.teacher_logprobs is not None for s in steps):  # NaN: a row no teacher scored
+            token_fields["teacher_logprobs"] = spread(
+                lambda s: s.teacher_logprobs if s.teacher_logprobs is not None else _unscored(s), torch.float32
+            )
         if any(s.logprob_forwards is not None for s in steps):
             token_fields["logprob_forwards"] = torch.cat(
                 [
@@ -411,6 +423,7 @@ class StepBatch:
         versions = self.token_fields.get("weight_versions")
         routed = self.token_fields.get("routed_experts")
         route_fw, logprob_fw = self.token_fields.get("route_forwards"), self.token_fields.get("logprob_forwards")
+        teacher = self.token_fields.get("teacher_logprobs")
         # per row: does every response token carry a known rollout log-prob?
         unknown = torch.zeros(self.tokens.numel() + 1, dtype=torch.long)
         torch.cumsum((~self.rollout_logprobs_known()).long(), 0, out=unknown[1:])
@@ -439,6 +452,7 @@ class StepBatch:
                     routed_experts=None if routed is None else own(routed[start:end]),
                     route_forwards=None if route_fw is None else own(route_fw[start:end]),
                     logprob_forwards=None if logprob_fw is None else own(logprob_fw[mid:end]),
+                    teacher_logprobs=_scored(teacher, mid, end, own),
                     metadata=dict(self.metadata[r]) if self.metadata is not None else {},
                     is_padding=paddings[r],
                 )
@@ -474,6 +488,10 @@ class StepBatch:
         for key in ("route_forwards", "logprob_forwards"):  # provenance: unknown where a batch lacks it
             if any(key in b.token_fields for b in batches):
                 token_fields[key] = torch.cat([b.token_fields.get(key, _unknown(b.tokens.numel())) for b in batches])
+        if any("teacher_logprobs" in b.token_fields for b in batches):  # NaN where a batch has no teacher
+            token_fields["teacher_logprobs"] = torch.cat(
+                [b.token_fields.get("teacher_logprobs", torch.full((b.tokens.numel(),), math.nan)) for b in batches]
+            )
         routed = [b.token_fields.get("routed_experts") for b in batches]
         shape = next((tuple(r.shape[1:]) for r in routed if r is not None), None)
         if shape is not None:
@@ -559,42 +577,13 @@ def _response_or_unknown(values: Optional[torch.Tensor], step: Step) -> torch.Te
     return values if values is not None else _unknown(step.response_ids.numel())
 
 
-@dataclass(frozen=True)
-class StepStructure:
-    """Which steps of a flat list form which trajectory, and which trajectories which prompt
-    group: derived once per plugin API call that takes a flat list (`groups_of`,
-    `compute_advantages`, `StepBatch.from_steps`, `merge_steps`, `prompt_minibatches`); groups
-    know their own. Ids are dense, in order of first appearance; a padding step is a trajectory
-    and a group of its own (its `__pad__` prompt id).
-
-    >>> s = lambda p, k, last=True: Step(TrajectoryID(p, k), [1], [2], [1], is_last_step=last)
-    >>> st = step_structure([s("a", 0, False), s("a", 0), s("b", 0), s("a", 1)])
-    >>> st.traj_of_step, st.trajectories, st.groups, st.group_of_step
-    ([0, 0, 1, 2], [[0, 1], [2], [3]], [[0, 2], [1]], [0, 0, 1, 0])
-    """
-
-    traj_of_step: list[int]
-    group_of_step: list[int]
-    trajectories: list[list[int]]  # each trajectory's step indices, in order
-    groups: list[list[int]]  # each group's trajectory indices, in order
+def _unscored(step: Step) -> torch.Tensor:
+    """A response no teacher scored, in a batch's `teacher_logprobs` column."""
+    return torch.full((step.response_ids.numel(),), math.nan, dtype=torch.float32)
 
 
-def step_structure(steps: Sequence[Step]) -> StepStructure:
-    """The trajectories and prompt groups of a flat list of steps (see `StepStructure`)."""
-    traj_ids: dict[TrajectoryID, int] = {}
-    group_ids: dict[str, int] = {}
-    traj_of_step, group_of_step = [], []
-    trajectories: list[list[int]] = []
-    groups: list[list[int]] = []
-    for i, s in enumerate(steps):
-        t = traj_ids.setdefault(s.trajectory_id, len(traj_ids))
-        g = group_ids.setdefault(s.trajectory_id.prompt_id, len(group_ids))
-        if t == len(trajectories):
-            trajectories.append([])
-            if g == len(groups):
-                groups.append([])
-            groups[g].append(t)
-        trajectories[t].append(i)
-        traj_of_step.append(t)
-        group_of_step.append(g)
-    return StepStructure(traj_of_step, group_of_step, trajectories, groups)
+def _scored(column: Optional[torch.Tensor], mid: int, end: int, own) -> Optional[torch.Tensor]:
+    """A row's teacher log-probs from the batch column, None where no teacher scored it (NaN)."""
+    if column is None or end == mid or bool(torch.isnan(column[mid]).item()):
+        return None
+    return own(column[mid:end])

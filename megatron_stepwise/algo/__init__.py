@@ -3,6 +3,7 @@
 - validate.py    `validate_steps`: reject malformed batches, naming the step and the field
 - advantages.py  outcome estimators (GRPO, Dr.GRPO, RLOO, MAXRL; registry), broadcast per step
 - turn_credit.py turn-level estimators (return-to-go baselines, turn-discounted outcome)
+- distill.py     on-policy distillation: per-token advantage from a teacher's log-probs (`opd`)
 - merge.py       `merge_trajectories` (a group's trajectories), `merge_steps` (a flat list): prefix merge
 - groups.py      `RolloutGroup`, the `PromptGroup` protocol (prompt_id, summary()), `groups_of` (a flat list grouped once)
 - prepare.py     `prepare`: whole groups -> advantages, merge, the StepBatch the plugin trains on
@@ -14,4 +15,4 @@
 The public names are exported from the package root, `megatron_stepwise`; see docs/architecture.md.
 """
 
-from megatron_stepwise.algo import turn_credit  # noqa: F401  (registers the turn-level estimators)
+from megatron_stepwise.algo import distill, turn_credit  # noqa: F401  (they register opd and the turn-level estimators)

@@ -26,10 +26,12 @@ TemporalEstimator = Callable[..., list]
 
 
 _ESTIMATORS = Registry("algo.estimator", "advantage estimator", StepwiseBatchError)  # flag: the kind
-OUTCOME, TEMPORAL, TURN = "outcome", "temporal", "turn"
+OUTCOME, TEMPORAL, TURN, TOKEN = "outcome", "temporal", "turn", "token"
 
 
-def register_estimator(name: str, *, temporal: bool = False, turn: bool = False) -> Callable[[Callable], Callable]:
+def register_estimator(
+    name: str, *, temporal: bool = False, turn: bool = False, token: bool = False
+) -> Callable[[Callable], Callable]:
     """Register an advantage estimator under `name` (decorator).
 
     Outcome estimators (the default) have the signature
@@ -43,11 +45,12 @@ def register_estimator(name: str, *, temporal: bool = False, turn: bool = False)
     same state; a step's `metadata["state_key"]`, else its prompt; -1 past the length).
     Temporal estimators (`temporal=True`) have the signature
     `fn(steps, *, eps, **options) -> list[Tensor]` and are only called on batches where every
-    trajectory is a single step.
+    trajectory is a single step. Token estimators (`token=True`, e.g. `opd`) have the same
+    signature and take any trajectories: each token's advantage is its own (algo/distill.py).
     """
-    if temporal and turn:
-        raise ValueError(f"estimator {name!r}: temporal and turn are exclusive")
-    return _ESTIMATORS.register(name, TEMPORAL if temporal else TURN if turn else OUTCOME)
+    if temporal + turn + token > 1:
+        raise ValueError(f"estimator {name!r}: temporal, turn and token are exclusive")
+    return _ESTIMATORS.register(name, TEMPORAL if temporal else TURN if turn else TOKEN if token else OUTCOME)
 
 
 def get_estimator(name: str) -> Callable:
@@ -75,6 +78,10 @@ def list_estimators() -> list[str]:
 
 def is_temporal_estimator(name: str) -> bool:
     return _ESTIMATORS.lookup(name)[1] == TEMPORAL
+
+
+def is_token_estimator(name: str) -> bool:
+    return _ESTIMATORS.lookup(name)[1] == TOKEN
 
 
 def is_turn_estimator(name: str) -> bool:
@@ -213,8 +220,8 @@ def group_advantages(
     if kind == TURN:
         per_step = _turn_scalars(estimate, estimator, steps, traj_of_step, real_trajs, rewards, group, eps, options)
         return _times_own_mask(per_step, steps)
-    if kind == TEMPORAL:
-        for t in real_trajs:
+    if kind in (TEMPORAL, TOKEN):
+        for t in real_trajs if kind == TEMPORAL else ():
             if int(lengths[t]) > 1:
                 i = last_step_of_traj[t]
                 raise StepwiseBatchError(

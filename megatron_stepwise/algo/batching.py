@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from megatron_stepwise.steps import PAD_PROMPT_PREFIX, Step, StepwiseBatchError, make_padding_step, step_structure
+from megatron_stepwise.step_structure import step_structure
+from megatron_stepwise.steps import PAD_PROMPT_PREFIX, Step, StepwiseBatchError, make_padding_step
 
 
 def next_padding_index(steps: Sequence[Step]) -> int:

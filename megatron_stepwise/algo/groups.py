@@ -19,7 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Optional, Protocol, Sequence, runtime_checkable
 
-from megatron_stepwise.steps import Step, StepBatch, StepStructure, StepwiseBatchError, step_structure
+from megatron_stepwise.step_structure import StepStructure, step_structure
+from megatron_stepwise.steps import Step, StepBatch, StepwiseBatchError
 
 
 @runtime_checkable

@@ -21,7 +21,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from megatron_stepwise.steps import PREFIX_BREAK, UNKNOWN_EXPERT, Step, step_structure
+from megatron_stepwise.step_structure import step_structure
+from megatron_stepwise.steps import PREFIX_BREAK, UNKNOWN_EXPERT, Step
 
 #: weight_versions value for obs_delta tokens: no policy produced them (loss_mask is 0 there).
 NOT_SAMPLED_VERSION = -1
@@ -245,6 +246,9 @@ def _merge_group(group: list[Step]) -> Step:
     loss_mask = torch.zeros(n, dtype=torch.long)
     logprobs = None if first.rollout_logprobs is None else torch.zeros(n, dtype=torch.float32)
     versions = None if first.weight_versions is None else torch.full((n,), NOT_SAMPLED_VERSION, dtype=torch.long)
+    teacher = None
+    if all(s.teacher_logprobs is not None for s in group):
+        teacher = torch.zeros(n, dtype=torch.float32)
     forwards = None
     if any(s.logprob_forwards is not None for s in group):
         forwards = torch.full((n,), UNKNOWN_FORWARD, dtype=torch.long)
@@ -255,6 +259,8 @@ def _merge_group(group: list[Step]) -> Step:
             logprobs[a:b] = s.rollout_logprobs
         if versions is not None:
             versions[a:b] = s.weight_versions
+        if teacher is not None:
+            teacher[a:b] = s.teacher_logprobs
         if forwards is not None and s.logprob_forwards is not None:
             forwards[a:b] = s.logprob_forwards
 
@@ -272,6 +278,7 @@ def _merge_group(group: list[Step]) -> Step:
         turn_reward=last.turn_reward,
         stop_reason=last.stop_reason,
         weight_versions=versions,
+        teacher_logprobs=teacher,
         metadata=_merged_metadata(group),
     )
 

@@ -6,7 +6,7 @@ host-pipeline benchmarks, so what they measure is what runs. A group already kno
 trajectories, so nothing here re-derives them from a flat step list, and merging and the
 (group-wise) advantages give the same result whether one prepares a mini-batch or each group.
 The settings are plain keyword arguments; the trainer binds them from `algo.estimator`,
-`algo.estimator_options`, `data.merge_steps` and `data.max_tokens_per_microbatch`.
+`algo.estimator_options`, `algo.opd_coef` (`distill_coef`), `data.merge_steps` and `data.max_tokens_per_microbatch`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 import torch
 
 from megatron_stepwise.algo.advantages import group_advantages
-from megatron_stepwise.algo.groups import RolloutGroup
+from megatron_stepwise.algo.distill import OPD, opd_coef, with_distillation
+from megatron_stepwise.algo.groups import RolloutGroup, flat_steps
 from megatron_stepwise.algo.merge import merge_trajectories
 from megatron_stepwise.steps import StepBatch
 
@@ -28,6 +29,7 @@ def prepare(
     *,
     estimator: str = "grpo",
     estimator_options: Optional[Mapping[str, Any]] = None,
+    distill_coef: Optional[float] = None,
     merge_steps: bool = False,
     max_tokens: Optional[int] = None,
     keep_metadata: bool = False,
@@ -44,6 +46,7 @@ def prepare(
         groups,
         estimator=estimator,
         estimator_options=estimator_options,
+        distill_coef=distill_coef,
         merge_steps=merge_steps,
         max_tokens=max_tokens,
         keep_metadata=keep_metadata,
@@ -58,6 +61,7 @@ def prepare_rows(
     *,
     estimator: str = "grpo",
     estimator_options: Optional[Mapping[str, Any]] = None,
+    distill_coef: Optional[float] = None,
     merge_steps: bool = False,
     max_tokens: Optional[int] = None,
     keep_metadata: bool = False,
@@ -73,6 +77,9 @@ def prepare_rows(
     counts: dict[str, Any] = {}
     # Before merging: turn-level estimators give each turn its own advantage.
     advantages = group_advantages(groups, estimator, metrics=counts, **dict(estimator_options or {}))
+    coef = opd_coef(estimator, distill_coef)
+    if coef:  # on-policy distillation: the teacher's per-token term, alone or added (algo/distill.py)
+        advantages = with_distillation(flat_steps(groups), advantages, coef, metrics, alone=estimator == OPD)
     metrics.update({f"advantages/{k}": v for k, v in counts.items()})
     if merge_steps:
         trajectories, advantages, stats = merge_trajectories(trajectories, max_tokens=max_tokens, advantages=advantages)

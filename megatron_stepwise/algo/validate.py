@@ -116,7 +116,7 @@ def _check_lengths(i: int, s: Step) -> None:
                 i, s, "loss_mask", f"has {int((s.loss_mask == 1).sum())} entries equal to 1 but response_ids is empty"
             )
         raise _fail(i, s, "loss_mask", f"has length {m} but response_ids has length {n}")
-    for field in ("rollout_logprobs", "weight_versions", "logprob_forwards"):
+    for field in ("rollout_logprobs", "weight_versions", "logprob_forwards", "teacher_logprobs"):
         value = getattr(s, field)
         if value is not None and value.numel() != n:
             raise _fail(i, s, field, f"has length {value.numel()} but response_ids has length {n}")

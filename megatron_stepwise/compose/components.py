@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_stepwise.compose.served import after_trajectory
 from megatron_stepwise.config.schema import ExperimentConfig
 from megatron_stepwise.data.files import open_samples, with_prompt_ids
 from megatron_stepwise.data.prompts import PromptDataset
@@ -343,9 +344,20 @@ def routing_policy(cfg: ExperimentConfig) -> RoutingPolicy:
     return make_policy(r.routing, r.sticky_slack, r.routing_token_budget)
 
 
-def build_agent_loop(cfg: ExperimentConfig, fleet: Generator, tokenizer: PreTrainedTokenizerBase) -> AgentLoop:
+def build_agent_loop(
+    cfg: ExperimentConfig, fleet: Generator, tokenizer: PreTrainedTokenizerBase, served: Optional[dict] = None
+) -> AgentLoop:
     """The agent loop of `cfg` driving `fleet` (any generator: a fleet, an engine, a client);
-    with `env.agent`, the user's agent through the gateway in its place (same interface)."""
+    with `env.agent`, the user's agent through the gateway in its place (same interface).
+    `served`: the second models' generators by role ("teacher", "judge"), whose hooks run on
+    every finished trajectory (compose/served.py)."""
+    agent = _agent_loop(cfg, fleet, tokenizer)
+    if served:
+        agent.after_trajectory = after_trajectory(cfg, served, tokenizer)
+    return agent
+
+
+def _agent_loop(cfg: ExperimentConfig, fleet: Generator, tokenizer: PreTrainedTokenizerBase) -> AgentLoop:
     r = cfg.rollout
     eot = end_of_turn(tokenizer)  # from the chat template and the model's generation_config.json
     if cfg.env.own_agent:

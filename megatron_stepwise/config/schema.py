@@ -22,6 +22,8 @@ from megatron_stepwise.options import check_options, option, option_of, option_p
 from megatron_stepwise.rollout.agent.loop import ROLLOUT_KEYS, AgentLoopConfig
 from megatron_stepwise.rollout.engines.protocol import RetryConfig, SamplingConfig, SamplingParams
 from megatron_stepwise.rollout.fleet.session_routing import RoutingConfig
+from megatron_stepwise.rollout.judge import JudgeConfig
+from megatron_stepwise.rollout.served_model import ServedModelConfig, SGLangConfig, TeacherConfig
 from megatron_stepwise.rundir.paths import RunDir
 from megatron_stepwise.steps import temperature_problem
 
@@ -114,21 +116,6 @@ class ParallelConfig:
     def data_parallel_size(self, world_size: int) -> int:
         """Data-parallel size for a world size (validated configs divide evenly)."""
         return world_size // self.model_parallel_size()
-
-
-@dataclass
-class SGLangConfig:
-    """SGLang servers: launched on the fleet's Ray actors, or already running."""
-
-    host: str = option("127.0.0.1", "interface launched servers bind to")
-    base_port: int = option(30000, "first port of launched servers (engine i uses base_port + i)", min=1, max=65535)
-    router_url: Optional[str] = option(
-        None, "a running sglang-router (http://host:port) for generation; list servers too (docs/launch.md)"
-    )
-    servers: list[str] = option(
-        [], "servers already running (host:port or http://host:port); empty = launch num_engines servers on Ray"
-    )
-    extra_args: list[str] = option([], "extra command-line arguments for `python -m sglang.launch_server`")
 
 
 @dataclass
@@ -249,6 +236,8 @@ class EnvConfig:
     agent_max_calls: int = option_of(AgentConfig, "agent_max_calls")
     agent_max_tokens: int = option_of(AgentConfig, "agent_max_tokens")
     client_sampling: Literal["ignore", "refuse"] = option_of(AgentConfig, "client_sampling")
+    # rewards from an LLM judge (the `judge:` section's model): rollout/judge.py
+    judge: JudgeConfig = section(JudgeConfig, "LLM-judge rewards")
 
     @property
     def own_agent(self) -> bool:
@@ -303,6 +292,12 @@ class AlgoConfig:
     )
     estimator_options: dict[str, Any] = option(
         {}, "keyword options passed to the estimator (turn-level: gamma; turn_discount: gamma, base)"
+    )
+    opd_coef: Optional[float] = option(
+        None,
+        "weight of the on-policy distillation term (teacher minus rollout log-prob per token; needs a teacher: "
+        "section); null = 1 with estimator opd, else 0 (off)",
+        min=0.0,
     )
     # Declared (keys, bounds, choices, help) where the loss functions use it: algo/losses.py.
     loss: LossConfig = section(LossConfig, "policy loss")
@@ -528,6 +523,8 @@ class ExperimentConfig:
     trainer: TrainerConfig = section(TrainerConfig, "RL loop")
     eval_: EvalConfig = section(EvalConfig, "evaluation", key="eval")
     launch: LaunchConfig = section(LaunchConfig, "process placement")
+    teacher: TeacherConfig = section(TeacherConfig, "on-policy distillation teacher (docs/distill.md)")
+    judge: ServedModelConfig = section(ServedModelConfig, "LLM judge model for env.judge (docs/distill.md)")
 
     @property
     def run_dir(self) -> str:

@@ -41,7 +41,8 @@ def check_algo(cfg: ExperimentConfig, check: Checker) -> None:
     if data.samples_per_prompt == 1:
         # Outcome and turn estimators compare the trajectories of a prompt (the registry's kinds).
         name = algo.estimator
-        if name in advantages.list_estimators() and not advantages.is_temporal_estimator(name):
+        compares = not (advantages.is_temporal_estimator(name) or advantages.is_token_estimator(name))
+        if name in advantages.list_estimators() and compares:
             check.fail(
                 "data.samples_per_prompt",
                 f"is 1 but algo.estimator {name} compares the trajectories of a prompt: every advantage would be 0",

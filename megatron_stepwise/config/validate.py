@@ -1,7 +1,7 @@
 """Semantic checks of a typed config: layouts, combinations, the machine. One problem per finding.
 
 `validate` runs the checks of each concern in a fixed order (model_checks, rollout_checks,
-training_checks, env_checks, run_checks); the sections' own `problems()` are asked here.
+training_checks, env_checks, served_checks, run_checks); the sections' own `problems()` are asked here.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from megatron_stepwise.config.probes import Probes
 from megatron_stepwise.config.rollout_checks import check_async, check_colocate, check_rollout
 from megatron_stepwise.config.run_checks import check_outputs, check_sizes
 from megatron_stepwise.config.schema import ExperimentConfig
+from megatron_stepwise.config.served_checks import check_served
 from megatron_stepwise.config.training_checks import check_algo, check_data, check_loss_combinations, check_optim
 from megatron_stepwise.options import is_registry
 
@@ -43,6 +44,7 @@ def validate(
     check_colocate(cfg, check)
     check_optim(cfg, check)
     check_env(cfg, check, probes)
+    check_served(cfg, check)
     check_outputs(cfg, check, probes)
     check_sizes(cfg, check)
     return check.problems

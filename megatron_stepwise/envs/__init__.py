@@ -5,6 +5,7 @@
 - calculator.py      `calculator`: word problems with a <calc> tag, for small pretrained chat models
 - echo.py            `echo`: "say D" over several turns, learnable by a tiny model on CPU
 - math_tool.py       `math_tool`: arithmetic word problems solved with a sandboxed Python tool
+- judge.py           `env.judge`: rewards from an LLM judge (a served model reads the trajectory)
 - tool_calls.py      tool schemas (`tools=`), the Hermes/Qwen `<tool_call>` parser, tool-result messages
 - sandbox.py         runs model-written Python in a subprocess with time, memory, network limits
 - sandbox_command.py runs an agent command in the sandbox, its one way out a socket the gateway serves

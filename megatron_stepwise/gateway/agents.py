@@ -25,6 +25,7 @@ from megatron_stepwise.envs.custom import load_object
 from megatron_stepwise.gateway.command_agent import CommandAgent
 from megatron_stepwise.gateway.outcome import AgentError, AgentFailure, outcome_of
 from megatron_stepwise.gateway.server import Gateway, GatewaySettings
+from megatron_stepwise.rollout.agent.hooks import AfterTrajectory
 from megatron_stepwise.rollout.agent.loop import checked_prompt_ids
 from megatron_stepwise.steps import Step, TrajectoryID
 from megatron_stepwise.time_budget import GENERATION, NO_ACTIVITY
@@ -92,6 +93,7 @@ class AgentRollout:
         self.activity = NO_ACTIVITY
         self.agent_errors = 0
         self._reported: dict[str, float] = {}
+        self.after_trajectory = AfterTrajectory()  # a judge's verdict, a teacher's scores (rollout/agent/hooks.py)
 
     async def rollout(
         self, samples: Sequence[dict], seed: Optional[int] = None, on_trajectory_done=None, request_tag: str = ""
@@ -118,6 +120,7 @@ class AgentRollout:
             async with limit:
                 with self.activity.active(GENERATION):
                     steps = await self.run_trajectory(sample, traj_id, seed)
+            await self.after_trajectory(steps, sample)
             if on_trajectory_done is not None:
                 on_trajectory_done(steps)
             return steps
@@ -162,7 +165,7 @@ class AgentRollout:
         }
         out = {k: float(v - self._reported.get(k, 0)) for k, v in now.items()}
         self._reported = dict(now)
-        return out
+        return {**out, **self.after_trajectory.metrics()}
 
     def env_stats(self) -> dict[str, int]:
         return {

@@ -18,6 +18,7 @@ from typing import Any, Optional, Sequence
 
 from megatron_stepwise.algo.groups import RolloutGroup
 from megatron_stepwise.compose import components
+from megatron_stepwise.compose.served import after_trajectory
 from megatron_stepwise.config.schema import ExperimentConfig
 from megatron_stepwise.data.files import open_samples
 from megatron_stepwise.hf.hub import CHECKPOINT_FILES, resolve_model_dir
@@ -79,8 +80,16 @@ def eval_metrics(groups: Sequence[RolloutGroup], tokenizer, success_threshold: f
     return out
 
 
-def eval_agent_loop(cfg: ExperimentConfig, generator, tokenizer):
-    """An agent loop with the eval section's sampling: its temperature and samples per prompt."""
+def eval_agent_loop(cfg: ExperimentConfig, generator, tokenizer, judge=None):
+    """An agent loop with the eval section's sampling: its temperature and samples per prompt;
+    with `judge` (the judge model's generator) its verdicts are the rewards, as in training."""
+    agent = _eval_agent_loop(cfg, generator, tokenizer)
+    if judge is not None:
+        agent.after_trajectory = after_trajectory(cfg, {"judge": judge}, tokenizer, training=False)
+    return agent
+
+
+def _eval_agent_loop(cfg: ExperimentConfig, generator, tokenizer):
     r, e = cfg.rollout, cfg.eval_
     sampling = r.sampling.params(r.max_new_tokens)
     if e.temperature is not None:
@@ -97,10 +106,10 @@ def eval_agent_loop(cfg: ExperimentConfig, generator, tokenizer):
 class Evaluator:
     """Evaluates the policy the generator serves on every eval set (rank 0; the caller's event loop)."""
 
-    def __init__(self, cfg: ExperimentConfig, generator, tokenizer, dataset):
+    def __init__(self, cfg: ExperimentConfig, generator, tokenizer, dataset, judge=None):
         self.cfg, self.tokenizer = cfg, tokenizer
         self.sets = eval_sets(cfg, dataset)
-        self.agent = eval_agent_loop(cfg, generator, tokenizer)
+        self.agent = eval_agent_loop(cfg, generator, tokenizer, judge)
         self.outcomes: dict[str, dict[str, list[float]]] = {}  # last evaluation: set -> prompt -> rewards
 
     async def evaluate(self, seed: int) -> dict[str, float]:

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 
     from megatron_stepwise.algo.rows import RowTable
     from megatron_stepwise.algo.shards import ShardDecision
+    from megatron_stepwise.compose.served import ServedModels
     from megatron_stepwise.rollout.agent.loop import AgentLoop
     from megatron_stepwise.rollout.fleet.fleet import RolloutFleet
     from megatron_stepwise.workers.agent_workers import AgentWorkers
@@ -61,6 +62,7 @@ class Driver:
     loop: asyncio.AbstractEventLoop
     fleet: RolloutFleet
     agent: AgentLoop | AgentWorkers
+    served: Optional[ServedModels] = None  # the teacher's and the judge's engines (compose/served.py)
 
     def run(self, coro):
         return self.loop.run_until_complete(coro)
@@ -80,6 +82,7 @@ def bind_prepare(cfg, fn: Callable = prepare) -> Callable:
         fn,
         estimator=cfg.algo.estimator,
         estimator_options=dict(cfg.algo.estimator_options),
+        distill_coef=cfg.algo.opd_coef,
         merge_steps=cfg.data.merge_steps,
         max_tokens=cfg.data.max_tokens_per_microbatch,
     )

@@ -26,9 +26,11 @@ from typing import Any, Optional
 import torch.distributed as dist
 from tqdm import tqdm
 
+from megatron_stepwise.algo.distill import distill_means
 from megatron_stepwise.algo.prepare import add_counts
 from megatron_stepwise.compose import components
 from megatron_stepwise.compose.placement import log_placement
+from megatron_stepwise.compose.served import ServedModels
 from megatron_stepwise.config.schema import ExperimentConfig
 from megatron_stepwise.loop.async_source import AsyncRollouts
 from megatron_stepwise.loop.checkpointer import Checkpointer, TrainerState
@@ -157,11 +159,13 @@ class Trainer:
         # start-up limits, not by parallel.timeout_minutes (which may be short, to fail fast mid-run).
         start_group = components.cpu_group(cfg, timeout=max(FLEET_START_TIMEOUT, handoff.timeout))
         if self.is_driver:
-            loop = asyncio.new_event_loop()
-            fleet = components.build_fleet(cfg, self.model, self.tokenizer)
-            loop.run_until_complete(fleet.wait_ready())
-            self.driver = Driver(loop, fleet, self._agents(fleet, loop))
-            self.evaluator = Evaluator(cfg, fleet, self.tokenizer, self.dataset) if cfg.trainer.eval_every else None
+            self.driver = self._start_driver()
+            judge = self.driver.served.fleets.get("judge")
+            self.evaluator = (
+                Evaluator(cfg, self.driver.fleet, self.tokenizer, self.dataset, judge)
+                if cfg.trainer.eval_every
+                else None
+            )
             self.logger = MetricsLogger(
                 cfg.run_dir,
                 tensorboard=cfg.logging.tensorboard,
@@ -192,15 +196,23 @@ class Trainer:
         engines = [s.handle for s in fleet.engine_table() if s.alive]
         log_placement({"engines": engines, "agent workers": workers})
 
-    def _agents(self, fleet, loop):
+    def _start_driver(self) -> Driver:
+        """Rank 0's rollout side: the policy's fleet, the second models' (teacher, judge), the agents."""
+        loop = asyncio.new_event_loop()
+        fleet = components.build_fleet(self.cfg, self.model, self.tokenizer)
+        loop.run_until_complete(fleet.wait_ready())
+        served = ServedModels.start(self.cfg, self.tokenizer, loop)
+        return Driver(loop, fleet, self._agents(fleet, loop, served), served)
+
+    def _agents(self, fleet, loop, served: ServedModels):
         """The agent loop in this process, or `rollout.agent_workers` Ray actors."""
         n = resolve_agent_workers(self.cfg)
         if n == 0:
-            agent = components.build_agent_loop(self.cfg, fleet, self.tokenizer)
+            agent = components.build_agent_loop(self.cfg, fleet, self.tokenizer, served.fleets)
             agent.track(self.activity)
             return agent
         log.info("agent loop: %d agent workers (%.3g CPUs each)", n, self.cfg.rollout.agent_worker_cpus)
-        workers = AgentWorkers(self.cfg, fleet, n)
+        workers = AgentWorkers(self.cfg, fleet, n, served=served)
         loop.run_until_complete(workers.wait_ready())
         return workers
 
@@ -295,6 +307,7 @@ class Trainer:
                 self.write_dump(dumped_logprobs, train_metrics, version)
 
         metrics.update(add_counts(counts))
+        metrics.update(distill_means(metrics))
         metrics.update(self.source.iteration_metrics())
         metrics.update(mean_metrics(train_metrics, prefix="train/"))
         metrics["train/optimizer_steps"] = len(train_metrics)
@@ -380,6 +393,7 @@ class Trainer:
             self.evaluator.close()
         if self.driver is not None:
             self.driver.run(self.driver.fleet.shutdown())
+            self.driver.run(self.driver.served.shutdown())
             self.driver.agent.close()
             self.driver.loop.close()
         if self.logger is not None:

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from megatron_stepwise.algo.groups import RolloutGroup, flat_steps, pack_groups, unpack_groups
 from megatron_stepwise.compose import components
+from megatron_stepwise.compose.served import ROLES, ServedModels
 from megatron_stepwise.errors import RunFailure, UserError
 from megatron_stepwise.rollout.agent.loop import checked_prompt_ids
 from megatron_stepwise.rollout.engines.protocol import engine_loss
@@ -104,6 +105,7 @@ class WorkerReply:
     dead_engines: list[tuple[int, int]]
     requests: RequestCounters
     agent_counts: dict[str, float] = dataclasses.field(default_factory=dict)
+    served_dead: dict[str, list[tuple[int, int]]] = dataclasses.field(default_factory=dict)  # teacher, judge
 
     def __getstate__(self) -> dict:  # all the reply's groups as one columnar batch
         held = bool(self.groups) and isinstance(self.groups[0], HeldGroup)
@@ -114,12 +116,13 @@ class WorkerReply:
             "dead_engines": self.dead_engines,
             "requests": self.requests,
             "agent_counts": self.agent_counts,
+            "served_dead": self.served_dead,
         }
 
     def __setstate__(self, state: dict) -> None:
         self.groups = state["groups"] if state["held"] else unpack_groups(state["groups"])
         self.dead_engines, self.requests = state["dead_engines"], state["requests"]
-        self.agent_counts = state["agent_counts"]
+        self.agent_counts, self.served_dead = state["agent_counts"], state["served_dead"]
 
 
 class AgentWorker:
@@ -140,7 +143,13 @@ class AgentWorker:
             request_timeout_s=cfg.rollout.timeout_s,
             policy=components.routing_policy(cfg),
         )
-        self.agent = components.build_agent_loop(cfg, self.engines, components.load_tokenizer(cfg))
+        # the teacher's and the judge's engines, routed here as the policy's are (compose/served.py)
+        self.served = {
+            role: EngineView(max_retries=cfg.rollout.max_retries, request_timeout_s=getattr(cfg, role).timeout_s)
+            for role in ROLES
+            if getattr(cfg, role).enabled
+        }
+        self.agent = components.build_agent_loop(cfg, self.engines, components.load_tokenizer(cfg), self.served)
 
     def ready(self) -> bool:
         return True
@@ -159,15 +168,19 @@ class AgentWorker:
         request_tag: str,
         engines: list[EngineSlot],
         hold: Optional[HoldRequest] = None,
+        served: Optional[dict[str, list[EngineSlot]]] = None,
     ) -> WorkerReply:
         self.engines.refresh(engines)
+        for role, table in (served or {}).items():
+            self.served[role].refresh(table)
         groups = await self.agent.rollout_groups(samples, seed=seed, request_tag=request_tag)
         dead, requests = self.engines.take_report()
+        served_dead = {role: view.take_report()[0] for role, view in self.served.items()}
         if hold is not None:  # keep the prepared rows here; the driver gets their summaries
             banked = await asyncio.to_thread(bank_held, groups, hold) if hold.bank is not None else [None] * len(groups)
             groups = [self.held.keep(g, hold, self.name, b) for g, b in zip(groups, banked)]
         counts = self.agent.metrics() if hasattr(self.agent, "metrics") else {}  # the gateway's (env.agent)
-        return WorkerReply(groups, dead, requests, counts)
+        return WorkerReply(groups, dead, requests, counts, served_dead)
 
     async def adopt(self, path: str, group_id: str, hold: HoldRequest) -> HeldGroup:
         """A resumed run's banked group: read (off the event loop) and held as if rolled out here."""
@@ -220,10 +233,12 @@ class AgentWorkers:
         fleet: RolloutFleet,
         n: int,
         spawn: Optional[Callable[[ExperimentConfig, int, int, str], ActorHandle]] = None,
+        served: Optional[ServedModels] = None,
     ):
         if n < 1:
             raise ValueError(f"rollout.agent_workers must be >= 1 here, got {n}")
         self.cfg, self.fleet = cfg, fleet
+        self.served = served or ServedModels()  # the teacher's and the judge's fleets
         self.samples_per_prompt = cfg.data.samples_per_prompt
         # rollout.max_concurrency trajectories in flight in all; whole groups per worker
         per_worker = max(1, math.ceil(cfg.rollout.max_concurrency / n))
@@ -403,7 +418,8 @@ class AgentWorkers:
         for attempt in range(self.max_reissues + 1):
             worker = await self._acquire(len(samples))
             incarnation = worker.incarnation
-            call = worker.handle.rollout.remote(samples, seed, tag, self.fleet.engine_table(), hold)
+            tables = (self.fleet.engine_table(), hold, self.served.tables())
+            call = worker.handle.rollout.remote(samples, seed, tag, *tables)
             what = f"rolling out prompt groups {[s.get('prompt_id') for s in samples][:4]}"
             try:
                 reply = await self._answer(worker, call, what)
@@ -425,6 +441,7 @@ class AgentWorkers:
                 await self._release(worker, len(samples))
             for index, engine_incarnation in reply.dead_engines:
                 self.fleet.report_dead(index, engine_incarnation)
+            self.served.report_dead(reply.served_dead)
             self.fleet.add_request_counts(reply.requests)
             self.agent_counts.update(reply.agent_counts)
             if on_trajectory_done is not None:  # held groups: one call per trajectory, without its steps

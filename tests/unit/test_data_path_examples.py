@@ -7,7 +7,8 @@ import importlib
 import pytest
 
 MODULES = [
-    "megatron_stepwise.steps",  # Step, StepBatch (from_steps, from_groups), StepStructure
+    "megatron_stepwise.steps",  # Step, StepBatch (from_steps, from_groups)
+    "megatron_stepwise.step_structure",  # StepStructure
     "megatron_stepwise.algo.groups",  # RolloutGroup, GroupSummary
     "megatron_stepwise.algo.merge",  # merge_trajectories
     "megatron_stepwise.workers.worker_rows",  # HeldGroup, TokenVersions

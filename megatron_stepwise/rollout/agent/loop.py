@@ -44,6 +44,7 @@ from megatron_stepwise.rollout.agent.env_outputs import (
     error_traceback,
     read_tools,
 )
+from megatron_stepwise.rollout.agent.hooks import AfterTrajectory
 from megatron_stepwise.rollout.engines.protocol import GenerateResult, SamplingParams, engine_loss
 from megatron_stepwise.rollout.engines.routed_experts import pad_to_tokens
 from megatron_stepwise.steps import INVALID, Step, TrajectoryID
@@ -155,6 +156,7 @@ class AgentLoop:
         self.eos_token_ids = [int(t) for t in eos_token_ids]
         self._env = EnvCaller(config.env_concurrency, config.env_timeout_s)
         self.activity = NO_ACTIVITY  # where generation time goes (`track`)
+        self.after_trajectory = AfterTrajectory()  # a judge's verdict, a teacher's scores (hooks.py)
 
     # ---- public ---------------------------------------------------------------------------
 
@@ -190,6 +192,7 @@ class AgentLoop:
         async def one(sample: dict, traj_id: TrajectoryID) -> list[Step]:
             async with limit:
                 steps = await self.run_trajectory(sample, traj_id, seed=seed, request_tag=request_tag)
+            await self.after_trajectory(steps, sample)
             if on_trajectory_done is not None:
                 on_trajectory_done(steps)
             return steps
@@ -329,6 +332,10 @@ class AgentLoop:
     def env_stats(self) -> dict[str, int]:
         """Environment call counters since this loop was built: calls, errors, timeouts, stuck_threads."""
         return self._env.stats()
+
+    def metrics(self) -> dict[str, float]:
+        """The after-trajectory hooks' counts since the last call (judge, teacher)."""
+        return self.after_trajectory.metrics()
 
     # ---- helpers ----------------------------------------------------------------------------
 
