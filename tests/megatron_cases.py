@@ -5,7 +5,9 @@ history (so consecutive steps merge), uneven lengths, responses ending in an app
 with loss_mask 0, and two padding rows. Per-token extras (advantages, rollout log-probs and
 the noise added to recomputed log-probs) are response-aligned so that a merged row carries
 exactly the same values at the same tokens. The advantages are a turn-level estimator's
-(`turn_rloo` on per-turn rewards), so the turns of one trajectory train on different values.
+(`turn_rloo` on per-turn rewards), so the turns of one trajectory train on different values,
+plus an on-policy distillation term (0.5 x teacher minus rollout log-prob, a synthetic teacher),
+so every token of a turn trains on its own value too.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from megatron_stepwise.algo.advantages import compute_advantages
+from megatron_stepwise.algo.distill import with_distillation
 from megatron_stepwise.steps import Step, StepBatch, TrajectoryID, make_padding_step
 
 
@@ -45,6 +48,7 @@ def make_steps(vocab: int = 256, seed: int = 0):
                     reward=adv,
                     is_last_step=k == turns - 1,
                     turn_reward=0.25 * (k + 1) * (-1) ** t,
+                    teacher_logprobs=-(0.1 + 3 * torch.rand(n_resp, generator=g)),
                 )
             )
             extras.append(
@@ -59,7 +63,8 @@ def make_steps(vocab: int = 256, seed: int = 0):
     for i in range(2):
         steps.append(make_padding_step(i))
         extras.append({k: torch.zeros(0) for k in ("advantages", "old_noise", "ref_noise")})
-    for e, a in zip(extras, compute_advantages(steps, "turn_rloo")):
+    advantages = with_distillation(steps, compute_advantages(steps, "turn_rloo"), 0.5, alone=False)
+    for e, a in zip(extras, advantages):
         e["advantages"] = a
     return steps, extras
 

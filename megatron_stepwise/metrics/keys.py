@@ -132,6 +132,67 @@ _T = [  # (pattern, unit, over, meaning)
         ],
     ),
     (
+        "Second models: distillation teacher and LLM judge (docs/distill.md)",
+        [
+            (
+                "teacher/requests",
+                "count",
+                "iteration",
+                "teacher scoring requests (one per prefix chain of a trajectory)",
+            ),
+            (
+                "teacher/scored_tokens",
+                "tokens",
+                "iteration",
+                "tokens the teacher scored (trained ones and the observations between them)",
+            ),
+            (
+                "teacher/score_s",
+                "seconds",
+                "iteration",
+                "summed latency of the teacher's scoring requests (they overlap the rollout)",
+            ),
+            ("distill/tokens", "tokens", "iteration", "trained tokens given a distillation advantage"),
+            (
+                "distill/reverse_kl",
+                "nats",
+                "token",
+                "mean rollout minus teacher log-prob over trained tokens: reverse KL(policy || teacher), one sample",
+            ),
+            ("distill/reverse_kl_sum", "nats", "iteration", "the sum behind distill/reverse_kl"),
+            (
+                "distill/advantage_share",
+                "fraction",
+                "token",
+                "the distillation term's share of the advantage's summed magnitude (1 with estimator opd alone)",
+            ),
+            (
+                "distill/opd_abs_sum",
+                "advantage",
+                "iteration",
+                "summed |opd_coef x (teacher - rollout log-prob)| over trained tokens",
+            ),
+            (
+                "distill/advantage_abs_sum",
+                "advantage",
+                "iteration",
+                "summed |advantage| over trained tokens (the share's denominator)",
+            ),
+            (
+                "judge/calls",
+                "count",
+                "iteration",
+                "judge model requests (one per trajectory, or per turn with env.judge.reward: turn)",
+            ),
+            (
+                "judge/unparsable",
+                "count",
+                "iteration",
+                "judge answers env.judge.parser could not read: their trajectories are invalid",
+            ),
+        ],
+    ),
+    (
         "Training (per optimizer step, averaged over the iteration's mini-batches)",
         [
             ("train/loss", "loss", "mini-batch", "total loss (policy + KL + entropy + router terms)"),

@@ -11,7 +11,8 @@ from megatron_stepwise.algo.advantages import compute_advantages
 from megatron_stepwise.algo.distill import distill_means, with_distillation
 from megatron_stepwise.algo.groups import RolloutGroup
 from megatron_stepwise.algo.prepare import prepare_rows
-from megatron_stepwise.config import ConfigError, config_from_dict
+from megatron_stepwise.config import config_from_dict
+from megatron_stepwise.config.errors import ConfigError
 from megatron_stepwise.rollout.teacher import TeacherScorer, prefix_chains
 from megatron_stepwise.steps import INVALID, Step, StepBatch, StepwiseBatchError, TrajectoryID
 

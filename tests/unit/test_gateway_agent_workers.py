@@ -83,7 +83,7 @@ class Fleet:
 
 def worker_body(replies: int) -> AgentWorker:
     body = AgentWorker.__new__(AgentWorker)  # its __init__ builds the agent from a config; this one is given
-    body.name, body.held, body.engines = "w0", HeldRows(), Engines()
+    body.name, body.held, body.engines, body.served = "w0", HeldRows(), Engines(), {}
     settings = GatewaySettings(sampling=SamplingParams(max_new_tokens=4), max_input_length=512)
     generator = Scripted(TOK, ["ok"] * replies)
     body.agent = AgentRollout(generator, TOK, forgetful_agent, settings, [TOK.eos_token_id], n_samples_per_prompt=2)

@@ -1,5 +1,5 @@
 """Groups end to end: every group-shaped object offers one protocol (its prompt id and summary), a
-flat list's trajectories and groups are derived in one place (`steps.step_structure`), once per
+flat list's trajectories and groups are derived in one place (`step_structure.step_structure`), once per
 plugin API call, and a rollout that is groups is never flattened and regrouped."""
 
 import ast
@@ -10,6 +10,7 @@ import torch
 from helpers import make_step, stride_decide
 from source_ast import parse_python
 
+import megatron_stepwise.step_structure as structure_module
 import megatron_stepwise.steps as steps_module
 from megatron_stepwise import compute_advantages
 from megatron_stepwise.algo.batching import prompt_minibatches
@@ -63,7 +64,7 @@ def test_no_group_shape_forwards_its_summarys_outcomes():
     assert properties == {"Group": [], "HeldGroup": ["prompt_id"]}
 
 
-class _Counted(steps_module.StepStructure):
+class _Counted(structure_module.StepStructure):
     calls = 0
 
     def __init__(self, *args):
@@ -75,7 +76,7 @@ class _Counted(steps_module.StepStructure):
 def derivations(monkeypatch):
     """How many times a flat list's structure is derived (`step_structure` makes a StepStructure)."""
     _Counted.calls = 0
-    monkeypatch.setattr(steps_module, "StepStructure", _Counted)
+    monkeypatch.setattr(structure_module, "StepStructure", _Counted)
 
     def count(fn):
         before = _Counted.calls
@@ -180,4 +181,4 @@ def test_trajectory_and_group_structure_is_derived_in_one_place():
         for fn in _functions(path)
         if _derives_structure(fn)
     }
-    assert found - CHECKS == {"steps.py:step_structure"}  # StepStructure
+    assert found - CHECKS == {"step_structure.py:step_structure"}  # StepStructure

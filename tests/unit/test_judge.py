@@ -7,7 +7,8 @@ import pytest
 
 from megatron_stepwise.algo.groups import RolloutGroup
 from megatron_stepwise.algo.prepare import prepare_rows
-from megatron_stepwise.config import ConfigError, config_from_dict
+from megatron_stepwise.config import config_from_dict
+from megatron_stepwise.config.errors import ConfigError
 from megatron_stepwise.rollout.engines.protocol import GenerateResult
 from megatron_stepwise.rollout.judge import Judge, JudgeConfig, parse_verdict
 from megatron_stepwise.steps import Step, TrajectoryID
