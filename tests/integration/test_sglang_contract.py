@@ -23,6 +23,7 @@ import pytest
 import torch
 from aiohttp import web
 from helpers import run_launch
+from source_ast import parse_python  # ast.parse, past CPython 3.11's spurious SystemError
 
 from megatron_stepwise.rollout.engines.embedded import generate_fields
 from megatron_stepwise.rollout.engines.embedded.generate_response import generate_response
@@ -46,6 +47,10 @@ FILES = {
     "api_types": "sglang/api/v1/api_types.py",
     "constants": "sglang/srt/constants.py",
     "exec_args": "sglang/srt/arg_groups/fields/exec_.py",
+    "scheduler": "sglang/srt/managers/scheduler.py",
+    "schedule_batch": "sglang/srt/managers/schedule_batch.py",
+    "logprob_results": "sglang/srt/managers/scheduler_components/logprob_result_processor.py",
+    "logprob_processor": "sglang/srt/layers/logprob_processor.py",
 }
 
 
@@ -87,7 +92,7 @@ def _download_wheel() -> Path:
 def sglang():
     wheel = _download_wheel()
     with zipfile.ZipFile(wheel) as z:
-        return {k: ast.parse(z.read(p).decode("utf-8")) for k, p in FILES.items()}
+        return {k: parse_python(z.read(p).decode("utf-8"), p) for k, p in FILES.items()}
 
 
 # ---- static reading of the sources ------------------------------------------------------------
@@ -166,6 +171,11 @@ async def capture_client_requests() -> list[dict]:
     async def handler(request: web.Request) -> web.Response:
         body = await request.json() if request.can_read_body else None
         captured.append({"method": request.method, "path": request.path, "query": dict(request.query), "body": body})
+        if request.path == "/generate" and body.get("logprob_start_len", -1) >= 0:  # a prompt scored
+            ids = body["input_ids"][body["logprob_start_len"] :]
+            entries = [[None if i == 0 else -0.5 * i, t, None] for i, t in enumerate(ids)]
+            meta = {"id": "y", "finish_reason": {"type": "length", "length": 0}, "input_token_logprobs": entries}
+            return web.json_response({"text": "", "output_ids": [], "meta_info": {**meta, "output_token_logprobs": []}})
         if request.path == "/generate":
             return web.json_response(
                 {
@@ -208,6 +218,7 @@ async def capture_client_requests() -> list[dict]:
         result = await client.generate([1, 2, 3], sampling, rid="traj#0/turn0", session="traj#0")
         assert result.output_ids == [5, 6] and result.logprobs == [-0.5, -0.25]
         assert result.finish_reason == "stop" and result.weight_version == 3 and result.token_weight_versions == [3, 3]
+        assert await client.score([1, 2, 3, 4], 2) == [-0.5, -1.0]  # a teacher's log-probs of [3, 4]
         await client.update_weights_from_disk("/ckpt/hf", weight_version=4)
         await client.update_weights_from_tensors({"lm_head.weight": torch.zeros(2, 2)}, weight_version=5)
         # colocated mode: release for training, then weights back, the update (as handles), KV cache back
@@ -360,9 +371,51 @@ def test_generate_payload_passes_the_json_contract(sglang, captured):
     assert set(sp) <= set(class_fields(sglang["sampling_params"], "SamplingParams"))
 
 
+def test_the_score_request_is_sglangs_prompt_scoring_request(sglang, captured):
+    """`SGLangClient.score(ids, start)`: /generate with max_new_tokens 0 and logprob_start_len
+    start - 1, its fields those of the JSON contract and of the server-side SamplingParams."""
+    scored = [c["body"] for c in captured if c["path"] == "/generate" and "logprob_start_len" in c["body"]]
+    assert scored == [
+        {
+            "input_ids": [1, 2, 3, 4],
+            "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
+            "return_logprob": True,
+            "logprob_start_len": 1,
+        }
+    ]
+    assert set(scored[0]) <= set(class_fields(sglang["api_types"], "GenerateRequest"))
+    sp = set(scored[0]["sampling_params"])
+    assert sp <= set(class_fields(sglang["api_types"], "SamplingParams"))
+    assert sp <= set(class_fields(sglang["sampling_params"], "SamplingParams"))
+
+
+def _source(tree: ast.AST) -> set[str]:
+    return {line.strip() for line in ast.unparse(tree).splitlines()}
+
+
+def test_prompt_log_probs_are_laid_out_as_the_client_and_the_embedded_server_assume(sglang):
+    """The wheel's semantics that `SGLangClient.score` and the embedded server
+    (rollout/engines/embedded/prompt_logprobs.py) rest on: from position logprob_start_len on, each
+    position's logits score the next token; the entries are the prompt's ids from logprob_start_len
+    with the values shifted by one (the first entry has none); no temperature on prompt log-probs;
+    logprob_start_len counts only with return_logprob and may not pass the prompt's length."""
+    assert "logprob_token_ids = req.origin_input_ids[global_start_idx + 1:global_end_idx + 1]" in _source(
+        sglang["schedule_batch"]
+    )
+    results = _source(sglang["logprob_results"])
+    assert "req.logprob.input_token_logprobs_val = [None] + input_token_logprobs[:-1]" in results
+    assert "input_token_logprobs_idx = req.origin_input_ids[req.logprob_start_len:]" in results
+    processor = _classes(sglang["logprob_processor"])["InputLogprobProcessor"]
+    assert "log_softmax" in ast.unparse(processor) and "temperature" not in ast.unparse(processor)
+    scheduler = _source(sglang["scheduler"])
+    assert "if not recv_req.return_logprob and recv_req.logprob_start_len != -1:" in scheduler
+    assert "if req.logprob_start_len > len(req.origin_input_ids):" in scheduler
+
+
 def test_response_fields_the_client_reads_exist(sglang):
     meta = set(class_fields(sglang["api_types"], "GenerateMetaInfo"))
     assert {"output_token_logprobs", "finish_reason", "weight_version", "weight_versions"} <= meta
+    assert "input_token_logprobs" in meta  # read by SGLangClient.score
     assert {"version", "start", "end"} == set(class_fields(sglang["api_types"], "WeightVersionSpan"))
     assert "weight_version" in dict_keys_returned(sglang["http_server"], "model_info")
     assert {"text", "meta_info", "output_ids"} <= set(class_fields(sglang["api_types"], "GenerateResponse"))
@@ -387,7 +440,7 @@ def test_embedded_server_speaks_the_same_api(sglang):
             continue
         assert path in table and method in table[path]["methods"], f"embedded {method} {path} is not SGLang's"
     result = GenerateResult([5, 6], [-0.5, -0.25], "length", weight_version=2)
-    resp = generate_response("r", 3, result, True)
+    resp = generate_response("r", 3, result, True, input_token_logprobs=[[None, 7, None], [-0.1, 8, None]])
     assert set(resp) <= set(class_fields(sglang["api_types"], "GenerateResponse"))
     assert set(resp["meta_info"]) <= set(class_fields(sglang["api_types"], "GenerateMetaInfo"))
     assert resp["meta_info"]["finish_reason"] == {"type": "length", "length": 2}

@@ -15,7 +15,7 @@ from megatron_stepwise.algo.groups import groups_of
 from megatron_stepwise.config import load_config
 from megatron_stepwise.config.errors import ConfigError
 from megatron_stepwise.loop.rounds import RowsOnRank0, decide_round
-from megatron_stepwise.rollout.engines.protocol import GenerateResult, SamplingParams
+from megatron_stepwise.rollout.engines.protocol import EngineError, GenerateResult, SamplingParams
 from megatron_stepwise.rollout.fleet.engine_router import EngineRouter, EngineSlot, EngineView
 from megatron_stepwise.rollout.fleet.session_routing import BudgetSticky, RoundRobin, Sticky, make_policy
 from megatron_stepwise.rundir.dump_recorder import DumpRecorder
@@ -57,8 +57,9 @@ def test_the_routing_keys_default_to_sticky_and_refuse_an_unknown_policy():
 class _Engine:
     """A Ray-handle look-alike that can die: its calls then raise RayActorError, as a killed actor's."""
 
-    def __init__(self, index):
+    def __init__(self, index, hangs=False):
         self.index, self.dead, self.calls, self.tokens_seen = index, False, 0, []
+        self.hangs = hangs  # its score requests never answer (it stays healthy)
         self.generate = SimpleNamespace(remote=self._generate)
         self.call = SimpleNamespace(remote=self._call)
 
@@ -69,7 +70,15 @@ class _Engine:
         return GenerateResult(output_ids=[1], logprobs=[0.0], finish_reason="stop", engine=str(self.index))
 
     async def _call(self, method, *args):
-        return not self.dead
+        if method != "score":
+            return not self.dead
+        self.calls += 1
+        if self.dead:
+            raise ray.exceptions.RayActorError()
+        if self.hangs:
+            await asyncio.sleep(3600)
+        input_ids, start, temperature = args
+        return [float(self.index)] * (len(input_ids) - start)  # who scored, one value per token
 
 
 def _turn(generator, session, n=4):
@@ -106,6 +115,24 @@ def test_re_pinned_sessions_stay_on_their_new_engine_and_count_once():
     again = [_turn(view, s) for _ in range(3) for s in ("a", "b")]
     assert again == first * 3 and engines[0].calls == 3  # pinned to the new engines, never back to 0
     assert router.counters.repins == 2 and router.counters.retries == 1
+
+
+def test_a_score_request_is_retried_on_another_engine_when_one_dies_or_times_out():
+    engines = [_Engine(0), _Engine(1, hangs=True), _Engine(2)]
+    view = EngineView(max_retries=2, request_timeout_s=0.5)
+    view.refresh([EngineSlot(i, e) for i, e in enumerate(engines)])
+    engines[0].dead = True
+    # engine 0 is dead (reported), engine 1 times out (healthy: kept), engine 2 scores
+    assert asyncio.run(view.score([7] * 6, 2, 0.7)) == [2.0] * 4
+    assert [e.calls for e in engines] == [1, 1, 1]
+    deaths, counters = view.take_report()
+    assert deaths == [(0, 0)] and view.router.slots[1].alive
+    assert (counters.retries, counters.timeouts, counters.requests, counters.scored_tokens) == (2, 1, 1, 4)
+    assert counters.generated_tokens == counters.prompt_tokens == 0
+    assert all(s.outstanding == 0 and s.outstanding_tokens == 0 for s in view.router.slots)
+    engines[2].dead = True  # no engine left that answers: the request fails, after every retry
+    with pytest.raises(EngineError, match="failed after 3 attempts"):
+        asyncio.run(view.score([7] * 6, 2, 0.7))
 
 
 def test_budget_sticky_router_moves_a_session_off_an_engine_over_its_token_budget():

@@ -39,7 +39,7 @@ from megatron_stepwise.rollout.engines.embedded.hf_model import checkpoint_state
 from megatron_stepwise.rollout.engines.embedded.server import start_server
 from megatron_stepwise.rollout.engines.sglang import SGLangClient
 from megatron_stepwise.rollout.fleet.engine_actor import EngineSpec
-from megatron_stepwise.rollout.fleet.fleet import RolloutFleet
+from megatron_stepwise.rollout.fleet.fleet import RolloutFleet, _sampled_answers
 
 TOK, CONFIG = tiny_lm("tiny_word")
 NAME = "model.embed_tokens.weight"  # large: SAMPLE_SIZE of its elements are sampled
@@ -298,7 +298,7 @@ def test_the_fleets_update_carries_the_check_and_asks_nothing_else(tmp_path):
 
 
 def test_an_engine_that_died_during_the_update_is_unverified_with_its_reason():
-    answers = RolloutFleet._sampled_answers({0: None, 1: 5, 2: {"engine": "e2", "weight_version": 3, "samples": {}}})
+    answers = _sampled_answers({0: None, 1: 5, 2: {"engine": "e2", "weight_version": 3, "samples": {}}})
     assert [a.get("unverified", False) for a in answers] == [True, True, False]
     assert answers[0]["reason"] == "died during the update, so it is not verified"
 

@@ -10,7 +10,8 @@ truncation and renormalisation. With temperature 0 (greedy) it is the raw `log_s
 The trainer does exactly that: `StepwisePlugin(temperature=T)` (the trainer passes
 `rollout.sampling.temperature`) scores every trained token as `log_softmax(logits / T)`, and
 training refuses T = 0. An engine that reports no log-probs leaves `Step.rollout_logprobs` None
-(unknown), never 0.
+(unknown), never 0. `Engine.score` (a teacher scoring given tokens, on-policy distillation) reports
+log-probs under the same convention; an SGLang server scores prompts only at temperature 1.
 """
 
 from __future__ import annotations
@@ -222,6 +223,17 @@ class SamplingParams:
         return cls(**d)
 
 
+def checked_score_args(input_ids: Iterable[int], start: Any, temperature: Any) -> list[int]:
+    """`Engine.score`'s arguments checked (ValueError naming the bad one); the ids as ints."""
+    ids = [int(t) for t in input_ids]
+    if not (_is_int(start) and 1 <= start < len(ids)):
+        raise ValueError(f"start must be an integer with 1 <= start < len(input_ids) = {len(ids)}, got {start!r}")
+    why = temperature_problem(temperature, greedy=False)
+    if why:
+        raise ValueError(f"temperature {why}")
+    return ids
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -294,6 +306,16 @@ class Engine(Protocol):
     ) -> GenerateResult:
         """`rid` names the request (for abort); `session` names the conversation it belongs to
         (a fleet routes a session's turns to the same engine for prefix-cache reuse)."""
+
+    async def score(self, input_ids: list[int], start: int, temperature: float = 1.0) -> list[float]:
+        """Teacher log-probs of given tokens, from one prefill (nothing generated): one float per
+        token of `input_ids[start:]`, the log-prob of `input_ids[i]` given `input_ids[:i]` as
+        `log_softmax(logits / temperature)` over the full vocabulary (the rollout convention in the
+        module docstring). Needs `1 <= start < len(input_ids)` and a temperature training accepts
+        (> 0; `checked_score_args`), else ValueError. Caveat: SGLang 0.5.23 computes prompt
+        log-probs from the raw logits (its `InputLogprobProcessor`), so `SGLangClient.score` refuses
+        any temperature but 1 (`EngineRequestError`): a teacher served by SGLang scores rollouts
+        sampled at temperature 1.0 only."""
 
     async def update_weights_from_disk(
         self, path: str, weight_version: Optional[int] = None, sample_weights: bool = False

@@ -29,6 +29,7 @@ from megatron_stepwise.rollout.engines.protocol import (
     GenerateResult,
     NamedTensors,
     SamplingParams,
+    checked_score_args,
     memory_tags,
 )
 from megatron_stepwise.weight_checks import Checks, from_wire, to_wire
@@ -90,6 +91,28 @@ def parse_generate_response(data: dict, routed_experts: Optional[tuple[int, int]
         routed_experts=_routed_experts(meta, routed_experts),
         cached_tokens=int(meta.get("cached_tokens") or 0),
     )
+
+
+def parse_input_logprobs(data: dict, input_ids: list[int], start: int) -> list[float]:
+    """The log-probs of `input_ids[start:]` from the answer to a prompt-scoring request sent with
+    logprob_start_len `start - 1`: `meta_info.input_token_logprobs` holds [logprob, token_id, text]
+    for `input_ids[start - 1:]`, the first with no log-prob (SGLang reports none for the first token
+    it covers). SGLang reports ids >= its vocab_size - 1 as 0, so a 0 passes for any id."""
+    entries = (data.get("meta_info") or {}).get("input_token_logprobs")
+    if entries is None:
+        raise EngineError("response has no meta_info.input_token_logprobs (was return_logprob sent?)")
+    want = input_ids[start - 1 :]
+    if len(entries) != len(want):
+        raise EngineError(
+            f"{len(entries)} prompt log-probs for the {len(want)} tokens from logprob_start_len {start - 1}"
+        )
+    ids = [int(e[1]) for e in entries]
+    if any(got not in (sent, 0) for got, sent in zip(ids, want)):
+        raise EngineError(f"meta_info.input_token_logprobs ids {ids[:8]}... are not the tokens sent {want[:8]}...")
+    values = [e[0] for e in entries[1:]]
+    if any(not isinstance(v, (int, float)) or isinstance(v, bool) for v in values):
+        raise EngineError("meta_info.input_token_logprobs has an entry without a log-prob past its first")
+    return [float(v) for v in values]
 
 
 def _routed_experts(meta: dict, shape: Optional[tuple[int, int]]):
@@ -245,6 +268,26 @@ class SGLangClient:
             result.abort_reason = "stale" if rid in self._stale else "pause"
         self._stale.discard(rid)
         return result
+
+    async def score(self, input_ids: list[int], start: int, temperature: float = 1.0) -> list[float]:
+        """`Engine.score` as SGLang's prompt-scoring request: /generate with max_new_tokens 0 and
+        logprob_start_len `start - 1` (`parse_input_logprobs`). Temperature 1 only: SGLang 0.5.23
+        computes prompt log-probs from the raw logits (its InputLogprobProcessor), not divided by the
+        temperature as output log-probs are. It goes to `generate_url`, as generation does."""
+        ids = checked_score_args(input_ids, start, temperature)
+        if temperature != 1.0:
+            raise EngineRequestError(
+                f"SGLang {SGLANG_VERSION} returns prompt log-probs without temperature, so a teacher served "
+                f"by SGLang scores only at rollout temperature 1.0 (asked for {temperature})"
+            )
+        payload = {
+            "input_ids": ids,
+            "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
+            "return_logprob": True,
+            "logprob_start_len": start - 1,
+        }
+        data = await self._request("POST", "/generate", json=payload, base_url=self.generate_url)
+        return parse_input_logprobs(data, ids, start)
 
     async def _is_embedded(self) -> bool:
         if self._embedded is None:

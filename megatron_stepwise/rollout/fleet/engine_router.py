@@ -47,6 +47,7 @@ class RequestCounters:
     repins: int = 0  # turns of a session served on another engine than its previous turn
     aborted_by_update: int = 0  # requests a pause for a weight update ended (0 unless pause_mode "abort")
     dropped_stale: int = 0  # requests ended because their start version fell past the staleness bound
+    scored_tokens: int = 0  # tokens teachers scored (`score` requests, counted in `requests` too)
 
 
 @dataclass
@@ -119,10 +120,36 @@ class EngineRouter:
     async def generate(
         self, input_ids: list[int], sampling: SamplingParams, rid: Optional[str] = None, session: Optional[str] = None
     ) -> GenerateResult:
+        cost = len(input_ids) + sampling.max_new_tokens
+        send = lambda slot: slot.handle.generate.remote(input_ids, sampling, rid, session)  # noqa: E731
+        slot, result = await self._attempts(send, cost, rid, session)
+        if session is not None:
+            self.remember(session, slot.index)
+        self.counters.requests += 1
+        self.counters.generated_tokens += len(result.output_ids)
+        self.counters.prompt_tokens += len(input_ids)
+        self.counters.cached_tokens += result.cached_tokens
+        self.counters.aborted_by_update += result.abort_reason == "pause"
+        self.counters.dropped_stale += result.abort_reason == "stale"
+        return result
+
+    async def score(self, input_ids: list[int], start: int, temperature: float = 1.0) -> list[float]:
+        """Teacher log-probs (`Engine.score`) on one engine, retried on another like `generate`."""
+        send = lambda slot: slot.handle.call.remote("score", input_ids, start, temperature)  # noqa: E731
+        _, values = await self._attempts(send, len(input_ids), None, None)
+        self.counters.requests += 1
+        self.counters.scored_tokens += len(values)
+        return values
+
+    async def _attempts(
+        self, send: Callable[[EngineSlot], Any], cost: int, rid: Optional[str], session: Optional[str]
+    ) -> tuple[EngineSlot, Any]:
+        """`send(slot)` awaited on an engine the policy picks (for a request of `cost` tokens), again
+        on another one after a failure or a timeout (at most `max_retries` times); the engine that
+        answered and its answer. A request the engine refused as bad is raised at once."""
         import ray
 
         tried: set[int] = set()
-        cost = len(input_ids) + sampling.max_new_tokens
         for attempt in range(self.max_retries + 1):
             slot = self.pick(session, tried, cost)
             tried.add(slot.index)
@@ -130,8 +157,7 @@ class EngineRouter:
             slot.outstanding_tokens += cost
             incarnation = slot.incarnation
             try:
-                ref = slot.handle.generate.remote(input_ids, sampling, rid, session)
-                result = await asyncio.wait_for(ref, self.request_timeout_s)
+                result = await asyncio.wait_for(send(slot), self.request_timeout_s)
             except asyncio.TimeoutError:
                 self.counters.timeouts += 1
                 error: BaseException = EngineError(f"engine {slot.index} timed out after {self.request_timeout_s}s")
@@ -148,15 +174,7 @@ class EngineRouter:
                 error = cause
                 await self.check_engine(slot, incarnation)
             else:
-                if session is not None:
-                    self.remember(session, slot.index)
-                self.counters.requests += 1
-                self.counters.generated_tokens += len(result.output_ids)
-                self.counters.prompt_tokens += len(input_ids)
-                self.counters.cached_tokens += result.cached_tokens
-                self.counters.aborted_by_update += result.abort_reason == "pause"
-                self.counters.dropped_stale += result.abort_reason == "stale"
-                return result
+                return slot, result
             finally:
                 slot.outstanding -= 1
                 slot.outstanding_tokens -= cost
@@ -213,6 +231,9 @@ class EngineView:
         self, input_ids: list[int], sampling: SamplingParams, rid: Optional[str] = None, session: Optional[str] = None
     ) -> GenerateResult:
         return await self.router.generate(input_ids, sampling, rid, session)
+
+    async def score(self, input_ids: list[int], start: int, temperature: float = 1.0) -> list[float]:
+        return await self.router.score(input_ids, start, temperature)
 
     def take_report(self) -> tuple[list[tuple[int, int]], RequestCounters]:
         """(engines found dead, request counters) since the last report."""

@@ -5,7 +5,8 @@ A session's turns stick to one engine (prefix-cache reuse), new sessions go to t
 Weight updates pause, update, flush and resume every engine behind a gate (in-flight requests
 continue with `partial_rollouts`); every generation reports its weight version. A failed request
 is retried on another engine and a dead engine restarted at the current weights, so each turn
-resolves exactly once. Colocated mode releases and resumes engine memory.
+resolves exactly once. Colocated mode releases and resumes engine memory. `score` (a teacher's
+log-probs of given tokens, for distillation) is routed, limited and retried as `generate` is.
 
 Routing, updates, faults and colocated mode in detail: docs/scale.md,
 'Fleet routing, updates and faults'.
@@ -75,6 +76,18 @@ async def _awaited(awaitable):
 def _one_line(error: BaseException) -> str:
     text = (str(error).strip().splitlines() or [""])[0]
     return f"{type(error).__name__}: {text[:200]}" if text else type(error).__name__
+
+
+def _sampled_answers(answers: dict[int, Any]) -> list[dict[str, Any]]:
+    """An update's answers with `sample_weights` (see `RolloutFleet.update_weights_from_disk`), by index."""
+    out = []
+    for index, answer in sorted(answers.items()):
+        if answer is None:
+            answer = {"unverified": True, "reason": "died during the update, so it is not verified"}
+        elif not isinstance(answer, dict):
+            answer = {"unverified": True, "reason": f"answered the update with {answer!r}, not its samples"}
+        out.append({"index": index, **answer})
+    return out
 
 
 def _spawn_actor(spec: EngineSpec, index: int, incarnation: int):
@@ -235,6 +248,15 @@ class RolloutFleet:
     async def generate(
         self, input_ids: list[int], sampling: SamplingParams, rid: Optional[str] = None, session: Optional[str] = None
     ) -> GenerateResult:
+        return await self._routed(lambda: self._router.generate(input_ids, sampling, rid, session))
+
+    async def score(self, input_ids: list[int], start: int, temperature: float = 1.0) -> list[float]:
+        """Teacher log-probs (`Engine.score`), routed, limited and retried as `generate` is."""
+        return await self._routed(lambda: self._router.score(input_ids, start, temperature))
+
+    async def _routed(self, request: Callable[[], Awaitable]) -> Any:
+        """`request()` (one of the router's) under the concurrency limit, once no weight update
+        runs; again once restarts finish if its engines died under it."""
         blocking = sorted(self._released & {"weights", "kv_cache"})
         if blocking:
             raise EngineReleasedError(
@@ -250,7 +272,7 @@ class RolloutFleet:
                 for _ in range(self.max_retries + 1):
                     await self._wait_for_an_engine()
                     try:
-                        return await self._router.generate(input_ids, sampling, rid, session)
+                        return await request()
                     except EngineReleasedError:
                         raise
                     except EngineError as e:  # its engines died under it: again once restarts are done
@@ -398,18 +420,6 @@ class RolloutFleet:
             finally:
                 self._gate.set()
 
-    @staticmethod
-    def _sampled_answers(answers: dict[int, Any]) -> list[dict[str, Any]]:
-        """An update's answers with `sample_weights` (see `update_weights_from_disk`), by index."""
-        out = []
-        for index, answer in sorted(answers.items()):
-            if answer is None:
-                answer = {"unverified": True, "reason": "died during the update, so it is not verified"}
-            elif not isinstance(answer, dict):
-                answer = {"unverified": True, "reason": f"answered the update with {answer!r}, not its samples"}
-            out.append({"index": index, **answer})
-        return out
-
     async def _guarded(self, fn, slot: _Slot) -> Any:
         """One engine's part of an update (its answer; None if it died); an engine that dies
         meanwhile is handled like any death (its restart waits for this update and then replays it)."""
@@ -480,7 +490,7 @@ class RolloutFleet:
     async def _answer(self, send, weight_version: Optional[int], replay, sample_weights: bool) -> Any:
         """`_update`, answered with the new version, or with every engine's answer when sampled."""
         version, answers = await self._update(send, weight_version, replay)
-        return self._sampled_answers(answers) if sample_weights else version
+        return _sampled_answers(answers) if sample_weights else version
 
     async def verify_weights(self, checks: Any, weight_version: int) -> list[dict[str, Any]]:
         """Every live engine compares the trainer's record of a push (`weight_checks`) with the

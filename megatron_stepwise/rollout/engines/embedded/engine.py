@@ -9,7 +9,9 @@
 - weights.py    loads, their sampled checks, verification, versions and colocated mode's memory
                 release (SGLang's release / resume semantics);
 - prefix_cache.py  a finished request's KV, so a later request sharing its prefix prefills only
-                the rest.
+                the rest;
+- scoring.py    `score` (a teacher's log-probs of given tokens): one forward of the whole sequence,
+                run between two decode steps.
 Requests in flight across a weight update continue with the new weights (their KV cache rebuilt
 first; or on their old KV after an `in_place` pause; an `abort` pause ends them). Every sampled
 token records the forward pass (and weights) whose logits gave it, every routed position the
@@ -36,12 +38,14 @@ from megatron_stepwise.rollout.engines.embedded import hf_model
 from megatron_stepwise.rollout.engines.embedded.batch import Request
 from megatron_stepwise.rollout.engines.embedded.prefix_cache import PrefixCache
 from megatron_stepwise.rollout.engines.embedded.scheduler import Scheduler
+from megatron_stepwise.rollout.engines.embedded.scoring import score_tokens
 from megatron_stepwise.rollout.engines.embedded.weights import EngineWeights
 from megatron_stepwise.rollout.engines.protocol import (
     EngineError,
     GenerateResult,
     NamedTensors,
     SamplingParams,
+    checked_score_args,
     memory_tags,
 )
 
@@ -190,13 +194,34 @@ class LocalEngine:
     async def generate(
         self, input_ids: list[int], sampling: SamplingParams, rid: Optional[str] = None, session: Optional[str] = None
     ) -> GenerateResult:
-        if self.scheduler.failure is not None:
-            raise EngineError(f"engine {self.name} is unhealthy: {self.scheduler.failure!r}")
+        self._check_healthy()
         self.weights.check_can_generate()
         # Checked again here, not only when the params were built: a bad value that reached the
         # batched sampler would fail the whole batch and leave this engine unhealthy for good.
         sampling.validate()
         self.scheduler.ensure_started()
+        ids = self._vocab_ids(input_ids)
+        if sampling.stop and self.tokenizer is None:
+            raise ValueError("sampling_params.stop (stop strings) needs an engine with a tokenizer")
+        return await self.scheduler.submit(ids, sampling, rid)
+
+    async def score(self, input_ids: list[int], start: int, temperature: float = 1.0) -> list[float]:
+        """`Engine.score`: one forward of the whole sequence (no KV cache, no prefix cache) on the
+        model thread between two decode steps, so generations in flight go on unchanged."""
+        self._check_healthy()
+        ids = checked_score_args(self._vocab_ids(input_ids), start, temperature)
+        if len(ids) > self.max_positions:
+            raise ValueError(f"input_ids hold {len(ids)} tokens, more than the model's {self.max_positions} positions")
+        async with self.scheduler.exclusive():
+            self.weights.check_can_generate()  # under the lock: a memory release may have come first
+            return await self.scheduler.run(score_tokens, self.model, ids, start, float(temperature))
+
+    def _check_healthy(self) -> None:
+        if self.scheduler.failure is not None:
+            raise EngineError(f"engine {self.name} is unhealthy: {self.scheduler.failure!r}")
+
+    def _vocab_ids(self, input_ids: list[int]) -> list[int]:
+        """The ids as ints; ValueError if there are none or one is outside the vocabulary."""
         ids = [int(t) for t in input_ids]
         if not ids:
             raise ValueError("input_ids is empty")
@@ -204,9 +229,7 @@ class LocalEngine:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"input_ids contain ids outside the vocabulary [0, {vocab}): {bad[:5]}")
-        if sampling.stop and self.tokenizer is None:
-            raise ValueError("sampling_params.stop (stop strings) needs an engine with a tokenizer")
-        return await self.scheduler.submit(ids, sampling, rid)
+        return ids
 
     def scheduler_stats(self) -> dict:
         return self.scheduler.stats()

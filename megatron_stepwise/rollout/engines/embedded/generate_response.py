@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from megatron_stepwise.rollout.engines.protocol import GenerateResult
 from megatron_stepwise.rollout.engines.routed_experts import encode as encode_routed
@@ -34,7 +34,11 @@ def generate_response(
     return_logprob: bool,
     return_routed_experts: bool = False,
     token_text=None,
+    input_token_logprobs: Optional[list] = None,
 ) -> dict:
+    """One prompt's answer; `input_token_logprobs`: its prompt log-prob entries
+    (`prompt_logprobs.py`), which SGLang sends, empty when none were asked for, with every
+    `return_logprob` answer."""
     meta: dict[str, Any] = {
         "id": rid,
         "prompt_tokens": prompt_len,
@@ -47,6 +51,7 @@ def generate_response(
     if return_logprob:
         text = token_text or (lambda t: None)  # return_text_in_logprobs: each token's text
         meta["output_token_logprobs"] = [[lp, t, text(t)] for lp, t in zip(result.logprobs, result.output_ids)]
+        meta["input_token_logprobs"] = list(input_token_logprobs or [])
     if return_routed_experts:
         # SGLang's contract: positions [0, prompt + output - 1), base64 of int32 [positions, layers, topk]
         routed = result.routed_experts

@@ -24,6 +24,10 @@ is the readiness check: 503 with `Retry-After` while overloaded. `/generate` is 
 budget of tokens in flight, shared fairly between clients (`admission.py`): past it, 503 with
 `Retry-After`.
 
+Prompt log-probs (`logprob_start_len` >= 0, SGLang's way to score given tokens: a teacher's
+log-probs for distillation) are answered as SGLang does (`prompt_logprobs.py`), for a prompt-only
+request (`max_new_tokens` 0).
+
 Deviation: `/update_weights_from_tensor` takes each entry of `serialized_named_tensors` as
 base64 of a safetensors blob (`load_format="safetensors"`), not SGLang's pickled CUDA-IPC
 handles, which only work between processes sharing a GPU and should never be unpickled from a
@@ -51,6 +55,7 @@ from megatron_stepwise.rollout.engines.auth import (
     is_loopback,
     redact_bearer_tokens,
 )
+from megatron_stepwise.rollout.engines.embedded import prompt_logprobs as P
 from megatron_stepwise.rollout.engines.embedded import request_fields as F
 from megatron_stepwise.rollout.engines.embedded.admission import Admission, Overloaded
 from megatron_stepwise.rollout.engines.embedded.engine import LocalEngine
@@ -261,8 +266,6 @@ class EngineServer:
         check_generate_fields(body)  # SGLang's fields: honoured, ignored, or refused by name
         if F.flag(body, "stream", where):
             raise BadRequest("/generate: stream=true is not supported by the embedded engine")
-        if F.integer(body, "logprob_start_len", where, -1) != -1:
-            raise BadRequest("/generate: only logprob_start_len=-1 (output log-probs) is supported")
         routed = F.flag(body, "return_routed_experts", where)
         if F.integer(body, "routed_experts_start_len", where, 0) != 0:
             raise BadRequest("/generate: only routed_experts_start_len=0 (every position) is supported")
@@ -304,28 +307,39 @@ class EngineServer:
             params = [SamplingParams.from_dict(s) for s in sps]
         except TypeError as e:
             raise BadRequest(f"sampling_params: {e}") from None
-        results = await self._admitted(request, prompts, params, rids)
+        starts = P.logprob_starts(body, prompts, lps, params, routed, where)
+        results = await self._admitted(request, prompts, params, rids, starts)
         token_text = None
         if text_in_logprobs and self.engine.tokenizer is not None:
             token_text = lambda t: self.engine.tokenizer.decode([t])  # noqa: E731
+        vocab = int(self.engine.config.vocab_size)
+        inputs = [P.input_token_logprobs(p, k, v, vocab, token_text) for p, k, (_, v) in zip(prompts, starts, results)]
         out = [
-            generate_response(r, len(p), res, flag, routed, token_text)
-            for r, p, res, flag in zip(rids, prompts, results, lps)
+            generate_response(r, len(p), res, flag, routed, token_text, entries)
+            for r, p, (res, _), flag, entries in zip(rids, prompts, results, lps, inputs)
         ]
         return web.json_response(out if batched else out[0])
 
-    async def _admitted(self, request: web.Request, prompts: list, params: list, rids: list) -> list:
-        """Generate once admitted (raises Overloaded: 503); the tokens count until every prompt ends."""
-        generations = (self.engine.generate(p, s, rid=r) for p, s, r in zip(prompts, params, rids))
+    async def _admitted(self, request: web.Request, prompts: list, params: list, rids: list, starts: list) -> list:
+        """`_one` per prompt once admitted (raises Overloaded: 503); the tokens count until every prompt ends."""
+        runs = (self._one(p, s, r, k) for p, s, r, k in zip(prompts, params, rids, starts))
         if self.admission is None:
-            return await asyncio.gather(*generations)
+            return await asyncio.gather(*runs)
         client = request.headers.get("X-Client-Id") or request.remote or "unknown"
         cost = sum(len(p) + s.max_new_tokens for p, s in zip(prompts, params))
         self.admission.admit(client, cost)
         try:
-            return await asyncio.gather(*generations)
+            return await asyncio.gather(*runs)
         finally:
             self.admission.release(client, cost)
+
+    async def _one(self, prompt: list, sampling: SamplingParams, rid: str, start: int) -> tuple:
+        """(result, prompt log-prob values) of one prompt: its generation, or with a logprob_start_len
+        >= 0 (a prompt-only request) its prompt log-probs (`prompt_logprobs.py`)."""
+        if start < 0:
+            return await self.engine.generate(prompt, sampling, rid=rid), []
+        values = await P.input_logprobs(self.engine, prompt, start)
+        return P.prompt_only_result(self.engine), values
 
     def _encode(self, texts: Any) -> list:
         """`text` (one string, or a batch of them) as token ids."""
