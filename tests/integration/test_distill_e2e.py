@@ -1,7 +1,8 @@
 """End to end through the real `train` command (DP2 on gloo, embedded engines on Ray): a student
 distils from a served teacher with `algo.estimator: opd` alone, and an LLM judge's verdicts are the
 rewards. The teacher and the judge are tiny random models of the echo task's vocabulary, saved as
-HF directories: the student's own architecture, another init, so the reverse KL starts far from 0.
+HF directories: the student's own architecture, another init made confident, so the reverse KL
+starts far from 0.
 Slow (about 2 minutes each on a 2-core machine), run in CI.
 """
 
@@ -18,12 +19,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 @pytest.fixture(scope="module")
 def other_model(tmp_path_factory):
-    """A tiny Qwen2 of the echo tokenizer's vocabulary, another init than the student's: an HF directory."""
+    """A tiny Qwen2 of the echo tokenizer's vocabulary, another init than the student's, its final
+    norm scaled up so that it is confident (a random init's next-token distribution is nearly
+    uniform, as the student's is: they would start close): an HF directory."""
+    import torch
+
     from megatron_stepwise.rollout.engines.embedded.hf_model import build_causal_lm, save_safetensors_dir
 
     tok, config = tiny_lm("tiny_word")
+    model = build_causal_lm(config, seed=4321)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(30.0)
     path = tmp_path_factory.mktemp("teacher")
-    save_safetensors_dir(build_causal_lm(config, seed=4321), path)
+    save_safetensors_dir(model, path)
     return str(path)
 
 
@@ -44,11 +52,13 @@ def test_student_distils_from_a_served_teacher(tmp_path, other_model):
         "algo.estimator=opd",
         f"teacher.hf_checkpoint={other_model}",
         "teacher.tokenizer=tiny_word",
+        "rollout.context=tokens",
     )
     kl = [r["distill/reverse_kl"] for r in m]
     # every trained token scored, one request per trajectory (token mode: its turns are one chain)
     assert all(r["teacher/requests"] == r["rollout/trajectories"] for r in m), [r["teacher/requests"] for r in m]
     assert all(r["distill/tokens"] > 0 and r["distill/advantage_share"] == 1.0 for r in m)
+    print("reverse KL by iteration:", [round(k, 3) for k in kl])
     assert sum(kl[-3:]) / 3 < 0.7 * sum(kl[:3]) / 3, kl  # the student moves toward the teacher
     assert max(r["train/logprob_gap_max"] for r in m) < 1e-4  # the policy's engines still match it
 
