@@ -21,6 +21,7 @@ from megatron_stepwise.steps import Step, StepBatch, TrajectoryID, make_padding_
 
 def make_steps(vocab: int = 256, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
+    teacher = torch.Generator().manual_seed(seed + 1)  # its own stream: the batch's shape stays as it was
 
     def ints(n, lo=1):
         return torch.randint(lo, vocab, (n,), generator=g)
@@ -48,7 +49,7 @@ def make_steps(vocab: int = 256, seed: int = 0):
                     reward=adv,
                     is_last_step=k == turns - 1,
                     turn_reward=0.25 * (k + 1) * (-1) ** t,
-                    teacher_logprobs=-(0.1 + 3 * torch.rand(n_resp, generator=g)),
+                    teacher_logprobs=-(0.1 + 3 * torch.rand(n_resp, generator=teacher)),
                 )
             )
             extras.append(
