@@ -161,3 +161,14 @@ def test_config_refuses_an_sglang_teacher_off_temperature_one_and_opd_without_te
         "no such file"
         in problems(algo={"estimator": "opd"}, teacher={"hf_checkpoint": "./nope"})["teacher.hf_checkpoint"]
     )
+
+
+def test_a_teacher_of_another_vocabulary_is_refused_by_name():
+    from megatron_stepwise.compose.served import check_same_vocabulary
+    from megatron_stepwise.errors import UserError
+    from megatron_stepwise.hf.tokenizers import load_tokenizer
+
+    word, char = load_tokenizer("tiny_word"), load_tokenizer("tiny_char")
+    check_same_vocabulary(word, load_tokenizer("tiny_word"))  # the same vocabulary: accepted
+    with pytest.raises(UserError, match=r"teacher.hf_checkpoint: the teacher's tokenizer \(\d+ entries\) differs"):
+        check_same_vocabulary(word, char)
