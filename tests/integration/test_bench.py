@@ -319,3 +319,18 @@ def test_continuous_batching_benchmark_on_the_tiny_preset(tools_on_path, capsys)
     assert rows["static batches"]["generated_tokens"] == rows["continuous batching"]["generated_tokens"]
     assert rows["static batches"]["joined_running_batch"] == 0 < rows["continuous batching"]["joined_running_batch"]
     assert r["latency_mean_ratio"] > 0 and "continuous / static" in capsys.readouterr().out
+
+
+def test_teacher_scoring_benchmark_on_the_tiny_preset(tools_on_path, capsys):
+    """tools/bench/bench_teacher_scoring.py --model tiny --quick: batched scoring runs fewer forwards
+    than requests and gives the log-probs of one request at a time."""
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        r = _load("bench_teacher_scoring").run(model="tiny", quick=True)
+    finally:
+        torch.set_num_threads(threads)
+    assert r["results"]["sequential"]["forwards"] == r["rows"] > r["results"]["batched"]["forwards"]
+    assert r["max_logprob_gap"] < 1e-5
+    assert "batched / sequential" in capsys.readouterr().out

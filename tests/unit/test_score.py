@@ -55,6 +55,25 @@ def test_score_is_the_temperature_scaled_log_softmax_of_a_plain_forward(config, 
 
 
 @pytest.mark.parametrize(
+    "config", [CONFIG, tiny_config(model_type="qwen3_moe", vocab_size=VOCAB)], ids=["dense", "moe"]
+)
+def test_requests_that_wait_share_one_padded_forward_and_score_as_alone(config):
+    """Rows of other lengths, starts and temperatures, sent together: fewer forwards than requests,
+    each row's log-probs those of its own plain forward (the padding after it changes nothing)."""
+    engine = LocalEngine(config, eos_token_ids=[], seed=3)
+    model = build_causal_lm(config, seed=3)
+    rows = [(IDS, 1, 1.0), (IDS[:5], 2, 0.7), (IDS[3:], 4, 1.0), (IDS[:2], 1, 0.5), (IDS[::-1], 6, 1.3)]
+
+    async def together():
+        return await asyncio.gather(*(engine.score(ids, start, t) for ids, start, t in rows))
+
+    got = run(together())
+    assert engine.scores.forwards < len(rows)
+    for values, (ids, start, t) in zip(got, rows):
+        torch.testing.assert_close(torch.tensor(values), reference(model, ids, start, t), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(
     "ids, start, temperature, fragment",
     [
         (IDS, 0, 1.0, "start must be an integer with 1 <= start < len(input_ids)"),

@@ -38,7 +38,7 @@ from megatron_stepwise.rollout.engines.embedded import hf_model
 from megatron_stepwise.rollout.engines.embedded.batch import Request
 from megatron_stepwise.rollout.engines.embedded.prefix_cache import PrefixCache
 from megatron_stepwise.rollout.engines.embedded.scheduler import Scheduler
-from megatron_stepwise.rollout.engines.embedded.scoring import score_tokens
+from megatron_stepwise.rollout.engines.embedded.scoring import ScoreBatcher, score_rows
 from megatron_stepwise.rollout.engines.embedded.weights import EngineWeights
 from megatron_stepwise.rollout.engines.protocol import (
     EngineError,
@@ -132,6 +132,7 @@ class LocalEngine:
             self, max_batch_size, continuous_batching, max_prefill_tokens, overload_queued_tokens
         )
         self.weights = EngineWeights(self.model, name, behind_loads=self.scheduler.executor.submit)
+        self.scores = ScoreBatcher(self._score_rows)  # requests that wait for the model go together
 
     def next_forward(self) -> int:
         """A new forward pass's id."""
@@ -206,15 +207,20 @@ class LocalEngine:
         return await self.scheduler.submit(ids, sampling, rid)
 
     async def score(self, input_ids: list[int], start: int, temperature: float = 1.0) -> list[float]:
-        """`Engine.score`: one forward of the whole sequence (no KV cache, no prefix cache) on the
-        model thread between two decode steps, so generations in flight go on unchanged."""
+        """`Engine.score`: a forward of the whole sequence (no KV cache, no prefix cache) on the
+        model thread between two decode steps, so generations in flight go on unchanged; requests
+        that wait meanwhile share the next forward (right-padded)."""
         self._check_healthy()
         ids = checked_score_args(self._vocab_ids(input_ids), start, temperature)
         if len(ids) > self.max_positions:
             raise ValueError(f"input_ids hold {len(ids)} tokens, more than the model's {self.max_positions} positions")
+        return await self.scores.score(ids, start, float(temperature))
+
+    async def _score_rows(self, rows: list) -> list[list[float]]:
+        """One padded forward of queued score requests (`scoring.ScoreBatcher`), between decode steps."""
         async with self.scheduler.exclusive():
             self.weights.check_can_generate()  # under the lock: a memory release may have come first
-            return await self.scheduler.run(score_tokens, self.model, ids, start, float(temperature))
+            return await self.scheduler.run(score_rows, self.model, rows, self.pad_token_id)
 
     def _check_healthy(self) -> None:
         if self.scheduler.failure is not None:
