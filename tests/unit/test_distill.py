@@ -133,10 +133,12 @@ BASE = {"model": {"hf_config": "tiny"}, "env": {"name": "echo"}, "launch": {"npr
 
 
 def problems(**sections):
-    data = {**BASE, **sections}
-    with pytest.raises(ConfigError) as e:
-        config_from_dict(data, world_size=1)
-    return {p.key: p.message for p in e.value.problems}
+    """{key: message} of what validation finds in the tiny config with `sections` (empty: none)."""
+    try:
+        config_from_dict({**BASE, **sections}, world_size=1)
+    except ConfigError as e:
+        return {p.key: p.message for p in e.problems}
+    return {}
 
 
 def test_config_refuses_a_teacher_temperature_other_than_the_rollouts(tmp_path):
@@ -172,3 +174,18 @@ def test_a_teacher_of_another_vocabulary_is_refused_by_name():
     check_same_vocabulary(word, load_tokenizer("tiny_word"))  # the same vocabulary: accepted
     with pytest.raises(UserError, match=r"teacher.hf_checkpoint: the teacher's tokenizer \(\d+ entries\) differs"):
         check_same_vocabulary(word, char)
+
+
+def test_launched_sglang_teachers_need_ports_of_their_own(tmp_path):
+    found = problems(
+        algo={"estimator": "opd"},
+        rollout={"engine": "sglang", "num_engines": 2},
+        teacher={"hf_checkpoint": str(tmp_path), "engine": "sglang"},
+    )
+    assert "ports rollout's servers launch on too (30000..30001)" in found["teacher.sglang.base_port"]
+    moved = problems(
+        algo={"estimator": "opd"},
+        rollout={"engine": "sglang", "num_engines": 2},
+        teacher={"hf_checkpoint": str(tmp_path), "engine": "sglang", "sglang": {"base_port": 31000}},
+    )
+    assert "teacher.sglang.base_port" not in moved
