@@ -34,8 +34,8 @@ class JudgeConfig:
     )
     parser: str = option(
         "number",
-        "how the verdict is read: number (the answer's first number), tag:NAME (the number inside "
-        "<NAME>...</NAME>), or regex:PATTERN (its first group, a number)",
+        "how the verdict is read: number (the answer's first number), yes_no (its first yes or no word: "
+        "1 or 0), tag:NAME (the number inside <NAME>...</NAME>), or regex:PATTERN (its first group, a number)",
     )
     reward: Literal["outcome", "turn"] = option("outcome", "judge the trajectory once, or each turn's answer")
     combine: Literal["replace", "add"] = option(
@@ -63,7 +63,7 @@ class JudgeConfig:
 
 
 def parser_problem(parser: str) -> Optional[str]:
-    if parser == "number" or (parser.startswith("tag:") and re.fullmatch(r"[\w.-]+", parser[4:])):
+    if parser in ("number", "yes_no") or (parser.startswith("tag:") and re.fullmatch(r"[\w.-]+", parser[4:])):
         return None
     if parser.startswith("regex:"):
         try:
@@ -72,7 +72,7 @@ def parser_problem(parser: str) -> Optional[str]:
         except re.error as e:
             return f"regex:PATTERN does not compile: {e}"
         return None
-    return f"must be number, tag:NAME or regex:PATTERN (got {parser!r})"
+    return f"must be number, yes_no, tag:NAME or regex:PATTERN (got {parser!r})"
 
 
 def template_problem(prompt: str) -> Optional[str]:
@@ -90,6 +90,9 @@ class _AnyField(dict):
 
 def parse_verdict(parser: str, answer: str) -> Optional[float]:
     """The number the parser reads from the judge's answer, or None (unparsable)."""
+    if parser == "yes_no":
+        m = re.search(r"\b(yes|no)\b", answer, re.IGNORECASE)
+        return None if m is None else float(m.group(1).lower() == "yes")
     if parser == "number":
         m = re.search(_NUMBER, answer)  # the first: "8/10", "7 out of 10" are verdicts first
         text = m.group(0) if m else None

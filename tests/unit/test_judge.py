@@ -104,6 +104,9 @@ def test_an_unparsable_verdict_makes_the_trajectory_invalid_and_untrained():
         ("tag:verdict", "<verdict> -2 </verdict> and 9", -2.0),
         ("tag:verdict", "verdict: 3", None),
         ("regex:Score=(\\d+)", "Score=7 (of 10)", 7.0),
+        ("yes_no", "No, it is not; yes would be wrong", 0.0),
+        ("yes_no", "YES.", 1.0),
+        ("yes_no", "Nobody knows", None),
     ],
 )
 def test_parsers(parser, answer, value):

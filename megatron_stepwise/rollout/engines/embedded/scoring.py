@@ -52,13 +52,17 @@ def score_rows(model: torch.nn.Module, rows: list[tuple[list[int], int, float]],
 
 
 class ScoreBatcher:
-    """Queues score requests; one drain task runs them `max_tokens` padded tokens at a time
-    through `run(rows)` (the engine's model thread, between decode steps)."""
+    """Queues score requests; one drain task runs them in padded batches (at most `max_tokens`
+    positions, at most `max_padding` of them padding) through `run(rows)` (the engine's model
+    thread, between decode steps)."""
 
     def __init__(
-        self, run: Callable[[list[tuple[list[int], int, float]]], Awaitable[list[list[float]]]], max_tokens: int = 16384
+        self,
+        run: Callable[[list[tuple[list[int], int, float]]], Awaitable[list[list[float]]]],
+        max_tokens: int = 16384,
+        max_padding: float = 0.1,
     ):
-        self.run, self.max_tokens = run, max_tokens
+        self.run, self.max_tokens, self.max_padding = run, max_tokens, max_padding
         self.pending: list[ScoreRequest] = []
         self._drain: asyncio.Task | None = None
         self.forwards = 0  # padded forwards run so far (a test and the bench read it)
@@ -71,15 +75,18 @@ class ScoreBatcher:
         return await request.future
 
     def _take(self) -> list[ScoreRequest]:
-        """The oldest requests whose padded batch stays within max_tokens (always at least one)."""
-        batch, longest = [], 0
+        """The longest waiting request and those of nearly its length: a padded batch within
+        max_tokens that wastes at most `max_padding` of its positions on padding (on a CPU a
+        forward costs what its positions do, so padding is pure loss; on a GPU batching wins)."""
+        self.pending.sort(key=lambda r: -len(r.ids))
+        longest, used, n = len(self.pending[0].ids), 0, 0
         for r in self.pending:
-            wider = max(longest, len(r.ids))
-            if batch and wider * (len(batch) + 1) > self.max_tokens:
+            if n and (
+                longest * (n + 1) > self.max_tokens or longest * (n + 1) > (used + len(r.ids)) / (1 - self.max_padding)
+            ):
                 break
-            batch.append(r)
-            longest = wider
-        del self.pending[: len(batch)]
+            used, n = used + len(r.ids), n + 1
+        batch, self.pending = self.pending[:n], self.pending[n:]
         return batch
 
     async def _run_pending(self) -> None:
