@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 from megatron_stepwise.errors import UserError
 from megatron_stepwise.hf.hub import CHECKPOINT_FILES, resolve_model_dir
@@ -84,6 +84,28 @@ def build_served_fleet(cfg, section: ServedModelConfig, key: str) -> RolloutFlee
         ray_address=cfg.rollout.ray_address,
         engine_call_timeout_s=cfg.weight_sync.engine_timeout_s,
     )
+
+
+def standalone_judge(cfg) -> Optional[Any]:
+    """The judge's engine in this process, for `eval` without a fleet (None: no judge): embedded,
+    or a client of the first of `judge.sglang.servers`."""
+    section = cfg.judge
+    if not (section.enabled and cfg.env.judge.enabled):
+        return None
+    if section.engine == "sglang":
+        if not section.sglang.servers:
+            raise UserError(
+                "judge.engine=sglang: evaluating without training runs no fleet, so it cannot launch the judge's "
+                "servers; list running ones in judge.sglang.servers, or use judge.engine=embedded"
+            )
+        from megatron_stepwise.rollout.engines.sglang import SGLangClient
+
+        url = section.sglang.servers[0]
+        return SGLangClient(url if "://" in url else f"http://{url}", tp_size=section.engine_tp)
+    from megatron_stepwise.rollout.engines.embedded.engine import LocalEngine
+
+    path = model_dir(section, "judge")
+    return LocalEngine(path, weights=path, tokenizer=tokenizer_of(section, "judge"), seed=cfg.trainer.seed + 2000)
 
 
 @dataclass

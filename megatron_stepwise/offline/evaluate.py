@@ -39,6 +39,7 @@ def evaluate(cfg, *, checkpoint: str | None = None, hf: str | None = None) -> tu
     import asyncio
 
     from megatron_stepwise.compose import components
+    from megatron_stepwise.compose.served import standalone_judge
     from megatron_stepwise.loop.evaluation import Evaluator, standalone_engine
     from megatron_stepwise.loop.sources import rollout_seed
 
@@ -52,7 +53,8 @@ def evaluate(cfg, *, checkpoint: str | None = None, hf: str | None = None) -> tu
     if checkpoint is not None:
         weights, source, iteration = checkpoint_as_hf(cfg, checkpoint, model, tokenizer)
     engine = standalone_engine(cfg, tokenizer, model.hf_config, weights)
-    evaluator = Evaluator(cfg, engine, tokenizer, components.build_dataset(cfg))
+    judge = standalone_judge(cfg)  # env.judge's rewards, as in training's evaluation
+    evaluator = Evaluator(cfg, engine, tokenizer, components.build_dataset(cfg), judge)
     try:
         # the seeds training's evaluation of this iteration used: the same trajectories, same metrics
         metrics = asyncio.run(evaluator.evaluate(seed=rollout_seed(cfg.trainer.seed, iteration, -1)))

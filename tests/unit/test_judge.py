@@ -125,3 +125,33 @@ def test_config_names_a_bad_parser_a_bad_template_and_a_missing_judge_model():
     assert any(k == "env.judge.parser" and "capturing group" in m for k, m in found)
     assert any(k == "env.judge.prompt" and "answr" in m for k, m in found)
     assert any(k == "env.judge.prompt" and "set judge.hf_checkpoint" in m for k, m in found)
+
+
+def test_the_eval_command_gets_the_judge_in_process(tmp_path):
+    """`megatron-stepwise eval` runs no fleet: the judge is an engine in its process, so its
+    rewards are those of training's evaluation; an SGLang judge it cannot launch is refused."""
+    from helpers import tiny_lm
+
+    from megatron_stepwise.compose.served import standalone_judge
+    from megatron_stepwise.errors import UserError
+    from megatron_stepwise.rollout.engines.embedded.engine import LocalEngine
+    from megatron_stepwise.rollout.engines.embedded.hf_model import build_causal_lm, save_safetensors_dir
+
+    _, config = tiny_lm("tiny_word")
+    save_safetensors_dir(build_causal_lm(config, seed=1), tmp_path)
+    data = {
+        "model": {"hf_config": "tiny"},
+        "launch": {"nproc_per_node": 1},
+        "env": {"name": "echo", "judge": {"prompt": "say {answer}"}},
+        "judge": {"hf_checkpoint": str(tmp_path), "tokenizer": "tiny_word"},
+    }
+    assert isinstance(standalone_judge(config_from_dict(data, world_size=1)), LocalEngine)
+    data["judge"]["engine"] = "sglang"
+    with pytest.raises(UserError, match="judge.sglang.servers"):
+        standalone_judge(config_from_dict(data, world_size=1))
+    assert (
+        standalone_judge(
+            config_from_dict({k: v for k, v in data.items() if k != "judge"} | {"env": {"name": "echo"}}, world_size=1)
+        )
+        is None
+    )
