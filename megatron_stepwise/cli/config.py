@@ -61,8 +61,18 @@ def summary(cfg: ExperimentConfig, world_size: int) -> str:
         f"{f' (experts over EP{par.expert})' if par.expert > 1 else ''}, {ro.num_engines} {ro.engine} "
         f"engine(s), env {cfg.env.name}, estimator {cfg.algo.estimator}, {cfg.trainer.iterations} "
         f"iterations x {steps} optimizer steps of {data.prompts_per_minibatch} prompts x "
-        f"{data.samples_per_prompt} samples"
+        f"{data.samples_per_prompt} samples{_served(cfg)}"
     )
+
+
+def _served(cfg: ExperimentConfig) -> str:
+    """The second models the run serves beside the policy (docs/distill.md)."""
+    parts = [
+        f"{role} {section.hf_checkpoint} on {section.num_engines} {section.engine} engine(s)"
+        for role, section in (("teacher", cfg.teacher), ("judge", cfg.judge))
+        if section.enabled
+    ]
+    return "; " + "; ".join(parts) if parts else ""
 
 
 def _validate(args: argparse.Namespace) -> int:

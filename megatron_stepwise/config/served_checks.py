@@ -2,21 +2,21 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from megatron_stepwise.config.checker import Checker
+from megatron_stepwise.config.probes import Probes
 from megatron_stepwise.config.schema import ExperimentConfig
+from megatron_stepwise.hf import hub
 
 # SGLang 0.5.23 computes prompt (input) log-probs from the raw logits: only output tokens' are
 # divided by the temperature (sglang/srt/layers/logprob_processor.py, InputLogprobProcessor).
 SGLANG_PROMPT_LOGPROBS = "SGLang 0.5.23 returns prompt log-probs without temperature"
 
 
-def check_served(cfg: ExperimentConfig, check: Checker) -> None:
+def check_served(cfg: ExperimentConfig, check: Checker, probes: Probes) -> None:
     _check_teacher(cfg, check)
     _check_judge(cfg, check)
     for role in ("teacher", "judge"):
-        _check_source(cfg, check, role)
+        _check_source(cfg, check, probes, role)
         _check_ports(cfg, check, role)
 
 
@@ -58,12 +58,28 @@ def _check_judge(cfg: ExperimentConfig, check: Checker) -> None:
         check.fail("judge.hf_checkpoint", "a judge is served but env.judge.prompt is not set: nothing asks it")
 
 
-def _check_source(cfg: ExperimentConfig, check: Checker, role: str) -> None:
-    from megatron_stepwise.hf.hub import looks_like_path
-
-    source = getattr(cfg, role).hf_checkpoint
-    if source and looks_like_path(source) and not Path(source).expanduser().exists():
-        check.fail(f"{role}.hf_checkpoint", f"{source!r}: no such file or directory")
+def _check_source(cfg: ExperimentConfig, check: Checker, probes: Probes, role: str) -> None:
+    """The served model must be found on this node, as the policy's `model.hf_checkpoint`: a local
+    directory, a GGUF source, or a hub id in the HF cache (or one `model.allow_download` fetches)."""
+    key, source = f"{role}.hf_checkpoint", getattr(cfg, role).hf_checkpoint
+    if not source:
+        return
+    if hub.is_gguf_source(source):
+        problem = probes.gguf_problem(source, key)
+        if problem:
+            check.fail(key, problem)
+        return
+    if probes.locate_model(source, hub.CHECKPOINT_FILES) is not None:
+        return
+    if hub.looks_like_path(source) or source.count("/") != 1:  # a hub id is exactly Org/Name
+        check.fail(key, f"{source!r}: no such file or directory")
+    elif not cfg.model.allow_download:
+        check.fail(
+            key,
+            f"{source!r} is neither a local path nor in the Hugging Face cache ({hub.hub_cache_dir()}); "
+            f"download it first (hf download {source}) or set model.allow_download=true",
+            "model.allow_download",
+        )
 
 
 def _check_ports(cfg: ExperimentConfig, check: Checker, role: str) -> None:

@@ -44,7 +44,7 @@ def validate(
     check_colocate(cfg, check)
     check_optim(cfg, check)
     check_env(cfg, check, probes)
-    check_served(cfg, check)
+    check_served(cfg, check, probes)
     check_outputs(cfg, check, probes)
     check_sizes(cfg, check)
     return check.problems

@@ -159,10 +159,9 @@ def test_config_refuses_an_sglang_teacher_off_temperature_one_and_opd_without_te
     assert "without temperature" in found["teacher.engine"]
     assert "needs a teacher" in problems(algo={"opd_coef": 0.5})["algo.opd_coef"]
     assert "nothing trains" in problems(teacher={"hf_checkpoint": str(tmp_path)})["teacher.hf_checkpoint"]
-    assert (
-        "no such file"
-        in problems(algo={"estimator": "opd"}, teacher={"hf_checkpoint": "./nope"})["teacher.hf_checkpoint"]
-    )
+    for missing in ("./nope", "runs/teacher/hf"):  # a path, and no hub id (Org/Name) either
+        found = problems(algo={"estimator": "opd"}, teacher={"hf_checkpoint": missing})
+        assert "no such file" in found["teacher.hf_checkpoint"]
 
 
 def test_a_teacher_of_another_vocabulary_is_refused_by_name():
