@@ -152,6 +152,12 @@ _T = [  # (pattern, unit, over, meaning)
                 "iteration",
                 "summed latency of the teacher's scoring requests (they overlap the rollout)",
             ),
+            (
+                "teacher/failures",
+                "count",
+                "iteration",
+                "trajectories the teacher could not score (refused or failed): invalid, never trained",
+            ),
             ("distill/tokens", "tokens", "iteration", "trained tokens given a distillation advantage"),
             (
                 "distill/reverse_kl",

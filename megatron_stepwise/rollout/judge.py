@@ -18,7 +18,7 @@ from typing import Any, Literal, Optional
 
 from megatron_stepwise.errors import UserError
 from megatron_stepwise.options import check_options, option
-from megatron_stepwise.rollout.engines.protocol import SamplingParams
+from megatron_stepwise.rollout.engines.protocol import EngineError, FleetLost, NoLiveEngine, SamplingParams
 from megatron_stepwise.steps import INVALID, Step
 
 _NUMBER = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
@@ -159,7 +159,13 @@ class Judge:
             [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
         )
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        result = await self.generator.generate(ids, self.sampling)
+        try:
+            result = await self.generator.generate(ids, self.sampling)
+        except (NoLiveEngine, FleetLost):  # no judge left: no reward can be given
+            raise
+        except (EngineError, ValueError) as e:  # this trajectory gets no verdict: invalid, not 0
+            self.counts["judge/calls"] += 1
+            return prompt, f"(no answer: {type(e).__name__}: {str(e)[:300]})", None
         self.counts["judge/calls"] += 1
         answer = self.tokenizer.decode(result.output_ids, skip_special_tokens=True)
         return prompt, answer, parse_verdict(self.config.parser, answer)

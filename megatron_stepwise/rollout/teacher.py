@@ -7,6 +7,10 @@ prompt + response, scored from its first step's prompt on; every step of the cha
 response's slice. A step whose prompt breaks the prefix (re-tokenised context, a gateway agent
 that edited its history) starts a chain of its own, so each step is always scored on exactly
 the context the policy saw. Invalid trajectories and steps with nothing trained are skipped.
+A request the teacher refuses or fails (a row past its context, an engine error after the
+retries) makes the trajectory invalid, named and counted (`teacher/failures`): never trained,
+and the rest of the rollout goes on. Losing every teacher engine (`NoLiveEngine`, `FleetLost`)
+ends the run, as losing the policy's does.
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ from typing import Any, Protocol
 
 import torch
 
-from megatron_stepwise.steps import Step
+from megatron_stepwise.rollout.engines.protocol import EngineError, FleetLost, NoLiveEngine
+from megatron_stepwise.steps import INVALID, Step
 
 
 class Scorer(Protocol):
@@ -48,13 +53,24 @@ class TeacherScorer:
     def __init__(self, teacher: Scorer, temperature: float):
         self.teacher = teacher
         self.temperature = float(temperature)
-        self.counts = {"teacher/requests": 0.0, "teacher/scored_tokens": 0.0, "teacher/score_s": 0.0}
+        self.counts = {
+            "teacher/requests": 0.0,
+            "teacher/scored_tokens": 0.0,
+            "teacher/score_s": 0.0,
+            "teacher/failures": 0.0,
+        }
 
     async def __call__(self, steps: list[Step], sample: dict[str, Any]) -> None:
         if steps[-1].invalid_reason is not None:  # never trained: no need of a verdict
             return
-        for chain in prefix_chains([s for s in steps if s.num_trainable]):
-            await self._score_chain(chain)
+        try:
+            for chain in prefix_chains([s for s in steps if s.num_trainable]):
+                await self._score_chain(chain)
+        except (NoLiveEngine, FleetLost):  # no teacher left: the run cannot distil
+            raise
+        except (EngineError, ValueError) as e:
+            self.counts["teacher/failures"] += 1
+            steps[-1].metadata[INVALID] = f"teacher: {type(e).__name__}: {str(e)[:300]}"
 
     async def _score_chain(self, chain: list[Step]) -> None:
         last, start = chain[-1], chain[0].prompt_ids.numel()

@@ -188,3 +188,28 @@ def test_launched_sglang_teachers_need_ports_of_their_own(tmp_path):
         teacher={"hf_checkpoint": str(tmp_path), "engine": "sglang", "sglang": {"base_port": 31000}},
     )
     assert "teacher.sglang.base_port" not in moved
+
+
+class FailingTeacher:
+    def __init__(self, error):
+        self.error = error
+
+    async def score(self, input_ids, start, temperature=1.0):
+        raise self.error
+
+
+def test_a_row_the_teacher_cannot_score_makes_its_trajectory_invalid_and_a_lost_teacher_ends_the_run():
+    from megatron_stepwise.rollout.engines.protocol import EngineError, FleetLost
+
+    scorer = TeacherScorer(FailingTeacher(ValueError("input_ids hold 9000 tokens, more than the model's 8192")), 1.0)
+    steps = two_turns()
+    asyncio.run(scorer(steps, {}))
+    assert steps[-1].invalid_reason.startswith("teacher: ValueError: input_ids hold 9000 tokens")
+    assert scorer.metrics()["teacher/failures"] == 1.0
+    batch, metrics = prepare_rows([RolloutGroup("q", [steps, scored_group().trajectories[0]])], estimator="opd")
+    assert metrics["advantages/invalid_trajectories"] == 1  # not trained, and no error for its missing scores
+    again = two_turns()
+    asyncio.run(TeacherScorer(FailingTeacher(EngineError("request failed after 3 attempts")), 1.0)(again, {}))
+    assert again[-1].invalid_reason.startswith("teacher: EngineError")
+    with pytest.raises(FleetLost):
+        asyncio.run(TeacherScorer(FailingTeacher(FleetLost("every teacher engine is dead")), 1.0)(two_turns(), {}))

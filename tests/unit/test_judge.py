@@ -155,3 +155,17 @@ def test_the_eval_command_gets_the_judge_in_process(tmp_path):
         )
         is None
     )
+
+
+def test_a_judge_that_fails_gives_no_verdict_and_the_trajectory_is_invalid():
+    from megatron_stepwise.rollout.engines.protocol import EngineError
+
+    class Down:
+        async def generate(self, input_ids, sampling, rid=None, session=None):
+            raise EngineError("judge engine 0 timed out after 300s")
+
+    hook = Judge(Down(), CharTokenizer(), JudgeConfig(prompt="rate {answer}"), CharTokenizer())
+    steps = trajectory()
+    asyncio.run(hook(steps, SAMPLE))
+    assert "no answer: EngineError: judge engine 0 timed out" in steps[-1].invalid_reason
+    assert hook.metrics() == {"judge/calls": 1.0, "judge/unparsable": 1.0}
