@@ -288,11 +288,10 @@ def build_fleet(cfg: ExperimentConfig, model: ModelSpec, tokenizer: PreTrainedTo
                 )
             )
         elif r.sglang.servers:
-            url = r.sglang.servers[i % len(r.sglang.servers)]
             specs.append(
                 EngineSpec(
                     kind="http",
-                    url=url if "://" in url else f"http://{url}",
+                    url=r.sglang.server_url(i),
                     tp_size=r.engine_tp,
                     routed_experts=routed,
                     generate_url=r.sglang.router_url,

@@ -8,6 +8,7 @@ judge and the teacher on every finished trajectory (rollout/agent/hooks.py).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
@@ -66,8 +67,7 @@ def build_served_fleet(cfg, section: ServedModelConfig, key: str) -> RolloutFlee
                 "local", path, path, tokenizer, seed, torch_threads=1, num_cpus=0.5, prefix_cache_tokens=4096
             )
         elif section.sglang.servers:
-            url = section.sglang.servers[i % len(section.sglang.servers)]
-            spec = EngineSpec(kind="http", url=url if "://" in url else f"http://{url}", tp_size=section.engine_tp)
+            spec = EngineSpec(kind="http", url=section.sglang.server_url(i), tp_size=section.engine_tp)
         else:
             port, extra = section.sglang.base_port + i, list(section.sglang.extra_args)
             server = SGLangServerConfig(path, section.sglang.host, port, tp_size=section.engine_tp, extra_args=extra)
@@ -100,8 +100,7 @@ def standalone_judge(cfg) -> Optional[Any]:
             )
         from megatron_stepwise.rollout.engines.sglang import SGLangClient
 
-        url = section.sglang.servers[0]
-        return SGLangClient(url if "://" in url else f"http://{url}", tp_size=section.engine_tp)
+        return SGLangClient(section.sglang.server_url(0), tp_size=section.engine_tp)
     from megatron_stepwise.rollout.engines.embedded.engine import LocalEngine
 
     path = model_dir(section, "judge")
@@ -115,7 +114,8 @@ class ServedModels:
     fleets: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def start(cls, cfg, policy_tokenizer, loop) -> "ServedModels":
+    def build(cls, cfg, policy_tokenizer) -> "ServedModels":
+        """Every configured role's fleet, its engines starting (`wait_ready` waits for them)."""
         out = cls()
         if cfg.teacher.enabled:
             check_same_vocabulary(policy_tokenizer, tokenizer_of(cfg.teacher, "teacher"))
@@ -123,11 +123,14 @@ class ServedModels:
             section = getattr(cfg, role)
             if section.enabled:
                 out.fleets[role] = build_served_fleet(cfg, section, role)
-                loop.run_until_complete(out.fleets[role].wait_ready())
                 log.info(
                     "%s: %d %s engine(s) serving %s", role, section.num_engines, section.engine, section.hf_checkpoint
                 )
         return out
+
+    async def wait_ready(self, *others) -> None:
+        """Every served fleet (and `others`, e.g. the policy's fleet) answers its health checks."""
+        await asyncio.gather(*(fleet.wait_ready() for fleet in [*others, *self.fleets.values()]))
 
     def tables(self) -> dict[str, list]:
         """Each fleet's engine table, for agent workers' own views (`EngineView.refresh`)."""

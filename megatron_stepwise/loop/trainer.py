@@ -200,8 +200,8 @@ class Trainer:
         """Rank 0's rollout side: the policy's fleet, the second models' (teacher, judge), the agents."""
         loop = asyncio.new_event_loop()
         fleet = components.build_fleet(self.cfg, self.model, self.tokenizer)
-        loop.run_until_complete(fleet.wait_ready())
-        served = ServedModels.start(self.cfg, self.tokenizer, loop)
+        served = ServedModels.build(self.cfg, self.tokenizer)  # their engines load beside the policy's
+        loop.run_until_complete(served.wait_ready(fleet))
         return Driver(loop, fleet, self._agents(fleet, loop, served), served)
 
     def _agents(self, fleet, loop, served: ServedModels):

@@ -27,6 +27,11 @@ class SGLangConfig:
     )
     extra_args: list[str] = option([], "extra command-line arguments for `python -m sglang.launch_server`")
 
+    def server_url(self, engine: int) -> str:
+        """The URL engine `engine` reaches of `servers` (round robin; host:port gets http://)."""
+        url = self.servers[engine % len(self.servers)]
+        return url if "://" in url else f"http://{url}"
+
 
 @dataclass
 class ServedModelConfig:

@@ -213,3 +213,14 @@ def test_a_row_the_teacher_cannot_score_makes_its_trajectory_invalid_and_a_lost_
     assert again[-1].invalid_reason.startswith("teacher: EngineError")
     with pytest.raises(FleetLost):
         asyncio.run(TeacherScorer(FailingTeacher(FleetLost("every teacher engine is dead")), 1.0)(two_turns(), {}))
+
+
+def test_listed_sglang_servers_are_reached_round_robin_with_a_scheme():
+    from megatron_stepwise.rollout.served_model import SGLangConfig
+
+    servers = SGLangConfig(servers=["10.0.0.1:30000", "https://teacher.example:443"])
+    assert [servers.server_url(i) for i in range(3)] == [
+        "http://10.0.0.1:30000",
+        "https://teacher.example:443",
+        "http://10.0.0.1:30000",
+    ]
